@@ -1,0 +1,247 @@
+"""Envoy bootstrap for a picker: the listener, the ext_proc filter configured the way the
+endpoint-picker protocol needs, and the model-server cluster that obeys the decision.
+
+Two ways to obey it:
+- `original-dst`: an ORIGINAL_DST cluster keyed by the destination header. Any ip:port, no
+  endpoint list in Envoy; exactly one address per request (no fallbacks).
+- `override-host`: a STATIC cluster of the known endpoints with the override_host load
+  balancing policy, which reads the header or `envoy.lb` metadata, accepts an ordered list and
+  walks it on retries (the route's retry policy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from extproc import protocol
+
+LbMode = Literal["original-dst", "override-host"]
+
+_T = "type.googleapis.com/envoy.extensions"
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapOptions:
+    """Inputs of `extproc envoy-config`. `extproc` is the picker's `host:port`;
+    `endpoints` (ip:port) are required for override-host, unused for original-dst."""
+
+    listen_port: int = 8081
+    listen_address: str = "0.0.0.0"
+    extproc: str = "127.0.0.1:9002"
+    lb: LbMode = "original-dst"
+    endpoints: Sequence[str] = field(default_factory=tuple)
+    admin_port: int | None = None
+    fail_open: bool = False
+    retries: int = 2
+    route_timeout_s: float = 300.0
+    extproc_timeout_s: float = 30.0
+
+
+def _split_host_port(hostport: str) -> tuple[str, int]:
+    host, _, port = hostport.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _socket(hostport: str) -> dict[str, Any]:
+    host, port = _split_host_port(hostport)
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _ext_proc_filter(opts: BootstrapOptions) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": f"{_T}.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": "extproc"},
+                "timeout": f"{opts.extproc_timeout_s}s",
+            },
+            "failure_mode_allow": opts.fail_open,
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                # Response headers are observed (status, served endpoint); response bodies are
+                # not requested, so the picker's cost does not grow with output length.
+                "response_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "response_body_mode": "NONE",
+                # FULL_DUPLEX_STREAMED is rejected unless the matching trailer mode is SEND.
+                "request_trailer_mode": "SEND",
+                "response_trailer_mode": "SKIP",
+            },
+            # Without this, the envoy.lb metadata the picker returns is dropped.
+            "metadata_options": {
+                "receiving_namespaces": {"untyped": [protocol.LB_NAMESPACE]},
+            },
+            "allow_mode_override": False,
+        },
+    }
+
+
+def _strip_picker_headers_filter() -> dict[str, Any]:
+    # Runs before ext_proc so a client-sent destination header can never route, even when
+    # the picker is skipped (fail-open). Route-level request_headers_to_remove would also
+    # remove the picker's own header before host selection (every request would 503).
+    return {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": f"{_T}.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {
+                "request_mutations": [
+                    {"remove": name} for name in sorted(protocol.PICKER_OWNED_HEADERS)
+                ]
+            },
+        },
+    }
+
+
+def _model_cluster(opts: BootstrapOptions) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "name": "model_servers",
+        "connect_timeout": "5s",
+    }
+    if opts.lb == "original-dst":
+        base.update(
+            {
+                "type": "ORIGINAL_DST",
+                "lb_policy": "CLUSTER_PROVIDED",
+                "original_dst_lb_config": {
+                    "use_http_header": True,
+                    "http_header_name": protocol.DESTINATION_HEADER,
+                },
+            }
+        )
+        return base
+    if not opts.endpoints:
+        raise ValueError("override-host needs the endpoint list (--endpoints)")
+    base.update(
+        {
+            "type": "STATIC",
+            "load_assignment": {
+                "cluster_name": "model_servers",
+                "endpoints": [
+                    {"lb_endpoints": [{"endpoint": {"address": _socket(e)}} for e in opts.endpoints]}
+                ],
+            },
+            "load_balancing_policy": {
+                "policies": [
+                    {
+                        "typed_extension_config": {
+                            "name": "envoy.load_balancing_policies.override_host",
+                            "typed_config": {
+                                "@type": f"{_T}.load_balancing_policies.override_host.v3.OverrideHost",
+                                "override_host_sources": [
+                                    {"header": protocol.DESTINATION_HEADER},
+                                    {
+                                        "metadata": {
+                                            "key": protocol.LB_NAMESPACE,
+                                            "path": [{"key": protocol.DESTINATION_KEY}],
+                                        }
+                                    },
+                                ],
+                                "fallback_policy": {
+                                    "policies": [
+                                        {
+                                            "typed_extension_config": {
+                                                "name": "envoy.load_balancing_policies.least_request",
+                                                "typed_config": {
+                                                    "@type": f"{_T}.load_balancing_policies.least_request.v3.LeastRequest"
+                                                },
+                                            }
+                                        }
+                                    ]
+                                },
+                            },
+                        }
+                    }
+                ]
+            },
+        }
+    )
+    return base
+
+
+def _route(opts: BootstrapOptions) -> dict[str, Any]:
+    route: dict[str, Any] = {
+        "cluster": "model_servers",
+        "timeout": f"{opts.route_timeout_s}s",
+    }
+    if opts.lb == "override-host" and opts.retries > 0:
+        # override_host walks the picker's ordered list one entry per retry.
+        route["retry_policy"] = {
+            "retry_on": "connect-failure,refused-stream,reset,unavailable",
+            "num_retries": opts.retries,
+        }
+    return {"match": {"prefix": "/"}, "route": route}
+
+
+def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
+    """The bootstrap as a plain mapping, ready to dump as YAML."""
+    hcm = {
+        "@type": f"{_T}.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "inference",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": "600s",
+        "route_config": {
+            "name": "inference",
+            "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [_route(opts)]}],
+        },
+        "http_filters": [
+            _strip_picker_headers_filter(),
+            _ext_proc_filter(opts),
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": f"{_T}.filters.http.router.v3.Router"},
+            },
+        ],
+    }
+    host, port = _split_host_port(opts.extproc)
+    extproc_cluster = {
+        "name": "extproc",
+        "type": "STRICT_DNS",
+        "connect_timeout": "2s",
+        "lb_policy": "ROUND_ROBIN",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": f"{_T}.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": "extproc",
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _socket(f"{host}:{port}")}}]}
+            ],
+        },
+    }
+    doc: dict[str, Any] = {
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "inference",
+                    "address": _socket(f"{opts.listen_address}:{opts.listen_port}"),
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": hcm,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [_model_cluster(opts), extproc_cluster],
+        }
+    }
+    if opts.admin_port is not None:
+        doc["admin"] = {"address": _socket(f"127.0.0.1:{opts.admin_port}")}
+    return doc
+
+
+def render_bootstrap(opts: BootstrapOptions) -> str:
+    return yaml.safe_dump(build_bootstrap(opts), sort_keys=False)

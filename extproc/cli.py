@@ -1,0 +1,145 @@
+"""Command line: `extproc serve | envoy-config | demo`.
+
+The only place that reads flags, installs signal handlers and configures logging; everything
+below receives typed settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import msgspec
+
+from extproc.bootstrap import BootstrapOptions, render_bootstrap
+from extproc.config import Settings, load_settings
+from extproc.endpoints import parse_endpoints
+from extproc.errors import ConfigError
+
+log = logging.getLogger("extproc")
+
+
+def _serve_settings(args: argparse.Namespace) -> Settings:
+    settings = load_settings(args.config)
+    server = settings.server
+    changes = {}
+    if args.port is not None:
+        changes["port"] = args.port
+    if args.health_port is not None:
+        changes["health_port"] = args.health_port
+    if args.host is not None:
+        changes["host"] = args.host
+    if changes:
+        server = msgspec.structs.replace(server, **changes)
+    endpoints = settings.endpoints
+    if args.endpoints:
+        endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
+    return msgspec.structs.replace(settings, server=server, endpoints=endpoints)
+
+
+async def _serve(settings: Settings) -> None:
+    from extproc.server.app import App
+
+    endpoints = parse_endpoints(",".join(settings.endpoints))
+    async with App(settings, endpoints) as app:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(app.stop()))
+        print(
+            f"extproc serving ext_proc on :{app.port}, health on :{app.health_port}, "
+            f"{len(endpoints)} endpoint(s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        await app.serve()
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = _serve_settings(args)
+    parse_endpoints(",".join(settings.endpoints))  # fail fast, before binding ports
+    _run(_serve(settings))
+    return 0
+
+
+def cmd_envoy_config(args: argparse.Namespace) -> int:
+    opts = BootstrapOptions(
+        listen_port=args.listen_port,
+        listen_address=args.listen_address,
+        extproc=args.extproc,
+        lb=args.lb,
+        endpoints=tuple(e.address for e in parse_endpoints(args.endpoints or "")),
+        admin_port=args.admin_port,
+        fail_open=args.fail_open,
+        retries=args.retries,
+    )
+    try:
+        sys.stdout.write(render_bootstrap(opts))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from extproc.demo import run_demo
+
+    return run_demo(requests=args.requests, upstreams=args.upstreams)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="extproc", description=__doc__)
+    p.add_argument("--log-level", default="INFO")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve Envoy ext_proc (the endpoint picker)")
+    s.add_argument("--endpoints", help="comma list of model-server ip:port")
+    s.add_argument("--port", type=int, help="ext_proc gRPC port (default 9002)")
+    s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
+    s.add_argument("--host", help="address to bind (default 0.0.0.0)")
+    s.add_argument("--config", help="YAML settings or an llm-d EndpointPickerConfig")
+    s.set_defaults(func=cmd_serve)
+
+    e = sub.add_parser("envoy-config", help="print an Envoy bootstrap for this picker")
+    e.add_argument("--listen-port", type=int, default=8081)
+    e.add_argument("--listen-address", default="0.0.0.0")
+    e.add_argument("--extproc", default="127.0.0.1:9002", help="picker host:port")
+    e.add_argument("--lb", choices=("original-dst", "override-host"), default="original-dst")
+    e.add_argument("--endpoints", help="model-server ip:port list (needed for override-host)")
+    e.add_argument("--admin-port", type=int, help="expose Envoy's admin on 127.0.0.1:PORT")
+    e.add_argument("--fail-open", action="store_true", help="failure_mode_allow: true")
+    e.add_argument("--retries", type=int, default=2, help="override-host retries")
+    e.set_defaults(func=cmd_envoy_config)
+
+    d = sub.add_parser("demo", help="run Envoy + extproc + local upstreams and route requests")
+    d.add_argument("--requests", type=int, default=30)
+    d.add_argument("--upstreams", type=int, default=3)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"extproc: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

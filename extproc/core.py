@@ -1,0 +1,179 @@
+"""The shapes every layer speaks: read this module first.
+
+A request flows  server -> requests (body -> InferenceRequest) -> hashing (block keys)
+-> index (prefix matches) -> scheduling (Candidates -> Decision) -> server (answer).
+These types are the hand-offs between those stages; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+_EMPTY: Mapping[str, str] = MappingProxyType({})
+
+
+def _empty() -> Mapping[str, str]:
+    return _EMPTY
+
+
+class Api(enum.Enum):
+    """Which API a request body speaks (decided from the path)."""
+
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+    RESPONSES = "responses"
+    EMBEDDINGS = "embeddings"
+    MESSAGES = "messages"  # Anthropic
+    UNKNOWN = "unknown"
+
+
+class Modality(enum.Enum):
+    TEXT = "text"
+    IMAGE = "image"
+    AUDIO = "audio"
+    VIDEO = "video"
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """One image/audio/video item of a request, identified by its content.
+
+    `content_hash` is blake3 hex of the decoded bytes for inline media, or of the normalized
+    URL for remote media (never fetched). `tokens` is the estimated token cost.
+    """
+
+    modality: Modality
+    content_hash: str
+    tokens: int
+    is_remote: bool = False
+    width: int | None = None
+    height: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One piece of a message, in reading order: text, or a media item (then `text` is "")."""
+
+    text: str = ""
+    media: MediaItem | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One conversation turn, whatever API it came from (Anthropic and Responses inputs are
+    mapped onto chat roles). `tool_calls` holds the raw JSON text of each call the assistant
+    made; `tool_call_id` is set on tool results."""
+
+    role: str
+    parts: tuple[Part, ...] = ()
+    name: str | None = None
+    tool_calls: tuple[bytes, ...] = ()
+    tool_call_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """The prompt content in the order the model reads it: tool definitions (raw JSON text,
+    as sent), then either chat `messages` or a `completion` (text or token ids; for a batch,
+    the first prompt)."""
+
+    tools: tuple[bytes, ...] = ()
+    messages: tuple[Message, ...] = ()
+    completion: str | tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """What routing needs to know about one request, parsed once from headers and body.
+
+    `headers` holds the request headers with lower-case names (the picker's own routing
+    headers already removed). `block_keys` is the chained prefix-block hash sequence;
+    `prompt_tokens` an estimate of the prompt's token cost (text and media). `media` lists
+    each distinct asset once (by content hash), in order of first appearance. `prompt` is
+    the parsed content (None for unknown APIs), kept for precise (tokenizer) block keys.
+    """
+
+    request_id: str
+    path: str
+    api: Api = Api.UNKNOWN
+    model: str = ""
+    headers: Mapping[str, str] = field(default_factory=_empty)
+    body_bytes: int = 0
+    stream: bool = False
+    prompt_tokens: int = 0
+    block_keys: tuple[int, ...] = ()
+    media: tuple[MediaItem, ...] = ()
+    lora_adapter: str | None = None
+    cache_salt: str | None = None
+    prompt: Prompt | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def has_media(self) -> bool:
+        return bool(self.media)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A model-server endpoint: `address` is `ip:port`, exactly what Envoy is told."""
+
+    address: str
+    name: str = ""
+    labels: Mapping[str, str] = field(default_factory=_empty, hash=False, compare=False)
+
+    @property
+    def role(self) -> str:
+        """The `llm-d.ai/role` label, or "" when unlabeled."""
+        return self.labels.get("llm-d.ai/role", "")
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """Live load figures for one endpoint.
+
+    `kv_usage` is a 0..1 fraction. `age_s` is seconds since the figures were scraped
+    (`None` means never scraped). In-flight counts are those placed by pickers and not yet
+    finished.
+    """
+
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+    age_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """An endpoint as the scheduler sees it: identity, live state, and its prefix match.
+
+    `prefix_blocks` is the tier-weighted number of leading request blocks this endpoint is
+    believed to hold (0 when unknown).
+    """
+
+    endpoint: Endpoint
+    state: EndpointState = EndpointState()
+    prefix_blocks: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The scheduler's answer.
+
+    `endpoints` is ordered: the first is the pick, the rest are fallbacks. `headers` are
+    extra request headers to set (e.g. disaggregation hints). `scores` and `reasons` explain
+    the choice: per-plugin scores by endpoint address, and what removed whom.
+    """
+
+    endpoints: tuple[Endpoint, ...]
+    headers: Mapping[str, str] = field(default_factory=_empty)
+    scores: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    reasons: tuple[str, ...] = ()
+    profile: str = "default"
+
+    @property
+    def primary(self) -> Endpoint:
+        return self.endpoints[0]

@@ -1,0 +1,1 @@
+"""Request content -> block keys: prefix chains, media content hashes, token estimates."""

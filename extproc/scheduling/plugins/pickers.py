@@ -1,0 +1,58 @@
+"""Pickers: turn total scores into an ordered choice (pick first, then fallbacks)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import ClassVar
+
+import msgspec
+
+from extproc.core import Candidate
+
+
+class MaxScorePicker:
+    """Highest total score first. Ties are broken at random, so a burst of equal requests
+    spreads over equally good endpoints instead of piling onto the first one listed.
+
+    ```yaml
+    - type: max-score-picker
+    ```
+    """
+
+    type_name: ClassVar[str] = "max-score-picker"
+
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+        pass
+
+    def __init__(self, params: Params | None = None, *, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def pick(
+        self, cands: Sequence[Candidate], totals: Sequence[float], limit: int
+    ) -> list[Candidate]:
+        rnd = self._rng.random
+        order = sorted(range(len(cands)), key=lambda i: (-totals[i], rnd()))
+        return [cands[i] for i in order[:limit]]
+
+
+class RandomPicker:
+    """Uniformly random order, ignoring scores (a baseline and a tie-breaker of last resort).
+
+    ```yaml
+    - type: random-picker
+    ```
+    """
+
+    type_name: ClassVar[str] = "random-picker"
+
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+        pass
+
+    def __init__(self, params: Params | None = None, *, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def pick(
+        self, cands: Sequence[Candidate], totals: Sequence[float], limit: int
+    ) -> list[Candidate]:
+        return self._rng.sample(list(cands), min(limit, len(cands)))

@@ -1,0 +1,175 @@
+"""One ext_proc stream = one HTTP request. The state machine that reads headers and body,
+asks the router for a decision at the right moment, and answers in the order Envoy expects.
+
+FULL_DUPLEX_STREAMED (what gateways use): hold the header reply until the body has ended
+(last body chunk, or trailers), then send: header response with the decision, the body echoed
+in <= 62,000-byte chunks (last one end_of_stream unless trailers follow), trailers response.
+BUFFERED: Envoy waits for each reply; headers get CONTINUE, the single body message gets the
+decision (header mutations are honoured on a body response in this mode).
+Body-less requests, and modes that never send a body, are decided at header time.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from extproc import protocol
+from extproc.core import Decision
+from extproc.errors import ExtprocError, PayloadTooLarge
+from extproc.router import Routed, Router
+from extproc.server import wire
+
+log = logging.getLogger("extproc.stream")
+
+_FULL_DUPLEX = wire.BodySendMode.FULL_DUPLEX_STREAMED
+_BUFFERED = (wire.BodySendMode.BUFFERED, wire.BodySendMode.BUFFERED_PARTIAL)
+
+
+class StreamHandler:
+    """Serves `envoy.service.ext_proc.v3.ExternalProcessor/Process`; one call per stream."""
+
+    def __init__(self, router: Router, *, max_body_bytes: int) -> None:
+        self._router = router
+        self._max_body = max_body_bytes
+
+    async def process(
+        self, requests: AsyncIterator[wire.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wire.ProcessingResponse]:
+        state = _Stream(self._router, self._max_body)
+        try:
+            async for msg in requests:
+                for resp in await state.on_message(msg):
+                    yield resp
+                if state.done:
+                    return
+        finally:
+            state.close()
+
+
+class _Stream:
+    __slots__ = (
+        "body_len",
+        "chunks",
+        "done",
+        "headers",
+        "max_body",
+        "mode",
+        "routed",
+        "router",
+        "subset",
+    )
+
+    def __init__(self, router: Router, max_body: int) -> None:
+        self.router = router
+        self.max_body = max_body
+        self.mode = _FULL_DUPLEX  # what gateways use when Envoy does not say
+        self.headers: dict[str, str] = {}
+        self.subset: frozenset[str] | None = None
+        self.chunks: list[bytes] = []
+        self.body_len = 0
+        self.routed: Routed | None = None
+        self.done = False
+
+    async def on_message(self, msg: wire.ProcessingRequest) -> list[wire.ProcessingResponse]:
+        try:
+            return await self._dispatch(msg)
+        except ExtprocError as err:
+            return self._fail(err)
+        except Exception:
+            log.exception(
+                "internal error", extra={"request_id": self.headers.get("x-request-id")}
+            )
+            return self._fail(ExtprocError())
+
+    def _fail(self, err: ExtprocError) -> list[wire.ProcessingResponse]:
+        # An ImmediateResponse ends the HTTP exchange; Envoy sends nothing more for it.
+        self.done = True
+        self.chunks = []
+        extra = (
+            {protocol.DROPPED_REASON_HEADER: err.code} if err.status == 429 else None
+        )
+        return [wire.error_response(err, extra)]
+
+    async def _dispatch(self, msg: wire.ProcessingRequest) -> list[wire.ProcessingResponse]:
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            return await self._on_request_headers(msg)
+        if kind == "request_body":
+            return await self._on_request_body(msg.request_body)
+        if kind == "request_trailers":
+            return await self._on_request_trailers()
+        if kind == "response_headers":
+            return [wire.continue_response_headers()]
+        if kind == "response_body":
+            return [wire.continue_response_body()]
+        if kind == "response_trailers":
+            return [wire.response_trailers_done()]
+        return []
+
+    async def _on_request_headers(self, msg: wire.ProcessingRequest) -> list:
+        if msg.HasField("protocol_config"):
+            self.mode = msg.protocol_config.request_body_mode
+        headers = wire.header_map(msg.request_headers.headers)
+        # The picker alone chooses the upstream: whatever the client sent is dropped here,
+        # and the decision overwrites the header on the way out.
+        for name in protocol.PICKER_OWNED_HEADERS:
+            headers.pop(name, None)
+        if protocol.REQUEST_ID_HEADER not in headers:
+            headers[protocol.REQUEST_ID_HEADER] = uuid.uuid4().hex
+        self.headers = headers
+        self.subset = wire.subset_hint(msg)
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise PayloadTooLarge(f"request body exceeds the {self.max_body}-byte limit")
+        if msg.request_headers.end_of_stream or self.mode not in (_FULL_DUPLEX, *_BUFFERED):
+            # No body will reach us: decide on headers alone.
+            return [wire.routed_headers(await self._route(b""))]
+        if self.mode == _FULL_DUPLEX:
+            return []  # the header reply waits for the body
+        return [wire.continue_request_headers()]
+
+    async def _on_request_body(self, body: wire.pb.HttpBody) -> list:
+        if self.routed is not None:
+            # Decided at header time (STREAMED mode): chunks pass through untouched.
+            return [wire.continue_request_body()]
+        chunk = body.body
+        self.body_len += len(chunk)
+        if self.body_len > self.max_body:
+            raise PayloadTooLarge(f"request body exceeds the {self.max_body}-byte limit")
+        if chunk:
+            self.chunks.append(chunk)
+        if not body.end_of_stream:
+            return []
+        return await self._body_complete(trailers_follow=False)
+
+    async def _on_request_trailers(self) -> list:
+        if self.routed is None and self.mode == _FULL_DUPLEX:
+            out = await self._body_complete(trailers_follow=True)
+            out.append(wire.request_trailers_done())
+            return out
+        return [wire.request_trailers_done()]
+
+    async def _body_complete(self, *, trailers_follow: bool) -> list:
+        body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks = []
+        decision = await self._route(body)
+        if self.mode in _BUFFERED:
+            return [wire.routed_body(decision)]
+        out = [wire.routed_headers(decision)]
+        out.extend(wire.streamed_body(body, end_of_stream=not trailers_follow))
+        return out
+
+    async def _route(self, body: bytes) -> Decision:
+        path = self.headers.get(":path", "/")
+        self.routed = await self.router.route(path, self.headers, body, subset=self.subset)
+        return self.routed.decision
+
+    def close(self) -> None:
+        """The stream ended, however it ended: release what the decision placed."""
+        if self.routed is not None:
+            self.router.finish(self.routed)
+            self.routed = None

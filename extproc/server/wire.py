@@ -1,0 +1,148 @@
+"""The protobuf door: ext_proc messages in, ext_proc messages out. Nothing past this module
+sees a protobuf object; nothing here makes a routing decision.
+
+Messages are our wire-compatible subset of Envoy's API (see protos/), upb-backed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import orjson
+
+from extproc import protocol
+from extproc._proto.extproc.wire.v1 import ext_proc_pb2 as pb
+from extproc.core import Decision
+from extproc.errors import ExtprocError
+
+ProcessingRequest = pb.ProcessingRequest
+ProcessingResponse = pb.ProcessingResponse
+BodySendMode = pb.ProcessingMode.BodySendMode
+
+_OVERWRITE = pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def header_map(hmap: pb.HeaderMap) -> dict[str, str]:
+    """Envoy's header map -> {lower-case name: value}. Envoy sends values in `raw_value`;
+    a repeated header keeps its first value, as the picker only reads single-valued ones."""
+    out: dict[str, str] = {}
+    for hv in hmap.headers:
+        if hv.key not in out:
+            raw = hv.raw_value
+            out[hv.key] = raw.decode("utf-8", "replace") if raw else hv.value
+    return out
+
+
+def subset_hint(req: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The proxy's subset hint, or None when it sent none (an empty list is a real, empty
+    subset: nothing is eligible)."""
+    if not req.HasField("metadata_context"):
+        return None
+    ns = req.metadata_context.filter_metadata.get(protocol.SUBSET_HINT_NAMESPACE)
+    if ns is None or protocol.SUBSET_HINT_KEY not in ns.fields:
+        return None
+    value = ns.fields[protocol.SUBSET_HINT_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return frozenset(v.string_value for v in value.list_value.values if v.string_value)
+    if kind == "string_value":
+        return frozenset(s.strip() for s in value.string_value.split(",") if s.strip())
+    return frozenset()
+
+
+def _set_header(mutation: pb.HeaderMutation, name: str, value: str) -> None:
+    opt = mutation.set_headers.add()
+    opt.header.key = name
+    opt.header.raw_value = value.encode()
+    opt.append_action = _OVERWRITE
+
+
+def _routing(common: pb.CommonResponse, resp: pb.ProcessingResponse, decision: Decision) -> None:
+    destination = ",".join(e.address for e in decision.endpoints)
+    _set_header(common.header_mutation, protocol.DESTINATION_HEADER, destination)
+    for name, value in decision.headers.items():
+        _set_header(common.header_mutation, name, value)
+    common.clear_route_cache = True
+    resp.dynamic_metadata.update(
+        {protocol.LB_NAMESPACE: {protocol.DESTINATION_KEY: destination}}
+    )
+
+
+def routed_headers(decision: Decision) -> pb.ProcessingResponse:
+    """Header response carrying the decision (FULL_DUPLEX_STREAMED and body-less requests)."""
+    resp = pb.ProcessingResponse()
+    _routing(resp.request_headers.response, resp, decision)
+    return resp
+
+
+def routed_body(decision: Decision) -> pb.ProcessingResponse:
+    """Body response carrying the decision (BUFFERED: header mutations ride on it)."""
+    resp = pb.ProcessingResponse()
+    _routing(resp.request_body.response, resp, decision)
+    return resp
+
+
+def continue_request_headers() -> pb.ProcessingResponse:
+    resp = pb.ProcessingResponse()
+    resp.request_headers.SetInParent()
+    return resp
+
+
+def continue_response_headers() -> pb.ProcessingResponse:
+    resp = pb.ProcessingResponse()
+    resp.response_headers.SetInParent()
+    return resp
+
+
+def continue_request_body() -> pb.ProcessingResponse:
+    resp = pb.ProcessingResponse()
+    resp.request_body.SetInParent()
+    return resp
+
+
+def continue_response_body() -> pb.ProcessingResponse:
+    resp = pb.ProcessingResponse()
+    resp.response_body.SetInParent()
+    return resp
+
+
+def request_trailers_done() -> pb.ProcessingResponse:
+    resp = pb.ProcessingResponse()
+    resp.request_trailers.SetInParent()
+    return resp
+
+
+def response_trailers_done() -> pb.ProcessingResponse:
+    resp = pb.ProcessingResponse()
+    resp.response_trailers.SetInParent()
+    return resp
+
+
+def streamed_body(body: bytes, *, end_of_stream: bool) -> Iterator[pb.ProcessingResponse]:
+    """The body echoed back in chunks of at most BODY_CHUNK_BYTES. FULL_DUPLEX_STREAMED
+    needs at least one chunk, even for an empty body, to carry `end_of_stream`."""
+    size = protocol.BODY_CHUNK_BYTES
+    last = max(0, (len(body) - 1) // size)
+    for i in range(last + 1):
+        resp = pb.ProcessingResponse()
+        sr = resp.request_body.response.body_mutation.streamed_response
+        sr.body = body[i * size : (i + 1) * size]
+        sr.end_of_stream = end_of_stream and i == last
+        yield resp
+
+
+def error_response(
+    err: ExtprocError, extra_headers: Mapping[str, str] | None = None
+) -> pb.ProcessingResponse:
+    """An ImmediateResponse with an OpenAI-style JSON error body."""
+    resp = pb.ProcessingResponse()
+    ir = resp.immediate_response
+    ir.status.code = err.status
+    ir.body = orjson.dumps(
+        {"error": {"message": err.message, "type": err.type, "code": err.code, "param": None}}
+    )
+    ir.details = err.code
+    _set_header(ir.headers, "content-type", "application/json")
+    for name, value in (extra_headers or {}).items():
+        _set_header(ir.headers, name, value)
+    return resp

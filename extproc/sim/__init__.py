@@ -1,0 +1,2 @@
+"""Stand-ins for model servers (there are no GPUs here): the demo, tests and benchmarks
+route to these."""
