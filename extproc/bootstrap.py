@@ -39,6 +39,7 @@ class BootstrapOptions:
     retries: int = 2
     route_timeout_s: float = 300.0
     extproc_timeout_s: float = 30.0
+    health_interval_s: float = 1.0
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:
@@ -116,7 +117,7 @@ def _model_cluster(opts: BootstrapOptions) -> dict[str, Any]:
         )
         return base
     if not opts.endpoints:
-        raise ValueError("override-host needs the endpoint list (--endpoints)")
+        raise ValueError("override-host needs the endpoint list: pass --endpoints")
     base.update(
         {
             "type": "STATIC",
@@ -179,7 +180,12 @@ def _route(opts: BootstrapOptions) -> dict[str, Any]:
 
 
 def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
-    """The bootstrap as a plain mapping, ready to dump as YAML."""
+    """The bootstrap as a plain mapping, ready to dump as YAML. Raises ValueError for
+    combinations that cannot work."""
+    if opts.fail_open and opts.lb == "original-dst":
+        # With the picker skipped there is no destination header, and ORIGINAL_DST would then
+        # use the connection's own destination: Envoy's listener, a loop.
+        raise ValueError("fail-open needs --lb override-host (ORIGINAL_DST has no fallback)")
     hcm = {
         "@type": f"{_T}.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "inference",
@@ -204,6 +210,21 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
         "type": "STRICT_DNS",
         "connect_timeout": "2s",
         "lb_policy": "ROUND_ROBIN",
+        # Active gRPC health checks on the picker's readiness: a dead or draining replica is
+        # skipped, and when none is healthy the ext_proc stream fails at once, before any body
+        # chunk is streamed, so fail-open really continues (a stream that dies mid-body cannot:
+        # Envoy keeps no copy of what it streamed). Panic routing would defeat that.
+        "health_checks": [
+            {
+                "timeout": "0.5s",
+                "interval": f"{opts.health_interval_s}s",
+                "no_traffic_interval": f"{opts.health_interval_s}s",
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": "readiness"},
+            }
+        ],
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": f"{_T}.upstreams.http.v3.HttpProtocolOptions",

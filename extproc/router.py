@@ -46,16 +46,23 @@ class Router:
         self,
         path: str,
         headers: Mapping[str, str],
-        body: bytes,
+        body: bytes | None,
         *,
         subset: Collection[str] | None = None,
         explain: bool = False,
     ) -> Routed:
-        """Decide where a request goes. Raises `BadRequest` for an unparseable request and
+        """Decide where a request goes; `body=None` means the body is not available.
+        Raises `BadRequest` for an unparseable request and
         `NoEndpoints` when nothing is eligible (an empty subset hint included).
 
         Async because the prefix-index lookup is; scheduling itself never awaits."""
-        request = self._parse(path, headers, body)
+        if body is None:
+            # The proxy never shows us this body (body mode NONE/STREAMED): route on headers.
+            request = InferenceRequest(
+                request_id=headers.get("x-request-id", ""), path=path, headers=headers
+            )
+        else:
+            request = self._parse(path, headers, body)
         endpoints = self.pool.snapshot()
         if subset is not None:
             endpoints = tuple(e for e in endpoints if e.address in subset)

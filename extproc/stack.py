@@ -73,6 +73,8 @@ def grpc_health_status(port: int, service: str = "", timeout_s: float = 0.5) -> 
 @dataclass
 class StackOptions:
     upstreams: int = 3
+    # Upstreams started but not given to the picker: proof targets for "never routes there".
+    unlisted_upstreams: int = 0
     lb: LbMode = "original-dst"
     fail_open: bool = False
     fallbacks: int = 0
@@ -87,6 +89,7 @@ class Stack:
 
     options: StackOptions = field(default_factory=StackOptions)
     upstream_addresses: list[str] = field(default_factory=list)
+    unlisted_addresses: list[str] = field(default_factory=list)
     extproc_port: int = 0
     health_port: int = 0
     listen_port: int = 0
@@ -132,11 +135,14 @@ class Stack:
         return proc
 
     def start_upstreams(self) -> None:
-        self.upstream_addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.options.upstreams)]
-        proc = self._spawn(
-            "upstreams", [sys.executable, "-m", "extproc.sim.echo", *self.upstream_addresses]
-        )
-        for addr in self.upstream_addresses:
+        def addrs(n: int) -> list[str]:
+            return [f"127.0.0.1:{free_port()}" for _ in range(n)]
+
+        self.upstream_addresses = addrs(self.options.upstreams)
+        self.unlisted_addresses = addrs(self.options.unlisted_upstreams)
+        every = self.upstream_addresses + self.unlisted_addresses
+        proc = self._spawn("upstreams", [sys.executable, "-m", "extproc.sim.echo", *every])
+        for addr in every:
             wait_until(
                 lambda a=addr: httpx.get(f"http://{a}/health", timeout=0.5).status_code == 200,
                 timeout_s=20, what=f"upstream {addr}", proc=proc,

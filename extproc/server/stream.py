@@ -125,8 +125,10 @@ class _Stream:
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body:
             raise PayloadTooLarge(f"request body exceeds the {self.max_body}-byte limit")
-        if msg.request_headers.end_of_stream or self.mode not in (_FULL_DUPLEX, *_BUFFERED):
-            # No body will reach us: decide on headers alone.
+        if self.mode not in (_FULL_DUPLEX, *_BUFFERED):
+            # This body mode never shows us the whole body: decide on headers alone.
+            return [wire.routed_headers(await self._route(None))]
+        if msg.request_headers.end_of_stream:
             return [wire.routed_headers(await self._route(b""))]
         if self.mode == _FULL_DUPLEX:
             return []  # the header reply waits for the body
@@ -163,7 +165,7 @@ class _Stream:
         out.extend(wire.streamed_body(body, end_of_stream=not trailers_follow))
         return out
 
-    async def _route(self, body: bytes) -> Decision:
+    async def _route(self, body: bytes | None) -> Decision:
         path = self.headers.get(":path", "/")
         self.routed = await self.router.route(path, self.headers, body, subset=self.subset)
         return self.routed.decision

@@ -1,0 +1,132 @@
+"""Test support shipped with the package: build ext_proc messages the way Envoy sends them and
+drive a real picker over real gRPC. Used by our tests and by plugin authors' tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import grpc
+
+from extproc import protocol
+from extproc.server import wire
+
+pb = wire.pb
+FULL_DUPLEX = pb.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = pb.ProcessingMode.BUFFERED
+NONE = pb.ProcessingMode.NONE
+
+
+def request_headers(
+    headers: Mapping[str, str],
+    *,
+    end_of_stream: bool = False,
+    mode: int | None = FULL_DUPLEX,
+    subset: Sequence[str] | None = None,
+) -> pb.ProcessingRequest:
+    """The first message of a stream. `mode=None` leaves protocol_config out (older Envoys)."""
+    msg = pb.ProcessingRequest()
+    hm = msg.request_headers.headers
+    for k, v in headers.items():
+        hm.headers.add(key=k.lower(), raw_value=v.encode())
+    msg.request_headers.end_of_stream = end_of_stream
+    if mode is not None:
+        msg.protocol_config.request_body_mode = mode
+    if subset is not None:
+        msg.metadata_context.filter_metadata[protocol.SUBSET_HINT_NAMESPACE].update(
+            {protocol.SUBSET_HINT_KEY: list(subset)}
+        )
+    return msg
+
+
+def request_body(data: bytes, *, end_of_stream: bool) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest()
+    msg.request_body.body = data
+    msg.request_body.end_of_stream = end_of_stream
+    return msg
+
+
+def body_chunks(data: bytes, chunk_bytes: int = 16_384) -> list[pb.ProcessingRequest]:
+    """A body split as Envoy streams it; the last chunk carries end_of_stream."""
+    n = max(1, -(-len(data) // chunk_bytes))
+    return [
+        request_body(data[i * chunk_bytes : (i + 1) * chunk_bytes], end_of_stream=i == n - 1)
+        for i in range(n)
+    ]
+
+
+def request_trailers(trailers: Mapping[str, str] | None = None) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest()
+    msg.request_trailers.SetInParent()
+    for k, v in (trailers or {}).items():
+        msg.request_trailers.trailers.headers.add(key=k, raw_value=v.encode())
+    return msg
+
+
+def response_headers(status: int = 200) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest()
+    msg.response_headers.headers.headers.add(key=":status", raw_value=str(status).encode())
+    return msg
+
+
+def post(path: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Pseudo-headers and content-type of a JSON POST, as Envoy presents them."""
+    return {
+        ":method": "POST",
+        ":path": path,
+        ":authority": "gateway",
+        ":scheme": "http",
+        "content-type": "application/json",
+        **(extra or {}),
+    }
+
+
+def destination(resp: pb.ProcessingResponse) -> str | None:
+    """The destination a header or body response sets, or None."""
+    kind = resp.WhichOneof("response")
+    if kind not in ("request_headers", "request_body"):
+        return None
+    common = getattr(resp, kind).response
+    for opt in common.header_mutation.set_headers:
+        if opt.header.key == protocol.DESTINATION_HEADER:
+            return opt.header.raw_value.decode()
+    return None
+
+
+def lb_metadata(resp: pb.ProcessingResponse) -> str | None:
+    ns = resp.dynamic_metadata.fields.get(protocol.LB_NAMESPACE)
+    if ns is None:
+        return None
+    return ns.struct_value.fields[protocol.DESTINATION_KEY].string_value
+
+
+class ExtProcClient:
+    """Talks to a picker the way Envoy does, over a real gRPC channel."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.aio.insecure_channel(target)
+        self._process = self._channel.stream_stream(
+            protocol.EXT_PROC_METHOD,
+            request_serializer=pb.ProcessingRequest.SerializeToString,
+            response_deserializer=pb.ProcessingResponse.FromString,
+        )
+
+    async def __aenter__(self) -> ExtProcClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._channel.close()
+
+    async def exchange(
+        self, messages: Iterable[pb.ProcessingRequest]
+    ) -> list[pb.ProcessingResponse]:
+        """Send every message, half-close, and collect every response until the picker ends
+        the stream."""
+        call = self._process()
+        for m in messages:
+            await call.write(m)
+        await call.done_writing()
+        return [r async for r in call]
+
+    def open(self) -> grpc.aio.StreamStreamCall:
+        """A raw stream, for tests that interleave reads and writes."""
+        return self._process()

@@ -1,0 +1,64 @@
+"""What the generated Envoy config promises when the picker is gone."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+
+from extproc.stack import Stack, StackOptions, wait_until
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def statuses(stack: Stack, n: int) -> list[int]:
+    with httpx.Client(base_url=stack.url, timeout=10) as c:
+        return [c.post("/v1/chat/completions", json=CHAT).status_code for _ in range(n)]
+
+
+def test_fail_closed_by_default_and_recovers_when_the_picker_returns():
+    with Stack(StackOptions(upstreams=2)) as stack:
+        assert statuses(stack, 3) == [200] * 3
+        stack.stop_extproc(signal.SIGKILL)
+        assert statuses(stack, 5) == [500] * 5
+        stack.start_extproc()
+        assert statuses(stack, 3) == [200] * 3
+
+
+def test_fail_open_keeps_routing_to_pool_endpoints_once_the_picker_is_seen_down():
+    """Requests with a body whose ext_proc stream dies mid-body still fail (Envoy keeps no
+    copy of a streamed body); once the health check marks the picker down, at most one
+    interval later, every request passes on Envoy's own balancing."""
+    opts = StackOptions(upstreams=2, unlisted_upstreams=1, lb="override-host", fail_open=True)
+    with Stack(opts) as stack:
+        assert statuses(stack, 3) == [200] * 3
+        stack.stop_extproc(signal.SIGKILL)
+        wait_until(
+            lambda: stack.envoy_stats("cluster.extproc.membership_healthy").get(
+                "cluster.extproc.membership_healthy"
+            )
+            == 0,
+            timeout_s=5,
+            what="health check marking the picker down",
+        )
+        with httpx.Client(base_url=stack.url, timeout=10) as c:
+            for _ in range(20):
+                r = c.post("/v1/chat/completions", json=CHAT)
+                assert r.status_code == 200
+                # Envoy's own balancing, over the pool only: the picker's header is absent.
+                assert r.json()["endpoint"] in stack.upstream_addresses
+                assert r.json()["destination_header"] is None
+
+
+def test_override_host_obeys_the_picker():
+    with Stack(StackOptions(upstreams=3, lb="override-host")) as stack:
+        with httpx.Client(base_url=stack.url, timeout=10) as c:
+            for _ in range(10):
+                seen = c.post("/v1/chat/completions", json=CHAT).json()
+                assert seen["destination_header"] == seen["endpoint"]
+
+
+def test_sigterm_drains_and_exits_cleanly():
+    with Stack(StackOptions(upstreams=1)) as stack:
+        assert statuses(stack, 2) == [200] * 2
+        assert stack.stop_extproc(signal.SIGTERM) == 0

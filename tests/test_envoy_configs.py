@@ -1,0 +1,56 @@
+"""The bootstraps in envoy/ are what `extproc envoy-config` emits, and real Envoy accepts them."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from extproc.cli import build_parser, main
+from extproc.stack import envoy_binary
+
+ROOT = Path(__file__).resolve().parents[1]
+ENDPOINTS = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000"
+COMMANDS = {
+    "original-dst.yaml": "",
+    "override-host.yaml": f"--lb override-host --endpoints {ENDPOINTS}",
+    "override-host-fail-open.yaml": f"--lb override-host --endpoints {ENDPOINTS} --fail-open",
+}
+
+
+def emitted(args: str, capsys) -> str:
+    ns = build_parser().parse_args(["envoy-config", *shlex.split(args)])
+    assert ns.func(ns) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_committed_bootstrap_matches_generator(name: str, capsys):
+    assert (ROOT / "envoy" / name).read_text() == emitted(COMMANDS[name], capsys)
+
+
+def test_every_yaml_in_envoy_dir_is_covered():
+    assert sorted(p.name for p in (ROOT / "envoy").glob("*.yaml")) == sorted(COMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_real_envoy_validates_bootstrap(name: str):
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(ROOT / "envoy" / name),
+         "--disable-hot-restart", "--log-level", "error"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_override_host_without_endpoints_is_a_config_error(capsys):
+    assert main(["envoy-config", "--lb", "override-host"]) == 2
+    assert "--endpoints" in capsys.readouterr().err
+
+
+def test_fail_open_with_original_dst_is_refused(capsys):
+    """Without a picker header ORIGINAL_DST would send the request back to Envoy itself."""
+    assert main(["envoy-config", "--fail-open"]) == 2
+    assert "override-host" in capsys.readouterr().err
