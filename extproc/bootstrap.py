@@ -99,6 +99,21 @@ def _strip_picker_headers_filter() -> dict[str, Any]:
     }
 
 
+def _policy(name: str, proto: str, **config: Any) -> dict[str, Any]:
+    """A load_balancing_policy with one typed extension."""
+    typed = {"@type": f"{_T}.load_balancing_policies.{proto}", **config}
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": f"envoy.load_balancing_policies.{name}",
+                    "typed_config": typed,
+                }
+            }
+        ]
+    }
+
+
 def _model_cluster(opts: BootstrapOptions) -> dict[str, Any]:
     base: dict[str, Any] = {
         "name": "model_servers",
@@ -124,42 +139,28 @@ def _model_cluster(opts: BootstrapOptions) -> dict[str, Any]:
             "load_assignment": {
                 "cluster_name": "model_servers",
                 "endpoints": [
-                    {"lb_endpoints": [{"endpoint": {"address": _socket(e)}} for e in opts.endpoints]}
+                    {
+                        "lb_endpoints": [
+                            {"endpoint": {"address": _socket(e)}} for e in opts.endpoints
+                        ]
+                    }
                 ],
             },
-            "load_balancing_policy": {
-                "policies": [
+            "load_balancing_policy": _policy(
+                "override_host",
+                "override_host.v3.OverrideHost",
+                override_host_sources=[
+                    {"header": protocol.DESTINATION_HEADER},
                     {
-                        "typed_extension_config": {
-                            "name": "envoy.load_balancing_policies.override_host",
-                            "typed_config": {
-                                "@type": f"{_T}.load_balancing_policies.override_host.v3.OverrideHost",
-                                "override_host_sources": [
-                                    {"header": protocol.DESTINATION_HEADER},
-                                    {
-                                        "metadata": {
-                                            "key": protocol.LB_NAMESPACE,
-                                            "path": [{"key": protocol.DESTINATION_KEY}],
-                                        }
-                                    },
-                                ],
-                                "fallback_policy": {
-                                    "policies": [
-                                        {
-                                            "typed_extension_config": {
-                                                "name": "envoy.load_balancing_policies.least_request",
-                                                "typed_config": {
-                                                    "@type": f"{_T}.load_balancing_policies.least_request.v3.LeastRequest"
-                                                },
-                                            }
-                                        }
-                                    ]
-                                },
-                            },
+                        "metadata": {
+                            "key": protocol.LB_NAMESPACE,
+                            "path": [{"key": protocol.DESTINATION_KEY}],
                         }
-                    }
-                ]
-            },
+                    },
+                ],
+                # Used when the picker gave no host (fail-open, picker skipped).
+                fallback_policy=_policy("least_request", "least_request.v3.LeastRequest"),
+            ),
         }
     )
     return base
@@ -233,9 +234,7 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
         },
         "load_assignment": {
             "cluster_name": "extproc",
-            "endpoints": [
-                {"lb_endpoints": [{"endpoint": {"address": _socket(f"{host}:{port}")}}]}
-            ],
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(f"{host}:{port}")}}]}],
         },
     }
     doc: dict[str, Any] = {

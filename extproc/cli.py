@@ -134,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    # One line per HTTP call from the demo's client would bury what the demo shows.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except ConfigError as exc:

@@ -38,9 +38,19 @@ def test_every_yaml_in_envoy_dir_is_covered():
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_real_envoy_validates_bootstrap(name: str):
     result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(ROOT / "envoy" / name),
-         "--disable-hot-restart", "--log-level", "error"],
-        capture_output=True, text=True, timeout=60,
+        [
+            envoy_binary(),
+            "--mode",
+            "validate",
+            "-c",
+            str(ROOT / "envoy" / name),
+            "--disable-hot-restart",
+            "--log-level",
+            "error",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 

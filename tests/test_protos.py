@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_generated_code_is_fresh(tmp_path: Path):
-    subprocess.run([sys.executable, str(ROOT / "protos" / "generate.py"), str(tmp_path)], check=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "protos" / "generate.py"), str(tmp_path)], check=True
+    )
     committed = ROOT / "extproc" / "_proto"
     fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*_pb2.py*"))
     assert fresh, "protoc produced nothing"

@@ -43,15 +43,40 @@ def token_block_keys(
         raise ValueError("block_size must be positive")
     n_full = len(token_ids) // block_size
     keys: list[int] = []
-    pack_tokens = struct.Struct(f"<{block_size}I").pack
+    # One pack for all blocks, then zero-copy slices: the same bytes as packing per block.
+    width = 4 * block_size
+    packed = memoryview(struct.pack(f"<{n_full * block_size}I", *token_ids[: n_full * block_size]))
+    n_extra = len(extra_keys) if extra_keys is not None else 0
     for i in range(n_full):
-        h = xxhash.xxh3_64(parent.to_bytes(8, "little"))
-        h.update(pack_tokens(*token_ids[i * block_size : (i + 1) * block_size]))
-        extras = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
+        block = packed[i * width : (i + 1) * width]
+        extras = extra_keys[i] if i < n_extra else None  # type: ignore[index]
         if extras:
-            for extra in extras:
-                h.update(b"\x1f")
-                h.update(str(extra).encode())
-        parent = h.intdigest()
+            tail = b"".join(b"\x1f" + str(extra).encode() for extra in extras)
+            parent = xxhash.xxh3_64_intdigest(b"".join((parent.to_bytes(8, "little"), block, tail)))
+        else:
+            parent = xxhash.xxh3_64_intdigest(b"".join((parent.to_bytes(8, "little"), block)))
         keys.append(parent)
     return keys
+
+
+def block_extra_keys(
+    n_blocks: int,
+    block_size: int,
+    media: Sequence[tuple[str, int, int]] = (),
+    cache_salt: str | None = None,
+) -> list[list[ExtraKey]] | None:
+    """Per-block extra keys in the shape vLLM publishes in `BlockStored.extra_keys`: for each
+    media item `(identifier, start, length)` overlapping block i, its identifier and its
+    offset relative to the block start; then the cache salt, in block 0 only. None when no
+    block has extras (the common text case)."""
+    if not media and not cache_salt:
+        return None
+    extras: list[list[ExtraKey]] = [[] for _ in range(n_blocks)]
+    for identifier, start, length in media:
+        first = start // block_size
+        last = min((start + length - 1) // block_size, n_blocks - 1)
+        for b in range(first, last + 1):
+            extras[b] += [identifier, start - b * block_size]
+    if cache_salt and n_blocks:
+        extras[0].append(cache_salt)
+    return extras

@@ -21,6 +21,7 @@ from aiohttp import web
 from extproc import protocol
 
 SERVED_BY_HEADER = "x-served-by"
+DELAY_HEADER = "x-echo-delay-ms"  # request header: send the body this long after the headers
 
 
 def make_app(name: str) -> web.Application:
@@ -34,11 +35,22 @@ def make_app(name: str) -> web.Application:
             "body_bytes": len(body),
             "body_sha256": hashlib.sha256(body).hexdigest(),
         }
-        return web.Response(
-            body=orjson.dumps(payload),
-            content_type="application/json",
-            headers={SERVED_BY_HEADER: name},
-        )
+        delay_ms = request.headers.get(DELAY_HEADER, "")
+        if not delay_ms.isdigit():
+            return web.Response(
+                body=orjson.dumps(payload),
+                content_type="application/json",
+                headers={SERVED_BY_HEADER: name},
+            )
+        # Headers first, body after the delay: a response that takes time to finish, like a
+        # model server streaming tokens.
+        resp = web.StreamResponse(headers={SERVED_BY_HEADER: name})
+        resp.content_type = "application/json"
+        await resp.prepare(request)
+        await asyncio.sleep(int(delay_ms) / 1000)
+        await resp.write(orjson.dumps(payload))
+        await resp.write_eof()
+        return resp
 
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.router.add_route("*", "/{tail:.*}", handle)

@@ -34,10 +34,12 @@ def test_fail_open_keeps_routing_to_pool_endpoints_once_the_picker_is_seen_down(
         assert statuses(stack, 3) == [200] * 3
         stack.stop_extproc(signal.SIGKILL)
         wait_until(
-            lambda: stack.envoy_stats("cluster.extproc.membership_healthy").get(
-                "cluster.extproc.membership_healthy"
-            )
-            == 0,
+            lambda: (
+                stack.envoy_stats("cluster.extproc.membership_healthy").get(
+                    "cluster.extproc.membership_healthy"
+                )
+                == 0
+            ),
             timeout_s=5,
             what="health check marking the picker down",
         )
@@ -51,11 +53,13 @@ def test_fail_open_keeps_routing_to_pool_endpoints_once_the_picker_is_seen_down(
 
 
 def test_override_host_obeys_the_picker():
-    with Stack(StackOptions(upstreams=3, lb="override-host")) as stack:
-        with httpx.Client(base_url=stack.url, timeout=10) as c:
-            for _ in range(10):
-                seen = c.post("/v1/chat/completions", json=CHAT).json()
-                assert seen["destination_header"] == seen["endpoint"]
+    with (
+        Stack(StackOptions(upstreams=3, lb="override-host")) as stack,
+        httpx.Client(base_url=stack.url, timeout=10) as c,
+    ):
+        for _ in range(10):
+            seen = c.post("/v1/chat/completions", json=CHAT).json()
+            assert seen["destination_header"] == seen["endpoint"]
 
 
 def test_sigterm_drains_and_exits_cleanly():

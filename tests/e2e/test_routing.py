@@ -46,7 +46,8 @@ def test_concurrent_requests_spread_over_all_endpoints(stack: Stack):
 def test_malformed_json_gets_400_and_reaches_no_upstream(stack: Stack, http: httpx.Client):
     before = upstream_requests(stack)
     r = http.post(
-        "/v1/chat/completions", content=b'{"model": "m", "messages": [',
+        "/v1/chat/completions",
+        content=b'{"model": "m", "messages": [',
         headers={"content-type": "application/json"},
     )
     assert r.status_code == 400

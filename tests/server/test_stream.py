@@ -6,7 +6,6 @@ import asyncio
 import hashlib
 
 import grpc
-
 import orjson
 import pytest
 

@@ -34,7 +34,10 @@ def test_envoy_headers_with_raw_values_and_subset_hint_decode():
         fields={
             protocol.SUBSET_HINT_KEY: gpb.Value(
                 list_value=gpb.ListValue(
-                    values=[gpb.Value(string_value="10.0.0.1:80"), gpb.Value(string_value="10.0.0.2:80")]
+                    values=[
+                        gpb.Value(string_value="10.0.0.1:80"),
+                        gpb.Value(string_value="10.0.0.2:80"),
+                    ]
                 )
             )
         }
@@ -65,7 +68,9 @@ def test_envoy_headers_with_raw_values_and_subset_hint_decode():
 
 
 def test_envoy_body_chunks_and_trailers_decode():
-    body = to_ours(envoy.ProcessingRequest(request_body=envoy.HttpBody(body=b"abc", end_of_stream=True)))
+    body = to_ours(
+        envoy.ProcessingRequest(request_body=envoy.HttpBody(body=b"abc", end_of_stream=True))
+    )
     assert (body.request_body.body, body.request_body.end_of_stream) == (b"abc", True)
     trailers = to_ours(
         envoy.ProcessingRequest(
@@ -117,7 +122,9 @@ def test_immediate_response_decodes_in_envoy():
     headers = {o.header.key: o.header.raw_value for o in ir.headers.set_headers}
     assert headers["content-type"] == b"application/json"
     assert orjson.loads(ir.body)["error"]["message"] == "'model' is required"
-    assert int(to_envoy(wire.error_response(NoEndpoints("x"))).immediate_response.status.code) == 503
+    assert (
+        int(to_envoy(wire.error_response(NoEndpoints("x"))).immediate_response.status.code) == 503
+    )
 
 
 def test_continue_responses_select_the_right_oneof_in_envoy():
@@ -132,7 +139,9 @@ def test_envoy_responses_decode_in_ours():
         request_headers=envoy.HeadersResponse(
             response=envoy.CommonResponse(
                 header_mutation=envoy.HeaderMutation(
-                    set_headers=[core.HeaderValueOption(header=core.HeaderValue(key="k", raw_value=b"v"))],
+                    set_headers=[
+                        core.HeaderValueOption(header=core.HeaderValue(key="k", raw_value=b"v"))
+                    ],
                     remove_headers=["gone"],
                 ),
                 body_mutation=envoy.BodyMutation(
@@ -142,7 +151,11 @@ def test_envoy_responses_decode_in_ours():
             )
         ),
         dynamic_metadata=gpb.Struct(
-            fields={"envoy.lb": gpb.Value(struct_value=gpb.Struct(fields={"a": gpb.Value(string_value="b")}))}
+            fields={
+                "envoy.lb": gpb.Value(
+                    struct_value=gpb.Struct(fields={"a": gpb.Value(string_value="b")})
+                )
+            }
         ),
     )
     ours = pb.ProcessingResponse.FromString(bytes(resp))

