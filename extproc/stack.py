@@ -127,7 +127,10 @@ class Stack:
     def _spawn(self, name: str, argv: Sequence[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the process
         proc = subprocess.Popen(
-            list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         log.close()
@@ -145,22 +148,36 @@ class Stack:
         for addr in every:
             wait_until(
                 lambda a=addr: httpx.get(f"http://{a}/health", timeout=0.5).status_code == 200,
-                timeout_s=20, what=f"upstream {addr}", proc=proc,
+                timeout_s=20,
+                what=f"upstream {addr}",
+                proc=proc,
             )
 
     def start_extproc(self) -> None:
         argv = [
-            sys.executable, "-m", "extproc", "serve",
-            "--endpoints", ",".join(self.upstream_addresses),
-            "--host", "127.0.0.1",
-            "--port", str(self.extproc_port),
-            "--health-port", str(self.health_port),
+            sys.executable,
+            "-m",
+            "extproc",
+            "serve",
+            "--endpoints",
+            ",".join(self.upstream_addresses),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.extproc_port),
+            "--health-port",
+            str(self.health_port),
             *self.options.extproc_args,
         ]
         proc = self._spawn("extproc", argv)
         wait_until(
-            lambda: grpc_health_status(self.health_port, "readiness") == health_pb2.HealthCheckResponse.SERVING,
-            timeout_s=20, what="extproc", proc=proc,
+            lambda: (
+                grpc_health_status(self.health_port, "readiness")
+                == health_pb2.HealthCheckResponse.SERVING
+            ),
+            timeout_s=20,
+            what="extproc",
+            proc=proc,
         )
 
     def stop_extproc(self, sig: int = signal.SIGKILL) -> int:
@@ -184,13 +201,24 @@ class Stack:
         proc = self._spawn(
             "envoy",
             [
-                envoy_binary(), "-c", str(cfg), "--disable-hot-restart",
-                "--concurrency", str(self.options.envoy_concurrency), "--log-level", "warn",
+                envoy_binary(),
+                "-c",
+                str(cfg),
+                "--disable-hot-restart",
+                "--concurrency",
+                str(self.options.envoy_concurrency),
+                "--log-level",
+                "warn",
             ],
         )
         wait_until(
-            lambda: httpx.get(f"http://127.0.0.1:{self.admin_port}/ready", timeout=0.5).status_code == 200,
-            timeout_s=30, what="envoy", proc=proc,
+            lambda: (
+                httpx.get(f"http://127.0.0.1:{self.admin_port}/ready", timeout=0.5).status_code
+                == 200
+            ),
+            timeout_s=30,
+            what="envoy",
+            proc=proc,
         )
 
     def envoy_stats(self, prefix: str = "") -> dict[str, int]:

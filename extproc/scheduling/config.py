@@ -26,7 +26,7 @@ class PluginSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class PluginRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    pluginRef: str  # noqa: N815 - llm-d's field name
+    pluginRef: str
     weight: float | None = None
 
 
@@ -36,10 +36,10 @@ class ProfileSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class EndpointPickerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    apiVersion: str = "llm-d.ai/v1alpha1"  # noqa: N815
+    apiVersion: str = "llm-d.ai/v1alpha1"
     kind: str = "EndpointPickerConfig"
     plugins: list[PluginSpec] = msgspec.field(default_factory=list)
-    schedulingProfiles: list[ProfileSpec] = msgspec.field(default_factory=list)  # noqa: N815
+    schedulingProfiles: list[ProfileSpec] = msgspec.field(default_factory=list)
 
 
 def default_config() -> EndpointPickerConfig:

@@ -20,9 +20,7 @@ class Filter(Protocol):
 
     type_name: ClassVar[str]
 
-    def filter(
-        self, req: InferenceRequest, cands: Sequence[Candidate]
-    ) -> Sequence[Candidate]: ...
+    def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]: ...
 
 
 @runtime_checkable

@@ -84,8 +84,11 @@ class App:
         await self.health.set_ready(len(self.router.pool) > 0)
         log.info(
             "serving ext_proc",
-            extra={"port": self.port, "health_port": self.health_port,
-                   "endpoints": len(self.router.pool)},
+            extra={
+                "port": self.port,
+                "health_port": self.health_port,
+                "endpoints": len(self.router.pool),
+            },
         )
         return self
 

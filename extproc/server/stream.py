@@ -80,18 +80,14 @@ class _Stream:
         except ExtprocError as err:
             return self._fail(err)
         except Exception:
-            log.exception(
-                "internal error", extra={"request_id": self.headers.get("x-request-id")}
-            )
+            log.exception("internal error", extra={"request_id": self.headers.get("x-request-id")})
             return self._fail(ExtprocError())
 
     def _fail(self, err: ExtprocError) -> list[wire.ProcessingResponse]:
         # An ImmediateResponse ends the HTTP exchange; Envoy sends nothing more for it.
         self.done = True
         self.chunks = []
-        extra = (
-            {protocol.DROPPED_REASON_HEADER: err.code} if err.status == 429 else None
-        )
+        extra = {protocol.DROPPED_REASON_HEADER: err.code} if err.status == 429 else None
         return [wire.error_response(err, extra)]
 
     async def _dispatch(self, msg: wire.ProcessingRequest) -> list[wire.ProcessingResponse]:

@@ -63,9 +63,7 @@ def _routing(common: pb.CommonResponse, resp: pb.ProcessingResponse, decision: D
     for name, value in decision.headers.items():
         _set_header(common.header_mutation, name, value)
     common.clear_route_cache = True
-    resp.dynamic_metadata.update(
-        {protocol.LB_NAMESPACE: {protocol.DESTINATION_KEY: destination}}
-    )
+    resp.dynamic_metadata.update({protocol.LB_NAMESPACE: {protocol.DESTINATION_KEY: destination}})
 
 
 def routed_headers(decision: Decision) -> pb.ProcessingResponse:
