@@ -1,0 +1,240 @@
+"""ZMQ side of precise mode: SUB sockets for vLLM KV events, and replay requests.
+
+One SUB socket per endpoint that it dials (`watch`), and/or one bound SUB socket that pods
+connect to (`bind`), whose messages are attributed to endpoints by topic
+(`kv@<ip[:port]>@<model>`, vLLM's convention). Messages go to one `EventIngest` per endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from extproc.index.base import KVIndex
+from extproc.index.kvevents import EventIngest, IngestStats
+
+log = logging.getLogger(__name__)
+
+_REPLAY_END = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """Where one endpoint publishes: `url` to dial (e.g. `tcp://10.0.0.1:5557`), optional
+    ROUTER `replay_url` (e.g. `tcp://10.0.0.1:5558`), and `model` ("" = the subscriber's)."""
+
+    endpoint: str
+    url: str
+    replay_url: str | None = None
+    model: str = ""
+
+
+def endpoint_from_topic(topic: bytes, default_port: int = 8000) -> tuple[str, str] | None:
+    """`kv@<ip[:port]>@<model>` -> (endpoint address, model); None for other topics."""
+    parts = topic.decode(errors="replace").split("@", 2)
+    if len(parts) < 2 or parts[0] != "kv" or not parts[1]:
+        return None
+    host = parts[1]
+    if ":" not in host.rsplit("]", 1)[-1]:
+        host = f"{host}:{default_port}"
+    return host, parts[2] if len(parts) == 3 else ""
+
+
+class KVEventSubscriber:
+    """Feeds the index from vLLM KV events until cancelled (`run`).
+
+    `model`: the model name that seeds chains (must equal the request side's). `bind`: an
+    address to bind one SUB socket on (e.g. `tcp://*:5557`) for pods that connect.
+    `topic_endpoint` maps a bound-socket topic to (endpoint, model), default
+    `endpoint_from_topic`. Malformed frames are counted in `stats.malformed` and skipped.
+    """
+
+    def __init__(
+        self,
+        index: KVIndex,
+        *,
+        model: str,
+        bind: str | None = None,
+        topic_endpoint: Callable[[bytes], tuple[str, str] | None] = endpoint_from_topic,
+        block_size: int = 16,
+        replay_timeout_s: float = 1.0,
+        max_messages_per_pass: int = 256,
+    ) -> None:
+        self._index = index
+        self._model = model
+        self._bind = bind
+        self._topic_endpoint = topic_endpoint
+        self._block_size = block_size
+        self._replay_timeout_s = replay_timeout_s
+        self._max_per_pass = max_messages_per_pass
+        self._sources: dict[str, EventSource] = {}
+        self._ingests: dict[str, EventIngest] = {}
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._dialed: dict[str, zmq.Socket[bytes]] = {}
+        self._bound: zmq.Socket[bytes] | None = None
+        self._wake = asyncio.Event()
+        self.stats = IngestStats()
+        self.bound_url: str | None = None  # the bound socket's real address (port 0 resolved)
+
+    def watch(self, source: EventSource) -> None:
+        """Subscribe to an endpoint (takes effect on the next pass of `run`)."""
+        self._sources[source.endpoint] = source
+        self._wake.set()
+
+    def unwatch(self, endpoint: str) -> None:
+        """Stop listening to an endpoint; its index entries stay (see `remove_endpoint`)."""
+        self._sources.pop(endpoint, None)
+        self._wake.set()
+
+    def ingest(self, endpoint: str) -> EventIngest | None:
+        return self._ingests.get(endpoint)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
+        try:
+            if self._bind is not None:
+                self._bound = self._socket(loop)
+                self._bound.bind(self._bind)
+                self.bound_url = self._bound.getsockopt_string(zmq.LAST_ENDPOINT)
+            while True:
+                self._sync_sockets(loop)
+                if not await self._drain():
+                    self._wake.clear()
+                    # The ZMQ FD is edge-triggered: look once more before sleeping on it.
+                    if not self._readable():
+                        try:
+                            async with asyncio.timeout(0.2):
+                                await self._wake.wait()
+                        except TimeoutError:
+                            pass
+                await asyncio.sleep(0)  # lookups share this loop: never hog it
+        finally:
+            for sock in [*self._dialed.values(), *([self._bound] if self._bound else [])]:
+                self._close(loop, sock)
+            self._dialed.clear()
+            self._bound = None
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    def _socket(self, loop: asyncio.AbstractEventLoop) -> zmq.Socket[bytes]:
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        loop.add_reader(sock.getsockopt(zmq.FD), self._wake.set)
+        return sock
+
+    def _close(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket[bytes]) -> None:
+        loop.remove_reader(sock.getsockopt(zmq.FD))
+        sock.close(linger=0)
+
+    def _sync_sockets(self, loop: asyncio.AbstractEventLoop) -> None:
+        for endpoint in [ep for ep in self._dialed if ep not in self._sources]:
+            self._close(loop, self._dialed.pop(endpoint))
+        for endpoint, source in self._sources.items():
+            if endpoint not in self._dialed:
+                sock = self._socket(loop)
+                sock.connect(source.url)
+                self._dialed[endpoint] = sock
+
+    def _readable(self) -> bool:
+        socks = [*self._dialed.values(), *([self._bound] if self._bound else [])]
+        return any(s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in socks)
+
+    async def _drain(self) -> bool:
+        """Up to `max_messages_per_pass` messages per socket; True if any were read."""
+        got = False
+        for endpoint, sock in list(self._dialed.items()):
+            for _ in range(self._max_per_pass):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                got = True
+                await self._dispatch_safely(frames, endpoint)
+        if self._bound is not None:
+            for _ in range(self._max_per_pass):
+                try:
+                    frames = self._bound.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                got = True
+                await self._dispatch_safely(frames, None)
+        return got
+
+    async def _dispatch_safely(self, frames: Sequence[bytes], endpoint: str | None) -> None:
+        try:
+            await self._dispatch(frames, endpoint)
+        except Exception:  # one bad message must never stop ingestion for every endpoint
+            self.stats.malformed += 1
+            log.exception("kv events: message from %s skipped", endpoint or "bound socket")
+
+    async def _dispatch(self, frames: Sequence[bytes], endpoint: str | None) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.stats.malformed += 1
+            return
+        topic, seq, payload = frames
+        model = ""
+        if endpoint is None:
+            found = self._topic_endpoint(topic)
+            if found is None:
+                self.stats.malformed += 1
+                return
+            endpoint, model = found
+        ingest = self._ingests.get(endpoint)
+        if ingest is None:
+            source = self._sources.get(endpoint)
+            replay = None
+            if source is not None:
+                model = source.model or model
+                if source.replay_url:
+                    url = source.replay_url
+                    replay = lambda start: self._replay(url, start)  # noqa: E731
+            ingest = self._ingests[endpoint] = EventIngest(
+                self._index,
+                endpoint,
+                model or self._model,
+                stats=self.stats,
+                block_size=self._block_size,
+                replay=replay,
+            )
+        await ingest.handle(int.from_bytes(seq, "big"), payload)
+
+    async def _replay(self, url: str, start: int) -> list[tuple[int, bytes]] | None:
+        """Ask a vLLM ROUTER replay socket for batches from `start` (FACTS 6)."""
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        loop = asyncio.get_running_loop()
+        try:
+            sock.connect(url)
+            # vLLM's ROUTER expects REQ framing: an empty delimiter, then the start.
+            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            deadline = loop.time() + self._replay_timeout_s
+            out: list[tuple[int, bytes]] = []
+            while True:
+                if not sock.poll(0):
+                    if loop.time() > deadline:
+                        return None
+                    await asyncio.sleep(0.001)
+                    continue
+                frames = sock.recv_multipart()
+                # Drop the REQ delimiter (and an empty topic, which is vLLM's default).
+                while frames and not frames[0]:
+                    frames = frames[1:]
+                if len(frames) == 3:  # vLLM 0.32 includes the topic frame
+                    frames = frames[1:]
+                if len(frames) != 2 or len(frames[0]) != 8:
+                    self.stats.malformed += 1
+                    return None
+                if frames[0] == _REPLAY_END:
+                    return out
+                out.append((int.from_bytes(frames[0], "big"), frames[1]))
+        finally:
+            sock.close(linger=0)
