@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
 
@@ -33,12 +34,17 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
         changes["health_port"] = args.health_port
     if args.host is not None:
         changes["host"] = args.host
+    if args.admin_port is not None:
+        changes["admin_port"] = args.admin_port
     if changes:
         server = msgspec.structs.replace(server, **changes)
     endpoints = settings.endpoints
     if args.endpoints:
         endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
-    return msgspec.structs.replace(settings, server=server, endpoints=endpoints)
+    index = settings.index
+    if args.redis_url:
+        index = msgspec.structs.replace(index, backend="redis", redis_url=args.redis_url)
+    return msgspec.structs.replace(settings, server=server, endpoints=endpoints, index=index)
 
 
 async def _serve(settings: Settings) -> None:
@@ -92,6 +98,45 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from extproc.config import build_configured_scheduler
+
+    settings = load_settings(args.file)
+    scheduler = build_configured_scheduler(settings)
+    print(f"{args.file}: OK")
+    for name, profile in scheduler.profiles.items():
+        scorers = ", ".join(f"{s.name} x{s.weight:g}" for s in profile.scorers) or "none"
+        filters = ", ".join(f.name for f in profile.filters) or "none"
+        print(
+            f"  profile {name}: filters [{filters}], scorers [{scorers}], "
+            f"picker {profile.picker.type_name}"
+        )
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from extproc.scheduling.registry import PluginRegistry
+
+    for name, doc in PluginRegistry.default().describe():
+        print(f"{name}\n" + "\n".join(f"    {line}" for line in doc.splitlines()) + "\n")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    import httpx
+
+    body = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
+    headers = {"content-type": "application/json", "x-extproc-path": args.path}
+    for h in args.header or []:
+        name, _, value = h.partition(":")
+        headers[name.strip()] = value.strip()
+    r = httpx.post(
+        f"{args.picker.rstrip('/')}/debug/explain", content=body, headers=headers, timeout=10
+    )
+    print(r.text)
+    return 0 if r.status_code == 200 else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from extproc.demo import run_demo
 
@@ -108,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="ext_proc gRPC port (default 9002)")
     s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
     s.add_argument("--host", help="address to bind (default 0.0.0.0)")
+    s.add_argument("--admin-port", type=int, help="metrics + debug API port (default 9090)")
+    s.add_argument("--redis-url", help="share the KV-block index and in-flight load in Redis")
     s.add_argument("--config", help="YAML settings or an llm-d EndpointPickerConfig")
     s.set_defaults(func=cmd_serve)
 
@@ -121,6 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--fail-open", action="store_true", help="failure_mode_allow: true")
     e.add_argument("--retries", type=int, default=2, help="override-host retries")
     e.set_defaults(func=cmd_envoy_config)
+
+    c = sub.add_parser("check-config", help="validate a config file without serving")
+    c.add_argument("file")
+    c.set_defaults(func=cmd_check_config)
+
+    pl = sub.add_parser("plugins", help="list the scheduling plugins and their parameters")
+    pl.set_defaults(func=cmd_plugins)
+
+    x = sub.add_parser("explain", help="replay a request against a running picker's state")
+    x.add_argument("body", help="request body file, or - for stdin")
+    x.add_argument("--picker", default="http://127.0.0.1:9090", help="the picker's admin URL")
+    x.add_argument("--path", default="/v1/chat/completions")
+    x.add_argument("-H", "--header", action="append", help="extra request header 'name: value'")
+    x.set_defaults(func=cmd_explain)
 
     d = sub.add_parser("demo", help="run Envoy + extproc + local upstreams and route requests")
     d.add_argument("--requests", type=int, default=30)

@@ -1,23 +1,29 @@
 """Settings: one frozen tree, decoded from YAML with unknown fields rejected.
 
-A config file is either our own document (`server`, `parse`, `scheduling`, ...) or a bare
-llm-d `EndpointPickerConfig`, which is taken as the `scheduling` section. `cli.py` folds
-flags into these structs; nothing below it reads the environment.
+A config file is either our own document (`server`, `parse`, `index`, `state`,
+`scheduling`, ...) or a bare llm-d `EndpointPickerConfig`, which is taken as the
+`scheduling` section. `cli.py` folds flags into these structs; nothing below it reads the
+environment. Errors name the field and its line: `picker.yaml:14: scheduling.plugins[2].type:
+unknown plugin type 'x'`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
 
-from extproc.errors import ConfigError
+from extproc.errors import ConfigError, format_path
 from extproc.requests import ParseSettings
-from extproc.scheduling.config import EndpointPickerConfig
+from extproc.scheduling.config import EndpointPickerConfig, build_scheduler, default_config
+from extproc.scheduling.framework import Scheduler
+from extproc.scheduling.registry import PluginRegistry, validation_error
 
 MiB = 1 << 20
+_Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+_PositiveS = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -27,39 +33,156 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     then while streaming; never buffered past it). `fallbacks`: how many extra endpoints the
     destination list carries after the pick (override-host mode walks them on retry; leave 0
     for ORIGINAL_DST, which takes exactly one address). `grace_s`: how long SIGTERM waits for
-    open streams.
+    open streams. `admin_port`: Prometheus `/metrics` and the explain API (0 = any free port,
+    None = off).
     """
 
     host: str = "0.0.0.0"
-    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9002
-    health_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9003
+    port: _Port = 9002
+    health_port: _Port = 9003
+    admin_port: _Port | None = 9090
     max_body_bytes: Annotated[int, msgspec.Meta(gt=0)] = 64 * MiB
     fallbacks: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     grace_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+
+
+class KVEventSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Precise mode: subscribe to each endpoint's vLLM KV events.
+
+    Each endpoint `ip:port` publishes on `tcp://ip:<port>` (vLLM's default 5557), with an
+    optional replay ROUTER on `replay_port`. `bind` (e.g. `tcp://*:5557`) instead binds one
+    socket that pods connect to (topic `kv@<ip>@<model>`). Keys are recomputed from token ids
+    with the tokenizer in `parse.precise`, whose `model` and `block_size` apply here too.
+    """
+
+    port: _Port = 5557
+    replay_port: _Port | None = None
+    bind: str | None = None
+
+
+class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The global KV-block index.
+
+    `backend`: `memory` (this process only) or `redis` (shared by every process and replica;
+    `redis_url` e.g. `redis://host:6379/0`, `rediss://` for TLS, credentials in the URL;
+    `cluster: true` for Redis Cluster). `record_decisions`: write each decision's blocks for the
+    chosen endpoint (approximate mode); defaults to on unless KV events are configured.
+    `approx_ttl_s`: how long a recorded decision counts as cached. `capacity_blocks`: per
+    endpoint, the most block keys kept. `tier_weights`: weight per medium of a matched block.
+    `lookup_budget_s`: a Redis lookup slower than this is abandoned (routing goes on by load).
+    """
+
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str | None = None
+    cluster: bool = False
+    record_decisions: bool | None = None
+    approx_ttl_s: _PositiveS = 600.0
+    capacity_blocks: Annotated[int, msgspec.Meta(gt=0)] | None = 500_000
+    tier_weights: dict[str, float] = msgspec.field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.8})
+    lookup_budget_s: _PositiveS = 0.005
+    kv_events: KVEventSettings | None = None
+
+
+class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Live endpoint state. `scrape`: poll each endpoint's `/metrics` every
+    `scrape_interval_s` (timeout `scrape_timeout_s`); figures older than `stale_after_s` are
+    scored as unknown. `shared_inflight`: with a Redis index, in-flight counts are shared by
+    every picker process and replica."""
+
+    scrape: bool = True
+    scrape_interval_s: _PositiveS = 0.05
+    scrape_timeout_s: _PositiveS = 0.2
+    stale_after_s: _PositiveS = 0.2
+    metrics_path: str = "/metrics"
+    shared_inflight: bool = True
 
 
 class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     endpoints: list[str] = msgspec.field(default_factory=list)
     server: ServerSettings = ServerSettings()
     parse: ParseSettings = ParseSettings()
+    index: IndexSettings = IndexSettings()
+    state: StateSettings = StateSettings()
     scheduling: EndpointPickerConfig | None = None
+    disabled_plugins: list[str] = msgspec.field(default_factory=list)
 
 
-def load_settings(path: str | Path | None) -> Settings:
-    """Decode a YAML file into Settings; `None` gives the defaults."""
-    if path is None:
-        return Settings()
-    try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+def decode_settings(doc: Any) -> Settings:
+    """A parsed YAML document -> Settings (stage 1: shape and types)."""
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
+        raise ConfigError("expected a mapping at the top level")
     if doc.get("kind") == "EndpointPickerConfig":
         doc = {"scheduling": doc}
     try:
         return msgspec.convert(doc, Settings)
     except msgspec.ValidationError as exc:
+        raise validation_error(exc, ()) from None
+
+
+def build_configured_scheduler(settings: Settings) -> Scheduler:
+    """Stage 2: plugins and profiles (the registry includes installed third-party plugins)."""
+    registry = PluginRegistry.default(disabled=settings.disabled_plugins)
+    try:
+        return build_scheduler(
+            settings.scheduling or default_config(),
+            registry,
+            fallbacks=settings.server.fallbacks,
+        )
+    except ConfigError as exc:
+        raise exc.within("scheduling") if settings.scheduling else exc from None
+
+
+def _line_of(text: str, path: tuple[str | int, ...]) -> int | None:
+    """1-based line of the deepest node along `path` in a YAML text (best effort)."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    if node is None:
+        return None
+    bare = isinstance(node, yaml.MappingNode) and not any(
+        getattr(k, "value", None) == "scheduling" for k, _ in node.value
+    )
+    if bare and path and path[0] == "scheduling":
+        path = path[1:]  # a bare EndpointPickerConfig: scheduling is the document
+    line = node.start_mark.line + 1
+    for part in path:
+        child = None
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if getattr(k, "value", None) == part:
+                    child = v
+                    line = k.start_mark.line + 1
+                    break
+        elif (
+            isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value)
+        ):
+            child = node.value[part]
+            line = child.start_mark.line + 1
+        if child is None:
+            break
+        node = child
+    return line
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Decode and validate a YAML file (plugins are built once to check them); `None`
+    gives the defaults. Raises ConfigError naming file, line and field."""
+    if path is None:
+        return Settings()
+    try:
+        text = Path(path).read_text()
+        doc = yaml.safe_load(text)
+    except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    try:
+        settings = decode_settings(doc)
+        build_configured_scheduler(settings)
+    except ConfigError as exc:
+        line = _line_of(text, exc.path)
+        where = f"{path}:{line}" if line else str(path)
+        field = f" {format_path(exc.path)}:" if exc.path else ""
+        raise ConfigError(f"{where}:{field} {exc.message}") from None
+    return settings

@@ -89,11 +89,12 @@ class Prompt:
 class InferenceRequest:
     """What routing needs to know about one request, parsed once from headers and body.
 
-    `headers` holds the request headers with lower-case names (the picker's own routing
-    headers already removed). `block_keys` is the chained prefix-block hash sequence;
-    `prompt_tokens` an estimate of the prompt's token cost (text and media). `media` lists
-    each distinct asset once (by content hash), in order of first appearance. `prompt` is
-    the parsed content (None for unknown APIs), kept for precise (tokenizer) block keys.
+        `headers` holds the request headers with lower-case names (the picker's own routing
+        headers already removed). `block_keys` is the chained prefix-block hash sequence, each key
+    covering about `block_tokens` tokens;
+        `prompt_tokens` an estimate of the prompt's token cost (text and media). `media` lists
+        each distinct asset once (by content hash), in order of first appearance. `prompt` is
+        the parsed content (None for unknown APIs), kept for precise (tokenizer) block keys.
     """
 
     request_id: str
@@ -105,6 +106,7 @@ class InferenceRequest:
     stream: bool = False
     prompt_tokens: int = 0
     block_keys: tuple[int, ...] = ()
+    block_tokens: int = 0
     media: tuple[MediaItem, ...] = ()
     lora_adapter: str | None = None
     cache_salt: str | None = None
@@ -134,8 +136,9 @@ class EndpointState:
     """Live load figures for one endpoint.
 
     `kv_usage` is a 0..1 fraction. `age_s` is seconds since the figures were scraped
-    (`None` means never scraped). In-flight counts are those placed by pickers and not yet
-    finished.
+    (`None` means never scraped). In-flight counts are those placed by pickers (all picker
+    processes, when state is shared) and not yet finished. `kv_block_size` / `kv_blocks` are
+    the engine's cache config (tokens per block, GPU blocks); adapters are LoRA names.
     """
 
     waiting: int = 0
@@ -144,6 +147,11 @@ class EndpointState:
     inflight_requests: int = 0
     inflight_tokens: int = 0
     age_s: float | None = None
+    kv_block_size: int | None = None
+    kv_blocks: int | None = None
+    max_adapters: int | None = None
+    running_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,12 +172,18 @@ class Decision:
     """The scheduler's answer.
 
     `endpoints` is ordered: the first is the pick, the rest are fallbacks. `headers` are
-    extra request headers to set (e.g. disaggregation hints). `scores` and `reasons` explain
-    the choice: per-plugin scores by endpoint address, and what removed whom.
+    extra request headers to set on the forwarded request (disaggregation hints);
+    `response_headers` go back to the client (a session token). `prefill` / `encoders` are the
+    endpoints chosen for disaggregated prefill and encode, when any. `scores` and `reasons`
+    explain the choice (only filled when an explanation was asked for): per-plugin scores by
+    endpoint address, and which filter removed whom.
     """
 
     endpoints: tuple[Endpoint, ...]
     headers: Mapping[str, str] = field(default_factory=_empty)
+    response_headers: Mapping[str, str] = field(default_factory=_empty)
+    prefill: Endpoint | None = None
+    encoders: tuple[Endpoint, ...] = ()
     scores: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     reasons: tuple[str, ...] = ()
     profile: str = "default"

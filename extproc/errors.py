@@ -48,4 +48,27 @@ class NoEndpoints(ExtprocError):
 
 
 class ConfigError(Exception):
-    """Invalid configuration, found at load time. The message names the offending field."""
+    """Invalid configuration, found at load time.
+
+    `path` locates the offending field in the document (keys and list indexes), so the
+    loader can name it and its line: `scheduling.plugins[2].parameters: unknown field`.
+    """
+
+    def __init__(self, message: str, *, path: tuple[str | int, ...] = ()) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+
+    def within(self, *prefix: str | int) -> ConfigError:
+        """The same error, located inside a parent document."""
+        return ConfigError(self.message, path=(*prefix, *self.path))
+
+    def __str__(self) -> str:
+        return f"{format_path(self.path)}: {self.message}" if self.path else self.message
+
+
+def format_path(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out

@@ -23,6 +23,11 @@ REQUEST_ID_HEADER = "x-request-id"
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 MODEL_REWRITE_HEADER = "x-llm-d-model-name-rewrite"
 
+# Opt-in explanation: a request with `x-extproc-explain: 1` gets its decision back as JSON in
+# the `x-extproc-decision` response header.
+EXPLAIN_HEADER = "x-extproc-explain"
+DECISION_HEADER = "x-extproc-decision"
+
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 EXT_PROC_METHOD = f"/{EXT_PROC_SERVICE}/Process"
 

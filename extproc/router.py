@@ -1,31 +1,65 @@
-"""One routing decision, independent of the transport: parse the request, gather candidates
-with their live state, run the scheduler, account the placement.
+"""One routing decision, independent of the transport: parse the request, look its prefix up
+in the KV-block index, gather candidates with their live state, run the scheduler, record
+the placement.
 
 `server/` feeds it headers and the body and turns its `Routed` into ext_proc messages;
-`extproc explain` and the tests call it directly.
+the admin API's explain endpoint and the tests call it directly.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from extproc.core import Candidate, Decision, EndpointState, InferenceRequest
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.inflight import Placement
 from extproc.errors import NoEndpoints
+from extproc.hashing.tokenizer import PreciseKeys
+from extproc.index.base import EMPTY, KVIndex, Lookup
 from extproc.scheduling import Scheduler
+
+log = logging.getLogger("extproc.router")
 
 Parser = Callable[[str, Mapping[str, str], bytes], InferenceRequest]
 
 
+class StateSource(Protocol):
+    """Live figures per endpoint (scraped metrics merged with in-flight counts)."""
+
+    def state(
+        self, address: str, inflight_requests: int, inflight_tokens: int
+    ) -> EndpointState: ...
+
+
+class InFlightOnly:
+    """A StateSource for when no metrics are scraped: in-flight counts only."""
+
+    def state(self, address: str, inflight_requests: int, inflight_tokens: int) -> EndpointState:
+        return EndpointState(inflight_requests=inflight_requests, inflight_tokens=inflight_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class Routed:
-    """A decision plus the in-flight placement to release when the request ends."""
+    """A decision plus what to undo or report when the request ends."""
 
     request: InferenceRequest
     decision: Decision
     placement: Placement
+    lookup: Lookup
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """Counters the metrics exporter reads."""
+
+    decisions: int = 0
+    lookups_degraded: int = 0
+    prefix_blocks_requested: int = 0
+    prefix_blocks_matched: float = 0.0
 
 
 class Router:
@@ -36,11 +70,20 @@ class Router:
         scheduler: Scheduler,
         parser: Parser,
         inflight: InFlight | None = None,
+        index: KVIndex | None = None,
+        precise: PreciseKeys | None = None,
+        states: StateSource | None = None,
+        record_decisions: bool = True,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.inflight = inflight or InFlight()
+        self.index = index
+        self.states = states or InFlightOnly()
+        self.stats = RouterStats()
         self._parse = parser
+        self._precise = precise
+        self._record = record_decisions and index is not None
 
     async def route(
         self,
@@ -50,40 +93,69 @@ class Router:
         *,
         subset: Collection[str] | None = None,
         explain: bool = False,
+        place: bool = True,
     ) -> Routed:
         """Decide where a request goes; `body=None` means the body is not available.
-        Raises `BadRequest` for an unparseable request and
-        `NoEndpoints` when nothing is eligible (an empty subset hint included).
+        Raises `BadRequest` for an unparseable request and `NoEndpoints` when nothing is
+        eligible (an empty subset hint included). `place=False` decides without counting the
+        request in flight or teaching the index (a dry run, for `explain`).
 
         Async because the prefix-index lookup is; scheduling itself never awaits."""
-        if body is None:
-            # The proxy never shows us this body (body mode NONE/STREAMED): route on headers.
-            request = InferenceRequest(
-                request_id=headers.get("x-request-id", ""), path=path, headers=headers
-            )
-        else:
-            request = self._parse(path, headers, body)
+        request = self._request(path, headers, body)
         endpoints = self.pool.snapshot()
         if subset is not None:
             endpoints = tuple(e for e in endpoints if e.address in subset)
         if not endpoints:
             raise NoEndpoints("no model-server endpoint is eligible for this request")
-        inflight = self.inflight
+        lookup = EMPTY
+        if self.index is not None and request.block_keys:
+            lookup = await self.index.lookup(request.block_keys)
+            if lookup.degraded:
+                self.stats.lookups_degraded += 1
+        matches = lookup.matches
+        inflight, states = self.inflight, self.states
         cands = [
             Candidate(
                 endpoint=e,
-                state=EndpointState(
-                    inflight_requests=inflight.requests(e.address),
-                    inflight_tokens=inflight.tokens(e.address),
+                state=states.state(
+                    e.address, inflight.requests(e.address), inflight.tokens(e.address)
                 ),
+                prefix_blocks=matches.get(e.address, 0.0),
             )
             for e in endpoints
         ]
         decision = self.scheduler.schedule(request, cands, explain=explain)
         if not decision.endpoints:
             raise NoEndpoints("no model-server endpoint is eligible for this request")
+        if not place:
+            return Routed(request, decision, Placement(decision.primary.address, 0), lookup)
+        self.scheduler.observe(request, cands, decision)
+        if self._record and self.index is not None:
+            self.index.record(decision.primary.address, request.block_keys)
+            if decision.prefill is not None:
+                self.index.record(decision.prefill.address, request.block_keys)
+        stats = self.stats
+        stats.decisions += 1
+        stats.prefix_blocks_requested += len(request.block_keys)
+        stats.prefix_blocks_matched += matches.get(decision.primary.address, 0.0)
         placement = inflight.acquire(decision.primary.address, request.prompt_tokens)
-        return Routed(request, decision, placement)
+        return Routed(request, decision, placement, lookup)
+
+    def _request(
+        self, path: str, headers: Mapping[str, str], body: bytes | None
+    ) -> InferenceRequest:
+        if body is None:
+            # The proxy never shows us this body (body mode NONE/STREAMED): route on headers.
+            return InferenceRequest(
+                request_id=headers.get("x-request-id", ""), path=path, headers=headers
+            )
+        request = self._parse(path, headers, body)
+        if self._precise is not None and request.prompt is not None:
+            keys = self._precise.block_keys(request)
+            request = dataclasses.replace(
+                request, block_keys=keys, block_tokens=self._precise.block_size
+            )
+        return request
 
     def finish(self, routed: Routed) -> None:
         """The request's stream ended (response done, client gone, or error)."""

@@ -93,7 +93,8 @@ class Stack:
     extproc_port: int = 0
     health_port: int = 0
     listen_port: int = 0
-    admin_port: int = 0
+    admin_port: int = 0  # Envoy's admin
+    picker_admin_port: int = 0  # extproc's metrics + debug API
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _tmp: tempfile.TemporaryDirectory | None = None
 
@@ -114,6 +115,7 @@ class Stack:
         try:
             self.start_upstreams()
             self.extproc_port, self.health_port = free_port(), free_port()
+            self.picker_admin_port = free_port()
             self.start_extproc()
             self.start_envoy()
         except BaseException:
@@ -167,6 +169,8 @@ class Stack:
             str(self.extproc_port),
             "--health-port",
             str(self.health_port),
+            "--admin-port",
+            str(self.picker_admin_port),
             *self.options.extproc_args,
         ]
         proc = self._spawn("extproc", argv)

@@ -124,6 +124,15 @@ class PreciseKeys:
             if text is not None and (tid := tokenizer.token_id(text)) is not None
         }
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per block key: the engine's KV block size."""
+        return self._settings.block_size
+
+    @property
+    def model(self) -> str:
+        return self._settings.model
+
     @classmethod
     def from_settings(cls, settings: PreciseSettings) -> PreciseKeys:
         return cls(PromptTokenizer.from_dir(settings.tokenizer_dir), settings)

@@ -152,6 +152,7 @@ def parse_request(
         stream=bool(decoded.stream),
         prompt_tokens=tokens,
         block_keys=keys,
+        block_tokens=settings.block_tokens,
         media=distinct_media(prompt),
         lora_adapter=lora_adapter,
         cache_salt=cache_salt,

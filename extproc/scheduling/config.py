@@ -1,5 +1,10 @@
 """The scheduling configuration, in llm-d's EndpointPickerConfig shape so existing configs
-carry over: `plugins` (type, name, parameters) and `schedulingProfiles` (pluginRef, weight)."""
+carry over: `plugins` (type, name, parameters) and `schedulingProfiles` (pluginRef, weight).
+
+Loading runs in stages, each raising `ConfigError` with the path of the offending field:
+decode (msgspec, strict) -> build plugins (registry, strict params) -> assemble profiles ->
+the Scheduler.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,16 @@ from extproc.errors import ConfigError
 from extproc.scheduling.framework import (
     Filter,
     NamedFilter,
+    Observer,
     Picker,
     Profile,
+    ProfileHandler,
+    ResponseHeaders,
+    Scheduler,
     Scorer,
     WeightedScorer,
 )
+from extproc.scheduling.handlers import SingleProfileHandler
 from extproc.scheduling.registry import PluginRegistry
 
 
@@ -43,14 +53,23 @@ class EndpointPickerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
 
 
 def default_config() -> EndpointPickerConfig:
-    """Used when no config is given: spread load by in-flight requests."""
+    """Used when no scheduling config is given: cache affinity weighed against live load.
+
+    llm-d's defaults (prefix 3, queue 2, KV usage 2) plus the picker's own in-flight count,
+    which moves at the decision and so covers the gap between metric scrapes."""
+    weights = {
+        "prefix-cache-scorer": 3.0,
+        "queue-scorer": 2.0,
+        "kv-cache-utilization-scorer": 2.0,
+        "active-request-scorer": 2.0,
+    }
     return EndpointPickerConfig(
-        plugins=[PluginSpec(type="active-request-scorer"), PluginSpec(type="max-score-picker")],
+        plugins=[PluginSpec(type=t) for t in (*weights, "max-score-picker")],
         schedulingProfiles=[
             ProfileSpec(
                 name="default",
                 plugins=[
-                    PluginRef(pluginRef="active-request-scorer", weight=1.0),
+                    *(PluginRef(pluginRef=t, weight=w) for t, w in weights.items()),
                     PluginRef(pluginRef="max-score-picker"),
                 ],
             )
@@ -58,40 +77,56 @@ def default_config() -> EndpointPickerConfig:
     )
 
 
-def build_profiles(config: EndpointPickerConfig, registry: PluginRegistry) -> list[Profile]:
-    """Instantiate every plugin once and assemble the profiles that reference them."""
+def build_scheduler(
+    config: EndpointPickerConfig, registry: PluginRegistry, *, fallbacks: int = 0
+) -> Scheduler:
+    """Instantiate every plugin once and assemble the profiles that reference them. Error
+    paths are relative to the config document (`plugins[2].parameters: ...`)."""
     instances: dict[str, object] = {}
     for i, spec in enumerate(config.plugins):
         name = spec.name or spec.type
         if name in instances:
-            raise ConfigError(f"plugins[{i}].name: duplicate plugin name {name!r}")
-        instances[name] = registry.build(spec.type, spec.parameters, f"plugins[{i}]")
+            raise ConfigError(f"duplicate plugin name {name!r}", path=("plugins", i, "name"))
+        instances[name] = registry.build(spec.type, spec.parameters, ("plugins", i))
     if not config.schedulingProfiles:
-        raise ConfigError("schedulingProfiles: at least one profile is required")
+        raise ConfigError("at least one profile is required", path=("schedulingProfiles",))
+    handlers = [p for p in instances.values() if isinstance(p, ProfileHandler)]
+    if len(handlers) > 1:
+        raise ConfigError("more than one profile handler", path=("plugins",))
+    used: dict[str, object] = {}
     profiles = []
     for p, prof in enumerate(config.schedulingProfiles):
         filters: list[NamedFilter] = []
         scorers: list[WeightedScorer] = []
         pickers: list[Picker] = []
         for r, ref in enumerate(prof.plugins):
-            where = f"schedulingProfiles[{p}].plugins[{r}]"
+            where = ("schedulingProfiles", p, "plugins", r)
             plugin = instances.get(ref.pluginRef)
             if plugin is None:
-                raise ConfigError(f"{where}.pluginRef: no plugin named {ref.pluginRef!r}")
+                raise ConfigError(f"no plugin named {ref.pluginRef!r}", path=(*where, "pluginRef"))
+            used[ref.pluginRef] = plugin
             if isinstance(plugin, Scorer):
                 weight = 1.0 if ref.weight is None else ref.weight
                 if weight <= 0:
-                    raise ConfigError(f"{where}.weight: must be positive")
+                    raise ConfigError("must be positive", path=(*where, "weight"))
                 scorers.append(WeightedScorer(ref.pluginRef, plugin, weight))
             elif isinstance(plugin, Filter):
                 filters.append(NamedFilter(ref.pluginRef, plugin))
             elif isinstance(plugin, Picker):
                 pickers.append(plugin)
             else:
-                raise ConfigError(f"{where}: {ref.pluginRef!r} is not a filter, scorer or picker")
+                raise ConfigError(
+                    f"{ref.pluginRef!r} is not a filter, scorer or picker", path=where
+                )
         if len(pickers) > 1:
-            raise ConfigError(f"schedulingProfiles[{p}]: more than one picker")
+            raise ConfigError("more than one picker", path=("schedulingProfiles", p))
         if not pickers:
-            pickers.append(registry.build("max-score-picker", None, f"schedulingProfiles[{p}]"))
+            pickers.append(registry.build("max-score-picker", None, ("schedulingProfiles", p)))
         profiles.append(Profile(prof.name, tuple(filters), tuple(scorers), pickers[0]))
-    return profiles
+    return Scheduler(
+        handlers[0] if handlers else SingleProfileHandler(),
+        profiles,
+        fallbacks=fallbacks,
+        observers=[p for p in used.values() if isinstance(p, Observer)],
+        responders=[p for p in used.values() if isinstance(p, ResponseHeaders)],
+    )

@@ -1,13 +1,16 @@
-"""The scheduling seam: plugin protocols and the profile runner.
+"""The scheduling seam: plugin protocols, the profile runner and the scheduler.
 
 A profile runs filters (each may only remove candidates), then weighted scorers (each gives
 every candidate a score in [0, 1]), then one picker that orders the survivors by the weighted
-sum. The first endpoint of the result is the pick; the next ones are fallbacks.
+sum; the first is the pick, the next ones are fallbacks. A profile handler decides which
+profiles run for a request and assembles the `Decision` (one profile for plain serving;
+decode, prefill and encode profiles for disaggregated serving).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -43,6 +46,52 @@ class Picker(Protocol):
     ) -> Sequence[Candidate]: ...
 
 
+@runtime_checkable
+class Observer(Protocol):
+    """A plugin that learns from decisions (LRU of cold picks, media sent where, ...).
+    Called once per decision that was sent to the proxy, after scheduling."""
+
+    def observe(
+        self, req: InferenceRequest, cands: Sequence[Candidate], decision: Decision
+    ) -> None: ...
+
+
+@runtime_checkable
+class ResponseHeaders(Protocol):
+    """A plugin that sends headers back to the client (e.g. a session token)."""
+
+    def response_headers(self, decision: Decision) -> Mapping[str, str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    """What one profile chose: candidates in preference order (may be empty)."""
+
+    profile: str
+    chosen: tuple[Candidate, ...]
+    scores: Mapping[str, Mapping[str, float]]
+    reasons: tuple[str, ...]
+
+
+ProfileRunner = Callable[[str], ProfileResult]
+"""Runs the named profile over the request's candidates (handlers call this)."""
+
+
+@runtime_checkable
+class ProfileHandler(Protocol):
+    """Chooses which profiles run and turns their results into one Decision."""
+
+    type_name: ClassVar[str]
+
+    def handle(
+        self,
+        req: InferenceRequest,
+        cands: Sequence[Candidate],
+        profiles: Sequence[str],
+        run: ProfileRunner,
+    ) -> Decision: ...
+
+
 @dataclass(frozen=True, slots=True)
 class WeightedScorer:
     name: str
@@ -67,53 +116,84 @@ class Profile:
 
     def run(
         self, req: InferenceRequest, cands: Sequence[Candidate], *, limit: int, explain: bool
-    ) -> Decision:
-        """Schedule `req` over `cands`. An empty `Decision.endpoints` means nothing was
-        eligible; the caller decides what that means (503, shed, ...)."""
+    ) -> ProfileResult:
         reasons: list[str] = []
         for f in self.filters:
-            before = len(cands)
+            before = cands
             cands = f.filter(req, cands)
-            if explain and len(cands) != before:
-                reasons.append(f"{f.name}: kept {len(cands)} of {before}")
+            if explain and len(cands) != len(before):
+                kept = {id(c) for c in cands}
+                removed = [c.endpoint.address for c in before if id(c) not in kept]
+                reasons.append(f"{self.name}/{f.name} removed {', '.join(removed)}")
             if not cands:
-                return Decision(endpoints=(), reasons=tuple(reasons), profile=self.name)
+                return ProfileResult(self.name, (), {}, tuple(reasons))
         totals = [0.0] * len(cands)
         per_plugin: dict[str, dict[str, float]] = {}
         for ws in self.scorers:
             scores = ws.scorer.score(req, cands)
+            w = ws.weight
             for i, s in enumerate(scores):
-                totals[i] += ws.weight * s
+                totals[i] += w * s
             if explain:
-                per_plugin[ws.name] = {
+                per_plugin[f"{self.name}/{ws.name}"] = {
                     c.endpoint.address: round(s, 4) for c, s in zip(cands, scores, strict=True)
                 }
-        chosen = self.picker.pick(cands, totals, limit)
+        chosen = tuple(self.picker.pick(cands, totals, limit))
         if explain:
-            per_plugin["total"] = {
+            per_plugin[f"{self.name}/total"] = {
                 c.endpoint.address: round(t, 4) for c, t in zip(cands, totals, strict=True)
             }
-        return Decision(
-            endpoints=tuple(c.endpoint for c in chosen),
-            scores=per_plugin,
-            reasons=tuple(reasons),
-            profile=self.name,
-        )
+        return ProfileResult(self.name, chosen, per_plugin, tuple(reasons))
 
 
 class Scheduler:
-    """Runs the profile for each request. One profile for now; the profile handler that
-    chooses among several (disaggregation, encode tier) plugs in here."""
+    """Runs the profile handler over the configured profiles for each request.
 
-    def __init__(self, profile: Profile, *, fallbacks: int = 0) -> None:
-        self._profile = profile
+    `fallbacks` extra endpoints follow the pick in the primary profile's answer.
+    """
+
+    def __init__(
+        self,
+        handler: ProfileHandler,
+        profiles: Sequence[Profile],
+        *,
+        fallbacks: int = 0,
+        observers: Sequence[Observer] = (),
+        responders: Sequence[ResponseHeaders] = (),
+    ) -> None:
+        if not profiles:
+            raise ValueError("at least one profile is required")
+        self._handler = handler
+        self._profiles = {p.name: p for p in profiles}
+        self._names = tuple(p.name for p in profiles)
         self._limit = 1 + fallbacks
+        self._observers = tuple(observers)
+        self._responders = tuple(responders)
 
     @property
-    def profile(self) -> Profile:
-        return self._profile
+    def profiles(self) -> Mapping[str, Profile]:
+        return self._profiles
 
     def schedule(
         self, req: InferenceRequest, cands: Sequence[Candidate], *, explain: bool = False
     ) -> Decision:
-        return self._profile.run(req, cands, limit=self._limit, explain=explain)
+        """An empty `Decision.endpoints` means nothing was eligible; the caller decides what
+        that means (503, shed, ...)."""
+
+        def run(name: str) -> ProfileResult:
+            return self._profiles[name].run(req, cands, limit=self._limit, explain=explain)
+
+        decision = self._handler.handle(req, cands, self._names, run)
+        if self._responders and decision.endpoints:
+            extra: dict[str, str] = dict(decision.response_headers)
+            for r in self._responders:
+                extra.update(r.response_headers(decision))
+            decision = dataclasses.replace(decision, response_headers=extra)
+        return decision
+
+    def observe(
+        self, req: InferenceRequest, cands: Sequence[Candidate], decision: Decision
+    ) -> None:
+        """Tell learning plugins where a request was sent."""
+        for obs in self._observers:
+            obs.observe(req, cands, decision)

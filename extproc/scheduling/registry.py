@@ -3,6 +3,8 @@ group, built by type name with strictly decoded parameters."""
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Iterable, Mapping
 from importlib.metadata import entry_points
 from typing import Any
@@ -24,7 +26,10 @@ class PluginRegistry:
             if not isinstance(name, str) or not hasattr(cls, "Params"):
                 raise ConfigError(f"plugin class {cls!r} lacks type_name or Params")
             if name in self._classes and self._classes[name] is not cls:
-                raise ConfigError(f"two plugins claim the type name {name!r}")
+                raise ConfigError(
+                    f"two plugins claim the type name {name!r}: "
+                    f"{self._classes[name].__module__} and {cls.__module__}"
+                )
             self._classes[name] = cls
 
     @classmethod
@@ -40,17 +45,44 @@ class PluginRegistry:
     def type_names(self) -> tuple[str, ...]:
         return tuple(sorted(self._classes))
 
-    def get(self, type_name: str) -> type:
+    def get(self, type_name: str, where: tuple[str | int, ...] = ()) -> type:
         try:
             return self._classes[type_name]
         except KeyError:
             known = ", ".join(self.type_names)
-            raise ConfigError(f"unknown plugin type {type_name!r} (known: {known})") from None
+            raise ConfigError(
+                f"unknown plugin type {type_name!r} (known: {known})", path=(*where, "type")
+            ) from None
 
-    def build(self, type_name: str, parameters: Mapping[str, Any] | None, where: str) -> Any:
-        cls = self.get(type_name)
+    def build(
+        self, type_name: str, parameters: Mapping[str, Any] | None, where: tuple[str | int, ...]
+    ) -> Any:
+        """An instance of `type_name` with `parameters` decoded strictly into its Params."""
+        cls = self.get(type_name, where)
         try:
             params = msgspec.convert(dict(parameters or {}), cls.Params)
         except msgspec.ValidationError as exc:
-            raise ConfigError(f"{where}.parameters: {exc}") from None
+            raise validation_error(exc, (*where, "parameters")) from None
         return cls(params)
+
+    def describe(self) -> list[tuple[str, str]]:
+        """(type name, docstring) of every plugin, for `extproc plugins`."""
+        return [(n, inspect.getdoc(self._classes[n]) or "") for n in self.type_names]
+
+
+def validation_error(exc: msgspec.ValidationError, prefix: tuple[str | int, ...]) -> ConfigError:
+    """A msgspec error (`Object contains unknown field `x` - at `$.a[0]``) as a ConfigError
+    located under `prefix`."""
+    text = str(exc)
+    message, sep, where = text.rpartition(" - at `")
+    if not sep:
+        message, where = text, "$`"
+    path: list[str | int] = list(prefix)
+    for m in re.finditer(r"\.([^.\[`]+)|\[(\d+)\]", where.rstrip("`")[1:]):
+        path.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
+    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", message)
+    if unknown:
+        # Point at the offending key itself, so the reported line is its line.
+        path.append(unknown.group(1))
+        message = "unknown field"
+    return ConfigError(message, path=tuple(path))

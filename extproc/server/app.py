@@ -1,29 +1,35 @@
-"""The process: builds the router from Settings, serves ext_proc and health, drains on stop.
+"""The process: builds every component from Settings, serves ext_proc, health and the admin
+port, runs the background loops, and drains on stop.
 
 `async with App(settings, endpoints) as app: await app.serve()`; `app.stop()` (what SIGTERM
-calls) marks health NOT_SERVING, lets open streams finish within `grace_s`, then exits.
+calls) marks health NOT_SERVING, lets open streams finish within `grace_s`, then tears down
+in reverse order: servers -> loops -> queued index writes -> clients.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
+from aiohttp import web
 
 from extproc import protocol
-from extproc.config import Settings
+from extproc.config import Settings, build_configured_scheduler
 from extproc.core import Endpoint
-from extproc.endpoints import EndpointPool
+from extproc.endpoints import EndpointPool, InFlight
+from extproc.errors import ConfigError
+from extproc.hashing.tokenizer import PreciseKeys
+from extproc.index.base import IndexOptions, KVIndex
 from extproc.requests import parse_request
 from extproc.router import Router
-from extproc.scheduling import Scheduler
-from extproc.scheduling.config import build_profiles, default_config
-from extproc.scheduling.registry import PluginRegistry
 from extproc.server import wire
+from extproc.server.admin import make_admin_app
 from extproc.server.health import Health
+from extproc.server.metrics import PickerMetrics, counter, gauge
 from extproc.server.stream import StreamHandler
 
 log = logging.getLogger("extproc.server")
@@ -38,30 +44,121 @@ _SERVER_OPTIONS = (
 )
 
 
-def build_router(settings: Settings, endpoints: Sequence[Endpoint]) -> Router:
-    registry = PluginRegistry.default()
-    profiles = build_profiles(settings.scheduling or default_config(), registry)
-    return Router(
-        pool=EndpointPool(endpoints),
-        scheduler=Scheduler(profiles[0], fallbacks=settings.server.fallbacks),
-        parser=functools.partial(parse_request, settings=settings.parse),
+def build_index(settings: Settings) -> KVIndex | None:
+    cfg = settings.index
+    options = IndexOptions(
+        approx_ttl_s=cfg.approx_ttl_s,
+        capacity_blocks=cfg.capacity_blocks,
+        tier_weights=dict(cfg.tier_weights),
+    )
+    if cfg.backend == "memory":
+        from extproc.index.memory import MemoryKVIndex
+
+        return MemoryKVIndex(options)
+    if not cfg.redis_url:
+        raise ConfigError("required with backend: redis", path=("index", "redis_url"))
+    from extproc.index.redis import RedisKVIndex
+
+    return RedisKVIndex.from_url(
+        cfg.redis_url, cluster=cfg.cluster, options=options, lookup_budget_s=cfg.lookup_budget_s
     )
 
 
 class App:
     def __init__(self, settings: Settings, endpoints: Sequence[Endpoint]) -> None:
         self.settings = settings
-        self.router = build_router(settings, endpoints)
+        precise_cfg = settings.parse.precise
+        if settings.index.kv_events is not None and precise_cfg is None:
+            raise ConfigError(
+                "KV events need precise keys: set parse.precise (tokenizer_dir, model)",
+                path=("index", "kv_events"),
+            )
+        self.precise = PreciseKeys.from_settings(precise_cfg) if precise_cfg else None
+        self.index = build_index(settings)
+        record = settings.index.record_decisions
+        if record is None:
+            record = settings.index.kv_events is None
+        self.pool = EndpointPool(endpoints)
+        self.metrics = PickerMetrics()
+        self.router = Router(
+            pool=self.pool,
+            scheduler=build_configured_scheduler(settings),
+            parser=functools.partial(parse_request, settings=settings.parse),
+            inflight=InFlight(),
+            index=self.index,
+            precise=self.precise,
+            record_decisions=record,
+        )
+        self.subscriber = self._build_subscriber()
         self.health = Health()
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
+        self._admin: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
+        self._stopping = False
         self.port = 0
         self.health_port = 0
+        self.admin_port = 0
+        self.metrics.add_collector(self._collect)
+
+    def _build_subscriber(self):
+        ev = self.settings.index.kv_events
+        if ev is None or self.index is None or self.precise is None:
+            return None
+        from extproc.index.subscriber import KVEventSubscriber
+
+        sub = KVEventSubscriber(
+            self.index, model=self.precise.model, bind=ev.bind, block_size=self.precise.block_size
+        )
+        if ev.bind is None:
+            for e in self.pool.snapshot():
+                sub.watch(self._event_source(e))
+        return sub
+
+    def _event_source(self, e: Endpoint):
+        from extproc.index.subscriber import EventSource
+
+        ev = self.settings.index.kv_events
+        assert ev is not None
+        host = e.address.rpartition(":")[0]
+        replay = f"tcp://{host}:{ev.replay_port}" if ev.replay_port else None
+        return EventSource(e.address, f"tcp://{host}:{ev.port}", replay_url=replay)
+
+    async def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        """Discovery's callback: swap the pool, follow KV events, forget endpoints that left."""
+        before = {e.address for e in self.pool.snapshot()}
+        self.pool.replace(endpoints)
+        after = {e.address for e in endpoints}
+        if self.subscriber is not None and self.settings.index.kv_events.bind is None:  # type: ignore[union-attr]
+            for e in endpoints:
+                if e.address not in before:
+                    self.subscriber.watch(self._event_source(e))
+            for gone in before - after:
+                self.subscriber.unwatch(gone)
+        if self.index is not None:
+            for gone in before - after:
+                await self.index.remove_endpoint(gone)
+        await self.health.set_ready(len(self.pool) > 0 and not self._stopping)
+
+    def spawn(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run a background loop until stop; a crash is logged, never silent."""
+
+        async def guarded() -> None:
+            try:
+                await loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("background loop %s crashed", name)
+
+        self._tasks.append(asyncio.create_task(guarded(), name=name))
 
     async def __aenter__(self) -> App:
         cfg = self.settings.server
-        handler = StreamHandler(self.router, max_body_bytes=cfg.max_body_bytes)
+        handler = StreamHandler(
+            self.router, max_body_bytes=cfg.max_body_bytes, metrics=self.metrics
+        )
         # Registered by full method name: our message classes live in our own proto package
         # (see protos/), the service name is Envoy's.
         method = grpc.stream_stream_rpc_method_handler(
@@ -72,6 +169,10 @@ class App:
         generic = grpc.method_handlers_generic_handler(
             protocol.EXT_PROC_SERVICE, {"Process": method}
         )
+        if self.index is not None:
+            self.spawn("index", self.index.run)
+        if self.subscriber is not None:
+            self.spawn("kv-events", self.subscriber.run)
         self._server = grpc.aio.server(options=_SERVER_OPTIONS)
         self._server.add_generic_rpc_handlers((generic,))
         self.health.add_to(self._server)
@@ -81,13 +182,20 @@ class App:
         self.health_port = self._health_server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
         await self._health_server.start()
         await self._server.start()
-        await self.health.set_ready(len(self.router.pool) > 0)
+        if cfg.admin_port is not None:
+            self._admin = web.AppRunner(make_admin_app(self.router, self.metrics), access_log=None)
+            await self._admin.setup()
+            site = web.TCPSite(self._admin, cfg.host, cfg.admin_port)
+            await site.start()
+            self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await self.health.set_ready(len(self.pool) > 0)
         log.info(
-            "serving ext_proc",
+            "serving",
             extra={
                 "port": self.port,
                 "health_port": self.health_port,
-                "endpoints": len(self.router.pool),
+                "admin_port": self.admin_port,
+                "endpoints": len(self.pool),
             },
         )
         return self
@@ -99,14 +207,87 @@ class App:
     async def stop(self) -> None:
         """Drain: NOT_SERVING first (so the proxy and Kubernetes stop sending), then let open
         streams finish for up to `grace_s`, then close."""
-        if self._stopped.is_set():
+        if self._stopping:
+            await self._stopped.wait()
             return
+        self._stopping = True
         await self.health.set_ready(False)
         if self._server is not None:
             await self._server.stop(self.settings.server.grace_s)
         if self._health_server is not None:
             await self._health_server.stop(0)
+        if self._admin is not None:
+            await self._admin.cleanup()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.index is not None:
+            await self.index.aclose()
         self._stopped.set()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    def _collect(self):
+        r = self.router.stats
+        yield _counter("extproc_decisions", "Decisions made (requests routed).", r.decisions)
+        yield _counter(
+            "extproc_index_lookups_degraded",
+            "Index lookups answered degraded (Redis slow or down): routed on load alone.",
+            r.lookups_degraded,
+        )
+        yield _counter(
+            "extproc_prefix_blocks_requested",
+            "Block keys of routed requests.",
+            r.prefix_blocks_requested,
+        )
+        yield _counter(
+            "extproc_prefix_blocks_matched",
+            "Tier-weighted blocks the chosen endpoint held (hit ratio = matched / requested).",
+            r.prefix_blocks_matched,
+        )
+        g = gauge("extproc_inflight_requests", "Requests in flight per endpoint.", ["endpoint"])
+        t = gauge("extproc_inflight_tokens", "Estimated in-flight prompt tokens.", ["endpoint"])
+        for e in self.pool.snapshot():
+            g.add_metric([e.address], self.router.inflight.requests(e.address))
+            t.add_metric([e.address], self.router.inflight.tokens(e.address))
+        yield g
+        yield t
+        yield _gauge("extproc_endpoints", "Endpoints in the pool.", len(self.pool))
+        if self.index is not None:
+            s = self.index.stats
+            yield _counter(
+                "extproc_index_writes_dropped",
+                "Index writes dropped (queue full).",
+                s.writes_dropped,
+            )
+            yield _counter(
+                "extproc_index_write_errors", "Index write batches that failed.", s.write_errors
+            )
+        if self.subscriber is not None:
+            k = self.subscriber.stats
+            for name, doc, value in (
+                ("messages", "KV-event messages received.", k.messages),
+                ("blocks_stored", "BlockStored blocks ingested.", k.blocks_stored),
+                ("blocks_removed", "BlockRemoved blocks ingested.", k.blocks_removed),
+                ("malformed", "KV-event frames or events that could not be decoded.", k.malformed),
+                ("gaps", "KV-event sequence gaps.", k.gaps),
+                ("replayed", "KV-event batches recovered by replay.", k.replayed),
+                ("resyncs", "Endpoints rebuilt after an unrecoverable gap.", k.resyncs),
+                ("restarts", "Publisher restarts seen (sequence went back).", k.restarts),
+            ):
+                yield _counter(f"extproc_kv_events_{name}", doc, value)
+
+
+def _counter(name: str, doc: str, value: float):
+    c = counter(name, doc)
+    c.add_metric([], value)
+    return c
+
+
+def _gauge(name: str, doc: str, value: float):
+    g = gauge(name, doc)
+    g.add_metric([], value)
+    return g

@@ -7,21 +7,26 @@ in <= 62,000-byte chunks (last one end_of_stream unless trailers follow), traile
 BUFFERED: Envoy waits for each reply; headers get CONTINUE, the single body message gets the
 decision (header mutations are honoured on a body response in this mode).
 Body-less requests, and modes that never send a body, are decided at header time.
+The response headers pass through, plus what the decision sends back to the client (a session
+token; the explanation when asked for with `x-extproc-explain: 1`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+import orjson
 
 from extproc import protocol
 from extproc.core import Decision
 from extproc.errors import ExtprocError, PayloadTooLarge
 from extproc.router import Routed, Router
 from extproc.server import wire
+from extproc.server.metrics import PickerMetrics
 
 log = logging.getLogger("extproc.stream")
 
@@ -29,17 +34,40 @@ _FULL_DUPLEX = wire.BodySendMode.FULL_DUPLEX_STREAMED
 _BUFFERED = (wire.BodySendMode.BUFFERED, wire.BodySendMode.BUFFERED_PARTIAL)
 
 
+def explanation(routed: Routed) -> dict:
+    """A decision as JSON-ready data: what was chosen, every plugin's scores, what filters
+    removed, and the prefix matches the index reported."""
+    d = routed.decision
+    return {
+        "request_id": routed.request.request_id,
+        "profile": d.profile,
+        "endpoints": [e.address for e in d.endpoints],
+        "prefill": d.prefill.address if d.prefill else None,
+        "encoders": [e.address for e in d.encoders],
+        "headers": dict(d.headers),
+        "scores": {k: dict(v) for k, v in d.scores.items()},
+        "reasons": list(d.reasons),
+        "prefix_blocks": dict(routed.lookup.matches),
+        "request_blocks": len(routed.request.block_keys),
+        "index_degraded": routed.lookup.degraded,
+        "prompt_tokens": routed.request.prompt_tokens,
+    }
+
+
 class StreamHandler:
     """Serves `envoy.service.ext_proc.v3.ExternalProcessor/Process`; one call per stream."""
 
-    def __init__(self, router: Router, *, max_body_bytes: int) -> None:
+    def __init__(
+        self, router: Router, *, max_body_bytes: int, metrics: PickerMetrics | None = None
+    ) -> None:
         self._router = router
         self._max_body = max_body_bytes
+        self._metrics = metrics or PickerMetrics()
 
     async def process(
         self, requests: AsyncIterator[wire.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[wire.ProcessingResponse]:
-        state = _Stream(self._router, self._max_body)
+        state = _Stream(self._router, self._max_body, self._metrics)
         try:
             async for msg in requests:
                 for resp in await state.on_message(msg):
@@ -55,23 +83,27 @@ class _Stream:
         "body_len",
         "chunks",
         "done",
+        "explain",
         "headers",
         "max_body",
+        "metrics",
         "mode",
         "routed",
         "router",
         "subset",
     )
 
-    def __init__(self, router: Router, max_body: int) -> None:
+    def __init__(self, router: Router, max_body: int, metrics: PickerMetrics) -> None:
         self.router = router
         self.max_body = max_body
+        self.metrics = metrics
         self.mode = _FULL_DUPLEX  # what gateways use when Envoy does not say
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
         self.chunks: list[bytes] = []
         self.body_len = 0
         self.routed: Routed | None = None
+        self.explain = False
         self.done = False
 
     async def on_message(self, msg: wire.ProcessingRequest) -> list[wire.ProcessingResponse]:
@@ -87,6 +119,15 @@ class _Stream:
         # An ImmediateResponse ends the HTTP exchange; Envoy sends nothing more for it.
         self.done = True
         self.chunks = []
+        self.metrics.rejected(err.status)
+        log.info(
+            "rejected",
+            extra={
+                "request_id": self.headers.get("x-request-id"),
+                "status": err.status,
+                "code": err.code,
+            },
+        )
         extra = {protocol.DROPPED_REASON_HEADER: err.code} if err.status == 429 else None
         return [wire.error_response(err, extra)]
 
@@ -99,7 +140,7 @@ class _Stream:
         if kind == "request_trailers":
             return await self._on_request_trailers()
         if kind == "response_headers":
-            return [wire.continue_response_headers()]
+            return [self._on_response_headers()]
         if kind == "response_body":
             return [wire.continue_response_body()]
         if kind == "response_trailers":
@@ -116,6 +157,7 @@ class _Stream:
             headers.pop(name, None)
         if protocol.REQUEST_ID_HEADER not in headers:
             headers[protocol.REQUEST_ID_HEADER] = uuid.uuid4().hex
+        self.explain = headers.get(protocol.EXPLAIN_HEADER, "") in ("1", "true")
         self.headers = headers
         self.subset = wire.subset_hint(msg)
         declared = headers.get("content-length", "")
@@ -163,8 +205,26 @@ class _Stream:
 
     async def _route(self, body: bytes | None) -> Decision:
         path = self.headers.get(":path", "/")
-        self.routed = await self.router.route(path, self.headers, body, subset=self.subset)
-        return self.routed.decision
+        explain = self.explain or log.isEnabledFor(logging.DEBUG)
+        start = time.perf_counter()
+        routed = await self.router.route(
+            path, self.headers, body, subset=self.subset, explain=explain
+        )
+        self.metrics.decision_seconds.observe(time.perf_counter() - start)
+        self.metrics.routed.inc()
+        self.routed = routed
+        if explain:
+            log.debug("decision", extra={"decision": explanation(routed)})
+        return routed.decision
+
+    def _on_response_headers(self) -> wire.ProcessingResponse:
+        routed = self.routed
+        if routed is None:
+            return wire.continue_response_headers()
+        extra = dict(routed.decision.response_headers)
+        if self.explain:
+            extra[protocol.DECISION_HEADER] = orjson.dumps(explanation(routed)).decode()
+        return wire.response_headers_with(extra) if extra else wire.continue_response_headers()
 
     def close(self) -> None:
         """The stream ended, however it ended: release what the decision placed."""

@@ -92,6 +92,15 @@ def continue_response_headers() -> pb.ProcessingResponse:
     return resp
 
 
+def response_headers_with(headers: Mapping[str, str]) -> pb.ProcessingResponse:
+    """Response headers pass through with `headers` added (overwriting same-named ones)."""
+    resp = pb.ProcessingResponse()
+    mutation = resp.response_headers.response.header_mutation
+    for name, value in headers.items():
+        _set_header(mutation, name, value)
+    return resp
+
+
 def continue_request_body() -> pb.ProcessingResponse:
     resp = pb.ProcessingResponse()
     resp.request_body.SetInParent()

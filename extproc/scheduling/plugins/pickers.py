@@ -56,3 +56,36 @@ class RandomPicker:
         self, cands: Sequence[Candidate], totals: Sequence[float], limit: int
     ) -> list[Candidate]:
         return self._rng.sample(list(cands), min(limit, len(cands)))
+
+
+class WeightedRandomPicker:
+    """Random order weighted by total score (an endpoint with twice the score is twice as
+    likely to come first); spreads load while still following the scores. Zero scores are
+    picked last.
+
+    ```yaml
+    - type: weighted-random-picker
+    ```
+    """
+
+    type_name: ClassVar[str] = "weighted-random-picker"
+
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+        pass
+
+    def __init__(self, params: Params | None = None, *, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def pick(
+        self, cands: Sequence[Candidate], totals: Sequence[float], limit: int
+    ) -> list[Candidate]:
+        # Efraimidis-Spirakis: sort by u ** (1 / w) descending gives a weighted sample
+        # without replacement in one pass.
+        rnd = self._rng.random
+
+        def key(i: int) -> float:
+            w = totals[i]
+            return rnd() ** (1.0 / w) if w > 0 else -rnd()
+
+        order = sorted(range(len(cands)), key=key, reverse=True)
+        return [cands[i] for i in order[:limit]]

@@ -1,21 +1,86 @@
-"""Load scorers: prefer endpoints with less work placed on them."""
+"""Load scorers: prefer endpoints with less work queued, running or placed on them.
+
+Scores computed from scraped metrics treat stale or never-scraped figures as the worst case
+(0.0): an endpoint whose metrics stopped arriving is probably in trouble, and it should not
+win on numbers we no longer believe.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 
 from extproc.core import Candidate, InferenceRequest
 
+# Scraped figures older than this are not trusted (the reference picker's threshold).
+STALE_AFTER_S = 0.2
+
+
+def is_fresh(c: Candidate, stale_after_s: float = STALE_AFTER_S) -> bool:
+    age = c.state.age_s
+    return age is not None and age <= stale_after_s
+
+
+def lower_is_better(values: Sequence[float]) -> list[float]:
+    """Min-max normalisation: the smallest value scores 1.0, the largest 0.0; all 1.0 when
+    they are equal (nothing to prefer)."""
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return [1.0] * len(values)
+    span = hi - lo
+    return [(hi - v) / span for v in values]
+
+
+class _NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class QueueScorer:
+    """Prefers short queues (`vllm:num_requests_waiting`), min-max normalised over the
+    candidates; stale endpoints score 0.
+
+    ```yaml
+    - type: queue-scorer
+    ```
+    """
+
+    type_name: ClassVar[str] = "queue-scorer"
+    Params = _NoParams
+
+    def __init__(self, params: _NoParams | None = None) -> None:
+        pass
+
+    def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
+        fresh = [is_fresh(c) for c in cands]
+        scores = lower_is_better([c.state.waiting for c in cands])
+        return [s if f else 0.0 for s, f in zip(scores, fresh, strict=True)]
+
+
+class KVCacheUtilizationScorer:
+    """Prefers free KV cache: `1 - kv_usage` (usage is a 0..1 fraction); stale endpoints
+    score 0.
+
+    ```yaml
+    - type: kv-cache-utilization-scorer
+    ```
+    """
+
+    type_name: ClassVar[str] = "kv-cache-utilization-scorer"
+    Params = _NoParams
+
+    def __init__(self, params: _NoParams | None = None) -> None:
+        pass
+
+    def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
+        return [min(1.0, max(0.0, 1.0 - c.state.kv_usage)) if is_fresh(c) else 0.0 for c in cands]
+
 
 class ActiveRequestScorer:
-    """Prefers endpoints with fewer in-flight requests placed by the pickers.
-
-    Score is 1.0 for the least-loaded candidate(s), 0.0 for the most loaded, linear between
-    (all 1.0 when loads are equal). In-flight counts are updated at the decision, so a burst
-    spreads even before any model-server metrics move.
+    """Prefers endpoints with fewer in-flight requests placed by the pickers, min-max
+    normalised. In-flight counts move at the decision, so a burst spreads before any
+    model-server metric can.
 
     ```yaml
     - type: active-request-scorer
@@ -23,17 +88,97 @@ class ActiveRequestScorer:
     """
 
     type_name: ClassVar[str] = "active-request-scorer"
+    Params = _NoParams
 
-    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-        pass
-
-    def __init__(self, params: Params | None = None) -> None:
+    def __init__(self, params: _NoParams | None = None) -> None:
         pass
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
-        loads = [c.state.inflight_requests for c in cands]
-        lo, hi = min(loads), max(loads)
-        if hi == lo:
+        return lower_is_better([c.state.inflight_requests for c in cands])
+
+
+class TokenLoadScorer:
+    """Prefers endpoints with fewer estimated in-flight prompt tokens (a long prompt weighs
+    more than a short one), min-max normalised.
+
+    ```yaml
+    - type: token-load-scorer
+    ```
+    """
+
+    type_name: ClassVar[str] = "token-load-scorer"
+    Params = _NoParams
+
+    def __init__(self, params: _NoParams | None = None) -> None:
+        pass
+
+    def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
+        return lower_is_better([c.state.inflight_tokens for c in cands])
+
+
+class LoadAwareScorer:
+    """An absolute load score: 1.0 for an idle endpoint, falling linearly to 0.0 when
+    waiting requests plus the in-flight requests beyond those already running reach
+    `threshold`. Unlike min-max scorers it does not exaggerate tiny differences between
+    lightly loaded endpoints. Stale endpoints score 0.
+
+    ```yaml
+    - type: load-aware-scorer
+      parameters: {threshold: 128}
+    ```
+    """
+
+    type_name: ClassVar[str] = "load-aware-scorer"
+
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+        threshold: Annotated[int, msgspec.Meta(gt=0)] = 128
+
+    def __init__(self, params: Params | None = None) -> None:
+        self._threshold = (params or self.Params()).threshold
+
+    def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
+        t = self._threshold
+        out = []
+        for c in cands:
+            if not is_fresh(c):
+                out.append(0.0)
+                continue
+            s = c.state
+            # In-flight requests the server has not yet reported as running are queued work.
+            load = s.waiting + max(0, s.inflight_requests - s.running)
+            out.append(1.0 - min(load, t) / t)
+        return out
+
+
+class LoraAffinityScorer:
+    """For requests naming a LoRA adapter: 1.0 where it is already running, 0.8 where it is
+    waiting to load, 0.6 where there is a free adapter slot, 0.0 otherwise. Requests without
+    an adapter score 1.0 everywhere (no preference).
+
+    ```yaml
+    - type: lora-affinity-scorer
+    ```
+    """
+
+    type_name: ClassVar[str] = "lora-affinity-scorer"
+    Params = _NoParams
+
+    def __init__(self, params: _NoParams | None = None) -> None:
+        pass
+
+    def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
+        adapter = req.lora_adapter
+        if not adapter:
             return [1.0] * len(cands)
-        span = hi - lo
-        return [(hi - n) / span for n in loads]
+        out = []
+        for c in cands:
+            s = c.state
+            if adapter in s.running_adapters:
+                out.append(1.0)
+            elif adapter in s.waiting_adapters:
+                out.append(0.8)
+            elif s.max_adapters is None or len(s.running_adapters) < s.max_adapters:
+                out.append(0.6)
+            else:
+                out.append(0.0)
+        return out

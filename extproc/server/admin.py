@@ -1,0 +1,66 @@
+"""The admin HTTP port (default 9090): Prometheus `/metrics`, and the read-only debug API
+that `extproc explain` calls (`POST /debug/explain` replays a request against this picker's
+live state without routing it; `GET /debug/state` shows endpoints and their figures)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import orjson
+from aiohttp import web
+
+from extproc.errors import ExtprocError
+from extproc.router import Router
+from extproc.server.metrics import PickerMetrics
+from extproc.server.stream import explanation
+
+EXPLAIN_PATH_HEADER = "x-extproc-path"
+
+
+def make_admin_app(router: Router, metrics: PickerMetrics) -> web.Application:
+    async def get_metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            body=metrics.exposition(), headers={"content-type": "text/plain; version=0.0.4"}
+        )
+
+    async def explain(request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        path = headers.get(EXPLAIN_PATH_HEADER, "/v1/chat/completions")
+        headers[":path"] = path
+        try:
+            routed = await router.route(path, headers, body, explain=True, place=False)
+        except ExtprocError as err:
+            return web.json_response(
+                {"error": {"message": err.message, "code": err.code}}, status=err.status
+            )
+        return web.Response(body=orjson.dumps(explanation(routed)), content_type="application/json")
+
+    async def state(request: web.Request) -> web.Response:
+        inflight = router.inflight
+        rows = []
+        for e in router.pool.snapshot():
+            s = router.states.state(
+                e.address, inflight.requests(e.address), inflight.tokens(e.address)
+            )
+            rows.append(
+                {
+                    "address": e.address,
+                    "name": e.name,
+                    "labels": dict(e.labels),
+                    "state": {
+                        k: (sorted(v) if isinstance(v, frozenset) else v)
+                        for k, v in dataclasses.asdict(s).items()
+                    },
+                }
+            )
+        return web.Response(
+            body=orjson.dumps({"endpoints": rows, "decisions": router.stats.decisions}),
+            content_type="application/json",
+        )
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_get("/metrics", get_metrics)
+    app.router.add_post("/debug/explain", explain)
+    app.router.add_get("/debug/state", state)
+    return app
