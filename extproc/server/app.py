@@ -95,6 +95,7 @@ class App:
         self._health_server: grpc.aio.Server | None = None
         self._admin: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._exits = contextlib.AsyncExitStack()
         self._stopped = asyncio.Event()
         self._stopping = False
         self.port = 0
@@ -170,7 +171,9 @@ class App:
             protocol.EXT_PROC_SERVICE, {"Process": method}
         )
         if self.index is not None:
-            self.spawn("index", self.index.run)
+            # The index owns its writer loop; entering warms Redis up (scripts, slot map) so
+            # the first lookups fit their budget, and leaving flushes queued writes.
+            await self._exits.enter_async_context(self.index)  # type: ignore[arg-type]
         if self.subscriber is not None:
             self.spawn("kv-events", self.subscriber.run)
         self._server = grpc.aio.server(options=_SERVER_OPTIONS)
@@ -223,8 +226,7 @@ class App:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self.index is not None:
-            await self.index.aclose()
+        await self._exits.aclose()
         self._stopped.set()
 
     async def __aexit__(self, *exc: object) -> None:

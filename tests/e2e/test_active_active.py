@@ -1,0 +1,121 @@
+"""Two picker processes sharing one Redis index: active-active without losing affinity, and
+routing that never stops while Redis is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from extproc.stack import free_port, grpc_health_status, wait_until
+from extproc.testing import ExtProcClient, body_chunks, destination, post, request_headers
+from tests.index.conftest import RedisServer, redis_server  # noqa: F401 - fixture
+
+ENDPOINTS = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000"
+SYSTEM = "You are a meticulous assistant. " * 80  # ~2.5 KB: several prefix blocks
+
+
+def chat(conversation: int, turns: int) -> bytes:
+    messages = [{"role": "system", "content": f"Conversation {conversation}. " + SYSTEM}]
+    for t in range(turns):
+        messages.append(
+            {"role": "user", "content": f"Question {t} of conversation {conversation}?"}
+        )
+        if t < turns - 1:
+            messages.append({"role": "assistant", "content": f"Answer {t}. " * 20})
+    return orjson.dumps({"model": "m", "messages": messages})
+
+
+class Picker:
+    def __init__(self, redis_url: str) -> None:
+        self.port, self.health = free_port(), free_port()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "extproc",
+                "serve",
+                "--endpoints",
+                ENDPOINTS,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--health-port",
+                str(self.health),
+                "--admin-port",
+                "0",
+                "--redis-url",
+                redis_url,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_until(
+            lambda: grpc_health_status(self.health, "readiness") == 1,
+            timeout_s=20,
+            what="picker",
+            proc=self.proc,
+        )
+
+    async def route(self, body: bytes) -> str:
+        async with ExtProcClient(f"127.0.0.1:{self.port}") as c:
+            out = await c.exchange(
+                [request_headers(post("/v1/chat/completions")), *body_chunks(body)]
+            )
+        dest = destination(out[0])
+        assert dest is not None, out[0]
+        return dest
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=15)
+
+
+@pytest.fixture
+def pickers(redis_server: RedisServer) -> Iterator[tuple[Picker, Picker]]:  # noqa: F811
+    a, b = Picker(redis_server.url), Picker(redis_server.url)
+    try:
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+async def test_next_turn_routed_by_the_other_replica_lands_on_the_same_endpoint(pickers):
+    a, b = pickers
+    firsts = []
+    for conv in range(8):
+        first = await a.route(chat(conv, 1))
+        firsts.append(first)
+        await asyncio.sleep(0.2)  # the decision reaches Redis off the hot path
+        assert await b.route(chat(conv, 2)) == first
+        assert await a.route(chat(conv, 3)) == first
+    assert len(set(firsts)) > 1, "new conversations spread over endpoints"
+
+
+async def test_routing_never_stops_while_redis_is_down(pickers, redis_server):  # noqa: F811
+    a, b = pickers
+    await a.route(chat(0, 1))
+    redis_server.kill()
+    for conv in range(10):
+        assert await a.route(chat(conv, 1)) in ENDPOINTS.split(",")
+        assert await b.route(chat(conv, 2)) in ENDPOINTS.split(",")
+    redis_server.start()
+
+    # Affinity returns by itself once Redis is back.
+    async def sticky() -> bool:
+        first = await a.route(chat(99, 1))
+        await asyncio.sleep(0.2)
+        return await b.route(chat(99, 2)) == first
+
+    for _ in range(50):
+        if await sticky() and await sticky() and await sticky():
+            break
+        await asyncio.sleep(0.2)
+    else:
+        pytest.fail("affinity did not come back after Redis restarted")
