@@ -10,7 +10,7 @@ decode, prefill and encode profiles for disaggregated serving).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -73,8 +73,11 @@ class ProfileResult:
     reasons: tuple[str, ...]
 
 
-ProfileRunner = Callable[[str], ProfileResult]
-"""Runs the named profile over the request's candidates (handlers call this)."""
+class ProfileRunner(Protocol):
+    """Runs the named profile over the request's candidates (handlers call this); `limit`
+    overrides how many candidates the picker returns (default: pick + fallbacks)."""
+
+    def __call__(self, name: str, limit: int | None = None) -> ProfileResult: ...
 
 
 @runtime_checkable
@@ -102,7 +105,7 @@ class WeightedScorer:
 @dataclass(frozen=True, slots=True)
 class NamedFilter:
     name: str
-    filter: Filter
+    plugin: Filter
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +123,7 @@ class Profile:
         reasons: list[str] = []
         for f in self.filters:
             before = cands
-            cands = f.filter(req, cands)
+            cands = f.plugin.filter(req, cands)
             if explain and len(cands) != len(before):
                 kept = {id(c) for c in cands}
                 removed = [c.endpoint.address for c in before if id(c) not in kept]
@@ -180,8 +183,8 @@ class Scheduler:
         """An empty `Decision.endpoints` means nothing was eligible; the caller decides what
         that means (503, shed, ...)."""
 
-        def run(name: str) -> ProfileResult:
-            return self._profiles[name].run(req, cands, limit=self._limit, explain=explain)
+        def run(name: str, limit: int | None = None) -> ProfileResult:
+            return self._profiles[name].run(req, cands, limit=limit or self._limit, explain=explain)
 
         decision = self._handler.handle(req, cands, self._names, run)
         if self._responders and decision.endpoints:

@@ -110,10 +110,10 @@ class DisaggProfileHandler:
                 reasons.append(f"prefill skipped: {uncached} uncached tokens <= {p.threshold}")
 
         if req.has_media and p.encode_profile in profiles:
-            result = run(p.encode_profile)
+            result = run(p.encode_profile, p.max_encoders)
             scores.update(result.scores)
             reasons.extend(result.reasons)
-            encoders = tuple(c.endpoint for c in result.chosen[: p.max_encoders])
+            encoders = tuple(c.endpoint for c in result.chosen)
             if encoders:
                 headers[ENCODERS_HEADER] = ",".join(e.address for e in encoders)
 
