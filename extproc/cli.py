@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -41,17 +42,32 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
     endpoints = settings.endpoints
     if args.endpoints:
         endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
+    discovery = settings.discovery
+    found = {
+        k: v
+        for k, v in (
+            ("inference_pool", args.inference_pool),
+            ("namespace", args.namespace),
+            ("kubeconfig", args.kubeconfig),
+            ("endpoints_file", args.endpoints_file),
+        )
+        if v
+    }
+    if found:
+        discovery = msgspec.structs.replace(discovery, **found)
     index = settings.index
     if args.redis_url:
         index = msgspec.structs.replace(index, backend="redis", redis_url=args.redis_url)
-    return msgspec.structs.replace(settings, server=server, endpoints=endpoints, index=index)
+    return msgspec.structs.replace(
+        settings, server=server, endpoints=endpoints, index=index, discovery=discovery
+    )
 
 
 async def _serve(settings: Settings) -> None:
     from extproc.server.app import App
 
     endpoints = parse_endpoints(",".join(settings.endpoints))
-    async with App(settings, endpoints) as app:
+    async with App(settings, endpoints, environ=os.environ) as app:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(app.stop()))
@@ -155,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="address to bind (default 0.0.0.0)")
     s.add_argument("--admin-port", type=int, help="metrics + debug API port (default 9090)")
     s.add_argument("--redis-url", help="share the KV-block index and in-flight load in Redis")
+    s.add_argument("--inference-pool", help="watch this Kubernetes InferencePool for endpoints")
+    s.add_argument("--namespace", help="the InferencePool's namespace (default: the pod's)")
+    s.add_argument("--kubeconfig", help="kubeconfig to use outside a cluster")
+    s.add_argument("--endpoints-file", help="YAML/JSON endpoint list, re-read on change")
     s.add_argument("--config", help="YAML settings or an llm-d EndpointPickerConfig")
     s.set_defaults(func=cmd_serve)
 

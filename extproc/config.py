@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from extproc.endpoints.scrape import ScrapeSettings
+from extproc.endpoints.shared_inflight import SharedInFlightSettings
 from extproc.errors import ConfigError, format_path
 from extproc.requests import ParseSettings
 from extproc.scheduling.config import EndpointPickerConfig, build_scheduler, default_config
@@ -84,21 +86,37 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Live endpoint state. `scrape`: poll each endpoint's `/metrics` every
-    `scrape_interval_s` (timeout `scrape_timeout_s`); figures older than `stale_after_s` are
-    scored as unknown. `shared_inflight`: with a Redis index, in-flight counts are shared by
-    every picker process and replica."""
+    """Live endpoint state.
 
-    scrape: bool = True
-    scrape_interval_s: _PositiveS = 0.05
-    scrape_timeout_s: _PositiveS = 0.2
-    stale_after_s: _PositiveS = 0.2
-    metrics_path: str = "/metrics"
-    shared_inflight: bool = True
+    `scrape`: poll each endpoint's `/metrics` (None turns scraping off: load is then known
+    from in-flight counts only). `shared_inflight`: with a Redis index, in-flight counts are
+    shared by every picker process and replica through Redis (None keeps them per process).
+    `exclude_failing`: endpoints whose last scrape failed get no new requests while any other
+    endpoint is healthy (a dead server stops receiving traffic within one scrape interval).
+    """
+
+    scrape: ScrapeSettings | None = ScrapeSettings()
+    shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
+    exclude_failing: bool = True
+
+
+class DiscoverySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where endpoints come from, besides the static `endpoints` list.
+
+    `inference_pool` (+ `namespace`, default: the pod's own; `kubeconfig` outside a cluster):
+    watch that InferencePool and its Ready pods. `endpoints_file`: a YAML/JSON list of
+    `ip:port` or `{address, name, labels}`, re-read when it changes.
+    """
+
+    inference_pool: str | None = None
+    namespace: str | None = None
+    kubeconfig: str | None = None
+    endpoints_file: str | None = None
 
 
 class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     endpoints: list[str] = msgspec.field(default_factory=list)
+    discovery: DiscoverySettings = DiscoverySettings()
     server: ServerSettings = ServerSettings()
     parse: ParseSettings = ParseSettings()
     index: IndexSettings = IndexSettings()

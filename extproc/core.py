@@ -136,7 +136,8 @@ class EndpointState:
     """Live load figures for one endpoint.
 
     `kv_usage` is a 0..1 fraction. `age_s` is seconds since the figures were scraped
-    (`None` means never scraped). In-flight counts are those placed by pickers (all picker
+    (`None` means never scraped); `is_stale` says they are too old to trust (or missing), by
+    the configured threshold. In-flight counts are those placed by pickers (all picker
     processes, when state is shared) and not yet finished. `kv_block_size` / `kv_blocks` are
     the engine's cache config (tokens per block, GPU blocks); adapters are LoRA names.
     """
@@ -147,6 +148,7 @@ class EndpointState:
     inflight_requests: int = 0
     inflight_tokens: int = 0
     age_s: float | None = None
+    is_stale: bool = True
     kv_block_size: int | None = None
     kv_blocks: int | None = None
     max_adapters: int | None = None

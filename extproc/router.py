@@ -16,7 +16,7 @@ from typing import Protocol
 
 from extproc.core import Candidate, Decision, EndpointState, InferenceRequest
 from extproc.endpoints import EndpointPool, InFlight
-from extproc.endpoints.inflight import Placement
+from extproc.endpoints.inflight import InFlightCounter, Placement
 from extproc.errors import NoEndpoints
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import EMPTY, KVIndex, Lookup
@@ -69,20 +69,22 @@ class Router:
         pool: EndpointPool,
         scheduler: Scheduler,
         parser: Parser,
-        inflight: InFlight | None = None,
+        inflight: InFlightCounter | None = None,
         index: KVIndex | None = None,
         precise: PreciseKeys | None = None,
         states: StateSource | None = None,
+        is_failing: Callable[[str], bool] | None = None,
         record_decisions: bool = True,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
-        self.inflight = inflight or InFlight()
+        self.inflight: InFlightCounter = inflight or InFlight()
         self.index = index
         self.states = states or InFlightOnly()
         self.stats = RouterStats()
         self._parse = parser
         self._precise = precise
+        self._is_failing = is_failing
         self._record = record_decisions and index is not None
 
     async def route(
@@ -107,6 +109,13 @@ class Router:
             endpoints = tuple(e for e in endpoints if e.address in subset)
         if not endpoints:
             raise NoEndpoints("no model-server endpoint is eligible for this request")
+        failing = self._is_failing
+        if failing is not None:
+            # A server that stopped answering its metrics is probably gone; route around it,
+            # unless every endpoint looks that way (then metrics are the problem, not them).
+            healthy = tuple(e for e in endpoints if not failing(e.address))
+            if healthy:
+                endpoints = healthy
         lookup = EMPTY
         if self.index is not None and request.block_keys:
             lookup = await self.index.lookup(request.block_keys)

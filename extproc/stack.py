@@ -225,6 +225,23 @@ class Stack:
             proc=proc,
         )
 
+    def picker_healthy_in_envoy(self) -> int:
+        """How many picker hosts Envoy's health checks currently pass."""
+        name = "cluster.extproc.membership_healthy"
+        return self.envoy_stats(name).get(name, 0)
+
+    def wait_picker_healthy(self, timeout_s: float = 10.0) -> None:
+        """Wait until Envoy's health checks see the picker after a (re)start: a health check
+        that passed after this call, and the host counted healthy."""
+        name = "cluster.extproc.health_check.success"
+        before = self.envoy_stats(name).get(name, 0)
+        wait_until(
+            lambda: self.envoy_stats(name).get(name, 0) > before
+            and self.picker_healthy_in_envoy() > 0,
+            timeout_s=timeout_s,
+            what="picker healthy in envoy",
+        )
+
     def envoy_stats(self, prefix: str = "") -> dict[str, int]:
         text = httpx.get(
             f"http://127.0.0.1:{self.admin_port}/stats", params={"filter": prefix}, timeout=2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,6 +14,17 @@ class Placement:
 
     address: str
     tokens: int
+
+
+class InFlightCounter(Protocol):
+    """What the router needs from in-flight accounting: synchronous, never awaiting, so the
+    hot path cannot stall on a shared store (`SharedInFlight` syncs in the background)."""
+
+    def acquire(self, address: str, tokens: int) -> Placement: ...
+    def release(self, placement: Placement) -> None: ...
+    def requests(self, address: str) -> int: ...
+    def tokens(self, address: str) -> int: ...
+    def total(self) -> int: ...
 
 
 class InFlight:

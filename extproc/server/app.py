@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import grpc
 from aiohttp import web
@@ -21,6 +21,9 @@ from extproc import protocol
 from extproc.config import Settings, build_configured_scheduler
 from extproc.core import Endpoint
 from extproc.endpoints import EndpointPool, InFlight
+from extproc.endpoints.scrape import MetricsScraper
+from extproc.endpoints.shared_inflight import SharedInFlight
+from extproc.endpoints.state import EndpointStates
 from extproc.errors import ConfigError
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import IndexOptions, KVIndex
@@ -65,8 +68,17 @@ def build_index(settings: Settings) -> KVIndex | None:
 
 
 class App:
-    def __init__(self, settings: Settings, endpoints: Sequence[Endpoint]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        endpoints: Sequence[Endpoint],
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        """`environ` is only read for Kubernetes credentials (in-cluster service account or
+        $KUBECONFIG); the CLI passes the process environment."""
         self.settings = settings
+        self._environ = dict(environ or {})
         precise_cfg = settings.parse.precise
         if settings.index.kv_events is not None and precise_cfg is None:
             raise ConfigError(
@@ -80,13 +92,30 @@ class App:
             record = settings.index.kv_events is None
         self.pool = EndpointPool(endpoints)
         self.metrics = PickerMetrics()
+        state = settings.state
+        self.states = EndpointStates(
+            stale_after_s=state.scrape.stale_after_s if state.scrape else 0.2
+        )
+        self.scraper = (
+            MetricsScraper(self.pool, self.states, state.scrape) if state.scrape else None
+        )
+        self.inflight: InFlight | SharedInFlight = InFlight()
+        if settings.index.backend == "redis" and state.shared_inflight is not None:
+            assert settings.index.redis_url is not None  # build_index checked it
+            self.inflight = SharedInFlight.from_url(
+                settings.index.redis_url,
+                cluster=settings.index.cluster,
+                settings=state.shared_inflight,
+            )
         self.router = Router(
             pool=self.pool,
             scheduler=build_configured_scheduler(settings),
             parser=functools.partial(parse_request, settings=settings.parse),
-            inflight=InFlight(),
+            inflight=self.inflight,
             index=self.index,
             precise=self.precise,
+            states=self.states if self.scraper else None,
+            is_failing=self.scraper.is_failing if self.scraper and state.exclude_failing else None,
             record_decisions=record,
         )
         self.subscriber = self._build_subscriber()
@@ -96,6 +125,8 @@ class App:
         self._admin: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._exits = contextlib.AsyncExitStack()
+        self._watches: list = []  # discovery loops, each with a `synced` event
+        self._endpoints_changed = asyncio.Event()
         self._stopped = asyncio.Event()
         self._stopping = False
         self.port = 0
@@ -126,10 +157,23 @@ class App:
         replay = f"tcp://{host}:{ev.replay_port}" if ev.replay_port else None
         return EventSource(e.address, f"tcp://{host}:{ev.port}", replay_url=replay)
 
-    async def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
-        """Discovery's callback: swap the pool, follow KV events, forget endpoints that left."""
-        before = {e.address for e in self.pool.snapshot()}
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        """Discovery's callback: swap the pool now (the next request sees it); follow-up work
+        that needs awaiting runs in the reconcile loop."""
         self.pool.replace(endpoints)
+        self._endpoints_changed.set()
+
+    async def _reconcile(self) -> None:
+        """Follow pool changes: KV-event subscriptions, index entries of endpoints that left,
+        readiness."""
+        known = {e.address for e in self.pool.snapshot()}
+        while True:
+            await self._endpoints_changed.wait()
+            self._endpoints_changed.clear()
+            known = await self._apply_endpoints(known)
+
+    async def _apply_endpoints(self, before: set[str]) -> set[str]:
+        endpoints = self.pool.snapshot()
         after = {e.address for e in endpoints}
         if self.subscriber is not None and self.settings.index.kv_events.bind is None:  # type: ignore[union-attr]
             for e in endpoints:
@@ -140,7 +184,46 @@ class App:
         if self.index is not None:
             for gone in before - after:
                 await self.index.remove_endpoint(gone)
-        await self.health.set_ready(len(self.pool) > 0 and not self._stopping)
+        await self.health.set_ready(self._ready())
+        return after
+
+    def _ready(self) -> bool:
+        """Ready once endpoints are known (discovery has synced) and while not draining."""
+        synced = all(w.synced.is_set() for w in self._watches)
+        return synced and len(self.pool) > 0 and not self._stopping
+
+    async def _start_discovery(self) -> None:
+        d = self.settings.discovery
+        if d.endpoints_file:
+            from extproc.endpoints.filewatch import EndpointFileWatch, load_endpoint_file
+
+            self.pool.replace(load_endpoint_file(d.endpoints_file))
+            watch = EndpointFileWatch(d.endpoints_file, self.set_endpoints)
+            self._watches.append(watch)
+            watch.synced.set()  # loaded above
+            self.spawn("endpoints-file", watch.run)
+        if d.inference_pool:
+            from extproc.endpoints.kubernetes import (
+                ApiServer,
+                InferencePoolWatch,
+                in_cluster_namespace,
+            )
+
+            namespace = d.namespace or in_cluster_namespace()
+            if not namespace:
+                raise ConfigError(
+                    "needed outside a cluster (--namespace)", path=("discovery", "namespace")
+                )
+            api = await ApiServer.load(self._environ, kubeconfig=d.kubeconfig)
+            k8s = InferencePoolWatch(api, namespace, d.inference_pool, self.set_endpoints)
+            self._watches.append(k8s)
+            self.spawn("inferencepool-watch", k8s.run)
+            self.spawn("readiness", self._ready_when_synced)
+
+    async def _ready_when_synced(self) -> None:
+        for w in self._watches:
+            await w.synced.wait()
+        self._endpoints_changed.set()
 
     def spawn(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
         """Run a background loop until stop; a crash is logged, never silent."""
@@ -174,6 +257,14 @@ class App:
             # The index owns its writer loop; entering warms Redis up (scripts, slot map) so
             # the first lookups fit their budget, and leaving flushes queued writes.
             await self._exits.enter_async_context(self.index)  # type: ignore[arg-type]
+        await self._start_discovery()
+        self.spawn("endpoints", self._reconcile)
+        if self.scraper is not None:
+            self.spawn("metrics-scraper", self.scraper.run)
+        if isinstance(self.inflight, SharedInFlight):
+            self.spawn("shared-inflight", self.inflight.run)
+            # Closed after the loops stop: withdraws this process's load from Redis at once.
+            self._exits.push_async_callback(self.inflight.aclose)
         if self.subscriber is not None:
             self.spawn("kv-events", self.subscriber.run)
         self._server = grpc.aio.server(options=_SERVER_OPTIONS)
@@ -191,7 +282,7 @@ class App:
             site = web.TCPSite(self._admin, cfg.host, cfg.admin_port)
             await site.start()
             self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        await self.health.set_ready(len(self.pool) > 0)
+        await self.health.set_ready(self._ready())
         log.info(
             "serving",
             extra={

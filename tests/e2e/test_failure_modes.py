@@ -22,6 +22,7 @@ def test_fail_closed_by_default_and_recovers_when_the_picker_returns():
         stack.stop_extproc(signal.SIGKILL)
         assert statuses(stack, 5) == [500] * 5
         stack.start_extproc()
+        stack.wait_picker_healthy()  # Envoy health-checks the picker every second
         assert statuses(stack, 3) == [200] * 3
 
 

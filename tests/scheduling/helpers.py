@@ -38,6 +38,7 @@ def cand(
     if role is not None:
         lab["llm-d.ai/role"] = role
     state.setdefault("age_s", 0.01)
+    state.setdefault("is_stale", state["age_s"] is None or state["age_s"] > 0.2)  # type: ignore[operator]
     return Candidate(Endpoint(addr, labels=lab), EndpointState(**state), prefix)  # type: ignore[arg-type]
 
 

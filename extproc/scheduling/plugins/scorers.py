@@ -14,13 +14,9 @@ import msgspec
 
 from extproc.core import Candidate, InferenceRequest
 
-# Scraped figures older than this are not trusted (the reference picker's threshold).
-STALE_AFTER_S = 0.2
 
-
-def is_fresh(c: Candidate, stale_after_s: float = STALE_AFTER_S) -> bool:
-    age = c.state.age_s
-    return age is not None and age <= stale_after_s
+def is_fresh(c: Candidate) -> bool:
+    return not c.state.is_stale
 
 
 def lower_is_better(values: Sequence[float]) -> list[float]:

@@ -1,0 +1,316 @@
+"""One simulated vLLM engine: admission (FCFS, a max batch, KV-block capacity), the prefix
+cache and encoder cache consulted at admission, prefill served one request at a time at the
+`timing` rates, then decode at a batch-dependent rate. The HTTP layer (`server`) turns the
+token chunks `generate` yields into OpenAI responses.
+
+Owned by one event loop; `generate` is the only coroutine and may be cancelled at any point
+(a client that hangs up): its blocks and batch slot are given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
+
+from extproc.errors import BadRequest
+from extproc.sim.blocks import BlockInfo, chain_blocks
+from extproc.sim.cache import CacheEvent, Hit, KVCache, PhysicalBlock
+from extproc.sim.encoder import EncoderCache
+from extproc.sim.metrics import EngineStats, Gauges
+from extproc.sim.timing import TimingSettings
+from extproc.sim.tokens import PromptTokens, SimTokenizer, media_len
+
+_Positive = Annotated[int, msgspec.Meta(gt=0)]
+
+
+class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One engine's shape (vLLM flag in brackets).
+
+    - `model` ("tiny"): the served model name [--served-model-name].
+    - `block_size` (16) tokens per KV block [--block-size]; `num_gpu_blocks` (8192) blocks
+      of KV capacity [--num-gpu-blocks-override]; `num_cpu_blocks` (0 = no CPU tier).
+    - `max_num_seqs` (256): requests admitted at once [--max-num-seqs]; the rest wait.
+    - `max_model_len` (8192): prompt + output tokens allowed [--max-model-len].
+    - `encoder_cache_items` (2048): media items whose encoder output is kept.
+    - `seed` (0): output tokens are a function of (seed, request seed or prompt).
+    - `min_tick_s` (0.005): wall seconds between token emissions at least; tokens due in
+      between go out together (each still its own SSE chunk), bounding CPU per stream.
+    """
+
+    model: str = "tiny"
+    block_size: _Positive = 16
+    num_gpu_blocks: _Positive = 8192
+    num_cpu_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_num_seqs: _Positive = 256
+    max_model_len: _Positive = 8192
+    encoder_cache_items: Annotated[int, msgspec.Meta(ge=0)] = 2048
+    seed: int = 0
+    min_tick_s: Annotated[float, msgspec.Meta(gt=0)] = 0.005
+    timing: TimingSettings = TimingSettings()
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One generation: prompt ids, `max_tokens` (>= 1) to produce, and what keys its cache
+    blocks. `stream` only changes how often the engine wakes up."""
+
+    tokens: PromptTokens
+    max_tokens: int
+    cache_salt: str | None = None
+    seed: int | None = None
+    stream: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Tokens produced since the previous chunk; `cached_tokens` is the prefix hit."""
+
+    token_ids: list[int]
+    cached_tokens: int
+
+
+class _State(enum.Enum):
+    NEW = 0
+    QUEUED = 1  # not admitted yet (batch full or no KV room)
+    ADMITTED = 2  # blocks held, its prefill waits behind others: vLLM still says "waiting"
+    RUNNING = 3
+    DONE = 4
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    job: Job
+    chain: list[BlockInfo]
+    extra_keys: list[list[str | int]] | None
+    total_blocks: int
+    admitted: asyncio.Future[None]
+    state: _State = _State.NEW
+    held: list[PhysicalBlock] = field(default_factory=list)
+    hit: Hit = field(default_factory=lambda: Hit(0, 0))
+    filled: int = 0
+    generated: list[int] = field(default_factory=list)
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
+
+
+class Engine:
+    """See the module docstring. `on_events` receives each batch of cache events (one per
+    scheduling pass, evictions first), e.g. `KVEventPublisher.publish`."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        tokenizer: SimTokenizer,
+        on_events: Callable[[Sequence[CacheEvent]], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.cache = KVCache(settings.num_gpu_blocks, settings.block_size, settings.num_cpu_blocks)
+        self.encoder = EncoderCache(settings.encoder_cache_items)
+        self.stats = EngineStats(settings.max_model_len)
+        self._on_events = on_events
+        self._timing = settings.timing
+        self._queue: deque[_Seq] = deque()
+        self._admitted = 0
+        self._counts = dict.fromkeys(_State, 0)
+        self._lane_free_at = 0.0
+
+    def gauges(self) -> Gauges:
+        waiting = self._counts[_State.QUEUED] + self._counts[_State.ADMITTED]
+        return Gauges(self._counts[_State.RUNNING], waiting, self.cache.usage)
+
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """Raises `BadRequest` (vLLM's wording) for a request this engine can never serve."""
+        s = self.settings
+        if prompt_len + max_tokens > s.max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {s.max_model_len} tokens. However, "
+                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+                f"messages, {max_tokens} in the completion). Please reduce the length of "
+                "the messages or completion."
+            )
+        if self.cache.blocks_for(prompt_len + max_tokens - 1) > s.num_gpu_blocks:
+            raise BadRequest(
+                f"The request needs {prompt_len + max_tokens} tokens of KV cache but this "
+                f"server holds {s.num_gpu_blocks * s.block_size}."
+            )
+
+    def reset_prefix_cache(self) -> None:
+        self.cache.reset()
+        self._flush()
+
+    async def generate(self, job: Job) -> AsyncIterator[Chunk]:
+        """Yields the first token at TTFT, then decoded tokens until `max_tokens`."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        ids = job.tokens.ids
+        self.check(len(ids), job.max_tokens)
+        bs = self.settings.block_size
+        extras = job.tokens.extra_keys(bs, job.cache_salt)
+        seq = _Seq(
+            job=job,
+            chain=chain_blocks(ids, bs, self.settings.model, extras),
+            extra_keys=extras,
+            total_blocks=self.cache.blocks_for(len(ids) + job.max_tokens - 1),
+            admitted=loop.create_future(),
+        )
+        self._move(seq, _State.QUEUED)
+        self._queue.append(seq)
+        try:
+            self._admit()
+            await seq.admitted
+            await _sleep_until(loop, seq.prefill_start)
+            self._move(seq, _State.RUNNING)
+            self.stats.queue_time.observe(seq.prefill_start - t0)
+            await _sleep_until(loop, seq.prefill_end)
+            self.stats.prefill_time.observe(seq.prefill_end - seq.prefill_start)
+            cached = (seq.hit.gpu + seq.hit.cpu) * bs
+            rng = random.Random(self._seed(job))
+            first = self.tokenizer.sample(rng, 1)
+            self._emit(seq, first)
+            self.stats.ttft.observe(loop.time() - t0)
+            yield Chunk(first, cached)
+            async for tokens in self._decode(seq, rng):
+                yield Chunk(tokens, cached)
+            self.stats.finished["length"] += 1
+            self.stats.decode_time.observe(loop.time() - seq.prefill_end)
+            self.stats.e2e.observe(loop.time() - t0)
+        finally:
+            self._finish(seq)
+
+    async def _decode(self, seq: _Seq, rng: random.Random) -> AsyncIterator[list[int]]:
+        loop = asyncio.get_running_loop()
+        remaining = seq.job.max_tokens - 1
+        last = loop.time()
+        due = 0.0
+        while remaining > 0:
+            rate = self._timing.decode_rate(self._counts[_State.RUNNING])
+            if seq.job.stream:
+                tick = max(self.settings.min_tick_s, 1.0 / rate)
+            else:  # one wake-up per 50 ms is enough to follow batch changes
+                tick = max(self.settings.min_tick_s, min(remaining / rate, 0.05))
+            await asyncio.sleep(tick)
+            now = loop.time()
+            due += (now - last) * rate
+            elapsed, last = now - last, now
+            n = min(remaining, int(due))
+            if n == 0:
+                continue
+            due -= n
+            remaining -= n
+            for _ in range(n):
+                self.stats.itl.observe(elapsed / n)
+            tokens = self.tokenizer.sample(rng, n)
+            self._emit(seq, tokens)
+            yield tokens
+
+    def _emit(self, seq: _Seq, tokens: list[int]) -> None:
+        """Counts generated tokens and caches the blocks they filled. The newest token's KV
+        is not computed yet (it is the next step's input), as in vLLM."""
+        seq.generated += tokens
+        self.stats.generation_tokens += len(tokens)
+        bs = self.settings.block_size
+        ids = seq.job.tokens.ids
+        computed = len(ids) + len(seq.generated) - 1
+        full = computed // bs
+        if full <= seq.filled:
+            return
+        all_ids = [*ids, *seq.generated][: full * bs]
+        infos = chain_blocks(all_ids, bs, self.settings.model, seq.extra_keys, start=seq.filled)
+        self.cache.fill(seq.held, infos, seq.filled)
+        seq.filled = full
+        self._flush()
+
+    def _admit(self) -> None:
+        """FCFS: admits from the head while a batch slot and enough KV blocks are free."""
+        loop = asyncio.get_running_loop()
+        bs = self.settings.block_size
+        while self._queue and self._admitted < self.settings.max_num_seqs:
+            seq = self._queue[0]
+            if seq.admitted.cancelled():
+                self._queue.popleft()
+                continue
+            prompt_len = len(seq.job.tokens.ids)
+            # vLLM always computes the last prompt token, so at most (len - 1) tokens hit.
+            hit = self.cache.lookup(seq.chain, (prompt_len - 1) // bs)
+            if not self.cache.can_allocate(seq.chain, hit, seq.total_blocks):
+                break
+            self._queue.popleft()
+            seq.held = self.cache.acquire(seq.chain, hit, seq.total_blocks)
+            seq.hit = hit
+            seq.filled = len(seq.chain)
+            self._admitted += 1
+            self._move(seq, _State.ADMITTED)
+            hit_tokens = (hit.gpu + hit.cpu) * bs
+            encode = self._encode_tokens(seq.job.tokens, hit_tokens)
+            work = self._timing.prefill_s(prompt_len - hit_tokens, encode, hit.cpu * bs)
+            seq.prefill_start = max(loop.time(), self._lane_free_at)
+            seq.prefill_end = self._lane_free_at = seq.prefill_start + work
+            st = self.stats
+            st.prompt_tokens += prompt_len
+            st.cached_prompt_tokens += hit_tokens
+            st.prefix_queries += prompt_len
+            st.prefix_hits += hit.gpu * bs
+            st.prompt_hist.observe(prompt_len)
+            st.generation_hist.observe(seq.job.max_tokens)
+            seq.admitted.set_result(None)
+        self._flush()
+
+    def _encode_tokens(self, tokens: PromptTokens, hit_tokens: int) -> int:
+        """Media tokens to run through the encoder: items reaching past the cached prefix
+        whose outputs are not in the encoder cache."""
+        total = 0
+        for item, start in tokens.media:
+            if start + media_len(item) <= hit_tokens:
+                continue
+            self.stats.mm_queries += 1
+            if self.encoder.touch(item.content_hash):
+                self.stats.mm_hits += 1
+            else:
+                total += media_len(item)
+        return total
+
+    def _finish(self, seq: _Seq) -> None:
+        if seq.state is _State.QUEUED:
+            if seq in self._queue:
+                self._queue.remove(seq)
+            seq.admitted.cancel()
+        elif seq.state is not _State.DONE:
+            if len(seq.generated) < seq.job.max_tokens:
+                self.stats.finished["abort"] += 1
+            self.cache.release(seq.held)
+            seq.held = []
+            self._admitted -= 1
+        self._move(seq, _State.DONE)
+        self._admit()
+
+    def _move(self, seq: _Seq, state: _State) -> None:
+        self._counts[seq.state] -= 1
+        self._counts[state] += 1
+        seq.state = state
+
+    def _seed(self, job: Job) -> int:
+        # Without a request seed, the same prompt gives the same output (like greedy).
+        base = job.seed if job.seed is not None else hash(job.tokens.ids)
+        return hash((self.settings.seed, base))
+
+    def _flush(self) -> None:
+        events = self.cache.events
+        if not events:
+            return
+        self.cache.events = []
+        if self._on_events is not None:
+            self._on_events(events)
+
+
+async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
+    delay = when - loop.time()
+    if delay > 0:
+        await asyncio.sleep(delay)

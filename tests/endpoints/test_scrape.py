@@ -1,0 +1,345 @@
+"""Metrics parsing (real vLLM scrape, SGLang, edge cases) and the scrape loop against real
+HTTP servers that answer well, slowly, with 500 or with garbage."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.core import Endpoint
+from extproc.endpoints.pool import EndpointPool
+from extproc.endpoints.scrape import (
+    MetricsError,
+    MetricsScraper,
+    Scraped,
+    ScrapeSettings,
+    parse_metrics,
+)
+from extproc.endpoints.state import EndpointStates
+from tests.index.conftest import ManualClock
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "vllm-0.32-cpu" / "metrics.txt"
+VLLM = FIXTURE.read_bytes()
+
+SGLANG = b"""\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="qwen",tp_rank="0"} 7.0
+# HELP sglang:num_used_tokens The number of used tokens.
+# TYPE sglang:num_used_tokens gauge
+sglang:num_used_tokens{engine_type="unified",model_name="qwen",tp_rank="0"} 52110.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{engine_type="unified",model_name="qwen",tp_rank="0"} 0.42
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{engine_type="unified",model_name="qwen",tp_rank="0"} 3.0
+# HELP sglang:cache_hit_rate The prefix cache hit rate.
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{engine_type="unified",model_name="qwen",tp_rank="0"} 0.61
+"""
+
+
+def vllm(*lines: str) -> bytes:
+    return ("\n".join(lines) + "\n").encode()
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+
+def test_real_vllm_scrape_gives_load_cache_config_and_prefix_counters() -> None:
+    assert parse_metrics(VLLM) == Scraped(
+        waiting=0,
+        running=0,
+        kv_usage=0.0,
+        kv_block_size=32,
+        kv_blocks=65536,
+        prefix_cache_queries=495,
+        prefix_cache_hits=128,
+    )
+
+
+def test_real_vllm_scrape_with_load_agrees_with_a_generic_parser() -> None:
+    """The fixture with nonzero figures and a second engine: sums and mean as
+    prometheus_client reads the same text."""
+    text = VLLM.decode()
+    text = text.replace(
+        'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0',
+        'vllm:num_requests_running{engine="0",model_name="tiny"} 5.0\n'
+        'vllm:num_requests_running{engine="1",model_name="tiny"} 2.0',
+    )
+    text = text.replace(
+        'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0',
+        'vllm:num_requests_waiting{engine="0",model_name="tiny"} 11.0\n'
+        'vllm:num_requests_waiting{engine="1",model_name="tiny"} 4.0',
+    )
+    text = text.replace(
+        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.75',
+    )
+    got = parse_metrics(text.encode())
+
+    samples: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append(s.value)
+    assert got.waiting == sum(samples["vllm:num_requests_waiting"]) == 15
+    assert got.running == sum(samples["vllm:num_requests_running"]) == 7
+    kv = samples["vllm:kv_cache_usage_perc"]
+    assert got.kv_usage == pytest.approx(sum(kv) / len(kv)) == 0.5
+    assert got.prefix_cache_queries == sum(samples["vllm:prefix_cache_queries_total"])
+
+
+def test_sglang_names() -> None:
+    got = parse_metrics(SGLANG)
+    assert (got.waiting, got.running, got.kv_usage) == (3, 7, pytest.approx(0.42))
+    assert got.kv_block_size is None and got.prefix_cache_queries is None
+
+
+def test_older_vllm_cache_usage_name_is_read() -> None:
+    got = parse_metrics(vllm("vllm:num_requests_waiting 1", "vllm:gpu_cache_usage_perc 0.3"))
+    assert got.kv_usage == pytest.approx(0.3)
+
+
+def test_current_cache_usage_name_wins_over_the_older_one() -> None:
+    got = parse_metrics(vllm("vllm:gpu_cache_usage_perc 0.9", "vllm:kv_cache_usage_perc 0.2"))
+    assert got.kv_usage == pytest.approx(0.2)
+
+
+def test_lora_info_comes_from_the_newest_sample() -> None:
+    got = parse_metrics(
+        vllm(
+            "vllm:num_requests_running 2",
+            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="old",'
+            'waiting_lora_adapters=""} 1.7e9',
+            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql, chat",'
+            'waiting_lora_adapters="math"} 1.8e9',
+            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="older",'
+            'waiting_lora_adapters=""} 1.6e9',
+        )
+    )
+    assert got.max_adapters == 4
+    assert got.running_adapters == {"sql", "chat"}
+    assert got.waiting_adapters == {"math"}
+
+
+def test_cache_config_reads_exact_label_names_and_sums_blocks_over_engines() -> None:
+    """`hash_block_size` and `mamba_block_size` are not `block_size`; an escaped quote in
+    another label does not end the label set early."""
+    got = parse_metrics(
+        vllm(
+            "vllm:num_requests_waiting 0",
+            'vllm:cache_config_info{hash_block_size="None",note="say \\"hi\\", block_size=1",'
+            'block_size="16",mamba_block_size="8",num_gpu_blocks="1000",engine="0"} 1.0',
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="24",engine="1"} 1.0',
+        )
+    )
+    assert (got.kv_block_size, got.kv_blocks) == (16, 1024)
+
+
+def test_help_type_and_created_lines_are_not_samples() -> None:
+    got = parse_metrics(
+        vllm(
+            "# HELP vllm:num_requests_waiting 99",
+            "# TYPE vllm:num_requests_waiting gauge",
+            'vllm:num_requests_waiting_by_reason{reason="capacity"} 50',
+            "vllm:num_requests_waiting 3",
+            "vllm:prefix_cache_hits_created 1.7e9",
+            "vllm:prefix_cache_hits_total 10",
+        )
+    )
+    assert got.waiting == 3 and got.prefix_cache_hits == 10
+
+
+def test_openmetrics_body_with_timestamps_and_crlf() -> None:
+    body = b"vllm:num_requests_running 4 1700000000\r\nvllm:num_requests_waiting 2\r\n# EOF\r\n"
+    got = parse_metrics(body)
+    assert (got.running, got.waiting) == (4, 2)
+
+
+def test_nan_samples_are_ignored_and_kv_usage_is_clamped() -> None:
+    got = parse_metrics(
+        vllm(
+            "vllm:num_requests_waiting NaN",
+            "vllm:num_requests_running 1",
+            "vllm:kv_cache_usage_perc 1.5",
+        )
+    )
+    assert (got.waiting, got.running, got.kv_usage) == (0, 1, 1.0)
+    assert not math.isnan(got.kv_usage)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"<html><body>Not metrics</body></html>",
+        b"# HELP vllm:num_requests_waiting only help\n",
+        b"python_gc_objects_collected_total 1.0\n",
+        b'vllm:num_requests_waiting{engine="0"} many\n',
+        b'vllm:num_requests_waiting{engine="0" 1.0\n',
+        b"\x00\xff\xfe garbage \x89PNG",
+    ],
+)
+def test_unusable_bodies_raise_metrics_error(body: bytes) -> None:
+    with pytest.raises(MetricsError):
+        parse_metrics(body)
+
+
+# -- the scrape loop against real HTTP servers -----------------------------------------------
+
+
+class ModelServer:
+    """A real aiohttp server on a free loopback port whose answer a test switches."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.body = VLLM
+        self.hits = 0
+        self.release = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.address = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.hits += 1
+        if self.mode == "slow":
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await self.release.wait()
+        if self.mode == "error":
+            return web.Response(status=500, text="engine dead")
+        if self.mode == "garbage":
+            return web.Response(body=b"<html>hello</html>", content_type="text/html")
+        return web.Response(body=self.body, content_type="text/plain")
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self.handle)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.address = f"127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        self.release.set()
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[dict[str, ModelServer]]:
+    out = {m: ModelServer(m) for m in ("ok", "slow", "error", "garbage")}
+    for s in out.values():
+        await s.start()
+    try:
+        yield out
+    finally:
+        for s in out.values():
+            await s.stop()
+
+
+@contextlib.asynccontextmanager
+async def running(scraper: MetricsScraper) -> AsyncIterator[asyncio.Task[None]]:
+    task = asyncio.create_task(scraper.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not pred():
+            await asyncio.sleep(0.01)
+
+
+FAST = ScrapeSettings(interval_s=0.02, timeout_s=0.15, max_backoff_s=0.04)
+
+
+async def test_loop_survives_slow_failing_and_garbage_endpoints(
+    servers: dict[str, ModelServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="extproc.endpoints.scrape")
+    pool = EndpointPool(Endpoint(s.address) for s in servers.values())
+    states = EndpointStates(stale_after_s=FAST.stale_after_s)
+    scraper = MetricsScraper(pool, states, FAST)
+    ok, bad = servers["ok"].address, [servers[m].address for m in ("slow", "error", "garbage")]
+    async with running(scraper) as task:
+        await until(lambda: all(scraper.failures(a) >= 3 for a in bad))
+        await until(lambda: scraper.stats.scrapes >= 10)
+        assert not task.done()
+
+    assert states.state(ok).kv_blocks == 65536
+    assert not scraper.is_failing(ok) and scraper.failures(ok) == 0
+    for a in bad:
+        assert scraper.is_failing(a)
+        assert a not in states and states.is_stale(a) and states.state(a).age_s is None
+    assert scraper.stats.failures >= 9
+    # A slow endpoint never held up the others: the healthy one kept its pace meanwhile.
+    assert servers["ok"].hits >= 10
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert sorted(r.args[0] for r in warned) == sorted(bad)  # type: ignore[index]
+
+
+async def test_endpoint_that_starts_failing_goes_stale_and_recovers(
+    servers: dict[str, ModelServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="extproc.endpoints.scrape")
+    clock = ManualClock()
+    server = servers["ok"]
+    address = server.address
+    pool = EndpointPool([Endpoint(address)])
+    states = EndpointStates(stale_after_s=0.2, clock=clock)
+    scraper = MetricsScraper(pool, states, FAST, clock=clock)
+    async with running(scraper):
+        await until(lambda: address in states)
+        assert states.state(address).age_s == 0.0 and not states.is_stale(address)
+
+        server.mode = "error"
+        await until(lambda: scraper.is_failing(address))
+        clock.advance(0.3)
+        assert states.is_stale(address)
+        assert states.state(address).age_s == pytest.approx(0.3)
+        assert states.state(address).kv_blocks == 65536  # old figures kept, marked by age
+
+        server.mode = "ok"
+        server.body = VLLM.replace(
+            b'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0',
+            b'vllm:num_requests_waiting{engine="0",model_name="tiny"} 9.0',
+        )
+        await until(lambda: states.state(address).waiting == 9)
+        assert not states.is_stale(address) and not scraper.is_failing(address)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("failing" in m for m in messages) == 1
+    assert sum("back after" in m for m in messages) == 1
+
+
+async def test_endpoints_leaving_the_pool_are_dropped(servers: dict[str, ModelServer]) -> None:
+    first, second = servers["ok"], ModelServer("ok")
+    await second.start()
+    try:
+        pool = EndpointPool([Endpoint(first.address), Endpoint(second.address)])
+        states = EndpointStates()
+        scraper = MetricsScraper(pool, states, FAST)
+        async with running(scraper):
+            await until(lambda: len(states) == 2)
+            pool.replace([Endpoint(second.address)])
+            await until(lambda: first.address not in states)
+            hits = second.hits
+            await until(lambda: second.hits > hits + 2)
+            assert first.address not in states and second.address in states
+    finally:
+        await second.stop()

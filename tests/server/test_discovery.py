@@ -1,0 +1,106 @@
+"""A picker whose endpoints come from discovery: a Kubernetes InferencePool (against a local
+API server speaking list/watch) or a watched file. Readiness waits for the first sync."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+import orjson
+import yaml
+
+from extproc.config import DiscoverySettings, Settings
+from extproc.server.app import App
+from extproc.server.health import NOT_SERVING, SERVING
+from extproc.testing import ExtProcClient, body_chunks, destination, post, request_headers
+from tests.endpoints.fakekube import NS, PODS, POOLS, FakeKube, pod, pool
+
+CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+
+async def destinations(app: App, n: int = 12) -> set[str]:
+    out = set()
+    async with ExtProcClient(f"127.0.0.1:{app.port}") as c:
+        for _ in range(n):
+            resp = await c.exchange(
+                [request_headers(post("/v1/chat/completions")), *body_chunks(CHAT)]
+            )
+            out.add(destination(resp[0]))
+    return out
+
+
+async def readiness(app: App) -> int:
+    return (await app.health.servicer.Check(_Req("readiness"), None)).status
+
+
+class _Req:
+    def __init__(self, service: str) -> None:
+        self.service = service
+
+
+async def eventually(check, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def test_inference_pool_pods_become_endpoints_and_follow_changes(settings, tmp_path):
+    kube = FakeKube()
+    await kube.start()
+    try:
+        kube.put(POOLS, pool(ports=(8000,)))
+        kube.put(PODS, pod("a", "10.1.0.1"))
+        kube.put(PODS, pod("b", "10.1.0.2", ready=False))
+        cfg = tmp_path / "kubeconfig"
+        cfg.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "c", "cluster": {"server": kube.url}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                    "current-context": "x",
+                }
+            )
+        )
+        s = msgspec.structs.replace(
+            settings,
+            endpoints=[],
+            discovery=DiscoverySettings(inference_pool="pool", namespace=NS, kubeconfig=str(cfg)),
+        )
+        async with App(s, []) as app:
+            await eventually(lambda: _is(readiness(app), SERVING))
+            assert await destinations(app) == {"10.1.0.1:8000"}
+            kube.put(PODS, pod("b", "10.1.0.2", ready=True))
+            await eventually(lambda: _has(app, "10.1.0.2:8000"))
+            assert await destinations(app, 30) == {"10.1.0.1:8000", "10.1.0.2:8000"}
+            kube.delete(PODS, "a")
+            kube.delete(PODS, "b")
+            await eventually(lambda: _is(readiness(app), NOT_SERVING))
+    finally:
+        await kube.stop()
+
+
+async def test_endpoints_file_is_followed(settings, tmp_path: Path):
+    path = tmp_path / "endpoints.yaml"
+    path.write_text(yaml.safe_dump(["10.2.0.1:8000"]))
+    s = msgspec.structs.replace(
+        settings, endpoints=[], discovery=DiscoverySettings(endpoints_file=str(path))
+    )
+    async with App(s, []) as app:
+        assert await readiness(app) == SERVING
+        assert await destinations(app) == {"10.2.0.1:8000"}
+        path.write_text(yaml.safe_dump([{"address": "10.2.0.9:8000", "labels": {"x": "y"}}]))
+        await eventually(lambda: _has(app, "10.2.0.9:8000"), timeout_s=10)
+        assert await destinations(app) == {"10.2.0.9:8000"}
+
+
+async def _is(status, expected: int) -> bool:
+    return await status == expected
+
+
+async def _has(app: App, address: str) -> bool:
+    return app.pool.get(address) is not None
