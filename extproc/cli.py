@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("-H", "--header", action="append", help="extra request header 'name: value'")
     x.set_defaults(func=cmd_explain)
 
+    # `extproc sim ...` is handed to the simulator's own parser whole (see main()).
+    sub.add_parser("sim", help="run simulated vLLM servers (extproc sim --help)")
+
     d = sub.add_parser("demo", help="run Envoy + extproc + local upstreams and route requests")
     d.add_argument("--requests", type=int, default=30)
     d.add_argument("--upstreams", type=int, default=3)
@@ -211,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:
+        from extproc.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
