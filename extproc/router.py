@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -75,7 +76,10 @@ class Router:
         states: StateSource | None = None,
         is_failing: Callable[[str], bool] | None = None,
         record_decisions: bool = True,
+        on_lookup: Callable[[float], None] | None = None,
     ) -> None:
+        """`on_lookup` receives each index lookup's duration in seconds (the metrics
+        histogram); it runs on the hot path, so it must be cheap and must not raise."""
         self.pool = pool
         self.scheduler = scheduler
         self.inflight: InFlightCounter = inflight or InFlight()
@@ -86,6 +90,7 @@ class Router:
         self._precise = precise
         self._is_failing = is_failing
         self._record = record_decisions and index is not None
+        self._on_lookup = on_lookup
 
     async def route(
         self,
@@ -118,7 +123,10 @@ class Router:
                 endpoints = healthy
         lookup = EMPTY
         if self.index is not None and request.block_keys:
+            start = time.perf_counter()
             lookup = await self.index.lookup(request.block_keys)
+            if self._on_lookup is not None:
+                self._on_lookup(time.perf_counter() - start)
             if lookup.degraded:
                 self.stats.lookups_degraded += 1
         matches = lookup.matches
@@ -143,11 +151,15 @@ class Router:
             self.index.record(decision.primary.address, request.block_keys)
             if decision.prefill is not None:
                 self.index.record(decision.prefill.address, request.block_keys)
+        matched = matches.get(decision.primary.address, 0.0)
         stats = self.stats
         stats.decisions += 1
         stats.prefix_blocks_requested += len(request.block_keys)
-        stats.prefix_blocks_matched += matches.get(decision.primary.address, 0.0)
-        placement = inflight.acquire(decision.primary.address, request.prompt_tokens)
+        stats.prefix_blocks_matched += matched
+        # In-flight tokens measure prefill work placed: the part of the prompt the endpoint
+        # does not already hold.
+        uncached = max(0, request.prompt_tokens - int(matched * request.block_tokens))
+        placement = inflight.acquire(decision.primary.address, uncached)
         return Routed(request, decision, placement, lookup)
 
     def _request(

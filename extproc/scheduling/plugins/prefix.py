@@ -55,10 +55,11 @@ class PrefixCacheAffinityFilter:
     any does, so a cached conversation sticks where its cache is.
 
     Stickiness breaks when it would hurt: when the best sticky endpoint's predicted TTFT
-    (its in-flight prompt tokens plus this request's uncached tokens, over
+    (the prefill work already placed on it, plus this request's uncached tokens, over
     `peakPrefillTokensPerSecond`) exceeds the best other endpoint's by more than
-    `maxTTFTPenaltyMs`, every endpoint stays eligible. With `explorationProbability` the filter
-    lets everything through at random, so the index keeps learning about other endpoints.
+    `maxTTFTPenaltyMs`, the request goes to the others instead, so a burst on one hot prefix
+    spills over to more endpoints rather than queueing on one. With `explorationProbability`
+    the filter lets everything through at random, so the index keeps learning.
 
     ```yaml
     - type: prefix-cache-affinity-filter
@@ -70,8 +71,9 @@ class PrefixCacheAffinityFilter:
 
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
         threshold: _Fraction = 0.8
-        max_ttft_penalty_ms: Annotated[float, msgspec.Meta(ge=0.0, name="maxTTFTPenaltyMs")] = (
-            18000.0
+        # llm-d spells it with TTFT in capitals, which camel renaming would not produce.
+        max_ttft_penalty_ms: Annotated[float, msgspec.Meta(ge=0.0)] = msgspec.field(
+            default=18000.0, name="maxTTFTPenaltyMs"
         )
         peak_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
         exploration_probability: _Fraction = 0.0
@@ -94,11 +96,12 @@ class PrefixCacheAffinityFilter:
             return cands
         if p.exploration_probability and self._rng.random() < p.exploration_probability:
             return cands
-        best_sticky = min(self._ttft_ms(req, c) for c in sticky)
         keep = {id(c) for c in sticky}
-        best_other = min(self._ttft_ms(req, c) for c in cands if id(c) not in keep)
+        others = [c for c in cands if id(c) not in keep]
+        best_sticky = min(self._ttft_ms(req, c) for c in sticky)
+        best_other = min(self._ttft_ms(req, c) for c in others)
         if best_sticky - best_other > p.max_ttft_penalty_ms:
-            return cands
+            return others
         return sticky
 
 
