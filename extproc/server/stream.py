@@ -204,6 +204,11 @@ class _Stream:
         return out
 
     async def _route(self, body: bytes | None) -> Decision:
+        if self.routed is not None:
+            # Envoy sends one request per stream; a peer that sends another gets it routed,
+            # but never at the cost of leaking the first one's in-flight count.
+            self.router.finish(self.routed)
+            self.routed = None
         path = self.headers.get(":path", "/")
         explain = self.explain or log.isEnabledFor(logging.DEBUG)
         start = time.perf_counter()

@@ -15,7 +15,7 @@ from extproc.stack import free_port, grpc_health_status, wait_until
 from extproc.testing import ExtProcClient, body_chunks, destination, post, request_headers
 from tests.index.conftest import RedisServer, redis_server  # noqa: F401 - fixture
 
-ENDPOINTS = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000"
+ENDPOINTS = "127.0.0.11:8000,127.0.0.12:8000,127.0.0.13:8000"
 SYSTEM = "You are a meticulous assistant. " * 80  # ~2.5 KB: several prefix blocks
 
 

@@ -51,8 +51,8 @@ async def test_inference_pool_pods_become_endpoints_and_follow_changes(settings,
     await kube.start()
     try:
         kube.put(POOLS, pool(ports=(8000,)))
-        kube.put(PODS, pod("a", "10.1.0.1"))
-        kube.put(PODS, pod("b", "10.1.0.2", ready=False))
+        kube.put(PODS, pod("a", "127.0.1.1"))
+        kube.put(PODS, pod("b", "127.0.1.2", ready=False))
         cfg = tmp_path / "kubeconfig"
         cfg.write_text(
             yaml.safe_dump(
@@ -73,10 +73,10 @@ async def test_inference_pool_pods_become_endpoints_and_follow_changes(settings,
         )
         async with App(s, []) as app:
             await eventually(lambda: _is(readiness(app), SERVING))
-            assert await destinations(app) == {"10.1.0.1:8000"}
-            kube.put(PODS, pod("b", "10.1.0.2", ready=True))
-            await eventually(lambda: _has(app, "10.1.0.2:8000"))
-            assert await destinations(app, 30) == {"10.1.0.1:8000", "10.1.0.2:8000"}
+            assert await destinations(app) == {"127.0.1.1:8000"}
+            kube.put(PODS, pod("b", "127.0.1.2", ready=True))
+            await eventually(lambda: _has(app, "127.0.1.2:8000"))
+            assert await destinations(app, 30) == {"127.0.1.1:8000", "127.0.1.2:8000"}
             kube.delete(PODS, "a")
             kube.delete(PODS, "b")
             await eventually(lambda: _is(readiness(app), NOT_SERVING))
@@ -86,16 +86,16 @@ async def test_inference_pool_pods_become_endpoints_and_follow_changes(settings,
 
 async def test_endpoints_file_is_followed(settings, tmp_path: Path):
     path = tmp_path / "endpoints.yaml"
-    path.write_text(yaml.safe_dump(["10.2.0.1:8000"]))
+    path.write_text(yaml.safe_dump(["127.0.2.1:8000"]))
     s = msgspec.structs.replace(
         settings, endpoints=[], discovery=DiscoverySettings(endpoints_file=str(path))
     )
     async with App(s, []) as app:
         assert await readiness(app) == SERVING
-        assert await destinations(app) == {"10.2.0.1:8000"}
-        path.write_text(yaml.safe_dump([{"address": "10.2.0.9:8000", "labels": {"x": "y"}}]))
-        await eventually(lambda: _has(app, "10.2.0.9:8000"), timeout_s=10)
-        assert await destinations(app) == {"10.2.0.9:8000"}
+        assert await destinations(app) == {"127.0.2.1:8000"}
+        path.write_text(yaml.safe_dump([{"address": "127.0.2.9:8000", "labels": {"x": "y"}}]))
+        await eventually(lambda: _has(app, "127.0.2.9:8000"), timeout_s=10)
+        assert await destinations(app) == {"127.0.2.9:8000"}
 
 
 async def _is(status, expected: int) -> bool:
