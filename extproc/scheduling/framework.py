@@ -135,8 +135,7 @@ class Profile:
         for ws in self.scorers:
             scores = ws.scorer.score(req, cands)
             w = ws.weight
-            for i, s in enumerate(scores):
-                totals[i] += w * s
+            totals = [t + w * s for t, s in zip(totals, scores, strict=True)]
             if explain:
                 per_plugin[f"{self.name}/{ws.name}"] = {
                     c.endpoint.address: round(s, 4) for c, s in zip(cands, scores, strict=True)

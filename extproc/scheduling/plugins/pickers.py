@@ -31,6 +31,11 @@ class MaxScorePicker:
     def pick(
         self, cands: Sequence[Candidate], totals: Sequence[float], limit: int
     ) -> list[Candidate]:
+        if limit == 1:
+            # The common case in one pass: the best score, a random one of its ties.
+            best = max(totals)
+            ties = [i for i, t in enumerate(totals) if t == best]
+            return [cands[ties[0] if len(ties) == 1 else self._rng.choice(ties)]]
         rnd = self._rng.random
         order = sorted(range(len(cands)), key=lambda i: (-totals[i], rnd()))
         return [cands[i] for i in order[:limit]]

@@ -47,7 +47,10 @@ class PrefixCacheScorer:
         self.params = params or self.Params()
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
-        return [prefix_fraction(req, c) for c in cands]
+        n = len(req.block_keys)
+        if not n:
+            return [0.0] * len(cands)
+        return [c.prefix_blocks / n if c.prefix_blocks < n else 1.0 for c in cands]
 
 
 class PrefixCacheAffinityFilter:

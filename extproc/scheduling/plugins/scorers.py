@@ -15,10 +15,6 @@ import msgspec
 from extproc.core import Candidate, InferenceRequest
 
 
-def is_fresh(c: Candidate) -> bool:
-    return not c.state.is_stale
-
-
 def lower_is_better(values: Sequence[float]) -> list[float]:
     """Min-max normalisation: the smallest value scores 1.0, the largest 0.0; all 1.0 when
     they are equal (nothing to prefer)."""
@@ -49,9 +45,8 @@ class QueueScorer:
         pass
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
-        fresh = [is_fresh(c) for c in cands]
         scores = lower_is_better([c.state.waiting for c in cands])
-        return [s if f else 0.0 for s, f in zip(scores, fresh, strict=True)]
+        return [0.0 if c.state.is_stale else s for s, c in zip(scores, cands, strict=True)]
 
 
 class KVCacheUtilizationScorer:
@@ -70,7 +65,13 @@ class KVCacheUtilizationScorer:
         pass
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
-        return [min(1.0, max(0.0, 1.0 - c.state.kv_usage)) if is_fresh(c) else 0.0 for c in cands]
+        out = []
+        for c in cands:
+            st = c.state
+            free = 1.0 - st.kv_usage
+            # Clamped inline: this runs per candidate per request.
+            out.append(0.0 if st.is_stale or free < 0.0 else (1.0 if free > 1.0 else free))
+        return out
 
 
 class ActiveRequestScorer:
@@ -136,10 +137,10 @@ class LoadAwareScorer:
         t = self._threshold
         out = []
         for c in cands:
-            if not is_fresh(c):
+            s = c.state
+            if s.is_stale:
                 out.append(0.0)
                 continue
-            s = c.state
             # In-flight requests the server has not yet reported as running are queued work.
             load = s.waiting + max(0, s.inflight_requests - s.running)
             out.append(1.0 - min(load, t) / t)
