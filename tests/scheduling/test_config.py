@@ -208,3 +208,24 @@ def test_third_party_plugin_installed_from_a_package_is_usable(tmp_path):
 def test_scheduler_requires_a_profile():
     with pytest.raises(ValueError):
         Scheduler(None, [])  # type: ignore[arg-type]
+
+
+def test_the_plugin_example_in_the_docs_works():
+    """docs/plugins.md's ten-line plugin, exactly as printed, builds and scores."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
+    source = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(source.strip().splitlines()) <= 11
+    namespace: dict = {}
+    exec(compile(source, "docs/plugins.md", "exec"), namespace)
+    cls = namespace["PreferCheapGPUs"]
+    from extproc.core import Candidate, Endpoint, InferenceRequest
+    from extproc.scheduling.plugins import BUILTINS
+    from extproc.scheduling.registry import PluginRegistry
+
+    registry = PluginRegistry([*BUILTINS, cls])
+    plugin = registry.build("prefer-cheap-gpus", {"other": 0.1}, ("plugins", 0))
+    cands = [
+        Candidate(Endpoint("127.0.0.1:1", labels={"gpu": "l4"})),
+        Candidate(Endpoint("127.0.0.1:2")),
+    ]
+    assert plugin.score(InferenceRequest("r", "/"), cands) == [1.0, 0.1]
