@@ -21,7 +21,7 @@ from extproc.server import wire
 
 async def serve(port: int, destination: str) -> None:
     routed = wire.routed_headers(Decision(endpoints=(Endpoint(destination),)))
-    resp_headers = wire.continue_response_headers()
+    resp_headers = wire.CONTINUE_RESPONSE_HEADERS
 
     async def process(requests, context):
         chunks: list[bytes] = []

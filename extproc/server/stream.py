@@ -142,9 +142,9 @@ class _Stream:
         if kind == "response_headers":
             return [self._on_response_headers()]
         if kind == "response_body":
-            return [wire.continue_response_body()]
+            return [wire.CONTINUE_RESPONSE_BODY]
         if kind == "response_trailers":
-            return [wire.response_trailers_done()]
+            return [wire.CONTINUE_RESPONSE_TRAILERS]
         return []
 
     async def _on_request_headers(self, msg: wire.ProcessingRequest) -> list:
@@ -170,12 +170,12 @@ class _Stream:
             return [wire.routed_headers(await self._route(b""))]
         if self.mode == _FULL_DUPLEX:
             return []  # the header reply waits for the body
-        return [wire.continue_request_headers()]
+        return [wire.CONTINUE_REQUEST_HEADERS]
 
     async def _on_request_body(self, body: wire.pb.HttpBody) -> list:
         if self.routed is not None:
             # Decided at header time (STREAMED mode): chunks pass through untouched.
-            return [wire.continue_request_body()]
+            return [wire.CONTINUE_REQUEST_BODY]
         chunk = body.body
         self.body_len += len(chunk)
         if self.body_len > self.max_body:
@@ -189,9 +189,9 @@ class _Stream:
     async def _on_request_trailers(self) -> list:
         if self.routed is None and self.mode == _FULL_DUPLEX:
             out = await self._body_complete(trailers_follow=True)
-            out.append(wire.request_trailers_done())
+            out.append(wire.CONTINUE_REQUEST_TRAILERS)
             return out
-        return [wire.request_trailers_done()]
+        return [wire.CONTINUE_REQUEST_TRAILERS]
 
     async def _body_complete(self, *, trailers_follow: bool) -> list:
         body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
@@ -225,11 +225,11 @@ class _Stream:
     def _on_response_headers(self) -> wire.ProcessingResponse:
         routed = self.routed
         if routed is None:
-            return wire.continue_response_headers()
+            return wire.CONTINUE_RESPONSE_HEADERS
         extra = dict(routed.decision.response_headers)
         if self.explain:
             extra[protocol.DECISION_HEADER] = orjson.dumps(explanation(routed)).decode()
-        return wire.response_headers_with(extra) if extra else wire.continue_response_headers()
+        return wire.response_headers_with(extra) if extra else wire.CONTINUE_RESPONSE_HEADERS
 
     def close(self) -> None:
         """The stream ended, however it ended: release what the decision placed."""

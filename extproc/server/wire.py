@@ -80,16 +80,20 @@ def routed_body(decision: Decision) -> pb.ProcessingResponse:
     return resp
 
 
-def continue_request_headers() -> pb.ProcessingResponse:
+def _only(phase: str) -> pb.ProcessingResponse:
+    """A reply that lets `phase` continue unchanged."""
     resp = pb.ProcessingResponse()
-    resp.request_headers.SetInParent()
+    getattr(resp, phase).SetInParent()
     return resp
 
 
-def continue_response_headers() -> pb.ProcessingResponse:
-    resp = pb.ProcessingResponse()
-    resp.response_headers.SetInParent()
-    return resp
+# Built once: these replies never vary, and the serializer only reads them.
+CONTINUE_REQUEST_HEADERS = _only("request_headers")
+CONTINUE_REQUEST_BODY = _only("request_body")
+CONTINUE_REQUEST_TRAILERS = _only("request_trailers")
+CONTINUE_RESPONSE_HEADERS = _only("response_headers")
+CONTINUE_RESPONSE_BODY = _only("response_body")
+CONTINUE_RESPONSE_TRAILERS = _only("response_trailers")
 
 
 def response_headers_with(headers: Mapping[str, str]) -> pb.ProcessingResponse:
@@ -98,30 +102,6 @@ def response_headers_with(headers: Mapping[str, str]) -> pb.ProcessingResponse:
     mutation = resp.response_headers.response.header_mutation
     for name, value in headers.items():
         _set_header(mutation, name, value)
-    return resp
-
-
-def continue_request_body() -> pb.ProcessingResponse:
-    resp = pb.ProcessingResponse()
-    resp.request_body.SetInParent()
-    return resp
-
-
-def continue_response_body() -> pb.ProcessingResponse:
-    resp = pb.ProcessingResponse()
-    resp.response_body.SetInParent()
-    return resp
-
-
-def request_trailers_done() -> pb.ProcessingResponse:
-    resp = pb.ProcessingResponse()
-    resp.request_trailers.SetInParent()
-    return resp
-
-
-def response_trailers_done() -> pb.ProcessingResponse:
-    resp = pb.ProcessingResponse()
-    resp.response_trailers.SetInParent()
     return resp
 
 

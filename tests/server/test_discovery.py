@@ -10,7 +10,7 @@ import msgspec
 import orjson
 import yaml
 
-from extproc.config import DiscoverySettings, Settings
+from extproc.config import DiscoverySettings
 from extproc.server.app import App
 from extproc.server.health import NOT_SERVING, SERVING
 from extproc.testing import ExtProcClient, body_chunks, destination, post, request_headers

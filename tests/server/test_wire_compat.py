@@ -128,9 +128,9 @@ def test_immediate_response_decodes_in_envoy():
 
 
 def test_continue_responses_select_the_right_oneof_in_envoy():
-    assert to_envoy(wire.continue_request_headers()).request_headers is not None
-    assert to_envoy(wire.continue_response_headers()).response_headers is not None
-    assert to_envoy(wire.request_trailers_done()).request_trailers is not None
+    assert to_envoy(wire.CONTINUE_REQUEST_HEADERS).request_headers is not None
+    assert to_envoy(wire.CONTINUE_RESPONSE_HEADERS).response_headers is not None
+    assert to_envoy(wire.CONTINUE_REQUEST_TRAILERS).request_trailers is not None
 
 
 def test_envoy_responses_decode_in_ours():
