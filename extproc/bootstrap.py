@@ -11,6 +11,7 @@ Two ways to obey it:
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -27,7 +28,10 @@ _T = "type.googleapis.com/envoy.extensions"
 @dataclass(frozen=True, slots=True)
 class BootstrapOptions:
     """Inputs of `extproc envoy-config`. `extproc` is the picker's `host:port`;
-    `endpoints` (ip:port) are required for override-host, unused for original-dst."""
+    `endpoints` (ip:port) are required for override-host, unused for original-dst.
+    `extproc_tls`: speak TLS to the picker (its `server.tls`), sending `extproc_sni` (default:
+    the picker's host name); the certificate is verified against `extproc_ca_file` when given,
+    else not at all (a self-signed picker's certificate changes at every start)."""
 
     listen_port: int = 8081
     listen_address: str = "0.0.0.0"
@@ -40,6 +44,9 @@ class BootstrapOptions:
     route_timeout_s: float = 300.0
     extproc_timeout_s: float = 30.0
     health_interval_s: float = 1.0
+    extproc_tls: bool = False
+    extproc_sni: str | None = None
+    extproc_ca_file: str | None = None
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:
@@ -80,6 +87,29 @@ def _ext_proc_filter(opts: BootstrapOptions) -> dict[str, Any]:
             "allow_mode_override": False,
         },
     }
+
+
+def _picker_tls(opts: BootstrapOptions, host: str) -> dict[str, Any]:
+    """The picker cluster's transport socket. ALPN h2: the picker is a gRPC server."""
+    common: dict[str, Any] = {"alpn_protocols": ["h2"]}
+    if opts.extproc_ca_file is not None:
+        common["validation_context"] = {"trusted_ca": {"filename": opts.extproc_ca_file}}
+    tls: dict[str, Any] = {
+        "@type": f"{_T}.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": common,
+    }
+    sni = opts.extproc_sni or host
+    if not _is_ip(sni):
+        tls["sni"] = sni  # SNI must be a host name; an IP address is not sent
+    return {"name": "envoy.transport_sockets.tls", "typed_config": tls}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _strip_picker_headers_filter() -> dict[str, Any]:
@@ -237,6 +267,9 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(f"{host}:{port}")}}]}],
         },
     }
+    if opts.extproc_tls:
+        # Health checks use the same socket: the picker serves `readiness` on its TLS port too.
+        extproc_cluster["transport_socket"] = _picker_tls(opts, host)
     doc: dict[str, Any] = {
         "static_resources": {
             "listeners": [

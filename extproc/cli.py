@@ -21,6 +21,7 @@ from extproc.bootstrap import BootstrapOptions, render_bootstrap
 from extproc.config import Settings, load_settings
 from extproc.endpoints import parse_endpoints
 from extproc.errors import ConfigError
+from extproc.logs import configure as configure_logging
 
 log = logging.getLogger("extproc")
 
@@ -37,6 +38,12 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
         changes["host"] = args.host
     if args.admin_port is not None:
         changes["admin_port"] = args.admin_port
+    if args.worker_index:
+        # Worker i of `--workers N`: ext_proc and health ports are shared (SO_REUSEPORT);
+        # the admin port is per worker so each one's counters are scraped.
+        admin = changes.get("admin_port", server.admin_port)
+        if admin:
+            changes["admin_port"] = admin + args.worker_index
     if changes:
         server = msgspec.structs.replace(server, **changes)
     endpoints = settings.endpoints
@@ -69,13 +76,20 @@ async def _serve(settings: Settings) -> None:
     endpoints = parse_endpoints(",".join(settings.endpoints))
     async with App(settings, endpoints, environ=os.environ) as app:
         loop = asyncio.get_running_loop()
+        stopping: set[asyncio.Task[None]] = set()  # held so the drain task is not collected
+
+        def on_signal() -> None:
+            if not stopping:
+                stopping.add(asyncio.ensure_future(app.stop()))
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(app.stop()))
-        print(
-            f"extproc serving ext_proc on :{app.port}, health on :{app.health_port}, "
-            f"{len(endpoints)} endpoint(s)",
-            file=sys.stderr,
-            flush=True,
+            loop.add_signal_handler(sig, on_signal)
+        # App logs "serving" with the ports; this line stays for people reading a terminal.
+        log.info(
+            "extproc serving ext_proc on :%d, health on :%d, %d endpoint(s)",
+            app.port,
+            app.health_port,
+            len(endpoints),
         )
         await app.serve()
 
@@ -92,8 +106,34 @@ def _run(coro) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _serve_settings(args)
     parse_endpoints(",".join(settings.endpoints))  # fail fast, before binding ports
+    if args.workers > 1:
+        return _supervise(args, settings)
     _run(_serve(settings))
     return 0
+
+
+def _supervise(args: argparse.Namespace, settings: Settings) -> int:
+    from extproc.server.workers import Supervisor, worker_argv
+
+    server = settings.server
+    if server.port == 0 or server.health_port == 0:
+        raise ConfigError("--workers needs fixed ext_proc and health ports (not 0)")
+    if settings.index.backend == "memory":
+        log.warning(
+            "workers do not share state with the memory index: each has its own prefix index "
+            "and in-flight counts; use --redis-url to share them"
+        )
+    elif settings.state.shared_inflight is None:
+        log.warning("workers share the Redis index but not in-flight counts (shared_inflight off)")
+    sup = Supervisor(lambda i: worker_argv(args.argv, i), args.workers, grace_s=server.grace_s)
+    # SIGTERM (Kubernetes) and SIGINT both drain every worker; the supervisor forwards.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sup.stop())
+    log.info(
+        "supervising workers",
+        extra={"workers": args.workers, "port": server.port, "health_port": server.health_port},
+    )
+    return sup.run()
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
@@ -106,6 +146,9 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         admin_port=args.admin_port,
         fail_open=args.fail_open,
         retries=args.retries,
+        extproc_tls=args.extproc_tls,
+        extproc_sni=args.extproc_sni,
+        extproc_ca_file=args.extproc_ca,
     )
     try:
         sys.stdout.write(render_bootstrap(opts))
@@ -156,15 +199,47 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from extproc.demo import run_demo
 
-    return run_demo(requests=args.requests, upstreams=args.upstreams)
+    return run_demo(
+        requests=args.requests,
+        upstreams=args.upstreams,
+        rate=args.rate,
+        fast=args.fast,
+        seed=args.seed,
+        chart=None if args.no_chart else args.chart,
+    )
+
+
+def _log_flags(p: argparse.ArgumentParser, *, defaults: bool) -> None:
+    # Accepted before and after the subcommand; the subcommand's copy must not reset a value
+    # given before it, hence SUPPRESS there.
+    p.add_argument(
+        "--log-level",
+        default="INFO" if defaults else argparse.SUPPRESS,
+        help="DEBUG, INFO, WARNING or ERROR (default INFO)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=("json", "text"),
+        default="text" if defaults else argparse.SUPPRESS,
+        help="json: one object per line (ts, level, logger, message, request_id); default text",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="extproc", description=__doc__)
-    p.add_argument("--log-level", default="INFO")
+    _log_flags(p, defaults=True)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve Envoy ext_proc (the endpoint picker)")
+    _log_flags(s, defaults=False)
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes sharing the ext_proc and health ports (SO_REUSEPORT); worker i serves "
+        "admin on admin-port + i (default 1: no supervisor)",
+    )
+    s.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     s.add_argument("--endpoints", help="comma list of model-server ip:port")
     s.add_argument("--port", type=int, help="ext_proc gRPC port (default 9002)")
     s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
@@ -187,6 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--admin-port", type=int, help="expose Envoy's admin on 127.0.0.1:PORT")
     e.add_argument("--fail-open", action="store_true", help="failure_mode_allow: true")
     e.add_argument("--retries", type=int, default=2, help="override-host retries")
+    e.add_argument(
+        "--extproc-tls",
+        action="store_true",
+        help="TLS to the picker (server.tls); without --extproc-ca the certificate is not "
+        "verified (what a self-signed picker needs)",
+    )
+    e.add_argument("--extproc-sni", help="SNI sent to the picker (default: its host name)")
+    e.add_argument("--extproc-ca", help="PEM CA bundle to verify the picker's certificate")
     e.set_defaults(func=cmd_envoy_config)
 
     c = sub.add_parser("check-config", help="validate a config file without serving")
@@ -206,9 +289,14 @@ def build_parser() -> argparse.ArgumentParser:
     # `extproc sim ...` is handed to the simulator's own parser whole (see main()).
     sub.add_parser("sim", help="run simulated vLLM servers (extproc sim --help)")
 
-    d = sub.add_parser("demo", help="run Envoy + extproc + local upstreams and route requests")
-    d.add_argument("--requests", type=int, default=30)
-    d.add_argument("--upstreams", type=int, default=3)
+    d = sub.add_parser("demo", help="Envoy + extproc + simulated vLLM: routing policies compared")
+    d.add_argument("--requests", type=int, default=None, help="per policy (default 300)")
+    d.add_argument("--upstreams", type=int, default=3, help="simulated vLLM servers")
+    d.add_argument("--rate", type=float, default=None, help="requests/s, Poisson (default 25)")
+    d.add_argument("--fast", type=float, default=None, help="sim time compression (default 10)")
+    d.add_argument("--seed", type=int, default=None, help="workload seed (default 7)")
+    d.add_argument("--chart", default="extproc-demo.png", help="PNG chart path")
+    d.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     d.set_defaults(func=cmd_demo)
     return p
 
@@ -220,9 +308,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    args.argv = argv  # `--workers` re-runs this command line in each worker
+    worker = getattr(args, "worker_index", None)
+    fields = {"worker": worker} if worker is not None else None
+    try:
+        configure_logging(args.log_level, args.log_format, fields=fields)
+    except ValueError as exc:
+        print(f"extproc: {exc}", file=sys.stderr)
+        return 2
     # One line per HTTP call from the demo's client would bury what the demo shows.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:

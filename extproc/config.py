@@ -28,6 +28,24 @@ _Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 _PositiveS = Annotated[float, msgspec.Meta(gt=0)]
 
 
+class TLSSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """TLS on the ext_proc port: PEM `cert_file` + `key_file`, or `self_signed: true` for a
+    key and certificate generated at start (for a proxy that encrypts without verifying, e.g.
+    Envoy with `extproc envoy-config --extproc-tls`). The health port stays plaintext:
+    kubelet's gRPC probes cannot speak TLS."""
+
+    cert_file: str | None = None
+    key_file: str | None = None
+    self_signed: bool = False
+
+    def __post_init__(self) -> None:
+        has_files = self.cert_file is not None or self.key_file is not None
+        if self.self_signed and has_files:
+            raise ValueError("set either self_signed or cert_file + key_file, not both")
+        if not self.self_signed and (self.cert_file is None or self.key_file is None):
+            raise ValueError("needs cert_file and key_file (or self_signed: true)")
+
+
 class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The ext_proc server.
 
@@ -36,7 +54,7 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     destination list carries after the pick (override-host mode walks them on retry; leave 0
     for ORIGINAL_DST, which takes exactly one address). `grace_s`: how long SIGTERM waits for
     open streams. `admin_port`: Prometheus `/metrics` and the explain API (0 = any free port,
-    None = off).
+    None = off). `tls`: see `TLSSettings` (None = plaintext ext_proc).
     """
 
     host: str = "0.0.0.0"
@@ -46,6 +64,7 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_body_bytes: Annotated[int, msgspec.Meta(gt=0)] = 64 * MiB
     fallbacks: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     grace_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    tls: TLSSettings | None = None
 
 
 class KVEventSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,4 +1,9 @@
-"""A local stack of real processes: echo upstreams, the extproc picker, and Envoy in front.
+"""A local stack of real processes: upstreams, the extproc picker, and Envoy in front.
+
+Upstreams are echo servers (`extproc.sim.echo`, they report what the proxy sent) or simulated
+vLLM servers (`SimFleet`, one `python -m extproc.sim` process hosting N servers). Envoy runs
+with the picker, or without it over a STATIC cluster with one of its own load balancers
+(`picker=False`): the baselines of the demo and the routing benchmark.
 
 Used by `extproc demo`, the end-to-end tests and the benchmarks. Every process it starts is
 its child and is stopped on exit, whatever happened.
@@ -16,14 +21,25 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Literal
 
 import grpc
 import httpx
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.bootstrap import BootstrapOptions, LbMode, render_bootstrap
+from extproc.bootstrap import BootstrapOptions, LbMode, build_bootstrap, render_bootstrap
+
+# Envoy's own balancers for the no-picker baselines -> (extension name, proto type).
+BaselineLb = Literal["round-robin", "random", "least-request"]
+_BASELINE_POLICIES: dict[str, tuple[str, str]] = {
+    "round-robin": ("round_robin", "round_robin.v3.RoundRobin"),
+    "random": ("random", "random.v3.Random"),
+    "least-request": ("least_request", "least_request.v3.LeastRequest"),
+}
+SIM_TOKENIZER_DIR = Path(__file__).resolve().parent / "sim" / "data" / "tokenizer"
 
 
 def free_port() -> int:
@@ -81,6 +97,204 @@ class StackOptions:
     extproc_args: Sequence[str] = ()
     envoy_concurrency: int = 1
     log_dir: Path | None = None
+    # Simulated vLLM servers instead of echo upstreams: `python -m extproc.sim` flags beyond
+    # the server count and ports (e.g. ("--fast", "10")). None keeps the echo upstreams.
+    sim_args: Sequence[str] | None = None
+    # An already running fleet to route to (its servers are the upstreams; the stack does
+    # not stop it). Lets a benchmark keep one fleet across policies.
+    fleet: SimFleet | None = None
+    # False: Envoy alone, balancing a STATIC cluster of the upstreams with `baseline`.
+    picker: bool = True
+    baseline: BaselineLb = "round-robin"
+    # Precise mode: the picker subscribes to the sims' KV events (needs simulated servers).
+    precise: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SimServerInfo:
+    """One simulated server, from its ready line."""
+
+    name: str
+    url: str
+    model: str
+    block_size: int
+    kv_events: str
+
+    @property
+    def address(self) -> str:
+        return self.url.removeprefix("http://")
+
+
+def _parse_ready_line(line: str) -> SimServerInfo | None:
+    if not line.startswith("sim ready "):
+        return None
+    kv = dict(part.split("=", 1) for part in line.split()[2:] if "=" in part)
+    return SimServerInfo(
+        name=kv["name"],
+        url=kv["url"],
+        model=kv["model"],
+        block_size=int(kv["block_size"]),
+        kv_events=kv.get("kv_events", "-"),
+    )
+
+
+class SimFleet:
+    """N simulated vLLM servers in one child process (`python -m extproc.sim`).
+
+    Every server's KV-event PUB socket connects to `tcp://127.0.0.1:<kv_events_port>`, a port
+    chosen here and bound later by a precise-mode picker: ZMQ reconnects on its own, so the
+    picker may come and go while the fleet stays up (events with nobody bound are dropped).
+    """
+
+    def __init__(
+        self, servers: int, sim_args: Sequence[str] = (), *, log_dir: Path, timeout_s: float = 30
+    ) -> None:
+        self.kv_events_port = free_port()
+        self.servers: list[SimServerInfo] = []
+        self._pump = None
+        self._log_path = log_dir / "sim.log"
+        argv = [
+            sys.executable,
+            "-m",
+            "extproc.sim",
+            "--servers",
+            str(servers),
+            "--host",
+            "127.0.0.1",
+            "--base-port",
+            "0",
+            "--kv-events-connect",
+            f"tcp://127.0.0.1:{self.kv_events_port}",
+            "--no-kv-replay",
+            *sim_args,
+        ]
+        log = open(self._log_path, "ab")  # noqa: SIM115 - owned by the process
+        # Ready lines come on stdout (read here); everything else goes to the log.
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            text=True,
+        )
+        log.close()
+        try:
+            self._read_ready(servers, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_ready(self, servers: int, timeout_s: float) -> None:
+        # A thread reads stdout: a blocking readline cannot time out, and select() on a
+        # buffered pipe misses lines already in Python's buffer.
+        import queue
+        import threading
+
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def pump(stream) -> None:
+            for line in stream:
+                lines.put(line)
+            lines.put(None)
+
+        assert self.proc.stdout is not None
+        self._pump = threading.Thread(target=pump, args=(self.proc.stdout,), daemon=True)
+        self._pump.start()
+        deadline = time.monotonic() + timeout_s
+        while len(self.servers) < servers:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"simulated servers not ready after {timeout_s}s") from None
+            if line is None:
+                raise RuntimeError(
+                    f"simulator exited with {self.proc.wait()}: "
+                    + self._log_path.read_text(errors="replace")[-2000:]
+                )
+            info = _parse_ready_line(line.strip())
+            if info is not None:
+                self.servers.append(info)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+    @property
+    def model(self) -> str:
+        return self.servers[0].model
+
+    @property
+    def block_size(self) -> int:
+        return self.servers[0].block_size
+
+    def reset(self) -> None:
+        """Empty every server's prefix cache (the encoder cache stays: vLLM keeps it too)."""
+        for srv in self.servers:
+            httpx.post(f"{srv.url}/reset_prefix_cache", timeout=5).raise_for_status()
+
+    def precise_settings(self, kv_events_bind: str) -> dict[str, Any]:
+        """The picker's settings for precise keys and these servers' KV events."""
+        return {
+            "parse": {
+                "precise": {
+                    "tokenizer_dir": str(SIM_TOKENIZER_DIR),
+                    "model": self.model,
+                    "block_size": self.block_size,
+                    # The sim's chat template renders each media part as this token.
+                    "image_token": "<|pad|>",
+                }
+            },
+            "index": {"kv_events": {"bind": kv_events_bind}},
+        }
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._pump is not None:
+            self._pump.join(timeout=5)  # it ends at EOF, now that the process is gone
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> SimFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def baseline_bootstrap(opts: BootstrapOptions, lb: BaselineLb) -> dict[str, Any]:
+    """Envoy without the picker: the picker-mode bootstrap (override-host, so the endpoints
+    form a STATIC cluster) with the ext_proc filter and the picker cluster taken out and the
+    cluster balanced by one of Envoy's own policies."""
+    doc = build_bootstrap(replace(opts, lb="override-host", fail_open=False, retries=0))
+    res = doc["static_resources"]
+    res["clusters"] = [c for c in res["clusters"] if c["name"] != "extproc"]
+    hcm = res["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [
+        f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
+    ]
+    name, proto = _BASELINE_POLICIES[lb]
+    (cluster,) = res["clusters"]
+    cluster["load_balancing_policy"] = {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": f"envoy.load_balancing_policies.{name}",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions."
+                        f"load_balancing_policies.{proto}"
+                    },
+                }
+            }
+        ]
+    }
+    return doc
 
 
 @dataclass
@@ -95,8 +309,10 @@ class Stack:
     listen_port: int = 0
     admin_port: int = 0  # Envoy's admin
     picker_admin_port: int = 0  # extproc's metrics + debug API
+    fleet: SimFleet | None = None  # the simulated servers, when upstreams are sims
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _tmp: tempfile.TemporaryDirectory | None = None
+    _own_fleet: bool = False
 
     @property
     def url(self) -> str:
@@ -113,10 +329,21 @@ class Stack:
         self._tmp = tempfile.TemporaryDirectory(prefix="extproc-stack-")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.start_upstreams()
-            self.extproc_port, self.health_port = free_port(), free_port()
-            self.picker_admin_port = free_port()
-            self.start_extproc()
+            if self.options.fleet is not None:
+                self.fleet = self.options.fleet
+                self.upstream_addresses = self.fleet.addresses
+            elif self.options.sim_args is not None:
+                self.fleet = SimFleet(
+                    self.options.upstreams, self.options.sim_args, log_dir=self.log_dir
+                )
+                self._own_fleet = True
+                self.upstream_addresses = self.fleet.addresses
+            else:
+                self.start_upstreams()
+            if self.options.picker:
+                self.extproc_port, self.health_port = free_port(), free_port()
+                self.picker_admin_port = free_port()
+                self.start_extproc()
             self.start_envoy()
         except BaseException:
             self.close()
@@ -171,6 +398,7 @@ class Stack:
             str(self.health_port),
             "--admin-port",
             str(self.picker_admin_port),
+            *self._precise_args(),
             *self.options.extproc_args,
         ]
         proc = self._spawn("extproc", argv)
@@ -183,6 +411,16 @@ class Stack:
             what="extproc",
             proc=proc,
         )
+
+    def _precise_args(self) -> list[str]:
+        if not self.options.precise:
+            return []
+        if self.fleet is None:
+            raise ValueError("precise mode needs simulated servers (sim_args or fleet)")
+        cfg = self.log_dir / "extproc-precise.yaml"
+        bind = f"tcp://127.0.0.1:{self.fleet.kv_events_port}"
+        cfg.write_text(yaml.safe_dump(self.fleet.precise_settings(bind), sort_keys=False))
+        return ["--config", str(cfg)]
 
     def stop_extproc(self, sig: int = signal.SIGKILL) -> int:
         proc = self._procs.pop("extproc")
@@ -201,7 +439,11 @@ class Stack:
             fail_open=self.options.fail_open,
         )
         cfg = self.log_dir / "envoy.yaml"
-        cfg.write_text(render_bootstrap(opts))
+        if self.options.picker:
+            cfg.write_text(render_bootstrap(opts))
+        else:
+            doc = baseline_bootstrap(opts, self.options.baseline)
+            cfg.write_text(yaml.safe_dump(doc, sort_keys=False))
         proc = self._spawn(
             "envoy",
             [
@@ -236,8 +478,9 @@ class Stack:
         name = "cluster.extproc.health_check.success"
         before = self.envoy_stats(name).get(name, 0)
         wait_until(
-            lambda: self.envoy_stats(name).get(name, 0) > before
-            and self.picker_healthy_in_envoy() > 0,
+            lambda: (
+                self.envoy_stats(name).get(name, 0) > before and self.picker_healthy_in_envoy() > 0
+            ),
             timeout_s=timeout_s,
             what="picker healthy in envoy",
         )
@@ -268,6 +511,9 @@ class Stack:
                 proc.kill()
                 proc.wait()
         self._procs.clear()
+        if self.fleet is not None and self._own_fleet:
+            self.fleet.close()
+        self.fleet = None
         if self._tmp is not None:
             with contextlib.suppress(OSError):
                 self._tmp.cleanup()

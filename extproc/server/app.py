@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import grpc
@@ -117,6 +118,7 @@ class App:
             states=self.states if self.scraper else None,
             is_failing=self.scraper.is_failing if self.scraper and state.exclude_failing else None,
             record_decisions=record,
+            on_lookup=self.metrics.lookup_seconds.observe,
         )
         self.subscriber = self._build_subscriber()
         self.health = Health()
@@ -132,6 +134,8 @@ class App:
         self.port = 0
         self.health_port = 0
         self.admin_port = 0
+        # Time of the last KV-event message seen at a scrape (the lag gauge's reference).
+        self._kv_seen = (0, time.monotonic())
         self.metrics.add_collector(self._collect)
 
     def _build_subscriber(self):
@@ -267,10 +271,22 @@ class App:
             self._exits.push_async_callback(self.inflight.aclose)
         if self.subscriber is not None:
             self.spawn("kv-events", self.subscriber.run)
+        # NOT_SERVING from the first probe: the health servicer answers SERVING for "" by
+        # default, which would let a proxy send traffic before endpoints are known.
+        await self.health.set_ready(False)
         self._server = grpc.aio.server(options=_SERVER_OPTIONS)
         self._server.add_generic_rpc_handlers((generic,))
         self.health.add_to(self._server)
-        self.port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls is not None:
+            from extproc.server.tls import load_key_pair, server_credentials
+
+            creds = server_credentials(load_key_pair(cfg.tls))
+            self.port = self._server.add_secure_port(address, creds)
+        else:
+            self.port = self._server.add_insecure_port(address)
+        # Plaintext on purpose: kubelet's gRPC probes have no TLS option. It serves only the
+        # health service, so it carries no request data.
         self._health_server = grpc.aio.server()
         self.health.add_to(self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
@@ -290,6 +306,7 @@ class App:
                 "health_port": self.health_port,
                 "admin_port": self.admin_port,
                 "endpoints": len(self.pool),
+                "tls": cfg.tls is not None,
             },
         )
         return self
@@ -349,6 +366,19 @@ class App:
         yield g
         yield t
         yield _gauge("extproc_endpoints", "Endpoints in the pool.", len(self.pool))
+        yield _gauge(
+            "extproc_ready",
+            "1 while the picker reports SERVING (endpoints known, not draining).",
+            1.0 if self._ready() else 0.0,
+        )
+        if r.prefix_blocks_requested:
+            # Since start; for a window use the PromQL in docs/operations.md.
+            yield _gauge(
+                "extproc_prefix_hit_ratio",
+                "Matched / requested prefix blocks since start (tier-weighted).",
+                r.prefix_blocks_matched / r.prefix_blocks_requested,
+            )
+        yield from self._collect_endpoints()
         if self.index is not None:
             s = self.index.stats
             yield _counter(
@@ -358,6 +388,29 @@ class App:
             )
             yield _counter(
                 "extproc_index_write_errors", "Index write batches that failed.", s.write_errors
+            )
+            yield _counter("extproc_index_lookups", "Index lookups made.", s.lookups)
+        if isinstance(self.inflight, SharedInFlight):
+            f = self.inflight.stats
+            yield _counter(
+                "extproc_shared_inflight_errors",
+                "Failed exchanges of in-flight counts with Redis.",
+                f.errors,
+            )
+            yield _counter(
+                "extproc_shared_inflight_exchanges",
+                "Successful exchanges of in-flight counts with Redis.",
+                f.exchanges,
+            )
+            yield _gauge(
+                "extproc_shared_inflight_peers",
+                "Other picker processes seen at the last exchange.",
+                f.peers,
+            )
+            yield _gauge(
+                "extproc_shared_inflight_degraded",
+                "1 while peers' in-flight counts are unknown (Redis failing): local counts only.",
+                1.0 if self.inflight.is_degraded else 0.0,
             )
         if self.subscriber is not None:
             k = self.subscriber.stats
@@ -372,6 +425,49 @@ class App:
                 ("restarts", "Publisher restarts seen (sequence went back).", k.restarts),
             ):
                 yield _counter(f"extproc_kv_events_{name}", doc, value)
+            # The batch timestamps stay inside the ingestion, so lag is measured as the age of
+            # the newest message, to the resolution of the scrape interval.
+            now = time.monotonic()
+            if k.messages != self._kv_seen[0]:
+                self._kv_seen = (k.messages, now)
+            yield _gauge(
+                "extproc_kv_events_last_message_age_seconds",
+                "Seconds since a KV-event message last arrived, or since start when none has "
+                "(at scrape resolution).",
+                now - self._kv_seen[1],
+            )
+
+    def _collect_endpoints(self):
+        """Per endpoint: scraped-state age and staleness, scrape failures."""
+        if self.scraper is None:
+            return
+        age = gauge(
+            "extproc_endpoint_state_age_seconds",
+            "Age of the endpoint's last successful metrics scrape (absent: never scraped).",
+            ["endpoint"],
+        )
+        stale = gauge(
+            "extproc_endpoint_stale",
+            "1 when the endpoint's scraped figures are older than stale_after_s or missing.",
+            ["endpoint"],
+        )
+        failures = counter(
+            "extproc_endpoint_scrape_failures",
+            "Failed metrics scrapes of the endpoint since it joined the pool.",
+            ["endpoint"],
+        )
+        for e in self.pool.snapshot():
+            a = self.states.age_s(e.address)
+            if a is not None:
+                age.add_metric([e.address], a)
+            stale.add_metric([e.address], 1.0 if self.states.is_stale(e.address) else 0.0)
+            failures.add_metric([e.address], self.scraper.failures(e.address))
+        yield age
+        yield stale
+        yield failures
+        st = self.scraper.stats
+        yield _counter("extproc_scrapes", "Successful endpoint metrics scrapes.", st.scrapes)
+        yield _counter("extproc_scrape_failures", "Failed endpoint metrics scrapes.", st.failures)
 
 
 def _counter(name: str, doc: str, value: float):

@@ -1,8 +1,9 @@
 """Prometheus metrics of one picker process, in its own registry (no global state).
 
-Counters that other components already keep (router, index, KV-event ingestion, in-flight)
-are read at scrape time by a collector, so the hot path pays nothing for them; only the
-per-request outcome counter and the decision latency histogram are updated inline.
+Counters that other components already keep (router, index, KV-event ingestion, in-flight,
+scraper) are read at scrape time by a collector, so the hot path pays nothing for them; only
+the per-request outcome counter and the decision and index-lookup latency histograms are
+updated inline. docs/operations.md lists every metric.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ class PickerMetrics:
             "extproc_decision_seconds",
             "Time from the end of the request body to the decision (parse, hash, index "
             "lookup, scheduling).",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.lookup_seconds = Histogram(
+            "extproc_index_lookup_seconds",
+            "Time of one KV-block index lookup (Redis round trip, or the in-memory walk); "
+            "only requests with block keys look up.",
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )

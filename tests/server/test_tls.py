@@ -107,8 +107,10 @@ def acl_redis(tmp_path: Path) -> Iterator[RedisServer]:
         free_port(),
         tmp_path,
         # One argument per ACL rule: redis-server joins them into the `user` directive.
-        ("--user", "default", "on", "nopass", "-@all", "+ping")
-        + ("--user", "picker", "on", ">s3cret", "~*", "&*", "+@all"),
+        (
+            *("--user", "default", "on", "nopass", "-@all", "+ping"),
+            *("--user", "picker", "on", ">s3cret", "~*", "&*", "+@all"),
+        ),
     )
     server.start()
     try:

