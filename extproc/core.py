@@ -139,8 +139,9 @@ class EndpointState:
     (`None` means never scraped); `is_stale` says they are too old to trust (or missing), by
     the configured threshold. In-flight counts are those placed by pickers (all picker
     processes, when state is shared) and not yet finished; `inflight_tokens` counts their
-    prefill work: prompt tokens the endpoint did not already hold when the request was placed. `kv_block_size` / `kv_blocks` are
-    the engine's cache config (tokens per block, GPU blocks); adapters are LoRA names.
+    prefill work: prompt tokens the endpoint did not already hold when the request was
+    placed. `kv_block_size` / `kv_blocks` are the engine's cache config (tokens per block,
+    GPU blocks); adapters are LoRA names.
     """
 
     waiting: int = 0
