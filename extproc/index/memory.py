@@ -75,7 +75,18 @@ class MemoryKVIndex:
         return Lookup(filter_matches(matches, endpoints))
 
     def record(self, endpoint: str, block_keys: Sequence[int]) -> bool:
-        deadline = int((self._opt.clock() + self._opt.approx_ttl_s) * 1000)
+        if not block_keys:
+            return True
+        ttl_ms = int(self._opt.approx_ttl_s * 1000)
+        deadline = int(self._opt.clock() * 1000) + ttl_ms
+        # A prefix re-recorded within a tenth of its TTL changes nothing that matters: its
+        # whole chain was written together, so a fresh last block means a fresh chain. This
+        # keeps the per-request cost of hot prefixes (shared system prompts) near zero.
+        last = self._blocks.get(block_keys[-1])
+        if last is not None:
+            for tag, written in last:
+                if tag == endpoint and written and written > deadline - ttl_ms // 10:
+                    return True
         self._update(block_keys, endpoint, deadline)
         self._track(endpoint, block_keys)
         return True
