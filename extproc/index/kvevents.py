@@ -71,6 +71,16 @@ _array_event = msgspec.msgpack.Decoder(
 )
 _batch = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _events = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_ts = msgspec.msgpack.Decoder(float)
+
+
+def batch_ts(payload: bytes) -> float | None:
+    """The publisher's timestamp of one `[ts, events, dp_rank]` batch; None if unreadable."""
+    try:
+        parts = _batch.decode(payload)
+        return _ts.decode(parts[0]) if parts else None
+    except msgspec.DecodeError:
+        return None
 
 
 def decode_batch(payload: bytes) -> tuple[list[Event], int]:
@@ -105,6 +115,7 @@ class IngestStats:
     unknown_removals: int = 0
     malformed: int = 0  # frames or events that could not be decoded, skipped
     duplicate_messages: int = 0
+    late_messages: int = 0  # sequence behind the last and stamped earlier: ignored
     gaps: int = 0
     replayed: int = 0
     resyncs: int = 0  # gap not healed by replay: endpoint dropped and rebuilt from new events
@@ -152,6 +163,7 @@ class EventIngest:
         self._replay = replay
         self.stats = stats or IngestStats()
         self.last_seq: int | None = None
+        self._last_payload: bytes | None = None  # the batch at `last_seq` (for _is_late)
         # True once an unhealed gap forced a resync: the index then holds only what was
         # stored since (blocks cached before the gap are forgotten, never wrongly kept).
         self.is_stale = False
@@ -170,6 +182,12 @@ class EventIngest:
             if seq == last:
                 self.stats.duplicate_messages += 1
                 return
+            if seq != 0 and seq < last and self._is_late(payload):
+                # A message delayed past later ones (already healed by replay, or lost to a
+                # resync): applying it would undo newer events, and taking it for a restart
+                # would forget everything the endpoint holds.
+                self.stats.late_messages += 1
+                return
             if seq == 0 or seq < last:
                 self.stats.restarts += 1
                 log.info("kv events: %s restarted (seq %d after %d)", self.endpoint, seq, last)
@@ -185,6 +203,15 @@ class EventIngest:
                     await self.reset()
         await self._apply(payload)
         self.last_seq = seq
+
+    def _is_late(self, payload: bytes) -> bool:
+        """A sequence number behind the last one is a restart (new publisher, sequence from
+        0, some of its first messages possibly lost) unless the batch is older than the last
+        applied one: a restarted publisher only stamps batches later than its predecessor."""
+        if self._last_payload is None:
+            return False
+        ts, last_ts = batch_ts(payload), batch_ts(self._last_payload)
+        return ts is not None and last_ts is not None and ts < last_ts
 
     async def _heal(self, start: int, seq: int) -> bool:
         if self._replay is None:
@@ -214,6 +241,7 @@ class EventIngest:
 
     async def _apply(self, payload: bytes) -> None:
         self.stats.messages += 1
+        self._last_payload = payload  # a reference: timestamps are only read when needed
         try:
             events, skipped = decode_batch(payload)
         except (msgspec.DecodeError, ValueError):

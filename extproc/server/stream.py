@@ -161,7 +161,8 @@ class _Stream:
         self.headers = headers
         self.subset = wire.subset_hint(msg)
         declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body:
+        # isascii too: str.isdigit() accepts digits int() rejects ('²'), a 500 from a header.
+        if declared.isascii() and declared.isdigit() and int(declared) > self.max_body:
             raise PayloadTooLarge(f"request body exceeds the {self.max_body}-byte limit")
         if self.mode not in (_FULL_DUPLEX, *_BUFFERED):
             # This body mode never shows us the whole body: decide on headers alone.
