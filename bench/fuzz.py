@@ -44,6 +44,7 @@ def threaded_picker() -> Iterator[ThreadedPicker]:
         endpoints=list(ENDPOINTS),
         state=StateSettings(scrape=None),  # routing only: the endpoints are never contacted
         server=ServerSettings(
+            drain_delay_s=0,
             host="127.0.0.1",
             port=0,
             health_port=0,

@@ -41,6 +41,7 @@ class BootstrapOptions:
     admin_port: int | None = None
     fail_open: bool = False
     retries: int = 2
+    max_retries: int = 1024  # concurrent retries Envoy allows on the model-server cluster
     route_timeout_s: float = 300.0
     extproc_timeout_s: float = 30.0
     health_interval_s: float = 1.0
@@ -148,6 +149,11 @@ def _model_cluster(opts: BootstrapOptions) -> dict[str, Any]:
     base: dict[str, Any] = {
         "name": "model_servers",
         "connect_timeout": "5s",
+        # Envoy allows 3 concurrent retries per cluster by default; when a server dies with
+        # more requests on it, the rest would get 503 instead of walking their fallback list.
+        "circuit_breakers": {
+            "thresholds": [{"priority": "DEFAULT", "max_retries": opts.max_retries}]
+        },
     }
     if opts.lb == "original-dst":
         base.update(
@@ -247,10 +253,12 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
         # Envoy keeps no copy of what it streamed). Panic routing would defeat that.
         "health_checks": [
             {
-                "timeout": "0.5s",
+                "timeout": "1s",
                 "interval": f"{opts.health_interval_s}s",
                 "no_traffic_interval": f"{opts.health_interval_s}s",
-                "unhealthy_threshold": 1,
+                # Two misses, not one: a live picker starved of CPU for a moment must not be
+                # marked down (fail closed turns that into 500s). A dead one refuses at once.
+                "unhealthy_threshold": 2,
                 "healthy_threshold": 1,
                 "grpc_health_check": {"service_name": "readiness"},
             }

@@ -38,6 +38,10 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
         changes["host"] = args.host
     if args.admin_port is not None:
         changes["admin_port"] = args.admin_port
+    if args.drain_delay is not None:
+        changes["drain_delay_s"] = args.drain_delay
+    if args.fallbacks is not None:
+        changes["fallbacks"] = args.fallbacks
     if args.worker_index:
         # Worker i of `--workers N`: ext_proc and health ports are shared (SO_REUSEPORT);
         # the admin port is per worker so each one's counters are scraped.
@@ -245,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
     s.add_argument("--host", help="address to bind (default 0.0.0.0)")
     s.add_argument("--admin-port", type=int, help="metrics + debug API port (default 9090)")
+    s.add_argument(
+        "--fallbacks", type=int, help="extra endpoints after the pick (override-host mode)"
+    )
+    s.add_argument(
+        "--drain-delay", type=float, help="seconds still serving after SIGTERM (default 3)"
+    )
     s.add_argument("--redis-url", help="share the KV-block index and in-flight load in Redis")
     s.add_argument("--inference-pool", help="watch this Kubernetes InferencePool for endpoints")
     s.add_argument("--namespace", help="the InferencePool's namespace (default: the pod's)")

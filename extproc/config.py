@@ -52,7 +52,11 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `max_body_bytes`: larger request bodies get 413 (checked against content-length first,
     then while streaming; never buffered past it). `fallbacks`: how many extra endpoints the
     destination list carries after the pick (override-host mode walks them on retry; leave 0
-    for ORIGINAL_DST, which takes exactly one address). `grace_s`: how long SIGTERM waits for
+    for ORIGINAL_DST, which takes exactly one address). `drain_delay_s`: after SIGTERM, how
+    long the picker keeps serving new streams while reporting NOT_SERVING, so Envoy's health
+    checks (every 1 s, two misses) and Kubernetes stop sending before it refuses anything
+    (keep the pod's terminationGracePeriodSeconds above drain_delay_s + grace_s).
+    `grace_s`: how long SIGTERM then waits for
     open streams. `admin_port`: Prometheus `/metrics` and the explain API (0 = any free port,
     None = off). `tls`: see `TLSSettings` (None = plaintext ext_proc).
     """
@@ -64,6 +68,7 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_body_bytes: Annotated[int, msgspec.Meta(gt=0)] = 64 * MiB
     fallbacks: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     grace_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    drain_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0
     tls: TLSSettings | None = None
 
 

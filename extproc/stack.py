@@ -108,6 +108,9 @@ class StackOptions:
     baseline: BaselineLb = "round-robin"
     # Precise mode: the picker subscribes to the sims' KV events (needs simulated servers).
     precise: bool = False
+    # Seconds the picker keeps serving after SIGTERM. Production wants a health interval or
+    # two; tests that stop stacks all the time do not.
+    drain_delay_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,6 +401,10 @@ class Stack:
             str(self.health_port),
             "--admin-port",
             str(self.picker_admin_port),
+            "--drain-delay",
+            str(self.options.drain_delay_s),
+            "--fallbacks",
+            str(self.options.fallbacks),
             *self._precise_args(),
             *self.options.extproc_args,
         ]

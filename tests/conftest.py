@@ -62,7 +62,9 @@ def settings() -> Settings:
     """Loopback, ephemeral ports; tests replace fields with msgspec.structs.replace."""
     return Settings(
         endpoints=list(ENDPOINTS),
-        server=ServerSettings(host="127.0.0.1", port=0, health_port=0, admin_port=0, grace_s=1.0),
+        server=ServerSettings(
+            host="127.0.0.1", port=0, health_port=0, admin_port=0, grace_s=1.0, drain_delay_s=0
+        ),
     )
 
 

@@ -323,6 +323,10 @@ class App:
             return
         self._stopping = True
         await self.health.set_ready(False)
+        if self.settings.server.drain_delay_s and self._server is not None:
+            # Still serving while NOT_SERVING propagates: refusing at once would fail the
+            # streams Envoy keeps sending until its health check notices.
+            await asyncio.sleep(self.settings.server.drain_delay_s)
         if self._server is not None:
             await self._server.stop(self.settings.server.grace_s)
         if self._health_server is not None:

@@ -40,6 +40,7 @@ def picker() -> Iterator[ThreadedPicker]:
     settings = Settings(
         endpoints=list(ENDPOINTS),
         server=ServerSettings(
+            drain_delay_s=0,
             host="127.0.0.1",
             port=0,
             health_port=0,

@@ -116,7 +116,12 @@ async def fleet(
         settings = msgspec.structs.replace(
             settings,
             server=msgspec.structs.replace(
-                settings.server, host="127.0.0.1", port=0, health_port=0, admin_port=None
+                settings.server,
+                host="127.0.0.1",
+                port=0,
+                health_port=0,
+                admin_port=None,
+                drain_delay_s=0,
             ),
         )
         endpoints = list(parse_endpoints(",".join(settings.endpoints)))

@@ -70,7 +70,7 @@ async def test_not_ready_for_any_probe_name_until_discovery_has_synced(settings,
 def picker(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, int]]:
     port, health = free_port(), free_port()
     config = tmp_path / "picker.yaml"
-    config.write_text(yaml.safe_dump({"server": {"grace_s": 20}}))
+    config.write_text(yaml.safe_dump({"server": {"grace_s": 20, "drain_delay_s": 1.0}}))
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "extproc", "serve", "--config", str(config)),
@@ -105,9 +105,21 @@ async def test_sigterm_lets_the_open_stream_finish_and_refuses_new_ones(picker):
         proc.send_signal(signal.SIGTERM)
         await _until(lambda: status(health, "readiness"), NOT_SERVING)
 
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await client.exchange([request_headers(post("/v1/chat/completions"))])
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # For drain_delay_s after NOT_SERVING, new streams are still served: the proxy's
+        # health checks need that long to stop sending, and nothing sent meanwhile is lost.
+        served = await client.exchange(
+            [request_headers(post("/v1/chat/completions")), *body_chunks(CHAT)]
+        )
+        assert destination(served[0]) in ENDPOINTS
+
+        async def refused() -> int:
+            try:
+                await client.exchange([request_headers(post("/v1/chat/completions"))])
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().value[0]
+            return -1
+
+        await _until(refused, grpc.StatusCode.UNAVAILABLE.value[0])
         assert proc.poll() is None  # still draining: the open stream holds it
 
         for m in body_chunks(CHAT):
