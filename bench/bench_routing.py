@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sglang", action="store_true", help="skip the peer router")
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = p.parse_args(argv)
-    rates = args.rates or ([12.0] if args.quick else [6.0, 12.0, 24.0])
-    groups = args.groups or (6 if args.quick else 24)
+    rates = args.rates or ([12.0] if args.quick else [6.0, 16.0])
+    groups = args.groups or (6 if args.quick else 12)
     command = "uv run --extra envoy python bench/bench_routing.py " + shlex.join(
         sys.argv[1:] if argv is None else argv
     )

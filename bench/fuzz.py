@@ -14,12 +14,10 @@ property (hypothesis prints the shrunk input).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
@@ -27,52 +25,17 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.*
 
-from extproc.config import ServerSettings, Settings, StateSettings
-from extproc.endpoints import parse_endpoints
-from extproc.server.app import App
+from extproc.testing import ThreadedPicker, picker_in_thread
 from tests.hostile import test_fuzz_bodies as bodies
 from tests.hostile import test_fuzz_decoders as decoders
 from tests.hostile import test_fuzz_stream as stream
-from tests.hostile.conftest import ENDPOINTS, ThreadedPicker
+from tests.hostile.conftest import hostile_settings
 from tests.requests import test_properties as props
 
 
-@contextlib.contextmanager
-def threaded_picker() -> Iterator[ThreadedPicker]:
-    """The hostile tests' picker (200 KB body limit), outside pytest."""
-    settings_ = Settings(
-        endpoints=list(ENDPOINTS),
-        state=StateSettings(scrape=None),  # routing only: the endpoints are never contacted
-        server=ServerSettings(
-            drain_delay_s=0,
-            host="127.0.0.1",
-            port=0,
-            health_port=0,
-            admin_port=None,
-            grace_s=0.5,
-            max_body_bytes=200_000,
-        ),
-    )
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    holder: dict = {}
-
-    async def main() -> None:
-        async with App(settings_, parse_endpoints(",".join(ENDPOINTS))) as app:
-            holder["app"], holder["stop"] = app, asyncio.Event()
-            ready.set()
-            await holder["stop"].wait()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    if not ready.wait(20):
-        sys.exit("picker did not start")
-    try:
-        yield ThreadedPicker(holder["app"], loop)
-    finally:
-        loop.call_soon_threadsafe(holder["stop"].set)
-        thread.join(20)
-        loop.close()
+def threaded_picker() -> contextlib.AbstractContextManager[ThreadedPicker]:
+    """The hostile tests' picker, outside pytest."""
+    return picker_in_thread(hostile_settings())
 
 
 def properties(picker: ThreadedPicker) -> dict[str, tuple[Callable, tuple]]:

@@ -3,12 +3,23 @@ drive a real picker over real gRPC. Used by our tests and by plugin authors' tes
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from extproc import protocol
 from extproc.server import wire
+
+if TYPE_CHECKING:
+    from extproc.config import Settings
+    from extproc.server.app import App
+
+T = TypeVar("T")
 
 pb = wire.pb
 FULL_DUPLEX = pb.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -130,3 +141,52 @@ class ExtProcClient:
     def open(self) -> grpc.aio.StreamStreamCall:
         """A raw stream, for tests that interleave reads and writes."""
         return self._process()
+
+
+@dataclass
+class ThreadedPicker:
+    """A picker serving from a background thread's event loop, for synchronous callers
+    (hypothesis tests, fuzzers) that drive it over real gRPC."""
+
+    app: App
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.app.port}"
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn()` on the picker's loop (to read its state safely)."""
+
+        async def run() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(5)
+
+
+@contextlib.contextmanager
+def picker_in_thread(settings: Settings) -> Iterator[ThreadedPicker]:
+    """Start an App for `settings` (its static endpoints) in a thread; stop it on exit."""
+    from extproc.endpoints import parse_endpoints
+    from extproc.server.app import App
+
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    holder: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with App(settings, parse_endpoints(",".join(settings.endpoints))) as app:
+            holder["app"], holder["stop"] = app, asyncio.Event()
+            ready.set()
+            await holder["stop"].wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    if not ready.wait(20):
+        raise RuntimeError("picker did not start")
+    try:
+        yield ThreadedPicker(holder["app"], loop)
+    finally:
+        loop.call_soon_threadsafe(holder["stop"].set)
+        thread.join(20)
+        loop.close()

@@ -11,7 +11,20 @@ import msgspec
 from extproc.core import Candidate
 
 
-class MaxScorePicker:
+class _NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class _RandomizedPicker:
+    """Pickers take no parameters; their randomness is injectable for tests."""
+
+    Params = _NoParams
+
+    def __init__(self, params: _NoParams | None = None, *, rng: random.Random | None = None):
+        self._rng = rng or random.Random()
+
+
+class MaxScorePicker(_RandomizedPicker):
     """Highest total score first. Ties are broken at random, so a burst of equal requests
     spreads over equally good endpoints instead of piling onto the first one listed.
 
@@ -21,12 +34,6 @@ class MaxScorePicker:
     """
 
     type_name: ClassVar[str] = "max-score-picker"
-
-    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-        pass
-
-    def __init__(self, params: Params | None = None, *, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
 
     def pick(
         self, cands: Sequence[Candidate], totals: Sequence[float], limit: int
@@ -41,7 +48,7 @@ class MaxScorePicker:
         return [cands[i] for i in order[:limit]]
 
 
-class RandomPicker:
+class RandomPicker(_RandomizedPicker):
     """Uniformly random order, ignoring scores (a baseline and a tie-breaker of last resort).
 
     ```yaml
@@ -51,19 +58,13 @@ class RandomPicker:
 
     type_name: ClassVar[str] = "random-picker"
 
-    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-        pass
-
-    def __init__(self, params: Params | None = None, *, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
-
     def pick(
         self, cands: Sequence[Candidate], totals: Sequence[float], limit: int
     ) -> list[Candidate]:
         return self._rng.sample(list(cands), min(limit, len(cands)))
 
 
-class WeightedRandomPicker:
+class WeightedRandomPicker(_RandomizedPicker):
     """Random order weighted by total score (an endpoint with twice the score is twice as
     likely to come first); spreads load while still following the scores. Zero scores are
     picked last.
@@ -74,12 +75,6 @@ class WeightedRandomPicker:
     """
 
     type_name: ClassVar[str] = "weighted-random-picker"
-
-    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-        pass
-
-    def __init__(self, params: Params | None = None, *, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
 
     def pick(
         self, cands: Sequence[Candidate], totals: Sequence[float], limit: int
