@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +117,9 @@ class IngestStats:
     malformed: int = 0  # frames or events that could not be decoded, skipped
     duplicate_messages: int = 0
     late_messages: int = 0  # sequence behind the last and stamped earlier: ignored
+    # Seconds from the publisher's batch timestamp to its ingestion, for the latest batch
+    # (wall clocks of two hosts: skew shows up here too).
+    lag_s: float = 0.0
     gaps: int = 0
     replayed: int = 0
     resyncs: int = 0  # gap not healed by replay: endpoint dropped and rebuilt from new events
@@ -249,6 +253,9 @@ class EventIngest:
             return
         self.stats.malformed += skipped
         self.stats.events += len(events)
+        ts = batch_ts(payload)
+        if ts is not None and math.isfinite(ts):
+            self.stats.lag_s = max(0.0, time.time() - ts)
         for ev in events:
             try:
                 if isinstance(ev, BlockStored):

@@ -429,8 +429,12 @@ class App:
                 ("restarts", "Publisher restarts seen (sequence went back).", k.restarts),
             ):
                 yield _counter(f"extproc_kv_events_{name}", doc, value)
-            # The batch timestamps stay inside the ingestion, so lag is measured as the age of
-            # the newest message, to the resolution of the scrape interval.
+            yield _gauge(
+                "extproc_kv_events_lag_seconds",
+                "Publisher timestamp to ingestion of the latest KV-event batch (host clocks).",
+                k.lag_s,
+            )
+            # How long since anything arrived at all (a silent publisher shows here).
             now = time.monotonic()
             if k.messages != self._kv_seen[0]:
                 self._kv_seen = (k.messages, now)

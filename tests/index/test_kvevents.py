@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -265,6 +266,17 @@ async def test_duplicate_store_needs_two_removes(zctx: zmq.Context[Any]) -> None
         pub.send(batch(removed([11])))
         await until(lambda: sub.stats.messages == 3)
         assert await match(index, keys_of(tokens)) == 0.0
+
+
+async def test_ingestion_lag_is_measured_from_the_batch_timestamp(
+    zctx: zmq.Context[Any],
+) -> None:
+    index = MemoryKVIndex()
+    async with dialing(index, zctx) as (sub, pub):
+        sent_at = time.time() - 5.0  # a batch stamped 5 s ago
+        pub.send(msgpack.packb([sent_at, [stored([11], toks(0, 1))], 0]))
+        await until(lambda: sub.stats.messages == 1)
+    assert 5.0 <= sub.stats.lag_s < 60.0
 
 
 async def test_all_blocks_cleared_drops_the_endpoint(zctx: zmq.Context[Any]) -> None:
