@@ -4,7 +4,7 @@ Works on Redis >= 7, Valkey and Redis/Valkey Cluster. Layout (docs/index.md has 
 - `<ns>:b:{<root hex>}`: a hash per prefix chain, fields = 8-byte block keys, values = the
   entries holding that block (`tag=deadline_ms`, newline-joined, sorted). Every key of a
   request shares block 0, so one lookup touches one hash, one slot, one round trip (a script
-  that bisects rather than walks; field `~` flags chains it must walk, see _LOOKUP/_WRITE).
+  that bisects rather than walks; field `~` flags chains it must walk, see redis_scripts.py).
 - `<ns>:e:{<endpoint>}`: a sorted set per endpoint of (root, key) pairs by last write, for
   capacity and for dropping an endpoint without scanning the keyspace.
 Writes go through a bounded queue to one writer loop that pipelines script calls.
@@ -14,7 +14,6 @@ Redis bytes stop here: callers see `Lookup` and block keys only.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import sys
 import time
@@ -44,6 +43,7 @@ from extproc.index.base import (
     filter_matches,
 )
 from extproc.index.prefix import Records, Segment, prefix_matches
+from extproc.index.redis_scripts import LOOKUP, SHA, TRACK, WRITE
 
 log = logging.getLogger(__name__)
 
@@ -51,224 +51,6 @@ _BIG_ENDIAN_HOST = sys.byteorder == "big"
 # Member scores are ms since this epoch times 4096, so they stay exact in a double
 # (< 2**53) for decades while leaving room to order the blocks of one write tail-first.
 _SCORE_EPOCH_MS = 1_704_067_200_000
-
-# ARGV[1] = little-endian uint64 block keys. Returns [start, value, start, value, ..., walked]:
-# one (start, value) per run of equal values, stopping at the first block nobody holds.
-#
-# Exact linear walks cost ~470 ns per block server-side (2048 keys: 0.98 ms, of which the
-# 2048-field HMGET is 0.7 ms: Redis renders every ~200-byte value as RESP and Lua parses it
-# back). Chains instead rely on how they are written: `record` stores whole prefixes and
-# capacity evicts tails first, so every entry's holdings along a path are a prefix of it and
-# a value seen at two blocks is the value of every block between them. The script then finds
-# the end of the walk and each run boundary by bisection, O(runs x log n) single-field probes
-# (2048 keys, 2 runs: ~13 probes). Writes that can break the prefix shape (see _WRITE) flag
-# the chain in field '~'; flagged chains, and any probe pair showing an entry at a later block
-# that the earlier block lacks, are walked linearly, so answers equal the exact walk.
-_LOOKUP = """
-local key, blob = KEYS[1], ARGV[1]
-local n = #blob / 8
-local out, prev, walked, stopped = {}, false, 0, false
-local function emit(pos, v)
-  if v ~= prev then
-    out[#out + 1] = pos
-    out[#out + 1] = v
-    prev = v
-  end
-end
-local function field(i) return string.sub(blob, i * 8 + 1, i * 8 + 8) end
--- the exact walk over blocks a..b (0-based, inclusive); stops the lookup at a missing block
-local function linear(a, b)
-  local c = a
-  while c <= b do
-    local last = math.min(b, c + 3999)
-    local fields = {}
-    for i = c, last do fields[#fields + 1] = field(i) end
-    local vals = redis.call('HMGET', key, unpack(fields))
-    for i = 1, #vals do
-      local v = vals[i]
-      if not v then
-        walked, stopped = c + i - 1, true
-        return
-      end
-      emit(c + i - 1, v)
-    end
-    c = last + 1
-  end
-end
-local tagsets = {}
-local function tags(v)
-  local t = tagsets[v]
-  if not t then
-    t = {}
-    for tag in string.gmatch(v, "([^\\n=]+)=%d+") do t[tag] = true end
-    tagsets[v] = t
-  end
-  return t
-end
--- true when every entry of later value w is also on earlier value v (the prefix shape)
-local function shrinks(v, w)
-  local tv = tags(v)
-  for tag in pairs(tags(w)) do
-    if not tv[tag] then return false end
-  end
-  return true
-end
--- runs of blocks lo+1..hi, given the values at lo (already emitted) and hi
-local function fill(lo, vlo, hi, vhi)
-  if stopped or vlo == vhi then return end
-  if hi == lo + 1 then
-    emit(hi, vhi)
-    return
-  end
-  if not shrinks(vlo, vhi) then return linear(lo + 1, hi) end
-  local mid = math.floor((lo + hi) / 2)
-  local vmid = redis.call('HGET', key, field(mid))
-  if not vmid then return linear(lo + 1, hi) end
-  fill(lo, vlo, mid, vmid)
-  fill(mid, vmid, hi, vhi)
-end
-local head = redis.call('HMGET', key, '~', field(0), field(n - 1))
-local flag, v0, vlast = head[1], head[2], head[3]
-if not v0 then return {0} end
-if n <= 8 or (flag and string.find(flag, 'i', 1, true)) then
-  linear(0, n - 1)
-  if not stopped then walked = n end
-  out[#out + 1] = walked
-  return out
-end
-emit(0, v0)
-walked = n
-if not vlast then
-  -- the blocks anyone holds form a prefix: bisect for its end
-  local lo, hi = 0, n - 1
-  vlast = v0
-  while hi - lo > 1 do
-    local mid = math.floor((lo + hi) / 2)
-    local v = redis.call('HGET', key, field(mid))
-    if v then lo, vlast = mid, v else hi = mid end
-  end
-  walked = hi
-end
-if walked > 1 then fill(0, v0, walked - 1, vlast) end
-out[#out + 1] = walked
-return out
-"""
-
-# ARGV[1] = key ttl ms, ARGV[2] = the chain's root key (8 bytes), then (op, tag, deadline,
-# blob) quads; op s = set tag, r = remove tag, x = remove every tag of endpoint `tag` (the
-# endpoint left), e = the same for capacity eviction.
-# Field '~' flags what _LOOKUP must know: 'i' = holdings may not be prefixes, walk linearly
-# (a removal of single blocks, a sliding-window or recurrent-state group, or one entry that is
-# both precise and approximate along the chain); 'c' = some store did not start at the root
-# or was longer than the 4096 distinct eviction scores, so capacity eviction may cut a hole
-# and then sets 'i'. Eviction of whole-prefix writes (record) keeps holdings prefixes.
-_WRITE = """
-local key, root = KEYS[1], ARGV[2]
-local flag = redis.call('HGET', key, '~') or ''
-local irregular = string.find(flag, 'i', 1, true) ~= nil
-local continued = string.find(flag, 'c', 1, true) ~= nil
-local function parse(v)
-  local t = {}
-  for tag, dl in string.gmatch(v, "([^\\n=]+)=(%d+)") do t[tag] = dl end
-  return t
-end
-local function ser(t)
-  local ks = {}
-  for k in pairs(t) do ks[#ks + 1] = k end
-  if #ks == 0 then return false end
-  table.sort(ks)
-  for i, k in ipairs(ks) do ks[i] = k .. '=' .. t[k] end
-  return table.concat(ks, '\\n')
-end
-for j = 3, #ARGV, 4 do
-  local op, tag, dl, blob = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
-  local plen = #tag
-  if op == 's' then
-    if string.find(tag, '#%d+:[sm]') then irregular = true end
-    if string.sub(blob, 1, 8) ~= root or #blob > 8 * 4096 then continued = true end
-  elseif op == 'e' and continued then
-    irregular = true
-  end
-  local first, prev_old, prev_new = true, false, false
-  for i = 1, #blob / 8 do
-    local f = string.sub(blob, i * 8 - 7, i * 8)
-    local old = redis.call('HGET', key, f)
-    local new
-    if not first and old == prev_old then
-      new = prev_new
-    else
-      local t = old and parse(old) or {}
-      if op == 's' then
-        local was = t[tag]
-        if was and (was == '0') ~= (dl == '0') then irregular = true end
-        t[tag] = dl
-      elseif op == 'r' then
-        if t[tag] then irregular = true end
-        t[tag] = nil
-      else
-        for k in pairs(t) do
-          local c = string.sub(k, plen + 1, plen + 1)
-          if string.sub(k, 1, plen) == tag and (c == '' or c == '#' or c == '@') then t[k] = nil end
-        end
-      end
-      new = ser(t)
-      first, prev_old, prev_new = false, old, new
-    end
-    if new then
-      if new ~= old then redis.call('HSET', key, f, new) end
-    elseif old then
-      redis.call('HDEL', key, f)
-    end
-  end
-end
-local newflag = (continued and 'c' or '') .. (irregular and 'i' or '')
-if redis.call('HLEN', key) <= (flag ~= '' and 1 or 0) then
-  -- nothing left but the flag: the chain is gone
-  redis.call('DEL', key)
-  return 0
-end
-if newflag ~= flag then redis.call('HSET', key, '~', newflag) end
-redis.call('PEXPIRE', key, ARGV[1])
-return 0
-"""
-
-# ARGV = score base, capacity (0 = none), key ttl ms, then (op, blob) pairs; op a = touch,
-# d = forget; blob = 16-byte (root, key) members, head first. Returns evicted members.
-# ZADD GT keeps each member's highest score: a replica whose clock lags must not score a
-# refreshed head below its tail, or eviction would cut holes that _LOOKUP does not expect.
-_TRACK = """
-local key = KEYS[1]
-local base, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
-for j = 4, #ARGV, 2 do
-  local op, blob = ARGV[j], ARGV[j + 1]
-  local cmd = op == 'a' and 'ZADD' or 'ZREM'
-  local args = op == 'a' and {'GT'} or {}
-  local base_len = #args
-  for i = 1, #blob / 16 do
-    local m = string.sub(blob, i * 16 - 15, i * 16)
-    if op == 'a' then args[#args + 1] = base + 4095 - math.min(i - 1, 4095) end
-    args[#args + 1] = m
-    if #args >= 4000 then
-      redis.call(cmd, key, unpack(args))
-      args = op == 'a' and {'GT'} or {}
-    end
-  end
-  if #args > base_len then redis.call(cmd, key, unpack(args)) end
-end
-local evicted = {}
-if cap > 0 then
-  local size = redis.call('ZCARD', key)
-  if size > cap then
-    evicted = redis.call('ZRANGE', key, 0, size - cap - 1)
-    redis.call('ZREMRANGEBYRANK', key, 0, size - cap - 1)
-  end
-end
-if redis.call('EXISTS', key) == 1 then redis.call('PEXPIRE', key, ARGV[3]) end
-return evicted
-"""
-
-
-_SHA = {s: hashlib.sha1(s.encode()).hexdigest() for s in (_LOOKUP, _WRITE, _TRACK)}
 
 
 def _pack(keys: Sequence[int]) -> bytes:
@@ -369,7 +151,7 @@ class RedisKVIndex:
         budget; False if Redis is not reachable yet (the index still works and retries)."""
         try:
             async with asyncio.timeout(timeout_s):
-                for script in _SHA:
+                for script in SHA:
                     await self._client.script_load(script)  # type: ignore[misc]
                 self._scripts_loaded = True
                 return True
@@ -425,7 +207,7 @@ class RedisKVIndex:
         # 1.6 s over a 200 ms link while a fresh connection was set up). The decision returns
         # at the budget whatever the client does; the abandoned call is cancelled.
         call = asyncio.ensure_future(
-            self._eval(_LOOKUP, self._root_key(block_keys[0]), _pack(block_keys))
+            self._eval(LOOKUP, self._root_key(block_keys[0]), _pack(block_keys))
         )
         try:
             done, _ = await asyncio.wait((call,), timeout=self._budget_s)
@@ -474,7 +256,7 @@ class RedisKVIndex:
 
     async def _eval(self, script: str, key: str, *args: bytes | str) -> Any:
         try:
-            return await self._client.evalsha(_SHA[script], 1, key, *args)  # type: ignore[misc]
+            return await self._client.evalsha(SHA[script], 1, key, *args)  # type: ignore[misc]
         except NoScriptError:
             # EVAL both runs and caches the script on the node that owns `key`.
             return await self._client.eval(script, 1, key, *args)  # type: ignore[misc]
@@ -646,15 +428,15 @@ class RedisKVIndex:
         cap = str(self._opt.capacity_blocks or 0)
         calls: list[tuple[str, str, list[bytes | str]]] = []
         for root, args in roots.items():
-            calls.append((_WRITE, self._root_key(root), [self._key_ttl_ms, _pack((root,)), *args]))
+            calls.append((WRITE, self._root_key(root), [self._key_ttl_ms, _pack((root,)), *args]))
         for endpoint, args in tracks.items():
             calls.append(
-                (_TRACK, self._endpoint_key(endpoint), [base, cap, self._key_ttl_ms, *args])
+                (TRACK, self._endpoint_key(endpoint), [base, cap, self._key_ttl_ms, *args])
             )
         results = await self._pipeline(calls)
         evicted: list[_Op] = []
         for (script, key, _), result in zip(calls, results, strict=True):
-            if script is _TRACK and result:
+            if script is TRACK and result:
                 endpoint = key[len(self._ns) + 4 : -1]
                 evicted.extend(self._drop_ops("e", endpoint, result))
         return evicted
@@ -679,13 +461,13 @@ class RedisKVIndex:
             drops = self._drop_ops("x", endpoint, members)
             calls = [
                 (
-                    _WRITE,
+                    WRITE,
                     self._root_key(op.root),
                     [self._key_ttl_ms, _pack((op.root,)), "x", endpoint, "0", op.keys],
                 )
                 for op in drops
             ]
-            calls.append((_TRACK, key, ["0", "0", self._key_ttl_ms, "d", b"".join(members)]))
+            calls.append((TRACK, key, ["0", "0", self._key_ttl_ms, "d", b"".join(members)]))
             await self._pipeline(calls)
         await self._client.delete(key)  # type: ignore[misc]
 
@@ -694,13 +476,13 @@ class RedisKVIndex:
         restarted server forgets scripts) the whole batch is simply sent again."""
         for attempt in (0, 1):
             if attempt or not self._scripts_loaded:
-                for script in _SHA:
+                for script in SHA:
                     await self._client.script_load(script)  # type: ignore[misc]
                 self._scripts_loaded = True
             async with self._client.pipeline(transaction=False) as pipe:
                 for script, key, args in calls:
                     # The cluster pipeline refuses .evalsha() but routes a raw EVALSHA by its key.
-                    pipe.execute_command("EVALSHA", _SHA[script], 1, key, *args)
+                    pipe.execute_command("EVALSHA", SHA[script], 1, key, *args)
                 try:
                     return await pipe.execute()
                 except RedisError as exc:
