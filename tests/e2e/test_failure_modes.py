@@ -6,6 +6,7 @@ import signal
 
 import httpx
 
+from extproc import protocol
 from extproc.stack import Stack, StackOptions, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -45,10 +46,13 @@ def test_fail_open_keeps_routing_to_pool_endpoints_once_the_picker_is_seen_down(
             what="health check marking the picker down",
         )
         with httpx.Client(base_url=stack.url, timeout=10) as c:
-            for _ in range(20):
-                r = c.post("/v1/chat/completions", json=CHAT)
+            rogue = {protocol.DESTINATION_HEADER: stack.unlisted_addresses[0]}
+            for i in range(20):
+                # Half the requests try to pick their own upstream while the picker is down.
+                r = c.post("/v1/chat/completions", json=CHAT, headers=rogue if i % 2 else None)
                 assert r.status_code == 200
-                # Envoy's own balancing, over the pool only: the picker's header is absent.
+                # Envoy's own balancing, over the pool only: the client's header was stripped
+                # before ext_proc, so it never reached the load balancer.
                 assert r.json()["endpoint"] in stack.upstream_addresses
                 assert r.json()["destination_header"] is None
 
