@@ -31,11 +31,10 @@ import msgpack
 import msgspec
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from extproc.endpoints.inflight import Placement
+from extproc.redis_client import redis_from_url
 
 log = logging.getLogger(__name__)
 
@@ -155,18 +154,9 @@ class SharedInFlight:
     def from_url(cls, url: str, *, cluster: bool = False, **kwargs: Any) -> SharedInFlight:
         """An instance that owns its client. `cluster=True` for Redis/Valkey Cluster."""
         settings: SharedInFlightSettings = kwargs.get("settings") or SharedInFlightSettings()
-        common: dict[str, Any] = {
-            "socket_connect_timeout": settings.timeout_s,
-            "socket_timeout": settings.timeout_s,
-            # One immediate retry heals a connection Redis closed (restart); longer
-            # outages are the loop's backoff's business.
-            "retry": Retry(NoBackoff(), 1),
-        }
-        client: Redis | RedisCluster
-        if cluster:
-            client = RedisCluster.from_url(url, **common)
-        else:
-            client = Redis.from_url(url, health_check_interval=0, **common)
+        client = redis_from_url(
+            url, cluster=cluster, connect_timeout_s=settings.timeout_s, timeout_s=settings.timeout_s
+        )
         return cls(client, owns_client=True, **kwargs)
 
     # -- the hot path (sync, never touches Redis) --------------------------------------------

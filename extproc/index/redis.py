@@ -26,8 +26,6 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from extproc.index.base import (
@@ -44,6 +42,7 @@ from extproc.index.base import (
 )
 from extproc.index.prefix import Records, Segment, prefix_matches
 from extproc.index.redis_scripts import LOOKUP, SHA, TRACK, WRITE
+from extproc.redis_client import redis_from_url
 
 log = logging.getLogger(__name__)
 
@@ -132,18 +131,7 @@ class RedisKVIndex:
     @classmethod
     def from_url(cls, url: str, *, cluster: bool = False, **kwargs: Any) -> RedisKVIndex:
         """An index that owns its client. `cluster=True` for Redis/Valkey Cluster."""
-        common: dict[str, Any] = {
-            "socket_connect_timeout": 1.0,
-            "socket_timeout": 2.0,
-            # One immediate retry heals a connection Redis closed (restart); longer outages
-            # are the circuit breaker's business, not the client's.
-            "retry": Retry(NoBackoff(), 1),
-        }
-        client: Redis | RedisCluster
-        if cluster:
-            client = RedisCluster.from_url(url, **common)
-        else:
-            client = Redis.from_url(url, health_check_interval=0, **common)
+        client = redis_from_url(url, cluster=cluster, connect_timeout_s=1.0, timeout_s=2.0)
         return cls(client, owns_client=True, **kwargs)
 
     async def connect(self, timeout_s: float = 2.0) -> bool:
