@@ -13,6 +13,7 @@ from extproc.config import ServerSettings, Settings
 from extproc.endpoints import parse_endpoints
 from extproc.server.app import App
 from extproc.testing import ExtProcClient
+from tests.redis_servers import redis_cluster, redis_server  # noqa: F401 - fixtures for all
 
 # Loopback addresses where nothing listens: pickers under test may scrape their endpoints'
 # metrics, and tests never send traffic anywhere but this machine.

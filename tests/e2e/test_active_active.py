@@ -13,7 +13,7 @@ import pytest
 
 from extproc.stack import free_port, grpc_health_status, wait_until
 from extproc.testing import ExtProcClient, body_chunks, destination, post, request_headers
-from tests.index.conftest import RedisServer, redis_server  # noqa: F401 - fixture
+from tests.redis_servers import RedisServer
 
 ENDPOINTS = "127.0.0.11:8000,127.0.0.12:8000,127.0.0.13:8000"
 SYSTEM = "You are a meticulous assistant. " * 80  # ~2.5 KB: several prefix blocks
@@ -77,7 +77,7 @@ class Picker:
 
 
 @pytest.fixture
-def pickers(redis_server: RedisServer) -> Iterator[tuple[Picker, Picker]]:  # noqa: F811
+def pickers(redis_server: RedisServer) -> Iterator[tuple[Picker, Picker]]:
     a, b = Picker(redis_server.url), Picker(redis_server.url)
     try:
         yield a, b
@@ -98,7 +98,7 @@ async def test_next_turn_routed_by_the_other_replica_lands_on_the_same_endpoint(
     assert len(set(firsts)) > 1, "new conversations spread over endpoints"
 
 
-async def test_routing_never_stops_while_redis_is_down(pickers, redis_server):  # noqa: F811
+async def test_routing_never_stops_while_redis_is_down(pickers, redis_server):
     a, b = pickers
     await a.route(chat(0, 1))
     redis_server.kill()

@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable
 
 import msgpack
 import pytest
@@ -15,23 +14,10 @@ from redis.asyncio import Redis
 
 from extproc.endpoints.inflight import InFlight
 from extproc.endpoints.shared_inflight import SharedInFlight, SharedInFlightSettings
-from tests.index.conftest import REDIS_SERVER, RedisServer, free_port
-from tests.index.conftest import redis_cluster as redis_cluster  # the session-wide Cluster
+from tests.redis_servers import RedisServer, free_port
 
 X, Y = "10.0.0.1:8000", "10.0.0.2:8000"
 FAST = SharedInFlightSettings(interval_s=0.02, ttl_s=0.3, timeout_s=0.2, max_backoff_s=0.1)
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server not installed")
-    server = RedisServer(free_port(), tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
 
 
 @contextlib.asynccontextmanager

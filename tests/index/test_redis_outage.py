@@ -6,8 +6,7 @@ import asyncio
 
 from extproc.index.base import IndexOptions
 from extproc.index.redis import RedisKVIndex
-
-from .conftest import RedisServer
+from tests.redis_servers import RedisServer
 
 A = "10.0.0.1:8000"
 KEYS = [101, 102, 103]

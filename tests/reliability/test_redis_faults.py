@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from extproc.testing import ExtProcClient
-from tests.index.conftest import RedisServer, redis_server  # noqa: F401 - fixture
+from tests.redis_servers import RedisServer
 from tests.reliability.conftest import figure
 from tests.reliability.harness import (
     DelayProxy,
@@ -29,7 +29,7 @@ async def sticky(client: ExtProcClient, conversation: int) -> bool:
 
 
 async def test_redis_killed_mid_load_routing_continues_and_affinity_recovers(
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ):
     endpoints = fake_endpoints(4)
     index = {"backend": "redis", "redis_url": redis_server.url}
@@ -75,7 +75,7 @@ async def test_redis_killed_mid_load_routing_continues_and_affinity_recovers(
         assert recovery_s < 20, "affinity never came back"
 
 
-async def test_slow_redis_decisions_do_not_wait_for_it(redis_server: RedisServer):  # noqa: F811
+async def test_slow_redis_decisions_do_not_wait_for_it(redis_server: RedisServer):
     delay_s = 0.2
     endpoints = fake_endpoints(4)
     async with DelayProxy(redis_server.port, delay_s) as proxy:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -18,7 +18,7 @@ from extproc.endpoints import parse_endpoints
 from extproc.hashing.tokenizer import PreciseSettings
 from extproc.server.app import App
 from extproc.testing import ExtProcClient, body_chunks, post, request_headers
-from tests.index.conftest import REDIS_SERVER, RedisServer, free_port
+from tests.redis_servers import RedisServer, free_port
 
 ROOT = Path(__file__).parent.parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "extproc-dashboard.json"
@@ -55,26 +55,14 @@ async def scrape(app: App) -> str:
 
 
 @pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server not installed")
-    server = RedisServer(free_port(), tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
-
-
-@pytest.fixture
-async def full_app(settings: Settings, redis: RedisServer) -> AsyncIterator[App]:
+async def full_app(settings: Settings, redis_server: RedisServer) -> AsyncIterator[App]:
     """Every optional component on: Redis index, shared in-flight, precise keys with KV
     events (a bound socket, nothing publishing), endpoint scraping."""
     s = msgspec.structs.replace(
         settings,
         index=IndexSettings(
             backend="redis",
-            redis_url=redis.url,
+            redis_url=redis_server.url,
             kv_events=KVEventSettings(bind=f"tcp://127.0.0.1:{free_port()}"),
         ),
         parse=msgspec.structs.replace(

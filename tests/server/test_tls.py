@@ -22,7 +22,7 @@ from extproc.server.app import App
 from extproc.server.tls import self_signed
 from extproc.testing import body_chunks, destination, pb, post, request_headers
 from tests.conftest import ENDPOINTS, with_server
-from tests.index.conftest import REDIS_SERVER, RedisServer, free_port
+from tests.redis_servers import REDIS_SERVER, RedisServer, free_port
 
 # Long enough for several prefix blocks, so routing looks the prefix up in the index.
 CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 200}]})
