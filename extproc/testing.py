@@ -155,6 +155,18 @@ class ThreadedPicker:
     def target(self) -> str:
         return f"127.0.0.1:{self.app.port}"
 
+    def exchange(
+        self, messages: Iterable[pb.ProcessingRequest], *, timeout_s: float = 20.0
+    ) -> list[pb.ProcessingResponse]:
+        """One stream, blocking: send every message, half-close, collect every response."""
+        with grpc.insecure_channel(self.target) as ch:
+            call = ch.stream_stream(
+                protocol.EXT_PROC_METHOD,
+                request_serializer=pb.ProcessingRequest.SerializeToString,
+                response_deserializer=pb.ProcessingResponse.FromString,
+            )
+            return list(call(iter(messages), timeout=timeout_s))
+
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn()` on the picker's loop (to read its state safely)."""
 

@@ -167,16 +167,6 @@ def test_any_responses_body_gives_a_request_or_a_4xx(body: dict) -> None:
 # -- through the real gRPC server -------------------------------------------------------
 
 
-def exchange(target: str, msgs: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
-    with grpc.insecure_channel(target) as ch:
-        call = ch.stream_stream(
-            protocol.EXT_PROC_METHOD,
-            request_serializer=pb.ProcessingRequest.SerializeToString,
-            response_deserializer=pb.ProcessingResponse.FromString,
-        )
-        return list(call(iter(msgs), timeout=20))
-
-
 def immediate_status(out: list[pb.ProcessingResponse]) -> int | None:
     for resp in out:
         if resp.WhichOneof("response") == "immediate_response":
@@ -187,9 +177,7 @@ def immediate_status(out: list[pb.ProcessingResponse]) -> int | None:
 def leaks_nothing(picker: ThreadedPicker) -> None:
     assert picker.call(lambda: picker.app.router.inflight.total()) == 0
     good = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
-    again = exchange(
-        picker.target, [request_headers(post("/v1/chat/completions")), *body_chunks(good)]
-    )
+    again = picker.exchange([request_headers(post("/v1/chat/completions")), *body_chunks(good)])
     assert destination(again[0]) in ENDPOINTS
 
 
@@ -210,8 +198,8 @@ def test_a_body_split_anywhere_routes_the_same(picker: ThreadedPicker, path: str
     key = "input" if path == "/v1/responses" else "messages"
     content = [{"role": "user", "content": "split me " * 40}]
     body = orjson.dumps({"model": "m", key: content if key == "messages" else "split me " * 40})
-    whole = exchange(picker.target, [request_headers(post(path)), *body_chunks(body)])
-    split = exchange(picker.target, [request_headers(post(path)), *chunked(body, cuts)])
+    whole = picker.exchange([request_headers(post(path)), *body_chunks(body)])
+    split = picker.exchange([request_headers(post(path)), *chunked(body, cuts)])
     assert destination(whole[0]) in ENDPOINTS
     assert destination(split[0]) in ENDPOINTS
     assert picker.call(lambda: picker.app.router.inflight.total()) == 0
@@ -222,7 +210,7 @@ def test_deeply_nested_bodies_get_a_400_and_the_picker_keeps_serving(picker: Thr
         for opener, closer in (("[", "]"), ('{"a":', "}")):
             # As deep as fits under the 200 KB limit (tens of thousands of levels).
             body = (opener * (190_000 // len(opener)) + closer * 10).encode()
-            out = exchange(picker.target, [request_headers(post(path)), *body_chunks(body)])
+            out = picker.exchange([request_headers(post(path)), *body_chunks(body)])
             assert immediate_status(out) == 400, (path, opener)
     leaks_nothing(picker)
 
@@ -262,7 +250,7 @@ def test_a_body_cut_off_mid_stream_ends_cleanly(picker: ThreadedPicker, chunks: 
     msgs = [request_headers(post("/v1/messages"))]
     msgs += [request_body(b'{"model": "m", "messages": [', end_of_stream=False)]
     msgs += [request_body(b"a" * size, end_of_stream=False) for _ in range(chunks - 1)]
-    out = exchange(picker.target, msgs)
+    out = picker.exchange(msgs)
     for resp in out:
         assert resp.WhichOneof("response") is not None
     status = immediate_status(out)
@@ -274,8 +262,7 @@ def test_a_content_length_of_unicode_digits_is_not_an_internal_error(picker: Thr
     """Regression (found by bench/fuzz.py): '²' passed str.isdigit() and then failed int(),
     answering 500. Envoy's codec would refuse it first; the picker must not depend on that."""
     for value in ("²", "٣", "1²", "+5", "-1", " 7"):
-        out = exchange(
-            picker.target,
+        out = picker.exchange(
             [
                 request_headers(post("/v1/chat/completions", {"content-length": value})),
                 *body_chunks(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'),

@@ -3,7 +3,6 @@ ends the stream cleanly, keeps serving, and its in-flight counters return to zer
 
 from __future__ import annotations
 
-import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -64,22 +63,12 @@ messages = st.one_of(
 )
 
 
-def exchange(target: str, msgs: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
-    with grpc.insecure_channel(target) as ch:
-        call = ch.stream_stream(
-            protocol.EXT_PROC_METHOD,
-            request_serializer=pb.ProcessingRequest.SerializeToString,
-            response_deserializer=pb.ProcessingResponse.FromString,
-        )
-        return list(call(iter(msgs), timeout=10))
-
-
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(st.lists(messages, max_size=8))
 def test_any_message_sequence_gets_answers_and_leaks_nothing(picker: ThreadedPicker, msgs):
-    out = exchange(picker.target, msgs)
+    out = picker.exchange(msgs, timeout_s=10)
     for resp in out:
         kind = resp.WhichOneof("response")
         assert kind is not None
@@ -93,7 +82,7 @@ def test_any_message_sequence_gets_answers_and_leaks_nothing(picker: ThreadedPic
     assert picker.call(lambda: picker.app.router.inflight.total()) == 0
     # And the picker still routes a well-formed request afterwards.
     good = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
-    again = exchange(
-        picker.target, [request_headers(post("/v1/chat/completions")), *body_chunks(good)]
+    again = picker.exchange(
+        [request_headers(post("/v1/chat/completions")), *body_chunks(good)], timeout_s=10
     )
     assert destination(again[0]) in ENDPOINTS
