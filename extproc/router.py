@@ -82,9 +82,11 @@ class Router:
         histogram); it runs on the hot path, so it must be cheap and must not raise."""
         self.pool = pool
         self.scheduler = scheduler
-        self.inflight: InFlightCounter = inflight or InFlight()
+        self.inflight: InFlightCounter = inflight if inflight is not None else InFlight()
         self.index = index
-        self.states = states or InFlightOnly()
+        # `is None`, not truthiness: the scraped-state store is a container that is empty
+        # until the first scrape, and `or` silently swapped it for in-flight counts only.
+        self.states: StateSource = states if states is not None else InFlightOnly()
         self.stats = RouterStats()
         self._parse = parser
         self._precise = precise
