@@ -17,6 +17,8 @@ class ExtprocError(Exception):
     status: int = 500
     code: str = "internal_error"
     type: str = "server_error"
+    # The request's model when the body had parsed before the refusal (a metrics label).
+    model: str | None = None
 
     def __init__(self, message: str = "internal error in the endpoint picker") -> None:
         super().__init__(message)

@@ -63,6 +63,13 @@ class RouterStats:
     prefix_blocks_matched: float = 0.0
 
 
+def _none_eligible(request: InferenceRequest) -> NoEndpoints:
+    err = NoEndpoints("no model-server endpoint is eligible for this request")
+    # The metrics label the refusal with the model (llm-d's request_error_total does).
+    err.model = request.model
+    return err
+
+
 class Router:
     def __init__(
         self,
@@ -115,7 +122,7 @@ class Router:
         if subset is not None:
             endpoints = tuple(e for e in endpoints if e.address in subset)
         if not endpoints:
-            raise NoEndpoints("no model-server endpoint is eligible for this request")
+            raise _none_eligible(request)
         failing = self._is_failing
         if failing is not None:
             # A server that stopped answering its metrics is probably gone; route around it,
@@ -145,7 +152,7 @@ class Router:
         ]
         decision = self.scheduler.schedule(request, cands, explain=explain)
         if not decision.endpoints:
-            raise NoEndpoints("no model-server endpoint is eligible for this request")
+            raise _none_eligible(request)
         if not place:
             return Routed(request, decision, Placement(decision.primary.address, 0), lookup)
         self.scheduler.observe(request, cands, decision)

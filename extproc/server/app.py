@@ -30,9 +30,11 @@ from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import IndexOptions, KVIndex
 from extproc.requests import parse_request
 from extproc.router import Router
+from extproc.scheduling.timing import instrument
 from extproc.server import wire
 from extproc.server.admin import make_admin_app
 from extproc.server.health import Health
+from extproc.server.llmd_metrics import PoolView
 from extproc.server.metrics import PickerMetrics, counter, gauge
 from extproc.server.stream import StreamHandler
 
@@ -110,7 +112,7 @@ class App:
             )
         self.router = Router(
             pool=self.pool,
-            scheduler=build_configured_scheduler(settings),
+            scheduler=instrument(build_configured_scheduler(settings), self.metrics.llmd),
             parser=functools.partial(parse_request, settings=settings.parse),
             inflight=self.inflight,
             index=self.index,
@@ -137,6 +139,17 @@ class App:
         # Time of the last KV-event message seen at a scrape (the lag gauge's reference).
         self._kv_seen = (0, time.monotonic())
         self.metrics.add_collector(self._collect)
+        self.metrics.llmd.attach_pool(self._pool_view())
+
+    def _pool_view(self) -> PoolView:
+        """llm-d's pool gauges: named after the InferencePool when discovery watches one."""
+        d, scraped = self.settings.discovery, self.scraper is not None
+        return PoolView(
+            name=d.inference_pool or "extproc",
+            namespace=d.namespace or "",
+            endpoints=self.pool.snapshot,
+            states=self.states.state if scraped else None,
+        )
 
     def _build_subscriber(self):
         ev = self.settings.index.kv_events

@@ -88,6 +88,7 @@ class _Stream:
         "max_body",
         "metrics",
         "mode",
+        "obs",
         "routed",
         "router",
         "subset",
@@ -105,6 +106,7 @@ class _Stream:
         self.routed: Routed | None = None
         self.explain = False
         self.done = False
+        self.obs = metrics.llmd.request()  # llm-d's request families (server/llmd_metrics.py)
 
     async def on_message(self, msg: wire.ProcessingRequest) -> list[wire.ProcessingResponse]:
         try:
@@ -120,6 +122,7 @@ class _Stream:
         self.done = True
         self.chunks = []
         self.metrics.rejected(err.status)
+        self.obs.failed(err.status, err.model, self.headers)
         log.info(
             "rejected",
             extra={
@@ -140,6 +143,9 @@ class _Stream:
         if kind == "request_trailers":
             return await self._on_request_trailers()
         if kind == "response_headers":
+            headers = msg.response_headers.headers
+            self.obs.response(wire.header_value(headers, ":status"),
+                              wire.header_value(headers, "content-length"))  # fmt: skip
             return [self._on_response_headers()]
         if kind == "response_body":
             return [wire.CONTINUE_RESPONSE_BODY]
@@ -218,6 +224,8 @@ class _Stream:
         )
         self.metrics.decision_seconds.observe(time.perf_counter() - start)
         self.metrics.routed.inc()
+        req = routed.request
+        self.obs.routed(req.model, self.headers, self.body_len, req.prompt_tokens)
         self.routed = routed
         if explain:
             log.debug("decision", extra={"decision": explanation(routed)})
@@ -234,6 +242,7 @@ class _Stream:
 
     def close(self) -> None:
         """The stream ended, however it ended: release what the decision placed."""
+        self.obs.close()
         if self.routed is not None:
             self.router.finish(self.routed)
             self.routed = None
