@@ -66,7 +66,9 @@ def _send_traffic(stack: Stack) -> None:
         assert r.status_code == 400
         # A body that does not parse: refused by the picker, an error with no model.
         r = http.post(
-            "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+            "/v1/chat/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
         )
         assert r.status_code == 400
 
@@ -135,8 +137,10 @@ def test_dashboard_queries_find_data_in_a_live_scrape(stack: Stack) -> None:
 
 
 def _value(series: list[Series], name: str, **labels: str) -> float:
-    return sum(s.value for s in series
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+    def wanted(s: Series) -> bool:
+        return s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+
+    return sum(s.value for s in series if wanted(s))
 
 
 def _idle(stack: Stack) -> bool:
