@@ -23,7 +23,7 @@ DEPLOY = ROOT / "deploy"
 # speaks; gRPC probes need >= 1.27.
 K8S_VERSION = "1.32.0"
 OVERLAYS = ["base", "overlays/gateway-api", "overlays/istio", "overlays/istio/envoyfilter",
-            "overlays/envoy"]  # fmt: skip
+            "overlays/envoy", "overlays/monitoring"]  # fmt: skip
 CORE_GROUPS = {"v1", "apps/v1", "rbac.authorization.k8s.io/v1", "policy/v1"}
 NAMESPACE = "inference"
 
@@ -415,3 +415,38 @@ def test_envoyfilter_mirrors_the_bootstrap_filters_and_cluster() -> None:
     assert route["match"]["routeConfiguration"]["vhost"]["route"]["name"] in [
         h["name"] for h in vs["spec"]["http"]
     ]
+
+
+# --- Prometheus Operator: the picker's /metrics is scraped --------------------------------------
+
+# ServiceMonitor (monitoring.coreos.com/v1) fields this repository uses, a subset of the CRD.
+SERVICE_MONITOR_SPEC = {
+    "selector": {"matchLabels": dict},
+    "namespaceSelector": {"matchNames": [str], "any": bool},
+    "jobLabel": str,
+    "endpoints": [{"port": str, "path": str, "scheme": {"http", "https"}, "interval": str,
+                   "scrapeTimeout": str, "honorLabels": bool}],
+}  # fmt: skip
+
+
+def _seconds(duration: str) -> float:
+    assert duration[-1] in "sm" and duration[:-1].isdigit(), duration
+    return int(duration[:-1]) * (60 if duration[-1] == "m" else 1)
+
+
+def test_service_monitor_scrapes_the_pickers_metrics_port() -> None:
+    objs = resolve(DEPLOY / "overlays/monitoring")
+    sm = find(objs, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    check_fields(sm["spec"], SERVICE_MONITOR_SPEC, "ServiceMonitor.spec")
+    wanted = sm["spec"]["selector"]["matchLabels"]
+    services = [o for o in objs if o["kind"] == "Service"
+                and wanted.items() <= o["metadata"].get("labels", {}).items()]  # fmt: skip
+    assert [s["metadata"]["name"] for s in services] == ["extproc"]
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert _seconds(endpoint["scrapeTimeout"]) <= _seconds(endpoint["interval"])
+    # The named Service port leads to the container port the picker serves /metrics on.
+    port = next(p for p in services[0]["spec"]["ports"] if p["name"] == endpoint["port"])
+    container = {p["name"]: p["containerPort"] for p in picker(objs)["ports"]}
+    assert container[port["targetPort"]] == ServerSettings().admin_port
