@@ -26,6 +26,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -169,11 +170,19 @@ class Histogram:
 
 
 def _le(bound: float) -> str:
+    """A bucket bound as Go's client writes it (`strconv.FormatFloat(f, 'g', -1, 64)`: the
+    shortest digits, exponent form from 1e6 up or below 1e-4), so `le` values are the same
+    strings llm-d's router exposes ("1", "0.005", "1.048576e+06")."""
     if bound == math.inf:
         return "+Inf"
-    # Go's client formats bucket bounds with %g-like shortest form; "1.0" vs "1" would not match
-    # a dashboard's `le="1"` selector, so print integers without the fraction.
-    return str(int(bound)) if bound.is_integer() else repr(bound)
+    d = Decimal(repr(bound)).normalize()
+    exp = d.adjusted()
+    if exp < -4 or exp >= 6:
+        digits = str(d.as_tuple().digits[0])
+        rest = "".join(str(x) for x in d.as_tuple().digits[1:])
+        mantissa = f"{digits}.{rest}" if rest else digits
+        return f"{mantissa}e{'-' if exp < 0 else '+'}{abs(exp):02d}"
+    return format(d, "f")
 
 
 class Counter:
@@ -263,10 +272,12 @@ class BuildInfo:
 class LlmdMetrics:
     """The llm-d / GIE families of one picker process."""
 
-    def __init__(self, build: BuildInfo | None = None) -> None:
+    def __init__(
+        self, build: BuildInfo | None = None, *, label_limit: int = MAX_LABEL_VALUES
+    ) -> None:
         self.build = build or BuildInfo.installed()
-        self.models = BoundedLabel()
-        self.fairness = BoundedLabel()
+        self.models = BoundedLabel(label_limit)
+        self.fairness = BoundedLabel(label_limit)
         self.requests = Counter()
         self.errors = Counter()  # key: request key + error_code
         self.running: dict[Key, float] = {}
