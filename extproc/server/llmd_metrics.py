@@ -140,6 +140,14 @@ class Histogram:
 
         return observe
 
+    def slot(self, key: Key) -> list[float]:
+        """The child's storage (bucket counts, +Inf, then the sum), created on first use; the
+        hot path adds to it directly with `add`."""
+        slot = self.children.get(key)
+        if slot is None:
+            slot = self.children[key] = [0.0] * (len(self.bounds) + 2)
+        return slot
+
     def observe(self, key: Key, value: float) -> None:
         slot = self.children.get(key)
         if slot is None:
@@ -167,6 +175,23 @@ class Histogram:
                 buckets.append((_le(bound), cumulative))
             fam.add_metric(list(k), buckets, sum_value=slot[-1])
         return fam
+
+
+def add(bounds: tuple[float, ...], slot: list[float], value: float) -> None:
+    slot[bisect_left(bounds, value)] += 1
+    slot[-1] += value
+
+
+class _Series:
+    """One request label set's histogram storage, resolved once per label set."""
+
+    __slots__ = ("duration", "request_size", "response_size", "tokens")
+
+    def __init__(self, m: LlmdMetrics, key: Key) -> None:
+        self.duration = m.duration.slot(key)
+        self.request_size = m.request_sizes.slot(key)
+        self.response_size = m.response_sizes.slot(key)
+        self.tokens = m.input_tokens.slot(key)
 
 
 def _le(bound: float) -> str:
@@ -290,6 +315,7 @@ class LlmdMetrics:
         self.attempts = Counter()  # status, target_model_name, endpoint name, namespace, port
         self.plugins = Histogram(SCHEDULING_BUCKETS)  # extension_point, plugin_type, plugin_name
         self.namespace = ""
+        self.series: dict[Key, _Series] = {}  # bounded: keys are bounded label values
         self._pool: PoolView | None = None
         self._observe_e2e = self.scheduler_e2e.child(())
         self.observe_processing = self.processing.child(())
@@ -443,12 +469,13 @@ class RequestMetrics:
     """One stream's share of the request families; every method is safe to call in any order
     and more than once (the stream ends however it ends)."""
 
-    __slots__ = ("_done", "_key", "_m", "_resp_bytes", "_server_error", "_start")
+    __slots__ = ("_done", "_key", "_m", "_resp_bytes", "_series", "_server_error", "_start")
 
     def __init__(self, m: LlmdMetrics) -> None:
         self._m = m
         self._start = time.perf_counter()
         self._key: Key | None = None
+        self._series: _Series | None = None
         self._resp_bytes: int | None = None
         self._server_error = False
         self._done = False
@@ -461,11 +488,14 @@ class RequestMetrics:
             self._done = False
             self._start = time.perf_counter()
         key = self._key = m.key(model, headers)
+        series = self._series = m.series.get(key)
+        if series is None:
+            series = self._series = m.series[key] = _Series(m, key)
         m.requests.inc(key)
         m.running[key] = m.running.get(key, 0.0) + 1
-        m.request_sizes.observe(key, body_bytes)
+        add(m.request_sizes.bounds, series.request_size, body_bytes)
         if prompt_tokens > 0:
-            m.input_tokens.observe(key, prompt_tokens)
+            add(m.input_tokens.bounds, series.tokens, prompt_tokens)
         m.observe_processing(time.perf_counter() - self._start)
 
     def failed(self, status: int, model: str | None, headers: Mapping[str, str]) -> None:
@@ -480,20 +510,20 @@ class RequestMetrics:
                 m.requests.inc(key)
         m.errors.inc((*key, error_code(status)))
 
-    def response(self, status: str, content_length: str | None) -> None:
+    def response(self, status: str | None, content_length: str | None) -> None:
         self._server_error = status != "200"
         if content_length and content_length.isascii() and content_length.isdigit():
             self._resp_bytes = int(content_length)
 
     def close(self) -> None:
-        key = self._key
-        if key is None or self._done:
+        key, series = self._key, self._series
+        if key is None or series is None or self._done:
             return
         self._done = True
         m = self._m
-        m.running[key] = max(0.0, m.running.get(key, 0.0) - 1)
-        m.duration.observe(key, time.perf_counter() - self._start)
+        m.running[key] -= 1
+        add(m.duration.bounds, series.duration, time.perf_counter() - self._start)
         if self._resp_bytes is not None:
-            m.response_sizes.observe(key, self._resp_bytes)
+            add(m.response_sizes.bounds, series.response_size, self._resp_bytes)
         if self._server_error:
             m.errors.inc((*key, MODEL_SERVER_ERROR))
