@@ -34,7 +34,7 @@ from extproc.scheduling.timing import instrument
 from extproc.server import wire
 from extproc.server.admin import make_admin_app
 from extproc.server.health import Health
-from extproc.server.llmd_metrics import PoolView
+from extproc.server.llmd_metrics import BuildInfo, PoolView
 from extproc.server.metrics import PickerMetrics, counter, gauge
 from extproc.server.stream import StreamHandler
 
@@ -140,6 +140,7 @@ class App:
         self._kv_seen = (0, time.monotonic())
         self.metrics.add_collector(self._collect)
         self.metrics.llmd.attach_pool(self._pool_view())
+        self.metrics.llmd.build = BuildInfo.installed(self._environ)
 
     def _pool_view(self) -> PoolView:
         """llm-d's pool gauges: named after the InferencePool when discovery watches one."""

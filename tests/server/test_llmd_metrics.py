@@ -155,3 +155,11 @@ def test_pool_gauges_average_fresh_scrapes_and_are_absent_without_any() -> None:
     assert value(out, "inference_pool_ready_pods") == 3
     assert "inference_pool_average_kv_cache_utilization" not in out["samples"]
     assert "inference_pool_per_pod_queue_size" not in out["samples"]
+
+
+def test_build_info_is_the_package_version_and_the_commit_the_image_was_built_from() -> None:
+    import importlib.metadata
+
+    info = BuildInfo.installed({"EXTPROC_COMMIT": "0123abc"})
+    assert info == BuildInfo("0123abc", importlib.metadata.version("extproc"))
+    assert BuildInfo.installed({}).commit == "unknown"
