@@ -15,19 +15,7 @@ import pytest
 from extproc.index.base import IndexOptions
 from extproc.index.memory import MemoryKVIndex
 from extproc.index.redis import RedisKVIndex
-
-
-class ManualClock:
-    """Seconds that only move when a test says so."""
-
-    def __init__(self, start: float = 1_750_000_000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from extproc.testing import ManualClock
 
 
 @pytest.fixture
