@@ -20,7 +20,6 @@ exported at all rather than faked; docs/llm-d.md#metrics lists each family and w
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 import time
 from bisect import bisect_left
@@ -34,6 +33,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
+from extproc import __version__
 from extproc.core import Endpoint, EndpointState
 
 # --- buckets, as llm-d defines them ---------------------------------------------------------
@@ -283,12 +283,8 @@ class BuildInfo:
 
     @classmethod
     def installed(cls, environ: Mapping[str, str] | None = None) -> BuildInfo:
-        try:
-            ref = importlib.metadata.version("extproc")
-        except importlib.metadata.PackageNotFoundError:
-            ref = "unknown"
         commit = (environ or {}).get("EXTPROC_COMMIT", "") or "unknown"
-        return cls(commit=commit, build_ref=ref)
+        return cls(commit=commit, build_ref=__version__)
 
 
 # --- the metrics -------------------------------------------------------------------------------
