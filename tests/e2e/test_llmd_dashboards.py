@@ -37,8 +37,16 @@ DEPLOYMENT_SPECIFIC = {
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    opts = StackOptions(upstreams=2, sim_args=("--fast", "50", "--chat-max-tokens", "8"))
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # Scraped figures count as fresh for 5 s instead of 0.2 s: on a loaded test machine the
+    # picker's loop can lag past 0.2 s, and the pool gauges (fresh figures only) would blink.
+    cfg = tmp_path_factory.mktemp("llmd") / "extproc.yaml"
+    cfg.write_text("state:\n  scrape:\n    stale_after_s: 5\n")
+    opts = StackOptions(
+        upstreams=2,
+        sim_args=("--fast", "50", "--chat-max-tokens", "8"),
+        extproc_args=("--config", str(cfg)),
+    )
     with Stack(opts) as s:
         yield s
 
