@@ -162,8 +162,8 @@ def test_the_figures_count_what_was_sent(stack: Stack) -> None:
     model = stack.fleet.model
     before = _series(stack)
     _send_traffic(stack)
-    # Envoy ends each ext_proc stream when its HTTP exchange is over, a moment after the
-    # client has the response: wait for the last one.
+    # Envoy ends each ext_proc stream after the response headers, possibly a moment after the
+    # client has its (short, unstreamed) response: wait for the last one.
     wait_until(lambda: _idle(stack), timeout_s=10, what="streams to end")
     after = _series(stack)
 
