@@ -68,6 +68,11 @@ def _send_traffic(stack: Stack) -> None:
             headers={"x-gateway-inference-fairness-id": "tenant-a"},
         )
         assert r.status_code == 200
+        # Streamed: no content-length, so no response size is observed for it.
+        body = {**_chat(model, "stream me"), "stream": True}
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200 and "content-length" not in r.headers
+            r.read()
         # Routed, then refused by the server (the simulator serves n=1 only): an error of
         # the model, llm-d's ModelServerError.
         r = http.post("/v1/chat/completions", json={**_chat(model, "twice"), "n": 2})
@@ -170,24 +175,24 @@ def test_the_figures_count_what_was_sent(stack: Stack) -> None:
     def delta(name: str, **labels: str) -> float:
         return _value(after, name, **labels) - _value(before, name, **labels)
 
-    assert delta("llm_d_epp_request_total", model_name=model, fairness_id="default-flow") == 13
+    assert delta("llm_d_epp_request_total", model_name=model, fairness_id="default-flow") == 14
     assert delta("llm_d_epp_request_total", model_name=model, fairness_id="tenant-a") == 1
     assert delta("inference_objective_request_total", model_name=model,
-                 target_model_name=model) == 14  # fmt: skip
+                 target_model_name=model) == 15  # fmt: skip
     assert delta("llm_d_epp_request_error_total", model_name="", error_code="BadRequest") == 1
     assert delta("llm_d_epp_request_error_total", model_name=model,
                  error_code="ModelServerError") == 1  # fmt: skip
-    assert delta("llm_d_epp_request_duration_seconds_count", model_name=model) == 14
-    assert delta("inference_objective_request_sizes_count", model_name=model) == 14
+    assert delta("llm_d_epp_request_duration_seconds_count", model_name=model) == 15
+    assert delta("inference_objective_request_sizes_count", model_name=model) == 15
     assert delta("inference_objective_response_sizes_count", model_name=model) == 14
-    assert delta("llm_d_epp_scheduler_e2e_duration_seconds_count") == 14
-    assert delta("llm_d_epp_scheduler_attempts_total", status="success") == 14
+    assert delta("llm_d_epp_scheduler_e2e_duration_seconds_count") == 15
+    assert delta("llm_d_epp_scheduler_attempts_total", status="success") == 15
     # Every plugin of the default profile is timed once per decision.
     plugin_types = {s.labels["plugin_type"] for s in after
                     if s.name == "llm_d_epp_plugin_duration_seconds_count"}  # fmt: skip
     assert {"queue-scorer", "kv-cache-utilization-scorer", "max-score-picker"} <= plugin_types
     for t in plugin_types:
-        assert delta("llm_d_epp_plugin_duration_seconds_count", plugin_type=t) == 14, t
+        assert delta("llm_d_epp_plugin_duration_seconds_count", plugin_type=t) == 15, t
     # Nothing is running once the responses are back; the pool is the two servers.
     running = [s.value for s in after if s.name == "llm_d_epp_request_running"]
     assert running and all(v == 0 for v in running)
