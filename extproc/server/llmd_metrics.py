@@ -8,9 +8,9 @@ events extproc already has: a stream's decision, its failure, its response heade
 (`RequestMetrics`, one per stream), scheduler and plugin timing (`scheduling/timing.py` calls
 `scheduler_timer` / `plugin_timer`), and, at scrape time, the pool and its scraped state.
 
-Hot-path cost: histograms and counters here are plain dicts and lists (a bisect and two adds
-per observation), read only when Prometheus scrapes; the event loop is the only writer, so no
-locks. Label values that come from clients (model name, fairness id) are bounded: after 1,000
+Hot-path cost: the histograms and counters (metric_stores.py) are plain dicts and lists, a
+bisect and two adds per observation, turned into families only when Prometheus scrapes.
+Label values that come from clients (model name, fairness id) are bounded: after 1,000
 distinct values new ones are reported as "other", as llm-d does, so a client cannot grow the
 exposition without limit.
 
@@ -22,19 +22,20 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
-
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-)
 
 from extproc import __version__
 from extproc.core import Endpoint, EndpointState
+from extproc.server.metric_stores import (
+    BoundedLabel,
+    Counter,
+    Histogram,
+    Key,
+    add,
+    gauge_family,
+    merge,
+)
 
 # --- buckets, as llm-d defines them ---------------------------------------------------------
 
@@ -73,7 +74,6 @@ FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairne
 # extproc has no InferenceObjective priorities: every request is llm-d's default priority.
 PRIORITY = "0"
 MAX_LABEL_VALUES = 1000
-OVERFLOW_LABEL = "other"
 
 # HTTP status of a refusal -> llm-d's canonical error code.
 _ERROR_CODES = {
@@ -95,93 +95,6 @@ def error_code(status: int) -> str:
     return "BadRequest" if 400 <= status < 500 else "Internal"
 
 
-class BoundedLabel:
-    """Passes the first `limit` distinct values through, then answers `OVERFLOW_LABEL`."""
-
-    __slots__ = ("_limit", "_seen")
-
-    def __init__(self, limit: int = MAX_LABEL_VALUES) -> None:
-        self._limit = limit
-        self._seen: set[str] = set()
-
-    def __call__(self, value: str) -> str:
-        if value in self._seen or not value:
-            return value
-        if len(self._seen) >= self._limit:
-            return OVERFLOW_LABEL
-        self._seen.add(value)
-        return value
-
-
-# --- minimal metric stores (read at scrape time) -----------------------------------------------
-
-Key = tuple[str, ...]
-
-
-class Histogram:
-    """Prometheus histogram children by label values; `le` semantics (v <= bound)."""
-
-    __slots__ = ("bounds", "children")
-
-    def __init__(self, buckets: Sequence[float]) -> None:
-        self.bounds = tuple(float(b) for b in buckets)
-        self.children: dict[Key, list[float]] = {}  # counts per bucket (+Inf last), then sum
-
-    def child(self, key: Key) -> Callable[[float], None]:
-        """An `observe(value)` for one label set; resolve once, call often."""
-        slot = self.children.get(key)
-        if slot is None:
-            slot = self.children[key] = [0.0] * (len(self.bounds) + 2)
-        bounds, total = self.bounds, len(self.bounds) + 1
-
-        def observe(value: float) -> None:
-            slot[bisect_left(bounds, value)] += 1
-            slot[total] += value
-
-        return observe
-
-    def slot(self, key: Key) -> list[float]:
-        """The child's storage (bucket counts, +Inf, then the sum), created on first use; the
-        hot path adds to it directly with `add`."""
-        slot = self.children.get(key)
-        if slot is None:
-            slot = self.children[key] = [0.0] * (len(self.bounds) + 2)
-        return slot
-
-    def observe(self, key: Key, value: float) -> None:
-        slot = self.children.get(key)
-        if slot is None:
-            slot = self.children[key] = [0.0] * (len(self.bounds) + 2)
-        slot[bisect_left(self.bounds, value)] += 1
-        slot[-1] += value
-
-    def family(self, name: str, doc: str, labels: Sequence[str], project=None):
-        """`project` maps a stored key to the family's label values (children that map to the
-        same values are summed: the legacy families have fewer labels)."""
-        merged: dict[Key, list[float]] = {}
-        for key, slot in self.children.items():
-            k = project(key) if project else key
-            acc = merged.get(k)
-            if acc is None:
-                merged[k] = list(slot)
-            else:
-                for i, v in enumerate(slot):
-                    acc[i] += v
-        fam = HistogramMetricFamily(name, doc, labels=list(labels))
-        for k, slot in merged.items():
-            cumulative, buckets = 0.0, []
-            for bound, count in zip((*self.bounds, math.inf), slot, strict=False):
-                cumulative += count
-                buckets.append((_le(bound), cumulative))
-            fam.add_metric(list(k), buckets, sum_value=slot[-1])
-        return fam
-
-
-def add(bounds: tuple[float, ...], slot: list[float], value: float) -> None:
-    slot[bisect_left(bounds, value)] += 1
-    slot[-1] += value
-
-
 class _Series:
     """One request label set's histogram storage, resolved once per label set."""
 
@@ -194,56 +107,6 @@ class _Series:
         self.tokens = m.input_tokens.slot(key)
 
 
-def _le(bound: float) -> str:
-    """A bucket bound as Go's client writes it (`strconv.FormatFloat(f, 'g', -1, 64)`: the
-    shortest digits, exponent form from 1e6 up or below 1e-4), so `le` values are the same
-    strings llm-d's router exposes ("1", "0.005", "1.048576e+06")."""
-    if bound == math.inf:
-        return "+Inf"
-    d = Decimal(repr(bound)).normalize()
-    exp = d.adjusted()
-    if exp < -4 or exp >= 6:
-        digits = str(d.as_tuple().digits[0])
-        rest = "".join(str(x) for x in d.as_tuple().digits[1:])
-        mantissa = f"{digits}.{rest}" if rest else digits
-        return f"{mantissa}e{'-' if exp < 0 else '+'}{abs(exp):02d}"
-    return format(d, "f")
-
-
-class Counter:
-    __slots__ = ("values",)
-
-    def __init__(self) -> None:
-        self.values: dict[Key, float] = {}
-
-    def inc(self, key: Key, by: float = 1.0) -> None:
-        self.values[key] = self.values.get(key, 0.0) + by
-
-    def family(self, name: str, doc: str, labels: Sequence[str], project=None):
-        fam = CounterMetricFamily(name, doc, labels=list(labels))
-        for k, v in _merge(self.values, project).items():
-            fam.add_metric(list(k), v)
-        return fam
-
-
-def _merge(values: Mapping[Key, float], project) -> dict[Key, float]:
-    if project is None:
-        return dict(values)
-    out: dict[Key, float] = {}
-    for key, v in values.items():
-        k = project(key)
-        out[k] = out.get(k, 0.0) + v
-    return out
-
-
-def _gauge_family(name: str, doc: str, labels: Sequence[str], values: Mapping[Key, float]):
-    fam = GaugeMetricFamily(name, doc, labels=list(labels))
-    for k, v in values.items():
-        fam.add_metric(list(k), v)
-    return fam
-
-
-# Stored request key: (model_name, target_model_name, fairness_id, priority).
 def _models(key: Key) -> Key:
     return key[:2]
 
@@ -359,7 +222,7 @@ class LlmdMetrics:
         info = {(self.build.commit, self.build.build_ref): 1.0}
         doc = "General information of the current build of the endpoint picker."
         for name in ("llm_d_epp_info", "inference_extension_info"):
-            yield _gauge_family(name, doc, ("commit", "build_ref"), info)
+            yield gauge_family(name, doc, ("commit", "build_ref"), info)
         if self._pool is not None:
             yield from pool_families(self._pool)
 
@@ -394,12 +257,12 @@ class LlmdMetrics:
             yield store.family(f"llm_d_epp_{new}", doc, llmd)
             yield store.family(f"inference_objective_{old}", doc, legacy, _models)
         doc = "Requests routed whose ext_proc stream has not ended (until response headers)."
-        yield _gauge_family("llm_d_epp_request_running", doc, llmd, self.running)
-        yield _gauge_family(
+        yield gauge_family("llm_d_epp_request_running", doc, llmd, self.running)
+        yield gauge_family(
             "inference_objective_running_requests",
             doc,
             ("model_name",),
-            _merge(self.running, _model_only),
+            merge(self.running, _model_only),
         )
 
     def _scheduling_families(self) -> Iterator:
@@ -434,8 +297,8 @@ def pool_families(view: PoolView) -> Iterable:
     pool = (view.name,)
     ready = {pool: float(len(endpoints))}
     doc = "Endpoints in the pool (discovery lists only Ready pods)."
-    yield _gauge_family("llm_d_epp_ready_endpoints", doc, ("name",), ready)
-    yield _gauge_family("inference_pool_ready_pods", doc, ("name",), ready)
+    yield gauge_family("llm_d_epp_ready_endpoints", doc, ("name",), ready)
+    yield gauge_family("inference_pool_ready_pods", doc, ("name",), ready)
     if view.states is None or not endpoints:
         return
     states = [(e, view.states(e.address)) for e in endpoints]
@@ -443,10 +306,10 @@ def pool_families(view: PoolView) -> Iterable:
     per_pod = {(view.name, endpoint_labels(e, view.namespace)[0]): float(s.waiting)
                for e, s in fresh}  # fmt: skip
     doc = "Requests waiting in each model server's queue (last fresh scrape)."
-    yield _gauge_family(
+    yield gauge_family(
         "inference_pool_per_pod_queue_size", doc, ("name", "model_server_pod"), per_pod
     )
-    yield _gauge_family(
+    yield gauge_family(
         "llm_d_epp_per_endpoint_queue_size", doc, ("name", "model_server_endpoint"), per_pod
     )
     if not fresh:
@@ -457,10 +320,10 @@ def pool_families(view: PoolView) -> Iterable:
         mean = sum(values) / len(values)
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
         doc = f"Mean {what.replace('_', ' ')} over the pool's freshly scraped endpoints."
-        yield _gauge_family(f"llm_d_epp_average_{what}", doc, ("name",), {pool: mean})
-        yield _gauge_family(f"inference_pool_average_{what}", doc, ("name",), {pool: mean})
+        yield gauge_family(f"llm_d_epp_average_{what}", doc, ("name",), {pool: mean})
+        yield gauge_family(f"inference_pool_average_{what}", doc, ("name",), {pool: mean})
         doc = f"Standard deviation of {what.replace('_', ' ')} over the same endpoints."
-        yield _gauge_family(f"llm_d_epp_std_dev_{what}", doc, ("name",), {pool: std})
+        yield gauge_family(f"llm_d_epp_std_dev_{what}", doc, ("name",), {pool: std})
 
 
 class RequestMetrics:

@@ -11,12 +11,12 @@ from extproc.core import Endpoint, EndpointState
 from extproc.server.llmd_metrics import (
     GENERAL_LATENCY_BUCKETS,
     MAX_LABEL_VALUES,
-    OVERFLOW_LABEL,
     BuildInfo,
     LlmdMetrics,
     PoolView,
     error_code,
 )
+from extproc.server.metric_stores import OVERFLOW_LABEL
 
 
 def scrape(m: LlmdMetrics) -> dict:
