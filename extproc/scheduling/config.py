@@ -50,6 +50,9 @@ class EndpointPickerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     kind: str = "EndpointPickerConfig"
     plugins: list[PluginSpec] = msgspec.field(default_factory=list)
     schedulingProfiles: list[ProfileSpec] = msgspec.field(default_factory=list)
+    # llm-d's flow-control sections, kept raw: extproc.flowcontrol.config reads them.
+    flowControl: dict[str, Any] | None = None
+    saturationDetector: dict[str, Any] | None = None
 
 
 def default_config() -> EndpointPickerConfig:
