@@ -99,8 +99,9 @@ async def test_ttl_expiry_and_a_client_that_leaves(flow_stack: Stack):
         with pytest.raises(httpx.TimeoutException):
             await post(c, timeout=0.5)
         wait_until(
-            lambda: metric(flow_stack, "extproc_flow_requests_total", outcome="cancelled")
-            == before + 1,
+            lambda: (
+                metric(flow_stack, "extproc_flow_requests_total", outcome="cancelled") == before + 1
+            ),
             timeout_s=5,
             what="the cancelled request counted",
         )

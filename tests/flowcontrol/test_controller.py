@@ -18,7 +18,6 @@ from extproc.flowcontrol.controller import (
     FlowRejected,
     FlowRequest,
 )
-from extproc.flowcontrol.detectors import ConcurrencyDetector
 
 
 class Clock:
@@ -115,7 +114,7 @@ async def test_admits_at_once_under_capacity_and_queues_past_it():
 
 async def test_pending_work_counts_before_it_is_placed():
     """Released but not yet placed requests fill capacity: one free slot releases one."""
-    ctl, slots, _ = make(capacity=1)
+    ctl, _slots, _ = make(capacity=1)
     tasks = await start(ctl, req(), req(), req())
     assert [t.done() for t in tasks] == [True, False, False]
     ctl.tick()
@@ -326,7 +325,7 @@ async def test_weighted_token_fairness_follows_weights_in_tokens():
 
 
 async def test_peer_with_higher_band_holds_local_lower_band():
-    ctl, slots, _ = make(capacity=1)
+    ctl, _slots, _ = make(capacity=1)
     ctl.peer_top_band = 5
     (a,) = await start(ctl, req(priority=0))
     assert not a.done()  # another replica queues priority 5: capacity is its to use
@@ -344,8 +343,6 @@ def test_band_defaults_follow_llm_d():
     assert type(fairness).type_name == "global-strict-fairness-policy"
     assert type(cfg.detector).type_name == "utilization-detector"
     assert cfg.ttl_s == 60.0
-    neg = build_flow_config(
-        {"defaultNegativePriorityBand": {"maxRequests": 7}}, None, []
-    )
+    neg = build_flow_config({"defaultNegativePriorityBand": {"maxRequests": 7}}, None, [])
     assert neg.band(-1)[0].max_requests == 7 and neg.band(1)[0].max_requests == 5000
     assert isinstance(BandSpec(), BandSpec)
