@@ -68,6 +68,9 @@ class Admission:
             max_bytes=config.max_bytes,
             weights=s.fairness_weights,
             usage_half_life_s=s.usage_half_life_s,
+            usage_limit=config.usage_limit,
+            priorities=tuple(config.bands),
+            visibility_s=s.placement_visibility_s,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         self.wait_seconds = Histogram(
@@ -185,9 +188,7 @@ class Admission:
             ws.add_metric([str(p), f], total)
         yield ws
         sat = gauge("extproc_flow_saturation", "Pool saturation by the configured detector.")
-        sat.add_metric(
-            [], fc._detector.saturation(fc._states(), fc.pending_requests, fc.pending_tokens)
-        )
+        sat.add_metric([], fc.saturation())
         yield sat
         if self.shared is not None:
             st = self.shared.stats

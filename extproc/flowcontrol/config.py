@@ -7,10 +7,10 @@ unbounded), `defaultRequestTTL` (60s; "0s" = no TTL), `priorityBands[]` (`priori
 `maxBytes` default 1G, `maxRequests` default 5000, `orderingPolicyRef` default
 `fcfs-ordering-policy`, `fairnessPolicyRef` default `global-strict-fairness-policy`),
 `defaultPriorityBand` / `defaultNegativePriorityBand` (templates for unlisted priorities),
-`saturationDetector.pluginRef` (default `utilization-detector`). Policy and detector refs
-name entries of the top-level `plugins` list (by name, else by type), or a type directly.
-Accepted but not acted on (logged at start): `noEndpointRequestTTL`,
-`usageLimitPolicyPluginRef`, `enableEviction`.
+`saturationDetector.pluginRef` (default `utilization-detector`), `usageLimitPolicyPluginRef`
+(default `static-usage-limit-policy`, ceiling 1.0). Policy and detector refs name entries of
+the top-level `plugins` list (by name, else by type), or a type directly. Accepted but not
+acted on (a warning at start): `noEndpointRequestTTL`, `enableEviction`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,19 @@ import msgspec
 from extproc.errors import ConfigError
 from extproc.flowcontrol.controller import BandLimits
 from extproc.flowcontrol.detectors import DETECTORS, SaturationDetector
-from extproc.flowcontrol.policies import FAIRNESS, ORDERING, FairnessPolicy, OrderingPolicy
+from extproc.flowcontrol.policies import (
+    FAIRNESS,
+    ORDERING,
+    USAGE_LIMITS,
+    FairnessPolicy,
+    OrderingPolicy,
+    StaticUsageLimit,
+    UsageLimitPolicy,
+)
 
 log = logging.getLogger("extproc.flowcontrol")
 
-FLOW_PLUGINS: tuple[type, ...] = (*DETECTORS, *ORDERING, *FAIRNESS)
+FLOW_PLUGINS: tuple[type, ...] = (*DETECTORS, *ORDERING, *FAIRNESS, *USAGE_LIMITS)
 _BY_TYPE = {c.type_name: c for c in FLOW_PLUGINS}
 
 _Q = int | str | None
@@ -74,7 +82,9 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     request does not say (`max_tokens`/`max_completion_tokens`). `shared`: with a Redis index,
     share queue and usage state with the other replicas. `retry_after_s`: the `retry-after`
     sent with 429s. `usage_half_life_s`: how fast served tokens are forgotten. `tick_s`: how
-    often TTLs are checked and endpoint figures re-read for capacity."""
+    often TTLs are checked and endpoint figures re-read for capacity. `placement_visibility_s`:
+    with a detector on scraped figures, how long released work still counts as pending after
+    placement (about two scrape intervals: until a scrape can show it)."""
 
     fairness_weights: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
         default_factory=dict
@@ -86,6 +96,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     usage_half_life_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     tick_s: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.02
     share_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.1
+    placement_visibility_s: Annotated[float, msgspec.Meta(ge=0)] = 0.1
 
 
 _DUR = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
@@ -143,6 +154,7 @@ class FlowConfig:
     default_band: BandSpec | None = None
     default_negative_band: BandSpec | None = None
     policies: Mapping[str, tuple[type, Any]] = field(default_factory=dict)
+    usage_limit: UsageLimitPolicy = field(default_factory=StaticUsageLimit)
     settings: FlowControlSettings = field(default_factory=FlowControlSettings)
 
     def band(self, priority: int) -> tuple[BandLimits, OrderingPolicy, FairnessPolicy]:
@@ -241,7 +253,15 @@ def build_flow_config(
         max_bytes = parse_quantity(spec.maxBytes)
     except ConfigError as exc:
         raise exc.within("flowControl") from None
-    for name in ("noEndpointRequestTTL", "usageLimitPolicyPluginRef", "enableEviction"):
+    usage_limit: UsageLimitPolicy = StaticUsageLimit()
+    if spec.usageLimitPolicyPluginRef:
+        where = ("flowControl", "usageLimitPolicyPluginRef")
+        resolve(spec.usageLimitPolicyPluginRef, USAGE_LIMITS, where)
+        cls, params = named[spec.usageLimitPolicyPluginRef]
+        if params is None:  # referenced by type alone: its parameters take their defaults
+            params = _decode(cls.Params, {}, where)
+        usage_limit = cls(params)
+    for name in ("noEndpointRequestTTL", "enableEviction"):
         if getattr(spec, name):
             log.warning("flowControl.%s is accepted but not implemented: ignored", name)
     return FlowConfig(
@@ -253,6 +273,7 @@ def build_flow_config(
         default_band=spec.defaultPriorityBand,
         default_negative_band=spec.defaultNegativePriorityBand,
         policies=named,
+        usage_limit=usage_limit,
         settings=settings or FlowControlSettings(),
     )
 

@@ -16,6 +16,7 @@ from an injected clock, so tests drive TTLs and decay by hand.
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import logging
@@ -26,7 +27,13 @@ from dataclasses import dataclass, field
 
 from extproc.core import EndpointState
 from extproc.flowcontrol.detectors import SaturationDetector
-from extproc.flowcontrol.policies import Arrival, FairnessPolicy, OrderingPolicy
+from extproc.flowcontrol.policies import (
+    Arrival,
+    FairnessPolicy,
+    OrderingPolicy,
+    StaticUsageLimit,
+    UsageLimitPolicy,
+)
 
 log = logging.getLogger("extproc.flowcontrol")
 
@@ -70,6 +77,7 @@ class Ticket:
     waited_s: float = 0.0
     placed: bool = False
     released: bool = False
+    pending: bool = True  # counted in the controller's pending figures
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,11 +147,17 @@ class FlowController:
         max_bytes: int = 0,
         weights: Mapping[str, float] | None = None,
         usage_half_life_s: float = 30.0,
+        usage_limit: UsageLimitPolicy | None = None,
+        priorities: Sequence[int] = (),
+        visibility_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
         policy instances for a band seen for the first time. `max_requests`/`max_bytes` bound
-        all queues together (0 = only the per-band bounds)."""
+        all queues together (0 = only the per-band bounds). `usage_limit` gives each band its
+        saturation ceiling (default: 1.0 for all); `priorities` are the configured bands.
+        `visibility_s`: with a detector that reads scraped figures, how long a placed
+        request still counts as pending (until a scrape can show it)."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -165,12 +179,18 @@ class FlowController:
         self.peer_top_band: int | None = None
         self._decayed_at = clock()
         self.stats = FlowStats()
+        self._usage_limit: UsageLimitPolicy = usage_limit or StaticUsageLimit()
+        self._priorities: set[int] = set(priorities)
+        self._visibility_s = visibility_s
+        self._sees_placement = bool(getattr(detector, "sees_placement", True))
+        self._settling: collections.deque[tuple[float, Ticket]] = collections.deque()
 
     # -- admission -------------------------------------------------------------------------
 
     async def admit(self, request: FlowRequest) -> Ticket:
         now = self._clock()
-        if self.count == 0 and self._may_run(request.priority) and not self.saturated():
+        p = request.priority
+        if self.count == 0 and self._may_run(p) and self.saturation() < self.ceiling(p):
             return self._start(request, 0.0)
         band = self._band(request.priority)
         self._make_room(request, band)
@@ -202,9 +222,13 @@ class FlowController:
                 return False
         return self.peer_top_band is None or self.peer_top_band <= priority
 
-    def saturated(self) -> bool:
-        sat = self._detector.saturation(self._states(), self.pending_requests, self.pending_tokens)
-        return sat >= 1.0
+    def saturation(self) -> float:
+        return self._detector.saturation(self._states(), self.pending_requests, self.pending_tokens)
+
+    def ceiling(self, priority: int) -> float:
+        """The saturation at which this band's work is held (usage-limit policy)."""
+        self._priorities.add(priority)
+        return self._usage_limit.ceiling(priority, tuple(self._priorities))
 
     def _band(self, priority: int) -> _Band:
         band = self._bands.get(priority)
@@ -217,9 +241,20 @@ class FlowController:
         """Enforce the bounds for one more request: displace queued work of lower bands
         (newest first) when the global bound is what is hit, else shed the newcomer."""
         lim = band.limits
-        if band.count + 1 > lim.max_requests or band.bytes + request.body_bytes > lim.max_bytes:
-            self.stats.count(request, "rejected_capacity")
-            raise FlowRejected(REJECTED_SATURATED, "the request queue for this priority is full")
+        while band.count + 1 > lim.max_requests or band.bytes + request.body_bytes > lim.max_bytes:
+            victim = (
+                self._over_share(band, request)
+                if getattr(band.fairness, "displaces", False)
+                else None
+            )
+            if victim is None:
+                self.stats.count(request, "rejected_capacity")
+                raise FlowRejected(
+                    REJECTED_SATURATED, "the request queue for this priority is full"
+                )
+            self._remove(band, victim)
+            self.stats.count(victim.request, "evicted_pressure")
+            _fail(victim, FlowRejected(EVICTED_PRESSURE, "displaced by a tenant under its share"))
         while self._over_global(request.body_bytes):
             victim = self._newest_below(request.priority)
             if victim is None:
@@ -231,6 +266,22 @@ class FlowController:
             _fail(
                 item, FlowRejected(EVICTED_PRESSURE, "displaced from the queue by higher priority")
             )
+
+    def _over_share(self, band: _Band, request: FlowRequest) -> _Item | None:
+        """The newest queued request of the flow furthest over its token share, if that
+        flow is further over it than the newcomer's."""
+        served = self._fleet_served()
+
+        def norm(f: str) -> float:
+            return served.get(f, 0.0) / self.weights.get(f, 1.0)
+
+        flows = [f for f in band.flows if f != request.fairness_id]
+        if not flows:
+            return None
+        worst = max(flows, key=norm)
+        if norm(worst) <= norm(request.fairness_id):
+            return None
+        return max(band.flows[worst], key=lambda i: i.arrival.seq)
 
     def _over_global(self, extra_bytes: int) -> bool:
         return bool(
@@ -281,7 +332,7 @@ class FlowController:
             top = max(p for p, b in self._bands.items() if b.count)
             if self.peer_top_band is not None and self.peer_top_band > top:
                 break  # a replica holds higher-priority work: that capacity is its to use
-            if self.saturated():
+            if self.saturation() >= self.ceiling(top):
                 break
             band = self._bands[top]
             served = self._fleet_served()
@@ -310,23 +361,30 @@ class FlowController:
         return out
 
     def placed(self, ticket: Ticket) -> None:
-        """The router counted the request in flight: it is no longer pending."""
-        if not ticket.placed and not ticket.released:
-            ticket.placed = True
+        """The router counted the request in flight. A detector reading in-flight counts
+        sees it from now on; one reading scraped figures only after the next scrape, so
+        until `visibility_s` has passed the request stays pending."""
+        if ticket.placed or ticket.released:
+            return
+        ticket.placed = True
+        if self._sees_placement:
             self._unpend(ticket)
+        else:
+            self._settling.append((self._clock(), ticket))
 
     def release(self, ticket: Ticket) -> None:
         """The request ended (or never got placed): its capacity is free again."""
         if ticket.released:
             return
         ticket.released = True
-        if not ticket.placed:
-            self._unpend(ticket)
+        self._unpend(ticket)
         self.dispatch()
 
     def _unpend(self, ticket: Ticket) -> None:
-        self.pending_requests -= 1
-        self.pending_tokens -= ticket.request.tokens
+        if ticket.pending:
+            ticket.pending = False
+            self.pending_requests -= 1
+            self.pending_tokens -= ticket.request.tokens
 
     # -- time ------------------------------------------------------------------------------
 
@@ -334,6 +392,9 @@ class FlowController:
         """Periodic work: expire requests past their TTL, decay usage, dispatch what the
         latest endpoint figures allow."""
         now = self._clock()
+        settling = self._settling
+        while settling and now - settling[0][0] >= self._visibility_s:
+            self._unpend(settling.popleft()[1])
         self._expire(now)
         self._decay(now)
         self.dispatch()

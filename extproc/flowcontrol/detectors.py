@@ -37,6 +37,9 @@ class UtilizationDetector:
     endpoint never attracts released work. Needs `state.scrape`."""
 
     type_name = "utilization-detector"
+    # Scraped figures show a placed request only at a later scrape: the controller keeps
+    # released work pending for a while after placement (see FlowController).
+    sees_placement = False
 
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         queueDepthThreshold: _PosInt = 5
@@ -75,6 +78,7 @@ class ConcurrencyDetector:
     shared (`state.shared_inflight`)."""
 
     type_name = "concurrency-detector"
+    sees_placement = True  # in-flight counts move at placement
 
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         maxConcurrency: _PosInt = 100

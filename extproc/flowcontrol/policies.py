@@ -10,9 +10,9 @@ has been served (decayed, fleet-wide when shared through Redis).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Protocol
+from typing import Annotated, Literal, Protocol
 
 import msgspec
 
@@ -130,10 +130,15 @@ class WeightedTokenFairness:
     unit of weight goes next, tokens being uncached prompt + expected output. Served tokens
     decay (flowControl `usageHalfLife`), so a tenant idle for a while gets no unbounded
     catch-up burst; with shared state they are summed over every replica, so shares hold
-    fleet-wide. Weights come from flow-control `fairnessWeights` (default 1 each)."""
+    fleet-wide. Weights come from `flow_control.fairness_weights` (default 1 each). When the
+    band's queue is full, a request of a flow under its share displaces the newest queued
+    request of the flow furthest over its share (so a bounded queue cannot starve a tenant)."""
 
     type_name = "weighted-token-fairness-policy"
     Params = _NoParams
+    # When the band is full, a newcomer under its share displaces queued work of the flow
+    # furthest over its share, instead of being shed itself.
+    displaces = True
 
     def __init__(self, params: _NoParams | None = None) -> None:
         pass
@@ -144,3 +149,61 @@ class WeightedTokenFairness:
 
 ORDERING: tuple[type, ...] = (FCFSOrdering, EDFOrdering, SLODeadlineOrdering)
 FAIRNESS: tuple[type, ...] = (GlobalStrictFairness, RoundRobinFairness, WeightedTokenFairness)
+
+
+class UsageLimitPolicy(Protocol):
+    def ceiling(self, priority: int, priorities: Sequence[int]) -> float:
+        """The saturation above which a band's work is held (`priorities`: the bands known,
+        this one included)."""
+        ...
+
+
+class StaticUsageLimit:
+    """`static-usage-limit-policy` (llm-d's default): one ceiling for every band."""
+
+    type_name = "static-usage-limit-policy"
+
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+        threshold: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.params = params or self.Params()
+
+    def ceiling(self, priority: int, priorities: Sequence[int]) -> float:
+        return self.params.threshold
+
+
+class PriorityHoldback:
+    """`priority-holdback-policy`: per-band ceilings from `maxCeiling` (highest band) down to
+    `minCeiling` (lowest), linear by rank (`domain: rank`) or by priority value
+    (`domain: value`), so lower bands stop first as the pool fills and the rest of the
+    capacity stays for higher bands."""
+
+    type_name = "priority-holdback-policy"
+
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+        minCeiling: Annotated[float, msgspec.Meta(ge=0, lt=1)]
+        maxCeiling: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+        shape: Literal["linear"] = "linear"
+        domain: Literal["rank", "value"] = "rank"
+
+        def __post_init__(self) -> None:
+            if self.maxCeiling <= self.minCeiling:
+                raise ValueError("maxCeiling must be greater than minCeiling")
+
+    def __init__(self, params: Params) -> None:
+        self.params = params
+
+    def ceiling(self, priority: int, priorities: Sequence[int]) -> float:
+        lo, hi = self.params.minCeiling, self.params.maxCeiling
+        ordered = sorted(set(priorities) | {priority}, reverse=True)
+        if len(ordered) == 1:
+            return hi
+        if self.params.domain == "rank":
+            i = ordered.index(priority)
+            return hi - i * (hi - lo) / (len(ordered) - 1)
+        pmax, pmin = ordered[0], ordered[-1]
+        return lo + (priority - pmin) / (pmax - pmin) * (hi - lo)
+
+
+USAGE_LIMITS: tuple[type, ...] = (StaticUsageLimit, PriorityHoldback)

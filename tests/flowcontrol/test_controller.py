@@ -65,6 +65,8 @@ def make(
         max_bytes=cfg.max_bytes,
         weights=weights,
         usage_half_life_s=half_life,
+        usage_limit=cfg.usage_limit,
+        priorities=tuple(cfg.bands),
         clock=clock,
     )
     return ctl, slots, clock
@@ -346,3 +348,88 @@ def test_band_defaults_follow_llm_d():
     neg = build_flow_config({"defaultNegativePriorityBand": {"maxRequests": 7}}, None, [])
     assert neg.band(-1)[0].max_requests == 7 and neg.band(1)[0].max_requests == 5000
     assert isinstance(BandSpec(), BandSpec)
+
+
+def test_priority_holdback_ceilings():
+    from extproc.flowcontrol.policies import PriorityHoldback
+
+    rank = PriorityHoldback(PriorityHoldback.Params(minCeiling=0.4, maxCeiling=0.9))
+    assert rank.ceiling(10, (10, 5, -1)) == pytest.approx(0.9)
+    assert rank.ceiling(5, (10, 5, -1)) == pytest.approx(0.65)
+    assert rank.ceiling(-1, (10, 5, -1)) == pytest.approx(0.4)
+    value = PriorityHoldback(PriorityHoldback.Params(minCeiling=0.4, domain="value"))
+    assert value.ceiling(5, (10, 0)) == pytest.approx(0.7)
+
+
+async def test_holdback_keeps_headroom_for_the_higher_band():
+    ctl, slots, _ = make(
+        capacity=4,
+        flow_control={
+            "usageLimitPolicyPluginRef": "hold",
+            "priorityBands": [{"priority": 10}, {"priority": 0}],
+        },
+        plugins=[
+            {"type": "priority-holdback-policy", "name": "hold", "parameters": {"minCeiling": 0.5}}
+        ],
+    )
+    lows = await start(ctl, *(req("l") for _ in range(4)))
+    for t in lows[:2]:
+        place(ctl, slots, t)
+    assert [t.done() for t in lows] == [True, True, False, False]  # held at 2/4 = 0.5
+    highs = await start(ctl, req("h", priority=10), req("h", priority=10))
+    assert all(t.done() for t in highs)  # the band above goes on up to 1.0
+
+
+async def test_full_band_displaces_the_tenant_over_its_share():
+    ctl, slots, _ = make(
+        capacity=1,
+        flow_control={
+            "priorityBands": [
+                {"priority": 0, "maxRequests": 2, "fairnessPolicyRef": "wtf"},
+            ]
+        },
+        plugins=[{"type": "weighted-token-fairness-policy", "name": "wtf"}],
+    )
+    (a,) = await start(ctl, req("hog", tokens=1000))
+    place(ctl, slots, a)  # hog has been served 1000 tokens
+    h1, h2 = await start(ctl, req("hog"), req("hog"))
+    (newcomer,) = await start(ctl, req("light"))
+    assert not newcomer.done()
+    assert h2.exception().reason == EVICTED_PRESSURE and not h1.done()
+    # The hog itself cannot displace anyone further over their share: it is shed.
+    (h3,) = await start(ctl, req("hog"))
+    assert h3.exception().reason == REJECTED_SATURATED
+
+
+async def test_scraped_detectors_keep_placed_work_pending_until_visible():
+    from extproc.flowcontrol.detectors import UtilizationDetector
+
+    clock = Clock()
+    waiting = {"n": 0}
+
+    def states():
+        return [EndpointState(waiting=waiting["n"], age_s=0.0, is_stale=False)]
+
+    ctl = FlowController(
+        detector=UtilizationDetector(UtilizationDetector.Params(queueDepthThreshold=2)),
+        states=states,
+        band=build_flow_config({}, None, []).band,
+        visibility_s=0.1,
+        clock=clock,
+    )
+    tasks = await start(ctl, req(), req(), req())
+    assert [t.done() for t in tasks] == [True, True, False]  # 2 pending = threshold
+    for t in tasks[:2]:
+        ctl.placed(t.result())
+    ctl.tick()
+    await settle()
+    assert not tasks[2].done()  # placed, but no scrape shows them yet
+    waiting["n"] = 2  # the scrape now does
+    clock.t += 0.1
+    ctl.tick()
+    await settle()
+    assert not tasks[2].done() and ctl.pending_requests == 0
+    waiting["n"] = 1
+    ctl.tick()
+    await settle()
+    assert tasks[2].done()
