@@ -82,12 +82,14 @@ def picker_config(objectives: Path, *, flow: bool) -> dict:
             {
                 "type": "utilization-detector",
                 "parameters": {
-                    "queueDepthThreshold": 2,
-                    "kvCacheUtilThreshold": 0.85,
+                    "queueDepthThreshold": 1,
+                    "kvCacheUtilThreshold": 0.95,
                     "metricsStalenessThreshold": "500ms",
                 },
             },
             {"type": "weighted-token-fairness-policy"},
+            # Batch stops at 85% of the detector's ceiling; interactive may use the rest.
+            {"type": "priority-holdback-policy", "parameters": {"minCeiling": 0.85}},
         ]
         sched["flowControl"] = {
             "defaultRequestTTL": "10s",
@@ -100,6 +102,7 @@ def picker_config(objectives: Path, *, flow: bool) -> dict:
                 },
             ],
             "saturationDetector": {"pluginRef": "utilization-detector"},
+            "usageLimitPolicyPluginRef": "priority-holdback-policy",
         }
         doc["flow_control"] = {
             "fairness_weights": TENANTS,
@@ -264,8 +267,11 @@ async def open_loop(url: str, reqs: list[Req]) -> float:
         return loop.time() - t0
 
 
-async def closed_loop(url: str, concurrency: int, seconds: float) -> tuple[float, float]:
-    """Keep `concurrency` requests outstanding; served (req/s, tokens/s) once warmed up."""
+async def closed_loop(
+    url: str, concurrency: int, seconds: float
+) -> tuple[float, float, dict[str, float]]:
+    """Keep `concurrency` requests outstanding; served (req/s, tokens/s, mean tokens per
+    request of each tenant) once warmed up."""
     done: list[Req] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         loop = asyncio.get_running_loop()
@@ -286,15 +292,21 @@ async def closed_loop(url: str, concurrency: int, seconds: float) -> tuple[float
 
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
     tokens = sum(r.prompt_tokens + r.completion_tokens for r in done)
-    return len(done) / seconds, tokens / seconds
+    per: dict[str, float] = {}
+    for t in TENANTS:
+        mine = [r.prompt_tokens + r.completion_tokens for r in done if r.tenant == t]
+        per[t] = sum(mine) / len(mine)
+    return len(done) / seconds, tokens / seconds, per
 
 
-def burst(rate_per_s: float, seconds: float, seed: int) -> list[Req]:
-    """Poisson arrivals: each tenant's batch at 5/12 of `rate`, interactive 1/6 spread."""
+def burst(tok_s: float, per_req: dict[str, float], seconds: float, seed: int) -> list[Req]:
+    """Poisson arrivals offering `tok_s` tokens/s: each tenant's batch 5/18 of it, each
+    tenant's interactive 1/18 (request rates from each tenant's mean request size, so every
+    tenant offers the same tokens/s and is backlogged past its share)."""
     rng = random.Random(seed)
     out: list[Req] = []
-    streams = [(t, "batch", rate_per_s * 5 / 18) for t in TENANTS]
-    streams += [(t, "interactive", rate_per_s / 18) for t in TENANTS]
+    streams = [(t, "batch", tok_s * 5 / 18 / per_req[t]) for t in TENANTS]
+    streams += [(t, "interactive", tok_s / 18 / per_req[t]) for t in TENANTS]
     for tenant, objective, rate in streams:
         t = rng.expovariate(rate)
         while t < seconds:
@@ -347,7 +359,7 @@ def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--burst-s", type=float, default=30.0, help="seconds of burst arrivals")
-    ap.add_argument("--overload", type=float, default=4.0, help="offered load / capacity")
+    ap.add_argument("--overload", type=float, default=4.0, help="offered tokens / capacity")
     ap.add_argument("--slo-s", type=float, default=2.0, help="TTFT SLO for goodput")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--runs", default="on,off,on-2-replicas")
@@ -362,9 +374,8 @@ def main() -> int:
     try:
         dep.start(picker_config(objectives, flow=True))
         # Capacity: enough outstanding requests to keep both KV caches full.
-        req_s, cap_tps = asyncio.run(closed_loop(dep.url, 48, 12.0))
-        mean_tokens = cap_tps / req_s
-        print(f"capacity: {req_s:.2f} req/s, {cap_tps:.0f} tok/s ({mean_tokens:.0f} tok/req)")
+        req_s, cap_tps, per_req = asyncio.run(closed_loop(dep.url, 48, 12.0))
+        print(f"capacity: {req_s:.2f} req/s, {cap_tps:.0f} tok/s; tokens/request {per_req}")
         # Unloaded: interactive alone at ~0.2x capacity.
         calm = [Req("ABC"[i % 3], "interactive", i / (0.2 * req_s), PROMPT_WORDS["ABC"[i % 3]])
                 for i in range(30)]  # fmt: skip
@@ -373,9 +384,9 @@ def main() -> int:
         unloaded_p50, unloaded_p99 = percentile(base, 50), percentile(base, 99)
         print(f"unloaded interactive TTFT p50 {unloaded_p50:.3f} s, p99 {unloaded_p99:.3f} s")
         dep.stop()
-        rate = args.overload * req_s
+        offered = args.overload * cap_tps
         for run in args.runs.split(","):
-            reqs = burst(rate, args.burst_s, args.seed)
+            reqs = burst(offered, per_req, args.burst_s, args.seed)
             if run == "on-2-replicas":
                 if redis is None:
                     port = free_port()
@@ -392,7 +403,8 @@ def main() -> int:
             duration = asyncio.run(open_loop(dep.url, reqs))
             dep.stop()
             row = report(f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99)
-            row["offered_req_s"] = rate
+            row["offered_tok_s"] = offered
+            row["offered_req_s"] = len(reqs) / args.burst_s
             row["duration_s"] = duration
             print(json.dumps(row), flush=True)
             rows.append(row)
