@@ -56,3 +56,30 @@ async def test_redis_down_degrades_to_local_and_says_so(redis_server: RedisServe
         assert r.done()  # local flow control goes on
     finally:
         await asyncio.wait_for(sa.aclose(), 5)
+
+
+async def test_degraded_shared_state_shows_in_metrics(redis_server: RedisServer):
+    from prometheus_client import CollectorRegistry
+
+    from extproc.flowcontrol.admission import Admission
+    from extproc.flowcontrol.config import build_flow_config
+
+    cfg = build_flow_config({}, None, [])
+    adm = Admission(cfg, list, registry=CollectorRegistry())
+    adm.shared = SharedFlowState.from_url(
+        redis_server.url, adm.controller, namespace="t3", process_id="a"
+    )
+
+    def gauge(name: str) -> float:
+        fam = next(f for f in adm.collect() if f.name == name)
+        return fam.samples[0].value
+
+    try:
+        await adm.shared.exchange()
+        assert gauge("extproc_flow_shared_degraded") == 0.0
+        redis_server.kill()
+        await adm.shared.exchange()
+        assert gauge("extproc_flow_shared_degraded") == 1.0
+        assert gauge("extproc_flow_shared_errors") == 1.0
+    finally:
+        await asyncio.wait_for(adm.aclose(), 5)
