@@ -365,7 +365,7 @@ def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--burst-s", type=float, default=30.0, help="seconds of burst arrivals")
+    ap.add_argument("--burst-s", type=float, default=20.0, help="seconds of burst arrivals")
     ap.add_argument("--overload", type=float, default=4.0, help="offered tokens / capacity")
     ap.add_argument("--slo-s", type=float, default=5.0, help="TTFT SLO for goodput")
     ap.add_argument("--seed", type=int, default=1)

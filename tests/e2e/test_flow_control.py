@@ -39,12 +39,21 @@ CONFIG = {
     },
     "flow_control": {"retry_after_s": 3},
 }
+OBJECTIVES = """\
+kind: InferenceObjective
+metadata: {name: critical}
+spec: {priority: 5}
+"""
 
 
 @pytest.fixture(scope="module")
 def flow_stack(tmp_path_factory) -> Iterator[Stack]:
-    cfg = tmp_path_factory.mktemp("flow") / "picker.yaml"
-    cfg.write_text(yaml.safe_dump(CONFIG))
+    tmp = tmp_path_factory.mktemp("flow")
+    (tmp / "objectives.yaml").write_text(OBJECTIVES)
+    config = {**CONFIG, "flow_control": {**CONFIG["flow_control"]}}
+    config["flow_control"]["objectives_file"] = str(tmp / "objectives.yaml")
+    cfg = tmp / "picker.yaml"
+    cfg.write_text(yaml.safe_dump(config))
     with Stack(StackOptions(upstreams=1, extproc_args=("--config", str(cfg)))) as s:
         yield s
 
@@ -61,8 +70,12 @@ def metric(stack: Stack, name: str, **labels: str) -> float:
     return total
 
 
-async def post(client: httpx.AsyncClient, delay_ms: int = 0, **kw) -> httpx.Response:
+async def post(
+    client: httpx.AsyncClient, delay_ms: int = 0, objective: str | None = None, **kw
+) -> httpx.Response:
     headers = {HEAD_DELAY_HEADER: str(delay_ms)} if delay_ms else {}
+    if objective:
+        headers["x-llm-d-inference-objective"] = objective
     return await client.post(
         "/v1/completions", json={"model": "m", "prompt": "hello"}, headers=headers, **kw
     )
@@ -111,3 +124,23 @@ async def test_ttl_expiry_and_a_client_that_leaves(flow_stack: Stack):
         assert expired.status_code == 429
         assert expired.headers["x-llm-d-request-dropped-reason"] == "rejected-ttl-expired"
         assert [r.status_code for r in await asyncio.gather(*holders)] == [200, 200]
+
+
+async def test_higher_priority_objective_is_served_first(flow_stack: Stack):
+    async with httpx.AsyncClient(base_url=flow_stack.url, timeout=30) as c:
+        short = asyncio.create_task(post(c, delay_ms=800))
+        long = asyncio.create_task(post(c, delay_ms=2500))
+        await asyncio.sleep(0.3)
+        order: list[str] = []
+
+        async def tagged(name: str, **kw) -> None:
+            r = await post(c, **kw)
+            assert r.status_code == 200
+            order.append(name)
+
+        low = asyncio.create_task(tagged("low"))
+        await asyncio.sleep(0.2)
+        high = asyncio.create_task(tagged("critical", objective="critical"))
+        await asyncio.gather(short, long, low, high)
+    # Queued in that order, released in priority order when the first slot freed.
+    assert order == ["critical", "low"]
