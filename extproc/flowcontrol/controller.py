@@ -177,6 +177,8 @@ class FlowController:
         self.served: dict[str, float] = {}
         self.peer_served: dict[str, float] = {}
         self.peer_top_band: int | None = None
+        # Work other replicas released that the detector may not see yet (last exchange).
+        self.peer_pending: tuple[int, int] = (0, 0)
         self._decayed_at = clock()
         self.stats = FlowStats()
         self._usage_limit: UsageLimitPolicy = usage_limit or StaticUsageLimit()
@@ -223,7 +225,10 @@ class FlowController:
         return self.peer_top_band is None or self.peer_top_band <= priority
 
     def saturation(self) -> float:
-        return self._detector.saturation(self._states(), self.pending_requests, self.pending_tokens)
+        peer_reqs, peer_toks = self.peer_pending
+        return self._detector.saturation(
+            self._states(), self.pending_requests + peer_reqs, self.pending_tokens + peer_toks
+        )
 
     def ceiling(self, priority: int) -> float:
         """The saturation at which this band's work is held (usage-limit policy)."""

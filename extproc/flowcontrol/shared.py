@@ -5,13 +5,16 @@ tokens it served per flow (decayed), and reads everyone else's. With that, each 
 - holds its lower-band work while any replica has higher-band work queued (strict priority
   fleet-wide: low priority is shed before high wherever it arrived);
 - picks flows by fleet-wide served tokens (`weighted-token-fairness-policy`), so token
-  shares hold across replicas.
+  shares hold across replicas;
+- counts the work other replicas released but the detector cannot see yet (their pending
+  figures), so replicas do not each fill the same free capacity.
 Saturation is fleet-wide by construction when in-flight counts are shared
 (`state.shared_inflight`) or scraped from the servers.
 
 Layout (one hash slot, Cluster-safe): `{<ns>}:flow` hash, field = process id, value =
-msgpack `[expiry_ms, top_band | nil, {flow: tokens}]`; one script refreshes our field,
-drops expired ones (Redis server time, so no clock agreement needed) and returns the rest.
+msgpack `[expiry_ms, top_band | nil, {flow: tokens}, pending_requests, pending_tokens]`;
+one script refreshes our field, drops expired ones (Redis server time, so no clock agreement
+needed) and returns the rest.
 Redis failing -> per-replica flow control: peers' state is forgotten, a warning is logged,
 `errors` counts and `degraded` says so (the `extproc_flow_shared_degraded` gauge).
 """
@@ -87,7 +90,8 @@ class SharedFlowState:
     async def exchange(self) -> None:
         """One publish-and-read; on failure, fall back to local state (never raises)."""
         fc = self._fc
-        own = msgpack.packb([0, fc.top_band(), {k: round(v) for k, v in fc.served.items()}])
+        served = {k: round(v) for k, v in fc.served.items()}
+        own = msgpack.packb([0, fc.top_band(), served, fc.pending_requests, fc.pending_tokens])
         try:
             blobs = await self._eval(own)
         except (RedisError, OSError, TimeoutError) as exc:
@@ -99,6 +103,7 @@ class SharedFlowState:
             self.degraded = True
             fc.peer_top_band = None
             fc.peer_served = {}
+            fc.peer_pending = (0, 0)
             return
         if self.degraded:
             log.info("flow control: shared state restored")
@@ -107,11 +112,14 @@ class SharedFlowState:
         top: int | None = None
         served: dict[str, float] = {}
         peers = 0
+        pend_reqs = pend_toks = 0
         for blob in blobs:
             try:
-                _, band, flows = msgpack.unpackb(blob, strict_map_key=False)
+                _, band, flows, p_reqs, p_toks = msgpack.unpackb(blob, strict_map_key=False)
                 for f, v in flows.items():
                     served[str(f)] = served.get(str(f), 0.0) + float(v)
+                pend_reqs += max(0, int(p_reqs))
+                pend_toks += max(0, int(p_toks))
             except (ValueError, TypeError, AttributeError, msgpack.UnpackException):
                 continue  # a foreign or corrupt entry must not stop flow control
             peers += 1
@@ -120,6 +128,7 @@ class SharedFlowState:
         self.stats.peers = peers
         fc.peer_top_band = top
         fc.peer_served = served
+        fc.peer_pending = (pend_reqs, pend_toks)
         # A peer's higher band may have drained: whatever we hold may now go.
         fc.dispatch()
 

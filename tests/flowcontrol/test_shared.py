@@ -12,18 +12,20 @@ from tests.redis_servers import RedisServer
 
 
 async def test_replicas_share_top_band_and_served_tokens(redis_server: RedisServer):
-    a, slots_a, _ = make(capacity=1)
+    a, slots_a, _ = make(capacity=2)
     b, _slots_b, _ = make(capacity=1)
     sa = SharedFlowState.from_url(redis_server.url, a, namespace="t1", process_id="a")
     sb = SharedFlowState.from_url(redis_server.url, b, namespace="t1", process_id="b")
     try:
         (first,) = await start(a, req("x", tokens=500))
         place(a, slots_a, first)
+        (second,) = await start(a, req("x", tokens=200))  # released, not yet placed
         (high,) = await start(a, req("x", priority=7))  # queued at replica a
         await sa.exchange()
         await sb.exchange()
         assert b.peer_top_band == 7 and sb.stats.peers == 1
-        assert b.peer_served == {"x": 500.0}
+        assert b.peer_served == {"x": 700.0}
+        assert b.peer_pending == (1, 200)  # released at a, not yet visible to a detector
         # Replica b has capacity of its own but a's priority-7 work comes first.
         (low,) = await start(b, req("y", priority=0))
         assert not low.done()
