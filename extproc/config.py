@@ -18,7 +18,12 @@ import yaml
 from extproc.endpoints.scrape import ScrapeSettings
 from extproc.endpoints.shared_inflight import SharedInFlightSettings
 from extproc.errors import ConfigError, format_path
-from extproc.flowcontrol.config import FlowConfig, FlowControlSettings, build_flow_config
+from extproc.flowcontrol.config import (
+    FLOW_PLUGIN_TYPES,
+    FlowConfig,
+    FlowControlSettings,
+    build_flow_config,
+)
 from extproc.requests import ParseSettings
 from extproc.scheduling.config import EndpointPickerConfig, build_scheduler, default_config
 from extproc.scheduling.framework import Scheduler
@@ -174,6 +179,7 @@ def build_configured_scheduler(settings: Settings) -> Scheduler:
             settings.scheduling or default_config(),
             registry,
             fallbacks=settings.server.fallbacks,
+            foreign=FLOW_PLUGIN_TYPES,
         )
     except ConfigError as exc:
         raise exc.within("scheduling") if settings.scheduling else exc from None

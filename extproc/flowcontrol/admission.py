@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from types import MappingProxyType
 
 from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from extproc.core import EndpointState, InferenceRequest
 from extproc.errors import BadRequest, Overloaded
@@ -27,7 +28,6 @@ from extproc.flowcontrol.objectives import (
     Objectives,
     first_header,
 )
-from extproc.server.metrics import counter, gauge
 
 log = logging.getLogger("extproc.flowcontrol")
 
@@ -213,3 +213,11 @@ class Admission:
         if self.shared is not None:
             with contextlib.suppress(Exception):
                 await self.shared.aclose()
+
+
+def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def counter(name: str, doc: str, labels: Sequence[str] = ()) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=list(labels))

@@ -40,6 +40,7 @@ log = logging.getLogger("extproc.flowcontrol")
 
 FLOW_PLUGINS: tuple[type, ...] = (*DETECTORS, *ORDERING, *FAIRNESS, *USAGE_LIMITS)
 _BY_TYPE = {c.type_name: c for c in FLOW_PLUGINS}
+FLOW_PLUGIN_TYPES = frozenset(_BY_TYPE)
 
 _Q = int | str | None
 

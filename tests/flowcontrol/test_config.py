@@ -135,3 +135,10 @@ def test_objectives_file(tmp_path):
     os.utime(p, (1, 1))
     o.refresh()
     assert o.load_errors == 1 and o.table["critical"] == 10
+
+
+def test_a_profile_cannot_use_a_flow_control_plugin(tmp_path):
+    p = tmp_path / "epp.yaml"
+    p.write_text(EPP.replace("  - pluginRef: queue-scorer\n", "  - pluginRef: conc\n"))
+    with pytest.raises(ConfigError, match="flow-control plugin, not a scheduling one"):
+        load_settings(p)

@@ -19,7 +19,7 @@ async def test_replicas_share_top_band_and_served_tokens(redis_server: RedisServ
     try:
         (first,) = await start(a, req("x", tokens=500))
         place(a, slots_a, first)
-        (second,) = await start(a, req("x", tokens=200))  # released, not yet placed
+        (_second,) = await start(a, req("x", tokens=200))  # released, not yet placed
         (high,) = await start(a, req("x", priority=7))  # queued at replica a
         await sa.exchange()
         await sb.exchange()

@@ -1,6 +1,5 @@
 """Built-in plugins. `BUILTINS` is the one list the registry starts from."""
 
-from extproc.flowcontrol.config import FLOW_PLUGINS
 from extproc.scheduling.handlers import DisaggProfileHandler, SingleProfileHandler
 from extproc.scheduling.plugins.affinity import EncoderCacheScorer, SessionAffinityScorer
 from extproc.scheduling.plugins.filters import (
@@ -45,7 +44,6 @@ BUILTINS: tuple[type, ...] = (
     MaxScorePicker,
     RandomPicker,
     WeightedRandomPicker,
-    *FLOW_PLUGINS,
 )
 
 __all__ = ["BUILTINS"]
