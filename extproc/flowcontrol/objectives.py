@@ -4,7 +4,8 @@ unknown or absent = 0, as in llm-d).
 
 The file holds InferenceObjective documents (one per YAML document, or a list / `items`),
 or a plain mapping `name: priority`; it is re-read when its modification time changes, and a
-file that no longer parses keeps the last good table (logged, counted).
+file that no longer parses keeps the last good table (logged, counted). Without a file, with
+InferencePool discovery, the table follows the cluster's InferenceObjectives instead.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class Objectives:
         self._mtime = mtime
         self.table = table
         log.info("objectives loaded", extra={"objectives": len(table)})
+
+    def replace(self, table: Mapping[str, int]) -> None:
+        """A new table from a Kubernetes watch (extproc.endpoints.objectives_watch)."""
+        self.table = dict(table)
 
     def priority(self, headers: Mapping[str, str]) -> int:
         for h in OBJECTIVE_HEADERS:

@@ -257,6 +257,13 @@ class App:
             k8s = InferencePoolWatch(api, namespace, d.inference_pool, self.set_endpoints)
             self._watches.append(k8s)
             self.spawn("inferencepool-watch", k8s.run)
+            if self.admission is not None and self.admission.objectives.path is None:
+                from extproc.endpoints.objectives_watch import InferenceObjectiveWatch
+
+                objectives = InferenceObjectiveWatch(
+                    api, namespace, d.inference_pool, self.admission.objectives.replace
+                )
+                self.spawn("inferenceobjective-watch", objectives.run)
             self.spawn("readiness", self._ready_when_synced)
 
     async def _ready_when_synced(self) -> None:
