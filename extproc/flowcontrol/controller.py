@@ -186,6 +186,9 @@ class FlowController:
         self._visibility_s = visibility_s
         self._sees_placement = bool(getattr(detector, "sees_placement", True))
         self._settling: collections.deque[tuple[float, Ticket]] = collections.deque()
+        # Every enqueued item in arrival order (one TTL for all: the oldest expire first);
+        # items that left the queue are skipped lazily when they reach the front.
+        self._arrivals: collections.deque[tuple[_Band, _Item]] = collections.deque()
 
     # -- admission -------------------------------------------------------------------------
 
@@ -200,6 +203,9 @@ class FlowController:
         arrival = Arrival(next(self._seq), now, self.ttl_s, request.slo_ttft_s)
         item = _Item(request, arrival, band.ordering.key(arrival), loop.create_future())
         heapq.heappush(band.flows.setdefault(request.fairness_id, []), item)
+        if self.ttl_s:
+            # Bounded: the front expires within the TTL (without one, nothing is kept).
+            self._arrivals.append((band, item))
         band.count += 1
         band.bytes += request.body_bytes
         self.count += 1
@@ -405,16 +411,16 @@ class FlowController:
         self.dispatch()
 
     def _expire(self, now: float) -> None:
-        if not self.ttl_s or not self.count:
-            return
-        for band in list(self._bands.values()):
-            for q in list(band.flows.values()):
-                for item in [i for i in q if now - i.arrival.enqueued >= self.ttl_s]:
-                    self._remove(band, item)
-                    self.stats.count(item.request, "evicted_ttl")
-                    _fail(
-                        item, FlowRejected(REJECTED_TTL, "the request waited too long in the queue")
-                    )
+        arrivals = self._arrivals
+        while arrivals:
+            band, item = arrivals[0]
+            if item.queued:
+                if now - item.arrival.enqueued < self.ttl_s:
+                    return
+                self._remove(band, item)
+                self.stats.count(item.request, "evicted_ttl")
+                _fail(item, FlowRejected(REJECTED_TTL, "the request waited too long in the queue"))
+            arrivals.popleft()
 
     def _decay(self, now: float) -> None:
         dt = now - self._decayed_at
