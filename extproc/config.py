@@ -19,6 +19,7 @@ from extproc.endpoints.scrape import ScrapeSettings
 from extproc.endpoints.shared_inflight import SharedInFlightSettings
 from extproc.errors import ConfigError, format_path
 from extproc.flowcontrol.config import (
+    ADMITTER_TYPES,
     FLOW_PLUGIN_TYPES,
     FlowConfig,
     FlowControlSettings,
@@ -187,13 +188,15 @@ def build_configured_scheduler(settings: Settings) -> Scheduler:
 
 def build_configured_flow_control(settings: Settings) -> FlowConfig | None:
     """Stage 2 for flow control: None (off) unless the scheduling config has a
-    `flowControl` or `saturationDetector` section or the settings a `flow_control` one."""
+    `flowControl` or `saturationDetector` section or lists an admitter plugin, or the
+    settings have a `flow_control` section."""
     sched = settings.scheduling
     fc = sched.flowControl if sched else None
     sd = sched.saturationDetector if sched else None
-    if fc is None and sd is None and settings.flow_control is None:
-        return None
     plugins = [msgspec.to_builtins(p) for p in sched.plugins] if sched else []
+    admitter = any(p["type"] in ADMITTER_TYPES for p in plugins)
+    if fc is None and sd is None and settings.flow_control is None and not admitter:
+        return None
     try:
         return build_flow_config(fc, sd, plugins, settings.flow_control)
     except ConfigError as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
 
@@ -20,7 +21,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from extproc.core import EndpointState, InferenceRequest
 from extproc.errors import BadRequest, Overloaded
 from extproc.flowcontrol.config import FlowConfig
-from extproc.flowcontrol.controller import FlowController, FlowRejected, FlowRequest, Ticket
+from extproc.flowcontrol.controller import (
+    REJECTED_SATURATED,
+    FlowController,
+    FlowRejected,
+    FlowRequest,
+    Ticket,
+)
 from extproc.flowcontrol.objectives import (
     DEFAULT_FAIRNESS_ID,
     FAIRNESS_HEADERS,
@@ -54,8 +61,11 @@ class Admission:
         objectives: Objectives | None = None,
         registry: CollectorRegistry | None = None,
         controller: FlowController | None = None,
+        rand: Callable[[], float] = random.random,
     ) -> None:
         s = config.settings
+        self._states = states
+        self._rand = rand
         self.config = config
         self.settings = s
         self.objectives = objectives or Objectives(s.objectives_file)
@@ -104,6 +114,16 @@ class Admission:
 
     async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket:
         flow = self.flow_request(request, uncached_tokens)
+        if self.config.admitters:
+            states = self._states()
+            for admitter in self.config.admitters:
+                if not admitter.admit(flow.priority, states, self._rand):
+                    self.controller.stats.count(flow, "rejected_admitter")
+                    raise Shed(
+                        REJECTED_SATURATED,
+                        "sheddable request refused under load",
+                        self.settings.retry_after_s,
+                    )
         try:
             ticket = await self.controller.admit(flow)
         except FlowRejected as exc:
@@ -172,7 +192,8 @@ class Admission:
         c = counter(
             "extproc_flow_requests",
             "Flow-control outcomes: dispatched, rejected_capacity (queue full), evicted_ttl, "
-            "evicted_pressure (displaced by higher priority), cancelled (client left).",
+            "evicted_pressure (displaced by higher priority), cancelled (client left), "
+            "rejected_admitter (refused by an admitter).",
             ["priority", "fairness_id", "outcome"],
         )
         for (p, f, outcome), n in sorted(fc.stats.outcomes.items()):

@@ -10,7 +10,8 @@ unbounded), `defaultRequestTTL` (60s; "0s" = no TTL), `priorityBands[]` (`priori
 `saturationDetector.pluginRef` (default `utilization-detector`), `usageLimitPolicyPluginRef`
 (default `static-usage-limit-policy`, ceiling 1.0). Policy and detector refs name entries of
 the top-level `plugins` list (by name, else by type), or a type directly. Accepted but not
-acted on (a warning at start): `noEndpointRequestTTL`, `enableEviction`.
+acted on (a warning at start): `noEndpointRequestTTL`, `enableEviction`. Admitters
+(`probabilistic-admitter`) listed in `plugins` are active.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Annotated, Any
 import msgspec
 
 from extproc.errors import ConfigError
+from extproc.flowcontrol.admitters import ADMITTERS, Admitter
 from extproc.flowcontrol.controller import BandLimits
 from extproc.flowcontrol.detectors import DETECTORS, SaturationDetector
 from extproc.flowcontrol.policies import (
@@ -38,7 +40,8 @@ from extproc.flowcontrol.policies import (
 
 log = logging.getLogger("extproc.flowcontrol")
 
-FLOW_PLUGINS: tuple[type, ...] = (*DETECTORS, *ORDERING, *FAIRNESS, *USAGE_LIMITS)
+FLOW_PLUGINS: tuple[type, ...] = (*DETECTORS, *ORDERING, *FAIRNESS, *USAGE_LIMITS, *ADMITTERS)
+ADMITTER_TYPES = frozenset(c.type_name for c in ADMITTERS)
 _BY_TYPE = {c.type_name: c for c in FLOW_PLUGINS}
 FLOW_PLUGIN_TYPES = frozenset(_BY_TYPE)
 
@@ -156,6 +159,7 @@ class FlowConfig:
     default_negative_band: BandSpec | None = None
     policies: Mapping[str, tuple[type, Any]] = field(default_factory=dict)
     usage_limit: UsageLimitPolicy = field(default_factory=StaticUsageLimit)
+    admitters: tuple[Admitter, ...] = ()
     settings: FlowControlSettings = field(default_factory=FlowControlSettings)
 
     def band(self, priority: int) -> tuple[BandLimits, OrderingPolicy, FairnessPolicy]:
@@ -198,12 +202,15 @@ def build_flow_config(
     ignored. Raises ConfigError located in the document."""
     spec: FlowControlSpec = _decode(FlowControlSpec, flow_control, ("flowControl",))
     named: dict[str, tuple[type, Any]] = {}
+    admitters: list[Admitter] = []
     for i, p in enumerate(plugins):
         cls = _BY_TYPE.get(p.get("type", ""))
         if cls is None:
             continue
         params = _decode(cls.Params, p.get("parameters"), ("plugins", i, "parameters"))
         named[p.get("name") or p["type"]] = (cls, params)
+        if cls in ADMITTERS:
+            admitters.append(cls(params))  # listed = active, as in llm-d
 
     def resolve(ref: str, kind: tuple[type, ...], where: tuple[str | int, ...]) -> None:
         got = named.get(ref) or ((_BY_TYPE[ref], None) if ref in _BY_TYPE else None)
@@ -275,6 +282,7 @@ def build_flow_config(
         default_negative_band=spec.defaultNegativePriorityBand,
         policies=named,
         usage_limit=usage_limit,
+        admitters=tuple(admitters),
         settings=settings or FlowControlSettings(),
     )
 
