@@ -6,10 +6,11 @@ fairness policy between flows (fairness ID x band), then by an ordering policy i
 flow. Queues are bounded in count, bytes and time; what cannot wait is answered 429 (or 503)
 with `x-llm-d-request-dropped-reason` and `retry-after`.
 
-Modules: `detectors` (is the pool saturated?), `policies` (which flow, which request next),
-`controller` (the queue and its lifecycle), `objectives` (priority from InferenceObjective
-names), `shared` (queue and usage state shared by replicas through Redis), `config`
-(llm-d's `flowControl` / `saturationDetector` sections), `admission` (the router's hook).
+Modules: `detectors` (is the pool saturated?), `admitters` (may it queue at all?),
+`policies` (which flow, which request next), `controller` (the queue and its lifecycle),
+`objectives` (priority from InferenceObjective names), `shared` (queue and usage state
+shared by replicas through Redis), `config` (llm-d's `flowControl` / `saturationDetector`
+sections), `admission` (the router's hook).
 Off unless configured: without a `flowControl` section nothing here runs.
 """
 
