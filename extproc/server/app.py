@@ -362,6 +362,12 @@ class App:
             "Tier-weighted blocks the chosen endpoint held (hit ratio = matched / requested).",
             r.prefix_blocks_matched,
         )
+        yield _counter(
+            "extproc_served_elsewhere",
+            "Requests the proxy reported served by another endpoint than the pick (a retry "
+            "walked the fallback list); in-flight and index followed the served one.",
+            r.served_elsewhere,
+        )
         g = gauge("extproc_inflight_requests", "Requests in flight per endpoint.", ["endpoint"])
         t = gauge("extproc_inflight_tokens", "Estimated in-flight prompt tokens.", ["endpoint"])
         for e in self.pool.snapshot():
