@@ -56,9 +56,7 @@ async def test_every_mode_pair_routes_and_answers_every_response_message(
     chunks = response_chunks()
     msgs = [*request_side(mode, response_mode), response_headers()]
     if response_mode != NONE:
-        msgs += [
-            response_body(c, end_of_stream=i == len(chunks) - 1) for i, c in enumerate(chunks)
-        ]
+        msgs += [response_body(c, end_of_stream=i == len(chunks) - 1) for i, c in enumerate(chunks)]
     msgs.append(response_trailers())
     out = await client.exchange(msgs)
     dests = [d for d in map(destination, out) if d]
@@ -68,7 +66,13 @@ async def test_every_mode_pair_routes_and_answers_every_response_message(
     assert resp_kinds == ["response_headers"] + ["response_body"] * n_body + ["response_trailers"]
     bodies = [r.response_body.response for r in out if r.WhichOneof("response") == "response_body"]
     if response_mode == FULL_DUPLEX:
-        echoed = [(b.body_mutation.streamed_response.body, b.body_mutation.streamed_response.end_of_stream) for b in bodies]  # noqa: E501
+        echoed = [
+            (
+                b.body_mutation.streamed_response.body,
+                b.body_mutation.streamed_response.end_of_stream,
+            )
+            for b in bodies
+        ]  # noqa: E501
         assert echoed == [(c, i == len(chunks) - 1) for i, c in enumerate(chunks)]
     else:
         assert all(not b.HasField("body_mutation") for b in bodies)
