@@ -42,6 +42,8 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
         changes["drain_delay_s"] = args.drain_delay
     if args.fallbacks is not None:
         changes["fallbacks"] = args.fallbacks
+    if args.plaintext:
+        changes["plaintext"], changes["tls"] = True, None
     if args.worker_index:
         # Worker i of `--workers N`: ext_proc and health ports are shared (SO_REUSEPORT);
         # the admin port is per worker so each one's counters are scraped.
@@ -150,7 +152,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         admin_port=args.admin_port,
         fail_open=args.fail_open,
         retries=args.retries,
-        extproc_tls=args.extproc_tls,
+        extproc_tls=not args.extproc_plaintext,
         extproc_sni=args.extproc_sni,
         extproc_ca_file=args.extproc_ca,
     )
@@ -255,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--drain-delay", type=float, help="seconds still serving after SIGTERM (default 3)"
     )
+    s.add_argument(
+        "--plaintext",
+        action="store_true",
+        help="serve ext_proc without TLS (default: TLS, self-signed unless server.tls names "
+        "certificate files)",
+    )
     s.add_argument("--redis-url", help="share the KV-block index and in-flight load in Redis")
     s.add_argument("--inference-pool", help="watch this Kubernetes InferencePool for endpoints")
     s.add_argument("--namespace", help="the InferencePool's namespace (default: the pod's)")
@@ -275,8 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--extproc-tls",
         action="store_true",
-        help="TLS to the picker (server.tls); without --extproc-ca the certificate is not "
-        "verified (what a self-signed picker needs)",
+        help="TLS to the picker: the default, kept for old command lines; without "
+        "--extproc-ca the certificate is not verified (what a self-signed picker needs)",
+    )
+    e.add_argument(
+        "--extproc-plaintext",
+        action="store_true",
+        help="plaintext to the picker (only for a picker started with --plaintext)",
     )
     e.add_argument("--extproc-sni", help="SNI sent to the picker (default: its host name)")
     e.add_argument("--extproc-ca", help="PEM CA bundle to verify the picker's certificate")

@@ -131,6 +131,7 @@ class App:
         self._endpoints_changed = asyncio.Event()
         self._stopped = asyncio.Event()
         self._stopping = False
+        self.tls_reloader = None  # set when certificate files are served (reload counters)
         self.port = 0
         self.health_port = 0
         self.admin_port = 0
@@ -278,10 +279,11 @@ class App:
         self._server.add_generic_rpc_handlers((generic,))
         self.health.add_to(self._server)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls is not None:
-            from extproc.server.tls import load_key_pair, server_credentials
+        tls = cfg.effective_tls
+        if tls is not None:
+            from extproc.server.tls import port_credentials
 
-            creds = server_credentials(load_key_pair(cfg.tls))
+            creds, self.tls_reloader = port_credentials(tls)
             self.port = self._server.add_secure_port(address, creds)
         else:
             self.port = self._server.add_insecure_port(address)
@@ -306,7 +308,7 @@ class App:
                 "health_port": self.health_port,
                 "admin_port": self.admin_port,
                 "endpoints": len(self.pool),
-                "tls": cfg.tls is not None,
+                "tls": tls is not None,
             },
         )
         return self

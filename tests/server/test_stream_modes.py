@@ -72,7 +72,7 @@ async def test_every_mode_pair_routes_and_answers_every_response_message(
                 b.body_mutation.streamed_response.end_of_stream,
             )
             for b in bodies
-        ]  # noqa: E501
+        ]
         assert echoed == [(c, i == len(chunks) - 1) for i, c in enumerate(chunks)]
     else:
         assert all(not b.HasField("body_mutation") for b in bodies)
