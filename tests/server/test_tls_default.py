@@ -32,9 +32,11 @@ def served_certificate(port: int) -> x509.Certificate:
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     ctx.set_alpn_protocols(["h2"])
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
-        with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
-            der = tls.getpeercert(binary_form=True)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        ctx.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der)
 
