@@ -69,7 +69,7 @@ def no_protocol_errors(gate: Gate) -> Iterator[None]:
         k: v
         for k, v in stats.items()
         if k.endswith(("spurious_msgs_received", "streams_failed")) and v
-    }  # noqa: E501
+    }
     assert bad == {}, bad
 
 
