@@ -76,11 +76,11 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
     )
 
 
-async def _serve(settings: Settings) -> None:
+async def _serve(settings: Settings, *, shared_ports: bool = False) -> None:
     from extproc.server.app import App
 
     endpoints = parse_endpoints(",".join(settings.endpoints))
-    async with App(settings, endpoints, environ=os.environ) as app:
+    async with App(settings, endpoints, environ=os.environ, shared_ports=shared_ports) as app:
         loop = asyncio.get_running_loop()
         stopping: set[asyncio.Task[None]] = set()  # held so the drain task is not collected
 
@@ -114,7 +114,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     parse_endpoints(",".join(settings.endpoints))  # fail fast, before binding ports
     if args.workers > 1:
         return _supervise(args, settings)
-    _run(_serve(settings))
+    from extproc.server.ports import PortInUse
+
+    try:
+        _run(_serve(settings, shared_ports=args.worker_index is not None))
+    except PortInUse as exc:
+        # One line, no traceback: the usual cause is another picker on this host.
+        log.error("cannot start: %s", exc)
+        return 1
     return 0
 
 

@@ -420,7 +420,8 @@ class Stack:
                 grpc_health_status(self.health_port, "readiness")
                 == health_pb2.HealthCheckResponse.SERVING
             ),
-            timeout_s=20,
+            # Generous: on a loaded CI machine a cold start (imports) can take 20 s.
+            timeout_s=60,
             what="extproc",
             proc=proc,
         )

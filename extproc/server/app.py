@@ -34,6 +34,7 @@ from extproc.server import wire
 from extproc.server.admin import make_admin_app
 from extproc.server.health import Health
 from extproc.server.metrics import PickerMetrics, counter, gauge
+from extproc.server.ports import PortInUse, check_ports
 from extproc.server.stream import StreamHandler
 
 log = logging.getLogger("extproc.server")
@@ -75,9 +76,14 @@ class App:
         endpoints: Sequence[Endpoint],
         *,
         environ: Mapping[str, str] | None = None,
+        shared_ports: bool = False,
     ) -> None:
         """`environ` is only read for Kubernetes credentials (in-cluster service account or
-        $KUBECONFIG); the CLI passes the process environment."""
+        $KUBECONFIG); the CLI passes the process environment. `shared_ports`: a `--workers`
+        worker, whose ext_proc and health ports are shared with its siblings (SO_REUSEPORT);
+        otherwise a second process on the same port is a conflict."""
+        self._shared_ports = shared_ports
+        self._bound = False
         self.settings = settings
         self._environ = dict(environ or {})
         precise_cfg = settings.parse.precise
@@ -195,7 +201,7 @@ class App:
     def _ready(self) -> bool:
         """Ready once endpoints are known (discovery has synced) and while not draining."""
         synced = all(w.synced.is_set() for w in self._watches)
-        return synced and len(self.pool) > 0 and not self._stopping
+        return self._bound and synced and len(self.pool) > 0 and not self._stopping
 
     async def _start_discovery(self) -> None:
         d = self.settings.discovery
@@ -245,6 +251,25 @@ class App:
 
     async def __aenter__(self) -> App:
         cfg = self.settings.server
+        # Before anything connects or binds: a taken port is one clear error, not a
+        # traceback after the ext_proc port already took streams.
+        wanted = {"admin": cfg.admin_port or 0}
+        if not self._shared_ports:
+            wanted = {"ext_proc": cfg.port, "health": cfg.health_port, **wanted}
+        check_ports(cfg.host, wanted)
+        try:
+            return await self._start(cfg)
+        except BaseException:
+            if not self._bound:
+                # Never served: nothing to drain, close at once.
+                for server in (self._server, self._health_server):
+                    if server is not None:
+                        await server.stop(0)
+                self._server = self._health_server = None
+            await self.stop()
+            raise
+
+    async def _start(self, cfg) -> App:
         handler = StreamHandler(
             self.router, max_body_bytes=cfg.max_body_bytes, metrics=self.metrics
         )
@@ -275,7 +300,10 @@ class App:
         # NOT_SERVING from the first probe: the health servicer answers SERVING for "" by
         # default, which would let a proxy send traffic before endpoints are known.
         await self.health.set_ready(False)
-        self._server = grpc.aio.server(options=_SERVER_OPTIONS)
+        # SO_REUSEPORT only between workers: otherwise a second picker would share the port
+        # silently and take half the streams.
+        reuse = (("grpc.so_reuseport", int(self._shared_ports)),)
+        self._server = grpc.aio.server(options=_SERVER_OPTIONS + reuse)
         self._server.add_generic_rpc_handlers((generic,))
         self.health.add_to(self._server)
         address = f"{cfg.host}:{cfg.port}"
@@ -284,22 +312,28 @@ class App:
             from extproc.server.tls import port_credentials
 
             creds, self.tls_reloader = port_credentials(tls)
-            self.port = self._server.add_secure_port(address, creds)
+            self.port = _bound("ext_proc", address, self._server.add_secure_port, creds)
         else:
-            self.port = self._server.add_insecure_port(address)
+            self.port = _bound("ext_proc", address, self._server.add_insecure_port)
         # Plaintext on purpose: kubelet's gRPC probes have no TLS option. It serves only the
         # health service, so it carries no request data.
-        self._health_server = grpc.aio.server()
+        self._health_server = grpc.aio.server(options=reuse)
         self.health.add_to(self._health_server)
-        self.health_port = self._health_server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
-        await self._health_server.start()
-        await self._server.start()
+        health_address = f"{cfg.host}:{cfg.health_port}"
+        self.health_port = _bound("health", health_address, self._health_server.add_insecure_port)
+        # Every port is bound before any starts listening (the admin site binds as it starts).
         if cfg.admin_port is not None:
             self._admin = web.AppRunner(make_admin_app(self.router, self.metrics), access_log=None)
             await self._admin.setup()
             site = web.TCPSite(self._admin, cfg.host, cfg.admin_port)
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:
+                raise PortInUse("admin", cfg.host, cfg.admin_port, exc.strerror or "") from None
             self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await self._health_server.start()
+        await self._server.start()
+        self._bound = True
         await self.health.set_ready(self._ready())
         log.info(
             "serving",
@@ -484,6 +518,15 @@ class App:
         st = self.scraper.stats
         yield _counter("extproc_scrapes", "Successful endpoint metrics scrapes.", st.scrapes)
         yield _counter("extproc_scrape_failures", "Failed endpoint metrics scrapes.", st.failures)
+
+
+def _bound(name: str, address: str, add_port, *args) -> int:
+    """gRPC's add_*_port, with a bind failure (RuntimeError) as PortInUse."""
+    try:
+        return add_port(address, *args)
+    except RuntimeError as exc:
+        host, _, port = address.rpartition(":")
+        raise PortInUse(name, host, int(port), str(exc)) from None
 
 
 def _counter(name: str, doc: str, value: float):

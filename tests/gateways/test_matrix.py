@@ -163,7 +163,7 @@ def test_client_gone_mid_response_leaves_nothing_in_flight(gate: Gate):
             # response headers, and so does the count.)
             assert gate.picker_inflight() == 1
     # The client closed its connection with most of the answer unsent.
-    wait_until(lambda: gate.picker_inflight() == 0, timeout_s=10, what="in-flight released")
+    wait_until(lambda: gate.picker_inflight() == 0, timeout_s=30, what="in-flight released")
     with httpx.Client(base_url=gate.stack.url, timeout=30) as c:
         r = c.post("/v1/chat/completions", content=body)
         assert r.status_code == 200
@@ -190,7 +190,7 @@ def test_picker_paused_one_second_while_response_headers_pending(gate: Gate):
     t = threading.Thread(target=send)
     t.start()
     try:
-        wait_until(lambda: stack.envoy_stats(active).get(active, 0) >= 1, timeout_s=10, what="sent")
+        wait_until(lambda: stack.envoy_stats(active).get(active, 0) >= 1, timeout_s=30, what="sent")
         pid = stack._procs["extproc"].pid
         os.kill(pid, signal.SIGSTOP)
         try:
