@@ -190,7 +190,12 @@ def test_picker_paused_one_second_while_response_headers_pending(gate: Gate):
     t = threading.Thread(target=send)
     t.start()
     try:
-        wait_until(lambda: stack.envoy_stats(active).get(active, 0) >= 1, timeout_s=30, what="sent")
+        wait_until(
+            lambda: not t.is_alive() or stack.envoy_stats(active).get(active, 0) >= 1,
+            timeout_s=60,
+            what="request at the upstream",
+        )
+        assert t.is_alive(), f"answered before reaching the upstream: {result}"
         pid = stack._procs["extproc"].pid
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -198,6 +203,6 @@ def test_picker_paused_one_second_while_response_headers_pending(gate: Gate):
         finally:
             os.kill(pid, signal.SIGCONT)
     finally:
-        t.join(30)
+        t.join(60)
     assert result.get("status") == 200, (result, stack.logs("envoy")[-2000:])
     check_echo(gate, orjson.loads(result["content"]), body)
