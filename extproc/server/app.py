@@ -34,7 +34,7 @@ from extproc.server import wire
 from extproc.server.admin import make_admin_app
 from extproc.server.health import Health
 from extproc.server.metrics import PickerMetrics, counter, gauge
-from extproc.server.ports import PortInUse, check_ports
+from extproc.server.ports import PortInUse, bind_grpc, check_ports
 from extproc.server.stream import StreamHandler
 
 log = logging.getLogger("extproc.server")
@@ -252,11 +252,9 @@ class App:
     async def __aenter__(self) -> App:
         cfg = self.settings.server
         # Before anything connects or binds: a taken port is one clear error, not a
-        # traceback after the ext_proc port already took streams.
-        wanted = {"admin": cfg.admin_port or 0}
-        if not self._shared_ports:
-            wanted = {"ext_proc": cfg.port, "health": cfg.health_port, **wanted}
-        check_ports(cfg.host, wanted)
+        # traceback after the ext_proc port already took streams. Workers share two ports.
+        shared = {} if self._shared_ports else {"ext_proc": cfg.port, "health": cfg.health_port}
+        check_ports(cfg.host, {**shared, "admin": cfg.admin_port or 0})
         try:
             return await self._start(cfg)
         except BaseException:
@@ -312,15 +310,17 @@ class App:
             from extproc.server.tls import port_credentials
 
             creds, self.tls_reloader = port_credentials(tls)
-            self.port = _bound("ext_proc", address, self._server.add_secure_port, creds)
+            self.port = bind_grpc("ext_proc", address, self._server.add_secure_port, creds)
         else:
-            self.port = _bound("ext_proc", address, self._server.add_insecure_port)
+            self.port = bind_grpc("ext_proc", address, self._server.add_insecure_port)
         # Plaintext on purpose: kubelet's gRPC probes have no TLS option. It serves only the
         # health service, so it carries no request data.
         self._health_server = grpc.aio.server(options=reuse)
         self.health.add_to(self._health_server)
         health_address = f"{cfg.host}:{cfg.health_port}"
-        self.health_port = _bound("health", health_address, self._health_server.add_insecure_port)
+        self.health_port = bind_grpc(
+            "health", health_address, self._health_server.add_insecure_port
+        )
         # Every port is bound before any starts listening (the admin site binds as it starts).
         if cfg.admin_port is not None:
             self._admin = web.AppRunner(make_admin_app(self.router, self.metrics), access_log=None)
@@ -528,15 +528,6 @@ class App:
         st = self.scraper.stats
         yield _counter("extproc_scrapes", "Successful endpoint metrics scrapes.", st.scrapes)
         yield _counter("extproc_scrape_failures", "Failed endpoint metrics scrapes.", st.failures)
-
-
-def _bound(name: str, address: str, add_port, *args) -> int:
-    """gRPC's add_*_port, with a bind failure (RuntimeError) as PortInUse."""
-    try:
-        return add_port(address, *args)
-    except RuntimeError as exc:
-        host, _, port = address.rpartition(":")
-        raise PortInUse(name, host, int(port), str(exc)) from None
 
 
 def _counter(name: str, doc: str, value: float):

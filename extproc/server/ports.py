@@ -35,3 +35,12 @@ def check_ports(host: str, ports: Mapping[str, int]) -> None:
             except OSError as exc:
                 reason = "already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
                 raise PortInUse(name, host, port, reason or str(exc)) from None
+
+
+def bind_grpc(name: str, address: str, add_port, *args) -> int:
+    """gRPC's add_*_port (which binds), with a bind failure (RuntimeError) as PortInUse."""
+    try:
+        return add_port(address, *args)
+    except RuntimeError as exc:
+        host, _, port = address.rpartition(":")
+        raise PortInUse(name, host, int(port), str(exc)) from None
