@@ -209,14 +209,16 @@ class _Stream:
 
     def _without_body(self) -> None:
         mode = int(self.mode)
-        self.metrics.without_body.labels(wire.BodySendMode.Name(mode)).inc()
+        # A peer may announce a value Envoy does not define: a label, never an error.
+        name = wire.BodySendMode.Name(mode) if mode in wire.BodySendMode.values() else str(mode)
+        self.metrics.without_body.labels(name).inc()
         if mode not in self.warned:
             self.warned.add(mode)
             log.warning(
                 "the proxy's request body mode %s never shows the whole body: routing on "
                 "headers alone, without prefix affinity (counted in "
                 "extproc_decisions_without_body)",
-                wire.BodySendMode.Name(mode),
+                name,
             )
 
     async def _on_request_body(self, body: wire.pb.HttpBody) -> list:

@@ -156,3 +156,11 @@ async def test_subset_entries_per_the_gie_spec(client: ExtProcClient, entries, a
             assert out[0].immediate_response.status.code == 503
         else:
             assert destination(out[0]) in allowed
+
+
+async def test_an_undefined_body_mode_routes_on_headers(app: App, client: ExtProcClient):
+    out = await client.exchange([request_headers(post("/v1/chat/completions"), mode=99)])
+    assert destination(out[0]) in ENDPOINTS
+    assert (
+        'extproc_decisions_without_body_total{mode="99"} 1.0' in app.metrics.exposition().decode()
+    )
