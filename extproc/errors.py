@@ -12,6 +12,9 @@ Routine trouble (Redis down, stale metrics) is not an error: it is a value (see 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 
 class ExtprocError(Exception):
     status: int = 500
@@ -19,6 +22,8 @@ class ExtprocError(Exception):
     type: str = "server_error"
     # The request's model when the body had parsed before the refusal (a metrics label).
     model: str | None = None
+    # Headers sent with the error response (`retry-after` on a shed request).
+    extra_headers: Mapping[str, str] = MappingProxyType({})
 
     def __init__(self, message: str = "internal error in the endpoint picker") -> None:
         super().__init__(message)
