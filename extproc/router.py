@@ -18,7 +18,7 @@ from typing import Protocol
 from extproc.core import Candidate, Decision, Endpoint, EndpointState, InferenceRequest
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.inflight import InFlightCounter, Placement
-from extproc.errors import NoEndpoints
+from extproc.errors import ExtprocError, NoEndpoints
 from extproc.flowcontrol.controller import Ticket
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import EMPTY, KVIndex, Lookup
@@ -84,13 +84,6 @@ class RouterStats:
     served_elsewhere: int = 0
 
 
-def _none_eligible(request: InferenceRequest) -> NoEndpoints:
-    err = NoEndpoints("no model-server endpoint is eligible for this request")
-    # The metrics label the refusal with the model (llm-d's request_error_total does).
-    err.model = request.model
-    return err
-
-
 class Router:
     def __init__(
         self,
@@ -142,6 +135,21 @@ class Router:
 
         Async because the prefix-index lookup is; scheduling itself never awaits."""
         request = self._request(path, headers, body)
+        try:
+            return await self._route(request, subset, explain, place)
+        except ExtprocError as err:
+            # Refused after parsing: the metrics label it with the model (llm-d's
+            # request_error_total does).
+            err.model = request.model
+            raise
+
+    async def _route(
+        self,
+        request: InferenceRequest,
+        subset: Collection[str] | None,
+        explain: bool,
+        place: bool,
+    ) -> Routed:
         endpoints = self._eligible(subset)
         lookup = EMPTY
         if self.index is not None and request.block_keys:
@@ -173,7 +181,7 @@ class Router:
         if subset is not None:
             endpoints = tuple(e for e in endpoints if in_subset(e.address, subset))
         if not endpoints:
-            raise _none_eligible(request)
+            raise NoEndpoints("no model-server endpoint is eligible for this request")
         failing = self._is_failing
         if failing is not None:
             # A server that stopped answering its metrics is probably gone; route around it,
@@ -207,7 +215,7 @@ class Router:
         ]
         decision = self.scheduler.schedule(request, cands, explain=explain)
         if not decision.endpoints:
-            raise _none_eligible(request)
+            raise NoEndpoints("no model-server endpoint is eligible for this request")
         if not place:
             return Routed(request, decision, Placement(decision.primary.address, 0), lookup)
         self.scheduler.observe(request, cands, decision)
