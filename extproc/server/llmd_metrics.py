@@ -242,9 +242,8 @@ class LlmdMetrics:
         )
         for store, new, old, doc in (
             (self.duration, "request_duration_seconds", "request_duration_seconds",
-             "Request received to ext_proc stream end (Envoy ends it after the response "
-             "headers: the whole exchange when unstreamed, to first bytes when streamed), "
-             "seconds."),
+             "Request received to ext_proc stream end: the last response chunk when the "
+             "gateway sends response bodies, else the response headers, seconds."),
             (self.request_sizes, "request_size_bytes", "request_sizes",
              "Request body size, bytes."),
             (self.response_sizes, "response_size_bytes", "response_sizes",
@@ -256,7 +255,7 @@ class LlmdMetrics:
         ):  # fmt: skip
             yield store.family(f"llm_d_epp_{new}", doc, llmd)
             yield store.family(f"inference_objective_{old}", doc, legacy, _models)
-        doc = "Requests routed whose ext_proc stream has not ended (until response headers)."
+        doc = "Requests routed whose ext_proc stream has not ended."
         yield gauge_family("llm_d_epp_request_running", doc, llmd, self.running)
         yield gauge_family(
             "inference_objective_running_requests",
