@@ -28,6 +28,7 @@ from extproc.endpoints.state import EndpointStates
 from extproc.errors import ConfigError
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import IndexOptions, KVIndex
+from extproc.latency import wiring as latency_wiring
 from extproc.requests import parse_request
 from extproc.router import Router
 from extproc.server import wire
@@ -121,6 +122,12 @@ class App:
             on_lookup=self.metrics.lookup_seconds.observe,
         )
         self.subscriber = self._build_subscriber()
+        self.latency = latency_wiring.learners(
+            self.router.scheduler.plugins, self.pool, self.states if self.scraper else None
+        )
+        self.metrics.add_collector(
+            functools.partial(latency_wiring.collect, self.latency, self.router.scheduler.plugins)
+        )
         self.health = Health()
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -271,6 +278,8 @@ class App:
             self._exits.push_async_callback(self.inflight.aclose)
         if self.subscriber is not None:
             self.spawn("kv-events", self.subscriber.run)
+        for i, learner in enumerate(self.latency):
+            self.spawn(f"latency-learner-{i}", learner.run)
         # NOT_SERVING from the first probe: the health servicer answers SERVING for "" by
         # default, which would let a proxy send traffic before endpoints are known.
         await self.health.set_ready(False)
