@@ -136,12 +136,9 @@ def _family(kind: bytes, names: tuple[bytes, ...]) -> tuple[re.Pattern[bytes], r
     return re.compile(b"\n" + body), re.compile(body)
 
 
+_V_LOAD = (_V_WAITING, _V_RUNNING, _V_KV, _V_KV_OLD, _V_CACHE_CONFIG, _V_LORA)
 _VLLM = _family(
-    b"vllm",
-    (
-        _V_WAITING, _V_RUNNING, _V_KV, _V_KV_OLD, _V_CACHE_CONFIG, _V_LORA, *_V_QUERIES,
-        *_V_HITS, *_V_HIST_LINES, _V_KV_COMPUTED, _V_BY_SOURCE,
-    ),  # fmt: skip
+    b"vllm", (*_V_LOAD, *_V_QUERIES, *_V_HITS, *_V_HIST_LINES, _V_KV_COMPUTED, _V_BY_SOURCE)
 )
 _SGLANG = _family(b"sglang", (_S_WAITING, _S_RUNNING, _S_KV))
 

@@ -53,7 +53,7 @@ class LatencyLearner:
         if self._states is None:
             log.warning(
                 "latency model: metrics scraping is off, so it cannot learn; latency plugins "
-                "fall back to load scores (extproc_latency_endpoints{state=\"unlearned\"})"
+                'fall back to load scores (extproc_latency_endpoints{state="unlearned"})'
             )
             return
         while True:

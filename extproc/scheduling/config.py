@@ -94,7 +94,7 @@ def build_scheduler(
         if name in instances:
             raise ConfigError(f"duplicate plugin name {name!r}", path=("plugins", i, "name"))
         instances[name] = registry.build(spec.type, spec.parameters, ("plugins", i))
-    for i, (name, plugin) in enumerate(instances.items()):
+    for i, plugin in enumerate(instances.values()):
         if isinstance(plugin, Binds):
             try:
                 plugin.bind(instances)

@@ -197,9 +197,7 @@ class PredictedLatencyProducer:
         return {PREDICTED_TTFT_HEADER: f"{info.prediction.ttft_ms:.1f}"}
 
 
-def find_producer(
-    plugins: Mapping[str, object], name: str, who: str
-) -> PredictedLatencyProducer:
+def find_producer(plugins: Mapping[str, object], name: str, who: str) -> PredictedLatencyProducer:
     """The producer a latency plugin reads from: the one named `name`, or the only one."""
     if name:
         found = plugins.get(name)
@@ -224,9 +222,7 @@ class _Consumer:
     def bind(self, plugins: Mapping[str, object]) -> None:
         self._producer = find_producer(plugins, self._producer_name, self.type_name)  # type: ignore[attr-defined]
 
-    def _infos(
-        self, req: InferenceRequest, cands: Sequence[Candidate]
-    ) -> list[LatencyInfo | None]:
+    def _infos(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[LatencyInfo | None]:
         if self._producer is None:
             raise RuntimeError(f"{self.type_name} used before bind()")  # type: ignore[attr-defined]
         return self._producer.predictions(req, cands)
@@ -421,9 +417,7 @@ class LatencySloAdmitter(_Consumer):
         for name in OBJECTIVE_HEADERS:
             objective = req.headers.get(name)
             if objective is not None:
-                return self.params.objective_priorities.get(
-                    objective, self.params.default_priority
-                )
+                return self.params.objective_priorities.get(objective, self.params.default_priority)
         return self.params.default_priority
 
     def admit(self, req: InferenceRequest, cands: Sequence[Candidate]) -> None:
