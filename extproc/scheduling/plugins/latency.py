@@ -78,7 +78,7 @@ class PredictedLatencyProducer:
     the work this picker placed; no throughput is configured anywhere. Computes SLO headroom
     for the latency plugins. Put it first in the profile; it removes no candidate.
 
-    llm-d's parameters are accepted so configs carry over; `sloBufferFactor` scales the SLOs,
+    llm-d's parameters are accepted so configs carry over; `sloBufferFactor` scales the TPOT SLO,
     `streamingMode: false` (llm-d's default) makes TPOT neutral, `endpointRoleLabel` makes
     TPOT neutral on prefill endpoints; the XGBoost-sidecar ones are informational.
     `model` tunes learning (forgetting, minSamples, smoothing), `learnIntervalMs` how often
@@ -126,11 +126,12 @@ class PredictedLatencyProducer:
         self._infos = {}
         f = self.params.slo_buffer_factor
         h = req.headers
-        self._slo = (slo_ms(h, TTFT_SLO_HEADERS) * f, slo_ms(h, TPOT_SLO_HEADERS) * f)
+        # As llm-d: the buffer factor scales the TPOT objective only.
+        self._slo = (slo_ms(h, TTFT_SLO_HEADERS), slo_ms(h, TPOT_SLO_HEADERS) * f)
         self._now = self.model.now()
 
     def slos_ms(self, req: InferenceRequest) -> tuple[float, float]:
-        """(TTFT, TPOT) SLOs of `req` in ms after `sloBufferFactor`; 0 means none."""
+        """(TTFT, TPOT) SLOs of `req` in ms (TPOT after `sloBufferFactor`); 0: none."""
         if req is not self._req:
             self._begin(req)
         return self._slo

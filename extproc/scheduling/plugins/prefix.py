@@ -89,11 +89,16 @@ class PrefixCacheAffinityFilter:
         )
         peak_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
         exploration_probability: _Fraction = 0.0
+        # llm-d's name for `threshold`; wins when given.
+        affinity_threshold: _Fraction | None = None
         ttft_source: Literal["prefillThroughput", "latencyPredictor"] = "prefillThroughput"
         latency_prediction_info_producer_name: str = ""
 
     def __init__(self, params: Params | None = None, *, rng: random.Random | None = None) -> None:
-        self._p = params or self.Params()
+        p = params or self.Params()
+        if p.affinity_threshold is not None:
+            p = msgspec.structs.replace(p, threshold=p.affinity_threshold)
+        self._p = p
         self._rng = rng or random.Random()
         self._producer = None
         self.unjudged = 0  # gate decisions skipped: the predictor had nothing learned yet
