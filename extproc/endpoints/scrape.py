@@ -61,7 +61,8 @@ class LatencyTotals(msgspec.Struct, frozen=True):
 
     `prefill_tokens` is the uncached prompt tokens prefilled (vLLM's
     `request_prefill_kv_computed_tokens` sum, else `prompt_tokens_by_source{local_compute}`),
-    None when neither is exported. A histogram that is not exported has count 0.
+    None when neither is exported. `prompt` is `request_prompt_tokens` (tokens per request,
+    as the engine's tokenizer counts them). A histogram not exported has count 0.
     """
 
     ttft_sum: float = 0.0
@@ -74,6 +75,8 @@ class LatencyTotals(msgspec.Struct, frozen=True):
     itl_count: float = 0.0
     tpot_sum: float = 0.0
     tpot_count: float = 0.0
+    prompt_sum: float = 0.0
+    prompt_count: float = 0.0
     prefill_tokens: float | None = None
 
 
@@ -116,6 +119,7 @@ _V_HIST = {
     "prefill": b"request_prefill_time_seconds",
     "itl": b"inter_token_latency_seconds",
     "tpot": b"request_time_per_output_token_seconds",
+    "prompt": b"request_prompt_tokens",
 }
 _V_TPOT_OLD = b"time_per_output_token_seconds"  # before vLLM 0.11
 _V_KV_COMPUTED = b"request_prefill_kv_computed_tokens_sum"

@@ -23,6 +23,11 @@ after another on the accelerator:
 TPOT is fitted the same way from `inter_token_latency` against the running batch size:
 `TPOT = base + per_sequence * (running + 1)`.
 
+Token counts: the picker estimates a request's tokens from its text (or counts them exactly
+in precise mode); the engine's histograms count with its own tokenizer. `token_scale`, the
+engine's mean prompt tokens per request (`request_prompt_tokens`) over the picker's mean
+estimate for the requests it placed, converts one into the other, learned like the rest.
+
 An endpoint with too few samples borrows the fleet's median coefficients (its prediction
 says `warm=False`); with no warm endpoint at all there is no prediction, and consumers fall
 back to load scores (they say so in a metric, see `ModelStats`).
@@ -115,8 +120,8 @@ class ModelStats:
 class _Learned:
     """The learner's state for one endpoint (learner loop only)."""
 
-    __slots__ = ("coeffs", "itl", "itl_base", "mean_tokens", "overhead", "prefill", "ratio",
-                 "running", "totals")  # fmt: skip
+    __slots__ = ("coeffs", "itl", "itl_base", "mean_tokens", "overhead", "prefill",
+                 "prompt_base", "ratio", "running", "totals")  # fmt: skip
 
     def __init__(self, s: ModelSettings) -> None:
         self.totals: LatencyTotals | None = None
@@ -124,6 +129,7 @@ class _Learned:
         self.prefill = RecursiveLeastSquares(2, forgetting=s.forgetting)
         self.itl = RecursiveLeastSquares(2, forgetting=s.forgetting)
         self.itl_base: LatencyTotals | None = None
+        self.prompt_base: LatencyTotals | None = None
         self.overhead: float | None = None
         self.mean_tokens: float | None = None
         self.ratio: tuple[float, float] | None = None  # smoothed (prefill s / req, s / token)
@@ -144,6 +150,9 @@ class LatencyModel:
         self._coeffs: dict[str, Coefficients] = {}  # warm endpoints only
         self._fleet: Coefficients | None = None
         self._lane: dict[str, float] = {}  # address -> when its placed prefills end
+        # address -> [estimated prompt tokens, requests] placed since the last scale sample
+        self._placed: dict[str, list[float]] = {}
+        self.token_scale = 1.0  # engine tokens per estimated token
 
     # -- learning (off the hot path) -----------------------------------------------------
 
@@ -156,6 +165,7 @@ class LatencyModel:
             st = self._learned[address] = _Learned(self.settings)
         learned = self._learn_prefill(st, totals)
         learned = self._learn_itl(st, totals, running) or learned
+        learned = self._learn_scale(address, st, totals) or learned
         st.running = running
         if learned:
             self.stats.samples += 1
@@ -209,6 +219,23 @@ class LatencyModel:
         st.itl.update((1.0, mean_running), (t.itl_sum - last.itl_sum) / n)
         return True
 
+    def _learn_scale(self, address: str, st: _Learned, t: LatencyTotals) -> bool:
+        last = st.prompt_base
+        if last is None or t.prompt_count < last.prompt_count:
+            st.prompt_base = t
+            return False
+        n = t.prompt_count - last.prompt_count
+        if n < 1:
+            return False
+        st.prompt_base = t
+        placed = self._placed.pop(address, None)
+        if placed is None or placed[1] < 1 or placed[0] <= 0:
+            return False  # requests others sent: nothing of ours to compare with
+        sample = ((t.prompt_sum - last.prompt_sum) / n) / (placed[0] / placed[1])
+        sample = min(20.0, max(0.05, sample))
+        self.token_scale = _ewma(self.token_scale, sample, self.settings.smoothing)
+        return True
+
     def _publish(self, address: str, st: _Learned) -> None:
         if st.prefill.samples < self.settings.min_samples or st.ratio is None:
             return
@@ -237,7 +264,7 @@ class LatencyModel:
 
     def retain(self, addresses: Collection[str]) -> None:
         """Forget endpoints that left the pool."""
-        for table in (self._learned, self._coeffs, self._lane):
+        for table in (self._learned, self._coeffs, self._lane, self._placed):
             for gone in [a for a in table if a not in addresses]:
                 del table[gone]
         self._fleet = _median(self._coeffs.values())
@@ -280,7 +307,7 @@ class LatencyModel:
             c.overhead_s
             + (backlog if backlog > 0.0 else 0.0)
             + c.per_request_s
-            + c.per_token_s * uncached_tokens
+            + c.per_token_s * uncached_tokens * self.token_scale
         )
         tpot = None
         if c.itl_base_s is not None:
@@ -288,14 +315,24 @@ class LatencyModel:
             tpot = max(0.0, c.itl_base_s + c.itl_per_seq_s * running)
         return Prediction(ttft, tpot, warm)
 
-    def place(self, address: str, uncached_tokens: float, now: float) -> None:
-        """A request with `uncached_tokens` to prefill was sent to `address`: its prefill is
-        now ahead of every later request there."""
+    def place(
+        self, address: str, uncached_tokens: float, now: float, prompt_tokens: float = 0.0
+    ) -> None:
+        """A request with `uncached_tokens` to prefill (of `prompt_tokens` estimated in all)
+        was sent to `address`: its prefill is now ahead of every later request there."""
+        if prompt_tokens > 0:
+            placed = self._placed.get(address)
+            if placed is None:
+                self._placed[address] = [prompt_tokens, 1.0]
+            else:
+                placed[0] += prompt_tokens
+                placed[1] += 1.0
         c = self._coeffs.get(address) or self._fleet
         if c is None:
             return
         lane = self._lane.get(address, 0.0)
-        self._lane[address] = (lane if lane > now else now) + c.prefill_s(uncached_tokens)
+        work = c.prefill_s(uncached_tokens * self.token_scale)
+        self._lane[address] = (lane if lane > now else now) + work
 
 
 def _ewma(old: float, new: float, a: float) -> float:

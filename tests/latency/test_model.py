@@ -193,3 +193,35 @@ def test_prefill_tokens_not_exported_falls_back_to_the_mean_request() -> None:
     pred = model.predict("a:1", IDLE, 12345, 0.0)
     assert pred is not None and pred.ttft_s == pytest.approx(0.05, rel=0.01)
     assert pred.tpot_s is None
+
+
+def test_token_scale_learns_the_engine_tokenizer_against_the_estimate() -> None:
+    """The picker's estimate says 1,000 tokens where the engine counts 2,000: predictions
+    follow the engine's count once both were seen for the requests placed."""
+    model = LatencyModel()
+    eng = Engine()
+    teach(model, "a:1", eng)
+    before = model.predict("a:1", IDLE, 1000, 0.0)
+    t = eng.totals
+    for _ in range(20):
+        for _ in range(3):
+            model.place("a:1", 0, 0.0, prompt_tokens=1000)
+        t = LatencyTotals(**{**_fields(t), "prompt_sum": t.prompt_sum + 6000,
+                             "prompt_count": t.prompt_count + 3})  # fmt: skip
+        model.learn("a:1", t)
+    assert model.token_scale == pytest.approx(2.0, rel=0.01)
+    after = model.predict("a:1", IDLE, 1000, 1e6)  # long after the placed work drained
+    assert before is not None and after is not None
+    c = model.coefficients("a:1")
+    assert c is not None
+    assert after.ttft_s - before.ttft_s == pytest.approx(c.per_token_s * 1000, rel=0.02)
+    # Requests other pickers sent (nothing placed here) teach the scale nothing.
+    t = LatencyTotals(
+        **{**_fields(t), "prompt_sum": t.prompt_sum + 100, "prompt_count": t.prompt_count + 1}
+    )
+    model.learn("a:1", t)
+    assert model.token_scale == pytest.approx(2.0, rel=0.01)
+
+
+def _fields(t: LatencyTotals) -> dict:
+    return {f: getattr(t, f) for f in t.__struct_fields__}

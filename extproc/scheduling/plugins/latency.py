@@ -185,7 +185,9 @@ class PredictedLatencyProducer:
         now = self.model.now()
         for c in cands:
             if c.endpoint.address == target.address:
-                self.model.place(target.address, uncached_tokens(req, c), now)
+                self.model.place(
+                    target.address, uncached_tokens(req, c), now, float(req.prompt_tokens)
+                )
                 return
 
     # ResponseHeaders: the pick's predicted TTFT, when asked for.
