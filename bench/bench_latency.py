@@ -85,9 +85,13 @@ POLICIES = {
         {"prefix-cache-scorer": 3, "queue-scorer": 2, "kv-cache-utilization-scorer": 2}
     ),
     "load-heavy (prefix 1, queue 3, active 3, kv 1)": fixed(
-        {"prefix-cache-scorer": 1, "queue-scorer": 3, "active-request-scorer": 3,
-         "kv-cache-utilization-scorer": 1}
-    ),  # fmt: skip
+        {
+            "prefix-cache-scorer": 1,
+            "queue-scorer": 3,
+            "active-request-scorer": 3,
+            "kv-cache-utilization-scorer": 1,
+        }
+    ),
     "predicted latency": LATENCY,
 }
 

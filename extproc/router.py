@@ -51,6 +51,8 @@ class Routed:
     decision: Decision
     placement: Placement
     lookup: Lookup
+    # time.monotonic() at the decision: response timing is measured from it.
+    decided_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -162,7 +164,7 @@ class Router:
         # does not already hold.
         uncached = max(0, request.prompt_tokens - int(matched * request.block_tokens))
         placement = inflight.acquire(decision.primary.address, uncached)
-        return Routed(request, decision, placement, lookup)
+        return Routed(request, decision, placement, lookup, time.monotonic())
 
     def _request(
         self, path: str, headers: Mapping[str, str], body: bytes | None
@@ -179,6 +181,14 @@ class Router:
                 request, block_keys=keys, block_tokens=self._precise.block_size
             )
         return request
+
+    def responded(self, routed: Routed) -> None:
+        """The model server's response headers came back through the proxy: tell the
+        plugins that learn from response timing (the latency model)."""
+        if routed.decided_at:
+            self.scheduler.responded(
+                routed.request, routed.decision, time.monotonic() - routed.decided_at
+            )
 
     def finish(self, routed: Routed) -> None:
         """The request's stream ended (response done, client gone, or error)."""

@@ -15,6 +15,8 @@ after another on the accelerator:
   speed changes (another tenant on the GPU).
 - `overhead` is what TTFT holds beyond queueing and prefill (tokenization, scheduling, the
   first decode step): the TTFT sum minus the queue and prefill sums, per request, smoothed.
+- `transport` (added to TTFT) is the time outside the engine: from the decision to the
+  response headers of streamed requests (servers send them on accepting the request).
 - `backlog` is the prefill work ahead of the request: the larger of the work this picker
   placed there and has not seen finish (a virtual prefill lane per endpoint, advanced at each
   placement by the predicted prefill of what was placed) and the scraped waiting count times
@@ -50,6 +52,8 @@ from extproc.latency.rls import RecursiveLeastSquares
 
 # Tokens are fitted in thousands so both features of the prefill fit have similar scale.
 _TOKEN_SCALE = 1000.0
+# Response-header delays above this are stalls, not the path's cost, and are not learned.
+_MAX_TRANSPORT_S = 1.0
 
 
 class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
@@ -153,6 +157,8 @@ class LatencyModel:
         # address -> [estimated prompt tokens, requests] placed since the last scale sample
         self._placed: dict[str, list[float]] = {}
         self.token_scale = 1.0  # engine tokens per estimated token
+        # address -> smoothed seconds from the decision to the response headers (streaming)
+        self._transport: dict[str, float] = {}
 
     # -- learning (off the hot path) -----------------------------------------------------
 
@@ -264,7 +270,7 @@ class LatencyModel:
 
     def retain(self, addresses: Collection[str]) -> None:
         """Forget endpoints that left the pool."""
-        for table in (self._learned, self._coeffs, self._lane, self._placed):
+        for table in (self._learned, self._coeffs, self._lane, self._placed, self._transport):
             for gone in [a for a in table if a not in addresses]:
                 del table[gone]
         self._fleet = _median(self._coeffs.values())
@@ -305,6 +311,7 @@ class LatencyModel:
             backlog = max(backlog, queued)
         ttft = (
             c.overhead_s
+            + self._transport.get(address, 0.0)
             + (backlog if backlog > 0.0 else 0.0)
             + c.per_request_s
             + c.per_token_s * uncached_tokens * self.token_scale
@@ -314,6 +321,15 @@ class LatencyModel:
             running = (0 if state.is_stale else state.running) + 1
             tpot = max(0.0, c.itl_base_s + c.itl_per_seq_s * running)
         return Prediction(ttft, tpot, warm)
+
+    def responded(self, address: str, elapsed_s: float) -> None:
+        """A streamed response's headers came back `elapsed_s` after the decision: servers
+        send them once the request is accepted, before the first token, so this is the time
+        outside the engine (proxy, network, HTTP) that its TTFT histogram does not show."""
+        if not 0.0 <= elapsed_s < _MAX_TRANSPORT_S:
+            return  # a stall, not the path's usual cost
+        old = self._transport.get(address)
+        self._transport[address] = elapsed_s if old is None else old + 0.1 * (elapsed_s - old)
 
     def place(
         self, address: str, uncached_tokens: float, now: float, prompt_tokens: float = 0.0

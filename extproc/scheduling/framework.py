@@ -57,6 +57,14 @@ class Observer(Protocol):
 
 
 @runtime_checkable
+class ResponseObserver(Protocol):
+    """A plugin that learns from response timing: called when the model server's response
+    headers pass through the proxy, `elapsed_s` after the decision."""
+
+    def responded(self, req: InferenceRequest, decision: Decision, elapsed_s: float) -> None: ...
+
+
+@runtime_checkable
 class ResponseHeaders(Protocol):
     """A plugin that sends headers back to the client (e.g. a session token)."""
 
@@ -195,6 +203,7 @@ class Scheduler:
         self._responders = tuple(responders)
         self._admitters = tuple(admitters)
         self.plugins: tuple[object, ...] = tuple(plugins)
+        self._response_observers = tuple(p for p in self.plugins if isinstance(p, ResponseObserver))
 
     @property
     def profiles(self) -> Mapping[str, Profile]:
@@ -226,3 +235,8 @@ class Scheduler:
         """Tell learning plugins where a request was sent."""
         for obs in self._observers:
             obs.observe(req, cands, decision)
+
+    def responded(self, req: InferenceRequest, decision: Decision, elapsed_s: float) -> None:
+        """Tell plugins that learn from response timing when the response headers came."""
+        for obs in self._response_observers:
+            obs.responded(req, decision, elapsed_s)

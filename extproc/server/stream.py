@@ -227,6 +227,7 @@ class _Stream:
         routed = self.routed
         if routed is None:
             return wire.CONTINUE_RESPONSE_HEADERS
+        self.router.responded(routed)
         extra = dict(routed.decision.response_headers)
         if self.explain:
             extra[protocol.DECISION_HEADER] = orjson.dumps(explanation(routed)).decode()

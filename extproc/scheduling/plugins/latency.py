@@ -190,6 +190,11 @@ class PredictedLatencyProducer:
                 )
                 return
 
+    # ResponseObserver: the time outside the engine, from streamed responses' headers.
+    def responded(self, req: InferenceRequest, decision: Decision, elapsed_s: float) -> None:
+        if req.stream and decision.endpoints:
+            self.model.responded(decision.primary.address, elapsed_s)
+
     # ResponseHeaders: the pick's predicted TTFT, when asked for.
     def response_headers(self, decision: Decision) -> Mapping[str, str]:
         if not self.params.response_header or not decision.endpoints:
