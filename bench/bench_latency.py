@@ -6,7 +6,7 @@ uniform speeds.
 
 Fleets (4 simulated vLLM servers, real time, prefill 5,000 tokens/s at speed 1):
 - uniform: every server at speed 1.
-- mixed: speeds 1, 1, 0.5, 0.5 (two smaller GPUs), and halfway through the measured run
+- mixed: speeds 1, 1, 0.5, 0.25 (two smaller GPUs), and halfway through the measured run
   server 0 is slowed to 0.3 by `POST /sim/speed` (another tenant on its GPU).
 
 Policies: three fixed-weight profiles (extproc's default; llm-d's default prefix 3, queue 2,
@@ -47,7 +47,7 @@ from extproc.stack import SimFleet, Stack, StackOptions
 ROOT = Path(__file__).resolve().parents[1]
 SERVERS = 4
 SIM_ARGS = ("--fast", "1", "--prefill-tps", "5000", "--num-gpu-blocks", "3000")
-FLEETS = {"uniform": "1,1,1,1", "mixed": "1,1,0.5,0.5"}
+FLEETS = {"uniform": "1,1,1,1", "mixed": "1,1,0.5,0.25"}
 SLOWDOWN = 0.3  # server 0 of the mixed fleet, from the middle of the measured run
 
 _HEAD = "scheduling:\n  apiVersion: llm-d.ai/v1alpha1\n  kind: EndpointPickerConfig\n"

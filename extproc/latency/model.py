@@ -17,10 +17,11 @@ after another on the accelerator:
   first decode step): the TTFT sum minus the queue and prefill sums, per request, smoothed.
 - `transport` (added to TTFT) is the time outside the engine: from the decision to the
   response headers of streamed requests (servers send them on accepting the request).
-- `backlog` is the prefill work ahead of the request: the larger of the work this picker
-  placed there and has not seen finish (a virtual prefill lane per endpoint, advanced at each
-  placement by the predicted prefill of what was placed) and the scraped waiting count times
-  the endpoint's mean prefill (requests other pickers or clients sent).
+- `backlog` is the prefill work ahead of the request: the work this picker placed there and
+  has not seen finish (a virtual prefill lane per endpoint, advanced at each placement by
+  the predicted prefill of what was placed), plus, for each scraped waiting request beyond
+  this picker's own not yet started ones, the endpoint's mean prefill (requests other
+  pickers or clients sent, or ours running late).
 
 TPOT is fitted the same way from `inter_token_latency` against the running batch size:
 `TPOT = base + per_sequence * (running + 1)`.
@@ -40,6 +41,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Annotated
@@ -154,6 +156,8 @@ class LatencyModel:
         self._coeffs: dict[str, Coefficients] = {}  # warm endpoints only
         self._fleet: Coefficients | None = None
         self._lane: dict[str, float] = {}  # address -> when its placed prefills end
+        # address -> predicted prefill start of each placed request, oldest first
+        self._starts: dict[str, deque[float]] = {}
         # address -> [estimated prompt tokens, requests] placed since the last scale sample
         self._placed: dict[str, list[float]] = {}
         self.token_scale = 1.0  # engine tokens per estimated token
@@ -270,7 +274,9 @@ class LatencyModel:
 
     def retain(self, addresses: Collection[str]) -> None:
         """Forget endpoints that left the pool."""
-        for table in (self._learned, self._coeffs, self._lane, self._placed, self._transport):
+        tables = (self._learned, self._coeffs, self._lane, self._placed, self._transport,
+                  self._starts)  # fmt: skip
+        for table in tables:
             for gone in [a for a in table if a not in addresses]:
                 del table[gone]
         self._fleet = _median(self._coeffs.values())
@@ -305,14 +311,18 @@ class LatencyModel:
         else:
             self.stats.predictions_warm += 1
         backlog = self._lane.get(address, 0.0) - now
+        if backlog < 0.0:
+            backlog = 0.0
         if not state.is_stale and state.waiting:
-            # Work other pickers or clients queued there, which our lane cannot see.
-            queued = state.waiting * (c.per_request_s + c.per_token_s * c.mean_tokens)
-            backlog = max(backlog, queued)
+            # Waiting requests beyond ours not yet started are work other pickers or clients
+            # queued there (or ours running late): the lane cannot see them.
+            foreign = state.waiting - self._not_started(address, now)
+            if foreign > 0:
+                backlog += foreign * (c.per_request_s + c.per_token_s * c.mean_tokens)
         ttft = (
             c.overhead_s
             + self._transport.get(address, 0.0)
-            + (backlog if backlog > 0.0 else 0.0)
+            + backlog
             + c.per_request_s
             + c.per_token_s * uncached_tokens * self.token_scale
         )
@@ -347,8 +357,21 @@ class LatencyModel:
         if c is None:
             return
         lane = self._lane.get(address, 0.0)
-        work = c.prefill_s(uncached_tokens * self.token_scale)
-        self._lane[address] = (lane if lane > now else now) + work
+        start = lane if lane > now else now
+        self._lane[address] = start + c.prefill_s(uncached_tokens * self.token_scale)
+        starts = self._starts.get(address)
+        if starts is None:
+            starts = self._starts[address] = deque()
+        starts.append(start)
+
+    def _not_started(self, address: str, now: float) -> int:
+        """Requests this picker placed on `address` whose prefill should not have begun."""
+        starts = self._starts.get(address)
+        if not starts:
+            return 0
+        while starts and starts[0] <= now:
+            starts.popleft()
+        return len(starts)
 
 
 def _ewma(old: float, new: float, a: float) -> float:

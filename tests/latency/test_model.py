@@ -225,3 +225,22 @@ def test_token_scale_learns_the_engine_tokenizer_against_the_estimate() -> None:
 
 def _fields(t: LatencyTotals) -> dict:
     return {f: getattr(t, f) for f in t.__struct_fields__}
+
+
+def test_own_queued_requests_in_the_scraped_waiting_count_are_not_counted_twice() -> None:
+    clock = Clock()
+    model = LatencyModel(clock=clock)
+    eng = Engine()
+    teach(model, "a:1", eng)
+    c = model.coefficients("a:1")
+    assert c is not None
+    for _ in range(3):
+        model.place("a:1", 2000, clock())
+    lane_only = model.predict("a:1", IDLE, 500, clock())
+    # The first placed request is prefilling, the other two wait: the scrape agrees.
+    agrees = model.predict("a:1", EndpointState(is_stale=False, waiting=2), 500, clock())
+    # Two more waiting than ours: someone else's work, at the endpoint's mean prefill each.
+    more = model.predict("a:1", EndpointState(is_stale=False, waiting=4), 500, clock())
+    assert lane_only is not None and agrees is not None and more is not None
+    assert agrees.ttft_s == lane_only.ttft_s
+    assert more.ttft_s - lane_only.ttft_s == pytest.approx(2 * c.prefill_s(c.mean_tokens))
