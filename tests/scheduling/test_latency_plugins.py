@@ -5,6 +5,7 @@ affinity gate breaks stickiness on predicted TTFT with no throughput configured.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import textwrap
 
@@ -23,7 +24,14 @@ from extproc.scheduling.plugins.latency import (
 )
 from extproc.scheduling.plugins.prefix import PrefixCacheAffinityFilter
 from tests.latency.synthetic import Engine, teach
-from tests.scheduling.helpers import addrs, cand, req
+from tests.scheduling.helpers import addrs, cand
+from tests.scheduling.helpers import req as _req
+
+
+def req(*, blocks: int = 0, tokens: int = 0, headers=None):
+    """A request whose `blocks` block keys cover its `tokens` evenly."""
+    r = _req(blocks=blocks, tokens=tokens, headers=headers)
+    return dataclasses.replace(r, block_tokens=tokens // blocks) if blocks else r
 
 # llm-d's chart (config/charts/routerlib/templates/_config.yaml), latency predictor enabled.
 LLMD_LATENCY = textwrap.dedent(

@@ -52,7 +52,11 @@ def slo_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float:
 
 
 def uncached_tokens(req: InferenceRequest, c: Candidate) -> float:
-    """Prompt tokens this endpoint would have to prefill (the rest it holds)."""
+    """Prompt tokens this endpoint would have to prefill (the rest it holds): the prompt
+    minus the whole blocks matched, as the router counts placed work. (A fraction of the
+    prompt would charge the last, partial block as if it were whole.)"""
+    if req.block_tokens:
+        return max(0.0, req.prompt_tokens - c.prefix_blocks * req.block_tokens)
     return req.prompt_tokens * (1.0 - prefix_fraction(req, c))
 
 
