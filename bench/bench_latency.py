@@ -99,7 +99,7 @@ POLICIES = {
 def workload(groups: int, seed: int, warmup: bool = False) -> WorkloadSpec:
     return WorkloadSpec(
         groups=groups, conversations_per_group=1 if warmup else 5, turns=1,
-        system_words=500, question_words=40, max_tokens=16, seed=seed,
+        system_words=500, question_words=150, max_tokens=16, seed=seed,
     )  # fmt: skip
 
 
@@ -174,8 +174,8 @@ def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
         f"{SERVERS} simulated vLLM servers, real time, prefill 5,000 tokens/s at speed 1; "
         f"uniform fleet: speeds {FLEETS['uniform']}; mixed fleet: speeds {FLEETS['mixed']}, "
         f"and server s0 slowed to {SLOWDOWN} halfway through the measured run. Workload: "
-        f"{groups} groups x 5 questions sharing a ~1,500-token system prompt, 16 output "
-        "tokens, Poisson arrivals, after a 24-request warm-up (other prompts; prefix caches "
+        f"{groups} groups x 5 questions (~450 tokens each, a retrieved context) sharing a "
+        "~1,500-token system prompt, 16 output tokens, Poisson arrivals, after a 24-request warm-up (other prompts; prefix caches "
         "emptied after it). TTFT is the client's, through Envoy. MAPE: mean |predicted - "
         "measured| / measured TTFT over the measured requests, the prediction being the "
         "picker's `x-extproc-predicted-ttft-ms` for the endpoint it chose.",

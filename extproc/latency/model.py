@@ -289,6 +289,10 @@ class LatencyModel:
         """Every warm endpoint's fit (a copy)."""
         return dict(self._coeffs)
 
+    def transport_s(self, address: str) -> float | None:
+        """Smoothed time outside the engine for `address` (None: no streamed response yet)."""
+        return self._transport.get(address)
+
     @property
     def warm_endpoints(self) -> int:
         return len(self._coeffs)

@@ -64,6 +64,26 @@ def collect(found: Sequence[LatencyLearner], plugins: Iterable[object]) -> Itera
         "Prefill throughput the latency model learned per endpoint (uncached tokens/s).",
         labels=["endpoint"],
     )
+    terms = GaugeMetricFamily(
+        "extproc_latency_model_seconds",
+        "The latency model's fitted terms per endpoint: per_request and per_token (prefill "
+        "seconds), overhead (engine time beyond queue and prefill), transport (outside the "
+        "engine, from response headers).",
+        labels=["endpoint", "term"],
+    )
+    scale = GaugeMetricFamily(
+        "extproc_latency_token_scale",
+        "Engine prompt tokens per token the picker estimates (learned).",
+    )
+    for learner in found:
+        scale.add_metric([], learner.model.token_scale)
+        for address, c in learner.model.all_coefficients().items():
+            terms.add_metric([address, "per_request"], c.per_request_s)
+            terms.add_metric([address, "per_token"], c.per_token_s)
+            terms.add_metric([address, "overhead"], c.overhead_s)
+            transport = learner.model.transport_s(address)
+            if transport is not None:
+                terms.add_metric([address, "transport"], transport)
     for learner in found:
         model = learner.model
         learning.add_metric([], 1.0 if learner.scraping else 0.0)
@@ -90,7 +110,8 @@ def collect(found: Sequence[LatencyLearner], plugins: Iterable[object]) -> Itera
     shed.add_metric(
         [], sum(getattr(p, "shed", 0) for p in plugins if _is(p, "latency-slo-admitter"))
     )
-    yield from (learning, endpoints, predictions, samples, throughput, fallbacks, shed)
+    yield from (learning, endpoints, predictions, samples, throughput, terms, scale, fallbacks,
+                shed)  # fmt: skip
 
 
 def _is(plugin: object, type_name: str) -> bool:

@@ -53,11 +53,17 @@ def slo_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float:
 
 def uncached_tokens(req: InferenceRequest, c: Candidate) -> float:
     """Prompt tokens this endpoint would have to prefill (the rest it holds): the prompt
-    minus the whole blocks matched, as the router counts placed work. (A fraction of the
-    prompt would charge the last, partial block as if it were whole.)"""
-    if req.block_tokens:
-        return max(0.0, req.prompt_tokens - c.prefix_blocks * req.block_tokens)
-    return req.prompt_tokens * (1.0 - prefix_fraction(req, c))
+    minus the whole blocks matched (a fraction of the prompt would charge the last, partial
+    block as if it were whole). A match that stops short of the end stops inside a shared
+    stretch as often as not at its end: the engine, with its smaller blocks, holds on
+    average half of the first unmatched block too."""
+    bt = req.block_tokens
+    if not bt:
+        return req.prompt_tokens * (1.0 - prefix_fraction(req, c))
+    matched = c.prefix_blocks
+    if 0 < matched < len(req.block_keys):
+        matched += 0.5
+    return max(0.0, req.prompt_tokens - matched * bt)
 
 
 @dataclass(frozen=True, slots=True)
