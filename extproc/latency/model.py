@@ -20,8 +20,8 @@ after another on the accelerator:
 - `backlog` is the prefill work ahead of the request: the work this picker placed there and
   has not seen finish (a virtual prefill lane per endpoint, advanced at each placement by
   the predicted prefill of what was placed), plus, for each scraped waiting request beyond
-  this picker's own not yet started ones, the endpoint's mean prefill (requests other
-  pickers or clients sent, or ours running late).
+  this picker's own unfinished ones, the endpoint's mean prefill (requests other pickers or
+  clients sent, or ours running late).
 
 TPOT is fitted the same way from `inter_token_latency` against the running batch size:
 `TPOT = base + per_sequence * (running + 1)`.
@@ -156,8 +156,8 @@ class LatencyModel:
         self._coeffs: dict[str, Coefficients] = {}  # warm endpoints only
         self._fleet: Coefficients | None = None
         self._lane: dict[str, float] = {}  # address -> when its placed prefills end
-        # address -> predicted prefill start of each placed request, oldest first
-        self._starts: dict[str, deque[float]] = {}
+        # address -> predicted prefill end of each placed request, oldest first
+        self._ends: dict[str, deque[float]] = {}
         # address -> [estimated prompt tokens, requests] placed since the last scale sample
         self._placed: dict[str, list[float]] = {}
         self.token_scale = 1.0  # engine tokens per estimated token
@@ -275,7 +275,7 @@ class LatencyModel:
     def retain(self, addresses: Collection[str]) -> None:
         """Forget endpoints that left the pool."""
         tables = (self._learned, self._coeffs, self._lane, self._placed, self._transport,
-                  self._starts)  # fmt: skip
+                  self._ends)  # fmt: skip
         for table in tables:
             for gone in [a for a in table if a not in addresses]:
                 del table[gone]
@@ -318,9 +318,12 @@ class LatencyModel:
         if backlog < 0.0:
             backlog = 0.0
         if not state.is_stale and state.waiting:
-            # Waiting requests beyond ours not yet started are work other pickers or clients
-            # queued there (or ours running late): the lane cannot see them.
-            foreign = state.waiting - self._not_started(address, now)
+            # Waiting requests beyond ours still unfinished when the scrape was taken are
+            # work other pickers or clients queued there (or ours running late): the lane
+            # cannot see them. Ours are counted generously (until their predicted end, as of
+            # the scrape's age): a request of ours that arrived late is not someone else's.
+            taken = now - (state.age_s or 0.0)
+            foreign = state.waiting - self._unfinished(address, taken)
             if foreign > 0:
                 backlog += foreign * (c.per_request_s + c.per_token_s * c.mean_tokens)
         ttft = (
@@ -363,19 +366,19 @@ class LatencyModel:
         lane = self._lane.get(address, 0.0)
         start = lane if lane > now else now
         self._lane[address] = start + c.prefill_s(uncached_tokens * self.token_scale)
-        starts = self._starts.get(address)
-        if starts is None:
-            starts = self._starts[address] = deque()
-        starts.append(start)
+        ends = self._ends.get(address)
+        if ends is None:
+            ends = self._ends[address] = deque()
+        ends.append(self._lane[address])
 
-    def _not_started(self, address: str, now: float) -> int:
-        """Requests this picker placed on `address` whose prefill should not have begun."""
-        starts = self._starts.get(address)
-        if not starts:
+    def _unfinished(self, address: str, at: float) -> int:
+        """Requests this picker placed on `address` whose prefill should not be over `at`."""
+        ends = self._ends.get(address)
+        if not ends:
             return 0
-        while starts and starts[0] <= now:
-            starts.popleft()
-        return len(starts)
+        while ends and ends[0] <= at:
+            ends.popleft()
+        return len(ends)
 
 
 def _ewma(old: float, new: float, a: float) -> float:

@@ -228,6 +228,7 @@ def _fields(t: LatencyTotals) -> dict:
 
 
 def test_own_queued_requests_in_the_scraped_waiting_count_are_not_counted_twice() -> None:
+    """Placed requests not finished as of the scrape are ours, whatever the scrape says."""
     clock = Clock()
     model = LatencyModel(clock=clock)
     eng = Engine()
@@ -237,10 +238,10 @@ def test_own_queued_requests_in_the_scraped_waiting_count_are_not_counted_twice(
     for _ in range(3):
         model.place("a:1", 2000, clock())
     lane_only = model.predict("a:1", IDLE, 500, clock())
-    # The first placed request is prefilling, the other two wait: the scrape agrees.
-    agrees = model.predict("a:1", EndpointState(is_stale=False, waiting=2), 500, clock())
+    # Ours, waiting (the scrape may not have seen the first start yet): nothing more.
+    agrees = model.predict("a:1", EndpointState(is_stale=False, waiting=3), 500, clock())
     # Two more waiting than ours: someone else's work, at the endpoint's mean prefill each.
-    more = model.predict("a:1", EndpointState(is_stale=False, waiting=4), 500, clock())
+    more = model.predict("a:1", EndpointState(is_stale=False, waiting=5), 500, clock())
     assert lane_only is not None and agrees is not None and more is not None
     assert agrees.ttft_s == lane_only.ttft_s
     assert more.ttft_s - lane_only.ttft_s == pytest.approx(2 * c.prefill_s(c.mean_tokens))
