@@ -181,8 +181,9 @@ def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
         f"and server s0 slowed to {SLOWDOWN} halfway through the measured run. Workload: "
         f"{groups} groups x 5 questions (~700 tokens each, a retrieved context) sharing a "
         "~2,400-token system prompt (engine tokens), 16 output tokens, Poisson arrivals, "
-        "after a 24-request warm-up (other prompts; prefix caches emptied after it). TTFT is the client's, through Envoy. MAPE: mean |predicted - "
-        "measured| / measured TTFT over the measured requests, the prediction being the "
+        "after a 24-request warm-up (other prompts; prefix caches emptied after it). TTFT "
+        "is the client's, through Envoy. MAPE: mean |predicted - measured| / measured TTFT "
+        "over the measured requests, the prediction being the "
         "picker's `x-extproc-predicted-ttft-ms` for the endpoint it chose.",
         "",
         "| fleet | rate req/s | policy | TTFT p50 s | TTFT p90 s | hit ratio | ok | "
