@@ -21,14 +21,16 @@ ALLOWED: dict[str, set[str]] = {
     "redis_client": {"errors"},
     "hashing": _BASE,
     "requests": _BASE | {"hashing"},
-    "scheduling": _BASE,
+    "latency": _BASE,
+    "scheduling": _BASE | {"latency"},
     "plugins": _BASE | {"scheduling"},
     "index": _BASE | {"hashing", "redis_client"},
-    "endpoints": _BASE | {"redis_client"},
+    "endpoints": _BASE | {"redis_client", "latency"},
     "router": _BASE | {"hashing", "index", "endpoints", "scheduling"},
     "config": _BASE | {"requests", "scheduling", "endpoints", "index", "hashing"},
     "server": _BASE
     | {"_proto", "config", "endpoints", "hashing", "index", "requests", "router", "scheduling"}
+    | {"latency"}
     | {"logs", "redis_client"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,
@@ -41,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": set(),
 }
 # The pure layers: no network, no event loop, no transport.
-NO_IO = {"core", "errors", "hashing", "requests", "scheduling", "plugins"}
+NO_IO = {"core", "errors", "hashing", "requests", "scheduling", "plugins", "latency"}
 IO_LIBRARIES = {"grpc", "redis", "zmq", "aiohttp", "asyncio", "socket", "httpx"}
 
 

@@ -48,8 +48,7 @@ from typing import Annotated
 
 import msgspec
 
-from extproc.core import EndpointState
-from extproc.endpoints.scrape import LatencyTotals
+from extproc.core import EndpointState, LatencyTotals
 from extproc.latency.rls import RecursiveLeastSquares
 
 # Tokens are fitted in thousands so both features of the prefill fit have similar scale.

@@ -28,9 +28,9 @@ from extproc.endpoints.state import EndpointStates
 from extproc.errors import ConfigError
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import IndexOptions, KVIndex
-from extproc.latency import wiring as latency_wiring
 from extproc.requests import parse_request
 from extproc.router import Router
+from extproc.server import latency as latency_wiring
 from extproc.server import wire
 from extproc.server.admin import make_admin_app
 from extproc.server.health import Health

@@ -76,6 +76,8 @@ def test_real_vllm_scrape_gives_load_cache_config_and_prefix_counters() -> None:
             itl_count=47.0,
             tpot_sum=0.02088012846661513,
             tpot_count=9.0,
+            prompt_sum=495.0,
+            prompt_count=9.0,
             prefill_tokens=367.0,
         ),
     )

@@ -3,6 +3,8 @@ server that slows down, and what it predicts with work queued."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from extproc.core import EndpointState
@@ -224,7 +226,7 @@ def test_token_scale_learns_the_engine_tokenizer_against_the_estimate() -> None:
 
 
 def _fields(t: LatencyTotals) -> dict:
-    return {f: getattr(t, f) for f in t.__struct_fields__}
+    return {f.name: getattr(t, f.name) for f in dataclasses.fields(t)}
 
 
 def test_own_queued_requests_in_the_scraped_waiting_count_are_not_counted_twice() -> None:

@@ -33,6 +33,7 @@ def req(*, blocks: int = 0, tokens: int = 0, headers=None):
     r = _req(blocks=blocks, tokens=tokens, headers=headers)
     return dataclasses.replace(r, block_tokens=tokens // blocks) if blocks else r
 
+
 # llm-d's chart (config/charts/routerlib/templates/_config.yaml), latency predictor enabled.
 LLMD_LATENCY = textwrap.dedent(
     """\

@@ -8,9 +8,9 @@ from typing import Protocol, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from extproc.endpoints.latency_learner import LatencyLearner
 from extproc.endpoints.pool import EndpointPool
 from extproc.endpoints.state import EndpointStates
-from extproc.latency.learner import LatencyLearner
 from extproc.latency.model import LatencyModel
 
 
