@@ -53,6 +53,9 @@ from extproc.latency.rls import RecursiveLeastSquares
 
 # Tokens are fitted in thousands so both features of the prefill fit have similar scale.
 _TOKEN_SCALE = 1000.0
+# A prefill interval off the fit by more than this fraction (twice running) means the
+# server's speed changed.
+_CHANGE = 0.5
 # Response-header delays above this are stalls, not the path's cost, and are not learned.
 _MAX_TRANSPORT_S = 1.0
 
@@ -120,13 +123,14 @@ class ModelStats:
     predictions_missing: int = 0
     samples: int = 0
     resets: int = 0
+    reopened: int = 0  # fits reopened because a server's speed changed
 
 
 class _Learned:
     """The learner's state for one endpoint (learner loop only)."""
 
     __slots__ = ("coeffs", "itl", "itl_base", "mean_tokens", "overhead", "prefill",
-                 "prompt_base", "ratio", "running", "totals")  # fmt: skip
+                 "prompt_base", "ratio", "running", "surprises", "totals")  # fmt: skip
 
     def __init__(self, s: ModelSettings) -> None:
         self.totals: LatencyTotals | None = None
@@ -139,6 +143,10 @@ class _Learned:
         self.mean_tokens: float | None = None
         self.ratio: tuple[float, float] | None = None  # smoothed (prefill s / req, s / token)
         self.coeffs: Coefficients | None = None
+        self.surprises = 0  # consecutive prefill samples far off the fit
+
+    def coeffs_ready(self, min_samples: int) -> bool:
+        return self.prefill.samples >= min_samples
 
 
 class LatencyModel:
@@ -195,7 +203,21 @@ class LatencyModel:
         tokens = 0.0
         if t.prefill_tokens is not None and last.prefill_tokens is not None:
             tokens = max(0.0, t.prefill_tokens - last.prefill_tokens)
-        st.prefill.update((n, tokens / _TOKEN_SCALE), secs)
+        x = (n, tokens / _TOKEN_SCALE)
+        if st.coeffs_ready(self.settings.min_samples):
+            # A sample far off the fit, twice running, is a server whose speed changed
+            # (another tenant, throttling): reopen the fit so it follows within a few
+            # intervals instead of the ~10 forgetting alone would take.
+            expected = st.prefill.predict(x)
+            if expected > 0 and abs(secs - expected) > _CHANGE * expected:
+                st.surprises += 1
+                if st.surprises >= 2:
+                    st.prefill.reopen()
+                    st.surprises = 0
+                    self.stats.reopened += 1
+            else:
+                st.surprises = 0
+        st.prefill.update(x, secs)
         a = self.settings.smoothing
         per_req, per_tok = secs / n, (secs / tokens if tokens > 0 else 0.0)
         st.ratio = (

@@ -93,9 +93,14 @@ def test_follows_a_server_that_slows_down_within_a_few_intervals() -> None:
     eng = Engine()
     teach(model, "a:1", eng, intervals=40)
     eng.per_token_s *= 4  # another tenant takes three quarters of the GPU
-    teach(model, "a:1", eng, intervals=12, seed=2)
+    teach(model, "a:1", eng, intervals=5, seed=2)
     c = model.coefficients("a:1")
     assert c is not None and c.per_token_s == pytest.approx(eng.per_token_s, rel=0.1)
+    assert model.stats.reopened == 1
+    # Ordinary noise does not reopen the fit.
+    noisy = LatencyModel()
+    teach(noisy, "a:1", Engine(noise=0.2), intervals=80)
+    assert noisy.stats.reopened == 0
 
 
 def test_same_tokens_per_request_everywhere_still_predicts_the_mean_request() -> None:
