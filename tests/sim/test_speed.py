@@ -28,7 +28,7 @@ async def test_a_slowed_server_prefills_slower_and_its_histograms_say_so(start_s
             assert (await resp.json()) == {"relative_speed": 0.25}
         slow = await ttft(http, srv.url, "Another prompt. " + TEXT)  # nothing cached
         after = (await scrape(http, srv.url)).latency
-    assert slow > 2.5 * fast
+    assert slow > fast  # wall clock: loose, the machine is shared; the histograms are exact
     assert before is not None and after is not None
     assert (before.prefill_count, after.prefill_count) == (1, 2)
     assert (before.ttft_count, after.ttft_count) == (1, 2)
@@ -37,7 +37,9 @@ async def test_a_slowed_server_prefills_slower_and_its_histograms_say_so(start_s
     second = after.prefill_tokens - before.prefill_tokens
     assert before.prefill_tokens > 500 and 0.9 < second / before.prefill_tokens < 1.1
     slow_prefill = after.prefill_sum - before.prefill_sum
-    assert slow_prefill / (after.prefill_tokens - before.prefill_tokens) > 3 * (
+    # Prefill times are the engine's schedule (not wall-clock wake-ups): 4x, give or take
+    # the fixed step overhead.
+    assert slow_prefill / (after.prefill_tokens - before.prefill_tokens) > 3.5 * (
         before.prefill_sum / before.prefill_tokens
     )
 
