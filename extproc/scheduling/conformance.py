@@ -23,7 +23,7 @@ from extproc.errors import ConfigError
 log = logging.getLogger("extproc.plugins")
 
 # The methods that make a class a plugin of each kind (see scheduling/framework.py).
-_ROLES = ("filter", "score", "pick", "handle")
+_ROLES = ("filter", "score", "pick", "handle", "admit")
 
 
 def check_plugin_class(cls: type) -> str:
@@ -42,7 +42,8 @@ def check_plugin_class(cls: type) -> str:
         )
     if not any(callable(getattr(cls, m, None)) for m in _ROLES):
         raise ConfigError(
-            f"plugin {name!r} ({where}) implements none of filter(), score(), pick(), handle()"
+            f"plugin {name!r} ({where}) implements none of filter(), score(), pick(), "
+            "handle(), admit()"
         )
     return name
 

@@ -8,6 +8,12 @@ from extproc.scheduling.plugins.filters import (
     LabelSelectorFilter,
     PrefillFilter,
 )
+from extproc.scheduling.plugins.latency import (
+    LatencyScorer,
+    LatencySloAdmitter,
+    PredictedLatencyProducer,
+    SloHeadroomTierFilter,
+)
 from extproc.scheduling.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from extproc.scheduling.plugins.prefix import (
     NoHitLRUScorer,
@@ -44,6 +50,10 @@ BUILTINS: tuple[type, ...] = (
     MaxScorePicker,
     RandomPicker,
     WeightedRandomPicker,
+    PredictedLatencyProducer,
+    LatencyScorer,
+    SloHeadroomTierFilter,
+    LatencySloAdmitter,
 )
 
 __all__ = ["BUILTINS"]

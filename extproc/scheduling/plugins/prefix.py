@@ -3,9 +3,10 @@ already hold (from the global KV-block index), and spread requests that hit nowh
 
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, ClassVar, Literal
 
 import msgspec
@@ -64,9 +65,17 @@ class PrefixCacheAffinityFilter:
     spills over to more endpoints rather than queueing on one. With `explorationProbability`
     the filter lets everything through at random, so the index keeps learning.
 
+    `ttftSource: latencyPredictor` takes each endpoint's TTFT from the
+    `predicted-latency-producer` (learned from the servers' own histograms, queued work
+    included) instead, so no throughput has to be measured by hand; while nothing is learned
+    yet the gate cannot judge and stickiness holds. `latencyPredictionInfoProducerName`
+    names the producer when there are several.
+
     ```yaml
     - type: prefix-cache-affinity-filter
       parameters: {threshold: 0.8, maxTTFTPenaltyMs: 18000, peakPrefillTokensPerSecond: 10000}
+    - type: prefix-cache-affinity-filter
+      parameters: {threshold: 0.8, maxTTFTPenaltyMs: 5000, ttftSource: latencyPredictor}
     ```
     """
 
@@ -80,10 +89,28 @@ class PrefixCacheAffinityFilter:
         )
         peak_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
         exploration_probability: _Fraction = 0.0
+        # llm-d's name for `threshold`; wins when given.
+        affinity_threshold: _Fraction | None = None
+        ttft_source: Literal["prefillThroughput", "latencyPredictor"] = "prefillThroughput"
+        latency_prediction_info_producer_name: str = ""
 
     def __init__(self, params: Params | None = None, *, rng: random.Random | None = None) -> None:
-        self._p = params or self.Params()
+        p = params or self.Params()
+        if p.affinity_threshold is not None:
+            p = msgspec.structs.replace(p, threshold=p.affinity_threshold)
+        self._p = p
         self._rng = rng or random.Random()
+        self._producer = None
+        self.unjudged = 0  # gate decisions skipped: the predictor had nothing learned yet
+
+    def bind(self, plugins: Mapping[str, object]) -> None:
+        """Find the latency producer when the TTFT comes from it (after all are built)."""
+        if self._p.ttft_source == "latencyPredictor":
+            from extproc.scheduling.plugins.latency import find_producer
+
+            self._producer = find_producer(
+                plugins, self._p.latency_prediction_info_producer_name, self.type_name
+            )
 
     def _ttft_ms(self, req: InferenceRequest, c: Candidate) -> float:
         uncached = req.prompt_tokens * (1.0 - prefix_fraction(req, c))
@@ -101,8 +128,21 @@ class PrefixCacheAffinityFilter:
             return cands
         keep = {id(c) for c in sticky}
         others = [c for c in cands if id(c) not in keep]
-        best_sticky = min(self._ttft_ms(req, c) for c in sticky)
-        best_other = min(self._ttft_ms(req, c) for c in others)
+        if self._producer is not None:
+            ttft = {
+                id(c): i.prediction.ttft_ms
+                for c, i in zip(cands, self._producer.predictions(req, cands), strict=True)
+                if i is not None
+            }
+            if not ttft:
+                self.unjudged += 1
+                return sticky
+            # An endpoint without a prediction of its own cannot win the comparison.
+            best_sticky = min(ttft.get(id(c), math.inf) for c in sticky)
+            best_other = min(ttft.get(id(c), math.inf) for c in others)
+        else:
+            best_sticky = min(self._ttft_ms(req, c) for c in sticky)
+            best_other = min(self._ttft_ms(req, c) for c in others)
         if best_sticky - best_other > p.max_ttft_penalty_ms:
             return others
         return sticky
