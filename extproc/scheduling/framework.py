@@ -256,6 +256,8 @@ class Scheduler:
             fallbacks=self._limit - 1,
             observers=self._observers,
             responders=self._responders,
+            admitters=self._admitters,
+            plugins=self.plugins,
         )
 
     def observe(

@@ -15,7 +15,7 @@ steps in one call.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Protocol
 
@@ -138,7 +138,8 @@ def _timed_profile(profile: Profile, sink: SchedulingSink) -> Profile:
 
 
 class TimedScheduler:
-    """A Scheduler timed as a whole, over a copy whose plugins are timed one by one."""
+    """A Scheduler timed as a whole, over a copy whose plugins are timed one by one. An
+    admitter's refusal (raised before scheduling) is neither timed nor counted as an attempt."""
 
     def __init__(self, scheduler: Scheduler, sink: SchedulingSink) -> None:
         self._inner = scheduler.wrapped(
@@ -150,9 +151,10 @@ class TimedScheduler:
         self._observe = sink.scheduler_timer()
         self._scheduled = sink.scheduled
 
-    @property
-    def profiles(self) -> Mapping[str, Profile]:
-        return self._inner.profiles
+    def __getattr__(self, name: str):
+        # Everything but `schedule` is the wrapped scheduler's (profiles, plugins, observe,
+        # responded, ...), so the Scheduler's API stays whole as it grows.
+        return getattr(self._inner, name)
 
     def schedule(
         self, req: InferenceRequest, cands: Sequence[Candidate], *, explain: bool = False
@@ -162,11 +164,6 @@ class TimedScheduler:
         self._observe(perf_counter() - t)
         self._scheduled(req.model, decision.endpoints[0] if decision.endpoints else None)
         return decision
-
-    def observe(
-        self, req: InferenceRequest, cands: Sequence[Candidate], decision: Decision
-    ) -> None:
-        self._inner.observe(req, cands, decision)
 
 
 def instrument(scheduler: Scheduler, sink: SchedulingSink) -> TimedScheduler:

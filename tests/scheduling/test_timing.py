@@ -83,6 +83,10 @@ def test_timed_scheduler_decides_as_the_plain_one_and_times_each_plugin_once() -
     assert handler < e2e and sum(sum(v) for v in sink.plugins.values()) <= e2e
     assert sink.attempts == [("m", want.endpoints[0].address)]
     assert set(timed.profiles) == {"decode", "prefill"}
+    # The rest of the Scheduler API is the wrapped scheduler's, with the original plugins.
+    assert [type(p) for p in timed.plugins] == [type(p) for p in plain.plugins]
+    timed.observe(r, cands(), got)
+    timed.responded(r, got, 0.01)
 
 
 def test_nothing_eligible_is_a_failed_attempt() -> None:
