@@ -147,20 +147,24 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     state: StateSettings = StateSettings()
     scheduling: EndpointPickerConfig | None = None
     disabled_plugins: list[str] = msgspec.field(default_factory=list)
+    # Where an llm-d token-producer's modelName is looked up (a folder per model, or the
+    # Hugging Face cache layout); tokenizers are never downloaded at serve time.
+    tokenizer_dirs: list[str] = msgspec.field(
+        default_factory=lambda: ["/models", "~/.cache/huggingface/hub"]
+    )
 
 
 def decode_settings(doc: Any) -> Settings:
-    """A parsed YAML document -> Settings (stage 1: shape and types)."""
-    if doc is None:
-        doc = {}
-    if not isinstance(doc, dict):
-        raise ConfigError("expected a mapping at the top level")
-    if doc.get("kind") == "EndpointPickerConfig":
-        doc = {"scheduling": doc}
-    try:
-        return msgspec.convert(doc, Settings)
-    except msgspec.ValidationError as exc:
-        raise validation_error(exc, ()) from None
+    """A parsed YAML document -> Settings: decoded, the scheduling section translated from
+    llm-d's shape (extproc.llmd_settings), validated. Raises the first problem; use
+    `load_settings` (all problems, with lines) or `llmd_settings.examine` for all."""
+    from extproc.llmd_settings import examine
+
+    ex = examine(doc)
+    if ex.problems:
+        raise ex.problems[0]
+    assert ex.settings is not None  # no problems means settings were built
+    return ex.settings
 
 
 def build_configured_scheduler(settings: Settings) -> Scheduler:
@@ -209,22 +213,34 @@ def _line_of(text: str, path: tuple[str | int, ...]) -> int | None:
     return line
 
 
-def load_settings(path: str | Path | None) -> Settings:
-    """Decode and validate a YAML file (plugins are built once to check them); `None`
-    gives the defaults. Raises ConfigError naming file, line and field."""
-    if path is None:
-        return Settings()
+def read_document(path: str | Path) -> tuple[str, Any]:
+    """(text, parsed YAML) of a config file; ConfigError naming the file when unreadable."""
     try:
         text = Path(path).read_text()
-        doc = yaml.safe_load(text)
+        return text, yaml.safe_load(text)
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    try:
-        settings = decode_settings(doc)
-        build_configured_scheduler(settings)
-    except ConfigError as exc:
-        line = _line_of(text, exc.path)
-        where = f"{path}:{line}" if line else str(path)
-        field = f" {format_path(exc.path)}:" if exc.path else ""
-        raise ConfigError(f"{where}:{field} {exc.message}") from None
-    return settings
+
+
+def locate(path: str | Path, text: str, exc: ConfigError) -> str:
+    """`file:line: field: message` for one problem."""
+    line = _line_of(text, exc.path)
+    where = f"{path}:{line}" if line else str(path)
+    field = f" {format_path(exc.path)}:" if exc.path else ""
+    return f"{where}:{field} {exc.message}"
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Decode and validate a YAML file (plugins are built once to check them); `None`
+    gives the defaults. Raises one ConfigError listing every problem, each with file, line
+    and field."""
+    from extproc.llmd_settings import examine
+
+    if path is None:
+        return Settings()
+    text, doc = read_document(path)
+    ex = examine(doc)
+    if ex.problems:
+        raise ConfigError("\n".join(locate(path, text, p) for p in ex.problems))
+    assert ex.settings is not None
+    return ex.settings

@@ -111,6 +111,9 @@ class InferenceRequest:
     lora_adapter: str | None = None
     cache_salt: str | None = None
     prompt: Prompt | None = field(default=None, repr=False, compare=False)
+    # The endpoint an earlier profile of the same request chose (the decode pick, while the
+    # prefill profile runs): topology plugins place a stage near its peer.
+    peer: Endpoint | None = field(default=None, repr=False, compare=False)
 
     @property
     def has_media(self) -> bool:

@@ -16,6 +16,7 @@ from extproc.errors import ConfigError
 from extproc.scheduling.framework import (
     Filter,
     NamedFilter,
+    NeedsPlugins,
     Observer,
     Picker,
     Profile,
@@ -92,6 +93,13 @@ def build_scheduler(
         if name in instances:
             raise ConfigError(f"duplicate plugin name {name!r}", path=("plugins", i, "name"))
         instances[name] = registry.build(spec.type, spec.parameters, ("plugins", i))
+    for i, spec in enumerate(config.plugins):
+        plugin = instances[spec.name or spec.type]
+        if isinstance(plugin, NeedsPlugins):
+            try:
+                plugin.resolve_plugins(instances)
+            except ConfigError as exc:
+                raise exc.within("plugins", i, "parameters") from None
     if not config.schedulingProfiles:
         raise ConfigError("at least one profile is required", path=("schedulingProfiles",))
     handlers = [p for p in instances.values() if isinstance(p, ProfileHandler)]
@@ -114,6 +122,8 @@ def build_scheduler(
                 if weight <= 0:
                     raise ConfigError("must be positive", path=(*where, "weight"))
                 scorers.append(WeightedScorer(ref.pluginRef, plugin, weight))
+                if isinstance(plugin, Filter):  # both, like llm-d's context-length-aware
+                    filters.append(NamedFilter(ref.pluginRef, plugin))
             elif isinstance(plugin, Filter):
                 filters.append(NamedFilter(ref.pluginRef, plugin))
             elif isinstance(plugin, Picker):

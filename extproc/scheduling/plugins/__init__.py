@@ -1,13 +1,33 @@
 """Built-in plugins. `BUILTINS` is the one list the registry starts from."""
 
 from extproc.scheduling.handlers import DisaggProfileHandler, SingleProfileHandler
-from extproc.scheduling.plugins.affinity import EncoderCacheScorer, SessionAffinityScorer
+from extproc.scheduling.plugins.affinity import (
+    EncoderCacheScorer,
+    HeaderLabelAffinityScorer,
+    SessionAffinityFilter,
+    SessionAffinityScorer,
+)
+from extproc.scheduling.plugins.context_length import ContextLengthAware
+from extproc.scheduling.plugins.deciders import (
+    AlwaysDisaggMultimodalDecider,
+    AlwaysDisaggPDDecider,
+    PrefixBasedPDDecider,
+)
 from extproc.scheduling.plugins.filters import (
+    ByLabelFilter,
+    ByLabelSelectorFilter,
     DecodeFilter,
     EncodeFilter,
     LabelSelectorFilter,
     PrefillFilter,
 )
+from extproc.scheduling.plugins.profile_handlers import (
+    DataParallelProfileHandler,
+    HeaderProfileHandler,
+    PdProfileHandler,
+)
+from extproc.scheduling.plugins.topology import TopologyAffinityFilter, TopologyAffinityScorer
+from extproc.scheduling.plugins.utilization import RunningRequestsSizeScorer, UtilizationFilter
 from extproc.scheduling.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from extproc.scheduling.plugins.prefix import (
     NoHitLRUScorer,
@@ -44,6 +64,22 @@ BUILTINS: tuple[type, ...] = (
     MaxScorePicker,
     RandomPicker,
     WeightedRandomPicker,
+    # llm-d's further scheduling plugins
+    DataParallelProfileHandler,
+    PdProfileHandler,
+    HeaderProfileHandler,
+    PrefixBasedPDDecider,
+    AlwaysDisaggPDDecider,
+    AlwaysDisaggMultimodalDecider,
+    SessionAffinityFilter,
+    HeaderLabelAffinityScorer,
+    ByLabelFilter,
+    ByLabelSelectorFilter,
+    ContextLengthAware,
+    UtilizationFilter,
+    RunningRequestsSizeScorer,
+    TopologyAffinityFilter,
+    TopologyAffinityScorer,
 )
 
 __all__ = ["BUILTINS"]
