@@ -162,19 +162,11 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from extproc.config import build_configured_scheduler
+    from extproc.llmd_settings import check_report
 
-    settings = load_settings(args.file)
-    scheduler = build_configured_scheduler(settings)
-    print(f"{args.file}: OK")
-    for name, profile in scheduler.profiles.items():
-        scorers = ", ".join(f"{s.name} x{s.weight:g}" for s in profile.scorers) or "none"
-        filters = ", ".join(f.name for f in profile.filters) or "none"
-        print(
-            f"  profile {name}: filters [{filters}], scorers [{scorers}], "
-            f"picker {profile.picker.type_name}"
-        )
-    return 0
+    text, code = check_report(args.file)
+    (sys.stdout if code == 0 else sys.stderr).write(text)
+    return code
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

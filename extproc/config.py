@@ -21,7 +21,7 @@ from extproc.errors import ConfigError, format_path
 from extproc.requests import ParseSettings
 from extproc.scheduling.config import EndpointPickerConfig, build_scheduler, default_config
 from extproc.scheduling.framework import Scheduler
-from extproc.scheduling.registry import PluginRegistry, validation_error
+from extproc.scheduling.registry import PluginRegistry
 
 MiB = 1 << 20
 _Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -152,6 +152,9 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokenizer_dirs: list[str] = msgspec.field(
         default_factory=lambda: ["/models", "~/.cache/huggingface/hub"]
     )
+    # Set by the loader, not written by hand: what runs with less than the config asked for
+    # (e.g. precise prefix matching without a local tokenizer). Logged and exported by serve.
+    degraded: list[str] = msgspec.field(default_factory=list)
 
 
 def decode_settings(doc: Any) -> Settings:
@@ -222,11 +225,13 @@ def read_document(path: str | Path) -> tuple[str, Any]:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def locate(path: str | Path, text: str, exc: ConfigError) -> str:
-    """`file:line: field: message` for one problem."""
+def locate(path: str | Path, text: str, exc: ConfigError, *, bare: bool = False) -> str:
+    """`file:line: field: message` for one problem (`bare`: the document is an
+    EndpointPickerConfig itself, so fields are shown without `scheduling.`)."""
     line = _line_of(text, exc.path)
     where = f"{path}:{line}" if line else str(path)
-    field = f" {format_path(exc.path)}:" if exc.path else ""
+    shown = exc.path[1:] if bare and exc.path[:1] == ("scheduling",) else exc.path
+    field = f" {format_path(shown)}:" if shown else ""
     return f"{where}:{field} {exc.message}"
 
 
@@ -241,6 +246,7 @@ def load_settings(path: str | Path | None) -> Settings:
     text, doc = read_document(path)
     ex = examine(doc)
     if ex.problems:
-        raise ConfigError("\n".join(locate(path, text, p) for p in ex.problems))
+        bare = not ex.wrapped
+        raise ConfigError("\n".join(locate(path, text, p, bare=bare) for p in ex.problems))
     assert ex.settings is not None
     return ex.settings

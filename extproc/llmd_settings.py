@@ -74,9 +74,13 @@ def apply_plumbing(settings: Settings, plumbing: Plumbing, ex: Examined) -> Sett
         model = plumbing.precise_model or ""
         found = find_tokenizer(model, settings.tokenizer_dirs)
         if found is None:
-            why = "no model name (token-producer modelName)" if not model else (
-                f"no local tokenizer for model {model!r} (looked in "
-                f"{', '.join(settings.tokenizer_dirs)})"
+            why = (
+                "no model name (token-producer modelName)"
+                if not model
+                else (
+                    f"no local tokenizer for model {model!r} (looked in "
+                    f"{', '.join(settings.tokenizer_dirs)})"
+                )
             )
             ex.degraded.append(
                 f"precise prefix cache: {why}; prefix matching uses approximate keys from "
@@ -170,5 +174,46 @@ def examine(doc: Any) -> Examined:
     except ConfigError as exc:
         ex.problems.append(exc)
         return ex
+    if ex.degraded:
+        settings = msgspec.structs.replace(settings, degraded=list(ex.degraded))
     ex.settings = settings
     return ex
+
+
+def check_report(path: str | Path) -> tuple[str, int]:
+    """`extproc check-config`: every problem with file:line, how each llm-d plugin is
+    realised, what runs degraded; exit code 0 (serves as is) or 2 (it would not)."""
+    from extproc.config import build_configured_scheduler, locate, read_document
+
+    try:
+        text, doc = read_document(path)
+    except ConfigError as exc:
+        return f"{exc}\n", 2
+    ex = examine(doc)
+    out: list[str] = []
+    if ex.problems:
+        out.append(f"{path}: {len(ex.problems)} problem(s)")
+        out.extend(f"  {locate(path, text, p, bare=not ex.wrapped)}" for p in ex.problems)
+    else:
+        out.append(f"{path}: OK")
+    if ex.translation and ex.translation.realised:
+        out.append("plugins:")
+        for r in ex.translation.realised:
+            label = r.name if r.name == r.type else f"{r.name} ({r.type})"
+            out.append(f"  {label}: {r.how}")
+            out.extend(f"    - {n}" for n in r.notes)
+    for note in ex.notes:
+        out.append(f"note: {note}")
+    for d in ex.degraded:
+        out.append(f"DEGRADED: {d}")
+    if ex.settings is not None:
+        out.append("profiles:")
+        scheduler = build_configured_scheduler(ex.settings)
+        for name, profile in scheduler.profiles.items():
+            scorers = ", ".join(f"{s.name} x{s.weight:g}" for s in profile.scorers) or "none"
+            filters = ", ".join(f.name for f in profile.filters) or "none"
+            out.append(
+                f"  profile {name}: filters [{filters}], scorers [{scorers}], "
+                f"picker {profile.picker.type_name}"
+            )
+    return "\n".join(out) + "\n", 2 if ex.problems else 0

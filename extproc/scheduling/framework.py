@@ -205,7 +205,8 @@ class Scheduler:
 
         def run(name: str, limit: int | None = None, peer: Endpoint | None = None) -> ProfileResult:
             seen = req if peer is None else dataclasses.replace(req, peer=peer)
-            return self._profiles[name].run(seen, cands, limit=limit or self._limit, explain=explain)
+            n = limit or self._limit
+            return self._profiles[name].run(seen, cands, limit=n, explain=explain)
 
         decision = self._handler.handle(req, cands, self._names, run)
         if self._responders and decision.endpoints:

@@ -299,6 +299,8 @@ class App:
             await site.start()
             self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         await self.health.set_ready(self._ready())
+        for what in self.settings.degraded:
+            log.warning("degraded: %s", what, extra={"degraded": what})
         log.info(
             "serving",
             extra={
@@ -370,6 +372,11 @@ class App:
         yield g
         yield t
         yield _gauge("extproc_endpoints", "Endpoints in the pool.", len(self.pool))
+        yield _gauge(
+            "extproc_llmd_degraded",
+            "Parts of the llm-d config running with less than asked for (see the start-up log).",
+            len(self.settings.degraded),
+        )
         yield _gauge(
             "extproc_ready",
             "1 while the picker reports SERVING (endpoints known, not draining).",

@@ -52,7 +52,9 @@ PENDING_SECTIONS: dict[str, int] = {
 PENDING_FEATURE_GATES: dict[str, int] = {"flowControl": 15}
 KNOWN_FEATURE_GATES = frozenset({"dataLayer", "enableLegacyMetrics", "flowControl"})
 
-_TEST_ONLY = "a test-only plugin of llm-d's own loader and integration tests (not in llm-d's binary)"
+_TEST_ONLY = (
+    "a test-only plugin of llm-d's own loader and integration tests (not in llm-d's binary)"
+)
 
 REFUSED: dict[str, str] = {
     **{
@@ -71,6 +73,10 @@ REFUSED: dict[str, str] = {
     },
     "dcgm-data-source": "DCGM GPU metrics are not collected by extproc (not implemented)",
     "dcgm-extractor": "DCGM GPU metrics are not collected by extproc (not implemented)",
+    "endpoint-attribute-filter": "endpoint attributes come from producers extproc does not "
+    "have (dcgm-extractor, custom metric specs)",
+    "endpoint-attribute-scorer": "endpoint attributes come from producers extproc does not "
+    "have (dcgm-extractor, custom metric specs)",
     "request-attribute-reporter": "CEL expressions over response usage are not supported "
     "(extproc does not process response bodies)",
     "agent-identity": "agent identity headers are not implemented",
@@ -149,8 +155,6 @@ LLMD_TYPES: frozenset[str] = frozenset(
         "disagg-headers-handler",
         "disagg-profile-handler",
         "encode-filter",
-        "endpoint-attribute-filter",
-        "endpoint-attribute-scorer",
         "endpoint-notification-source",
         "file-discovery",
         "header-label-affinity-scorer",

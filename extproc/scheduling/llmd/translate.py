@@ -109,7 +109,7 @@ class Realised:
 @dataclass(slots=True)
 class Translation:
     config: EndpointPickerConfig | None
-    plumbing: Plumbing = Plumbing()
+    plumbing: Plumbing = field(default_factory=Plumbing)
     realised: list[Realised] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -219,7 +219,8 @@ def translate(doc: Any, registry: PluginRegistry) -> Translation:
         ]
     known_names = {n for n, _ in specs}
     _sections(doc, specs, t)
-    profiles = _profiles(doc.get("schedulingProfiles"), specs, known_names, problems)
+    failed = {r.name for r in t.realised if r.kind in ("pending", "refused", "unknown")}
+    profiles = _profiles(doc.get("schedulingProfiles"), specs, known_names, failed, problems)
     if problems:
         return t
     kept = [s for _, s in specs if s is not None]
@@ -326,6 +327,10 @@ def _plugins(
             kind, how = "refused", f"refused: {REFUSED[spec.type]}"
             problems.append(Problem((*where, "type"), f"plugin type {spec.type!r} {how}"))
             out.append((name, None))
+        elif spec.type in LLMD_TYPES:
+            kind, how = "refused", "refused: an llm-d plugin type extproc does not implement"
+            problems.append(Problem((*where, "type"), f"plugin type {spec.type!r} {how}"))
+            out.append((name, None))
         else:
             kind, how = "unknown", "unknown"
             problems.append(
@@ -351,9 +356,7 @@ def _with_labels(spec: PluginSpec, labels: dict[str, str]) -> PluginSpec:
     return PluginSpec(type=spec.type, name=spec.name, parameters=params)
 
 
-def _check_refs(
-    refs: Iterable[tuple[Path, str]], names: set[str], problems: list[Problem]
-) -> None:
+def _check_refs(refs: Iterable[tuple[Path, str]], names: set[str], problems: list[Problem]) -> None:
     for path, ref in refs:
         if ref not in names:
             problems.append(Problem(path, f"no plugin named {ref!r}" + did_you_mean(ref, names)))
@@ -400,7 +403,9 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
             _check_refs(refs, names, problems)
     parser_refs: list[tuple[Path, str]] = []
     if "requestHandler" in doc:
-        rh = _decode(doc["requestHandler"], shape.RequestHandlerConfig, ("requestHandler",), problems)
+        rh = _decode(
+            doc["requestHandler"], shape.RequestHandlerConfig, ("requestHandler",), problems
+        )
         if rh is not None:
             parser_refs += [
                 (("requestHandler", "parsers", i, "pluginRef"), p.pluginRef)
@@ -434,8 +439,10 @@ def _profiles(
     raw: Any,
     specs: list[tuple[str, PluginSpec | None]],
     names: set[str],
+    failed: set[str],
     problems: list[Problem],
 ) -> list[ProfileSpec]:
+    """The profiles, refs checked; refs to plugins already reported are not reported again."""
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -458,12 +465,13 @@ def _profiles(
                         f"no plugin named {ref.pluginRef!r}" + did_you_mean(ref.pluginRef, names),
                     )
                 )
+            elif ref.pluginRef in failed:
+                pass
             elif ref.pluginRef not in scheduling:
                 problems.append(
                     Problem(
                         (*at, "pluginRef"),
-                        f"{ref.pluginRef!r} is not a filter, scorer or picker here "
-                        "(see its realisation)",
+                        f"{ref.pluginRef!r} is data plumbing, not a filter, scorer or picker",
                     )
                 )
             elif ref.weight is not None and ref.weight <= 0:

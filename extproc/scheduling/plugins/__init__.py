@@ -21,18 +21,16 @@ from extproc.scheduling.plugins.filters import (
     LabelSelectorFilter,
     PrefillFilter,
 )
-from extproc.scheduling.plugins.profile_handlers import (
-    DataParallelProfileHandler,
-    HeaderProfileHandler,
-    PdProfileHandler,
-)
-from extproc.scheduling.plugins.topology import TopologyAffinityFilter, TopologyAffinityScorer
-from extproc.scheduling.plugins.utilization import RunningRequestsSizeScorer, UtilizationFilter
 from extproc.scheduling.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from extproc.scheduling.plugins.prefix import (
     NoHitLRUScorer,
     PrefixCacheAffinityFilter,
     PrefixCacheScorer,
+)
+from extproc.scheduling.plugins.profile_handlers import (
+    DataParallelProfileHandler,
+    HeaderProfileHandler,
+    PdProfileHandler,
 )
 from extproc.scheduling.plugins.scorers import (
     ActiveRequestScorer,
@@ -42,6 +40,8 @@ from extproc.scheduling.plugins.scorers import (
     QueueScorer,
     TokenLoadScorer,
 )
+from extproc.scheduling.plugins.topology import TopologyAffinityFilter, TopologyAffinityScorer
+from extproc.scheduling.plugins.utilization import RunningRequestsSizeScorer, UtilizationFilter
 
 BUILTINS: tuple[type, ...] = (
     SingleProfileHandler,

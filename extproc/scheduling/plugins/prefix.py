@@ -57,10 +57,11 @@ class PrefixCacheAffinityFilter:
 
     Stickiness breaks when it would hurt: when the best sticky endpoint's predicted TTFT
     (the prefill work already placed on it, plus this request's uncached tokens, over
-    `peakPrefillThroughput`, tokens/s, llm-d's default 15928) exceeds the best other endpoint's by more than
-    `maxTTFTPenaltyMs`, the request goes to the others instead, so a burst on one hot prefix
-    spills over to more endpoints rather than queueing on one. With `explorationProbability`
-    the filter lets everything through at random, so the index keeps learning.
+    `peakPrefillThroughput` tokens/s, llm-d's default 15928) exceeds the best other
+    endpoint's by more than `maxTTFTPenaltyMs`, the request goes to the others instead, so a
+    burst on one hot prefix spills over to more endpoints rather than queueing on one. With
+    `explorationProbability` the filter lets everything through at random, so the index keeps
+    learning. `ttftSource: latencyPredictor` is pending (issue 16).
 
     ```yaml
     - type: prefix-cache-affinity-filter

@@ -154,8 +154,10 @@ class HeaderProfileHandler:
         asked = req.headers.get(self._header, "").strip()
         name = asked or self._default
         if name not in profiles:
-            why = f"{self._header}: {asked!r} names no profile" if asked else (
-                f"defaultProfile {self._default!r} is not a profile"
+            why = (
+                f"{self._header}: {asked!r} names no profile"
+                if asked
+                else (f"defaultProfile {self._default!r} is not a profile")
             )
             return Decision(endpoints=(), reasons=(why,))
         return _result_decision(run(name))

@@ -65,7 +65,9 @@ class TopologyAffinityFilter:
         peer = req.peer
         if peer is None:
             return cands
-        kept = [c for c in cands if closest_level(peer, c.endpoint, self._labels) <= self._max_level]
+        kept = [
+            c for c in cands if closest_level(peer, c.endpoint, self._labels) <= self._max_level
+        ]
         return kept or cands
 
 

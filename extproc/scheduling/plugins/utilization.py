@@ -42,7 +42,9 @@ class UtilizationFilter:
     ```yaml
     - type: utilization-filter
       parameters:
-        conditions: [{metric: waiting-queue, maxValue: 32}, {metric: kv-cache-utilization, maxValue: 0.9}]
+        conditions:
+        - {metric: waiting-queue, maxValue: 32}
+        - {metric: kv-cache-utilization, maxValue: 0.9}
         fallbackOnEmpty: true
     ```
     """
