@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -111,6 +111,9 @@ class StackOptions:
     # Seconds the picker keeps serving after SIGTERM. Production wants a health interval or
     # two; tests that stop stacks all the time do not.
     drain_delay_s: float = 0.0
+    # Labels per upstream (same order): the picker then reads its endpoints from a file
+    # carrying them (e.g. `llm-d.ai/role` for disaggregated configs) instead of --endpoints.
+    endpoint_labels: Sequence[Mapping[str, str]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,6 +409,7 @@ class Stack:
             "--fallbacks",
             str(self.options.fallbacks),
             *self._precise_args(),
+            *self._labels_args(),
             *self.options.extproc_args,
         ]
         proc = self._spawn("extproc", argv)
@@ -418,6 +422,18 @@ class Stack:
             what="extproc",
             proc=proc,
         )
+
+    def _labels_args(self) -> list[str]:
+        labels = self.options.endpoint_labels
+        if labels is None:
+            return []
+        path = self.log_dir / "endpoints.yaml"
+        entries = [
+            {"address": a, "labels": dict(lab)}
+            for a, lab in zip(self.upstream_addresses, labels, strict=True)
+        ]
+        path.write_text(yaml.safe_dump(entries, sort_keys=False))
+        return ["--endpoints-file", str(path)]
 
     def _precise_args(self) -> list[str]:
         if not self.options.precise:

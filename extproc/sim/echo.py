@@ -34,6 +34,13 @@ def make_app(name: str) -> web.Application:
             "method": request.method,
             "body_bytes": len(body),
             "body_sha256": hashlib.sha256(body).hexdigest(),
+            # Headers the picker adds for disaggregated serving, as the server received them.
+            "picker_headers": {
+                k.lower(): v
+                for k, v in request.headers.items()
+                if k.lower()
+                in ("x-prefiller-host-port", "x-encoder-hosts-ports", "x-data-parallel-host-port")
+            },
         }
         delay_ms = request.headers.get(DELAY_HEADER, "")
         if not delay_ms.isdigit():

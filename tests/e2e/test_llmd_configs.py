@@ -1,0 +1,89 @@
+"""Real llm-d EndpointPickerConfig files, unchanged, served by `extproc serve --config`
+behind a real Envoy (tests/fixtures/llmd-configs, copied from llm-d's repositories)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from extproc.stack import Stack, StackOptions
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "llmd-configs"
+PREFILLER = "x-prefiller-host-port"
+
+
+def chat(text: str) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": text}]}
+
+
+LONG = " ".join(f"word{i}" for i in range(400))  # ~hundreds of tokens: well past 16
+
+
+def test_llm_d_deploy_config_routes_and_keeps_a_conversation_where_its_cache_is():
+    config = CORPUS / "router--deploy_config_epp-config.yaml"
+    with Stack(StackOptions(upstreams=3, extproc_args=("--config", str(config)))) as s:
+        with httpx.Client(base_url=s.url, timeout=30) as http:
+            first = http.post("/v1/chat/completions", json=chat("conv A " + LONG)).json()
+            assert first["destination_header"] == first["endpoint"]
+            assert first["endpoint"] in s.upstream_addresses
+            for _ in range(5):  # the prefix scorer holds the conversation on its endpoint
+                again = http.post("/v1/chat/completions", json=chat("conv A " + LONG)).json()
+                assert again["endpoint"] == first["endpoint"]
+
+
+def test_llm_d_pd_config_sends_long_uncached_prompts_through_a_prefiller():
+    """sim-pd-epp-config: prefix-based-pd-decider with nonCachedTokens 16 and llm-d roles."""
+    config = CORPUS / "router--deploy_config_sim-pd-epp-config.yaml"
+    roles = [{"llm-d.ai/role": "decode"}, {"llm-d.ai/role": "prefill"}]
+    opts = StackOptions(upstreams=2, endpoint_labels=roles, extproc_args=("--config", str(config)))
+    with Stack(opts) as s:
+        decode, prefill = s.upstream_addresses
+        with httpx.Client(base_url=s.url, timeout=30) as http:
+            long = http.post("/v1/chat/completions", json=chat(LONG)).json()
+            assert long["endpoint"] == decode
+            assert long["picker_headers"] == {PREFILLER: prefill}
+            # The same prompt again: the decode endpoint now holds it, no prefill stage.
+            again = http.post("/v1/chat/completions", json=chat(LONG)).json()
+            assert again["endpoint"] == decode
+            assert again["picker_headers"] == {}
+            short = http.post("/v1/chat/completions", json=chat("hi")).json()
+            assert short["endpoint"] == decode and short["picker_headers"] == {}
+
+
+def test_precise_config_without_a_local_tokenizer_serves_and_says_it_is_degraded():
+    """llm-d's precise-prefix config names `hf-repo/model-name`, which is nowhere on disk:
+    the picker still routes (approximate keys) and says so in its log and its metrics."""
+    config = CORPUS / "router--deploy_config_epp-precise-prefix-cache-config.yaml"
+    with Stack(StackOptions(upstreams=2, extproc_args=("--config", str(config)))) as s:
+        with httpx.Client(base_url=s.url, timeout=30) as http:
+            r = http.post("/v1/chat/completions", json=chat("hello"))
+            assert r.status_code == 200 and r.json()["endpoint"] in s.upstream_addresses
+        metrics = httpx.get(f"http://127.0.0.1:{s.picker_admin_port}/metrics", timeout=5).text
+        assert "extproc_llmd_degraded 1.0" in metrics
+        assert "no local tokenizer for model 'hf-repo/model-name'" in s.logs("extproc")
+
+
+@pytest.mark.parametrize("name", ["router--deploy_config_probabilistic-admitter-epp-config.yaml"])
+def test_serve_refuses_a_config_with_pending_plugins_naming_the_issue(tmp_path, name):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "extproc",
+            "serve",
+            "--config",
+            str(CORPUS / name),
+            "--endpoints",
+            "127.0.0.1:1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "pending: built in issue 15" in out.stderr
