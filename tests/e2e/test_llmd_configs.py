@@ -22,14 +22,14 @@ LONG = " ".join(f"word{i}" for i in range(400))  # ~hundreds of tokens: well pas
 
 def test_llm_d_deploy_config_routes_and_keeps_a_conversation_where_its_cache_is():
     config = CORPUS / "router--deploy_config_epp-config.yaml"
-    with Stack(StackOptions(upstreams=3, extproc_args=("--config", str(config)))) as s:
-        with httpx.Client(base_url=s.url, timeout=30) as http:
-            first = http.post("/v1/chat/completions", json=chat("conv A " + LONG)).json()
-            assert first["destination_header"] == first["endpoint"]
-            assert first["endpoint"] in s.upstream_addresses
-            for _ in range(5):  # the prefix scorer holds the conversation on its endpoint
-                again = http.post("/v1/chat/completions", json=chat("conv A " + LONG)).json()
-                assert again["endpoint"] == first["endpoint"]
+    opts = StackOptions(upstreams=3, extproc_args=("--config", str(config)))
+    with Stack(opts) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+        first = http.post("/v1/chat/completions", json=chat("conv A " + LONG)).json()
+        assert first["destination_header"] == first["endpoint"]
+        assert first["endpoint"] in s.upstream_addresses
+        for _ in range(5):  # the prefix scorer holds the conversation on its endpoint
+            again = http.post("/v1/chat/completions", json=chat("conv A " + LONG)).json()
+            assert again["endpoint"] == first["endpoint"]
 
 
 def test_llm_d_pd_config_sends_long_uncached_prompts_through_a_prefiller():

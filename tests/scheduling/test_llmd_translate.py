@@ -86,8 +86,8 @@ def test_every_problem_is_reported_in_one_run_with_lines_and_suggestions(tmp_pat
     err = capsys.readouterr().err
     assert "5 problem(s)" in err  # the fifth: the profile's ref to the misspelt plugin
     assert (
-        f"{path}:4: plugins[0].type: unknown plugin type 'queue-scorr' (did you mean 'queue-scorer'?)"
-        in err
+        f"{path}:4: plugins[0].type: unknown plugin type 'queue-scorr' "
+        "(did you mean 'queue-scorer'?)" in err
     )
     assert (
         f"{path}:7: plugins[1].parameters.affinityTreshold: unknown field "
@@ -102,20 +102,13 @@ def test_every_problem_is_reported_in_one_run_with_lines_and_suggestions(tmp_pat
 
 def test_the_multimodal_posts_retuned_gate_loads_in_llm_ds_spelling():
     """issue 12's headline: affinityThreshold, maxTTFTPenaltyMs, peakPrefillThroughput."""
-    extra = textwrap.dedent(
-        """\
-        - type: prefix-cache-affinity-filter
-          parameters: {affinityThreshold: 0.6, maxTTFTPenaltyMs: 36000, peakPrefillThroughput: 20000}
-        """
-    )
-    d = doc(
-        base=BASE.replace(
-            "plugins:\n- type: queue-scorer", "plugins:\n" + extra + "- type: queue-scorer"
-        )
-    )
+    d = doc()
+    params = {"affinityThreshold": 0.6, "maxTTFTPenaltyMs": 36000, "peakPrefillThroughput": 20000}
+    d["plugins"].append({"type": "prefix-cache-affinity-filter", "parameters": params})
     d["schedulingProfiles"][0]["plugins"].insert(0, {"pluginRef": "prefix-cache-affinity-filter"})
     settings = decode_settings(d)
     assert settings.scheduling is not None
+    assert settings.scheduling.plugins[-1].parameters == params
 
 
 def test_extprocs_older_parameter_names_are_translated_and_said_so():

@@ -127,6 +127,17 @@ IGNORED_PARAMS: dict[tuple[str, str], str] = {
     "1.28.1); the request goes to the decode endpoint's own port",
     ("session-affinity-scorer", "profileName"): "the token always names the primary pick",
     ("session-affinity-filter", "profileName"): "the token always names the primary pick",
+    **{
+        ("active-request-scorer", p): "extproc scores in-flight counts min-max over the "
+        "candidates; requests leave the count when their stream ends"
+        for p in ("idleThreshold", "maxBusyScore")
+    },
+    ("token-load-scorer", "queueThresholdTokens"): "extproc scores in-flight tokens min-max "
+    "over the candidates",
+    **{
+        (t, "maxNumOfEndpoints"): "a decision carries the pick plus server.fallbacks endpoints"
+        for t in ("max-score-picker", "random-picker", "weighted-random-picker")
+    },
     ("no-hit-lru-scorer", "prefixPluginType"): "the prefix match comes from the shared index",
     ("no-hit-lru-scorer", "prefixPluginName"): "the prefix match comes from the shared index",
     ("prefix-cache-scorer", "autoTune"): "block size comes from blockSizeTokens or the engine",
