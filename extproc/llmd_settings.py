@@ -105,6 +105,10 @@ def apply_plumbing(settings: Settings, plumbing: Plumbing, ex: Examined) -> Sett
         index = msgspec.structs.replace(index, record_decisions=True)
     if plumbing.block_tokens:
         parse = msgspec.structs.replace(parse, block_tokens=plumbing.block_tokens)
+    elif plumbing.block_chars:
+        # extproc's approximate blocks are bytes_per_token bytes per token.
+        tokens = max(1, round(plumbing.block_chars / parse.bytes_per_token))
+        parse = msgspec.structs.replace(parse, block_tokens=tokens)
     if plumbing.max_prefix_blocks:
         parse = msgspec.structs.replace(parse, max_blocks=plumbing.max_prefix_blocks)
     elif plumbing.max_prefix_tokens:

@@ -64,7 +64,7 @@ DEGRADED = {
 
 
 def test_the_corpus_is_all_here_and_comment_free():
-    assert len(FILES) == 35
+    assert len(FILES) == 38  # 35 of the shared corpus + GIE's three chart defaults
     assert set(REFUSED) <= set(FILES) and set(FILES) >= DEGRADED
     for name in FILES:
         assert "#" not in (CORPUS / name).read_text(), name
@@ -95,8 +95,8 @@ def test_each_corpus_file_is_accepted_or_refused_for_its_reason(name, tmp_path):
     assert load_settings(path) is not None
 
 
-def test_of_thirty_real_configs_five_are_refused_only_for_pending_or_dcgm():
+def test_of_33_real_configs_5_are_refused_only_for_pending_or_dcgm():
     real = [n for n in FILES if n not in REFUSED or TEST_ONLY not in REFUSED[n][0]]
     refused_real = [n for n in real if n in REFUSED]
-    assert len(real) == 30  # 35 minus the 5 loader/integration test fixtures
+    assert len(real) == 33  # 38 minus the 5 loader/integration test fixtures
     assert len(refused_real) == 5

@@ -358,3 +358,73 @@ def test_topology_filter_in_a_pd_config_keeps_prefill_near_the_decode_pick():
     ]
     for _ in range(10):
         assert s.schedule(req(tokens=10), fleet).headers == {PREFILLER_HEADER: "p-near:1"}
+
+
+# -- GIE v0.5 chart defaults ----------------------------------------------------------------
+
+
+def test_gie_least_filters_keep_the_lowest_band():
+    from extproc.scheduling.plugins.gie_legacy import LeastKVCacheFilter, LeastQueueFilter
+
+    fleet = [
+        cand("a", waiting=0, kv_usage=0.1),
+        cand("b", waiting=3, kv_usage=0.2),
+        cand("c", waiting=9, kv_usage=0.9),
+    ]
+    assert addrs(LeastQueueFilter().filter(req(), fleet)) == ["a", "b"]  # <= 0 + 9 // 3
+    assert addrs(LeastKVCacheFilter().filter(req(), fleet)) == ["a", "b"]  # <= 0.1 + 0.8 / 3
+
+
+def test_gie_lora_affinity_filter_prefers_loaded_adapters_else_free_slots():
+    import random
+
+    from extproc.scheduling.plugins.gie_legacy import LoraAffinityFilter
+
+    fleet = [
+        cand("loaded", running_adapters=frozenset({"ad"}), max_adapters=2),
+        cand("free", max_adapters=2),
+        cand("full", running_adapters=frozenset({"x", "y"}), max_adapters=2),
+    ]
+    f = LoraAffinityFilter(rng=random.Random(1))
+    assert addrs(f.filter(req(adapter="ad"), fleet)) == ["loaded"]
+    never = LoraAffinityFilter(LoraAffinityFilter.Params(threshold=0.0))
+    assert addrs(never.filter(req(adapter="ad"), fleet)) == ["free"]
+    assert addrs(f.filter(req(adapter="new"), fleet)) == ["loaded", "free"]  # free slots
+
+
+def test_gie_v05_chart_default_decision_tree_routes_to_the_least_loaded():
+    """GIE v0.5's chart default: low-queue -> lora -> least-queue -> least-kv, as a tree."""
+    from pathlib import Path
+
+    path = (
+        Path(__file__).resolve().parents[1]
+        / "fixtures"
+        / "llmd-configs"
+        / "gie-v0.5.1--chart_default-plugins.yaml"
+    )
+    s = build_configured_scheduler(decode_settings(yaml.safe_load(path.read_text())))
+    fleet = [
+        cand("busy", waiting=200, kv_usage=0.1),
+        cand("kv-full", waiting=1, kv_usage=0.95),
+        cand("best", waiting=0, kv_usage=0.2),
+    ]
+    picks = {s.schedule(req(), fleet).primary.address for _ in range(20)}
+    assert picks == {"best"}
+    # Everyone over the low-queue threshold: the failure branch still picks the least loaded.
+    swamped = [cand("x", waiting=300, kv_usage=0.5), cand("y", waiting=150, kv_usage=0.4)]
+    assert {s.schedule(req(), swamped).primary.address for _ in range(20)} == {"y"}
+
+
+def test_decision_tree_names_a_missing_filter():
+    with pytest.raises(ConfigError, match="no plugin named 'nope'"):
+        scheduler(
+            """\
+            kind: EndpointPickerConfig
+            plugins:
+            - type: decision-tree-filter
+              parameters: {current: {pluginRef: nope}}
+            schedulingProfiles:
+            - name: default
+              plugins: [{pluginRef: decision-tree-filter}]
+            """
+        )

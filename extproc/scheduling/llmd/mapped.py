@@ -22,6 +22,7 @@ class Plumbing:
 
     index_mode: Literal["approximate", "precise"] | None = None
     block_tokens: int | None = None
+    block_chars: int | None = None
     max_prefix_blocks: int | None = None
     max_prefix_tokens: int | None = None
     capacity_blocks: int | None = None
@@ -176,6 +177,8 @@ class ApproxProducerParams(_P):
     maxPrefixBlocksToMatch: int | None = None
     maxPrefixTokensToMatch: int | None = None
     lruCapacityPerServer: int | None = None
+    # GIE's prefix-cache-scorer (v0.5-v1.x): the block size in prompt characters.
+    hashBlockSize: int | None = None
 
 
 def approx_plumbing(p: Any) -> Plumbing:
@@ -184,6 +187,7 @@ def approx_plumbing(p: Any) -> Plumbing:
     return Plumbing(
         index_mode="approximate",
         block_tokens=p.blockSizeTokens or p.blockSize,
+        block_chars=p.hashBlockSize,
         max_prefix_blocks=p.maxPrefixBlocksToMatch,
         max_prefix_tokens=p.maxPrefixTokensToMatch,
         capacity_blocks=p.lruCapacityPerServer,

@@ -32,11 +32,15 @@ PENDING_TYPES: dict[str, int] = {
     "priority-holdback-policy": 15,
     "sheddable-eviction-filter": 15,
     "priority-then-time-eviction-order-policy": 15,
+    "eviction-priority-then-time-ordering": 15,  # GIE v1.5's name
+    "eviction-sheddable-filter": 15,  # GIE v1.5's name
     # predicted latency
     "predicted-latency-producer": 16,
     "latency-scorer": 16,
     "slo-headroom-tier-filter": 16,
     "latency-slo-admitter": 16,
+    "predicted-latency-scorer": 16,  # GIE v1.5's name
+    "slo-aware-profile-handler": 16,  # GIE v1.x
 }
 
 # Parameter values of implemented plugins that need a pending issue's machinery.
@@ -212,5 +216,12 @@ LLMD_TYPES: frozenset[str] = frozenset(
         "vertexai-parser",
         "vllmhttp-parser",
         "weighted-random-picker",
+        # GIE v0.5's chart defaults
+        "decision-tree-filter",
+        "kv-cache-scorer",
+        "least-kv-cache-filter",
+        "least-queue-filter",
+        "low-queue-filter",
+        "lora-affinity-filter",
     }
 )

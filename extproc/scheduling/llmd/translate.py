@@ -68,6 +68,7 @@ _PREFIX_LEGACY = frozenset(
         "maxPrefixBlocksToMatch",
         "maxPrefixTokensToMatch",
         "lruCapacityPerServer",
+        "hashBlockSize",
     }
 )
 

@@ -21,6 +21,14 @@ from extproc.scheduling.plugins.filters import (
     LabelSelectorFilter,
     PrefillFilter,
 )
+from extproc.scheduling.plugins.gie_legacy import (
+    DecisionTreeFilter,
+    KVCacheScorer,
+    LeastKVCacheFilter,
+    LeastQueueFilter,
+    LoraAffinityFilter,
+    LowQueueFilter,
+)
 from extproc.scheduling.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from extproc.scheduling.plugins.prefix import (
     NoHitLRUScorer,
@@ -80,6 +88,13 @@ BUILTINS: tuple[type, ...] = (
     RunningRequestsSizeScorer,
     TopologyAffinityFilter,
     TopologyAffinityScorer,
+    # GIE v0.5's chart-default plugins
+    LowQueueFilter,
+    LeastQueueFilter,
+    LeastKVCacheFilter,
+    LoraAffinityFilter,
+    DecisionTreeFilter,
+    KVCacheScorer,
 )
 
 __all__ = ["BUILTINS"]
