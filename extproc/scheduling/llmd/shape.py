@@ -28,6 +28,15 @@ class PluginRefSpec(_Strict):
     pluginRef: str = ""
 
 
+class SaturationDetectorConfig(_Strict):
+    """llm-d names a detector plugin; GIE v1.2-v1.5 configured the built-in one inline."""
+
+    pluginRef: str = ""
+    queueDepthThreshold: int | None = None
+    kvCacheUtilThreshold: float | None = None
+    metricsStalenessThreshold: str | None = None
+
+
 class ExtractorRef(_Strict):
     pluginRef: str
 
@@ -67,7 +76,7 @@ class FlowControlConfig(_Strict):
     defaultNegativePriorityBand: PriorityBandConfig | None = None
     priorityBands: list[PriorityBandConfig] = msgspec.field(default_factory=list)
     usageLimitPolicyPluginRef: str | None = None
-    saturationDetector: PluginRefSpec | None = None
+    saturationDetector: SaturationDetectorConfig | None = None
     enableEviction: bool = False
 
 

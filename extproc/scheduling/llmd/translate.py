@@ -425,7 +425,10 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
             )
     if "saturationDetector" in doc:
         sd = _decode(
-            doc["saturationDetector"], shape.PluginRefSpec, ("saturationDetector",), problems
+            doc["saturationDetector"],
+            shape.SaturationDetectorConfig,
+            ("saturationDetector",),
+            problems,
         )
         if sd is not None and sd.pluginRef:
             _check_refs([(("saturationDetector", "pluginRef"), sd.pluginRef)], names, problems)
