@@ -71,3 +71,59 @@ def test_serve_refuses_a_config_with_pending_plugins_naming_the_issue(capsys):
     args = ["serve", "--config", str(CORPUS / name), "--endpoints", "127.0.0.1:1"]
     assert main(args) == 2
     assert "pending: built in issue 15" in capsys.readouterr().err
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "_total "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_precise_config_with_a_local_tokenizer_routes_on_kv_events(tmp_path):
+    """llm-d's sim-epp-kvcache-config, unchanged as the scheduling section, names TinyLlama:
+    with that tokenizer in a local folder, precise keys and the sims' KV events drive
+    routing. (Wrapped only to point the tokenizer lookup at a folder and to bind an
+    ephemeral KV-event port instead of the file's fixed 5557.)"""
+    import time
+
+    import yaml
+
+    from extproc.stack import SIM_TOKENIZER_DIR, SimFleet
+
+    model = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+    (tmp_path / "tok" / "TinyLlama").mkdir(parents=True)
+    (tmp_path / "tok" / model).symlink_to(SIM_TOKENIZER_DIR)
+    corpus = yaml.safe_load(
+        (CORPUS / "router--deploy_config_sim-epp-kvcache-config.yaml").read_text()
+    )
+    sim_args = ("--model", model, "--fast", "20", "--chat-max-tokens", "4")
+    with SimFleet(2, sim_args, log_dir=tmp_path) as fleet:
+        wrapper = {
+            "tokenizer_dirs": [str(tmp_path / "tok")],
+            "index": {"kv_events": {"bind": f"tcp://127.0.0.1:{fleet.kv_events_port}"}},
+            "scheduling": corpus,
+        }
+        config = tmp_path / "picker.yaml"
+        config.write_text(yaml.safe_dump(wrapper, sort_keys=False))
+        opts = StackOptions(fleet=fleet, extproc_args=("--config", str(config)))
+        with Stack(opts) as s, httpx.Client(base_url=s.url, timeout=60) as http:
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": LONG}],
+                "max_tokens": 4,
+            }
+            first = http.post("/v1/chat/completions", json=body)
+            assert first.status_code == 200
+            served = first.headers["x-served-by"]
+            admin = f"http://127.0.0.1:{s.picker_admin_port}/metrics"
+            deadline = time.monotonic() + 20
+            while metric(httpx.get(admin, timeout=5).text, "extproc_kv_events_blocks_stored") == 0:
+                assert time.monotonic() < deadline, "no KV events reached the picker"
+                time.sleep(0.2)
+            for _ in range(3):
+                again = http.post("/v1/chat/completions", json=body)
+                assert again.headers["x-served-by"] == served
+            text = httpx.get(admin, timeout=5).text
+            assert metric(text, "extproc_prefix_blocks_matched") > 0
+            assert metric(text, "extproc_llmd_degraded") == 0
