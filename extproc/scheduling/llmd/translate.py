@@ -114,6 +114,9 @@ class Translation:
     realised: list[Realised] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # The decoded sections by top-level key (shape.* Structs), for whoever implements what
+    # they configure (flow control, issue 15, reads `flowControl` / `saturationDetector`).
+    sections: dict[str, object] = field(default_factory=dict)
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -389,6 +392,7 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
                 t.notes.append(f"feature gate {gate}: nothing to turn on (always on in extproc)")
     if "dataLayer" in doc:
         dl = _decode(doc["dataLayer"], shape.DataLayerConfig, ("dataLayer",), problems)
+        t.sections["dataLayer"] = dl
         if dl is not None:
             refs: list[tuple[Path, str]] = []
             for i, src in enumerate(dl.sources):
@@ -419,6 +423,7 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
     _check_refs(parser_refs, names, problems)
     if "flowControl" in doc:
         fc = _decode(doc["flowControl"], shape.FlowControlConfig, ("flowControl",), problems)
+        t.sections["flowControl"] = fc
         if fc is not None:
             _check_refs(
                 [(("flowControl", *p), r) for p, r in shape.flow_control_refs(fc)], names, problems
@@ -430,6 +435,7 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
             ("saturationDetector",),
             problems,
         )
+        t.sections["saturationDetector"] = sd
         if sd is not None and sd.pluginRef:
             _check_refs([(("saturationDetector", "pluginRef"), sd.pluginRef)], names, problems)
     for section, issue in PENDING_SECTIONS.items():
