@@ -100,3 +100,35 @@ def test_of_33_real_configs_5_are_refused_only_for_pending_or_dcgm():
     refused_real = [n for n in real if n in REFUSED]
     assert len(real) == 33  # 38 minus the 5 loader/integration test fixtures
     assert len(refused_real) == 5
+
+
+def test_mangled_corpus_files_give_problems_never_crashes():
+    """Random values swapped into real configs: every outcome is a list of problems (or a
+    valid config), never an exception escaping the loader."""
+    import copy
+    import random
+
+    docs = [yaml.safe_load((CORPUS / n).read_text()) for n in FILES]
+    junk = [None, 1, "x", [], {}, [1, 2], {"a": 1}, -5, 1.5, True, {"pluginRef": 3}]
+    rng = random.Random(12)
+
+    def mutate(node, depth: int = 0) -> None:
+        if isinstance(node, dict) and node:
+            key = rng.choice(list(node))
+            if rng.random() < 0.4 or depth > 4:
+                node[key] = rng.choice(junk)
+            else:
+                mutate(node[key], depth + 1)
+        elif isinstance(node, list) and node:
+            i = rng.randrange(len(node))
+            if rng.random() < 0.4 or depth > 4:
+                node[i] = rng.choice(junk)
+            else:
+                mutate(node[i], depth + 1)
+
+    for _ in range(400):
+        d = copy.deepcopy(rng.choice(docs))
+        for _ in range(rng.randint(1, 3)):
+            mutate(d)
+        ex = examine(d)
+        assert ex.problems or ex.settings is not None
