@@ -126,7 +126,7 @@ def test_mangled_corpus_files_give_problems_never_crashes():
             else:
                 mutate(node[i], depth + 1)
 
-    for _ in range(400):
+    for _ in range(150):
         d = copy.deepcopy(rng.choice(docs))
         for _ in range(rng.randint(1, 3)):
             mutate(d)
