@@ -18,7 +18,14 @@ from pathlib import Path
 import msgspec
 
 from extproc.bootstrap import BootstrapOptions, render_bootstrap
-from extproc.config import Settings, load_settings
+from extproc.config import (
+    Settings,
+    build_configured_scheduler,
+    examine,
+    load_settings,
+    locate,
+    read_document,
+)
 from extproc.endpoints import parse_endpoints
 from extproc.errors import ConfigError
 from extproc.logs import configure as configure_logging
@@ -161,9 +168,44 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_check_config(args: argparse.Namespace) -> int:
-    from extproc.llmd_settings import check_report
+def check_report(path: str | Path) -> tuple[str, int]:
+    """`extproc check-config`: every problem with file:line, how each llm-d plugin is
+    realised, what runs degraded; exit code 0 (serves as is) or 2 (it would not)."""
+    try:
+        text, doc = read_document(path)
+    except ConfigError as exc:
+        return f"{exc}\n", 2
+    ex = examine(doc)
+    out: list[str] = []
+    if ex.problems:
+        out.append(f"{path}: {len(ex.problems)} problem(s)")
+        out.extend(f"  {locate(path, text, p, bare=not ex.wrapped)}" for p in ex.problems)
+    else:
+        out.append(f"{path}: OK")
+    if ex.translation and ex.translation.realised:
+        out.append("plugins:")
+        for r in ex.translation.realised:
+            label = r.name if r.name == r.type else f"{r.name} ({r.type})"
+            out.append(f"  {label}: {r.how}")
+            out.extend(f"    - {n}" for n in r.notes)
+    for note in ex.notes:
+        out.append(f"note: {note}")
+    for d in ex.degraded:
+        out.append(f"DEGRADED: {d}")
+    if ex.settings is not None:
+        out.append("profiles:")
+        scheduler = build_configured_scheduler(ex.settings)
+        for name, profile in scheduler.profiles.items():
+            scorers = ", ".join(f"{s.name} x{s.weight:g}" for s in profile.scorers) or "none"
+            filters = ", ".join(f.name for f in profile.filters) or "none"
+            out.append(
+                f"  profile {name}: filters [{filters}], scorers [{scorers}], "
+                f"picker {profile.picker.type_name}"
+            )
+    return "\n".join(out) + "\n", 2 if ex.problems else 0
 
+
+def cmd_check_config(args: argparse.Namespace) -> int:
     text, code = check_report(args.file)
     (sys.stdout if code == 0 else sys.stderr).write(text)
     return code
@@ -178,22 +220,32 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    import httpx
+    # The standard library's client: `explain` ships with the base install.
+    import urllib.error
+    import urllib.request
 
     body = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
     headers = {"content-type": "application/json", "x-extproc-path": args.path}
     for h in args.header or []:
         name, _, value = h.partition(":")
         headers[name.strip()] = value.strip()
-    r = httpx.post(
-        f"{args.picker.rstrip('/')}/debug/explain", content=body, headers=headers, timeout=10
-    )
-    print(r.text)
-    return 0 if r.status_code == 200 else 1
+    url = f"{args.picker.rstrip('/')}/debug/explain"
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            print(resp.read().decode())
+            return 0
+    except urllib.error.HTTPError as err:
+        print(err.read().decode())
+        return 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from extproc.demo import run_demo
+    try:
+        from extproc.demo import run_demo
+    except ImportError as exc:
+        print(f"extproc demo: {exc.name} is missing: pip install 'extproc[demo]'", file=sys.stderr)
+        return 2
 
     return run_demo(
         requests=args.requests,

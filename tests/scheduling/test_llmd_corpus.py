@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.config import build_configured_scheduler, load_settings
+from extproc.config import build_configured_scheduler, examine, load_settings
 from extproc.errors import ConfigError
-from extproc.llmd_settings import examine
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "llmd-configs"
 FILES = sorted(p.name for p in CORPUS.glob("*.yaml"))

@@ -10,9 +10,8 @@ import msgspec
 import pytest
 
 from extproc.cli import main
-from extproc.config import decode_settings, load_settings
+from extproc.config import decode_settings, examine, find_tokenizer, load_settings
 from extproc.errors import ConfigError
-from extproc.llmd_settings import examine, find_tokenizer
 from extproc.scheduling.llmd.table import PENDING_TYPES
 from extproc.scheduling.llmd.translate import translate
 from extproc.scheduling.plugins import BUILTINS
@@ -197,22 +196,26 @@ def test_predicted_latency_is_pending_in_issue_16():
 def test_a_registered_plugin_takes_precedence_over_the_pending_table():
     """When issue 15/16 register a real plugin, the table entry is simply shadowed."""
 
-    class Detector:
-        type_name = "utilization-detector"
+    class LatencyScorer:
+        type_name = "latency-scorer"
 
         class Params(msgspec.Struct, forbid_unknown_fields=True):
-            queueDepthThreshold: int = 5
+            horizon: int = 5
 
         def __init__(self, params):
             pass
 
-    assert "utilization-detector" in PENDING_TYPES
-    registry = PluginRegistry([*BUILTINS, Detector])
+        def score(self, req, cands):
+            return [1.0] * len(cands)
+
+    assert "latency-scorer" in PENDING_TYPES
+    registry = PluginRegistry([*BUILTINS, LatencyScorer])
     d = doc()
-    d["plugins"].append({"type": "utilization-detector", "parameters": {"queueDepthThreshold": 9}})
+    d["plugins"].append({"type": "latency-scorer", "parameters": {"horizon": 9}})
+    d["schedulingProfiles"][0]["plugins"].append({"pluginRef": "latency-scorer"})
     t = translate(d, registry)
     assert t.problems == []
-    assert [r.kind for r in t.realised if r.type == "utilization-detector"] == ["implemented"]
+    assert [r.kind for r in t.realised if r.type == "latency-scorer"] == ["implemented"]
 
 
 def test_mapped_plugins_turn_on_extprocs_machinery(tmp_path):
