@@ -10,19 +10,18 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from extproc.core import Candidate, Decision, Endpoint, InferenceRequest
-from extproc.scheduling.framework import ProfileRunner
+from extproc.scheduling.framework import ProfileResult, ProfileRunner
 from extproc.scheduling.handlers import DisaggDeciders, DisaggProfileHandler, DisaggProfiles
 
 DATA_PARALLEL_HEADER = "x-data-parallel-host-port"
 
 
-def _result_decision(result, **extra) -> Decision:  # type: ignore[no-untyped-def]
+def _result_decision(result: ProfileResult) -> Decision:
     return Decision(
         endpoints=tuple(c.endpoint for c in result.chosen),
         scores=result.scores,
         reasons=result.reasons,
         profile=result.profile,
-        **extra,
     )
 
 
