@@ -329,3 +329,17 @@ def test_docs_compatibility_table_lists_every_llm_d_type():
     text = (Path(__file__).resolve().parents[2] / "docs" / "llm-d.md").read_text()
     for t in sorted(LLMD_TYPES | set(MAPPED)):
         assert f"`{t}`" in text, t
+
+
+def test_our_own_document_reports_its_problems_and_the_scheduling_ones_together(tmp_path):
+    import yaml
+
+    d = {"server": {"colour": "red"}, "scheduling": doc()}
+    d["scheduling"]["plugins"][0]["type"] = "queue-scorr"
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    with pytest.raises(ConfigError) as e:
+        load_settings(path)
+    text = str(e.value)
+    assert "server.colour: unknown field" in text
+    assert "scheduling.plugins[0].type: unknown plugin type 'queue-scorr'" in text
