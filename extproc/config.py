@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from extproc.endpoints.dcgm import DCGMSettings
 from extproc.endpoints.scrape import ScrapeSettings
 from extproc.endpoints.shared_inflight import SharedInFlightSettings
 from extproc.errors import ConfigError, format_path
@@ -127,6 +128,9 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scrape: ScrapeSettings | None = ScrapeSettings()
     shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
     exclude_failing: bool = True
+    # GPU utilization from each endpoint host's DCGM exporter (None: not polled); turned on
+    # by llm-d's dcgm-data-source plugin.
+    dcgm: DCGMSettings | None = None
 
 
 class DiscoverySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -266,6 +270,17 @@ def apply_plumbing(settings: Settings, plumbing: Plumbing, ex: Examined) -> Sett
             state = msgspec.structs.replace(
                 state, scrape=msgspec.structs.replace(state.scrape, **changes)
             )
+    if plumbing.dcgm and state.dcgm is None:
+        dcgm: dict[str, Any] = {}
+        for key, value in (
+            ("scheme", plumbing.dcgm_scheme),
+            ("path", plumbing.dcgm_path),
+            ("port", plumbing.dcgm_port),
+            ("interval_s", plumbing.dcgm_interval_s),
+        ):
+            if value is not None:
+                dcgm[key] = value
+        state = msgspec.structs.replace(state, dcgm=msgspec.convert(dcgm, DCGMSettings))
     if plumbing.endpoints_file and discovery.endpoints_file is None:
         discovery = msgspec.structs.replace(discovery, endpoints_file=plumbing.endpoints_file)
     return msgspec.structs.replace(

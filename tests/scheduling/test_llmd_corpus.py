@@ -1,6 +1,6 @@
 """Every file of the llm-d config corpus (tests/fixtures/llmd-configs) is accepted as it is,
 or refused for exactly the reason it is expected to be: test-only plugins of llm-d's own
-loader tests, plugins pending in issues 15/16, DCGM metrics extproc does not collect."""
+loader tests, and plugins pending in issue 15 (flow control)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,6 @@ REFUSED = {
     ],
     "router--deploy_config_soft-reflective-ceiling-epp-config.yaml": [
         "'soft-reflective-ceiling-policy' is pending: built in issue 15",
-    ],
-    "router--deploy_config_sim-epp-gpu-config.yaml": [
-        "'dcgm-data-source' refused: DCGM GPU metrics are not collected",
-        "'endpoint-attribute-filter' refused",
     ],
 }
 # Precise-prefix configs whose tokenizer is not on this machine: served with approximate keys.
@@ -94,11 +90,12 @@ def test_each_corpus_file_is_accepted_or_refused_for_its_reason(name, tmp_path):
     assert load_settings(path) is not None
 
 
-def test_of_33_real_configs_5_are_refused_only_for_pending_or_dcgm():
+def test_of_33_real_configs_only_the_4_flow_control_ones_are_refused():
     real = [n for n in FILES if n not in REFUSED or TEST_ONLY not in REFUSED[n][0]]
     refused_real = [n for n in real if n in REFUSED]
     assert len(real) == 33  # 38 minus the 5 loader/integration test fixtures
-    assert len(refused_real) == 5
+    assert len(refused_real) == 4
+    assert all(PENDING_15 in " ".join(REFUSED[n]) for n in refused_real)
 
 
 def test_mangled_corpus_files_give_problems_never_crashes():

@@ -428,3 +428,91 @@ def test_decision_tree_names_a_missing_filter():
               plugins: [{pluginRef: decision-tree-filter}]
             """
         )
+
+
+# -- endpoint attributes (GPUUtilization from DCGM) ------------------------------------------
+
+
+def test_endpoint_attribute_filter_threshold_missing_and_fallback():
+    import msgspec
+
+    from extproc.scheduling.plugins.attributes import EndpointAttributeFilter
+
+    def build(**extra):
+        params = {
+            "attribute": "GPUUtilization",
+            "algorithm": {
+                "type": "threshold",
+                "threshold": {"operator": "LessThanOrEqual", "value": 0.9},
+            },
+            **extra,
+        }
+        return EndpointAttributeFilter(msgspec.convert(params, EndpointAttributeFilter.Params))
+
+    fleet = [
+        cand("cool", attributes={"GPUUtilization": 0.3}),
+        cand("hot", attributes={"GPUUtilization": 0.95}),
+        cand("unknown"),
+    ]
+    assert addrs(build().filter(req(), fleet)) == ["cool", "unknown"]  # onMissing: Pass
+    assert addrs(build(onMissing="Fail").filter(req(), fleet)) == ["cool"]
+    hot = [fleet[1]]
+    assert build().filter(req(), hot) == []
+    assert addrs(build(fallbackOnEmpty=True).filter(req(), hot)) == ["hot"]
+
+
+def test_endpoint_attribute_scorer_fixed_and_adaptive_ranges():
+    import msgspec
+
+    from extproc.scheduling.plugins.attributes import EndpointAttributeScorer
+
+    def build(algorithm):
+        params = {"attributeKey": "GPUUtilization", "algorithm": algorithm}
+        return EndpointAttributeScorer(msgspec.convert(params, EndpointAttributeScorer.Params))
+
+    fleet = [
+        cand("a", attributes={"GPUUtilization": 0.2}),
+        cand("b", attributes={"GPUUtilization": 0.6}),
+        cand("c"),
+    ]
+    fixed = build(
+        {
+            "type": "linear_lower_is_better",
+            "normalization": {"fixedRange": {"min": 0.0, "max": 1.0}},
+        }
+    )
+    assert fixed.score(req(), fleet) == pytest.approx([0.8, 0.4, 0.0])
+    adaptive = build({"type": "linear_higher_is_better"})
+    assert adaptive.score(req(), fleet) == pytest.approx([0.0, 1.0, 0.0])
+    with pytest.raises(msgspec.ValidationError, match="min must be below"):
+        build(
+            {
+                "type": "linear_lower_is_better",
+                "normalization": {"fixedRange": {"min": 1.0, "max": 1.0}},
+            }
+        )
+
+
+def test_an_attribute_nothing_produces_is_a_config_error():
+    from extproc.config import examine
+
+    d = yaml.safe_load(
+        textwrap.dedent(
+            """\
+            kind: EndpointPickerConfig
+            plugins:
+            - type: endpoint-attribute-filter
+              parameters:
+                attribute: GPUUtilisation
+                algorithm: {type: threshold, threshold: {operator: LessThan, value: 0.5}}
+            schedulingProfiles:
+            - name: default
+              plugins: [{pluginRef: endpoint-attribute-filter}]
+            """
+        )
+    )
+    (p,) = [str(x) for x in examine(d).problems]
+    assert "no producer of attribute 'GPUUtilisation'" in p and "'GPUUtilization'" in p
+    d["plugins"][0]["parameters"]["attribute"] = "GPUUtilization"
+    (p,) = [str(x) for x in examine(d).problems]
+    assert "needs a dcgm-data-source plugin" in p

@@ -34,6 +34,11 @@ class Plumbing:
     scrape_interval_s: float | None = None
     endpoints_file: str | None = None
     topology_labels: tuple[tuple[str, str], ...] | None = None
+    dcgm: bool | None = None
+    dcgm_scheme: Literal["http", "https"] | None = None
+    dcgm_path: str | None = None
+    dcgm_port: int | None = None
+    dcgm_interval_s: float | None = None
 
     def merge(self, other: Plumbing) -> Plumbing:
         """`other`'s set fields over ours; precise beats approximate (a precise producer and
@@ -341,6 +346,34 @@ def _topology(p: TopologyExtractorParams) -> tuple[Plumbing, list[str]]:
     return Plumbing(topology_labels=levels), []
 
 
+class DCGMSourceParams(_P):
+    scheme: Literal["http", "https"] | None = None
+    path: str | None = None
+    port: int | None = None
+    insecureSkipVerify: bool | None = None
+    useNodeAddress: bool | None = None
+    interval: str | None = None
+
+
+def _dcgm(p: DCGMSourceParams) -> tuple[Plumbing, list[str]]:
+    notes = _ignored(
+        p,
+        {
+            "insecureSkipVerify": "https polls do not verify certificates",
+            "useNodeAddress": "the exporter is polled at each endpoint's own host address",
+        },
+    )
+    interval = parse_duration_s(p.interval) if p.interval else None
+    plumbing = Plumbing(
+        dcgm=True,
+        dcgm_scheme=p.scheme,
+        dcgm_path=p.path,
+        dcgm_port=p.port,
+        dcgm_interval_s=interval,
+    )
+    return plumbing, notes
+
+
 class SessionIDParams(_P):
     headerName: str | None = None
     cookieName: str | None = None
@@ -426,6 +459,15 @@ MAPPED: dict[str, MappedType] = {
         "topology read from endpoint labels (hostname, rack, zone, region)",
         TopologyExtractorParams,
         _topology,
+    ),
+    "dcgm-data-source": MappedType(
+        "the DCGM exporter poller (state.dcgm): each endpoint's host at `port`",
+        DCGMSourceParams,
+        _dcgm,
+    ),
+    "dcgm-extractor": MappedType(
+        "the GPUUtilization attribute: the endpoint pod's highest DCGM_FI_DEV_GPU_UTIL / 100",
+        effect=lambda _: (Plumbing(dcgm=True), []),
     ),
     "prefill-header-handler": MappedType(
         "the disaggregation headers disagg-profile-handler sets itself"

@@ -75,12 +75,6 @@ REFUSED: dict[str, str] = {
             "destination-endpoint-served-verifier",
         )
     },
-    "dcgm-data-source": "DCGM GPU metrics are not collected by extproc (not implemented)",
-    "dcgm-extractor": "DCGM GPU metrics are not collected by extproc (not implemented)",
-    "endpoint-attribute-filter": "endpoint attributes come from producers extproc does not "
-    "have (dcgm-extractor, custom metric specs)",
-    "endpoint-attribute-scorer": "endpoint attributes come from producers extproc does not "
-    "have (dcgm-extractor, custom metric specs)",
     "request-attribute-reporter": "CEL expressions over response usage are not supported "
     "(extproc does not process response bodies)",
     "agent-identity": "agent identity headers are not implemented",
@@ -142,6 +136,11 @@ IGNORED_PARAMS: dict[tuple[str, str], str] = {
         (t, "maxNumOfEndpoints"): "a decision carries the pick plus server.fallbacks endpoints"
         for t in ("max-score-picker", "random-picker", "weighted-random-picker")
     },
+    **{
+        (t, "producer"): "attributes are read by name; each has one producer in extproc "
+        "(GPUUtilization: the DCGM poller)"
+        for t in ("endpoint-attribute-filter", "endpoint-attribute-scorer")
+    },
     ("no-hit-lru-scorer", "prefixPluginType"): "the prefix match comes from the shared index",
     ("no-hit-lru-scorer", "prefixPluginName"): "the prefix match comes from the shared index",
     ("prefix-cache-scorer", "autoTune"): "block size comes from blockSizeTokens or the engine",
@@ -170,6 +169,10 @@ LLMD_TYPES: frozenset[str] = frozenset(
         "disagg-headers-handler",
         "disagg-profile-handler",
         "encode-filter",
+        "dcgm-data-source",
+        "dcgm-extractor",
+        "endpoint-attribute-filter",
+        "endpoint-attribute-scorer",
         "endpoint-notification-source",
         "file-discovery",
         "header-label-affinity-scorer",

@@ -223,6 +223,7 @@ def translate(doc: Any, registry: PluginRegistry) -> Translation:
         ]
     known_names = {n for n, _ in specs}
     _sections(doc, specs, t)
+    _check_attributes(doc.get("plugins"), specs, problems)
     failed = {r.name for r in t.realised if r.kind in ("pending", "refused", "unknown")}
     profiles = _profiles(doc.get("schedulingProfiles"), specs, known_names, failed, problems)
     if problems:
@@ -353,6 +354,49 @@ def _plugins(
             Realised(spec.name or spec.type, spec.type, "implemented", "implemented (implicit)")
         )
     return out
+
+
+# Endpoint attributes extproc produces, and the llm-d plugin types that produce them.
+ATTRIBUTE_PRODUCERS = {"GPUUtilization": ("dcgm-data-source", "dcgm-extractor")}
+
+
+def _check_attributes(
+    raw: Any, specs: list[tuple[str, PluginSpec | None]], problems: list[Problem]
+) -> None:
+    """An endpoint-attribute plugin must read an attribute something in this config
+    produces; otherwise it would see every endpoint as missing it, silently."""
+    if not isinstance(raw, list):
+        return
+    raw_types = [item.get("type") for item in raw if isinstance(item, dict)]
+    types = {s.type for _, s in specs if s is not None} | {
+        t for t in raw_types if isinstance(t, str)
+    }
+    fields = {"endpoint-attribute-filter": "attribute", "endpoint-attribute-scorer": "attributeKey"}
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or not isinstance(item.get("type"), str):
+            continue
+        field_name = fields.get(item["type"])
+        params = item.get("parameters")
+        if field_name is None or not isinstance(params, dict):
+            continue
+        attribute = params.get(field_name)
+        if not isinstance(attribute, str):
+            continue
+        where: Path = ("plugins", i, "parameters", field_name)
+        producers = ATTRIBUTE_PRODUCERS.get(attribute)
+        if producers is None:
+            problems.append(
+                Problem(
+                    where,
+                    f"no producer of attribute {attribute!r} in extproc (it produces: "
+                    f"{', '.join(ATTRIBUTE_PRODUCERS)})"
+                    + did_you_mean(attribute, ATTRIBUTE_PRODUCERS),
+                )
+            )
+        elif not types & set(producers):
+            problems.append(
+                Problem(where, f"attribute {attribute!r} needs a {producers[0]} plugin")
+            )
 
 
 def _with_labels(spec: PluginSpec, labels: dict[str, str]) -> PluginSpec:

@@ -7,6 +7,7 @@ from extproc.scheduling.plugins.affinity import (
     SessionAffinityFilter,
     SessionAffinityScorer,
 )
+from extproc.scheduling.plugins.attributes import EndpointAttributeFilter, EndpointAttributeScorer
 from extproc.scheduling.plugins.context_length import ContextLengthAware
 from extproc.scheduling.plugins.deciders import (
     AlwaysDisaggMultimodalDecider,
@@ -88,6 +89,8 @@ BUILTINS: tuple[type, ...] = (
     RunningRequestsSizeScorer,
     TopologyAffinityFilter,
     TopologyAffinityScorer,
+    EndpointAttributeFilter,
+    EndpointAttributeScorer,
     # GIE v0.5's chart-default plugins
     LowQueueFilter,
     LeastQueueFilter,
