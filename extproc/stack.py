@@ -114,6 +114,8 @@ class StackOptions:
     # Labels per upstream (same order): the picker then reads its endpoints from a file
     # carrying them (e.g. `llm-d.ai/role` for disaggregated configs) instead of --endpoints.
     endpoint_labels: Sequence[Mapping[str, str]] | None = None
+    # Names per upstream (pod names, e.g. for DCGM samples); needs endpoint_labels.
+    endpoint_names: Sequence[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,9 +430,10 @@ class Stack:
         if labels is None:
             return []
         path = self.log_dir / "endpoints.yaml"
+        names = self.options.endpoint_names or [""] * len(labels)
         entries = [
-            {"address": a, "labels": dict(lab)}
-            for a, lab in zip(self.upstream_addresses, labels, strict=True)
+            {"address": a, "labels": dict(lab), **({"name": n} if n else {})}
+            for a, lab, n in zip(self.upstream_addresses, labels, names, strict=True)
         ]
         path.write_text(yaml.safe_dump(entries, sort_keys=False))
         return ["--endpoints-file", str(path)]

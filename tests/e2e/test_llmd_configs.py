@@ -127,3 +127,67 @@ def test_precise_config_with_a_local_tokenizer_routes_on_kv_events(tmp_path):
             text = httpx.get(admin, timeout=5).text
             assert metric(text, "extproc_prefix_blocks_matched") > 0
             assert metric(text, "extproc_llmd_degraded") == 0
+
+
+def test_gpu_config_keeps_requests_off_a_busy_gpu_reported_by_dcgm(tmp_path):
+    """llm-d's sim-epp-gpu-config: DCGM says which pod's GPU is over 90% busy; the
+    endpoint-attribute filter keeps requests off it, and follows when it changes. (Wrapped
+    only to poll a fake exporter on an ephemeral port instead of the file's 9400.)"""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import yaml
+
+    util = {"pod-a": 95, "pod-b": 20}
+
+    class Exporter(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = "".join(
+                f'DCGM_FI_DEV_GPU_UTIL{{gpu="0",pod="{pod}"}} {v}\n' for pod, v in util.items()
+            ).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Exporter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    corpus = yaml.safe_load((CORPUS / "router--deploy_config_sim-epp-gpu-config.yaml").read_text())
+    wrapper = {
+        "state": {"dcgm": {"port": server.server_address[1], "interval_s": 0.1}},
+        "scheduling": corpus,
+    }
+    config = tmp_path / "picker.yaml"
+    config.write_text(yaml.safe_dump(wrapper, sort_keys=False))
+    opts = StackOptions(
+        upstreams=2,
+        endpoint_labels=[{}, {}],
+        endpoint_names=["pod-a", "pod-b"],
+        extproc_args=("--config", str(config)),
+    )
+    try:
+        with Stack(opts) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+            a, b = s.upstream_addresses
+
+            def served() -> set[str]:
+                return {
+                    http.post("/v1/chat/completions", json=chat(f"q{i}")).json()["endpoint"]
+                    for i in range(8)
+                }
+
+            deadline = time.monotonic() + 20
+            while served() != {b}:
+                assert time.monotonic() < deadline, "pod-a's busy GPU never kept requests off it"
+                time.sleep(0.3)
+            util.update({"pod-a": 10, "pod-b": 99})
+            deadline = time.monotonic() + 20
+            while served() != {a}:
+                assert time.monotonic() < deadline, "the filter did not follow DCGM"
+                time.sleep(0.3)
+    finally:
+        server.shutdown()
+        server.server_close()
