@@ -516,3 +516,16 @@ def test_an_attribute_nothing_produces_is_a_config_error():
     d["plugins"][0]["parameters"]["attribute"] = "GPUUtilization"
     (p,) = [str(x) for x in examine(d).problems]
     assert "needs a dcgm-data-source plugin" in p
+
+
+def test_prefix_scorer_blends_in_the_match_length_when_asked():
+    from extproc.scheduling.plugins.prefix import PrefixCacheScorer
+
+    fleet = [cand("half", prefix=2), cand("none")]
+    r = req(blocks=4)  # 64 tokens per block
+    assert PrefixCacheScorer().score(r, fleet) == [0.5, 0.0]
+    blended = PrefixCacheScorer(
+        PrefixCacheScorer.Params(match_length_weight=0.5, match_length_scale_tokens=256)
+    )
+    # 0.5 * (128 / 256)^2 + 0.5 * 0.5
+    assert blended.score(r, fleet) == pytest.approx([0.375, 0.0])

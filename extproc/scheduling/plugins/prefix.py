@@ -28,7 +28,9 @@ class PrefixCacheScorer:
 
     The index itself (approximate from routing decisions, or precise from vLLM KV events)
     is configured in the `index` settings, or by llm-d's producer plugins in the same config
-    (see docs/llm-d.md); `mode` is informational.
+    (see docs/llm-d.md); `mode` is informational. With `matchLengthWeight` w (0..1) the score
+    blends in the matched length: w * min(1, matched tokens / `matchLengthScaleTokens`)^2 +
+    (1 - w) * the fraction (llm-d's formula).
 
     ```yaml
     - type: prefix-cache-scorer
@@ -40,6 +42,8 @@ class PrefixCacheScorer:
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
         mode: Literal["approximate", "precise", "auto"] = "auto"
         prefix_match_info_producer_name: str | None = None
+        match_length_weight: _Fraction = 0.0
+        match_length_scale_tokens: Annotated[int, msgspec.Meta(gt=0)] = 8192
 
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
@@ -48,7 +52,14 @@ class PrefixCacheScorer:
         n = len(req.block_keys)
         if not n:
             return [0.0] * len(cands)
-        return [c.prefix_blocks / n if c.prefix_blocks < n else 1.0 for c in cands]
+        ratios = [c.prefix_blocks / n if c.prefix_blocks < n else 1.0 for c in cands]
+        w = self.params.match_length_weight
+        if not w or not req.block_tokens:
+            return ratios
+        # llm-d's blend: a long absolute match also counts, squared so short ones count little.
+        scale = self.params.match_length_scale_tokens
+        lengths = [min(1.0, c.prefix_blocks * req.block_tokens / scale) ** 2 for c in cands]
+        return [w * m + (1.0 - w) * r for m, r in zip(lengths, ratios, strict=True)]
 
 
 class PrefixCacheAffinityFilter:
