@@ -21,6 +21,13 @@ from extproc.endpoints.dcgm import DCGMSettings
 from extproc.endpoints.scrape import ScrapeSettings
 from extproc.endpoints.shared_inflight import SharedInFlightSettings
 from extproc.errors import ConfigError, format_path
+from extproc.flowcontrol.config import (
+    ADMITTER_TYPES,
+    FLOW_PLUGIN_TYPES,
+    FlowConfig,
+    FlowControlSettings,
+    build_flow_config,
+)
 from extproc.hashing.tokenizer import PreciseSettings
 from extproc.requests import ParseSettings
 from extproc.scheduling.config import EndpointPickerConfig, build_scheduler, default_config
@@ -156,6 +163,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     state: StateSettings = StateSettings()
     scheduling: EndpointPickerConfig | None = None
     disabled_plugins: list[str] = msgspec.field(default_factory=list)
+    # Flow control (docs/flow-control.md); also on when `scheduling` has `flowControl`.
+    flow_control: FlowControlSettings | None = None
     # Where an llm-d token-producer's modelName is looked up (a folder per model, or the
     # Hugging Face cache layout); tokenizers are never downloaded at serve time.
     tokenizer_dirs: list[str] = msgspec.field(
@@ -308,15 +317,16 @@ def examine(doc: Any) -> Examined:
         settings = None
     if raw_sched is None:
         if settings is not None:
-            try:
-                build_configured_scheduler(settings)
-            except ConfigError as exc:
-                ex.problems.append(exc)
+            for build in (build_configured_scheduler, build_configured_flow_control):
+                try:
+                    build(settings)
+                except ConfigError as exc:
+                    ex.problems.append(exc)
         ex.settings = None if ex.problems else settings
         return ex
     disabled = settings.disabled_plugins if settings is not None else []
     registry = PluginRegistry.default(disabled=disabled)
-    t = translate(raw_sched, registry)
+    t = translate(raw_sched, registry, foreign=FLOW_PLUGIN_TYPES)
     ex.translation = t
     ex.notes.extend(t.notes)
     ex.problems.extend(ConfigError(p.message, path=("scheduling", *p.path)) for p in t.problems)
@@ -324,10 +334,12 @@ def examine(doc: Any) -> Examined:
         return ex
     settings = msgspec.structs.replace(settings, scheduling=t.config)
     settings = apply_plumbing(settings, t.plumbing, ex)
-    try:
-        build_configured_scheduler(settings)
-    except ConfigError as exc:
-        ex.problems.append(exc)
+    for build in (build_configured_scheduler, build_configured_flow_control):
+        try:
+            build(settings)
+        except ConfigError as exc:
+            ex.problems.append(exc)
+    if ex.problems:
         return ex
     if ex.degraded:
         settings = msgspec.structs.replace(settings, degraded=list(ex.degraded))
@@ -354,9 +366,27 @@ def build_configured_scheduler(settings: Settings) -> Scheduler:
             settings.scheduling or default_config(),
             registry,
             fallbacks=settings.server.fallbacks,
+            foreign=FLOW_PLUGIN_TYPES,
         )
     except ConfigError as exc:
         raise exc.within("scheduling") if settings.scheduling else exc from None
+
+
+def build_configured_flow_control(settings: Settings) -> FlowConfig | None:
+    """Stage 2 for flow control: None (off) unless the scheduling config has a
+    `flowControl` or `saturationDetector` section or lists an admitter plugin, or the
+    settings have a `flow_control` section."""
+    sched = settings.scheduling
+    fc = sched.flowControl if sched else None
+    sd = sched.saturationDetector if sched else None
+    plugins = [msgspec.to_builtins(p) for p in sched.plugins] if sched else []
+    admitter = any(p["type"] in ADMITTER_TYPES for p in plugins)
+    if fc is None and sd is None and settings.flow_control is None and not admitter:
+        return None
+    try:
+        return build_flow_config(fc, sd, plugins, settings.flow_control)
+    except ConfigError as exc:
+        raise exc.within("scheduling") if sched else exc from None
 
 
 def _line_of(text: str, path: tuple[str | int, ...]) -> int | None:

@@ -67,7 +67,7 @@ def test_precise_config_without_a_local_tokenizer_serves_and_says_it_is_degraded
 def test_serve_refuses_a_config_with_pending_plugins_naming_the_issue(capsys):
     from extproc.cli import main
 
-    name = "router--deploy_config_probabilistic-admitter-epp-config.yaml"
+    name = "router--deploy_config_soft-reflective-ceiling-epp-config.yaml"
     args = ["serve", "--config", str(CORPUS / name), "--endpoints", "127.0.0.1:1"]
     assert main(args) == 2
     assert "pending: built in issue 15" in capsys.readouterr().err

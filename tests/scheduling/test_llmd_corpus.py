@@ -1,6 +1,6 @@
 """Every file of the llm-d config corpus (tests/fixtures/llmd-configs) is accepted as it is,
 or refused for exactly the reason it is expected to be: test-only plugins of llm-d's own
-loader tests, and plugins pending in issue 15 (flow control)."""
+loader tests, and two flow-control policies issue 15 did not build."""
 
 from __future__ import annotations
 
@@ -28,17 +28,8 @@ REFUSED = {
         "request-attribute-reporter' refused: CEL expressions",
     ],
     "router--test_testdata_configloader_1_test.yaml": [TEST_ONLY],
-    "router--deploy_config_probabilistic-admitter-epp-config.yaml": [
-        "'probabilistic-admitter' is pending: built in issue 15",
-        "'utilization-detector' is pending: built in issue 15",
-    ],
-    "sched--deploy_config_probabilistic-admitter-epp-config.yaml": [
-        "'probabilistic-admitter' is pending: built in issue 15",
-        "saturationDetector section is pending: built in issue 15",
-    ],
     "router--deploy_config_sim-program-aware-config.yaml": [
         "'program-aware-fairness' is pending: built in issue 15",
-        "feature gate 'flowControl' is pending: built in issue 15",
     ],
     "router--deploy_config_soft-reflective-ceiling-epp-config.yaml": [
         "'soft-reflective-ceiling-policy' is pending: built in issue 15",
@@ -90,11 +81,11 @@ def test_each_corpus_file_is_accepted_or_refused_for_its_reason(name, tmp_path):
     assert load_settings(path) is not None
 
 
-def test_of_33_real_configs_only_the_4_flow_control_ones_are_refused():
+def test_of_33_real_configs_only_2_are_refused_for_pending_flow_control_policies():
     real = [n for n in FILES if n not in REFUSED or TEST_ONLY not in REFUSED[n][0]]
     refused_real = [n for n in real if n in REFUSED]
     assert len(real) == 33  # 38 minus the 5 loader/integration test fixtures
-    assert len(refused_real) == 4
+    assert len(refused_real) == 2
     assert all(PENDING_15 in " ".join(REFUSED[n]) for n in refused_real)
 
 

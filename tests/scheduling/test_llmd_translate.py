@@ -173,13 +173,25 @@ def test_sections_are_decoded_and_their_plugin_refs_checked():
     )
 
 
-def test_flow_control_sections_and_plugins_are_pending_in_issue_15():
+def test_flow_control_types_and_sections_go_to_flow_control():
     d = doc()
-    d["plugins"].append({"type": "utilization-detector"})
+    d["plugins"].append({"type": "utilization-detector", "parameters": {"queueDepthThreshold": 9}})
     d["flowControl"] = {"saturationDetector": {"pluginRef": "utilization-detector"}}
-    got = problems(d)
-    assert any("'utilization-detector' is pending: built in issue 15" in p for p in got)
-    assert any("flowControl: the flowControl section is pending" in p for p in got)
+    ex = examine(d)
+    assert ex.problems == [] and ex.settings is not None
+    assert ex.settings.scheduling is not None
+    assert ex.settings.scheduling.flowControl == d["flowControl"]  # raw, for flow control
+    (r,) = [r for r in ex.translation.realised if r.type == "utilization-detector"]
+    assert r.how.startswith("implemented by flow control")
+    d["flowControl"]["saturationDetector"]["pluginRef"] = "utilisation-detector"
+    assert any("no plugin named 'utilisation-detector'" in p for p in problems(d))
+
+
+def test_flow_control_policies_not_built_yet_are_pending_in_issue_15():
+    d = doc()
+    d["plugins"].append({"type": "program-aware-fairness"})
+    (p,) = problems(d)
+    assert "'program-aware-fairness' is pending: built in issue 15" in p
 
 
 def test_predicted_latency_is_pending_in_issue_16():

@@ -13,23 +13,14 @@ Four outcomes, checked in this order by `llmd.translate`:
 
 from __future__ import annotations
 
-# Plugin types whose behaviour is being built in parallel: flow control (issue 15) and
-# predicted latency (issue 16). When those land, their plugins are registered and the
-# registry lookup finds them before this table; the names are then removed here.
+# Plugin types whose behaviour is being built in parallel: predicted latency (issue 16), and
+# the flow-control types issue 15 did not build (its detectors, policies and admitters are
+# found first, as flow control's own types). When they land, the registry (or flow
+# control) finds them before this table; the names are then removed here.
 PENDING_TYPES: dict[str, int] = {
     # flow control: saturation detectors, admitters, fairness / ordering / usage policies
-    "utilization-detector": 15,
-    "concurrency-detector": 15,
-    "probabilistic-admitter": 15,
     "program-aware-fairness": 15,
-    "global-strict-fairness-policy": 15,
-    "round-robin-fairness-policy": 15,
-    "fcfs-ordering-policy": 15,
-    "edf-ordering-policy": 15,
-    "slo-deadline-ordering-policy": 15,
     "soft-reflective-ceiling-policy": 15,
-    "static-usage-limit-policy": 15,
-    "priority-holdback-policy": 15,
     "sheddable-eviction-filter": 15,
     "priority-then-time-eviction-order-policy": 15,
     "eviction-priority-then-time-ordering": 15,  # GIE v1.5's name
@@ -49,11 +40,8 @@ PENDING_VALUES: dict[tuple[str, str, str], int] = {
 }
 
 # Config sections (and feature gates) whose behaviour is pending.
-PENDING_SECTIONS: dict[str, int] = {
-    "flowControl": 15,
-    "saturationDetector": 15,
-}
-PENDING_FEATURE_GATES: dict[str, int] = {"flowControl": 15}
+PENDING_SECTIONS: dict[str, int] = {}
+PENDING_FEATURE_GATES: dict[str, int] = {}
 KNOWN_FEATURE_GATES = frozenset({"dataLayer", "enableLegacyMetrics", "flowControl"})
 
 _TEST_ONLY = (

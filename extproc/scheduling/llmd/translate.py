@@ -12,7 +12,7 @@ and the problems. Nothing is built when there are problems.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -191,8 +191,10 @@ def _ignored_notes(type_name: str, params: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def translate(doc: Any, registry: PluginRegistry) -> Translation:
-    """Classify and translate a parsed EndpointPickerConfig mapping (see module doc)."""
+def translate(doc: Any, registry: PluginRegistry, *, foreign: Collection[str] = ()) -> Translation:
+    """Classify and translate a parsed EndpointPickerConfig mapping (see module doc).
+    `foreign`: plugin types another subsystem builds from the same config (flow control's
+    detectors, policies and admitters); they are kept in the plugin list for it."""
     t = Translation(config=None)
     problems = t.problems
     if not isinstance(doc, dict):
@@ -213,7 +215,7 @@ def translate(doc: Any, registry: PluginRegistry) -> Translation:
     if doc.get("kind", "EndpointPickerConfig") != "EndpointPickerConfig":
         problems.append(Problem(("kind",), "must be EndpointPickerConfig"))
 
-    specs = _plugins(doc.get("plugins"), registry, t)
+    specs = _plugins(doc.get("plugins"), registry, t, foreign)
     if t.plumbing.topology_labels:
         # The topology extractor's label keys reach the topology plugins as parameters.
         labels = {level: key for level, key in t.plumbing.topology_labels}
@@ -229,12 +231,19 @@ def translate(doc: Any, registry: PluginRegistry) -> Translation:
     if problems:
         return t
     kept = [s for _, s in specs if s is not None]
-    t.config = EndpointPickerConfig(plugins=kept, schedulingProfiles=profiles)
+    fc, sd = doc.get("flowControl"), doc.get("saturationDetector")
+    t.config = EndpointPickerConfig(
+        plugins=kept,
+        schedulingProfiles=profiles,
+        # Raw, for extproc.flowcontrol.config, which reads and validates them itself.
+        flowControl=fc if isinstance(fc, dict) else None,
+        saturationDetector=sd if isinstance(sd, dict) else None,
+    )
     return t
 
 
 def _plugins(
-    raw: Any, registry: PluginRegistry, t: Translation
+    raw: Any, registry: PluginRegistry, t: Translation, foreign: Collection[str]
 ) -> list[tuple[str, PluginSpec | None]]:
     """(name, scheduling spec or None for plumbing) per plugin, in config order."""
     problems = t.problems
@@ -246,7 +255,7 @@ def _plugins(
     out: list[tuple[str, PluginSpec | None]] = []
     seen: set[str] = set()
     implicit: list[PluginSpec] = []
-    known = {*registry.type_names, *LLMD_TYPES, *MAPPED}
+    known = {*registry.type_names, *LLMD_TYPES, *MAPPED, *foreign}
     for i, item in enumerate(raw):
         where: Path = ("plugins", i)
         spec = _decode(item, PluginSpec, where, problems)
@@ -305,6 +314,9 @@ def _plugins(
                     message += did_you_mean(exc.path[-1], fields)
                 problems.append(Problem(exc.path, message))
             out.append((name, PluginSpec(type=spec.type, name=name, parameters=params)))
+        elif spec.type in foreign:
+            kind, how = "implemented", "implemented by flow control (docs/flow-control.md)"
+            out.append((name, PluginSpec(type=spec.type, name=name, parameters=params or None)))
         elif spec.type in MAPPED:
             mapped = MAPPED[spec.type]
             kind, how = "mapped", f"mapped to {mapped.how}"
@@ -431,6 +443,11 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
                         ("featureGates", i),
                         f"unknown feature gate {gate!r}" + did_you_mean(gate, KNOWN_FEATURE_GATES),
                     )
+                )
+            elif gate == "flowControl":
+                t.notes.append(
+                    "feature gate flowControl: flow control is on when the config has a "
+                    "flowControl or saturationDetector section or an admitter plugin"
                 )
             else:
                 t.notes.append(f"feature gate {gate}: nothing to turn on (always on in extproc)")
