@@ -207,6 +207,17 @@ LLMD_TYPES: frozenset[str] = frozenset(
         "vertexai-parser",
         "vllmhttp-parser",
         "weighted-random-picker",
+        # flow control (built by extproc.flowcontrol, not the scheduling registry)
+        "concurrency-detector",
+        "edf-ordering-policy",
+        "fcfs-ordering-policy",
+        "global-strict-fairness-policy",
+        "priority-holdback-policy",
+        "probabilistic-admitter",
+        "round-robin-fairness-policy",
+        "slo-deadline-ordering-policy",
+        "static-usage-limit-policy",
+        "utilization-detector",
         # GIE v0.5's chart defaults
         "decision-tree-filter",
         "kv-cache-scorer",
