@@ -35,6 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     | {"logs", "redis_client", "flowcontrol"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,
+    "gateways": _BASE | {"bootstrap"},
     "stack": _BASE | {"bootstrap"},
     "demo": _BASE | {"sim", "stack"},
     "testing": _BASE | {"config", "endpoints", "scheduling", "server"},
