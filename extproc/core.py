@@ -202,3 +202,29 @@ class Decision:
     @property
     def primary(self) -> Endpoint:
         return self.endpoints[0]
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyTotals:
+    """Cumulative sums and counts of vLLM's latency histograms (seconds), as exported since
+    the engine started; the latency model learns from their differences between scrapes.
+
+    `prefill_tokens` is the uncached prompt tokens prefilled (vLLM's
+    `request_prefill_kv_computed_tokens` sum, else `prompt_tokens_by_source{local_compute}`),
+    None when neither is exported. `prompt` is `request_prompt_tokens` (tokens per request,
+    as the engine's tokenizer counts them). A histogram not exported has count 0.
+    """
+
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
+    queue_sum: float = 0.0
+    queue_count: float = 0.0
+    prefill_sum: float = 0.0
+    prefill_count: float = 0.0
+    itl_sum: float = 0.0
+    itl_count: float = 0.0
+    tpot_sum: float = 0.0
+    tpot_count: float = 0.0
+    prompt_sum: float = 0.0
+    prompt_count: float = 0.0
+    prefill_tokens: float | None = None

@@ -15,9 +15,10 @@ import msgspec
 
 from extproc.errors import ConfigError
 from extproc.scheduling.framework import (
+    Admitter,
+    Binds,
     Filter,
     NamedFilter,
-    NeedsPlugins,
     Observer,
     Picker,
     Profile,
@@ -106,13 +107,12 @@ def build_scheduler(
             instances[name] = None
             continue
         instances[name] = registry.build(spec.type, spec.parameters, ("plugins", i))
-    for i, spec in enumerate(config.plugins):
-        plugin = instances[spec.name or spec.type]
-        if isinstance(plugin, NeedsPlugins):
+    for i, plugin in enumerate(instances.values()):
+        if isinstance(plugin, Binds):
             try:
-                plugin.resolve_plugins(instances)
+                plugin.bind(instances)
             except ConfigError as exc:
-                raise exc.within("plugins", i, "parameters") from None
+                raise ConfigError(exc.message, path=("plugins", i)) from None
     if not config.schedulingProfiles:
         raise ConfigError("at least one profile is required", path=("schedulingProfiles",))
     handlers = [p for p in instances.values() if isinstance(p, ProfileHandler)]
@@ -161,4 +161,6 @@ def build_scheduler(
         fallbacks=fallbacks,
         observers=[p for p in used.values() if isinstance(p, Observer)],
         responders=[p for p in used.values() if isinstance(p, ResponseHeaders)],
+        admitters=[p for p in instances.values() if isinstance(p, Admitter)],
+        plugins=list(instances.values()),
     )

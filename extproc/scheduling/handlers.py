@@ -117,7 +117,7 @@ class DisaggProfileHandler:
         self._prefill_decider: Decider | None = None
         self._encode_decider: Decider | None = None
 
-    def resolve_plugins(self, plugins: Mapping[str, object]) -> None:
+    def bind(self, plugins: Mapping[str, object]) -> None:
         d = self._p.deciders
         self._prefill_decider = _decider(plugins, d.prefill, ("deciders", "prefill"))
         self._encode_decider = _decider(plugins, d.encode, ("deciders", "encode"))

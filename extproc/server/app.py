@@ -31,6 +31,7 @@ from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import IndexOptions, KVIndex
 from extproc.requests import parse_request
 from extproc.router import Router
+from extproc.server import latency as latency_wiring
 from extproc.server import wire
 from extproc.server.admin import make_admin_app
 from extproc.server.health import Health
@@ -130,6 +131,12 @@ class App:
         )
         self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
+        self.latency = latency_wiring.learners(
+            self.router.scheduler.plugins, self.pool, self.states if self.scraper else None
+        )
+        self.metrics.add_collector(
+            functools.partial(latency_wiring.collect, self.latency, self.router.scheduler.plugins)
+        )
         self.health = Health()
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -341,6 +348,8 @@ class App:
             self._exits.push_async_callback(self.inflight.aclose)
         if self.subscriber is not None:
             self.spawn("kv-events", self.subscriber.run)
+        for i, learner in enumerate(self.latency):
+            self.spawn(f"latency-learner-{i}", learner.run)
         if self.admission is not None:
             self.spawn("flow-control", self.admission.run)
             if self.admission.shared is not None:

@@ -194,22 +194,24 @@ def test_flow_control_policies_not_built_yet_are_pending_in_issue_15():
     assert "'program-aware-fairness' is pending: built in issue 15" in p
 
 
-def test_predicted_latency_is_pending_in_issue_16():
+def test_predicted_latency_plugins_are_implemented_and_the_gie_name_pending():
     d = doc()
     d["plugins"] += [
-        {"type": "latency-scorer"},
+        {"type": "predicted-latency-producer"},
         {"type": "prefix-cache-affinity-filter", "parameters": {"ttftSource": "latencyPredictor"}},
     ]
-    got = problems(d)
-    assert any("'latency-scorer' is pending: built in issue 16" in p for p in got)
-    assert any("ttftSource: latencyPredictor is pending: built in issue 16" in p for p in got)
+    t = translate(d, PluginRegistry.default())
+    assert t.problems == []
+    d["plugins"].append({"type": "predicted-latency-scorer"})
+    (p,) = problems(d)
+    assert "'predicted-latency-scorer' is pending: built in issue 16" in p
 
 
 def test_a_registered_plugin_takes_precedence_over_the_pending_table():
     """When issue 15/16 register a real plugin, the table entry is simply shadowed."""
 
-    class LatencyScorer:
-        type_name = "latency-scorer"
+    class HeaderRouter:
+        type_name = "slo-aware-profile-handler"
 
         class Params(msgspec.Struct, forbid_unknown_fields=True):
             horizon: int = 5
@@ -217,17 +219,16 @@ def test_a_registered_plugin_takes_precedence_over_the_pending_table():
         def __init__(self, params):
             pass
 
-        def score(self, req, cands):
-            return [1.0] * len(cands)
+        def handle(self, req, cands, profiles, run):
+            return run(profiles[0])
 
-    assert "latency-scorer" in PENDING_TYPES
-    registry = PluginRegistry([*BUILTINS, LatencyScorer])
+    assert "slo-aware-profile-handler" in PENDING_TYPES
+    registry = PluginRegistry([*BUILTINS, HeaderRouter])
     d = doc()
-    d["plugins"].append({"type": "latency-scorer", "parameters": {"horizon": 9}})
-    d["schedulingProfiles"][0]["plugins"].append({"pluginRef": "latency-scorer"})
+    d["plugins"].append({"type": "slo-aware-profile-handler", "parameters": {"horizon": 9}})
     t = translate(d, registry)
     assert t.problems == []
-    assert [r.kind for r in t.realised if r.type == "latency-scorer"] == ["implemented"]
+    assert [r.kind for r in t.realised if r.type == "slo-aware-profile-handler"] == ["implemented"]
 
 
 def test_mapped_plugins_turn_on_extprocs_machinery(tmp_path):

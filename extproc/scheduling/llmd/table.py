@@ -26,18 +26,12 @@ PENDING_TYPES: dict[str, int] = {
     "eviction-priority-then-time-ordering": 15,  # GIE v1.5's name
     "eviction-sheddable-filter": 15,  # GIE v1.5's name
     # predicted latency
-    "predicted-latency-producer": 16,
-    "latency-scorer": 16,
-    "slo-headroom-tier-filter": 16,
-    "latency-slo-admitter": 16,
     "predicted-latency-scorer": 16,  # GIE v1.5's name
     "slo-aware-profile-handler": 16,  # GIE v1.x
 }
 
 # Parameter values of implemented plugins that need a pending issue's machinery.
-PENDING_VALUES: dict[tuple[str, str, str], int] = {
-    ("prefix-cache-affinity-filter", "ttftSource", "latencyPredictor"): 16,
-}
+PENDING_VALUES: dict[tuple[str, str, str], int] = {}
 
 # Config sections (and feature gates) whose behaviour is pending.
 PENDING_SECTIONS: dict[str, int] = {}
@@ -207,6 +201,11 @@ LLMD_TYPES: frozenset[str] = frozenset(
         "vertexai-parser",
         "vllmhttp-parser",
         "weighted-random-picker",
+        # predicted latency (registered scheduling plugins)
+        "latency-scorer",
+        "latency-slo-admitter",
+        "predicted-latency-producer",
+        "slo-headroom-tier-filter",
         # flow control (built by extproc.flowcontrol, not the scheduling registry)
         "concurrency-detector",
         "edf-ordering-policy",

@@ -30,6 +30,12 @@ from extproc.scheduling.plugins.gie_legacy import (
     LoraAffinityFilter,
     LowQueueFilter,
 )
+from extproc.scheduling.plugins.latency import (
+    LatencyScorer,
+    LatencySloAdmitter,
+    PredictedLatencyProducer,
+    SloHeadroomTierFilter,
+)
 from extproc.scheduling.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from extproc.scheduling.plugins.prefix import (
     NoHitLRUScorer,
@@ -98,6 +104,11 @@ BUILTINS: tuple[type, ...] = (
     LoraAffinityFilter,
     DecisionTreeFilter,
     KVCacheScorer,
+    # predicted latency
+    PredictedLatencyProducer,
+    LatencyScorer,
+    SloHeadroomTierFilter,
+    LatencySloAdmitter,
 )
 
 __all__ = ["BUILTINS"]

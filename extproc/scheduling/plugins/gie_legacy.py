@@ -198,7 +198,7 @@ class DecisionTreeFilter:
         self._tree = params
         self._root: _Node | None = None
 
-    def resolve_plugins(self, plugins: Mapping[str, object]) -> None:
+    def bind(self, plugins: Mapping[str, object]) -> None:
         self._root = _Node(self._tree, plugins)
 
     def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:

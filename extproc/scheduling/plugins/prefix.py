@@ -3,9 +3,10 @@ already hold (from the global KV-block index), and spread requests that hit nowh
 
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, ClassVar, Literal
 
 import msgspec
@@ -72,11 +73,19 @@ class PrefixCacheAffinityFilter:
     endpoint's by more than `maxTTFTPenaltyMs`, the request goes to the others instead, so a
     burst on one hot prefix spills over to more endpoints rather than queueing on one. With
     `explorationProbability` the filter lets everything through at random, so the index keeps
-    learning. `ttftSource: latencyPredictor` is pending (issue 16).
+    learning.
+
+    `ttftSource: latencyPredictor` takes each endpoint's TTFT from the
+    `predicted-latency-producer` (learned from the servers' own histograms, queued work
+    included) instead, so no throughput has to be measured by hand; while nothing is learned
+    yet the gate cannot judge and stickiness holds. `latencyPredictionInfoProducerName`
+    names the producer when there are several.
 
     ```yaml
     - type: prefix-cache-affinity-filter
       parameters: {affinityThreshold: 0.8, maxTTFTPenaltyMs: 18000, peakPrefillThroughput: 15928}
+    - type: prefix-cache-affinity-filter
+      parameters: {affinityThreshold: 0.8, maxTTFTPenaltyMs: 5000, ttftSource: latencyPredictor}
     ```
     """
 
@@ -90,20 +99,27 @@ class PrefixCacheAffinityFilter:
         )
         peak_prefill_throughput: Annotated[float, msgspec.Meta(gt=0.0)] = 15928.0
         exploration_probability: _Fraction = 0.0
-        ttft_source: str = msgspec.field(default="prefillThroughput", name="ttftSource")
+        ttft_source: Literal["prefillThroughput", "latencyPredictor"] = msgspec.field(
+            default="prefillThroughput", name="ttftSource"
+        )
         prefix_match_info_producer_name: str | None = None
-        latency_prediction_info_producer_name: str | None = None
+        latency_prediction_info_producer_name: str = ""
         in_flight_load_producer_name: str | None = None
-
-        def __post_init__(self) -> None:
-            if self.ttft_source not in ("prefillThroughput", "latencyPredictor"):
-                raise ValueError("ttftSource must be prefillThroughput or latencyPredictor")
-            if self.ttft_source == "latencyPredictor":
-                raise ValueError("ttftSource latencyPredictor is pending: built in issue 16")
 
     def __init__(self, params: Params | None = None, *, rng: random.Random | None = None) -> None:
         self._p = params or self.Params()
         self._rng = rng or random.Random()
+        self._producer = None
+        self.unjudged = 0  # gate decisions skipped: the predictor had nothing learned yet
+
+    def bind(self, plugins: Mapping[str, object]) -> None:
+        """Find the latency producer when the TTFT comes from it (after all are built)."""
+        if self._p.ttft_source == "latencyPredictor":
+            from extproc.scheduling.plugins.latency import find_producer
+
+            self._producer = find_producer(
+                plugins, self._p.latency_prediction_info_producer_name, self.type_name
+            )
 
     def _ttft_ms(self, req: InferenceRequest, c: Candidate) -> float:
         uncached = req.prompt_tokens * (1.0 - prefix_fraction(req, c))
@@ -121,8 +137,21 @@ class PrefixCacheAffinityFilter:
             return cands
         keep = {id(c) for c in sticky}
         others = [c for c in cands if id(c) not in keep]
-        best_sticky = min(self._ttft_ms(req, c) for c in sticky)
-        best_other = min(self._ttft_ms(req, c) for c in others)
+        if self._producer is not None:
+            ttft = {
+                id(c): i.prediction.ttft_ms
+                for c, i in zip(cands, self._producer.predictions(req, cands), strict=True)
+                if i is not None
+            }
+            if not ttft:
+                self.unjudged += 1
+                return sticky
+            # An endpoint without a prediction of its own cannot win the comparison.
+            best_sticky = min(ttft.get(id(c), math.inf) for c in sticky)
+            best_other = min(ttft.get(id(c), math.inf) for c in others)
+        else:
+            best_sticky = min(self._ttft_ms(req, c) for c in sticky)
+            best_other = min(self._ttft_ms(req, c) for c in others)
         if best_sticky - best_other > p.max_ttft_penalty_ms:
             return others
         return sticky

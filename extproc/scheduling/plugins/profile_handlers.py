@@ -105,8 +105,8 @@ class PdProfileHandler:
             )
         )
 
-    def resolve_plugins(self, plugins: Mapping[str, object]) -> None:
-        self._inner.resolve_plugins(plugins)
+    def bind(self, plugins: Mapping[str, object]) -> None:
+        self._inner.bind(plugins)
 
     def handle(
         self,
