@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
+_EMPTY_FLOATS: Mapping[str, float] = MappingProxyType({})
 
 
 def _empty() -> Mapping[str, str]:
@@ -111,6 +112,9 @@ class InferenceRequest:
     lora_adapter: str | None = None
     cache_salt: str | None = None
     prompt: Prompt | None = field(default=None, repr=False, compare=False)
+    # The endpoint an earlier profile of the same request chose (the decode pick, while the
+    # prefill profile runs): topology plugins place a stage near its peer.
+    peer: Endpoint | None = field(default=None, repr=False, compare=False)
 
     @property
     def has_media(self) -> bool:
@@ -156,6 +160,9 @@ class EndpointState:
     max_adapters: int | None = None
     running_adapters: frozenset[str] = frozenset()
     waiting_adapters: frozenset[str] = frozenset()
+    # Named figures from other sources than the engine's metrics (e.g. `GPUUtilization`
+    # 0..1 from DCGM), read by llm-d's endpoint-attribute plugins; absent when unknown.
+    attributes: Mapping[str, float] = field(default_factory=lambda: _EMPTY_FLOATS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,6 +140,8 @@ def build_scheduler(
                 if weight <= 0:
                     raise ConfigError("must be positive", path=(*where, "weight"))
                 scorers.append(WeightedScorer(ref.pluginRef, plugin, weight))
+                if isinstance(plugin, Filter):  # both, like llm-d's context-length-aware
+                    filters.append(NamedFilter(ref.pluginRef, plugin))
             elif isinstance(plugin, Filter):
                 filters.append(NamedFilter(ref.pluginRef, plugin))
             elif isinstance(plugin, Picker):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
-from extproc.core import Candidate, Decision, InferenceRequest
+from extproc.core import Candidate, Decision, Endpoint, InferenceRequest
 from extproc.scheduling.conformance import PluginFaults, score_problem
 
 
@@ -102,9 +102,22 @@ class ProfileResult:
 
 class ProfileRunner(Protocol):
     """Runs the named profile over the request's candidates (handlers call this); `limit`
-    overrides how many candidates the picker returns (default: pick + fallbacks)."""
+    overrides how many candidates the picker returns (default: pick + fallbacks); `peer` is
+    the endpoint an earlier stage chose (seen by plugins as `req.peer`)."""
 
-    def __call__(self, name: str, limit: int | None = None) -> ProfileResult: ...
+    def __call__(
+        self, name: str, limit: int | None = None, peer: Endpoint | None = None
+    ) -> ProfileResult: ...
+
+
+@runtime_checkable
+class Decider(Protocol):
+    """Decides whether a request gets a disaggregated stage (prefill or encode), given the
+    endpoint the decode profile chose."""
+
+    type_name: ClassVar[str]
+
+    def disaggregate(self, req: InferenceRequest, decode: Candidate | None) -> bool: ...
 
 
 @runtime_checkable
@@ -231,8 +244,10 @@ class Scheduler:
         for admitter in self._admitters:
             admitter.admit(req, cands)
 
-        def run(name: str, limit: int | None = None) -> ProfileResult:
-            return self._profiles[name].run(req, cands, limit=limit or self._limit, explain=explain)
+        def run(name: str, limit: int | None = None, peer: Endpoint | None = None) -> ProfileResult:
+            seen = req if peer is None else dataclasses.replace(req, peer=peer)
+            n = limit or self._limit
+            return self._profiles[name].run(seen, cands, limit=n, explain=explain)
 
         decision = self._handler.handle(req, cands, self._names, run)
         if self._responders and decision.endpoints:
