@@ -14,8 +14,8 @@ Label values that come from clients (model name, fairness id) are bounded: after
 distinct values new ones are reported as "other", as llm-d does, so a client cannot grow the
 exposition without limit.
 
-What extproc cannot report (output tokens, TTFT, per-token latencies, flow control) is not
-exported at all rather than faked; docs/llm-d.md#metrics lists each family and why.
+What extproc cannot report (output tokens, TTFT, per-token latencies) is not exported at
+all rather than faked, and flow control's llm-d names are not mapped yet; docs/llm-d.md#metrics lists each family and why.
 """
 
 from __future__ import annotations
