@@ -15,7 +15,8 @@ distinct values new ones are reported as "other", as llm-d does, so a client can
 exposition without limit.
 
 What extproc cannot report (output tokens, TTFT, per-token latencies) is not exported at
-all rather than faked, and flow control's llm-d names are not mapped yet; docs/llm-d.md#metrics lists each family and why.
+all rather than faked, and flow control's llm-d names are not mapped yet;
+docs/llm-d.md#metrics lists each family and why.
 """
 
 from __future__ import annotations
