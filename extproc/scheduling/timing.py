@@ -99,10 +99,11 @@ class _TimedHandler:
     ) -> Decision:
         spent = 0.0
 
-        def timed_run(name: str, limit: int | None = None) -> ProfileResult:
+        def timed_run(name: str, *args, **kwargs) -> ProfileResult:
+            # Passes the runner's arguments on as they are (limit, peer, ...).
             nonlocal spent
             t = perf_counter()
-            result = run(name, limit)
+            result = run(name, *args, **kwargs)
             spent += perf_counter() - t
             return result
 
