@@ -48,6 +48,10 @@ class BootstrapOptions:
     extproc_tls: bool = False
     extproc_sni: str | None = None
     extproc_ca_file: str | None = None
+    # Envoy's gRPC access log to the picker: tells it when each request really ended, so
+    # in-flight counts cover the whole streamed reply (response bodies are not sent to it).
+    access_log: bool = True
+    access_log_flush_s: float = 0.1
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:
@@ -216,6 +220,24 @@ def _route(opts: BootstrapOptions) -> dict[str, Any]:
     return {"match": {"prefix": "/"}, "route": route}
 
 
+def _access_log(opts: BootstrapOptions) -> dict[str, Any]:
+    # Batched: one entry per request whatever its output length, flushed every
+    # access_log_flush_s; the picker matches entries to placements by x-request-id.
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "typed_config": {
+            "@type": f"{_T}.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": "extproc-request-end",
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": "extproc"}},
+                "buffer_flush_interval": f"{opts.access_log_flush_s}s",
+                "buffer_size_bytes": 16384,
+            },
+        },
+    }
+
+
 def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
     """The bootstrap as a plain mapping, ready to dump as YAML. Raises ValueError for
     combinations that cannot work."""
@@ -241,6 +263,8 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
             },
         ],
     }
+    if opts.access_log:
+        hcm["access_log"] = [_access_log(opts)]
     host, port = _split_host_port(opts.extproc)
     extproc_cluster = {
         "name": "extproc",

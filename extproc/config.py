@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from extproc.endpoints.request_end import RequestEndSettings
 from extproc.endpoints.scrape import ScrapeSettings
 from extproc.endpoints.shared_inflight import SharedInFlightSettings
 from extproc.errors import ConfigError, format_path
@@ -117,11 +118,14 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shared by every picker process and replica through Redis (None keeps them per process).
     `exclude_failing`: endpoints whose last scrape failed get no new requests while any other
     endpoint is healthy (a dead server stops receiving traffic within one scrape interval).
+    `request_end`: when a placement stops counting in flight (the gateway's access log, see
+    `endpoints/request_end.py`).
     """
 
     scrape: ScrapeSettings | None = ScrapeSettings()
     shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
     exclude_failing: bool = True
+    request_end: RequestEndSettings = RequestEndSettings()
 
 
 class DiscoverySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

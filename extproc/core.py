@@ -141,7 +141,8 @@ class EndpointState:
     processes, when state is shared) and not yet finished; `inflight_tokens` counts their
     prefill work: prompt tokens the endpoint did not already hold when the request was
     placed. `kv_block_size` / `kv_blocks` are the engine's cache config (tokens per block,
-    GPU blocks); adapters are LoRA names.
+    GPU blocks); adapters are LoRA names. `prefill_tps` is the endpoint's prefill speed in
+    tokens per second as the picker has measured it (None until learned).
     """
 
     waiting: int = 0
@@ -156,6 +157,7 @@ class EndpointState:
     max_adapters: int | None = None
     running_adapters: frozenset[str] = frozenset()
     waiting_adapters: frozenset[str] = frozenset()
+    prefill_tps: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

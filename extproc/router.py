@@ -18,6 +18,8 @@ from typing import Protocol
 from extproc.core import Candidate, Decision, EndpointState, InferenceRequest
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.inflight import InFlightCounter, Placement
+from extproc.endpoints.prefill_speed import PrefillSpeeds
+from extproc.endpoints.request_end import RequestEnds
 from extproc.errors import NoEndpoints
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import EMPTY, KVIndex, Lookup
@@ -77,9 +79,13 @@ class Router:
         is_failing: Callable[[str], bool] | None = None,
         record_decisions: bool = True,
         on_lookup: Callable[[float], None] | None = None,
+        ends: RequestEnds | None = None,
+        speeds: PrefillSpeeds | None = None,
     ) -> None:
         """`on_lookup` receives each index lookup's duration in seconds (the metrics
-        histogram); it runs on the hot path, so it must be cheap and must not raise."""
+        histogram); it runs on the hot path, so it must be cheap and must not raise.
+        `ends` holds placements past the stream end until the request really ends (access
+        log); `speeds` are the learned prefill speeds put on each candidate's state."""
         self.pool = pool
         self.scheduler = scheduler
         self.inflight: InFlightCounter = inflight if inflight is not None else InFlight()
@@ -93,6 +99,10 @@ class Router:
         self._is_failing = is_failing
         self._record = record_decisions and index is not None
         self._on_lookup = on_lookup
+        self.ends = ends
+        self.speeds = speeds
+        # Per endpoint, the KV capacity last given to the index (in our blocks).
+        self._capacity: dict[str, int] = {}
 
     async def route(
         self,
@@ -143,6 +153,15 @@ class Router:
             )
             for e in endpoints
         ]
+        speeds = self.speeds
+        if speeds is not None and speeds.samples:
+            cands = [
+                dataclasses.replace(
+                    c,
+                    state=dataclasses.replace(c.state, prefill_tps=speeds.get(c.endpoint.address)),
+                )
+                for c in cands
+            ]
         decision = self.scheduler.schedule(request, cands, explain=explain)
         if not decision.endpoints:
             raise NoEndpoints("no model-server endpoint is eligible for this request")
@@ -150,6 +169,7 @@ class Router:
             return Routed(request, decision, Placement(decision.primary.address, 0), lookup)
         self.scheduler.observe(request, cands, decision)
         if self._record and self.index is not None:
+            self._learn_capacity(request, cands)
             self.index.record(decision.primary.address, request.block_keys)
             if decision.prefill is not None:
                 self.index.record(decision.prefill.address, request.block_keys)
@@ -180,6 +200,29 @@ class Router:
             )
         return request
 
+    def _learn_capacity(self, request: InferenceRequest, cands: list[Candidate]) -> None:
+        """Tell the approximate index each endpoint's KV capacity in our blocks (from the
+        scraped cache config), so it stops crediting a server with more than fits in it."""
+        if not request.block_tokens:
+            return
+        set_capacity = getattr(self.index, "set_capacity", None)
+        if set_capacity is None:
+            return
+        known = self._capacity
+        for c in cands:
+            st = c.state
+            if not st.kv_blocks or not st.kv_block_size:
+                continue
+            cap = max(1, st.kv_blocks * st.kv_block_size // request.block_tokens)
+            if known.get(c.endpoint.address) != cap:
+                known[c.endpoint.address] = cap
+                set_capacity(c.endpoint.address, cap)
+
     def finish(self, routed: Routed) -> None:
-        """The request's stream ended (response done, client gone, or error)."""
-        self.inflight.release(routed.placement)
+        """The request's ext_proc stream ended (response headers seen, response done, client
+        gone, or error): release its placement, or hold it until the access log says the
+        request itself ended (see `endpoints/request_end.py`)."""
+        if self.ends is not None:
+            self.ends.finish(routed.request.request_id, routed.placement)
+        else:
+            self.inflight.release(routed.placement)

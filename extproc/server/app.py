@@ -22,6 +22,8 @@ from extproc import protocol
 from extproc.config import Settings, build_configured_scheduler
 from extproc.core import Endpoint
 from extproc.endpoints import EndpointPool, InFlight
+from extproc.endpoints.prefill_speed import PrefillSpeeds
+from extproc.endpoints.request_end import RequestEnds
 from extproc.endpoints.scrape import MetricsScraper
 from extproc.endpoints.shared_inflight import SharedInFlight
 from extproc.endpoints.state import EndpointStates
@@ -31,6 +33,7 @@ from extproc.index.base import IndexOptions, KVIndex
 from extproc.requests import parse_request
 from extproc.router import Router
 from extproc.server import wire
+from extproc.server.access_log import AccessLogHandler
 from extproc.server.admin import make_admin_app
 from extproc.server.health import Health
 from extproc.server.metrics import PickerMetrics, counter, gauge
@@ -108,6 +111,13 @@ class App:
                 cluster=settings.index.cluster,
                 settings=state.shared_inflight,
             )
+        self.speeds = PrefillSpeeds()
+        self.ends = RequestEnds(
+            self.inflight.release,
+            state.request_end,
+            on_end=lambda p, e: self.speeds.observe(p.address, p.tokens, e.ttfb_s),
+        )
+        self.access_log = AccessLogHandler(self.ends)
         self.router = Router(
             pool=self.pool,
             scheduler=build_configured_scheduler(settings),
@@ -119,6 +129,8 @@ class App:
             is_failing=self.scraper.is_failing if self.scraper and state.exclude_failing else None,
             record_decisions=record,
             on_lookup=self.metrics.lookup_seconds.observe,
+            ends=self.ends,
+            speeds=self.speeds,
         )
         self.subscriber = self._build_subscriber()
         self.health = Health()
@@ -275,7 +287,8 @@ class App:
         # default, which would let a proxy send traffic before endpoints are known.
         await self.health.set_ready(False)
         self._server = grpc.aio.server(options=_SERVER_OPTIONS)
-        self._server.add_generic_rpc_handlers((generic,))
+        self._server.add_generic_rpc_handlers((generic, self.access_log.rpc_handler()))
+        self.spawn("request-end-sweep", self._sweep_request_ends)
         self.health.add_to(self._server)
         address = f"{cfg.host}:{cfg.port}"
         if cfg.tls is not None:
@@ -310,6 +323,12 @@ class App:
             },
         )
         return self
+
+    async def _sweep_request_ends(self) -> None:
+        """Release holds whose access-log entry never came, even while no request arrives."""
+        while True:
+            await asyncio.sleep(1.0)
+            self.ends.sweep()
 
     async def serve(self) -> None:
         """Run until `stop()` has drained the server."""
@@ -369,6 +388,7 @@ class App:
             t.add_metric([e.address], self.router.inflight.tokens(e.address))
         yield g
         yield t
+        yield from self._collect_request_ends()
         yield _gauge("extproc_endpoints", "Endpoints in the pool.", len(self.pool))
         yield _gauge(
             "extproc_ready",
@@ -444,6 +464,36 @@ class App:
                 "(at scrape resolution).",
                 now - self._kv_seen[1],
             )
+
+    def _collect_request_ends(self):
+        e = self.ends.stats
+        yield _gauge(
+            "extproc_request_end_held",
+            "Placements held past their ext_proc stream, waiting for the access-log entry.",
+            e.held,
+        )
+        yield _counter(
+            "extproc_request_end_expired",
+            "Held placements released by max_hold_s: their access-log entry never came.",
+            e.expired,
+        )
+        yield _counter("extproc_access_log_entries", "Access-log entries received.", e.entries)
+        yield _counter(
+            "extproc_access_log_unmatched",
+            "Access-log entries for requests this process did not hold.",
+            e.unmatched,
+        )
+        yield _gauge(
+            "extproc_access_log_streams", "Access-log streams open now.", self.access_log.streams
+        )
+        tps = gauge(
+            "extproc_prefill_tokens_per_second",
+            "Prefill speed learned per endpoint (uncached tokens / time to first byte).",
+            ["endpoint"],
+        )
+        for address, value in self.speeds.snapshot().items():
+            tps.add_metric([address], value)
+        yield tps
 
     def _collect_endpoints(self):
         """Per endpoint: scraped-state age and staleness, scrape failures."""
