@@ -8,6 +8,7 @@ from extproc.scheduling.plugins.filters import (
     LabelSelectorFilter,
     PrefillFilter,
 )
+from extproc.scheduling.plugins.latency import PredictedTTFTScorer
 from extproc.scheduling.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from extproc.scheduling.plugins.prefix import (
     NoHitLRUScorer,
@@ -29,6 +30,7 @@ BUILTINS: tuple[type, ...] = (
     PrefixCacheScorer,
     PrefixCacheAffinityFilter,
     NoHitLRUScorer,
+    PredictedTTFTScorer,
     QueueScorer,
     KVCacheUtilizationScorer,
     ActiveRequestScorer,
