@@ -80,6 +80,7 @@ POLICIES: dict[str, dict] = {
     "least-request": {"picker": False, "baseline": "least-request"},
     "extproc approximate": {},
     "extproc precise": {"precise": True},
+    "extproc approximate, 3 replicas (Redis)": {"replicas": 3, "redis": True},
     "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
     "extproc approximate, ttft": {"extproc_args": ("--config", "@TTFT")},
     "sglang-router cache_aware": {"sglang": True},
@@ -121,6 +122,29 @@ def ideal_hit_ratio(items: list[WorkItem], block_size: int, model: str) -> float
         hit += n * block_size
         total += len(ids)
     return hit / total if total else 0.0
+
+
+@contextlib.contextmanager
+def redis_server(log_dir: Path):
+    """A throwaway redis-server (no persistence) for the replicas to share."""
+    port = free_port()
+    log = open(log_dir / "redis.log", "ab")  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    log.close()
+    try:
+        wait_until(
+            lambda: subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True,
+                                   text=True).stdout.strip() == "PONG",
+            timeout_s=10, what="redis-server", proc=proc,
+        )  # fmt: skip
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 @contextlib.contextmanager
@@ -178,21 +202,22 @@ class Row:
 # Pressure workloads: caches smaller than the working set, simulated time compressed 4x
 # (TTFT and throughput below are wall figures of the compressed run).
 PRESSURE_SHAPE = {
-    # 4 servers x 2,500 blocks x 16 tokens = 160k tokens of KV; 8 sessions grow to ~22k
-    # tokens each (176k), 12 sessions to ~264k.
-    "agentic": (4, ("--fast", "4", "--prefill-tps", "5000", "--num-gpu-blocks", "2500")),
-    # 6 servers x 400 blocks x 16 = 38k tokens of KV for 24 tenants' ~1.3k-token prompts
+    # 4 servers x 2,000 blocks x 16 tokens = 128k tokens of KV; 8 sessions grow to ~21k
+    # tokens each (168k), 12 sessions to ~250k (the sim's tokenizer: ~5 tokens per word).
+    "agentic": (4, ("--fast", "4", "--prefill-tps", "5000", "--num-gpu-blocks", "2000",
+                     "--max-model-len", "32768")),
+    # 6 servers x 400 blocks x 16 = 38k tokens of KV for 24 tenants' ~2k-token prompts
     # plus their conversations.
     "tenants": (6, ("--fast", "4", "--prefill-tps", "5000", "--num-gpu-blocks", "400")),
 }
 PRESSURE_SCALE = (
     "agentic: {sessions} closed-loop sessions x 12 turns on one ~3,000-token agent prompt, "
-    "+~1,600 tokens per turn (to ~22k), 32 output tokens, 0.2 s think time; 4 servers x "
-    "2,500 KV blocks (40k tokens each). tenants: 24 tenants, Zipf(1) sizes, 120 "
-    "conversations x 2 turns, ~180-token header shared by all, ~1,200-token tenant prompts; "
+    "+~1,650 tokens per turn (to ~21k), 32 output tokens, 0.2 s think time; 4 servers x "
+    "2,000 KV blocks (32k tokens each). tenants: 24 tenants, Zipf(1) sizes, 120 "
+    "conversations x 2 turns, ~300-token header shared by all, ~2,000-token tenant prompts; "
     "6 servers x 400 KV blocks (6.4k tokens each). Prefill 5,000 tok/s, time compressed 4x."
 )
-AGENTIC = AgenticSpec(turns=12, agent_words=1000, result_words=500, max_tokens=32,
+AGENTIC = AgenticSpec(turns=12, agent_words=600, result_words=300, max_tokens=32,
                       think_s=0.2, stagger_s=0.3)  # fmt: skip
 # The default profile before issue 14 (weights only; kept to measure the change against).
 PREVIOUS_DEFAULT = """
@@ -273,6 +298,8 @@ def run_policy(policy: str, wl: str, rates, groups, seed, venv, log_dir) -> list
     servers, sim_args = PRESSURE_SHAPE.get(wl, (SERVERS, SIM_ARGS))
     rows = []
     with SimFleet(servers, sim_args, log_dir=log_dir) as fleet, contextlib.ExitStack() as ex:
+        if opts.pop("redis", False):
+            opts["redis_url"] = ex.enter_context(redis_server(log_dir))
         if opts.get("sglang"):
             url = ex.enter_context(sglang_router(fleet, venv, log_dir))
         else:

@@ -52,6 +52,8 @@ class BootstrapOptions:
     # in-flight counts cover the whole streamed reply (response bodies are not sent to it).
     access_log: bool = True
     access_log_flush_s: float = 0.1
+    # More picker replicas (host:port) in the picker cluster, balanced with `extproc`.
+    extproc_replicas: Sequence[str] = ()
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:
@@ -296,7 +298,14 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
         },
         "load_assignment": {
             "cluster_name": "extproc",
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(f"{host}:{port}")}}]}],
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": _socket(a)}}
+                        for a in (f"{host}:{port}", *opts.extproc_replicas)
+                    ]
+                }
+            ],
         },
     }
     if opts.extproc_tls:

@@ -111,6 +111,10 @@ class StackOptions:
     # Seconds the picker keeps serving after SIGTERM. Production wants a health interval or
     # two; tests that stop stacks all the time do not.
     drain_delay_s: float = 0.0
+    # Picker replicas behind the one Envoy (>1 needs `redis_url`: they share the index,
+    # in-flight counts and request ends through it).
+    replicas: int = 1
+    redis_url: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +320,8 @@ class Stack:
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _tmp: tempfile.TemporaryDirectory | None = None
     _own_fleet: bool = False
+    # Extra replicas' (ext_proc, health, admin) ports, beyond the first picker's.
+    replica_ports: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -347,6 +353,10 @@ class Stack:
                 self.extproc_port, self.health_port = free_port(), free_port()
                 self.picker_admin_port = free_port()
                 self.start_extproc()
+                for i in range(1, self.options.replicas):
+                    ports = (free_port(), free_port(), free_port())
+                    self.replica_ports.append(ports)
+                    self.start_extproc(ports, name=f"extproc-{i}")
             self.start_envoy()
         except BaseException:
             self.close()
@@ -385,7 +395,15 @@ class Stack:
                 proc=proc,
             )
 
-    def start_extproc(self) -> None:
+    def start_extproc(
+        self, ports: tuple[int, int, int] | None = None, *, name: str = "extproc"
+    ) -> None:
+        port, health, admin = ports or (
+            self.extproc_port,
+            self.health_port,
+            self.picker_admin_port,
+        )
+        redis = ("--redis-url", self.options.redis_url) if self.options.redis_url else ()
         argv = [
             sys.executable,
             "-m",
@@ -396,22 +414,23 @@ class Stack:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self.extproc_port),
+            str(port),
             "--health-port",
-            str(self.health_port),
+            str(health),
             "--admin-port",
-            str(self.picker_admin_port),
+            str(admin),
             "--drain-delay",
             str(self.options.drain_delay_s),
             "--fallbacks",
             str(self.options.fallbacks),
             *self._precise_args(),
+            *redis,
             *self.options.extproc_args,
         ]
-        proc = self._spawn("extproc", argv)
+        proc = self._spawn(name, argv)
         wait_until(
             lambda: (
-                grpc_health_status(self.health_port, "readiness")
+                grpc_health_status(health, "readiness")
                 == health_pb2.HealthCheckResponse.SERVING
             ),
             timeout_s=20,
@@ -444,6 +463,7 @@ class Stack:
             endpoints=tuple(self.upstream_addresses),
             admin_port=self.admin_port,
             fail_open=self.options.fail_open,
+            extproc_replicas=tuple(f"127.0.0.1:{p}" for p, _, _ in self.replica_ports),
         )
         cfg = self.log_dir / "envoy.yaml"
         if self.options.picker:

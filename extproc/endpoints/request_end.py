@@ -91,6 +91,8 @@ class RequestEnds:
         self._early: OrderedDict[str, float] = OrderedDict()
         self._last_log: float | None = None
         self._warned = 0.0
+        # Called with entries for requests not held here (another replica may hold them).
+        self.on_unmatched: Callable[[Ended], None] | None = None
 
     @property
     def holding(self) -> bool:
@@ -121,25 +123,32 @@ class RequestEnds:
             self._release(oldest)
         self.stats.held = len(self._held)
 
-    def ended(self, entry: Ended) -> None:
-        """An access-log entry: the request is over."""
+    def ended(self, entry: Ended, *, forwarded: bool = False) -> bool:
+        """An access-log entry: the request is over. `forwarded`: it came from another
+        replica (not counted as received here, never forwarded again). Returns whether a
+        placement held here was released."""
         now = self._clock()
-        self._last_log = now
-        self.stats.entries += 1
+        self._last_log = now  # forwarded ones too: the gateway logs, to another replica
+        if not forwarded:
+            self.stats.entries += 1
         held = self._held.pop(entry.request_id, None)
         if held is None:
-            self.stats.unmatched += 1
+            if not forwarded:
+                self.stats.unmatched += 1
+                if self.on_unmatched is not None and entry.request_id:
+                    self.on_unmatched(entry)
             if entry.request_id:
                 # Its stream may not have closed yet (two gRPC streams, no ordering).
                 self._early[entry.request_id] = now + _EARLY_S
                 while len(self._early) > _EARLY_MAX:
                     self._early.popitem(last=False)
-            return
+            return False
         self.stats.ended += 1
         self.stats.held = len(self._held)
         self._release(held[0])
         if self._on_end is not None:
             self._on_end(held[0], entry)
+        return True
 
     def sweep(self, now: float | None = None) -> int:
         """Release holds past their deadline; returns how many."""

@@ -118,6 +118,9 @@ class App:
             on_end=lambda p, e: self.speeds.observe(p.address, p.tokens, e.ttfb_s),
         )
         self.access_log = AccessLogHandler(self.ends)
+        self.shared_ends = None
+        if settings.index.backend == "redis" and settings.index.redis_url:
+            self.shared_ends = self._share_request_ends(settings.index.redis_url)
         self.router = Router(
             pool=self.pool,
             scheduler=build_configured_scheduler(settings),
@@ -149,6 +152,20 @@ class App:
         # Time of the last KV-event message seen at a scrape (the lag gauge's reference).
         self._kv_seen = (0, time.monotonic())
         self.metrics.add_collector(self._collect)
+
+    def _share_request_ends(self, url: str):
+        """Replicas behind one gateway get each other's access-log entries (Redis pub/sub)."""
+        if self.settings.index.cluster:
+            log.warning(
+                "request ends are not shared on Redis Cluster: holds of requests "
+                "logged to another replica end by max_hold_s"
+            )
+            return None
+        from extproc.endpoints.shared_inflight import default_process_id
+        from extproc.endpoints.shared_request_end import SharedRequestEnds
+
+        pid = getattr(self.inflight, "process_id", None) or default_process_id()
+        return SharedRequestEnds.from_url(url, self.ends, process_id=pid)
 
     def _build_subscriber(self):
         ev = self.settings.index.kv_events
@@ -289,6 +306,9 @@ class App:
         self._server = grpc.aio.server(options=_SERVER_OPTIONS)
         self._server.add_generic_rpc_handlers((generic, self.access_log.rpc_handler()))
         self.spawn("request-end-sweep", self._sweep_request_ends)
+        if self.shared_ends is not None:
+            self.spawn("shared-request-ends", self.shared_ends.run)
+            self._exits.push_async_callback(self.shared_ends.aclose)
         self.health.add_to(self._server)
         address = f"{cfg.host}:{cfg.port}"
         if cfg.tls is not None:
@@ -483,6 +503,23 @@ class App:
             "Access-log entries for requests this process did not hold.",
             e.unmatched,
         )
+        if self.shared_ends is not None:
+            sh = self.shared_ends
+            yield _counter(
+                "extproc_request_end_forwarded",
+                "Unmatched access-log entries published to the other replicas.",
+                sh.published,
+            )
+            yield _counter(
+                "extproc_request_end_forward_applied",
+                "Holds released by an entry another replica received.",
+                sh.applied,
+            )
+            yield _counter(
+                "extproc_request_end_forward_dropped",
+                "Entries that could not be published (Redis failing or backlog full).",
+                sh.dropped,
+            )
         yield _gauge(
             "extproc_access_log_streams", "Access-log streams open now.", self.access_log.streams
         )
