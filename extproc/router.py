@@ -23,6 +23,7 @@ from extproc.endpoints.request_end import RequestEnds
 from extproc.errors import NoEndpoints
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import EMPTY, KVIndex, Lookup
+from extproc.index.capacity import CapacityModel
 from extproc.scheduling import Scheduler
 
 log = logging.getLogger("extproc.router")
@@ -101,8 +102,12 @@ class Router:
         self._on_lookup = on_lookup
         self.ends = ends
         self.speeds = speeds
-        # Per endpoint, the KV capacity last given to the index (in our blocks).
-        self._capacity: dict[str, int] = {}
+        set_capacity = getattr(index, "set_capacity", None)
+        self._capacity = (
+            CapacityModel(set_capacity, getattr(self.states, "scraped", None))
+            if set_capacity is not None and self._record
+            else None
+        )
 
     async def route(
         self,
@@ -169,7 +174,9 @@ class Router:
             return Routed(request, decision, Placement(decision.primary.address, 0), lookup)
         self.scheduler.observe(request, cands, decision)
         if self._record and self.index is not None:
-            self._learn_capacity(request, cands)
+            if self._capacity is not None:
+                self._capacity.placed(decision.primary.address, request)
+                self._capacity.update(request, cands)
             self.index.record(decision.primary.address, request.block_keys)
             if decision.prefill is not None:
                 self.index.record(decision.prefill.address, request.block_keys)
@@ -199,24 +206,6 @@ class Router:
                 request, block_keys=keys, block_tokens=self._precise.block_size
             )
         return request
-
-    def _learn_capacity(self, request: InferenceRequest, cands: list[Candidate]) -> None:
-        """Tell the approximate index each endpoint's KV capacity in our blocks (from the
-        scraped cache config), so it stops crediting a server with more than fits in it."""
-        if not request.block_tokens:
-            return
-        set_capacity = getattr(self.index, "set_capacity", None)
-        if set_capacity is None:
-            return
-        known = self._capacity
-        for c in cands:
-            st = c.state
-            if not st.kv_blocks or not st.kv_block_size:
-                continue
-            cap = max(1, st.kv_blocks * st.kv_block_size // request.block_tokens)
-            if known.get(c.endpoint.address) != cap:
-                known[c.endpoint.address] = cap
-                set_capacity(c.endpoint.address, cap)
 
     def finish(self, routed: Routed) -> None:
         """The request's ext_proc stream ended (response headers seen, response done, client
