@@ -9,9 +9,10 @@ whatever the output length.
 
 Modes (`state.request_end`): `stream` releases at the ext_proc stream end (right when the
 gateway streams response bodies through the picker: the stream end is the request end);
-`access-log` always holds until the log entry; `auto` (default) holds once an access-log
-stream has shown up (within `max_hold_s`), so a gateway without one is never starved of
-releases. A hold whose log entry never comes is released after `max_hold_s` (counted in
+`access-log` always holds until the log entry; `auto` (default) holds once access-log
+entries arrive (within `max_hold_s`) and most are for requests held here (a replica whose
+gateway logs to other replicas, with no Redis to share entries, does not hold), so a
+gateway without an access log is never starved of releases. A hold whose log entry never comes is released after `max_hold_s` (counted in
 `expired`, logged): a lost log line cannot leak a count forever.
 """
 
@@ -62,6 +63,9 @@ class RequestEndStats:
     unmatched: int = 0  # entries for requests not held here
 
 
+# Auto mode stops holding when more than this share of recent entries matched nothing here.
+_SHARE_LIMIT = 0.3
+_SHARE_STEP = 0.02
 # Entries that arrive before their stream closed are remembered this long, at most this many.
 _EARLY_S = 60.0
 _EARLY_MAX = 10_000
@@ -93,6 +97,10 @@ class RequestEnds:
         self._warned = 0.0
         # Called with entries for requests not held here (another replica may hold them).
         self.on_unmatched: Callable[[Ended], None] | None = None
+        # Moving share of received entries that matched nothing held here. High means the
+        # gateway logs to several replicas: without sharing (on_unmatched), auto mode must
+        # not hold, or other replicas' requests would stay counted until max_hold_s.
+        self._unmatched_share = 0.0
 
     @property
     def holding(self) -> bool:
@@ -103,7 +111,9 @@ class RequestEnds:
         if mode == "access-log":
             return True
         last = self._last_log
-        return last is not None and self._clock() - last < self.settings.max_hold_s
+        if last is None or self._clock() - last >= self.settings.max_hold_s:
+            return False
+        return self.on_unmatched is not None or self._unmatched_share < _SHARE_LIMIT
 
     def finish(self, request_id: str, placement: Placement) -> None:
         """The ext_proc stream of `request_id` ended: release now, or hold until the log."""
@@ -129,9 +139,11 @@ class RequestEnds:
         placement held here was released."""
         now = self._clock()
         self._last_log = now  # forwarded ones too: the gateway logs, to another replica
+        held = self._held.pop(entry.request_id, None)
         if not forwarded:
             self.stats.entries += 1
-        held = self._held.pop(entry.request_id, None)
+            miss = 1.0 if held is None else 0.0
+            self._unmatched_share += _SHARE_STEP * (miss - self._unmatched_share)
         if held is None:
             if not forwarded:
                 self.stats.unmatched += 1

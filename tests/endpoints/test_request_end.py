@@ -90,3 +90,14 @@ def test_prefill_speed_is_the_median_of_tokens_over_ttfb():
     assert sp.get("a") == 5000  # neither outlier moves the median
     sp.observe("b", 20000, 1.0)
     assert sp.get("c") == 12500  # unmeasured: the fleet's median
+
+
+def test_auto_mode_stops_holding_when_entries_are_mostly_for_other_replicas():
+    inflight, _, ends, _ = make()
+    for i in range(100):
+        ends.ended(Ended(f"elsewhere-{i}"))  # another replica's requests
+    ends.finish("mine", inflight.acquire("s1", 1))
+    assert inflight.requests("s1") == 0  # released at the stream end, not leaked
+    ends.on_unmatched = lambda e: None  # shared through Redis: the others release ours
+    ends.finish("mine2", inflight.acquire("s1", 1))
+    assert inflight.requests("s1") == 1
