@@ -82,7 +82,6 @@ POLICIES: dict[str, dict] = {
     "extproc precise": {"precise": True},
     "extproc approximate, 3 replicas (Redis)": {"replicas": 3, "redis": True},
     "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
-    "extproc approximate, ttft": {"extproc_args": ("--config", "@TTFT")},
     "sglang-router cache_aware": {"sglang": True},
 }
 
@@ -240,23 +239,6 @@ scheduling:
     - {pluginRef: max-score-picker}
 """
 
-TTFT_PROFILE = """
-scheduling:
-  plugins:
-  - {type: predicted-ttft-scorer}
-  - {type: kv-cache-utilization-scorer}
-  - {type: no-hit-lru-scorer}
-  - {type: max-score-picker}
-  schedulingProfiles:
-  - name: default
-    plugins:
-    - {pluginRef: predicted-ttft-scorer, weight: 4}
-    - {pluginRef: kv-cache-utilization-scorer, weight: 1}
-    - {pluginRef: no-hit-lru-scorer, weight: 1}
-    - {pluginRef: max-score-picker}
-"""
-
-
 def tenants_spec(seed: int) -> WorkloadSpec:
     return WorkloadSpec(groups=24, conversations_per_group=5, turns=2, system_words=400,
                         question_words=30, answer_words=30, max_tokens=32, header_words=60,
@@ -291,9 +273,9 @@ def run_step(wl: str, load: float, groups: int, seed: int, url: str) -> Summary:
 def run_policy(policy: str, wl: str, rates, groups, seed, venv, log_dir) -> list[Row]:
     opts = dict(POLICIES[policy])
     args = opts.get("extproc_args", ())
-    if args and args[1] in ("@PREVIOUS", "@TTFT"):
-        cfg = log_dir / f"{args[1][1:]}.yaml"
-        cfg.write_text(PREVIOUS_DEFAULT if args[1] == "@PREVIOUS" else TTFT_PROFILE)
+    if args and args[1] == "@PREVIOUS":
+        cfg = log_dir / "previous-default.yaml"
+        cfg.write_text(PREVIOUS_DEFAULT)
         opts["extproc_args"] = ("--config", str(cfg))
     servers, sim_args = PRESSURE_SHAPE.get(wl, (SERVERS, SIM_ARGS))
     rows = []

@@ -12,8 +12,9 @@ gateway streams response bodies through the picker: the stream end is the reques
 `access-log` always holds until the log entry; `auto` (default) holds once access-log
 entries arrive (within `max_hold_s`) and most are for requests held here (a replica whose
 gateway logs to other replicas, with no Redis to share entries, does not hold), so a
-gateway without an access log is never starved of releases. A hold whose log entry never comes is released after `max_hold_s` (counted in
-`expired`, logged): a lost log line cannot leak a count forever.
+gateway without an access log is never starved of releases. A hold whose log entry never
+comes is released after `max_hold_s` (counted in `expired`, logged): a lost log line cannot
+leak a count forever.
 """
 
 from __future__ import annotations

@@ -78,3 +78,19 @@ def test_a_shared_first_block_does_not_make_a_request_warm():
     # One server holds more than the others: that is this request's own prefix.
     warm = [cand("a", prefix=30), *(cand(x, prefix=1) for x in ("b", "c", "d"))]
     assert lru.score(r, warm) == [1.0] * 4
+
+
+def test_bounded_load_spills_a_hot_prefix_group_to_a_second_server():
+    from extproc.scheduling.plugins.latency import BoundedLoadFilter
+
+    f = BoundedLoadFilter()
+    r = req(blocks=10, tokens=640)
+    # At low load the holder keeps it: 1 in flight against an idle fleet is within bound.
+    low = [cand("a", prefix=10, inflight_requests=1), cand("b"), cand("c")]
+    assert [c.endpoint.address for c in f.filter(r, low)] == ["a", "b", "c"]
+    # The group has piled 4 requests onto a: mean (4+1)/3 x 1.25 + 1 = 3.1, a is out.
+    hot = [cand("a", prefix=10, inflight_requests=4), cand("b"), cand("c")]
+    assert [c.endpoint.address for c in f.filter(r, hot)] == ["b", "c"]
+    # Everyone equally busy: nobody is removed.
+    busy = [cand(x, inflight_requests=5) for x in ("a", "b", "c")]
+    assert len(f.filter(r, busy)) == 3

@@ -278,5 +278,5 @@ async def test_decisions_are_explained_on_request(n):
         sent = await f.send(chat(3), {"x-extproc-explain": "1"})
         explained = orjson.loads(sent.response_headers["x-extproc-decision"])
         assert explained["endpoints"] == [sent.endpoint]
-        assert "default/prefix-cache-scorer" in explained["scores"]
+        assert "default/predicted-ttft-scorer" in explained["scores"]
         assert explained["request_blocks"] > 0

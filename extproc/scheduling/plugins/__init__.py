@@ -8,7 +8,7 @@ from extproc.scheduling.plugins.filters import (
     LabelSelectorFilter,
     PrefillFilter,
 )
-from extproc.scheduling.plugins.latency import PredictedTTFTScorer
+from extproc.scheduling.plugins.latency import BoundedLoadFilter, PredictedTTFTScorer
 from extproc.scheduling.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from extproc.scheduling.plugins.prefix import (
     NoHitLRUScorer,
@@ -31,6 +31,7 @@ BUILTINS: tuple[type, ...] = (
     PrefixCacheAffinityFilter,
     NoHitLRUScorer,
     PredictedTTFTScorer,
+    BoundedLoadFilter,
     QueueScorer,
     KVCacheUtilizationScorer,
     ActiveRequestScorer,

@@ -97,3 +97,34 @@ class PredictedTTFTScorer:
         if len(self._busy_until) > 4 * len(cands) + 64:
             # Endpoints that left: forget the drained ones.
             self._busy_until = {a: t for a, t in self._busy_until.items() if t > now}
+
+
+class BoundedLoadFilter:
+    """Consistent hashing with bounded loads, applied to cache affinity: an endpoint may take
+    the request only while its in-flight requests stay under `(1 + epsilon)` times the
+    fleet's mean plus one, so a prefix group that outgrows one server spills to a second
+    (which then holds a replica of the hot prefix) instead of piling up where the prefix
+    first landed. In-flight counts last until requests end and are shared by every replica,
+    so replicas apply the same bound. Never removes every candidate.
+
+    ```yaml
+    - type: bounded-load-filter
+      parameters: {epsilon: 0.25}
+    ```
+    """
+
+    type_name: ClassVar[str] = "bounded-load-filter"
+
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+        epsilon: Annotated[float, msgspec.Meta(ge=0.0)] = 0.25
+
+    def __init__(self, params: Params | None = None) -> None:
+        self._eps = (params or self.Params()).epsilon
+
+    def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
+        if len(cands) < 2:
+            return cands
+        loads = [c.state.inflight_requests for c in cands]
+        bound = (1.0 + self._eps) * (sum(loads) + 1) / len(cands) + 1.0
+        keep = [c for c, n in zip(cands, loads, strict=True) if n <= bound]
+        return keep or cands

@@ -110,14 +110,14 @@ class PrefixCacheAffinityFilter:
 
 class NoHitLRUScorer:
     """For requests that hit no endpoint's cache (a new prefix), prefers the endpoints that
-    least recently received such a cold request, so new prefixes spread evenly and the fleet's
-    cache capacity fills evenly. Requests that some endpoints hold more of than the others
-score 1.0 everywhere (no preference).
+        least recently received such a cold request, so new prefixes spread evenly and the fleet's
+        cache capacity fills evenly. Requests that some endpoints hold more of than the others
+    score 1.0 everywhere (no preference).
 
-    ```yaml
-    - type: no-hit-lru-scorer
-      parameters: {lruSize: 1024}
-    ```
+        ```yaml
+        - type: no-hit-lru-scorer
+          parameters: {lruSize: 1024}
+        ```
     """
 
     type_name: ClassVar[str] = "no-hit-lru-scorer"
