@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import msgpack
+import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -68,7 +68,9 @@ class SharedRequestEnds:
             if not self._pending:
                 continue
             batch, self._pending = self._pending, []
-            blob = msgpack.packb([self._id, [(e.request_id, e.ttfb_s, e.upstream) for e in batch]])
+            blob = msgspec.msgpack.encode(
+                [self._id, [(e.request_id, e.ttfb_s, e.upstream) for e in batch]]
+            )
             try:
                 await self._client.publish(self._channel, blob)
                 self.published += len(batch)
@@ -92,13 +94,13 @@ class SharedRequestEnds:
 
     def _apply(self, data: bytes) -> None:
         try:
-            sender, entries = msgpack.unpackb(data)
+            sender, entries = msgspec.msgpack.decode(data)
             if sender == self._id:
                 return
             for rid, ttfb, upstream in entries:
                 if self._ends.ended(Ended(str(rid), ttfb, str(upstream)), forwarded=True):
                     self.applied += 1
-        except (ValueError, TypeError, msgpack.UnpackException):
+        except (ValueError, TypeError):  # msgspec.DecodeError is a ValueError
             log.warning("request ends: malformed message on the channel")
 
     async def aclose(self) -> None:
