@@ -94,3 +94,13 @@ def test_bounded_load_spills_a_hot_prefix_group_to_a_second_server():
     # Everyone equally busy: nobody is removed.
     busy = [cand(x, inflight_requests=5) for x in ("a", "b", "c")]
     assert len(f.filter(r, busy)) == 3
+
+
+def test_other_replicas_inflight_prefill_counts_as_a_queue():
+    sc = PredictedTTFTScorer(clock=Clock())
+    r = req(blocks=10, tokens=6400)
+    # Nothing this replica placed on a, but 12,800 tokens of prefill other replicas placed.
+    a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)  # 2 s queued
+    b = cand("b", prefill_tps=6400.0)  # 1 s to recompute
+    s = sc.score(r, [a, b])
+    assert s[1] == 1.0 and s[0] < 0.6

@@ -8,8 +8,9 @@ prefix is replicated on a second endpoint while each session's longer tail keeps
 back to where it grew. No weight between "affinity" and "load" needs calibrating.
 
 The queue ahead is this picker's own virtual prefill queue per endpoint (each placement adds
-its uncached tokens / speed; it drains in real time), floored by the endpoint's scraped
-waiting requests at the mean placed prefill (which every replica scrapes alike). Speeds are
+its uncached tokens / speed; it drains in real time), floored by the in-flight prefill
+tokens every replica placed there and by the endpoint's scraped waiting requests at the
+mean placed prefill (both shared: replicas see the same floor). Speeds are
 measured online (`EndpointState.prefill_tps`, from the access log); until the first
 measurement every endpoint gets the same prior, which only scales all predictions alike.
 """
@@ -70,6 +71,10 @@ class PredictedTTFTScorer:
         tps = self._tps(c)
         wait = self._busy_until.get(c.endpoint.address, now) - now
         st = c.state
+        if st.inflight_tokens:
+            # Prefill placed by every replica and not yet finished (shared through Redis):
+            # this replica's own queue sees only its share.
+            wait = max(wait, st.inflight_tokens / tps)
         if st.waiting and not st.is_stale:
             wait = max(wait, st.waiting * self._mean_prefill / tps)
         return max(0.0, wait) + uncached_tokens(req, c) / tps + _FLOOR_S
