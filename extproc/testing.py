@@ -1,5 +1,6 @@
 """Test support shipped with the package: build ext_proc messages the way Envoy sends them and
-drive a real picker over real gRPC. Used by our tests and by plugin authors' tests."""
+drive a real picker over real gRPC; build requests, candidates, a registry and a manual clock to
+unit-test a plugin. Used by our tests and by plugin authors' tests."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from extproc.server import wire
 
 if TYPE_CHECKING:
     from extproc.config import Settings
+    from extproc.core import Candidate, InferenceRequest
+    from extproc.scheduling.registry import PluginRegistry
     from extproc.server.app import App
 
 T = TypeVar("T")
@@ -33,8 +36,10 @@ def request_headers(
     end_of_stream: bool = False,
     mode: int | None = FULL_DUPLEX,
     subset: Sequence[str] | None = None,
+    response_mode: int | None = None,
 ) -> pb.ProcessingRequest:
-    """The first message of a stream. `mode=None` leaves protocol_config out (older Envoys)."""
+    """The first message of a stream. `mode=None` leaves protocol_config out (older Envoys);
+    `response_mode` is the response body mode announced alongside (default NONE)."""
     msg = pb.ProcessingRequest()
     hm = msg.request_headers.headers
     for k, v in headers.items():
@@ -42,6 +47,8 @@ def request_headers(
     msg.request_headers.end_of_stream = end_of_stream
     if mode is not None:
         msg.protocol_config.request_body_mode = mode
+        if response_mode is not None:
+            msg.protocol_config.response_body_mode = response_mode  # type: ignore[assignment]
     if subset is not None:
         msg.metadata_context.filter_metadata[protocol.SUBSET_HINT_NAMESPACE].update(
             {protocol.SUBSET_HINT_KEY: list(subset)}
@@ -73,9 +80,27 @@ def request_trailers(trailers: Mapping[str, str] | None = None) -> pb.Processing
     return msg
 
 
-def response_headers(status: int = 200) -> pb.ProcessingRequest:
+def response_headers(status: int = 200, *, served: str | None = None) -> pb.ProcessingRequest:
+    """`served`: the endpoint the proxy reports in `envoy.lb` (forwarding_namespaces)."""
     msg = pb.ProcessingRequest()
     msg.response_headers.headers.headers.add(key=":status", raw_value=str(status).encode())
+    if served is not None:
+        msg.metadata_context.filter_metadata[protocol.LB_NAMESPACE].update(
+            {protocol.SERVED_KEY: served}
+        )
+    return msg
+
+
+def response_body(data: bytes, *, end_of_stream: bool) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest()
+    msg.response_body.body = data
+    msg.response_body.end_of_stream = end_of_stream
+    return msg
+
+
+def response_trailers() -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest()
+    msg.response_trailers.SetInParent()
     return msg
 
 
@@ -202,3 +227,79 @@ def picker_in_thread(settings: Settings) -> Iterator[ThreadedPicker]:
         loop.call_soon_threadsafe(holder["stop"].set)
         thread.join(20)
         loop.close()
+
+
+# --- Builders for plugin authors' unit tests (see extproc.plugins) ---------------------------
+
+
+def make_request(
+    *,
+    blocks: int = 0,
+    block_tokens: int = 64,
+    tokens: int = 0,
+    model: str = "m",
+    media: Sequence[str] = (),
+    headers: Mapping[str, str] | None = None,
+    adapter: str | None = None,
+    path: str = "/v1/chat/completions",
+) -> InferenceRequest:
+    """A parsed request as a plugin sees it: `blocks` chained prefix-block keys (1..blocks),
+    `tokens` estimated prompt tokens, one 256-token image per entry of `media` (its content
+    hash), request `headers` with lower-case names."""
+    from extproc.core import Api, InferenceRequest, MediaItem, Modality
+
+    return InferenceRequest(
+        request_id="r",
+        path=path,
+        api=Api.CHAT,
+        model=model,
+        block_keys=tuple(range(1, blocks + 1)),
+        block_tokens=block_tokens,
+        prompt_tokens=tokens,
+        media=tuple(MediaItem(Modality.IMAGE, h, 256) for h in media),
+        headers=dict(headers or {}),
+        lora_adapter=adapter,
+    )
+
+
+def make_candidate(
+    address: str,
+    *,
+    prefix_blocks: float = 0.0,
+    role: str | None = None,
+    labels: Mapping[str, str] | None = None,
+    **state: Any,
+) -> Candidate:
+    """An endpoint with live state as the scheduler sees it. `state` takes `EndpointState`
+    fields (waiting, running, kv_usage, inflight_requests, ...); figures are fresh
+    (scraped 10 ms ago) unless `age_s`/`is_stale` say otherwise."""
+    from extproc.core import Candidate, Endpoint, EndpointState
+
+    lab = dict(labels or {})
+    if role is not None:
+        lab["llm-d.ai/role"] = role
+    state.setdefault("age_s", 0.01)
+    state.setdefault("is_stale", state["age_s"] is None or state["age_s"] > 0.2)
+    return Candidate(Endpoint(address, labels=lab), EndpointState(**state), prefix_blocks)
+
+
+def plugin_registry(*classes: type) -> PluginRegistry:
+    """The built-in plugins plus `classes`, validated as `extproc serve` validates them."""
+    from extproc.scheduling.plugins import BUILTINS
+    from extproc.scheduling.registry import PluginRegistry
+
+    return PluginRegistry((*BUILTINS, *classes))
+
+
+class ManualClock:
+    """A clock that moves only when told: pass `clock` where a component takes one, then
+    `advance(seconds)`."""
+
+    def __init__(self, start: float = 1_750_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
