@@ -203,8 +203,19 @@ class Row:
 PRESSURE_SHAPE = {
     # 4 servers x 2,000 blocks x 16 tokens = 128k tokens of KV; 8 sessions grow to ~21k
     # tokens each (168k), 12 sessions to ~250k (the sim's tokenizer: ~5 tokens per word).
-    "agentic": (4, ("--fast", "4", "--prefill-tps", "5000", "--num-gpu-blocks", "2000",
-                     "--max-model-len", "32768")),
+    "agentic": (
+        4,
+        (
+            "--fast",
+            "4",
+            "--prefill-tps",
+            "5000",
+            "--num-gpu-blocks",
+            "2000",
+            "--max-model-len",
+            "32768",
+        ),
+    ),
     # 6 servers x 400 blocks x 16 = 38k tokens of KV for 24 tenants' ~2k-token prompts
     # plus their conversations.
     "tenants": (6, ("--fast", "2", "--prefill-tps", "5000", "--num-gpu-blocks", "400")),
@@ -239,6 +250,7 @@ scheduling:
     - {pluginRef: no-hit-lru-scorer, weight: 2}
     - {pluginRef: max-score-picker}
 """
+
 
 def tenants_spec(seed: int) -> WorkloadSpec:
     return WorkloadSpec(groups=24, conversations_per_group=5, turns=2, system_words=400,

@@ -436,8 +436,7 @@ class Stack:
         proc = self._spawn(name, argv)
         wait_until(
             lambda: (
-                grpc_health_status(health, "readiness")
-                == health_pb2.HealthCheckResponse.SERVING
+                grpc_health_status(health, "readiness") == health_pb2.HealthCheckResponse.SERVING
             ),
             # Generous: on a loaded CI machine a cold start (imports) can take 20 s.
             timeout_s=60,

@@ -347,14 +347,14 @@ def test_picker_config_loads_and_builds(base: list[Obj], tmp_path: Path) -> None
     settings = load_settings(path)
     from extproc.config import Settings, build_configured_scheduler
 
-    # The default profile of `extproc serve`: prefix-cache affinity weighed against load.
+    # The default profile of `extproc serve`: cache affinity and load as predicted TTFT.
     assert settings.scheduling is None
     built = build_configured_scheduler(settings).profiles
     default = build_configured_scheduler(Settings()).profiles
     assert {n: [(s.name, s.weight) for s in p.scorers] for n, p in built.items()} == {
         n: [(s.name, s.weight) for s in p.scorers] for n, p in default.items()
     }
-    assert "prefix-cache-scorer" in [s.name for s in built["default"].scorers]
+    assert "predicted-ttft-scorer" in [s.name for s in built["default"].scorers]
     # TLS on the ext_proc port (the default), as every overlay's gateway connects.
     assert settings.server.effective_tls is not None
     # The index URL names the Redis Service of the base.
