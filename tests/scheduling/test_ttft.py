@@ -4,8 +4,8 @@ the sticky endpoint costs more than recomputing elsewhere, with no hand-set weig
 from __future__ import annotations
 
 from extproc.core import Decision
-from extproc.scheduling.plugins.latency import PredictedTTFTScorer
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
+from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
 from tests.scheduling.helpers import cand, req
 
 
@@ -81,7 +81,7 @@ def test_a_shared_first_block_does_not_make_a_request_warm():
 
 
 def test_bounded_load_spills_a_hot_prefix_group_to_a_second_server():
-    from extproc.scheduling.plugins.latency import BoundedLoadFilter
+    from extproc.scheduling.plugins.ttft import BoundedLoadFilter
 
     f = BoundedLoadFilter()
     r = req(blocks=10, tokens=640)
