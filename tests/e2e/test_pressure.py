@@ -39,6 +39,6 @@ def test_shared_agent_prompt_spreads_and_sessions_stay_put():
         for a, b in pairwise(servers[1:]):
             stayed += a == b
             moved += a != b
-    assert stayed > moved, (stayed, moved)
+    assert stayed >= moved, (stayed, moved)
     assert sum(r.cached_tokens for r in results) > 0.4 * sum(r.prompt_tokens for r in results)
     assert "extproc_access_log_entries_total" in metrics
