@@ -59,6 +59,17 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `grace_s`: how long SIGTERM then waits for
     open streams. `admin_port`: Prometheus `/metrics` and the explain API (0 = any free port,
     None = off). `tls`: see `TLSSettings` (None = plaintext ext_proc).
+
+    Hostile clients (docs/security.md): `body_budget_bytes` bounds the request-body bytes all
+    open streams buffer together (past it: 503 `body_budget_exhausted`); `body_timeout_s` is
+    how long a stream may take from its request headers to the end of its body (past it: 408
+    `request_body_timeout`, and the buffered chunks are freed). `explain_tokens`: values of the
+    `x-extproc-explain` request header that get the decision back in `x-extproc-decision`
+    (empty: nobody, the default; the explanation reveals every endpoint, score and prefix
+    match). `admin_host`: where the admin port binds (loopback by default: it serves the
+    explain API and state without authentication). `admin_explain_max_bytes`: the largest
+    body `POST /debug/explain` accepts. `allowed_clients`: IPs/CIDRs that may open ext_proc
+    streams (the Envoy pods); empty = anyone who can connect.
     """
 
     host: str = "0.0.0.0"
@@ -70,6 +81,23 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grace_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     drain_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0
     tls: TLSSettings | None = None
+    body_budget_bytes: Annotated[int, msgspec.Meta(gt=0)] = 256 * MiB
+    body_timeout_s: _PositiveS = 30.0
+    explain_tokens: list[str] = msgspec.field(default_factory=list)
+    admin_host: str = "127.0.0.1"
+    admin_explain_max_bytes: Annotated[int, msgspec.Meta(gt=0)] = 4 * MiB
+    allowed_clients: list[str] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        import ipaddress
+
+        for c in self.allowed_clients:
+            try:
+                ipaddress.ip_network(c.strip(), strict=False)
+            except ValueError:
+                raise ValueError(f"allowed_clients: not an IP address or CIDR: {c!r}") from None
+        if any(len(t) < 16 for t in self.explain_tokens):
+            raise ValueError("explain_tokens: each token needs at least 16 characters")
 
 
 class KVEventSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -32,7 +32,9 @@ from extproc.requests import parse_request
 from extproc.router import Router
 from extproc.server import wire
 from extproc.server.admin import make_admin_app
+from extproc.server.guard import PeerAllowList, lenient_deserializer
 from extproc.server.health import Health
+from extproc.server.limits import BodyBudget
 from extproc.server.metrics import PickerMetrics, counter, gauge
 from extproc.server.stream import StreamHandler
 
@@ -244,14 +246,12 @@ class App:
 
     async def __aenter__(self) -> App:
         cfg = self.settings.server
-        handler = StreamHandler(
-            self.router, max_body_bytes=cfg.max_body_bytes, metrics=self.metrics
-        )
+        handler = self._stream_handler()
         # Registered by full method name: our message classes live in our own proto package
         # (see protos/), the service name is Envoy's.
         method = grpc.stream_stream_rpc_method_handler(
             handler.process,
-            request_deserializer=wire.ProcessingRequest.FromString,
+            request_deserializer=lenient_deserializer,
             response_serializer=wire.ProcessingResponse.SerializeToString,
         )
         generic = grpc.method_handlers_generic_handler(
@@ -293,9 +293,12 @@ class App:
         await self._health_server.start()
         await self._server.start()
         if cfg.admin_port is not None:
-            self._admin = web.AppRunner(make_admin_app(self.router, self.metrics), access_log=None)
+            admin = make_admin_app(
+                self.router, self.metrics, max_body_bytes=cfg.admin_explain_max_bytes
+            )
+            self._admin = web.AppRunner(admin, access_log=None)
             await self._admin.setup()
-            site = web.TCPSite(self._admin, cfg.host, cfg.admin_port)
+            site = web.TCPSite(self._admin, cfg.admin_host, cfg.admin_port)
             await site.start()
             self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         await self.health.set_ready(self._ready())
@@ -310,6 +313,21 @@ class App:
             },
         )
         return self
+
+    def _stream_handler(self) -> StreamHandler:
+        """The ext_proc servicer with the hostile-client limits of `server:` applied."""
+        cfg = self.settings.server
+        budget = BodyBudget(limit=cfg.body_budget_bytes)
+        self.metrics.add_collector(budget.collect)
+        return StreamHandler(
+            self.router,
+            max_body_bytes=cfg.max_body_bytes,
+            metrics=self.metrics,
+            budget=budget,
+            body_timeout_s=cfg.body_timeout_s,
+            explain_tokens=frozenset(cfg.explain_tokens),
+            allow=PeerAllowList.parse(cfg.allowed_clients),
+        )
 
     async def serve(self) -> None:
         """Run until `stop()` has drained the server."""
