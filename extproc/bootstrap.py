@@ -48,6 +48,9 @@ class BootstrapOptions:
     extproc_tls: bool = False
     extproc_sni: str | None = None
     extproc_ca_file: str | None = None
+    # Pass `x-extproc-explain` / `x-extproc-decision` through the edge (only for a gateway
+    # that trusted operators reach; the picker also needs `server.explain_tokens`).
+    allow_explain: bool = False
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:
@@ -113,21 +116,29 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def _strip_picker_headers_filter() -> dict[str, Any]:
+def _strip_picker_headers_filter(opts: BootstrapOptions | None = None) -> dict[str, Any]:
     # Runs before ext_proc so a client-sent destination header can never route, even when
     # the picker is skipped (fail-open). Route-level request_headers_to_remove would also
     # remove the picker's own header before host selection (every request would 503).
+    mutations: dict[str, Any] = {
+        "request_mutations": [{"remove": name} for name in sorted(protocol.PICKER_OWNED_HEADERS)]
+    }
+    if opts is None or not opts.allow_explain:
+        _strip_explanations(mutations)
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
             "@type": f"{_T}.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {
-                "request_mutations": [
-                    {"remove": name} for name in sorted(protocol.PICKER_OWNED_HEADERS)
-                ]
-            },
+            "mutations": mutations,
         },
     }
+
+
+def _strip_explanations(mutations: dict[str, Any]) -> None:
+    """No decision data crosses the edge: the request never asks for it, and (first filter,
+    so last on the way back) any explanation header is removed from the response."""
+    mutations["request_mutations"].append({"remove": protocol.EXPLAIN_HEADER})
+    mutations["response_mutations"] = [{"remove": protocol.DECISION_HEADER}]
 
 
 def _policy(name: str, proto: str, **config: Any) -> dict[str, Any]:
@@ -233,7 +244,7 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
             "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [_route(opts)]}],
         },
         "http_filters": [
-            _strip_picker_headers_filter(),
+            _strip_picker_headers_filter(opts),
             _ext_proc_filter(opts),
             {
                 "name": "envoy.filters.http.router",
