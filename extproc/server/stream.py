@@ -87,7 +87,7 @@ class StreamHandler:
         budget: BodyBudget | None = None,
         body_timeout_s: float = 30.0,
         explain_tokens: frozenset[str] = frozenset(),
-        allow: PeerAllowList = PeerAllowList(),
+        allow: PeerAllowList | None = None,
     ) -> None:
         self._router = router
         self._max_body = max_body_bytes
@@ -95,7 +95,7 @@ class StreamHandler:
         self.budget = budget or BodyBudget(limit=1 << 62)
         self._body_timeout_s = body_timeout_s
         self._explain_tokens = tuple(t.encode() for t in explain_tokens)
-        self._allow = allow
+        self._allow = allow or PeerAllowList()
         self._throttle = Throttle()
 
     async def process(
@@ -289,7 +289,7 @@ class _Stream:
             raise PayloadTooLarge(f"request body exceeds the {self.max_body}-byte limit")
         if chunk:
             if not self.budget.take(len(chunk)):
-                raise BodyBudgetExhausted("the endpoint picker is buffering too many request bodies")
+                raise BodyBudgetExhausted("the picker is buffering too many request bodies")
             self.chunks.append(chunk)
         if not body.end_of_stream:
             return []

@@ -90,7 +90,9 @@ def metric(stack: Stack, name: str) -> dict[str, float]:
     return out
 
 
-async def stalled_upload(port: int, body_bytes: int, *, trickle_s: float = 0.0) -> tuple[int, float]:
+async def stalled_upload(
+    port: int, body_bytes: int, *, trickle_s: float = 0.0
+) -> tuple[int, float]:
     """POST a chunked body of `body_bytes` and then stall (never send the last chunk), or,
     with `trickle_s`, send one byte every `trickle_s` seconds forever. Returns (HTTP status,
     seconds until the gateway answered or cut the connection); status 0 = cut."""
@@ -119,7 +121,7 @@ async def stalled_upload(port: int, body_bytes: int, *, trickle_s: float = 0.0) 
     sender = asyncio.create_task(send())
     try:
         line = await asyncio.wait_for(reader.readline(), timeout=BODY_TIMEOUT_S + 30)
-    except (ConnectionError, asyncio.TimeoutError):
+    except (TimeoutError, ConnectionError):
         line = b""
     finally:
         sender.cancel()
@@ -240,9 +242,7 @@ def test_held_streams_with_subset_hints_from_a_stranger_cause_no_skew(stack: Sta
     every stream is refused before it routes, the endpoint counts nothing in flight, and
     gateway traffic spreads as before."""
     target = stack.upstream_addresses[0]
-    body = orjson.dumps(
-        {"model": "m", "messages": [{"role": "user", "content": "word " * 80_000}]}
-    )
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "word " * 80_000}]})
 
     async def attack() -> tuple[Counter, int]:
         codes: Counter = Counter()
@@ -258,9 +258,7 @@ def test_held_streams_with_subset_hints_from_a_stranger_cause_no_skew(stack: Sta
                 nonlocal answered
                 call = process()
                 try:
-                    await call.write(
-                        request_headers(post("/v1/chat/completions"), subset=[target])
-                    )
+                    await call.write(request_headers(post("/v1/chat/completions"), subset=[target]))
                     for m in body_chunks(body):
                         await call.write(m)
                     if await call.read() is not grpc.aio.EOF:
