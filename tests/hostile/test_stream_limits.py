@@ -4,6 +4,7 @@ explain tokens, and the pieces they are built from."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -45,10 +46,8 @@ def raw_call(p: ThreadedPicker, frames: list[bytes]) -> tuple[list[bytes], grpc.
         )
         it = call(iter(frames), timeout=10)
         out: list[bytes] = []
-        try:
+        with contextlib.suppress(grpc.RpcError):
             out.extend(it)
-        except grpc.RpcError:
-            pass
         return out, it.code()
 
 
