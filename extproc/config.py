@@ -112,6 +112,18 @@ class KVEventSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     port: _Port = 5557
     replay_port: _Port | None = None
     bind: str | None = None
+    # Bound socket only: CURVE with this picker's Z85 secret key, admitting only publishers
+    # whose public keys are listed (docs/security.md). Messages are always checked against
+    # the pool and the publisher's address, with or without CURVE.
+    curve_secret_key: str | None = None
+    curve_publisher_keys: list[str] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.curve_secret_key is not None and self.bind is None:
+            raise ValueError("curve_secret_key needs bind (the picker is the CURVE server)")
+        for k in (self.curve_secret_key or "", *self.curve_publisher_keys):
+            if k and len(k) != 40:
+                raise ValueError("CURVE keys are 40-character Z85 strings")
 
 
 class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -147,12 +147,25 @@ class App:
         from extproc.index.subscriber import KVEventSubscriber
 
         sub = KVEventSubscriber(
-            self.index, model=self.precise.model, bind=ev.bind, block_size=self.precise.block_size
+            self.index,
+            model=self.precise.model,
+            bind=ev.bind,
+            block_size=self.precise.block_size,
+            is_member=lambda address: self.pool.get(address) is not None,
+            curve=self._curve_keys(),
         )
         if ev.bind is None:
             for e in self.pool.snapshot():
                 sub.watch(self._event_source(e))
         return sub
+
+    def _curve_keys(self):
+        ev = self.settings.index.kv_events
+        if ev is None or ev.curve_secret_key is None:
+            return None
+        from extproc.index.curve import CurveKeys
+
+        return CurveKeys.from_config(ev.curve_secret_key, ev.curve_publisher_keys)
 
     def _event_source(self, e: Endpoint):
         from extproc.index.subscriber import EventSource
@@ -445,6 +458,12 @@ class App:
                 ("replayed", "KV-event batches recovered by replay.", k.replayed),
                 ("resyncs", "Endpoints rebuilt after an unrecoverable gap.", k.resyncs),
                 ("restarts", "Publisher restarts seen (sequence went back).", k.restarts),
+                (
+                    "rejected",
+                    "KV-event messages refused: topic names no pool endpoint, or sent from "
+                    "another address than that endpoint's.",
+                    k.rejected,
+                ),
             ):
                 yield _counter(f"extproc_kv_events_{name}", doc, value)
             yield _gauge(

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
 from extproc.server import wire
+from extproc.throttle import Throttle
+
+__all__ = ["PeerAllowList", "Throttle", "lenient_deserializer", "peer_ip"]
 
 log = logging.getLogger("extproc.guard")
 
@@ -58,29 +60,6 @@ class PeerAllowList:
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
         return any(ip.version == n.version and ip in n for n in self.networks)
-
-
-@dataclass(slots=True)
-class Throttle:
-    """At most one log line per `every_s` per key; counts what it suppressed in between so
-    the next line says how many there were."""
-
-    every_s: float = 10.0
-    _last: dict[str, float] = field(default_factory=dict)
-    _suppressed: dict[str, int] = field(default_factory=dict)
-
-    def allow(self, key: str) -> int | None:
-        """None: stay quiet. Else: log now; the value is how many were suppressed before."""
-        now = time.monotonic()
-        last = self._last.get(key)
-        if last is not None and now - last < self.every_s:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return None
-        if len(self._last) > 1024:  # keys are few (reasons); never let them grow unbounded
-            self._last.clear()
-            self._suppressed.clear()
-        self._last[key] = now
-        return self._suppressed.pop(key, 0)
 
 
 def lenient_deserializer(data: bytes) -> wire.ProcessingRequest | None:
