@@ -286,6 +286,8 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(f"{host}:{port}")}}]}],
         },
     }
+    _picker_failover(hcm["http_filters"][1], extproc_cluster)
+    hcm["local_reply_config"] = _picker_unavailable_reply()
     if opts.extproc_tls:
         # Health checks use the same socket: the picker serves `readiness` on its TLS port too.
         extproc_cluster["transport_socket"] = _picker_tls(opts, host)
@@ -313,6 +315,70 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
     if opts.admin_port is not None:
         doc["admin"] = {"address": _socket(f"127.0.0.1:{opts.admin_port}")}
     return doc
+
+
+def _picker_failover(ext_proc: dict[str, Any], cluster: dict[str, Any]) -> None:
+    """A crashed picker replica costs no request while another is up. Health checks need two
+    misses (seconds); until then round robin keeps opening streams to the dead one. So the
+    stream is retried on another replica when it cannot be opened (connection refused or
+    reset before the picker answered), and a replica that refuses a connection is ejected at
+    once by outlier detection, without waiting for the health check."""
+    ext_proc["typed_config"]["grpc_service"]["retry_policy"] = {
+        "retry_on": "connect-failure,refused-stream,reset,unavailable",
+        "num_retries": 2,
+        "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": f"{_T}.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 3,
+    }
+    cluster["outlier_detection"] = {
+        # Local-origin failures (connect refused/timeout, reset) are counted apart from gRPC
+        # status codes, so a picker's own 4xx/5xx answers never eject it.
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 1,
+        "consecutive_gateway_failure": 2,
+        "interval": "1s",
+        "base_ejection_time": "5s",
+        "max_ejection_percent": 50,
+    }
+
+
+PICKER_UNAVAILABLE_BODY = (
+    '{"error": {"message": "the endpoint picker is unavailable", "type": "server_error", '
+    '"code": "picker_unavailable"}}'
+)
+
+
+def _picker_unavailable_reply() -> dict[str, Any]:
+    """Envoy's own 500s get a JSON body like the picker's errors, not an empty one. The only
+    local 500 in this config is the ext_proc filter failing closed (no picker reachable, or
+    the stream broke); the picker's own 500 says the same thing in other words, and is the
+    only other local reply the mapper touches (its 4xx/503/429 answers keep their bodies)."""
+    return {
+        "mappers": [
+            {
+                "filter": {
+                    "status_code_filter": {
+                        "comparison": {
+                            "op": "EQ",
+                            "value": {"default_value": 500, "runtime_key": "extproc.lr_500"},
+                        }
+                    }
+                },
+                "body": {"inline_string": PICKER_UNAVAILABLE_BODY},
+                "body_format_override": {
+                    "text_format": "%LOCAL_REPLY_BODY%",
+                    "content_type": "application/json",
+                },
+            }
+        ]
+    }
 
 
 def render_bootstrap(opts: BootstrapOptions) -> str:
