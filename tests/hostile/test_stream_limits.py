@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 
 import grpc
 import msgspec
@@ -191,3 +192,73 @@ def test_bad_allow_list_and_short_tokens_are_config_errors():
         decode_settings({"server": {"allowed_clients": ["not-an-ip"]}})
     with pytest.raises(ConfigError):
         decode_settings({"server": {"explain_tokens": ["short"]}})
+
+
+async def test_admin_explain_is_bounded_and_does_not_stall_routing():
+    """Issue 18: a 36 MB `POST /debug/explain` stalled routing for 1.4 s. Now bodies past
+    `admin_explain_max_bytes` (4 MiB) get 413, parsing runs in a thread, and a second
+    concurrent explain gets 429 at once. Measured: decision latency while a 4 MB explain runs."""
+    import asyncio
+
+    import httpx
+    import orjson
+
+    from extproc.testing import ExtProcClient
+
+    big = orjson.dumps(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": f"turn {i} " + "lorem ipsum dolor " * 40}
+                for i in range(5_000)
+            ],
+        }
+    )
+    assert 3_500_000 < len(big) < 4 * 1024 * 1024
+    settings = with_server(hostile_settings(), admin_port=0, max_body_bytes=64 << 20)
+    from extproc.endpoints import parse_endpoints
+    from extproc.server.app import App
+
+    async with (
+        App(settings, parse_endpoints(",".join(settings.endpoints))) as app,
+        ExtProcClient(f"127.0.0.1:{app.port}") as client,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.admin_port}", timeout=60) as http,
+    ):
+        latencies: list[float] = []
+        stop = asyncio.Event()
+
+        async def route_loop() -> None:
+            while not stop.is_set():
+                t = time.perf_counter()
+                await client.exchange(
+                    [request_headers(post("/v1/chat/completions")), *body_chunks(CHAT)]
+                )
+                latencies.append(time.perf_counter() - t)
+
+        baseline_task = asyncio.create_task(route_loop())
+        await asyncio.sleep(0.5)
+        base = sorted(latencies)
+        latencies.clear()
+        first = asyncio.create_task(http.post("/debug/explain", content=big))
+        others: list[int] = []
+        await asyncio.sleep(0.02)  # its headers are in: the big one holds the explain slot
+        while not first.done():  # small explains while the big one runs: refused at once
+            others.append((await http.post("/debug/explain", content=CHAT)).status_code)
+            await asyncio.sleep(0.01)
+        explained = await first
+        stop.set()
+        await baseline_task
+        too_big = await http.post("/debug/explain", content=b"x" * (5 << 20))
+    figure(
+        "admin_explain_4mb",
+        explain_status=explained.status_code,
+        concurrent_others=dict(Counter(others)),
+        five_mb=too_big.status_code,
+        decision_max_ms_before=round(base[-1] * 1000, 1),
+        decision_max_ms_during=round(max(latencies) * 1000, 1),
+        decisions_during=len(latencies),
+    )
+    assert explained.status_code == 200 and explained.json()["request_blocks"] > 0
+    assert 429 in others and set(others) <= {200, 429}
+    assert too_big.status_code == 413
+    assert latencies, "routing stopped while the explain ran"
