@@ -345,6 +345,9 @@ def _picker_failover(ext_proc: dict[str, Any], cluster: dict[str, Any]) -> None:
         "consecutive_gateway_failure": 2,
         "interval": "1s",
         "base_ejection_time": "5s",
+        # Ejection time grows with each ejection; a restarted replica is back as soon as
+        # an active health check passes (successful_active_health_check_uneject_host).
+        "max_ejection_time": "10s",
         "max_ejection_percent": 50,
     }
 
