@@ -18,18 +18,19 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "protocol": set(),
     "logs": set(),
+    "throttle": set(),  # rate-limited logging for what hostile peers can repeat
     "redis_client": {"errors"},
     "hashing": _BASE,
     "requests": _BASE | {"hashing"},
     "scheduling": _BASE,
     "plugins": _BASE | {"scheduling"},
-    "index": _BASE | {"hashing", "redis_client"},
+    "index": _BASE | {"hashing", "redis_client", "throttle"},
     "endpoints": _BASE | {"redis_client"},
     "router": _BASE | {"hashing", "index", "endpoints", "scheduling"},
     "config": _BASE | {"requests", "scheduling", "endpoints", "index", "hashing"},
     "server": _BASE
     | {"_proto", "config", "endpoints", "hashing", "index", "requests", "router", "scheduling"}
-    | {"logs", "redis_client"},
+    | {"logs", "redis_client", "throttle"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,
     "stack": _BASE | {"bootstrap"},
