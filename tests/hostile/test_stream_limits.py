@@ -239,12 +239,19 @@ async def test_admin_explain_is_bounded_and_does_not_stall_routing():
         await asyncio.sleep(0.5)
         base = sorted(latencies)
         latencies.clear()
-        first = asyncio.create_task(http.post("/debug/explain", content=big))
+
+        async def slow_upload():  # ~1 s of upload: the big explain holds its slot meanwhile
+            step = len(big) // 8 + 1
+            for i in range(0, len(big), step):
+                yield big[i : i + step]
+                await asyncio.sleep(0.12)
+
+        first = asyncio.create_task(http.post("/debug/explain", content=slow_upload()))
         others: list[int] = []
-        await asyncio.sleep(0.02)  # its headers are in: the big one holds the explain slot
-        while not first.done():  # small explains while the big one runs: refused at once
+        await asyncio.sleep(0.4)  # its headers are in: it holds the explain slot
+        while not first.done():  # small explains meanwhile: 429 at once once it holds the slot
             others.append((await http.post("/debug/explain", content=CHAT)).status_code)
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.02)
         explained = await first
         stop.set()
         await baseline_task
