@@ -39,6 +39,13 @@ class CurveKeys:
                 raise ValueError("CURVE keys are 40-character Z85 strings")
         return cls(secret_key, frozenset(publisher_keys))
 
+    @classmethod
+    def from_settings(cls, kv_events: Any) -> CurveKeys | None:
+        """From `index.kv_events` settings; None when CURVE is not configured."""
+        if kv_events is None or kv_events.curve_secret_key is None:
+            return None
+        return cls.from_config(kv_events.curve_secret_key, kv_events.curve_publisher_keys)
+
     @property
     def public_key(self) -> str:
         """What publishers set as their `curve_serverkey`."""

@@ -32,9 +32,8 @@ from extproc.requests import parse_request
 from extproc.router import Router
 from extproc.server import wire
 from extproc.server.admin import make_admin_app
-from extproc.server.guard import PeerAllowList, lenient_deserializer
+from extproc.server.guard import lenient_deserializer
 from extproc.server.health import Health
-from extproc.server.limits import BodyBudget
 from extproc.server.metrics import PickerMetrics, counter, gauge
 from extproc.server.stream import StreamHandler
 
@@ -144,6 +143,7 @@ class App:
         ev = self.settings.index.kv_events
         if ev is None or self.index is None or self.precise is None:
             return None
+        from extproc.index.curve import CurveKeys
         from extproc.index.subscriber import KVEventSubscriber
 
         sub = KVEventSubscriber(
@@ -152,20 +152,12 @@ class App:
             bind=ev.bind,
             block_size=self.precise.block_size,
             is_member=lambda address: self.pool.get(address) is not None,
-            curve=self._curve_keys(),
+            curve=CurveKeys.from_settings(ev),
         )
         if ev.bind is None:
             for e in self.pool.snapshot():
                 sub.watch(self._event_source(e))
         return sub
-
-    def _curve_keys(self):
-        ev = self.settings.index.kv_events
-        if ev is None or ev.curve_secret_key is None:
-            return None
-        from extproc.index.curve import CurveKeys
-
-        return CurveKeys.from_config(ev.curve_secret_key, ev.curve_publisher_keys)
 
     def _event_source(self, e: Endpoint):
         from extproc.index.subscriber import EventSource
@@ -259,7 +251,7 @@ class App:
 
     async def __aenter__(self) -> App:
         cfg = self.settings.server
-        handler = self._stream_handler()
+        handler = StreamHandler.from_settings(self.router, self.settings.server, self.metrics)
         # Registered by full method name: our message classes live in our own proto package
         # (see protos/), the service name is Envoy's.
         method = grpc.stream_stream_rpc_method_handler(
@@ -326,21 +318,6 @@ class App:
             },
         )
         return self
-
-    def _stream_handler(self) -> StreamHandler:
-        """The ext_proc servicer with the hostile-client limits of `server:` applied."""
-        cfg = self.settings.server
-        budget = BodyBudget(limit=cfg.body_budget_bytes)
-        self.metrics.add_collector(budget.collect)
-        return StreamHandler(
-            self.router,
-            max_body_bytes=cfg.max_body_bytes,
-            metrics=self.metrics,
-            budget=budget,
-            body_timeout_s=cfg.body_timeout_s,
-            explain_tokens=frozenset(cfg.explain_tokens),
-            allow=PeerAllowList.parse(cfg.allowed_clients),
-        )
 
     async def serve(self) -> None:
         """Run until `stop()` has drained the server."""

@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 import orjson
@@ -43,6 +44,9 @@ from extproc.server import wire
 from extproc.server.guard import PeerAllowList, Throttle
 from extproc.server.limits import BodyBudget, BodyDeadline
 from extproc.server.metrics import PickerMetrics
+
+if TYPE_CHECKING:
+    from extproc.config import ServerSettings
 
 log = logging.getLogger("extproc.stream")
 
@@ -97,6 +101,24 @@ class StreamHandler:
         self._explain_tokens = tuple(t.encode() for t in explain_tokens)
         self._allow = allow or PeerAllowList()
         self._throttle = Throttle()
+
+    @classmethod
+    def from_settings(
+        cls, router: Router, cfg: ServerSettings, metrics: PickerMetrics
+    ) -> StreamHandler:
+        """The servicer with the hostile-client limits of `server:` applied (the budget's
+        gauges registered in `metrics`)."""
+        budget = BodyBudget(limit=cfg.body_budget_bytes)
+        metrics.add_collector(budget.collect)
+        return cls(
+            router,
+            max_body_bytes=cfg.max_body_bytes,
+            metrics=metrics,
+            budget=budget,
+            body_timeout_s=cfg.body_timeout_s,
+            explain_tokens=frozenset(cfg.explain_tokens),
+            allow=PeerAllowList.parse(cfg.allowed_clients),
+        )
 
     async def process(
         self, requests: AsyncIterator[wire.ProcessingRequest | None], context
