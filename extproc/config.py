@@ -18,6 +18,13 @@ import yaml
 from extproc.endpoints.scrape import ScrapeSettings
 from extproc.endpoints.shared_inflight import SharedInFlightSettings
 from extproc.errors import ConfigError, format_path
+from extproc.flowcontrol.config import (
+    ADMITTER_TYPES,
+    FLOW_PLUGIN_TYPES,
+    FlowConfig,
+    FlowControlSettings,
+    build_flow_config,
+)
 from extproc.requests import ParseSettings
 from extproc.scheduling.config import EndpointPickerConfig, build_scheduler, default_config
 from extproc.scheduling.framework import Scheduler
@@ -58,7 +65,9 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (keep the pod's terminationGracePeriodSeconds above drain_delay_s + grace_s).
     `grace_s`: how long SIGTERM then waits for
     open streams. `admin_port`: Prometheus `/metrics` and the explain API (0 = any free port,
-    None = off). `tls`: see `TLSSettings` (None = plaintext ext_proc).
+    None = off). `tls`: see `TLSSettings`; when unset the ext_proc port still speaks TLS, with
+    a self-signed certificate made at start. `plaintext: true` is the explicit choice of no TLS
+    (a sidecar mesh that encrypts for us, or a test).
 
     Hostile clients (docs/security.md): `body_budget_bytes` bounds the request-body bytes all
     open streams buffer together (past it: 503 `body_budget_exhausted`); `body_timeout_s` is
@@ -81,6 +90,7 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grace_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     drain_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0
     tls: TLSSettings | None = None
+    plaintext: bool = False
     body_budget_bytes: Annotated[int, msgspec.Meta(gt=0)] = 256 * MiB
     body_timeout_s: _PositiveS = 30.0
     explain_tokens: list[str] = msgspec.field(default_factory=list)
@@ -91,6 +101,8 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         import ipaddress
 
+        if self.plaintext and self.tls is not None:
+            raise ValueError("set either tls or plaintext: true, not both")
         for c in self.allowed_clients:
             try:
                 ipaddress.ip_network(c.strip(), strict=False)
@@ -98,6 +110,14 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"allowed_clients: not an IP address or CIDR: {c!r}") from None
         if any(len(t) < 16 for t in self.explain_tokens):
             raise ValueError("explain_tokens: each token needs at least 16 characters")
+
+    @property
+    def effective_tls(self) -> TLSSettings | None:
+        """What the ext_proc port serves: the configured TLS, self-signed by default, None
+        only for an explicit `plaintext: true`."""
+        if self.plaintext:
+            return None
+        return self.tls or TLSSettings(self_signed=True)
 
 
 class KVEventSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -187,6 +207,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     state: StateSettings = StateSettings()
     scheduling: EndpointPickerConfig | None = None
     disabled_plugins: list[str] = msgspec.field(default_factory=list)
+    # Flow control (docs/flow-control.md); also on when `scheduling` has `flowControl`.
+    flow_control: FlowControlSettings | None = None
 
 
 def decode_settings(doc: Any) -> Settings:
@@ -211,9 +233,27 @@ def build_configured_scheduler(settings: Settings) -> Scheduler:
             settings.scheduling or default_config(),
             registry,
             fallbacks=settings.server.fallbacks,
+            foreign=FLOW_PLUGIN_TYPES,
         )
     except ConfigError as exc:
         raise exc.within("scheduling") if settings.scheduling else exc from None
+
+
+def build_configured_flow_control(settings: Settings) -> FlowConfig | None:
+    """Stage 2 for flow control: None (off) unless the scheduling config has a
+    `flowControl` or `saturationDetector` section or lists an admitter plugin, or the
+    settings have a `flow_control` section."""
+    sched = settings.scheduling
+    fc = sched.flowControl if sched else None
+    sd = sched.saturationDetector if sched else None
+    plugins = [msgspec.to_builtins(p) for p in sched.plugins] if sched else []
+    admitter = any(p["type"] in ADMITTER_TYPES for p in plugins)
+    if fc is None and sd is None and settings.flow_control is None and not admitter:
+        return None
+    try:
+        return build_flow_config(fc, sd, plugins, settings.flow_control)
+    except ConfigError as exc:
+        raise exc.within("scheduling") if sched else exc from None
 
 
 def _line_of(text: str, path: tuple[str | int, ...]) -> int | None:
@@ -262,6 +302,7 @@ def load_settings(path: str | Path | None) -> Settings:
     try:
         settings = decode_settings(doc)
         build_configured_scheduler(settings)
+        build_configured_flow_control(settings)
     except ConfigError as exc:
         line = _line_of(text, exc.path)
         where = f"{path}:{line}" if line else str(path)

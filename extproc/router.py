@@ -15,10 +15,11 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from extproc.core import Candidate, Decision, EndpointState, InferenceRequest
+from extproc.core import Candidate, Decision, Endpoint, EndpointState, InferenceRequest
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.inflight import InFlightCounter, Placement
 from extproc.errors import NoEndpoints
+from extproc.flowcontrol.controller import Ticket
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import EMPTY, KVIndex, Lookup
 from extproc.scheduling import Scheduler
@@ -43,6 +44,23 @@ class InFlightOnly:
         return EndpointState(inflight_requests=inflight_requests, inflight_tokens=inflight_tokens)
 
 
+class Admission(Protocol):
+    """Flow control as the router sees it (extproc.flowcontrol.admission.Admission)."""
+
+    async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket: ...
+    def placed(self, ticket: Ticket) -> None: ...
+    def release(self, ticket: Ticket) -> None: ...
+
+
+def in_subset(address: str, subset: Collection[str]) -> bool:
+    """GIE subset semantics: an `ip:port` entry admits that endpoint, an entry without a port
+    admits every endpoint on that address."""
+    if address in subset:
+        return True
+    host = address.rpartition(":")[0]
+    return host.strip("[]") in subset
+
+
 @dataclass(frozen=True, slots=True)
 class Routed:
     """A decision plus what to undo or report when the request ends."""
@@ -51,6 +69,7 @@ class Routed:
     decision: Decision
     placement: Placement
     lookup: Lookup
+    ticket: Ticket | None = None  # flow-control admission, released at finish
 
 
 @dataclass(slots=True)
@@ -61,6 +80,8 @@ class RouterStats:
     lookups_degraded: int = 0
     prefix_blocks_requested: int = 0
     prefix_blocks_matched: float = 0.0
+    # Requests the proxy reports served by another endpoint than the pick.
+    served_elsewhere: int = 0
 
 
 class Router:
@@ -77,6 +98,7 @@ class Router:
         is_failing: Callable[[str], bool] | None = None,
         record_decisions: bool = True,
         on_lookup: Callable[[float], None] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         """`on_lookup` receives each index lookup's duration in seconds (the metrics
         histogram); it runs on the hot path, so it must be cheap and must not raise."""
@@ -93,6 +115,8 @@ class Router:
         self._is_failing = is_failing
         self._record = record_decisions and index is not None
         self._on_lookup = on_lookup
+        # Flow control (None = off): holds a request after its lookup until capacity frees.
+        self.admission = admission
 
     async def route(
         self,
@@ -127,9 +151,36 @@ class Router:
         place: bool = True,
     ) -> Routed:
         """`route` for an already parsed request."""
+        endpoints = self._eligible(subset)
+        lookup = EMPTY
+        if self.index is not None and request.block_keys:
+            start = time.perf_counter()
+            lookup = await self.index.lookup(request.block_keys)
+            if self._on_lookup is not None:
+                self._on_lookup(time.perf_counter() - start)
+            if lookup.degraded:
+                self.stats.lookups_degraded += 1
+        matches = lookup.matches
+        if self.admission is None or not place:
+            return self._decide(request, endpoints, lookup, explain, place, None)
+        best = max(matches.values(), default=0.0)
+        ticket = await self.admission.admit(
+            request, request.prompt_tokens - int(best * request.block_tokens)
+        )
+        try:
+            if ticket.waited_s > 0:
+                endpoints = self._eligible(subset)  # the pool may have changed while it waited
+            routed = self._decide(request, endpoints, lookup, explain, place, ticket)
+        except BaseException:
+            self.admission.release(ticket)
+            raise
+        self.admission.placed(ticket)
+        return routed
+
+    def _eligible(self, subset: Collection[str] | None) -> tuple[Endpoint, ...]:
         endpoints = self.pool.snapshot()
         if subset is not None:
-            endpoints = tuple(e for e in endpoints if e.address in subset)
+            endpoints = tuple(e for e in endpoints if in_subset(e.address, subset))
         if not endpoints:
             raise NoEndpoints("no model-server endpoint is eligible for this request")
         failing = self._is_failing
@@ -139,14 +190,18 @@ class Router:
             healthy = tuple(e for e in endpoints if not failing(e.address))
             if healthy:
                 endpoints = healthy
-        lookup = EMPTY
-        if self.index is not None and request.block_keys:
-            start = time.perf_counter()
-            lookup = await self.index.lookup(request.block_keys)
-            if self._on_lookup is not None:
-                self._on_lookup(time.perf_counter() - start)
-            if lookup.degraded:
-                self.stats.lookups_degraded += 1
+        return endpoints
+
+    def _decide(
+        self,
+        request: InferenceRequest,
+        endpoints: tuple[Endpoint, ...],
+        lookup: Lookup,
+        explain: bool,
+        place: bool,
+        ticket: Ticket | None,
+    ) -> Routed:
+        """Scheduling proper: synchronous, so nothing changes between state and placement."""
         matches = lookup.matches
         inflight, states = self.inflight, self.states
         cands = [
@@ -178,7 +233,7 @@ class Router:
         # does not already hold.
         uncached = max(0, request.prompt_tokens - int(matched * request.block_tokens))
         placement = inflight.acquire(decision.primary.address, uncached)
-        return Routed(request, decision, placement, lookup)
+        return Routed(request, decision, placement, lookup, ticket)
 
     def _request(
         self, path: str, headers: Mapping[str, str], body: bytes | None
@@ -196,6 +251,22 @@ class Router:
             )
         return request
 
+    def served(self, routed: Routed, address: str) -> Routed:
+        """The proxy reports `address` served the request (a fallback after a retry, or its
+        own choice): its in-flight count and the index follow the served endpoint. Returns
+        the Routed to finish later."""
+        old = routed.placement
+        if address == old.address:
+            return routed
+        self.stats.served_elsewhere += 1
+        self.inflight.release(old)
+        placement = self.inflight.acquire(address, old.tokens)
+        if self._record and self.index is not None:
+            self.index.record(address, routed.request.block_keys)
+        return dataclasses.replace(routed, placement=placement)
+
     def finish(self, routed: Routed) -> None:
         """The request's stream ended (response done, client gone, or error)."""
         self.inflight.release(routed.placement)
+        if routed.ticket is not None and self.admission is not None:
+            self.admission.release(routed.ticket)

@@ -26,13 +26,17 @@ ALLOWED: dict[str, set[str]] = {
     "plugins": _BASE | {"scheduling"},
     "index": _BASE | {"hashing", "redis_client", "throttle"},
     "endpoints": _BASE | {"redis_client"},
-    "router": _BASE | {"hashing", "index", "endpoints", "scheduling"},
-    "config": _BASE | {"requests", "scheduling", "endpoints", "index", "hashing"},
+    # Admission between the index lookup and scheduling: it reads endpoint state, its plugins
+    # are built like scheduling plugins, and replicas share its state through Redis.
+    "flowcontrol": _BASE | {"endpoints", "redis_client", "scheduling"},
+    "router": _BASE | {"hashing", "index", "endpoints", "scheduling", "flowcontrol"},
+    "config": _BASE | {"requests", "scheduling", "endpoints", "index", "hashing", "flowcontrol"},
     "server": _BASE
     | {"_proto", "config", "endpoints", "hashing", "index", "requests", "router", "scheduling"}
-    | {"logs", "redis_client", "throttle"},
+    | {"logs", "redis_client", "flowcontrol", "throttle"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,
+    "gateways": _BASE | {"bootstrap"},
     "stack": _BASE | {"bootstrap"},
     "demo": _BASE | {"sim", "stack"},
     "testing": _BASE | {"config", "endpoints", "scheduling", "server"},

@@ -19,7 +19,7 @@ import grpc
 from aiohttp import web
 
 from extproc import protocol
-from extproc.config import Settings, build_configured_scheduler
+from extproc.config import Settings, build_configured_flow_control, build_configured_scheduler
 from extproc.core import Endpoint
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.scrape import MetricsScraper
@@ -35,6 +35,7 @@ from extproc.server.admin import make_admin_app
 from extproc.server.guard import lenient_deserializer
 from extproc.server.health import Health
 from extproc.server.metrics import PickerMetrics, counter, gauge
+from extproc.server.ports import PortInUse, bind_grpc, check_ports
 from extproc.server.stream import StreamHandler
 
 log = logging.getLogger("extproc.server")
@@ -76,9 +77,14 @@ class App:
         endpoints: Sequence[Endpoint],
         *,
         environ: Mapping[str, str] | None = None,
+        shared_ports: bool = False,
     ) -> None:
         """`environ` is only read for Kubernetes credentials (in-cluster service account or
-        $KUBECONFIG); the CLI passes the process environment."""
+        $KUBECONFIG); the CLI passes the process environment. `shared_ports`: a `--workers`
+        worker, whose ext_proc and health ports are shared with its siblings (SO_REUSEPORT);
+        otherwise a second process on the same port is a conflict."""
+        self._shared_ports = shared_ports
+        self._bound = False
         self.settings = settings
         self._environ = dict(environ or {})
         precise_cfg = settings.parse.precise
@@ -121,6 +127,7 @@ class App:
             record_decisions=record,
             on_lookup=self.metrics.lookup_seconds.observe,
         )
+        self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
         self.health = Health()
         self._server: grpc.aio.Server | None = None
@@ -132,12 +139,47 @@ class App:
         self._endpoints_changed = asyncio.Event()
         self._stopped = asyncio.Event()
         self._stopping = False
+        self.tls_reloader = None  # set when certificate files are served (reload counters)
         self.port = 0
         self.health_port = 0
         self.admin_port = 0
         # Time of the last KV-event message seen at a scrape (the lag gauge's reference).
         self._kv_seen = (0, time.monotonic())
         self.metrics.add_collector(self._collect)
+
+    def _build_admission(self):
+        """Flow control (docs/flow-control.md), when configured: the router's admission hook."""
+        flow = build_configured_flow_control(self.settings)
+        if flow is None:
+            return None
+        from extproc.flowcontrol.admission import Admission
+
+        router = self.router
+
+        def pool_states():
+            inflight, states = router.inflight, router.states
+            return [
+                states.state(e.address, inflight.requests(e.address), inflight.tokens(e.address))
+                for e in self.pool.snapshot()
+            ]
+
+        try:
+            admission = Admission(flow, pool_states, registry=self.metrics.registry)
+        except ValueError as exc:
+            raise ConfigError(str(exc), path=("flow_control", "objectives_file")) from None
+        idx = self.settings.index
+        if flow.settings.shared and idx.backend == "redis" and idx.redis_url:
+            from extproc.flowcontrol.shared import SharedFlowState
+
+            admission.shared = SharedFlowState.from_url(
+                idx.redis_url,
+                admission.controller,
+                cluster=idx.cluster,
+                interval_s=flow.settings.share_interval_s,
+            )
+        router.admission = admission
+        self.metrics.add_collector(admission.collect)
+        return admission
 
     def _build_subscriber(self):
         ev = self.settings.index.kv_events
@@ -201,7 +243,7 @@ class App:
     def _ready(self) -> bool:
         """Ready once endpoints are known (discovery has synced) and while not draining."""
         synced = all(w.synced.is_set() for w in self._watches)
-        return synced and len(self.pool) > 0 and not self._stopping
+        return self._bound and synced and len(self.pool) > 0 and not self._stopping
 
     async def _start_discovery(self) -> None:
         d = self.settings.discovery
@@ -229,6 +271,13 @@ class App:
             k8s = InferencePoolWatch(api, namespace, d.inference_pool, self.set_endpoints)
             self._watches.append(k8s)
             self.spawn("inferencepool-watch", k8s.run)
+            if self.admission is not None and self.admission.objectives.path is None:
+                from extproc.endpoints.objectives_watch import InferenceObjectiveWatch
+
+                objectives = InferenceObjectiveWatch(
+                    api, namespace, d.inference_pool, self.admission.objectives.replace
+                )
+                self.spawn("inferenceobjective-watch", objectives.run)
             self.spawn("readiness", self._ready_when_synced)
 
     async def _ready_when_synced(self) -> None:
@@ -251,7 +300,24 @@ class App:
 
     async def __aenter__(self) -> App:
         cfg = self.settings.server
-        handler = StreamHandler.from_settings(self.router, self.settings.server, self.metrics)
+        # Before anything connects or binds: a taken port is one clear error, not a
+        # traceback after the ext_proc port already took streams. Workers share two ports.
+        shared = {} if self._shared_ports else {"ext_proc": cfg.port, "health": cfg.health_port}
+        check_ports(cfg.host, {**shared, "admin": cfg.admin_port or 0})
+        try:
+            return await self._start(cfg)
+        except BaseException:
+            if not self._bound:
+                # Never served: nothing to drain, close at once.
+                for server in (self._server, self._health_server):
+                    if server is not None:
+                        await server.stop(0)
+                self._server = self._health_server = None
+            await self.stop()
+            raise
+
+    async def _start(self, cfg) -> App:
+        handler = StreamHandler.from_settings(self.router, cfg, self.metrics)
         # Registered by full method name: our message classes live in our own proto package
         # (see protos/), the service name is Envoy's.
         method = grpc.stream_stream_rpc_method_handler(
@@ -276,27 +342,38 @@ class App:
             self._exits.push_async_callback(self.inflight.aclose)
         if self.subscriber is not None:
             self.spawn("kv-events", self.subscriber.run)
+        if self.admission is not None:
+            self.spawn("flow-control", self.admission.run)
+            if self.admission.shared is not None:
+                self.spawn("flow-control-shared", self.admission.shared.run)
+                self._exits.push_async_callback(self.admission.aclose)
         # NOT_SERVING from the first probe: the health servicer answers SERVING for "" by
         # default, which would let a proxy send traffic before endpoints are known.
         await self.health.set_ready(False)
-        self._server = grpc.aio.server(options=_SERVER_OPTIONS)
+        # SO_REUSEPORT only between workers: otherwise a second picker would share the port
+        # silently and take half the streams.
+        reuse = (("grpc.so_reuseport", int(self._shared_ports)),)
+        self._server = grpc.aio.server(options=_SERVER_OPTIONS + reuse)
         self._server.add_generic_rpc_handlers((generic,))
         self.health.add_to(self._server)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls is not None:
-            from extproc.server.tls import load_key_pair, server_credentials
+        tls = cfg.effective_tls
+        if tls is not None:
+            from extproc.server.tls import port_credentials
 
-            creds = server_credentials(load_key_pair(cfg.tls))
-            self.port = self._server.add_secure_port(address, creds)
+            creds, self.tls_reloader = port_credentials(tls)
+            self.port = bind_grpc("ext_proc", address, self._server.add_secure_port, creds)
         else:
-            self.port = self._server.add_insecure_port(address)
+            self.port = bind_grpc("ext_proc", address, self._server.add_insecure_port)
         # Plaintext on purpose: kubelet's gRPC probes have no TLS option. It serves only the
         # health service, so it carries no request data.
-        self._health_server = grpc.aio.server()
+        self._health_server = grpc.aio.server(options=reuse)
         self.health.add_to(self._health_server)
-        self.health_port = self._health_server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
-        await self._health_server.start()
-        await self._server.start()
+        health_address = f"{cfg.host}:{cfg.health_port}"
+        self.health_port = bind_grpc(
+            "health", health_address, self._health_server.add_insecure_port
+        )
+        # Every port is bound before any starts listening (the admin site binds as it starts).
         if cfg.admin_port is not None:
             admin = make_admin_app(
                 self.router, self.metrics, max_body_bytes=cfg.admin_explain_max_bytes
@@ -304,8 +381,16 @@ class App:
             self._admin = web.AppRunner(admin, access_log=None)
             await self._admin.setup()
             site = web.TCPSite(self._admin, cfg.admin_host, cfg.admin_port)
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:
+                raise PortInUse(
+                    "admin", cfg.admin_host, cfg.admin_port, exc.strerror or ""
+                ) from None
             self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await self._health_server.start()
+        await self._server.start()
+        self._bound = True
         await self.health.set_ready(self._ready())
         log.info(
             "serving",
@@ -314,7 +399,7 @@ class App:
                 "health_port": self.health_port,
                 "admin_port": self.admin_port,
                 "endpoints": len(self.pool),
-                "tls": cfg.tls is not None,
+                "tls": tls is not None,
             },
         )
         return self
@@ -379,6 +464,12 @@ class App:
             "extproc_prefix_blocks_matched",
             "Tier-weighted blocks the chosen endpoint held (hit ratio = matched / requested).",
             r.prefix_blocks_matched,
+        )
+        yield _counter(
+            "extproc_served_elsewhere",
+            "Requests the proxy reported served by another endpoint than the pick (a retry "
+            "walked the fallback list); in-flight and index followed the served one.",
+            r.served_elsewhere,
         )
         g = gauge("extproc_inflight_requests", "Requests in flight per endpoint.", ["endpoint"])
         t = gauge("extproc_inflight_tokens", "Estimated in-flight prompt tokens.", ["endpoint"])

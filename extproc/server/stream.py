@@ -6,15 +6,25 @@ FULL_DUPLEX_STREAMED (what gateways use): hold the header reply until the body h
 in <= 62,000-byte chunks (last one end_of_stream unless trailers follow), trailers response.
 BUFFERED: Envoy waits for each reply; headers get CONTINUE, the single body message gets the
 decision (header mutations are honoured on a body response in this mode).
-Body-less requests, and modes that never send a body, are decided at header time.
-The response headers pass through, plus what the decision sends back to the client (a session
-token; the explanation when the caller presents an operator-issued token in
-`x-extproc-explain`, see `server.explain_tokens`).
+BUFFERED_PARTIAL: the body message is answered with the decision even when Envoy cut it at
+its buffer limit (end_of_stream false); a cut body is not parsed, the request is routed on
+headers. Body-less requests, and modes that never send a body (NONE, STREAMED), are decided at
+header time; such decisions are counted in `extproc_decisions_without_body` and logged once.
+
+Response path, whatever mode the gateway announces in `protocol_config`: headers pass through,
+plus what the decision sends back to the client (a session token; the explanation for an
+operator's token in `x-extproc-explain`); FULL_DUPLEX_STREAMED body chunks are echoed unchanged
+and in order (Envoy drops its copy and waits for ours); other body modes get CONTINUE; trailers
+get their reply. Where neither body mode is FULL_DUPLEX_STREAMED, the request-header reply
+carries a `mode_override` asking for no response body or trailers (honoured when the gateway
+sets `allow_mode_override`, ignored otherwise). The served endpoint the proxy reports on the
+response headers (`envoy.lb` metadata) takes over the in-flight count and the index entry.
 
 Hostile peers (issue 18): every stream's buffered body counts against one process-wide budget
 and must be complete within the body deadline (`limits`); a stream carries one request (a
 second request_headers is refused); peers off the allow-list and undecodable messages are
-refused before any state is kept (`guard`).
+refused before any state is kept (`guard`). Explanations go only to callers presenting an
+operator-issued token in `x-extproc-explain` (`server.explain_tokens`).
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ log = logging.getLogger("extproc.stream")
 
 _FULL_DUPLEX = wire.BodySendMode.FULL_DUPLEX_STREAMED
 _BUFFERED = (wire.BodySendMode.BUFFERED, wire.BodySendMode.BUFFERED_PARTIAL)
+_PARTIAL = wire.BodySendMode.BUFFERED_PARTIAL
+_NO_BODY = wire.BodySendMode.NONE
 
 
 def explanation(routed: Routed) -> dict:
@@ -101,6 +113,7 @@ class StreamHandler:
         self._explain_tokens = tuple(t.encode() for t in explain_tokens)
         self._allow = allow or PeerAllowList()
         self._throttle = Throttle()
+        self._warned: set[int] = set()  # body modes already logged as "routing on headers"
 
     @classmethod
     def from_settings(
@@ -127,7 +140,12 @@ class StreamHandler:
             self._warn("peer_refused", "ext_proc stream refused: peer not on the allow-list")
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "peer not allowed")
         state = _Stream(
-            self._router, self._max_body, self._metrics, self.budget, self._explain_tokens
+            self._router,
+            self._max_body,
+            self._metrics,
+            self._warned,
+            self.budget,
+            self._explain_tokens,
         )
         deadline = BodyDeadline(self._body_timeout_s)
         state.deadline = deadline
@@ -181,10 +199,12 @@ class _Stream:
         "max_body",
         "metrics",
         "mode",
+        "response_mode",
         "routed",
         "router",
         "seen_request",
         "subset",
+        "warned",
     )
 
     def __init__(
@@ -192,6 +212,7 @@ class _Stream:
         router: Router,
         max_body: int,
         metrics: PickerMetrics,
+        warned: set[int],
         budget: BodyBudget,
         explain_tokens: tuple[bytes, ...] = (),
     ) -> None:
@@ -202,7 +223,9 @@ class _Stream:
         self.seen_request = False
         self.max_body = max_body
         self.metrics = metrics
+        self.warned = warned
         self.mode = _FULL_DUPLEX  # what gateways use when Envoy does not say
+        self.response_mode = _FULL_DUPLEX
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
         self.chunks: list[bytes] = []
@@ -240,7 +263,9 @@ class _Stream:
                 "code": err.code,
             },
         )
-        extra = {protocol.DROPPED_REASON_HEADER: err.code} if err.status == 429 else None
+        extra = dict(err.extra_headers)
+        if err.status == 429:
+            extra[protocol.DROPPED_REASON_HEADER] = err.code
         return [wire.error_response(err, extra)]
 
     async def _dispatch(self, msg: wire.ProcessingRequest) -> list[wire.ProcessingResponse]:
@@ -252,8 +277,11 @@ class _Stream:
         if kind == "request_trailers":
             return await self._on_request_trailers()
         if kind == "response_headers":
-            return [self._on_response_headers()]
+            return [self._on_response_headers(msg)]
         if kind == "response_body":
+            if self.response_mode == _FULL_DUPLEX:
+                # Envoy forwards only what we send back: each chunk returns as it came.
+                return [wire.echo_response_body(msg.response_body)]
             return [wire.CONTINUE_RESPONSE_BODY]
         if kind == "response_trailers":
             return [wire.CONTINUE_RESPONSE_TRAILERS]
@@ -267,6 +295,7 @@ class _Stream:
         self.seen_request = True
         if msg.HasField("protocol_config"):
             self.mode = msg.protocol_config.request_body_mode
+            self.response_mode = msg.protocol_config.response_body_mode
         headers = wire.header_map(msg.request_headers.headers)
         # The picker alone chooses the upstream: whatever the client sent is dropped here,
         # and the decision overwrites the header on the way out.
@@ -283,14 +312,39 @@ class _Stream:
             raise PayloadTooLarge(f"request body exceeds the {self.max_body}-byte limit")
         if self.mode not in (_FULL_DUPLEX, *_BUFFERED):
             # This body mode never shows us the whole body: decide on headers alone.
-            return [wire.routed_headers(await self._route(None))]
+            self._without_body()
+            return [self._override(wire.routed_headers(await self._route(None)))]
         if msg.request_headers.end_of_stream:
-            return [wire.routed_headers(await self._route(b""))]
+            return [self._override(wire.routed_headers(await self._route(b"")))]
         if self.deadline is not None:
             self.deadline.start()
         if self.mode == _FULL_DUPLEX:
             return []  # the header reply waits for the body
-        return [wire.CONTINUE_REQUEST_HEADERS]
+        return [self._override(wire.CONTINUE_REQUEST_HEADERS)]
+
+    def _override(self, resp: wire.ProcessingResponse) -> wire.ProcessingResponse:
+        """The request-header reply, with a request for the cheapest response mode where Envoy
+        could honour one (never with a FULL_DUPLEX body mode: Envoy ignores it there)."""
+        if _FULL_DUPLEX in (self.mode, self.response_mode) or self.response_mode == _NO_BODY:
+            return resp
+        out = wire.ProcessingResponse()
+        out.CopyFrom(resp)  # the shared CONTINUE constants stay untouched
+        out.mode_override.CopyFrom(wire.cheapest_response_mode(self.mode))
+        return out
+
+    def _without_body(self) -> None:
+        mode = int(self.mode)
+        # A peer may announce a value Envoy does not define: a label, never an error.
+        name = wire.BodySendMode.Name(mode) if mode in wire.BodySendMode.values() else str(mode)
+        self.metrics.without_body.labels(name).inc()
+        if mode not in self.warned:
+            self.warned.add(mode)
+            log.warning(
+                "the proxy's request body mode %s never shows the whole body: routing on "
+                "headers alone, without prefix affinity (counted in "
+                "extproc_decisions_without_body)",
+                name,
+            )
 
     def _explain_allowed(self, presented: str | None) -> bool:
         """Only a token the operator issued gets explanations (they reveal every endpoint,
@@ -314,7 +368,13 @@ class _Stream:
                 raise BodyBudgetExhausted("the picker is buffering too many request bodies")
             self.chunks.append(chunk)
         if not body.end_of_stream:
-            return []
+            if self.mode == _PARTIAL:
+                # Envoy cut the body at its buffer limit and waits for this reply; the rest
+                # streams past us. A cut JSON document cannot be parsed: route on headers.
+                self._release_body()
+                self._without_body()
+                return [wire.routed_body(await self._route(None))]
+            return []  # FULL_DUPLEX: more chunks follow (bounded by max_body)
         return await self._body_complete(trailers_follow=False)
 
     async def _on_request_trailers(self) -> list:
@@ -355,10 +415,13 @@ class _Stream:
             log.debug("decision", extra={"decision": explanation(routed)})
         return routed.decision
 
-    def _on_response_headers(self) -> wire.ProcessingResponse:
+    def _on_response_headers(self, msg: wire.ProcessingRequest) -> wire.ProcessingResponse:
         routed = self.routed
         if routed is None:
             return wire.CONTINUE_RESPONSE_HEADERS
+        served = wire.served_endpoint(msg)
+        if served is not None and served != routed.placement.address:
+            routed = self.routed = self.router.served(routed, served)
         extra = dict(routed.decision.response_headers)
         if self.explain:
             extra[protocol.DECISION_HEADER] = orjson.dumps(explanation(routed)).decode()

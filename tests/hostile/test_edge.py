@@ -68,7 +68,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stack_module, "render_bootstrap", render)
-        with Stack(StackOptions(upstreams=3, extproc_args=("--config", str(cfg)))) as s:
+        # Plaintext: the attacker below speaks plain gRPC; what is under test is the
+        # allow-list, not TLS (the default, tests/e2e/test_tls_picker.py).
+        opts = StackOptions(upstreams=3, plaintext=True, extproc_args=("--config", str(cfg)))
+        with Stack(opts) as s:
             yield s
 
 

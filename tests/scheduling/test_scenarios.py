@@ -125,6 +125,7 @@ async def fleet(
                 health_port=0,
                 admin_port=None,
                 drain_delay_s=0,
+                plaintext=True,  # the scenario client speaks plaintext gRPC
                 explain_tokens=[EXPLAIN_TOKEN],
             ),
         )
