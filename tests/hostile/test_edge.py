@@ -131,6 +131,8 @@ async def stalled_upload(
         with contextlib.suppress(BaseException):
             await sender
         writer.close()
+        with contextlib.suppress(Exception):  # closed before the loop ends: no ResourceWarning
+            await writer.wait_closed()
     elapsed = time.monotonic() - start
     m = re.match(rb"HTTP/1\.1 (\d{3})", line)
     return (int(m.group(1)) if m else 0), elapsed
