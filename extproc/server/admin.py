@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Mapping
 
 import orjson
 from aiohttp import web
@@ -70,8 +71,15 @@ def make_admin_app(
                     "name": e.name,
                     "labels": dict(e.labels),
                     "state": {
-                        k: (sorted(v) if isinstance(v, frozenset) else v)
-                        for k, v in dataclasses.asdict(s).items()
+                        k: (
+                            sorted(v)
+                            if isinstance(v, frozenset)
+                            else dict(v)
+                            if isinstance(v, Mapping)
+                            else v
+                        )
+                        # Field by field: asdict would deep-copy the read-only mappings.
+                        for k, v in ((f.name, getattr(s, f.name)) for f in dataclasses.fields(s))
                     },
                 }
             )
