@@ -152,6 +152,22 @@ class Router:
 
         Async because the prefix-index lookup is; scheduling itself never awaits."""
         request = self._request(path, headers, body)
+        return await self.route_request(request, subset=subset, explain=explain, place=place)
+
+    def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
+        """The CPU-bound half of `route` (parsing, block hashing), callable from a worker
+        thread: it touches no shared state."""
+        return self._request(path, headers, body)
+
+    async def route_request(
+        self,
+        request: InferenceRequest,
+        *,
+        subset: Collection[str] | None = None,
+        explain: bool = False,
+        place: bool = True,
+    ) -> Routed:
+        """`route` for an already parsed request."""
         endpoints = self._eligible(subset)
         lookup = EMPTY
         if self.index is not None and request.block_keys:

@@ -37,6 +37,7 @@ from extproc.server import latency as latency_wiring
 from extproc.server import wire
 from extproc.server.access_log import AccessLogHandler
 from extproc.server.admin import make_admin_app
+from extproc.server.guard import lenient_deserializer
 from extproc.server.health import Health
 from extproc.server.metrics import PickerMetrics, counter, gauge
 from extproc.server.ports import PortInUse, bind_grpc, check_ports
@@ -222,10 +223,16 @@ class App:
         ev = self.settings.index.kv_events
         if ev is None or self.index is None or self.precise is None:
             return None
+        from extproc.index.curve import CurveKeys
         from extproc.index.subscriber import KVEventSubscriber
 
         sub = KVEventSubscriber(
-            self.index, model=self.precise.model, bind=ev.bind, block_size=self.precise.block_size
+            self.index,
+            model=self.precise.model,
+            bind=ev.bind,
+            block_size=self.precise.block_size,
+            is_member=lambda address: self.pool.get(address) is not None,
+            curve=CurveKeys.from_settings(ev),
         )
         if ev.bind is None:
             for e in self.pool.snapshot():
@@ -348,14 +355,12 @@ class App:
             raise
 
     async def _start(self, cfg) -> App:
-        handler = StreamHandler(
-            self.router, max_body_bytes=cfg.max_body_bytes, metrics=self.metrics
-        )
+        handler = StreamHandler.from_settings(self.router, cfg, self.metrics)
         # Registered by full method name: our message classes live in our own proto package
         # (see protos/), the service name is Envoy's.
         method = grpc.stream_stream_rpc_method_handler(
             handler.process,
-            request_deserializer=wire.ProcessingRequest.FromString,
+            request_deserializer=lenient_deserializer,
             response_serializer=wire.ProcessingResponse.SerializeToString,
         )
         generic = grpc.method_handlers_generic_handler(
@@ -416,13 +421,18 @@ class App:
         )
         # Every port is bound before any starts listening (the admin site binds as it starts).
         if cfg.admin_port is not None:
-            self._admin = web.AppRunner(make_admin_app(self.router, self.metrics), access_log=None)
+            admin = make_admin_app(
+                self.router, self.metrics, max_body_bytes=cfg.admin_explain_max_bytes
+            )
+            self._admin = web.AppRunner(admin, access_log=None)
             await self._admin.setup()
-            site = web.TCPSite(self._admin, cfg.host, cfg.admin_port)
+            site = web.TCPSite(self._admin, cfg.admin_host, cfg.admin_port)
             try:
                 await site.start()
             except OSError as exc:
-                raise PortInUse("admin", cfg.host, cfg.admin_port, exc.strerror or "") from None
+                raise PortInUse(
+                    "admin", cfg.admin_host, cfg.admin_port, exc.strerror or ""
+                ) from None
             self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         await self._health_server.start()
         await self._server.start()
@@ -595,6 +605,12 @@ class App:
                 ("replayed", "KV-event batches recovered by replay.", k.replayed),
                 ("resyncs", "Endpoints rebuilt after an unrecoverable gap.", k.resyncs),
                 ("restarts", "Publisher restarts seen (sequence went back).", k.restarts),
+                (
+                    "rejected",
+                    "KV-event messages refused: topic names no pool endpoint, or sent from "
+                    "another address than that endpoint's.",
+                    k.rejected,
+                ),
             ):
                 yield _counter(f"extproc_kv_events_{name}", doc, value)
             yield _gauge(

@@ -24,7 +24,8 @@ DEPLOY = ROOT / "deploy"
 K8S_VERSION = "1.32.0"
 OVERLAYS = ["base", "overlays/gateway-api", "overlays/istio", "overlays/istio/envoyfilter",
             "overlays/envoy"]  # fmt: skip
-CORE_GROUPS = {"v1", "apps/v1", "rbac.authorization.k8s.io/v1", "policy/v1"}
+CORE_GROUPS = {"v1", "apps/v1", "rbac.authorization.k8s.io/v1", "policy/v1",
+               "networking.k8s.io/v1"}  # fmt: skip
 NAMESPACE = "inference"
 
 Obj = dict[str, Any]
@@ -441,3 +442,22 @@ def test_envoyfilter_mirrors_the_bootstrap_filters_and_cluster() -> None:
     assert route["match"]["routeConfiguration"]["vhost"]["route"]["name"] in [
         h["name"] for h in vs["spec"]["http"]
     ]
+
+
+def test_network_policy_admits_only_gateway_pods_to_ext_proc(base: list[Obj]) -> None:
+    """docs/security.md: the ext_proc port only from labelled gateway pods (the Envoy overlay
+    labels its pods), metrics only from a monitoring namespace, health from anywhere."""
+    policy = find(base, "NetworkPolicy", "extproc")
+    picker = find(base, "Deployment", "extproc")
+    assert policy["spec"]["podSelector"]["matchLabels"] == picker["spec"]["selector"]["matchLabels"]
+    rules = {r["ports"][0]["port"]: r.get("from") for r in policy["spec"]["ingress"]}
+    named = {p["name"] for c in picker["spec"]["template"]["spec"]["containers"]
+             for p in c["ports"]}  # fmt: skip
+    assert set(rules) == named
+    (client,) = rules["grpc-extproc"]
+    label = client["podSelector"]["matchLabels"]
+    assert label == {"extproc.io/client": "true"}
+    assert rules["grpc-health"] is None
+    assert rules["http-metrics"][0]["namespaceSelector"]["matchLabels"]
+    envoy = find(resolve(DEPLOY / "overlays/envoy"), "Deployment", "envoy")
+    assert label.items() <= envoy["spec"]["template"]["metadata"]["labels"].items()
