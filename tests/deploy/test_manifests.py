@@ -24,7 +24,8 @@ DEPLOY = ROOT / "deploy"
 K8S_VERSION = "1.32.0"
 OVERLAYS = ["base", "overlays/gateway-api", "overlays/istio", "overlays/istio/envoyfilter",
             "overlays/envoy", "overlays/monitoring"]  # fmt: skip
-CORE_GROUPS = {"v1", "apps/v1", "rbac.authorization.k8s.io/v1", "policy/v1"}
+CORE_GROUPS = {"v1", "apps/v1", "rbac.authorization.k8s.io/v1", "policy/v1",
+               "networking.k8s.io/v1"}  # fmt: skip
 NAMESPACE = "inference"
 
 Obj = dict[str, Any]
@@ -347,14 +348,14 @@ def test_picker_config_loads_and_builds(base: list[Obj], tmp_path: Path) -> None
     settings = load_settings(path)
     from extproc.config import Settings, build_configured_scheduler
 
-    # The default profile of `extproc serve`: prefix-cache affinity weighed against load.
+    # The default profile of `extproc serve`: cache affinity and load as predicted TTFT.
     assert settings.scheduling is None
     built = build_configured_scheduler(settings).profiles
     default = build_configured_scheduler(Settings()).profiles
     assert {n: [(s.name, s.weight) for s in p.scorers] for n, p in built.items()} == {
         n: [(s.name, s.weight) for s in p.scorers] for n, p in default.items()
     }
-    assert "prefix-cache-scorer" in [s.name for s in built["default"].scorers]
+    assert "predicted-ttft-scorer" in [s.name for s in built["default"].scorers]
     # TLS on the ext_proc port (the default), as every overlay's gateway connects.
     assert settings.server.effective_tls is not None
     # The index URL names the Redis Service of the base.
@@ -441,6 +442,25 @@ def test_envoyfilter_mirrors_the_bootstrap_filters_and_cluster() -> None:
     assert route["match"]["routeConfiguration"]["vhost"]["route"]["name"] in [
         h["name"] for h in vs["spec"]["http"]
     ]
+
+
+def test_network_policy_admits_only_gateway_pods_to_ext_proc(base: list[Obj]) -> None:
+    """docs/security.md: the ext_proc port only from labelled gateway pods (the Envoy overlay
+    labels its pods), metrics only from a monitoring namespace, health from anywhere."""
+    policy = find(base, "NetworkPolicy", "extproc")
+    picker = find(base, "Deployment", "extproc")
+    assert policy["spec"]["podSelector"]["matchLabels"] == picker["spec"]["selector"]["matchLabels"]
+    rules = {r["ports"][0]["port"]: r.get("from") for r in policy["spec"]["ingress"]}
+    named = {p["name"] for c in picker["spec"]["template"]["spec"]["containers"]
+             for p in c["ports"]}  # fmt: skip
+    assert set(rules) == named
+    (client,) = rules["grpc-extproc"]
+    label = client["podSelector"]["matchLabels"]
+    assert label == {"extproc.io/client": "true"}
+    assert rules["grpc-health"] is None
+    assert rules["http-metrics"][0]["namespaceSelector"]["matchLabels"]
+    envoy = find(resolve(DEPLOY / "overlays/envoy"), "Deployment", "envoy")
+    assert label.items() <= envoy["spec"]["template"]["metadata"]["labels"].items()
 
 
 # --- Prometheus Operator: the picker's /metrics is scraped --------------------------------------
