@@ -190,7 +190,10 @@ def test_the_figures_count_what_was_sent(stack: Stack) -> None:
     # Every plugin of the default profile is timed once per decision.
     plugin_types = {s.labels["plugin_type"] for s in after
                     if s.name == "llm_d_epp_plugin_duration_seconds_count"}  # fmt: skip
-    assert {"queue-scorer", "kv-cache-utilization-scorer", "max-score-picker"} <= plugin_types
+    # The default profile's plugins (whatever they are today): scorers, the picker, the handler.
+    extension_points = {s.labels["extension_point"] for s in after
+                        if s.name == "llm_d_epp_plugin_duration_seconds_count"}  # fmt: skip
+    assert {"Scorer", "Picker", "ProfilePicker"} <= extension_points
     for t in plugin_types:
         assert delta("llm_d_epp_plugin_duration_seconds_count", plugin_type=t) == 15, t
     # Nothing is running once the responses are back; the pool is the two servers.
