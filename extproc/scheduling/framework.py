@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from extproc.core import Candidate, Decision, Endpoint, InferenceRequest
 from extproc.scheduling.conformance import PluginFaults, score_problem
@@ -22,7 +22,11 @@ from extproc.scheduling.conformance import PluginFaults, score_problem
 class Filter(Protocol):
     """Keeps the candidates a request may go to; returns a subset, order preserved."""
 
-    type_name: ClassVar[str]
+    @property
+    def type_name(self) -> str:
+        """The registered name; a class attribute on plugins, copied per instance by wrappers
+        such as scheduling.timing's (hence a read-only property here, not a ClassVar)."""
+        ...
 
     def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]: ...
 
@@ -31,7 +35,8 @@ class Filter(Protocol):
 class Scorer(Protocol):
     """One score per candidate, same order, in [0, 1]; higher is better."""
 
-    type_name: ClassVar[str]
+    @property
+    def type_name(self) -> str: ...
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[float]: ...
 
@@ -40,7 +45,8 @@ class Scorer(Protocol):
 class Picker(Protocol):
     """Orders candidates by preference given their total scores; returns at most `limit`."""
 
-    type_name: ClassVar[str]
+    @property
+    def type_name(self) -> str: ...
 
     def pick(
         self, cands: Sequence[Candidate], totals: Sequence[float], limit: int
@@ -115,7 +121,8 @@ class Decider(Protocol):
     """Decides whether a request gets a disaggregated stage (prefill or encode), given the
     endpoint the decode profile chose."""
 
-    type_name: ClassVar[str]
+    @property
+    def type_name(self) -> str: ...
 
     def disaggregate(self, req: InferenceRequest, decode: Candidate | None) -> bool: ...
 
@@ -124,7 +131,8 @@ class Decider(Protocol):
 class ProfileHandler(Protocol):
     """Chooses which profiles run and turns their results into one Decision."""
 
-    type_name: ClassVar[str]
+    @property
+    def type_name(self) -> str: ...
 
     def handle(
         self,

@@ -57,7 +57,7 @@ class _P(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class NoParams(_P):
+class NoParams(_P, frozen=True):
     pass
 
 
@@ -104,7 +104,7 @@ def _other_api(_: Any) -> tuple[Plumbing, list[str]]:
 # -- endpoint metrics -------------------------------------------------------------------
 
 
-class MetricsSourceParams(_P):
+class MetricsSourceParams(_P, frozen=True):
     scheme: Literal["http", "https"] | None = None
     path: str | None = None
     port: int | None = None
@@ -141,7 +141,7 @@ def _metrics_source(p: MetricsSourceParams) -> tuple[Plumbing, list[str]]:
     return Plumbing(scrape_scheme=p.scheme, scrape_path=p.path, scrape_interval_s=interval), notes
 
 
-class MetricsExtractorParams(_P):
+class MetricsExtractorParams(_P, frozen=True):
     engineLabelKey: str | None = None
     engineConfigs: list[dict[str, Any]] | None = None
     customMetrics: list[dict[str, Any]] | None = None
@@ -156,13 +156,13 @@ def _metrics_extractor(p: MetricsExtractorParams) -> tuple[Plumbing, list[str]]:
 # -- discovery --------------------------------------------------------------------------
 
 
-class K8sSourceParams(_P):
+class K8sSourceParams(_P, frozen=True):
     group: str | None = None
     version: str | None = None
     kind: str | None = None
 
 
-class FileDiscoveryParams(_P):
+class FileDiscoveryParams(_P, frozen=True):
     path: str | None = None
     watchFile: bool | None = None
 
@@ -175,7 +175,7 @@ def _file_discovery(p: FileDiscoveryParams) -> tuple[Plumbing, list[str]]:
 # -- prefix-cache producers ---------------------------------------------------------------
 
 
-class ApproxProducerParams(_P):
+class ApproxProducerParams(_P, frozen=True):
     autoTune: bool | None = None
     blockSizeTokens: int | None = None
     blockSize: int | None = None
@@ -204,7 +204,7 @@ def _approx(p: ApproxProducerParams) -> tuple[Plumbing, list[str]]:
     return approx_plumbing(p), _ignored(p, {"autoTune": why})
 
 
-class BurstProducerParams(_P):
+class BurstProducerParams(_P, frozen=True):
     windowDurationMs: int | None = None
     maxPerReplica: int | None = None
     blockSizeTokens: int | None = None
@@ -234,13 +234,13 @@ def _burst(p: BurstProducerParams) -> tuple[Plumbing, list[str]]:
     return plumbing, notes
 
 
-class TokenProcessorParams(_P):
+class TokenProcessorParams(_P, frozen=True):
     blockSize: int | None = None
     blockSizeTokens: int | None = None
     hashSeed: str | int | None = None
 
 
-class PreciseProducerParams(_P):
+class PreciseProducerParams(_P, frozen=True):
     tokenProcessorConfig: TokenProcessorParams | None = None
     indexerConfig: dict[str, Any] | None = None
     kvEventsConfig: dict[str, Any] | None = None
@@ -281,7 +281,7 @@ def _precise(p: PreciseProducerParams) -> tuple[Plumbing, list[str]]:
     return plumbing, notes
 
 
-class TokenProducerParams(_P):
+class TokenProducerParams(_P, frozen=True):
     modelName: str | None = None
     vllm: dict[str, Any] | None = None
     udsTokenizerConfig: dict[str, Any] | None = None
@@ -301,7 +301,7 @@ def _tokenizer(p: TokenProducerParams) -> tuple[Plumbing, list[str]]:
     return Plumbing(precise_model=p.modelName), notes
 
 
-class InflightProducerParams(_P):
+class InflightProducerParams(_P, frozen=True):
     addEstimatedOutputTokens: bool | None = None
     outputRatio: float | None = None
     maxEstimatedOutputTokens: int | None = None
@@ -324,7 +324,7 @@ def _inflight(p: InflightProducerParams) -> tuple[Plumbing, list[str]]:
     return Plumbing(), notes
 
 
-class MMProducerParams(_P):
+class MMProducerParams(_P, frozen=True):
     cacheSizeInMBPerServer: int | None = None
     cacheSizeInMB: int | None = None
 
@@ -334,7 +334,7 @@ def _mm_producer(p: MMProducerParams) -> tuple[Plumbing, list[str]]:
     return Plumbing(), _ignored(p, {"cacheSizeInMBPerServer": why, "cacheSizeInMB": why})
 
 
-class TopologyExtractorParams(_P):
+class TopologyExtractorParams(_P, frozen=True):
     hostname: str = "kubernetes.io/hostname"
     rack: str = "topology.kubernetes.io/rack"
     zone: str = "topology.kubernetes.io/zone"
@@ -346,7 +346,7 @@ def _topology(p: TopologyExtractorParams) -> tuple[Plumbing, list[str]]:
     return Plumbing(topology_labels=levels), []
 
 
-class DCGMSourceParams(_P):
+class DCGMSourceParams(_P, frozen=True):
     scheme: Literal["http", "https"] | None = None
     path: str | None = None
     port: int | None = None
@@ -374,7 +374,7 @@ def _dcgm(p: DCGMSourceParams) -> tuple[Plumbing, list[str]]:
     return plumbing, notes
 
 
-class SessionIDParams(_P):
+class SessionIDParams(_P, frozen=True):
     headerName: str | None = None
     cookieName: str | None = None
 

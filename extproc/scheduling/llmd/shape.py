@@ -22,13 +22,13 @@ class _Strict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class PluginRefSpec(_Strict):
+class PluginRefSpec(_Strict, frozen=True):
     """`{pluginRef: name}`: parsers, saturation detectors, discovery."""
 
     pluginRef: str = ""
 
 
-class SaturationDetectorConfig(_Strict):
+class SaturationDetectorConfig(_Strict, frozen=True):
     """llm-d names a detector plugin; GIE v1.2-v1.5 configured the built-in one inline."""
 
     pluginRef: str = ""
@@ -37,16 +37,16 @@ class SaturationDetectorConfig(_Strict):
     metricsStalenessThreshold: str | None = None
 
 
-class ExtractorRef(_Strict):
+class ExtractorRef(_Strict, frozen=True):
     pluginRef: str
 
 
-class DataLayerSource(_Strict):
+class DataLayerSource(_Strict, frozen=True):
     pluginRef: str
     extractors: list[ExtractorRef] = msgspec.field(default_factory=list)
 
 
-class DataLayerConfig(_Strict):
+class DataLayerConfig(_Strict, frozen=True):
     injectDefaults: bool | None = None
     sources: list[DataLayerSource] = msgspec.field(default_factory=list)
     discovery: PluginRefSpec | None = None
@@ -55,11 +55,11 @@ class DataLayerConfig(_Strict):
     crossReplicaSyncInterval: str | None = None
 
 
-class RequestHandlerConfig(_Strict):
+class RequestHandlerConfig(_Strict, frozen=True):
     parsers: list[PluginRefSpec] = msgspec.field(default_factory=list)
 
 
-class PriorityBandConfig(_Strict):
+class PriorityBandConfig(_Strict, frozen=True):
     priority: int = 0
     maxBytes: int | str | None = None
     maxRequests: int | str | None = None
@@ -67,7 +67,7 @@ class PriorityBandConfig(_Strict):
     orderingPolicyRef: str | None = None
 
 
-class FlowControlConfig(_Strict):
+class FlowControlConfig(_Strict, frozen=True):
     maxBytes: int | str | None = None
     maxRequests: int | str | None = None
     defaultRequestTTL: str | None = None
