@@ -270,7 +270,7 @@ class SharedInFlight:
 
     async def _eval(self, script: str, *args: bytes | str) -> Any:
         try:
-            return await self._client.evalsha(_SHA[script], 2, *self._keys, *args)  # type: ignore[misc]
+            return await self._client.evalsha(_SHA[script], 2, *self._keys, *args)
         except NoScriptError:
             # EVAL runs and caches it (after a Redis restart the cache is empty).
-            return await self._client.eval(script, 2, *self._keys, *args)  # type: ignore[misc]
+            return await self._client.eval(script, 2, *self._keys, *args)

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -143,7 +143,7 @@ class RedisKVIndex:
         try:
             async with asyncio.timeout(timeout_s):
                 for script in SHA:
-                    await self._client.script_load(script)  # type: ignore[misc]
+                    await self._client.script_load(script)
                 self._scripts_loaded = True
                 return True
         except Exception as exc:  # a warm-up, never fatal
@@ -247,10 +247,10 @@ class RedisKVIndex:
 
     async def _eval(self, script: str, key: str, *args: bytes | str) -> Any:
         try:
-            return await self._client.evalsha(SHA[script], 1, key, *args)  # type: ignore[misc]
+            return await self._client.evalsha(SHA[script], 1, key, *args)
         except NoScriptError:
             # EVAL both runs and caches the script on the node that owns `key`.
-            return await self._client.eval(script, 1, key, *args)  # type: ignore[misc]
+            return await self._client.eval(script, 1, key, *args)
 
     # -- writes -------------------------------------------------------------------------
 
@@ -451,11 +451,13 @@ class RedisKVIndex:
     async def _drop_endpoint(self, endpoint: str) -> None:
         key = self._endpoint_key(endpoint)
         while True:
-            members = await self._client.zrange(key, 0, 4095)  # type: ignore[misc]
+            # Without decode_responses, ZRANGE (no scores) answers raw bytes members; the
+            # stub's return type is the union over every option.
+            members = cast(list[bytes], await self._client.zrange(key, 0, 4095))
             if not members:
                 break
             drops = self._drop_ops("x", endpoint, members)
-            calls = [
+            calls: list[tuple[str, str, list[bytes | str]]] = [
                 (
                     WRITE,
                     self._root_key(op.root),
@@ -465,7 +467,7 @@ class RedisKVIndex:
             ]
             calls.append((TRACK, key, ["0", "0", self._key_ttl_ms, "d", b"".join(members)]))
             await self._pipeline(calls)
-        await self._client.delete(key)  # type: ignore[misc]
+        await self._client.delete(key)
 
     async def _pipeline(self, calls: list[tuple[str, str, list[bytes | str]]]) -> list[Any]:
         """Every call in one pipeline. All our writes are idempotent, so after NOSCRIPT (a
@@ -473,7 +475,7 @@ class RedisKVIndex:
         for attempt in (0, 1):
             if attempt or not self._scripts_loaded:
                 for script in SHA:
-                    await self._client.script_load(script)  # type: ignore[misc]
+                    await self._client.script_load(script)
                 self._scripts_loaded = True
             async with self._client.pipeline(transaction=False) as pipe:
                 for script, key, args in calls:

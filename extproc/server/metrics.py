@@ -65,7 +65,7 @@ class PickerMetrics:
         """Register a function yielding metric families, called at every scrape."""
 
         class _Fn(Collector):
-            def collect(self):  # type: ignore[override]
+            def collect(self):
                 return collect()
 
         self.registry.register(_Fn())
