@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from extproc.core import EndpointState
 
@@ -73,7 +73,7 @@ class EndpointStates:
         """The scheduler's view of `address`: scraped figures, their age, in-flight counts."""
         entry = self._latest.get(address)
         attrs = self._attributes.get(address)
-        extra = {"attributes": dict(attrs)} if attrs else {}
+        extra: dict[str, Any] = {"attributes": dict(attrs)} if attrs else {}
         if entry is None:
             return EndpointState(
                 inflight_requests=inflight_requests, inflight_tokens=inflight_tokens, **extra

@@ -11,7 +11,7 @@ request gets 429 `rejected-saturated`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Annotated, Protocol
+from typing import Annotated, Any, Protocol
 
 import msgspec
 
@@ -62,4 +62,4 @@ class ProbabilisticAdmitter:
         return rand() >= self.shed_probability(states)
 
 
-ADMITTERS: tuple[type, ...] = (ProbabilisticAdmitter,)
+ADMITTERS: tuple[type[Any], ...] = (ProbabilisticAdmitter,)

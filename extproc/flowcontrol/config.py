@@ -40,7 +40,7 @@ from extproc.flowcontrol.policies import (
 
 log = logging.getLogger("extproc.flowcontrol")
 
-FLOW_PLUGINS: tuple[type, ...] = (*DETECTORS, *ORDERING, *FAIRNESS, *USAGE_LIMITS, *ADMITTERS)
+FLOW_PLUGINS: tuple[type[Any], ...] = (*DETECTORS, *ORDERING, *FAIRNESS, *USAGE_LIMITS, *ADMITTERS)
 ADMITTER_TYPES = frozenset(c.type_name for c in ADMITTERS)
 _BY_TYPE = {c.type_name: c for c in FLOW_PLUGINS}
 FLOW_PLUGIN_TYPES = frozenset(_BY_TYPE)
@@ -201,7 +201,7 @@ def build_flow_config(
     optional `name` and `parameters`); flow-control types among them are built here, others
     ignored. Raises ConfigError located in the document."""
     spec: FlowControlSpec = _decode(FlowControlSpec, flow_control, ("flowControl",))
-    named: dict[str, tuple[type, Any]] = {}
+    named: dict[str, tuple[type[Any], Any]] = {}
     admitters: list[Admitter] = []
     for i, p in enumerate(plugins):
         cls = _BY_TYPE.get(p.get("type", ""))
@@ -212,7 +212,7 @@ def build_flow_config(
         if cls in ADMITTERS:
             admitters.append(cls(params))  # listed = active, as in llm-d
 
-    def resolve(ref: str, kind: tuple[type, ...], where: tuple[str | int, ...]) -> None:
+    def resolve(ref: str, kind: tuple[type[Any], ...], where: tuple[str | int, ...]) -> None:
         got = named.get(ref) or ((_BY_TYPE[ref], None) if ref in _BY_TYPE else None)
         if got is None or got[0] not in kind:
             known = ", ".join(c.type_name for c in kind)
@@ -231,7 +231,9 @@ def build_flow_config(
     resolve(det_ref, DETECTORS, where)
     det_cls, det_params = named[det_ref]
     bands: dict[int, BandSpec] = {}
-    all_bands = [(("flowControl", "priorityBands", i), b) for i, b in enumerate(spec.priorityBands)]
+    all_bands: list[tuple[tuple[str | int, ...], BandSpec]] = [
+        (("flowControl", "priorityBands", i), b) for i, b in enumerate(spec.priorityBands)
+    ]
     for key in ("defaultPriorityBand", "defaultNegativePriorityBand"):
         b = getattr(spec, key)
         if b is not None:

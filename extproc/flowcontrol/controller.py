@@ -267,11 +267,11 @@ class FlowController:
             self.stats.count(victim.request, "evicted_pressure")
             _fail(victim, FlowRejected(EVICTED_PRESSURE, "displaced by a tenant under its share"))
         while self._over_global(request.body_bytes):
-            victim = self._newest_below(request.priority)
-            if victim is None:
+            lower = self._newest_below(request.priority)
+            if lower is None:
                 self.stats.count(request, "rejected_capacity")
                 raise FlowRejected(REJECTED_SATURATED, "the request queue is full")
-            vband, item = victim
+            vband, item = lower
             self._remove(vband, item)
             self.stats.count(item.request, "evicted_pressure")
             _fail(

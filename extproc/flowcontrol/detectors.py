@@ -10,7 +10,7 @@ in-flight figures cannot show yet; without it one capacity tick would release th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 
@@ -117,4 +117,4 @@ class ConcurrencyDetector:
         return total / n
 
 
-DETECTORS: tuple[type, ...] = (UtilizationDetector, ConcurrencyDetector)
+DETECTORS: tuple[type[Any], ...] = (UtilizationDetector, ConcurrencyDetector)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 
@@ -147,8 +147,8 @@ class WeightedTokenFairness:
         return min(heads, key=lambda f: (served.get(f, 0.0) / weight.get(f, 1.0), heads[f]))
 
 
-ORDERING: tuple[type, ...] = (FCFSOrdering, EDFOrdering, SLODeadlineOrdering)
-FAIRNESS: tuple[type, ...] = (GlobalStrictFairness, RoundRobinFairness, WeightedTokenFairness)
+ORDERING: tuple[type[Any], ...] = (FCFSOrdering, EDFOrdering, SLODeadlineOrdering)
+FAIRNESS: tuple[type[Any], ...] = (GlobalStrictFairness, RoundRobinFairness, WeightedTokenFairness)
 
 
 class UsageLimitPolicy(Protocol):
@@ -206,4 +206,4 @@ class PriorityHoldback:
         return lo + (priority - pmin) / (pmax - pmin) * (hi - lo)
 
 
-USAGE_LIMITS: tuple[type, ...] = (StaticUsageLimit, PriorityHoldback)
+USAGE_LIMITS: tuple[type[Any], ...] = (StaticUsageLimit, PriorityHoldback)

@@ -48,7 +48,7 @@ class PluginRegistry:
     def type_names(self) -> tuple[str, ...]:
         return tuple(sorted(self._classes))
 
-    def get(self, type_name: str, where: tuple[str | int, ...] = ()) -> type:
+    def get(self, type_name: str, where: tuple[str | int, ...] = ()) -> type[Any]:
         try:
             return self._classes[type_name]
         except KeyError:
