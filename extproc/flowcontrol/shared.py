@@ -90,8 +90,8 @@ class SharedFlowState:
     async def exchange(self) -> None:
         """One publish-and-read; on failure, fall back to local state (never raises)."""
         fc = self._fc
-        served = {k: round(v) for k, v in fc.served.items()}
-        own = msgpack.packb([0, fc.top_band(), served, fc.pending_requests, fc.pending_tokens])
+        mine = {k: round(v) for k, v in fc.served.items()}
+        own = msgpack.packb([0, fc.top_band(), mine, fc.pending_requests, fc.pending_tokens])
         try:
             blobs = await self._eval(own)
         except (RedisError, OSError, TimeoutError) as exc:

@@ -13,6 +13,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
+from typing import TypeVar
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -42,6 +43,8 @@ class BoundedLabel:
 
 
 Key = tuple[str, ...]
+# Mapping keys are invariant: callers hold dict[tuple[str, str], float] and the like.
+_K = TypeVar("_K", bound=Key)
 
 
 class Histogram:
@@ -150,7 +153,7 @@ def merge(values: Mapping[Key, float], project) -> dict[Key, float]:
     return out
 
 
-def gauge_family(name: str, doc: str, labels: Sequence[str], values: Mapping[Key, float]):
+def gauge_family(name: str, doc: str, labels: Sequence[str], values: Mapping[_K, float]):
     fam = GaugeMetricFamily(name, doc, labels=list(labels))
     for k, v in values.items():
         fam.add_metric(list(k), v)

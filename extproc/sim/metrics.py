@@ -202,7 +202,11 @@ class _Writer:
             self._lines.append(f"vllm:{name}{self._labels([(label, key)])} {_num(value)}")
 
     def counter(
-        self, name: str, help_: str, values: Mapping[str | None, float], label: str = ""
+        self,
+        name: str,
+        help_: str,
+        values: Mapping[str, float] | Mapping[None, float],
+        label: str = "",
     ) -> None:
         def labels(key: str | None) -> str:
             return self._labels([(label, key)] if key is not None else [])
