@@ -295,7 +295,7 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
         # With the picker skipped there is no destination header, and ORIGINAL_DST would then
         # use the connection's own destination: Envoy's listener, a loop.
         raise ValueError("fail-open needs --lb override-host (ORIGINAL_DST has no fallback)")
-    hcm = {
+    hcm: dict[str, Any] = {
         "@type": f"{_T}.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "inference",
         "codec_type": "AUTO",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from extproc import protocol
-from extproc.bootstrap import BootstrapOptions, build_bootstrap
+from extproc.bootstrap import BootstrapOptions, LbMode, build_bootstrap
 
 Mode = Literal["NONE", "STREAMED", "BUFFERED", "BUFFERED_PARTIAL", "FULL_DUPLEX_STREAMED"]
 Routing = Literal["original-dst", "override-host"]
@@ -188,7 +188,7 @@ def _limits(n: int) -> dict[str, Any]:
 
 def gateway_bootstrap(gw: Gateway, opts: BootstrapOptions) -> dict[str, Any]:
     """Our bootstrap for `opts` with `gw`'s ext_proc filter, picker cluster and routing."""
-    lb = "override-host" if gw.routing == "override-host" else "original-dst"
+    lb: LbMode = "override-host" if gw.routing == "override-host" else "original-dst"
     base = replace(opts, lb=lb, fail_open=False, extproc_tls=gw.tls, retries=2)
     doc = copy.deepcopy(build_bootstrap(base))
     res = doc["static_resources"]

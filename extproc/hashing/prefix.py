@@ -137,7 +137,7 @@ def block_keys(stream: bytes, block_bytes: int, seed: int) -> tuple[int, ...]:
     if block_bytes <= 0:
         raise ValueError("block_bytes must be positive")
     view = memoryview(stream)
-    keys = []
+    keys: list[int] = []
     append = keys.append
     parent = seed
     for start in range(0, len(stream) - block_bytes + 1, block_bytes):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, overload
 
 import msgspec
 
@@ -161,6 +161,12 @@ class _Node:
         return nxt.filter(req, cands) if nxt else kept
 
 
+@overload
+def _entry(entry: TreeEntry, plugins: Mapping[str, object]) -> Filter | _Node: ...
+@overload
+def _entry(entry: None, plugins: Mapping[str, object]) -> None: ...
+@overload
+def _entry(entry: TreeEntry | None, plugins: Mapping[str, object]) -> Filter | _Node | None: ...
 def _entry(entry: TreeEntry | None, plugins: Mapping[str, object]) -> Filter | _Node | None:
     if entry is None:
         return None

@@ -7,11 +7,14 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Annotated, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import msgspec
 
 from extproc.core import Candidate, Decision, InferenceRequest
+
+if TYPE_CHECKING:
+    from extproc.scheduling.plugins.latency import PredictedLatencyProducer
 
 _Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
@@ -109,7 +112,7 @@ class PrefixCacheAffinityFilter:
     def __init__(self, params: Params | None = None, *, rng: random.Random | None = None) -> None:
         self._p = params or self.Params()
         self._rng = rng or random.Random()
-        self._producer = None
+        self._producer: PredictedLatencyProducer | None = None
         self.unjudged = 0  # gate decisions skipped: the predictor had nothing learned yet
 
     def bind(self, plugins: Mapping[str, object]) -> None:
