@@ -65,7 +65,7 @@ class Scraped(msgspec.Struct, frozen=True):
 # per vLLM scrape, the single pass is ~25 us.
 
 _LBRACE = 123
-_UNESCAPE = {b"\\\\": "\\", b'\\"': '"', b"\\n": "\n"}
+_UNESCAPE = {b"\\\\": b"\\", b'\\"': b'"', b"\\n": b"\n"}
 _ESCAPE_SEQ = re.compile(rb"\\[\\\"n]")
 
 _V_WAITING = b"num_requests_waiting"
@@ -162,7 +162,7 @@ def _values(rests: list[bytes] | None) -> list[float]:
     return [v for _, v in map(_split, rests) if not math.isnan(v)]
 
 
-def _unescape(m: re.Match[bytes]) -> str:
+def _unescape(m: re.Match[bytes]) -> bytes:
     return _UNESCAPE[m.group(0)]
 
 

@@ -168,6 +168,20 @@ def test_lora_info_comes_from_the_newest_sample() -> None:
     assert got.waiting_adapters == {"math"}
 
 
+def test_escaped_label_values_are_unescaped() -> None:
+    """A read label value holding escapes (quote, backslash, newline) comes back unescaped
+    (a bytes pattern's replacement must be bytes: this raised TypeError before)."""
+    got = parse_metrics(
+        vllm(
+            "vllm:num_requests_running 1",
+            'vllm:lora_requests_info{max_lora="2",'
+            'running_lora_adapters="say \\"hi\\",back\\\\slash,new\\nline",'
+            'waiting_lora_adapters=""} 1.8e9',
+        )
+    )
+    assert got.running_adapters == {'say "hi"', "back\\slash", "new\nline"}
+
+
 def test_cache_config_reads_exact_label_names_and_sums_blocks_over_engines() -> None:
     """`hash_block_size` and `mamba_block_size` are not `block_size`; an escaped quote in
     another label does not end the label set early."""
