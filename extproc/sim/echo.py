@@ -42,7 +42,7 @@ def _int(value: str | None) -> int | None:
 
 
 def make_app(name: str) -> web.Application:
-    async def handle(request: web.Request) -> web.Response:
+    async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         payload = {
             "endpoint": name,

@@ -13,7 +13,7 @@ import asyncio
 import enum
 import random
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -151,7 +151,7 @@ class Engine:
         self.cache.reset()
         self._flush()
 
-    async def generate(self, job: Job) -> AsyncIterator[Chunk]:
+    async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
         """Yields the first token at TTFT, then decoded tokens until `max_tokens`."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()

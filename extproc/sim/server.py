@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any
 
 import msgspec
@@ -229,7 +229,7 @@ class SimServer:
         self,
         resp: web.StreamResponse,
         shape: _Shape,
-        stream: contextlib.aclosing[AsyncIterator[Chunk]],
+        stream: contextlib.aclosing[AsyncGenerator[Chunk, None]],
         job: Job,
         include_usage: bool,
     ) -> None:
@@ -364,9 +364,10 @@ class _Shape:
 
     def full(self, text: str, usage: dict[str, Any]) -> dict[str, Any]:
         if self.chat:
-            message = {"role": "assistant", "content": text, "refusal": None,
-                       "annotations": None, "audio": None, "function_call": None,
-                       "tool_calls": [], "reasoning": None}  # fmt: skip
+            message: dict[str, Any] = {
+                "role": "assistant", "content": text, "refusal": None,
+                "annotations": None, "audio": None, "function_call": None,
+                "tool_calls": [], "reasoning": None}  # fmt: skip
             choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "logprobs": None}

@@ -126,7 +126,7 @@ _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "so", "pe", "da", "zu", 
 
 
 def _vocabulary(rng: random.Random, size: int = 400) -> list[str]:
-    words = set()
+    words: set[str] = set()
     while len(words) < size:
         words.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))))
     return sorted(words)
