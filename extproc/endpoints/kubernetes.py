@@ -18,7 +18,7 @@ import ssl
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 from urllib.parse import urlencode
 
 import aiohttp
@@ -123,7 +123,38 @@ class _Event(msgspec.Struct, frozen=True):
     object: msgspec.Raw
 
 
-T = TypeVar("T", Pod, InferencePool)
+class _Named(Protocol):
+    """A listed object: Pod, InferencePool, InferenceObjective, ..."""
+
+    @property
+    def metadata(self) -> ObjectMeta: ...
+
+
+T = TypeVar("T", bound=_Named)
+
+
+class _Page(Protocol[T]):
+    """One page of a list answer (PodList, InferencePoolList, ...)."""
+
+    @property
+    def metadata(self) -> _ListMeta: ...
+
+    @property
+    def items(self) -> list[T]: ...
+
+
+class _Owner(Protocol):
+    """What a _Reflector needs from the watch that owns it."""
+
+    api: ApiServer
+    timing: WatchTiming
+    stats: WatchStats
+    sleep: Sleep
+    rand: Callable[[], float]
+
+    def backoff_s(self, failures: int) -> float: ...
+
+    def _publish(self) -> None: ...
 
 
 def pool_endpoints(pool: InferencePool | None, pods: Iterable[Pod]) -> tuple[Endpoint, ...]:
@@ -342,11 +373,11 @@ class _Reflector(Generic[T]):
 
     def __init__(
         self,
-        owner: InferencePoolWatch,
+        owner: _Owner,
         kind: str,
         path: str,
         item_type: type[T],
-        list_type: type[PodList] | type[InferencePoolList],
+        list_type: type[_Page[T]],
         params: Mapping[str, str],
     ) -> None:
         self._owner = owner

@@ -81,11 +81,11 @@ class InferenceObjectiveWatch:
             "/inferenceobjectives"
         )
         self._objectives = _Reflector(
-            self,  # type: ignore[arg-type] - the same owner interface as InferencePoolWatch
+            self,
             "InferenceObjective",
             path,
             InferenceObjective,
-            InferenceObjectiveList,  # type: ignore[arg-type]
+            InferenceObjectiveList,
             {},
         )
 

@@ -74,8 +74,11 @@ def _completions(
 ) -> tuple[Prompt, int]:
     """A batch goes to one endpoint but each prompt is cached on its own: keys come from the
     first prompt, the token estimate from all of them."""
-    field = "prompt" if isinstance(req, openai.CompletionsRequest) else "input"
-    inputs = openai.prompt_inputs(req.prompt if field == "prompt" else req.input, field)
+    if isinstance(req, openai.CompletionsRequest):
+        field, value = "prompt", req.prompt
+    else:
+        field, value = "input", req.input
+    inputs = openai.prompt_inputs(value, field)
     tokens = sum(
         text_tokens(x, s.bytes_per_token) if isinstance(x, str) else len(x) for x in inputs
     )

@@ -173,6 +173,7 @@ class StreamHandler:
                 if msg is None:
                     self._warn("malformed", "ext_proc message could not be decoded; stream ended")
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed message")
+                    return  # abort raises; this tells the type checker msg is set below
                 for resp in await state.on_message(msg):
                     yield resp
                 if state.done:

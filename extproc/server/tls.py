@@ -124,7 +124,7 @@ class ReloadingCredentials:
         )
 
     def _stamp(self) -> tuple:
-        out = []
+        out: list[tuple[int, int, int] | None] = []
         for p in self._paths:
             try:
                 st = os.stat(p)
