@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 import httpx
@@ -31,6 +31,9 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.bootstrap import BootstrapOptions, LbMode, build_bootstrap, render_bootstrap
+
+if TYPE_CHECKING:
+    import threading
 
 # Envoy's own balancers for the no-picker baselines -> (extension name, proto type).
 BaselineLb = Literal["round-robin", "random", "least-request"]
@@ -168,7 +171,7 @@ class SimFleet:
     ) -> None:
         self.kv_events_port = free_port()
         self.servers: list[SimServerInfo] = []
-        self._pump = None
+        self._pump: threading.Thread | None = None
         self._log_path = log_dir / "sim.log"
         argv = [
             sys.executable,
