@@ -34,9 +34,9 @@ def request_headers(
     headers: Mapping[str, str],
     *,
     end_of_stream: bool = False,
-    mode: int | None = FULL_DUPLEX,
+    mode: pb.ProcessingMode.BodySendMode | None = FULL_DUPLEX,
     subset: Sequence[str] | None = None,
-    response_mode: int | None = None,
+    response_mode: pb.ProcessingMode.BodySendMode | None = None,
 ) -> pb.ProcessingRequest:
     """The first message of a stream. `mode=None` leaves protocol_config out (older Envoys);
     `response_mode` is the response body mode announced alongside (default NONE)."""
@@ -48,7 +48,7 @@ def request_headers(
     if mode is not None:
         msg.protocol_config.request_body_mode = mode
         if response_mode is not None:
-            msg.protocol_config.response_body_mode = response_mode  # type: ignore[assignment]
+            msg.protocol_config.response_body_mode = response_mode
     if subset is not None:
         msg.metadata_context.filter_metadata[protocol.SUBSET_HINT_NAMESPACE].update(
             {protocol.SUBSET_HINT_KEY: list(subset)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import Protocol
+from typing import Protocol, cast
 
 from extproc.core import Candidate, Decision, Endpoint, InferenceRequest
 from extproc.scheduling.framework import (
@@ -167,5 +167,7 @@ class TimedScheduler:
         return decision
 
 
-def instrument(scheduler: Scheduler, sink: SchedulingSink) -> TimedScheduler:
-    return TimedScheduler(scheduler, sink)
+def instrument(scheduler: Scheduler, sink: SchedulingSink) -> Scheduler:
+    # A TimedScheduler stands in for the Scheduler it wraps: `schedule` is its own, the rest
+    # of the API is the wrapped one's through __getattr__, which the type system cannot see.
+    return cast(Scheduler, TimedScheduler(scheduler, sink))
