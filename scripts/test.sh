@@ -20,5 +20,5 @@ fi
 $UV sync --locked --all-extras --group dev -q
 # Gates before the tests: lint and types (the import-direction rules are a test).
 $UV run --locked ruff check --quiet extproc tests bench
-# TODO(lead): mypy gate after merges
+$UV run --locked mypy
 exec $UV run --locked pytest "$@"

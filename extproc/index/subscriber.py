@@ -12,7 +12,7 @@ import ipaddress
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -160,11 +160,11 @@ class KVEventSubscriber:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        loop.add_reader(sock.getsockopt(zmq.FD), self._wake.set)
+        loop.add_reader(_fd(sock), self._wake.set)
         return sock
 
     def _close(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket[bytes]) -> None:
-        loop.remove_reader(sock.getsockopt(zmq.FD))
+        loop.remove_reader(_fd(sock))
         sock.close(linger=0)
 
     def _sync_sockets(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -178,7 +178,7 @@ class KVEventSubscriber:
 
     def _readable(self) -> bool:
         socks = [*self._dialed.values(), *([self._bound] if self._bound else [])]
-        return any(s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in socks)
+        return any(cast(int, s.getsockopt(zmq.EVENTS)) & zmq.POLLIN for s in socks)
 
     async def _drain(self) -> bool:
         """Up to `max_messages_per_pass` messages per socket; True if any were read."""
@@ -198,7 +198,8 @@ class KVEventSubscriber:
                 except zmq.Again:
                     break
                 got = True
-                peer = parts[0].get("Peer-Address") if parts else None
+                # A string property of the frame (pyzmq types every property int | str).
+                peer = cast(str, parts[0].get("Peer-Address")) if parts else None
                 await self._dispatch_safely([p.bytes for p in parts], None, peer=peer)
         return got
 
@@ -298,3 +299,9 @@ class KVEventSubscriber:
                 out.append((int.from_bytes(frames[0], "big"), frames[1]))
         finally:
             sock.close(linger=0)
+
+
+def _fd(sock: zmq.Socket[bytes]) -> int:
+    """The socket's edge-triggered notification FD (ZMQ_FD is an int option; pyzmq types
+    every option's value as int | bytes)."""
+    return cast(int, sock.getsockopt(zmq.FD))

@@ -165,7 +165,8 @@ class App:
         self._endpoints_changed = asyncio.Event()
         self._stopped = asyncio.Event()
         self._stopping = False
-        self.tls_reloader: object | None = None  # set when certificate files are served (reload counters)
+        # Set when certificate files are served (reload counters).
+        self.tls_reloader: object | None = None
         self.port = 0
         self.health_port = 0
         self.admin_port = 0
