@@ -7,7 +7,9 @@ unbounded), `defaultRequestTTL` (60s; "0s" = no TTL), `priorityBands[]` (`priori
 `maxBytes` default 1G, `maxRequests` default 5000, `orderingPolicyRef` default
 `fcfs-ordering-policy`, `fairnessPolicyRef` default `global-strict-fairness-policy`),
 `defaultPriorityBand` / `defaultNegativePriorityBand` (templates for unlisted priorities),
-`saturationDetector.pluginRef` (default `utilization-detector`), `usageLimitPolicyPluginRef`
+`saturationDetector.pluginRef` (default `utilization-detector`; the top-level section also
+takes GIE v1.2-v1.4's inline `queueDepthThreshold` / `kvCacheUtilThreshold` /
+`metricsStalenessThreshold`), `usageLimitPolicyPluginRef`
 (default `static-usage-limit-policy`, ceiling 1.0). Policy and detector refs name entries of
 the top-level `plugins` list (by name, else by type), or a type directly. Accepted but not
 acted on (a warning at start): `noEndpointRequestTTL`, `enableEviction`. Admitters
@@ -27,9 +29,9 @@ import msgspec
 from extproc.errors import ConfigError
 from extproc.flowcontrol.admitters import ADMITTERS, Admitter
 from extproc.flowcontrol.controller import BandLimits
-from extproc.flowcontrol.detectors import DETECTORS, SaturationDetector
+from extproc.flowcontrol.detectors import DETECTORS, SaturationDetector, UtilizationDetector
 from extproc.flowcontrol.policies import (
-    FAIRNESS,
+    FAIRNESS as _FAIRNESS,
     ORDERING,
     USAGE_LIMITS,
     FairnessPolicy,
@@ -38,7 +40,11 @@ from extproc.flowcontrol.policies import (
     UsageLimitPolicy,
 )
 
+from extproc.flowcontrol.programs import ProgramAwareFairness
+
 log = logging.getLogger("extproc.flowcontrol")
+
+FAIRNESS: tuple[type, ...] = (*_FAIRNESS, ProgramAwareFairness)
 
 FLOW_PLUGINS: tuple[type, ...] = (*DETECTORS, *ORDERING, *FAIRNESS, *USAGE_LIMITS, *ADMITTERS)
 ADMITTER_TYPES = frozenset(c.type_name for c in ADMITTERS)
@@ -58,6 +64,20 @@ class BandSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class PluginRefSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pluginRef: str = ""
+
+
+class LegacyDetectorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The top-level `saturationDetector`: a `pluginRef` (GIE v1.5+, llm-d), or GIE
+    v1.2-v1.4's inline utilization thresholds (the utilization detector's parameters)."""
+
+    pluginRef: str = ""
+    queueDepthThreshold: int | None = None
+    kvCacheUtilThreshold: float | None = None
+    metricsStalenessThreshold: str | None = None
+
+    def inline(self) -> dict[str, Any]:
+        fields = ("queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold")
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 
 class FlowControlSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -220,12 +240,25 @@ def build_flow_config(
         named.setdefault(ref, got)
 
     det_ref = "utilization-detector"
-    legacy = _decode(PluginRefSpec, saturation_detector, ("saturationDetector",))
+    legacy = _decode(LegacyDetectorSpec, saturation_detector, ("saturationDetector",))
+    inline = legacy.inline()
+    if inline and legacy.pluginRef:
+        raise ConfigError(
+            "give either pluginRef or inline thresholds, not both", path=("saturationDetector",)
+        )
+    if inline:
+        # GIE v1.2-v1.4: the thresholds configure the (only) utilization detector.
+        named["saturationDetector"] = (
+            UtilizationDetector,
+            _decode(UtilizationDetector.Params, inline, ("saturationDetector",)),
+        )
     if spec.saturationDetector and spec.saturationDetector.pluginRef:
         det_ref = spec.saturationDetector.pluginRef
         where: tuple[str | int, ...] = ("flowControl", "saturationDetector", "pluginRef")
     elif legacy.pluginRef:
         det_ref, where = legacy.pluginRef, ("saturationDetector", "pluginRef")
+    elif inline:
+        det_ref, where = "saturationDetector", ("saturationDetector",)
     else:
         where = ("flowControl",)
     resolve(det_ref, DETECTORS, where)
