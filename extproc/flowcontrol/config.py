@@ -32,6 +32,8 @@ from extproc.flowcontrol.controller import BandLimits
 from extproc.flowcontrol.detectors import DETECTORS, SaturationDetector, UtilizationDetector
 from extproc.flowcontrol.policies import (
     FAIRNESS as _FAIRNESS,
+)
+from extproc.flowcontrol.policies import (
     ORDERING,
     USAGE_LIMITS,
     FairnessPolicy,
@@ -39,7 +41,6 @@ from extproc.flowcontrol.policies import (
     StaticUsageLimit,
     UsageLimitPolicy,
 )
-
 from extproc.flowcontrol.programs import ProgramAwareFairness
 
 log = logging.getLogger("extproc.flowcontrol")

@@ -231,7 +231,8 @@ class SoftReflectiveCeiling:
         open_now = False
         # Every band is at or past its reflective ceiling iff the lowest one is (1 - s <= s).
         if 1.0 - saturation <= saturation < 1.0:
-            # Halves round up; the small term keeps the period finite near saturation 1.0.
+            # Rounded half up (Go's math.Round); the small term keeps the period finite as
+            # saturation approaches 1.0.
             period = max(1, math.floor(saturation / (1.0 - saturation + 1e-9) + 0.5))
             self._tick += 1
             open_now = self._tick % period == 0
