@@ -105,11 +105,8 @@ def test_the_soft_ceiling_and_program_aware_configs_serve_unchanged():
                 assert r.status_code == 200, (name, r.text)
                 assert r.headers["x-served-by"] in s.upstream_addresses
             text = httpx.get(f"http://127.0.0.1:{s.picker_admin_port}/metrics", timeout=5).text
-            dispatched = [
-                float(line.split()[-1])
-                for line in text.splitlines()
-                if line.startswith("extproc_flow_requests_total{") and 'outcome="dispatched"' in line
-            ]
+            flow = [ln for ln in text.splitlines() if ln.startswith("extproc_flow_requests_total{")]
+            dispatched = [float(ln.split()[-1]) for ln in flow if 'outcome="dispatched"' in ln]
             assert sum(dispatched) == 2, (name, text)
 
 

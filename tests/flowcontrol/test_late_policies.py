@@ -258,3 +258,28 @@ def test_inline_saturation_detector_thresholds_configure_the_utilization_detecto
 def test_inline_saturation_detector_thresholds_are_checked(sd):
     with pytest.raises(ConfigError):
         build_flow_config(None, sd, [])
+
+
+def test_a_gie_v1_2_config_with_inline_thresholds_loads_through_the_scheduling_section():
+    from extproc.config import build_configured_flow_control, examine
+
+    doc = {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}],
+        "schedulingProfiles": [
+            {"name": "default", "plugins": [{"pluginRef": "queue-scorer"},
+                                            {"pluginRef": "max-score-picker"}]}
+        ],
+        "saturationDetector": {"queueDepthThreshold": 8, "kvCacheUtilThreshold": 0.75},
+    }  # fmt: skip
+    ex = examine({"scheduling": doc})
+    assert ex.problems == [] and ex.settings is not None
+    fc = build_configured_flow_control(ex.settings)
+    assert fc is not None and isinstance(fc.detector, UtilizationDetector)
+    assert fc.detector.params.queueDepthThreshold == 8
+    bad = {**doc, "saturationDetector": {"queueDepthThreshold": 0}}
+    ex = examine({"scheduling": bad})
+    assert ex.settings is None
+    assert len(ex.problems) == 1 and "Expected `int` >= 1" in str(ex.problems[0])
+    assert ex.problems[0].path[-1] == "queueDepthThreshold"
