@@ -198,8 +198,15 @@ class FlowConfig:
         fairness = self._make(spec.fairnessPolicyRef or "global-strict-fairness-policy")
         return limits, ordering, fairness
 
+    # Instances of policies whose state spans bands (one per plugin, as in llm-d).
+    _shared: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
     def _make(self, ref: str) -> Any:
         cls, params = self.policies.get(ref) or (_BY_TYPE[ref], None)
+        if getattr(cls, "spans_bands", False):
+            if ref not in self._shared:
+                self._shared[ref] = cls(params)
+            return self._shared[ref]
         return cls(params)
 
 

@@ -46,12 +46,14 @@ def _norm(v: float, lo: float, hi: float) -> float:
 
 class ProgramAwareFairness:
     """`program-aware-fairness` (strategy `las`): least attained service first; see the
-    module docstring. One instance per band, so service is tracked per band."""
+    module docstring. One instance per configured plugin, shared by the bands that name it,
+    so a program's service counts across bands (as in llm-d)."""
 
     type_name = "program-aware-fairness"
     # The controller hands this policy the heads' arrivals and its clock (`pick_at`) and
     # tells it what each dispatch costs (`charge`).
     timed = True
+    spans_bands = True
 
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         strategy: Literal["las"] = "las"

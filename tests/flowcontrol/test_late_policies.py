@@ -187,6 +187,27 @@ def test_las_forgets_idle_programs_on_the_sweep():
     assert pol.service("old", 11.0) == 0.0
 
 
+def test_program_service_counts_across_the_bands_that_share_the_policy():
+    cfg = build_flow_config(
+        {"defaultPriorityBand": {"fairnessPolicyRef": "program-aware-fairness"}},
+        None,
+        [{"type": "program-aware-fairness"}],
+    )
+    high, low = cfg.band(5)[2], cfg.band(0)[2]
+    assert high is low  # one plugin instance, as in llm-d
+    assert cfg.band(0)[1] is not cfg.band(5)[1]  # ordering policies stay per band
+    # Two differently configured plugins stay apart.
+    cfg = build_flow_config(
+        {"priorityBands": [{"priority": 1, "fairnessPolicyRef": "a"},
+                           {"priority": 0, "fairnessPolicyRef": "b"}]},
+        None,
+        [{"type": "program-aware-fairness", "name": "a"},
+         {"type": "program-aware-fairness", "name": "b",
+          "parameters": {"lasHalfLifeSeconds": 0}}],
+    )  # fmt: skip
+    assert cfg.band(1)[2] is not cfg.band(0)[2]
+
+
 @pytest.mark.parametrize(
     "params",
     [
