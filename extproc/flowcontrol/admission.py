@@ -110,6 +110,7 @@ class Admission:
             tokens=max(0, uncached_tokens) + self.settings.expected_output_tokens,
             body_bytes=request.body_bytes,
             slo_ttft_s=slo,
+            output_tokens=self.settings.expected_output_tokens,
         )
 
     async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket:

@@ -7,7 +7,9 @@ unbounded), `defaultRequestTTL` (60s; "0s" = no TTL), `priorityBands[]` (`priori
 `maxBytes` default 1G, `maxRequests` default 5000, `orderingPolicyRef` default
 `fcfs-ordering-policy`, `fairnessPolicyRef` default `global-strict-fairness-policy`),
 `defaultPriorityBand` / `defaultNegativePriorityBand` (templates for unlisted priorities),
-`saturationDetector.pluginRef` (default `utilization-detector`), `usageLimitPolicyPluginRef`
+`saturationDetector.pluginRef` (default `utilization-detector`; the top-level section also
+takes GIE v1.2-v1.4's inline `queueDepthThreshold` / `kvCacheUtilThreshold` /
+`metricsStalenessThreshold`), `usageLimitPolicyPluginRef`
 (default `static-usage-limit-policy`, ceiling 1.0). Policy and detector refs name entries of
 the top-level `plugins` list (by name, else by type), or a type directly. Accepted but not
 acted on (a warning at start): `noEndpointRequestTTL`, `enableEviction`. Admitters
@@ -27,9 +29,11 @@ import msgspec
 from extproc.errors import ConfigError
 from extproc.flowcontrol.admitters import ADMITTERS, Admitter
 from extproc.flowcontrol.controller import BandLimits
-from extproc.flowcontrol.detectors import DETECTORS, SaturationDetector
+from extproc.flowcontrol.detectors import DETECTORS, SaturationDetector, UtilizationDetector
 from extproc.flowcontrol.policies import (
-    FAIRNESS,
+    FAIRNESS as _FAIRNESS,
+)
+from extproc.flowcontrol.policies import (
     ORDERING,
     USAGE_LIMITS,
     FairnessPolicy,
@@ -37,8 +41,11 @@ from extproc.flowcontrol.policies import (
     StaticUsageLimit,
     UsageLimitPolicy,
 )
+from extproc.flowcontrol.programs import ProgramAwareFairness
 
 log = logging.getLogger("extproc.flowcontrol")
+
+FAIRNESS: tuple[type[Any], ...] = (*_FAIRNESS, ProgramAwareFairness)
 
 FLOW_PLUGINS: tuple[type[Any], ...] = (*DETECTORS, *ORDERING, *FAIRNESS, *USAGE_LIMITS, *ADMITTERS)
 ADMITTER_TYPES = frozenset(c.type_name for c in ADMITTERS)
@@ -58,6 +65,20 @@ class BandSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class PluginRefSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pluginRef: str = ""
+
+
+class LegacyDetectorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The top-level `saturationDetector`: a `pluginRef` (GIE v1.5+, llm-d), or GIE
+    v1.2-v1.4's inline utilization thresholds (the utilization detector's parameters)."""
+
+    pluginRef: str = ""
+    queueDepthThreshold: int | None = None
+    kvCacheUtilThreshold: float | None = None
+    metricsStalenessThreshold: str | None = None
+
+    def inline(self) -> dict[str, Any]:
+        fields = ("queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold")
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 
 class FlowControlSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -157,7 +178,7 @@ class FlowConfig:
     bands: Mapping[int, BandSpec] = field(default_factory=dict)
     default_band: BandSpec | None = None
     default_negative_band: BandSpec | None = None
-    policies: Mapping[str, tuple[type, Any]] = field(default_factory=dict)
+    policies: Mapping[str, tuple[type[Any], Any]] = field(default_factory=dict)
     usage_limit: UsageLimitPolicy = field(default_factory=StaticUsageLimit)
     admitters: tuple[Admitter, ...] = ()
     settings: FlowControlSettings = field(default_factory=FlowControlSettings)
@@ -177,8 +198,15 @@ class FlowConfig:
         fairness = self._make(spec.fairnessPolicyRef or "global-strict-fairness-policy")
         return limits, ordering, fairness
 
+    # Instances of policies whose state spans bands (one per plugin, as in llm-d).
+    _shared: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
     def _make(self, ref: str) -> Any:
         cls, params = self.policies.get(ref) or (_BY_TYPE[ref], None)
+        if getattr(cls, "spans_bands", False):
+            if ref not in self._shared:
+                self._shared[ref] = cls(params)
+            return self._shared[ref]
         return cls(params)
 
 
@@ -220,12 +248,25 @@ def build_flow_config(
         named.setdefault(ref, got)
 
     det_ref = "utilization-detector"
-    legacy = _decode(PluginRefSpec, saturation_detector, ("saturationDetector",))
+    legacy = _decode(LegacyDetectorSpec, saturation_detector, ("saturationDetector",))
+    inline = legacy.inline()
+    if inline and legacy.pluginRef:
+        raise ConfigError(
+            "give either pluginRef or inline thresholds, not both", path=("saturationDetector",)
+        )
+    if inline:
+        # GIE v1.2-v1.4: the thresholds configure the (only) utilization detector.
+        named["saturationDetector"] = (
+            UtilizationDetector,
+            _decode(UtilizationDetector.Params, inline, ("saturationDetector",)),
+        )
     if spec.saturationDetector and spec.saturationDetector.pluginRef:
         det_ref = spec.saturationDetector.pluginRef
         where: tuple[str | int, ...] = ("flowControl", "saturationDetector", "pluginRef")
     elif legacy.pluginRef:
         det_ref, where = legacy.pluginRef, ("saturationDetector", "pluginRef")
+    elif inline:
+        det_ref, where = "saturationDetector", ("saturationDetector",)
     else:
         where = ("flowControl",)
     resolve(det_ref, DETECTORS, where)

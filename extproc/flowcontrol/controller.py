@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from extproc.core import EndpointState
 from extproc.flowcontrol.detectors import SaturationDetector
@@ -32,6 +33,7 @@ from extproc.flowcontrol.policies import (
     FairnessPolicy,
     OrderingPolicy,
     StaticUsageLimit,
+    TimedFairness,
     UsageLimitPolicy,
 )
 
@@ -66,6 +68,7 @@ class FlowRequest:
     tokens: int
     body_bytes: int
     slo_ttft_s: float | None = None
+    output_tokens: int = 0  # the expected output part of `tokens`
 
 
 @dataclass(eq=False, slots=True)
@@ -195,7 +198,7 @@ class FlowController:
     async def admit(self, request: FlowRequest) -> Ticket:
         now = self._clock()
         p = request.priority
-        if self.count == 0 and self._may_run(p) and self.saturation() < self.ceiling(p):
+        if self.count == 0 and self._may_run(p) and self._open(p):
             return self._start(request, 0.0)
         band = self._band(request.priority)
         self._make_room(request, band)
@@ -236,10 +239,15 @@ class FlowController:
             self._states(), self.pending_requests + peer_reqs, self.pending_tokens + peer_toks
         )
 
-    def ceiling(self, priority: int) -> float:
+    def ceiling(self, priority: int, saturation: float = 0.0) -> float:
         """The saturation at which this band's work is held (usage-limit policy)."""
         self._priorities.add(priority)
-        return self._usage_limit.ceiling(priority, tuple(self._priorities))
+        return self._usage_limit.ceiling(priority, tuple(self._priorities), saturation)
+
+    def _open(self, priority: int) -> bool:
+        """One dispatch opportunity for the band: may one of its requests start now?"""
+        sat = self.saturation()
+        return sat < self.ceiling(priority, sat)
 
     def _band(self, priority: int) -> _Band:
         band = self._bands.get(priority)
@@ -329,6 +337,10 @@ class FlowController:
         self.pending_tokens += request.tokens
         f = request.fairness_id
         self.served[f] = self.served.get(f, 0.0) + request.tokens
+        fairness = self._band(request.priority).fairness
+        if getattr(fairness, "timed", False):
+            out = request.output_tokens
+            cast(TimedFairness, fairness).charge(f, request.tokens - out, out, self._clock())
         self.stats.count(request, "dispatched")
         k = (request.priority, self.stats.label(request.fairness_id))
         self.stats.wait_sum[k] = self.stats.wait_sum.get(k, 0.0) + waited
@@ -343,12 +355,16 @@ class FlowController:
             top = max(p for p, b in self._bands.items() if b.count)
             if self.peer_top_band is not None and self.peer_top_band > top:
                 break  # a replica holds higher-priority work: that capacity is its to use
-            if self.saturation() >= self.ceiling(top):
+            if not self._open(top):
                 break
             band = self._bands[top]
             served = self._fleet_served()
             heads = {f: q[0].key for f, q in band.flows.items()}
-            flow = band.fairness.pick(heads, served, self.weights)
+            if getattr(band.fairness, "timed", False):
+                arrivals = {f: q[0].arrival for f, q in band.flows.items()}
+                flow = cast(TimedFairness, band.fairness).pick_at(arrivals, now)
+            else:
+                flow = band.fairness.pick(heads, served, self.weights)
             item = band.flows[flow][0]
             self._remove(band, item)
             if item.future.done():

@@ -44,6 +44,15 @@ class FairnessPolicy(Protocol):
         ...
 
 
+class TimedFairness(FairnessPolicy, Protocol):
+    """A fairness policy whose class says `timed = True`: the controller picks among the
+    flows' oldest arrivals at a time and charges each dispatch to its flow."""
+
+    def pick_at(self, heads: Mapping[str, Arrival], now: float) -> str: ...
+
+    def charge(self, flow: str, input_tokens: int, output_tokens: int, now: float) -> None: ...
+
+
 class _NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
@@ -152,9 +161,10 @@ FAIRNESS: tuple[type[Any], ...] = (GlobalStrictFairness, RoundRobinFairness, Wei
 
 
 class UsageLimitPolicy(Protocol):
-    def ceiling(self, priority: int, priorities: Sequence[int]) -> float:
+    def ceiling(self, priority: int, priorities: Sequence[int], saturation: float = 0.0) -> float:
         """The saturation above which a band's work is held (`priorities`: the bands known,
-        this one included)."""
+        this one included; `saturation`: the pool's now). Called once per dispatch
+        opportunity of the band."""
         ...
 
 
@@ -169,7 +179,7 @@ class StaticUsageLimit:
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
 
-    def ceiling(self, priority: int, priorities: Sequence[int]) -> float:
+    def ceiling(self, priority: int, priorities: Sequence[int], saturation: float = 0.0) -> float:
         return self.params.threshold
 
 
@@ -194,7 +204,7 @@ class PriorityHoldback:
     def __init__(self, params: Params) -> None:
         self.params = params
 
-    def ceiling(self, priority: int, priorities: Sequence[int]) -> float:
+    def ceiling(self, priority: int, priorities: Sequence[int], saturation: float = 0.0) -> float:
         lo, hi = self.params.minCeiling, self.params.maxCeiling
         ordered = sorted(set(priorities) | {priority}, reverse=True)
         if len(ordered) == 1:
@@ -206,4 +216,40 @@ class PriorityHoldback:
         return lo + (priority - pmin) / (pmax - pmin) * (hi - lo)
 
 
-USAGE_LIMITS: tuple[type[Any], ...] = (StaticUsageLimit, PriorityHoldback)
+class SoftReflectiveCeiling:
+    """`soft-reflective-ceiling-policy`: no parameters. The band of rank i (0 = highest of
+    the N known) has the reflective ceiling 1 - i * saturation / (N - 1): the top band is
+    never gated below saturation 1.0, lower bands are gated first as saturation rises. A band
+    at or past its reflective ceiling (saturation < 1.0) is not shut but throttled: it is
+    open on one dispatch opportunity out of round(saturation / (1 - saturation)), so its
+    dispatch rate falls continuously with saturation. One counter for the whole policy, so
+    on any opportunity either every throttled band is open or every one is shut (dispatch
+    stops at the first gated band, so per-band phases could starve a lower band)."""
+
+    type_name = "soft-reflective-ceiling-policy"
+    Params = _NoParams
+
+    def __init__(self, params: _NoParams | None = None) -> None:
+        self._tick = 0
+
+    def ceiling(self, priority: int, priorities: Sequence[int], saturation: float = 0.0) -> float:
+        ordered = sorted(set(priorities) | {priority}, reverse=True)
+        n, rank = len(ordered), ordered.index(priority)
+        if n == 1 or rank == 0:
+            return 1.0
+        open_now = False
+        # Every band is at or past its reflective ceiling iff the lowest one is (1 - s <= s).
+        if 1.0 - saturation <= saturation < 1.0:
+            # Rounded half up (Go's math.Round); the small term keeps the period finite as
+            # saturation approaches 1.0.
+            period = max(1, math.floor(saturation / (1.0 - saturation + 1e-9) + 0.5))
+            self._tick += 1
+            open_now = self._tick % period == 0
+        if saturation < 1.0 - rank * saturation / (n - 1):
+            return 1.0
+        if saturation >= 1.0:
+            return 0.0
+        return 1.0 if open_now else 0.0
+
+
+USAGE_LIMITS: tuple[type[Any], ...] = (StaticUsageLimit, PriorityHoldback, SoftReflectiveCeiling)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import yaml
 
 from extproc.stack import Stack, StackOptions
 
@@ -64,13 +65,89 @@ def test_precise_config_without_a_local_tokenizer_serves_and_says_it_is_degraded
         assert "no local tokenizer for model 'hf-repo/model-name'" in s.logs("extproc")
 
 
-def test_serve_refuses_a_config_with_pending_plugins_naming_the_issue(capsys):
+def test_serve_refuses_a_config_with_pending_plugins_naming_the_issue(capsys, tmp_path):
     from extproc.cli import main
 
-    name = "router--deploy_config_soft-reflective-ceiling-epp-config.yaml"
-    args = ["serve", "--config", str(CORPUS / name), "--endpoints", "127.0.0.1:1"]
+    # The eviction plugins are still pending (issue 15 built no queue eviction).
+    config = tmp_path / "evicting.yaml"
+    doc = yaml.safe_load(
+        (CORPUS / "router--deploy_config_soft-reflective-ceiling-epp-config.yaml").read_text()
+    )
+    doc["plugins"].append({"type": "sheddable-eviction-filter"})
+    config.write_text(yaml.safe_dump(doc))
+    args = ["serve", "--config", str(config), "--endpoints", "127.0.0.1:1"]
     assert main(args) == 2
-    assert "pending: built in issue 15" in capsys.readouterr().err
+    assert "'sheddable-eviction-filter' is pending: built in issue 15" in capsys.readouterr().err
+
+
+def test_the_soft_ceiling_and_program_aware_configs_serve_unchanged():
+    """The last two real configs that were refused: served as they are, flow control on.
+    Their detector is the default utilization detector, which reads scraped vLLM figures:
+    simulated vLLM servers provide them."""
+    for name in (
+        "router--deploy_config_soft-reflective-ceiling-epp-config.yaml",
+        "router--deploy_config_sim-program-aware-config.yaml",
+    ):
+        opts = StackOptions(
+            upstreams=2,
+            sim_args=("--fast", "50", "--chat-max-tokens", "4"),
+            extproc_args=("--config", str(CORPUS / name)),
+        )
+        with Stack(opts) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+            assert s.fleet is not None
+            for program in ("agent-a", "agent-b"):
+                body = {**chat("hello " + program), "model": s.fleet.model, "max_tokens": 4}
+                r = http.post(
+                    "/v1/chat/completions",
+                    json=body,
+                    headers={"x-llm-d-inference-fairness-id": program},
+                )
+                assert r.status_code == 200, (name, r.text)
+                assert r.headers["x-served-by"] in s.upstream_addresses
+            text = httpx.get(f"http://127.0.0.1:{s.picker_admin_port}/metrics", timeout=5).text
+            flow = [ln for ln in text.splitlines() if ln.startswith("extproc_flow_requests_total{")]
+            dispatched = [float(ln.split()[-1]) for ln in flow if 'outcome="dispatched"' in ln]
+            assert sum(dispatched) == 2, (name, text)
+
+
+async def test_program_aware_fairness_lets_a_light_program_overtake_a_heavy_one(tmp_path):
+    """sim-program-aware-config's policy, given one slot (a concurrency detector) in front
+    of one slow upstream: a heavy program holds the slot and queues two more long prompts;
+    a light program's request, queued last, is served first when the slot frees (least
+    attained service), where first-come-first-served would serve it last."""
+    import asyncio
+    import time
+
+    from extproc.sim.echo import HEADERS_DELAY_HEADER
+
+    doc = yaml.safe_load(
+        (CORPUS / "router--deploy_config_sim-program-aware-config.yaml").read_text()
+    )
+    doc["plugins"].append({"type": "concurrency-detector", "parameters": {"maxConcurrency": 1}})
+    doc["flowControl"]["saturationDetector"] = {"pluginRef": "concurrency-detector"}
+    config = tmp_path / "picker.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    done: dict[str, float] = {}
+
+    async def post(c: httpx.AsyncClient, tag: str, program: str, text: str, delay_ms: int):
+        headers = {"x-llm-d-inference-fairness-id": program, HEADERS_DELAY_HEADER: str(delay_ms)}
+        r = await c.post("/v1/chat/completions", json=chat(text), headers=headers)
+        assert r.status_code == 200, r.text
+        done[tag] = time.monotonic()
+
+    opts = StackOptions(upstreams=1, extproc_args=("--config", str(config)))
+    with Stack(opts) as s:
+        async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+            holder = asyncio.create_task(post(c, "holder", "heavy", LONG, 1500))
+            await asyncio.sleep(0.5)
+            heavy = [
+                asyncio.create_task(post(c, f"heavy{i}", "heavy", f"{i} {LONG}", 300))
+                for i in range(2)
+            ]
+            await asyncio.sleep(0.3)
+            light = asyncio.create_task(post(c, "light", "light", "hi", 300))
+            await asyncio.gather(holder, *heavy, light)
+    assert done["light"] < min(done["heavy0"], done["heavy1"]), done
 
 
 def metric(text: str, name: str) -> float:

@@ -1,6 +1,6 @@
 """Every file of the llm-d config corpus (tests/fixtures/llmd-configs) is accepted as it is,
 or refused for exactly the reason it is expected to be: test-only plugins of llm-d's own
-loader tests, and two flow-control policies issue 15 did not build."""
+loader tests, and a CEL-based plugin extproc refuses. Every real config serves."""
 
 from __future__ import annotations
 
@@ -9,14 +9,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.config import build_configured_scheduler, examine, load_settings
+from extproc.config import (
+    build_configured_flow_control,
+    build_configured_scheduler,
+    examine,
+    load_settings,
+)
 from extproc.errors import ConfigError
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "llmd-configs"
 FILES = sorted(p.name for p in CORPUS.glob("*.yaml"))
 
 TEST_ONLY = "test-only plugin of llm-d's own loader"
-PENDING_15 = "pending: built in issue 15"
 
 # file -> substrings every one of which must appear among its problems (refused files).
 REFUSED = {
@@ -28,12 +32,6 @@ REFUSED = {
         "request-attribute-reporter' refused: CEL expressions",
     ],
     "router--test_testdata_configloader_1_test.yaml": [TEST_ONLY],
-    "router--deploy_config_sim-program-aware-config.yaml": [
-        "'program-aware-fairness' is pending: built in issue 15",
-    ],
-    "router--deploy_config_soft-reflective-ceiling-epp-config.yaml": [
-        "'soft-reflective-ceiling-policy' is pending: built in issue 15",
-    ],
 }
 # Precise-prefix configs whose tokenizer is not on this machine: served with approximate keys.
 DEGRADED = {
@@ -81,12 +79,29 @@ def test_each_corpus_file_is_accepted_or_refused_for_its_reason(name, tmp_path):
     assert load_settings(path) is not None
 
 
-def test_of_33_real_configs_only_2_are_refused_for_pending_flow_control_policies():
+def test_all_33_real_configs_load():
     real = [n for n in FILES if n not in REFUSED or TEST_ONLY not in REFUSED[n][0]]
-    refused_real = [n for n in real if n in REFUSED]
     assert len(real) == 33  # 38 minus the 5 loader/integration test fixtures
-    assert len(refused_real) == 2
-    assert all(PENDING_15 in " ".join(REFUSED[n]) for n in refused_real)
+    assert [n for n in real if n in REFUSED] == []
+
+
+def test_the_last_two_flow_control_configs_build_their_policies():
+    """The program-aware and soft-reflective-ceiling configs (refused until the policies
+    were built) load, and flow control is built with those very policies."""
+    from extproc.flowcontrol.policies import SoftReflectiveCeiling
+    from extproc.flowcontrol.programs import ProgramAwareFairness
+
+    fc = build_configured_flow_control(
+        load_settings(CORPUS / "router--deploy_config_sim-program-aware-config.yaml")
+    )
+    assert fc is not None
+    assert isinstance(fc.band(0)[2], ProgramAwareFairness)  # the default band's template
+    assert isinstance(fc.band(7)[2], ProgramAwareFairness)
+    fc = build_configured_flow_control(
+        load_settings(CORPUS / "router--deploy_config_soft-reflective-ceiling-epp-config.yaml")
+    )
+    assert fc is not None
+    assert isinstance(fc.usage_limit, SoftReflectiveCeiling)
 
 
 def test_mangled_corpus_files_give_problems_never_crashes():

@@ -189,9 +189,12 @@ def test_flow_control_types_and_sections_go_to_flow_control():
 
 def test_flow_control_policies_not_built_yet_are_pending_in_issue_15():
     d = doc()
-    d["plugins"].append({"type": "program-aware-fairness"})
+    d["plugins"].append({"type": "sheddable-eviction-filter"})
     (p,) = problems(d)
-    assert "'program-aware-fairness' is pending: built in issue 15" in p
+    assert "'sheddable-eviction-filter' is pending: built in issue 15" in p
+    d = doc()
+    d["plugins"] += [{"type": "program-aware-fairness"}, {"type": "soft-reflective-ceiling-policy"}]
+    assert problems(d) == []
 
 
 def test_predicted_latency_plugins_are_implemented_and_the_gie_name_pending():

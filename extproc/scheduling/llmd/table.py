@@ -19,8 +19,6 @@ from __future__ import annotations
 # control) finds them before this table; the names are then removed here.
 PENDING_TYPES: dict[str, int] = {
     # flow control: saturation detectors, admitters, fairness / ordering / usage policies
-    "program-aware-fairness": 15,
-    "soft-reflective-ceiling-policy": 15,
     "sheddable-eviction-filter": 15,
     "priority-then-time-eviction-order-policy": 15,
     "eviction-priority-then-time-ordering": 15,  # GIE v1.5's name
