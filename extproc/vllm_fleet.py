@@ -13,6 +13,7 @@ Every process it starts is its child, stopped on `close()`; vLLM's leftovers (IP
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -148,10 +149,8 @@ class VllmServer:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         # The engine core may outlive the API server for a moment; it is in the same group.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def restart(self, timeout_s: float = 180.0) -> None:
         self.stop()

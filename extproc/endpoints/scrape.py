@@ -14,7 +14,7 @@ import random
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import aiohttp
@@ -52,6 +52,9 @@ class Scraped(msgspec.Struct, frozen=True):
     waiting_adapters: frozenset[str] = frozenset()
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
+    # prometheus_client's `process_start_time_seconds` (unix seconds): a new value is a new
+    # engine process, whose cache is empty whatever the index believes.
+    process_start_s: float | None = None
 
 
 # -- the parser ------------------------------------------------------------------------------
@@ -104,6 +107,7 @@ _VLLM = _family(
     (_V_WAITING, _V_RUNNING, _V_KV, _V_KV_OLD, _V_CACHE_CONFIG, _V_LORA, *_V_QUERIES, *_V_HITS),
 )
 _SGLANG = _family(b"sglang", (_S_WAITING, _S_RUNNING, _S_KV))
+_START = re.compile(rb"(?:^|\n)process_start_time_seconds ([^\s]+)")
 
 
 def _samples(
@@ -236,7 +240,13 @@ def parse_metrics(data: bytes) -> Scraped:
             running_adapters = _names(_label(raw, b"running_lora_adapters"))
             waiting_adapters = _names(_label(raw, b"waiting_lora_adapters"))
 
+    start = _START.search(data)
+    try:
+        process_start_s = float(start.group(1)) if start else None
+    except ValueError:
+        raise MetricsError(f"bad process_start_time_seconds: {start.group(1)[:40]!r}") from None
     return Scraped(
+        process_start_s=process_start_s,
         waiting=int(sum(waiting)),
         running=int(sum(running)),
         kv_usage=min(1.0, max(0.0, sum(kv) / len(kv))) if kv else 0.0,
@@ -274,10 +284,13 @@ class ScrapeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 @dataclass(slots=True)
 class ScrapeStats:
-    """Counters since start: successful scrapes and failed ones (all endpoints)."""
+    """Counters since start: successful scrapes and failed ones (all endpoints), and cache
+    invalidations by reason (`restart`: the process start time changed; `unreachable`: the
+    first failed scrape of a run)."""
 
     scrapes: int = 0
     failures: int = 0
+    invalidations: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -286,6 +299,7 @@ class _Health:
     failing: int = 0  # consecutive failures
     failures: int = 0  # since the endpoint joined the pool
     retry_at: float = 0.0
+    started: float | None = None  # the engine's process start time, as last scraped
 
 
 class _BadAnswer(Exception):
@@ -312,10 +326,15 @@ class MetricsScraper:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
+        on_invalidate: Callable[[str, str], Awaitable[None]] | None = None,
     ) -> None:
+        """`on_invalidate(address, reason)` is awaited when what the index believes about
+        an endpoint's cache can no longer be true: its process restarted (empty cache), or
+        it stopped answering (dead, or restarting). Within one scrape interval."""
+        self._on_invalidate = on_invalidate
         self._pool = pool
         self._states = states
-        self._s = settings or ScrapeSettings()
+        self._s = settings if settings is not None else ScrapeSettings()
         self._clock = clock
         self._sleep = sleep
         self._rng = rng or random.Random()
@@ -380,16 +399,31 @@ class MetricsScraper:
             scraped = parse_metrics(body)
         except Exception as exc:  # any failure of one endpoint is that endpoint's, not ours
             self._failed(address, h, exc)
+            if h.failing == 1 and self._health.get(address) is h:
+                await self._invalidate(address, "unreachable")
         else:
             if self._health.get(address) is h:  # still in the pool
                 self._states.update(address, scraped)
                 self.stats.scrapes += 1
+                started, h.started = h.started, scraped.process_start_s
+                if started is not None and scraped.process_start_s not in (None, started):
+                    log.warning("endpoint %s restarted: its cached blocks are forgotten", address)
+                    await self._invalidate(address, "restart")
                 if h.failing:
                     log.info("endpoint %s: metrics back after %d failures", address, h.failing)
                     h.failing = 0
                     h.retry_at = 0.0
         finally:
             self._pending.discard(address)
+
+    async def _invalidate(self, address: str, reason: str) -> None:
+        inv = self.stats.invalidations
+        inv[reason] = inv.get(reason, 0) + 1
+        if self._on_invalidate is not None:
+            try:
+                await self._on_invalidate(address, reason)
+            except Exception:  # the scrape loop must outlive a failing index
+                log.exception("endpoint %s: invalidating its cached blocks failed", address)
 
     def _failed(self, address: str, h: _Health, exc: BaseException) -> None:
         self.stats.failures += 1

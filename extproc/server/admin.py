@@ -13,11 +13,14 @@ from extproc.errors import ExtprocError
 from extproc.router import Router
 from extproc.server.metrics import PickerMetrics
 from extproc.server.stream import explanation
+from extproc.signals import Signals
 
 EXPLAIN_PATH_HEADER = "x-extproc-path"
 
 
-def make_admin_app(router: Router, metrics: PickerMetrics) -> web.Application:
+def make_admin_app(
+    router: Router, metrics: PickerMetrics, signals: Signals | None = None
+) -> web.Application:
     async def get_metrics(request: web.Request) -> web.Response:
         return web.Response(
             body=metrics.exposition(), headers={"content-type": "text/plain; version=0.0.4"}
@@ -55,7 +58,13 @@ def make_admin_app(router: Router, metrics: PickerMetrics) -> web.Application:
                 }
             )
         return web.Response(
-            body=orjson.dumps({"endpoints": rows, "decisions": router.stats.decisions}),
+            body=orjson.dumps(
+                {
+                    "endpoints": rows,
+                    "decisions": router.stats.decisions,
+                    "signals": signals.as_dict() if signals is not None else None,
+                }
+            ),
             content_type="application/json",
         )
 

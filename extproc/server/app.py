@@ -35,6 +35,7 @@ from extproc.server.admin import make_admin_app
 from extproc.server.health import Health
 from extproc.server.metrics import PickerMetrics, counter, gauge
 from extproc.server.stream import StreamHandler
+from extproc.signals import Signals
 
 log = logging.getLogger("extproc.server")
 
@@ -98,7 +99,11 @@ class App:
             stale_after_s=state.scrape.stale_after_s if state.scrape else 0.2
         )
         self.scraper = (
-            MetricsScraper(self.pool, self.states, state.scrape) if state.scrape else None
+            MetricsScraper(
+                self.pool, self.states, state.scrape, on_invalidate=self._invalidate_endpoint
+            )
+            if state.scrape
+            else None
         )
         self.inflight: InFlight | SharedInFlight = InFlight()
         if settings.index.backend == "redis" and state.shared_inflight is not None:
@@ -121,6 +126,11 @@ class App:
             on_lookup=self.metrics.lookup_seconds.observe,
         )
         self.subscriber = self._build_subscriber()
+        self.signals = Signals(
+            scraped_metrics=self.scraper is not None,
+            kv_events=self.subscriber is not None,
+            approximate_index=self.index is not None and record,
+        )
         self.health = Health()
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -145,12 +155,24 @@ class App:
         from extproc.index.subscriber import KVEventSubscriber
 
         sub = KVEventSubscriber(
-            self.index, model=self.precise.model, bind=ev.bind, block_size=self.precise.block_size
+            self.index,
+            model=self.precise.model,
+            bind=ev.bind,
+            block_size=self.precise.block_size,
+            replay_port=ev.replay_port if ev.bind is not None else None,
         )
         if ev.bind is None:
             for e in self.pool.snapshot():
                 sub.watch(self._event_source(e))
         return sub
+
+    async def _invalidate_endpoint(self, address: str, reason: str) -> None:
+        """The scraper saw `address` restart or stop answering: its cache is not what the
+        index says (a restarted vLLM starts empty and publishes nothing until used)."""
+        if self.subscriber is not None:
+            await self.subscriber.invalidate(address)
+        elif self.index is not None:
+            await self.index.remove_endpoint(address)
 
     def _event_source(self, e: Endpoint):
         from extproc.index.subscriber import EventSource
@@ -293,12 +315,14 @@ class App:
         await self._health_server.start()
         await self._server.start()
         if cfg.admin_port is not None:
-            self._admin = web.AppRunner(make_admin_app(self.router, self.metrics), access_log=None)
+            admin = make_admin_app(self.router, self.metrics, self.signals)
+            self._admin = web.AppRunner(admin, access_log=None)
             await self._admin.setup()
             site = web.TCPSite(self._admin, cfg.host, cfg.admin_port)
             await site.start()
             self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         await self.health.set_ready(self._ready())
+        self.signals.announce()
         log.info(
             "serving",
             extra={
@@ -345,6 +369,14 @@ class App:
         await self.stop()
 
     def _collect(self):
+        sig = gauge(
+            "extproc_scheduling_signal",
+            "1 for each live signal that feeds scheduling in this process, 0 when off.",
+            ["signal"],
+        )
+        for name, on in self.signals.as_dict().items():
+            sig.add_metric([name], 1.0 if on else 0.0)
+        yield sig
         r = self.router.stats
         yield _counter("extproc_decisions", "Decisions made (requests routed).", r.decisions)
         yield _counter(
@@ -476,6 +508,15 @@ class App:
         st = self.scraper.stats
         yield _counter("extproc_scrapes", "Successful endpoint metrics scrapes.", st.scrapes)
         yield _counter("extproc_scrape_failures", "Failed endpoint metrics scrapes.", st.failures)
+        inv = counter(
+            "extproc_endpoint_cache_invalidations",
+            "Endpoints whose index entries were dropped: restart (process start time changed) "
+            "or unreachable (a scrape failed).",
+            ["reason"],
+        )
+        for reason in ("restart", "unreachable"):
+            inv.add_metric([reason], st.invalidations.get(reason, 0))
+        yield inv
 
 
 def _counter(name: str, doc: str, value: float):
