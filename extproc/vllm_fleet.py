@@ -41,8 +41,11 @@ def vllm_python(venv: Path = DEFAULT_VENV) -> Path:
 
 def vllm_unavailable(venv: Path = DEFAULT_VENV, model_dir: Path = DEFAULT_MODEL_DIR) -> str | None:
     """Why the real-vLLM tier cannot run here (None: it can)."""
-    py = vllm_python(venv)
-    if not py.exists():
+    # The marker is scripts/vllm-env.sh's; a venv made by hand counts once vllm is in it.
+    installed = (venv / ".extproc-vllm-ready").exists() or any(
+        venv.glob("lib/python3*/site-packages/vllm/__init__.py")
+    )
+    if not (vllm_python(venv).exists() and installed):
         return f"no vLLM venv at {venv} (scripts/vllm-env.sh installs it)"
     if not (model_dir / "tokenizer.json").exists():
         return f"no tiny model at {model_dir} (scripts/vllm-env.sh builds it)"
@@ -61,11 +64,13 @@ class VllmServer:
     tmpdir: Path
     venv: Path = DEFAULT_VENV
     extra_args: Sequence[str] = ()
+    host: str = "127.0.0.1"
+    replay_port: int | None = None
     proc: subprocess.Popen | None = None
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -78,6 +83,8 @@ class VllmServer:
             "endpoint": self.kv_events_url,
             "topic": f"kv@{self.address}@{MODEL_NAME}",
         }
+        if self.replay_port is not None:
+            events["replay_endpoint"] = f"tcp://{self.host}:{self.replay_port}"
         return [
             str(vllm_python(self.venv)),
             "-m",
@@ -87,7 +94,7 @@ class VllmServer:
             "--served-model-name",
             MODEL_NAME,
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
             "--block-size",
@@ -164,6 +171,7 @@ class VllmFleet:
 
     servers: list[VllmServer] = field(default_factory=list)
     kv_events_port: int = 0
+    replay_port: int | None = None
     model_dir: Path = DEFAULT_MODEL_DIR
     _tmp: tempfile.TemporaryDirectory | None = None
 
@@ -174,6 +182,7 @@ class VllmFleet:
         *,
         ports: Sequence[int],
         kv_events_port: int,
+        replay_port: int | None = None,
         extra_args: Sequence[str] = (),
         venv: Path = DEFAULT_VENV,
         model_dir: Path = DEFAULT_MODEL_DIR,
@@ -182,7 +191,9 @@ class VllmFleet:
         tmp = tempfile.TemporaryDirectory(prefix="extproc-vllm-")
         root = Path(tmp.name)
         logs = log_dir or root
-        fleet = cls(kv_events_port=kv_events_port, model_dir=model_dir, _tmp=tmp)
+        fleet = cls(
+            kv_events_port=kv_events_port, replay_port=replay_port, model_dir=model_dir, _tmp=tmp
+        )
         url = f"tcp://127.0.0.1:{kv_events_port}"
         for i in range(n):
             srv = VllmServer(
@@ -193,6 +204,10 @@ class VllmFleet:
                 tmpdir=root,
                 venv=venv,
                 extra_args=extra_args,
+                # One loopback address per server: each binds its replay socket on the same
+                # port, as pods do, so the picker finds it at <endpoint host>:replay_port.
+                host=f"127.0.0.{i + 1}",
+                replay_port=replay_port,
             )
             fleet.servers.append(srv)
         try:
@@ -227,7 +242,7 @@ class VllmFleet:
                     "block_size": BLOCK_SIZE,
                 }
             },
-            "index": {"kv_events": {"bind": kv_events_bind}},
+            "index": {"kv_events": {"bind": kv_events_bind, "replay_port": self.replay_port}},
         }
 
     def reset(self) -> None:

