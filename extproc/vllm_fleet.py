@@ -130,7 +130,7 @@ class VllmServer:
         )
         log.close()
 
-    def wait_ready(self, timeout_s: float = 180.0) -> None:
+    def wait_ready(self, timeout_s: float = 420.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.proc is not None
@@ -159,7 +159,7 @@ class VllmServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
-    def restart(self, timeout_s: float = 180.0) -> None:
+    def restart(self, timeout_s: float = 420.0) -> None:
         self.stop()
         self.start()
         self.wait_ready(timeout_s)

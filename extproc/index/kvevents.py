@@ -188,7 +188,7 @@ class EventIngest:
             # first batch after every start). Replay fetches the missing head.
             await self._heal_head(seq)
         elif last is not None:
-            if seq == last:
+            if seq == last and payload == self._last_payload:
                 self.stats.duplicate_messages += 1
                 return
             if seq != 0 and seq < last and self._is_late(payload):
@@ -197,7 +197,7 @@ class EventIngest:
                 # would forget everything the endpoint holds.
                 self.stats.late_messages += 1
                 return
-            if seq == 0 or seq < last:
+            if seq == 0 or seq <= last:  # the same number with another batch: a new publisher
                 self.stats.restarts += 1
                 log.info("kv events: %s restarted (seq %d after %d)", self.endpoint, seq, last)
                 await self.reset()

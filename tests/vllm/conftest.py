@@ -7,6 +7,7 @@ The servers start once per session (~30-90 s each on two cores) and are stopped 
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,8 +35,9 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def vllm_fleet(tmp_path_factory) -> Iterator[VllmFleet]:
-    logs = tmp_path_factory.mktemp("vllm-logs")
+def vllm_fleet() -> Iterator[VllmFleet]:
+    # Kept after the run (pytest rotates its own temp dirs away): a failed start says why here.
+    logs = Path(tempfile.mkdtemp(prefix="extproc-vllm-logs-"))
     start = time.monotonic()
     fleet = VllmFleet.start(
         2,
@@ -50,7 +52,7 @@ def vllm_fleet(tmp_path_factory) -> Iterator[VllmFleet]:
         ),
         log_dir=logs,
     )
-    print(f"\nvLLM fleet ready in {time.monotonic() - start:.1f}s: {fleet.addresses}")
+    print(f"\nvLLM fleet ready in {time.monotonic() - start:.1f}s: {fleet.addresses}, logs {logs}")
     try:
         yield fleet
     finally:
