@@ -77,6 +77,7 @@ class Router:
         is_failing: Callable[[str], bool] | None = None,
         record_decisions: bool = True,
         on_lookup: Callable[[float], None] | None = None,
+        on_placed: Callable[[str, InferenceRequest], None] | None = None,
     ) -> None:
         """`on_lookup` receives each index lookup's duration in seconds (the metrics
         histogram); it runs on the hot path, so it must be cheap and must not raise."""
@@ -93,6 +94,7 @@ class Router:
         self._is_failing = is_failing
         self._record = record_decisions and index is not None
         self._on_lookup = on_lookup
+        self._on_placed = on_placed
 
     async def route(
         self,
@@ -162,6 +164,8 @@ class Router:
         # does not already hold.
         uncached = max(0, request.prompt_tokens - int(matched * request.block_tokens))
         placement = inflight.acquire(decision.primary.address, uncached)
+        if self._on_placed is not None:
+            self._on_placed(decision.primary.address, request)
         return Routed(request, decision, placement, lookup)
 
     def _request(

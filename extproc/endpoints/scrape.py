@@ -55,6 +55,8 @@ class Scraped(msgspec.Struct, frozen=True):
     # prometheus_client's `process_start_time_seconds` (unix seconds): a new value is a new
     # engine process, whose cache is empty whatever the index believes.
     process_start_s: float | None = None
+    # Prompt tokens the engine processed since it started (cached ones included).
+    prompt_tokens: int | None = None
 
 
 # -- the parser ------------------------------------------------------------------------------
@@ -89,6 +91,7 @@ _V_HITS = (
     b"gpu_prefix_cache_hits_total",
     b"gpu_prefix_cache_hits",
 )
+_V_PROMPT_TOKENS = (b"prompt_tokens_total", b"prompt_tokens")
 _S_WAITING = b"num_queue_reqs"
 _S_RUNNING = b"num_running_reqs"
 _S_KV = b"token_usage"
@@ -104,7 +107,17 @@ def _family(kind: bytes, names: tuple[bytes, ...]) -> tuple[re.Pattern[bytes], r
 
 _VLLM = _family(
     b"vllm",
-    (_V_WAITING, _V_RUNNING, _V_KV, _V_KV_OLD, _V_CACHE_CONFIG, _V_LORA, *_V_QUERIES, *_V_HITS),
+    (
+        _V_WAITING,
+        _V_RUNNING,
+        _V_KV,
+        _V_KV_OLD,
+        _V_CACHE_CONFIG,
+        _V_LORA,
+        *_V_QUERIES,
+        *_V_HITS,
+        *_V_PROMPT_TOKENS,
+    ),
 )
 _SGLANG = _family(b"sglang", (_S_WAITING, _S_RUNNING, _S_KV))
 _START = re.compile(rb"(?:^|\n)process_start_time_seconds ([^\s]+)")
@@ -256,6 +269,7 @@ def parse_metrics(data: bytes) -> Scraped:
         running_adapters=running_adapters,
         waiting_adapters=waiting_adapters,
         prefix_cache_queries=_counter(found, _V_QUERIES),
+        prompt_tokens=_counter(found, _V_PROMPT_TOKENS),
         prefix_cache_hits=_counter(found, _V_HITS),
     )
 
@@ -327,11 +341,13 @@ class MetricsScraper:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
         on_invalidate: Callable[[str, str], Awaitable[None]] | None = None,
+        on_scrape: Callable[[str, Scraped], None] | None = None,
     ) -> None:
         """`on_invalidate(address, reason)` is awaited when what the index believes about
         an endpoint's cache can no longer be true: its process restarted (empty cache), or
         it stopped answering (dead, or restarting). Within one scrape interval."""
         self._on_invalidate = on_invalidate
+        self._on_scrape = on_scrape  # each successful scrape (approximate-mode calibration)
         self._pool = pool
         self._states = states
         self._s = settings if settings is not None else ScrapeSettings()
@@ -405,6 +421,8 @@ class MetricsScraper:
             if self._health.get(address) is h:  # still in the pool
                 self._states.update(address, scraped)
                 self.stats.scrapes += 1
+                if self._on_scrape is not None:
+                    self._on_scrape(address, scraped)
                 started, h.started = h.started, scraped.process_start_s
                 if started is not None and scraped.process_start_s not in (None, started):
                     log.warning("endpoint %s restarted: its cached blocks are forgotten", address)

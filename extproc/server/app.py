@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -19,6 +18,7 @@ import grpc
 from aiohttp import web
 
 from extproc import protocol
+from extproc.calibration import Calibration
 from extproc.config import Settings, build_configured_scheduler
 from extproc.core import Endpoint
 from extproc.endpoints import EndpointPool, InFlight
@@ -28,7 +28,6 @@ from extproc.endpoints.state import EndpointStates
 from extproc.errors import ConfigError
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import IndexOptions, KVIndex
-from extproc.requests import parse_request
 from extproc.router import Router
 from extproc.server import wire
 from extproc.server.admin import make_admin_app
@@ -100,7 +99,11 @@ class App:
         )
         self.scraper = (
             MetricsScraper(
-                self.pool, self.states, state.scrape, on_invalidate=self._invalidate_endpoint
+                self.pool,
+                self.states,
+                state.scrape,
+                on_invalidate=self._invalidate_endpoint,
+                on_scrape=self._calibrate,
             )
             if state.scrape
             else None
@@ -113,10 +116,14 @@ class App:
                 cluster=settings.index.cluster,
                 settings=state.shared_inflight,
             )
+        # Approximate keys only: precise keys come from the real tokenizer and block size.
+        self.calibration = Calibration(
+            settings.parse, enabled=settings.parse.calibrate and self.precise is None
+        )
         self.router = Router(
             pool=self.pool,
             scheduler=build_configured_scheduler(settings),
-            parser=functools.partial(parse_request, settings=settings.parse),
+            parser=self.calibration,
             inflight=self.inflight,
             index=self.index,
             precise=self.precise,
@@ -124,6 +131,7 @@ class App:
             is_failing=self.scraper.is_failing if self.scraper and state.exclude_failing else None,
             record_decisions=record,
             on_lookup=self.metrics.lookup_seconds.observe,
+            on_placed=self.calibration.placed if self.calibration.enabled else None,
         )
         self.subscriber = self._build_subscriber()
         self.signals = Signals(
@@ -165,6 +173,9 @@ class App:
             for e in self.pool.snapshot():
                 sub.watch(self._event_source(e))
         return sub
+
+    def _calibrate(self, address: str, scraped) -> None:
+        self.calibration.observe(address, scraped.kv_block_size, scraped.prompt_tokens)
 
     async def _invalidate_endpoint(self, address: str, reason: str) -> None:
         """The scraper saw `address` restart or stop answering: its cache is not what the
@@ -377,6 +388,20 @@ class App:
         for name, on in self.signals.as_dict().items():
             sig.add_metric([name], 1.0 if on else 0.0)
         yield sig
+        cal = self.calibration.stats
+        yield _gauge(
+            "extproc_approx_block_tokens", "Tokens per approximate block key.", cal.block_tokens
+        )
+        yield _gauge(
+            "extproc_approx_bytes_per_token",
+            "Characters per token of approximate keys and token estimates.",
+            cal.bytes_per_token,
+        )
+        yield _counter(
+            "extproc_approx_recalibrations",
+            "Changes of the approximate block size or characters per token, from the engines.",
+            cal.changes,
+        )
         r = self.router.stats
         yield _counter("extproc_decisions", "Decisions made (requests routed).", r.decisions)
         yield _counter(

@@ -36,7 +36,8 @@ def picker_metrics(stack: Stack) -> dict[str, float]:
 
 def send(http: httpx.Client, entry: tr.Entry) -> dict:
     kind, path, body = entry
-    r = http.post(path, content=orjson.dumps(body), headers={protocol.EXPLAIN_HEADER: "1"})
+    headers = {protocol.EXPLAIN_HEADER: "1", "content-type": "application/json"}
+    r = http.post(path, content=orjson.dumps(body), headers=headers)
     assert r.status_code == 200, r.text
     decision = json.loads(r.headers[protocol.DECISION_HEADER])
     details = r.json()["usage"].get("prompt_tokens_details") or {}

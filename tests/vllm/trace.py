@@ -74,8 +74,8 @@ def options(rng: random.Random) -> list[Entry]:
     """Request options that change the token ids, each repeated so the repeat can hit."""
     text = "Options. " + _sentences(rng, 12)
     base = [{"role": "system", "content": "Options chat. " + _sentences(rng, 8)}]
-    user = base + [{"role": "user", "content": _sentences(rng, 3)}]
-    cont = user + [{"role": "assistant", "content": "The answer is that " + _sentences(rng, 2)}]
+    user = [*base, {"role": "user", "content": _sentences(rng, 3)}]
+    cont = [*user, {"role": "assistant", "content": "The answer is that " + _sentences(rng, 2)}]
     out: list[Entry] = []
     for _ in range(2):
         out.append(("no-special-tokens", COMPLETIONS, _completion(text, add_special_tokens=False)))

@@ -1,0 +1,68 @@
+"""Scraped load reaches scheduling in `extproc serve`: with one simulated vLLM server busy
+(load the picker never placed, so only its `/metrics` can tell), requests through Envoy go
+to the idle one, and `/debug/state` shows the figures scheduling used."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+
+from extproc.stack import Stack, StackOptions
+
+# Two running at a time and a small KV cache: the load shows as waiting requests and KV use.
+SIM = ("--max-num-seqs", "2", "--num-gpu-blocks", "64", "--decode-tps", "20")
+
+
+@pytest.fixture(scope="module")
+def sim_stack():
+    opts = StackOptions(upstreams=2, sim_args=SIM)
+    with Stack(opts) as stack:
+        yield stack
+
+
+def debug_state(stack: Stack) -> dict[str, dict]:
+    r = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/debug/state", timeout=5)
+    return {row["address"]: row["state"] for row in r.json()["endpoints"]}
+
+
+def test_traffic_moves_away_from_a_server_loaded_behind_the_pickers_back(sim_stack: Stack):
+    busy, idle = sim_stack.upstream_addresses
+    state = httpx.get(f"http://127.0.0.1:{sim_stack.picker_admin_port}/debug/state").json()
+    assert state["signals"]["scraped-metrics"] is True
+
+    def load(i: int) -> int:
+        body = {"model": sim_stack.fleet.model, "prompt": f"load {i} " * 60, "max_tokens": 80}
+        return httpx.post(f"http://{busy}/v1/completions", json=body, timeout=120).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        pending = [pool.submit(load, i) for i in range(8)]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            s = debug_state(sim_stack)[busy]
+            if s["waiting"] >= 4 and not s["is_stale"]:
+                break
+            time.sleep(0.05)
+        seen = debug_state(sim_stack)
+        assert seen[busy]["waiting"] >= 4 and seen[busy]["running"] == 2, seen
+        assert seen[busy]["kv_usage"] > 0.5 and seen[idle]["waiting"] == 0, seen
+        served = collections.Counter()
+        with httpx.Client(base_url=sim_stack.url, timeout=60) as http:
+            for i in range(20):
+                body = {
+                    "model": sim_stack.fleet.model,
+                    "prompt": f"fresh {i} " * 20,
+                    "max_tokens": 1,
+                }
+                r = http.post("/v1/completions", json=body, headers={"x-extproc-explain": "1"})
+                assert r.status_code == 200
+                served[
+                    r.headers["x-extproc-decision"].split('"endpoints":["')[1].split('"')[0]
+                ] += 1
+        for f in pending:
+            f.cancel()
+    # Without scraped load the two tie on every in-flight figure and split the fresh prefixes.
+    assert served[idle] >= 18, served
