@@ -66,3 +66,35 @@ def test_traffic_moves_away_from_a_server_loaded_behind_the_pickers_back(sim_sta
             f.cancel()
     # Without scraped load the two tie on every in-flight figure and split the fresh prefixes.
     assert served[idle] >= 18, served
+
+
+def test_a_dead_server_loses_its_index_entries_within_a_scrape_interval():
+    """Approximate mode learns a prefix from its decision; when the server stops answering
+    its metrics, the picker forgets what it believed that server held (counted by reason)."""
+    with Stack(StackOptions(upstreams=2, sim_args=())) as stack:
+        body = {"model": stack.fleet.model, "prompt": "a long shared document " * 80}
+        r = httpx.post(f"{stack.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+        admin = f"http://127.0.0.1:{stack.picker_admin_port}"
+
+        def held() -> dict[str, float]:
+            path = {"x-extproc-path": "/v1/completions"}
+            r = httpx.post(f"{admin}/debug/explain", json=body, headers=path, timeout=5)
+            return r.json()["prefix_blocks"]
+
+        assert max(held().values()) > 0
+        stack.fleet.proc.kill()  # every simulated server dies at once
+        stack.fleet.proc.wait()
+
+        def invalidations() -> list[str]:
+            text = httpx.get(f"{admin}/metrics", timeout=5).text
+            return [m for m in text.splitlines() if m.startswith("extproc_endpoint_cache_inv")]
+
+        want = 'extproc_endpoint_cache_invalidations_total{reason="unreachable"} 2.0'
+        start = time.monotonic()
+        while time.monotonic() - start < 5 and (
+            any(held().values()) or want not in invalidations()
+        ):
+            time.sleep(0.02)
+        assert not any(held().values()), held()
+        assert want in invalidations()
