@@ -33,9 +33,9 @@ from extproc.sim.server import ServerSettings, SimServer
 from extproc.sim.timing import TimingSettings
 from extproc.sim.tokens import SimTokenizer
 from extproc.stack import Stack, StackOptions
-from tests.vllm.fleet import BLOCK_SIZE, VllmFleet
 from tests.vllm import trace as tr
 from tests.vllm.conftest import GPU_BLOCKS, MAX_MODEL_LEN, SCRAPE_INTERVAL_S, picker_config
+from tests.vllm.fleet import BLOCK_SIZE, VllmFleet
 
 # KV events reach the picker asynchronously after the response: give them this long.
 EVENT_SETTLE_S = 0.3
