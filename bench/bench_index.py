@@ -18,8 +18,8 @@ import tempfile
 import threading
 import time
 
-import msgpack
 import zmq
+from msgspec import msgpack
 
 from extproc.index.base import IndexOptions
 from extproc.index.memory import MemoryKVIndex
@@ -106,7 +106,7 @@ async def bench_ingest(index, label: str, messages: int, blocks_per_msg: int, bs
             "block_size": bs,
             "medium": "GPU",
         }
-        payloads.append(msgpack.packb([time.time(), [event], 0]))
+        payloads.append(msgpack.encode([time.time(), [event], 0]))
     holder: list[str] = []
     ready, go = threading.Event(), threading.Event()
     thread = threading.Thread(target=_publish, args=(holder, payloads, ready, go), daemon=True)

@@ -186,22 +186,32 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    import httpx
+    # The standard library's client: `explain` ships with the base install.
+    import urllib.error
+    import urllib.request
 
     body = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
     headers = {"content-type": "application/json", "x-extproc-path": args.path}
     for h in args.header or []:
         name, _, value = h.partition(":")
         headers[name.strip()] = value.strip()
-    r = httpx.post(
-        f"{args.picker.rstrip('/')}/debug/explain", content=body, headers=headers, timeout=10
-    )
-    print(r.text)
-    return 0 if r.status_code == 200 else 1
+    url = f"{args.picker.rstrip('/')}/debug/explain"
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            print(resp.read().decode())
+            return 0
+    except urllib.error.HTTPError as err:
+        print(err.read().decode())
+        return 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from extproc.demo import run_demo
+    try:
+        from extproc.demo import run_demo
+    except ImportError as exc:
+        print(f"extproc demo: {exc.name} is missing: pip install 'extproc[demo]'", file=sys.stderr)
+        return 2
 
     return run_demo(
         requests=args.requests,

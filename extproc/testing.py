@@ -1,5 +1,6 @@
 """Test support shipped with the package: build ext_proc messages the way Envoy sends them and
-drive a real picker over real gRPC. Used by our tests and by plugin authors' tests."""
+drive a real picker over real gRPC; build requests, candidates, a registry and a manual clock to
+unit-test a plugin. Used by our tests and by plugin authors' tests."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from extproc.server import wire
 
 if TYPE_CHECKING:
     from extproc.config import Settings
+    from extproc.core import Candidate, InferenceRequest
+    from extproc.scheduling.registry import PluginRegistry
     from extproc.server.app import App
 
 T = TypeVar("T")
@@ -202,3 +205,79 @@ def picker_in_thread(settings: Settings) -> Iterator[ThreadedPicker]:
         loop.call_soon_threadsafe(holder["stop"].set)
         thread.join(20)
         loop.close()
+
+
+# --- Builders for plugin authors' unit tests (see extproc.plugins) ---------------------------
+
+
+def make_request(
+    *,
+    blocks: int = 0,
+    block_tokens: int = 64,
+    tokens: int = 0,
+    model: str = "m",
+    media: Sequence[str] = (),
+    headers: Mapping[str, str] | None = None,
+    adapter: str | None = None,
+    path: str = "/v1/chat/completions",
+) -> InferenceRequest:
+    """A parsed request as a plugin sees it: `blocks` chained prefix-block keys (1..blocks),
+    `tokens` estimated prompt tokens, one 256-token image per entry of `media` (its content
+    hash), request `headers` with lower-case names."""
+    from extproc.core import Api, InferenceRequest, MediaItem, Modality
+
+    return InferenceRequest(
+        request_id="r",
+        path=path,
+        api=Api.CHAT,
+        model=model,
+        block_keys=tuple(range(1, blocks + 1)),
+        block_tokens=block_tokens,
+        prompt_tokens=tokens,
+        media=tuple(MediaItem(Modality.IMAGE, h, 256) for h in media),
+        headers=dict(headers or {}),
+        lora_adapter=adapter,
+    )
+
+
+def make_candidate(
+    address: str,
+    *,
+    prefix_blocks: float = 0.0,
+    role: str | None = None,
+    labels: Mapping[str, str] | None = None,
+    **state: Any,
+) -> Candidate:
+    """An endpoint with live state as the scheduler sees it. `state` takes `EndpointState`
+    fields (waiting, running, kv_usage, inflight_requests, ...); figures are fresh
+    (scraped 10 ms ago) unless `age_s`/`is_stale` say otherwise."""
+    from extproc.core import Candidate, Endpoint, EndpointState
+
+    lab = dict(labels or {})
+    if role is not None:
+        lab["llm-d.ai/role"] = role
+    state.setdefault("age_s", 0.01)
+    state.setdefault("is_stale", state["age_s"] is None or state["age_s"] > 0.2)
+    return Candidate(Endpoint(address, labels=lab), EndpointState(**state), prefix_blocks)
+
+
+def plugin_registry(*classes: type) -> PluginRegistry:
+    """The built-in plugins plus `classes`, validated as `extproc serve` validates them."""
+    from extproc.scheduling.plugins import BUILTINS
+    from extproc.scheduling.registry import PluginRegistry
+
+    return PluginRegistry((*BUILTINS, *classes))
+
+
+class ManualClock:
+    """A clock that moves only when told: pass `clock` where a component takes one, then
+    `advance(seconds)`."""
+
+    def __init__(self, start: float = 1_750_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

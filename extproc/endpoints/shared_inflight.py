@@ -27,8 +27,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-import msgpack
 import msgspec
+from msgspec import msgpack
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
@@ -227,17 +227,17 @@ class SharedInFlight:
         if not self._requests:
             return b""
         toks = self._tokens
-        return msgpack.packb({a: (n, toks.get(a, 0)) for a, n in self._requests.items()})
+        return msgpack.encode({a: (n, toks.get(a, 0)) for a, n in self._requests.items()})
 
     def _merge(self, blobs: list[bytes]) -> None:
         reqs: Counter[str] = Counter()
         toks: Counter[str] = Counter()
         for blob in blobs:
             try:
-                for address, (n, t) in msgpack.unpackb(blob).items():
+                for address, (n, t) in msgpack.decode(blob).items():
                     reqs[address] += int(n)
                     toks[address] += int(t)
-            except (ValueError, TypeError, AttributeError, msgpack.UnpackException):
+            except (ValueError, TypeError, AttributeError, msgspec.DecodeError):
                 # Another version or a stray writer under our namespace: skip, never fail.
                 self.stats.bad_entries += 1
         self._others_requests = dict(reqs)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
 from extproc.core import Candidate, Decision, InferenceRequest
+from extproc.scheduling.conformance import PluginFaults, score_problem
 
 
 @runtime_checkable
@@ -110,12 +111,14 @@ class NamedFilter:
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """One scheduling profile: the plugins run for a request, in order."""
+    """One scheduling profile: the plugins run for a request, in order. `faults` counts
+    scores refused from misbehaving scorers (see scheduling/conformance.py)."""
 
     name: str
     filters: tuple[NamedFilter, ...]
     scorers: tuple[WeightedScorer, ...]
     picker: Picker
+    faults: PluginFaults = field(default_factory=PluginFaults, compare=False)
 
     def run(
         self, req: InferenceRequest, cands: Sequence[Candidate], *, limit: int, explain: bool
@@ -133,7 +136,17 @@ class Profile:
         totals = [0.0] * len(cands)
         per_plugin: dict[str, dict[str, float]] = {}
         for ws in self.scorers:
-            scores = ws.scorer.score(req, cands)
+            try:
+                scores = ws.scorer.score(req, cands)
+                problem = score_problem(scores, len(cands))
+            except Exception as exc:
+                # A plugin's bug costs its say in this decision, not the request.
+                problem = f"raised {type(exc).__name__}: {exc}"
+            if problem is not None:
+                self.faults.record(f"{self.name}/{ws.name}", problem)
+                if explain:
+                    reasons.append(f"{self.name}/{ws.name} ignored: {problem}")
+                continue
             w = ws.weight
             totals = [t + w * s for t, s in zip(totals, scores, strict=True)]
             if explain:

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from extproc.errors import ConfigError
+from extproc.scheduling.conformance import check_plugin_class
 
 ENTRY_POINT_GROUP = "extproc.plugins"
 
@@ -22,9 +23,7 @@ class PluginRegistry:
     def __init__(self, classes: Iterable[type]) -> None:
         self._classes: dict[str, type] = {}
         for cls in classes:
-            name = getattr(cls, "type_name", None)
-            if not isinstance(name, str) or not hasattr(cls, "Params"):
-                raise ConfigError(f"plugin class {cls!r} lacks type_name or Params")
+            name = check_plugin_class(cls)
             if name in self._classes and self._classes[name] is not cls:
                 raise ConfigError(
                     f"two plugins claim the type name {name!r}: "
@@ -38,7 +37,11 @@ class PluginRegistry:
         from extproc.scheduling.plugins import BUILTINS
 
         blocked = set(disabled)
-        found = [ep.load() for ep in entry_points(group=ENTRY_POINT_GROUP)]
+        # An entry point's name is its plugin's type name: a blocked one is never imported,
+        # so a broken or unwanted package cannot run code at start-up.
+        found = [
+            ep.load() for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in blocked
+        ]
         return cls(c for c in (*BUILTINS, *found) if c.type_name not in blocked)
 
     @property

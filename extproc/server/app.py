@@ -404,6 +404,16 @@ class App:
         )
         r = self.router.stats
         yield _counter("extproc_decisions", "Decisions made (requests routed).", r.decisions)
+        faults = counter(
+            "extproc_plugin_faults",
+            "Scores refused from a scorer (wrong count, NaN, out of [0, 1], or raised); "
+            "the scorer is left out of that decision.",
+            ["plugin"],
+        )
+        for profile in self.router.scheduler.profiles.values():
+            for plugin, n in profile.faults.counts.items():
+                faults.add_metric([plugin], n)
+        yield faults
         yield _counter(
             "extproc_index_lookups_degraded",
             "Index lookups answered degraded (Redis slow or down): routed on load alone.",

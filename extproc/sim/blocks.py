@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgpack
+from msgspec import msgpack
 
 from extproc.hashing.precise import ExtraKey, chain_seed, token_block_keys
 
@@ -39,7 +39,7 @@ class BlockInfo:
 def engine_hash(
     parent: bytes | None, token_ids: Sequence[int], extras: Sequence[ExtraKey] | None
 ) -> bytes:
-    payload = msgpack.packb([parent or NONE_HASH, list(token_ids), list(extras or ()) or None])
+    payload = msgpack.encode([parent or NONE_HASH, list(token_ids), list(extras or ()) or None])
     return hashlib.sha256(payload).digest()
 
 

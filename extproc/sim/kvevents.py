@@ -15,10 +15,10 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import msgpack
 import msgspec
 import zmq
 import zmq.asyncio
+from msgspec import msgpack
 
 from extproc.sim.blocks import wire_hash
 from extproc.sim.cache import CacheEvent, Cleared, Removed, Stored
@@ -95,7 +95,7 @@ def encode_batch(
 ) -> bytes:
     """The msgpack payload of one batch: `[ts, events, data_parallel_rank=0]`."""
     encoded = [encode_event(e, block_size, hash_bytes, event_format) for e in events]
-    return msgpack.packb([time.time() if ts is None else ts, encoded, 0])
+    return msgpack.encode([time.time() if ts is None else ts, encoded, 0])
 
 
 class KVEventPublisher:

@@ -1,45 +1,19 @@
-"""Candidates and requests for scheduling tests."""
+"""Candidates and requests for scheduling tests: the builders plugin authors get from
+`extproc.testing`, under the short names these tests use."""
 
 from __future__ import annotations
 
-from extproc.core import Candidate, Endpoint, EndpointState, InferenceRequest, MediaItem, Modality
+from typing import Any
+
+from extproc.core import Candidate
+from extproc.testing import make_candidate
+from extproc.testing import make_request as req
+
+__all__ = ["addrs", "cand", "req"]
 
 
-def req(
-    *,
-    blocks: int = 0,
-    tokens: int = 0,
-    media: tuple[str, ...] = (),
-    headers: dict[str, str] | None = None,
-    adapter: str | None = None,
-) -> InferenceRequest:
-    return InferenceRequest(
-        request_id="r",
-        path="/v1/chat/completions",
-        model="m",
-        block_keys=tuple(range(1, blocks + 1)),
-        block_tokens=64,
-        prompt_tokens=tokens,
-        media=tuple(MediaItem(Modality.IMAGE, h, 256) for h in media),
-        headers=headers or {},
-        lora_adapter=adapter,
-    )
-
-
-def cand(
-    addr: str,
-    *,
-    prefix: float = 0.0,
-    role: str | None = None,
-    labels: dict[str, str] | None = None,
-    **state: object,
-) -> Candidate:
-    lab = dict(labels or {})
-    if role is not None:
-        lab["llm-d.ai/role"] = role
-    state.setdefault("age_s", 0.01)
-    state.setdefault("is_stale", state["age_s"] is None or state["age_s"] > 0.2)  # type: ignore[operator]
-    return Candidate(Endpoint(addr, labels=lab), EndpointState(**state), prefix)  # type: ignore[arg-type]
+def cand(addr: str, *, prefix: float = 0.0, **kw: Any) -> Candidate:
+    return make_candidate(addr, prefix_blocks=prefix, **kw)
 
 
 def addrs(cands) -> list[str]:
