@@ -27,9 +27,11 @@ ALLOWED: dict[str, set[str]] = {
     "endpoints": _BASE | {"redis_client"},
     "router": _BASE | {"hashing", "index", "endpoints", "scheduling"},
     "config": _BASE | {"requests", "scheduling", "endpoints", "index", "hashing"},
+    "calibration": _BASE | {"requests"},
+    "signals": set(),
     "server": _BASE
     | {"_proto", "config", "endpoints", "hashing", "index", "requests", "router", "scheduling"}
-    | {"logs", "redis_client"},
+    | {"logs", "redis_client", "calibration", "signals"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,
     "stack": _BASE | {"bootstrap"},

@@ -65,6 +65,7 @@ def test_real_vllm_scrape_gives_load_cache_config_and_prefix_counters() -> None:
         prefix_cache_queries=495,
         prefix_cache_hits=128,
         process_start_s=1.79597100344e09,
+        prompt_tokens=495,
     )
 
 
