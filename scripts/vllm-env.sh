@@ -37,7 +37,7 @@ if [ ! -f "$READY" ]; then
   fi
 fi
 if [ ! -f "$MODEL/tokenizer.json" ]; then
-  TMPDIR="$(mktemp -d)" "$VENV/bin/python" scripts/vllm_tiny_model.py "$MODEL" >/dev/null ||
+  TMPDIR="$(mktemp -d)" "$VENV/bin/python" scripts/vllm_tiny_model.py "$MODEL" >/dev/null 2>&1 ||
     { echo "vllm-env: building the tiny model failed, the real-vLLM tier will skip"; exit 0; }
 fi
 echo "vllm-env: ready in $(( $(date +%s) - start ))s (venv $VENV, model $MODEL)"
