@@ -18,6 +18,13 @@ import yaml
 from extproc.endpoints.scrape import ScrapeSettings
 from extproc.endpoints.shared_inflight import SharedInFlightSettings
 from extproc.errors import ConfigError, format_path
+from extproc.flowcontrol.config import (
+    ADMITTER_TYPES,
+    FLOW_PLUGIN_TYPES,
+    FlowConfig,
+    FlowControlSettings,
+    build_flow_config,
+)
 from extproc.requests import ParseSettings
 from extproc.scheduling.config import EndpointPickerConfig, build_scheduler, default_config
 from extproc.scheduling.framework import Scheduler
@@ -150,6 +157,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     state: StateSettings = StateSettings()
     scheduling: EndpointPickerConfig | None = None
     disabled_plugins: list[str] = msgspec.field(default_factory=list)
+    # Flow control (docs/flow-control.md); also on when `scheduling` has `flowControl`.
+    flow_control: FlowControlSettings | None = None
 
 
 def decode_settings(doc: Any) -> Settings:
@@ -174,9 +183,27 @@ def build_configured_scheduler(settings: Settings) -> Scheduler:
             settings.scheduling or default_config(),
             registry,
             fallbacks=settings.server.fallbacks,
+            foreign=FLOW_PLUGIN_TYPES,
         )
     except ConfigError as exc:
         raise exc.within("scheduling") if settings.scheduling else exc from None
+
+
+def build_configured_flow_control(settings: Settings) -> FlowConfig | None:
+    """Stage 2 for flow control: None (off) unless the scheduling config has a
+    `flowControl` or `saturationDetector` section or lists an admitter plugin, or the
+    settings have a `flow_control` section."""
+    sched = settings.scheduling
+    fc = sched.flowControl if sched else None
+    sd = sched.saturationDetector if sched else None
+    plugins = [msgspec.to_builtins(p) for p in sched.plugins] if sched else []
+    admitter = any(p["type"] in ADMITTER_TYPES for p in plugins)
+    if fc is None and sd is None and settings.flow_control is None and not admitter:
+        return None
+    try:
+        return build_flow_config(fc, sd, plugins, settings.flow_control)
+    except ConfigError as exc:
+        raise exc.within("scheduling") if sched else exc from None
 
 
 def _line_of(text: str, path: tuple[str | int, ...]) -> int | None:
@@ -225,6 +252,7 @@ def load_settings(path: str | Path | None) -> Settings:
     try:
         settings = decode_settings(doc)
         build_configured_scheduler(settings)
+        build_configured_flow_control(settings)
     except ConfigError as exc:
         line = _line_of(text, exc.path)
         where = f"{path}:{line}" if line else str(path)

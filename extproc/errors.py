@@ -12,11 +12,16 @@ Routine trouble (Redis down, stale metrics) is not an error: it is a value (see 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 
 class ExtprocError(Exception):
     status: int = 500
     code: str = "internal_error"
     type: str = "server_error"
+    # Headers sent with the error response (`retry-after` on a shed request).
+    extra_headers: Mapping[str, str] = MappingProxyType({})
 
     def __init__(self, message: str = "internal error in the endpoint picker") -> None:
         super().__init__(message)

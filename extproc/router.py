@@ -15,10 +15,11 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from extproc.core import Candidate, Decision, EndpointState, InferenceRequest
+from extproc.core import Candidate, Decision, Endpoint, EndpointState, InferenceRequest
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.inflight import InFlightCounter, Placement
 from extproc.errors import NoEndpoints
+from extproc.flowcontrol.controller import Ticket
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import EMPTY, KVIndex, Lookup
 from extproc.scheduling import Scheduler
@@ -43,6 +44,14 @@ class InFlightOnly:
         return EndpointState(inflight_requests=inflight_requests, inflight_tokens=inflight_tokens)
 
 
+class Admission(Protocol):
+    """Flow control as the router sees it (extproc.flowcontrol.admission.Admission)."""
+
+    async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket: ...
+    def placed(self, ticket: Ticket) -> None: ...
+    def release(self, ticket: Ticket) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Routed:
     """A decision plus what to undo or report when the request ends."""
@@ -51,6 +60,7 @@ class Routed:
     decision: Decision
     placement: Placement
     lookup: Lookup
+    ticket: Ticket | None = None  # flow-control admission, released at finish
 
 
 @dataclass(slots=True)
@@ -78,6 +88,7 @@ class Router:
         record_decisions: bool = True,
         on_lookup: Callable[[float], None] | None = None,
         on_placed: Callable[[str, InferenceRequest], None] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         """`on_lookup` receives each index lookup's duration in seconds (the metrics
         histogram); it runs on the hot path, so it must be cheap and must not raise."""
@@ -95,6 +106,8 @@ class Router:
         self._record = record_decisions and index is not None
         self._on_lookup = on_lookup
         self._on_placed = on_placed
+        # Flow control (None = off): holds a request after its lookup until capacity frees.
+        self.admission = admission
 
     async def route(
         self,
@@ -113,6 +126,33 @@ class Router:
 
         Async because the prefix-index lookup is; scheduling itself never awaits."""
         request = self._request(path, headers, body)
+        endpoints = self._eligible(subset)
+        lookup = EMPTY
+        if self.index is not None and request.block_keys:
+            start = time.perf_counter()
+            lookup = await self.index.lookup(request.block_keys)
+            if self._on_lookup is not None:
+                self._on_lookup(time.perf_counter() - start)
+            if lookup.degraded:
+                self.stats.lookups_degraded += 1
+        matches = lookup.matches
+        if self.admission is None or not place:
+            return self._decide(request, endpoints, lookup, explain, place, None)
+        best = max(matches.values(), default=0.0)
+        ticket = await self.admission.admit(
+            request, request.prompt_tokens - int(best * request.block_tokens)
+        )
+        try:
+            if ticket.waited_s > 0:
+                endpoints = self._eligible(subset)  # the pool may have changed while it waited
+            routed = self._decide(request, endpoints, lookup, explain, place, ticket)
+        except BaseException:
+            self.admission.release(ticket)
+            raise
+        self.admission.placed(ticket)
+        return routed
+
+    def _eligible(self, subset: Collection[str] | None) -> tuple[Endpoint, ...]:
         endpoints = self.pool.snapshot()
         if subset is not None:
             endpoints = tuple(e for e in endpoints if e.address in subset)
@@ -125,14 +165,18 @@ class Router:
             healthy = tuple(e for e in endpoints if not failing(e.address))
             if healthy:
                 endpoints = healthy
-        lookup = EMPTY
-        if self.index is not None and request.block_keys:
-            start = time.perf_counter()
-            lookup = await self.index.lookup(request.block_keys)
-            if self._on_lookup is not None:
-                self._on_lookup(time.perf_counter() - start)
-            if lookup.degraded:
-                self.stats.lookups_degraded += 1
+        return endpoints
+
+    def _decide(
+        self,
+        request: InferenceRequest,
+        endpoints: tuple[Endpoint, ...],
+        lookup: Lookup,
+        explain: bool,
+        place: bool,
+        ticket: Ticket | None,
+    ) -> Routed:
+        """Scheduling proper: synchronous, so nothing changes between state and placement."""
         matches = lookup.matches
         inflight, states = self.inflight, self.states
         cands = [
@@ -166,7 +210,7 @@ class Router:
         placement = inflight.acquire(decision.primary.address, uncached)
         if self._on_placed is not None:
             self._on_placed(decision.primary.address, request)
-        return Routed(request, decision, placement, lookup)
+        return Routed(request, decision, placement, lookup, ticket)
 
     def _request(
         self, path: str, headers: Mapping[str, str], body: bytes | None
@@ -187,3 +231,5 @@ class Router:
     def finish(self, routed: Routed) -> None:
         """The request's stream ended (response done, client gone, or error)."""
         self.inflight.release(routed.placement)
+        if routed.ticket is not None and self.admission is not None:
+            self.admission.release(routed.ticket)

@@ -25,13 +25,16 @@ ALLOWED: dict[str, set[str]] = {
     "plugins": _BASE | {"scheduling"},
     "index": _BASE | {"hashing", "redis_client"},
     "endpoints": _BASE | {"redis_client"},
-    "router": _BASE | {"hashing", "index", "endpoints", "scheduling"},
-    "config": _BASE | {"requests", "scheduling", "endpoints", "index", "hashing"},
+    # Admission between the index lookup and scheduling: it reads endpoint state, its plugins
+    # are built like scheduling plugins, and replicas share its state through Redis.
+    "flowcontrol": _BASE | {"endpoints", "redis_client", "scheduling"},
+    "router": _BASE | {"hashing", "index", "endpoints", "scheduling", "flowcontrol"},
+    "config": _BASE | {"requests", "scheduling", "endpoints", "index", "hashing", "flowcontrol"},
     "calibration": _BASE | {"requests"},
     "signals": set(),
     "server": _BASE
     | {"_proto", "config", "endpoints", "hashing", "index", "requests", "router", "scheduling"}
-    | {"logs", "redis_client", "calibration", "signals"},
+    | {"logs", "redis_client", "flowcontrol", "calibration", "signals"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,
     "stack": _BASE | {"bootstrap"},

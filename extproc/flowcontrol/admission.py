@@ -1,0 +1,244 @@
+"""The router's admission hook: turns a parsed request into a flow request (who, how urgent,
+how many tokens), waits for the controller, and maps a shed request to the answer the client
+gets: 429 with `x-llm-d-request-dropped-reason` and `retry-after`.
+
+Also owns the periodic work (TTL sweep, capacity re-check, objectives reload, shared-state
+exchange) and the flow-control metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable, Sequence
+from types import MappingProxyType
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from extproc.core import EndpointState, InferenceRequest
+from extproc.errors import BadRequest, Overloaded
+from extproc.flowcontrol.config import FlowConfig
+from extproc.flowcontrol.controller import (
+    REJECTED_SATURATED,
+    FlowController,
+    FlowRejected,
+    FlowRequest,
+    Ticket,
+)
+from extproc.flowcontrol.objectives import (
+    DEFAULT_FAIRNESS_ID,
+    FAIRNESS_HEADERS,
+    SLO_TTFT_HEADERS,
+    Objectives,
+    first_header,
+)
+
+log = logging.getLogger("extproc.flowcontrol")
+
+_MAX_FAIRNESS_ID = 128
+_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Shed(Overloaded):
+    """A request flow control did not admit: 429 with its reason and a retry hint."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.code = reason
+        headers = {"retry-after": str(retry_after_s)} if retry_after_s else {}
+        self.extra_headers = MappingProxyType(headers)
+
+
+class Admission:
+    def __init__(
+        self,
+        config: FlowConfig,
+        states: Callable[[], Sequence[EndpointState]],
+        *,
+        objectives: Objectives | None = None,
+        registry: CollectorRegistry | None = None,
+        controller: FlowController | None = None,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        s = config.settings
+        self._states = states
+        self._rand = rand
+        self.config = config
+        self.settings = s
+        self.objectives = objectives or Objectives(s.objectives_file)
+        self.controller = controller or FlowController(
+            detector=config.detector,
+            states=states,
+            band=config.band,
+            ttl_s=config.ttl_s,
+            max_requests=config.max_requests,
+            max_bytes=config.max_bytes,
+            weights=s.fairness_weights,
+            usage_half_life_s=s.usage_half_life_s,
+            usage_limit=config.usage_limit,
+            priorities=tuple(config.bands),
+            visibility_s=s.placement_visibility_s,
+        )
+        self.shared = None  # a SharedFlowState, set by the app when Redis is configured
+        self.wait_seconds = Histogram(
+            "extproc_flow_queue_wait_seconds",
+            "Time admitted requests spent in the flow-control queue, by priority band "
+            "(0 for requests admitted at once).",
+            ["priority"],
+            buckets=_WAIT_BUCKETS,
+            registry=registry,
+        )
+
+    def flow_request(self, request: InferenceRequest, uncached_tokens: int) -> FlowRequest:
+        h = request.headers
+        fairness = first_header(h, FAIRNESS_HEADERS) or DEFAULT_FAIRNESS_ID
+        if len(fairness) > _MAX_FAIRNESS_ID:
+            raise BadRequest(f"fairness ID longer than {_MAX_FAIRNESS_ID} characters")
+        slo = None
+        raw = first_header(h, SLO_TTFT_HEADERS)
+        if raw is not None:
+            try:
+                slo = max(0.0, float(raw)) / 1000.0
+            except ValueError:
+                raise BadRequest("x-llm-d-slo-ttft-ms must be a number of milliseconds") from None
+        return FlowRequest(
+            fairness_id=fairness,
+            priority=self.objectives.priority(h),
+            tokens=max(0, uncached_tokens) + self.settings.expected_output_tokens,
+            body_bytes=request.body_bytes,
+            slo_ttft_s=slo,
+        )
+
+    async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket:
+        flow = self.flow_request(request, uncached_tokens)
+        if self.config.admitters:
+            states = self._states()
+            for admitter in self.config.admitters:
+                if not admitter.admit(flow.priority, states, self._rand):
+                    self.controller.stats.count(flow, "rejected_admitter")
+                    raise Shed(
+                        REJECTED_SATURATED,
+                        "sheddable request refused under load",
+                        self.settings.retry_after_s,
+                    )
+        try:
+            ticket = await self.controller.admit(flow)
+        except FlowRejected as exc:
+            log.info(
+                "shed",
+                extra={
+                    "request_id": request.request_id,
+                    "reason": exc.reason,
+                    "priority": flow.priority,
+                    "fairness_id": flow.fairness_id,
+                },
+            )
+            raise Shed(exc.reason, exc.message, self.settings.retry_after_s) from None
+        self.wait_seconds.labels(str(flow.priority)).observe(ticket.waited_s)
+        return ticket
+
+    def placed(self, ticket: Ticket) -> None:
+        self.controller.placed(ticket)
+
+    def release(self, ticket: Ticket) -> None:
+        self.controller.release(ticket)
+
+    async def run(self) -> None:
+        """Tick: expire, decay, re-check capacity; reload objectives about once a second."""
+        tick = self.settings.tick_s
+        every = max(1, int(1.0 / tick))
+        n = 0
+        while True:
+            self.controller.tick()
+            n += 1
+            if n % every == 0:
+                self.objectives.refresh()
+            await asyncio.sleep(tick)
+
+    def close(self) -> None:
+        self.controller.close()
+
+    def collect(self):
+        fc = self.controller
+        q = gauge(
+            "extproc_flow_queue_requests",
+            "Requests waiting in the flow-control queue, by priority band and fairness ID.",
+            ["priority", "fairness_id"],
+        )
+        b = gauge(
+            "extproc_flow_queue_bytes",
+            "Body bytes waiting in the flow-control queue, by priority band.",
+            ["priority"],
+        )
+        per_band: dict[int, int] = {}
+        for (p, f), (n, nbytes) in fc.queued().items():
+            q.add_metric([str(p), fc.stats.label(f)], n)
+            per_band[p] = per_band.get(p, 0) + nbytes
+        for p, nbytes in per_band.items():
+            b.add_metric([str(p)], nbytes)
+        yield q
+        yield b
+        o = gauge(
+            "extproc_flow_oldest_wait_seconds",
+            "How long the oldest queued request of each band has waited.",
+            ["priority"],
+        )
+        for p, w in fc.oldest_wait().items():
+            o.add_metric([str(p)], w)
+        yield o
+        c = counter(
+            "extproc_flow_requests",
+            "Flow-control outcomes: dispatched, rejected_capacity (queue full), evicted_ttl, "
+            "evicted_pressure (displaced by higher priority), cancelled (client left), "
+            "rejected_admitter (refused by an admitter).",
+            ["priority", "fairness_id", "outcome"],
+        )
+        for (p, f, outcome), n in sorted(fc.stats.outcomes.items()):
+            c.add_metric([str(p), f, outcome], n)
+        yield c
+        ws = counter(
+            "extproc_flow_wait_seconds",
+            "Total queue wait of dispatched requests by band and fairness ID (divide by "
+            'extproc_flow_requests{outcome="dispatched"} for the mean).',
+            ["priority", "fairness_id"],
+        )
+        for (p, f), total in sorted(fc.stats.wait_sum.items()):
+            ws.add_metric([str(p), f], total)
+        yield ws
+        sat = gauge("extproc_flow_saturation", "Pool saturation by the configured detector.")
+        sat.add_metric([], fc.saturation())
+        yield sat
+        if self.shared is not None:
+            st = self.shared.stats
+            for name, doc, value in (
+                ("exchanges", "Successful flow-state exchanges with Redis.", st.exchanges),
+                ("errors", "Failed flow-state exchanges with Redis.", st.errors),
+            ):
+                cc = counter(f"extproc_flow_shared_{name}", doc)
+                cc.add_metric([], value)
+                yield cc
+            g = gauge("extproc_flow_shared_peers", "Other replicas seen at the last exchange.")
+            g.add_metric([], st.peers)
+            yield g
+            d = gauge(
+                "extproc_flow_shared_degraded",
+                "1 while Redis is failing: flow control is per replica.",
+            )
+            d.add_metric([], 1.0 if self.shared.degraded else 0.0)
+            yield d
+
+    async def aclose(self) -> None:
+        if self.shared is not None:
+            with contextlib.suppress(Exception):
+                await self.shared.aclose()
+
+
+def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def counter(name: str, doc: str, labels: Sequence[str] = ()) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=list(labels))

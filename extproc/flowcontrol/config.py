@@ -1,0 +1,290 @@
+"""Flow-control configuration: llm-d's `flowControl` section (and the deprecated top-level
+`saturationDetector`) read from the raw EndpointPickerConfig mappings, plus extproc's own
+`flow_control` settings (fairness weights, objectives, sharing).
+
+llm-d fields and defaults: `maxBytes` / `maxRequests` (global, Kubernetes quantities, unset =
+unbounded), `defaultRequestTTL` (60s; "0s" = no TTL), `priorityBands[]` (`priority`,
+`maxBytes` default 1G, `maxRequests` default 5000, `orderingPolicyRef` default
+`fcfs-ordering-policy`, `fairnessPolicyRef` default `global-strict-fairness-policy`),
+`defaultPriorityBand` / `defaultNegativePriorityBand` (templates for unlisted priorities),
+`saturationDetector.pluginRef` (default `utilization-detector`), `usageLimitPolicyPluginRef`
+(default `static-usage-limit-policy`, ceiling 1.0). Policy and detector refs name entries of
+the top-level `plugins` list (by name, else by type), or a type directly. Accepted but not
+acted on (a warning at start): `noEndpointRequestTTL`, `enableEviction`. Admitters
+(`probabilistic-admitter`) listed in `plugins` are active.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import msgspec
+
+from extproc.errors import ConfigError
+from extproc.flowcontrol.admitters import ADMITTERS, Admitter
+from extproc.flowcontrol.controller import BandLimits
+from extproc.flowcontrol.detectors import DETECTORS, SaturationDetector
+from extproc.flowcontrol.policies import (
+    FAIRNESS,
+    ORDERING,
+    USAGE_LIMITS,
+    FairnessPolicy,
+    OrderingPolicy,
+    StaticUsageLimit,
+    UsageLimitPolicy,
+)
+
+log = logging.getLogger("extproc.flowcontrol")
+
+FLOW_PLUGINS: tuple[type, ...] = (*DETECTORS, *ORDERING, *FAIRNESS, *USAGE_LIMITS, *ADMITTERS)
+ADMITTER_TYPES = frozenset(c.type_name for c in ADMITTERS)
+_BY_TYPE = {c.type_name: c for c in FLOW_PLUGINS}
+FLOW_PLUGIN_TYPES = frozenset(_BY_TYPE)
+
+_Q = int | str | None
+
+
+class BandSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    priority: int = 0
+    maxBytes: _Q = None
+    maxRequests: _Q = None
+    fairnessPolicyRef: str = ""
+    orderingPolicyRef: str = ""
+
+
+class PluginRefSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pluginRef: str = ""
+
+
+class FlowControlSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """llm-d's FlowControlConfig, field for field."""
+
+    maxBytes: _Q = None
+    maxRequests: _Q = None
+    defaultRequestTTL: str | None = None
+    noEndpointRequestTTL: str | None = None
+    defaultPriorityBand: BandSpec | None = None
+    defaultNegativePriorityBand: BandSpec | None = None
+    priorityBands: list[BandSpec] = msgspec.field(default_factory=list)
+    usageLimitPolicyPluginRef: str = ""
+    saturationDetector: PluginRefSpec | None = None
+    enableEviction: bool = False
+
+
+class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """extproc's own `flow_control` section (present = flow control on, with llm-d's
+    defaults when the scheduling config has no `flowControl` section).
+
+    `fairness_weights`: token share per fairness ID for `weighted-token-fairness-policy`
+    (unlisted IDs weigh 1). `objectives_file`: InferenceObjective documents (or a mapping
+    name -> priority) naming the priorities `x-llm-d-inference-objective` selects; re-read
+    when it changes. `expected_output_tokens`: the output cost counted for fairness when the
+    request does not say (`max_tokens`/`max_completion_tokens`). `shared`: with a Redis index,
+    share queue and usage state with the other replicas. `retry_after_s`: the `retry-after`
+    sent with 429s. `usage_half_life_s`: how fast served tokens are forgotten. `tick_s`: how
+    often TTLs are checked and endpoint figures re-read for capacity. `placement_visibility_s`:
+    with a detector on scraped figures, how long released work still counts as pending after
+    placement (about two scrape intervals: until a scrape can show it)."""
+
+    fairness_weights: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
+        default_factory=dict
+    )
+    objectives_file: str | None = None
+    expected_output_tokens: Annotated[int, msgspec.Meta(ge=0)] = 256
+    shared: bool = True
+    retry_after_s: Annotated[int, msgspec.Meta(ge=0)] = 1
+    usage_half_life_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    tick_s: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.02
+    share_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.1
+    placement_visibility_s: Annotated[float, msgspec.Meta(ge=0)] = 0.1
+
+
+_DUR = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_DUR_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_QTY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_QTY_UNIT = {
+    None: 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "Ki": 1 << 10,
+    "Mi": 1 << 20,
+    "Gi": 1 << 30,
+    "Ti": 1 << 40,
+}
+
+
+def parse_duration(text: str) -> float:
+    """A Go/metav1 duration ("60s", "1m30s", "200ms") in seconds."""
+    pos, total = 0, 0.0
+    for m in _DUR.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _DUR_UNIT[m.group(2)]
+        pos = m.end()
+    if pos != len(text) or not text:
+        raise ConfigError(f"invalid duration {text!r} (e.g. 60s, 500ms, 1m30s)")
+    return total
+
+
+def parse_quantity(value: int | str | None) -> int:
+    """A Kubernetes quantity ("1Gi", "500M", "5k", 100) as an integer; None = 0."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError("must be non-negative")
+        return value
+    m = _QTY.match(value.strip())
+    if not m:
+        raise ConfigError(f"invalid quantity {value!r} (e.g. 100, 5k, 1Gi)")
+    return int(float(m.group(1)) * _QTY_UNIT[m.group(2)])
+
+
+@dataclass(frozen=True, slots=True)
+class FlowConfig:
+    """Everything the controller needs, resolved."""
+
+    detector: SaturationDetector
+    ttl_s: float = 60.0
+    max_requests: int = 0
+    max_bytes: int = 0
+    bands: Mapping[int, BandSpec] = field(default_factory=dict)
+    default_band: BandSpec | None = None
+    default_negative_band: BandSpec | None = None
+    policies: Mapping[str, tuple[type, Any]] = field(default_factory=dict)
+    usage_limit: UsageLimitPolicy = field(default_factory=StaticUsageLimit)
+    admitters: tuple[Admitter, ...] = ()
+    settings: FlowControlSettings = field(default_factory=FlowControlSettings)
+
+    def band(self, priority: int) -> tuple[BandLimits, OrderingPolicy, FairnessPolicy]:
+        """Limits and fresh policy instances for a band (each band keeps its own state)."""
+        spec = self.bands.get(priority)
+        if spec is None:
+            spec = self.default_negative_band if priority < 0 else None
+            spec = spec or self.default_band or BandSpec()
+        limits = BandLimits(
+            priority,
+            max_requests=parse_quantity(spec.maxRequests) or 5000,
+            max_bytes=parse_quantity(spec.maxBytes) or 1_000_000_000,
+        )
+        ordering = self._make(spec.orderingPolicyRef or "fcfs-ordering-policy")
+        fairness = self._make(spec.fairnessPolicyRef or "global-strict-fairness-policy")
+        return limits, ordering, fairness
+
+    def _make(self, ref: str) -> Any:
+        cls, params = self.policies.get(ref) or (_BY_TYPE[ref], None)
+        return cls(params)
+
+
+def _decode(cls: type, doc: Any, where: tuple[str | int, ...]) -> Any:
+    from extproc.scheduling.registry import validation_error
+
+    try:
+        return msgspec.convert(doc if doc is not None else {}, cls)
+    except msgspec.ValidationError as exc:
+        raise validation_error(exc, where) from None
+
+
+def build_flow_config(
+    flow_control: Mapping[str, Any] | None,
+    saturation_detector: Mapping[str, Any] | None,
+    plugins: Sequence[Mapping[str, Any]],
+    settings: FlowControlSettings | None = None,
+) -> FlowConfig:
+    """Resolve the raw llm-d sections. `plugins` is the config's plugin list (`type`,
+    optional `name` and `parameters`); flow-control types among them are built here, others
+    ignored. Raises ConfigError located in the document."""
+    spec: FlowControlSpec = _decode(FlowControlSpec, flow_control, ("flowControl",))
+    named: dict[str, tuple[type, Any]] = {}
+    admitters: list[Admitter] = []
+    for i, p in enumerate(plugins):
+        cls = _BY_TYPE.get(p.get("type", ""))
+        if cls is None:
+            continue
+        params = _decode(cls.Params, p.get("parameters"), ("plugins", i, "parameters"))
+        named[p.get("name") or p["type"]] = (cls, params)
+        if cls in ADMITTERS:
+            admitters.append(cls(params))  # listed = active, as in llm-d
+
+    def resolve(ref: str, kind: tuple[type, ...], where: tuple[str | int, ...]) -> None:
+        got = named.get(ref) or ((_BY_TYPE[ref], None) if ref in _BY_TYPE else None)
+        if got is None or got[0] not in kind:
+            known = ", ".join(c.type_name for c in kind)
+            raise ConfigError(f"{ref!r} is not a plugin of a known kind ({known})", path=where)
+        named.setdefault(ref, got)
+
+    det_ref = "utilization-detector"
+    legacy = _decode(PluginRefSpec, saturation_detector, ("saturationDetector",))
+    if spec.saturationDetector and spec.saturationDetector.pluginRef:
+        det_ref = spec.saturationDetector.pluginRef
+        where: tuple[str | int, ...] = ("flowControl", "saturationDetector", "pluginRef")
+    elif legacy.pluginRef:
+        det_ref, where = legacy.pluginRef, ("saturationDetector", "pluginRef")
+    else:
+        where = ("flowControl",)
+    resolve(det_ref, DETECTORS, where)
+    det_cls, det_params = named[det_ref]
+    bands: dict[int, BandSpec] = {}
+    all_bands = [(("flowControl", "priorityBands", i), b) for i, b in enumerate(spec.priorityBands)]
+    for key in ("defaultPriorityBand", "defaultNegativePriorityBand"):
+        b = getattr(spec, key)
+        if b is not None:
+            all_bands.append((("flowControl", key), b))
+    for path, b in all_bands:
+        for attr in ("maxBytes", "maxRequests"):
+            try:
+                parse_quantity(getattr(b, attr))
+            except ConfigError as exc:
+                raise exc.within(*path, attr) from None
+        if b.orderingPolicyRef:
+            resolve(b.orderingPolicyRef, ORDERING, (*path, "orderingPolicyRef"))
+        if b.fairnessPolicyRef:
+            resolve(b.fairnessPolicyRef, FAIRNESS, (*path, "fairnessPolicyRef"))
+        if path[1] == "priorityBands":
+            if b.priority in bands:
+                raise ConfigError(f"priority {b.priority} listed twice", path=path)
+            bands[b.priority] = b
+    ttl = 60.0
+    if spec.defaultRequestTTL is not None:
+        try:
+            ttl = parse_duration(spec.defaultRequestTTL)
+        except ConfigError as exc:
+            raise exc.within("flowControl", "defaultRequestTTL") from None
+    try:
+        max_requests = parse_quantity(spec.maxRequests)
+        max_bytes = parse_quantity(spec.maxBytes)
+    except ConfigError as exc:
+        raise exc.within("flowControl") from None
+    usage_limit: UsageLimitPolicy = StaticUsageLimit()
+    if spec.usageLimitPolicyPluginRef:
+        where = ("flowControl", "usageLimitPolicyPluginRef")
+        resolve(spec.usageLimitPolicyPluginRef, USAGE_LIMITS, where)
+        cls, params = named[spec.usageLimitPolicyPluginRef]
+        if params is None:  # referenced by type alone: its parameters take their defaults
+            params = _decode(cls.Params, {}, where)
+        usage_limit = cls(params)
+    for name in ("noEndpointRequestTTL", "enableEviction"):
+        if getattr(spec, name):
+            log.warning("flowControl.%s is accepted but not implemented: ignored", name)
+    return FlowConfig(
+        detector=det_cls(det_params),
+        ttl_s=ttl,
+        max_requests=max_requests,
+        max_bytes=max_bytes,
+        bands=bands,
+        default_band=spec.defaultPriorityBand,
+        default_negative_band=spec.defaultNegativePriorityBand,
+        policies=named,
+        usage_limit=usage_limit,
+        admitters=tuple(admitters),
+        settings=settings or FlowControlSettings(),
+    )
+
+
+BandFactory = Callable[[int], tuple[BandLimits, OrderingPolicy, FairnessPolicy]]

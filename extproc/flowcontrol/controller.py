@@ -1,0 +1,468 @@
+"""The flow controller: per-band, per-flow queues in front of scheduling.
+
+`await admit(request)` returns a `Ticket` at once while the pool has capacity and nothing
+queued, else queues the request and returns when `dispatch()` releases it; it raises
+`FlowRejected` when the request is shed (queue full, TTL expired, displaced by higher
+priority). Cancelling the awaiting task (the client left, Envoy reset the stream) removes
+the request from its queue at once. `release(ticket)` when the request ends frees capacity
+and dispatches more.
+
+Dispatch: bands by priority (highest first), strictly: a lower band gets capacity only when
+every higher band is empty, here and (with shared state) at every other replica. Within a
+band the fairness policy picks the flow, the ordering policy the flow's request. Time comes
+from an injected clock, so tests drive TTLs and decay by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from extproc.core import EndpointState
+from extproc.flowcontrol.detectors import SaturationDetector
+from extproc.flowcontrol.policies import (
+    Arrival,
+    FairnessPolicy,
+    OrderingPolicy,
+    StaticUsageLimit,
+    UsageLimitPolicy,
+)
+
+log = logging.getLogger("extproc.flowcontrol")
+
+# Reasons, as llm-d spells them in `x-llm-d-request-dropped-reason`.
+REJECTED_SATURATED = "rejected-saturated"
+REJECTED_TTL = "rejected-ttl-expired"
+EVICTED_PRESSURE = "evicted-queue-pressure"
+
+MAX_LABELLED_FLOWS = 256
+
+OUTCOMES = ("dispatched", "rejected_capacity", "evicted_ttl", "evicted_pressure", "cancelled")
+
+
+class FlowRejected(Exception):
+    """The request is shed: `reason` is the dropped-reason header value."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class FlowRequest:
+    """What admission needs: who (fairness ID), how urgent (priority), how big (tokens for
+    fairness: uncached prompt + expected output; bytes for the queue bound)."""
+
+    fairness_id: str
+    priority: int
+    tokens: int
+    body_bytes: int
+    slo_ttft_s: float | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """An admitted request, until `release`. `placed` once the router counted it in flight
+    (from then on the detector sees it through in-flight counts, not as pending)."""
+
+    request: FlowRequest
+    waited_s: float = 0.0
+    placed: bool = False
+    released: bool = False
+    pending: bool = True  # counted in the controller's pending figures
+
+
+@dataclass(frozen=True, slots=True)
+class BandLimits:
+    priority: int
+    max_requests: int = 5000
+    max_bytes: int = 1_000_000_000
+
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    request: FlowRequest
+    arrival: Arrival
+    key: tuple[float, ...]
+    future: asyncio.Future[Ticket]
+    queued: bool = True
+
+    def __lt__(self, other: _Item) -> bool:
+        return self.key < other.key
+
+
+@dataclass(slots=True)
+class _Band:
+    limits: BandLimits
+    ordering: OrderingPolicy
+    fairness: FairnessPolicy
+    flows: dict[str, list[_Item]] = field(default_factory=dict)
+    count: int = 0
+    bytes: int = 0
+
+
+@dataclass(slots=True)
+class FlowStats:
+    """Counters by (priority, fairness ID, outcome) and wait sums by (priority, fairness ID)."""
+
+    outcomes: dict[tuple[int, str, str], int] = field(default_factory=dict)
+    wait_sum: dict[tuple[int, str], float] = field(default_factory=dict)
+    wait_count: dict[tuple[int, str], int] = field(default_factory=dict)
+    wait_max: dict[int, float] = field(default_factory=dict)
+
+    flows: set[str] = field(default_factory=set)
+
+    def label(self, fairness_id: str) -> str:
+        """Fairness IDs come from clients: past `MAX_LABELLED_FLOWS` distinct ones, the rest
+        are counted together as "other" (bounded memory and metric cardinality)."""
+        if fairness_id in self.flows:
+            return fairness_id
+        if len(self.flows) < MAX_LABELLED_FLOWS:
+            self.flows.add(fairness_id)
+            return fairness_id
+        return "other"
+
+    def count(self, req: FlowRequest, outcome: str) -> None:
+        k = (req.priority, self.label(req.fairness_id), outcome)
+        self.outcomes[k] = self.outcomes.get(k, 0) + 1
+
+
+class FlowController:
+    def __init__(
+        self,
+        *,
+        detector: SaturationDetector,
+        states: Callable[[], Sequence[EndpointState]],
+        band: Callable[[int], tuple[BandLimits, OrderingPolicy, FairnessPolicy]],
+        ttl_s: float = 60.0,
+        max_requests: int = 0,
+        max_bytes: int = 0,
+        weights: Mapping[str, float] | None = None,
+        usage_half_life_s: float = 30.0,
+        usage_limit: UsageLimitPolicy | None = None,
+        priorities: Sequence[int] = (),
+        visibility_s: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`states` gives the pool's endpoint states now; `band(priority)` the limits and
+        policy instances for a band seen for the first time. `max_requests`/`max_bytes` bound
+        all queues together (0 = only the per-band bounds). `usage_limit` gives each band its
+        saturation ceiling (default: 1.0 for all); `priorities` are the configured bands.
+        `visibility_s`: with a detector that reads scraped figures, how long a placed
+        request still counts as pending (until a scrape can show it)."""
+        self._detector = detector
+        self._states = states
+        self._band_of = band
+        self.ttl_s = ttl_s
+        self.max_requests = max_requests
+        self.max_bytes = max_bytes
+        self.weights = dict(weights or {})
+        self._half_life = usage_half_life_s
+        self._clock = clock
+        self._bands: dict[int, _Band] = {}
+        self._seq = itertools.count()
+        self.count = 0
+        self.bytes = 0
+        self.pending_requests = 0
+        self.pending_tokens = 0
+        # Tokens dispatched per flow, decayed; peers' figures are added by the shared state.
+        self.served: dict[str, float] = {}
+        self.peer_served: dict[str, float] = {}
+        self.peer_top_band: int | None = None
+        # Work other replicas released that the detector may not see yet (last exchange).
+        self.peer_pending: tuple[int, int] = (0, 0)
+        self._decayed_at = clock()
+        self.stats = FlowStats()
+        self._usage_limit: UsageLimitPolicy = usage_limit or StaticUsageLimit()
+        self._priorities: set[int] = set(priorities)
+        self._visibility_s = visibility_s
+        self._sees_placement = bool(getattr(detector, "sees_placement", True))
+        self._settling: collections.deque[tuple[float, Ticket]] = collections.deque()
+        # Every enqueued item in arrival order (one TTL for all: the oldest expire first);
+        # items that left the queue are skipped lazily when they reach the front.
+        self._arrivals: collections.deque[tuple[_Band, _Item]] = collections.deque()
+
+    # -- admission -------------------------------------------------------------------------
+
+    async def admit(self, request: FlowRequest) -> Ticket:
+        now = self._clock()
+        p = request.priority
+        if self.count == 0 and self._may_run(p) and self.saturation() < self.ceiling(p):
+            return self._start(request, 0.0)
+        band = self._band(request.priority)
+        self._make_room(request, band)
+        loop = asyncio.get_running_loop()
+        arrival = Arrival(next(self._seq), now, self.ttl_s, request.slo_ttft_s)
+        item = _Item(request, arrival, band.ordering.key(arrival), loop.create_future())
+        heapq.heappush(band.flows.setdefault(request.fairness_id, []), item)
+        if self.ttl_s:
+            # Bounded: the front expires within the TTL (without one, nothing is kept).
+            self._arrivals.append((band, item))
+        band.count += 1
+        band.bytes += request.body_bytes
+        self.count += 1
+        self.bytes += request.body_bytes
+        self.dispatch()
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            fut = item.future
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # Released at the very moment the client left: give the capacity back.
+                self.release(fut.result())
+            elif item.queued:
+                self._remove(band, item)
+                self.stats.count(request, "cancelled")
+            raise
+
+    def _may_run(self, priority: int) -> bool:
+        """Strict priority, fleet-wide: nothing of a higher band waits anywhere."""
+        for p, b in self._bands.items():
+            if p > priority and b.count:
+                return False
+        return self.peer_top_band is None or self.peer_top_band <= priority
+
+    def saturation(self) -> float:
+        peer_reqs, peer_toks = self.peer_pending
+        return self._detector.saturation(
+            self._states(), self.pending_requests + peer_reqs, self.pending_tokens + peer_toks
+        )
+
+    def ceiling(self, priority: int) -> float:
+        """The saturation at which this band's work is held (usage-limit policy)."""
+        self._priorities.add(priority)
+        return self._usage_limit.ceiling(priority, tuple(self._priorities))
+
+    def _band(self, priority: int) -> _Band:
+        band = self._bands.get(priority)
+        if band is None:
+            limits, ordering, fairness = self._band_of(priority)
+            band = self._bands[priority] = _Band(limits, ordering, fairness)
+        return band
+
+    def _make_room(self, request: FlowRequest, band: _Band) -> None:
+        """Enforce the bounds for one more request: displace queued work of lower bands
+        (newest first) when the global bound is what is hit, else shed the newcomer."""
+        lim = band.limits
+        while band.count + 1 > lim.max_requests or band.bytes + request.body_bytes > lim.max_bytes:
+            victim = (
+                self._over_share(band, request)
+                if getattr(band.fairness, "displaces", False)
+                else None
+            )
+            if victim is None:
+                self.stats.count(request, "rejected_capacity")
+                raise FlowRejected(
+                    REJECTED_SATURATED, "the request queue for this priority is full"
+                )
+            self._remove(band, victim)
+            self.stats.count(victim.request, "evicted_pressure")
+            _fail(victim, FlowRejected(EVICTED_PRESSURE, "displaced by a tenant under its share"))
+        while self._over_global(request.body_bytes):
+            victim = self._newest_below(request.priority)
+            if victim is None:
+                self.stats.count(request, "rejected_capacity")
+                raise FlowRejected(REJECTED_SATURATED, "the request queue is full")
+            vband, item = victim
+            self._remove(vband, item)
+            self.stats.count(item.request, "evicted_pressure")
+            _fail(
+                item, FlowRejected(EVICTED_PRESSURE, "displaced from the queue by higher priority")
+            )
+
+    def _over_share(self, band: _Band, request: FlowRequest) -> _Item | None:
+        """The newest queued request of the flow furthest over its token share, if that
+        flow is further over it than the newcomer's."""
+        served = self._fleet_served()
+
+        def norm(f: str) -> float:
+            return served.get(f, 0.0) / self.weights.get(f, 1.0)
+
+        flows = [f for f in band.flows if f != request.fairness_id]
+        if not flows:
+            return None
+        worst = max(flows, key=norm)
+        if norm(worst) <= norm(request.fairness_id):
+            return None
+        return max(band.flows[worst], key=lambda i: i.arrival.seq)
+
+    def _over_global(self, extra_bytes: int) -> bool:
+        return bool(
+            (self.max_requests and self.count + 1 > self.max_requests)
+            or (self.max_bytes and self.bytes + extra_bytes > self.max_bytes)
+        )
+
+    def _newest_below(self, priority: int) -> tuple[_Band, _Item] | None:
+        for p in sorted(self._bands):
+            if p >= priority:
+                return None
+            band = self._bands[p]
+            items = [i for q in band.flows.values() for i in q]
+            if items:
+                return band, max(items, key=lambda i: i.arrival.seq)
+        return None
+
+    def _remove(self, band: _Band, item: _Item) -> None:
+        item.queued = False
+        q = band.flows[item.request.fairness_id]
+        q.remove(item)
+        heapq.heapify(q)
+        if not q:
+            del band.flows[item.request.fairness_id]
+        band.count -= 1
+        band.bytes -= item.request.body_bytes
+        self.count -= 1
+        self.bytes -= item.request.body_bytes
+
+    # -- dispatch --------------------------------------------------------------------------
+
+    def _start(self, request: FlowRequest, waited: float) -> Ticket:
+        self.pending_requests += 1
+        self.pending_tokens += request.tokens
+        f = request.fairness_id
+        self.served[f] = self.served.get(f, 0.0) + request.tokens
+        self.stats.count(request, "dispatched")
+        k = (request.priority, self.stats.label(request.fairness_id))
+        self.stats.wait_sum[k] = self.stats.wait_sum.get(k, 0.0) + waited
+        self.stats.wait_count[k] = self.stats.wait_count.get(k, 0) + 1
+        return Ticket(request, waited)
+
+    def dispatch(self) -> int:
+        """Release queued requests while the pool has capacity; returns how many."""
+        released = 0
+        now = self._clock()
+        while self.count:
+            top = max(p for p, b in self._bands.items() if b.count)
+            if self.peer_top_band is not None and self.peer_top_band > top:
+                break  # a replica holds higher-priority work: that capacity is its to use
+            if self.saturation() >= self.ceiling(top):
+                break
+            band = self._bands[top]
+            served = self._fleet_served()
+            heads = {f: q[0].key for f, q in band.flows.items()}
+            flow = band.fairness.pick(heads, served, self.weights)
+            item = band.flows[flow][0]
+            self._remove(band, item)
+            if item.future.done():
+                # Its task was cancelled (the client left) and has not run its cleanup yet.
+                self.stats.count(item.request, "cancelled")
+                continue
+            waited = now - item.arrival.enqueued
+            ticket = self._start(item.request, waited)
+            prev = self.stats.wait_max.get(top, 0.0)
+            self.stats.wait_max[top] = max(prev, waited)
+            item.future.set_result(ticket)
+            released += 1
+        return released
+
+    def _fleet_served(self) -> dict[str, float]:
+        if not self.peer_served:
+            return self.served
+        out = dict(self.peer_served)
+        for f, v in self.served.items():
+            out[f] = out.get(f, 0.0) + v
+        return out
+
+    def placed(self, ticket: Ticket) -> None:
+        """The router counted the request in flight. A detector reading in-flight counts
+        sees it from now on; one reading scraped figures only after the next scrape, so
+        until `visibility_s` has passed the request stays pending."""
+        if ticket.placed or ticket.released:
+            return
+        ticket.placed = True
+        if self._sees_placement:
+            self._unpend(ticket)
+        else:
+            self._settling.append((self._clock(), ticket))
+
+    def release(self, ticket: Ticket) -> None:
+        """The request ended (or never got placed): its capacity is free again."""
+        if ticket.released:
+            return
+        ticket.released = True
+        self._unpend(ticket)
+        self.dispatch()
+
+    def _unpend(self, ticket: Ticket) -> None:
+        if ticket.pending:
+            ticket.pending = False
+            self.pending_requests -= 1
+            self.pending_tokens -= ticket.request.tokens
+
+    # -- time ------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Periodic work: expire requests past their TTL, decay usage, dispatch what the
+        latest endpoint figures allow."""
+        now = self._clock()
+        settling = self._settling
+        while settling and now - settling[0][0] >= self._visibility_s:
+            self._unpend(settling.popleft()[1])
+        self._expire(now)
+        self._decay(now)
+        self.dispatch()
+
+    def _expire(self, now: float) -> None:
+        arrivals = self._arrivals
+        while arrivals:
+            band, item = arrivals[0]
+            if item.queued:
+                if now - item.arrival.enqueued < self.ttl_s:
+                    return
+                self._remove(band, item)
+                self.stats.count(item.request, "evicted_ttl")
+                _fail(item, FlowRejected(REJECTED_TTL, "the request waited too long in the queue"))
+            arrivals.popleft()
+
+    def _decay(self, now: float) -> None:
+        dt = now - self._decayed_at
+        if dt <= 0 or not self._half_life:
+            return
+        self._decayed_at = now
+        factor = math.pow(0.5, dt / self._half_life)
+        self.served = {f: v * factor for f, v in self.served.items() if v * factor >= 1.0}
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def queued(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """(priority, fairness ID) -> (requests, bytes) queued now."""
+        out: dict[tuple[int, str], tuple[int, int]] = {}
+        for p, band in self._bands.items():
+            for f, q in band.flows.items():
+                out[(p, f)] = (len(q), sum(i.request.body_bytes for i in q))
+        return out
+
+    def oldest_wait(self) -> dict[int, float]:
+        """Per band, how long its oldest queued request has waited."""
+        now = self._clock()
+        return {
+            p: now - min(i.arrival.enqueued for q in b.flows.values() for i in q)
+            for p, b in self._bands.items()
+            if b.count
+        }
+
+    def top_band(self) -> int | None:
+        """The highest band with queued requests here."""
+        bands = [p for p, b in self._bands.items() if b.count]
+        return max(bands) if bands else None
+
+    def close(self, reason: str = "rejected-shutting-down") -> None:
+        """Shed everything queued (on stop)."""
+        for band in list(self._bands.values()):
+            for q in list(band.flows.values()):
+                for item in list(q):
+                    self._remove(band, item)
+                    _fail(item, FlowRejected(reason, "the picker is shutting down"))
+
+
+def _fail(item: _Item, exc: FlowRejected) -> None:
+    if not item.future.done():  # a cancelled waiter needs no answer
+        item.future.set_exception(exc)

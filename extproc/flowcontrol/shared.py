@@ -1,0 +1,155 @@
+"""Flow-control state shared by active-active replicas through Redis (no leader).
+
+Each picker process publishes, every `share_interval_s`, its highest queued band and the
+tokens it served per flow (decayed), and reads everyone else's. With that, each replica:
+- holds its lower-band work while any replica has higher-band work queued (strict priority
+  fleet-wide: low priority is shed before high wherever it arrived);
+- picks flows by fleet-wide served tokens (`weighted-token-fairness-policy`), so token
+  shares hold across replicas;
+- counts the work other replicas released but the detector cannot see yet (their pending
+  figures), so replicas do not each fill the same free capacity.
+Saturation is fleet-wide by construction when in-flight counts are shared
+(`state.shared_inflight`) or scraped from the servers.
+
+Layout (one hash slot, Cluster-safe): `{<ns>}:flow` hash, field = process id, value =
+msgpack `[expiry_ms, top_band | nil, {flow: tokens}, pending_requests, pending_tokens]`;
+one script refreshes our field, drops expired ones (Redis server time, so no clock agreement
+needed) and returns the rest.
+Redis failing -> per-replica flow control: peers' state is forgotten, a warning is logged,
+`errors` counts and `degraded` says so (the `extproc_flow_shared_degraded` gauge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from redis.exceptions import NoScriptError, RedisError
+
+from extproc.endpoints.shared_inflight import default_process_id
+from extproc.flowcontrol.controller import FlowController
+from extproc.redis_client import redis_from_url
+
+log = logging.getLogger("extproc.flowcontrol")
+
+_EXCHANGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local own = cmsgpack.unpack(ARGV[2])
+own[1] = now + tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], cmsgpack.pack(own))
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) * 4)
+local all = redis.call('HGETALL', KEYS[1])
+local out = {}
+for i = 1, #all, 2 do
+  if all[i] ~= ARGV[1] then
+    local v = cmsgpack.unpack(all[i + 1])
+    if v[1] < now then redis.call('HDEL', KEYS[1], all[i]) else out[#out + 1] = all[i + 1] end
+  end
+end
+return out
+"""
+
+
+@dataclass(slots=True)
+class SharedFlowStats:
+    exchanges: int = 0
+    errors: int = 0
+    peers: int = 0
+
+
+class SharedFlowState:
+    def __init__(
+        self,
+        client: Any,
+        controller: FlowController,
+        *,
+        namespace: str = "extproc",
+        interval_s: float = 0.1,
+        ttl_s: float | None = None,
+        process_id: str | None = None,
+    ) -> None:
+        self._client = client
+        self._fc = controller
+        self._key = f"{{{namespace}}}:flow"
+        self.interval_s = interval_s
+        self._ttl_ms = int((ttl_s or max(1.0, 10 * interval_s)) * 1000)
+        self.process_id = process_id or default_process_id()
+        self.stats = SharedFlowStats()
+        self.degraded = False
+        self._sha: str | None = None
+
+    @classmethod
+    def from_url(cls, url: str, controller: FlowController, *, cluster: bool = False, **kw: Any):
+        client = redis_from_url(url, cluster=cluster, connect_timeout_s=0.5, timeout_s=0.5)
+        return cls(client, controller, **kw)
+
+    async def exchange(self) -> None:
+        """One publish-and-read; on failure, fall back to local state (never raises)."""
+        fc = self._fc
+        served = {k: round(v) for k, v in fc.served.items()}
+        own = msgpack.packb([0, fc.top_band(), served, fc.pending_requests, fc.pending_tokens])
+        try:
+            blobs = await self._eval(own)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.stats.errors += 1
+            if not self.degraded:
+                log.warning(
+                    "flow control: Redis unreachable, per replica until it returns: %r", exc
+                )
+            self.degraded = True
+            fc.peer_top_band = None
+            fc.peer_served = {}
+            fc.peer_pending = (0, 0)
+            return
+        if self.degraded:
+            log.info("flow control: shared state restored")
+        self.degraded = False
+        self.stats.exchanges += 1
+        top: int | None = None
+        served: dict[str, float] = {}
+        peers = 0
+        pend_reqs = pend_toks = 0
+        for blob in blobs:
+            try:
+                _, band, flows, p_reqs, p_toks = msgpack.unpackb(blob, strict_map_key=False)
+                for f, v in flows.items():
+                    served[str(f)] = served.get(str(f), 0.0) + float(v)
+                pend_reqs += max(0, int(p_reqs))
+                pend_toks += max(0, int(p_toks))
+            except (ValueError, TypeError, AttributeError, msgpack.UnpackException):
+                continue  # a foreign or corrupt entry must not stop flow control
+            peers += 1
+            if isinstance(band, int) and (top is None or band > top):
+                top = band
+        self.stats.peers = peers
+        fc.peer_top_band = top
+        fc.peer_served = served
+        fc.peer_pending = (pend_reqs, pend_toks)
+        # A peer's higher band may have drained: whatever we hold may now go.
+        fc.dispatch()
+
+    async def _eval(self, own: bytes) -> list[bytes]:
+        args = (self._key, self.process_id, own, str(self._ttl_ms))
+        if self._sha is None:
+            self._sha = await self._client.script_load(_EXCHANGE)
+        try:
+            return await self._client.evalsha(self._sha, 1, *args)
+        except NoScriptError:
+            return await self._client.eval(_EXCHANGE, 1, *args)
+
+    async def run(self) -> None:
+        while True:
+            await self.exchange()
+            await asyncio.sleep(self.interval_s)
+
+    async def aclose(self) -> None:
+        """Withdraw our entry so peers stop deferring to it, then close the client."""
+        try:
+            await self._client.hdel(self._key, self.process_id)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.info("flow control: could not withdraw shared state (%r); its TTL will", exc)
+        await self._client.aclose()

@@ -1,0 +1,61 @@
+"""Flow control inside the App: off by default; with InferencePool discovery, priorities
+follow the cluster's InferenceObjectives; the metrics appear on the admin port."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import msgspec
+import yaml
+
+from extproc.config import DiscoverySettings
+from extproc.flowcontrol.config import FlowControlSettings
+from extproc.server.app import App
+from tests.endpoints.fakekube import NS, PODS, POOLS, FakeKube, pod, pool
+from tests.endpoints.test_objectives_watch import OBJECTIVES, objective
+
+
+async def test_off_by_default(app: App):
+    assert app.admission is None and app.router.admission is None
+
+
+async def test_objectives_from_kubernetes_and_metrics(settings, tmp_path):
+    kube = FakeKube()
+    kube.put(POOLS, pool(ports=(8000,)))
+    kube.put(PODS, pod("a", "127.0.1.1"))
+    kube.put(OBJECTIVES, objective("critical", 10))
+    await kube.start()
+    cfg = tmp_path / "kubeconfig"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": kube.url}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    s = msgspec.structs.replace(
+        settings,
+        endpoints=[],
+        discovery=DiscoverySettings(inference_pool="pool", namespace=NS, kubeconfig=str(cfg)),
+        flow_control=FlowControlSettings(),
+    )
+    try:
+        async with App(s, []) as app:
+            assert app.admission is not None
+            objectives = app.admission.objectives
+            async with asyncio.timeout(5):
+                while objectives.table != {"critical": 10}:
+                    await asyncio.sleep(0.02)
+            assert objectives.priority({"x-llm-d-inference-objective": "critical"}) == 10
+            async with httpx.AsyncClient() as c:
+                text = (await c.get(f"http://127.0.0.1:{app.admin_port}/metrics")).text
+            assert "extproc_flow_saturation" in text
+            assert "extproc_flow_queue_wait_seconds" in text
+    finally:
+        await kube.stop()
