@@ -121,7 +121,7 @@ def run(workers: int, args: argparse.Namespace) -> dict:
         config = Path(tmp) / "picker.yaml"
         config.write_text(yaml.safe_dump({"state": {"scrape": None}}))
         argv = [
-            *(sys.executable, "-m", "extproc", "--log-level", "WARNING", "serve"),
+            *(sys.executable, "-m", "extproc", "--log-level", "WARNING", "serve", "--plaintext"),
             *("--config", str(config), "--endpoints", ENDPOINTS, "--host", "127.0.0.1"),
             *("--port", str(port), "--health-port", str(health), "--admin-port", "0"),
         ]

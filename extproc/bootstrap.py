@@ -29,9 +29,10 @@ _T = "type.googleapis.com/envoy.extensions"
 class BootstrapOptions:
     """Inputs of `extproc envoy-config`. `extproc` is the picker's `host:port`;
     `endpoints` (ip:port) are required for override-host, unused for original-dst.
-    `extproc_tls`: speak TLS to the picker (its `server.tls`), sending `extproc_sni` (default:
-    the picker's host name); the certificate is verified against `extproc_ca_file` when given,
-    else not at all (a self-signed picker's certificate changes at every start)."""
+    `extproc_tls` (default on, as the picker's port): speak TLS to the picker, sending
+    `extproc_sni` (default: the picker's host name); the certificate is verified against
+    `extproc_ca_file` when given, else not at all (a self-signed picker's certificate changes
+    at every start). Off only for a picker started with `--plaintext`."""
 
     listen_port: int = 8081
     listen_address: str = "0.0.0.0"
@@ -42,12 +43,16 @@ class BootstrapOptions:
     fail_open: bool = False
     retries: int = 2
     max_retries: int = 1024  # concurrent retries Envoy allows on the model-server cluster
-    route_timeout_s: float = 300.0
+    route_timeout_s: float = 3600.0
     extproc_timeout_s: float = 30.0
     health_interval_s: float = 1.0
-    extproc_tls: bool = False
+    extproc_tls: bool = True  # the picker serves TLS unless started with --plaintext
     extproc_sni: str | None = None
     extproc_ca_file: str | None = None
+    # Sized like production (see docs/gateways.md for what the gateways use):
+    message_timeout_s: float = 30.0
+    concurrency_limit: int = 40_000
+    per_try_idle_timeout_s: float = 60.0
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:
@@ -67,8 +72,14 @@ def _ext_proc_filter(opts: BootstrapOptions) -> dict[str, Any]:
             "@type": f"{_T}.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {
                 "envoy_grpc": {"cluster_name": "extproc"},
+                # Deadline to open the stream to the picker; a picker that cannot take a
+                # stream in this long is down (health checks then route around it).
                 "timeout": f"{opts.extproc_timeout_s}s",
             },
+            # Per reply on header/buffered messages. Envoy's 200 ms default turned a 1 s
+            # picker stall (GC, CPU starvation) into 504s for requests already served;
+            # the gateways use 300-1000 s. 30 s outlasts any stall yet bounds a hung picker.
+            "message_timeout": f"{opts.message_timeout_s}s",
             "failure_mode_allow": opts.fail_open,
             "processing_mode": {
                 "request_header_mode": "SEND",
@@ -81,9 +92,12 @@ def _ext_proc_filter(opts: BootstrapOptions) -> dict[str, Any]:
                 "request_trailer_mode": "SEND",
                 "response_trailer_mode": "SKIP",
             },
-            # Without this, the envoy.lb metadata the picker returns is dropped.
+            # Without receiving, the envoy.lb metadata the picker returns is dropped;
+            # forwarding hands the picker the served endpoint on the response path
+            # (override_host's selected_host_key writes it there).
             "metadata_options": {
                 "receiving_namespaces": {"untyped": [protocol.LB_NAMESPACE]},
+                "forwarding_namespaces": {"untyped": [protocol.LB_NAMESPACE]},
             },
             "allow_mode_override": False,
         },
@@ -145,15 +159,26 @@ def _policy(name: str, proto: str, **config: Any) -> dict[str, Any]:
     }
 
 
+def _thresholds(opts: BootstrapOptions, *, retries: int) -> dict[str, Any]:
+    # Envoy's 1024 connections/pending/requests would silently cap concurrent LLM requests
+    # (each lasts seconds to minutes and holds one upstream request AND one picker stream)
+    # and 503 the rest. Envoy allows 3 concurrent retries by default; when a server dies with
+    # more requests on it, the rest would get 503 instead of walking their fallback list.
+    n = opts.concurrency_limit
+    return {
+        "priority": "DEFAULT",
+        "max_connections": n,
+        "max_pending_requests": n,
+        "max_requests": n,
+        "max_retries": retries,
+    }
+
+
 def _model_cluster(opts: BootstrapOptions) -> dict[str, Any]:
     base: dict[str, Any] = {
         "name": "model_servers",
         "connect_timeout": "5s",
-        # Envoy allows 3 concurrent retries per cluster by default; when a server dies with
-        # more requests on it, the rest would get 503 instead of walking their fallback list.
-        "circuit_breakers": {
-            "thresholds": [{"priority": "DEFAULT", "max_retries": opts.max_retries}]
-        },
+        "circuit_breakers": {"thresholds": [_thresholds(opts, retries=opts.max_retries)]},
     }
     if opts.lb == "original-dst":
         base.update(
@@ -196,6 +221,12 @@ def _model_cluster(opts: BootstrapOptions) -> dict[str, Any]:
                 ],
                 # Used when the picker gave no host (fail-open, picker skipped).
                 fallback_policy=_policy("least_request", "least_request.v3.LeastRequest"),
+                # Reports the host that really served (a retry may walk the fallback list)
+                # in envoy.lb metadata; ext_proc forwards it to the picker with the response.
+                selected_host_key={
+                    "key": protocol.LB_NAMESPACE,
+                    "path": [{"key": protocol.SERVED_KEY}],
+                },
             ),
         }
     )
@@ -205,13 +236,19 @@ def _model_cluster(opts: BootstrapOptions) -> dict[str, Any]:
 def _route(opts: BootstrapOptions) -> dict[str, Any]:
     route: dict[str, Any] = {
         "cluster": "model_servers",
+        # Whole request, generation included: long reasoning outputs take minutes.
         "timeout": f"{opts.route_timeout_s}s",
     }
-    if opts.lb == "override-host" and opts.retries > 0:
-        # override_host walks the picker's ordered list one entry per retry.
+    if opts.retries > 0:
         route["retry_policy"] = {
+            # Only failures before any response byte: a request is never sent twice to a
+            # server that answered. override_host walks the picker's ordered list one entry
+            # per retry; ORIGINAL_DST retries the same address (a restarting server).
             "retry_on": "connect-failure,refused-stream,reset,unavailable",
             "num_retries": opts.retries,
+            # A frozen server (no byte for this long, longer than a deep prefill queue) is
+            # abandoned and retried instead of holding the request for the route timeout.
+            "per_try_idle_timeout": f"{opts.per_try_idle_timeout_s}s",
         }
     return {"match": {"prefix": "/"}, "route": route}
 
@@ -264,6 +301,8 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
             }
         ],
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        # One picker stream per request in flight: the same ceiling as the model servers.
+        "circuit_breakers": {"thresholds": [_thresholds(opts, retries=3)]},
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": f"{_T}.upstreams.http.v3.HttpProtocolOptions",

@@ -42,6 +42,8 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
         changes["drain_delay_s"] = args.drain_delay
     if args.fallbacks is not None:
         changes["fallbacks"] = args.fallbacks
+    if args.plaintext:
+        changes["plaintext"], changes["tls"] = True, None
     if args.worker_index:
         # Worker i of `--workers N`: ext_proc and health ports are shared (SO_REUSEPORT);
         # the admin port is per worker so each one's counters are scraped.
@@ -74,11 +76,11 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
     )
 
 
-async def _serve(settings: Settings) -> None:
+async def _serve(settings: Settings, *, shared_ports: bool = False) -> None:
     from extproc.server.app import App
 
     endpoints = parse_endpoints(",".join(settings.endpoints))
-    async with App(settings, endpoints, environ=os.environ) as app:
+    async with App(settings, endpoints, environ=os.environ, shared_ports=shared_ports) as app:
         loop = asyncio.get_running_loop()
         stopping: set[asyncio.Task[None]] = set()  # held so the drain task is not collected
 
@@ -112,7 +114,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     parse_endpoints(",".join(settings.endpoints))  # fail fast, before binding ports
     if args.workers > 1:
         return _supervise(args, settings)
-    _run(_serve(settings))
+    from extproc.server.ports import PortInUse
+
+    try:
+        _run(_serve(settings, shared_ports=args.worker_index is not None))
+    except PortInUse as exc:
+        # One line, no traceback: the usual cause is another picker on this host.
+        log.error("cannot start: %s", exc)
+        return 1
     return 0
 
 
@@ -150,7 +159,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         admin_port=args.admin_port,
         fail_open=args.fail_open,
         retries=args.retries,
-        extproc_tls=args.extproc_tls,
+        extproc_tls=not args.extproc_plaintext,
         extproc_sni=args.extproc_sni,
         extproc_ca_file=args.extproc_ca,
     )
@@ -265,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--drain-delay", type=float, help="seconds still serving after SIGTERM (default 3)"
     )
+    s.add_argument(
+        "--plaintext",
+        action="store_true",
+        help="serve ext_proc without TLS (default: TLS, self-signed unless server.tls names "
+        "certificate files)",
+    )
     s.add_argument("--redis-url", help="share the KV-block index and in-flight load in Redis")
     s.add_argument("--inference-pool", help="watch this Kubernetes InferencePool for endpoints")
     s.add_argument("--namespace", help="the InferencePool's namespace (default: the pod's)")
@@ -285,8 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--extproc-tls",
         action="store_true",
-        help="TLS to the picker (server.tls); without --extproc-ca the certificate is not "
-        "verified (what a self-signed picker needs)",
+        help="TLS to the picker: the default, kept for old command lines; without "
+        "--extproc-ca the certificate is not verified (what a self-signed picker needs)",
+    )
+    e.add_argument(
+        "--extproc-plaintext",
+        action="store_true",
+        help="plaintext to the picker (only for a picker started with --plaintext)",
     )
     e.add_argument("--extproc-sni", help="SNI sent to the picker (default: its host name)")
     e.add_argument("--extproc-ca", help="PEM CA bundle to verify the picker's certificate")

@@ -65,7 +65,9 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (keep the pod's terminationGracePeriodSeconds above drain_delay_s + grace_s).
     `grace_s`: how long SIGTERM then waits for
     open streams. `admin_port`: Prometheus `/metrics` and the explain API (0 = any free port,
-    None = off). `tls`: see `TLSSettings` (None = plaintext ext_proc).
+    None = off). `tls`: see `TLSSettings`; when unset the ext_proc port still speaks TLS, with
+    a self-signed certificate made at start. `plaintext: true` is the explicit choice of no TLS
+    (a sidecar mesh that encrypts for us, or a test).
     """
 
     host: str = "0.0.0.0"
@@ -77,6 +79,19 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grace_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     drain_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0
     tls: TLSSettings | None = None
+    plaintext: bool = False
+
+    def __post_init__(self) -> None:
+        if self.plaintext and self.tls is not None:
+            raise ValueError("set either tls or plaintext: true, not both")
+
+    @property
+    def effective_tls(self) -> TLSSettings | None:
+        """What the ext_proc port serves: the configured TLS, self-signed by default, None
+        only for an explicit `plaintext: true`."""
+        if self.plaintext:
+            return None
+        return self.tls or TLSSettings(self_signed=True)
 
 
 class KVEventSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -31,8 +31,9 @@ DECISION_HEADER = "x-extproc-decision"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 EXT_PROC_METHOD = f"/{EXT_PROC_SERVICE}/Process"
 
-# Health service names the proxy and Kubernetes probe.
-HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+# Health service names the proxy and Kubernetes probe; GIE's and llm-d's Helm charts probe
+# `inference-extension`.
+HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE, "inference-extension")
 
 # Envoy applies body mutations in chunks; the reference picker uses 62,000 bytes to stay under
 # the 64 KiB frame Envoy buffers per streamed body response.

@@ -52,6 +52,15 @@ class Admission(Protocol):
     def release(self, ticket: Ticket) -> None: ...
 
 
+def in_subset(address: str, subset: Collection[str]) -> bool:
+    """GIE subset semantics: an `ip:port` entry admits that endpoint, an entry without a port
+    admits every endpoint on that address."""
+    if address in subset:
+        return True
+    host = address.rpartition(":")[0]
+    return host.strip("[]") in subset
+
+
 @dataclass(frozen=True, slots=True)
 class Routed:
     """A decision plus what to undo or report when the request ends."""
@@ -71,6 +80,8 @@ class RouterStats:
     lookups_degraded: int = 0
     prefix_blocks_requested: int = 0
     prefix_blocks_matched: float = 0.0
+    # Requests the proxy reports served by another endpoint than the pick.
+    served_elsewhere: int = 0
 
 
 class Router:
@@ -155,7 +166,7 @@ class Router:
     def _eligible(self, subset: Collection[str] | None) -> tuple[Endpoint, ...]:
         endpoints = self.pool.snapshot()
         if subset is not None:
-            endpoints = tuple(e for e in endpoints if e.address in subset)
+            endpoints = tuple(e for e in endpoints if in_subset(e.address, subset))
         if not endpoints:
             raise NoEndpoints("no model-server endpoint is eligible for this request")
         failing = self._is_failing
@@ -227,6 +238,20 @@ class Router:
                 request, block_keys=keys, block_tokens=self._precise.block_size
             )
         return request
+
+    def served(self, routed: Routed, address: str) -> Routed:
+        """The proxy reports `address` served the request (a fallback after a retry, or its
+        own choice): its in-flight count and the index follow the served endpoint. Returns
+        the Routed to finish later."""
+        old = routed.placement
+        if address == old.address:
+            return routed
+        self.stats.served_elsewhere += 1
+        self.inflight.release(old)
+        placement = self.inflight.acquire(address, old.tokens)
+        if self._record and self.index is not None:
+            self.index.record(address, routed.request.block_keys)
+        return dataclasses.replace(routed, placement=placement)
 
     def finish(self, routed: Routed) -> None:
         """The request's stream ended (response done, client gone, or error)."""

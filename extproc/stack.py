@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -111,6 +111,11 @@ class StackOptions:
     # Seconds the picker keeps serving after SIGTERM. Production wants a health interval or
     # two; tests that stop stacks all the time do not.
     drain_delay_s: float = 0.0
+    # The picker's ext_proc port speaks TLS (its default, self-signed) unless this is set.
+    plaintext: bool = False
+    # Builds Envoy's bootstrap from the stack's BootstrapOptions instead of
+    # `build_bootstrap` (the gateway matrix: each gateway's ext_proc settings).
+    bootstrap: Callable[[BootstrapOptions], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,6 +411,7 @@ class Stack:
             "--fallbacks",
             str(self.options.fallbacks),
             *self._precise_args(),
+            *(["--plaintext"] if self.options.plaintext else []),
             *self.options.extproc_args,
         ]
         proc = self._spawn("extproc", argv)
@@ -414,7 +420,8 @@ class Stack:
                 grpc_health_status(self.health_port, "readiness")
                 == health_pb2.HealthCheckResponse.SERVING
             ),
-            timeout_s=20,
+            # Generous: on a loaded CI machine a cold start (imports) can take 20 s.
+            timeout_s=60,
             what="extproc",
             proc=proc,
         )
@@ -444,9 +451,13 @@ class Stack:
             endpoints=tuple(self.upstream_addresses),
             admin_port=self.admin_port,
             fail_open=self.options.fail_open,
+            extproc_tls=not self.options.plaintext,
+            extproc_sni="localhost",
         )
         cfg = self.log_dir / "envoy.yaml"
-        if self.options.picker:
+        if self.options.picker and self.options.bootstrap is not None:
+            cfg.write_text(yaml.safe_dump(self.options.bootstrap(opts), sort_keys=False))
+        elif self.options.picker:
             cfg.write_text(render_bootstrap(opts))
         else:
             doc = baseline_bootstrap(opts, self.options.baseline)

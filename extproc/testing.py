@@ -36,8 +36,10 @@ def request_headers(
     end_of_stream: bool = False,
     mode: int | None = FULL_DUPLEX,
     subset: Sequence[str] | None = None,
+    response_mode: int | None = None,
 ) -> pb.ProcessingRequest:
-    """The first message of a stream. `mode=None` leaves protocol_config out (older Envoys)."""
+    """The first message of a stream. `mode=None` leaves protocol_config out (older Envoys);
+    `response_mode` is the response body mode announced alongside (default NONE)."""
     msg = pb.ProcessingRequest()
     hm = msg.request_headers.headers
     for k, v in headers.items():
@@ -45,6 +47,8 @@ def request_headers(
     msg.request_headers.end_of_stream = end_of_stream
     if mode is not None:
         msg.protocol_config.request_body_mode = mode
+        if response_mode is not None:
+            msg.protocol_config.response_body_mode = response_mode  # type: ignore[assignment]
     if subset is not None:
         msg.metadata_context.filter_metadata[protocol.SUBSET_HINT_NAMESPACE].update(
             {protocol.SUBSET_HINT_KEY: list(subset)}
@@ -76,9 +80,27 @@ def request_trailers(trailers: Mapping[str, str] | None = None) -> pb.Processing
     return msg
 
 
-def response_headers(status: int = 200) -> pb.ProcessingRequest:
+def response_headers(status: int = 200, *, served: str | None = None) -> pb.ProcessingRequest:
+    """`served`: the endpoint the proxy reports in `envoy.lb` (forwarding_namespaces)."""
     msg = pb.ProcessingRequest()
     msg.response_headers.headers.headers.add(key=":status", raw_value=str(status).encode())
+    if served is not None:
+        msg.metadata_context.filter_metadata[protocol.LB_NAMESPACE].update(
+            {protocol.SERVED_KEY: served}
+        )
+    return msg
+
+
+def response_body(data: bytes, *, end_of_stream: bool) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest()
+    msg.response_body.body = data
+    msg.response_body.end_of_stream = end_of_stream
+    return msg
+
+
+def response_trailers() -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest()
+    msg.response_trailers.SetInParent()
     return msg
 
 

@@ -64,7 +64,14 @@ def settings() -> Settings:
     return Settings(
         endpoints=list(ENDPOINTS),
         server=ServerSettings(
-            host="127.0.0.1", port=0, health_port=0, admin_port=0, grace_s=1.0, drain_delay_s=0
+            host="127.0.0.1",
+            port=0,
+            health_port=0,
+            admin_port=0,
+            grace_s=1.0,
+            drain_delay_s=0,
+            # In-process tests talk plaintext gRPC; TLS (the default) has its own tests.
+            plaintext=True,
         ),
     )
 

@@ -37,6 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     | {"logs", "redis_client", "flowcontrol", "calibration", "signals"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,
+    "gateways": _BASE | {"bootstrap"},
     "stack": _BASE | {"bootstrap"},
     "demo": _BASE | {"sim", "stack"},
     "testing": _BASE | {"config", "endpoints", "scheduling", "server"},

@@ -33,6 +33,7 @@ from extproc.server import wire
 from extproc.server.admin import make_admin_app
 from extproc.server.health import Health
 from extproc.server.metrics import PickerMetrics, counter, gauge
+from extproc.server.ports import PortInUse, bind_grpc, check_ports
 from extproc.server.stream import StreamHandler
 from extproc.signals import Signals
 
@@ -75,9 +76,14 @@ class App:
         endpoints: Sequence[Endpoint],
         *,
         environ: Mapping[str, str] | None = None,
+        shared_ports: bool = False,
     ) -> None:
         """`environ` is only read for Kubernetes credentials (in-cluster service account or
-        $KUBECONFIG); the CLI passes the process environment."""
+        $KUBECONFIG); the CLI passes the process environment. `shared_ports`: a `--workers`
+        worker, whose ext_proc and health ports are shared with its siblings (SO_REUSEPORT);
+        otherwise a second process on the same port is a conflict."""
+        self._shared_ports = shared_ports
+        self._bound = False
         self.settings = settings
         self._environ = dict(environ or {})
         precise_cfg = settings.parse.precise
@@ -150,6 +156,7 @@ class App:
         self._endpoints_changed = asyncio.Event()
         self._stopped = asyncio.Event()
         self._stopping = False
+        self.tls_reloader = None  # set when certificate files are served (reload counters)
         self.port = 0
         self.health_port = 0
         self.admin_port = 0
@@ -262,7 +269,7 @@ class App:
     def _ready(self) -> bool:
         """Ready once endpoints are known (discovery has synced) and while not draining."""
         synced = all(w.synced.is_set() for w in self._watches)
-        return synced and len(self.pool) > 0 and not self._stopping
+        return self._bound and synced and len(self.pool) > 0 and not self._stopping
 
     async def _start_discovery(self) -> None:
         d = self.settings.discovery
@@ -319,6 +326,23 @@ class App:
 
     async def __aenter__(self) -> App:
         cfg = self.settings.server
+        # Before anything connects or binds: a taken port is one clear error, not a
+        # traceback after the ext_proc port already took streams. Workers share two ports.
+        shared = {} if self._shared_ports else {"ext_proc": cfg.port, "health": cfg.health_port}
+        check_ports(cfg.host, {**shared, "admin": cfg.admin_port or 0})
+        try:
+            return await self._start(cfg)
+        except BaseException:
+            if not self._bound:
+                # Never served: nothing to drain, close at once.
+                for server in (self._server, self._health_server):
+                    if server is not None:
+                        await server.stop(0)
+                self._server = self._health_server = None
+            await self.stop()
+            raise
+
+    async def _start(self, cfg) -> App:
         handler = StreamHandler(
             self.router, max_body_bytes=cfg.max_body_bytes, metrics=self.metrics
         )
@@ -354,31 +378,43 @@ class App:
         # NOT_SERVING from the first probe: the health servicer answers SERVING for "" by
         # default, which would let a proxy send traffic before endpoints are known.
         await self.health.set_ready(False)
-        self._server = grpc.aio.server(options=_SERVER_OPTIONS)
+        # SO_REUSEPORT only between workers: otherwise a second picker would share the port
+        # silently and take half the streams.
+        reuse = (("grpc.so_reuseport", int(self._shared_ports)),)
+        self._server = grpc.aio.server(options=_SERVER_OPTIONS + reuse)
         self._server.add_generic_rpc_handlers((generic,))
         self.health.add_to(self._server)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls is not None:
-            from extproc.server.tls import load_key_pair, server_credentials
+        tls = cfg.effective_tls
+        if tls is not None:
+            from extproc.server.tls import port_credentials
 
-            creds = server_credentials(load_key_pair(cfg.tls))
-            self.port = self._server.add_secure_port(address, creds)
+            creds, self.tls_reloader = port_credentials(tls)
+            self.port = bind_grpc("ext_proc", address, self._server.add_secure_port, creds)
         else:
-            self.port = self._server.add_insecure_port(address)
+            self.port = bind_grpc("ext_proc", address, self._server.add_insecure_port)
         # Plaintext on purpose: kubelet's gRPC probes have no TLS option. It serves only the
         # health service, so it carries no request data.
-        self._health_server = grpc.aio.server()
+        self._health_server = grpc.aio.server(options=reuse)
         self.health.add_to(self._health_server)
-        self.health_port = self._health_server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
-        await self._health_server.start()
-        await self._server.start()
+        health_address = f"{cfg.host}:{cfg.health_port}"
+        self.health_port = bind_grpc(
+            "health", health_address, self._health_server.add_insecure_port
+        )
+        # Every port is bound before any starts listening (the admin site binds as it starts).
         if cfg.admin_port is not None:
             admin = make_admin_app(self.router, self.metrics, self.signals)
             self._admin = web.AppRunner(admin, access_log=None)
             await self._admin.setup()
             site = web.TCPSite(self._admin, cfg.host, cfg.admin_port)
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:
+                raise PortInUse("admin", cfg.host, cfg.admin_port, exc.strerror or "") from None
             self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await self._health_server.start()
+        await self._server.start()
+        self._bound = True
         await self.health.set_ready(self._ready())
         self.signals.announce()
         log.info(
@@ -388,7 +424,7 @@ class App:
                 "health_port": self.health_port,
                 "admin_port": self.admin_port,
                 "endpoints": len(self.pool),
-                "tls": cfg.tls is not None,
+                "tls": tls is not None,
             },
         )
         return self
@@ -475,6 +511,12 @@ class App:
             "extproc_prefix_blocks_matched",
             "Tier-weighted blocks the chosen endpoint held (hit ratio = matched / requested).",
             r.prefix_blocks_matched,
+        )
+        yield _counter(
+            "extproc_served_elsewhere",
+            "Requests the proxy reported served by another endpoint than the pick (a retry "
+            "walked the fallback list); in-flight and index followed the served one.",
+            r.served_elsewhere,
         )
         g = gauge("extproc_inflight_requests", "Requests in flight per endpoint.", ["endpoint"])
         t = gauge("extproc_inflight_tokens", "Estimated in-flight prompt tokens.", ["endpoint"])

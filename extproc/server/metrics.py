@@ -40,6 +40,14 @@ class PickerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.without_body = Counter(
+            "extproc_decisions_without_body",
+            "Decisions made on headers alone because the proxy's body mode never shows the "
+            "whole body (STREAMED, NONE, a BUFFERED_PARTIAL body cut at its limit): no prefix "
+            "affinity for these requests.",
+            ["mode"],
+            registry=self.registry,
+        )
         # Children resolved once: labels() costs microseconds per call on the hot path.
         self.routed = self.requests.labels("routed", "200")
 

@@ -6,9 +6,19 @@ FULL_DUPLEX_STREAMED (what gateways use): hold the header reply until the body h
 in <= 62,000-byte chunks (last one end_of_stream unless trailers follow), trailers response.
 BUFFERED: Envoy waits for each reply; headers get CONTINUE, the single body message gets the
 decision (header mutations are honoured on a body response in this mode).
-Body-less requests, and modes that never send a body, are decided at header time.
-The response headers pass through, plus what the decision sends back to the client (a session
-token; the explanation when asked for with `x-extproc-explain: 1`).
+BUFFERED_PARTIAL: the body message is answered with the decision even when Envoy cut it at
+its buffer limit (end_of_stream false); a cut body is not parsed, the request is routed on
+headers. Body-less requests, and modes that never send a body (NONE, STREAMED), are decided at
+header time; such decisions are counted in `extproc_decisions_without_body` and logged once.
+
+Response path, whatever mode the gateway announces in `protocol_config`: headers pass through,
+plus what the decision sends back to the client (a session token; the explanation when asked
+for with `x-extproc-explain: 1`); FULL_DUPLEX_STREAMED body chunks are echoed unchanged and in
+order (Envoy drops its copy and waits for ours); other body modes get CONTINUE; trailers get
+their reply. Where neither body mode is FULL_DUPLEX_STREAMED, the request-header reply carries
+a `mode_override` asking for no response body or trailers (honoured when the gateway sets
+`allow_mode_override`, ignored otherwise). The served endpoint the proxy reports on the
+response headers (`envoy.lb` metadata) takes over the in-flight count and the index entry.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ log = logging.getLogger("extproc.stream")
 
 _FULL_DUPLEX = wire.BodySendMode.FULL_DUPLEX_STREAMED
 _BUFFERED = (wire.BodySendMode.BUFFERED, wire.BodySendMode.BUFFERED_PARTIAL)
+_PARTIAL = wire.BodySendMode.BUFFERED_PARTIAL
+_NO_BODY = wire.BodySendMode.NONE
 
 
 def explanation(routed: Routed) -> dict:
@@ -75,11 +87,12 @@ class StreamHandler:
         self._router = router
         self._max_body = max_body_bytes
         self._metrics = metrics if metrics is not None else PickerMetrics()
+        self._warned: set[int] = set()  # body modes already logged as "routing on headers"
 
     async def process(
         self, requests: AsyncIterator[wire.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[wire.ProcessingResponse]:
-        state = _Stream(self._router, self._max_body, self._metrics)
+        state = _Stream(self._router, self._max_body, self._metrics, self._warned)
         try:
             async for msg in requests:
                 for resp in await state.on_message(msg):
@@ -100,16 +113,22 @@ class _Stream:
         "max_body",
         "metrics",
         "mode",
+        "response_mode",
         "routed",
         "router",
         "subset",
+        "warned",
     )
 
-    def __init__(self, router: Router, max_body: int, metrics: PickerMetrics) -> None:
+    def __init__(
+        self, router: Router, max_body: int, metrics: PickerMetrics, warned: set[int]
+    ) -> None:
         self.router = router
         self.max_body = max_body
         self.metrics = metrics
+        self.warned = warned
         self.mode = _FULL_DUPLEX  # what gateways use when Envoy does not say
+        self.response_mode = _FULL_DUPLEX
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
         self.chunks: list[bytes] = []
@@ -154,8 +173,11 @@ class _Stream:
         if kind == "request_trailers":
             return await self._on_request_trailers()
         if kind == "response_headers":
-            return [self._on_response_headers()]
+            return [self._on_response_headers(msg)]
         if kind == "response_body":
+            if self.response_mode == _FULL_DUPLEX:
+                # Envoy forwards only what we send back: each chunk returns as it came.
+                return [wire.echo_response_body(msg.response_body)]
             return [wire.CONTINUE_RESPONSE_BODY]
         if kind == "response_trailers":
             return [wire.CONTINUE_RESPONSE_TRAILERS]
@@ -164,6 +186,7 @@ class _Stream:
     async def _on_request_headers(self, msg: wire.ProcessingRequest) -> list:
         if msg.HasField("protocol_config"):
             self.mode = msg.protocol_config.request_body_mode
+            self.response_mode = msg.protocol_config.response_body_mode
         headers = wire.header_map(msg.request_headers.headers)
         # The picker alone chooses the upstream: whatever the client sent is dropped here,
         # and the decision overwrites the header on the way out.
@@ -180,12 +203,37 @@ class _Stream:
             raise PayloadTooLarge(f"request body exceeds the {self.max_body}-byte limit")
         if self.mode not in (_FULL_DUPLEX, *_BUFFERED):
             # This body mode never shows us the whole body: decide on headers alone.
-            return [wire.routed_headers(await self._route(None))]
+            self._without_body()
+            return [self._override(wire.routed_headers(await self._route(None)))]
         if msg.request_headers.end_of_stream:
-            return [wire.routed_headers(await self._route(b""))]
+            return [self._override(wire.routed_headers(await self._route(b"")))]
         if self.mode == _FULL_DUPLEX:
             return []  # the header reply waits for the body
-        return [wire.CONTINUE_REQUEST_HEADERS]
+        return [self._override(wire.CONTINUE_REQUEST_HEADERS)]
+
+    def _override(self, resp: wire.ProcessingResponse) -> wire.ProcessingResponse:
+        """The request-header reply, with a request for the cheapest response mode where Envoy
+        could honour one (never with a FULL_DUPLEX body mode: Envoy ignores it there)."""
+        if _FULL_DUPLEX in (self.mode, self.response_mode) or self.response_mode == _NO_BODY:
+            return resp
+        out = wire.ProcessingResponse()
+        out.CopyFrom(resp)  # the shared CONTINUE constants stay untouched
+        out.mode_override.CopyFrom(wire.cheapest_response_mode(self.mode))
+        return out
+
+    def _without_body(self) -> None:
+        mode = int(self.mode)
+        # A peer may announce a value Envoy does not define: a label, never an error.
+        name = wire.BodySendMode.Name(mode) if mode in wire.BodySendMode.values() else str(mode)
+        self.metrics.without_body.labels(name).inc()
+        if mode not in self.warned:
+            self.warned.add(mode)
+            log.warning(
+                "the proxy's request body mode %s never shows the whole body: routing on "
+                "headers alone, without prefix affinity (counted in "
+                "extproc_decisions_without_body)",
+                name,
+            )
 
     async def _on_request_body(self, body: wire.pb.HttpBody) -> list:
         if self.routed is not None:
@@ -198,7 +246,13 @@ class _Stream:
         if chunk:
             self.chunks.append(chunk)
         if not body.end_of_stream:
-            return []
+            if self.mode == _PARTIAL:
+                # Envoy cut the body at its buffer limit and waits for this reply; the rest
+                # streams past us. A cut JSON document cannot be parsed: route on headers.
+                self.chunks = []
+                self._without_body()
+                return [wire.routed_body(await self._route(None))]
+            return []  # FULL_DUPLEX: more chunks follow (bounded by max_body)
         return await self._body_complete(trailers_follow=False)
 
     async def _on_request_trailers(self) -> list:
@@ -237,10 +291,13 @@ class _Stream:
             log.debug("decision", extra={"decision": explanation(routed)})
         return routed.decision
 
-    def _on_response_headers(self) -> wire.ProcessingResponse:
+    def _on_response_headers(self, msg: wire.ProcessingRequest) -> wire.ProcessingResponse:
         routed = self.routed
         if routed is None:
             return wire.CONTINUE_RESPONSE_HEADERS
+        served = wire.served_endpoint(msg)
+        if served is not None and served != routed.placement.address:
+            routed = self.routed = self.router.served(routed, served)
         extra = dict(routed.decision.response_headers)
         if self.explain:
             extra[protocol.DECISION_HEADER] = orjson.dumps(explanation(routed)).decode()

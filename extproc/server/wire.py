@@ -43,11 +43,33 @@ def subset_hint(req: pb.ProcessingRequest) -> frozenset[str] | None:
         return None
     value = ns.fields[protocol.SUBSET_HINT_KEY]
     kind = value.WhichOneof("kind")
+    # A list entry may itself be a comma list (header-to-metadata filters write one string).
     if kind == "list_value":
-        return frozenset(v.string_value for v in value.list_value.values if v.string_value)
-    if kind == "string_value":
-        return frozenset(s.strip() for s in value.string_value.split(",") if s.strip())
-    return frozenset()
+        raw = ",".join(v.string_value for v in value.list_value.values)
+    elif kind == "string_value":
+        raw = value.string_value
+    else:
+        return frozenset()
+    # "[::1]:8000" and "10.0.0.1" alike: brackets dropped from a port-less IPv6 entry.
+    out = set()
+    for entry in raw.split(","):
+        entry = entry.strip()
+        if entry:
+            out.add(entry.strip("[]") if entry.startswith("[") and entry.endswith("]") else entry)
+    return frozenset(out)
+
+
+def served_endpoint(req: pb.ProcessingRequest) -> str | None:
+    """The endpoint that really served, as the proxy reports it on the response path
+    (`envoy.lb` / `x-gateway-destination-endpoint-served`, forwarded by ext_proc's
+    `forwarding_namespaces`; Envoy's override_host writes it with `selected_host_key`)."""
+    if not req.HasField("metadata_context"):
+        return None
+    ns = req.metadata_context.filter_metadata.get(protocol.LB_NAMESPACE)
+    if ns is None or protocol.SERVED_KEY not in ns.fields:
+        return None
+    served = ns.fields[protocol.SERVED_KEY].string_value.strip()
+    return served or None
 
 
 def _set_header(mutation: pb.HeaderMutation, name: str, value: str) -> None:
@@ -94,6 +116,28 @@ CONTINUE_REQUEST_TRAILERS = _only("request_trailers")
 CONTINUE_RESPONSE_HEADERS = _only("response_headers")
 CONTINUE_RESPONSE_BODY = _only("response_body")
 CONTINUE_RESPONSE_TRAILERS = _only("response_trailers")
+
+
+def echo_response_body(body: pb.HttpBody) -> pb.ProcessingResponse:
+    """FULL_DUPLEX_STREAMED response chunk handed back unchanged, `end_of_stream` kept. The
+    bytes object is shared with the incoming message: nothing parsed, nothing copied here."""
+    resp = pb.ProcessingResponse()
+    sr = resp.response_body.response.body_mutation.streamed_response
+    sr.body = body.body
+    sr.end_of_stream = body.end_of_stream
+    return resp
+
+
+def cheapest_response_mode(request_body_mode: int) -> pb.ProcessingMode:
+    """A `mode_override` asking Envoy to stop sending response bodies and trailers (the picker
+    only needs the response headers). Body modes are always taken from an override, so the
+    request's own is repeated; DEFAULT header/trailer modes leave Envoy's setting alone.
+    Envoy applies it only with `allow_mode_override` and neither body mode FULL_DUPLEX."""
+    mode = pb.ProcessingMode()
+    mode.request_body_mode = request_body_mode  # type: ignore[assignment]
+    mode.response_body_mode = BodySendMode.NONE
+    mode.response_trailer_mode = pb.ProcessingMode.SKIP
+    return mode
 
 
 def response_headers_with(headers: Mapping[str, str]) -> pb.ProcessingResponse:

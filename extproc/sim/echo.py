@@ -22,17 +22,28 @@ from extproc import protocol
 
 SERVED_BY_HEADER = "x-served-by"
 DELAY_HEADER = "x-echo-delay-ms"  # request header: send the body this long after the headers
-# Request header: answer (headers and all) only after this long, like a server that is busy
-# with the request until its first byte (the picker counts a request in flight until then).
-HEAD_DELAY_HEADER = "x-echo-head-delay-ms"
+# Request headers for a streamed answer: the JSON line, then CHUNKS chunks of CHUNK_BYTES
+# (`stream_chunk(i, size)`), one every CHUNK_GAP_MS; HEADERS_DELAY_MS before anything at all
+# (also without CHUNKS: a server busy with the request until its first byte).
+CHUNKS_HEADER = "x-echo-chunks"
+CHUNK_BYTES_HEADER = "x-echo-chunk-bytes"
+CHUNK_GAP_HEADER = "x-echo-chunk-gap-ms"
+HEADERS_DELAY_HEADER = "x-echo-headers-delay-ms"
+
+
+def stream_chunk(i: int, size: int) -> bytes:
+    """Chunk `i` of a streamed answer: deterministic, so the client can check every byte."""
+    head = f"data: {i:06d} ".encode()
+    return (head + b"x" * max(0, size - len(head) - 2) + b"\n\n")[:size]
+
+
+def _int(value: str | None) -> int | None:
+    return int(value) if value and value.isascii() and value.isdigit() else None
 
 
 def make_app(name: str) -> web.Application:
     async def handle(request: web.Request) -> web.Response:
         body = await request.read()
-        head_delay = request.headers.get(HEAD_DELAY_HEADER, "")
-        if head_delay.isdigit():
-            await asyncio.sleep(int(head_delay) / 1000)
         payload = {
             "endpoint": name,
             "destination_header": request.headers.get(protocol.DESTINATION_HEADER),
@@ -41,6 +52,12 @@ def make_app(name: str) -> web.Application:
             "body_bytes": len(body),
             "body_sha256": hashlib.sha256(body).hexdigest(),
         }
+        headers_delay = _int(request.headers.get(HEADERS_DELAY_HEADER))
+        if headers_delay:
+            await asyncio.sleep(headers_delay / 1000)
+        chunks = _int(request.headers.get(CHUNKS_HEADER))
+        if chunks is not None:
+            return await _stream(request, payload, chunks)
         delay_ms = request.headers.get(DELAY_HEADER, "")
         if not delay_ms.isdigit():
             return web.Response(
@@ -56,6 +73,23 @@ def make_app(name: str) -> web.Application:
         await asyncio.sleep(int(delay_ms) / 1000)
         await resp.write(orjson.dumps(payload))
         await resp.write_eof()
+        return resp
+
+    async def _stream(request: web.Request, payload: dict, chunks: int) -> web.StreamResponse:
+        size = _int(request.headers.get(CHUNK_BYTES_HEADER)) or 64
+        gap = (_int(request.headers.get(CHUNK_GAP_HEADER)) or 0) / 1000
+        resp = web.StreamResponse(headers={SERVED_BY_HEADER: name})
+        resp.content_type = "text/event-stream"
+        await resp.prepare(request)
+        await resp.write(orjson.dumps(payload) + b"\n")
+        try:
+            for i in range(chunks):
+                if gap:
+                    await asyncio.sleep(gap)
+                await resp.write(stream_chunk(i, size))
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away mid-answer: nothing more to send
         return resp
 
     app = web.Application(client_max_size=256 * 1024 * 1024)

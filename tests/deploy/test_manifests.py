@@ -264,6 +264,8 @@ def test_istio_overlay_targets_istio_and_the_picker_service() -> None:
     assert rule["apiVersion"] == "networking.istio.io/v1"
     find(objs, "Service", rule["spec"]["host"])
     assert rule["spec"]["trafficPolicy"]["tls"]["mode"] == "SIMPLE"
+    # Self-signed by default: verification would refuse the picker's certificate.
+    assert rule["spec"]["trafficPolicy"]["tls"]["insecureSkipVerify"] is True
     # The patch is applied by kustomize; the resolver only checks it has a target.
     if shutil.which("kubectl"):
         rendered = kustomize("overlays/istio")
@@ -343,10 +345,18 @@ def test_picker_config_loads_and_builds(base: list[Obj], tmp_path: Path) -> None
     path = tmp_path / "config.yaml"
     path.write_text(cm["data"]["config.yaml"])
     settings = load_settings(path)
-    assert settings.scheduling is not None
-    from extproc.config import build_configured_scheduler
+    from extproc.config import Settings, build_configured_scheduler
 
-    build_configured_scheduler(settings)
+    # The default profile of `extproc serve`: prefix-cache affinity weighed against load.
+    assert settings.scheduling is None
+    built = build_configured_scheduler(settings).profiles
+    default = build_configured_scheduler(Settings()).profiles
+    assert {n: [(s.name, s.weight) for s in p.scorers] for n, p in built.items()} == {
+        n: [(s.name, s.weight) for s in p.scorers] for n, p in default.items()
+    }
+    assert "prefix-cache-scorer" in [s.name for s in built["default"].scorers]
+    # TLS on the ext_proc port (the default), as every overlay's gateway connects.
+    assert settings.server.effective_tls is not None
     # The index URL names the Redis Service of the base.
     assert settings.index.backend == "redis"
     host_port = settings.index.redis_url.split("//")[1].split("/")[0]
@@ -385,6 +395,12 @@ def test_envoy_overlay_bootstrap_is_what_envoy_config_prints() -> None:
     objs = resolve(DEPLOY / "overlays/envoy")
     bootstrap = find(objs, "ConfigMap", "envoy-bootstrap")["data"]["envoy.yaml"]
     assert bootstrap == render_bootstrap(BootstrapOptions(extproc="extproc-headless:9002"))
+    picker_cluster = next(
+        c
+        for c in yaml.safe_load(bootstrap)["static_resources"]["clusters"]
+        if c["name"] == "extproc"
+    )
+    assert picker_cluster["transport_socket"]["name"] == "envoy.transport_sockets.tls"
     headless = find(objs, "Service", "extproc-headless")
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["ports"][0]["port"] == ServerSettings().port
@@ -405,12 +421,22 @@ def test_envoyfilter_mirrors_the_bootstrap_filters_and_cluster() -> None:
     grpc = filters[1]["typed_config"]["grpc_service"]["envoy_grpc"]
     assert grpc["cluster_name"] == f"outbound|9002||extproc.{NAMESPACE}.svc.cluster.local"
     grpc["cluster_name"] = "extproc"
+    # Inserted disabled: only the inference route enables it (below).
+    assert filters[1].pop("disabled") is True
     assert filters == want
     (cluster,) = [p["patch"]["value"] for p in patches if p["applyTo"] == "CLUSTER"]
     model = next(c for c in boot["clusters"] if c["name"] == "model_servers")
     assert {**cluster, "name": "model_servers"} == model
     (route,) = [p for p in patches if p["applyTo"] == "HTTP_ROUTE"]
     assert route["patch"]["value"]["route"]["cluster"] == cluster["name"]
+    enable = route["patch"]["value"]["typed_per_filter_config"]["envoy.filters.http.ext_proc"]
+    assert enable == {
+        "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
+        "config": {},
+    }
+    # The overlay reaches the picker over TLS, as the picker serves by default.
+    rule = find(objs, "DestinationRule")
+    assert rule["spec"]["trafficPolicy"]["tls"]["mode"] == "SIMPLE"
     vs = find(objs, "VirtualService")
     assert route["match"]["routeConfiguration"]["vhost"]["route"]["name"] in [
         h["name"] for h in vs["spec"]["http"]

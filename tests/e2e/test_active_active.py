@@ -39,6 +39,7 @@ class Picker:
                 "-m",
                 "extproc",
                 "serve",
+                "--plaintext",
                 "--endpoints",
                 ENDPOINTS,
                 "--host",

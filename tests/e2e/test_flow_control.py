@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from extproc.sim.echo import HEAD_DELAY_HEADER
+from extproc.sim.echo import HEADERS_DELAY_HEADER
 from extproc.stack import Stack, StackOptions, wait_until
 
 CONFIG = {
@@ -73,7 +73,7 @@ def metric(stack: Stack, name: str, **labels: str) -> float:
 async def post(
     client: httpx.AsyncClient, delay_ms: int = 0, objective: str | None = None, **kw
 ) -> httpx.Response:
-    headers = {HEAD_DELAY_HEADER: str(delay_ms)} if delay_ms else {}
+    headers = {HEADERS_DELAY_HEADER: str(delay_ms)} if delay_ms else {}
     if objective:
         headers["x-llm-d-inference-objective"] = objective
     return await client.post(

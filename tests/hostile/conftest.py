@@ -25,6 +25,7 @@ def hostile_settings() -> Settings:
             grace_s=0.5,
             drain_delay_s=0,
             max_body_bytes=200_000,
+            plaintext=True,
         ),
     )
 

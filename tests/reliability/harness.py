@@ -44,7 +44,13 @@ def fake_endpoints(n: int) -> list[str]:
 async def picker(endpoints: list[str], **sections: Any) -> AsyncIterator[App]:
     doc = {
         "endpoints": endpoints,
-        "server": {"host": "127.0.0.1", "port": 0, "health_port": 0, "admin_port": None},
+        "server": {
+            "host": "127.0.0.1",
+            "port": 0,
+            "health_port": 0,
+            "admin_port": None,
+            "plaintext": True,
+        },
         "state": {"scrape": None},
         **sections,
     }

@@ -122,6 +122,7 @@ async def fleet(
                 health_port=0,
                 admin_port=None,
                 drain_delay_s=0,
+                plaintext=True,  # the scenario client speaks plaintext gRPC
             ),
         )
         endpoints = list(parse_endpoints(",".join(settings.endpoints)))

@@ -73,7 +73,7 @@ def picker(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, int]]
     config.write_text(yaml.safe_dump({"server": {"grace_s": 20, "drain_delay_s": 1.0}}))
     proc = subprocess.Popen(
         [
-            *(sys.executable, "-m", "extproc", "serve", "--config", str(config)),
+            *(sys.executable, "-m", "extproc", "serve", "--plaintext", "--config", str(config)),
             *("--endpoints", ",".join(ENDPOINTS), "--host", "127.0.0.1", "--admin-port", "0"),
             *("--port", str(port), "--health-port", str(health)),
         ],

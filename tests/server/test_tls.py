@@ -55,7 +55,7 @@ async def test_tls_with_certificate_files_routes_and_refuses_plaintext(settings,
     (tmp_path / "tls.crt").write_bytes(pair.cert_pem)
     (tmp_path / "tls.key").write_bytes(pair.key_pem)
     tls = TLSSettings(cert_file=str(tmp_path / "tls.crt"), key_file=str(tmp_path / "tls.key"))
-    s = with_server(settings, tls=tls)
+    s = with_server(settings, tls=tls, plaintext=False)
     async with App(s, parse_endpoints(",".join(ENDPOINTS))) as app:
         async with secure(app.port, pair.cert_pem) as ch:
             assert await routed_over(ch) in ENDPOINTS
@@ -65,7 +65,7 @@ async def test_tls_with_certificate_files_routes_and_refuses_plaintext(settings,
 
 
 async def test_self_signed_certificate_is_generated_and_health_port_stays_plaintext(settings):
-    s = with_server(settings, tls=TLSSettings(self_signed=True))
+    s = with_server(settings, tls=TLSSettings(self_signed=True), plaintext=False)
     async with App(s, parse_endpoints(",".join(ENDPOINTS))) as app:
         pem = await asyncio.to_thread(ssl.get_server_certificate, ("127.0.0.1", app.port))
         async with secure(app.port, pem.encode()) as ch:
@@ -93,7 +93,9 @@ def test_incomplete_tls_settings_fail_at_load_naming_the_field(tls, message):
 async def test_missing_certificate_file_is_a_config_error(settings, tmp_path):
     tls = TLSSettings(cert_file=str(tmp_path / "no.crt"), key_file=str(tmp_path / "no.key"))
     with pytest.raises(ConfigError):
-        async with App(with_server(settings, tls=tls), parse_endpoints(",".join(ENDPOINTS))):
+        async with App(
+            with_server(settings, tls=tls, plaintext=False), parse_endpoints(",".join(ENDPOINTS))
+        ):
             pass
 
 

@@ -78,7 +78,7 @@ def served() -> Iterator[tuple[subprocess.Popen[bytes], int, int, int]]:
         admin = free_port()
     proc = subprocess.Popen(
         [
-            *(sys.executable, "-m", "extproc", "serve", "--workers", "2"),
+            *(sys.executable, "-m", "extproc", "serve", "--plaintext", "--workers", "2"),
             *("--endpoints", ",".join(ENDPOINTS), "--host", "127.0.0.1"),
             *("--port", str(port), "--health-port", str(health), "--admin-port", str(admin)),
         ],
