@@ -71,21 +71,27 @@ def cached_tokens(r: httpx.Response) -> int:
     return details.get("cached_tokens") or 0
 
 
-def send(http: httpx.Client, entry: tr.Entry) -> Sent:
+def send(http: httpx.Client, entry: tr.Entry) -> list[Sent]:
+    """The request and what it did; a 504 first adds a `lost` marker (see below)."""
     kind, path, body = entry
+    out: list[Sent] = []
     raw = orjson.dumps(body)
     headers = {protocol.EXPLAIN_HEADER: "1", **JSON}
     r = http.post(path, content=raw, headers=headers)
     if r.status_code == 504:
         # Envoy's ext_proc message timeout (200 ms) passed: a CPU-starved picker on a shared
-        # machine, not a routing error. The request never left Envoy; send it again, once.
+        # machine, not a routing error. Sent again, once. The first attempt may still have
+        # reached a server (the timeout can strike on the response headers), so from here
+        # on no server's history is known for certain: the `lost` marker says so.
         RETRIED.append(kind)
+        out.append(Sent("lost", "*"))
         r = http.post(path, content=raw, headers=headers)
     cached = cached_tokens(r)
     decision = json.loads(r.headers[protocol.DECISION_HEADER])
-    return Sent(
-        kind, decision["endpoints"][0], path, raw, decision["predicted_cached_tokens"], cached
+    out.append(
+        Sent(kind, decision["endpoints"][0], path, raw, decision["predicted_cached_tokens"], cached)
     )
+    return out
 
 
 def warm(address: str, tag: str) -> Sent:
@@ -101,7 +107,7 @@ def warm(address: str, tag: str) -> Sent:
 def run(http: httpx.Client, entries: list[tr.Entry]) -> list[Sent]:
     out = []
     for entry in entries:
-        out.append(send(http, entry))
+        out += send(http, entry)
         time.sleep(EVENT_SETTLE_S)
     return out
 
@@ -222,17 +228,23 @@ def test_simulator_caches_what_vllm_cached(
     precise_run: tuple[list[Sent], dict], vllm_fleet: VllmFleet, capsys
 ):
     sent, _ = precise_run
-    pairs = asyncio.run(_simulate(sent, str(vllm_fleet.model_dir)))
+    lost = next((i for i, s in enumerate(sent) if s.kind == "lost"), len(sent))
+    if lost < 60:
+        pytest.skip(f"a 504 after {lost} requests: too little known history to compare")
+    pairs = asyncio.run(_simulate(sent[:lost], str(vllm_fleet.model_dir)))
     same = sum(1 for s, sim in pairs if sim == s.cached)
     with capsys.disabled():
-        print(f"\nsimulator agreement with vLLM: {same}/{len(pairs)} requests, same cached tokens")
+        print(
+            f"\nsimulator agreement with vLLM: {same}/{len(pairs)} requests, same cached "
+            f"tokens ({len(sent) - lost} after a 504 not compared)"
+        )
         for s, sim in pairs:
             if sim != s.cached:
                 print(f"  differs: {s.kind} on {s.server}: vLLM {s.cached}, simulator {sim}")
     assert sum(1 for s, _ in pairs if s.cached) >= 20
-    # 123/123 on the runs diagnosed so far; one run had one request differ (the simulator
-    # evicted a prefix vLLM still held), not yet explained: the same bar as precise mode.
-    assert same >= 0.99 * len(pairs), f"{same}/{len(pairs)}"
+    # Exact on the known history: the runs that differed (122/123, 121/123) had 504s, whose
+    # first attempts reached a server unseen by this comparison.
+    assert same == len(pairs), f"{same}/{len(pairs)}"
 
 
 def _approximate(
