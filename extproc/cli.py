@@ -18,7 +18,14 @@ from pathlib import Path
 import msgspec
 
 from extproc.bootstrap import BootstrapOptions, render_bootstrap
-from extproc.config import Settings, load_settings
+from extproc.config import (
+    Settings,
+    build_configured_scheduler,
+    examine,
+    load_settings,
+    locate,
+    read_document,
+)
 from extproc.endpoints import parse_endpoints
 from extproc.errors import ConfigError
 from extproc.logs import configure as configure_logging
@@ -170,20 +177,47 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_check_config(args: argparse.Namespace) -> int:
-    from extproc.config import build_configured_scheduler
+def check_report(path: str | Path) -> tuple[str, int]:
+    """`extproc check-config`: every problem with file:line, how each llm-d plugin is
+    realised, what runs degraded; exit code 0 (serves as is) or 2 (it would not)."""
+    try:
+        text, doc = read_document(path)
+    except ConfigError as exc:
+        return f"{exc}\n", 2
+    ex = examine(doc)
+    out: list[str] = []
+    if ex.problems:
+        out.append(f"{path}: {len(ex.problems)} problem(s)")
+        out.extend(f"  {locate(path, text, p, bare=not ex.wrapped)}" for p in ex.problems)
+    else:
+        out.append(f"{path}: OK")
+    if ex.translation and ex.translation.realised:
+        out.append("plugins:")
+        for r in ex.translation.realised:
+            label = r.name if r.name == r.type else f"{r.name} ({r.type})"
+            out.append(f"  {label}: {r.how}")
+            out.extend(f"    - {n}" for n in r.notes)
+    for note in ex.notes:
+        out.append(f"note: {note}")
+    for d in ex.degraded:
+        out.append(f"DEGRADED: {d}")
+    if ex.settings is not None:
+        out.append("profiles:")
+        scheduler = build_configured_scheduler(ex.settings)
+        for name, profile in scheduler.profiles.items():
+            scorers = ", ".join(f"{s.name} x{s.weight:g}" for s in profile.scorers) or "none"
+            filters = ", ".join(f.name for f in profile.filters) or "none"
+            out.append(
+                f"  profile {name}: filters [{filters}], scorers [{scorers}], "
+                f"picker {profile.picker.type_name}"
+            )
+    return "\n".join(out) + "\n", 2 if ex.problems else 0
 
-    settings = load_settings(args.file)
-    scheduler = build_configured_scheduler(settings)
-    print(f"{args.file}: OK")
-    for name, profile in scheduler.profiles.items():
-        scorers = ", ".join(f"{s.name} x{s.weight:g}" for s in profile.scorers) or "none"
-        filters = ", ".join(f.name for f in profile.filters) or "none"
-        print(
-            f"  profile {name}: filters [{filters}], scorers [{scorers}], "
-            f"picker {profile.picker.type_name}"
-        )
-    return 0
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    text, code = check_report(args.file)
+    (sys.stdout if code == 0 else sys.stderr).write(text)
+    return code
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

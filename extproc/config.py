@@ -9,12 +9,15 @@ unknown plugin type 'x'`.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
 
+from extproc.endpoints.dcgm import DCGMSettings
 from extproc.endpoints.scrape import ScrapeSettings
 from extproc.endpoints.shared_inflight import SharedInFlightSettings
 from extproc.errors import ConfigError, format_path
@@ -25,9 +28,12 @@ from extproc.flowcontrol.config import (
     FlowControlSettings,
     build_flow_config,
 )
+from extproc.hashing.tokenizer import PreciseSettings
 from extproc.requests import ParseSettings
 from extproc.scheduling.config import EndpointPickerConfig, build_scheduler, default_config
 from extproc.scheduling.framework import Scheduler
+from extproc.scheduling.llmd.mapped import Plumbing
+from extproc.scheduling.llmd.translate import Translation, translate
 from extproc.scheduling.registry import PluginRegistry, validation_error
 
 MiB = 1 << 20
@@ -147,6 +153,9 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scrape: ScrapeSettings | None = ScrapeSettings()
     shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
     exclude_failing: bool = True
+    # GPU utilization from each endpoint host's DCGM exporter (None: not polled); turned on
+    # by llm-d's dcgm-data-source plugin.
+    dcgm: DCGMSettings | None = None
 
 
 class DiscoverySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -174,20 +183,197 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disabled_plugins: list[str] = msgspec.field(default_factory=list)
     # Flow control (docs/flow-control.md); also on when `scheduling` has `flowControl`.
     flow_control: FlowControlSettings | None = None
+    # Where an llm-d token-producer's modelName is looked up (a folder per model, or the
+    # Hugging Face cache layout); tokenizers are never downloaded at serve time.
+    tokenizer_dirs: list[str] = msgspec.field(
+        default_factory=lambda: ["/models", "~/.cache/huggingface/hub"]
+    )
+    # Set by the loader, not written by hand: what runs with less than the config asked for
+    # (e.g. precise prefix matching without a local tokenizer). Logged and exported by serve.
+    degraded: list[str] = msgspec.field(default_factory=list)
 
 
-def decode_settings(doc: Any) -> Settings:
-    """A parsed YAML document -> Settings (stage 1: shape and types)."""
+# -- a document examined in one pass: every problem, llm-d sections translated --------
+
+
+@dataclass(slots=True)
+class Examined:
+    """`settings` is None when there are problems. `degraded` lists what runs with less than
+    the config asked for (e.g. no local tokenizer: approximate prefix keys), each said at
+    start-up by `serve` and counted in `extproc_llmd_degraded`."""
+
+    settings: Settings | None
+    problems: list[ConfigError] = field(default_factory=list)
+    translation: Translation | None = None
+    wrapped: bool = False
+    notes: list[str] = field(default_factory=list)
+    degraded: list[str] = field(default_factory=list)
+
+
+def find_tokenizer(model: str, dirs: list[str]) -> Path | None:
+    """A local folder holding `model`'s tokenizer.json: `<dir>/<model>`, the Hugging Face
+    cache layout `<dir>/models--org--name/snapshots/*`, or `<dir>/<name>`. Never downloads."""
+    if not model:
+        return None
+    name = model.rsplit("/", 1)[-1]
+    for d in dirs:
+        root = Path(d).expanduser()
+        for candidate in (root / model, root / name):
+            if (candidate / "tokenizer.json").is_file():
+                return candidate
+        snapshots = root / ("models--" + model.replace("/", "--")) / "snapshots"
+        if snapshots.is_dir():
+            for snap in sorted(snapshots.iterdir()):
+                if (snap / "tokenizer.json").is_file():
+                    return snap
+    return None
+
+
+def apply_plumbing(settings: Settings, plumbing: Plumbing, ex: Examined) -> Settings:
+    """The settings changes llm-d's data-plumbing plugins imply. Settings the user wrote in
+    our own sections win over what a plugin implies only for `parse.precise`."""
+    parse, index, state, discovery = (
+        settings.parse,
+        settings.index,
+        settings.state,
+        settings.discovery,
+    )
+    mode = plumbing.index_mode
+    if mode == "precise" and parse.precise is None:
+        model = plumbing.precise_model or ""
+        found = find_tokenizer(model, settings.tokenizer_dirs)
+        if found is None:
+            why = (
+                "no model name (token-producer modelName)"
+                if not model
+                else (
+                    f"no local tokenizer for model {model!r} (looked in "
+                    f"{', '.join(settings.tokenizer_dirs)})"
+                )
+            )
+            ex.degraded.append(
+                f"precise prefix cache: {why}; prefix matching uses approximate keys from "
+                "routing decisions instead"
+            )
+            mode = "approximate"
+        else:
+            parse = msgspec.structs.replace(
+                parse,
+                precise=PreciseSettings(
+                    tokenizer_dir=str(found),
+                    model=model,
+                    block_size=plumbing.precise_block_size or 16,
+                ),
+            )
+            ex.notes.append(f"precise tokenizer for {model!r}: {found}")
+    if mode == "precise" and parse.precise is not None and index.kv_events is None:
+        bind = plumbing.kv_events_bind or "tcp://*:5557"
+        index = msgspec.structs.replace(index, kv_events=KVEventSettings(bind=bind))
+        ex.notes.append(f"KV events: subscriber binds {bind} (vLLM publishes to it)")
+    if mode == "approximate" and index.kv_events is None:
+        index = msgspec.structs.replace(index, record_decisions=True)
+    if plumbing.block_tokens:
+        parse = msgspec.structs.replace(parse, block_tokens=plumbing.block_tokens)
+    elif plumbing.block_chars:
+        # extproc's approximate blocks are bytes_per_token bytes per token.
+        tokens = max(1, round(plumbing.block_chars / parse.bytes_per_token))
+        parse = msgspec.structs.replace(parse, block_tokens=tokens)
+    if plumbing.max_prefix_blocks:
+        parse = msgspec.structs.replace(parse, max_blocks=plumbing.max_prefix_blocks)
+    elif plumbing.max_prefix_tokens:
+        blocks = math.ceil(plumbing.max_prefix_tokens / parse.block_tokens)
+        parse = msgspec.structs.replace(parse, max_blocks=max(1, blocks))
+    if plumbing.capacity_blocks:
+        index = msgspec.structs.replace(index, capacity_blocks=plumbing.capacity_blocks)
+    if state.scrape is not None:
+        changes: dict[str, Any] = {}
+        if plumbing.scrape_scheme:
+            changes["scheme"] = plumbing.scrape_scheme
+        if plumbing.scrape_path:
+            changes["path"] = plumbing.scrape_path
+        if plumbing.scrape_interval_s:
+            changes["interval_s"] = plumbing.scrape_interval_s
+        if changes:
+            state = msgspec.structs.replace(
+                state, scrape=msgspec.structs.replace(state.scrape, **changes)
+            )
+    if plumbing.dcgm and state.dcgm is None:
+        dcgm: dict[str, Any] = {}
+        for key, value in (
+            ("scheme", plumbing.dcgm_scheme),
+            ("path", plumbing.dcgm_path),
+            ("port", plumbing.dcgm_port),
+            ("interval_s", plumbing.dcgm_interval_s),
+        ):
+            if value is not None:
+                dcgm[key] = value
+        state = msgspec.structs.replace(state, dcgm=msgspec.convert(dcgm, DCGMSettings))
+    if plumbing.endpoints_file and discovery.endpoints_file is None:
+        discovery = msgspec.structs.replace(discovery, endpoints_file=plumbing.endpoints_file)
+    return msgspec.structs.replace(
+        settings, parse=parse, index=index, state=state, discovery=discovery
+    )
+
+
+def examine(doc: Any) -> Examined:
+    """Decode, translate and validate a parsed YAML document, collecting every problem."""
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
-        raise ConfigError("expected a mapping at the top level")
-    if doc.get("kind") == "EndpointPickerConfig":
-        doc = {"scheduling": doc}
+        return Examined(None, [ConfigError("expected a mapping at the top level")])
+    bare = doc.get("kind") == "EndpointPickerConfig" or (
+        "scheduling" not in doc and ("plugins" in doc or "schedulingProfiles" in doc)
+    )
+    wrapped = not bare
+    raw_sched = doc.get("scheduling") if wrapped else doc
+    rest = {k: v for k, v in doc.items() if k != "scheduling"} if wrapped else {}
+    ex = Examined(None, wrapped=wrapped)
     try:
-        return msgspec.convert(doc, Settings)
+        settings = msgspec.convert(rest, Settings)
     except msgspec.ValidationError as exc:
-        raise validation_error(exc, ()) from None
+        ex.problems.append(validation_error(exc, ()))
+        settings = None
+    if raw_sched is None:
+        if settings is not None:
+            for build in (build_configured_scheduler, build_configured_flow_control):
+                try:
+                    build(settings)
+                except ConfigError as exc:
+                    ex.problems.append(exc)
+        ex.settings = None if ex.problems else settings
+        return ex
+    disabled = settings.disabled_plugins if settings is not None else []
+    registry = PluginRegistry.default(disabled=disabled)
+    t = translate(raw_sched, registry, foreign=FLOW_PLUGIN_TYPES)
+    ex.translation = t
+    ex.notes.extend(t.notes)
+    ex.problems.extend(ConfigError(p.message, path=("scheduling", *p.path)) for p in t.problems)
+    if ex.problems or settings is None or t.config is None:
+        return ex
+    settings = msgspec.structs.replace(settings, scheduling=t.config)
+    settings = apply_plumbing(settings, t.plumbing, ex)
+    for build in (build_configured_scheduler, build_configured_flow_control):
+        try:
+            build(settings)
+        except ConfigError as exc:
+            ex.problems.append(exc)
+    if ex.problems:
+        return ex
+    if ex.degraded:
+        settings = msgspec.structs.replace(settings, degraded=list(ex.degraded))
+    ex.settings = settings
+    return ex
+
+
+def decode_settings(doc: Any) -> Settings:
+    """A parsed YAML document -> Settings: decoded, the scheduling section translated from
+    llm-d's shape (scheduling.llmd), validated. Raises the first problem; use
+    `load_settings` (all problems, with lines) or `examine` for all."""
+    ex = examine(doc)
+    if ex.problems:
+        raise ex.problems[0]
+    assert ex.settings is not None  # no problems means settings were built
+    return ex.settings
 
 
 def build_configured_scheduler(settings: Settings) -> Scheduler:
@@ -254,23 +440,35 @@ def _line_of(text: str, path: tuple[str | int, ...]) -> int | None:
     return line
 
 
-def load_settings(path: str | Path | None) -> Settings:
-    """Decode and validate a YAML file (plugins are built once to check them); `None`
-    gives the defaults. Raises ConfigError naming file, line and field."""
-    if path is None:
-        return Settings()
+def read_document(path: str | Path) -> tuple[str, Any]:
+    """(text, parsed YAML) of a config file; ConfigError naming the file when unreadable."""
     try:
         text = Path(path).read_text()
-        doc = yaml.safe_load(text)
+        return text, yaml.safe_load(text)
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    try:
-        settings = decode_settings(doc)
-        build_configured_scheduler(settings)
-        build_configured_flow_control(settings)
-    except ConfigError as exc:
-        line = _line_of(text, exc.path)
-        where = f"{path}:{line}" if line else str(path)
-        field = f" {format_path(exc.path)}:" if exc.path else ""
-        raise ConfigError(f"{where}:{field} {exc.message}") from None
-    return settings
+
+
+def locate(path: str | Path, text: str, exc: ConfigError, *, bare: bool = False) -> str:
+    """`file:line: field: message` for one problem (`bare`: the document is an
+    EndpointPickerConfig itself, so fields are shown without `scheduling.`)."""
+    line = _line_of(text, exc.path)
+    where = f"{path}:{line}" if line else str(path)
+    shown = exc.path[1:] if bare and exc.path[:1] == ("scheduling",) else exc.path
+    field = f" {format_path(shown)}:" if shown else ""
+    return f"{where}:{field} {exc.message}"
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Decode and validate a YAML file (plugins are built once to check them); `None`
+    gives the defaults. Raises one ConfigError listing every problem, each with file, line
+    and field."""
+    if path is None:
+        return Settings()
+    text, doc = read_document(path)
+    ex = examine(doc)
+    if ex.problems:
+        bare = not ex.wrapped
+        raise ConfigError("\n".join(locate(path, text, p, bare=bare) for p in ex.problems))
+    assert ex.settings is not None
+    return ex.settings

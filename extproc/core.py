@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
+_EMPTY_FLOATS: Mapping[str, float] = MappingProxyType({})
 
 
 def _empty() -> Mapping[str, str]:
@@ -119,6 +120,9 @@ class InferenceRequest:
     lora_adapter: str | None = None
     cache_salt: str | None = None
     prompt: Prompt | None = field(default=None, repr=False, compare=False)
+    # The endpoint an earlier profile of the same request chose (the decode pick, while the
+    # prefill profile runs): topology plugins place a stage near its peer.
+    peer: Endpoint | None = field(default=None, repr=False, compare=False)
 
     @property
     def has_media(self) -> bool:
@@ -164,6 +168,9 @@ class EndpointState:
     max_adapters: int | None = None
     running_adapters: frozenset[str] = frozenset()
     waiting_adapters: frozenset[str] = frozenset()
+    # Named figures from other sources than the engine's metrics (e.g. `GPUUtilization`
+    # 0..1 from DCGM), read by llm-d's endpoint-attribute plugins; absent when unknown.
+    attributes: Mapping[str, float] = field(default_factory=lambda: _EMPTY_FLOATS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,3 +210,29 @@ class Decision:
     @property
     def primary(self) -> Endpoint:
         return self.endpoints[0]
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyTotals:
+    """Cumulative sums and counts of vLLM's latency histograms (seconds), as exported since
+    the engine started; the latency model learns from their differences between scrapes.
+
+    `prefill_tokens` is the uncached prompt tokens prefilled (vLLM's
+    `request_prefill_kv_computed_tokens` sum, else `prompt_tokens_by_source{local_compute}`),
+    None when neither is exported. `prompt` is `request_prompt_tokens` (tokens per request,
+    as the engine's tokenizer counts them). A histogram not exported has count 0.
+    """
+
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
+    queue_sum: float = 0.0
+    queue_count: float = 0.0
+    prefill_sum: float = 0.0
+    prefill_count: float = 0.0
+    itl_sum: float = 0.0
+    itl_count: float = 0.0
+    tpot_sum: float = 0.0
+    tpot_count: float = 0.0
+    prompt_sum: float = 0.0
+    prompt_count: float = 0.0
+    prefill_tokens: float | None = None

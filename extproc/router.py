@@ -70,6 +70,8 @@ class Routed:
     placement: Placement
     lookup: Lookup
     ticket: Ticket | None = None  # flow-control admission, released at finish
+    # time.monotonic() at the decision: response timing is measured from it.
+    decided_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -221,7 +223,7 @@ class Router:
         placement = inflight.acquire(decision.primary.address, uncached)
         if self._on_placed is not None:
             self._on_placed(decision.primary.address, request)
-        return Routed(request, decision, placement, lookup, ticket)
+        return Routed(request, decision, placement, lookup, ticket, time.monotonic())
 
     def _request(
         self, path: str, headers: Mapping[str, str], body: bytes | None
@@ -238,6 +240,15 @@ class Router:
                 request, block_keys=keys, block_tokens=self._precise.block_size
             )
         return request
+
+    def responded(self, routed: Routed) -> None:
+        """The model server's response headers came back through the proxy: tell the
+        plugins that learn from response timing (the latency model). Not when another
+        endpoint served it (a retry's timing includes the failed attempt)."""
+        if routed.decided_at and routed.placement.address == routed.decision.primary.address:
+            self.scheduler.responded(
+                routed.request, routed.decision, time.monotonic() - routed.decided_at
+            )
 
     def served(self, routed: Routed, address: str) -> Routed:
         """The proxy reports `address` served the request (a fallback after a retry, or its

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -116,6 +116,11 @@ class StackOptions:
     # Builds Envoy's bootstrap from the stack's BootstrapOptions instead of
     # `build_bootstrap` (the gateway matrix: each gateway's ext_proc settings).
     bootstrap: Callable[[BootstrapOptions], dict[str, Any]] | None = None
+    # Labels per upstream (same order): the picker then reads its endpoints from a file
+    # carrying them (e.g. `llm-d.ai/role` for disaggregated configs) instead of --endpoints.
+    endpoint_labels: Sequence[Mapping[str, str]] | None = None
+    # Names per upstream (pod names, e.g. for DCGM samples); needs endpoint_labels.
+    endpoint_names: Sequence[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,6 +416,7 @@ class Stack:
             "--fallbacks",
             str(self.options.fallbacks),
             *self._precise_args(),
+            *self._labels_args(),
             *(["--plaintext"] if self.options.plaintext else []),
             *self.options.extproc_args,
         ]
@@ -425,6 +431,19 @@ class Stack:
             what="extproc",
             proc=proc,
         )
+
+    def _labels_args(self) -> list[str]:
+        labels = self.options.endpoint_labels
+        if labels is None:
+            return []
+        path = self.log_dir / "endpoints.yaml"
+        names = self.options.endpoint_names or [""] * len(labels)
+        entries = [
+            {"address": a, "labels": dict(lab), **({"name": n} if n else {})}
+            for a, lab, n in zip(self.upstream_addresses, labels, names, strict=True)
+        ]
+        path.write_text(yaml.safe_dump(entries, sort_keys=False))
+        return ["--endpoints-file", str(path)]
 
     def _precise_args(self) -> list[str]:
         if not self.options.precise:

@@ -21,10 +21,11 @@ ALLOWED: dict[str, set[str]] = {
     "redis_client": {"errors"},
     "hashing": _BASE,
     "requests": _BASE | {"hashing"},
-    "scheduling": _BASE,
+    "latency": _BASE,
+    "scheduling": _BASE | {"latency"},
     "plugins": _BASE | {"scheduling"},
     "index": _BASE | {"hashing", "redis_client"},
-    "endpoints": _BASE | {"redis_client"},
+    "endpoints": _BASE | {"redis_client", "latency"},
     # Admission between the index lookup and scheduling: it reads endpoint state, its plugins
     # are built like scheduling plugins, and replicas share its state through Redis.
     "flowcontrol": _BASE | {"endpoints", "redis_client", "scheduling"},
@@ -34,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "signals": set(),
     "server": _BASE
     | {"_proto", "config", "endpoints", "hashing", "index", "requests", "router", "scheduling"}
-    | {"logs", "redis_client", "flowcontrol", "calibration", "signals"},
+    | {"logs", "redis_client", "flowcontrol", "latency", "calibration", "signals"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,
     "gateways": _BASE | {"bootstrap"},
@@ -47,7 +48,7 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": set(),
 }
 # The pure layers: no network, no event loop, no transport.
-NO_IO = {"core", "errors", "hashing", "requests", "scheduling", "plugins"}
+NO_IO = {"core", "errors", "hashing", "requests", "scheduling", "plugins", "latency"}
 IO_LIBRARIES = {"grpc", "redis", "zmq", "aiohttp", "asyncio", "socket", "httpx"}
 
 

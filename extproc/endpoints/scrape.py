@@ -21,6 +21,7 @@ import aiohttp
 import msgspec
 from yarl import URL
 
+from extproc.core import LatencyTotals
 from extproc.endpoints.pool import EndpointPool
 from extproc.endpoints.state import EndpointStates
 
@@ -57,6 +58,7 @@ class Scraped(msgspec.Struct, frozen=True):
     process_start_s: float | None = None
     # Prompt tokens the engine processed since it started (cached ones included).
     prompt_tokens: int | None = None
+    latency: LatencyTotals | None = None
 
 
 # -- the parser ------------------------------------------------------------------------------
@@ -92,6 +94,21 @@ _V_HITS = (
     b"gpu_prefix_cache_hits",
 )
 _V_PROMPT_TOKENS = (b"prompt_tokens_total", b"prompt_tokens")
+# Latency histograms (sum and count lines only; the buckets are never decoded).
+_V_HIST = {
+    "ttft": b"time_to_first_token_seconds",
+    "queue": b"request_queue_time_seconds",
+    "prefill": b"request_prefill_time_seconds",
+    "itl": b"inter_token_latency_seconds",
+    "tpot": b"request_time_per_output_token_seconds",
+    "prompt": b"request_prompt_tokens",
+}
+_V_TPOT_OLD = b"time_per_output_token_seconds"  # before vLLM 0.11
+_V_KV_COMPUTED = b"request_prefill_kv_computed_tokens_sum"
+_V_BY_SOURCE = b"prompt_tokens_by_source_total"
+_V_HIST_LINES = tuple(
+    n + suffix for n in (*_V_HIST.values(), _V_TPOT_OLD) for suffix in (b"_sum", b"_count")
+)
 _S_WAITING = b"num_queue_reqs"
 _S_RUNNING = b"num_running_reqs"
 _S_KV = b"token_usage"
@@ -105,17 +122,16 @@ def _family(kind: bytes, names: tuple[bytes, ...]) -> tuple[re.Pattern[bytes], r
     return re.compile(b"\n" + body), re.compile(body)
 
 
+_V_LOAD = (_V_WAITING, _V_RUNNING, _V_KV, _V_KV_OLD, _V_CACHE_CONFIG, _V_LORA)
 _VLLM = _family(
     b"vllm",
     (
-        _V_WAITING,
-        _V_RUNNING,
-        _V_KV,
-        _V_KV_OLD,
-        _V_CACHE_CONFIG,
-        _V_LORA,
+        *_V_LOAD,
         *_V_QUERIES,
         *_V_HITS,
+        *_V_HIST_LINES,
+        _V_KV_COMPUTED,
+        _V_BY_SOURCE,
         *_V_PROMPT_TOKENS,
     ),
 )
@@ -215,6 +231,32 @@ def _counter(found: dict[bytes, list[bytes]], names: tuple[bytes, ...]) -> int |
     return None
 
 
+def _latency(found: dict[bytes, list[bytes]]) -> LatencyTotals | None:
+    """The latency histograms' totals, None when the server exports none of them."""
+    totals: dict[str, float] = {}
+    for key, name in _V_HIST.items():
+        sums = _values(found.get(name + b"_sum"))
+        counts = _values(found.get(name + b"_count"))
+        if key == "tpot" and not counts:
+            sums = _values(found.get(_V_TPOT_OLD + b"_sum"))
+            counts = _values(found.get(_V_TPOT_OLD + b"_count"))
+        if counts:
+            totals[f"{key}_sum"] = sum(sums)
+            totals[f"{key}_count"] = sum(counts)
+    if not totals:
+        return None
+    tokens: float | None = None
+    computed = _values(found.get(_V_KV_COMPUTED))
+    if computed:
+        tokens = sum(computed)
+    else:
+        for rest in found.get(_V_BY_SOURCE, ()):
+            raw, value = _split(rest)
+            if _label(raw, b"source") == "local_compute" and not math.isnan(value):
+                tokens = (tokens or 0.0) + value
+    return LatencyTotals(**totals, prefill_tokens=tokens)
+
+
 def parse_metrics(data: bytes) -> Scraped:
     """Read the load figures of a vLLM or SGLang `/metrics` body (Prometheus text or
     OpenMetrics). Raises `MetricsError` when no known load figure is present or a wanted
@@ -271,6 +313,7 @@ def parse_metrics(data: bytes) -> Scraped:
         prefix_cache_queries=_counter(found, _V_QUERIES),
         prompt_tokens=_counter(found, _V_PROMPT_TOKENS),
         prefix_cache_hits=_counter(found, _V_HITS),
+        latency=_latency(found),
     )
 
 

@@ -32,6 +32,17 @@ class EndpointStates:
         self.stale_after_s = stale_after_s
         self._clock = clock
         self._latest: dict[str, tuple[Scraped, float]] = {}
+        # address -> attribute -> value, from sources besides the engine (DCGM).
+        self._attributes: dict[str, dict[str, float]] = {}
+
+    def put_attribute(self, address: str, key: str, value: float) -> None:
+        self._attributes.setdefault(address, {})[key] = value
+
+    def drop_attribute(self, address: str, key: str) -> None:
+        """The source no longer knows it: plugins then see it as missing."""
+        attrs = self._attributes.get(address)
+        if attrs is not None:
+            attrs.pop(key, None)
 
     def update(self, address: str, scraped: Scraped) -> None:
         self._latest[address] = (scraped, self._clock())
@@ -40,6 +51,8 @@ class EndpointStates:
         """Forget every endpoint not in `addresses` (it left the pool)."""
         for gone in [a for a in self._latest if a not in addresses]:
             del self._latest[gone]
+        for gone in [a for a in self._attributes if a not in addresses]:
+            del self._attributes[gone]
 
     def scraped(self, address: str) -> Scraped | None:
         entry = self._latest.get(address)
@@ -59,9 +72,11 @@ class EndpointStates:
     ) -> EndpointState:
         """The scheduler's view of `address`: scraped figures, their age, in-flight counts."""
         entry = self._latest.get(address)
+        attrs = self._attributes.get(address)
+        extra = {"attributes": dict(attrs)} if attrs else {}
         if entry is None:
             return EndpointState(
-                inflight_requests=inflight_requests, inflight_tokens=inflight_tokens
+                inflight_requests=inflight_requests, inflight_tokens=inflight_tokens, **extra
             )
         s, at = entry
         age = max(0.0, self._clock() - at)
@@ -78,6 +93,7 @@ class EndpointStates:
             max_adapters=s.max_adapters,
             running_adapters=s.running_adapters,
             waiting_adapters=s.waiting_adapters,
+            **extra,
         )
 
     def __contains__(self, address: object) -> bool:

@@ -15,6 +15,8 @@ import msgspec
 
 from extproc.errors import ConfigError
 from extproc.scheduling.framework import (
+    Admitter,
+    Binds,
     Filter,
     NamedFilter,
     Observer,
@@ -105,6 +107,12 @@ def build_scheduler(
             instances[name] = None
             continue
         instances[name] = registry.build(spec.type, spec.parameters, ("plugins", i))
+    for i, plugin in enumerate(instances.values()):
+        if isinstance(plugin, Binds):
+            try:
+                plugin.bind(instances)
+            except ConfigError as exc:
+                raise ConfigError(exc.message, path=("plugins", i)) from None
     if not config.schedulingProfiles:
         raise ConfigError("at least one profile is required", path=("schedulingProfiles",))
     handlers = [p for p in instances.values() if isinstance(p, ProfileHandler)]
@@ -132,6 +140,8 @@ def build_scheduler(
                 if weight <= 0:
                     raise ConfigError("must be positive", path=(*where, "weight"))
                 scorers.append(WeightedScorer(ref.pluginRef, plugin, weight))
+                if isinstance(plugin, Filter):  # both, like llm-d's context-length-aware
+                    filters.append(NamedFilter(ref.pluginRef, plugin))
             elif isinstance(plugin, Filter):
                 filters.append(NamedFilter(ref.pluginRef, plugin))
             elif isinstance(plugin, Picker):
@@ -151,4 +161,6 @@ def build_scheduler(
         fallbacks=fallbacks,
         observers=[p for p in used.values() if isinstance(p, Observer)],
         responders=[p for p in used.values() if isinstance(p, ResponseHeaders)],
+        admitters=[p for p in instances.values() if isinstance(p, Admitter)],
+        plugins=list(instances.values()),
     )

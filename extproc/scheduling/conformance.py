@@ -22,8 +22,9 @@ from extproc.errors import ConfigError
 
 log = logging.getLogger("extproc.plugins")
 
-# The methods that make a class a plugin of each kind (see scheduling/framework.py).
-_ROLES = ("filter", "score", "pick", "handle")
+# The methods that make a class a plugin of each kind (see scheduling/framework.py);
+# `disaggregate`: a decider a disaggregation handler names.
+_ROLES = ("filter", "score", "pick", "handle", "admit", "disaggregate")
 
 
 def check_plugin_class(cls: type) -> str:
@@ -42,7 +43,8 @@ def check_plugin_class(cls: type) -> str:
         )
     if not any(callable(getattr(cls, m, None)) for m in _ROLES):
         raise ConfigError(
-            f"plugin {name!r} ({where}) implements none of filter(), score(), pick(), handle()"
+            f"plugin {name!r} ({where}) implements none of filter(), score(), pick(), "
+            "handle(), admit(), disaggregate()"
         )
     return name
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
-from extproc.core import Candidate, Decision, InferenceRequest
+from extproc.core import Candidate, Decision, Endpoint, InferenceRequest
 from extproc.scheduling.conformance import PluginFaults, score_problem
 
 
@@ -58,10 +58,36 @@ class Observer(Protocol):
 
 
 @runtime_checkable
+class ResponseObserver(Protocol):
+    """A plugin that learns from response timing: called when the model server's response
+    headers pass through the proxy, `elapsed_s` after the decision."""
+
+    def responded(self, req: InferenceRequest, decision: Decision, elapsed_s: float) -> None: ...
+
+
+@runtime_checkable
 class ResponseHeaders(Protocol):
     """A plugin that sends headers back to the client (e.g. a session token)."""
 
     def response_headers(self, decision: Decision) -> Mapping[str, str]: ...
+
+
+@runtime_checkable
+class Admitter(Protocol):
+    """A plugin that may refuse a request before any profile runs (e.g. shed by latency
+    SLO): returns to admit, raises `errors.Overloaded` (429) to shed. Admitters are declared
+    in `plugins` only; every declared one runs, in declaration order."""
+
+    def admit(self, req: InferenceRequest, cands: Sequence[Candidate]) -> None: ...
+
+
+@runtime_checkable
+class Binds(Protocol):
+    """A plugin that reads another plugin's output (a latency consumer reads the producer):
+    `bind` gets every built plugin by name once, before the first request, and raises
+    `ConfigError` when what it needs is missing."""
+
+    def bind(self, plugins: Mapping[str, object]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +102,22 @@ class ProfileResult:
 
 class ProfileRunner(Protocol):
     """Runs the named profile over the request's candidates (handlers call this); `limit`
-    overrides how many candidates the picker returns (default: pick + fallbacks)."""
+    overrides how many candidates the picker returns (default: pick + fallbacks); `peer` is
+    the endpoint an earlier stage chose (seen by plugins as `req.peer`)."""
 
-    def __call__(self, name: str, limit: int | None = None) -> ProfileResult: ...
+    def __call__(
+        self, name: str, limit: int | None = None, peer: Endpoint | None = None
+    ) -> ProfileResult: ...
+
+
+@runtime_checkable
+class Decider(Protocol):
+    """Decides whether a request gets a disaggregated stage (prefill or encode), given the
+    endpoint the decode profile chose."""
+
+    type_name: ClassVar[str]
+
+    def disaggregate(self, req: InferenceRequest, decode: Candidate | None) -> bool: ...
 
 
 @runtime_checkable
@@ -175,7 +214,11 @@ class Scheduler:
         fallbacks: int = 0,
         observers: Sequence[Observer] = (),
         responders: Sequence[ResponseHeaders] = (),
+        admitters: Sequence[Admitter] = (),
+        plugins: Sequence[object] = (),
     ) -> None:
+        """`plugins` is every plugin instance built from the config, profiles or not (the
+        app looks among them for ones that run loops, like the latency producer)."""
         if not profiles:
             raise ValueError("at least one profile is required")
         self._handler = handler
@@ -184,6 +227,9 @@ class Scheduler:
         self._limit = 1 + fallbacks
         self._observers = tuple(observers)
         self._responders = tuple(responders)
+        self._admitters = tuple(admitters)
+        self.plugins: tuple[object, ...] = tuple(plugins)
+        self._response_observers = tuple(p for p in self.plugins if isinstance(p, ResponseObserver))
 
     @property
     def profiles(self) -> Mapping[str, Profile]:
@@ -193,10 +239,15 @@ class Scheduler:
         self, req: InferenceRequest, cands: Sequence[Candidate], *, explain: bool = False
     ) -> Decision:
         """An empty `Decision.endpoints` means nothing was eligible; the caller decides what
-        that means (503, shed, ...)."""
+        that means (503, shed, ...). An admitter may raise `Overloaded` first."""
 
-        def run(name: str, limit: int | None = None) -> ProfileResult:
-            return self._profiles[name].run(req, cands, limit=limit or self._limit, explain=explain)
+        for admitter in self._admitters:
+            admitter.admit(req, cands)
+
+        def run(name: str, limit: int | None = None, peer: Endpoint | None = None) -> ProfileResult:
+            seen = req if peer is None else dataclasses.replace(req, peer=peer)
+            n = limit or self._limit
+            return self._profiles[name].run(seen, cands, limit=n, explain=explain)
 
         decision = self._handler.handle(req, cands, self._names, run)
         if self._responders and decision.endpoints:
@@ -212,3 +263,8 @@ class Scheduler:
         """Tell learning plugins where a request was sent."""
         for obs in self._observers:
             obs.observe(req, cands, decision)
+
+    def responded(self, req: InferenceRequest, decision: Decision, elapsed_s: float) -> None:
+        """Tell plugins that learn from response timing when the response headers came."""
+        for obs in self._response_observers:
+            obs.responded(req, decision, elapsed_s)

@@ -3,13 +3,14 @@ Decision."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, ClassVar
 
 import msgspec
 
 from extproc.core import Candidate, Decision, Endpoint, InferenceRequest
-from extproc.scheduling.framework import ProfileResult, ProfileRunner
+from extproc.errors import ConfigError
+from extproc.scheduling.framework import Decider, ProfileResult, ProfileRunner
 
 PREFILLER_HEADER = "x-prefiller-host-port"
 ENCODERS_HEADER = "x-encoder-hosts-ports"
@@ -51,33 +52,75 @@ class SingleProfileHandler:
         return _decision(run(profiles[0]))
 
 
-class DisaggProfileHandler:
-    """Disaggregated serving: decode always; prefill elsewhere when the uncached prompt is
-    long; an encode tier when the request carries media.
+_STAGE_ORDERS = {
+    "decodefirst": "decode-first",
+    "decode": "decode-first",
+    "prefillfirst": "prefill-first",
+    "prefill": "prefill-first",
+}
 
-    Profiles by name: `decode` (required), `prefill` and `encode` (optional). The request is
-    sent to the decode pick. Prefill runs only when the prompt tokens the decode pick does not
-    already hold exceed `threshold` tokens; its pick goes in `x-prefiller-host-port`. Encode
-    runs only for requests with media; up to `maxEncoders` picks go in `x-encoder-hosts-ports`.
-    Text-only requests never get an encoder header.
+
+class DisaggProfiles(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    decode: str = "decode"
+    prefill: str = "prefill"
+    encode: str = "encode"
+
+
+class DisaggDeciders(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    prefill: str = ""
+    encode: str = ""
+
+
+class DisaggProfileHandler:
+    """Disaggregated serving (llm-d's handler): decode always; a prefill stage and an encode
+    stage when their deciders say so.
+
+    `profiles` names the decode, prefill and encode profiles (defaults `decode`, `prefill`,
+    `encode`); `deciders.prefill` / `deciders.encode` name decider plugins
+    (`prefix-based-pd-decider`, `always-disagg-pd-decider`,
+    `always-disagg-multimodal-decider`). Without a decider that stage never runs (llm-d's
+    default). `stageOrder: decode-first` (default) picks decode first and asks the deciders
+    about that pick; `prefill-first` always runs prefill first and then picks decode near it.
+    The request goes to the decode pick; the prefill pick goes in `x-prefiller-host-port`
+    (omitted when it is the decode endpoint itself), up to `maxEncoders` encode picks (an
+    extproc parameter, default 1) in `x-encoder-hosts-ports`.
 
     ```yaml
     - type: disagg-profile-handler
-      parameters: {threshold: 512, maxEncoders: 1}
+      parameters:
+        deciders: {prefill: prefix-based-pd-decider, encode: always-disagg-multimodal-decider}
+    - type: prefix-based-pd-decider
+      parameters: {nonCachedTokens: 16}
+    - type: always-disagg-multimodal-decider
     ```
     """
 
     type_name: ClassVar[str] = "disagg-profile-handler"
 
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
-        threshold: Annotated[int, msgspec.Meta(ge=0)] = 512
+        stage_order: str = "decode-first"
+        profiles: DisaggProfiles = DisaggProfiles()
+        deciders: DisaggDeciders = DisaggDeciders()
         max_encoders: Annotated[int, msgspec.Meta(ge=1)] = 1
-        decode_profile: str = "decode"
-        prefill_profile: str = "prefill"
-        encode_profile: str = "encode"
+
+        def __post_init__(self) -> None:
+            key = self.stage_order.lower().replace("-", "").replace("_", "")
+            if key not in _STAGE_ORDERS:
+                raise ValueError(
+                    f"invalid stageOrder {self.stage_order!r}: decode-first or prefill-first"
+                )
 
     def __init__(self, params: Params | None = None) -> None:
         self._p = params or self.Params()
+        key = self._p.stage_order.lower().replace("-", "").replace("_", "")
+        self._prefill_first = _STAGE_ORDERS[key] == "prefill-first"
+        self._prefill_decider: Decider | None = None
+        self._encode_decider: Decider | None = None
+
+    def bind(self, plugins: Mapping[str, object]) -> None:
+        d = self._p.deciders
+        self._prefill_decider = _decider(plugins, d.prefill, ("deciders", "prefill"))
+        self._encode_decider = _decider(plugins, d.encode, ("deciders", "encode"))
 
     def handle(
         self,
@@ -86,36 +129,57 @@ class DisaggProfileHandler:
         profiles: Sequence[str],
         run: ProfileRunner,
     ) -> Decision:
-        p = self._p
-        decode = run(p.decode_profile if p.decode_profile in profiles else profiles[0])
-        if not decode.chosen:
-            return _decision(decode)
+        names = self._p.profiles
         headers: dict[str, str] = {}
-        scores = dict(decode.scores)
-        reasons = list(decode.reasons)
+        scores: dict[str, Mapping[str, float]] = {}
+        reasons: list[str] = []
         prefill: Endpoint | None = None
         encoders: tuple[Endpoint, ...] = ()
+        decode_name = names.decode if names.decode in profiles else profiles[0]
 
-        if p.prefill_profile in profiles:
-            cached_tokens = int(decode.chosen[0].prefix_blocks * req.block_tokens)
-            uncached = max(0, req.prompt_tokens - cached_tokens)
-            if uncached > p.threshold:
-                result = run(p.prefill_profile)
-                scores.update(result.scores)
-                reasons.extend(result.reasons)
-                if result.chosen and result.chosen[0].endpoint != decode.chosen[0].endpoint:
-                    prefill = result.chosen[0].endpoint
-                    headers[PREFILLER_HEADER] = prefill.address
-            else:
-                reasons.append(f"prefill skipped: {uncached} uncached tokens <= {p.threshold}")
-
-        if req.has_media and p.encode_profile in profiles:
-            result = run(p.encode_profile, p.max_encoders)
+        def take(result: ProfileResult) -> ProfileResult:
             scores.update(result.scores)
             reasons.extend(result.reasons)
+            return result
+
+        def encode_stage(decode_pick: Candidate | None) -> None:
+            nonlocal encoders
+            if names.encode not in profiles or self._encode_decider is None:
+                return
+            if not self._encode_decider.disaggregate(req, decode_pick):
+                return
+            peer = decode_pick.endpoint if decode_pick else None
+            result = take(run(names.encode, self._p.max_encoders, peer))
             encoders = tuple(c.endpoint for c in result.chosen)
             if encoders:
                 headers[ENCODERS_HEADER] = ",".join(e.address for e in encoders)
+
+        if self._prefill_first:
+            prefill_pick: Candidate | None = None
+            if names.prefill in profiles:
+                result = take(run(names.prefill))
+                prefill_pick = result.chosen[0] if result.chosen else None
+            encode_stage(None)
+            decode = take(run(decode_name, None, prefill_pick.endpoint if prefill_pick else None))
+            if not decode.chosen:
+                return _decision(decode)
+            if prefill_pick and prefill_pick.endpoint != decode.chosen[0].endpoint:
+                prefill = prefill_pick.endpoint
+                headers[PREFILLER_HEADER] = prefill.address
+        else:
+            decode = take(run(decode_name))
+            if not decode.chosen:
+                return _decision(decode)
+            pick = decode.chosen[0]
+            encode_stage(pick)
+            if names.prefill in profiles and self._prefill_decider is not None:
+                if self._prefill_decider.disaggregate(req, pick):
+                    result = take(run(names.prefill, None, pick.endpoint))
+                    if result.chosen and result.chosen[0].endpoint != pick.endpoint:
+                        prefill = result.chosen[0].endpoint
+                        headers[PREFILLER_HEADER] = prefill.address
+                else:
+                    reasons.append(f"prefill skipped: {self._p.deciders.prefill} said no")
 
         return Decision(
             endpoints=tuple(c.endpoint for c in decode.chosen),
@@ -126,3 +190,14 @@ class DisaggProfileHandler:
             reasons=tuple(reasons),
             profile=decode.profile,
         )
+
+
+def _decider(plugins: Mapping[str, object], name: str, where: tuple[str, ...]) -> Decider | None:
+    if not name:
+        return None
+    plugin = plugins.get(name)
+    if plugin is None:
+        raise ConfigError(f"no plugin named {name!r}", path=where)
+    if not isinstance(plugin, Decider):
+        raise ConfigError(f"{name!r} is not a decider", path=where)
+    return plugin

@@ -5,6 +5,7 @@ live state without routing it; `GET /debug/state` shows endpoints and their figu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import orjson
 from aiohttp import web
@@ -52,8 +53,15 @@ def make_admin_app(
                     "name": e.name,
                     "labels": dict(e.labels),
                     "state": {
-                        k: (sorted(v) if isinstance(v, frozenset) else v)
-                        for k, v in dataclasses.asdict(s).items()
+                        k: (
+                            sorted(v)
+                            if isinstance(v, frozenset)
+                            else dict(v)
+                            if isinstance(v, Mapping)
+                            else v
+                        )
+                        # Field by field: asdict would deep-copy the read-only mappings.
+                        for k, v in ((f.name, getattr(s, f.name)) for f in dataclasses.fields(s))
                     },
                 }
             )

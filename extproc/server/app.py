@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -22,6 +23,7 @@ from extproc.calibration import Calibration
 from extproc.config import Settings, build_configured_flow_control, build_configured_scheduler
 from extproc.core import Endpoint
 from extproc.endpoints import EndpointPool, InFlight
+from extproc.endpoints.dcgm import DCGMScraper
 from extproc.endpoints.scrape import MetricsScraper
 from extproc.endpoints.shared_inflight import SharedInFlight
 from extproc.endpoints.state import EndpointStates
@@ -29,6 +31,7 @@ from extproc.errors import ConfigError
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import IndexOptions, KVIndex
 from extproc.router import Router
+from extproc.server import latency as latency_wiring
 from extproc.server import wire
 from extproc.server.admin import make_admin_app
 from extproc.server.health import Health
@@ -114,6 +117,7 @@ class App:
             if state.scrape
             else None
         )
+        self.dcgm = DCGMScraper(self.pool, self.states, state.dcgm) if state.dcgm else None
         self.inflight: InFlight | SharedInFlight = InFlight()
         if settings.index.backend == "redis" and state.shared_inflight is not None:
             assert settings.index.redis_url is not None  # build_index checked it
@@ -133,7 +137,7 @@ class App:
             inflight=self.inflight,
             index=self.index,
             precise=self.precise,
-            states=self.states if self.scraper else None,
+            states=self.states if self.scraper or self.dcgm else None,
             is_failing=self.scraper.is_failing if self.scraper and state.exclude_failing else None,
             record_decisions=record,
             on_lookup=self.metrics.lookup_seconds.observe,
@@ -141,6 +145,12 @@ class App:
         )
         self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
+        self.latency = latency_wiring.learners(
+            self.router.scheduler.plugins, self.pool, self.states if self.scraper else None
+        )
+        self.metrics.add_collector(
+            functools.partial(latency_wiring.collect, self.latency, self.router.scheduler.plugins)
+        )
         self.signals = Signals(
             scraped_metrics=self.scraper is not None,
             kv_events=self.subscriber is not None,
@@ -364,12 +374,16 @@ class App:
         self.spawn("endpoints", self._reconcile)
         if self.scraper is not None:
             self.spawn("metrics-scraper", self.scraper.run)
+        if self.dcgm is not None:
+            self.spawn("dcgm", self.dcgm.run)
         if isinstance(self.inflight, SharedInFlight):
             self.spawn("shared-inflight", self.inflight.run)
             # Closed after the loops stop: withdraws this process's load from Redis at once.
             self._exits.push_async_callback(self.inflight.aclose)
         if self.subscriber is not None:
             self.spawn("kv-events", self.subscriber.run)
+        for i, learner in enumerate(self.latency):
+            self.spawn(f"latency-learner-{i}", learner.run)
         if self.admission is not None:
             self.spawn("flow-control", self.admission.run)
             if self.admission.shared is not None:
@@ -417,6 +431,8 @@ class App:
         self._bound = True
         await self.health.set_ready(self._ready())
         self.signals.announce()
+        for what in self.settings.degraded:
+            log.warning("degraded: %s", what, extra={"degraded": what})
         log.info(
             "serving",
             extra={
@@ -526,6 +542,20 @@ class App:
         yield g
         yield t
         yield _gauge("extproc_endpoints", "Endpoints in the pool.", len(self.pool))
+        if self.dcgm is not None:
+            d = self.dcgm.stats
+            yield _counter("extproc_dcgm_polls", "DCGM exporter polls made.", d.polls)
+            yield _counter(
+                "extproc_dcgm_failures",
+                "DCGM polls without a GPU utilization (the endpoint's GPUUtilization is "
+                "missing until one succeeds).",
+                d.failures,
+            )
+        yield _gauge(
+            "extproc_llmd_degraded",
+            "Parts of the llm-d config running with less than asked for (see the start-up log).",
+            len(self.settings.degraded),
+        )
         yield _gauge(
             "extproc_ready",
             "1 while the picker reports SERVING (endpoints known, not draining).",

@@ -298,6 +298,7 @@ class _Stream:
         served = wire.served_endpoint(msg)
         if served is not None and served != routed.placement.address:
             routed = self.routed = self.router.served(routed, served)
+        self.router.responded(routed)
         extra = dict(routed.decision.response_headers)
         if self.explain:
             extra[protocol.DECISION_HEADER] = orjson.dumps(explanation(routed)).decode()

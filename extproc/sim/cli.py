@@ -16,6 +16,8 @@ import contextlib
 import signal
 import sys
 
+import msgspec
+
 from extproc.sim.engine import EngineSettings
 from extproc.sim.kvevents import KVEventsSettings
 from extproc.sim.server import ServerSettings, SimServer
@@ -48,6 +50,9 @@ def build_arg_parser(prog: str = "python -m extproc.sim") -> argparse.ArgumentPa
     g.add_argument("--encode-tps", type=float, default=t.encode_tps)
     g.add_argument("--cpu-load-tps", type=float, default=t.cpu_load_tps)
     g.add_argument("--step-overhead-s", type=float, default=t.step_overhead_s)
+    g.add_argument("--speeds", default="1", metavar="F,F,...",
+                   help="relative speed of each server (one value: all), e.g. 1,1,0.5,0.25; "
+                        "POST /sim/speed changes it while running")  # fmt: skip
     g.add_argument("--fast", type=float, default=1.0, metavar="FACTOR",
                    help="compress time: every rate x FACTOR")  # fmt: skip
     k = p.add_argument_group("KV events (off unless a port or --kv-events-connect is given)")
@@ -93,6 +98,11 @@ def server_settings(args: argparse.Namespace) -> list[ServerSettings]:
             speed=args.fast,
         ),
     )
+    speeds = [float(v) for v in str(args.speeds).split(",") if v.strip()]
+    if len(speeds) == 1:
+        speeds *= args.servers
+    if len(speeds) != args.servers or any(not v > 0 for v in speeds):
+        raise ValueError("--speeds needs one positive value, or one per server")
     out = []
     for i in range(args.servers):
         port = args.base_port + i if args.base_port else 0
@@ -100,7 +110,7 @@ def server_settings(args: argparse.Namespace) -> list[ServerSettings]:
             ServerSettings(
                 host=args.host,
                 port=port,
-                engine=engine,
+                engine=msgspec.structs.replace(engine, relative_speed=speeds[i]),
                 kv_events=_kv_events(args, i),
                 chat_max_tokens=args.chat_max_tokens,
             )

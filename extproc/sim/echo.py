@@ -51,6 +51,13 @@ def make_app(name: str) -> web.Application:
             "method": request.method,
             "body_bytes": len(body),
             "body_sha256": hashlib.sha256(body).hexdigest(),
+            # Headers the picker adds for disaggregated serving, as the server received them.
+            "picker_headers": {
+                k.lower(): v
+                for k, v in request.headers.items()
+                if k.lower()
+                in ("x-prefiller-host-port", "x-encoder-hosts-ports", "x-data-parallel-host-port")
+            },
         }
         headers_delay = _int(request.headers.get(HEADERS_DELAY_HEADER))
         if headers_delay:

@@ -42,6 +42,9 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - `seed` (0): output tokens are a function of (seed, request seed or prompt).
     - `min_tick_s` (0.005): wall seconds between token emissions at least; tokens due in
       between go out together (each still its own SSE chunk), bounding CPU per stream.
+    - `relative_speed` (1.0): this server's speed against the `timing` rates (0.5: half as
+      fast, a smaller GPU); `Engine.relative_speed` changes it while running (a server
+      slowed by another tenant), from the next admitted prefill and decode tick on.
     """
 
     model: str = "tiny"
@@ -54,6 +57,7 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int = 0
     min_tick_s: Annotated[float, msgspec.Meta(gt=0)] = 0.005
     timing: TimingSettings = TimingSettings()
+    relative_speed: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,7 @@ class Engine:
         self._admitted = 0
         self._counts = dict.fromkeys(_State, 0)
         self._lane_free_at = 0.0
+        self.relative_speed = settings.relative_speed
 
     def gauges(self) -> Gauges:
         waiting = self._counts[_State.QUEUED] + self._counts[_State.ADMITTED]
@@ -172,6 +177,7 @@ class Engine:
             await _sleep_until(loop, seq.prefill_end)
             self.stats.prefill_time.observe(seq.prefill_end - seq.prefill_start)
             cached = (seq.hit.gpu + seq.hit.cpu) * bs
+            self.stats.prefill_computed.observe(len(ids) - cached)
             rng = random.Random(self._seed(job))
             first = self.tokenizer.sample(rng, 1)
             self._emit(seq, first)
@@ -181,6 +187,9 @@ class Engine:
                 yield Chunk(tokens, cached)
             self.stats.finished["length"] += 1
             self.stats.decode_time.observe(loop.time() - seq.prefill_end)
+            if job.max_tokens > 1:
+                decode_s = loop.time() - seq.prefill_end
+                self.stats.tpot.observe(decode_s / (job.max_tokens - 1))
             self.stats.e2e.observe(loop.time() - t0)
         finally:
             self._finish(seq)
@@ -191,7 +200,7 @@ class Engine:
         last = loop.time()
         due = 0.0
         while remaining > 0:
-            rate = self._timing.decode_rate(self._counts[_State.RUNNING])
+            rate = self._timing.decode_rate(self._counts[_State.RUNNING]) * self.relative_speed
             if seq.job.stream:
                 tick = max(self.settings.min_tick_s, 1.0 / rate)
             else:  # one wake-up per 50 ms is enough to follow batch changes
@@ -251,6 +260,7 @@ class Engine:
             hit_tokens = (hit.gpu + hit.cpu) * bs
             encode = self._encode_tokens(seq.job.tokens, hit_tokens)
             work = self._timing.prefill_s(prompt_len - hit_tokens, encode, hit.cpu * bs)
+            work /= self.relative_speed
             seq.prefill_start = max(loop.time(), self._lane_free_at)
             seq.prefill_end = self._lane_free_at = seq.prefill_start + work
             st = self.stats

@@ -76,12 +76,16 @@ class EngineStats:
     queue_time: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
     prefill_time: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
     decode_time: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    tpot: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     prompt_hist: Histogram = field(init=False)
     generation_hist: Histogram = field(init=False)
+    prefill_computed: Histogram = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompt_hist = Histogram(token_buckets(self.max_model_len))
         self.generation_hist = Histogram(token_buckets(self.max_model_len))
+        # vLLM caps this one's 1-2-5 series at 2000 whatever the model length.
+        self.prefill_computed = Histogram(token_buckets(min(self.max_model_len, 2000)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +158,12 @@ def render(stats: EngineStats, gauges: Gauges, model: str, cache_config: Mapping
     w.histogram("request_decode_time_seconds",
                 "Histogram of time spent in DECODE phase for request.",
                 stats.decode_time)  # fmt: skip
+    w.histogram("request_time_per_output_token_seconds",
+                "Histogram of time_per_output_token_seconds per request.",
+                stats.tpot)  # fmt: skip
+    w.histogram("request_prefill_kv_computed_tokens",
+                "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                stats.prefill_computed)  # fmt: skip
     w.info("cache_config_info", "Information of the LLMEngine CacheConfig", cache_config)
     # prometheus_client's process collector, as on a real server: a restart changes it.
     w.raw(

@@ -1,7 +1,9 @@
 """One simulated vLLM server over HTTP (aiohttp): the OpenAI routes, `/metrics`, `/health`,
 `/reset_prefix_cache`, `/tokenize`, plus `GET /sim/cache` (the true cache state, for
-tests and benchmarks). Bodies are read with extproc's own `parse_request`; the `engine`
-does the physics, `kvevents` the ZMQ side.
+tests and benchmarks) and `GET|POST /sim/speed` (`{"relative_speed": 0.25}`: slow the
+server down or speed it up while running, as another tenant on its GPU would). Bodies are
+read with extproc's own `parse_request`; the `engine` does the physics, `kvevents` the ZMQ
+side.
 
     async with SimServer(ServerSettings(port=0)) as srv:
         ...  # srv.url, srv.kv_events_url, srv.replay_url
@@ -14,7 +16,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import orjson
@@ -63,6 +65,10 @@ class _StreamOptions(msgspec.Struct):
 
 
 _SAMPLING = msgspec.json.Decoder(_Sampling)
+
+
+class _Speed(msgspec.Struct, forbid_unknown_fields=True):
+    relative_speed: Annotated[float, msgspec.Meta(gt=0, le=1000)]
 
 
 class SimServer:
@@ -143,6 +149,8 @@ class SimServer:
         app.router.add_post("/reset_prefix_cache", self._reset)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/sim/cache", self._cache)
+        app.router.add_get("/sim/speed", self._speed)
+        app.router.add_post("/sim/speed", self._set_speed)
         return app
 
     def _headers(self) -> dict[str, str]:
@@ -276,6 +284,17 @@ class SimServer:
         return web.Response(
             text=text, content_type="text/plain", charset="utf-8", headers=self._headers()
         )
+
+    async def _speed(self, request: web.Request) -> web.Response:
+        return web.json_response({"relative_speed": self.engine.relative_speed})
+
+    async def _set_speed(self, request: web.Request) -> web.Response:
+        try:
+            body = msgspec.json.decode(await request.read(), type=_Speed)
+        except msgspec.DecodeError as exc:
+            return self._error(400, str(exc), "BadRequestError")
+        self.engine.relative_speed = body.relative_speed
+        return await self._speed(request)
 
     async def _reset(self, request: web.Request) -> web.Response:
         self.engine.reset_prefix_cache()

@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 
 SERVED_BY_HEADER = "x-served-by"
+PREDICTED_TTFT_HEADER = "x-extproc-predicted-ttft-ms"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,8 @@ class Result:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    # The picker's predicted TTFT for this request (`x-extproc-predicted-ttft-ms`), if sent.
+    predicted_ttft_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +239,9 @@ async def send_one(
         ) as resp:
             res.status = resp.status
             res.served_by = resp.headers.get(SERVED_BY_HEADER, "")
+            predicted = resp.headers.get(PREDICTED_TTFT_HEADER)
+            if predicted is not None:
+                res.predicted_ttft_s = float(predicted) / 1000.0
             if resp.status != 200:
                 res.error = (await resp.text())[:200]
             else:

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.core import Endpoint
 from extproc.endpoints.pool import EndpointPool
 from extproc.endpoints.scrape import (
+    LatencyTotals,
     MetricsError,
     MetricsScraper,
     Scraped,
@@ -66,7 +67,42 @@ def test_real_vllm_scrape_gives_load_cache_config_and_prefix_counters() -> None:
         prefix_cache_hits=128,
         process_start_s=1.79597100344e09,
         prompt_tokens=495,
+        latency=LatencyTotals(
+            ttft_sum=2.0445685386657715,
+            ttft_count=9.0,
+            queue_sum=0.00021912600027462759,
+            queue_count=9.0,
+            prefill_sum=2.0158210619995316,
+            prefill_count=9.0,
+            itl_sum=0.10916207699983715,
+            itl_count=47.0,
+            tpot_sum=0.02088012846661513,
+            tpot_count=9.0,
+            prompt_sum=495.0,
+            prompt_count=9.0,
+            prefill_tokens=367.0,
+        ),
     )
+
+
+def test_latency_totals_fall_back_to_local_compute_tokens_and_old_tpot_name() -> None:
+    """Without the kv-computed histogram, uncached tokens come from prompt_tokens_by_source;
+    vLLM before 0.11 named TPOT time_per_output_token_seconds; no histogram at all: None."""
+    got = parse_metrics(
+        vllm(
+            'vllm:num_requests_running{engine="0"} 1.0',
+            'vllm:request_prefill_time_seconds_sum{engine="0"} 1.5',
+            'vllm:request_prefill_time_seconds_count{engine="0"} 3.0',
+            'vllm:time_per_output_token_seconds_sum{engine="0"} 0.2',
+            'vllm:time_per_output_token_seconds_count{engine="0"} 4.0',
+            'vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 300.0',
+            'vllm:prompt_tokens_by_source_total{engine="0",source="local_cache_hit"} 50.0',
+        )
+    ).latency
+    assert got == LatencyTotals(
+        prefill_sum=1.5, prefill_count=3.0, tpot_sum=0.2, tpot_count=4.0, prefill_tokens=300.0
+    )
+    assert parse_metrics(vllm('vllm:num_requests_running{engine="0"} 1.0')).latency is None
 
 
 def test_real_vllm_scrape_with_load_agrees_with_a_generic_parser() -> None:

@@ -108,7 +108,7 @@ def test_check_config_command(tmp_path, capsys):
     assert (
         main(["check-config", str(write(tmp_path, LLMD.replace("queue-scorer\n", "q\n", 1)))]) == 2
     )
-    assert "configuration error" in capsys.readouterr().err
+    assert "2 problem(s)" in capsys.readouterr().err  # the type, and the ref to it
 
 
 PLUGIN_SOURCE = """\

@@ -17,7 +17,13 @@ DISAGG = textwrap.dedent(
     kind: EndpointPickerConfig
     plugins:
     - type: disagg-profile-handler
-      parameters: {threshold: 256, maxEncoders: 2}
+      parameters:
+        maxEncoders: 2
+        deciders: {prefill: pd-decider, encode: always-disagg-multimodal-decider}
+    - type: prefix-based-pd-decider
+      name: pd-decider
+      parameters: {nonCachedTokens: 257}
+    - type: always-disagg-multimodal-decider
     - type: decode-filter
     - type: prefill-filter
     - type: encode-filter
@@ -94,3 +100,28 @@ def test_explanation_lists_scores_of_every_profile_that_ran():
 def test_disagg_params_are_strict():
     with pytest.raises(ConfigError, match="maxEncoder"):
         scheduler(DISAGG.replace("maxEncoders: 2", "maxEncoder: 2"))
+
+
+def test_extprocs_older_threshold_parameter_is_an_implicit_prefix_decider():
+    """`threshold: 256` (extproc's older spelling) behaves as nonCachedTokens 257."""
+    text = DISAGG.replace(
+        "deciders: {prefill: pd-decider, encode: always-disagg-multimodal-decider}",
+        "threshold: 256",
+    )
+    s = scheduler(text)
+    assert s.schedule(req(blocks=20, tokens=1280), FLEET).prefill is not None
+    fleet = [cand("10.0.0.1:8000", role="decode", prefix=18), *FLEET[1:]]
+    assert s.schedule(req(blocks=20, tokens=1280), fleet).prefill is None
+
+
+def test_without_deciders_no_stage_runs_as_in_llm_d():
+    text = DISAGG.replace(
+        "\n    deciders: {prefill: pd-decider, encode: always-disagg-multimodal-decider}", ""
+    )
+    d = scheduler(text).schedule(req(blocks=20, tokens=5000, media=("i",)), FLEET)
+    assert d.headers == {} and d.primary.address.startswith("10.0.0.")
+
+
+def test_a_decider_name_that_is_no_plugin_is_a_config_error():
+    with pytest.raises(ConfigError, match="pd-decidr"):
+        scheduler(DISAGG.replace("prefill: pd-decider", "prefill: pd-decidr"))

@@ -110,9 +110,7 @@ def test_affinity_filter_lets_all_through_when_nobody_holds_enough():
 
 def test_ttft_gate_breaks_stickiness_when_the_sticky_endpoint_is_swamped():
     f = PrefixCacheAffinityFilter(
-        PrefixCacheAffinityFilter.Params(
-            max_ttft_penalty_ms=1000, peak_prefill_tokens_per_second=1000
-        )
+        PrefixCacheAffinityFilter.Params(max_ttft_penalty_ms=1000, peak_prefill_throughput=1000)
     )
     calm = [cand("hot", prefix=10, inflight_tokens=500), cand("cold")]
     swamped = [cand("hot", prefix=10, inflight_tokens=5000), cand("cold")]

@@ -173,7 +173,7 @@ GATED = textwrap.dedent(
     kind: EndpointPickerConfig
     plugins:
     - type: prefix-cache-affinity-filter
-      parameters: {threshold: 0.5, maxTTFTPenaltyMs: 100, peakPrefillTokensPerSecond: 1000}
+      parameters: {affinityThreshold: 0.5, maxTTFTPenaltyMs: 100, peakPrefillThroughput: 1000}
     - type: prefix-cache-scorer
     - type: active-request-scorer
     schedulingProfiles:
@@ -228,7 +228,11 @@ DISAGG = textwrap.dedent(
     kind: EndpointPickerConfig
     plugins:
     - type: disagg-profile-handler
-      parameters: {threshold: 100}
+      parameters:
+        deciders: {prefill: prefix-based-pd-decider, encode: always-disagg-multimodal-decider}
+    - type: prefix-based-pd-decider
+      parameters: {nonCachedTokens: 101}
+    - type: always-disagg-multimodal-decider
     - type: decode-filter
     - type: prefill-filter
     - type: encode-filter

@@ -1,18 +1,51 @@
 """Built-in plugins. `BUILTINS` is the one list the registry starts from."""
 
 from extproc.scheduling.handlers import DisaggProfileHandler, SingleProfileHandler
-from extproc.scheduling.plugins.affinity import EncoderCacheScorer, SessionAffinityScorer
+from extproc.scheduling.plugins.affinity import (
+    EncoderCacheScorer,
+    HeaderLabelAffinityScorer,
+    SessionAffinityFilter,
+    SessionAffinityScorer,
+)
+from extproc.scheduling.plugins.attributes import EndpointAttributeFilter, EndpointAttributeScorer
+from extproc.scheduling.plugins.context_length import ContextLengthAware
+from extproc.scheduling.plugins.deciders import (
+    AlwaysDisaggMultimodalDecider,
+    AlwaysDisaggPDDecider,
+    PrefixBasedPDDecider,
+)
 from extproc.scheduling.plugins.filters import (
+    ByLabelFilter,
+    ByLabelSelectorFilter,
     DecodeFilter,
     EncodeFilter,
     LabelSelectorFilter,
     PrefillFilter,
+)
+from extproc.scheduling.plugins.gie_legacy import (
+    DecisionTreeFilter,
+    KVCacheScorer,
+    LeastKVCacheFilter,
+    LeastQueueFilter,
+    LoraAffinityFilter,
+    LowQueueFilter,
+)
+from extproc.scheduling.plugins.latency import (
+    LatencyScorer,
+    LatencySloAdmitter,
+    PredictedLatencyProducer,
+    SloHeadroomTierFilter,
 )
 from extproc.scheduling.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from extproc.scheduling.plugins.prefix import (
     NoHitLRUScorer,
     PrefixCacheAffinityFilter,
     PrefixCacheScorer,
+)
+from extproc.scheduling.plugins.profile_handlers import (
+    DataParallelProfileHandler,
+    HeaderProfileHandler,
+    PdProfileHandler,
 )
 from extproc.scheduling.plugins.scorers import (
     ActiveRequestScorer,
@@ -22,6 +55,8 @@ from extproc.scheduling.plugins.scorers import (
     QueueScorer,
     TokenLoadScorer,
 )
+from extproc.scheduling.plugins.topology import TopologyAffinityFilter, TopologyAffinityScorer
+from extproc.scheduling.plugins.utilization import RunningRequestsSizeScorer, UtilizationFilter
 
 BUILTINS: tuple[type, ...] = (
     SingleProfileHandler,
@@ -44,6 +79,36 @@ BUILTINS: tuple[type, ...] = (
     MaxScorePicker,
     RandomPicker,
     WeightedRandomPicker,
+    # llm-d's further scheduling plugins
+    DataParallelProfileHandler,
+    PdProfileHandler,
+    HeaderProfileHandler,
+    PrefixBasedPDDecider,
+    AlwaysDisaggPDDecider,
+    AlwaysDisaggMultimodalDecider,
+    SessionAffinityFilter,
+    HeaderLabelAffinityScorer,
+    ByLabelFilter,
+    ByLabelSelectorFilter,
+    ContextLengthAware,
+    UtilizationFilter,
+    RunningRequestsSizeScorer,
+    TopologyAffinityFilter,
+    TopologyAffinityScorer,
+    EndpointAttributeFilter,
+    EndpointAttributeScorer,
+    # GIE v0.5's chart-default plugins
+    LowQueueFilter,
+    LeastQueueFilter,
+    LeastKVCacheFilter,
+    LoraAffinityFilter,
+    DecisionTreeFilter,
+    KVCacheScorer,
+    # predicted latency
+    PredictedLatencyProducer,
+    LatencyScorer,
+    SloHeadroomTierFilter,
+    LatencySloAdmitter,
 )
 
 __all__ = ["BUILTINS"]

@@ -11,8 +11,10 @@ import msgspec
 from extproc.core import Candidate
 
 
-class _NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    pass
+class _NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+    # llm-d's picker parameter, accepted; how many endpoints a decision carries is the pick
+    # plus `server.fallbacks` (check-config says so when it is set).
+    max_num_of_endpoints: int | None = None
 
 
 class _RandomizedPicker:

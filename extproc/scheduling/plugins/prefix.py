@@ -3,9 +3,10 @@ already hold (from the global KV-block index), and spread requests that hit nowh
 
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, ClassVar, Literal
 
 import msgspec
@@ -27,8 +28,10 @@ class PrefixCacheScorer:
     offloaded CPU blocks less, see the index tiers).
 
     The index itself (approximate from routing decisions, or precise from vLLM KV events)
-    is configured in the `index` settings; llm-d's parameters are accepted so configs carry
-    over, and `mode` is informational.
+    is configured in the `index` settings, or by llm-d's producer plugins in the same config
+    (see docs/llm-d.md); `mode` is informational. With `matchLengthWeight` w (0..1) the score
+    blends in the matched length: w * min(1, matched tokens / `matchLengthScaleTokens`)^2 +
+    (1 - w) * the fraction (llm-d's formula).
 
     ```yaml
     - type: prefix-cache-scorer
@@ -39,9 +42,9 @@ class PrefixCacheScorer:
 
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
         mode: Literal["approximate", "precise", "auto"] = "auto"
-        block_size: int | None = None
-        max_prefix_blocks_to_match: int | None = None
-        lru_capacity_per_server: int | None = None
+        prefix_match_info_producer_name: str | None = None
+        match_length_weight: _Fraction = 0.0
+        match_length_scale_tokens: Annotated[int, msgspec.Meta(gt=0)] = 8192
 
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
@@ -50,59 +53,105 @@ class PrefixCacheScorer:
         n = len(req.block_keys)
         if not n:
             return [0.0] * len(cands)
-        return [c.prefix_blocks / n if c.prefix_blocks < n else 1.0 for c in cands]
+        ratios = [c.prefix_blocks / n if c.prefix_blocks < n else 1.0 for c in cands]
+        w = self.params.match_length_weight
+        if not w or not req.block_tokens:
+            return ratios
+        # llm-d's blend: a long absolute match also counts, squared so short ones count little.
+        scale = self.params.match_length_scale_tokens
+        lengths = [min(1.0, c.prefix_blocks * req.block_tokens / scale) ** 2 for c in cands]
+        return [w * m + (1.0 - w) * r for m, r in zip(lengths, ratios, strict=True)]
 
 
 class PrefixCacheAffinityFilter:
-    """Keeps only the endpoints that hold at least `threshold` of the request's prefix, when
+    """Keeps only the endpoints that hold at least `affinityThreshold` of the request's prefix, when
     any does, so a cached conversation sticks where its cache is.
 
     Stickiness breaks when it would hurt: when the best sticky endpoint's predicted TTFT
     (the prefill work already placed on it, plus this request's uncached tokens, over
-    `peakPrefillTokensPerSecond`) exceeds the best other endpoint's by more than
-    `maxTTFTPenaltyMs`, the request goes to the others instead, so a burst on one hot prefix
-    spills over to more endpoints rather than queueing on one. With `explorationProbability`
-    the filter lets everything through at random, so the index keeps learning.
+    `peakPrefillThroughput` tokens/s, llm-d's default 15928) exceeds the best other
+    endpoint's by more than `maxTTFTPenaltyMs`, the request goes to the others instead, so a
+    burst on one hot prefix spills over to more endpoints rather than queueing on one. With
+    `explorationProbability` the filter lets everything through at random, so the index keeps
+    learning.
+
+    `ttftSource: latencyPredictor` takes each endpoint's TTFT from the
+    `predicted-latency-producer` (learned from the servers' own histograms, queued work
+    included) instead, so no throughput has to be measured by hand; while nothing is learned
+    yet the gate cannot judge and stickiness holds. `latencyPredictionInfoProducerName`
+    names the producer when there are several.
 
     ```yaml
     - type: prefix-cache-affinity-filter
-      parameters: {threshold: 0.8, maxTTFTPenaltyMs: 18000, peakPrefillTokensPerSecond: 10000}
+      parameters: {affinityThreshold: 0.8, maxTTFTPenaltyMs: 18000, peakPrefillThroughput: 15928}
+    - type: prefix-cache-affinity-filter
+      parameters: {affinityThreshold: 0.8, maxTTFTPenaltyMs: 5000, ttftSource: latencyPredictor}
     ```
     """
 
     type_name: ClassVar[str] = "prefix-cache-affinity-filter"
 
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
-        threshold: _Fraction = 0.8
+        affinity_threshold: _Fraction = 0.8
         # llm-d spells it with TTFT in capitals, which camel renaming would not produce.
         max_ttft_penalty_ms: Annotated[float, msgspec.Meta(ge=0.0)] = msgspec.field(
             default=18000.0, name="maxTTFTPenaltyMs"
         )
-        peak_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
+        peak_prefill_throughput: Annotated[float, msgspec.Meta(gt=0.0)] = 15928.0
         exploration_probability: _Fraction = 0.0
+        ttft_source: Literal["prefillThroughput", "latencyPredictor"] = msgspec.field(
+            default="prefillThroughput", name="ttftSource"
+        )
+        prefix_match_info_producer_name: str | None = None
+        latency_prediction_info_producer_name: str = ""
+        in_flight_load_producer_name: str | None = None
 
     def __init__(self, params: Params | None = None, *, rng: random.Random | None = None) -> None:
         self._p = params or self.Params()
         self._rng = rng or random.Random()
+        self._producer = None
+        self.unjudged = 0  # gate decisions skipped: the predictor had nothing learned yet
+
+    def bind(self, plugins: Mapping[str, object]) -> None:
+        """Find the latency producer when the TTFT comes from it (after all are built)."""
+        if self._p.ttft_source == "latencyPredictor":
+            from extproc.scheduling.plugins.latency import find_producer
+
+            self._producer = find_producer(
+                plugins, self._p.latency_prediction_info_producer_name, self.type_name
+            )
 
     def _ttft_ms(self, req: InferenceRequest, c: Candidate) -> float:
         uncached = req.prompt_tokens * (1.0 - prefix_fraction(req, c))
         tokens = c.state.inflight_tokens + uncached
-        return tokens / self._p.peak_prefill_tokens_per_second * 1000.0
+        return tokens / self._p.peak_prefill_throughput * 1000.0
 
     def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
         p = self._p
         if not req.block_keys:
             return cands
-        sticky = [c for c in cands if prefix_fraction(req, c) >= p.threshold]
+        sticky = [c for c in cands if prefix_fraction(req, c) >= p.affinity_threshold]
         if not sticky or len(sticky) == len(cands):
             return cands
         if p.exploration_probability and self._rng.random() < p.exploration_probability:
             return cands
         keep = {id(c) for c in sticky}
         others = [c for c in cands if id(c) not in keep]
-        best_sticky = min(self._ttft_ms(req, c) for c in sticky)
-        best_other = min(self._ttft_ms(req, c) for c in others)
+        if self._producer is not None:
+            ttft = {
+                id(c): i.prediction.ttft_ms
+                for c, i in zip(cands, self._producer.predictions(req, cands), strict=True)
+                if i is not None
+            }
+            if not ttft:
+                self.unjudged += 1
+                return sticky
+            # An endpoint without a prediction of its own cannot win the comparison.
+            best_sticky = min(ttft.get(id(c), math.inf) for c in sticky)
+            best_other = min(ttft.get(id(c), math.inf) for c in others)
+        else:
+            best_sticky = min(self._ttft_ms(req, c) for c in sticky)
+            best_other = min(self._ttft_ms(req, c) for c in others)
         if best_sticky - best_other > p.max_ttft_penalty_ms:
             return others
         return sticky
@@ -123,6 +172,9 @@ class NoHitLRUScorer:
 
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
         lru_size: Annotated[int, msgspec.Meta(gt=0)] = 1024
+        prefix_plugin_type: str | None = None
+        prefix_plugin_name: str | None = None
+        prefix_match_info_producer_name: str | None = None
 
     def __init__(self, params: Params | None = None) -> None:
         self._size = (params or self.Params()).lru_size

@@ -85,9 +85,16 @@ class ActiveRequestScorer:
     """
 
     type_name: ClassVar[str] = "active-request-scorer"
-    Params = _NoParams
 
-    def __init__(self, params: _NoParams | None = None) -> None:
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+        """llm-d's parameters, accepted; check-config says they have no effect here."""
+
+        request_timeout: str | None = None
+        idle_threshold: int | None = None
+        max_busy_score: float | None = None
+        in_flight_load_producer_name: str | None = None
+
+    def __init__(self, params: Params | None = None) -> None:
         pass
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
@@ -104,9 +111,14 @@ class TokenLoadScorer:
     """
 
     type_name: ClassVar[str] = "token-load-scorer"
-    Params = _NoParams
 
-    def __init__(self, params: _NoParams | None = None) -> None:
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+        """llm-d's parameters, accepted; check-config says they have no effect here."""
+
+        queue_threshold_tokens: int | None = None
+        in_flight_load_producer_name: str | None = None
+
+    def __init__(self, params: Params | None = None) -> None:
         pass
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:

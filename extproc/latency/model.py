@@ -1,0 +1,426 @@
+"""A per-endpoint latency model: time to first token and time per output token, learned
+online from the engine's own latency histograms, predicted in microseconds.
+
+The TTFT of a request sent to an endpoint is modelled as the engine serves prefills, one
+after another on the accelerator:
+
+    TTFT = overhead + backlog + prefill(uncached tokens)
+    prefill(t) = per_request + per_token * t
+
+- `per_request` and `per_token` are fitted by recursive least squares on each endpoint's
+  histogram differences between scrapes: the prefill seconds added (`request_prefill_time`
+  sum) against the requests and uncached tokens they prefilled (`request_prefill_time`
+  count, `request_prefill_kv_computed_tokens` sum). No throughput is configured: a slower
+  server simply fits a larger `per_token`, and forgetting lets the fit follow a server whose
+  speed changes (another tenant on the GPU).
+- `overhead` is what TTFT holds beyond queueing and prefill (tokenization, scheduling, the
+  first decode step): the TTFT sum minus the queue and prefill sums, per request, smoothed.
+- `transport` (added to TTFT) is the time outside the engine: from the decision to the
+  response headers of streamed requests (servers send them on accepting the request).
+- `backlog` is the prefill work ahead of the request: the work this picker placed there and
+  has not seen finish (a virtual prefill lane per endpoint, advanced at each placement by
+  the predicted prefill of what was placed), plus, for each scraped waiting request beyond
+  this picker's own unfinished ones, the endpoint's mean prefill (requests other pickers or
+  clients sent, or ours running late).
+
+TPOT is fitted the same way from `inter_token_latency` against the running batch size:
+`TPOT = base + per_sequence * (running + 1)`.
+
+Token counts: the picker estimates a request's tokens from its text (or counts them exactly
+in precise mode); the engine's histograms count with its own tokenizer. `token_scale`, the
+engine's mean prompt tokens per request (`request_prompt_tokens`) over the picker's mean
+estimate for the requests it placed, converts one into the other, learned like the rest.
+
+An endpoint with too few samples borrows the fleet's median coefficients (its prediction
+says `warm=False`); with no warm endpoint at all there is no prediction, and consumers fall
+back to load scores (they say so in a metric, see `ModelStats`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+
+from extproc.core import EndpointState, LatencyTotals
+from extproc.latency.rls import RecursiveLeastSquares
+
+# Tokens are fitted in thousands so both features of the prefill fit have similar scale.
+_TOKEN_SCALE = 1000.0
+# A prefill interval off the fit by more than this fraction (twice running) means the
+# server's speed changed.
+_CHANGE = 0.5
+# Response-header delays above this are stalls, not the path's cost, and are not learned.
+_MAX_TRANSPORT_S = 1.0
+
+
+class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+    """Learning knobs (not throughputs: nothing here says how fast a server is).
+
+    `forgetting` (0.9): weight each fit keeps per new sample (about the last 10 intervals
+    matter). `min_samples` (3): prefill intervals before an endpoint's own fit is used.
+    `smoothing` (0.3): weight of a new interval in the smoothed means (overhead, mean
+    uncached tokens per request).
+    """
+
+    forgetting: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
+    min_samples: Annotated[int, msgspec.Meta(ge=1)] = 3
+    smoothing: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class Coefficients:
+    """One endpoint's fitted model (seconds). Replaced whole at each update, so the hot path
+    reads a consistent set without locking."""
+
+    per_request_s: float
+    per_token_s: float
+    overhead_s: float
+    mean_tokens: float
+    itl_base_s: float | None
+    itl_per_seq_s: float
+    samples: int
+
+    def prefill_s(self, tokens: float) -> float:
+        return self.per_request_s + self.per_token_s * tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The learned prefill throughput (for operators; the model never reads it)."""
+        return 1.0 / self.per_token_s if self.per_token_s > 0 else math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Predicted latency of one request on one endpoint. `warm` is False when the endpoint
+    has too few samples and the fleet's coefficients stood in."""
+
+    ttft_s: float
+    tpot_s: float | None
+    warm: bool
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.ttft_s * 1000.0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        return None if self.tpot_s is None else self.tpot_s * 1000.0
+
+
+@dataclass(slots=True)
+class ModelStats:
+    """Counters since start, read by the metrics collector."""
+
+    predictions_warm: int = 0
+    predictions_borrowed: int = 0
+    predictions_missing: int = 0
+    samples: int = 0
+    resets: int = 0
+    reopened: int = 0  # fits reopened because a server's speed changed
+
+
+class _Learned:
+    """The learner's state for one endpoint (learner loop only)."""
+
+    __slots__ = ("coeffs", "itl", "itl_base", "mean_tokens", "overhead", "prefill",
+                 "prompt_base", "ratio", "running", "surprises", "totals")  # fmt: skip
+
+    def __init__(self, s: ModelSettings) -> None:
+        self.totals: LatencyTotals | None = None
+        self.running = 0
+        self.prefill = RecursiveLeastSquares(2, forgetting=s.forgetting)
+        self.itl = RecursiveLeastSquares(2, forgetting=s.forgetting)
+        self.itl_base: LatencyTotals | None = None
+        self.prompt_base: LatencyTotals | None = None
+        self.overhead: float | None = None
+        self.mean_tokens: float | None = None
+        self.ratio: tuple[float, float] | None = None  # smoothed (prefill s / req, s / token)
+        self.coeffs: Coefficients | None = None
+        self.surprises = 0  # consecutive prefill samples far off the fit
+
+    def coeffs_ready(self, min_samples: int) -> bool:
+        return self.prefill.samples >= min_samples
+
+
+class LatencyModel:
+    """Predictions for every endpoint of the pool. `learn` runs in the learner loop, `predict`
+    and `place` on the hot path; all on one event loop. `clock` is monotonic seconds."""
+
+    def __init__(
+        self, settings: ModelSettings | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings or ModelSettings()
+        self.now = clock
+        self.stats = ModelStats()
+        self._learned: dict[str, _Learned] = {}
+        self._coeffs: dict[str, Coefficients] = {}  # warm endpoints only
+        self._fleet: Coefficients | None = None
+        self._lane: dict[str, float] = {}  # address -> when its placed prefills end
+        # address -> predicted prefill end of each placed request, oldest first
+        self._ends: dict[str, deque[float]] = {}
+        # address -> [estimated prompt tokens, requests] placed since the last scale sample
+        self._placed: dict[str, list[float]] = {}
+        self.token_scale = 1.0  # engine tokens per estimated token
+        # address -> smoothed seconds from the decision to the response headers (streaming)
+        self._transport: dict[str, float] = {}
+
+    # -- learning (off the hot path) -----------------------------------------------------
+
+    def learn(self, address: str, totals: LatencyTotals | None, running: int = 0) -> bool:
+        """Feed one scrape's cumulative histograms; True when it taught the model something."""
+        if totals is None:
+            return False
+        st = self._learned.get(address)
+        if st is None:
+            st = self._learned[address] = _Learned(self.settings)
+        learned = self._learn_prefill(st, totals)
+        learned = self._learn_itl(st, totals, running) or learned
+        learned = self._learn_scale(address, st, totals) or learned
+        st.running = running
+        if learned:
+            self.stats.samples += 1
+            self._publish(address, st)
+        return learned
+
+    def _learn_prefill(self, st: _Learned, t: LatencyTotals) -> bool:
+        last = st.totals
+        if last is None or t.prefill_count < last.prefill_count or t.ttft_sum < last.ttft_sum:
+            if last is not None:
+                self.stats.resets += 1  # the engine restarted: counters began again
+            st.totals = t
+            return False
+        n = t.prefill_count - last.prefill_count
+        if n < 1:
+            return False
+        secs = t.prefill_sum - last.prefill_sum
+        tokens = 0.0
+        if t.prefill_tokens is not None and last.prefill_tokens is not None:
+            tokens = max(0.0, t.prefill_tokens - last.prefill_tokens)
+        x = (n, tokens / _TOKEN_SCALE)
+        if st.coeffs_ready(self.settings.min_samples):
+            # A sample far off the fit, twice running, is a server whose speed changed
+            # (another tenant, throttling): reopen the fit so it follows within a few
+            # intervals instead of the ~10 forgetting alone would take.
+            expected = st.prefill.predict(x)
+            if expected > 0 and abs(secs - expected) > _CHANGE * expected:
+                st.surprises += 1
+                if st.surprises >= 2:
+                    st.prefill.reopen()
+                    st.surprises = 0
+                    self.stats.reopened += 1
+            else:
+                st.surprises = 0
+        st.prefill.update(x, secs)
+        a = self.settings.smoothing
+        per_req, per_tok = secs / n, (secs / tokens if tokens > 0 else 0.0)
+        st.ratio = (
+            (per_req, per_tok)
+            if st.ratio is None
+            else (_ewma(st.ratio[0], per_req, a), _ewma(st.ratio[1], per_tok, a))
+        )
+        st.mean_tokens = _smooth(st.mean_tokens, tokens / n, a)
+        first = t.ttft_count - last.ttft_count
+        if first >= 1 and t.queue_count - last.queue_count >= 1:
+            rest = (
+                (t.ttft_sum - last.ttft_sum)
+                - (t.queue_sum - last.queue_sum)
+                - (t.prefill_sum - last.prefill_sum)
+            ) / first
+            st.overhead = _smooth(st.overhead, max(0.0, rest), a)
+        st.totals = t
+        return True
+
+    def _learn_itl(self, st: _Learned, t: LatencyTotals, running: int) -> bool:
+        last = st.itl_base
+        st.itl_base = t
+        if last is None or t.itl_count < last.itl_count:
+            return False
+        n = t.itl_count - last.itl_count
+        if n < 1:
+            st.itl_base = last  # keep accumulating until tokens were produced
+            return False
+        mean_running = (st.running + running) / 2.0
+        st.itl.update((1.0, mean_running), (t.itl_sum - last.itl_sum) / n)
+        return True
+
+    def _learn_scale(self, address: str, st: _Learned, t: LatencyTotals) -> bool:
+        last = st.prompt_base
+        if last is None or t.prompt_count < last.prompt_count:
+            st.prompt_base = t
+            return False
+        n = t.prompt_count - last.prompt_count
+        if n < 1:
+            return False
+        st.prompt_base = t
+        placed = self._placed.pop(address, None)
+        if placed is None or placed[1] < 1 or placed[0] <= 0:
+            return False  # requests others sent: nothing of ours to compare with
+        sample = ((t.prompt_sum - last.prompt_sum) / n) / (placed[0] / placed[1])
+        sample = min(20.0, max(0.05, sample))
+        self.token_scale = _ewma(self.token_scale, sample, self.settings.smoothing)
+        return True
+
+    def _publish(self, address: str, st: _Learned) -> None:
+        if st.prefill.samples < self.settings.min_samples or st.ratio is None:
+            return
+        w0, w1 = st.prefill.w
+        per_req, per_tok = w0, w1 / _TOKEN_SCALE
+        if per_tok < 0.0:
+            # The intervals never varied in tokens per request: only the mean is known.
+            per_req, per_tok = st.ratio[0], 0.0
+        elif per_req < 0.0:
+            per_req, per_tok = 0.0, st.ratio[1]
+        itl_base = itl_per = None
+        if st.itl.samples:
+            itl_base, itl_per = st.itl.w
+            if itl_per < 0.0:
+                itl_base, itl_per = max(0.0, itl_base + itl_per * st.running), 0.0
+        self._coeffs[address] = Coefficients(
+            per_request_s=per_req,
+            per_token_s=per_tok,
+            overhead_s=st.overhead or 0.0,
+            mean_tokens=st.mean_tokens or 0.0,
+            itl_base_s=itl_base,
+            itl_per_seq_s=itl_per or 0.0,
+            samples=st.prefill.samples,
+        )
+        self._fleet = _median(self._coeffs.values())
+
+    def retain(self, addresses: Collection[str]) -> None:
+        """Forget endpoints that left the pool."""
+        tables = (self._learned, self._coeffs, self._lane, self._placed, self._transport,
+                  self._ends)  # fmt: skip
+        for table in tables:
+            for gone in [a for a in table if a not in addresses]:
+                del table[gone]
+        self._fleet = _median(self._coeffs.values())
+
+    def coefficients(self, address: str) -> Coefficients | None:
+        """The endpoint's own fit, None until it has `min_samples` intervals."""
+        return self._coeffs.get(address)
+
+    def all_coefficients(self) -> dict[str, Coefficients]:
+        """Every warm endpoint's fit (a copy)."""
+        return dict(self._coeffs)
+
+    def transport_s(self, address: str) -> float | None:
+        """Smoothed time outside the engine for `address` (None: no streamed response yet)."""
+        return self._transport.get(address)
+
+    @property
+    def warm_endpoints(self) -> int:
+        return len(self._coeffs)
+
+    # -- the hot path --------------------------------------------------------------------
+
+    def predict(
+        self, address: str, state: EndpointState, uncached_tokens: float, now: float
+    ) -> Prediction | None:
+        """Predicted TTFT (and TPOT) of a request with `uncached_tokens` to prefill, sent to
+        `address` now; None while no endpoint has a fit."""
+        c = self._coeffs.get(address)
+        warm = c is not None
+        if c is None:
+            c = self._fleet
+            if c is None:
+                self.stats.predictions_missing += 1
+                return None
+            self.stats.predictions_borrowed += 1
+        else:
+            self.stats.predictions_warm += 1
+        backlog = self._lane.get(address, 0.0) - now
+        if backlog < 0.0:
+            backlog = 0.0
+        if not state.is_stale and state.waiting:
+            # Waiting requests beyond ours still unfinished when the scrape was taken are
+            # work other pickers or clients queued there (or ours running late): the lane
+            # cannot see them. Ours are counted generously (until their predicted end, as of
+            # the scrape's age): a request of ours that arrived late is not someone else's.
+            taken = now - (state.age_s or 0.0)
+            foreign = state.waiting - self._unfinished(address, taken)
+            if foreign > 0:
+                backlog += foreign * (c.per_request_s + c.per_token_s * c.mean_tokens)
+        ttft = (
+            c.overhead_s
+            + self._transport.get(address, 0.0)
+            + backlog
+            + c.per_request_s
+            + c.per_token_s * uncached_tokens * self.token_scale
+        )
+        tpot = None
+        if c.itl_base_s is not None:
+            running = (0 if state.is_stale else state.running) + 1
+            tpot = max(0.0, c.itl_base_s + c.itl_per_seq_s * running)
+        return Prediction(ttft, tpot, warm)
+
+    def responded(self, address: str, elapsed_s: float) -> None:
+        """A streamed response's headers came back `elapsed_s` after the decision: servers
+        send them once the request is accepted, before the first token, so this is the time
+        outside the engine (proxy, network, HTTP) that its TTFT histogram does not show."""
+        if not 0.0 <= elapsed_s < _MAX_TRANSPORT_S:
+            return  # a stall, not the path's usual cost
+        old = self._transport.get(address)
+        self._transport[address] = elapsed_s if old is None else old + 0.1 * (elapsed_s - old)
+
+    def place(
+        self, address: str, uncached_tokens: float, now: float, prompt_tokens: float = 0.0
+    ) -> None:
+        """A request with `uncached_tokens` to prefill (of `prompt_tokens` estimated in all)
+        was sent to `address`: its prefill is now ahead of every later request there."""
+        if prompt_tokens > 0:
+            placed = self._placed.get(address)
+            if placed is None:
+                self._placed[address] = [prompt_tokens, 1.0]
+            else:
+                placed[0] += prompt_tokens
+                placed[1] += 1.0
+        c = self._coeffs.get(address) or self._fleet
+        if c is None:
+            return
+        lane = self._lane.get(address, 0.0)
+        start = lane if lane > now else now
+        self._lane[address] = start + c.prefill_s(uncached_tokens * self.token_scale)
+        ends = self._ends.get(address)
+        if ends is None:
+            ends = self._ends[address] = deque()
+        ends.append(self._lane[address])
+
+    def _unfinished(self, address: str, at: float) -> int:
+        """Requests this picker placed on `address` whose prefill should not be over `at`."""
+        ends = self._ends.get(address)
+        if not ends:
+            return 0
+        while ends and ends[0] <= at:
+            ends.popleft()
+        return len(ends)
+
+
+def _ewma(old: float, new: float, a: float) -> float:
+    return old + a * (new - old)
+
+
+def _smooth(old: float | None, new: float, a: float) -> float:
+    return new if old is None else _ewma(old, new, a)
+
+
+def _median(coeffs: Collection[Coefficients]) -> Coefficients | None:
+    """The fleet's typical endpoint, for endpoints that have not been measured yet."""
+    if not coeffs:
+        return None
+    itl = [c.itl_base_s for c in coeffs if c.itl_base_s is not None]
+    return Coefficients(
+        per_request_s=statistics.median(c.per_request_s for c in coeffs),
+        per_token_s=statistics.median(c.per_token_s for c in coeffs),
+        overhead_s=statistics.median(c.overhead_s for c in coeffs),
+        mean_tokens=statistics.median(c.mean_tokens for c in coeffs),
+        itl_base_s=statistics.median(itl) if itl else None,
+        itl_per_seq_s=statistics.median(c.itl_per_seq_s for c in coeffs),
+        samples=0,
+    )

@@ -1,0 +1,358 @@
+"""The llm-d edge (extproc.scheduling.llmd): every section and field it translates, every
+problem reported in one run with file:line and "did you mean", realisation reported."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from extproc.cli import main
+from extproc.config import decode_settings, examine, find_tokenizer, load_settings
+from extproc.errors import ConfigError
+from extproc.scheduling.llmd.table import PENDING_TYPES
+from extproc.scheduling.llmd.translate import translate
+from extproc.scheduling.plugins import BUILTINS
+from extproc.scheduling.registry import PluginRegistry
+
+BASE = textwrap.dedent(
+    """\
+    apiVersion: llm-d.ai/v1alpha1
+    kind: EndpointPickerConfig
+    plugins:
+    - type: queue-scorer
+    - type: max-score-picker
+    schedulingProfiles:
+    - name: default
+      plugins:
+      - pluginRef: queue-scorer
+      - pluginRef: max-score-picker
+    """
+)
+
+
+def doc(extra: str = "", base: str = BASE) -> dict:
+    import yaml
+
+    return yaml.safe_load(base + extra)
+
+
+def problems(d: dict) -> list[str]:
+    return [str(p) for p in examine(d).problems]
+
+
+@pytest.mark.parametrize(
+    "api", ["llm-d.ai/v1alpha1", "llm-d.ai/v1", "inference.networking.x-k8s.io/v1alpha1"]
+)
+def test_both_api_groups_and_versions_are_accepted(api):
+    d = doc()
+    d["apiVersion"] = api
+    assert problems(d) == []
+
+
+def test_an_unknown_api_version_is_refused_with_a_suggestion():
+    d = doc()
+    d["apiVersion"] = "llm-d.ai/v1alpha2"
+    (p,) = problems(d)
+    assert "unsupported apiVersion" in p and "did you mean 'llm-d.ai/v1alpha1'" in p
+
+
+def test_every_problem_is_reported_in_one_run_with_lines_and_suggestions(tmp_path, capsys):
+    text = textwrap.dedent(
+        """\
+        apiVersion: llm-d.ai/v1alpha1
+        kind: EndpointPickerConfig
+        plugins:
+        - type: queue-scorr
+        - type: prefix-cache-affinity-filter
+          parameters:
+            affinityTreshold: 0.6
+        - type: max-score-picker
+        schedulingProfile:
+        - name: x
+        schedulingProfiles:
+        - name: default
+          plugins:
+          - pluginRef: queue-scorer
+          - pluginRef: max-score-pickr
+        """
+    )
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "5 problem(s)" in err  # the fifth: the profile's ref to the misspelt plugin
+    assert (
+        f"{path}:4: plugins[0].type: unknown plugin type 'queue-scorr' "
+        "(did you mean 'queue-scorer'?)" in err
+    )
+    assert (
+        f"{path}:7: plugins[1].parameters.affinityTreshold: unknown field "
+        "(did you mean 'affinityThreshold'?)" in err
+    )
+    assert f"{path}:9: schedulingProfile: unknown field (did you mean 'schedulingProfiles'?)" in err
+    assert (
+        f"{path}:15: schedulingProfiles[0].plugins[1].pluginRef: no plugin named "
+        "'max-score-pickr' (did you mean 'max-score-picker'?)" in err
+    )
+
+
+def test_the_multimodal_posts_retuned_gate_loads_in_llm_ds_spelling():
+    """issue 12's headline: affinityThreshold, maxTTFTPenaltyMs, peakPrefillThroughput."""
+    d = doc()
+    params = {"affinityThreshold": 0.6, "maxTTFTPenaltyMs": 36000, "peakPrefillThroughput": 20000}
+    d["plugins"].append({"type": "prefix-cache-affinity-filter", "parameters": params})
+    d["schedulingProfiles"][0]["plugins"].insert(0, {"pluginRef": "prefix-cache-affinity-filter"})
+    settings = decode_settings(d)
+    assert settings.scheduling is not None
+    assert settings.scheduling.plugins[-1].parameters == params
+
+
+def test_extprocs_older_parameter_names_are_translated_and_said_so():
+    registry = PluginRegistry.default()
+    d = doc()
+    d["plugins"].append(
+        {
+            "type": "prefix-cache-affinity-filter",
+            "parameters": {"threshold": 0.6, "peakPrefillTokensPerSecond": 9000},
+        }
+    )
+    t = translate(d, registry)
+    assert t.problems == []
+    spec = next(s for s in t.config.plugins if s.type == "prefix-cache-affinity-filter")
+    assert spec.parameters == {"affinityThreshold": 0.6, "peakPrefillThroughput": 9000}
+    (r,) = [r for r in t.realised if r.type == "prefix-cache-affinity-filter"]
+    assert any("older name for llm-d's affinityThreshold" in n for n in r.notes)
+
+
+def test_llm_d_deprecated_disagg_parameters_are_translated():
+    d = doc()
+    d["plugins"] += [
+        {
+            "type": "disagg-profile-handler",
+            "parameters": {"prefillDeciderPluginName": "dec", "decodeProfile": "default"},
+        },
+        {"type": "always-disagg-pd-decider", "name": "dec"},
+    ]
+    t = translate(d, PluginRegistry.default())
+    assert t.problems == []
+    spec = next(s for s in t.config.plugins if s.type == "disagg-profile-handler")
+    assert spec.parameters == {"deciders": {"prefill": "dec"}, "profiles": {"decode": "default"}}
+
+
+def test_sections_are_decoded_and_their_plugin_refs_checked():
+    d = doc()
+    d["plugins"] += [
+        {"type": "openai-parser"},
+        {"type": "metrics-data-source"},
+        {"type": "core-metrics-extractor"},
+    ]
+    d["requestHandler"] = {"parsers": [{"pluginRef": "openai-parser"}]}
+    d["parser"] = {"pluginRef": "openai-parser"}
+    d["dataLayer"] = {
+        "sources": [
+            {
+                "pluginRef": "metrics-data-source",
+                "extractors": [{"pluginRef": "core-metrics-extractor"}],
+            }
+        ]
+    }
+    d["featureGates"] = ["dataLayer", "enableLegacyMetrics"]
+    assert problems(d) == []
+    d["dataLayer"]["sources"][0]["extractors"][0]["pluginRef"] = "core-metrics-extractr"
+    d["requestHandler"]["parsers"][0]["pluginRef"] = "openai"
+    got = problems(d)
+    assert len(got) == 2
+    assert any("extractors[0].pluginRef: no plugin named 'core-metrics-extractr'" in p for p in got)
+    assert any("parsers[0].pluginRef: no plugin named 'openai'" in p for p in got)
+    d["dataLayer"]["sorces"] = []
+    assert any(
+        "dataLayer.sorces: unknown field (did you mean 'sources'?)" in p for p in problems(d)
+    )
+
+
+def test_flow_control_types_and_sections_go_to_flow_control():
+    d = doc()
+    d["plugins"].append({"type": "utilization-detector", "parameters": {"queueDepthThreshold": 9}})
+    d["flowControl"] = {"saturationDetector": {"pluginRef": "utilization-detector"}}
+    ex = examine(d)
+    assert ex.problems == [] and ex.settings is not None
+    assert ex.settings.scheduling is not None
+    assert ex.settings.scheduling.flowControl == d["flowControl"]  # raw, for flow control
+    (r,) = [r for r in ex.translation.realised if r.type == "utilization-detector"]
+    assert r.how.startswith("implemented by flow control")
+    d["flowControl"]["saturationDetector"]["pluginRef"] = "utilisation-detector"
+    assert any("no plugin named 'utilisation-detector'" in p for p in problems(d))
+
+
+def test_flow_control_policies_not_built_yet_are_pending_in_issue_15():
+    d = doc()
+    d["plugins"].append({"type": "program-aware-fairness"})
+    (p,) = problems(d)
+    assert "'program-aware-fairness' is pending: built in issue 15" in p
+
+
+def test_predicted_latency_plugins_are_implemented_and_the_gie_name_pending():
+    d = doc()
+    d["plugins"] += [
+        {"type": "predicted-latency-producer"},
+        {"type": "prefix-cache-affinity-filter", "parameters": {"ttftSource": "latencyPredictor"}},
+    ]
+    t = translate(d, PluginRegistry.default())
+    assert t.problems == []
+    d["plugins"].append({"type": "predicted-latency-scorer"})
+    (p,) = problems(d)
+    assert "'predicted-latency-scorer' is pending: built in issue 16" in p
+
+
+def test_a_registered_plugin_takes_precedence_over_the_pending_table():
+    """When issue 15/16 register a real plugin, the table entry is simply shadowed."""
+
+    class HeaderRouter:
+        type_name = "slo-aware-profile-handler"
+
+        class Params(msgspec.Struct, forbid_unknown_fields=True):
+            horizon: int = 5
+
+        def __init__(self, params):
+            pass
+
+        def handle(self, req, cands, profiles, run):
+            return run(profiles[0])
+
+    assert "slo-aware-profile-handler" in PENDING_TYPES
+    registry = PluginRegistry([*BUILTINS, HeaderRouter])
+    d = doc()
+    d["plugins"].append({"type": "slo-aware-profile-handler", "parameters": {"horizon": 9}})
+    t = translate(d, registry)
+    assert t.problems == []
+    assert [r.kind for r in t.realised if r.type == "slo-aware-profile-handler"] == ["implemented"]
+
+
+def test_mapped_plugins_turn_on_extprocs_machinery(tmp_path):
+    d = doc()
+    d["plugins"] += [
+        {
+            "type": "approx-prefix-cache-producer",
+            "parameters": {
+                "blockSizeTokens": 32,
+                "maxPrefixBlocksToMatch": 100,
+                "lruCapacityPerServer": 777,
+            },
+        },
+        {
+            "type": "metrics-data-source",
+            "parameters": {"scheme": "https", "path": "/m", "interval": "250ms"},
+        },
+    ]
+    s = examine(d).settings
+    assert s is not None
+    assert (s.parse.block_tokens, s.parse.max_blocks) == (32, 100)
+    assert s.index.capacity_blocks == 777 and s.index.record_decisions is True
+    assert s.state.scrape is not None
+    assert (s.state.scrape.scheme, s.state.scrape.path, s.state.scrape.interval_s) == (
+        "https",
+        "/m",
+        0.25,
+    )
+
+
+def test_mapped_plugin_parameters_are_strict():
+    d = doc()
+    d["plugins"].append({"type": "metrics-data-source", "parameters": {"intervall": "1s"}})
+    (p,) = problems(d)
+    assert "parameters.intervall: unknown field (did you mean 'interval'?)" in p
+
+
+def test_token_producer_finds_a_local_tokenizer_by_model_name(tmp_path):
+    snap = tmp_path / "models--org--tiny" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "tokenizer.json").write_text("{}")
+    assert find_tokenizer("org/tiny", [str(tmp_path)]) == snap
+    assert find_tokenizer("org/other", [str(tmp_path)]) is None
+    (tmp_path / "org" / "other").mkdir(parents=True)
+    (tmp_path / "org" / "other" / "tokenizer.json").write_text("{}")
+    assert find_tokenizer("org/other", [str(tmp_path)]) == tmp_path / "org" / "other"
+
+
+def test_precise_producer_with_a_local_tokenizer_turns_on_kv_events(tmp_path):
+    (tmp_path / "org" / "tiny").mkdir(parents=True)
+    (tmp_path / "org" / "tiny" / "tokenizer.json").write_text("{}")
+    d = doc()
+    d["plugins"] += [
+        {"type": "token-producer", "parameters": {"modelName": "org/tiny"}},
+        {
+            "type": "precise-prefix-cache-producer",
+            "parameters": {
+                "tokenProcessorConfig": {"blockSize": 64},
+                "kvEventsConfig": {"zmqEndpoint": "tcp://*:5999"},
+            },
+        },
+    ]
+    ex = examine({"tokenizer_dirs": [str(tmp_path)], "scheduling": d})
+    s = ex.settings
+    assert s is not None and ex.degraded == []
+    assert s.parse.precise is not None
+    assert (s.parse.precise.model, s.parse.precise.block_size) == ("org/tiny", 64)
+    assert s.index.kv_events is not None and s.index.kv_events.bind == "tcp://*:5999"
+
+
+def test_load_settings_names_every_problem_with_its_line(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        BASE.replace("queue-scorer\n- type", "queue-scorr\n- type").replace(
+            "- pluginRef: max-score-picker", "- pluginRef: max-score-picker\n    weight: -1"
+        )
+    )
+    with pytest.raises(ConfigError) as e:
+        load_settings(path)
+    lines = str(e.value).splitlines()
+    assert len(lines) == 3, lines  # the type, the ref to it, the weight
+    assert all(line.startswith(f"{path}:") for line in lines)
+
+
+def test_check_config_prints_how_each_plugin_is_realised(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        BASE
+        + "- type: token-producer\n  parameters: {modelName: x/y, vllm: {url: http://v:8000}}\n"
+    )
+    # plugins list is the last key of BASE's plugins? No: append to plugins explicitly.
+    d = doc()
+    d["plugins"].append(
+        {"type": "token-producer", "parameters": {"modelName": "x/y", "vllm": {"url": "http://v"}}}
+    )
+    import yaml
+
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "queue-scorer: implemented" in out
+    assert "token-producer: mapped to the precise tokenizer" in out
+    assert "parameter vllm ignored: extproc tokenizes in-process" in out
+    assert "profile default:" in out
+
+
+def test_docs_compatibility_table_lists_every_llm_d_type():
+    from extproc.scheduling.llmd.mapped import MAPPED
+    from extproc.scheduling.llmd.table import LLMD_TYPES
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "llm-d.md").read_text()
+    for t in sorted(LLMD_TYPES | set(MAPPED)):
+        assert f"`{t}`" in text, t
+
+
+def test_our_own_document_reports_its_problems_and_the_scheduling_ones_together(tmp_path):
+    import yaml
+
+    d = {"server": {"colour": "red"}, "scheduling": doc()}
+    d["scheduling"]["plugins"][0]["type"] = "queue-scorr"
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    with pytest.raises(ConfigError) as e:
+        load_settings(path)
+    text = str(e.value)
+    assert "server.colour: unknown field" in text
+    assert "scheduling.plugins[0].type: unknown plugin type 'queue-scorr'" in text

@@ -1,0 +1,73 @@
+"""Heterogeneous and changing server speeds, and the latency histograms a latency model
+learns from (exported as vLLM exports them, read back with the picker's own parser)."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from extproc.endpoints.scrape import parse_metrics
+from extproc.sim.cli import build_arg_parser, server_settings
+from extproc.sim.timing import TimingSettings
+from tests.sim.conftest import StartSim
+from tests.sim.test_timing import TEXT, ttft
+
+TIMING = TimingSettings(prefill_tps=2000.0, speed=10.0)  # ~600 uncached tokens: 30 ms wall
+
+
+async def scrape(http: aiohttp.ClientSession, url: str):
+    async with http.get(f"{url}/metrics") as resp:
+        return parse_metrics(await resp.read())
+
+
+async def test_a_slowed_server_prefills_slower_and_its_histograms_say_so(start_sim: StartSim):
+    async with start_sim(events=False, timing=TIMING) as srv, aiohttp.ClientSession() as http:
+        fast = await ttft(http, srv.url, TEXT + " one")
+        before = (await scrape(http, srv.url)).latency
+        async with http.post(f"{srv.url}/sim/speed", json={"relative_speed": 0.25}) as resp:
+            assert resp.status == 200
+            assert (await resp.json()) == {"relative_speed": 0.25}
+        slow = await ttft(http, srv.url, "Another prompt. " + TEXT)  # nothing cached
+        after = (await scrape(http, srv.url)).latency
+    assert slow > fast  # wall clock: loose, the machine is shared; the histograms are exact
+    assert before is not None and after is not None
+    assert (before.prefill_count, after.prefill_count) == (1, 2)
+    assert (before.ttft_count, after.ttft_count) == (1, 2)
+    # Uncached tokens computed per request: two cold prompts of about the same length.
+    assert before.prefill_tokens is not None and after.prefill_tokens is not None
+    second = after.prefill_tokens - before.prefill_tokens
+    assert before.prefill_tokens > 500 and 0.9 < second / before.prefill_tokens < 1.1
+    slow_prefill = after.prefill_sum - before.prefill_sum
+    # Prefill times are the engine's schedule (not wall-clock wake-ups): 4x, give or take
+    # the fixed step overhead.
+    assert slow_prefill / (after.prefill_tokens - before.prefill_tokens) > 3.5 * (
+        before.prefill_sum / before.prefill_tokens
+    )
+
+
+async def test_speed_endpoint_refuses_bad_input(start_sim: StartSim):
+    async with start_sim(events=False) as srv, aiohttp.ClientSession() as http:
+        for body in (b"{}", b'{"relative_speed": 0}', b'{"relative_speed": "x"}', b"nope"):
+            async with http.post(f"{srv.url}/sim/speed", data=body) as resp:
+                assert resp.status == 400
+        async with http.get(f"{srv.url}/sim/speed") as resp:
+            assert (await resp.json()) == {"relative_speed": 1.0}
+
+
+async def test_tpot_histogram_is_exported(start_sim: StartSim):
+    async with start_sim(events=False) as srv, aiohttp.ClientSession() as http:
+        await ttft(http, srv.url, "hello", max_tokens=5)
+        got = (await scrape(http, srv.url)).latency
+    assert got is not None and got.tpot_count == 1 and got.itl_count == 4
+
+
+def test_cli_speeds_per_server() -> None:
+    parse = build_arg_parser().parse_args
+    got = server_settings(parse(["--servers", "3", "--speeds", "1,0.5,0.25"]))
+    assert [s.engine.relative_speed for s in got] == [1.0, 0.5, 0.25]
+    assert {s.engine.relative_speed for s in server_settings(parse(["--servers", "2"]))} == {1.0}
+    for bad in ("1,2", "1,0,1", "1,-1,1"):
+        try:
+            server_settings(parse(["--servers", "3", "--speeds", bad]))
+        except ValueError:
+            continue
+        raise AssertionError(f"--speeds {bad} accepted")
