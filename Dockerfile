@@ -28,7 +28,10 @@ FROM ${PYTHON_IMAGE} AS runtime
 RUN groupadd --system --gid 10001 extproc \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin extproc
 COPY --from=build /opt/venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH \
+# The commit label of the build-info metric (llm_d_epp_info): `--build-arg EXTPROC_COMMIT=$(git rev-parse HEAD)`.
+ARG EXTPROC_COMMIT=unknown
+ENV EXTPROC_COMMIT=${EXTPROC_COMMIT} \
+    PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 USER 10001:10001

@@ -9,6 +9,13 @@ Workloads, modeled on llm-d's published runs and scaled to this machine (see SCA
 - multimodal: groups x 5 prompts with the group's 3 images + ~1.3K text tokens (llm-d: 600
   groups x 5).
 
+Pressure workloads (issue 14), KV caches smaller than the working set, simulated time
+compressed (`--fast`) so a ladder fits on a shared 2-core machine:
+- agentic: closed-loop sessions on one shared agent prompt, each growing by a tool result
+  per turn (`extproc/sim/sessions.py`); the load knob is the number of concurrent sessions.
+- tenants: open-loop chat with a header every tenant shares (same first blocks), Zipf-skewed
+  tenant sizes, two turns per conversation; the load knob is the request rate.
+
 Policies: random, round-robin and least-request (Envoy alone over a STATIC cluster), extproc
 approximate, extproc precise (KV events), and sglang-router's cache_aware policy when it can be
 installed into a temporary venv (never into this project). The ideal is computed, not routed:
@@ -32,7 +39,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -40,6 +48,7 @@ import msgspec
 
 from extproc.hashing.tokenizer import PreciseKeys, PreciseSettings
 from extproc.requests import ParseSettings, parse_request
+from extproc.sim.sessions import AgenticSpec, build_sessions, run_closed_loop
 from extproc.sim.workload import (
     Summary,
     WorkItem,
@@ -71,6 +80,8 @@ POLICIES: dict[str, dict] = {
     "least-request": {"picker": False, "baseline": "least-request"},
     "extproc approximate": {},
     "extproc precise": {"precise": True},
+    "extproc approximate, 3 replicas (Redis)": {"replicas": 3, "redis": True},
+    "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
     "sglang-router cache_aware": {"sglang": True},
 }
 
@@ -110,6 +121,29 @@ def ideal_hit_ratio(items: list[WorkItem], block_size: int, model: str) -> float
         hit += n * block_size
         total += len(ids)
     return hit / total if total else 0.0
+
+
+@contextlib.contextmanager
+def redis_server(log_dir: Path):
+    """A throwaway redis-server (no persistence) for the replicas to share."""
+    port = free_port()
+    log = open(log_dir / "redis.log", "ab")  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    log.close()
+    try:
+        wait_until(
+            lambda: subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True,
+                                   text=True).stdout.strip() == "PONG",
+            timeout_s=10, what="redis-server", proc=proc,
+        )  # fmt: skip
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 @contextlib.contextmanager
@@ -164,10 +198,103 @@ class Row:
     summary: Summary
 
 
+# Pressure workloads: caches smaller than the working set, simulated time compressed 4x
+# (TTFT and throughput below are wall figures of the compressed run).
+PRESSURE_SHAPE = {
+    # 4 servers x 2,000 blocks x 16 tokens = 128k tokens of KV; 8 sessions grow to ~21k
+    # tokens each (168k), 12 sessions to ~250k (the sim's tokenizer: ~5 tokens per word).
+    "agentic": (
+        4,
+        (
+            "--fast",
+            "4",
+            "--prefill-tps",
+            "5000",
+            "--num-gpu-blocks",
+            "2000",
+            "--max-model-len",
+            "32768",
+        ),
+    ),
+    # 6 servers x 400 blocks x 16 = 38k tokens of KV for 24 tenants' ~2k-token prompts
+    # plus their conversations.
+    "tenants": (6, ("--fast", "2", "--prefill-tps", "5000", "--num-gpu-blocks", "400")),
+}
+PRESSURE_SCALE = (
+    "agentic: {sessions} closed-loop sessions x 12 turns on one ~3,000-token agent prompt, "
+    "+~1,650 tokens per turn (to ~21k), 32 output tokens, 0.2 s think time; 4 servers x "
+    "2,000 KV blocks (32k tokens each). tenants: 24 tenants, Zipf(1) sizes, 120 "
+    "conversations x 2 turns, ~300-token header shared by all, ~2,000-token tenant prompts; "
+    "6 servers x 400 KV blocks (6.4k tokens each). Prefill 5,000 tok/s; time compressed 4x "
+    "(agentic), 2x (tenants)."
+)
+AGENTIC = AgenticSpec(turns=12, agent_words=600, result_words=300, max_tokens=32,
+                      think_s=0.2, stagger_s=0.3)  # fmt: skip
+# The default profile before issue 14 (weights only; kept to measure the change against).
+PREVIOUS_DEFAULT = """
+scheduling:
+  plugins:
+  - {type: prefix-cache-scorer}
+  - {type: queue-scorer}
+  - {type: kv-cache-utilization-scorer}
+  - {type: active-request-scorer}
+  - {type: no-hit-lru-scorer}
+  - {type: max-score-picker}
+  schedulingProfiles:
+  - name: default
+    plugins:
+    - {pluginRef: prefix-cache-scorer, weight: 3}
+    - {pluginRef: queue-scorer, weight: 2}
+    - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+    - {pluginRef: active-request-scorer, weight: 2}
+    - {pluginRef: no-hit-lru-scorer, weight: 2}
+    - {pluginRef: max-score-picker}
+"""
+
+
+def tenants_spec(seed: int) -> WorkloadSpec:
+    return WorkloadSpec(groups=24, conversations_per_group=5, turns=2, system_words=400,
+                        question_words=30, answer_words=30, max_tokens=32, header_words=60,
+                        tenant_skew=1.0, seed=seed)  # fmt: skip
+
+
+def ideal_items(wl: str, load: float, groups: int, seed: int) -> list[WorkItem]:
+    """The workload's requests in (about) the order they are sent."""
+    if wl == "agentic":
+        sessions = build_sessions(replace(AGENTIC, sessions=int(load), seed=seed))
+        return [s[t] for t in range(AGENTIC.turns) for s in sessions if t < len(s)]
+    if wl == "tenants":
+        return build_workload(tenants_spec(seed))
+    return build_workload(workload(wl, groups, seed))
+
+
+def run_step(wl: str, load: float, groups: int, seed: int, url: str) -> Summary:
+    if wl == "agentic":
+        sessions = build_sessions(replace(AGENTIC, sessions=int(load), seed=seed))
+        results, duration = asyncio.run(
+            run_closed_loop(sessions, url, think_s=AGENTIC.think_s, stagger_s=AGENTIC.stagger_s)
+        )
+        s = summarize(results, duration)
+        # Turns an agent never sent (an earlier one failed) count as not ok.
+        return replace(s, requests=sum(len(x) for x in sessions))
+    items = ideal_items(wl, load, groups, seed)
+    offsets = arrival_offsets(len(items), load, seed)
+    results, duration = asyncio.run(run_open_loop(items, offsets, url))
+    return summarize(results, duration)
+
+
 def run_policy(policy: str, wl: str, rates, groups, seed, venv, log_dir) -> list[Row]:
-    opts = POLICIES[policy]
+    opts = dict(POLICIES[policy])
+    args = opts.get("extproc_args", ())
+    if args and args[1] == "@PREVIOUS":
+        cfg = log_dir / "previous-default.yaml"
+        cfg.write_text(PREVIOUS_DEFAULT)
+        opts["extproc_args"] = ("--config", str(cfg))
+    servers, sim_args = PRESSURE_SHAPE.get(wl, (SERVERS, SIM_ARGS))
     rows = []
-    with SimFleet(SERVERS, SIM_ARGS, log_dir=log_dir) as fleet, contextlib.ExitStack() as ex:
+    with SimFleet(servers, sim_args, log_dir=log_dir) as fleet, contextlib.ExitStack() as ex:
+        if opts.pop("redis", False):
+            opts["redis_url"] = ex.enter_context(redis_server(log_dir))
         if opts.get("sglang"):
             url = ex.enter_context(sglang_router(fleet, venv, log_dir))
         else:
@@ -177,54 +304,78 @@ def run_policy(policy: str, wl: str, rates, groups, seed, venv, log_dir) -> list
             time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's new socket
         for step, rate in enumerate(rates):
             fleet.reset()
-            items = build_workload(workload(wl, groups, seed + step))
-            offsets = arrival_offsets(len(items), rate, seed + step)
-            results, duration = asyncio.run(run_open_loop(items, offsets, url))
-            s = summarize(results, duration)
+            s = run_step(wl, rate, groups, seed + step, url)
             rows.append(Row(wl, policy, rate, 0.0, s))
+            spread = "/".join(str(n) for n in sorted(s.per_endpoint.values(), reverse=True))
             print(
-                f"  {wl:<10} {policy:<26} {rate:>5g}/s hit {s.hit_ratio:6.1%} "
+                f"  {wl:<10} {policy:<38} {rate:>5g} hit {s.hit_ratio:6.1%} "
                 f"TTFT p50 {s.ttft_p50_s:7.3f}s p90 {s.ttft_p90_s:7.3f}s "
-                f"{s.output_tok_per_s:6.0f} tok/s ok {s.ok}/{s.requests}",
+                f"p99 {s.ttft_p99_s:7.3f}s {s.output_tok_per_s:6.0f} tok/s "
+                f"ok {s.ok}/{s.requests} spread {spread}",
                 flush=True,
             )
     return rows
 
 
 def markdown(
-    rows: list[Row], ideals: dict, command: str, notes: list[str], wall_s: float, groups: int
+    rows: list[Row],
+    ideals: dict,
+    command: str,
+    notes: list[str],
+    wall_s: float,
+    groups: int,
+    *,
+    pressure: bool = False,
+    sessions: Sequence[int] = (),
 ) -> str:
+    if pressure:
+        head = [
+            "## Routing under cache pressure (issue 14)",
+            "",
+            f"`{command}` (`bench/bench_routing.py`; seeded, {wall_s / 60:.1f} min on this "
+            "2-core machine shared with other work).",
+            "",
+            "Scale: " + PRESSURE_SCALE.format(sessions=" and ".join(map(str, sessions))),
+        ]
+    else:
+        head = [
+            "## Routing quality",
+            "",
+            f"`{command}` (`bench/bench_routing.py`; seeded, {wall_s / 60:.1f} min on this "
+            "2-core machine shared with other work).",
+            "",
+            f"Scale: {SCALE.format(groups=groups)} The published runs used 150 groups x "
+            "6000-token prompts and 600 x 5 multimodal prompts on 8 GPU pods; counts and tokens "
+            "are scaled down so a full ladder fits in ~10 minutes.",
+        ]
     out = [
-        "## Routing quality",
-        "",
-        f"`{command}` (`bench/bench_routing.py`; seeded, {wall_s / 60:.1f} min on this 2-core "
-        "machine shared with other work).",
-        "",
-        f"Scale: {SCALE.format(groups=groups)} The published runs used 150 groups x "
-        "6000-token prompts and 600 x 5 multimodal prompts on 8 GPU pods; counts and tokens "
-        "are scaled down so a full ladder fits in ~10 minutes. Hit ratio = cached / prompt "
-        "tokens from each response's "
+        *head,
+        "Hit ratio = cached / prompt tokens from each response's "
         "`usage.prompt_tokens_details.cached_tokens`; *vs ideal* divides by the unbounded-cache "
         "oracle (longest block prefix any earlier request computed, exact sim keys), which no "
-        "router can exceed. TTFT is wall time to the first token chunk through the router.",
+        "router can exceed. TTFT is wall time to the first token chunk through the router; "
+        "spread is requests per server, most loaded first.",
         "",
     ]
     out += [f"- {n}" for n in notes]
     for wl in dict.fromkeys(r.workload for r in rows):
+        unit = "sessions" if wl == "agentic" else "rate req/s"
         out += ["", f"### {wl}", ""]
-        out.append("| rate req/s | policy | hit ratio | vs ideal | TTFT p50 s | TTFT p90 s "
-                   "| out tok/s | ok |")  # fmt: skip
-        out.append("|---:|---|---:|---:|---:|---:|---:|---:|")
+        out.append(f"| {unit} | policy | hit ratio | vs ideal | TTFT p50 s | TTFT p90 s "
+                   "| TTFT p99 s | out tok/s | ok | spread |")  # fmt: skip
+        out.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in sorted((r for r in rows if r.workload == wl), key=lambda r: r.rate):
             ideal = ideals[(wl, r.rate)]
             s = r.summary
+            spread = "/".join(str(n) for n in sorted(s.per_endpoint.values(), reverse=True))
             out.append(
                 f"| {r.rate:g} | {r.policy} | {s.hit_ratio:.1%} | "
                 f"{s.hit_ratio / ideal if ideal else 0:.0%} | {s.ttft_p50_s:.3f} | "
-                f"{s.ttft_p90_s:.3f} | {s.output_tok_per_s:.0f} | {s.ok}/{s.requests} |"
+                f"{s.ttft_p90_s:.3f} | {s.ttft_p99_s:.3f} | {s.output_tok_per_s:.0f} | "
+                f"{s.ok}/{s.requests} | {spread} |"
             )
         ideal_line = ", ".join(
-            f"{rate:g}/s {v:.1%}" for (w, rate), v in sorted(ideals.items()) if w == wl
+            f"{rate:g} {v:.1%}" for (w, rate), v in sorted(ideals.items()) if w == wl
         )
         out.append("")
         out.append(f"Ideal hit ratio (oracle): {ideal_line}.")
@@ -232,9 +383,10 @@ def markdown(
 
 
 def write_section(path: Path, section: str) -> None:
-    """Replace (or append) the `## Routing quality` section; the rest is untouched."""
+    """Replace (or append) the section with the same `## ` title; the rest is untouched."""
+    title = section.split("\n", 1)[0]
     text = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = text.find("## Routing quality")
+    start = text.find(title)
     if start == -1:
         text = text.rstrip("\n") + "\n\n" + section
     else:
@@ -247,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 1 rate, few requests")
     p.add_argument("--rates", type=float, nargs="+", help="request rates (req/s)")
+    p.add_argument("--sessions", type=int, nargs="+", help="agentic: concurrent sessions")
     p.add_argument("--groups", type=int, help="groups per workload (x 5 requests)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workloads", nargs="+", default=["text", "multimodal"])
@@ -255,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = p.parse_args(argv)
     rates = args.rates or ([12.0] if args.quick else [6.0, 16.0])
+    sessions = args.sessions or ([8] if args.quick else [8, 12])
+    pressure = all(wl in PRESSURE_SHAPE for wl in args.workloads)
     groups = args.groups or (6 if args.quick else 12)
     command = "uv run --extra envoy python bench/bench_routing.py " + shlex.join(
         sys.argv[1:] if argv is None else argv
@@ -275,13 +430,16 @@ def main(argv: list[str] | None = None) -> int:
                 policies.remove("sglang-router cache_aware")
         ideals = {}
         for wl in args.workloads:
-            for step, rate in enumerate(rates):
-                items = build_workload(workload(wl, groups, args.seed + step))
-                ideals[(wl, rate)] = ideal_hit_ratio(items, 16, "tiny")
+            loads = [float(n) for n in sessions] if wl == "agentic" else rates
+            for step, load in enumerate(loads):
+                items = ideal_items(wl, load, groups, args.seed + step)
+                ideals[(wl, load)] = ideal_hit_ratio(items, 16, "tiny")
             for pol in policies:
-                rows += run_policy(pol, wl, rates, groups, args.seed, venv, Path(tmp))
+                rows += run_policy(pol, wl, loads, groups, args.seed, venv, Path(tmp))
     wall = time.monotonic() - t0
-    section = markdown(rows, ideals, command, notes, wall, groups)
+    section = markdown(
+        rows, ideals, command, notes, wall, groups, pressure=pressure, sessions=sessions
+    )
     print("\n" + section)
     if args.write:
         write_section(ROOT / "bench" / "RESULTS.md", section)

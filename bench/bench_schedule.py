@@ -1,8 +1,10 @@
 """Decision time: filters + scorers + picker (index lookup excluded) for 8, 64 and 512
 endpoints, with the default profile and a full profile (every built-in scorer, the affinity
 filter). Baseline in the same run: a bare random choice over the same candidates.
+`--timing`: instead, the cost of llm-d's scheduling metrics (per-plugin and end-to-end
+timing, scheduling/timing.py) against the same scheduler uninstrumented, calls interleaved.
 
-    uv run python bench/bench_schedule.py [--iterations 20000]
+    uv run python bench/bench_schedule.py [--iterations 20000] [--timing]
 """
 
 from __future__ import annotations
@@ -82,9 +84,53 @@ def measure(fn, iterations: int) -> tuple[float, float]:
     return statistics.median(samples) / 1e3, samples[int(len(samples) * 0.99)] / 1e3
 
 
+def measure_pair(a, b, iterations: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """p50/p99 µs of `a` and of `b`, calls alternating so load noise hits both alike."""
+    sa, sb = [], []
+    for _ in range(iterations):
+        t = time.perf_counter_ns()
+        a()
+        t1 = time.perf_counter_ns()
+        b()
+        t2 = time.perf_counter_ns()
+        sa.append(t1 - t)
+        sb.append(t2 - t1)
+    out = []
+    for s in (sa, sb):
+        s.sort()
+        out.append((statistics.median(s) / 1e3, s[int(len(s) * 0.99)] / 1e3))
+    return out[0], out[1]
+
+
+def timing_cost(req: InferenceRequest, iterations: int, rng: random.Random) -> None:
+    from extproc.scheduling.timing import instrument
+    from extproc.server.llmd_metrics import LlmdMetrics
+
+    configs = {"default": decode_settings({}), "full": decode_settings(yaml.safe_load(FULL))}
+    print("| endpoints | profile | plain p50 / p99 µs | timed p50 / p99 µs | added p50 µs |")
+    print("|---|---|---|---|---|")
+    for n in (8, 64, 512):
+        cands = candidates(n, rng)
+        iters = max(1000, iterations // max(1, n // 8))
+        for name, cfg in configs.items():
+            plain = build_configured_scheduler(cfg)
+            timed = instrument(build_configured_scheduler(cfg), LlmdMetrics())
+            p, t = measure_pair(
+                lambda c=cands, s=plain: s.schedule(req, c),
+                lambda c=cands, s=timed: s.schedule(req, c),
+                iters,
+            )
+            print(
+                f"| {n} | {name} | {p[0]:.1f} / {p[1]:.1f} | {t[0]:.1f} / {t[1]:.1f} "
+                f"| {t[0] - p[0]:+.1f} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=20_000)
+    ap.add_argument("--timing", action="store_true", help="cost of llm-d's scheduling metrics")
     args = ap.parse_args()
     rng = random.Random(7)
     req = InferenceRequest(
@@ -96,6 +142,9 @@ def main() -> None:
         block_tokens=64,
         media=(MediaItem(Modality.IMAGE, "h", 256),),
     )
+    if args.timing:
+        timing_cost(req, args.iterations, rng)
+        return
     profiles = {
         "default": build_configured_scheduler(decode_settings({})),
         "full": build_configured_scheduler(decode_settings(yaml.safe_load(FULL))),

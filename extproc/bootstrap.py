@@ -49,10 +49,19 @@ class BootstrapOptions:
     extproc_tls: bool = True  # the picker serves TLS unless started with --plaintext
     extproc_sni: str | None = None
     extproc_ca_file: str | None = None
+    # Envoy's gRPC access log to the picker: tells it when each request really ended, so
+    # in-flight counts cover the whole streamed reply (response bodies are not sent to it).
+    access_log: bool = True
+    access_log_flush_s: float = 0.1
+    # More picker replicas (host:port) in the picker cluster, balanced with `extproc`.
+    extproc_replicas: Sequence[str] = ()
     # Sized like production (see docs/gateways.md for what the gateways use):
     message_timeout_s: float = 30.0
     concurrency_limit: int = 40_000
     per_try_idle_timeout_s: float = 60.0
+    # Pass `x-extproc-explain` / `x-extproc-decision` through the edge (only for a gateway
+    # that trusted operators reach; the picker also needs `server.explain_tokens`).
+    allow_explain: bool = False
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:
@@ -127,21 +136,29 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def _strip_picker_headers_filter() -> dict[str, Any]:
+def _strip_picker_headers_filter(opts: BootstrapOptions | None = None) -> dict[str, Any]:
     # Runs before ext_proc so a client-sent destination header can never route, even when
     # the picker is skipped (fail-open). Route-level request_headers_to_remove would also
     # remove the picker's own header before host selection (every request would 503).
+    mutations: dict[str, Any] = {
+        "request_mutations": [{"remove": name} for name in sorted(protocol.PICKER_OWNED_HEADERS)]
+    }
+    if opts is None or not opts.allow_explain:
+        _strip_explanations(mutations)
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
             "@type": f"{_T}.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {
-                "request_mutations": [
-                    {"remove": name} for name in sorted(protocol.PICKER_OWNED_HEADERS)
-                ]
-            },
+            "mutations": mutations,
         },
     }
+
+
+def _strip_explanations(mutations: dict[str, Any]) -> None:
+    """No decision data crosses the edge: the request never asks for it, and (first filter,
+    so last on the way back) any explanation header is removed from the response."""
+    mutations["request_mutations"].append({"remove": protocol.EXPLAIN_HEADER})
+    mutations["response_mutations"] = [{"remove": protocol.DECISION_HEADER}]
 
 
 def _policy(name: str, proto: str, **config: Any) -> dict[str, Any]:
@@ -253,6 +270,24 @@ def _route(opts: BootstrapOptions) -> dict[str, Any]:
     return {"match": {"prefix": "/"}, "route": route}
 
 
+def _access_log(opts: BootstrapOptions) -> dict[str, Any]:
+    # Batched: one entry per request whatever its output length, flushed every
+    # access_log_flush_s; the picker matches entries to placements by x-request-id.
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "typed_config": {
+            "@type": f"{_T}.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": "extproc-request-end",
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": "extproc"}},
+                "buffer_flush_interval": f"{opts.access_log_flush_s}s",
+                "buffer_size_bytes": 16384,
+            },
+        },
+    }
+
+
 def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
     """The bootstrap as a plain mapping, ready to dump as YAML. Raises ValueError for
     combinations that cannot work."""
@@ -270,7 +305,7 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
             "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [_route(opts)]}],
         },
         "http_filters": [
-            _strip_picker_headers_filter(),
+            _strip_picker_headers_filter(opts),
             _ext_proc_filter(opts),
             {
                 "name": "envoy.filters.http.router",
@@ -278,6 +313,8 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
             },
         ],
     }
+    if opts.access_log:
+        hcm["access_log"] = [_access_log(opts)]
     host, port = _split_host_port(opts.extproc)
     extproc_cluster = {
         "name": "extproc",
@@ -311,9 +348,18 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
         },
         "load_assignment": {
             "cluster_name": "extproc",
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(f"{host}:{port}")}}]}],
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": _socket(a)}}
+                        for a in (f"{host}:{port}", *opts.extproc_replicas)
+                    ]
+                }
+            ],
         },
     }
+    _picker_failover(hcm["http_filters"][1], extproc_cluster)
+    hcm["local_reply_config"] = _picker_unavailable_reply()
     if opts.extproc_tls:
         # Health checks use the same socket: the picker serves `readiness` on its TLS port too.
         extproc_cluster["transport_socket"] = _picker_tls(opts, host)
@@ -341,6 +387,77 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
     if opts.admin_port is not None:
         doc["admin"] = {"address": _socket(f"127.0.0.1:{opts.admin_port}")}
     return doc
+
+
+def _picker_failover(ext_proc: dict[str, Any], cluster: dict[str, Any]) -> None:
+    """A crashed picker replica costs no request while another is up. Health checks need two
+    misses (seconds); until then round robin keeps opening streams to the dead one. So the
+    stream is retried on another replica when it cannot be opened (connection refused or
+    reset before the picker answered), and a replica that refuses a connection is ejected at
+    once by outlier detection, without waiting for the health check."""
+    ext_proc["typed_config"]["grpc_service"]["retry_policy"] = {
+        "retry_on": "connect-failure,refused-stream,reset,unavailable",
+        "num_retries": 2,
+        "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": f"{_T}.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 3,
+    }
+    # Envoy allows 3 concurrent retries per cluster by default: a replica dying under load
+    # needs one retry per stream that was about to open on it.
+    for t in cluster.setdefault("circuit_breakers", {}).setdefault("thresholds", [{}]):
+        t["max_retries"] = max(t.get("max_retries", 3), 1024)
+    cluster["outlier_detection"] = {
+        # Local-origin failures (connect refused/timeout, reset) are counted apart from gRPC
+        # status codes, so a picker's own 4xx/5xx answers never eject it.
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 1,
+        "consecutive_gateway_failure": 2,
+        "interval": "1s",
+        "base_ejection_time": "5s",
+        # Ejection time grows with each ejection; a restarted replica is back as soon as
+        # an active health check passes (successful_active_health_check_uneject_host).
+        "max_ejection_time": "10s",
+        "max_ejection_percent": 50,
+    }
+
+
+PICKER_UNAVAILABLE_BODY = (
+    '{"error": {"message": "the endpoint picker is unavailable", "type": "server_error", '
+    '"code": "picker_unavailable"}}'
+)
+
+
+def _picker_unavailable_reply() -> dict[str, Any]:
+    """Envoy's own 500s get a JSON body like the picker's errors, not an empty one. The only
+    local 500 in this config is the ext_proc filter failing closed (no picker reachable, or
+    the stream broke); the picker's own 500 says the same thing in other words, and is the
+    only other local reply the mapper touches (its 4xx/503/429 answers keep their bodies)."""
+    return {
+        "mappers": [
+            {
+                "filter": {
+                    "status_code_filter": {
+                        "comparison": {
+                            "op": "EQ",
+                            "value": {"default_value": 500, "runtime_key": "extproc.lr_500"},
+                        }
+                    }
+                },
+                "body": {"inline_string": PICKER_UNAVAILABLE_BODY},
+                "body_format_override": {
+                    "text_format": "%LOCAL_REPLY_BODY%",
+                    "content_type": "application/json",
+                },
+            }
+        ]
+    }
 
 
 def render_bootstrap(opts: BootstrapOptions) -> str:

@@ -45,6 +45,8 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
         changes["host"] = args.host
     if args.admin_port is not None:
         changes["admin_port"] = args.admin_port
+    if args.admin_host is not None:
+        changes["admin_host"] = args.admin_host
     if args.drain_delay is not None:
         changes["drain_delay_s"] = args.drain_delay
     if args.fallbacks is not None:
@@ -169,6 +171,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         extproc_tls=not args.extproc_plaintext,
         extproc_sni=args.extproc_sni,
         extproc_ca_file=args.extproc_ca,
+        allow_explain=args.allow_explain,
     )
     try:
         sys.stdout.write(render_bootstrap(opts))
@@ -303,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="address to bind (default 0.0.0.0)")
     s.add_argument("--admin-port", type=int, help="metrics + debug API port (default 9090)")
     s.add_argument(
+        "--admin-host",
+        help="address the admin port binds (default 127.0.0.1; 0.0.0.0 exposes it: no auth)",
+    )
+    s.add_argument(
         "--fallbacks", type=int, help="extra endpoints after the pick (override-host mode)"
     )
     s.add_argument(
@@ -344,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--extproc-sni", help="SNI sent to the picker (default: its host name)")
     e.add_argument("--extproc-ca", help="PEM CA bundle to verify the picker's certificate")
+    e.add_argument(
+        "--allow-explain",
+        action="store_true",
+        help="let x-extproc-explain/x-extproc-decision cross the edge (trusted callers only)",
+    )
     e.set_defaults(func=cmd_envoy_config)
 
     c = sub.add_parser("check-config", help="validate a config file without serving")

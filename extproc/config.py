@@ -18,6 +18,7 @@ import msgspec
 import yaml
 
 from extproc.endpoints.dcgm import DCGMSettings
+from extproc.endpoints.request_end import RequestEndSettings
 from extproc.endpoints.scrape import ScrapeSettings
 from extproc.endpoints.shared_inflight import SharedInFlightSettings
 from extproc.errors import ConfigError, format_path
@@ -74,6 +75,17 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     None = off). `tls`: see `TLSSettings`; when unset the ext_proc port still speaks TLS, with
     a self-signed certificate made at start. `plaintext: true` is the explicit choice of no TLS
     (a sidecar mesh that encrypts for us, or a test).
+
+    Hostile clients (docs/security.md): `body_budget_bytes` bounds the request-body bytes all
+    open streams buffer together (past it: 503 `body_budget_exhausted`); `body_timeout_s` is
+    how long a stream may take from its request headers to the end of its body (past it: 408
+    `request_body_timeout`, and the buffered chunks are freed). `explain_tokens`: values of the
+    `x-extproc-explain` request header that get the decision back in `x-extproc-decision`
+    (empty: nobody, the default; the explanation reveals every endpoint, score and prefix
+    match). `admin_host`: where the admin port binds (loopback by default: it serves the
+    explain API and state without authentication). `admin_explain_max_bytes`: the largest
+    body `POST /debug/explain` accepts. `allowed_clients`: IPs/CIDRs that may open ext_proc
+    streams (the Envoy pods); empty = anyone who can connect.
     """
 
     host: str = "0.0.0.0"
@@ -86,10 +98,25 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     drain_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0
     tls: TLSSettings | None = None
     plaintext: bool = False
+    body_budget_bytes: Annotated[int, msgspec.Meta(gt=0)] = 256 * MiB
+    body_timeout_s: _PositiveS = 30.0
+    explain_tokens: list[str] = msgspec.field(default_factory=list)
+    admin_host: str = "127.0.0.1"
+    admin_explain_max_bytes: Annotated[int, msgspec.Meta(gt=0)] = 4 * MiB
+    allowed_clients: list[str] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        import ipaddress
+
         if self.plaintext and self.tls is not None:
             raise ValueError("set either tls or plaintext: true, not both")
+        for c in self.allowed_clients:
+            try:
+                ipaddress.ip_network(c.strip(), strict=False)
+            except ValueError:
+                raise ValueError(f"allowed_clients: not an IP address or CIDR: {c!r}") from None
+        if any(len(t) < 16 for t in self.explain_tokens):
+            raise ValueError("explain_tokens: each token needs at least 16 characters")
 
     @property
     def effective_tls(self) -> TLSSettings | None:
@@ -115,6 +142,18 @@ class KVEventSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     port: _Port = 5557
     replay_port: _Port | None = None
     bind: str | None = None
+    # Bound socket only: CURVE with this picker's Z85 secret key, admitting only publishers
+    # whose public keys are listed (docs/security.md). Messages are always checked against
+    # the pool and the publisher's address, with or without CURVE.
+    curve_secret_key: str | None = None
+    curve_publisher_keys: list[str] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.curve_secret_key is not None and self.bind is None:
+            raise ValueError("curve_secret_key needs bind (the picker is the CURVE server)")
+        for k in (self.curve_secret_key or "", *self.curve_publisher_keys):
+            if k and len(k) != 40:
+                raise ValueError("CURVE keys are 40-character Z85 strings")
 
 
 class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -148,11 +187,14 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shared by every picker process and replica through Redis (None keeps them per process).
     `exclude_failing`: endpoints whose last scrape failed get no new requests while any other
     endpoint is healthy (a dead server stops receiving traffic within one scrape interval).
+    `request_end`: when a placement stops counting in flight (the gateway's access log, see
+    `endpoints/request_end.py`).
     """
 
     scrape: ScrapeSettings | None = ScrapeSettings()
     shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
     exclude_failing: bool = True
+    request_end: RequestEndSettings = RequestEndSettings()
     # GPU utilization from each endpoint host's DCGM exporter (None: not polled); turned on
     # by llm-d's dcgm-data-source plugin.
     dcgm: DCGMSettings | None = None

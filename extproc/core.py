@@ -153,7 +153,8 @@ class EndpointState:
     processes, when state is shared) and not yet finished; `inflight_tokens` counts their
     prefill work: prompt tokens the endpoint did not already hold when the request was
     placed. `kv_block_size` / `kv_blocks` are the engine's cache config (tokens per block,
-    GPU blocks); adapters are LoRA names.
+    GPU blocks); adapters are LoRA names. `prefill_tps` is the endpoint's prefill speed in
+    tokens per second as the picker has measured it (None until learned).
     """
 
     waiting: int = 0
@@ -171,6 +172,7 @@ class EndpointState:
     # Named figures from other sources than the engine's metrics (e.g. `GPUUtilization`
     # 0..1 from DCGM), read by llm-d's endpoint-attribute plugins; absent when unknown.
     attributes: Mapping[str, float] = field(default_factory=lambda: _EMPTY_FLOATS)
+    prefill_tps: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

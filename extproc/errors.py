@@ -20,6 +20,8 @@ class ExtprocError(Exception):
     status: int = 500
     code: str = "internal_error"
     type: str = "server_error"
+    # The request's model when the body had parsed before the refusal (a metrics label).
+    model: str | None = None
     # Headers sent with the error response (`retry-after` on a shed request).
     extra_headers: Mapping[str, str] = MappingProxyType({})
 
@@ -77,3 +79,19 @@ def format_path(path: tuple[str | int, ...]) -> str:
     for part in path:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
     return out
+
+
+class RequestTimeout(ExtprocError):
+    """The body did not arrive within the body-read deadline (a slow or stalled client)."""
+
+    status = 408
+    code = "request_body_timeout"
+    type = "invalid_request_error"
+
+
+class BodyBudgetExhausted(ExtprocError):
+    """Every stream together already buffers the configured total of body bytes."""
+
+    status = 503
+    code = "body_budget_exhausted"
+    type = "server_error"

@@ -23,8 +23,9 @@ REQUEST_ID_HEADER = "x-request-id"
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 MODEL_REWRITE_HEADER = "x-llm-d-model-name-rewrite"
 
-# Opt-in explanation: a request with `x-extproc-explain: 1` gets its decision back as JSON in
-# the `x-extproc-decision` response header.
+# Operator-only explanation: a request whose `x-extproc-explain` carries one of
+# `server.explain_tokens` gets its decision back as JSON in the `x-extproc-decision` response
+# header (nobody by default; generated Envoy configs strip both at the edge).
 EXPLAIN_HEADER = "x-extproc-explain"
 DECISION_HEADER = "x-extproc-decision"
 

@@ -18,10 +18,13 @@ from typing import Protocol
 from extproc.core import Candidate, Decision, Endpoint, EndpointState, InferenceRequest
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.inflight import InFlightCounter, Placement
-from extproc.errors import NoEndpoints
+from extproc.endpoints.prefill_speed import PrefillSpeeds
+from extproc.endpoints.request_end import RequestEnds
+from extproc.errors import ExtprocError, NoEndpoints
 from extproc.flowcontrol.controller import Ticket
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import EMPTY, KVIndex, Lookup
+from extproc.index.capacity import CapacityModel
 from extproc.scheduling import Scheduler
 
 log = logging.getLogger("extproc.router")
@@ -101,10 +104,14 @@ class Router:
         record_decisions: bool = True,
         on_lookup: Callable[[float], None] | None = None,
         on_placed: Callable[[str, InferenceRequest], None] | None = None,
+        ends: RequestEnds | None = None,
+        speeds: PrefillSpeeds | None = None,
         admission: Admission | None = None,
     ) -> None:
         """`on_lookup` receives each index lookup's duration in seconds (the metrics
-        histogram); it runs on the hot path, so it must be cheap and must not raise."""
+        histogram); it runs on the hot path, so it must be cheap and must not raise.
+        `ends` holds placements past the stream end until the request really ends (access
+        log); `speeds` are the learned prefill speeds put on each candidate's state."""
         self.pool = pool
         self.scheduler = scheduler
         self.inflight: InFlightCounter = inflight if inflight is not None else InFlight()
@@ -119,6 +126,14 @@ class Router:
         self._record = record_decisions and index is not None
         self._on_lookup = on_lookup
         self._on_placed = on_placed
+        self.ends = ends
+        self.speeds = speeds
+        set_capacity = getattr(index, "set_capacity", None)
+        self._capacity = (
+            CapacityModel(set_capacity, getattr(self.states, "scraped", None))
+            if set_capacity is not None and self._record
+            else None
+        )
         # Flow control (None = off): holds a request after its lookup until capacity frees.
         self.admission = admission
 
@@ -139,6 +154,37 @@ class Router:
 
         Async because the prefix-index lookup is; scheduling itself never awaits."""
         request = self._request(path, headers, body)
+        return await self.route_request(request, subset=subset, explain=explain, place=place)
+
+    def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
+        """The CPU-bound half of `route` (parsing, block hashing), callable from a worker
+        thread: it touches no shared state."""
+        return self._request(path, headers, body)
+
+    async def route_request(
+        self,
+        request: InferenceRequest,
+        *,
+        subset: Collection[str] | None = None,
+        explain: bool = False,
+        place: bool = True,
+    ) -> Routed:
+        """`route` for an already parsed request."""
+        try:
+            return await self._route_parsed(request, subset, explain, place)
+        except ExtprocError as err:
+            # Refused after parsing: the metrics label it with the model (llm-d's
+            # request_error_total does).
+            err.model = request.model
+            raise
+
+    async def _route_parsed(
+        self,
+        request: InferenceRequest,
+        subset: Collection[str] | None,
+        explain: bool,
+        place: bool,
+    ) -> Routed:
         endpoints = self._eligible(subset)
         lookup = EMPTY
         if self.index is not None and request.block_keys:
@@ -202,6 +248,15 @@ class Router:
             )
             for e in endpoints
         ]
+        speeds = self.speeds
+        if speeds is not None and speeds.samples:
+            cands = [
+                dataclasses.replace(
+                    c,
+                    state=dataclasses.replace(c.state, prefill_tps=speeds.get(c.endpoint.address)),
+                )
+                for c in cands
+            ]
         decision = self.scheduler.schedule(request, cands, explain=explain)
         if not decision.endpoints:
             raise NoEndpoints("no model-server endpoint is eligible for this request")
@@ -209,6 +264,9 @@ class Router:
             return Routed(request, decision, Placement(decision.primary.address, 0), lookup)
         self.scheduler.observe(request, cands, decision)
         if self._record and self.index is not None:
+            if self._capacity is not None:
+                self._capacity.placed(decision.primary.address, request)
+                self._capacity.update(request, cands)
             self.index.record(decision.primary.address, request.block_keys)
             if decision.prefill is not None:
                 self.index.record(decision.prefill.address, request.block_keys)
@@ -265,7 +323,12 @@ class Router:
         return dataclasses.replace(routed, placement=placement)
 
     def finish(self, routed: Routed) -> None:
-        """The request's stream ended (response done, client gone, or error)."""
-        self.inflight.release(routed.placement)
+        """The request's ext_proc stream ended (response headers seen, response done, client
+        gone, or error): release its placement, or hold it until the access log says the
+        request itself ended (see `endpoints/request_end.py`)."""
+        if self.ends is not None:
+            self.ends.finish(routed.request.request_id, routed.placement)
+        else:
+            self.inflight.release(routed.placement)
         if routed.ticket is not None and self.admission is not None:
             self.admission.release(routed.ticket)

@@ -111,6 +111,10 @@ class StackOptions:
     # Seconds the picker keeps serving after SIGTERM. Production wants a health interval or
     # two; tests that stop stacks all the time do not.
     drain_delay_s: float = 0.0
+    # Picker replicas behind the one Envoy (>1 needs `redis_url`: they share the index,
+    # in-flight counts and request ends through it).
+    replicas: int = 1
+    redis_url: str | None = None
     # The picker's ext_proc port speaks TLS (its default, self-signed) unless this is set.
     plaintext: bool = False
     # Builds Envoy's bootstrap from the stack's BootstrapOptions instead of
@@ -326,6 +330,8 @@ class Stack:
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _tmp: tempfile.TemporaryDirectory | None = None
     _own_fleet: bool = False
+    # Extra replicas' (ext_proc, health, admin) ports, beyond the first picker's.
+    replica_ports: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -357,6 +363,10 @@ class Stack:
                 self.extproc_port, self.health_port = free_port(), free_port()
                 self.picker_admin_port = free_port()
                 self.start_extproc()
+                for i in range(1, self.options.replicas):
+                    ports = (free_port(), free_port(), free_port())
+                    self.replica_ports.append(ports)
+                    self.start_extproc(ports, name=f"extproc-{i}")
             self.start_envoy()
         except BaseException:
             self.close()
@@ -395,7 +405,15 @@ class Stack:
                 proc=proc,
             )
 
-    def start_extproc(self) -> None:
+    def start_extproc(
+        self, ports: tuple[int, int, int] | None = None, *, name: str = "extproc"
+    ) -> None:
+        port, health, admin = ports or (
+            self.extproc_port,
+            self.health_port,
+            self.picker_admin_port,
+        )
+        redis = ("--redis-url", self.options.redis_url) if self.options.redis_url else ()
         argv = [
             sys.executable,
             "-m",
@@ -406,25 +424,25 @@ class Stack:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self.extproc_port),
+            str(port),
             "--health-port",
-            str(self.health_port),
+            str(health),
             "--admin-port",
-            str(self.picker_admin_port),
+            str(admin),
             "--drain-delay",
             str(self.options.drain_delay_s),
             "--fallbacks",
             str(self.options.fallbacks),
             *self._precise_args(),
+            *redis,
             *self._labels_args(),
             *(["--plaintext"] if self.options.plaintext else []),
             *self.options.extproc_args,
         ]
-        proc = self._spawn("extproc", argv)
+        proc = self._spawn(name, argv)
         wait_until(
             lambda: (
-                grpc_health_status(self.health_port, "readiness")
-                == health_pb2.HealthCheckResponse.SERVING
+                grpc_health_status(health, "readiness") == health_pb2.HealthCheckResponse.SERVING
             ),
             # Generous: on a loaded CI machine a cold start (imports) can take 20 s.
             timeout_s=60,
@@ -470,6 +488,7 @@ class Stack:
             endpoints=tuple(self.upstream_addresses),
             admin_port=self.admin_port,
             fail_open=self.options.fail_open,
+            extproc_replicas=tuple(f"127.0.0.1:{p}" for p, _, _ in self.replica_ports),
             extproc_tls=not self.options.plaintext,
             extproc_sni="localhost",
         )

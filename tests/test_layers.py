@@ -18,13 +18,14 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "protocol": set(),
     "logs": set(),
+    "throttle": set(),  # rate-limited logging for what hostile peers can repeat
     "redis_client": {"errors"},
     "hashing": _BASE,
     "requests": _BASE | {"hashing"},
     "latency": _BASE,
     "scheduling": _BASE | {"latency"},
     "plugins": _BASE | {"scheduling"},
-    "index": _BASE | {"hashing", "redis_client"},
+    "index": _BASE | {"hashing", "redis_client", "throttle"},
     "endpoints": _BASE | {"redis_client", "latency"},
     # Admission between the index lookup and scheduling: it reads endpoint state, its plugins
     # are built like scheduling plugins, and replicas share its state through Redis.
@@ -35,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "signals": set(),
     "server": _BASE
     | {"_proto", "config", "endpoints", "hashing", "index", "requests", "router", "scheduling"}
-    | {"logs", "redis_client", "flowcontrol", "latency", "calibration", "signals"},
+    | {"logs", "redis_client", "flowcontrol", "latency", "throttle", "calibration", "signals"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,
     "gateways": _BASE | {"bootstrap"},

@@ -125,6 +125,9 @@ class IngestStats:
     resyncs: int = 0  # gap not healed by replay: endpoint dropped and rebuilt from new events
     restarts: int = 0
     clears: int = 0
+    # Bound socket: messages refused because their topic named no pool endpoint, or came
+    # from an address other than the endpoint the topic names (spoofing), or failed CURVE.
+    rejected: int = 0
 
 
 Replay = Callable[[int], Awaitable[Sequence[tuple[int, bytes]] | None]]

@@ -38,6 +38,8 @@ class MemoryKVIndex:
         self._blocks: dict[int, Records] = {}
         # Per endpoint, its keys from least to most recently written (capacity and drops).
         self._members: dict[str, OrderedDict[int, None]] = {}
+        # Per-endpoint capacity learned from the server's cache config (overrides the option).
+        self._caps: dict[str, int] = {}
         self.stats = IndexStats()
 
     async def __aenter__(self) -> MemoryKVIndex:
@@ -120,7 +122,13 @@ class MemoryKVIndex:
                 members.pop(key, None)
         return True
 
+    def set_capacity(self, endpoint: str, blocks: int) -> None:
+        """How many of our blocks `endpoint`'s KV cache holds: beyond it, the least recently
+        written keys are taken to be evicted (applied at the endpoint's next write)."""
+        self._caps[endpoint] = blocks
+
     async def remove_endpoint(self, endpoint: str) -> None:
+        self._caps.pop(endpoint, None)
         members = self._members.pop(endpoint, None)
         if members:
             self._drop(endpoint, list(members))
@@ -165,7 +173,7 @@ class MemoryKVIndex:
         for key in reversed(keys):
             members[key] = None
             members.move_to_end(key)
-        cap = self._opt.capacity_blocks
+        cap = self._caps.get(endpoint, self._opt.capacity_blocks)
         if cap is not None and len(members) > cap:
             evicted = [members.popitem(last=False)[0] for _ in range(len(members) - cap)]
             self.stats.evicted_blocks += len(evicted)

@@ -126,6 +126,9 @@ class RedisKVIndex:
         self._retry_at = 0.0
         self._failures = 0
         self._task: asyncio.Task[None] | None = None
+        # Per-endpoint capacity from the server's cache config (overrides the option); every
+        # replica scrapes the same servers, so they all trim to the same bound.
+        self._caps: dict[str, int] = {}
         self.stats = IndexStats()
 
     @classmethod
@@ -320,7 +323,12 @@ class RedisKVIndex:
             )
         )
 
+    def set_capacity(self, endpoint: str, blocks: int) -> None:
+        """How many of our blocks `endpoint`'s KV cache holds (applied at its next write)."""
+        self._caps[endpoint] = blocks
+
     async def remove_endpoint(self, endpoint: str) -> None:
+        self._caps.pop(endpoint, None)
         await self._control(_Op("D", endpoint))
 
     async def flush(self) -> None:
@@ -413,11 +421,11 @@ class RedisKVIndex:
                 )
         now_ms = int(self._opt.clock() * 1000)
         base = str((now_ms - _SCORE_EPOCH_MS) * 4096)
-        cap = str(self._opt.capacity_blocks or 0)
         calls: list[tuple[str, str, list[bytes | str]]] = []
         for root, args in roots.items():
             calls.append((WRITE, self._root_key(root), [self._key_ttl_ms, _pack((root,)), *args]))
         for endpoint, args in tracks.items():
+            cap = str(self._caps.get(endpoint, self._opt.capacity_blocks) or 0)
             calls.append(
                 (TRACK, self._endpoint_key(endpoint), [base, cap, self._key_ttl_ms, *args])
             )

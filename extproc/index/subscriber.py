@@ -8,14 +8,18 @@ connect to (`bind`), whose messages are attributed to endpoints by topic
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
 from extproc.index.base import KVIndex
+from extproc.index.curve import CurveKeys
 from extproc.index.kvevents import EventIngest, IngestStats
+from extproc.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,18 @@ def endpoint_from_topic(topic: bytes, default_port: int = 8000) -> tuple[str, st
     return host, parts[2] if len(parts) == 3 else ""
 
 
+def same_host(endpoint: str, peer: str) -> bool:
+    """Does `ip:port` (or `[v6]:port`) name the host at IP address `peer`?"""
+    host = endpoint.rpartition(":")[0].strip("[]")
+    try:
+        a, b = ipaddress.ip_address(host), ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    if isinstance(b, ipaddress.IPv6Address) and b.ipv4_mapped is not None:
+        b = b.ipv4_mapped
+    return a == b
+
+
 class KVEventSubscriber:
     """Feeds the index from vLLM KV events until cancelled (`run`).
 
@@ -51,6 +67,12 @@ class KVEventSubscriber:
     address to bind one SUB socket on (e.g. `tcp://*:5557`) for pods that connect.
     `topic_endpoint` maps a bound-socket topic to (endpoint, model), default
     `endpoint_from_topic`. Malformed frames are counted in `stats.malformed` and skipped.
+
+    Trust (bound socket): anyone who reaches it can publish, and the topic names the endpoint,
+    so a message counts only if `is_member(endpoint)` (the pool, from discovery) and it came
+    from that endpoint's own IP (the TCP peer address); `curve` additionally requires CURVE
+    encryption with a publisher key on its allow-list. Refused messages count in
+    `stats.rejected`. Dialed sockets need none of this: they connect to pool addresses only.
     """
 
     def __init__(
@@ -64,6 +86,8 @@ class KVEventSubscriber:
         replay_port: int | None = None,
         replay_timeout_s: float = 1.0,
         max_messages_per_pass: int = 256,
+        is_member: Callable[[str], bool] | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         self._index = index
         self._model = model
@@ -74,6 +98,10 @@ class KVEventSubscriber:
         self._replay_port = replay_port
         self._replay_timeout_s = replay_timeout_s
         self._max_per_pass = max_messages_per_pass
+        self._is_member = is_member
+        self._curve = curve
+        self._auth: Any = None
+        self._throttle = Throttle(every_s=10.0)
         self._sources: dict[str, EventSource] = {}
         self._ingests: dict[str, EventIngest] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -110,6 +138,8 @@ class KVEventSubscriber:
         try:
             if self._bind is not None:
                 self._bound = self._socket(loop)
+                if self._curve is not None:
+                    self._auth = self._curve.serve(self._ctx, self._bound)
                 self._bound.bind(self._bind)
                 self.bound_url = self._bound.getsockopt_string(zmq.LAST_ENDPOINT)
             while True:
@@ -129,6 +159,9 @@ class KVEventSubscriber:
                 self._close(loop, sock)
             self._dialed.clear()
             self._bound = None
+            if self._auth is not None:
+                self._auth.stop()
+                self._auth = None
             self._ctx.destroy(linger=0)
             self._ctx = None
 
@@ -172,21 +205,26 @@ class KVEventSubscriber:
         if self._bound is not None:
             for _ in range(self._max_per_pass):
                 try:
-                    frames = self._bound.recv_multipart(zmq.NOBLOCK)
+                    parts = self._bound.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 got = True
-                await self._dispatch_safely(frames, None)
+                peer = parts[0].get("Peer-Address") if parts else None
+                await self._dispatch_safely([p.bytes for p in parts], None, peer=peer)
         return got
 
-    async def _dispatch_safely(self, frames: Sequence[bytes], endpoint: str | None) -> None:
+    async def _dispatch_safely(
+        self, frames: Sequence[bytes], endpoint: str | None, *, peer: str | None = None
+    ) -> None:
         try:
-            await self._dispatch(frames, endpoint)
+            await self._dispatch(frames, endpoint, peer)
         except Exception:  # one bad message must never stop ingestion for every endpoint
             self.stats.malformed += 1
             log.exception("kv events: message from %s skipped", endpoint or "bound socket")
 
-    async def _dispatch(self, frames: Sequence[bytes], endpoint: str | None) -> None:
+    async def _dispatch(
+        self, frames: Sequence[bytes], endpoint: str | None, peer: str | None = None
+    ) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             self.stats.malformed += 1
             return
@@ -198,6 +236,8 @@ class KVEventSubscriber:
                 self.stats.malformed += 1
                 return
             endpoint, model = found
+            if not self._admits(endpoint, peer):
+                return
         ingest = self._ingests.get(endpoint)
         if ingest is None:
             source = self._sources.get(endpoint)
@@ -220,6 +260,26 @@ class KVEventSubscriber:
                 replay=replay,
             )
         await ingest.handle(int.from_bytes(seq, "big"), payload)
+
+    def _admits(self, endpoint: str, peer: str | None) -> bool:
+        """A bound-socket message names its endpoint in the topic: believe it only for a pool
+        member, and only from that member's own address."""
+        reason = None
+        if self._is_member is not None and not self._is_member(endpoint):
+            reason = "topic names no pool endpoint"
+        elif peer is not None and not same_host(endpoint, peer):
+            reason = "publisher address is not the endpoint's"
+        if reason is None:
+            return True
+        self.stats.rejected += 1
+        suppressed = self._throttle.allow(reason)
+        if suppressed is not None:
+            log.warning(
+                "kv events: message refused (%s)",
+                reason,
+                extra={"endpoint": endpoint, "peer": peer, "suppressed_since_last": suppressed},
+            )
+        return False
 
     async def _replay(self, url: str, start: int) -> list[tuple[int, bytes]] | None:
         """Ask a vLLM ROUTER replay socket for batches from `start` (FACTS 6)."""

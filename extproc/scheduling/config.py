@@ -59,26 +59,30 @@ class EndpointPickerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
 
 
 def default_config() -> EndpointPickerConfig:
-    """Used when no scheduling config is given: cache affinity weighed against live load.
-
-    llm-d's defaults (prefix 3, queue 2, KV usage 2) plus the picker's own in-flight count,
-    which moves at the decision and so covers the gap between metric scrapes, and
-    no-hit-lru, which spreads new prefixes over the fleet: when a prefix is new, every load
-    figure is near zero everywhere, and without it where a conversation group settles is
-    down to chance (measured: TTFT p50 1.0 s -> 0.08 s at 16 req/s, bench/RESULTS.md)."""
+    """Used when no scheduling config is given: cache affinity weighed against live load in
+    one currency, predicted time to first token (`predicted-ttft-scorer`: queued prefill
+    work plus this request's uncached tokens, over each server's measured prefill speed), so
+    a request sticks to its prefix until waiting there costs more than recomputing
+    elsewhere; `bounded-load-filter` first keeps a prefix group from piling onto one
+    server beyond (1 + 0.25) x the mean in-flight load + 1. `kv-cache-utilization-scorer`
+    breaks near-ties towards emptier caches, and
+    `no-hit-lru-scorer` spreads new prefixes over the fleet (when a prefix is new, every
+    prediction is about equal, and where a conversation group settles would be down to
+    chance). Before issue 14 the default was prefix 3, queue 2, KV usage 2, active requests
+    2, no-hit-lru 2 (llm-d's defaults plus our in-flight count); bench/RESULTS.md compares.
+    """
     weights = {
-        "prefix-cache-scorer": 3.0,
-        "queue-scorer": 2.0,
-        "kv-cache-utilization-scorer": 2.0,
-        "active-request-scorer": 2.0,
-        "no-hit-lru-scorer": 2.0,
+        "predicted-ttft-scorer": 4.0,
+        "kv-cache-utilization-scorer": 1.0,
+        "no-hit-lru-scorer": 1.0,
     }
     return EndpointPickerConfig(
-        plugins=[PluginSpec(type=t) for t in (*weights, "max-score-picker")],
+        plugins=[PluginSpec(type=t) for t in ("bounded-load-filter", *weights, "max-score-picker")],
         schedulingProfiles=[
             ProfileSpec(
                 name="default",
                 plugins=[
+                    PluginRef(pluginRef="bounded-load-filter"),
                     *(PluginRef(pluginRef=t, weight=w) for t, w in weights.items()),
                     PluginRef(pluginRef="max-score-picker"),
                 ],

@@ -10,7 +10,7 @@ decode, prefill and encode profiles for disaggregated serving).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -256,6 +256,24 @@ class Scheduler:
                 extra.update(r.response_headers(decision))
             decision = dataclasses.replace(decision, response_headers=extra)
         return decision
+
+    def wrapped(
+        self,
+        profile: Callable[[Profile], Profile],
+        handler: Callable[[ProfileHandler], ProfileHandler],
+    ) -> Scheduler:
+        """A copy whose profiles and profile handler went through the given wrappers: timing
+        (scheduling/timing.py) wraps plugins this way, so neither the runner loop nor the
+        plugins carry it."""
+        return Scheduler(
+            handler(self._handler),
+            [profile(p) for p in self._profiles.values()],
+            fallbacks=self._limit - 1,
+            observers=self._observers,
+            responders=self._responders,
+            admitters=self._admitters,
+            plugins=self.plugins,
+        )
 
     def observe(
         self, req: InferenceRequest, cands: Sequence[Candidate], decision: Decision

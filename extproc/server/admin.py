@@ -1,9 +1,16 @@
 """The admin HTTP port (default 9090): Prometheus `/metrics`, and the read-only debug API
 that `extproc explain` calls (`POST /debug/explain` replays a request against this picker's
-live state without routing it; `GET /debug/state` shows endpoints and their figures)."""
+live state without routing it; `GET /debug/state` shows endpoints and their figures).
+
+Bound to loopback by default (`server.admin_host`): nothing here is authenticated, and the
+explain API reveals every endpoint's score and prefix matches. Explain requests cannot stall
+routing: bodies are capped (`server.admin_explain_max_bytes`, 413 past it), parsing and
+hashing run in a worker thread, and one runs at a time (a second one gets 429 at once).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Mapping
 
@@ -20,20 +27,36 @@ EXPLAIN_PATH_HEADER = "x-extproc-path"
 
 
 def make_admin_app(
-    router: Router, metrics: PickerMetrics, signals: Signals | None = None
+    router: Router,
+    metrics: PickerMetrics,
+    signals: Signals | None = None,
+    *,
+    max_body_bytes: int = 4 * 1024 * 1024,
 ) -> web.Application:
+    busy = asyncio.Lock()
+
     async def get_metrics(request: web.Request) -> web.Response:
         return web.Response(
             body=metrics.exposition(), headers={"content-type": "text/plain; version=0.0.4"}
         )
 
     async def explain(request: web.Request) -> web.Response:
-        body = await request.read()
+        if busy.locked():
+            return web.json_response(
+                {"error": {"message": "an explain request is running", "code": "busy"}},
+                status=429,
+            )
+        async with busy:
+            return await _explain(request)
+
+    async def _explain(request: web.Request) -> web.Response:
+        body = await request.read()  # aiohttp answers 413 past client_max_size
         headers = {k.lower(): v for k, v in request.headers.items()}
         path = headers.get(EXPLAIN_PATH_HEADER, "/v1/chat/completions")
         headers[":path"] = path
         try:
-            routed = await router.route(path, headers, body, explain=True, place=False)
+            parsed = await asyncio.to_thread(router.parse, path, headers, body)
+            routed = await router.route_request(parsed, explain=True, place=False)
         except ExtprocError as err:
             return web.json_response(
                 {"error": {"message": err.message, "code": err.code}}, status=err.status
@@ -76,7 +99,7 @@ def make_admin_app(
             content_type="application/json",
         )
 
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=max_body_bytes)
     app.router.add_get("/metrics", get_metrics)
     app.router.add_post("/debug/explain", explain)
     app.router.add_get("/debug/state", state)

@@ -24,6 +24,8 @@ from extproc.config import Settings, build_configured_flow_control, build_config
 from extproc.core import Endpoint
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.dcgm import DCGMScraper
+from extproc.endpoints.prefill_speed import PrefillSpeeds
+from extproc.endpoints.request_end import RequestEnds
 from extproc.endpoints.scrape import MetricsScraper
 from extproc.endpoints.shared_inflight import SharedInFlight
 from extproc.endpoints.state import EndpointStates
@@ -31,10 +33,14 @@ from extproc.errors import ConfigError
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import IndexOptions, KVIndex
 from extproc.router import Router
+from extproc.scheduling.timing import instrument
 from extproc.server import latency as latency_wiring
 from extproc.server import wire
+from extproc.server.access_log import AccessLogHandler
 from extproc.server.admin import make_admin_app
+from extproc.server.guard import lenient_deserializer
 from extproc.server.health import Health
+from extproc.server.llmd_metrics import BuildInfo, PoolView
 from extproc.server.metrics import PickerMetrics, counter, gauge
 from extproc.server.ports import PortInUse, bind_grpc, check_ports
 from extproc.server.stream import StreamHandler
@@ -126,13 +132,23 @@ class App:
                 cluster=settings.index.cluster,
                 settings=state.shared_inflight,
             )
+        self.speeds = PrefillSpeeds()
+        self.ends = RequestEnds(
+            self.inflight.release,
+            state.request_end,
+            on_end=lambda p, e: self.speeds.observe(p.address, p.tokens, e.ttfb_s),
+        )
+        self.access_log = AccessLogHandler(self.ends)
+        self.shared_ends = None
+        if settings.index.backend == "redis" and settings.index.redis_url:
+            self.shared_ends = self._share_request_ends(settings.index.redis_url)
         # Approximate keys only: precise keys come from the real tokenizer and block size.
         self.calibration = Calibration(
             settings.parse, enabled=settings.parse.calibrate and self.precise is None
         )
         self.router = Router(
             pool=self.pool,
-            scheduler=build_configured_scheduler(settings),
+            scheduler=instrument(build_configured_scheduler(settings), self.metrics.llmd),
             parser=self.calibration,
             inflight=self.inflight,
             index=self.index,
@@ -142,6 +158,8 @@ class App:
             record_decisions=record,
             on_lookup=self.metrics.lookup_seconds.observe,
             on_placed=self.calibration.placed if self.calibration.enabled else None,
+            ends=self.ends,
+            speeds=self.speeds,
         )
         self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
@@ -173,6 +191,32 @@ class App:
         # Time of the last KV-event message seen at a scrape (the lag gauge's reference).
         self._kv_seen = (0, time.monotonic())
         self.metrics.add_collector(self._collect)
+        self.metrics.llmd.attach_pool(self._pool_view())
+        self.metrics.llmd.build = BuildInfo.installed(self._environ)
+
+    def _pool_view(self) -> PoolView:
+        """llm-d's pool gauges: named after the InferencePool when discovery watches one."""
+        d, scraped = self.settings.discovery, self.scraper is not None
+        return PoolView(
+            name=d.inference_pool or "extproc",
+            namespace=d.namespace or "",
+            endpoints=self.pool.snapshot,
+            states=self.states.state if scraped else None,
+        )
+
+    def _share_request_ends(self, url: str):
+        """Replicas behind one gateway get each other's access-log entries (Redis pub/sub)."""
+        if self.settings.index.cluster:
+            log.warning(
+                "request ends are not shared on Redis Cluster: holds of requests "
+                "logged to another replica end by max_hold_s"
+            )
+            return None
+        from extproc.endpoints.shared_inflight import default_process_id
+        from extproc.endpoints.shared_request_end import SharedRequestEnds
+
+        pid = getattr(self.inflight, "process_id", None) or default_process_id()
+        return SharedRequestEnds.from_url(url, self.ends, process_id=pid)
 
     def _build_admission(self):
         """Flow control (docs/flow-control.md), when configured: the router's admission hook."""
@@ -212,6 +256,7 @@ class App:
         ev = self.settings.index.kv_events
         if ev is None or self.index is None or self.precise is None:
             return None
+        from extproc.index.curve import CurveKeys
         from extproc.index.subscriber import KVEventSubscriber
 
         sub = KVEventSubscriber(
@@ -220,6 +265,8 @@ class App:
             bind=ev.bind,
             block_size=self.precise.block_size,
             replay_port=ev.replay_port if ev.bind is not None else None,
+            is_member=lambda address: self.pool.get(address) is not None,
+            curve=CurveKeys.from_settings(ev),
         )
         if ev.bind is None:
             for e in self.pool.snapshot():
@@ -353,14 +400,12 @@ class App:
             raise
 
     async def _start(self, cfg) -> App:
-        handler = StreamHandler(
-            self.router, max_body_bytes=cfg.max_body_bytes, metrics=self.metrics
-        )
+        handler = StreamHandler.from_settings(self.router, cfg, self.metrics)
         # Registered by full method name: our message classes live in our own proto package
         # (see protos/), the service name is Envoy's.
         method = grpc.stream_stream_rpc_method_handler(
             handler.process,
-            request_deserializer=wire.ProcessingRequest.FromString,
+            request_deserializer=lenient_deserializer,
             response_serializer=wire.ProcessingResponse.SerializeToString,
         )
         generic = grpc.method_handlers_generic_handler(
@@ -396,7 +441,11 @@ class App:
         # silently and take half the streams.
         reuse = (("grpc.so_reuseport", int(self._shared_ports)),)
         self._server = grpc.aio.server(options=_SERVER_OPTIONS + reuse)
-        self._server.add_generic_rpc_handlers((generic,))
+        self._server.add_generic_rpc_handlers((generic, self.access_log.rpc_handler()))
+        self.spawn("request-end-sweep", self._sweep_request_ends)
+        if self.shared_ends is not None:
+            self.spawn("shared-request-ends", self.shared_ends.run)
+            self._exits.push_async_callback(self.shared_ends.aclose)
         self.health.add_to(self._server)
         address = f"{cfg.host}:{cfg.port}"
         tls = cfg.effective_tls
@@ -417,14 +466,21 @@ class App:
         )
         # Every port is bound before any starts listening (the admin site binds as it starts).
         if cfg.admin_port is not None:
-            admin = make_admin_app(self.router, self.metrics, self.signals)
+            admin = make_admin_app(
+                self.router,
+                self.metrics,
+                self.signals,
+                max_body_bytes=cfg.admin_explain_max_bytes,
+            )
             self._admin = web.AppRunner(admin, access_log=None)
             await self._admin.setup()
-            site = web.TCPSite(self._admin, cfg.host, cfg.admin_port)
+            site = web.TCPSite(self._admin, cfg.admin_host, cfg.admin_port)
             try:
                 await site.start()
             except OSError as exc:
-                raise PortInUse("admin", cfg.host, cfg.admin_port, exc.strerror or "") from None
+                raise PortInUse(
+                    "admin", cfg.admin_host, cfg.admin_port, exc.strerror or ""
+                ) from None
             self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         await self._health_server.start()
         await self._server.start()
@@ -444,6 +500,12 @@ class App:
             },
         )
         return self
+
+    async def _sweep_request_ends(self) -> None:
+        """Release holds whose access-log entry never came, even while no request arrives."""
+        while True:
+            await asyncio.sleep(1.0)
+            self.ends.sweep()
 
     async def serve(self) -> None:
         """Run until `stop()` has drained the server."""
@@ -541,6 +603,7 @@ class App:
             t.add_metric([e.address], self.router.inflight.tokens(e.address))
         yield g
         yield t
+        yield from self._collect_request_ends()
         yield _gauge("extproc_endpoints", "Endpoints in the pool.", len(self.pool))
         if self.dcgm is not None:
             d = self.dcgm.stats
@@ -613,6 +676,12 @@ class App:
                 ("replayed", "KV-event batches recovered by replay.", k.replayed),
                 ("resyncs", "Endpoints rebuilt after an unrecoverable gap.", k.resyncs),
                 ("restarts", "Publisher restarts seen (sequence went back).", k.restarts),
+                (
+                    "rejected",
+                    "KV-event messages refused: topic names no pool endpoint, or sent from "
+                    "another address than that endpoint's.",
+                    k.rejected,
+                ),
             ):
                 yield _counter(f"extproc_kv_events_{name}", doc, value)
             yield _gauge(
@@ -630,6 +699,53 @@ class App:
                 "(at scrape resolution).",
                 now - self._kv_seen[1],
             )
+
+    def _collect_request_ends(self):
+        e = self.ends.stats
+        yield _gauge(
+            "extproc_request_end_held",
+            "Placements held past their ext_proc stream, waiting for the access-log entry.",
+            e.held,
+        )
+        yield _counter(
+            "extproc_request_end_expired",
+            "Held placements released by max_hold_s: their access-log entry never came.",
+            e.expired,
+        )
+        yield _counter("extproc_access_log_entries", "Access-log entries received.", e.entries)
+        yield _counter(
+            "extproc_access_log_unmatched",
+            "Access-log entries for requests this process did not hold.",
+            e.unmatched,
+        )
+        if self.shared_ends is not None:
+            sh = self.shared_ends
+            yield _counter(
+                "extproc_request_end_forwarded",
+                "Unmatched access-log entries published to the other replicas.",
+                sh.published,
+            )
+            yield _counter(
+                "extproc_request_end_forward_applied",
+                "Holds released by an entry another replica received.",
+                sh.applied,
+            )
+            yield _counter(
+                "extproc_request_end_forward_dropped",
+                "Entries that could not be published (Redis failing or backlog full).",
+                sh.dropped,
+            )
+        yield _gauge(
+            "extproc_access_log_streams", "Access-log streams open now.", self.access_log.streams
+        )
+        tps = gauge(
+            "extproc_prefill_tokens_per_second",
+            "Prefill speed learned per endpoint (uncached tokens / time to first byte).",
+            ["endpoint"],
+        )
+        for address, value in self.speeds.snapshot().items():
+            tps.add_metric([address], value)
+        yield tps
 
     def _collect_endpoints(self):
         """Per endpoint: scraped-state age and staleness, scrape failures."""

@@ -3,7 +3,8 @@
 Counters that other components already keep (router, index, KV-event ingestion, in-flight,
 scraper) are read at scrape time by a collector, so the hot path pays nothing for them; only
 the per-request outcome counter and the decision and index-lookup latency histograms are
-updated inline. docs/operations.md lists every metric.
+updated inline. docs/operations.md lists every metric; llm-d's and GIE's names are in
+llmd_metrics.py (docs/llm-d.md#metrics).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from extproc.server.llmd_metrics import LlmdMetrics
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
@@ -50,6 +53,9 @@ class PickerMetrics:
         )
         # Children resolved once: labels() costs microseconds per call on the hot path.
         self.routed = self.requests.labels("routed", "200")
+        # llm-d's and GIE's families (server/llmd_metrics.py), fed by the same stream events.
+        self.llmd = LlmdMetrics()
+        self.add_collector(self.llmd.collect)
 
     def rejected(self, status: int) -> None:
         outcome = "error" if status >= 500 and status != 503 else "rejected"

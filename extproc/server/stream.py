@@ -12,31 +12,51 @@ headers. Body-less requests, and modes that never send a body (NONE, STREAMED), 
 header time; such decisions are counted in `extproc_decisions_without_body` and logged once.
 
 Response path, whatever mode the gateway announces in `protocol_config`: headers pass through,
-plus what the decision sends back to the client (a session token; the explanation when asked
-for with `x-extproc-explain: 1`); FULL_DUPLEX_STREAMED body chunks are echoed unchanged and in
-order (Envoy drops its copy and waits for ours); other body modes get CONTINUE; trailers get
-their reply. Where neither body mode is FULL_DUPLEX_STREAMED, the request-header reply carries
-a `mode_override` asking for no response body or trailers (honoured when the gateway sets
-`allow_mode_override`, ignored otherwise). The served endpoint the proxy reports on the
+plus what the decision sends back to the client (a session token; the explanation for an
+operator's token in `x-extproc-explain`); FULL_DUPLEX_STREAMED body chunks are echoed unchanged
+and in order (Envoy drops its copy and waits for ours); other body modes get CONTINUE; trailers
+get their reply. Where neither body mode is FULL_DUPLEX_STREAMED, the request-header reply
+carries a `mode_override` asking for no response body or trailers (honoured when the gateway
+sets `allow_mode_override`, ignored otherwise). The served endpoint the proxy reports on the
 response headers (`envoy.lb` metadata) takes over the in-flight count and the index entry.
+
+Hostile peers (issue 18): every stream's buffered body counts against one process-wide budget
+and must be complete within the body deadline (`limits`); a stream carries one request (a
+second request_headers is refused); peers off the allow-list and undecodable messages are
+refused before any state is kept (`guard`). Explanations go only to callers presenting an
+operator-issued token in `x-extproc-explain` (`server.explain_tokens`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 import orjson
 
 from extproc import protocol
 from extproc.core import Decision
-from extproc.errors import ExtprocError, PayloadTooLarge
+from extproc.errors import (
+    BadRequest,
+    BodyBudgetExhausted,
+    ExtprocError,
+    PayloadTooLarge,
+    RequestTimeout,
+)
 from extproc.router import Routed, Router
 from extproc.server import wire
+from extproc.server.guard import PeerAllowList, Throttle
+from extproc.server.limits import BodyBudget, BodyDeadline
 from extproc.server.metrics import PickerMetrics
+
+if TYPE_CHECKING:
+    from extproc.config import ServerSettings
 
 log = logging.getLogger("extproc.stream")
 
@@ -79,22 +99,92 @@ def predicted_cached_tokens(routed: Routed) -> int:
 
 
 class StreamHandler:
-    """Serves `envoy.service.ext_proc.v3.ExternalProcessor/Process`; one call per stream."""
+    """Serves `envoy.service.ext_proc.v3.ExternalProcessor/Process`; one call per stream.
+
+    `budget`: the process-wide body budget (default: unbounded beyond `max_body_bytes` per
+    stream). `body_timeout_s`: request headers to end of body. `explain_tokens`: values of
+    `x-extproc-explain` that get the decision back (empty: nobody). `allow`: peers that may
+    open streams."""
 
     def __init__(
-        self, router: Router, *, max_body_bytes: int, metrics: PickerMetrics | None = None
+        self,
+        router: Router,
+        *,
+        max_body_bytes: int,
+        metrics: PickerMetrics | None = None,
+        budget: BodyBudget | None = None,
+        body_timeout_s: float = 30.0,
+        explain_tokens: frozenset[str] = frozenset(),
+        allow: PeerAllowList | None = None,
     ) -> None:
         self._router = router
         self._max_body = max_body_bytes
         self._metrics = metrics if metrics is not None else PickerMetrics()
+        self.budget = budget or BodyBudget(limit=1 << 62)
+        self._body_timeout_s = body_timeout_s
+        self._explain_tokens = tuple(t.encode() for t in explain_tokens)
+        self._allow = allow or PeerAllowList()
+        self._throttle = Throttle()
         self._warned: set[int] = set()  # body modes already logged as "routing on headers"
 
+    @classmethod
+    def from_settings(
+        cls, router: Router, cfg: ServerSettings, metrics: PickerMetrics
+    ) -> StreamHandler:
+        """The servicer with the hostile-client limits of `server:` applied (the budget's
+        gauges registered in `metrics`)."""
+        budget = BodyBudget(limit=cfg.body_budget_bytes)
+        metrics.add_collector(budget.collect)
+        return cls(
+            router,
+            max_body_bytes=cfg.max_body_bytes,
+            metrics=metrics,
+            budget=budget,
+            body_timeout_s=cfg.body_timeout_s,
+            explain_tokens=frozenset(cfg.explain_tokens),
+            allow=PeerAllowList.parse(cfg.allowed_clients),
+        )
+
     async def process(
-        self, requests: AsyncIterator[wire.ProcessingRequest], context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[wire.ProcessingRequest | None], context
     ) -> AsyncIterator[wire.ProcessingResponse]:
-        state = _Stream(self._router, self._max_body, self._metrics, self._warned)
+        if not self._allow.allows(context.peer()):
+            self._warn("peer_refused", "ext_proc stream refused: peer not on the allow-list")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "peer not allowed")
+        state = _Stream(
+            self._router,
+            self._max_body,
+            self._metrics,
+            self._warned,
+            self.budget,
+            self._explain_tokens,
+        )
+        deadline = BodyDeadline(self._body_timeout_s)
+        state.deadline = deadline
+        it = aiter(requests)
         try:
-            async for msg in requests:
+            while True:
+                left = deadline.remaining()
+                try:
+                    if left is None:
+                        msg = await anext(it)
+                    else:
+                        async with asyncio.timeout(max(left, 0.0)):
+                            msg = await anext(it)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    self.budget.timed_out += 1
+                    for resp in state.fail(
+                        RequestTimeout(
+                            f"request body not received within {self._body_timeout_s:g} s"
+                        )
+                    ):
+                        yield resp
+                    return
+                if msg is None:
+                    self._warn("malformed", "ext_proc message could not be decoded; stream ended")
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed message")
                 for resp in await state.on_message(msg):
                     yield resp
                 if state.done:
@@ -102,28 +192,48 @@ class StreamHandler:
         finally:
             state.close()
 
+    def _warn(self, key: str, message: str) -> None:
+        suppressed = self._throttle.allow(key)
+        if suppressed is not None:
+            log.warning(message, extra={"suppressed_since_last": suppressed})
+
 
 class _Stream:
     __slots__ = (
         "body_len",
+        "budget",
         "chunks",
+        "deadline",
         "done",
         "explain",
+        "explain_tokens",
         "headers",
         "max_body",
         "metrics",
         "mode",
+        "obs",
         "response_mode",
         "routed",
         "router",
+        "seen_request",
         "subset",
         "warned",
     )
 
     def __init__(
-        self, router: Router, max_body: int, metrics: PickerMetrics, warned: set[int]
+        self,
+        router: Router,
+        max_body: int,
+        metrics: PickerMetrics,
+        warned: set[int],
+        budget: BodyBudget,
+        explain_tokens: tuple[bytes, ...] = (),
     ) -> None:
         self.router = router
+        self.budget = budget
+        self.explain_tokens = explain_tokens
+        self.deadline: BodyDeadline | None = None
+        self.seen_request = False
         self.max_body = max_body
         self.metrics = metrics
         self.warned = warned
@@ -136,21 +246,30 @@ class _Stream:
         self.routed: Routed | None = None
         self.explain = False
         self.done = False
+        self.obs = metrics.llmd.request()  # llm-d's request families (server/llmd_metrics.py)
 
     async def on_message(self, msg: wire.ProcessingRequest) -> list[wire.ProcessingResponse]:
         try:
             return await self._dispatch(msg)
         except ExtprocError as err:
-            return self._fail(err)
+            return self.fail(err)
         except Exception:
             log.exception("internal error", extra={"request_id": self.headers.get("x-request-id")})
-            return self._fail(ExtprocError())
+            return self.fail(ExtprocError())
 
-    def _fail(self, err: ExtprocError) -> list[wire.ProcessingResponse]:
+    def _release_body(self) -> None:
+        """Give the buffered chunks back to the budget (body complete, failed or gone)."""
+        self.budget.give(sum(len(c) for c in self.chunks))
+        self.chunks = []
+        if self.deadline is not None:
+            self.deadline.stop()
+
+    def fail(self, err: ExtprocError) -> list[wire.ProcessingResponse]:
         # An ImmediateResponse ends the HTTP exchange; Envoy sends nothing more for it.
         self.done = True
-        self.chunks = []
+        self._release_body()
         self.metrics.rejected(err.status)
+        self.obs.failed(err.status, err.model, self.headers)
         log.info(
             "rejected",
             extra={
@@ -173,6 +292,9 @@ class _Stream:
         if kind == "request_trailers":
             return await self._on_request_trailers()
         if kind == "response_headers":
+            headers = msg.response_headers.headers
+            self.obs.response(wire.header_value(headers, ":status"),
+                              wire.header_value(headers, "content-length"))  # fmt: skip
             return [self._on_response_headers(msg)]
         if kind == "response_body":
             if self.response_mode == _FULL_DUPLEX:
@@ -184,6 +306,11 @@ class _Stream:
         return []
 
     async def _on_request_headers(self, msg: wire.ProcessingRequest) -> list:
+        if self.seen_request:
+            # Envoy opens one stream per HTTP request. A peer sending more would get a
+            # decision (an index write, an in-flight charge) per message from one stream.
+            raise BadRequest("one request per ext_proc stream")
+        self.seen_request = True
         if msg.HasField("protocol_config"):
             self.mode = msg.protocol_config.request_body_mode
             self.response_mode = msg.protocol_config.response_body_mode
@@ -194,7 +321,7 @@ class _Stream:
             headers.pop(name, None)
         if protocol.REQUEST_ID_HEADER not in headers:
             headers[protocol.REQUEST_ID_HEADER] = uuid.uuid4().hex
-        self.explain = headers.get(protocol.EXPLAIN_HEADER, "") in ("1", "true")
+        self.explain = self._explain_allowed(headers.get(protocol.EXPLAIN_HEADER))
         self.headers = headers
         self.subset = wire.subset_hint(msg)
         declared = headers.get("content-length", "")
@@ -207,6 +334,8 @@ class _Stream:
             return [self._override(wire.routed_headers(await self._route(None)))]
         if msg.request_headers.end_of_stream:
             return [self._override(wire.routed_headers(await self._route(b"")))]
+        if self.deadline is not None:
+            self.deadline.start()
         if self.mode == _FULL_DUPLEX:
             return []  # the header reply waits for the body
         return [self._override(wire.CONTINUE_REQUEST_HEADERS)]
@@ -235,6 +364,15 @@ class _Stream:
                 name,
             )
 
+    def _explain_allowed(self, presented: str | None) -> bool:
+        """Only a token the operator issued gets explanations (they reveal every endpoint,
+        score and per-endpoint prefix match: an oracle for other users' prompts)."""
+        if not presented or not self.explain_tokens:
+            return False
+        value = presented.encode()
+        # compare_digest on every token: no early exit that times which one matched.
+        return any([hmac.compare_digest(value, t) for t in self.explain_tokens])
+
     async def _on_request_body(self, body: wire.pb.HttpBody) -> list:
         if self.routed is not None:
             # Decided at header time (STREAMED mode): chunks pass through untouched.
@@ -244,12 +382,14 @@ class _Stream:
         if self.body_len > self.max_body:
             raise PayloadTooLarge(f"request body exceeds the {self.max_body}-byte limit")
         if chunk:
+            if not self.budget.take(len(chunk)):
+                raise BodyBudgetExhausted("the picker is buffering too many request bodies")
             self.chunks.append(chunk)
         if not body.end_of_stream:
             if self.mode == _PARTIAL:
                 # Envoy cut the body at its buffer limit and waits for this reply; the rest
                 # streams past us. A cut JSON document cannot be parsed: route on headers.
-                self.chunks = []
+                self._release_body()
                 self._without_body()
                 return [wire.routed_body(await self._route(None))]
             return []  # FULL_DUPLEX: more chunks follow (bounded by max_body)
@@ -264,8 +404,10 @@ class _Stream:
 
     async def _body_complete(self, *, trailers_follow: bool) -> list:
         body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-        self.chunks = []
-        decision = await self._route(body)
+        try:
+            decision = await self._route(body)
+        finally:
+            self._release_body()  # held through parsing: the joined copy lives until then
         if self.mode in _BUFFERED:
             return [wire.routed_body(decision)]
         out = [wire.routed_headers(decision)]
@@ -274,8 +416,8 @@ class _Stream:
 
     async def _route(self, body: bytes | None) -> Decision:
         if self.routed is not None:
-            # Envoy sends one request per stream; a peer that sends another gets it routed,
-            # but never at the cost of leaking the first one's in-flight count.
+            # Unreachable while a second request_headers is refused; kept so a future path
+            # that routes twice can never leak the first decision's in-flight count.
             self.router.finish(self.routed)
             self.routed = None
         path = self.headers.get(":path", "/")
@@ -286,6 +428,8 @@ class _Stream:
         )
         self.metrics.decision_seconds.observe(time.perf_counter() - start)
         self.metrics.routed.inc()
+        req = routed.request
+        self.obs.routed(req.model, self.headers, self.body_len, req.prompt_tokens)
         self.routed = routed
         if explain:
             log.debug("decision", extra={"decision": explanation(routed)})
@@ -306,6 +450,8 @@ class _Stream:
 
     def close(self) -> None:
         """The stream ended, however it ended: release what the decision placed."""
+        self.obs.close()
+        self._release_body()
         if self.routed is not None:
             self.router.finish(self.routed)
             self.routed = None

@@ -33,6 +33,15 @@ def header_map(hmap: pb.HeaderMap) -> dict[str, str]:
     return out
 
 
+def header_value(hmap: pb.HeaderMap, name: str) -> str | None:
+    """One header's first value (lower-case `name`), without building the whole map."""
+    for hv in hmap.headers:
+        if hv.key == name:
+            raw = hv.raw_value
+            return raw.decode("utf-8", "replace") if raw else hv.value
+    return None
+
+
 def subset_hint(req: pb.ProcessingRequest) -> frozenset[str] | None:
     """The proxy's subset hint, or None when it sent none (an empty list is a real, empty
     subset: nothing is eligible)."""

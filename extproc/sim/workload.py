@@ -44,6 +44,10 @@ class WorkloadSpec:
     `image_fraction`: share of conversations whose first user turn carries `images_per_request`
     of their group's `images_per_group` images (so images repeat within a group), each
     `image_px` square (a 448 px image is 256 tokens by the default Qwen-style estimate).
+    `header_words`: a chat-template-like header every group shares before its own prompt
+    (its first block(s) are the same for every tenant). `tenant_skew`: Zipf exponent of the
+    groups' sizes (0: every group has `conversations_per_group`; 1: group g has about
+    1/(g+1) of the conversations, same total).
     """
 
     groups: int = 8
@@ -59,6 +63,16 @@ class WorkloadSpec:
     max_tokens: int = 16
     model: str = "tiny"
     seed: int = 0
+    header_words: int = 0
+    tenant_skew: float = 0.0
+
+
+def _group_sizes(spec: WorkloadSpec) -> list[int]:
+    if not spec.tenant_skew:
+        return [spec.conversations_per_group] * spec.groups
+    weights = [(g + 1) ** -spec.tenant_skew for g in range(spec.groups)]
+    total = spec.conversations_per_group * spec.groups
+    return [max(1, round(total * w / sum(weights))) for w in weights]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +119,7 @@ class Summary:
     output_tok_per_s: float
     duration_s: float
     per_endpoint: dict[str, int] = field(default_factory=dict)
+    ttft_p99_s: float = float("nan")
 
 
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "so", "pe", "da", "zu", "ri", "mo", "fa")
@@ -153,14 +168,16 @@ def build_workload(spec: WorkloadSpec) -> list[WorkItem]:
     vocab = _vocabulary(rng)
     convs: list[list[WorkItem]] = []
     conv_no = 0
+    header = _text(rng, vocab, spec.header_words) + " " if spec.header_words else ""
+    sizes = _group_sizes(spec)
     for g in range(spec.groups):
-        # A group tag up front keeps two groups' prompts from sharing their first blocks.
-        system = f"group {g} seed {spec.seed}. " + _text(rng, vocab, spec.system_words)
+        # A group tag keeps two groups' prompts apart from the first block after the header.
+        system = header + f"group {g} seed {spec.seed}. " + _text(rng, vocab, spec.system_words)
         images = [
             png_data_uri(spec.seed * 1_000_003 + g * 101 + i, spec.image_px)
             for i in range(spec.images_per_group if spec.image_fraction > 0 else 0)
         ]
-        for _ in range(spec.conversations_per_group):
+        for _ in range(sizes[g]):
             with_images = images and rng.random() < spec.image_fraction
             picked = rng.sample(images, min(spec.images_per_request, len(images)))
             messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
@@ -323,4 +340,5 @@ def summarize(results: Sequence[Result], duration_s: float) -> Summary:
         output_tok_per_s=sum(r.completion_tokens for r in ok) / duration_s if duration_s else 0.0,
         duration_s=duration_s,
         per_endpoint=dict(sorted(per_endpoint.items())),
+        ttft_p99_s=percentile(ttfts, 99),
     )

@@ -23,8 +23,9 @@ DEPLOY = ROOT / "deploy"
 # speaks; gRPC probes need >= 1.27.
 K8S_VERSION = "1.32.0"
 OVERLAYS = ["base", "overlays/gateway-api", "overlays/istio", "overlays/istio/envoyfilter",
-            "overlays/envoy"]  # fmt: skip
-CORE_GROUPS = {"v1", "apps/v1", "rbac.authorization.k8s.io/v1", "policy/v1"}
+            "overlays/envoy", "overlays/monitoring"]  # fmt: skip
+CORE_GROUPS = {"v1", "apps/v1", "rbac.authorization.k8s.io/v1", "policy/v1",
+               "networking.k8s.io/v1"}  # fmt: skip
 NAMESPACE = "inference"
 
 Obj = dict[str, Any]
@@ -347,14 +348,14 @@ def test_picker_config_loads_and_builds(base: list[Obj], tmp_path: Path) -> None
     settings = load_settings(path)
     from extproc.config import Settings, build_configured_scheduler
 
-    # The default profile of `extproc serve`: prefix-cache affinity weighed against load.
+    # The default profile of `extproc serve`: cache affinity and load as predicted TTFT.
     assert settings.scheduling is None
     built = build_configured_scheduler(settings).profiles
     default = build_configured_scheduler(Settings()).profiles
     assert {n: [(s.name, s.weight) for s in p.scorers] for n, p in built.items()} == {
         n: [(s.name, s.weight) for s in p.scorers] for n, p in default.items()
     }
-    assert "prefix-cache-scorer" in [s.name for s in built["default"].scorers]
+    assert "predicted-ttft-scorer" in [s.name for s in built["default"].scorers]
     # TLS on the ext_proc port (the default), as every overlay's gateway connects.
     assert settings.server.effective_tls is not None
     # The index URL names the Redis Service of the base.
@@ -441,3 +442,57 @@ def test_envoyfilter_mirrors_the_bootstrap_filters_and_cluster() -> None:
     assert route["match"]["routeConfiguration"]["vhost"]["route"]["name"] in [
         h["name"] for h in vs["spec"]["http"]
     ]
+
+
+def test_network_policy_admits_only_gateway_pods_to_ext_proc(base: list[Obj]) -> None:
+    """docs/security.md: the ext_proc port only from labelled gateway pods (the Envoy overlay
+    labels its pods), metrics only from a monitoring namespace, health from anywhere."""
+    policy = find(base, "NetworkPolicy", "extproc")
+    picker = find(base, "Deployment", "extproc")
+    assert policy["spec"]["podSelector"]["matchLabels"] == picker["spec"]["selector"]["matchLabels"]
+    rules = {r["ports"][0]["port"]: r.get("from") for r in policy["spec"]["ingress"]}
+    named = {p["name"] for c in picker["spec"]["template"]["spec"]["containers"]
+             for p in c["ports"]}  # fmt: skip
+    assert set(rules) == named
+    (client,) = rules["grpc-extproc"]
+    label = client["podSelector"]["matchLabels"]
+    assert label == {"extproc.io/client": "true"}
+    assert rules["grpc-health"] is None
+    assert rules["http-metrics"][0]["namespaceSelector"]["matchLabels"]
+    envoy = find(resolve(DEPLOY / "overlays/envoy"), "Deployment", "envoy")
+    assert label.items() <= envoy["spec"]["template"]["metadata"]["labels"].items()
+
+
+# --- Prometheus Operator: the picker's /metrics is scraped --------------------------------------
+
+# ServiceMonitor (monitoring.coreos.com/v1) fields this repository uses, a subset of the CRD.
+SERVICE_MONITOR_SPEC = {
+    "selector": {"matchLabels": dict},
+    "namespaceSelector": {"matchNames": [str], "any": bool},
+    "jobLabel": str,
+    "endpoints": [{"port": str, "path": str, "scheme": {"http", "https"}, "interval": str,
+                   "scrapeTimeout": str, "honorLabels": bool}],
+}  # fmt: skip
+
+
+def _seconds(duration: str) -> float:
+    assert duration[-1] in "sm" and duration[:-1].isdigit(), duration
+    return int(duration[:-1]) * (60 if duration[-1] == "m" else 1)
+
+
+def test_service_monitor_scrapes_the_pickers_metrics_port() -> None:
+    objs = resolve(DEPLOY / "overlays/monitoring")
+    sm = find(objs, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    check_fields(sm["spec"], SERVICE_MONITOR_SPEC, "ServiceMonitor.spec")
+    wanted = sm["spec"]["selector"]["matchLabels"]
+    services = [o for o in objs if o["kind"] == "Service"
+                and wanted.items() <= o["metadata"].get("labels", {}).items()]  # fmt: skip
+    assert [s["metadata"]["name"] for s in services] == ["extproc"]
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert _seconds(endpoint["scrapeTimeout"]) <= _seconds(endpoint["interval"])
+    # The named Service port leads to the container port the picker serves /metrics on.
+    port = next(p for p in services[0]["spec"]["ports"] if p["name"] == endpoint["port"])
+    container = {p["name"]: p["containerPort"] for p in picker(objs)["ports"]}
+    assert container[port["targetPort"]] == ServerSettings().admin_port

@@ -93,6 +93,9 @@ class Fleet:
         raise AssertionError("endpoints never scraped")
 
 
+EXPLAIN_TOKEN = "operator-debug-token-1"
+
+
 @contextlib.asynccontextmanager
 async def fleet(
     n: int = 3, *, config: str | None = None, roles: list[str] | None = None
@@ -123,6 +126,7 @@ async def fleet(
                 admin_port=None,
                 drain_delay_s=0,
                 plaintext=True,  # the scenario client speaks plaintext gRPC
+                explain_tokens=[EXPLAIN_TOKEN],
             ),
         )
         endpoints = list(parse_endpoints(",".join(settings.endpoints)))
@@ -280,8 +284,12 @@ async def test_an_endpoint_whose_metrics_stop_stops_attracting_traffic():
 @pytest.mark.parametrize("n", [2])
 async def test_decisions_are_explained_on_request(n):
     async with fleet(n) as f:
-        sent = await f.send(chat(3), {"x-extproc-explain": "1"})
+        sent = await f.send(chat(3), {"x-extproc-explain": EXPLAIN_TOKEN})
         explained = orjson.loads(sent.response_headers["x-extproc-decision"])
         assert explained["endpoints"] == [sent.endpoint]
-        assert "default/prefix-cache-scorer" in explained["scores"]
+        assert "default/predicted-ttft-scorer" in explained["scores"]
         assert explained["request_blocks"] > 0
+        # Without an issued token, asking is not enough (the oracle of issue 18).
+        for asked in ("1", "true", EXPLAIN_TOKEN[:-1]):
+            plain = await f.send(chat(3), {"x-extproc-explain": asked})
+            assert "x-extproc-decision" not in plain.response_headers

@@ -22,7 +22,7 @@ async def test_explain_replays_without_placing_anything(app: App, tmp_path, caps
     assert rc == 0
     out = orjson.loads(capsys.readouterr().out)
     assert out["endpoints"][0] in ENDPOINTS
-    assert "default/prefix-cache-scorer" in out["scores"]
+    assert "default/predicted-ttft-scorer" in out["scores"]
     assert set(out["scores"]["default/total"]) == set(ENDPOINTS)
     # A dry run: nothing was counted in flight, nothing learned.
     assert app.router.inflight.total() == 0

@@ -22,6 +22,7 @@ from tests.vllm.fleet import VllmFleet, vllm_unavailable
 GPU_BLOCKS = 40
 MAX_MODEL_LEN = 512
 SCRAPE_INTERVAL_S = 0.2
+EXPLAIN_TOKEN = "vllm-tier-explain-token"
 
 
 def pytest_collection_modifyitems(items):
@@ -63,6 +64,8 @@ def picker_config(fleet: VllmFleet, path: Path, **extra) -> Path:
     """Precise mode over the fleet's KV events, metrics scraped with room for a loaded CPU
     (a slow scrape must not read as a dead server)."""
     cfg = fleet.precise_settings(f"tcp://127.0.0.1:{fleet.kv_events_port}")
+    # The decision (with predicted cached tokens) comes back only for this token (issue 18).
+    cfg["server"] = {"explain_tokens": [EXPLAIN_TOKEN]}
     cfg["state"] = {
         "scrape": {"interval_s": SCRAPE_INTERVAL_S, "timeout_s": 3.0, "stale_after_s": 5.0}
     }

@@ -34,7 +34,13 @@ from extproc.sim.timing import TimingSettings
 from extproc.sim.tokens import SimTokenizer
 from extproc.stack import Stack, StackOptions
 from tests.vllm import trace as tr
-from tests.vllm.conftest import GPU_BLOCKS, MAX_MODEL_LEN, SCRAPE_INTERVAL_S, picker_config
+from tests.vllm.conftest import (
+    EXPLAIN_TOKEN,
+    GPU_BLOCKS,
+    MAX_MODEL_LEN,
+    SCRAPE_INTERVAL_S,
+    picker_config,
+)
 from tests.vllm.fleet import BLOCK_SIZE, VllmFleet
 
 # KV events reach the picker asynchronously after the response: give them this long.
@@ -76,7 +82,7 @@ def send(http: httpx.Client, entry: tr.Entry) -> list[Sent]:
     kind, path, body = entry
     out: list[Sent] = []
     raw = orjson.dumps(body)
-    headers = {protocol.EXPLAIN_HEADER: "1", **JSON}
+    headers = {protocol.EXPLAIN_HEADER: EXPLAIN_TOKEN, **JSON}
     r = http.post(path, content=raw, headers=headers)
     if r.status_code == 504:
         # Envoy's ext_proc message timeout (200 ms) passed: a CPU-starved picker on a shared

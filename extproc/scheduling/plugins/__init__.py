@@ -56,6 +56,7 @@ from extproc.scheduling.plugins.scorers import (
     TokenLoadScorer,
 )
 from extproc.scheduling.plugins.topology import TopologyAffinityFilter, TopologyAffinityScorer
+from extproc.scheduling.plugins.ttft import BoundedLoadFilter, PredictedTTFTScorer
 from extproc.scheduling.plugins.utilization import RunningRequestsSizeScorer, UtilizationFilter
 
 BUILTINS: tuple[type, ...] = (
@@ -64,6 +65,8 @@ BUILTINS: tuple[type, ...] = (
     PrefixCacheScorer,
     PrefixCacheAffinityFilter,
     NoHitLRUScorer,
+    PredictedTTFTScorer,
+    BoundedLoadFilter,
     QueueScorer,
     KVCacheUtilizationScorer,
     ActiveRequestScorer,

@@ -159,13 +159,14 @@ class PrefixCacheAffinityFilter:
 
 class NoHitLRUScorer:
     """For requests that hit no endpoint's cache (a new prefix), prefers the endpoints that
-    least recently received such a cold request, so new prefixes spread evenly and the fleet's
-    cache capacity fills evenly. Requests with any hit score 1.0 everywhere (no preference).
+        least recently received such a cold request, so new prefixes spread evenly and the fleet's
+        cache capacity fills evenly. Requests that some endpoints hold more of than the others
+    score 1.0 everywhere (no preference).
 
-    ```yaml
-    - type: no-hit-lru-scorer
-      parameters: {lruSize: 1024}
-    ```
+        ```yaml
+        - type: no-hit-lru-scorer
+          parameters: {lruSize: 1024}
+        ```
     """
 
     type_name: ClassVar[str] = "no-hit-lru-scorer"
@@ -184,7 +185,14 @@ class NoHitLRUScorer:
 
     @staticmethod
     def _is_cold(cands: Sequence[Candidate]) -> bool:
-        return all(c.prefix_blocks <= 0 for c in cands)
+        """A request is new when no endpoint holds more of it than most endpoints do: a
+        prefix every server holds (a chat-template header, a shared first block) says
+        nothing about where this request belongs; the part that distinguishes it decides."""
+        best = max((c.prefix_blocks for c in cands), default=0.0)
+        if best <= 0:
+            return True
+        holders = sum(1 for c in cands if c.prefix_blocks >= best)
+        return len(cands) > 1 and holders * 2 >= len(cands)
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
         if not self._is_cold(cands):

@@ -1,0 +1,57 @@
+"""Prefill speed per server, learned online from what the picker sees: the uncached prompt
+tokens it placed on a server and the time to that request's first response byte (from the
+gateway's access log).
+
+A request's time to first byte is queueing plus prefill, so one sample can say "slower"
+(it queued) or "faster" (the server held more of the prompt than the index credited); the
+estimate is the median of the last samples, which neither kind moves far. Samples with too
+few tokens say more about overheads than about prefill and are skipped. Servers with no
+sample yet get the fleet's median, so a homogeneous fleet needs no calibration at all.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from types import MappingProxyType
+
+# Below this many uncached tokens, time to first byte is mostly fixed overhead.
+MIN_SAMPLE_TOKENS = 256
+# Samples kept per server: a changed server shows within about half as many requests.
+WINDOW = 31
+
+
+class PrefillSpeeds:
+    """Tokens per second per server address. Event-loop only."""
+
+    def __init__(self) -> None:
+        self._samples: dict[str, deque[float]] = {}
+        self._tps: dict[str, float] = {}
+        self.samples = 0
+
+    def observe(self, address: str, tokens: int, ttfb_s: float | None) -> None:
+        if ttfb_s is None or ttfb_s <= 0 or tokens < MIN_SAMPLE_TOKENS:
+            return
+        window = self._samples.get(address)
+        if window is None:
+            window = self._samples[address] = deque(maxlen=WINDOW)
+        window.append(tokens / ttfb_s)
+        self.samples += 1
+        self._tps[address] = statistics.median(window)
+
+    def get(self, address: str) -> float | None:
+        """The learned speed, else the fleet median, else None (nothing learned yet)."""
+        tps = self._tps.get(address)
+        if tps is not None:
+            return tps
+        if not self._tps:
+            return None
+        return statistics.median(self._tps.values())
+
+    def forget(self, address: str) -> None:
+        self._tps.pop(address, None)
+        self._samples.pop(address, None)
+
+    def snapshot(self) -> Mapping[str, float]:
+        return MappingProxyType(dict(self._tps))

@@ -1,0 +1,107 @@
+"""Request ends shared between picker replicas through Redis pub/sub.
+
+Behind one gateway, a request's ext_proc stream and its access-log entry can reach different
+replicas (Envoy balances each stream on its own). A replica that gets an entry for a request
+it does not hold publishes it (batched, every `interval_s`) on one channel; every replica
+applies what the others publish, so the replica holding the placement releases it within one
+interval instead of at `max_hold_s`. Redis down: entries are dropped (counted), the holds
+expire by themselves, and the loop reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from extproc.endpoints.request_end import Ended, RequestEnds
+from extproc.redis_client import redis_from_url
+
+log = logging.getLogger("extproc.request_end")
+
+_MAX_PENDING = 50_000
+
+
+class SharedRequestEnds:
+    """Forwards this replica's unmatched access-log entries and applies the others'."""
+
+    def __init__(
+        self,
+        ends: RequestEnds,
+        client: Redis,
+        *,
+        process_id: str,
+        channel: str = "extproc:request-ends",
+        interval_s: float = 0.05,
+    ) -> None:
+        self._ends = ends
+        self._client = client
+        self._id = process_id
+        self._channel = channel
+        self._interval = interval_s
+        self._pending: list[Ended] = []
+        self.published = 0
+        self.applied = 0
+        self.dropped = 0
+        ends.on_unmatched = self.forward
+
+    @classmethod
+    def from_url(cls, url: str, ends: RequestEnds, *, process_id: str) -> SharedRequestEnds:
+        client = redis_from_url(url, cluster=False, connect_timeout_s=1.0, timeout_s=None)
+        return cls(ends, client, process_id=process_id)  # type: ignore[arg-type]
+
+    def forward(self, entry: Ended) -> None:
+        if len(self._pending) >= _MAX_PENDING:
+            self.dropped += 1
+            return
+        self._pending.append(entry)
+
+    async def run(self) -> None:
+        await asyncio.gather(self._publish_loop(), self._subscribe_loop())
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            if not self._pending:
+                continue
+            batch, self._pending = self._pending, []
+            blob = msgspec.msgpack.encode(
+                [self._id, [(e.request_id, e.ttfb_s, e.upstream) for e in batch]]
+            )
+            try:
+                await self._client.publish(self._channel, blob)
+                self.published += len(batch)
+            except (RedisError, OSError) as exc:
+                self.dropped += len(batch)
+                log.warning("request ends: publish failed (%r); holds will expire", exc)
+
+    async def _subscribe_loop(self) -> None:
+        while True:
+            pubsub = self._client.pubsub()
+            try:
+                await pubsub.subscribe(self._channel)
+                async for msg in pubsub.listen():
+                    if msg.get("type") == "message":
+                        self._apply(msg["data"])
+            except (RedisError, OSError) as exc:
+                log.warning("request ends: subscription lost (%r); retrying", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                await pubsub.aclose()
+
+    def _apply(self, data: bytes) -> None:
+        try:
+            sender, entries = msgspec.msgpack.decode(data)
+            if sender == self._id:
+                return
+            for rid, ttfb, upstream in entries:
+                if self._ends.ended(Ended(str(rid), ttfb, str(upstream)), forwarded=True):
+                    self.applied += 1
+        except (ValueError, TypeError):  # msgspec.DecodeError is a ValueError
+            log.warning("request ends: malformed message on the channel")
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

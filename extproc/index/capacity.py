@@ -1,0 +1,81 @@
+"""How much of each server's KV cache the approximate index may credit it with.
+
+The approximate index only knows what the picker sent where; a server's cache holds a bounded
+number of tokens (`vllm:cache_config_info`: num_gpu_blocks x block_size) and evicts the least
+recently used. So the index keeps, per endpoint, only as many of our blocks as fit: the least
+recently written go first (see `MemoryKVIndex.set_capacity`), and a server is never credited
+with prefixes it must have evicted.
+
+Our blocks are sized by an estimate (`block_tokens` estimated tokens from bytes), which can
+be far off for a given tokenizer. The ratio of real to estimated tokens is measured: the
+engine's cumulative prompt-token counter (`prefix_cache_queries`, every prompt token it was
+asked for) against the estimated prompt tokens the picker placed there since the same scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from extproc.core import Candidate, InferenceRequest
+
+# Estimated tokens placed before the measured ratio is trusted over 1.0.
+_MIN_TOKENS = 20_000
+# Recompute capacities every this many decisions (cheap, but not per request).
+_EVERY = 32
+
+
+class CapacityModel:
+    """Feeds per-endpoint capacities (in our blocks) to an index that takes them."""
+
+    def __init__(
+        self,
+        set_capacity: Callable[[str, int], None],
+        scraped: Callable[[str], Any] | None = None,
+    ) -> None:
+        self._set = set_capacity
+        self._scraped = scraped
+        self._sent: dict[str, int] = {}
+        self._placed: dict[str, int] = {}  # estimated prompt tokens placed, per endpoint
+        self._base: dict[str, tuple[int, int]] = {}  # first (queries, placed) seen
+        self._n = 0
+        self.ratio = 1.0  # real tokens per estimated token
+
+    def placed(self, address: str, request: InferenceRequest) -> None:
+        self._placed[address] = self._placed.get(address, 0) + request.prompt_tokens
+
+    def update(self, request: InferenceRequest, cands: Sequence[Candidate]) -> None:
+        self._n += 1
+        if self._n % _EVERY != 1 or not request.block_tokens:
+            return
+        self._measure(cands)
+        per_block = request.block_tokens * self.ratio
+        for c in cands:
+            st = c.state
+            if not st.kv_blocks or not st.kv_block_size:
+                continue
+            cap = max(1, int(st.kv_blocks * st.kv_block_size / per_block))
+            addr = c.endpoint.address
+            if self._sent.get(addr) != cap:
+                self._sent[addr] = cap
+                self._set(addr, cap)
+
+    def _measure(self, cands: Sequence[Candidate]) -> None:
+        if self._scraped is None:
+            return
+        real = est = 0
+        for c in cands:
+            addr = c.endpoint.address
+            s = self._scraped(addr)
+            queries = getattr(s, "prefix_cache_queries", None)
+            if queries is None:
+                continue
+            placed = self._placed.get(addr, 0)
+            base = self._base.get(addr)
+            if base is None or queries < base[0]:  # first sight, or the engine restarted
+                self._base[addr] = (queries, placed)
+                continue
+            real += queries - base[0]
+            est += placed - base[1]
+        if est >= _MIN_TOKENS and real > 0:
+            self.ratio = real / est

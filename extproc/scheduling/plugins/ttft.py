@@ -1,0 +1,135 @@
+"""Cache affinity and load in one currency: predicted time to first token.
+
+For each candidate: the prefill work queued ahead of the request there, plus the part of this
+request's prompt that endpoint does not hold, both over that endpoint's prefill speed. A
+request sticks to the endpoint holding its prefix until the wait there exceeds what
+recomputing the prefix elsewhere costs; then it goes elsewhere, and (recorded there) the hot
+prefix is replicated on a second endpoint while each session's longer tail keeps pulling it
+back to where it grew. No weight between "affinity" and "load" needs calibrating.
+
+The queue ahead is this picker's own virtual prefill queue per endpoint (each placement adds
+its uncached tokens / speed; it drains in real time), floored by the in-flight prefill
+tokens every replica placed there and by the endpoint's scraped waiting requests at the
+mean placed prefill (both shared: replicas see the same floor). Speeds are
+measured online (`EndpointState.prefill_tps`, from the access log); until the first
+measurement every endpoint gets the same prior, which only scales all predictions alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Annotated, ClassVar
+
+import msgspec
+
+from extproc.core import Candidate, Decision, InferenceRequest
+
+# Fixed per-request cost (scheduling step, first decode step): keeps a fully cached request's
+# prediction above zero, so ratios stay finite.
+_FLOOR_S = 0.005
+
+
+def uncached_tokens(req: InferenceRequest, c: Candidate) -> float:
+    n = len(req.block_keys)
+    if not n:
+        return float(req.prompt_tokens)
+    held = min(1.0, c.prefix_blocks / n)
+    return req.prompt_tokens * (1.0 - held)
+
+
+class PredictedTTFTScorer:
+    """Scores each endpoint by predicted TTFT: best / own (1.0 for the fastest), so a
+    max-score picker sends the request where its first token comes soonest.
+
+    ```yaml
+    - type: predicted-ttft-scorer
+      parameters: {priorPrefillTokensPerSecond: 10000}
+    ```
+    """
+
+    type_name: ClassVar[str] = "predicted-ttft-scorer"
+
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+        # Used only before any endpoint's speed has been measured.
+        prior_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
+
+    def __init__(
+        self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._prior = (params or self.Params()).prior_prefill_tokens_per_second
+        self._clock = clock
+        self._busy_until: dict[str, float] = {}
+        self._mean_prefill = 0.0  # tokens, moving average of placed uncached prompts
+
+    def _tps(self, c: Candidate) -> float:
+        tps = c.state.prefill_tps
+        return tps if tps else self._prior
+
+    def predict(self, req: InferenceRequest, c: Candidate, now: float) -> float:
+        """Seconds until `c` would return this request's first token."""
+        tps = self._tps(c)
+        wait = self._busy_until.get(c.endpoint.address, now) - now
+        st = c.state
+        if st.inflight_tokens:
+            # Prefill placed by every replica and not yet finished (shared through Redis):
+            # this replica's own queue sees only its share.
+            wait = max(wait, st.inflight_tokens / tps)
+        if st.waiting and not st.is_stale:
+            wait = max(wait, st.waiting * self._mean_prefill / tps)
+        return max(0.0, wait) + uncached_tokens(req, c) / tps + _FLOOR_S
+
+    def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
+        now = self._clock()
+        ttft = [self.predict(req, c, now) for c in cands]
+        best = min(ttft)
+        return [best / t for t in ttft]
+
+    def observe(
+        self, req: InferenceRequest, cands: Sequence[Candidate], decision: Decision
+    ) -> None:
+        if not decision.endpoints:
+            return
+        addr = decision.primary.address
+        chosen = next((c for c in cands if c.endpoint.address == addr), None)
+        if chosen is None:
+            return
+        now = self._clock()
+        work = uncached_tokens(req, chosen)
+        start = max(now, self._busy_until.get(addr, now))
+        self._busy_until[addr] = start + work / self._tps(chosen)
+        self._mean_prefill += 0.05 * (work - self._mean_prefill)
+        if len(self._busy_until) > 4 * len(cands) + 64:
+            # Endpoints that left: forget the drained ones.
+            self._busy_until = {a: t for a, t in self._busy_until.items() if t > now}
+
+
+class BoundedLoadFilter:
+    """Consistent hashing with bounded loads, applied to cache affinity: an endpoint may take
+    the request only while its in-flight requests stay under `(1 + epsilon)` times the
+    fleet's mean plus one, so a prefix group that outgrows one server spills to a second
+    (which then holds a replica of the hot prefix) instead of piling up where the prefix
+    first landed. In-flight counts last until requests end and are shared by every replica,
+    so replicas apply the same bound. Never removes every candidate.
+
+    ```yaml
+    - type: bounded-load-filter
+      parameters: {epsilon: 0.25}
+    ```
+    """
+
+    type_name: ClassVar[str] = "bounded-load-filter"
+
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+        epsilon: Annotated[float, msgspec.Meta(ge=0.0)] = 0.25
+
+    def __init__(self, params: Params | None = None) -> None:
+        self._eps = (params or self.Params()).epsilon
+
+    def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
+        if len(cands) < 2:
+            return cands
+        loads = [c.state.inflight_requests for c in cands]
+        bound = (1.0 + self._eps) * (sum(loads) + 1) / len(cands) + 1.0
+        keep = [c for c, n in zip(cands, loads, strict=True) if n <= bound]
+        return keep or cands

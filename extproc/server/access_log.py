@@ -1,0 +1,68 @@
+"""The gRPC access-log door: Envoy's `envoy.service.accesslog.v3.AccessLogService`, whose
+entries tell the picker that a request has ended (see `endpoints/request_end.py`).
+
+Envoy keeps one client stream open per worker and sends batches of HTTP entries on it; we
+read the request id, the time to the first upstream byte and the upstream address of each,
+and never answer until the stream ends (the protocol's response is empty).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from extproc._proto.extproc.wire.v1 import access_log_pb2 as pb
+from extproc.endpoints.request_end import Ended, RequestEnds
+
+log = logging.getLogger("extproc.access_log")
+
+SERVICE = "envoy.service.accesslog.v3.AccessLogService"
+
+
+def entries(msg: pb.StreamAccessLogsMessage) -> list[Ended]:
+    """The ended requests one access-log message reports."""
+    out = []
+    for e in msg.http_logs.log_entry:
+        common = e.common_properties
+        ttfb = None
+        if common.HasField("time_to_first_upstream_rx_byte"):
+            d = common.time_to_first_upstream_rx_byte
+            ttfb = d.seconds + d.nanos / 1e9
+        upstream = ""
+        if common.HasField("upstream_remote_address"):
+            sa = common.upstream_remote_address.socket_address
+            upstream = f"{sa.address}:{sa.port_value}"
+        out.append(Ended(e.request.request_id, ttfb, upstream))
+    return out
+
+
+class AccessLogHandler:
+    """Serves `StreamAccessLogs`; `streams` counts the ones open now."""
+
+    def __init__(self, ends: RequestEnds) -> None:
+        self._ends = ends
+        self.streams = 0
+
+    async def stream(
+        self, requests: AsyncIterator[pb.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
+    ) -> pb.StreamAccessLogsResponse:
+        self.streams += 1
+        if self.streams == 1:
+            log.info("access-log stream open: in-flight counts last until requests end")
+        try:
+            async for msg in requests:
+                for entry in entries(msg):
+                    self._ends.ended(entry)
+        finally:
+            self.streams -= 1
+        return pb.StreamAccessLogsResponse()
+
+    def rpc_handler(self) -> grpc.GenericRpcHandler:
+        method = grpc.stream_unary_rpc_method_handler(
+            self.stream,
+            request_deserializer=pb.StreamAccessLogsMessage.FromString,
+            response_serializer=pb.StreamAccessLogsResponse.SerializeToString,
+        )
+        return grpc.method_handlers_generic_handler(SERVICE, {"StreamAccessLogs": method})

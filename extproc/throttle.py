@@ -1,0 +1,30 @@
+"""Rate-limited logging for things hostile peers can repeat at will (malformed messages,
+refused peers, spoofed events): one line per reason per interval, never one per attempt."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Throttle:
+    """At most one log line per `every_s` per key; counts what it suppressed in between so
+    the next line says how many there were."""
+
+    every_s: float = 10.0
+    _last: dict[str, float] = field(default_factory=dict)
+    _suppressed: dict[str, int] = field(default_factory=dict)
+
+    def allow(self, key: str) -> int | None:
+        """None: stay quiet. Else: log now; the value is how many were suppressed before."""
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.every_s:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return None
+        if len(self._last) > 1024:  # keys are few (reasons); never let them grow unbounded
+            self._last.clear()
+            self._suppressed.clear()
+        self._last[key] = now
+        return self._suppressed.pop(key, 0)

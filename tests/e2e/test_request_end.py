@@ -1,0 +1,81 @@
+"""In-flight counts cover the whole request: through a real Envoy whose ext_proc stream ends
+at the response headers, the picker keeps counting a streamed reply until Envoy's access log
+says it ended."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from extproc.stack import Stack, StackOptions, wait_until
+
+
+def picker_metric(stack: Stack, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=2).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def slow_stack():
+    # One sim whose sequences decode at 10 tokens/s: 60 output tokens stream for ~6 s.
+    opts = StackOptions(upstreams=1, sim_args=("--decode-tps", "10", "--chat-max-tokens", "60"))
+    with Stack(opts) as s:
+        yield s
+
+
+def test_inflight_count_lasts_until_a_streamed_reply_ends(slow_stack: Stack):
+    stack = slow_stack
+    body = {
+        "model": stack.fleet.model,
+        "messages": [{"role": "user", "content": "tell me a long story"}],
+        "max_tokens": 60,
+        "stream": True,
+    }
+    with httpx.Client(base_url=stack.url, timeout=30) as http:
+        # A first request opens Envoy's access-log stream (auto mode holds once it exists).
+        http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1})
+        wait_until(
+            lambda: picker_metric(stack, "extproc_access_log_entries_total") >= 1,
+            timeout_s=10,
+            what="the first access-log entry",
+        )
+        assert picker_metric(stack, "extproc_inflight_requests") == 0
+        samples: list[tuple[float, float]] = []
+        done = threading.Event()
+        chunks: list[float] = []
+
+        def stream() -> None:
+            with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                assert resp.status_code == 200
+                for _ in resp.iter_lines():
+                    chunks.append(time.monotonic())
+            done.set()
+
+        t = threading.Thread(target=stream)
+        start = time.monotonic()
+        t.start()
+        while not done.wait(0.3):
+            if chunks:  # response headers are through: the ext_proc stream has ended
+                value = picker_metric(stack, "extproc_inflight_requests")
+                samples.append((time.monotonic(), value))
+        t.join()
+        streamed_s = chunks[-1] - chunks[0]
+        assert streamed_s > 4.0, f"the reply streamed for {streamed_s:.1f} s only"
+        # Samples taken while tokens were still arriving (a sample after the last chunk may
+        # already see the end).
+        during = [v for at, v in samples if at < chunks[-1]]
+        assert len(during) >= 3 and set(during) == {1.0}, samples
+        wait_until(
+            lambda: picker_metric(stack, "extproc_inflight_requests") == 0,
+            timeout_s=5,
+            what="in-flight count back to 0 after the reply",
+        )
+        assert picker_metric(stack, "extproc_request_end_expired_total") == 0
+        assert time.monotonic() - start < 20

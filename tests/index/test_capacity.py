@@ -1,0 +1,50 @@
+"""The approximate index credits a server with no more than its KV cache holds."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from extproc.core import Candidate, Endpoint, EndpointState, InferenceRequest
+from extproc.index.capacity import CapacityModel
+from extproc.index.memory import MemoryKVIndex
+
+
+def test_per_endpoint_capacity_drops_the_least_recently_written_prefixes():
+    idx = MemoryKVIndex()
+    idx.set_capacity("a", 10)
+    first, second = list(range(1, 9)), list(range(100, 108))
+    idx.record("a", first)
+    idx.record("b", first)
+    idx.record("a", second)  # 16 blocks > 10: the older prefix loses its tail first
+    m1 = asyncio.run(idx.lookup(first)).matches
+    m2 = asyncio.run(idx.lookup(second)).matches
+    assert m2["a"] == 8
+    assert m1["a"] == 2  # head kept, tail evicted
+    assert m1["b"] == 8  # b has no learned capacity: unbounded as before
+
+
+@dataclass(frozen=True)
+class Scrape:
+    prefix_cache_queries: int
+
+
+def req(tokens: int) -> InferenceRequest:
+    return InferenceRequest("r", "/v1/chat/completions", prompt_tokens=tokens, block_tokens=64)
+
+
+def test_capacity_comes_from_cache_config_in_measured_tokens_per_block():
+    sent: dict[str, int] = {}
+    queries = {"a": 1000}
+    model = CapacityModel(sent.__setitem__, lambda addr: Scrape(queries[addr]))
+    cands = [Candidate(Endpoint("a"), EndpointState(kv_blocks=1000, kv_block_size=16))]
+    model.update(req(100), cands)
+    assert sent["a"] == 1000 * 16 // 64  # 250 of our blocks until a ratio is measured
+    # The picker placed 32 x 1,000 estimated tokens; the engine counted 3x as many.
+    for _ in range(32):
+        model.placed("a", req(1000))
+    queries["a"] += 96_000
+    for _ in range(32):
+        model.update(req(100), cands)
+    assert abs(model.ratio - 3.0) < 1e-9
+    assert sent["a"] == int(1000 * 16 / (64 * 3.0))

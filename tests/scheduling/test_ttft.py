@@ -1,0 +1,106 @@
+"""Predicted-TTFT placement on crafted candidates: stickiness breaks exactly when waiting on
+the sticky endpoint costs more than recomputing elsewhere, with no hand-set weight."""
+
+from __future__ import annotations
+
+from extproc.core import Decision
+from extproc.scheduling.plugins.prefix import NoHitLRUScorer
+from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
+from tests.scheduling.helpers import cand, req
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def place(scorer: PredictedTTFTScorer, r, cands, addr: str) -> None:
+    chosen = next(c for c in cands if c.endpoint.address == addr)
+    scorer.observe(r, cands, Decision(endpoints=(chosen.endpoint,)))
+
+
+def test_sticks_while_the_wait_is_shorter_than_recomputing_then_breaks():
+    clock = Clock()
+    sc = PredictedTTFTScorer(clock=clock)
+    r = req(blocks=100, tokens=6400)  # 6,400 prompt tokens
+    # a holds 90% of the prompt; b and c nothing. Speeds measured at 6,400 tok/s.
+    cands = [
+        cand("a", prefix=90, prefill_tps=6400.0),
+        cand("b", prefill_tps=6400.0),
+        cand("c", prefill_tps=6400.0),
+    ]
+    s = sc.score(r, cands)
+    assert s[0] == 1.0 and s[1] < 0.2  # 0.1 s on a vs 1.0 s elsewhere
+    # Queue 0.8 s of prefill work on a: still better than recomputing 1.0 s elsewhere.
+    place(sc, req(blocks=100, tokens=5120), [cand("a", prefill_tps=6400.0)], "a")
+    s = sc.score(r, cands)
+    assert s[0] == 1.0
+    # Another 0.2 s: waiting (1.0 s) + 0.1 s now exceeds recomputing (1.0 s): break.
+    place(sc, req(blocks=100, tokens=1280), [cand("a", prefill_tps=6400.0)], "a")
+    s = sc.score(r, cands)
+    assert s[0] < 1.0 and s[1] == s[2] == 1.0
+    # The queue drains in real time: after 1 s, a wins again.
+    clock.t += 1.0
+    assert sc.score(r, cands)[0] == 1.0
+
+
+def test_measured_speed_decides_between_unequal_servers():
+    sc = PredictedTTFTScorer(clock=Clock())
+    r = req(blocks=10, tokens=10_000)
+    slow_hit = cand("slow", prefix=5, prefill_tps=1000.0)  # 5,000 tokens left at 1k/s: 5 s
+    fast_cold = cand("fast", prefill_tps=20_000.0)  # 10,000 tokens at 20k/s: 0.5 s
+    s = sc.score(r, [slow_hit, fast_cold])
+    assert s[1] == 1.0 and s[0] < 0.2
+
+
+def test_scraped_waiting_requests_count_for_other_replicas_placements():
+    sc = PredictedTTFTScorer(clock=Clock())
+    for _ in range(40):  # learn a mean placed prefill of ~6,400 tokens
+        place(sc, req(blocks=100, tokens=6400), [cand("z", prefill_tps=1e9)], "z")
+    r = req(blocks=100, tokens=6400)
+    a = cand("a", prefix=100, prefill_tps=6400.0, waiting=3)  # ~3 x 0.87 s queued
+    b = cand("b", prefill_tps=6400.0)  # 1 s to recompute
+    s = sc.score(r, [a, b])
+    assert s[1] == 1.0 and s[0] < 0.5
+
+
+def test_a_shared_first_block_does_not_make_a_request_warm():
+    lru = NoHitLRUScorer()
+    r = req(blocks=40, tokens=2560)
+    # Every server holds the shared header block (1 of 40): this request is new.
+    cands = [cand(a, prefix=1) for a in ("a", "b", "c", "d")]
+    lru.observe(r, cands, Decision(endpoints=(cands[0].endpoint,)))
+    lru.observe(r, cands, Decision(endpoints=(cands[1].endpoint,)))
+    s = lru.score(r, cands)
+    assert s[0] < s[2] and s[1] < s[2]  # spread away from the recent cold picks
+    # One server holds more than the others: that is this request's own prefix.
+    warm = [cand("a", prefix=30), *(cand(x, prefix=1) for x in ("b", "c", "d"))]
+    assert lru.score(r, warm) == [1.0] * 4
+
+
+def test_bounded_load_spills_a_hot_prefix_group_to_a_second_server():
+    from extproc.scheduling.plugins.ttft import BoundedLoadFilter
+
+    f = BoundedLoadFilter()
+    r = req(blocks=10, tokens=640)
+    # At low load the holder keeps it: 1 in flight against an idle fleet is within bound.
+    low = [cand("a", prefix=10, inflight_requests=1), cand("b"), cand("c")]
+    assert [c.endpoint.address for c in f.filter(r, low)] == ["a", "b", "c"]
+    # The group has piled 4 requests onto a: mean (4+1)/3 x 1.25 + 1 = 3.1, a is out.
+    hot = [cand("a", prefix=10, inflight_requests=4), cand("b"), cand("c")]
+    assert [c.endpoint.address for c in f.filter(r, hot)] == ["b", "c"]
+    # Everyone equally busy: nobody is removed.
+    busy = [cand(x, inflight_requests=5) for x in ("a", "b", "c")]
+    assert len(f.filter(r, busy)) == 3
+
+
+def test_other_replicas_inflight_prefill_counts_as_a_queue():
+    sc = PredictedTTFTScorer(clock=Clock())
+    r = req(blocks=10, tokens=6400)
+    # Nothing this replica placed on a, but 12,800 tokens of prefill other replicas placed.
+    a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)  # 2 s queued
+    b = cand("b", prefill_tps=6400.0)  # 1 s to recompute
+    s = sc.score(r, [a, b])
+    assert s[1] == 1.0 and s[0] < 0.6
