@@ -77,6 +77,6 @@ def picker_config(fleet: VllmFleet, path: Path, **extra) -> Path:
 @pytest.fixture(scope="module")
 def vllm_stack(vllm_fleet: VllmFleet, tmp_path_factory) -> Iterator[Stack]:
     cfg = picker_config(vllm_fleet, tmp_path_factory.mktemp("picker") / "picker.yaml")
-    opts = StackOptions(fleet=vllm_fleet, extproc_args=("--config", str(cfg)))  # type: ignore[arg-type]
+    opts = StackOptions(fleet=vllm_fleet, extproc_args=("--config", str(cfg)), allow_explain=True)  # type: ignore[arg-type]
     with Stack(opts) as stack:
         yield stack

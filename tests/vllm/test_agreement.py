@@ -263,7 +263,7 @@ def _approximate(
     doc["index"] = {}
     doc["parse"] = {"calibrate": calibrate}
     cfg.write_text(yaml.safe_dump(doc))
-    opts = StackOptions(fleet=fleet, extproc_args=("--config", str(cfg)))  # type: ignore[arg-type]
+    opts = StackOptions(fleet=fleet, extproc_args=("--config", str(cfg)), allow_explain=True)  # type: ignore[arg-type]
     started = time.monotonic()
     with Stack(opts) as stack:
         if calibrate:
