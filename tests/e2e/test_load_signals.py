@@ -17,9 +17,30 @@ from extproc.stack import Stack, StackOptions
 SIM = ("--max-num-seqs", "2", "--num-gpu-blocks", "64", "--decode-tps", "20")
 
 
+# The load scorers named: this proves scraped load reaches them (the default profile since
+# issue 14 ranks by predicted TTFT instead, and is judged by its own tests).
+PROFILE = """
+scheduling:
+  plugins:
+    - type: queue-scorer
+    - type: kv-cache-utilization-scorer
+    - type: no-hit-lru-scorer
+    - type: max-score-picker
+  schedulingProfiles:
+    - name: default
+      plugins:
+        - {pluginRef: queue-scorer, weight: 2}
+        - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+        - {pluginRef: no-hit-lru-scorer, weight: 2}
+        - {pluginRef: max-score-picker}
+"""
+
+
 @pytest.fixture(scope="module")
-def sim_stack():
-    opts = StackOptions(upstreams=2, sim_args=SIM)
+def sim_stack(tmp_path_factory):
+    cfg = tmp_path_factory.mktemp("load") / "picker.yaml"
+    cfg.write_text(PROFILE)
+    opts = StackOptions(upstreams=2, sim_args=SIM, extproc_args=("--config", str(cfg)))
     with Stack(opts) as stack:
         yield stack
 
