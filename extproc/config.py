@@ -132,7 +132,10 @@ class KVEventSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     Each endpoint `ip:port` publishes on `tcp://ip:<port>` (vLLM's default 5557), with an
     optional replay ROUTER on `replay_port`. `bind` (e.g. `tcp://*:5557`) instead binds one
-    socket that pods connect to (topic `kv@<ip>@<model>`). Keys are recomputed from token ids
+    socket that pods connect to (topic `kv@<ip>@<model>`); with `bind`, `replay_port` is
+    dialed on each publisher's host, which recovers the batches a connecting publisher
+    drops before its subscription handshake (vLLM's first after every start). Keys are
+    recomputed from token ids
     with the tokenizer in `parse.precise`, whose `model` and `block_size` apply here too.
     """
 

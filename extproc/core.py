@@ -79,11 +79,19 @@ class Message:
 class Prompt:
     """The prompt content in the order the model reads it: tool definitions (raw JSON text,
     as sent), then either chat `messages` or a `completion` (text or token ids; for a batch,
-    the first prompt)."""
+    the first prompt).
+
+    The request options that change the engine's token ids (vLLM's names):
+    `add_special_tokens` (None: the API's default, BOS on completions, none on chat),
+    `add_generation_prompt` (None: the configured default) and `continue_final_message`
+    (the last assistant turn is left open: the template's closing text is cut off)."""
 
     tools: tuple[bytes, ...] = ()
     messages: tuple[Message, ...] = ()
     completion: str | tuple[int, ...] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True, slots=True)

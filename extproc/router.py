@@ -103,6 +103,7 @@ class Router:
         is_failing: Callable[[str], bool] | None = None,
         record_decisions: bool = True,
         on_lookup: Callable[[float], None] | None = None,
+        on_placed: Callable[[str, InferenceRequest], None] | None = None,
         ends: RequestEnds | None = None,
         speeds: PrefillSpeeds | None = None,
         admission: Admission | None = None,
@@ -124,6 +125,7 @@ class Router:
         self._is_failing = is_failing
         self._record = record_decisions and index is not None
         self._on_lookup = on_lookup
+        self._on_placed = on_placed
         self.ends = ends
         self.speeds = speeds
         set_capacity = getattr(index, "set_capacity", None)
@@ -277,6 +279,8 @@ class Router:
         # does not already hold.
         uncached = max(0, request.prompt_tokens - int(matched * request.block_tokens))
         placement = inflight.acquire(decision.primary.address, uncached)
+        if self._on_placed is not None:
+            self._on_placed(decision.primary.address, request)
         return Routed(request, decision, placement, lookup, ticket, time.monotonic())
 
     def _request(

@@ -114,6 +114,8 @@ class StackOptions:
     # Seconds the picker keeps serving after SIGTERM. Production wants a health interval or
     # two; tests that stop stacks all the time do not.
     drain_delay_s: float = 0.0
+    # Envoy lets x-extproc-explain / x-extproc-decision through (tests that read decisions).
+    allow_explain: bool = False
     # Picker replicas behind the one Envoy (>1 needs `redis_url`: they share the index,
     # in-flight counts and request ends through it).
     replicas: int = 1
@@ -491,6 +493,7 @@ class Stack:
             endpoints=tuple(self.upstream_addresses),
             admin_port=self.admin_port,
             fail_open=self.options.fail_open,
+            allow_explain=self.options.allow_explain,
             extproc_replicas=tuple(f"127.0.0.1:{p}" for p, _, _ in self.replica_ports),
             extproc_tls=not self.options.plaintext,
             extproc_sni="localhost",

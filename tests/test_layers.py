@@ -32,9 +32,11 @@ ALLOWED: dict[str, set[str]] = {
     "flowcontrol": _BASE | {"endpoints", "redis_client", "scheduling"},
     "router": _BASE | {"hashing", "index", "endpoints", "scheduling", "flowcontrol"},
     "config": _BASE | {"requests", "scheduling", "endpoints", "index", "hashing", "flowcontrol"},
+    "calibration": _BASE | {"requests"},
+    "signals": set(),
     "server": _BASE
     | {"_proto", "config", "endpoints", "hashing", "index", "requests", "router", "scheduling"}
-    | {"logs", "redis_client", "flowcontrol", "latency", "throttle"},
+    | {"logs", "redis_client", "flowcontrol", "latency", "throttle", "calibration", "signals"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,
     "gateways": _BASE | {"bootstrap"},

@@ -14,7 +14,7 @@ import random
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import aiohttp
@@ -53,6 +53,11 @@ class Scraped(msgspec.Struct, frozen=True):
     waiting_adapters: frozenset[str] = frozenset()
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
+    # prometheus_client's `process_start_time_seconds` (unix seconds): a new value is a new
+    # engine process, whose cache is empty whatever the index believes.
+    process_start_s: float | None = None
+    # Prompt tokens the engine processed since it started (cached ones included).
+    prompt_tokens: int | None = None
     latency: LatencyTotals | None = None
 
 
@@ -88,6 +93,7 @@ _V_HITS = (
     b"gpu_prefix_cache_hits_total",
     b"gpu_prefix_cache_hits",
 )
+_V_PROMPT_TOKENS = (b"prompt_tokens_total", b"prompt_tokens")
 # Latency histograms (sum and count lines only; the buckets are never decoded).
 _V_HIST = {
     "ttft": b"time_to_first_token_seconds",
@@ -118,9 +124,19 @@ def _family(kind: bytes, names: tuple[bytes, ...]) -> tuple[re.Pattern[bytes], r
 
 _V_LOAD = (_V_WAITING, _V_RUNNING, _V_KV, _V_KV_OLD, _V_CACHE_CONFIG, _V_LORA)
 _VLLM = _family(
-    b"vllm", (*_V_LOAD, *_V_QUERIES, *_V_HITS, *_V_HIST_LINES, _V_KV_COMPUTED, _V_BY_SOURCE)
+    b"vllm",
+    (
+        *_V_LOAD,
+        *_V_QUERIES,
+        *_V_HITS,
+        *_V_HIST_LINES,
+        _V_KV_COMPUTED,
+        _V_BY_SOURCE,
+        *_V_PROMPT_TOKENS,
+    ),
 )
 _SGLANG = _family(b"sglang", (_S_WAITING, _S_RUNNING, _S_KV))
+_START = re.compile(rb"(?:^|\n)process_start_time_seconds ([^\s]+)")
 
 
 def _samples(
@@ -279,7 +295,13 @@ def parse_metrics(data: bytes) -> Scraped:
             running_adapters = _names(_label(raw, b"running_lora_adapters"))
             waiting_adapters = _names(_label(raw, b"waiting_lora_adapters"))
 
+    start = _START.search(data)
+    try:
+        process_start_s = float(start.group(1)) if start else None
+    except ValueError:
+        raise MetricsError(f"bad process_start_time_seconds: {start.group(1)[:40]!r}") from None
     return Scraped(
+        process_start_s=process_start_s,
         waiting=int(sum(waiting)),
         running=int(sum(running)),
         kv_usage=min(1.0, max(0.0, sum(kv) / len(kv))) if kv else 0.0,
@@ -289,6 +311,7 @@ def parse_metrics(data: bytes) -> Scraped:
         running_adapters=running_adapters,
         waiting_adapters=waiting_adapters,
         prefix_cache_queries=_counter(found, _V_QUERIES),
+        prompt_tokens=_counter(found, _V_PROMPT_TOKENS),
         prefix_cache_hits=_counter(found, _V_HITS),
         latency=_latency(found),
     )
@@ -318,10 +341,13 @@ class ScrapeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 @dataclass(slots=True)
 class ScrapeStats:
-    """Counters since start: successful scrapes and failed ones (all endpoints)."""
+    """Counters since start: successful scrapes and failed ones (all endpoints), and cache
+    invalidations by reason (`restart`: the process start time changed; `unreachable`: the
+    first failed scrape of a run)."""
 
     scrapes: int = 0
     failures: int = 0
+    invalidations: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -330,6 +356,7 @@ class _Health:
     failing: int = 0  # consecutive failures
     failures: int = 0  # since the endpoint joined the pool
     retry_at: float = 0.0
+    started: float | None = None  # the engine's process start time, as last scraped
 
 
 class _BadAnswer(Exception):
@@ -356,10 +383,17 @@ class MetricsScraper:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
+        on_invalidate: Callable[[str, str], Awaitable[None]] | None = None,
+        on_scrape: Callable[[str, Scraped], None] | None = None,
     ) -> None:
+        """`on_invalidate(address, reason)` is awaited when what the index believes about
+        an endpoint's cache can no longer be true: its process restarted (empty cache), or
+        it stopped answering (dead, or restarting). Within one scrape interval."""
+        self._on_invalidate = on_invalidate
+        self._on_scrape = on_scrape  # each successful scrape (approximate-mode calibration)
         self._pool = pool
         self._states = states
-        self._s = settings or ScrapeSettings()
+        self._s = settings if settings is not None else ScrapeSettings()
         self._clock = clock
         self._sleep = sleep
         self._rng = rng or random.Random()
@@ -424,16 +458,33 @@ class MetricsScraper:
             scraped = parse_metrics(body)
         except Exception as exc:  # any failure of one endpoint is that endpoint's, not ours
             self._failed(address, h, exc)
+            if h.failing == 1 and self._health.get(address) is h:
+                await self._invalidate(address, "unreachable")
         else:
             if self._health.get(address) is h:  # still in the pool
                 self._states.update(address, scraped)
                 self.stats.scrapes += 1
+                if self._on_scrape is not None:
+                    self._on_scrape(address, scraped)
+                started, h.started = h.started, scraped.process_start_s
+                if started is not None and scraped.process_start_s not in (None, started):
+                    log.warning("endpoint %s restarted: its cached blocks are forgotten", address)
+                    await self._invalidate(address, "restart")
                 if h.failing:
                     log.info("endpoint %s: metrics back after %d failures", address, h.failing)
                     h.failing = 0
                     h.retry_at = 0.0
         finally:
             self._pending.discard(address)
+
+    async def _invalidate(self, address: str, reason: str) -> None:
+        inv = self.stats.invalidations
+        inv[reason] = inv.get(reason, 0) + 1
+        if self._on_invalidate is not None:
+            try:
+                await self._on_invalidate(address, reason)
+            except Exception:  # the scrape loop must outlive a failing index
+                log.exception("endpoint %s: invalidating its cached blocks failed", address)
 
     def _failed(self, address: str, h: _Health, exc: BaseException) -> None:
         self.stats.failures += 1

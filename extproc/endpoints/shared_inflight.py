@@ -130,7 +130,7 @@ class SharedInFlight:
         rng: random.Random | None = None,
     ) -> None:
         self._client = client
-        self._s = settings = settings or SharedInFlightSettings()
+        self._s = settings = settings if settings is not None else SharedInFlightSettings()
         self._ttl_s = settings.effective_ttl_s
         self._ttl_ms = str(max(1, round(self._ttl_s * 1000)))
         self.process_id = process_id or default_process_id()

@@ -86,24 +86,49 @@ class PromptTokenizer:
         return self._tokenizer.token_to_id(token)
 
     def render(self, prompt: Prompt, add_generation_prompt: bool = True) -> str:
-        """The chat template applied to `prompt` (tools, then messages)."""
+        """The chat template applied to `prompt` (tools, then messages). With
+        `continue_final_message` the text after the last message's content is cut off, so
+        the model continues that turn (and no generation prompt is added)."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat template")
         tools = [orjson.loads(t) for t in prompt.tools] or None
-        return self._template.render(
+        if prompt.add_generation_prompt is not None:
+            add_generation_prompt = prompt.add_generation_prompt
+        cont = prompt.continue_final_message and bool(prompt.messages)
+        text = self._template.render(
             messages=[_template_message(m) for m in prompt.messages],
             tools=tools,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt and not cont,
             **self._specials,
         )
+        if cont:
+            text = _cut_after_final(text, prompt.messages[-1])
+        return text
 
     def token_ids(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
+        """Completions get special tokens (BOS) unless `add_special_tokens` is false; chat
+        prompts get none unless it is true (the template writes its own)."""
         if prompt.completion is not None:
             if isinstance(prompt.completion, str):
-                return self._tokenizer.encode(prompt.completion, add_special_tokens=True).ids
+                special = prompt.add_special_tokens is not False
+                return self._tokenizer.encode(prompt.completion, add_special_tokens=special).ids
             return list(prompt.completion)
         text = self.render(prompt, add_generation_prompt)
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        special = prompt.add_special_tokens is True
+        return self._tokenizer.encode(text, add_special_tokens=special).ids
+
+
+def _cut_after_final(text: str, final: Message) -> str:
+    """`text` up to the end of the final message's last text (what the engine continues);
+    unchanged when that text is not found (a template that rewrites content)."""
+    tail = next((p.text for p in reversed(final.parts) if p.media is None and p.text), "")
+    if not tail:
+        return text
+    for needle in (tail, tail.strip()):
+        at = text.rfind(needle) if needle else -1
+        if at >= 0:
+            return text[: at + len(needle)]
+    return text
 
 
 class PreciseKeys:
@@ -147,10 +172,16 @@ class PreciseKeys:
         return _expand(ids, items, self._placeholders)
 
     def block_keys(self, req: InferenceRequest) -> tuple[int, ...]:
-        """Precise keys of `req` (empty when it has no parsed prompt)."""
+        """Precise keys of the blocks of `req` the engine can serve from its cache (empty
+        when it has no parsed prompt).
+
+        The engine always computes a prompt's last token itself (it needs its logits), so a
+        cache hit covers at most `(n - 1) // block_size` blocks of an n-token prompt: a
+        block-aligned prompt's last block is never a hit, and is not looked up."""
         if req.prompt is None:
             return ()
         ids, placements = self.token_ids(req.prompt)
+        ids = ids[:-1]
         size = self._settings.block_size
         extras = block_extra_keys(len(ids) // size, size, placements, req.cache_salt)
         seed = chain_seed(self._settings.model, req.lora_adapter)

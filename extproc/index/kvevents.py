@@ -168,7 +168,7 @@ class EventIngest:
         self._model = model
         self._block_size = block_size
         self._replay = replay
-        self.stats = stats or IngestStats()
+        self.stats = stats if stats is not None else IngestStats()
         self.last_seq: int | None = None
         self._last_payload: bytes | None = None  # the batch at `last_seq` (for _is_late)
         # True once an unhealed gap forced a resync: the index then holds only what was
@@ -185,8 +185,13 @@ class EventIngest:
     async def handle(self, seq: int, payload: bytes) -> None:
         """One ZMQ message: check its sequence number, then apply its events."""
         last = self.last_seq
-        if last is not None:
-            if seq == last:
+        if last is None and seq > 0:
+            # The first message seen from this publisher is not its first: a PUB socket
+            # that connects drops what it sends before the subscription handshake (vLLM's
+            # first batch after every start). Replay fetches the missing head.
+            await self._heal_head(seq)
+        elif last is not None:
+            if seq == last and payload == self._last_payload:
                 self.stats.duplicate_messages += 1
                 return
             if seq != 0 and seq < last and self._is_late(payload):
@@ -195,10 +200,12 @@ class EventIngest:
                 # would forget everything the endpoint holds.
                 self.stats.late_messages += 1
                 return
-            if seq == 0 or seq < last:
+            if seq == 0 or seq <= last:  # the same number with another batch: a new publisher
                 self.stats.restarts += 1
                 log.info("kv events: %s restarted (seq %d after %d)", self.endpoint, seq, last)
                 await self.reset()
+                if seq > 0:
+                    await self._heal_head(seq)
             elif seq > last + 1:
                 self.stats.gaps += 1
                 if not await self._heal(last + 1, seq):
@@ -238,6 +245,40 @@ class EventIngest:
                 self.last_seq = s
                 self.stats.replayed += 1
         return self.last_seq == seq - 1
+
+    async def _heal_head(self, seq: int) -> None:
+        """Apply batches 0..seq-1 of a publisher first heard at `seq`, by replay."""
+        self.last_seq = None
+        if self._replay is None:
+            self.stats.gaps += 1
+            log.warning(
+                "kv events: %s first heard at seq %d and no replay: batches before it are lost",
+                self.endpoint,
+                seq,
+            )
+            return
+        try:
+            batches = await self._replay(0)
+        except Exception as exc:  # best effort, as for gaps
+            log.warning("kv events: replay from %s failed: %r", self.endpoint, exc)
+            batches = None
+        for s, payload in batches or ():
+            if s >= seq:
+                break
+            if s == (-1 if self.last_seq is None else self.last_seq) + 1:
+                await self._apply(payload)
+                self.last_seq = s
+                self.stats.replayed += 1
+        if self.last_seq != seq - 1:
+            self.stats.gaps += 1
+            log.warning("kv events: %s batches before seq %d not recovered", self.endpoint, seq)
+
+    async def invalidate(self) -> None:
+        """The endpoint's engine restarted or vanished (seen by the scraper): forget its
+        blocks and its sequence, so the new publisher's first batch is taken as a start."""
+        await self.reset()
+        self.last_seq = None
+        self._last_payload = None
 
     async def reset(self) -> None:
         """Forget everything this endpoint holds (restart, clear, unhealed gap)."""

@@ -32,7 +32,7 @@ class MemoryKVIndex:
     """A `KVIndex` held in this process (see `base.KVIndex` for the contract)."""
 
     def __init__(self, options: IndexOptions | None = None) -> None:
-        self._opt = options or IndexOptions()
+        self._opt = options if options is not None else IndexOptions()
         # Equal consecutive values are the same tuple object (see `_update`), so a lookup
         # finds segment boundaries with an identity check per block.
         self._blocks: dict[int, Records] = {}

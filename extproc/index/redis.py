@@ -110,7 +110,7 @@ class RedisKVIndex:
         owns_client: bool = False,
     ) -> None:
         self._client = client
-        self._opt = options or IndexOptions()
+        self._opt = options if options is not None else IndexOptions()
         self._ns = namespace
         self._budget_s = lookup_budget_s
         self._queue_blocks = queue_blocks

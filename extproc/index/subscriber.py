@@ -83,6 +83,7 @@ class KVEventSubscriber:
         bind: str | None = None,
         topic_endpoint: Callable[[bytes], tuple[str, str] | None] = endpoint_from_topic,
         block_size: int = 16,
+        replay_port: int | None = None,
         replay_timeout_s: float = 1.0,
         max_messages_per_pass: int = 256,
         is_member: Callable[[str], bool] | None = None,
@@ -93,6 +94,8 @@ class KVEventSubscriber:
         self._bind = bind
         self._topic_endpoint = topic_endpoint
         self._block_size = block_size
+        # Bound socket: endpoints attributed by topic are replayed from <their host>:port.
+        self._replay_port = replay_port
         self._replay_timeout_s = replay_timeout_s
         self._max_per_pass = max_messages_per_pass
         self._is_member = is_member
@@ -117,6 +120,14 @@ class KVEventSubscriber:
         """Stop listening to an endpoint; its index entries stay (see `remove_endpoint`)."""
         self._sources.pop(endpoint, None)
         self._wake.set()
+
+    async def invalidate(self, endpoint: str) -> None:
+        """Forget what `endpoint` holds (its engine restarted or is gone)."""
+        ingest = self._ingests.get(endpoint)
+        if ingest is not None:
+            await ingest.invalidate()
+        else:
+            await self._index.remove_endpoint(endpoint)
 
     def ingest(self, endpoint: str) -> EventIngest | None:
         return self._ingests.get(endpoint)
@@ -237,6 +248,10 @@ class KVEventSubscriber:
                 if source.replay_url:
                     url = source.replay_url
                     replay = lambda start: self._replay(url, start)  # noqa: E731
+            elif self._replay_port is not None:
+                host = endpoint.rpartition(":")[0]
+                url = f"tcp://{host}:{self._replay_port}"
+                replay = lambda start: self._replay(url, start)  # noqa: E731
             ingest = self._ingests[endpoint] = EventIngest(
                 self._index,
                 endpoint,

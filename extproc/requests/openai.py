@@ -67,6 +67,10 @@ class ChatRequest(msgspec.Struct, frozen=True):
     tools: list[msgspec.Raw] | None = None
     stream: bool | None = None
     cache_salt: str | None = None
+    # vLLM's tokenization options: they change the token ids, so precise keys follow them.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class CompletionsRequest(msgspec.Struct, frozen=True):
@@ -74,6 +78,7 @@ class CompletionsRequest(msgspec.Struct, frozen=True):
     prompt: msgspec.Raw
     stream: bool | None = None
     cache_salt: str | None = None
+    add_special_tokens: bool | None = None
 
 
 class EmbeddingsRequest(msgspec.Struct, frozen=True):
@@ -174,7 +179,13 @@ def chat_prompt(req: ChatRequest, media: MediaResolver) -> Prompt:
             )
         calls = tuple(bytes(c) for c in m.tool_calls) if m.tool_calls else ()
         messages.append(Message(m.role, parts, m.name, calls, m.tool_call_id))
-    return Prompt(tools=_tools(req.tools), messages=tuple(messages))
+    return Prompt(
+        tools=_tools(req.tools),
+        messages=tuple(messages),
+        add_special_tokens=req.add_special_tokens,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=bool(req.continue_final_message),
+    )
 
 
 def _chat_part(p: _ChatPart, media: MediaResolver, field: str) -> Part:

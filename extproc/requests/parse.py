@@ -82,7 +82,8 @@ def _completions(
     tokens = sum(
         text_tokens(x, s.bytes_per_token) if isinstance(x, str) else len(x) for x in inputs
     )
-    return Prompt(completion=inputs[0] if inputs else None), tokens
+    special = req.add_special_tokens if isinstance(req, openai.CompletionsRequest) else None
+    return Prompt(completion=inputs[0] if inputs else None, add_special_tokens=special), tokens
 
 
 _APIS: Mapping[Api, tuple[msgspec.json.Decoder[Any], _Converter]] = {

@@ -53,6 +53,9 @@ class ParseSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     adapters: dict[str, str] = msgspec.field(default_factory=dict)
     message_overhead_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4
     precise: PreciseSettings | None = None
+    # Approximate keys follow the engines: `block_tokens` from their reported KV block size,
+    # `bytes_per_token` from their prompt-token counts (extproc/calibration.py).
+    calibrate: bool = True
 
     @property
     def block_bytes(self) -> int:

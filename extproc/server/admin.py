@@ -21,12 +21,17 @@ from extproc.errors import ExtprocError
 from extproc.router import Router
 from extproc.server.metrics import PickerMetrics
 from extproc.server.stream import explanation
+from extproc.signals import Signals
 
 EXPLAIN_PATH_HEADER = "x-extproc-path"
 
 
 def make_admin_app(
-    router: Router, metrics: PickerMetrics, *, max_body_bytes: int = 4 * 1024 * 1024
+    router: Router,
+    metrics: PickerMetrics,
+    signals: Signals | None = None,
+    *,
+    max_body_bytes: int = 4 * 1024 * 1024,
 ) -> web.Application:
     busy = asyncio.Lock()
 
@@ -84,7 +89,13 @@ def make_admin_app(
                 }
             )
         return web.Response(
-            body=orjson.dumps({"endpoints": rows, "decisions": router.stats.decisions}),
+            body=orjson.dumps(
+                {
+                    "endpoints": rows,
+                    "decisions": router.stats.decisions,
+                    "signals": signals.as_dict() if signals is not None else None,
+                }
+            ),
             content_type="application/json",
         )
 

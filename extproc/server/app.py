@@ -19,6 +19,7 @@ import grpc
 from aiohttp import web
 
 from extproc import protocol
+from extproc.calibration import Calibration
 from extproc.config import Settings, build_configured_flow_control, build_configured_scheduler
 from extproc.core import Endpoint
 from extproc.endpoints import EndpointPool, InFlight
@@ -31,7 +32,6 @@ from extproc.endpoints.state import EndpointStates
 from extproc.errors import ConfigError
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import IndexOptions, KVIndex
-from extproc.requests import parse_request
 from extproc.router import Router
 from extproc.scheduling.timing import instrument
 from extproc.server import latency as latency_wiring
@@ -44,6 +44,7 @@ from extproc.server.llmd_metrics import BuildInfo, PoolView
 from extproc.server.metrics import PickerMetrics, counter, gauge
 from extproc.server.ports import PortInUse, bind_grpc, check_ports
 from extproc.server.stream import StreamHandler
+from extproc.signals import Signals
 
 log = logging.getLogger("extproc.server")
 
@@ -112,7 +113,15 @@ class App:
             stale_after_s=state.scrape.stale_after_s if state.scrape else 0.2
         )
         self.scraper = (
-            MetricsScraper(self.pool, self.states, state.scrape) if state.scrape else None
+            MetricsScraper(
+                self.pool,
+                self.states,
+                state.scrape,
+                on_invalidate=self._invalidate_endpoint,
+                on_scrape=self._calibrate,
+            )
+            if state.scrape
+            else None
         )
         self.dcgm = DCGMScraper(self.pool, self.states, state.dcgm) if state.dcgm else None
         self.inflight: InFlight | SharedInFlight = InFlight()
@@ -133,10 +142,14 @@ class App:
         self.shared_ends = None
         if settings.index.backend == "redis" and settings.index.redis_url:
             self.shared_ends = self._share_request_ends(settings.index.redis_url)
+        # Approximate keys only: precise keys come from the real tokenizer and block size.
+        self.calibration = Calibration(
+            settings.parse, enabled=settings.parse.calibrate and self.precise is None
+        )
         self.router = Router(
             pool=self.pool,
             scheduler=instrument(build_configured_scheduler(settings), self.metrics.llmd),
-            parser=functools.partial(parse_request, settings=settings.parse),
+            parser=self.calibration,
             inflight=self.inflight,
             index=self.index,
             precise=self.precise,
@@ -144,6 +157,7 @@ class App:
             is_failing=self.scraper.is_failing if self.scraper and state.exclude_failing else None,
             record_decisions=record,
             on_lookup=self.metrics.lookup_seconds.observe,
+            on_placed=self.calibration.placed if self.calibration.enabled else None,
             ends=self.ends,
             speeds=self.speeds,
         )
@@ -154,6 +168,11 @@ class App:
         )
         self.metrics.add_collector(
             functools.partial(latency_wiring.collect, self.latency, self.router.scheduler.plugins)
+        )
+        self.signals = Signals(
+            scraped_metrics=self.scraper is not None,
+            kv_events=self.subscriber is not None,
+            approximate_index=self.index is not None and record,
         )
         self.health = Health()
         self._server: grpc.aio.Server | None = None
@@ -246,6 +265,7 @@ class App:
             model=self.precise.model,
             bind=ev.bind,
             block_size=self.precise.block_size,
+            replay_port=ev.replay_port if ev.bind is not None else None,
             is_member=lambda address: self.pool.get(address) is not None,
             curve=CurveKeys.from_settings(ev),
         )
@@ -253,6 +273,17 @@ class App:
             for e in self.pool.snapshot():
                 sub.watch(self._event_source(e))
         return sub
+
+    def _calibrate(self, address: str, scraped) -> None:
+        self.calibration.observe(address, scraped.kv_block_size, scraped.prompt_tokens)
+
+    async def _invalidate_endpoint(self, address: str, reason: str) -> None:
+        """The scraper saw `address` restart or stop answering: its cache is not what the
+        index says (a restarted vLLM starts empty and publishes nothing until used)."""
+        if self.subscriber is not None:
+            await self.subscriber.invalidate(address)
+        elif self.index is not None:
+            await self.index.remove_endpoint(address)
 
     def _event_source(self, e: Endpoint):
         from extproc.index.subscriber import EventSource
@@ -437,7 +468,10 @@ class App:
         # Every port is bound before any starts listening (the admin site binds as it starts).
         if cfg.admin_port is not None:
             admin = make_admin_app(
-                self.router, self.metrics, max_body_bytes=cfg.admin_explain_max_bytes
+                self.router,
+                self.metrics,
+                self.signals,
+                max_body_bytes=cfg.admin_explain_max_bytes,
             )
             self._admin = web.AppRunner(admin, access_log=None)
             await self._admin.setup()
@@ -453,6 +487,7 @@ class App:
         await self._server.start()
         self._bound = True
         await self.health.set_ready(self._ready())
+        self.signals.announce()
         for what in self.settings.degraded:
             log.warning("degraded: %s", what, extra={"degraded": what})
         log.info(
@@ -507,6 +542,28 @@ class App:
         await self.stop()
 
     def _collect(self):
+        sig = gauge(
+            "extproc_scheduling_signal",
+            "1 for each live signal that feeds scheduling in this process, 0 when off.",
+            ["signal"],
+        )
+        for name, on in self.signals.as_dict().items():
+            sig.add_metric([name], 1.0 if on else 0.0)
+        yield sig
+        cal = self.calibration.stats
+        yield _gauge(
+            "extproc_approx_block_tokens", "Tokens per approximate block key.", cal.block_tokens
+        )
+        yield _gauge(
+            "extproc_approx_bytes_per_token",
+            "Characters per token of approximate keys and token estimates.",
+            cal.bytes_per_token,
+        )
+        yield _counter(
+            "extproc_approx_recalibrations",
+            "Changes of the approximate block size or characters per token, from the engines.",
+            cal.changes,
+        )
         r = self.router.stats
         yield _counter("extproc_decisions", "Decisions made (requests routed).", r.decisions)
         faults = counter(
@@ -722,6 +779,15 @@ class App:
         st = self.scraper.stats
         yield _counter("extproc_scrapes", "Successful endpoint metrics scrapes.", st.scrapes)
         yield _counter("extproc_scrape_failures", "Failed endpoint metrics scrapes.", st.failures)
+        inv = counter(
+            "extproc_endpoint_cache_invalidations",
+            "Endpoints whose index entries were dropped: restart (process start time changed) "
+            "or unreachable (a scrape failed).",
+            ["reason"],
+        )
+        for reason in ("restart", "unreachable"):
+            inv.add_metric([reason], st.invalidations.get(reason, 0))
+        yield inv
 
 
 def _counter(name: str, doc: str, value: float):

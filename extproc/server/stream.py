@@ -83,7 +83,19 @@ def explanation(routed: Routed) -> dict:
         "request_blocks": len(routed.request.block_keys),
         "index_degraded": routed.lookup.degraded,
         "prompt_tokens": routed.request.prompt_tokens,
+        "predicted_cached_tokens": predicted_cached_tokens(routed),
     }
+
+
+def predicted_cached_tokens(routed: Routed) -> int:
+    """Prompt tokens the chosen endpoint is expected to serve from its cache: its matched
+    leading blocks times tokens per block. In precise mode the keys stop before the
+    prompt's last token (the engine never serves it from cache), so this is comparable to
+    the engine's `usage.prompt_tokens_details.cached_tokens`."""
+    if not routed.decision.endpoints:
+        return 0
+    matched = routed.lookup.matches.get(routed.decision.primary.address, 0.0)
+    return int(matched) * routed.request.block_tokens
 
 
 class StreamHandler:
@@ -107,7 +119,7 @@ class StreamHandler:
     ) -> None:
         self._router = router
         self._max_body = max_body_bytes
-        self._metrics = metrics or PickerMetrics()
+        self._metrics = metrics if metrics is not None else PickerMetrics()
         self.budget = budget or BodyBudget(limit=1 << 62)
         self._body_timeout_s = body_timeout_s
         self._explain_tokens = tuple(t.encode() for t in explain_tokens)

@@ -136,12 +136,21 @@ class KVCache:
             self.events.append(Stored(tuple(stored)))
 
     def release(self, held: Sequence[PhysicalBlock]) -> None:
-        """Drops a request's references; blocks that become unreferenced join the free
-        queue tail first, so the end of a chain is evicted before its beginning."""
+        """Drops a request's references. Blocks that become unreferenced and hold a cached
+        hash join the free queue's tail, the request's last block first, so the end of a
+        chain is evicted before its beginning; blocks without one (a partial last block)
+        go to its head, to be reused before any cached block is evicted (vLLM 0.32)."""
+        uncached: list[int] = []
         for block in reversed(held):
             block.ref -= 1
             if block.ref == 0:
-                self._free[block.id] = None
+                if block.info is None:
+                    uncached.append(block.id)
+                else:
+                    self._free[block.id] = None
+        for block_id in reversed(uncached):  # the head ends up in `uncached` order
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
 
     def reset(self) -> None:
         """Forgets every cached hash (POST /reset_prefix_cache); held blocks stay held."""

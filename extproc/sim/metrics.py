@@ -165,6 +165,12 @@ def render(stats: EngineStats, gauges: Gauges, model: str, cache_config: Mapping
                 "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
                 stats.prefill_computed)  # fmt: skip
     w.info("cache_config_info", "Information of the LLMEngine CacheConfig", cache_config)
+    # prometheus_client's process collector, as on a real server: a restart changes it.
+    w.raw(
+        "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
+        "# TYPE process_start_time_seconds gauge",
+        f"process_start_time_seconds {_num(stats.created)}",
+    )
     return w.text()
 
 
@@ -180,6 +186,9 @@ class _Writer:
 
     def text(self) -> str:
         return "\n".join(self._lines) + "\n"
+
+    def raw(self, *lines: str) -> None:
+        self._lines += lines
 
     def _labels(self, extra: Iterable[tuple[str, str]] = (), model: bool = True) -> str:
         pairs = dict(extra)

@@ -77,7 +77,7 @@ class SimServer:
 
     def __init__(self, settings: ServerSettings, tokenizer: SimTokenizer | None = None) -> None:
         self.settings = settings
-        self.tokenizer = tokenizer or SimTokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else SimTokenizer()
         self.publisher: KVEventPublisher | None = None
         self.engine = Engine(settings.engine, self.tokenizer, self._publish)
         self.name = settings.name or ""

@@ -65,6 +65,8 @@ def test_real_vllm_scrape_gives_load_cache_config_and_prefix_counters() -> None:
         kv_blocks=65536,
         prefix_cache_queries=495,
         prefix_cache_hits=128,
+        process_start_s=1.79597100344e09,
+        prompt_tokens=495,
         latency=LatencyTotals(
             ttft_sum=2.0445685386657715,
             ttft_count=9.0,
@@ -393,3 +395,38 @@ async def test_endpoints_leaving_the_pool_are_dropped(servers: dict[str, ModelSe
             assert first.address not in states and second.address in states
     finally:
         await second.stop()
+
+
+START = b"process_start_time_seconds 1.79597100344e+09"
+
+
+async def test_restart_or_failure_invalidates_the_endpoint_within_one_interval(
+    servers: dict[str, ModelServer],
+) -> None:
+    """A new process start time (a restarted engine: empty cache) and a failed scrape (dead or
+    restarting) each call `on_invalidate` once, and are counted by reason."""
+    server = servers["ok"]
+    address = server.address
+    calls: list[tuple[str, str]] = []
+
+    async def invalidate(a: str, reason: str) -> None:
+        calls.append((a, reason))
+
+    states = EndpointStates(stale_after_s=FAST.stale_after_s)
+    scraper = MetricsScraper(
+        EndpointPool([Endpoint(address)]), states, FAST, on_invalidate=invalidate
+    )
+    async with running(scraper):
+        await until(lambda: scraper.stats.scrapes >= 3)
+        assert calls == []  # a steady start time is the same process
+        server.body = VLLM.replace(START, b"process_start_time_seconds 1.79597200000e+09")
+        await until(lambda: bool(calls))
+        assert calls == [(address, "restart")]
+        hits = server.hits
+        await until(lambda: server.hits >= hits + 3)
+        assert calls == [(address, "restart")]  # once per change
+        server.mode = "error"
+        await until(lambda: len(calls) == 2)
+        await until(lambda: scraper.failures(address) >= 3)
+        assert calls[1] == (address, "unreachable") and len(calls) == 2  # once per outage
+    assert scraper.stats.invalidations == {"restart": 1, "unreachable": 1}

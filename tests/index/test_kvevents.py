@@ -425,3 +425,64 @@ def test_topic_parsing() -> None:
     assert endpoint_from_topic(b"kv@10.1.2.3:9000@m@x") == ("10.1.2.3:9000", "m@x")
     assert endpoint_from_topic(b"kv@[fd00::1]@m") == ("[fd00::1]:8000", "m")
     assert endpoint_from_topic(b"kv-events") is None
+
+
+async def test_bound_socket_recovers_a_publishers_lost_head_by_replay(
+    zctx: zmq.Context[Any],
+) -> None:
+    """vLLM's connecting PUB socket drops its first batch after every start (sent before the
+    subscription handshake). The bound subscriber, given `replay_port`, asks the endpoint's
+    host for batches from 0 when a publisher is first heard past 0, and again after a
+    restart."""
+    index = MemoryKVIndex()
+    router = zctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:*")
+    replay_port = int(router.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2])
+    buffered: dict[int, bytes] = {}
+
+    async def serve_replay() -> None:
+        while True:
+            while not router.poll(0):
+                await asyncio.sleep(0.002)
+            client, _, start = router.recv_multipart()
+            for seq in sorted(s for s in buffered if s >= int.from_bytes(start, "big")):
+                router.send_multipart(
+                    [client, b"", b"kv-events", seq.to_bytes(8, "big"), buffered[seq]]
+                )
+            router.send_multipart(
+                [client, b"", b"kv-events", (-1).to_bytes(8, "big", signed=True), b""]
+            )
+
+    server = asyncio.create_task(serve_replay())
+    sub = KVEventSubscriber(
+        index, model=MODEL, bind="tcp://127.0.0.1:*", block_size=BS, replay_port=replay_port
+    )
+    try:
+        async with running(sub):
+            await until(lambda: sub.bound_url is not None)
+            pub = Publisher(zctx, topic=f"kv@{EP}@{MODEL}".encode())
+            pub.sock.connect(sub.bound_url)  # type: ignore[arg-type]
+            await pub.subscribed()
+            buffered.update({0: batch(stored([1], toks(0, 1))), 1: batch(stored([2], toks(10, 1)))})
+            pub.send(buffered[1], seq=1)  # seq 0 never reached us
+            await until(lambda: sub.stats.messages == 2)
+            assert sub.stats.replayed == 1 and sub.stats.gaps == 0
+            assert await match(index, keys_of(toks(0, 1))) == 1.0
+
+            # The engine restarts: a new sequence whose first batch is lost again.
+            buffered.clear()
+            buffered.update(
+                {0: batch(stored([7], toks(30, 1))), 1: batch(stored([8], toks(40, 1)))}
+            )
+            pub.send(buffered[1], seq=1)
+            await until(lambda: sub.stats.messages == 4)
+            assert sub.stats.restarts == 1 and sub.stats.replayed == 2
+            pub.sock.close(linger=0)
+    finally:
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+        router.close(linger=0)
+    assert await match(index, keys_of(toks(0, 1))) == 0.0  # the old engine's blocks are gone
+    assert await match(index, keys_of(toks(30, 1))) == 1.0
+    assert await match(index, keys_of(toks(40, 1))) == 1.0

@@ -55,7 +55,9 @@ async def test_frames_have_the_captured_vllm_structure(start_sim: StartSim, subs
         async with start_sim(block_size=32, num_gpu_blocks=6, kv={"hash_bytes": hash_bytes}) as srv:
             sub = await subscribe(srv.kv_events_url)
             async with aiohttp.ClientSession() as http:
-                for i in range(4):  # distinct 2-block prompts: the 4th evicts
+                # Distinct prompts of one full block and a partial one, which is reused
+                # first (as vLLM does): the 7th evicts.
+                for i in range(8):
                     await complete(http, srv.url, f"{i} {TEXT * 2}")
                 async with http.post(f"{srv.url}/reset_prefix_cache") as resp:
                     assert resp.status == 200

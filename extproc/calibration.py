@@ -1,0 +1,107 @@
+"""Approximate mode tuned by what the engines report: their real KV block size and how many
+characters a token of their tokenizer really covers.
+
+Approximate keys hash `block_tokens x bytes_per_token` bytes of canonical prompt text per
+block. With the defaults (64 x 4) a block is ~64 estimated tokens, while vLLM caches blocks
+of its configured size (16, 32, ...) of real tokens: the prediction is off by the ratio of
+the two. `Calibration` owns the parse settings the router parses with and adjusts them:
+
+- `block_tokens` follows the block size the endpoints publish in `vllm:cache_config_info`
+  (the smallest, when they disagree);
+- `bytes_per_token` follows the ratio of our token estimates for the requests placed on an
+  endpoint to the prompt tokens its engine counted meanwhile (`vllm:prompt_tokens_total`),
+  once enough tokens are observed; foreign traffic on the same engine shows as a ratio out of
+  bounds and that window is skipped.
+
+Both change the keys, so changes are rare by design: only when the new value differs from
+the current one (an integer), and the index's old approximate entries simply stop matching
+and expire. Every change is logged and counted. Event-loop use only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+
+from extproc.core import InferenceRequest
+from extproc.requests import parse_request
+from extproc.requests.settings import ParseSettings
+
+log = logging.getLogger("extproc.calibration")
+
+# At least this many engine prompt tokens in a window before a ratio is trusted.
+_MIN_TOKENS = 2000
+# Ratios of engine tokens to our estimates outside these bounds mean someone else's traffic.
+_BOUNDS = (0.33, 3.0)
+
+
+@dataclass(slots=True)
+class _Window:
+    estimated: int = 0  # our token estimates of requests placed since the window opened
+    engine_start: int | None = None  # the engine's prompt-token counter when it opened
+
+
+@dataclass(slots=True)
+class CalibrationStats:
+    block_tokens: int = 0
+    bytes_per_token: int = 0
+    changes: int = 0
+    windows_skipped: int = 0
+    ratios: dict[str, float] = field(default_factory=dict)  # endpoint -> last engine/estimate
+
+
+class Calibration:
+    """The parser the router calls (`calibration(path, headers, body)`), with settings that
+    follow the engines. `placed()` is told of every placed request; `observe()` of every
+    scrape."""
+
+    def __init__(self, settings: ParseSettings, *, enabled: bool = True) -> None:
+        self.settings = settings
+        self.enabled = enabled
+        self._windows: dict[str, _Window] = {}
+        self.stats = CalibrationStats(settings.block_tokens, settings.bytes_per_token)
+
+    def __call__(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
+        return parse_request(path, headers, body, self.settings)
+
+    def placed(self, endpoint: str, request: InferenceRequest) -> None:
+        if self.enabled and request.prompt is not None:
+            w = self._windows.setdefault(endpoint, _Window())
+            w.estimated += request.prompt_tokens
+
+    def observe(self, endpoint: str, block_size: int | None, prompt_tokens: int | None) -> None:
+        """One scrape of `endpoint`: its engine block size and prompt-token counter."""
+        if not self.enabled:
+            return
+        if block_size and block_size != self.settings.block_tokens:
+            self._set(block_tokens=block_size, why=f"{endpoint} reports KV blocks of that size")
+        if prompt_tokens is None:
+            return
+        w = self._windows.setdefault(endpoint, _Window())
+        if w.engine_start is None or prompt_tokens < w.engine_start:  # first, or a restart
+            w.engine_start, w.estimated = prompt_tokens, 0
+            return
+        engine = prompt_tokens - w.engine_start
+        if engine < _MIN_TOKENS:
+            return
+        estimated, w.engine_start, w.estimated = w.estimated, prompt_tokens, 0
+        ratio = engine / estimated if estimated else 0.0
+        if not _BOUNDS[0] <= ratio <= _BOUNDS[1]:
+            self.stats.windows_skipped += 1
+            return
+        self.stats.ratios[endpoint] = ratio
+        # Our estimate is chars / bytes_per_token; the engine's count says the real
+        # characters per token is bytes_per_token / ratio.
+        bpt = max(1, round(self.settings.bytes_per_token / ratio))
+        if bpt != self.settings.bytes_per_token:
+            self._set(bytes_per_token=bpt, why=f"{endpoint} counted {ratio:.2f}x our estimate")
+
+    def _set(self, *, why: str, **changes: int) -> None:
+        self.settings = msgspec.structs.replace(self.settings, **changes)
+        self.stats.block_tokens = self.settings.block_tokens
+        self.stats.bytes_per_token = self.settings.bytes_per_token
+        self.stats.changes += 1
+        log.info("approximate keys recalibrated: %s (%s)", changes, why)

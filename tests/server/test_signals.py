@@ -1,0 +1,57 @@
+"""Which live signals feed scheduling is said at startup, exported as a metric and shown by
+/debug/state: a picker routing on less than it was configured for cannot go unnoticed."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import msgspec
+import pytest
+
+from extproc.config import Settings, StateSettings
+from extproc.endpoints import parse_endpoints
+from extproc.server.app import App
+
+
+async def signals_seen(app: App) -> tuple[dict, str]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.admin_port}") as http:
+        state = (await http.get("/debug/state")).json()
+        metrics = (await http.get("/metrics")).text
+    return state["signals"], metrics
+
+
+async def test_default_picker_says_it_scrapes_and_learns_from_its_decisions(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level(logging.INFO, logger="extproc.signals")
+    async with App(settings, parse_endpoints(",".join(settings.endpoints))) as app:
+        signals, metrics = await signals_seen(app)
+    assert signals == {
+        "scraped-metrics": True,
+        "in-flight": True,
+        "kv-events": False,
+        "approximate-index": True,
+    }
+    assert 'extproc_scheduling_signal{signal="scraped-metrics"} 1.0' in metrics
+    assert 'extproc_scheduling_signal{signal="kv-events"} 0.0' in metrics
+    assert [r.getMessage() for r in caplog.records if r.name == "extproc.signals"] == [
+        "scheduling signals: scraped-metrics, in-flight, approximate-index"
+    ]
+
+
+async def test_without_scraping_the_fall_back_to_in_flight_counts_is_loud(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level(logging.INFO, logger="extproc.signals")
+    s = msgspec.structs.replace(settings, state=StateSettings(scrape=None))
+    async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
+        signals, metrics = await signals_seen(app)
+    assert signals["scraped-metrics"] is False
+    assert 'extproc_scheduling_signal{signal="scraped-metrics"} 0.0' in metrics
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "extproc.signals" and r.levelno == logging.WARNING
+    ]
+    assert warned and "in-flight counts only" in warned[0]
