@@ -42,12 +42,30 @@ class Timeline:
         return [s for t, s in self.events if start <= t < end]
 
 
-async def load(url: str, tl: Timeline, seconds: float, clients: int = 4) -> None:
+async def load(
+    url: str,
+    tl: Timeline,
+    seconds: float,
+    clients: int = 4,
+    *,
+    until: asyncio.Event | None = None,
+) -> None:
+    """`seconds` of load; with `until`, also at least until that event plus `seconds` / 4
+    (a restart takes as long as the machine makes it, and the test needs load after it)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+
+        def going(end: float) -> bool:
+            if time.monotonic() < end:
+                return True
+            if until is None:
+                return False
+            if not until.is_set():
+                return time.monotonic() < end + 60  # a restart that never ends fails below
+            return time.monotonic() < max(end, tl.marks.get("healthy", 0) + tl.t0 + seconds / 4)
 
         async def client() -> None:
             end = time.monotonic() + seconds
-            while time.monotonic() < end:
+            while going(end):
                 sent = time.monotonic() - tl.t0
                 try:
                     async with http.post(
@@ -95,12 +113,13 @@ def test_fail_closed_gives_500s_only_while_the_picker_is_gone():
                 await asyncio.sleep(1.0)
                 tl.mark("restart")
                 await in_thread(stack.start_extproc)
-                await in_thread(stack.wait_picker_healthy)
+                await in_thread(stack.wait_picker_healthy, 30.0)
                 tl.mark("healthy")
+                healthy.set()
 
-            stop = asyncio.Event()
+            stop, healthy = asyncio.Event(), asyncio.Event()
             watcher = asyncio.create_task(watch_health(stack, tl, stop))
-            await asyncio.gather(load(stack.url, tl, 6.0), faults())
+            await asyncio.gather(load(stack.url, tl, 6.0, until=healthy), faults())
             stop.set()
             await watcher
 
