@@ -295,11 +295,12 @@ def parse_metrics(data: bytes) -> Scraped:
             running_adapters = _names(_label(raw, b"running_lora_adapters"))
             waiting_adapters = _names(_label(raw, b"waiting_lora_adapters"))
 
-    start = _START.search(data)
-    try:
-        process_start_s = float(start.group(1)) if start else None
-    except ValueError:
-        raise MetricsError(f"bad process_start_time_seconds: {start.group(1)[:40]!r}") from None
+    process_start_s = None
+    if (start := _START.search(data)) is not None:
+        try:
+            process_start_s = float(start.group(1))
+        except ValueError:
+            raise MetricsError(f"bad process_start_time_seconds: {start.group(1)[:40]!r}") from None
     return Scraped(
         process_start_s=process_start_s,
         waiting=int(sum(waiting)),

@@ -16,7 +16,8 @@ PREFILLER_HEADER = "x-prefiller-host-port"
 ENCODERS_HEADER = "x-encoder-hosts-ports"
 
 
-def _decision(result: ProfileResult, **extra: object) -> Decision:
+def decision_from(result: ProfileResult, **extra: object) -> Decision:
+    """The Decision a profile's result makes on its own (`extra`: Decision fields to add)."""
     return Decision(
         endpoints=tuple(c.endpoint for c in result.chosen),
         scores=result.scores,
@@ -49,7 +50,7 @@ class SingleProfileHandler:
         profiles: Sequence[str],
         run: ProfileRunner,
     ) -> Decision:
-        return _decision(run(profiles[0]))
+        return decision_from(run(profiles[0]))
 
 
 _STAGE_ORDERS = {
@@ -162,14 +163,14 @@ class DisaggProfileHandler:
             encode_stage(None)
             decode = take(run(decode_name, None, prefill_pick.endpoint if prefill_pick else None))
             if not decode.chosen:
-                return _decision(decode)
+                return decision_from(decode)
             if prefill_pick and prefill_pick.endpoint != decode.chosen[0].endpoint:
                 prefill = prefill_pick.endpoint
                 headers[PREFILLER_HEADER] = prefill.address
         else:
             decode = take(run(decode_name))
             if not decode.chosen:
-                return _decision(decode)
+                return decision_from(decode)
             pick = decode.chosen[0]
             encode_stage(pick)
             if names.prefill in profiles and self._prefill_decider is not None:

@@ -110,6 +110,10 @@ async def fleet(
         settings = Settings(
             endpoints=[s.name for s in sims],
             index=IndexSettings(backend="memory"),
+            # Calibration re-keys approximate blocks once the engines have counted ~2,000
+            # prompt tokens (extproc/calibration.py): by design every recorded prefix stops
+            # matching then. These scenarios are about placement, so keys stay fixed.
+            parse=msgspec.structs.replace(Settings().parse, calibrate=False),
             state=StateSettings(scrape=ScrapeSettings(interval_s=0.02, stale_after_s=0.5)),
         )
         if config is not None:

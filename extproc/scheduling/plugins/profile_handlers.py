@@ -10,19 +10,15 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from extproc.core import Candidate, Decision, Endpoint, InferenceRequest
-from extproc.scheduling.framework import ProfileResult, ProfileRunner
-from extproc.scheduling.handlers import DisaggDeciders, DisaggProfileHandler, DisaggProfiles
+from extproc.scheduling.framework import ProfileRunner
+from extproc.scheduling.handlers import (
+    DisaggDeciders,
+    DisaggProfileHandler,
+    DisaggProfiles,
+    decision_from,
+)
 
 DATA_PARALLEL_HEADER = "x-data-parallel-host-port"
-
-
-def _result_decision(result: ProfileResult) -> Decision:
-    return Decision(
-        endpoints=tuple(c.endpoint for c in result.chosen),
-        scores=result.scores,
-        reasons=result.reasons,
-        profile=result.profile,
-    )
 
 
 class DataParallelProfileHandler:
@@ -62,7 +58,7 @@ class DataParallelProfileHandler:
     ) -> Decision:
         result = run(profiles[0])
         if not result.chosen:
-            return _result_decision(result)
+            return decision_from(result)
         rank = result.chosen[0].endpoint
         return Decision(
             endpoints=tuple(self._primary(c.endpoint) for c in result.chosen),
@@ -149,7 +145,7 @@ class HeaderProfileHandler:
         run: ProfileRunner,
     ) -> Decision:
         if len(profiles) == 1:
-            return _result_decision(run(profiles[0]))
+            return decision_from(run(profiles[0]))
         asked = req.headers.get(self._header, "").strip()
         name = asked or self._default
         if name not in profiles:
@@ -159,4 +155,4 @@ class HeaderProfileHandler:
                 else (f"defaultProfile {self._default!r} is not a profile")
             )
             return Decision(endpoints=(), reasons=(why,))
-        return _result_decision(run(name))
+        return decision_from(run(name))
