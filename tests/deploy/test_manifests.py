@@ -371,7 +371,11 @@ def test_rbac_is_least_privilege_and_bound_to_the_picker(base: list[Obj]) -> Non
     rules = {(g, r, tuple(sorted(x["verbs"])))
              for x in role["rules"] for g in x["apiGroups"] for r in x["resources"]}  # fmt: skip
     watch = ("get", "list", "watch")
-    assert rules == {("", "pods", watch), ("inference.networking.k8s.io", "inferencepools", watch)}
+    assert rules == {
+        ("", "pods", watch),
+        ("inference.networking.k8s.io", "inferencepools", watch),
+        ("llm-d.ai", "inferenceobjectives", watch),  # flow control's priorities
+    }
     assert not [o for o in base if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
     binding = find(base, "RoleBinding", "extproc")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
