@@ -174,8 +174,13 @@ async def _load_with_kill(stack: Stack, victim: SimFleet):
         async def killer() -> None:
             nonlocal in_flight_at_kill
             await asyncio.sleep(2.0)
-            # Requests in flight now; about a third of them sit on the victim.
-            in_flight_at_kill = _running_on(victim)
+            # Kill while the victim is serving something (about a third of the requests sit
+            # there, but a fast simulated server is sometimes idle for an instant).
+            for _ in range(40):
+                in_flight_at_kill = _running_on(victim)
+                if in_flight_at_kill:
+                    break
+                await asyncio.sleep(0.025)
             victim.proc.send_signal(signal.SIGKILL)
 
         await asyncio.gather(killer(), *(client(c) for c in range(12)))
