@@ -123,7 +123,10 @@ def acl_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 async def picker_with_redis(settings: Settings, url: str) -> tuple[str | None, bool]:
     """One decision through a picker using the Redis at `url`: (destination, degraded)."""
-    s = msgspec.structs.replace(settings, index=IndexSettings(backend="redis", redis_url=url))
+    # A generous lookup budget: the point is the credentials, and on a loaded CI machine the
+    # production 5 ms budget can expire on the first lookup (seen once in CI).
+    index = IndexSettings(backend="redis", redis_url=url, lookup_budget_s=2.0)
+    s = msgspec.structs.replace(settings, index=index)
     async with App(s, parse_endpoints(",".join(ENDPOINTS))) as app:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
             dest = await routed_over(ch)
