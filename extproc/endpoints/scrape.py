@@ -355,9 +355,14 @@ class ScrapeStats:
 class _Health:
     url: URL
     failing: int = 0  # consecutive failures
+    slow: bool = False  # every one of them a timeout
     failures: int = 0  # since the endpoint joined the pool
     retry_at: float = 0.0
     started: float | None = None  # the engine's process start time, as last scraped
+
+
+# Consecutive timed-out scrapes before an endpoint counts as down (see `is_failing`).
+_SLOW_FAILURES = 3
 
 
 class _BadAnswer(Exception):
@@ -389,7 +394,8 @@ class MetricsScraper:
     ) -> None:
         """`on_invalidate(address, reason)` is awaited when what the index believes about
         an endpoint's cache can no longer be true: its process restarted (empty cache), or
-        it stopped answering (dead, or restarting). Within one scrape interval."""
+        it stopped answering (dead, or restarting; see `is_failing`). Within one scrape
+        interval of a refused connection; a busy server's timeouts count after three."""
         self._on_invalidate = on_invalidate
         self._on_scrape = on_scrape  # each successful scrape (approximate-mode calibration)
         self._pool = pool
@@ -409,9 +415,12 @@ class MetricsScraper:
         return h.failures if h else 0
 
     def is_failing(self, address: str) -> bool:
-        """The last scrape of `address` failed."""
+        """`address` looks down: its last scrape was refused or answered wrongly, or
+        `_SLOW_FAILURES` scrapes in a row timed out. A single timeout is a busy server (a
+        long prefill on a loaded host), not a gone one: taken for one, it cost the server
+        its traffic and, through invalidation, everything the index credited it with."""
         h = self._health.get(address)
-        return bool(h and h.failing)
+        return bool(h and h.failing and (not h.slow or h.failing >= _SLOW_FAILURES))
 
     async def run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self._s.timeout_s)
@@ -458,8 +467,9 @@ class MetricsScraper:
                     body = await resp.read()
             scraped = parse_metrics(body)
         except Exception as exc:  # any failure of one endpoint is that endpoint's, not ours
+            was_failing = self.is_failing(address)
             self._failed(address, h, exc)
-            if h.failing == 1 and self._health.get(address) is h:
+            if not was_failing and self._health.get(address) is h and self.is_failing(address):
                 await self._invalidate(address, "unreachable")
         else:
             if self._health.get(address) is h:  # still in the pool
@@ -474,6 +484,7 @@ class MetricsScraper:
                 if h.failing:
                     log.info("endpoint %s: metrics back after %d failures", address, h.failing)
                     h.failing = 0
+                    h.slow = False
                     h.retry_at = 0.0
         finally:
             self._pending.discard(address)
@@ -491,6 +502,8 @@ class MetricsScraper:
         self.stats.failures += 1
         h.failures += 1
         h.failing += 1
+        # Slow only while every failure of this run is a timeout.
+        h.slow = isinstance(exc, TimeoutError) and (h.slow or h.failing == 1)
         if h.failing == 1:
             log.warning(
                 "endpoint %s: metrics scrape failing (%s); its figures will go stale",

@@ -63,26 +63,33 @@ def default_config() -> EndpointPickerConfig:
     one currency, predicted time to first token (`predicted-ttft-scorer`: queued prefill
     work plus this request's uncached tokens, over each server's measured prefill speed), so
     a request sticks to its prefix until waiting there costs more than recomputing
-    elsewhere; `bounded-load-filter` first keeps a prefix group from piling onto one
-    server beyond (1 + 0.25) x the mean in-flight load + 1. `kv-cache-utilization-scorer`
+    elsewhere. Filters first: `bounded-sessions-filter` places a request that starts a
+    session (agentic and chat sessions are idle between turns, so in-flight counts miss
+    them) only where live sessions stay within an even share of the fleet's KV capacity,
+    replicating a shared agent prompt instead of piling every session onto its first
+    holder; `bounded-load-filter` keeps a prefix group from piling onto one server beyond
+    (1 + 0.25) x the mean in-flight load + 1 (later turns of a session are left to the
+    scorers, `session-tail-scorer` keeping them home on near-ties). `kv-cache-utilization-scorer`
     breaks near-ties towards emptier caches, and
     `no-hit-lru-scorer` spreads new prefixes over the fleet (when a prefix is new, every
     prediction is about equal, and where a conversation group settles would be down to
     chance). Before issue 14 the default was prefix 3, queue 2, KV usage 2, active requests
     2, no-hit-lru 2 (llm-d's defaults plus our in-flight count); bench/RESULTS.md compares.
     """
+    filters = ("bounded-sessions-filter", "bounded-load-filter")
     weights = {
         "predicted-ttft-scorer": 4.0,
         "kv-cache-utilization-scorer": 1.0,
         "no-hit-lru-scorer": 1.0,
+        "session-tail-scorer": 2.0,
     }
     return EndpointPickerConfig(
-        plugins=[PluginSpec(type=t) for t in ("bounded-load-filter", *weights, "max-score-picker")],
+        plugins=[PluginSpec(type=t) for t in (*filters, *weights, "max-score-picker")],
         schedulingProfiles=[
             ProfileSpec(
                 name="default",
                 plugins=[
-                    PluginRef(pluginRef="bounded-load-filter"),
+                    *(PluginRef(pluginRef=t) for t in filters),
                     *(PluginRef(pluginRef=t, weight=w) for t, w in weights.items()),
                     PluginRef(pluginRef="max-score-picker"),
                 ],

@@ -16,13 +16,21 @@ from extproc.stack import Stack, StackOptions
 
 SIM = ("--fast", "4", "--prefill-tps", "5000", "--num-gpu-blocks", "700",
        "--max-model-len", "16384")  # fmt: skip
+# The simulator's tokenizer (465 tokens) averages ~1.3 bytes per token where real ones average
+# ~4: the picker is told, as calibration would find. Calibration itself is off here: its
+# windows, cut while requests are in flight, re-derived the keys 4-7 times in these 24
+# requests, each time forgetting every prefix (reported; tests/calibration/ covers it).
+PARSE = "parse: {block_tokens: 16, bytes_per_token: 1, calibrate: false}\n"
 
 
-def test_shared_agent_prompt_spreads_and_sessions_stay_put():
+def test_shared_agent_prompt_spreads_and_sessions_stay_put(tmp_path):
     spec = AgenticSpec(sessions=6, turns=4, agent_words=300, result_words=120, max_tokens=8,
                        think_s=0.05, stagger_s=0.05, seed=7)  # fmt: skip
     sessions = build_sessions(spec)
-    with Stack(StackOptions(upstreams=3, sim_args=SIM)) as stack:
+    cfg = tmp_path / "picker.yaml"
+    cfg.write_text(PARSE)
+    opts = StackOptions(upstreams=3, sim_args=SIM, extproc_args=("--config", str(cfg)))
+    with Stack(opts) as stack:
         results, _ = asyncio.run(
             run_closed_loop(sessions, stack.url, think_s=spec.think_s, stagger_s=spec.stagger_s)
         )

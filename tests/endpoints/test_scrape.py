@@ -257,13 +257,16 @@ class ModelServer:
         self.mode = mode
         self.body = VLLM
         self.hits = 0
+        self.slow_left = 0  # answers still to delay past any timeout, then normal again
         self.release = asyncio.Event()
         self.runner: web.AppRunner | None = None
         self.address = ""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
-        if self.mode == "slow":
+        slow_once = self.slow_left > 0
+        self.slow_left -= slow_once
+        if self.mode == "slow" or slow_once:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(5):
                     await self.release.wait()
@@ -430,3 +433,34 @@ async def test_restart_or_failure_invalidates_the_endpoint_within_one_interval(
         await until(lambda: scraper.failures(address) >= 3)
         assert calls[1] == (address, "unreachable") and len(calls) == 2  # once per outage
     assert scraper.stats.invalidations == {"restart": 1, "unreachable": 1}
+
+
+async def test_a_busy_server_timing_out_twice_is_neither_excluded_nor_forgotten(
+    servers: dict[str, ModelServer],
+) -> None:
+    """Timeouts are a busy server (a long prefill), not a dead one: only the third in a row
+    makes it failing; a refused or wrong answer does at once (the tests above)."""
+    server = servers["ok"]
+    address = server.address
+    calls: list[tuple[str, str]] = []
+
+    async def invalidate(a: str, reason: str) -> None:
+        calls.append((a, reason))
+
+    states = EndpointStates(stale_after_s=FAST.stale_after_s)
+    scraper = MetricsScraper(
+        EndpointPool([Endpoint(address)]), states, FAST, on_invalidate=invalidate
+    )
+    async with running(scraper):
+        await until(lambda: scraper.stats.scrapes >= 1)
+        server.slow_left = 2
+        await until(lambda: scraper.failures(address) == 2)
+        assert not scraper.is_failing(address)
+        scrapes = scraper.stats.scrapes
+        await until(lambda: scraper.stats.scrapes > scrapes)
+        assert not scraper.is_failing(address) and scraper.failures(address) == 2
+        server.mode = "slow"
+        await until(lambda: scraper.failures(address) >= 5)
+        assert scraper.is_failing(address)
+    # Forgotten once, at the third timeout in a row; never for the two before.
+    assert calls == [(address, "unreachable")]

@@ -66,7 +66,7 @@ def test_no_config_gives_sensible_defaults():
     scheduler = build_configured_scheduler(load_settings(None))
     (profile,) = scheduler.profiles.values()
     assert {s.name for s in profile.scorers} >= {"predicted-ttft-scorer", "no-hit-lru-scorer"}
-    assert [f.name for f in profile.filters] == ["bounded-load-filter"]
+    assert [f.name for f in profile.filters] == ["bounded-sessions-filter", "bounded-load-filter"]
 
 
 def test_unknown_plugin_type_names_line_and_field(tmp_path):

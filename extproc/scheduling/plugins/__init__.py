@@ -55,6 +55,7 @@ from extproc.scheduling.plugins.scorers import (
     QueueScorer,
     TokenLoadScorer,
 )
+from extproc.scheduling.plugins.sessions import BoundedSessionsFilter, SessionTailScorer
 from extproc.scheduling.plugins.topology import TopologyAffinityFilter, TopologyAffinityScorer
 from extproc.scheduling.plugins.ttft import BoundedLoadFilter, PredictedTTFTScorer
 from extproc.scheduling.plugins.utilization import RunningRequestsSizeScorer, UtilizationFilter
@@ -67,6 +68,8 @@ BUILTINS: tuple[type, ...] = (
     NoHitLRUScorer,
     PredictedTTFTScorer,
     BoundedLoadFilter,
+    BoundedSessionsFilter,
+    SessionTailScorer,
     QueueScorer,
     KVCacheUtilizationScorer,
     ActiveRequestScorer,

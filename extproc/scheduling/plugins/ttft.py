@@ -18,12 +18,13 @@ measurement every endpoint gets the same prior, which only scales all prediction
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, ClassVar
 
 import msgspec
 
 from extproc.core import Candidate, Decision, InferenceRequest
+from extproc.scheduling.plugins.sessions import BoundedSessionsFilter
 
 # Fixed per-request cost (scheduling step, first decode step): keeps a fully cached request's
 # prediction above zero, so ratios stay finite.
@@ -112,6 +113,10 @@ class BoundedLoadFilter:
     first landed. In-flight counts last until requests end and are shared by every replica,
     so replicas apply the same bound. Never removes every candidate.
 
+    With a `bounded-sessions-filter` in the same config, a later turn of a live session is
+    not bounded here: moving it recomputes its whole tail, which `predicted-ttft-scorer`
+    weighs against the wait; a count of in-flight requests cannot.
+
     ```yaml
     - type: bounded-load-filter
       parameters: {epsilon: 0.25}
@@ -125,9 +130,17 @@ class BoundedLoadFilter:
 
     def __init__(self, params: Params | None = None) -> None:
         self._eps = (params or self.Params()).epsilon
+        self._sessions: BoundedSessionsFilter | None = None
+
+    def bind(self, plugins: Mapping[str, object]) -> None:
+        self._sessions = next(
+            (p for p in plugins.values() if isinstance(p, BoundedSessionsFilter)), None
+        )
 
     def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
         if len(cands) < 2:
+            return cands
+        if self._sessions is not None and self._sessions.continues(req):
             return cands
         loads = [c.state.inflight_requests for c in cands]
         bound = (1.0 + self._eps) * (sum(loads) + 1) / len(cands) + 1.0

@@ -1,0 +1,257 @@
+"""Live sessions per endpoint, and a bound on them for placing new sessions.
+
+Agentic and chat sessions are idle between turns (a tool runs, a user types), so in-flight
+counts barely see them: when a new session arrives, the server holding the shared agent
+prompt looks idle and predicted TTFT sends it there, and the next, and the next. Their tails
+then grow past that server's KV capacity and sessions get moved mid-way, each move
+recomputing a long tail. What a server really carries is its live sessions: chains of turns
+that will come back and keep growing there.
+
+A session is recognised by its own blocks: each placed request leaves its last block keys as
+the chain's tail; a later request containing one of those keys continues that chain (a next
+turn holds the previous turn whole). A request containing no known tail starts a session,
+though its prefix may match a shared prompt somewhere.
+
+`BoundedSessionsFilter` applies consistent hashing with bounded loads to new sessions only: an
+endpoint may take a new session while its live sessions stay within `(1 + epsilon)` times its
+share (by KV capacity) of all live sessions. The hot shared prefix is thereby replicated on
+more servers, deliberately and early, and each session's later turns are left to the
+scorers (its tail pulls it back where it grew). Continuations are never filtered.
+
+The record is this picker's own (replicas sharing a Redis index each balance the sessions
+they place; a turn placed by another replica looks like a new session here, which
+over-counts every server alike).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, ClassVar
+
+import msgspec
+
+from extproc.core import Candidate, Decision, InferenceRequest
+from extproc.errors import ConfigError
+
+# Tail keys kept per chain: the last full block of a turn is normally inside the next turn,
+# but a template may rewrite the last block when the assistant's answer follows it.
+_TAIL_KEYS = 2
+
+
+@dataclass(slots=True)
+class _Chain:
+    endpoint: str
+    seen: float
+    keys: tuple[int, ...]
+
+
+class LiveSessions:
+    """Chains of requests per endpoint, active within the last `window_s` seconds; at most
+    `max_sessions` are remembered (the least recently active are forgotten first)."""
+
+    def __init__(
+        self, window_s: float, max_sessions: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._window = window_s
+        self._max = max_sessions
+        self._clock = clock
+        self._chains: OrderedDict[int, _Chain] = OrderedDict()  # least recently active first
+        self._by_key: dict[int, int] = {}  # tail key -> chain id
+        self._counts: dict[str, int] = {}
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return len(self._chains)
+
+    def find(self, block_keys: Sequence[int]) -> int | None:
+        """The live chain this request continues, or None (a new session). Scans from the
+        end: a continuation's tail sits near its own end, a new session's nowhere."""
+        by_key = self._by_key
+        if not by_key:
+            return None
+        for key in reversed(block_keys):
+            chain = by_key.get(key)
+            if chain is not None:
+                return chain
+        return None
+
+    def endpoint(self, chain_id: int) -> str | None:
+        """Where the chain's last turn was placed (its tail grew there)."""
+        chain = self._chains.get(chain_id)
+        return chain.endpoint if chain is not None else None
+
+    def counts(self) -> Mapping[str, int]:
+        """Live sessions per endpoint (endpoints without any are absent)."""
+        self._expire(self._clock())
+        return self._counts
+
+    def touch(self, chain_id: int | None, endpoint: str, block_keys: Sequence[int]) -> None:
+        """`block_keys` were placed on `endpoint`, continuing `chain_id` (None: a new one)."""
+        if not block_keys:
+            return
+        now = self._clock()
+        if chain_id is not None and (old := self._chains.pop(chain_id, None)) is not None:
+            self._forget(old)
+        else:
+            chain_id = self._next_id
+            self._next_id += 1
+        chain = _Chain(endpoint, now, tuple(block_keys[-_TAIL_KEYS:]))
+        self._chains[chain_id] = chain
+        for key in chain.keys:
+            prev = self._by_key.get(key)
+            if prev is not None and prev != chain_id and (other := self._chains.get(prev)):
+                # Another chain ended on the same block (the same prompt sent twice): the
+                # newest placement is where a continuation will look for it.
+                self._chains.pop(prev)
+                self._forget(other)
+            self._by_key[key] = chain_id
+        self._counts[endpoint] = self._counts.get(endpoint, 0) + 1
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        chains = self._chains
+        horizon = now - self._window
+        while chains:
+            chain = next(iter(chains.values()))
+            if chain.seen >= horizon and len(chains) <= self._max:
+                break
+            chains.popitem(last=False)
+            self._forget(chain)
+
+    def _forget(self, chain: _Chain) -> None:
+        for key in chain.keys:
+            self._by_key.pop(key, None)
+        n = self._counts.get(chain.endpoint, 0) - 1
+        if n > 0:
+            self._counts[chain.endpoint] = n
+        else:
+            self._counts.pop(chain.endpoint, None)
+
+
+def _capacity(c: Candidate) -> float | None:
+    st = c.state
+    if st.kv_blocks and st.kv_block_size:
+        return float(st.kv_blocks * st.kv_block_size)
+    return None
+
+
+class BoundedSessionsFilter:
+    """For a request that starts a session (it continues no live chain of turns), keeps the
+    endpoints whose live sessions, with this one, stay within `ceil((1 + epsilon) x (live
+    sessions + 1) x their share of the fleet's KV capacity)` (equal shares while any
+    capacity is unknown). A session's later turns pass unfiltered. Never removes every
+    candidate.
+
+    ```yaml
+    - type: bounded-sessions-filter
+      parameters: {epsilon: 0, windowSeconds: 120, maxSessions: 50000}
+    ```
+    """
+
+    type_name: ClassVar[str] = "bounded-sessions-filter"
+
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+        epsilon: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+        # A session idle for longer is no longer counted (its cache is fair game).
+        window_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
+        max_sessions: Annotated[int, msgspec.Meta(gt=0)] = 50_000
+
+    def __init__(
+        self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        p = params or self.Params()
+        self._eps = p.epsilon
+        self.sessions = LiveSessions(p.window_seconds, p.max_sessions, clock)
+        # The continuation found while filtering, reused by `observe` for the same request.
+        self._last: tuple[InferenceRequest, int | None] | None = None
+
+    def _chain(self, req: InferenceRequest) -> int | None:
+        last = self._last
+        if last is not None and last[0] is req:
+            return last[1]
+        chain = self.sessions.find(req.block_keys)
+        self._last = (req, chain)
+        return chain
+
+    def continues(self, req: InferenceRequest) -> bool:
+        """Whether `req` is a later turn of a live session."""
+        return bool(req.block_keys) and self._chain(req) is not None
+
+    def home(self, req: InferenceRequest) -> str | None:
+        """The endpoint holding the tail of the session `req` continues (None: a new one)."""
+        if not req.block_keys:
+            return None
+        chain = self._chain(req)
+        return None if chain is None else self.sessions.endpoint(chain)
+
+    def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
+        if len(cands) < 2 or not req.block_keys or self._chain(req) is not None:
+            return cands
+        counts = self.sessions.counts()
+        live = [counts.get(c.endpoint.address, 0) for c in cands]
+        caps = [_capacity(c) for c in cands]
+        if all(caps):
+            total_cap = sum(caps)  # type: ignore[arg-type]
+            shares = [cap / total_cap for cap in caps]  # type: ignore[operator]
+        else:
+            shares = [1.0 / len(cands)] * len(cands)
+        scale = (1.0 + self._eps) * (sum(live) + 1)
+        keep = [
+            c
+            for c, n, share in zip(cands, live, shares, strict=True)
+            # The small tolerance keeps float error from shaving a whole session off a bound.
+            if n + 1 <= math.ceil(scale * share - 1e-9)
+        ]
+        return keep or cands
+
+    def observe(
+        self, req: InferenceRequest, cands: Sequence[Candidate], decision: Decision
+    ) -> None:
+        if not decision.endpoints or not req.block_keys:
+            return
+        chain = self._chain(req)
+        self._last = None
+        self.sessions.touch(chain, decision.primary.address, req.block_keys)
+
+
+class SessionTailScorer:
+    """For a later turn of a live session, 1.0 on the endpoint its tail grew on and 0
+    elsewhere; 1.0 everywhere for a request that starts a session. Needs a
+    `bounded-sessions-filter` in the same config (it keeps the record of sessions).
+
+    A hysteresis, not a second affinity measure: moving a session recomputes its tail and
+    leaves the old copy occupying the first server's cache until evicted, a cost the
+    per-request TTFT prediction does not see. Next to `predicted-ttft-scorer` (weight 4),
+    weight 2 keeps a session home until its predicted TTFT there is about twice the best
+    elsewhere; two sessions whose turns arrive together on one server no longer swap
+    servers on a near-tie.
+
+    ```yaml
+    - type: session-tail-scorer
+    ```
+    """
+
+    type_name: ClassVar[str] = "session-tail-scorer"
+
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+        pass
+
+    def __init__(self, params: Params | None = None) -> None:
+        self._sessions: BoundedSessionsFilter | None = None
+
+    def bind(self, plugins: Mapping[str, object]) -> None:
+        self._sessions = next(
+            (p for p in plugins.values() if isinstance(p, BoundedSessionsFilter)), None
+        )
+        if self._sessions is None:
+            raise ConfigError(f"{self.type_name} needs a bounded-sessions-filter plugin")
+
+    def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
+        home = self._sessions.home(req) if self._sessions is not None else None
+        if home is None or not any(c.endpoint.address == home for c in cands):
+            return [1.0] * len(cands)
+        return [1.0 if c.endpoint.address == home else 0.0 for c in cands]

@@ -1,0 +1,116 @@
+"""Live sessions on crafted requests: a new session is bounded by the sessions each server
+already carries (not by in-flight requests, which idle agentic sessions do not show), a later
+turn is recognised by its own tail and kept home."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from extproc.core import Candidate, Decision, InferenceRequest
+from extproc.scheduling.config import build_scheduler, default_config
+from extproc.scheduling.plugins.sessions import (
+    BoundedSessionsFilter,
+    LiveSessions,
+    SessionTailScorer,
+)
+from extproc.scheduling.plugins.ttft import BoundedLoadFilter
+from extproc.testing import ManualClock, plugin_registry
+from tests.scheduling.helpers import addrs, cand, req
+
+SHARED = tuple(range(1, 30))  # an agent prompt every session starts with
+
+
+def turn(session: int, n: int) -> InferenceRequest:
+    """Turn `n` of `session`: the shared prompt, then 5 blocks of its own per turn."""
+    own = tuple(1000 * (session + 1) + i for i in range(5 * (n + 1)))
+    return dataclasses.replace(req(tokens=64 * (len(SHARED) + len(own))), block_keys=SHARED + own)
+
+
+def place(f: BoundedSessionsFilter, r: InferenceRequest, cands: Sequence[Candidate]) -> str:
+    """Filter, then send to the first survivor holding the most (as a cache scorer would)."""
+    kept = f.filter(r, cands)
+    chosen = max(kept, key=lambda c: c.prefix_blocks)
+    f.observe(r, cands, Decision(endpoints=(chosen.endpoint,)))
+    return chosen.endpoint.address
+
+
+def test_new_sessions_on_a_shared_prompt_spread_evenly_and_turns_stay_home():
+    f = BoundedSessionsFilter(BoundedSessionsFilter.Params(epsilon=0.0))
+    home: dict[int, str] = {}
+    for s in range(6):
+        # Every server but the first holder looks equally attractive to a cache scorer: the
+        # first to place holds the shared prompt; in-flight counts are 0 everywhere.
+        cands = [cand(a, prefix=len(SHARED) if a in home.values() else 0) for a in "abc"]
+        home[s] = place(f, turn(s, 0), cands)
+    assert sorted(home.values()) == ["a", "a", "b", "b", "c", "c"]
+    assert f.sessions.counts() == {"a": 2, "b": 2, "c": 2}
+    # Later turns continue their chains: never filtered, counted once.
+    for s in range(6):
+        r = turn(s, 1)
+        assert f.continues(r) and f.home(r) == home[s]
+        assert f.filter(r, [cand(a) for a in "abc"]) == [cand(a) for a in "abc"]
+        f.observe(r, [], Decision(endpoints=(cand(home[s]).endpoint,)))
+    assert f.sessions.counts() == {"a": 2, "b": 2, "c": 2}
+
+
+def test_capacity_shares_weigh_the_bound():
+    f = BoundedSessionsFilter(BoundedSessionsFilter.Params(epsilon=0.0))
+    big = {"kv_blocks": 3000, "kv_block_size": 16}
+    small = {"kv_blocks": 1000, "kv_block_size": 16}
+    placed = []
+    for s in range(8):
+        cands = [cand("big", prefix=29, **big), cand("small", **small)]
+        placed.append(place(f, turn(s, 0), cands))
+    assert placed.count("big") == 6 and placed.count("small") == 2
+
+
+def test_sessions_expire_and_a_moved_session_counts_where_it_went():
+    clock = ManualClock()
+    sessions = LiveSessions(window_s=10.0, max_sessions=100, clock=clock)
+    sessions.touch(None, "a", turn(0, 0).block_keys)
+    sessions.touch(None, "a", turn(1, 0).block_keys)
+    chain = sessions.find(turn(0, 1).block_keys)
+    assert chain is not None and sessions.find(turn(2, 0).block_keys) is None
+    sessions.touch(chain, "b", turn(0, 1).block_keys)  # moved: one session each
+    assert sessions.counts() == {"a": 1, "b": 1}
+    clock.advance(11.0)
+    assert sessions.counts() == {} and len(sessions) == 0
+
+
+def test_the_record_is_bounded():
+    sessions = LiveSessions(window_s=1e9, max_sessions=3)
+    for s in range(10):
+        sessions.touch(None, "a", turn(s, 0).block_keys)
+    assert len(sessions) == 3 and sessions.counts() == {"a": 3}
+    assert sessions.find(turn(0, 1).block_keys) is None  # the oldest were forgotten
+
+
+def test_tail_scorer_keeps_a_later_turn_home_and_has_no_opinion_on_new_sessions():
+    f = BoundedSessionsFilter()
+    scorer = SessionTailScorer()
+    scorer.bind({"f": f})
+    cands = [cand(a) for a in "abc"]
+    assert scorer.score(turn(0, 0), cands) == [1.0, 1.0, 1.0]
+    f.observe(turn(0, 0), cands, Decision(endpoints=(cands[1].endpoint,)))
+    assert scorer.score(turn(0, 1), cands) == [0.0, 1.0, 0.0]
+    # Its home filtered out (or gone): no preference among the rest.
+    assert scorer.score(turn(0, 1), [cands[0], cands[2]]) == [1.0, 1.0]
+
+
+def test_bounded_load_leaves_later_turns_to_the_scorers():
+    f = BoundedSessionsFilter()
+    load = BoundedLoadFilter()
+    load.bind({"sessions": f, "load": load})
+    busy = [cand("a", inflight_requests=6), cand("b"), cand("c")]
+    first = turn(0, 0)
+    assert addrs(load.filter(first, busy)) == ["b", "c"]  # a new session: bounded
+    f.observe(first, busy, Decision(endpoints=(busy[0].endpoint,)))
+    assert addrs(load.filter(turn(0, 1), busy)) == ["a", "b", "c"]  # its next turn: not
+
+
+def test_default_profile_builds_them_bound_together():
+    scheduler = build_scheduler(default_config(), plugin_registry())
+    (profile,) = scheduler.profiles.values()
+    assert profile.filters[0].name == "bounded-sessions-filter"
+    assert ("session-tail-scorer", 2.0) in [(s.name, s.weight) for s in profile.scorers]
