@@ -51,6 +51,17 @@ def debug_state(stack: Stack) -> dict[str, dict]:
 
 
 def test_traffic_moves_away_from_a_server_loaded_behind_the_pickers_back(sim_stack: Stack):
+    moves_off_a_busy_server(sim_stack)
+
+
+def test_the_default_profile_moves_off_a_server_loaded_behind_the_pickers_back():
+    """The same check with no scheduling config: predicted TTFT counts the busy server's
+    scraped waiting requests as queued prefill from the first request on."""
+    with Stack(StackOptions(upstreams=2, sim_args=SIM)) as stack:
+        moves_off_a_busy_server(stack)
+
+
+def moves_off_a_busy_server(sim_stack: Stack) -> None:
     busy, idle = sim_stack.upstream_addresses
     state = httpx.get(f"http://127.0.0.1:{sim_stack.picker_admin_port}/debug/state").json()
     assert state["signals"]["scraped-metrics"] is True

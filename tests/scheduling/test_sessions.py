@@ -114,3 +114,13 @@ def test_default_profile_builds_them_bound_together():
     (profile,) = scheduler.profiles.values()
     assert profile.filters[0].name == "bounded-sessions-filter"
     assert ("session-tail-scorer", 2.0) in [(s.name, s.weight) for s in profile.scorers]
+
+
+def test_a_prefix_nobody_holds_is_left_to_the_load_scorers():
+    f = BoundedSessionsFilter()
+    for s in range(4):
+        f.observe(turn(s, 0), [], Decision(endpoints=(cand("a").endpoint,)))
+    cold = [cand("a"), cand("b")]
+    assert addrs(f.filter(turn(9, 0), cold)) == ["a", "b"]  # no holder: not a group joiner
+    warm = [cand("a", prefix=29), cand("b")]
+    assert addrs(f.filter(turn(9, 0), warm)) == ["b"]

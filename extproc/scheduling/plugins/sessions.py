@@ -140,7 +140,8 @@ def _capacity(c: Candidate) -> float | None:
 
 
 class BoundedSessionsFilter:
-    """For a request that starts a session (it continues no live chain of turns), keeps the
+    """For a request that starts a session on a known prefix (it continues no live chain of
+    turns, and some endpoint holds part of it: a shared prompt or header), keeps the
     endpoints whose live sessions, with this one, stay within `ceil((1 + epsilon) x (live
     sessions + 1) x their share of the fleet's KV capacity)` (equal shares while any
     capacity is unknown). A session's later turns pass unfiltered. Never removes every
@@ -190,6 +191,11 @@ class BoundedSessionsFilter:
 
     def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
         if len(cands) < 2 or not req.block_keys or self._chain(req) is not None:
+            return cands
+        if not any(c.prefix_blocks for c in cands):
+            # A prefix nobody holds joins no group: spreading it is load's business (and
+            # no-hit-lru's), and one-shot requests must not be dealt out in turn regardless
+            # of a server's queue.
             return cands
         counts = self.sessions.counts()
         live = [counts.get(c.endpoint.address, 0) for c in cands]

@@ -61,7 +61,10 @@ class PredictedTTFTScorer:
         self._prior = (params or self.Params()).prior_prefill_tokens_per_second
         self._clock = clock
         self._busy_until: dict[str, float] = {}
-        self._mean_prefill = 0.0  # tokens, moving average of placed uncached prompts
+        # Tokens, moving average of placed uncached prompts; None until the first placement
+        # (starting from 0 made scraped waiting requests weigh nothing for ~20 placements,
+        # so a server loaded behind the picker's back kept its share of new prefixes).
+        self._mean_prefill: float | None = None
 
     def _tps(self, c: Candidate) -> float:
         tps = c.state.prefill_tps
@@ -77,7 +80,9 @@ class PredictedTTFTScorer:
             # this replica's own queue sees only its share.
             wait = max(wait, st.inflight_tokens / tps)
         if st.waiting and not st.is_stale:
-            wait = max(wait, st.waiting * self._mean_prefill / tps)
+            # Before any placement, this request's own prompt is the best guess of a queued one.
+            mean = self._mean_prefill if self._mean_prefill is not None else req.prompt_tokens
+            wait = max(wait, st.waiting * mean / tps)
         return max(0.0, wait) + uncached_tokens(req, c) / tps + _FLOOR_S
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
@@ -99,7 +104,8 @@ class PredictedTTFTScorer:
         work = uncached_tokens(req, chosen)
         start = max(now, self._busy_until.get(addr, now))
         self._busy_until[addr] = start + work / self._tps(chosen)
-        self._mean_prefill += 0.05 * (work - self._mean_prefill)
+        mean = self._mean_prefill
+        self._mean_prefill = work if mean is None else mean + 0.05 * (work - mean)
         if len(self._busy_until) > 4 * len(cands) + 64:
             # Endpoints that left: forget the drained ones.
             self._busy_until = {a: t for a, t in self._busy_until.items() if t > now}
