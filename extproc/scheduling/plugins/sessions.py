@@ -149,14 +149,14 @@ class BoundedSessionsFilter:
 
     ```yaml
     - type: bounded-sessions-filter
-      parameters: {epsilon: 0, windowSeconds: 120, maxSessions: 50000}
+      parameters: {epsilon: 0.25, windowSeconds: 120, maxSessions: 50000}
     ```
     """
 
     type_name: ClassVar[str] = "bounded-sessions-filter"
 
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
-        epsilon: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+        epsilon: Annotated[float, msgspec.Meta(ge=0.0)] = 0.25
         # A session idle for longer is no longer counted (its cache is fair game).
         window_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
         max_sessions: Annotated[int, msgspec.Meta(gt=0)] = 50_000
