@@ -10,6 +10,7 @@ import math
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
@@ -447,14 +448,16 @@ async def test_a_busy_server_timing_out_twice_is_neither_excluded_nor_forgotten(
     async def invalidate(a: str, reason: str) -> None:
         calls.append((a, reason))
 
-    states = EndpointStates(stale_after_s=FAST.stale_after_s)
+    # A timeout no healthy answer misses on a loaded machine: only the delayed ones fail.
+    settings = msgspec.structs.replace(FAST, timeout_s=0.6)
+    states = EndpointStates(stale_after_s=settings.stale_after_s)
     scraper = MetricsScraper(
-        EndpointPool([Endpoint(address)]), states, FAST, on_invalidate=invalidate
+        EndpointPool([Endpoint(address)]), states, settings, on_invalidate=invalidate
     )
     async with running(scraper):
         await until(lambda: scraper.stats.scrapes >= 1)
         server.slow_left = 2
-        await until(lambda: scraper.failures(address) == 2)
+        await until(lambda: scraper.failures(address) >= 2)
         assert not scraper.is_failing(address)
         scrapes = scraper.stats.scrapes
         await until(lambda: scraper.stats.scrapes > scrapes)

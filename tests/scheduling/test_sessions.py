@@ -124,3 +124,13 @@ def test_a_prefix_nobody_holds_is_left_to_the_load_scorers():
     assert addrs(f.filter(turn(9, 0), cold)) == ["a", "b"]  # no holder: not a group joiner
     warm = [cand("a", prefix=29), cand("b")]
     assert addrs(f.filter(turn(9, 0), warm)) == ["b"]
+
+
+def test_bounded_load_counts_a_servers_scraped_queue():
+    load = BoundedLoadFilter()
+    # b finished its placements (held in flight until the access log says so); a is busy
+    # with another client's work the pickers never placed.
+    cands = [cand("a", running=2, waiting=10), cand("b", inflight_requests=2)]
+    assert addrs(load.filter(req(blocks=3), cands)) == ["b"]  # 12 > 1.25 x 15 / 2 + 1
+    stale = [cand("a", running=2, waiting=10, age_s=None), cand("b", inflight_requests=2)]
+    assert addrs(load.filter(req(blocks=3), stale)) == ["a", "b"]  # old figures: not counted

@@ -111,6 +111,16 @@ class PredictedTTFTScorer:
             self._busy_until = {a: t for a, t in self._busy_until.items() if t > now}
 
 
+def _load(c: Candidate) -> int:
+    """Requests on the endpoint: those the pickers placed, or what its fresh metrics show
+    running and waiting when more (another client's work, sent behind the pickers' back:
+    counting only placements made a busy server look emptiest and bounded the idle one)."""
+    st = c.state
+    if st.is_stale:
+        return st.inflight_requests
+    return max(st.inflight_requests, st.running + st.waiting)
+
+
 class BoundedLoadFilter:
     """Consistent hashing with bounded loads, applied to cache affinity: an endpoint may take
     the request only while its in-flight requests stay under `(1 + epsilon)` times the
@@ -148,7 +158,7 @@ class BoundedLoadFilter:
             return cands
         if self._sessions is not None and self._sessions.continues(req):
             return cands
-        loads = [c.state.inflight_requests for c in cands]
+        loads = [_load(c) for c in cands]
         bound = (1.0 + self._eps) * (sum(loads) + 1) / len(cands) + 1.0
         keep = [c for c, n in zip(cands, loads, strict=True) if n <= bound]
         return keep or cands
