@@ -190,40 +190,12 @@ class Admission:
         for p, w in fc.oldest_wait().items():
             o.add_metric([str(p)], w)
         yield o
-        c = counter(
-            "extproc_flow_requests",
-            "Flow-control outcomes: dispatched, rejected_capacity (queue full), evicted_ttl, "
-            "evicted_pressure (displaced by higher priority), cancelled (client left), "
-            "rejected_admitter (refused by an admitter).",
-            ["priority", "fairness_id", "outcome"],
-        )
-        for (p, f, outcome), n in sorted(fc.stats.outcomes.items()):
-            c.add_metric([str(p), f, outcome], n)
-        yield c
-        ws = counter(
-            "extproc_flow_wait_seconds",
-            "Total queue wait of dispatched requests by band and fairness ID (divide by "
-            'extproc_flow_requests{outcome="dispatched"} for the mean).',
-            ["priority", "fairness_id"],
-        )
-        for (p, f), total in sorted(fc.stats.wait_sum.items()):
-            ws.add_metric([str(p), f], total)
-        yield ws
+        # Outcome counts and waits are FlowStats fields: server/families.py exports them.
         sat = gauge("extproc_flow_saturation", "Pool saturation by the configured detector.")
         sat.add_metric([], fc.saturation())
         yield sat
         if self.shared is not None:
-            st = self.shared.stats
-            for name, doc, value in (
-                ("exchanges", "Successful flow-state exchanges with Redis.", st.exchanges),
-                ("errors", "Failed flow-state exchanges with Redis.", st.errors),
-            ):
-                cc = counter(f"extproc_flow_shared_{name}", doc)
-                cc.add_metric([], value)
-                yield cc
-            g = gauge("extproc_flow_shared_peers", "Other replicas seen at the last exchange.")
-            g.add_metric([], st.peers)
-            yield g
+            # Exchange counts are SharedFlowStats fields: server/families.py exports them.
             d = gauge(
                 "extproc_flow_shared_degraded",
                 "1 while Redis is failing: flow control is per replica.",

@@ -65,6 +65,7 @@ async def test_degraded_shared_state_shows_in_metrics(redis_server: RedisServer)
 
     from extproc.flowcontrol.admission import Admission
     from extproc.flowcontrol.config import build_flow_config
+    from extproc.server.families import SHARED_FLOW
 
     cfg = build_flow_config({}, None, [])
     adm = Admission(cfg, list, registry=CollectorRegistry())
@@ -73,7 +74,11 @@ async def test_degraded_shared_state_shows_in_metrics(redis_server: RedisServer)
     )
 
     def gauge(name: str) -> float:
-        fam = next(f for f in adm.collect() if f.name == name)
+        # The degraded gauge is Admission's; the exchange counters are SharedFlowStats
+        # fields, exported through their table.
+        assert adm.shared is not None
+        found = [*adm.collect(), *SHARED_FLOW.families(adm.shared.stats)]
+        fam = next(f for f in found if f.name == name)
         return fam.samples[0].value
 
     try:
