@@ -80,8 +80,18 @@ async def test_inference_pool_pods_become_endpoints_and_follow_changes(settings,
             kube.delete(PODS, "a")
             kube.delete(PODS, "b")
             await eventually(lambda: _is(readiness(app), NOT_SERVING))
+            # The watch's own counters reach /metrics (server/families.py WATCH).
+            text = app.metrics.exposition().decode()
+            lists = _sample(text, 'extproc_discovery_lists_total{resource="inferencepool"}')
+            changes = _sample(text, 'extproc_discovery_changes_total{resource="inferencepool"}')
+            assert lists >= 1 and changes >= 1
     finally:
         await kube.stop()
+
+
+def _sample(text: str, series: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(series + " "))
+    return float(line.rpartition(" ")[2])
 
 
 async def test_endpoints_file_is_followed(settings, tmp_path: Path):
