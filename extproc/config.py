@@ -30,6 +30,7 @@ from extproc.flowcontrol.config import (
     build_flow_config,
 )
 from extproc.hashing.tokenizer import PreciseSettings
+from extproc.index.base import DEFAULT_TIER_WEIGHTS, IndexOptions
 from extproc.requests import ParseSettings
 from extproc.scheduling.config import EndpointPickerConfig, build_scheduler, default_config
 from extproc.scheduling.framework import Scheduler
@@ -40,6 +41,11 @@ from extproc.scheduling.registry import PluginRegistry, validation_error
 MiB = 1 << 20
 _Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 _PositiveS = Annotated[float, msgspec.Meta(gt=0)]
+# The index's own defaults, so a setting left out means what the library means.
+_INDEX_DEFAULTS = IndexOptions()
+# Per endpoint: the served index stays bounded (IndexOptions alone means unbounded, for
+# library users who size their own). 500k blocks of 16 tokens is 8M tokens of cache.
+DEFAULT_CAPACITY_BLOCKS = 500_000
 
 
 class TLSSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -172,9 +178,11 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     redis_url: str | None = None
     cluster: bool = False
     record_decisions: bool | None = None
-    approx_ttl_s: _PositiveS = 600.0
-    capacity_blocks: Annotated[int, msgspec.Meta(gt=0)] | None = 500_000
-    tier_weights: dict[str, float] = msgspec.field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.8})
+    approx_ttl_s: _PositiveS = _INDEX_DEFAULTS.approx_ttl_s
+    capacity_blocks: Annotated[int, msgspec.Meta(gt=0)] | None = DEFAULT_CAPACITY_BLOCKS
+    tier_weights: dict[str, float] = msgspec.field(
+        default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
+    )
     lookup_budget_s: _PositiveS = 0.005
     kv_events: KVEventSettings | None = None
 

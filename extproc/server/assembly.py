@@ -83,8 +83,11 @@ class Parts:
         self.pool = EndpointPool(endpoints)
         self.metrics = PickerMetrics()
         state = settings.state
-        self.states = EndpointStates(
-            stale_after_s=state.scrape.stale_after_s if state.scrape else 0.2
+        # Without scraping nothing is fresh anyway: the class's default staleness then.
+        self.states = (
+            EndpointStates(stale_after_s=state.scrape.stale_after_s)
+            if state.scrape
+            else EndpointStates()
         )
         self.scraper = (
             MetricsScraper(
