@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 
+from extproc import protocol
 from extproc.bootstrap import BootstrapOptions, render_bootstrap
 from extproc.config import (
     Settings,
@@ -237,7 +238,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     import urllib.request
 
     body = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
-    headers = {"content-type": "application/json", "x-extproc-path": args.path}
+    headers = {"content-type": "application/json", protocol.EXPLAIN_PATH_HEADER: args.path}
     for h in args.header or []:
         name, _, value = h.partition(":")
         headers[name.strip()] = value.strip()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from extproc import protocol
 from extproc.core import Candidate, Decision, Endpoint, EndpointState, InferenceRequest
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.inflight import InFlightCounter, Placement
@@ -289,7 +290,7 @@ class Router:
         if body is None:
             # The proxy never shows us this body (body mode NONE/STREAMED): route on headers.
             return InferenceRequest(
-                request_id=headers.get("x-request-id", ""), path=path, headers=headers
+                request_id=headers.get(protocol.REQUEST_ID_HEADER, ""), path=path, headers=headers
             )
         request = self._parse(path, headers, body)
         if self._precise is not None and request.prompt is not None:

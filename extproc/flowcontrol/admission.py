@@ -30,11 +30,10 @@ from extproc.flowcontrol.controller import (
 )
 from extproc.flowcontrol.objectives import (
     DEFAULT_FAIRNESS_ID,
-    FAIRNESS_HEADERS,
-    SLO_TTFT_HEADERS,
     Objectives,
     first_header,
 )
+from extproc.protocol import FAIRNESS_HEADERS, TTFT_SLO_HEADERS
 
 log = logging.getLogger("extproc.flowcontrol")
 
@@ -98,7 +97,7 @@ class Admission:
         if len(fairness) > _MAX_FAIRNESS_ID:
             raise BadRequest(f"fairness ID longer than {_MAX_FAIRNESS_ID} characters")
         slo = None
-        raw = first_header(h, SLO_TTFT_HEADERS)
+        raw = first_header(h, TTFT_SLO_HEADERS)
         if raw is not None:
             try:
                 slo = max(0.0, float(raw)) / 1000.0

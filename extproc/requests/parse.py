@@ -17,14 +17,13 @@ from extproc.core import Api, InferenceRequest, MediaItem, Prompt
 from extproc.errors import BadRequest
 from extproc.hashing.estimate import text_tokens
 from extproc.hashing.prefix import approx_seed, block_keys, canonical_stream
+from extproc.protocol import MODEL_REWRITE_HEADER, PATH_FALLBACK_HEADERS, REQUEST_ID_HEADER
 from extproc.requests import anthropic, openai
 from extproc.requests.media import MediaResolver
 from extproc.requests.settings import ParseSettings
 
-MODEL_REWRITE_HEADER = "x-llm-d-model-name-rewrite"
-REQUEST_ID_HEADER = "x-request-id"
 # When a route rewrote :path before us, the client's path survives in one of these.
-_PATH_FALLBACK_HEADERS = (":path", "x-envoy-original-path", "x-original-path")
+_PATH_FALLBACK_HEADERS = (":path", *PATH_FALLBACK_HEADERS)
 
 # Suffixes, so prefixed deployments (`/openai/v1/chat/completions`) match too; chat first,
 # as it also ends in /completions.

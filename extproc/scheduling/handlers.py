@@ -10,10 +10,8 @@ import msgspec
 
 from extproc.core import Candidate, Decision, Endpoint, InferenceRequest
 from extproc.errors import ConfigError
+from extproc.protocol import ENCODERS_HEADER, PREFILLER_HEADER
 from extproc.scheduling.framework import Decider, ProfileResult, ProfileRunner
-
-PREFILLER_HEADER = "x-prefiller-host-port"
-ENCODERS_HEADER = "x-encoder-hosts-ports"
 
 
 def decision_from(result: ProfileResult, **extra: object) -> Decision:

@@ -255,7 +255,9 @@ class _Stream:
         except ExtprocError as err:
             return self.fail(err)
         except Exception:
-            log.exception("internal error", extra={"request_id": self.headers.get("x-request-id")})
+            log.exception(
+                "internal error", extra={"request_id": self.headers.get(protocol.REQUEST_ID_HEADER)}
+            )
             return self.fail(ExtprocError())
 
     def _release_body(self) -> None:
@@ -274,7 +276,7 @@ class _Stream:
         log.info(
             "rejected",
             extra={
-                "request_id": self.headers.get("x-request-id"),
+                "request_id": self.headers.get(protocol.REQUEST_ID_HEADER),
                 "status": err.status,
                 "code": err.code,
             },
