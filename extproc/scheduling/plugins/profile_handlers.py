@@ -59,12 +59,10 @@ class DataParallelProfileHandler:
         if not result.chosen:
             return decision_from(result)
         rank = result.chosen[0].endpoint
-        return Decision(
+        return decision_from(
+            result,
             endpoints=tuple(self._primary(c.endpoint) for c in result.chosen),
             headers={DATA_PARALLEL_HEADER: rank.address},
-            scores=result.scores,
-            reasons=result.reasons,
-            profile=result.profile,
         )
 
 
