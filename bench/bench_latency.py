@@ -32,6 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from results import (  # bench/results.py (run as a script: bench/ is on the path)
+    table,
+    write_section,
+)
 
 from extproc.sim.workload import (
     Result,
@@ -186,18 +190,20 @@ def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
         "over the measured requests, the prediction being the "
         "picker's `x-extproc-predicted-ttft-ms` for the endpoint it chose.",
         "",
-        "| fleet | rate req/s | policy | TTFT p50 s | TTFT p90 s | hit ratio | ok | "
-        "requests per server | TTFT MAPE |",
-        "|---|---:|---|---:|---:|---:|---:|---|---:|",
     ]
-    for r in rows:
-        s = r.summary
-        shares = " / ".join(str(v) for v in r.shares.values())
-        out.append(
-            f"| {r.fleet} | {r.rate:g} | {r.policy} | {s.ttft_p50_s:.3f} | {s.ttft_p90_s:.3f} "
-            f"| {s.hit_ratio:.1%} | {s.ok}/{s.requests} | {shares} | "
-            f"{'-' if r.mape is None else f'{r.mape:.1%}'} |"
-        )
+    out += table(
+        [("fleet", "l"), ("rate req/s", "r"), ("policy", "l"), ("TTFT p50 s", "r"),
+         ("TTFT p90 s", "r"), ("hit ratio", "r"), ("ok", "r"), ("requests per server", "l"),
+         ("TTFT MAPE", "r")],
+        (
+            (r.fleet, f"{r.rate:g}", r.policy, f"{r.summary.ttft_p50_s:.3f}",
+             f"{r.summary.ttft_p90_s:.3f}", f"{r.summary.hit_ratio:.1%}",
+             f"{r.summary.ok}/{r.summary.requests}",
+             " / ".join(str(v) for v in r.shares.values()),
+             "-" if r.mape is None else f"{r.mape:.1%}")
+            for r in rows
+        ),
+    )  # fmt: skip
     out.append("")
     for fleet in dict.fromkeys(r.fleet for r in rows):
         for rate in dict.fromkeys(r.rate for r in rows if r.fleet == fleet):
@@ -214,19 +220,6 @@ def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
                 f"{best.summary.ttft_p90_s:.3f} s: {change:+.0%}."
             )
     return "\n".join(out) + "\n"
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) this benchmark's section; the rest of the file is untouched."""
-    title = section.splitlines()[0]
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = text.find(title)
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1 :] if end != -1 else "")
-    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
