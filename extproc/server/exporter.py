@@ -133,25 +133,7 @@ class Exporter:
         p = self._p
         yield from fam.REQUEST_ENDS.families(p.ends.stats)
         if p.shared_ends is not None:
-            sh = p.shared_ends
-            yield one(
-                "extproc_request_end_forwarded",
-                "Unmatched access-log entries published to the other replicas.",
-                sh.published,
-                "counter",
-            )
-            yield one(
-                "extproc_request_end_forward_applied",
-                "Holds released by an entry another replica received.",
-                sh.applied,
-                "counter",
-            )
-            yield one(
-                "extproc_request_end_forward_dropped",
-                "Entries that could not be published (Redis failing or backlog full).",
-                sh.dropped,
-                "counter",
-            )
+            yield from fam.SHARED_REQUEST_ENDS.families(p.shared_ends.stats)
         yield one(
             "extproc_access_log_streams", "Access-log streams open now.", p.access_log.streams
         )

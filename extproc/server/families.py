@@ -224,6 +224,24 @@ REQUEST_ENDS = StatsFamilies(
     },
 )
 
+SHARED_REQUEST_ENDS = StatsFamilies(
+    "extproc.endpoints.shared_request_end.SharedEndStats",
+    {
+        "published": Stat(
+            "extproc_request_end_forwarded",
+            "Unmatched access-log entries published to the other replicas.",
+        ),
+        "applied": Stat(
+            "extproc_request_end_forward_applied",
+            "Holds released by an entry another replica received.",
+        ),
+        "dropped": Stat(
+            "extproc_request_end_forward_dropped",
+            "Entries that could not be published (Redis failing or backlog full).",
+        ),
+    },
+)
+
 SHARED_INFLIGHT = StatsFamilies(
     "extproc.endpoints.shared_inflight.SharedInFlightStats",
     {
@@ -369,8 +387,8 @@ LATENCY_MODEL = StatsFamilies(
 # Every stats class of the package and its table; tests/server/test_families.py checks
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
-    ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_INFLIGHT, CALIBRATION,
-    WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
+    ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
+    CALIBRATION, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
 )  # fmt: skip
 
 
