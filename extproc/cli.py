@@ -288,6 +288,8 @@ def _log_flags(p: argparse.ArgumentParser, *, defaults: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="extproc", description=__doc__)
+    # Defaults shown in help come from where they are defined, never restated.
+    srv, env = Settings().server, BootstrapOptions()
     _log_flags(p, defaults=True)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -302,13 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     s.add_argument("--endpoints", help="comma list of model-server ip:port")
-    s.add_argument("--port", type=int, help="ext_proc gRPC port (default 9002)")
-    s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
-    s.add_argument("--host", help="address to bind (default 0.0.0.0)")
-    s.add_argument("--admin-port", type=int, help="metrics + debug API port (default 9090)")
+    s.add_argument("--port", type=int, help=f"ext_proc gRPC port (default {srv.port})")
+    s.add_argument("--health-port", type=int, help=f"gRPC health port (default {srv.health_port})")
+    s.add_argument("--host", help=f"address to bind (default {srv.host})")
+    s.add_argument(
+        "--admin-port", type=int, help=f"metrics + debug API port (default {srv.admin_port})"
+    )
     s.add_argument(
         "--admin-host",
-        help="address the admin port binds (default 127.0.0.1; 0.0.0.0 exposes it: no auth)",
+        help=f"address the admin port binds (default {srv.admin_host}; 0.0.0.0 exposes it: "
+        "no auth)",
     )
     s.add_argument(
         "--fallbacks", type=int, help="extra endpoints after the pick (override-host mode)"
@@ -331,9 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("envoy-config", help="print an Envoy bootstrap for this picker")
-    e.add_argument("--listen-port", type=int, default=8081)
-    e.add_argument("--listen-address", default="0.0.0.0")
-    e.add_argument("--extproc", default="127.0.0.1:9002", help="picker host:port")
+    e.add_argument("--listen-port", type=int, default=env.listen_port)
+    e.add_argument("--listen-address", default=env.listen_address)
+    e.add_argument("--extproc", default=env.extproc, help="picker host:port")
     e.add_argument("--lb", choices=("original-dst", "override-host"), default="original-dst")
     e.add_argument("--endpoints", help="model-server ip:port list (needed for override-host)")
     e.add_argument("--admin-port", type=int, help="expose Envoy's admin on 127.0.0.1:PORT")
@@ -368,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("explain", help="replay a request against a running picker's state")
     x.add_argument("body", help="request body file, or - for stdin")
-    x.add_argument("--picker", default="http://127.0.0.1:9090", help="the picker's admin URL")
+    x.add_argument(
+        "--picker", default=f"http://127.0.0.1:{srv.admin_port}", help="the picker's admin URL"
+    )
     x.add_argument("--path", default="/v1/chat/completions")
     x.add_argument("-H", "--header", action="append", help="extra request header 'name: value'")
     x.set_defaults(func=cmd_explain)

@@ -32,3 +32,21 @@ def test_settings_take_the_index_defaults():
     assert index.tier_weights == dict(DEFAULT_TIER_WEIGHTS)
     assert index.approx_ttl_s == IndexOptions().approx_ttl_s
     assert index.capacity_blocks == DEFAULT_CAPACITY_BLOCKS
+
+
+def test_envoy_config_points_at_the_picker_default_port():
+    """bootstrap sits below config (it may not import it), so its default picker address
+    restates the port; this keeps the two equal."""
+    from extproc.bootstrap import BootstrapOptions
+
+    assert BootstrapOptions().extproc == f"127.0.0.1:{Settings().server.port}"
+
+
+def test_cli_help_shows_the_settings_defaults():
+    from extproc.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    helps = {a.dest: a.help for a in serve._actions}
+    server = Settings().server
+    assert f"(default {server.port})" in helps["port"]
+    assert f"(default {server.admin_port})" in helps["admin_port"]
