@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
+from msgspec import msgpack
 from redis.exceptions import NoScriptError, RedisError
 
 from extproc.endpoints.shared_inflight import default_process_id
@@ -91,7 +91,7 @@ class SharedFlowState:
         """One publish-and-read; on failure, fall back to local state (never raises)."""
         fc = self._fc
         mine = {k: round(v) for k, v in fc.served.items()}
-        own = msgpack.packb([0, fc.top_band(), mine, fc.pending_requests, fc.pending_tokens])
+        own = msgpack.encode([0, fc.top_band(), mine, fc.pending_requests, fc.pending_tokens])
         try:
             blobs = await self._eval(own)
         except (RedisError, OSError, TimeoutError) as exc:
@@ -115,12 +115,12 @@ class SharedFlowState:
         pend_reqs = pend_toks = 0
         for blob in blobs:
             try:
-                _, band, flows, p_reqs, p_toks = msgpack.unpackb(blob, strict_map_key=False)
+                _, band, flows, p_reqs, p_toks = msgpack.decode(blob)
                 for f, v in flows.items():
                     served[str(f)] = served.get(str(f), 0.0) + float(v)
                 pend_reqs += max(0, int(p_reqs))
                 pend_toks += max(0, int(p_toks))
-            except (ValueError, TypeError, AttributeError, msgpack.UnpackException):
+            except (ValueError, TypeError, AttributeError):  # msgspec.DecodeError is a ValueError
                 continue  # a foreign or corrupt entry must not stop flow control
             peers += 1
             if isinstance(band, int) and (top is None or band > top):
