@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Self
 
 import grpc
 from aiohttp import web
@@ -21,7 +22,7 @@ from extproc.config import Settings
 from extproc.core import Endpoint
 from extproc.endpoints.shared_inflight import SharedInFlight
 from extproc.errors import ConfigError
-from extproc.server import wire
+from extproc.server import exporter, wire
 from extproc.server.admin import make_admin_app
 from extproc.server.assembly import Parts
 from extproc.server.guard import lenient_deserializer
@@ -70,6 +71,8 @@ class Lifecycle(Parts):
         self.port = 0
         self.health_port = 0
         self.admin_port = 0
+        # Every component's stats on /metrics, with this process's readiness and watches.
+        exporter.register(self, self.ready, self.kube_watches)
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         """Discovery's callback: swap the pool now (the next request sees it); follow-up work
@@ -161,7 +164,7 @@ class Lifecycle(Parts):
 
         self._tasks.append(asyncio.create_task(guarded(), name=name))
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Self:
         cfg = self.settings.server
         # Before anything connects or binds: a taken port is one clear error, not a
         # traceback after the ext_proc port already took streams. Workers share two ports.
