@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -116,13 +116,39 @@ class Row:
     summary: Summary
     mape: float | None
     shares: dict[str, int]
+    # MAPE by server (s0..) and by phase (before / after the mid-run slowdown), and the mean
+    # signed error (predicted - measured) / measured: where the error comes from.
+    mape_by: dict[str, float | None] = field(default_factory=dict)
+    bias: float | None = None
+
+
+def _pairs(results: list[Result]) -> list[tuple[float, float]]:
+    return [(r.predicted_ttft_s, r.ttft_s) for r in results if r.predicted_ttft_s and r.ttft_s]
 
 
 def mape(results: list[Result]) -> float | None:
-    pairs = [(r.predicted_ttft_s, r.ttft_s) for r in results if r.predicted_ttft_s and r.ttft_s]
+    pairs = _pairs(results)
     if not pairs:
         return None
     return statistics.fmean(abs(p - m) / m for p, m in pairs)
+
+
+def bias(results: list[Result]) -> float | None:
+    pairs = _pairs(results)
+    if not pairs:
+        return None
+    return statistics.fmean((p - m) / m for p, m in pairs)
+
+
+def mape_breakdown(results: list[Result], names: list[str], half: int) -> dict[str, float | None]:
+    """MAPE per server (`s0`...) and per phase (`before` / `after` request `half`, when the
+    mixed fleet's server 0 is slowed)."""
+    out: dict[str, float | None] = {}
+    for i, n in enumerate(names):
+        out[f"s{i}"] = mape([r for r in results if r.served_by == n])
+    out["before"] = mape([r for r in results if r.index < half])
+    out["after"] = mape([r for r in results if r.index >= half])
+    return out
 
 
 def run_one(fleet_name: str, policy: str, rate: float, groups: int, seed: int, tmp: Path) -> Row:
@@ -159,14 +185,22 @@ def run_one(fleet_name: str, policy: str, rate: float, groups: int, seed: int, t
         names = [s.name for s in fleet.servers]
     s = summarize(results, duration)
     shares = {f"s{i}": s.per_endpoint.get(n, 0) for i, n in enumerate(names)}
-    row = Row(fleet_name, policy, rate, s, mape(results), shares)
+    row = Row(
+        fleet_name, policy, rate, s, mape(results), shares,
+        mape_breakdown(results, names, len(offsets) // 2), bias(results),
+    )  # fmt: skip
     print(
         f"  {fleet_name:<8} {policy:<48} {rate:>4g}/s TTFT p50 {s.ttft_p50_s:6.3f}s "
         f"p90 {s.ttft_p90_s:6.3f}s hit {s.hit_ratio:5.1%} ok {s.ok}/{s.requests} "
-        f"mape {'-' if row.mape is None else f'{row.mape:.1%}'} shares {shares}",
+        f"mape {_pct(row.mape)} bias {_pct(row.bias)} "
+        f"{' '.join(f'{k} {_pct(v)}' for k, v in row.mape_by.items())} shares {shares}",
         flush=True,
     )
     return row
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
 
 
 def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:

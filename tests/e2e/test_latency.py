@@ -18,11 +18,9 @@ import pytest
 from extproc.sim.workload import WorkloadSpec, arrival_offsets, build_workload, run_open_loop
 from extproc.stack import Stack, StackOptions
 
-# In-flight counts released at the ext_proc stream end, as when this model was built: held
-# until the access log (issue 14's default) they include decode time, which this model's
-# fit does not expect yet (open item, see the placement branch's report).
+# The default request end (in-flight held until the gateway's access log, issue 14): the
+# model reads only scraped histograms and its own placements, never in-flight counts.
 CONFIG = """\
-state: {request_end: {mode: stream}}
 scheduling:
   apiVersion: llm-d.ai/v1alpha1
   kind: EndpointPickerConfig
