@@ -50,6 +50,11 @@ SIM_ARGS = ("--fast", "1", "--prefill-tps", "5000", "--num-gpu-blocks", "3000")
 FLEETS = {"uniform": "1,1,1,1", "mixed": "1,1,0.5,0.25"}
 SLOWDOWN = 0.3  # server 0 of the mixed fleet, from the middle of the measured run
 
+# Approximate keys pinned at what calibration finds for the simulator's tokenizer (1 byte a
+# token, the engine's 16-token blocks), for every policy: live calibration, with windows of
+# about one ~3,000-token request, flipped bytes-per-token between 1 and 4 a dozen times a
+# run, re-keying every prefix each time (see "Reading it" in bench/RESULTS.md).
+PARSE = "parse: {calibrate: false, bytes_per_token: 1, block_tokens: 16}\n"
 _HEAD = "scheduling:\n  apiVersion: llm-d.ai/v1alpha1\n  kind: EndpointPickerConfig\n"
 
 
@@ -80,7 +85,7 @@ LATENCY = (
 )
 
 POLICIES = {
-    "extproc default": None,  # no config: the built-in default profile
+    "extproc default": "",  # no scheduling section: the built-in default profile
     "llm-d default (prefix 3, queue 2, kv 2)": fixed(
         {"prefix-cache-scorer": 3, "queue-scorer": 2, "kv-cache-utilization-scorer": 2}
     ),
@@ -153,12 +158,9 @@ def mape_breakdown(results: list[Result], names: list[str], half: int) -> dict[s
 
 def run_one(fleet_name: str, policy: str, rate: float, groups: int, seed: int, tmp: Path) -> Row:
     sim_args = (*SIM_ARGS, "--speeds", FLEETS[fleet_name])
-    cfg = POLICIES[policy]
-    args: tuple[str, ...] = ()
-    if cfg is not None:
-        path = tmp / f"picker-{abs(hash(policy))}.yaml"
-        path.write_text(cfg)
-        args = ("--config", str(path))
+    path = tmp / f"picker-{abs(hash(policy))}.yaml"
+    path.write_text(PARSE + POLICIES[policy])
+    args = ("--config", str(path))
     with (
         SimFleet(SERVERS, sim_args, log_dir=tmp) as fleet,
         Stack(StackOptions(fleet=fleet, log_dir=tmp, extproc_args=args)) as stack,
