@@ -33,6 +33,9 @@ _IN_TRANSIT_S = 0.05
 # Prefills shorter than this (priced and seen) are not timed: a scrape interval's
 # uncertainty would be most of the sample.
 _MIN_TIMED_S = 0.25
+# A prefill is timed only when the two scrapes around its end are closer than this fraction
+# of its duration.
+_GAP_FRACTION = 0.5
 # Weight of a new timed prefill in the pace, and the pace's bounds: it only ever says
 # "slower" (a faster server is the fit's to learn; timing noise is not a speed-up).
 _PACE_WEIGHT = 0.5
@@ -61,7 +64,7 @@ class Backlog:
         self._pending: deque[_Placed] = deque()
         self._tokens = 0.0  # sum of pending tokens
         self._count: float | None = None  # the engine's first-token count at the last sync
-        self._synced_at = 0.0
+        self._synced_at: float | None = None
         self._head_since = 0.0  # when the current head's prefill started, at the latest
         self.trimmed = 0  # placements dropped by the waiting + running bound
         self.pace = 1.0  # seen / priced prefill time of our recent timed prefills
@@ -93,14 +96,16 @@ class Backlog:
         `prices` (seconds per request, per token) time our prefills against the fit."""
         last, self._count = self._count, first_tokens
         previous, self._synced_at = self._synced_at, at
-        if last is None or first_tokens < last:
+        if last is None or previous is None or first_tokens < last:
             return  # first look, or the engine restarted: nothing to compare yet
         done = int(first_tokens - last)
         if done > 0 and self._pending:
-            ended = (previous + at) / 2.0 if previous else at  # between the two scrapes
+            ended = (previous + at) / 2.0  # somewhere between the two scrapes
             head = self._pending[0]
-            if done == 1 and prices is not None and previous:
-                self._time(ended - max(head.at, self._head_since), head.tokens, prices)
+            seen = ended - max(head.at, self._head_since)
+            # Timed only when the scrapes were close enough to say when it ended.
+            if done == 1 and prices is not None and at - previous <= _GAP_FRACTION * seen:
+                self._time(seen, head.tokens, prices)
             for _ in range(min(done, len(self._pending))):
                 self._pop()
             self._head_since = ended  # the next one started when the last of them ended
@@ -156,11 +161,12 @@ class Backlog:
         started = max(head.at, self._head_since)
         # A head still running at the last scrape well past its price is late: the server
         # is slower than priced, by at least that much, for it and everything behind it.
-        ran = self._synced_at - started
+        ran = (started if self._synced_at is None else self._synced_at) - started
         if ran > head_s * (1.0 + _LATE_FRACTION) + _LATE_S and head_s > 0.0:
             pace *= ran / head_s
             head_s = ran
         total = (n * per_request_s + per_token_s * self._tokens) * pace
         # The head is not credited beyond its price before the last scrape.
-        done = min(max(0.0, now - started), head_s + max(0.0, now - self._synced_at))
+        synced = now if self._synced_at is None else self._synced_at
+        done = min(max(0.0, now - started), head_s + max(0.0, now - synced))
         return max(0.0, total - done), pace

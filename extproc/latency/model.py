@@ -285,11 +285,12 @@ class LatencyModel:
         # recalibrated its bytes per token), so every placement since is off by that much.
         if not 1 / _SCALE_JUMP < sample / self.token_scale < _SCALE_JUMP:
             self._scale_surprises += 1
-            if self._scale_surprises >= 2:
-                self._scale_surprises = 0
-                self.token_scale = sample
-                self.stats.rescaled += 1
-                return True
+            if self._scale_surprises < 2:
+                return False  # one odd sample moves nothing
+            self._scale_surprises = 0
+            self.token_scale = sample
+            self.stats.rescaled += 1
+            return True
         else:
             self._scale_surprises = 0
         self.token_scale = _ewma(self.token_scale, sample, self.settings.smoothing)
