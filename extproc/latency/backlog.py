@@ -11,11 +11,11 @@ placements are the ones that finished. What is left is priced at prediction time
 endpoint's current fit, so a speed change the fit has just learned reprices the whole
 queue at once.
 
-The same tally times each of our prefills: the first token that ends one starts the next,
-so a prefill's duration is seen within a scrape or two of its end. Against its price this
-gives the endpoint's `pace` (1: as fitted, 3: three times slower), a sign that the server's
-speed changed long before the histogram fit has enough intervals to follow; a head running
-well past its price says so even before it ends. Predictions multiply prices by the pace.
+Not done: timing each of our prefills from the same tally (the first token that ends one
+starts the next) to see a slowed server before the histogram fit does. Tried: on a loaded
+2-core machine the timings (scrape and event-loop jitter of tens of ms on 0.15-0.6 s
+prefills) said "twice slower" of servers that had not changed, which cost more than the
+earlier detection gained.
 
 Bounds: the queue never holds more placements than the engine reports waiting plus
 running (a request that failed before its first token would otherwise stay forever), and
@@ -30,21 +30,6 @@ from dataclasses import dataclass
 # Placements younger than this at a scrape may not have reached the engine yet: the bound
 # by its waiting + running counts spares them.
 _IN_TRANSIT_S = 0.05
-# Prefills shorter than this (priced and seen) are not timed: a scrape interval's
-# uncertainty would be most of the sample.
-_MIN_TIMED_S = 0.25
-# A prefill is timed only when the two scrapes around its end are closer than this fraction
-# of its duration.
-_GAP_FRACTION = 0.5
-# Weight of a new timed prefill in the pace, and the pace's bounds: it only ever says
-# "slower" (a faster server is the fit's to learn; timing noise is not a speed-up).
-_PACE_WEIGHT = 0.5
-_PACE_BOUNDS = (1.0, 20.0)
-# A head overdue by more than this (and this fraction of its price) shows a slower server.
-_LATE_S = 0.1
-_LATE_FRACTION = 0.3
-# The pace is kept against the price of a prefill of this many tokens.
-_REF_TOKENS = 1000.0
 
 
 @dataclass(slots=True)
@@ -57,8 +42,7 @@ class Backlog:
     """One endpoint's unfinished placements, oldest first. Learner loop (`sync`) and hot
     path (`place`, `work_s`) share one event loop; nothing here awaits."""
 
-    __slots__ = ("_basis", "_count", "_head_since", "_pending", "_synced_at", "_tokens", "pace",
-                 "timed", "trimmed")  # fmt: skip
+    __slots__ = ("_count", "_head_since", "_pending", "_synced_at", "_tokens", "trimmed")
 
     def __init__(self) -> None:
         self._pending: deque[_Placed] = deque()
@@ -67,9 +51,6 @@ class Backlog:
         self._synced_at: float | None = None
         self._head_since = 0.0  # when the current head's prefill started, at the latest
         self.trimmed = 0  # placements dropped by the waiting + running bound
-        self.pace = 1.0  # seen / priced prefill time of our recent timed prefills
-        self._basis = 0.0  # price of a _REF_TOKENS prefill when the pace was last sampled
-        self.timed = 0  # prefills timed
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -84,31 +65,18 @@ class Backlog:
         self._pending.append(_Placed(now, tokens))
         self._tokens += tokens
 
-    def sync(
-        self,
-        first_tokens: float,
-        waiting: int,
-        running: int,
-        at: float,
-        prices: tuple[float, float] | None = None,
-    ) -> None:
-        """The engine's cumulative first-token count, and its queue, as scraped at `at`;
-        `prices` (seconds per request, per token) time our prefills against the fit."""
+    def sync(self, first_tokens: float, waiting: int, running: int, at: float) -> None:
+        """The engine's cumulative first-token count, and its queue, as scraped at `at`."""
         last, self._count = self._count, first_tokens
         previous, self._synced_at = self._synced_at, at
         if last is None or previous is None or first_tokens < last:
             return  # first look, or the engine restarted: nothing to compare yet
         done = int(first_tokens - last)
         if done > 0 and self._pending:
-            ended = (previous + at) / 2.0  # somewhere between the two scrapes
-            head = self._pending[0]
-            seen = ended - max(head.at, self._head_since)
-            # Timed only when the scrapes were close enough to say when it ended.
-            if done == 1 and prices is not None and at - previous <= _GAP_FRACTION * seen:
-                self._time(seen, head.tokens, prices)
             for _ in range(min(done, len(self._pending))):
                 self._pop()
-            self._head_since = ended  # the next one started when the last of them ended
+            # The next one started when the last of them ended, between the two scrapes.
+            self._head_since = (previous + at) / 2.0
         # Placements older than the scrape that the engine does not hold are lost (failed,
         # cancelled, or others' first tokens finished ours in the count): keep the newest.
         arrived = sum(1 for p in self._pending if p.at <= at - _IN_TRANSIT_S)
@@ -118,24 +86,6 @@ class Backlog:
             for _ in range(excess):
                 self._pop()
             self._head_since = at
-
-    def _time(self, seen_s: float, tokens: float, prices: tuple[float, float]) -> None:
-        priced = prices[0] + prices[1] * tokens
-        pace = self._pace(prices)
-        if priced <= 0.0 or max(seen_s, priced * pace) < _MIN_TIMED_S:
-            return
-        sample = min(_PACE_BOUNDS[1], max(_PACE_BOUNDS[0], seen_s / priced))
-        self.pace = pace + _PACE_WEIGHT * (sample - pace)
-        self._basis = prices[0] + prices[1] * _REF_TOKENS
-        self.timed += 1
-
-    def _pace(self, prices: tuple[float, float]) -> float:
-        """The pace against `prices`: it was measured against the prices of its last sample,
-        and a fit that has since learned the change (prices x3) leaves less of it (pace / 3)."""
-        ref = prices[0] + prices[1] * _REF_TOKENS
-        if self._basis <= 0.0 or ref <= 0.0:
-            return self.pace
-        return min(_PACE_BOUNDS[1], max(_PACE_BOUNDS[0], self.pace * self._basis / ref))
 
     def _pop(self) -> None:
         p = self._pending.popleft()
@@ -149,24 +99,17 @@ class Backlog:
         else's."""
         return len(self._pending)
 
-    def work_s(self, per_request_s: float, per_token_s: float, now: float) -> tuple[float, float]:
-        """(seconds of prefill still ahead of a request sent now, the pace to price that
-        request's own prefill at), at the given prices."""
+    def work_s(self, per_request_s: float, per_token_s: float, now: float) -> float:
+        """Seconds of prefill still ahead of a request sent now, at the given prices."""
         n = len(self._pending)
         if n == 0:
-            return 0.0, self._pace((per_request_s, per_token_s))
-        pace = self._pace((per_request_s, per_token_s))
+            return 0.0
         head = self._pending[0]
-        head_s = (per_request_s + per_token_s * head.tokens) * pace
+        total = n * per_request_s + per_token_s * self._tokens
+        head_s = per_request_s + per_token_s * head.tokens
         started = max(head.at, self._head_since)
-        # A head still running at the last scrape well past its price is late: the server
-        # is slower than priced, by at least that much, for it and everything behind it.
-        ran = (started if self._synced_at is None else self._synced_at) - started
-        if ran > head_s * (1.0 + _LATE_FRACTION) + _LATE_S and head_s > 0.0:
-            pace *= ran / head_s
-            head_s = ran
-        total = (n * per_request_s + per_token_s * self._tokens) * pace
-        # The head is not credited beyond its price before the last scrape.
+        # A head still running at the last scrape is not credited beyond its price before
+        # that scrape: it is late, and the rest waits for it.
         synced = now if self._synced_at is None else self._synced_at
         done = min(max(0.0, now - started), head_s + max(0.0, now - synced))
-        return max(0.0, total - done), pace
+        return max(0.0, total - done)

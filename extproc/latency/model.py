@@ -190,10 +190,7 @@ class LatencyModel:
         backlog = self._backlog.get(address)
         if backlog is None:
             backlog = self._backlog[address] = Backlog()
-        c = self._coeffs.get(address) or self._fleet
-        prices = None if c is None else (c.per_request_s, c.per_token_s * self.token_scale)
-        when = self.now() if at is None else at
-        backlog.sync(totals.ttft_count, waiting, running, when, prices)
+        backlog.sync(totals.ttft_count, waiting, running, self.now() if at is None else at)
         st = self._learned.get(address)
         if st is None:
             st = self._learned[address] = _Learned(self.settings)
@@ -365,21 +362,19 @@ class LatencyModel:
             self.stats.predictions_warm += 1
         scale = self.token_scale
         b = self._backlog.get(address)
-        pace = 1.0
-        backlog = 0.0
-        if b is not None:
-            backlog, pace = b.work_s(c.per_request_s, c.per_token_s * scale, now)
+        backlog = 0.0 if b is None else b.work_s(c.per_request_s, c.per_token_s * scale, now)
         if not state.is_stale and state.waiting:
             # Waiting requests beyond our unfinished placements are work
             # other pickers or clients queued there: our placements cannot show them.
             foreign = state.waiting - (0 if b is None else b.ours_waiting())
             if foreign > 0:
-                backlog += foreign * (c.per_request_s + c.per_token_s * c.mean_tokens) * pace
+                backlog += foreign * (c.per_request_s + c.per_token_s * c.mean_tokens)
         ttft = (
             c.overhead_s
             + self._transport.get(address, 0.0)
             + backlog
-            + (c.per_request_s + c.per_token_s * uncached_tokens * scale) * pace
+            + c.per_request_s
+            + c.per_token_s * uncached_tokens * scale
         )
         tpot = None
         if c.itl_base_s is not None:

@@ -75,13 +75,6 @@ def collect(found: Sequence[LatencyLearner], plugins: Iterable[object]) -> Itera
         "extproc_latency_token_scale",
         "Engine prompt tokens per token the picker estimates (learned).",
     )
-    pace = GaugeMetricFamily(
-        "extproc_latency_pace",
-        "Per endpoint, this picker's recent prefills timed by the engine's first-token count "
-        "against the fit's price (1: as fitted, 3: three times slower, a speed change the "
-        "fit has not caught up with).",
-        labels=["endpoint"],
-    )
     queued = GaugeMetricFamily(
         "extproc_latency_backlog_requests",
         "Per endpoint, this picker's placements without a first token yet (the queue the "
@@ -96,7 +89,6 @@ def collect(found: Sequence[LatencyLearner], plugins: Iterable[object]) -> Itera
     for learner in found:
         scale.add_metric([], learner.model.token_scale)
         for address, b in learner.model.backlogs().items():
-            pace.add_metric([address], b.pace)
             queued.add_metric([address], len(b))
         trimmed.add_metric([], sum(b.trimmed for b in learner.model.backlogs().values()))
         for address, c in learner.model.all_coefficients().items():
@@ -132,8 +124,8 @@ def collect(found: Sequence[LatencyLearner], plugins: Iterable[object]) -> Itera
     shed.add_metric(
         [], sum(getattr(p, "shed", 0) for p in plugins if _is(p, "latency-slo-admitter"))
     )
-    yield from (learning, endpoints, predictions, samples, throughput, terms, scale, pace,
-                queued, trimmed, fallbacks, shed)  # fmt: skip
+    yield from (learning, endpoints, predictions, samples, throughput, terms, scale, queued,
+                trimmed, fallbacks, shed)  # fmt: skip
 
 
 def _is(plugin: object, type_name: str) -> bool:
