@@ -21,6 +21,7 @@ import yaml
 from extproc import protocol
 
 LbMode = Literal["original-dst", "override-host"]
+BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
 
 _T = "type.googleapis.com/envoy.extensions"
 
@@ -68,6 +69,8 @@ class BootstrapOptions:
     # Streams Envoy multiplexes on one connection to a picker before opening another
     # (http2_protocol_options.max_concurrent_streams; Envoy ignores the peer's SETTINGS).
     extproc_streams_per_connection: int = 100
+    # How the request body reaches the picker (docs/gateways.md, "The cheapest exchange").
+    request_body_mode: BodyMode = "FULL_DUPLEX_STREAMED"
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:
@@ -101,10 +104,12 @@ def _ext_proc_filter(opts: BootstrapOptions) -> dict[str, Any]:
                 # Response headers are observed (status, served endpoint); response bodies are
                 # not requested, so the picker's cost does not grow with output length.
                 "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_body_mode": opts.request_body_mode,
                 "response_body_mode": "NONE",
                 # FULL_DUPLEX_STREAMED is rejected unless the matching trailer mode is SEND.
-                "request_trailer_mode": "SEND",
+                "request_trailer_mode": (
+                    "SEND" if opts.request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP"
+                ),
                 "response_trailer_mode": "SKIP",
             },
             # Without receiving, the envoy.lb metadata the picker returns is dropped;
