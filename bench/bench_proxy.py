@@ -213,7 +213,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
     ap.add_argument("--sizes", default="1,100", help="request body sizes in KB")
     ap.add_argument("--conns", default="1,16", help="wrk connections")
-    ap.add_argument("--only", default="", help="comma list of configurations to run")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma list of configurations to run (envoy, floor FD, extproc FD, floor BUF, "
+        "extproc BUF, sglang-router; floor BUF-noresp only when named)",
+    )
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--big", action="store_true", help="220 KB prompts at 150 connections")
     args = ap.parse_args()
@@ -258,6 +263,16 @@ def main() -> None:
                     p, url = start_envoy(picker_doc(port, mode, tls=True), work, name)
                     procs.append(p)
                     targets.append(Target(name, url, pid))
+        if only and "floor BUF-noresp" in only:
+            # What skipping the response-header phase would save (4 messages, not 6).
+            doc = picker_doc(floor_port, "BUFFERED", tls=True)
+            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+            for f in hcm["typed_config"]["http_filters"]:
+                if f["name"] == "envoy.filters.http.ext_proc":
+                    f["typed_config"]["processing_mode"]["response_header_mode"] = "SKIP"
+            p, url = start_envoy(doc, work, "floor-noresp")
+            procs.append(p)
+            targets.append(Target("floor BUF-noresp", url, floor.pid))
         if not args.no_sglang and want("sglang-router"):
             venv, version = install_sglang(work)
             if venv is not None:

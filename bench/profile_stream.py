@@ -11,7 +11,6 @@ a cProfile of the picker's loop, to read the gap above the floor function by fun
 from __future__ import annotations
 
 import argparse
-import asyncio
 import cProfile
 import io
 import pstats
