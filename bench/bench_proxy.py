@@ -35,6 +35,7 @@ import orjson
 import yaml
 
 from extproc.bootstrap import BootstrapOptions, build_bootstrap
+from extproc.gateways import LLM_D, gateway_bootstrap
 from extproc.stack import Stack, StackOptions, envoy_binary, free_port, wait_until
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
@@ -217,7 +218,8 @@ def main() -> None:
         "--only",
         default="",
         help="comma list of configurations to run (envoy, floor FD, extproc FD, floor BUF, "
-        "extproc BUF, sglang-router; floor BUF-noresp only when named)",
+        "extproc BUF, sglang-router; floor BUF-noresp, floor llm-d, extproc llm-d only when "
+        "named)",
     )
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--big", action="store_true", help="220 KB prompts at 150 connections")
@@ -273,6 +275,23 @@ def main() -> None:
             p, url = start_envoy(doc, work, "floor-noresp")
             procs.append(p)
             targets.append(Target("floor BUF-noresp", url, floor.pid))
+        for who, port, pid in (("floor", floor_port, floor.pid),
+                               ("extproc", stack.extproc_port, picker_pid)):  # fmt: skip
+            name = f"{who} llm-d"
+            if only and name in only:
+                # llm-d's chart settings (extproc/gateways.py): FULL_DUPLEX both ways, the
+                # response body echoed too, TLS, no access log: "behind a gateway".
+                opts = BootstrapOptions(
+                    listen_port=free_port(),
+                    listen_address="127.0.0.1",
+                    admin_port=free_port(),
+                    extproc=f"127.0.0.1:{port}",
+                    extproc_sni="localhost",
+                    access_log=False,
+                )
+                p, url = start_envoy(gateway_bootstrap(LLM_D, opts), work, name)
+                procs.append(p)
+                targets.append(Target(name, url, pid))
         if not args.no_sglang and want("sglang-router"):
             venv, version = install_sglang(work)
             if venv is not None:
@@ -316,7 +335,8 @@ def report(results, names: list[str], sizes: list[int], conns_list: list[int]) -
                 cpu = med(key, lambda r: r[1])
                 own = name.split()[-1]
                 own_floor = med((size, conns, f"floor {own}"), lambda r: r[1])
-                ratio = f"{cpu / floor_fd:.2f}x" if cpu and floor_fd == floor_fd else "-"
+                ref = own_floor if own == "llm-d" else floor_fd  # gateway vs its own floor
+                ratio = f"{cpu / ref:.2f}x" if cpu and ref == ref else "-"
                 own_ratio = (
                     f"{cpu / own_floor:.2f}x"
                     if name.startswith("extproc") and own_floor == own_floor

@@ -8,6 +8,8 @@ costs on this machine, in the same exchange:
   body ended, then the decision on the headers and the body echoed; response headers answered.
 - BUFFERED: headers CONTINUE, the decision on the body reply (no echo); response headers
   answered.
+- Behind a gateway's settings (FULL_DUPLEX_STREAMED response bodies too): response body chunks
+  echoed, trailers answered.
 
     python bench/floor_processor.py PORT DESTINATION [--plaintext]
 """
@@ -38,7 +40,7 @@ async def serve(port: int, destination: str, *, tls: bool = True) -> None:
     cont_headers = wire.CONTINUE_REQUEST_HEADERS
 
     async def process(requests, context):
-        chunks: list[bytes] = []
+        chunks: list[bytes] | None = []
         duplex = True
         async for msg in requests:
             kind = msg.WhichOneof("request")
@@ -55,8 +57,21 @@ async def serve(port: int, destination: str, *, tls: bool = True) -> None:
                     yield on_headers
                     for r in wire.streamed_body(b"".join(chunks), end_of_stream=True):
                         yield r
+                    chunks = None
+            elif kind == "request_trailers":
+                if duplex and chunks is not None:
+                    # Trailers end the body: the decision, the body, then their reply.
+                    yield on_headers
+                    for r in wire.streamed_body(b"".join(chunks), end_of_stream=False):
+                        yield r
+                yield wire.CONTINUE_REQUEST_TRAILERS
             elif kind == "response_headers":
                 yield resp_headers
+            elif kind == "response_body":
+                # A gateway's FULL_DUPLEX response body: every chunk back as it came.
+                yield wire.echo_response_body(msg.response_body)
+            elif kind == "response_trailers":
+                yield wire.CONTINUE_RESPONSE_TRAILERS
 
     async def access_logs(requests, context):
         async for _ in requests:
@@ -82,7 +97,8 @@ async def serve(port: int, destination: str, *, tls: bool = True) -> None:
     )
     # Envoy health-checks the picker cluster, so the floor answers health too.
     healthy = health.aio.HealthServicer()
-    await healthy.set("readiness", health_pb2.HealthCheckResponse.SERVING)
+    for name in protocol.HEALTH_SERVICES:  # what our bootstrap and the gateways probe
+        await healthy.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(healthy, server)
     address = f"127.0.0.1:{port}"
     if tls:
