@@ -11,7 +11,7 @@ costs on this machine, in the same exchange:
 - Behind a gateway's settings (FULL_DUPLEX_STREAMED response bodies too): response body chunks
   echoed, trailers answered.
 
-    python bench/floor_processor.py PORT DESTINATION [--plaintext]
+    python bench/floor_processor.py PORT DESTINATION [--plaintext] [--max-streams=N]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from extproc.server.tls import self_signed, server_credentials
 _FULL_DUPLEX = wire.BodySendMode.FULL_DUPLEX_STREAMED
 
 
-async def serve(port: int, destination: str, *, tls: bool = True) -> None:
+async def serve(port: int, destination: str, *, tls: bool = True, max_streams: int = 0) -> None:
     decision = Decision(endpoints=(Endpoint(destination),))
     on_headers = wire.routed_headers(decision)
     on_body = wire.routed_body(decision)
@@ -88,7 +88,9 @@ async def serve(port: int, destination: str, *, tls: bool = True) -> None:
         request_deserializer=access_log_pb2.StreamAccessLogsMessage.FromString,
         response_serializer=access_log_pb2.StreamAccessLogsResponse.SerializeToString,
     )
-    server = grpc.aio.server()
+    # max_streams > 0: SETTINGS_MAX_CONCURRENT_STREAMS per connection (what a client sees).
+    options = [("grpc.max_concurrent_streams", max_streams)] if max_streams else []
+    server = grpc.aio.server(options=options)
     server.add_generic_rpc_handlers(
         (
             grpc.method_handlers_generic_handler(protocol.EXT_PROC_SERVICE, {"Process": handler}),
@@ -110,4 +112,8 @@ async def serve(port: int, destination: str, *, tls: bool = True) -> None:
 
 
 if __name__ == "__main__":
-    uvloop.run(serve(int(sys.argv[1]), sys.argv[2], tls="--plaintext" not in sys.argv[3:]))
+    flags = sys.argv[3:]
+    streams = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("--max-streams=")), 0)
+    uvloop.run(
+        serve(int(sys.argv[1]), sys.argv[2], tls="--plaintext" not in flags, max_streams=streams)
+    )
