@@ -4,8 +4,9 @@ the floor processor on the same Envoy bootstrap, interleaved round by round in o
 Each request carries a unique first line, so its whole chain of block keys is new: the
 picker parses, hashes, looks up and writes the full chain into its index (the case where the
 index write used to dominate). CPU is the on-CPU time of the picker's threads (and of the
-floor's) from /proc/<pid>/task/*/schedstat, divided by the requests of the round; the figure quoted is the median
-of the rounds and its ratio to the floor's median. Both speak plaintext gRPC to Envoy.
+floor's) from /proc/<pid>/task/*/schedstat, divided by the requests of the round; the figure
+quoted is the median of the rounds and its ratio to the floor's median. Both speak plaintext
+gRPC to Envoy.
 
     uv run python bench/bench_bodies.py [--rounds 5] [--per-round 8]
 """
@@ -13,6 +14,7 @@ of the rounds and its ratio to the floor's median. Both speak plaintext gRPC to 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import subprocess
 import sys
@@ -22,10 +24,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_parse import chat_body  # noqa: E402
-from bench_proxy import bootstrap, start_envoy  # noqa: E402
+from bench_parse import chat_body
+from bench_proxy import bootstrap, start_envoy
 
-from extproc.stack import Stack, StackOptions, free_port, wait_until  # noqa: E402
+from extproc.stack import Stack, StackOptions, free_port, wait_until
 
 
 def unique(base: bytes, n: int) -> bytes:
@@ -38,10 +40,8 @@ def cpu_seconds(pid: int) -> float:
     10 ms ticks of /proc/<pid>/stat are too coarse for a few requests)."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # thread ended
             total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass  # the thread ended meanwhile
     return total / 1e9
 
 
@@ -65,7 +65,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="400,4096", help="body sizes in KB")
     args = ap.parse_args()
     counter = 0
-    with tempfile.TemporaryDirectory() as tmp, Stack(StackOptions(upstreams=1, plaintext=True)) as stack:
+    opts = StackOptions(upstreams=1, plaintext=True)
+    with tempfile.TemporaryDirectory() as tmp, Stack(opts) as stack:
         upstream = stack.upstream_addresses[0]
         floor_port = free_port()
         floor = subprocess.Popen(
@@ -79,8 +80,9 @@ def main() -> None:
         # Envoy health-checks the floor: wait until it routes there.
         probe = chat_body(1024)
         wait_until(
-            lambda: httpx.post(f"{floor_url}/v1/chat/completions", content=probe).status_code
-            == 200,
+            lambda: (
+                httpx.post(f"{floor_url}/v1/chat/completions", content=probe).status_code == 200
+            ),
             timeout_s=30,
             what="the floor processor behind Envoy",
         )
