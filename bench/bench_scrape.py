@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.core import Endpoint
 from extproc.endpoints.pool import EndpointPool
-from extproc.endpoints.scrape import MetricsScraper, ScrapeSettings, parse_metrics
+from extproc.endpoints.exposition import parse_metrics
+from extproc.endpoints.scrape import MetricsScraper, ScrapeSettings
 from extproc.endpoints.state import EndpointStates
 
 FIXTURE = Path(__file__).parents[1] / "tests" / "fixtures" / "vllm-0.32-cpu" / "metrics.txt"
