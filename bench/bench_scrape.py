@@ -19,8 +19,8 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.core import Endpoint
-from extproc.endpoints.pool import EndpointPool
 from extproc.endpoints.exposition import parse_metrics
+from extproc.endpoints.pool import EndpointPool
 from extproc.endpoints.scrape import MetricsScraper, ScrapeSettings
 from extproc.endpoints.state import EndpointStates
 

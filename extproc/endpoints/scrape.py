@@ -12,12 +12,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-import aiohttp
 import msgspec
-from yarl import URL
+from xxhash import xxh3_64_intdigest
 
 from extproc.core import LatencyTotals
 from extproc.endpoints.exposition import MetricsError, Scraped, parse_metrics
+from extproc.endpoints.fetcher import MetricsFetcher
 from extproc.endpoints.pool import EndpointPool
 from extproc.endpoints.state import EndpointStates
 
@@ -63,19 +63,22 @@ class ScrapeStats:
     scrapes: int = 0
     failures: int = 0
     invalidations: dict[str, int] = field(default_factory=dict)
+    # Scrapes whose body was byte-for-byte the last one's (by hash): not parsed again.
+    unchanged: int = 0
+    # CPU seconds spent hashing, parsing and storing bodies (this thread's clock).
+    parse_cpu_s: float = 0.0
+    connects: int = 0  # connections opened to endpoints (kept alive across scrapes)
 
 
 @dataclass(slots=True)
 class _Health:
-    url: URL
+    fetcher: MetricsFetcher
     failing: int = 0  # consecutive failures
     failures: int = 0  # since the endpoint joined the pool
     retry_at: float = 0.0
     started: float | None = None  # the engine's process start time, as last scraped
-
-
-class _BadAnswer(Exception):
-    pass
+    digest: int | None = None  # hash of the last parsed body
+    scraped: Scraped | None = None  # what that body said
 
 
 class MetricsScraper:
@@ -128,20 +131,16 @@ class MetricsScraper:
         return bool(h and h.failing)
 
     async def run(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=self._s.timeout_s)
-        # Plain text: gzip saves nothing on a LAN and costs CPU at 20 scrapes/s/endpoint;
-        # and no OpenMetrics negotiation, so the body is classic Prometheus text.
-        headers = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity"}
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
-        async with (
-            aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as http,
-            asyncio.TaskGroup() as tasks,
-        ):
-            while True:
-                self._tick(http, tasks)
-                await self._sleep(self._s.interval_s)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                while True:
+                    self._tick(tasks)
+                    await self._sleep(self._s.interval_s)
+        finally:
+            for h in self._health.values():
+                h.fetcher.close()
 
-    def _tick(self, http: aiohttp.ClientSession, tasks: asyncio.TaskGroup) -> None:
+    def _tick(self, tasks: asyncio.TaskGroup) -> None:
         endpoints = self._pool.snapshot()
         if endpoints is not self._snapshot:
             self._snapshot = endpoints
@@ -150,27 +149,26 @@ class MetricsScraper:
         for address, h in self._health.items():
             if address not in self._pending and now >= h.retry_at:
                 self._pending.add(address)
-                tasks.create_task(self._scrape(http, address, h), name=f"scrape {address}")
+                tasks.create_task(self._scrape(address, h), name=f"scrape {address}")
 
     def _follow_pool(self, addresses: set[str]) -> None:
         s = self._s
         for gone in self._health.keys() - addresses:
-            del self._health[gone]
+            self._health.pop(gone).fetcher.close()
         for new in addresses - self._health.keys():
-            self._health[new] = _Health(URL(f"{s.scheme}://{new}{s.path}"))
+            fetcher = MetricsFetcher(new, s.path, scheme=s.scheme, max_body_bytes=s.max_body_bytes)
+            self._health[new] = _Health(fetcher)
         self._states.retain(addresses)
 
-    async def _scrape(self, http: aiohttp.ClientSession, address: str, h: _Health) -> None:
+    async def _scrape(self, address: str, h: _Health) -> None:
         try:
-            async with asyncio.timeout(self._s.timeout_s):
-                async with http.get(h.url, allow_redirects=False) as resp:
-                    if resp.status != 200:
-                        raise _BadAnswer(f"HTTP {resp.status}")
-                    size = resp.content_length
-                    if size is not None and size > self._s.max_body_bytes:
-                        raise _BadAnswer(f"body of {size} bytes")
-                    body = await resp.read()
-            scraped = parse_metrics(body)
+            connects = h.fetcher.connects
+            try:
+                async with asyncio.timeout(self._s.timeout_s):
+                    body = await h.fetcher.fetch()
+            finally:
+                self.stats.connects += h.fetcher.connects - connects
+            scraped = self._read(h, body)
         except Exception as exc:  # any failure of one endpoint is that endpoint's, not ours
             self._failed(address, h, exc)
             if h.failing == 1 and self._health.get(address) is h:
@@ -191,6 +189,22 @@ class MetricsScraper:
                     h.retry_at = 0.0
         finally:
             self._pending.discard(address)
+
+    def _read(self, h: _Health, body: bytes) -> Scraped:
+        """The body's figures; an idle engine's body repeats itself, so a body equal to the
+        last one (by a 64-bit hash, ~5 us for a 54 KB vLLM scrape) is not parsed again."""
+        t0 = time.thread_time()
+        try:
+            digest = xxh3_64_intdigest(body)
+            if digest == h.digest and h.scraped is not None:
+                self.stats.unchanged += 1
+                return h.scraped
+            h.digest = h.scraped = None
+            scraped = parse_metrics(body)
+            h.digest, h.scraped = digest, scraped
+            return scraped
+        finally:
+            self.stats.parse_cpu_s += time.thread_time() - t0
 
     async def _invalidate(self, address: str, reason: str) -> None:
         inv = self.stats.invalidations

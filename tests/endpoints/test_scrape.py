@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from extproc.core import Endpoint
+from extproc.endpoints import scrape
 from extproc.endpoints.pool import EndpointPool
 from extproc.endpoints.scrape import MetricsScraper, ScrapeSettings
 from extproc.endpoints.state import EndpointStates
@@ -87,13 +88,15 @@ async def running(scraper: MetricsScraper) -> AsyncIterator[asyncio.Task[None]]:
             await task
 
 
-async def until(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
+async def until(pred: Callable[[], bool], timeout_s: float = 15.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not pred():
             await asyncio.sleep(0.01)
 
 
-FAST = ScrapeSettings(interval_s=0.02, timeout_s=0.15, max_backoff_s=0.04)
+# A timeout with the margin a loaded 2-core CI machine needs (a stalled first connect must
+# not read as a failing endpoint); the slow endpoint still times out quickly enough.
+FAST = ScrapeSettings(interval_s=0.02, timeout_s=0.5, max_backoff_s=0.04)
 
 
 async def test_loop_survives_slow_failing_and_garbage_endpoints(
@@ -152,6 +155,42 @@ async def test_endpoint_that_starts_failing_goes_stale_and_recovers(
     messages = [r.getMessage() for r in caplog.records]
     assert sum("failing" in m for m in messages) == 1
     assert sum("back after" in m for m in messages) == 1
+
+
+async def test_unchanged_bodies_are_not_parsed_again_and_changes_are_seen(
+    servers: dict[str, ModelServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle engine's body repeats: it is hashed, not parsed, and still refreshes the
+    endpoint's age; a changed body is parsed. One kept-alive connection throughout."""
+    parsed = [0]
+    real = scrape.parse_metrics
+
+    def counting(body: bytes):  # type: ignore[no-untyped-def]
+        parsed[0] += 1
+        return real(body)
+
+    monkeypatch.setattr(scrape, "parse_metrics", counting)
+    clock = ManualClock()
+    server = servers["ok"]
+    address = server.address
+    states = EndpointStates(stale_after_s=0.2, clock=clock)
+    scraper = MetricsScraper(EndpointPool([Endpoint(address)]), states, FAST)
+    async with running(scraper):
+        await until(lambda: scraper.stats.scrapes >= 5)
+        assert parsed[0] == 1
+        assert scraper.stats.unchanged == scraper.stats.scrapes - 1
+        clock.advance(0.3)
+        assert states.is_stale(address)
+        await until(lambda: not states.is_stale(address))  # an unchanged body refreshes
+
+        server.body = VLLM.replace(
+            b'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0',
+            b'vllm:num_requests_waiting{engine="0",model_name="tiny"} 4.0',
+        )
+        await until(lambda: states.state(address).waiting == 4)
+        assert parsed[0] == 2
+    assert scraper.stats.connects == 1
+    assert scraper.stats.parse_cpu_s > 0
 
 
 async def test_endpoints_leaving_the_pool_are_dropped(servers: dict[str, ModelServer]) -> None:
