@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import Literal
+from typing import Literal, cast
 
 _HEAD_LIMIT = 64 << 10  # a status line and headers longer than this are not a metrics answer
 
@@ -52,8 +52,8 @@ class _Answer(asyncio.Protocol):
         self.keep_alive = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -166,3 +166,21 @@ async def test_a_cancelled_fetch_drops_its_connection() -> None:
             assert await f.fetch() == BODY  # a fresh connection, not the stale answer
         f.close()
         assert f.connects == 2
+
+
+def test_works_on_uvloop_the_servers_event_loop() -> None:
+    """`extproc serve` runs on uvloop, whose transports are not asyncio's classes."""
+    import uvloop
+
+    async def main() -> tuple[bytes, int]:
+        answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY
+        async with raw_server(answer, close=False) as address:
+            f = MetricsFetcher(address)
+            for _ in range(3):
+                async with asyncio.timeout(5):
+                    body = await f.fetch()
+            f.close()
+            return body, f.connects
+
+    body, connects = uvloop.run(main())
+    assert body == BODY and connects == 1
