@@ -71,7 +71,7 @@ def main() -> None:
         floor_port = free_port()
         floor = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("floor_processor.py")),
-             str(floor_port), upstream]
+             str(floor_port), upstream, "--plaintext"]
         )  # fmt: skip
         floor_env, floor_url = start_envoy(
             bootstrap(extproc=f"127.0.0.1:{floor_port}", extproc_tls=False), Path(tmp), "floor"
