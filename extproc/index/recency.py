@@ -7,8 +7,13 @@ long new prompt. Here a write costs one C-level `dict.update` of its keys (key -
 number) and one append of the whole chain to a log. Eviction reads the log from its oldest
 write and skips keys a later write has touched again (their write number moved on), so the
 order is exactly the OrderedDict's: by last write, and within one write tail first (so a
-prefix loses its tail before its head). The log is rebuilt from the live keys when stale
-entries outnumber them, which keeps its memory proportional to the keys held.
+prefix loses its tail before its head).
+
+Stale log entries (keys written again later, or discarded) are dropped by eviction as it
+passes them; without eviction they are filtered out in the background of later writes once
+they outnumber the live keys: a bounded slice per write (a few times the write's own size),
+oldest first, so memory stays proportional to the keys held and no write ever pays for a
+rebuild of the whole log.
 """
 
 from __future__ import annotations
@@ -17,20 +22,28 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from itertools import compress, repeat
 
-# Rebuild the log once it holds this many times the live keys (plus a floor for small sets).
+# Start filtering the log once it holds this many times the live keys (plus a floor).
 _COMPACT_RATIO = 2
 _COMPACT_FLOOR = 4096
+# While filtering, each write filters this many times its own size of old log (plus a floor).
+_STEP_RATIO = 4
+_STEP_FLOOR = 256
+
+# A log entry: [write number, keys of that write, how many of them from the tail are gone].
+Entry = list
 
 
 class WriteOrder:
     """Block keys of one endpoint in least-recently-written order."""
 
-    __slots__ = ("_latest", "_log", "_logged", "_next")
+    __slots__ = ("_done", "_latest", "_log", "_logged", "_next")
 
     def __init__(self) -> None:
         self._latest: dict[int, int] = {}  # key -> number of the last write that touched it
-        # (write number, keys of that write, how many of them from the tail are consumed)
-        self._log: deque[list] = deque()
+        # The log is `_done` then `_log`: `_done` holds old entries already filtered by an
+        # ongoing compaction (empty when none runs); new writes append to `_log`.
+        self._done: deque[Entry] = deque()
+        self._log: deque[Entry] = deque()
         self._logged = 0  # keys in the log, stale ones included
         self._next = 0
 
@@ -52,8 +65,8 @@ class WriteOrder:
         self._latest.update(zip(keys, repeat(n)))
         self._log.append([n, keys, 0])
         self._logged += len(keys)
-        if self._logged > _COMPACT_RATIO * len(self._latest) + _COMPACT_FLOOR:
-            self._compact()
+        if self._done or self._logged > _COMPACT_RATIO * len(self._latest) + _COMPACT_FLOOR:
+            self._filter(_STEP_RATIO * len(keys) + _STEP_FLOOR)
 
     def discard(self, keys: Sequence[int]) -> None:
         """Forget `keys` (their log entries become stale)."""
@@ -63,8 +76,11 @@ class WriteOrder:
     def pop_oldest(self, count: int) -> list[int]:
         """Remove and return the `count` least recently written keys (fewer if fewer held)."""
         out: list[int] = []
-        latest, log = self._latest, self._log
-        while len(out) < count and log:
+        latest = self._latest
+        while len(out) < count:
+            log = self._done or self._log
+            if not log:
+                break
             entry = log[0]
             n, keys, used = entry
             end = len(keys) - used
@@ -89,15 +105,18 @@ class WriteOrder:
             entry[2] = len(keys) - i
         return out
 
-    def _compact(self) -> None:
-        """Drop stale log entries: each live key stays only in the write that last touched it."""
-        latest = self._latest
-        log: deque[list] = deque()
-        logged = 0
-        for n, keys, used in self._log:
-            live = [k for k in keys[: len(keys) - used] if latest.get(k) == n]
+    def _filter(self, budget: int) -> None:
+        """Move up to `budget` keys' worth of the oldest unfiltered entries to `_done`,
+        keeping only their live keys; when none are left, `_done` is the whole log."""
+        latest, log, done = self._latest, self._log, self._done
+        while budget > 0 and log:
+            n, keys, used = log.popleft()
+            end = len(keys) - used
+            head = keys[:end]
+            live = list(compress(head, map(n.__eq__, map(latest.get, head, repeat(0)))))
             if live:
-                log.append([n, live, 0])
-                logged += len(live)
-        self._log = log
-        self._logged = logged
+                done.append([n, live, 0])
+            self._logged -= end - len(live)
+            budget -= end
+        if not log:
+            self._log, self._done = done, log

@@ -34,8 +34,10 @@ class Reference:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_same_order_as_the_ordered_dict_it_replaces(seed: int, monkeypatch) -> None:
-    # A small compaction floor so that rebuilds happen inside the test.
+    # Small floors so that log filtering happens inside the test, over several writes.
     monkeypatch.setattr(recency, "_COMPACT_FLOOR", 8)
+    monkeypatch.setattr(recency, "_STEP_RATIO", 1)
+    monkeypatch.setattr(recency, "_STEP_FLOOR", 4)
     rng = random.Random(seed)
     ours, ref = WriteOrder(), Reference()
     universe = list(range(200))
@@ -57,6 +59,28 @@ def test_same_order_as_the_ordered_dict_it_replaces(seed: int, monkeypatch) -> N
         assert set(ours) == set(ref.members)
     assert ours.pop_oldest(10_000) == ref.pop_oldest(10_000)
     assert len(ours) == 0
+
+
+def test_no_write_filters_more_than_a_bounded_slice_of_the_log(monkeypatch) -> None:
+    """Filtering stale entries is spread over writes: a write that crosses the threshold
+    filters a few times its own size, never the whole log at once."""
+    filtered: list[int] = []
+    real = WriteOrder._filter
+
+    def spy(self: WriteOrder, budget: int) -> None:
+        before = len(self._log)
+        real(self, budget)
+        filtered.append(before - len(self._log) if self._log is not None else 0)
+
+    monkeypatch.setattr(WriteOrder, "_filter", spy)
+    order = WriteOrder()
+    for i in range(2000):  # 200 live keys, each written again and again: mostly stale
+        order.touch(list(range(i % 20 * 10, i % 20 * 10 + 10)))
+    assert len(order) == 200
+    assert filtered, "the log was never filtered"
+    # Budget per write: 4 x 10 keys + 256 = 296 keys = at most ~30 entries of 10 keys.
+    assert max(filtered) <= 30 + 1
+    assert order._logged <= recency._COMPACT_RATIO * 200 + recency._COMPACT_FLOOR + 296
 
 
 def test_log_stays_proportional_to_the_keys_held(monkeypatch) -> None:
