@@ -68,18 +68,24 @@ class CalibrationStats:
 class Calibration:
     """The parser the router calls (`calibration(path, headers, body)`), with settings that
     follow the engines. `placed()` is told of every placed request; `observe()` of every
-    scrape."""
+    scrape. `approximate_keys=False` (precise mode) parses without approximate keys: the
+    router replaces them with the tokenizer's, so computing them would be wasted work."""
 
-    def __init__(self, settings: ParseSettings, *, enabled: bool = True) -> None:
+    def __init__(
+        self, settings: ParseSettings, *, enabled: bool = True, approximate_keys: bool = True
+    ) -> None:
         self.settings = settings
         self.enabled = enabled
+        self.approximate_keys = approximate_keys
         self._windows: dict[str, _Window] = {}
         # A proposed bytes-per-token and how many windows in a row proposed it.
         self._proposal: tuple[int, int] | None = None
         self.stats = CalibrationStats(settings.block_tokens, settings.bytes_per_token)
 
     def __call__(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
-        return parse_request(path, headers, body, self.settings)
+        return parse_request(
+            path, headers, body, self.settings, approximate_keys=self.approximate_keys
+        )
 
     def placed(self, endpoint: str, request: InferenceRequest) -> None:
         if self.enabled and request.prompt is not None:

@@ -144,7 +144,9 @@ class App:
             self.shared_ends = self._share_request_ends(settings.index.redis_url)
         # Approximate keys only: precise keys come from the real tokenizer and block size.
         self.calibration = Calibration(
-            settings.parse, enabled=settings.parse.calibrate and self.precise is None
+            settings.parse,
+            enabled=settings.parse.calibrate and self.precise is None,
+            approximate_keys=self.precise is None,
         )
         self.router = Router(
             pool=self.pool,
@@ -784,6 +786,21 @@ class App:
         st = self.scraper.stats
         yield _counter("extproc_scrapes", "Successful endpoint metrics scrapes.", st.scrapes)
         yield _counter("extproc_scrape_failures", "Failed endpoint metrics scrapes.", st.failures)
+        yield _counter(
+            "extproc_scrape_unchanged",
+            "Scrapes whose body equalled the endpoint's previous one (hashed, not parsed).",
+            st.unchanged,
+        )
+        yield _counter(
+            "extproc_scrape_parse_cpu_seconds",
+            "CPU seconds spent hashing, parsing and storing scraped bodies.",
+            st.parse_cpu_s,
+        )
+        yield _counter(
+            "extproc_scrape_connections",
+            "Connections opened to endpoints' metrics ports (kept alive across scrapes).",
+            st.connects,
+        )
         inv = counter(
             "extproc_endpoint_cache_invalidations",
             "Endpoints whose index entries were dropped: restart (process start time changed) "

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from extproc.core import EndpointState
-from extproc.endpoints.scrape import LatencyTotals
+from extproc.endpoints.exposition import LatencyTotals
 from extproc.latency import LatencyModel, ModelSettings
 from extproc.latency.rls import RecursiveLeastSquares
 from tests.latency.synthetic import Engine, teach
