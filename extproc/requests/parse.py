@@ -96,10 +96,18 @@ _MODEL_ONLY = msgspec.json.Decoder(_ModelOnly)
 
 
 def parse_request(
-    path: str, headers: Mapping[str, str], body: bytes, settings: ParseSettings
+    path: str,
+    headers: Mapping[str, str],
+    body: bytes,
+    settings: ParseSettings,
+    *,
+    approximate_keys: bool = True,
 ) -> InferenceRequest:
     """Parse one request. `headers` have lower-case names. Raises `BadRequest` for a known
-    API path whose body is malformed; never raises for an unknown path."""
+    API path whose body is malformed; never raises for an unknown path.
+
+    `approximate_keys=False` (precise mode, where the tokenizer's keys replace them) skips
+    the canonical stream and its hashing: `block_keys` is left empty."""
     request_id = headers.get(REQUEST_ID_HEADER, "")
     api = api_for_path(path)
     if api is Api.UNKNOWN:
@@ -140,11 +148,13 @@ def parse_request(
     prompt, tokens = convert(decoded, resolver, settings)
     if tokens is None:
         tokens = estimate_prompt_tokens(prompt, settings)
-    limit = settings.max_blocks * settings.block_bytes
-    stream = canonical_stream(prompt, settings.bytes_per_token, limit)
-    keys = block_keys(
-        stream, settings.block_bytes, approx_seed(base_model, lora_adapter, cache_salt)
-    )
+    keys: tuple[int, ...] = ()
+    if approximate_keys:
+        limit = settings.max_blocks * settings.block_bytes
+        stream = canonical_stream(prompt, settings.bytes_per_token, limit)
+        keys = block_keys(
+            stream, settings.block_bytes, approx_seed(base_model, lora_adapter, cache_salt)
+        )
     return InferenceRequest(
         request_id=request_id,
         path=path,

@@ -121,7 +121,9 @@ class Parts:
             self.shared_ends = self._share_request_ends(settings.index.redis_url)
         # Approximate keys only: precise keys come from the real tokenizer and block size.
         self.calibration = Calibration(
-            settings.parse, enabled=settings.parse.calibrate and self.precise is None
+            settings.parse,
+            enabled=settings.parse.calibrate and self.precise is None,
+            approximate_keys=self.precise is None,
         )
         self.router = Router(
             pool=self.pool,

@@ -179,6 +179,18 @@ SCRAPE = StatsFamilies(
     {
         "scrapes": Stat("extproc_scrapes", "Successful endpoint metrics scrapes."),
         "failures": Stat("extproc_scrape_failures", "Failed endpoint metrics scrapes."),
+        "unchanged": Stat(
+            "extproc_scrape_unchanged",
+            "Scrapes whose body equalled the endpoint's previous one (hashed, not parsed).",
+        ),
+        "parse_cpu_s": Stat(
+            "extproc_scrape_parse_cpu_seconds",
+            "CPU seconds spent hashing, parsing and storing scraped bodies.",
+        ),
+        "connects": Stat(
+            "extproc_scrape_connections",
+            "Connections opened to endpoints' metrics ports (kept alive across scrapes).",
+        ),
         "invalidations": Stat(
             "extproc_endpoint_cache_invalidations",
             "Endpoints whose index entries were dropped: restart (process start time changed) "
@@ -380,6 +392,10 @@ LATENCY_MODEL = StatsFamilies(
         "reopened": Stat(
             "extproc_latency_refits",
             "Endpoint fits reopened because the server's speed changed.",
+        ),
+        "rescaled": Stat(
+            "extproc_latency_token_rescales",
+            "Token scale taken whole (not blended) because the picker's estimates changed.",
         ),
     },
 )
