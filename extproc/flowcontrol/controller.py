@@ -28,6 +28,7 @@ from typing import cast
 
 from extproc.core import EndpointState
 from extproc.flowcontrol.detectors import SaturationDetector
+from extproc.flowcontrol.eviction import EvictionSettings, Evictor
 from extproc.flowcontrol.policies import (
     Arrival,
     FairnessPolicy,
@@ -46,7 +47,14 @@ EVICTED_PRESSURE = "evicted-queue-pressure"
 
 MAX_LABELLED_FLOWS = 256
 
-OUTCOMES = ("dispatched", "rejected_capacity", "evicted_ttl", "evicted_pressure", "cancelled")
+OUTCOMES = (
+    "dispatched",
+    "rejected_capacity",
+    "evicted_ttl",
+    "evicted_pressure",
+    "cancelled",
+    "evicted_inflight",
+)
 
 
 class FlowRejected(Exception):
@@ -81,6 +89,23 @@ class Ticket:
     placed: bool = False
     released: bool = False
     pending: bool = True  # counted in the controller's pending figures
+    # In-flight eviction (flowcontrol/eviction.py): whether this one may be cut, when it
+    # started, whether it was cut, and who cuts it (the ext_proc stream, once routed).
+    evictable: bool = False
+    dispatched_at: float = 0.0
+    evicted: bool = False
+    _on_evict: Callable[[], None] | None = None
+
+    def evict(self) -> None:
+        self.evicted = True
+        if self._on_evict is not None:
+            self._on_evict()
+
+    def on_evict(self, fn: Callable[[], None]) -> None:
+        """Call `fn` when the request is evicted (at once if it already was)."""
+        self._on_evict = fn
+        if self.evicted:
+            fn()
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +178,7 @@ class FlowController:
         usage_limit: UsageLimitPolicy | None = None,
         priorities: Sequence[int] = (),
         visibility_s: float = 0.1,
+        eviction: EvictionSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -160,7 +186,8 @@ class FlowController:
         all queues together (0 = only the per-band bounds). `usage_limit` gives each band its
         saturation ceiling (default: 1.0 for all); `priorities` are the configured bands.
         `visibility_s`: with a detector that reads scraped figures, how long a placed
-        request still counts as pending (until a scrape can show it)."""
+        request still counts as pending (until a scrape can show it). `eviction`: cut
+        running lower-band requests when a higher band is blocked (None: never)."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -192,6 +219,7 @@ class FlowController:
         # Every enqueued item in arrival order (one TTL for all: the oldest expire first);
         # items that left the queue are skipped lazily when they reach the front.
         self._arrivals: collections.deque[tuple[_Band, _Item]] = collections.deque()
+        self.evictor = Evictor(eviction, clock) if eviction is not None else None
 
     # -- admission -------------------------------------------------------------------------
 
@@ -345,7 +373,10 @@ class FlowController:
         k = (request.priority, self.stats.label(request.fairness_id))
         self.stats.wait_sum[k] = self.stats.wait_sum.get(k, 0.0) + waited
         self.stats.wait_count[k] = self.stats.wait_count.get(k, 0) + 1
-        return Ticket(request, waited)
+        ticket = Ticket(request, waited, dispatched_at=self._clock())
+        if self.evictor is not None:
+            self.evictor.track(ticket)
+        return ticket
 
     def dispatch(self) -> int:
         """Release queued requests while the pool has capacity; returns how many."""
@@ -356,6 +387,8 @@ class FlowController:
             if self.peer_top_band is not None and self.peer_top_band > top:
                 break  # a replica holds higher-priority work: that capacity is its to use
             if not self._open(top):
+                if self.evictor is not None:
+                    self._reclaim(top)
                 break
             band = self._bands[top]
             served = self._fleet_served()
@@ -378,6 +411,22 @@ class FlowController:
             item.future.set_result(ticket)
             released += 1
         return released
+
+    def _reclaim(self, priority: int) -> None:
+        """Band `priority` has work but no room: evict running lower-band requests (paced,
+        see flowcontrol/eviction.py). Their capacity returns when their streams end."""
+        assert self.evictor is not None
+        sat = self.saturation()
+        for ticket in self.evictor.reclaim(sat, self.ceiling(priority, sat), priority):
+            self.stats.count(ticket.request, "evicted_inflight")
+            log.info(
+                "evicted in flight",
+                extra={
+                    "priority": ticket.request.priority,
+                    "fairness_id": ticket.request.fairness_id,
+                    "for_priority": priority,
+                },
+            )
 
     def _fleet_served(self) -> dict[str, float]:
         if not self.peer_served:
@@ -405,6 +454,8 @@ class FlowController:
             return
         ticket.released = True
         self._unpend(ticket)
+        if self.evictor is not None:
+            self.evictor.untrack(ticket)
         self.dispatch()
 
     def _unpend(self, ticket: Ticket) -> None:

@@ -18,11 +18,6 @@ from __future__ import annotations
 # found first, as flow control's own types). When they land, the registry (or flow
 # control) finds them before this table; the names are then removed here.
 PENDING_TYPES: dict[str, int] = {
-    # flow control: saturation detectors, admitters, fairness / ordering / usage policies
-    "sheddable-eviction-filter": 15,
-    "priority-then-time-eviction-order-policy": 15,
-    "eviction-priority-then-time-ordering": 15,  # GIE v1.5's name
-    "eviction-sheddable-filter": 15,  # GIE v1.5's name
     # predicted latency
     "predicted-latency-scorer": 16,  # GIE v1.5's name
     "slo-aware-profile-handler": 16,  # GIE v1.x
