@@ -138,18 +138,21 @@ class Deployment:
     log_dir: Path
     procs: list[subprocess.Popen] = field(default_factory=list)
     url: str = ""
+    admin_ports: list[int] = field(default_factory=list)
 
     def start(self, cfg: dict, *, pickers: int = 1, redis_url: str | None = None) -> None:
         path = self.log_dir / f"picker-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         ports = []
+        self.admin_ports = []
         for i in range(pickers):
-            port, health = free_port(), free_port()
+            port, health, admin_port = free_port(), free_port(), free_port()
+            self.admin_ports.append(admin_port)
             argv = [
                 sys.executable, "-m", "extproc", "serve",
                 "--endpoints", ",".join(self.fleet.addresses),
                 "--host", "127.0.0.1", "--port", str(port), "--health-port", str(health),
-                "--admin-port", "0", "--drain-delay", "0", "--config", str(path),
+                "--admin-port", str(admin_port), "--drain-delay", "0", "--config", str(path),
                 "--log-level", "warning",
             ]  # fmt: skip
             if redis_url:
@@ -206,6 +209,76 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 p.kill()
         self.procs.clear()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus text page as {series: value} (labels kept verbatim)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url, timeout=5).text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def summed(page: dict[str, float], name: str, *needles: str) -> float:
+    return sum(
+        v for k, v in page.items()
+        if k.partition("{")[0] == name and all(n in k for n in needles)
+    )  # fmt: skip
+
+
+def hist_quantile(page: dict[str, float], name: str, q: float, *needles: str) -> float:
+    """Upper bound of the histogram bucket holding quantile `q` (summed over series)."""
+    buckets: dict[float, float] = {}
+    for k, v in page.items():
+        if k.partition("{")[0] != name + "_bucket" or not all(n in k for n in needles):
+            continue
+        le = k.split('le="', 1)[1].split('"', 1)[0]
+        bound = float("inf") if le == "+Inf" else float(le)
+        buckets[bound] = buckets.get(bound, 0.0) + v
+    if not buckets:
+        return float("nan")
+    total = max(buckets.values())
+    for bound in sorted(buckets):
+        if buckets[bound] >= q * total:
+            return bound
+    return float("inf")
+
+
+def diagnostics(dep: Deployment, sims_before: list[dict[str, float]]) -> dict:
+    """Where admitted interactive requests waited: in the picker's queue (flow control) or
+    in the engines (their queue-time histograms, this run only)."""
+    row: dict = {}
+    pages = [scrape(f"http://127.0.0.1:{p}/metrics") for p in dep.admin_ports]
+    for band, label in (("10", "interactive"), ("0", "batch")):
+        sel = f'priority="{band}"'
+        n = sum(summed(pg, "extproc_flow_queue_wait_seconds_count", sel) for pg in pages)
+        total = sum(summed(pg, "extproc_flow_queue_wait_seconds_sum", sel) for pg in pages)
+        row[f"{label}_picker_wait_mean_s"] = round(total / n, 3) if n else None
+        merged: dict[str, float] = {}
+        for pg in pages:
+            for k, v in pg.items():
+                merged[k] = merged.get(k, 0.0) + v
+        row[f"{label}_picker_wait_p99_le_s"] = hist_quantile(
+            merged, "extproc_flow_queue_wait_seconds", 0.99, sel
+        )
+    after = sims_now(dep)
+    q_sum = sum(summed(a, "vllm:request_queue_time_seconds_sum") for a in after) - sum(
+        summed(b, "vllm:request_queue_time_seconds_sum") for b in sims_before
+    )
+    q_n = sum(summed(a, "vllm:request_queue_time_seconds_count") for a in after) - sum(
+        summed(b, "vllm:request_queue_time_seconds_count") for b in sims_before
+    )
+    row["engine_queue_mean_s"] = round(q_sum / q_n, 3) if q_n else None
+    return row
+
+
+def sims_now(dep: Deployment) -> list[dict[str, float]]:
+    return [scrape(f"http://{a}/metrics") for a in dep.fleet.addresses]
 
 
 def prompt(rng: random.Random, words: int) -> str:
@@ -407,9 +480,12 @@ def main() -> int:
                           redis_url=f"redis://127.0.0.1:{port}/0")  # fmt: skip
             else:
                 dep.start(picker_config(objectives, flow=run == "on"))
+            sims_before = sims_now(dep)
             duration = asyncio.run(open_loop(dep.url, reqs))
+            diag = diagnostics(dep, sims_before)
             dep.stop()
             row = report(f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99)
+            row.update(diag)
             row["offered_tok_s"] = offered
             row["offered_req_s"] = len(reqs) / args.burst_s
             row["duration_s"] = duration

@@ -204,7 +204,8 @@ class Admission:
             "extproc_flow_requests",
             "Flow-control outcomes: dispatched, rejected_capacity (queue full), evicted_ttl, "
             "evicted_pressure (displaced by higher priority), cancelled (client left), "
-            "rejected_admitter (refused by an admitter).",
+            "rejected_admitter (refused by an admitter), evicted_inflight (cut while running, "
+            "enableEviction).",
             ["priority", "fairness_id", "outcome"],
         )
         for (p, f, outcome), n in sorted(fc.stats.outcomes.items()):
