@@ -209,6 +209,13 @@ class FlowController:
         self.peer_top_band: int | None = None
         # Work other replicas released that the detector may not see yet (last exchange).
         self.peer_pending: tuple[int, int] = (0, 0)
+        # Flows queued at other replicas, per band (last exchange), and how long this
+        # replica leaves free capacity to a peer whose flow is next fleet-wide before it
+        # serves its own queue anyway (0: never defers; set with shared state).
+        self.peer_flows: dict[int, frozenset[str]] = {}
+        self.defer_limit_s = 0.0
+        self._deferring_since: float | None = None
+        self.deferrals = 0
         self._decayed_at = clock()
         self.stats = FlowStats()
         self._usage_limit: UsageLimitPolicy = usage_limit or StaticUsageLimit()
@@ -387,6 +394,7 @@ class FlowController:
             if self.peer_top_band is not None and self.peer_top_band > top:
                 break  # a replica holds higher-priority work: that capacity is its to use
             if not self._open(top):
+                self._deferring_since = None
                 if self.evictor is not None:
                     self._reclaim(top)
                 break
@@ -397,7 +405,10 @@ class FlowController:
                 arrivals = {f: q[0].arrival for f, q in band.flows.items()}
                 flow = cast(TimedFairness, band.fairness).pick_at(arrivals, now)
             else:
+                if self._defer_to_peer(top, band, heads, served, now):
+                    break
                 flow = band.fairness.pick(heads, served, self.weights)
+            self._deferring_since = None
             item = band.flows[flow][0]
             self._remove(band, item)
             if item.future.done():
@@ -411,6 +422,35 @@ class FlowController:
             item.future.set_result(ticket)
             released += 1
         return released
+
+    def _defer_to_peer(
+        self,
+        priority: int,
+        band: _Band,
+        heads: Mapping[str, tuple[float, ...]],
+        served: Mapping[str, float],
+        now: float,
+    ) -> bool:
+        """Fleet-wide fairness: with a usage-based policy, the flow next by fleet-wide usage
+        may be queued at another replica only; then this free capacity is left to that
+        replica (it sees the same usage and capacity and releases it), for at most
+        `defer_limit_s` (stale peer state must not leave capacity idle for long)."""
+        peers = self.peer_flows.get(priority)
+        if not peers or not self.defer_limit_s or not getattr(band.fairness, "fleet_wide", False):
+            return False
+        everywhere = dict(heads)
+        for f in peers:
+            everywhere.setdefault(f, (math.inf,))  # a tie goes to a local flow
+        if band.fairness.pick(everywhere, served, self.weights) in heads:
+            return False
+        if self._deferring_since is None:
+            self._deferring_since = now
+            self.deferrals += 1
+        return now - self._deferring_since < self.defer_limit_s
+
+    def top_flows(self) -> dict[int, list[str]]:
+        """Per band, the flows queued here (published to the other replicas)."""
+        return {p: list(b.flows) for p, b in self._bands.items() if b.flows}
 
     def _reclaim(self, priority: int) -> None:
         """Band `priority` has work but no room: evict running lower-band requests (paced,

@@ -85,3 +85,45 @@ async def test_degraded_shared_state_shows_in_metrics(redis_server: RedisServer)
         assert gauge("extproc_flow_shared_errors") == 1.0
     finally:
         await asyncio.wait_for(adm.aclose(), 5)
+
+
+async def test_shares_hold_fleet_wide_when_each_tenant_reaches_one_replica(
+    redis_server: RedisServer,
+):
+    """Tenant A (weight 3) reaches only replica a, tenant B (weight 1) only replica b, both
+    behind one slot. Each replica alone would fill every free slot with its own tenant;
+    sharing which flows are queued where, the replica whose tenant is next fleet-wide takes
+    the slot and the other leaves it: 3:1, as with one replica."""
+    weights = {"A": 3.0, "B": 1.0}
+    band = {"priority": 0, "fairnessPolicyRef": "weighted-token-fairness-policy"}
+    fc = {"priorityBands": [band]}
+    a, slots, _ = make(capacity=1, weights=weights, flow_control=fc)
+    b, _, _ = make(capacity=1, weights=weights, flow_control=fc)
+    b._states = slots.states  # one pool: both replicas see the same in-flight count
+    sa = SharedFlowState.from_url(redis_server.url, a, namespace="t4", process_id="a")
+    sb = SharedFlowState.from_url(redis_server.url, b, namespace="t4", process_id="b")
+    try:
+        (h,) = await start(a, req("H"))
+        running = (a, place(a, slots, h))
+        queued = {a: list(await start(a, *(req("A") for _ in range(8)))),
+                  b: list(await start(b, *(req("B") for _ in range(8))))}  # fmt: skip
+        order: list[str] = []
+        for _ in range(8):
+            await sa.exchange()
+            await sb.exchange()
+            ctl, ticket = running
+            slots.used -= 1
+            ctl.release(ticket)  # the slot frees; its replica dispatches first, then the other
+            for c in (ctl, b if ctl is a else a):
+                c.dispatch()
+                await settle()
+                for t in [t for t in queued[c] if t.done()]:
+                    queued[c].remove(t)
+                    running = (c, place(c, slots, t))
+                    order.append(t.result().request.fairness_id)
+        assert len(order) == 8  # one request per free slot, never two
+        assert order.count("A") == 6 and order.count("B") == 2, order
+        assert a.deferrals + b.deferrals > 0
+    finally:
+        await sa.aclose()
+        await sb.aclose()
