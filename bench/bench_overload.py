@@ -162,7 +162,7 @@ class Deployment:
             self.procs.append(proc)
             wait_until(
                 lambda h=health: grpc_health_status(h, "readiness") == 1,
-                timeout_s=30, what="picker", proc=proc,
+                timeout_s=90, what="picker", proc=proc,
             )  # fmt: skip
             ports.append(port)
         listen, admin = free_port(), free_port()
@@ -190,7 +190,7 @@ class Deployment:
         self.procs.append(proc)
         wait_until(
             lambda: httpx.get(f"http://127.0.0.1:{admin}/ready", timeout=0.5).status_code == 200,
-            timeout_s=30, what="envoy", proc=proc,
+            timeout_s=90, what="envoy", proc=proc,
         )  # fmt: skip
         # Both pickers healthy in Envoy before traffic.
         stat = "cluster.extproc.membership_healthy"

@@ -16,7 +16,7 @@ Saturation is fleet-wide by construction when in-flight counts are shared
 (`state.shared_inflight`) or scraped from the servers.
 
 Layout (one hash slot, Cluster-safe): `{<ns>}:flow` hash, field = process id, value =
-msgpack `[expiry_ms, top_band | nil, {flow: tokens}, pending_requests, pending_tokens,
+msgpack `[expiry_ms, top_band | false, {flow: tokens}, pending_requests, pending_tokens,
 {band: [queued flow, ...]}]` (the last element absent from older replicas);
 one script refreshes our field, drops expired ones (Redis server time, so no clock agreement
 needed) and returns the rest.
@@ -97,9 +97,13 @@ class SharedFlowState:
         """One publish-and-read; on failure, fall back to local state (never raises)."""
         fc = self._fc
         mine = {k: round(v) for k, v in fc.served.items()}
+        # No queued band is `false`, not nil: a nil inside the array would cut it short when
+        # the Lua script re-packs it (and peers would drop the entry as corrupt).
+        own_top = fc.top_band()
         own = msgpack.packb(
-            [0, fc.top_band(), mine, fc.pending_requests, fc.pending_tokens, fc.top_flows()]
-        )
+            [0, False if own_top is None else own_top, mine, fc.pending_requests, fc.pending_tokens,
+             fc.top_flows()]
+        )  # fmt: skip
         try:
             blobs = await self._eval(own)
         except (RedisError, OSError, TimeoutError) as exc:
@@ -125,9 +129,7 @@ class SharedFlowState:
         queued: dict[int, set[str]] = {}
         for blob in blobs:
             try:
-                _, band, flows, p_reqs, p_toks, *rest = msgpack.unpackb(
-                    blob, strict_map_key=False
-                )
+                _, band, flows, p_reqs, p_toks, *rest = msgpack.unpackb(blob, strict_map_key=False)
                 # Redis's Lua msgpack re-packs an empty map as an empty array.
                 for f, v in _mapping(flows).items():
                     served[str(f)] = served.get(str(f), 0.0) + float(v)
@@ -138,7 +140,7 @@ class SharedFlowState:
             except (ValueError, TypeError, AttributeError, msgpack.UnpackException):
                 continue  # a foreign or corrupt entry must not stop flow control
             peers += 1
-            if isinstance(band, int) and (top is None or band > top):
+            if type(band) is int and (top is None or band > top):
                 top = band
         self.stats.peers = peers
         fc.peer_top_band = top

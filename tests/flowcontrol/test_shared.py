@@ -13,7 +13,8 @@ from tests.redis_servers import RedisServer
 
 async def test_replicas_share_top_band_and_served_tokens(redis_server: RedisServer):
     a, slots_a, _ = make(capacity=2)
-    b, _slots_b, _ = make(capacity=1)
+    # b's pool has room for a's released-but-unplaced request (counted fleet-wide) plus one.
+    b, _slots_b, _ = make(capacity=2)
     sa = SharedFlowState.from_url(redis_server.url, a, namespace="t1", process_id="a")
     sb = SharedFlowState.from_url(redis_server.url, b, namespace="t1", process_id="b")
     try:
@@ -124,6 +125,24 @@ async def test_shares_hold_fleet_wide_when_each_tenant_reaches_one_replica(
         assert len(order) == 8  # one request per free slot, never two
         assert order.count("A") == 6 and order.count("B") == 2, order
         assert a.deferrals + b.deferrals > 0
+    finally:
+        await sa.aclose()
+        await sb.aclose()
+
+
+async def test_an_idle_replica_is_still_a_peer(redis_server: RedisServer):
+    """Nothing queued, nothing served: the entry survives Redis's Lua re-packing (a nil top
+    band or an empty map once made peers drop it as corrupt)."""
+    a, _, _ = make(capacity=1)
+    b, _, _ = make(capacity=1)
+    sa = SharedFlowState.from_url(redis_server.url, a, namespace="t5", process_id="a")
+    sb = SharedFlowState.from_url(redis_server.url, b, namespace="t5", process_id="b")
+    try:
+        await sa.exchange()
+        await sb.exchange()
+        await sa.exchange()
+        assert sa.stats.peers == 1 and sb.stats.peers == 1
+        assert a.peer_top_band is None and a.peer_served == {} and a.peer_flows == {}
     finally:
         await sa.aclose()
         await sb.aclose()
