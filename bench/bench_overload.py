@@ -50,14 +50,14 @@ OUTPUT_TOKENS = 96
 SERVERS = 2
 # KV is the binding limit: 700 blocks x 16 tokens per server; a request reserves
 # ceil((prompt + 96) / 16) blocks for its whole life (~20-80 blocks here).
-SIM_ARGS = ("--fast", "1", "--num-gpu-blocks", "700", "--max-num-seqs", "256")
+SIM_ARGS = ("--num-gpu-blocks", "700", "--max-num-seqs", "256")
 OBJECTIVES = [
     {"kind": "InferenceObjective", "metadata": {"name": "interactive"}, "spec": {"priority": 10}},
     {"kind": "InferenceObjective", "metadata": {"name": "batch"}, "spec": {"priority": 0}},
 ]
 
 
-def picker_config(objectives: Path, *, flow: bool) -> dict:
+def picker_config(objectives: Path, *, flow: bool, min_ceiling: float = 0.85) -> dict:
     plugins = [
         {"type": "queue-scorer"},
         {"type": "kv-cache-utilization-scorer"},
@@ -91,7 +91,7 @@ def picker_config(objectives: Path, *, flow: bool) -> dict:
             },
             {"type": "weighted-token-fairness-policy"},
             # Batch stops at 85% of the detector's ceiling; interactive may use the rest.
-            {"type": "priority-holdback-policy", "parameters": {"minCeiling": 0.85}},
+            {"type": "priority-holdback-policy", "parameters": {"minCeiling": min_ceiling}},
         ]
         sched["flowControl"] = {
             "defaultRequestTTL": "10s",
@@ -443,12 +443,18 @@ def main() -> int:
     ap.add_argument("--slo-s", type=float, default=5.0, help="TTFT SLO for goodput")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--runs", default="on,off,on-2-replicas")
+    ap.add_argument("--sim-speed", type=float, default=1.0,
+                    help="the sim's --fast factor: below 1 slows its time down, so fewer "
+                    "requests per wall second (less CPU for a shared machine)")  # fmt: skip
+    ap.add_argument("--min-ceiling", type=float, default=0.85,
+                    help="priority-holdback minCeiling: where batch stops (headroom kept for "
+                    "interactive)")  # fmt: skip
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     objectives = tmp / "objectives.yaml"
     objectives.write_text(yaml.safe_dump_all(OBJECTIVES))
     redis = None
-    fleet = SimFleet(SERVERS, SIM_ARGS, log_dir=tmp)
+    fleet = SimFleet(SERVERS, ("--fast", str(args.sim_speed), *SIM_ARGS), log_dir=tmp)
     dep = Deployment(fleet, tmp)
     rows = []
     try:
@@ -476,10 +482,10 @@ def main() -> int:
                         stdout=subprocess.DEVNULL,
                     )  # fmt: skip
                     time.sleep(0.5)
-                dep.start(picker_config(objectives, flow=True), pickers=2,
-                          redis_url=f"redis://127.0.0.1:{port}/0")  # fmt: skip
+                cfg = picker_config(objectives, flow=True, min_ceiling=args.min_ceiling)
+                dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0")
             else:
-                dep.start(picker_config(objectives, flow=run == "on"))
+                dep.start(picker_config(objectives, flow=run == "on", min_ceiling=args.min_ceiling))
             sims_before = sims_now(dep)
             duration = asyncio.run(open_loop(dep.url, reqs))
             diag = diagnostics(dep, sims_before)

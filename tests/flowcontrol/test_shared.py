@@ -48,12 +48,13 @@ async def test_redis_down_degrades_to_local_and_says_so(redis_server: RedisServe
         await sa.exchange()
         assert not sa.degraded and sa.stats.exchanges == 1
         a.peer_top_band = 3  # as if a peer had reported
+        a.peer_flows = {0: frozenset({"x"})}
         redis_server.kill()
         with caplog.at_level(logging.WARNING, logger="extproc.flowcontrol"):
             await sa.exchange()
             await sa.exchange()
         assert sa.degraded and sa.stats.errors == 2
-        assert a.peer_top_band is None and a.peer_served == {}
+        assert a.peer_top_band is None and a.peer_served == {} and a.peer_flows == {}
         assert sum("per replica" in r.getMessage() for r in caplog.records) == 1
         (r,) = await start(a, req())
         assert r.done()  # local flow control goes on
