@@ -14,7 +14,8 @@ C far more tokens than its weight; shares are counted in tokens (prompt + output
 Measured first, same run: unloaded TTFT (interactive requests alone at ~0.2x capacity) and
 capacity (a closed loop keeping the fleet full, served tokens/s). Then the same seeded burst
 (`--burst-s` of arrivals at the offered rate; time is not compressed) three ways:
-- flow control on, one picker (utilization-detector on scraped KV use and queue depth,
+- flow control on, one picker (concurrency-detector on in-flight prompt tokens vs KV, or
+  `--detector utilization` on scraped KV use and queue depth;
   weighted-token fairness, TTL 10 s, batch band bounded at 24 queued);
 - flow control off, one picker (the same picker config without `flowControl`);
 - flow control on, two pickers behind one Envoy, sharing state through one Redis.
@@ -57,7 +58,25 @@ OBJECTIVES = [
 ]
 
 
-def picker_config(objectives: Path, *, flow: bool, min_ceiling: float = 0.85) -> dict:
+# The concurrency detector's token ceiling per server: its KV in tokens. In-flight tokens
+# are the uncached prompt tokens placed (estimated from bytes, ~1.0-1.2x the sim's tokens
+# here) and last until the access log reports the request's end, so they track the KV the
+# engine holds for them, without the scrape's lag.
+KV_TOKENS = 700 * 16
+
+
+def detector(kind: str) -> dict:
+    if kind == "utilization":
+        params = {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 0.95,
+                  "metricsStalenessThreshold": "500ms"}  # fmt: skip
+        return {"type": "utilization-detector", "parameters": params}
+    params = {"concurrencyMode": "tokens", "maxTokenConcurrency": KV_TOKENS}
+    return {"type": "concurrency-detector", "parameters": params}
+
+
+def picker_config(
+    objectives: Path, *, flow: bool, min_ceiling: float = 0.85, kind: str = "concurrency"
+) -> dict:
     plugins = [
         {"type": "queue-scorer"},
         {"type": "kv-cache-utilization-scorer"},
@@ -81,14 +100,7 @@ def picker_config(objectives: Path, *, flow: bool, min_ceiling: float = 0.85) ->
     doc: dict = {"scheduling": sched, "parse": {"bytes_per_token": 1}}
     if flow:
         plugins += [
-            {
-                "type": "utilization-detector",
-                "parameters": {
-                    "queueDepthThreshold": 1,
-                    "kvCacheUtilThreshold": 0.95,
-                    "metricsStalenessThreshold": "500ms",
-                },
-            },
+            detector(kind),
             {"type": "weighted-token-fairness-policy"},
             # Batch stops at 85% of the detector's ceiling; interactive may use the rest.
             {"type": "priority-holdback-policy", "parameters": {"minCeiling": min_ceiling}},
@@ -103,7 +115,7 @@ def picker_config(objectives: Path, *, flow: bool, min_ceiling: float = 0.85) ->
                     "fairnessPolicyRef": "weighted-token-fairness-policy",
                 },
             ],
-            "saturationDetector": {"pluginRef": "utilization-detector"},
+            "saturationDetector": {"pluginRef": detector(kind)["type"]},
             "usageLimitPolicyPluginRef": "priority-holdback-policy",
         }
         doc["flow_control"] = {
@@ -446,6 +458,10 @@ def main() -> int:
     ap.add_argument("--sim-speed", type=float, default=1.0,
                     help="the sim's --fast factor: below 1 slows its time down, so fewer "
                     "requests per wall second (less CPU for a shared machine)")  # fmt: skip
+    ap.add_argument("--detector", choices=("concurrency", "utilization"),
+                    default="concurrency",
+                    help="concurrency: in-flight uncached prompt tokens against each server's "
+                    "KV (current); utilization: scraped queue depth and KV use")  # fmt: skip
     ap.add_argument("--min-ceiling", type=float, default=0.85,
                     help="priority-holdback minCeiling: where batch stops (headroom kept for "
                     "interactive)")  # fmt: skip
@@ -458,8 +474,9 @@ def main() -> int:
     dep = Deployment(fleet, tmp)
     rows = []
     try:
-        dep.start(picker_config(objectives, flow=True))
-        # Capacity: enough outstanding requests to keep both KV caches full.
+        # Capacity: enough outstanding requests to keep both KV caches full, flow control
+        # off (with it on, the holdback would keep them below full: a lower bar).
+        dep.start(picker_config(objectives, flow=False))
         req_s, cap_tps, per_req = asyncio.run(closed_loop(dep.url, 64, 12.0))
         print(f"capacity: {req_s:.2f} req/s, {cap_tps:.0f} tok/s; tokens/request {per_req}")
         # Unloaded: interactive alone at ~0.2x capacity.
@@ -482,10 +499,15 @@ def main() -> int:
                         stdout=subprocess.DEVNULL,
                     )  # fmt: skip
                     time.sleep(0.5)
-                cfg = picker_config(objectives, flow=True, min_ceiling=args.min_ceiling)
+                cfg = picker_config(
+                    objectives, flow=True, min_ceiling=args.min_ceiling, kind=args.detector
+                )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0")
             else:
-                dep.start(picker_config(objectives, flow=run == "on", min_ceiling=args.min_ceiling))
+                cfg = picker_config(
+                    objectives, flow=run == "on", min_ceiling=args.min_ceiling, kind=args.detector
+                )
+                dep.start(cfg)
             sims_before = sims_now(dep)
             duration = asyncio.run(open_loop(dep.url, reqs))
             diag = diagnostics(dep, sims_before)
