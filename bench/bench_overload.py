@@ -98,6 +98,9 @@ def picker_config(
     # The sim's made-up words run ~1.3 bytes a token: calibrate the picker's estimate (the
     # token cost fairness counts) to it, as one would to a real model's tokenizer.
     doc: dict = {"scheduling": sched, "parse": {"bytes_per_token": 1}}
+    # In-flight counts last until Envoy's access log reports the request's end, from the
+    # first request on ("auto" holds only once log entries have arrived).
+    doc["state"] = {"request_end": {"mode": "access-log"}}
     if flow:
         plugins += [
             detector(kind),
