@@ -58,11 +58,12 @@ OBJECTIVES = [
 ]
 
 
-# The concurrency detector's token ceiling per server: its KV in tokens. In-flight tokens
-# are the uncached prompt tokens placed (estimated from bytes, ~1.0-1.2x the sim's tokens
-# here) and last until the access log reports the request's end, so they track the KV the
-# engine holds for them, without the scrape's lag.
-KV_TOKENS = 700 * 16
+# The concurrency detector's token ceiling per server: its KV in tokens, in the picker's
+# estimate. In-flight tokens are the uncached prompt tokens placed, estimated from bytes
+# (~1.0-1.2x the sim's tokens here, ~1.1x over the mix, which about makes up for the 96
+# output tokens the engine also reserves), and last until the access log reports the
+# request's end: they track the KV the engine holds, without the scrape's lag.
+KV_TOKENS = int(700 * 16 * 1.1)
 
 
 def detector(kind: str) -> dict:
@@ -75,7 +76,12 @@ def detector(kind: str) -> dict:
 
 
 def picker_config(
-    objectives: Path, *, flow: bool, min_ceiling: float = 0.85, kind: str = "concurrency"
+    objectives: Path,
+    *,
+    flow: bool,
+    min_ceiling: float = 0.85,
+    kind: str = "concurrency",
+    ttl_s: float = 10.0,
 ) -> dict:
     plugins = [
         {"type": "queue-scorer"},
@@ -109,7 +115,7 @@ def picker_config(
             {"type": "priority-holdback-policy", "parameters": {"minCeiling": min_ceiling}},
         ]
         sched["flowControl"] = {
-            "defaultRequestTTL": "10s",
+            "defaultRequestTTL": f"{ttl_s:g}s",
             "priorityBands": [
                 {"priority": 10, "fairnessPolicyRef": "weighted-token-fairness-policy"},
                 {
@@ -465,6 +471,9 @@ def main() -> int:
                     default="concurrency",
                     help="concurrency: in-flight uncached prompt tokens against each server's "
                     "KV (current); utilization: scraped queue depth and KV use")  # fmt: skip
+    ap.add_argument("--ttl-s", type=float, default=10.0,
+                    help="defaultRequestTTL: below the SLO, a request that could only be served "
+                    "late is shed instead")  # fmt: skip
     ap.add_argument("--min-ceiling", type=float, default=0.85,
                     help="priority-holdback minCeiling: where batch stops (headroom kept for "
                     "interactive)")  # fmt: skip
@@ -503,12 +512,20 @@ def main() -> int:
                     )  # fmt: skip
                     time.sleep(0.5)
                 cfg = picker_config(
-                    objectives, flow=True, min_ceiling=args.min_ceiling, kind=args.detector
+                    objectives,
+                    flow=True,
+                    min_ceiling=args.min_ceiling,
+                    kind=args.detector,
+                    ttl_s=args.ttl_s,
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0")
             else:
                 cfg = picker_config(
-                    objectives, flow=run == "on", min_ceiling=args.min_ceiling, kind=args.detector
+                    objectives,
+                    flow=run == "on",
+                    min_ceiling=args.min_ceiling,
+                    kind=args.detector,
+                    ttl_s=args.ttl_s,
                 )
                 dep.start(cfg)
             sims_before = sims_now(dep)
