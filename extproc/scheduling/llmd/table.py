@@ -201,6 +201,10 @@ LLMD_TYPES: frozenset[str] = frozenset(
         "slo-headroom-tier-filter",
         # flow control (built by extproc.flowcontrol, not the scheduling registry)
         "concurrency-detector",
+        "eviction-priority-then-time-ordering",  # GIE v1.5's name
+        "eviction-sheddable-filter",  # GIE v1.5's name
+        "priority-then-time-eviction-order-policy",
+        "sheddable-eviction-filter",
         "edf-ordering-policy",
         "fcfs-ordering-policy",
         "global-strict-fairness-policy",
