@@ -83,17 +83,18 @@ def picker_config(
     kind: str = "concurrency",
     ttl_s: float = 10.0,
 ) -> dict:
-    plugins = [
-        {"type": "queue-scorer"},
-        {"type": "kv-cache-utilization-scorer"},
-        {"type": "max-score-picker"},
-    ]
+    # Placement by in-flight prompt tokens (current: held to the request's end), not by the
+    # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
+    # lands on one server while the other idles, and that server's prefill line grows.
+    scorers = ["token-load-scorer", "queue-scorer", "kv-cache-utilization-scorer"]
+    plugins = [{"type": t} for t in scorers] + [{"type": "max-score-picker"}]
     sched: dict = {
         "plugins": plugins,
         "schedulingProfiles": [
             {
                 "name": "default",
                 "plugins": [
+                    {"pluginRef": "token-load-scorer", "weight": 2},
                     {"pluginRef": "queue-scorer", "weight": 1},
                     {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
                     {"pluginRef": "max-score-picker"},
