@@ -59,6 +59,9 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
         admin = changes.get("admin_port", server.admin_port)
         if admin:
             changes["admin_port"] = admin + args.worker_index
+    if args.worker_ports is not None:
+        # Each worker's own port (not shared): a proxy balancing over them spreads streams.
+        changes["worker_port"] = args.worker_ports + (args.worker_index or 0)
     if changes:
         server = msgspec.structs.replace(server, **changes)
     endpoints = settings.endpoints
@@ -140,6 +143,8 @@ def _supervise(args: argparse.Namespace, settings: Settings) -> int:
     server = settings.server
     if server.port == 0 or server.health_port == 0:
         raise ConfigError("--workers needs fixed ext_proc and health ports (not 0)")
+    if args.worker_ports == 0:
+        raise ConfigError("--worker-ports needs a fixed base port (not 0)")
     if settings.index.backend == "memory":
         log.warning(
             "workers do not share state with the memory index: each has its own prefix index "
@@ -172,6 +177,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         extproc_sni=args.extproc_sni,
         extproc_ca_file=args.extproc_ca,
         allow_explain=args.allow_explain,
+        extproc_workers=args.extproc_workers,
     )
     try:
         sys.stdout.write(render_bootstrap(opts))
@@ -300,6 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
         "admin on admin-port + i (default 1: no supervisor)",
     )
     s.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    s.add_argument(
+        "--worker-ports",
+        type=int,
+        default=None,
+        help="worker i also serves ext_proc alone on WORKER_PORTS + i, for a proxy that "
+        "balances streams over the workers (envoy-config --extproc-workers)",
+    )
     s.add_argument("--endpoints", help="comma list of model-server ip:port")
     s.add_argument("--port", type=int, help="ext_proc gRPC port (default 9002)")
     s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
@@ -348,6 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--extproc-plaintext",
         action="store_true",
         help="plaintext to the picker (only for a picker started with --plaintext)",
+    )
+    e.add_argument(
+        "--extproc-workers",
+        type=int,
+        default=1,
+        help="the picker runs --workers N --worker-ports P and --extproc is host:P: balance "
+        "streams over the N worker ports",
     )
     e.add_argument("--extproc-sni", help="SNI sent to the picker (default: its host name)")
     e.add_argument("--extproc-ca", help="PEM CA bundle to verify the picker's certificate")

@@ -85,7 +85,9 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     match). `admin_host`: where the admin port binds (loopback by default: it serves the
     explain API and state without authentication). `admin_explain_max_bytes`: the largest
     body `POST /debug/explain` accepts. `allowed_clients`: IPs/CIDRs that may open ext_proc
-    streams (the Envoy pods); empty = anyone who can connect.
+    streams (the Envoy pods); empty = anyone who can connect. `worker_port`: a second
+    ext_proc port this process alone serves (`--worker-ports BASE`: worker i of `--workers N`
+    at BASE + i), so a proxy can balance streams over workers (docs/operations.md, Workers).
     """
 
     host: str = "0.0.0.0"
@@ -104,6 +106,7 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     admin_host: str = "127.0.0.1"
     admin_explain_max_bytes: Annotated[int, msgspec.Meta(gt=0)] = 4 * MiB
     allowed_clients: list[str] = msgspec.field(default_factory=list)
+    worker_port: _Port | None = None
 
     def __post_init__(self) -> None:
         import ipaddress

@@ -42,7 +42,7 @@ from extproc.server.guard import lenient_deserializer
 from extproc.server.health import Health
 from extproc.server.llmd_metrics import BuildInfo, PoolView
 from extproc.server.metrics import PickerMetrics, counter, gauge
-from extproc.server.ports import PortInUse, bind_grpc, check_ports
+from extproc.server.ports import PortInUse, bind_grpc, bind_worker_port, check_ports
 from extproc.server.stream import StreamHandler
 from extproc.signals import Signals
 
@@ -187,6 +187,7 @@ class App:
         # Set when certificate files are served (reload counters).
         self.tls_reloader: object | None = None
         self.port = 0
+        self.worker_port = 0  # this process's own ext_proc port (--worker-ports)
         self.health_port = 0
         self.admin_port = 0
         # Time of the last KV-event message seen at a scrape (the lag gauge's reference).
@@ -387,7 +388,8 @@ class App:
         # Before anything connects or binds: a taken port is one clear error, not a
         # traceback after the ext_proc port already took streams. Workers share two ports.
         shared = {} if self._shared_ports else {"ext_proc": cfg.port, "health": cfg.health_port}
-        check_ports(cfg.host, {**shared, "admin": cfg.admin_port or 0})
+        own = {"worker": cfg.worker_port or 0}
+        check_ports(cfg.host, {**shared, **own, "admin": cfg.admin_port or 0})
         try:
             return await self._start(cfg)
         except BaseException:
@@ -457,6 +459,8 @@ class App:
             self.port = bind_grpc("ext_proc", address, self._server.add_secure_port, creds)
         else:
             self.port = bind_grpc("ext_proc", address, self._server.add_insecure_port)
+        if cfg.worker_port is not None:
+            self.worker_port = bind_worker_port(self._server, cfg, creds if tls else None)
         # Plaintext on purpose: kubelet's gRPC probes have no TLS option. It serves only the
         # health service, so it carries no request data.
         self._health_server = grpc.aio.server(options=reuse)
@@ -495,6 +499,7 @@ class App:
             extra={
                 "port": self.port,
                 "health_port": self.health_port,
+                "worker_port": self.worker_port or None,
                 "admin_port": self.admin_port,
                 "endpoints": len(self.pool),
                 "tls": tls is not None,

@@ -75,8 +75,22 @@ def collect(found: Sequence[LatencyLearner], plugins: Iterable[object]) -> Itera
         "extproc_latency_token_scale",
         "Engine prompt tokens per token the picker estimates (learned).",
     )
+    queued = GaugeMetricFamily(
+        "extproc_latency_backlog_requests",
+        "Per endpoint, this picker's placements without a first token yet (the queue the "
+        "TTFT prediction prices).",
+        labels=["endpoint"],
+    )
+    trimmed = CounterMetricFamily(
+        "extproc_latency_backlog_trimmed",
+        "Placements dropped from the latency model's queue because the engine reported fewer "
+        "waiting and running requests (failed, cancelled, or counted as others' work).",
+    )
     for learner in found:
         scale.add_metric([], learner.model.token_scale)
+        for address, b in learner.model.backlogs().items():
+            queued.add_metric([address], len(b))
+        trimmed.add_metric([], sum(b.trimmed for b in learner.model.backlogs().values()))
         for address, c in learner.model.all_coefficients().items():
             terms.add_metric([address, "per_request"], c.per_request_s)
             terms.add_metric([address, "per_token"], c.per_token_s)
@@ -110,8 +124,8 @@ def collect(found: Sequence[LatencyLearner], plugins: Iterable[object]) -> Itera
     shed.add_metric(
         [], sum(getattr(p, "shed", 0) for p in plugins if _is(p, "latency-slo-admitter"))
     )
-    yield from (learning, endpoints, predictions, samples, throughput, terms, scale, fallbacks,
-                shed)  # fmt: skip
+    yield from (learning, endpoints, predictions, samples, throughput, terms, scale, queued,
+                trimmed, fallbacks, shed)  # fmt: skip
 
 
 def _is(plugin: object, type_name: str) -> bool:

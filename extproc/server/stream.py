@@ -126,6 +126,7 @@ class StreamHandler:
         self._allow = allow or PeerAllowList()
         self._throttle = Throttle()
         self._warned: set[int] = set()  # body modes already logged as "routing on headers"
+        self._replies = wire.DecisionReplies()
 
     @classmethod
     def from_settings(
@@ -158,6 +159,7 @@ class StreamHandler:
             self._warned,
             self.budget,
             self._explain_tokens,
+            self._replies,
         )
         deadline = BodyDeadline(self._body_timeout_s)
         state.deadline = deadline
@@ -241,6 +243,7 @@ class _Stream:
         "metrics",
         "mode",
         "obs",
+        "replies",
         "response_mode",
         "routed",
         "router",
@@ -257,8 +260,10 @@ class _Stream:
         warned: set[int],
         budget: BodyBudget,
         explain_tokens: tuple[bytes, ...] = (),
+        replies: wire.DecisionReplies | None = None,
     ) -> None:
         self.router = router
+        self.replies = replies if replies is not None else wire.DecisionReplies()
         self.budget = budget
         self.explain_tokens = explain_tokens
         self.deadline: BodyDeadline | None = None
@@ -361,9 +366,9 @@ class _Stream:
         if self.mode not in (_FULL_DUPLEX, *_BUFFERED):
             # This body mode never shows us the whole body: decide on headers alone.
             self._without_body()
-            return [self._override(wire.routed_headers(await self._route(None)))]
+            return [self._override(self.replies.headers(await self._route(None)))]
         if msg.request_headers.end_of_stream:
-            return [self._override(wire.routed_headers(await self._route(b"")))]
+            return [self._override(self.replies.headers(await self._route(b"")))]
         if self.deadline is not None:
             self.deadline.start()
         if self.mode == _FULL_DUPLEX:
@@ -421,7 +426,7 @@ class _Stream:
                 # streams past us. A cut JSON document cannot be parsed: route on headers.
                 self._release_body()
                 self._without_body()
-                return [wire.routed_body(await self._route(None))]
+                return [self.replies.body(await self._route(None))]
             return []  # FULL_DUPLEX: more chunks follow (bounded by max_body)
         return await self._body_complete(trailers_follow=False)
 
@@ -439,8 +444,8 @@ class _Stream:
         finally:
             self._release_body()  # held through parsing: the joined copy lives until then
         if self.mode in _BUFFERED:
-            return [wire.routed_body(decision)]
-        out = [wire.routed_headers(decision)]
+            return [self.replies.body(decision)]
+        out = [self.replies.headers(decision)]
         out.extend(wire.streamed_body(body, end_of_stream=not trailers_follow))
         return out
 

@@ -114,7 +114,7 @@ class PredictedLatencyProducer:
         use_encoder_cache_features: bool = False
         encoder_cache_match_info_producer_name: str = ""
         model: ModelSettings = ModelSettings()
-        learn_interval_ms: Annotated[float, msgspec.Meta(gt=0.0)] = 250.0
+        learn_interval_ms: Annotated[float, msgspec.Meta(gt=0.0)] = 50.0
         response_header: bool = False
 
     def __init__(self, params: Params | None = None, *, model: LatencyModel | None = None) -> None:
