@@ -28,6 +28,7 @@ from extproc.flowcontrol.controller import (
     FlowRequest,
     Ticket,
 )
+from extproc.flowcontrol.eviction import EVICTED
 from extproc.flowcontrol.objectives import (
     DEFAULT_FAIRNESS_ID,
     FAIRNESS_HEADERS,
@@ -81,6 +82,7 @@ class Admission:
             usage_limit=config.usage_limit,
             priorities=tuple(config.bands),
             visibility_s=s.placement_visibility_s,
+            eviction=config.eviction,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         self.wait_seconds = Histogram(
@@ -141,6 +143,14 @@ class Admission:
         self.wait_seconds.labels(str(flow.priority)).observe(ticket.waited_s)
         return ticket
 
+    def evicted_error(self) -> Shed:
+        """What an evicted request's stream answers (flowcontrol/eviction.py)."""
+        return Shed(
+            EVICTED,
+            "evicted to make room for higher-priority work",
+            self.settings.retry_after_s,
+        )
+
     def placed(self, ticket: Ticket) -> None:
         self.controller.placed(ticket)
 
@@ -194,7 +204,8 @@ class Admission:
             "extproc_flow_requests",
             "Flow-control outcomes: dispatched, rejected_capacity (queue full), evicted_ttl, "
             "evicted_pressure (displaced by higher priority), cancelled (client left), "
-            "rejected_admitter (refused by an admitter).",
+            "rejected_admitter (refused by an admitter), evicted_inflight (cut while running, "
+            "enableEviction).",
             ["priority", "fairness_id", "outcome"],
         )
         for (p, f, outcome), n in sorted(fc.stats.outcomes.items()):
