@@ -28,6 +28,7 @@ from extproc.flowcontrol.controller import (
     FlowRequest,
     Ticket,
 )
+from extproc.flowcontrol.eviction import EVICTED
 from extproc.flowcontrol.objectives import (
     DEFAULT_FAIRNESS_ID,
     Objectives,
@@ -80,6 +81,7 @@ class Admission:
             usage_limit=config.usage_limit,
             priorities=tuple(config.bands),
             visibility_s=s.placement_visibility_s,
+            eviction=config.eviction,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         self.wait_seconds = Histogram(
@@ -139,6 +141,14 @@ class Admission:
             raise Shed(exc.reason, exc.message, self.settings.retry_after_s) from None
         self.wait_seconds.labels(str(flow.priority)).observe(ticket.waited_s)
         return ticket
+
+    def evicted_error(self) -> Shed:
+        """What an evicted request's stream answers (flowcontrol/eviction.py)."""
+        return Shed(
+            EVICTED,
+            "evicted to make room for higher-priority work",
+            self.settings.retry_after_s,
+        )
 
     def placed(self, ticket: Ticket) -> None:
         self.controller.placed(ticket)

@@ -323,13 +323,14 @@ WATCH = StatsFamilies(
 )
 
 FLOW = StatsFamilies(
-    "extproc.flowcontrol.controller.FlowStats",
+    "extproc.flowcontrol.tickets.FlowStats",
     {
         "outcomes": Stat(
             "extproc_flow_requests",
             "Flow-control outcomes: dispatched, rejected_capacity (queue full), evicted_ttl, "
             "evicted_pressure (displaced by higher priority), cancelled (client left), "
-            "rejected_admitter (refused by an admitter).",
+            "rejected_admitter (refused by an admitter), evicted_inflight (cut while running, "
+            "enableEviction).",
             labels=("priority", "fairness_id", "outcome"),
         ),
         "wait_sum": Stat(

@@ -167,8 +167,17 @@ class StreamHandler:
         try:
             while True:
                 left = deadline.remaining()
+                msg: wire.ProcessingRequest | None
                 try:
-                    if left is None:
+                    if state.eviction is not None:
+                        # An evictable request (flow control): its eviction may come first.
+                        got = await _next_or_evicted(it, state.eviction)
+                        if got is None:
+                            for resp in state.evicted():
+                                yield resp
+                            return
+                        msg = got
+                    elif left is None:
                         msg = await anext(it)
                     else:
                         async with asyncio.timeout(max(left, 0.0)):
@@ -201,6 +210,24 @@ class StreamHandler:
             log.warning(message, extra={"suppressed_since_last": suppressed})
 
 
+async def _next_or_evicted(
+    it: AsyncIterator[wire.ProcessingRequest | None], evicted: asyncio.Future[None]
+) -> wire.ProcessingRequest | None:
+    """The next message from Envoy, or None when the eviction signal comes first (the read
+    is then abandoned: the stream ends with the eviction answer)."""
+    if evicted.done():
+        return None
+    reader = asyncio.ensure_future(anext(it))
+    try:
+        await asyncio.wait((reader, evicted), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not reader.done():
+            reader.cancel()
+    if reader.done() and not reader.cancelled():
+        return reader.result()  # a message (or StopAsyncIteration) wins a tie
+    return None
+
+
 class _Stream:
     __slots__ = (
         "body_len",
@@ -208,6 +235,7 @@ class _Stream:
         "chunks",
         "deadline",
         "done",
+        "eviction",
         "explain",
         "explain_tokens",
         "headers",
@@ -250,6 +278,7 @@ class _Stream:
         self.chunks: list[bytes] = []
         self.body_len = 0
         self.routed: Routed | None = None
+        self.eviction: asyncio.Future[None] | None = None
         self.explain = False
         self.done = False
         self.obs = metrics.llmd.request()  # llm-d's request families (server/llmd_metrics.py)
@@ -439,9 +468,26 @@ class _Stream:
         req = routed.request
         self.obs.routed(req.model, self.headers, self.body_len, req.prompt_tokens)
         self.routed = routed
+        ticket = routed.ticket
+        if ticket is not None and ticket.evictable:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def signal() -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
+            ticket.on_evict(signal)
+            self.eviction = fut
         if explain:
             log.debug("decision", extra={"decision": explanation(routed)})
         return routed.decision
+
+    def evicted(self) -> list[wire.ProcessingResponse]:
+        """Flow control cut this running request for higher-priority work: 429 `evicted`
+        (Envoy resets the response instead if it has already started)."""
+        admission = self.router.admission
+        assert admission is not None  # only flow control sets `eviction`
+        return self.fail(admission.evicted_error())
 
     def _on_response_headers(self, msg: wire.ProcessingRequest) -> wire.ProcessingResponse:
         routed = self.routed
