@@ -28,10 +28,14 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from results import (  # bench/results.py (run as a script: bench/ is on the path)
+    table,
+    write_section,
+)
 
 from extproc.sim.workload import (
     Result,
@@ -50,6 +54,11 @@ SIM_ARGS = ("--fast", "1", "--prefill-tps", "5000", "--num-gpu-blocks", "3000")
 FLEETS = {"uniform": "1,1,1,1", "mixed": "1,1,0.5,0.25"}
 SLOWDOWN = 0.3  # server 0 of the mixed fleet, from the middle of the measured run
 
+# Approximate keys pinned at what calibration finds for the simulator's tokenizer (1 byte a
+# token, the engine's 16-token blocks), for every policy: live calibration, with windows of
+# about one ~3,000-token request, flipped bytes-per-token between 1 and 4 a dozen times a
+# run, re-keying every prefix each time (see "Reading it" in bench/RESULTS.md).
+PARSE = "parse: {calibrate: false, bytes_per_token: 1, block_tokens: 16}\n"
 _HEAD = "scheduling:\n  apiVersion: llm-d.ai/v1alpha1\n  kind: EndpointPickerConfig\n"
 
 
@@ -80,7 +89,7 @@ LATENCY = (
 )
 
 POLICIES = {
-    "extproc default": None,  # no config: the built-in default profile
+    "extproc default": "",  # no scheduling section: the built-in default profile
     "llm-d default (prefix 3, queue 2, kv 2)": fixed(
         {"prefix-cache-scorer": 3, "queue-scorer": 2, "kv-cache-utilization-scorer": 2}
     ),
@@ -116,23 +125,47 @@ class Row:
     summary: Summary
     mape: float | None
     shares: dict[str, int]
+    seed: int = 1
+    # MAPE by server (s0..) and by phase (before / after the mid-run slowdown), and the mean
+    # signed error (predicted - measured) / measured: where the error comes from.
+    mape_by: dict[str, float | None] = field(default_factory=dict)
+    bias: float | None = None
+
+
+def _pairs(results: list[Result]) -> list[tuple[float, float]]:
+    return [(r.predicted_ttft_s, r.ttft_s) for r in results if r.predicted_ttft_s and r.ttft_s]
 
 
 def mape(results: list[Result]) -> float | None:
-    pairs = [(r.predicted_ttft_s, r.ttft_s) for r in results if r.predicted_ttft_s and r.ttft_s]
+    pairs = _pairs(results)
     if not pairs:
         return None
     return statistics.fmean(abs(p - m) / m for p, m in pairs)
 
 
+def bias(results: list[Result]) -> float | None:
+    pairs = _pairs(results)
+    if not pairs:
+        return None
+    return statistics.fmean((p - m) / m for p, m in pairs)
+
+
+def mape_breakdown(results: list[Result], names: list[str], half: int) -> dict[str, float | None]:
+    """MAPE per server (`s0`...) and per phase (`before` / `after` request `half`, when the
+    mixed fleet's server 0 is slowed)."""
+    out: dict[str, float | None] = {}
+    for i, n in enumerate(names):
+        out[f"s{i}"] = mape([r for r in results if r.served_by == n])
+    out["before"] = mape([r for r in results if r.index < half])
+    out["after"] = mape([r for r in results if r.index >= half])
+    return out
+
+
 def run_one(fleet_name: str, policy: str, rate: float, groups: int, seed: int, tmp: Path) -> Row:
     sim_args = (*SIM_ARGS, "--speeds", FLEETS[fleet_name])
-    cfg = POLICIES[policy]
-    args: tuple[str, ...] = ()
-    if cfg is not None:
-        path = tmp / f"picker-{abs(hash(policy))}.yaml"
-        path.write_text(cfg)
-        args = ("--config", str(path))
+    path = tmp / f"picker-{abs(hash(policy))}.yaml"
+    path.write_text(PARSE + POLICIES[policy])
+    args = ("--config", str(path))
     with (
         SimFleet(SERVERS, sim_args, log_dir=tmp) as fleet,
         Stack(StackOptions(fleet=fleet, log_dir=tmp, extproc_args=args)) as stack,
@@ -159,21 +192,39 @@ def run_one(fleet_name: str, policy: str, rate: float, groups: int, seed: int, t
         names = [s.name for s in fleet.servers]
     s = summarize(results, duration)
     shares = {f"s{i}": s.per_endpoint.get(n, 0) for i, n in enumerate(names)}
-    row = Row(fleet_name, policy, rate, s, mape(results), shares)
+    row = Row(
+        fleet_name, policy, rate, s, mape(results), shares, seed,
+        mape_breakdown(results, names, len(offsets) // 2), bias(results),
+    )  # fmt: skip
     print(
-        f"  {fleet_name:<8} {policy:<48} {rate:>4g}/s TTFT p50 {s.ttft_p50_s:6.3f}s "
+        f"  {fleet_name:<8} {policy:<48} {rate:>4g}/s seed {seed} TTFT p50 {s.ttft_p50_s:6.3f}s "
         f"p90 {s.ttft_p90_s:6.3f}s hit {s.hit_ratio:5.1%} ok {s.ok}/{s.requests} "
-        f"mape {'-' if row.mape is None else f'{row.mape:.1%}'} shares {shares}",
+        f"mape {_pct(row.mape)} bias {_pct(row.bias)} "
+        f"{' '.join(f'{k} {_pct(v)}' for k, v in row.mape_by.items())} shares {shares}",
         flush=True,
     )
     return row
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def _cells(r: Row) -> tuple[object, ...]:
+    s, by = r.summary, r.mape_by
+    shares = " / ".join(str(v) for v in r.shares.values())
+    servers = " / ".join(_pct(by.get(f"s{i}")) for i in range(SERVERS))
+    phases = f"{_pct(by.get('before'))} / {_pct(by.get('after'))}"
+    return (r.fleet, f"{r.rate:g}", r.policy, r.seed, f"{s.ttft_p50_s:.3f}",
+            f"{s.ttft_p90_s:.3f}", f"{s.hit_ratio:.1%}", f"{s.ok}/{s.requests}", shares,
+            _pct(r.mape), _pct(r.bias), servers, phases)  # fmt: skip
 
 
 def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
     out = [
         "## Predicted latency (issue 16)",
         "",
-        f"`{command}` (`bench/bench_latency.py`; seeded, {wall_s / 60:.1f} min on this 2-core "
+        f"`{command}` (`bench/bench_latency.py`; {wall_s / 60:.1f} min on this 2-core "
         "machine shared with other work).",
         "",
         f"{SERVERS} simulated vLLM servers, real time, prefill 5,000 tokens/s at speed 1; "
@@ -181,52 +232,48 @@ def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
         f"and server s0 slowed to {SLOWDOWN} halfway through the measured run. Workload: "
         f"{groups} groups x 5 questions (~700 tokens each, a retrieved context) sharing a "
         "~2,400-token system prompt (engine tokens), 16 output tokens, Poisson arrivals, "
-        "after a 24-request warm-up (other prompts; prefix caches emptied after it). TTFT "
-        "is the client's, through Envoy. MAPE: mean |predicted - measured| / measured TTFT "
-        "over the measured requests, the prediction being the "
-        "picker's `x-extproc-predicted-ttft-ms` for the endpoint it chose.",
+        "after a 24-request warm-up (other prompts; prefix caches emptied after it); each "
+        "run its own seed (workload and arrivals). TTFT is the client's, through Envoy. "
+        "MAPE: mean |predicted - measured| / measured TTFT over the measured requests, the "
+        "prediction being the picker's `x-extproc-predicted-ttft-ms` for the endpoint it "
+        "chose; per server (s0..s3) and per phase (before / after s0 slows); bias is the "
+        "mean signed error.",
         "",
-        "| fleet | rate req/s | policy | TTFT p50 s | TTFT p90 s | hit ratio | ok | "
-        "requests per server | TTFT MAPE |",
-        "|---|---:|---|---:|---:|---:|---:|---|---:|",
     ]
-    for r in rows:
-        s = r.summary
-        shares = " / ".join(str(v) for v in r.shares.values())
-        out.append(
-            f"| {r.fleet} | {r.rate:g} | {r.policy} | {s.ttft_p50_s:.3f} | {s.ttft_p90_s:.3f} "
-            f"| {s.hit_ratio:.1%} | {s.ok}/{s.requests} | {shares} | "
-            f"{'-' if r.mape is None else f'{r.mape:.1%}'} |"
-        )
-    out.append("")
+    out += table(
+        [("fleet", "l"), ("rate req/s", "r"), ("policy", "l"), ("run", "r"),
+         ("TTFT p50 s", "r"), ("TTFT p90 s", "r"), ("hit ratio", "r"), ("ok", "r"),
+         ("requests per server", "l"), ("TTFT MAPE", "r"), ("bias", "r"),
+         ("MAPE s0 / s1 / s2 / s3", "l"), ("MAPE before / after", "l")],
+        (_cells(r) for r in rows),
+    )  # fmt: skip
+    out += ["", "Medians over the runs:", ""]
     for fleet in dict.fromkeys(r.fleet for r in rows):
         for rate in dict.fromkeys(r.rate for r in rows if r.fleet == fleet):
             here = [r for r in rows if r.fleet == fleet and r.rate == rate]
-            lat = [r for r in here if r.policy == "predicted latency"]
-            fixed_rows = [r for r in here if r.policy != "predicted latency"]
-            if not lat or not fixed_rows:
+            p90 = {
+                pol: statistics.median(r.summary.ttft_p90_s for r in here if r.policy == pol)
+                for pol in dict.fromkeys(r.policy for r in here)
+            }
+            lat = p90.pop("predicted latency", None)
+            if lat is None or not p90:
                 continue
-            best = min(fixed_rows, key=lambda r: r.summary.ttft_p90_s)
-            change = lat[0].summary.ttft_p90_s / best.summary.ttft_p90_s - 1
+            best = min(p90, key=lambda k: p90[k])
+            mapes = [r.mape for r in here if r.policy == "predicted latency" and r.mape]
+            per_run = []
+            for seed in dict.fromkeys(r.seed for r in here):
+                run = {r.policy: r.summary.ttft_p90_s for r in here if r.seed == seed}
+                if "predicted latency" in run and len(run) > 1:
+                    fixed_best = min(v for k, v in run.items() if k != "predicted latency")
+                    per_run.append(f"{run['predicted latency'] / fixed_best - 1:+.0%}")
             out.append(
-                f"- {fleet}, {rate:g} req/s: predicted latency TTFT p90 "
-                f"{lat[0].summary.ttft_p90_s:.3f} s vs best fixed profile ({best.policy}) "
-                f"{best.summary.ttft_p90_s:.3f} s: {change:+.0%}."
+                f"- {fleet}, {rate:g} req/s: predicted latency TTFT p90 {lat:.3f} s vs best "
+                f"fixed profile ({best}) {p90[best]:.3f} s: {lat / p90[best] - 1:+.0%} "
+                f"(per run, against that run's best fixed profile: {', '.join(per_run)}); "
+                + ", ".join(f"{k} {v:.3f} s" for k, v in p90.items())
+                + (f"; TTFT MAPE median {statistics.median(mapes):.1%}." if mapes else ".")
             )
     return "\n".join(out) + "\n"
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) this benchmark's section; the rest of the file is untouched."""
-    title = section.splitlines()[0]
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = text.find(title)
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1 :] if end != -1 else "")
-    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, help="groups (x 5 requests)")
     p.add_argument("--fleets", nargs="+", default=list(FLEETS))
     p.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1], help="one run per seed")
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = p.parse_args(argv)
     rates = args.rates or [5.0, 8.0]
@@ -249,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-latency-") as tmp:
         for fleet in args.fleets:
             for rate in rates:
-                for policy in args.policies:
-                    rows.append(run_one(fleet, policy, rate, groups, args.seed, Path(tmp)))
+                for seed in args.seeds:
+                    for policy in args.policies:
+                        rows.append(run_one(fleet, policy, rate, groups, seed, Path(tmp)))
     section = markdown(rows, command, time.monotonic() - t0, groups)
     print("\n" + section)
     if args.write:

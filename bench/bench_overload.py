@@ -14,7 +14,8 @@ C far more tokens than its weight; shares are counted in tokens (prompt + output
 Measured first, same run: unloaded TTFT (interactive requests alone at ~0.2x capacity) and
 capacity (a closed loop keeping the fleet full, served tokens/s). Then the same seeded burst
 (`--burst-s` of arrivals at the offered rate; time is not compressed) three ways:
-- flow control on, one picker (utilization-detector on scraped KV use and queue depth,
+- flow control on, one picker (concurrency-detector on in-flight prompt tokens vs KV, or
+  `--detector utilization` on scraped KV use and queue depth;
   weighted-token fairness, TTL 10 s, batch band bounded at 24 queued);
 - flow control off, one picker (the same picker config without `flowControl`);
 - flow control on, two pickers behind one Envoy, sharing state through one Redis.
@@ -50,25 +51,50 @@ OUTPUT_TOKENS = 96
 SERVERS = 2
 # KV is the binding limit: 700 blocks x 16 tokens per server; a request reserves
 # ceil((prompt + 96) / 16) blocks for its whole life (~20-80 blocks here).
-SIM_ARGS = ("--fast", "1", "--num-gpu-blocks", "700", "--max-num-seqs", "256")
+SIM_ARGS = ("--num-gpu-blocks", "700", "--max-num-seqs", "256")
 OBJECTIVES = [
     {"kind": "InferenceObjective", "metadata": {"name": "interactive"}, "spec": {"priority": 10}},
     {"kind": "InferenceObjective", "metadata": {"name": "batch"}, "spec": {"priority": 0}},
 ]
 
 
-def picker_config(objectives: Path, *, flow: bool) -> dict:
-    plugins = [
-        {"type": "queue-scorer"},
-        {"type": "kv-cache-utilization-scorer"},
-        {"type": "max-score-picker"},
-    ]
+# The concurrency detector's token ceiling per server: its KV in tokens, in the picker's
+# estimate. In-flight tokens are the uncached prompt tokens placed, estimated from bytes
+# (~1.0-1.2x the sim's tokens here, ~1.1x over the mix, which about makes up for the 96
+# output tokens the engine also reserves), and last until the access log reports the
+# request's end: they track the KV the engine holds, without the scrape's lag.
+KV_TOKENS = int(700 * 16 * 1.1)
+
+
+def detector(kind: str) -> dict:
+    if kind == "utilization":
+        params = {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 0.95,
+                  "metricsStalenessThreshold": "500ms"}  # fmt: skip
+        return {"type": "utilization-detector", "parameters": params}
+    params = {"concurrencyMode": "tokens", "maxTokenConcurrency": KV_TOKENS}
+    return {"type": "concurrency-detector", "parameters": params}
+
+
+def picker_config(
+    objectives: Path,
+    *,
+    flow: bool,
+    min_ceiling: float = 0.85,
+    kind: str = "concurrency",
+    ttl_s: float = 10.0,
+) -> dict:
+    # Placement by in-flight prompt tokens (current: held to the request's end), not by the
+    # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
+    # lands on one server while the other idles, and that server's prefill line grows.
+    scorers = ["token-load-scorer", "queue-scorer", "kv-cache-utilization-scorer"]
+    plugins = [{"type": t} for t in scorers] + [{"type": "max-score-picker"}]
     sched: dict = {
         "plugins": plugins,
         "schedulingProfiles": [
             {
                 "name": "default",
                 "plugins": [
+                    {"pluginRef": "token-load-scorer", "weight": 2},
                     {"pluginRef": "queue-scorer", "weight": 1},
                     {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
                     {"pluginRef": "max-score-picker"},
@@ -79,22 +105,18 @@ def picker_config(objectives: Path, *, flow: bool) -> dict:
     # The sim's made-up words run ~1.3 bytes a token: calibrate the picker's estimate (the
     # token cost fairness counts) to it, as one would to a real model's tokenizer.
     doc: dict = {"scheduling": sched, "parse": {"bytes_per_token": 1}}
+    # In-flight counts last until Envoy's access log reports the request's end, from the
+    # first request on ("auto" holds only once log entries have arrived).
+    doc["state"] = {"request_end": {"mode": "access-log"}}
     if flow:
         plugins += [
-            {
-                "type": "utilization-detector",
-                "parameters": {
-                    "queueDepthThreshold": 1,
-                    "kvCacheUtilThreshold": 0.95,
-                    "metricsStalenessThreshold": "500ms",
-                },
-            },
+            detector(kind),
             {"type": "weighted-token-fairness-policy"},
             # Batch stops at 85% of the detector's ceiling; interactive may use the rest.
-            {"type": "priority-holdback-policy", "parameters": {"minCeiling": 0.85}},
+            {"type": "priority-holdback-policy", "parameters": {"minCeiling": min_ceiling}},
         ]
         sched["flowControl"] = {
-            "defaultRequestTTL": "10s",
+            "defaultRequestTTL": f"{ttl_s:g}s",
             "priorityBands": [
                 {"priority": 10, "fairnessPolicyRef": "weighted-token-fairness-policy"},
                 {
@@ -103,7 +125,7 @@ def picker_config(objectives: Path, *, flow: bool) -> dict:
                     "fairnessPolicyRef": "weighted-token-fairness-policy",
                 },
             ],
-            "saturationDetector": {"pluginRef": "utilization-detector"},
+            "saturationDetector": {"pluginRef": detector(kind)["type"]},
             "usageLimitPolicyPluginRef": "priority-holdback-policy",
         }
         doc["flow_control"] = {
@@ -138,18 +160,21 @@ class Deployment:
     log_dir: Path
     procs: list[subprocess.Popen] = field(default_factory=list)
     url: str = ""
+    admin_ports: list[int] = field(default_factory=list)
 
     def start(self, cfg: dict, *, pickers: int = 1, redis_url: str | None = None) -> None:
         path = self.log_dir / f"picker-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         ports = []
+        self.admin_ports = []
         for i in range(pickers):
-            port, health = free_port(), free_port()
+            port, health, admin_port = free_port(), free_port(), free_port()
+            self.admin_ports.append(admin_port)
             argv = [
                 sys.executable, "-m", "extproc", "serve",
                 "--endpoints", ",".join(self.fleet.addresses),
                 "--host", "127.0.0.1", "--port", str(port), "--health-port", str(health),
-                "--admin-port", "0", "--drain-delay", "0", "--config", str(path),
+                "--admin-port", str(admin_port), "--drain-delay", "0", "--config", str(path),
                 "--log-level", "warning",
             ]  # fmt: skip
             if redis_url:
@@ -159,7 +184,7 @@ class Deployment:
             self.procs.append(proc)
             wait_until(
                 lambda h=health: grpc_health_status(h, "readiness") == 1,
-                timeout_s=30, what="picker", proc=proc,
+                timeout_s=90, what="picker", proc=proc,
             )  # fmt: skip
             ports.append(port)
         listen, admin = free_port(), free_port()
@@ -187,7 +212,7 @@ class Deployment:
         self.procs.append(proc)
         wait_until(
             lambda: httpx.get(f"http://127.0.0.1:{admin}/ready", timeout=0.5).status_code == 200,
-            timeout_s=30, what="envoy", proc=proc,
+            timeout_s=90, what="envoy", proc=proc,
         )  # fmt: skip
         # Both pickers healthy in Envoy before traffic.
         stat = "cluster.extproc.membership_healthy"
@@ -206,6 +231,76 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 p.kill()
         self.procs.clear()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus text page as {series: value} (labels kept verbatim)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url, timeout=5).text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def summed(page: dict[str, float], name: str, *needles: str) -> float:
+    return sum(
+        v for k, v in page.items()
+        if k.partition("{")[0] == name and all(n in k for n in needles)
+    )  # fmt: skip
+
+
+def hist_quantile(page: dict[str, float], name: str, q: float, *needles: str) -> float:
+    """Upper bound of the histogram bucket holding quantile `q` (summed over series)."""
+    buckets: dict[float, float] = {}
+    for k, v in page.items():
+        if k.partition("{")[0] != name + "_bucket" or not all(n in k for n in needles):
+            continue
+        le = k.split('le="', 1)[1].split('"', 1)[0]
+        bound = float("inf") if le == "+Inf" else float(le)
+        buckets[bound] = buckets.get(bound, 0.0) + v
+    if not buckets:
+        return float("nan")
+    total = max(buckets.values())
+    for bound in sorted(buckets):
+        if buckets[bound] >= q * total:
+            return bound
+    return float("inf")
+
+
+def diagnostics(dep: Deployment, sims_before: list[dict[str, float]]) -> dict:
+    """Where admitted interactive requests waited: in the picker's queue (flow control) or
+    in the engines (their queue-time histograms, this run only)."""
+    row: dict = {}
+    pages = [scrape(f"http://127.0.0.1:{p}/metrics") for p in dep.admin_ports]
+    for band, label in (("10", "interactive"), ("0", "batch")):
+        sel = f'priority="{band}"'
+        n = sum(summed(pg, "extproc_flow_queue_wait_seconds_count", sel) for pg in pages)
+        total = sum(summed(pg, "extproc_flow_queue_wait_seconds_sum", sel) for pg in pages)
+        row[f"{label}_picker_wait_mean_s"] = round(total / n, 3) if n else None
+        merged: dict[str, float] = {}
+        for pg in pages:
+            for k, v in pg.items():
+                merged[k] = merged.get(k, 0.0) + v
+        row[f"{label}_picker_wait_p99_le_s"] = hist_quantile(
+            merged, "extproc_flow_queue_wait_seconds", 0.99, sel
+        )
+    after = sims_now(dep)
+    q_sum = sum(summed(a, "vllm:request_queue_time_seconds_sum") for a in after) - sum(
+        summed(b, "vllm:request_queue_time_seconds_sum") for b in sims_before
+    )
+    q_n = sum(summed(a, "vllm:request_queue_time_seconds_count") for a in after) - sum(
+        summed(b, "vllm:request_queue_time_seconds_count") for b in sims_before
+    )
+    row["engine_queue_mean_s"] = round(q_sum / q_n, 3) if q_n else None
+    return row
+
+
+def sims_now(dep: Deployment) -> list[dict[str, float]]:
+    return [scrape(f"http://{a}/metrics") for a in dep.fleet.addresses]
 
 
 def prompt(rng: random.Random, words: int) -> str:
@@ -370,17 +465,31 @@ def main() -> int:
     ap.add_argument("--slo-s", type=float, default=5.0, help="TTFT SLO for goodput")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--runs", default="on,off,on-2-replicas")
+    ap.add_argument("--sim-speed", type=float, default=1.0,
+                    help="the sim's --fast factor: below 1 slows its time down, so fewer "
+                    "requests per wall second (less CPU for a shared machine)")  # fmt: skip
+    ap.add_argument("--detector", choices=("concurrency", "utilization"),
+                    default="concurrency",
+                    help="concurrency: in-flight uncached prompt tokens against each server's "
+                    "KV (current); utilization: scraped queue depth and KV use")  # fmt: skip
+    ap.add_argument("--ttl-s", type=float, default=10.0,
+                    help="defaultRequestTTL: below the SLO, a request that could only be served "
+                    "late is shed instead")  # fmt: skip
+    ap.add_argument("--min-ceiling", type=float, default=0.85,
+                    help="priority-holdback minCeiling: where batch stops (headroom kept for "
+                    "interactive)")  # fmt: skip
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     objectives = tmp / "objectives.yaml"
     objectives.write_text(yaml.safe_dump_all(OBJECTIVES))
     redis = None
-    fleet = SimFleet(SERVERS, SIM_ARGS, log_dir=tmp)
+    fleet = SimFleet(SERVERS, ("--fast", str(args.sim_speed), *SIM_ARGS), log_dir=tmp)
     dep = Deployment(fleet, tmp)
     rows = []
     try:
-        dep.start(picker_config(objectives, flow=True))
-        # Capacity: enough outstanding requests to keep both KV caches full.
+        # Capacity: enough outstanding requests to keep both KV caches full, flow control
+        # off (with it on, the holdback would keep them below full: a lower bar).
+        dep.start(picker_config(objectives, flow=False))
         req_s, cap_tps, per_req = asyncio.run(closed_loop(dep.url, 64, 12.0))
         print(f"capacity: {req_s:.2f} req/s, {cap_tps:.0f} tok/s; tokens/request {per_req}")
         # Unloaded: interactive alone at ~0.2x capacity.
@@ -403,13 +512,29 @@ def main() -> int:
                         stdout=subprocess.DEVNULL,
                     )  # fmt: skip
                     time.sleep(0.5)
-                dep.start(picker_config(objectives, flow=True), pickers=2,
-                          redis_url=f"redis://127.0.0.1:{port}/0")  # fmt: skip
+                cfg = picker_config(
+                    objectives,
+                    flow=True,
+                    min_ceiling=args.min_ceiling,
+                    kind=args.detector,
+                    ttl_s=args.ttl_s,
+                )
+                dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0")
             else:
-                dep.start(picker_config(objectives, flow=run == "on"))
+                cfg = picker_config(
+                    objectives,
+                    flow=run == "on",
+                    min_ceiling=args.min_ceiling,
+                    kind=args.detector,
+                    ttl_s=args.ttl_s,
+                )
+                dep.start(cfg)
+            sims_before = sims_now(dep)
             duration = asyncio.run(open_loop(dep.url, reqs))
+            diag = diagnostics(dep, sims_before)
             dep.stop()
             row = report(f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99)
+            row.update(diag)
             row["offered_tok_s"] = offered
             row["offered_req_s"] = len(reqs) / args.burst_s
             row["duration_s"] = duration

@@ -1,21 +1,29 @@
-"""What extproc adds to a request through Envoy, measured in one run.
+"""What extproc adds to a request through Envoy, measured in one run, exchange by exchange.
 
-Baseline: Envoy straight to one echo upstream (no ext_proc filter). Test: the same Envoy
-bootstrap with the ext_proc filter and the extproc picker (one endpoint: the same upstream).
-For 1 KB and 100 KB chat bodies at concurrency 1 and 16, `wrk` drives each for a fixed time;
-we report p50/p99 latency of both, the added latency, and the picker's CPU time per request
-(user+system from /proc, divided by requests served).
+Every configuration fronts the same echo upstream: Envoy alone (no ext_proc filter); Envoy +
+the floor processor (`bench/floor_processor.py`, the least a picker can do on the same
+transport) and Envoy + extproc, each in the FULL_DUPLEX_STREAMED exchange (gateways, body
+echoed) and in the BUFFERED one (no echo); and sglang-router (a Rust in-path router, its
+cache_aware policy) when it can be installed into a temporary venv. Picker configurations use
+the defaults of `extproc envoy-config`: TLS to the picker and the access-log stream.
+
+`wrk` drives each configuration in turn, round after round (A, B, C, A, B, C, ...: load from
+other processes hits all alike), and the table gives medians over rounds: p50/p99 latency and
+the CPU of the picker (or router) per request (user+system from /proc / requests served).
 
     apt-get install wrk   # once
-    uv run python bench/bench_proxy.py [--seconds 5]
+    uv run python bench/bench_proxy.py [--seconds 5] [--rounds 3] [--sizes 1,100] [--conns 1,16]
+    uv run python bench/bench_proxy.py --big   # 220 KB prompts, 150 connections, errors counted
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +35,7 @@ import orjson
 import yaml
 
 from extproc.bootstrap import BootstrapOptions, build_bootstrap
+from extproc.gateways import LLM_D, gateway_bootstrap
 from extproc.stack import Stack, StackOptions, envoy_binary, free_port, wait_until
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
@@ -82,6 +91,8 @@ def run_wrk(url: str, body_file: Path, conns: int, seconds: float) -> WrkResult:
         text=True,
         check=True,
     ).stdout
+    if "requests in" not in out:
+        raise RuntimeError(f"wrk said: {out[-500:]}")
     pct = dict(re.findall(r"^\s+(50|99)(?:\.0+)?%\s+(\S+)", out, re.M))
     reqs = int(re.search(r"(\d+) requests in", out).group(1))
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
@@ -129,7 +140,7 @@ def bootstrap(**kw) -> dict:
 
 def baseline_doc(upstream: str) -> dict:
     """Envoy with the same listener but no ext_proc filter, to one static upstream."""
-    doc = bootstrap(lb="override-host", endpoints=(upstream,))
+    doc = bootstrap(lb="override-host", endpoints=(upstream,), access_log=False)
     hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [
         f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
@@ -146,67 +157,197 @@ def measure(url: str, body: Path, conns: int, seconds: int, pid: int | None):
     return res, cpu_ms
 
 
+@dataclass
+class Target:
+    name: str
+    url: str
+    pid: int | None  # the process whose CPU is charged (picker, floor, router); None: Envoy
+
+
+def install_sglang(tmp: Path) -> tuple[Path | None, str]:
+    """sglang-router into a throwaway venv (uv); never into the project."""
+    venv = tmp / "sglang-venv"
+    try:
+        subprocess.run(["uv", "venv", "-q", str(venv)], check=True, timeout=120,
+                       capture_output=True)  # fmt: skip
+        subprocess.run(["uv", "pip", "install", "-q", "--python", str(venv / "bin" / "python"),
+                        "sglang-router"], check=True, timeout=600,
+                       capture_output=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"sglang-router skipped: install failed ({type(exc).__name__})", file=sys.stderr)
+        return None, "skipped"
+    out = subprocess.run([str(venv / "bin" / "python"), "-c",
+                          "import importlib.metadata as m; print(m.version('sglang-router'))"],
+                         capture_output=True, text=True)  # fmt: skip
+    return venv, out.stdout.strip()
+
+
+def start_sglang(venv: Path, upstream: str, work: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(work / "sglang-router.log", "ab")  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(
+        [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router",
+         "--worker-urls", f"http://{upstream}", "--policy", "cache_aware",
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    log.close()
+    wait_until(
+        lambda: httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200,
+        timeout_s=60, what="sglang-router", proc=proc,
+    )  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def picker_doc(port: int, mode: str, *, tls: bool) -> dict:
+    return bootstrap(
+        extproc=f"127.0.0.1:{port}",
+        request_body_mode=mode,
+        extproc_tls=tls,
+        extproc_sni="localhost",
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
+    ap.add_argument("--sizes", default="1,100", help="request body sizes in KB")
+    ap.add_argument("--conns", default="1,16", help="wrk connections")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma list of configurations to run (envoy, floor FD, extproc FD, floor BUF, "
+        "extproc BUF, sglang-router; floor BUF-noresp, floor llm-d, extproc llm-d only when "
+        "named)",
+    )
+    ap.add_argument("--no-sglang", action="store_true")
+    ap.add_argument("--big", action="store_true", help="220 KB prompts at 150 connections")
     args = ap.parse_args()
+    if args.big:
+        args.sizes, args.conns = "220", "150"
     if shutil.which("wrk") is None:
         raise SystemExit("needs wrk: apt-get install wrk")
-    rows = []
+    sizes = [int(x) * 1024 for x in args.sizes.split(",")]
+    conns_list = [int(x) for x in args.conns.split(",")]
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
     procs: list[subprocess.Popen] = []
-    with tempfile.TemporaryDirectory() as tmp, Stack(StackOptions(upstreams=1)) as stack:
+    results: dict[tuple[int, int, str], list[tuple[WrkResult, float]]] = {}
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Stack(StackOptions(upstreams=1)) as stack,
+        contextlib.ExitStack() as cleanup,
+    ):
+        cleanup.callback(lambda: [(p.terminate(), p.wait()) for p in procs])
         work = Path(tmp)
         upstream = stack.upstream_addresses[0]
-        try:
-            base_proc, base_url = start_envoy(baseline_doc(upstream), work, "baseline")
-            floor_port = free_port()
-            floor = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(Path(__file__).with_name("floor_processor.py")),
-                    str(floor_port),
-                    upstream,
-                ]
-            )
-            floor_env, floor_url = start_envoy(
-                bootstrap(extproc=f"127.0.0.1:{floor_port}"), work, "floor"
-            )
-            procs += [base_proc, floor, floor_env]
-            picker_pid = stack._procs["extproc"].pid
-            for size in (1024, 100 * 1024):
-                body = work / f"body-{size}.json"
-                body.write_bytes(chat_body(size))
-                for conns in (1, 16):
-                    base, _ = measure(base_url, body, conns, args.seconds, None)
-                    flo, floor_cpu = measure(floor_url, body, conns, args.seconds, floor.pid)
-                    test, cpu_ms = measure(stack.url, body, conns, args.seconds, picker_pid)
-                    rows.append((size, conns, base, flo, floor_cpu, test, cpu_ms))
-                    bad = base.non_2xx + flo.non_2xx + test.non_2xx
-                    print(
-                        f"{size // 1024:>4} KB c={conns:<3} envoy p50 {base.p50_ms:.3f} | "
-                        f"floor p50 {flo.p50_ms:.3f} cpu {floor_cpu:.3f} | "
-                        f"extproc p50 {test.p50_ms:.3f} cpu {cpu_ms:.3f} ms/req"
-                        f"{'  NON-2XX ' + str(bad) if bad else ''}",
-                        flush=True,
-                    )
-        finally:
-            for p in procs:
-                p.terminate()
-                p.wait()
+        targets: list[Target] = []
+
+        def want(name: str) -> bool:
+            return not only or name in only
+
+        if want("envoy"):
+            p, url = start_envoy(baseline_doc(upstream), work, "baseline")
+            procs.append(p)
+            targets.append(Target("envoy", url, None))
+        floor_port = free_port()
+        floor = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("floor_processor.py")),
+             str(floor_port), upstream],
+        )  # fmt: skip
+        procs.append(floor)
+        picker_pid = stack._procs["extproc"].pid
+        for mode, short in (("FULL_DUPLEX_STREAMED", "FD"), ("BUFFERED", "BUF")):
+            for who, port, pid in (("floor", floor_port, floor.pid),
+                                   ("extproc", stack.extproc_port, picker_pid)):  # fmt: skip
+                name = f"{who} {short}"
+                if want(name):
+                    p, url = start_envoy(picker_doc(port, mode, tls=True), work, name)
+                    procs.append(p)
+                    targets.append(Target(name, url, pid))
+        if only and "floor BUF-noresp" in only:
+            # What skipping the response-header phase would save (4 messages, not 6).
+            doc = picker_doc(floor_port, "BUFFERED", tls=True)
+            hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+            for f in hcm["typed_config"]["http_filters"]:
+                if f["name"] == "envoy.filters.http.ext_proc":
+                    f["typed_config"]["processing_mode"]["response_header_mode"] = "SKIP"
+            p, url = start_envoy(doc, work, "floor-noresp")
+            procs.append(p)
+            targets.append(Target("floor BUF-noresp", url, floor.pid))
+        for who, port, pid in (("floor", floor_port, floor.pid),
+                               ("extproc", stack.extproc_port, picker_pid)):  # fmt: skip
+            name = f"{who} llm-d"
+            if only and name in only:
+                # llm-d's chart settings (extproc/gateways.py): FULL_DUPLEX both ways, the
+                # response body echoed too, TLS, no access log: "behind a gateway".
+                opts = BootstrapOptions(
+                    listen_port=free_port(),
+                    listen_address="127.0.0.1",
+                    admin_port=free_port(),
+                    extproc=f"127.0.0.1:{port}",
+                    extproc_sni="localhost",
+                    access_log=False,
+                )
+                p, url = start_envoy(gateway_bootstrap(LLM_D, opts), work, name)
+                procs.append(p)
+                targets.append(Target(name, url, pid))
+        if not args.no_sglang and want("sglang-router"):
+            venv, version = install_sglang(work)
+            if venv is not None:
+                p, url = start_sglang(venv, upstream, work)
+                procs.append(p)
+                targets.append(Target(f"sglang-router {version}", url, p.pid))
+        for size in sizes:
+            body = work / f"body-{size}.json"
+            body.write_bytes(chat_body(size))
+            for conns in conns_list:
+                for r in range(args.rounds):
+                    for t in targets:
+                        res, cpu = measure(t.url, body, conns, args.seconds, t.pid)
+                        results.setdefault((size, conns, t.name), []).append((res, cpu))
+                        print(
+                            f"round {r} {size // 1024:>4} KB c={conns:<3} {t.name:<22} "
+                            f"p50 {res.p50_ms:7.3f} p99 {res.p99_ms:7.3f} ms "
+                            f"cpu {cpu:.3f} ms/req rps {res.rps:8.0f} non-2xx {res.non_2xx}",
+                            flush=True,
+                        )
+    report(results, [t.name for t in targets], sizes, conns_list)
+
+
+def report(results, names: list[str], sizes: list[int], conns_list: list[int]) -> None:
+    def med(key, f):
+        runs = results.get(key)
+        return statistics.median(f(r) for r in runs) if runs else float("nan")
+
     print(
-        "\n| body | conc | Envoy alone p50 / p99 ms | + floor processor p50 / p99 ms "
-        "| + extproc p50 / p99 ms | extproc added p50 / p99 ms | extproc CPU ms/req "
-        "| floor CPU ms/req | CPU vs floor | throughput vs Envoy alone |"
+        "\n| body | conc | configuration | p50 ms | p99 ms | added p50 ms vs Envoy "
+        "| CPU ms/req | CPU vs floor FD | CPU vs own-mode floor | req/s | non-2xx |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for size, conns, base, flo, floor_cpu, test, cpu_ms in rows:
-        print(
-            f"| {size // 1024} KB | {conns} | {base.p50_ms:.3f} / {base.p99_ms:.3f} "
-            f"| {flo.p50_ms:.3f} / {flo.p99_ms:.3f} | {test.p50_ms:.3f} / {test.p99_ms:.3f} "
-            f"| {test.p50_ms - base.p50_ms:+.3f} / {test.p99_ms - base.p99_ms:+.3f} "
-            f"| {cpu_ms:.3f} | {floor_cpu:.3f} | {cpu_ms / floor_cpu if floor_cpu else 0:.2f}x "
-            f"| {test.rps / base.rps:.2f}x |"
-        )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for size in sizes:
+        for conns in conns_list:
+            base = med((size, conns, "envoy"), lambda r: r[0].p50_ms)
+            floor_fd = med((size, conns, "floor FD"), lambda r: r[1])
+            for name in names:
+                key = (size, conns, name)
+                p50 = med(key, lambda r: r[0].p50_ms)
+                cpu = med(key, lambda r: r[1])
+                own = name.split()[-1]
+                own_floor = med((size, conns, f"floor {own}"), lambda r: r[1])
+                ref = own_floor if own == "llm-d" else floor_fd  # gateway vs its own floor
+                ratio = f"{cpu / ref:.2f}x" if cpu and ref == ref else "-"
+                own_ratio = (
+                    f"{cpu / own_floor:.2f}x"
+                    if name.startswith("extproc") and own_floor == own_floor
+                    else "-"
+                )
+                print(
+                    f"| {size // 1024} KB | {conns} | {name} | {p50:.3f} "
+                    f"| {med(key, lambda r: r[0].p99_ms):.3f} | {p50 - base:+.3f} "
+                    f"| {cpu:.3f} | {ratio} | {own_ratio} | {med(key, lambda r: r[0].rps):.0f} "
+                    f"| {sum(r[0].non_2xx for r in results.get(key, []))} |"
+                )
 
 
 if __name__ == "__main__":

@@ -45,6 +45,10 @@ from pathlib import Path
 
 import httpx
 import msgspec
+from results import (  # bench/results.py (run as a script: bench/ is on the path)
+    table,
+    write_section,
+)
 
 from extproc.hashing.tokenizer import PreciseKeys, PreciseSettings
 from extproc.requests import ParseSettings, parse_request
@@ -317,6 +321,16 @@ def run_policy(policy: str, wl: str, rates, groups, seed, venv, log_dir) -> list
     return rows
 
 
+def _routing_cells(r: Row, ideal: float) -> tuple[str, ...]:
+    s = r.summary
+    spread = "/".join(str(n) for n in sorted(s.per_endpoint.values(), reverse=True))
+    return (
+        f"{r.rate:g}", r.policy, f"{s.hit_ratio:.1%}", f"{s.hit_ratio / ideal if ideal else 0:.0%}",
+        f"{s.ttft_p50_s:.3f}", f"{s.ttft_p90_s:.3f}", f"{s.ttft_p99_s:.3f}",
+        f"{s.output_tok_per_s:.0f}", f"{s.ok}/{s.requests}", spread,
+    )  # fmt: skip
+
+
 def markdown(
     rows: list[Row],
     ideals: dict,
@@ -361,38 +375,19 @@ def markdown(
     for wl in dict.fromkeys(r.workload for r in rows):
         unit = "sessions" if wl == "agentic" else "rate req/s"
         out += ["", f"### {wl}", ""]
-        out.append(f"| {unit} | policy | hit ratio | vs ideal | TTFT p50 s | TTFT p90 s "
-                   "| TTFT p99 s | out tok/s | ok | spread |")  # fmt: skip
-        out.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
-        for r in sorted((r for r in rows if r.workload == wl), key=lambda r: r.rate):
-            ideal = ideals[(wl, r.rate)]
-            s = r.summary
-            spread = "/".join(str(n) for n in sorted(s.per_endpoint.values(), reverse=True))
-            out.append(
-                f"| {r.rate:g} | {r.policy} | {s.hit_ratio:.1%} | "
-                f"{s.hit_ratio / ideal if ideal else 0:.0%} | {s.ttft_p50_s:.3f} | "
-                f"{s.ttft_p90_s:.3f} | {s.ttft_p99_s:.3f} | {s.output_tok_per_s:.0f} | "
-                f"{s.ok}/{s.requests} | {spread} |"
-            )
+        here = sorted((r for r in rows if r.workload == wl), key=lambda r: r.rate)
+        out += table(
+            [(unit, "r"), ("policy", "l"), ("hit ratio", "r"), ("vs ideal", "r"),
+             ("TTFT p50 s", "r"), ("TTFT p90 s", "r"), ("TTFT p99 s", "r"),
+             ("out tok/s", "r"), ("ok", "r"), ("spread", "l")],
+            (_routing_cells(r, ideals[(wl, r.rate)]) for r in here),
+        )  # fmt: skip
         ideal_line = ", ".join(
             f"{rate:g} {v:.1%}" for (w, rate), v in sorted(ideals.items()) if w == wl
         )
         out.append("")
         out.append(f"Ideal hit ratio (oracle): {ideal_line}.")
     return "\n".join(out) + "\n"
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) the section with the same `## ` title; the rest is untouched."""
-    title = section.split("\n", 1)[0]
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = text.find(title)
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1 :] if end != -1 else "")
-    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:

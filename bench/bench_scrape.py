@@ -19,8 +19,9 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.core import Endpoint
+from extproc.endpoints.exposition import parse_metrics
 from extproc.endpoints.pool import EndpointPool
-from extproc.endpoints.scrape import MetricsScraper, ScrapeSettings, parse_metrics
+from extproc.endpoints.scrape import MetricsScraper, ScrapeSettings
 from extproc.endpoints.state import EndpointStates
 
 FIXTURE = Path(__file__).parents[1] / "tests" / "fixtures" / "vllm-0.32-cpu" / "metrics.txt"
@@ -58,10 +59,16 @@ def bench_parse(repeat: int) -> None:
 
 _SERVER = textwrap.dedent(
     """
-    import asyncio, sys
+    import asyncio, itertools, sys
     from aiohttp import web
     body = open(sys.argv[1], "rb").read()
+    changing = sys.argv[3] == "1"
+    count = itertools.count()
+    line = b'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0'
     async def handle(request):
+        if changing:  # a busy engine: a load figure moves between scrapes
+            moved = line.replace(b"0.0", b"%d.0" % (next(count) % 7))
+            return web.Response(body=body.replace(line, moved), content_type="text/plain")
         return web.Response(body=body, content_type="text/plain")
     async def main():
         app = web.Application()
@@ -80,9 +87,9 @@ _SERVER = textwrap.dedent(
 )
 
 
-async def bench_loop(endpoints: int, seconds: float, interval_s: float) -> None:
+async def bench_loop(endpoints: int, seconds: float, interval_s: float, changing: bool) -> None:
     server = subprocess.Popen(
-        [sys.executable, "-c", _SERVER, str(FIXTURE), str(endpoints)],
+        [sys.executable, "-c", _SERVER, str(FIXTURE), str(endpoints), "1" if changing else "0"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -102,10 +109,15 @@ async def bench_loop(endpoints: int, seconds: float, interval_s: float) -> None:
     finally:
         server.kill()
         server.wait()
-    print(f"## scrape loop: {endpoints} endpoints every {interval_s * 1e3:.0f} ms, {wall:.1f} s")
+    kind = "changing" if changing else "unchanged"
+    print(
+        f"## scrape loop: {endpoints} endpoints every {interval_s * 1e3:.0f} ms, {wall:.1f} s, "
+        f"{kind} bodies"
+    )
     print(f"scrapes/s            {scrapes / wall:9.0f}  (failures {scraper.stats.failures})")
     print(f"picker CPU/scrape    {cpu / max(1, scrapes) * 1e6:9.0f} us")
     print(f"picker CPU share     {cpu / wall * 100:9.1f} % of one core")
+    print(f"per endpoint         {cpu / wall / endpoints * 1e3:9.2f} ms CPU per second")
 
 
 def main() -> None:
@@ -116,7 +128,8 @@ def main() -> None:
     ap.add_argument("--interval-ms", type=float, default=50.0)
     args = ap.parse_args()
     bench_parse(args.repeat)
-    asyncio.run(bench_loop(args.endpoints, args.seconds, args.interval_ms / 1e3))
+    for changing in (False, True):
+        asyncio.run(bench_loop(args.endpoints, args.seconds, args.interval_ms / 1e3, changing))
 
 
 if __name__ == "__main__":

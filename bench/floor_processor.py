@@ -1,9 +1,17 @@
-"""The floor of the stack: a grpc.aio ext_proc server that does the least a picker can do
-(FULL_DUPLEX: hold headers, echo the body, answer response headers, always the same fixed
-destination) on the same message classes. bench_proxy.py runs it beside extproc so extproc's
-cost is reported as a ratio to what the transport alone costs on this machine.
+"""The floor of the stack: a grpc.aio ext_proc server that does the least a picker can do on the
+same message classes and the same transport (TLS by default, as the picker's port; the
+access-log stream accepted and drained), always answering one fixed destination.
+bench_proxy.py runs it beside extproc so extproc's cost is a ratio to what the transport alone
+costs on this machine, in the same exchange:
 
-    python bench/floor_processor.py PORT DESTINATION
+- FULL_DUPLEX_STREAMED (gateways, and the picker's default): hold the header reply until the
+  body ended, then the decision on the headers and the body echoed; response headers answered.
+- BUFFERED: headers CONTINUE, the decision on the body reply (no echo); response headers
+  answered.
+- Behind a gateway's settings (FULL_DUPLEX_STREAMED response bodies too): response body chunks
+  echoed, trailers answered.
+
+    python bench/floor_processor.py PORT DESTINATION [--plaintext] [--max-streams=N]
 """
 
 from __future__ import annotations
@@ -15,44 +23,97 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc import protocol
+from extproc._proto.extproc.wire.v1 import access_log_pb2
 from extproc.core import Decision, Endpoint
 from extproc.server import wire
+from extproc.server.access_log import SERVICE as ACCESS_LOG_SERVICE
+from extproc.server.tls import self_signed, server_credentials
+
+_FULL_DUPLEX = wire.BodySendMode.FULL_DUPLEX_STREAMED
 
 
-async def serve(port: int, destination: str) -> None:
-    routed = wire.routed_headers(Decision(endpoints=(Endpoint(destination),)))
+async def serve(port: int, destination: str, *, tls: bool = True, max_streams: int = 0) -> None:
+    decision = Decision(endpoints=(Endpoint(destination),))
+    on_headers = wire.routed_headers(decision)
+    on_body = wire.routed_body(decision)
     resp_headers = wire.CONTINUE_RESPONSE_HEADERS
+    cont_headers = wire.CONTINUE_REQUEST_HEADERS
 
     async def process(requests, context):
-        chunks: list[bytes] = []
+        chunks: list[bytes] | None = []
+        duplex = True
         async for msg in requests:
             kind = msg.WhichOneof("request")
-            if kind == "request_body":
+            if kind == "request_headers":
+                duplex = msg.protocol_config.request_body_mode == _FULL_DUPLEX
+                if not duplex:
+                    yield cont_headers
+            elif kind == "request_body":
+                if not duplex:
+                    yield on_body
+                    continue
                 chunks.append(msg.request_body.body)
                 if msg.request_body.end_of_stream:
-                    yield routed
+                    yield on_headers
                     for r in wire.streamed_body(b"".join(chunks), end_of_stream=True):
                         yield r
+                    chunks = None
+            elif kind == "request_trailers":
+                if duplex and chunks is not None:
+                    # Trailers end the body: the decision, the body, then their reply.
+                    yield on_headers
+                    for r in wire.streamed_body(b"".join(chunks), end_of_stream=False):
+                        yield r
+                yield wire.CONTINUE_REQUEST_TRAILERS
             elif kind == "response_headers":
                 yield resp_headers
+            elif kind == "response_body":
+                # A gateway's FULL_DUPLEX response body: every chunk back as it came.
+                yield wire.echo_response_body(msg.response_body)
+            elif kind == "response_trailers":
+                yield wire.CONTINUE_RESPONSE_TRAILERS
+
+    async def access_logs(requests, context):
+        async for _ in requests:
+            pass
+        return access_log_pb2.StreamAccessLogsResponse()
 
     handler = grpc.stream_stream_rpc_method_handler(
         process,
         request_deserializer=wire.ProcessingRequest.FromString,
         response_serializer=wire.ProcessingResponse.SerializeToString,
     )
-    server = grpc.aio.server()
+    logs = grpc.stream_unary_rpc_method_handler(
+        access_logs,
+        request_deserializer=access_log_pb2.StreamAccessLogsMessage.FromString,
+        response_serializer=access_log_pb2.StreamAccessLogsResponse.SerializeToString,
+    )
+    # max_streams > 0: SETTINGS_MAX_CONCURRENT_STREAMS per connection (what a client sees).
+    options = [("grpc.max_concurrent_streams", max_streams)] if max_streams else []
+    server = grpc.aio.server(options=options)
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(protocol.EXT_PROC_SERVICE, {"Process": handler}),)
+        (
+            grpc.method_handlers_generic_handler(protocol.EXT_PROC_SERVICE, {"Process": handler}),
+            grpc.method_handlers_generic_handler(ACCESS_LOG_SERVICE, {"StreamAccessLogs": logs}),
+        )
     )
     # Envoy health-checks the picker cluster, so the floor answers health too.
     healthy = health.aio.HealthServicer()
-    await healthy.set("readiness", health_pb2.HealthCheckResponse.SERVING)
+    for name in protocol.HEALTH_SERVICES:  # what our bootstrap and the gateways probe
+        await healthy.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(healthy, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    address = f"127.0.0.1:{port}"
+    if tls:
+        server.add_secure_port(address, server_credentials(self_signed()))
+    else:
+        server.add_insecure_port(address)
     await server.start()
     await server.wait_for_termination()
 
 
 if __name__ == "__main__":
-    uvloop.run(serve(int(sys.argv[1]), sys.argv[2]))
+    flags = sys.argv[3:]
+    streams = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("--max-streams=")), 0)
+    uvloop.run(
+        serve(int(sys.argv[1]), sys.argv[2], tls="--plaintext" not in flags, max_streams=streams)
+    )

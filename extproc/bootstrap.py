@@ -21,6 +21,7 @@ import yaml
 from extproc import protocol
 
 LbMode = Literal["original-dst", "override-host"]
+BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
 
 _T = "type.googleapis.com/envoy.extensions"
 
@@ -62,6 +63,14 @@ class BootstrapOptions:
     # Pass `x-extproc-explain` / `x-extproc-decision` through the edge (only for a gateway
     # that trusted operators reach; the picker also needs `server.explain_tokens`).
     allow_explain: bool = False
+    # A picker run as `--workers N --worker-ports P` with `extproc` = host:P: one cluster host
+    # per worker port (P .. P+N-1), so round robin spreads streams over the processes.
+    extproc_workers: int = 1
+    # Streams Envoy multiplexes on one connection to a picker before opening another
+    # (http2_protocol_options.max_concurrent_streams; Envoy ignores the peer's SETTINGS).
+    extproc_streams_per_connection: int = 100
+    # How the request body reaches the picker (docs/gateways.md, "The cheapest exchange").
+    request_body_mode: BodyMode = "FULL_DUPLEX_STREAMED"
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:
@@ -95,10 +104,12 @@ def _ext_proc_filter(opts: BootstrapOptions) -> dict[str, Any]:
                 # Response headers are observed (status, served endpoint); response bodies are
                 # not requested, so the picker's cost does not grow with output length.
                 "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_body_mode": opts.request_body_mode,
                 "response_body_mode": "NONE",
                 # FULL_DUPLEX_STREAMED is rejected unless the matching trailer mode is SEND.
-                "request_trailer_mode": "SEND",
+                "request_trailer_mode": (
+                    "SEND" if opts.request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP"
+                ),
                 "response_trailer_mode": "SKIP",
             },
             # Without receiving, the envoy.lb metadata the picker returns is dropped;
@@ -315,7 +326,7 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
     }
     if opts.access_log:
         hcm["access_log"] = [_access_log(opts)]
-    host, port = _split_host_port(opts.extproc)
+    host, _ = _split_host_port(opts.extproc)
     extproc_cluster = {
         "name": "extproc",
         "type": "STRICT_DNS",
@@ -343,7 +354,11 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": f"{_T}.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
+                "explicit_http_config": {
+                    "http2_protocol_options": {
+                        "max_concurrent_streams": opts.extproc_streams_per_connection
+                    }
+                },
             }
         },
         "load_assignment": {
@@ -351,8 +366,7 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
             "endpoints": [
                 {
                     "lb_endpoints": [
-                        {"endpoint": {"address": _socket(a)}}
-                        for a in (f"{host}:{port}", *opts.extproc_replicas)
+                        {"endpoint": {"address": _socket(a)}} for a in _picker_addresses(opts)
                     ]
                 }
             ],
@@ -387,6 +401,17 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
     if opts.admin_port is not None:
         doc["admin"] = {"address": _socket(f"127.0.0.1:{opts.admin_port}")}
     return doc
+
+
+def _picker_addresses(opts: BootstrapOptions) -> list[str]:
+    """The picker cluster's hosts: every worker port of the picker, then the replicas."""
+    if opts.extproc_workers < 1:
+        raise ValueError("extproc_workers must be >= 1")
+    host, port = _split_host_port(opts.extproc)
+    if ":" in host:
+        host = f"[{host}]"
+    workers = [f"{host}:{port + i}" for i in range(opts.extproc_workers)]
+    return [*workers, *opts.extproc_replicas]
 
 
 def _picker_failover(ext_proc: dict[str, Any], cluster: dict[str, Any]) -> None:

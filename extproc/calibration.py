@@ -13,9 +13,14 @@ the two. `Calibration` owns the parse settings the router parses with and adjust
   once enough tokens are observed; foreign traffic on the same engine shows as a ratio out of
   bounds and that window is skipped.
 
-Both change the keys, so changes are rare by design: only when the new value differs from
-the current one (an integer), and the index's old approximate entries simply stop matching
-and expire. Every change is logged and counted. Event-loop use only.
+Both change the keys, and every change costs every recorded prefix its affinity (the index's
+old approximate entries stop matching and expire), so changes are rare by design. A window
+pairs our placements with the engine's counter, and the two are never aligned (requests in
+flight are counted on one side only): with windows of one or two long prompts the measured
+ratio swung 4x, and bytes-per-token flipped 1 <-> 4 a dozen times per run. So a window must
+hold many requests and tokens, a new value must be clearly away from the current one
+(hysteresis: a true 2.5 characters per token does not alternate 2 and 3), and two windows
+in a row must propose it. Every change is logged and counted. Event-loop use only.
 """
 
 from __future__ import annotations
@@ -32,8 +37,14 @@ from extproc.requests.settings import ParseSettings
 
 log = logging.getLogger("extproc.calibration")
 
-# At least this many engine prompt tokens in a window before a ratio is trusted.
-_MIN_TOKENS = 2000
+# At least this many engine prompt tokens and placed requests in a window before its ratio
+# is trusted: the misalignment of a request or two in flight is then a small part of it.
+_MIN_TOKENS = 16_000
+_MIN_REQUESTS = 8
+# Measured characters per token must be at least this far from the current value to propose
+# a change (hysteresis), and the same proposal must come from this many windows in a row.
+_HYSTERESIS = 0.75
+_CONFIRMATIONS = 2
 # Ratios of engine tokens to our estimates outside these bounds mean someone else's traffic.
 _BOUNDS = (0.33, 3.0)
 
@@ -41,6 +52,7 @@ _BOUNDS = (0.33, 3.0)
 @dataclass(slots=True)
 class _Window:
     estimated: int = 0  # our token estimates of requests placed since the window opened
+    requests: int = 0  # how many requests those were
     engine_start: int | None = None  # the engine's prompt-token counter when it opened
 
 
@@ -56,21 +68,30 @@ class CalibrationStats:
 class Calibration:
     """The parser the router calls (`calibration(path, headers, body)`), with settings that
     follow the engines. `placed()` is told of every placed request; `observe()` of every
-    scrape."""
+    scrape. `approximate_keys=False` (precise mode) parses without approximate keys: the
+    router replaces them with the tokenizer's, so computing them would be wasted work."""
 
-    def __init__(self, settings: ParseSettings, *, enabled: bool = True) -> None:
+    def __init__(
+        self, settings: ParseSettings, *, enabled: bool = True, approximate_keys: bool = True
+    ) -> None:
         self.settings = settings
         self.enabled = enabled
+        self.approximate_keys = approximate_keys
         self._windows: dict[str, _Window] = {}
+        # A proposed bytes-per-token and how many windows in a row proposed it.
+        self._proposal: tuple[int, int] | None = None
         self.stats = CalibrationStats(settings.block_tokens, settings.bytes_per_token)
 
     def __call__(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
-        return parse_request(path, headers, body, self.settings)
+        return parse_request(
+            path, headers, body, self.settings, approximate_keys=self.approximate_keys
+        )
 
     def placed(self, endpoint: str, request: InferenceRequest) -> None:
         if self.enabled and request.prompt is not None:
             w = self._windows.setdefault(endpoint, _Window())
             w.estimated += request.prompt_tokens
+            w.requests += 1
 
     def observe(self, endpoint: str, block_size: int | None, prompt_tokens: int | None) -> None:
         """One scrape of `endpoint`: its engine block size and prompt-token counter."""
@@ -82,12 +103,12 @@ class Calibration:
             return
         w = self._windows.setdefault(endpoint, _Window())
         if w.engine_start is None or prompt_tokens < w.engine_start:  # first, or a restart
-            w.engine_start, w.estimated = prompt_tokens, 0
+            w.engine_start, w.estimated, w.requests = prompt_tokens, 0, 0
             return
         engine = prompt_tokens - w.engine_start
-        if engine < _MIN_TOKENS:
+        if engine < _MIN_TOKENS or w.requests < _MIN_REQUESTS:
             return
-        estimated, w.engine_start, w.estimated = w.estimated, prompt_tokens, 0
+        estimated, w.engine_start, w.estimated, w.requests = w.estimated, prompt_tokens, 0, 0
         ratio = engine / estimated if estimated else 0.0
         if not _BOUNDS[0] <= ratio <= _BOUNDS[1]:
             self.stats.windows_skipped += 1
@@ -95,8 +116,16 @@ class Calibration:
         self.stats.ratios[endpoint] = ratio
         # Our estimate is chars / bytes_per_token; the engine's count says the real
         # characters per token is bytes_per_token / ratio.
-        bpt = max(1, round(self.settings.bytes_per_token / ratio))
-        if bpt != self.settings.bytes_per_token:
+        current = self.settings.bytes_per_token
+        measured = current / ratio
+        if abs(measured - current) < _HYSTERESIS:
+            self._proposal = None
+            return
+        bpt = max(1, round(measured))
+        seen = self._proposal[1] + 1 if self._proposal and self._proposal[0] == bpt else 1
+        self._proposal = (bpt, seen)
+        if seen >= _CONFIRMATIONS and bpt != current:
+            self._proposal = None
             self._set(bytes_per_token=bpt, why=f"{endpoint} counted {ratio:.2f}x our estimate")
 
     def _set(self, *, why: str, **changes: int) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 
+from extproc import protocol
 from extproc.bootstrap import BootstrapOptions, render_bootstrap
 from extproc.config import (
     Settings,
@@ -59,6 +60,9 @@ def _serve_settings(args: argparse.Namespace) -> Settings:
         admin = changes.get("admin_port", server.admin_port)
         if admin:
             changes["admin_port"] = admin + args.worker_index
+    if args.worker_ports is not None:
+        # Each worker's own port (not shared): a proxy balancing over them spreads streams.
+        changes["worker_port"] = args.worker_ports + (args.worker_index or 0)
     if changes:
         server = msgspec.structs.replace(server, **changes)
     endpoints = settings.endpoints
@@ -140,6 +144,8 @@ def _supervise(args: argparse.Namespace, settings: Settings) -> int:
     server = settings.server
     if server.port == 0 or server.health_port == 0:
         raise ConfigError("--workers needs fixed ext_proc and health ports (not 0)")
+    if args.worker_ports == 0:
+        raise ConfigError("--worker-ports needs a fixed base port (not 0)")
     if settings.index.backend == "memory":
         log.warning(
             "workers do not share state with the memory index: each has its own prefix index "
@@ -172,6 +178,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         extproc_sni=args.extproc_sni,
         extproc_ca_file=args.extproc_ca,
         allow_explain=args.allow_explain,
+        extproc_workers=args.extproc_workers,
     )
     try:
         sys.stdout.write(render_bootstrap(opts))
@@ -237,7 +244,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     import urllib.request
 
     body = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
-    headers = {"content-type": "application/json", "x-extproc-path": args.path}
+    headers = {"content-type": "application/json", protocol.EXPLAIN_PATH_HEADER: args.path}
     for h in args.header or []:
         name, _, value = h.partition(":")
         headers[name.strip()] = value.strip()
@@ -287,6 +294,8 @@ def _log_flags(p: argparse.ArgumentParser, *, defaults: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="extproc", description=__doc__)
+    # Defaults shown in help come from where they are defined, never restated.
+    srv, env = Settings().server, BootstrapOptions()
     _log_flags(p, defaults=True)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -300,14 +309,24 @@ def build_parser() -> argparse.ArgumentParser:
         "admin on admin-port + i (default 1: no supervisor)",
     )
     s.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    s.add_argument(
+        "--worker-ports",
+        type=int,
+        default=None,
+        help="worker i also serves ext_proc alone on WORKER_PORTS + i, for a proxy that "
+        "balances streams over the workers (envoy-config --extproc-workers)",
+    )
     s.add_argument("--endpoints", help="comma list of model-server ip:port")
-    s.add_argument("--port", type=int, help="ext_proc gRPC port (default 9002)")
-    s.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
-    s.add_argument("--host", help="address to bind (default 0.0.0.0)")
-    s.add_argument("--admin-port", type=int, help="metrics + debug API port (default 9090)")
+    s.add_argument("--port", type=int, help=f"ext_proc gRPC port (default {srv.port})")
+    s.add_argument("--health-port", type=int, help=f"gRPC health port (default {srv.health_port})")
+    s.add_argument("--host", help=f"address to bind (default {srv.host})")
+    s.add_argument(
+        "--admin-port", type=int, help=f"metrics + debug API port (default {srv.admin_port})"
+    )
     s.add_argument(
         "--admin-host",
-        help="address the admin port binds (default 127.0.0.1; 0.0.0.0 exposes it: no auth)",
+        help=f"address the admin port binds (default {srv.admin_host}; 0.0.0.0 exposes it: "
+        "no auth)",
     )
     s.add_argument(
         "--fallbacks", type=int, help="extra endpoints after the pick (override-host mode)"
@@ -330,9 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("envoy-config", help="print an Envoy bootstrap for this picker")
-    e.add_argument("--listen-port", type=int, default=8081)
-    e.add_argument("--listen-address", default="0.0.0.0")
-    e.add_argument("--extproc", default="127.0.0.1:9002", help="picker host:port")
+    e.add_argument("--listen-port", type=int, default=env.listen_port)
+    e.add_argument("--listen-address", default=env.listen_address)
+    e.add_argument("--extproc", default=env.extproc, help="picker host:port")
     e.add_argument("--lb", choices=("original-dst", "override-host"), default="original-dst")
     e.add_argument("--endpoints", help="model-server ip:port list (needed for override-host)")
     e.add_argument("--admin-port", type=int, help="expose Envoy's admin on 127.0.0.1:PORT")
@@ -348,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--extproc-plaintext",
         action="store_true",
         help="plaintext to the picker (only for a picker started with --plaintext)",
+    )
+    e.add_argument(
+        "--extproc-workers",
+        type=int,
+        default=1,
+        help="the picker runs --workers N --worker-ports P and --extproc is host:P: balance "
+        "streams over the N worker ports",
     )
     e.add_argument("--extproc-sni", help="SNI sent to the picker (default: its host name)")
     e.add_argument("--extproc-ca", help="PEM CA bundle to verify the picker's certificate")
@@ -367,7 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("explain", help="replay a request against a running picker's state")
     x.add_argument("body", help="request body file, or - for stdin")
-    x.add_argument("--picker", default="http://127.0.0.1:9090", help="the picker's admin URL")
+    x.add_argument(
+        "--picker", default=f"http://127.0.0.1:{srv.admin_port}", help="the picker's admin URL"
+    )
     x.add_argument("--path", default="/v1/chat/completions")
     x.add_argument("-H", "--header", action="append", help="extra request header 'name: value'")
     x.set_defaults(func=cmd_explain)

@@ -30,6 +30,7 @@ from extproc.flowcontrol.config import (
     build_flow_config,
 )
 from extproc.hashing.tokenizer import PreciseSettings
+from extproc.index.base import DEFAULT_TIER_WEIGHTS, IndexOptions
 from extproc.requests import ParseSettings
 from extproc.scheduling.config import EndpointPickerConfig, build_scheduler, default_config
 from extproc.scheduling.framework import Scheduler
@@ -40,6 +41,11 @@ from extproc.scheduling.registry import PluginRegistry, validation_error
 MiB = 1 << 20
 _Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 _PositiveS = Annotated[float, msgspec.Meta(gt=0)]
+# The index's own defaults, so a setting left out means what the library means.
+_INDEX_DEFAULTS = IndexOptions()
+# Per endpoint: the served index stays bounded (IndexOptions alone means unbounded, for
+# library users who size their own). 500k blocks of 16 tokens is 8M tokens of cache.
+DEFAULT_CAPACITY_BLOCKS = 500_000
 
 
 class TLSSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -85,7 +91,9 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     match). `admin_host`: where the admin port binds (loopback by default: it serves the
     explain API and state without authentication). `admin_explain_max_bytes`: the largest
     body `POST /debug/explain` accepts. `allowed_clients`: IPs/CIDRs that may open ext_proc
-    streams (the Envoy pods); empty = anyone who can connect.
+    streams (the Envoy pods); empty = anyone who can connect. `worker_port`: a second
+    ext_proc port this process alone serves (`--worker-ports BASE`: worker i of `--workers N`
+    at BASE + i), so a proxy can balance streams over workers (docs/operations.md, Workers).
     """
 
     host: str = "0.0.0.0"
@@ -104,6 +112,7 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     admin_host: str = "127.0.0.1"
     admin_explain_max_bytes: Annotated[int, msgspec.Meta(gt=0)] = 4 * MiB
     allowed_clients: list[str] = msgspec.field(default_factory=list)
+    worker_port: _Port | None = None
 
     def __post_init__(self) -> None:
         import ipaddress
@@ -172,9 +181,11 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     redis_url: str | None = None
     cluster: bool = False
     record_decisions: bool | None = None
-    approx_ttl_s: _PositiveS = 600.0
-    capacity_blocks: Annotated[int, msgspec.Meta(gt=0)] | None = 500_000
-    tier_weights: dict[str, float] = msgspec.field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.8})
+    approx_ttl_s: _PositiveS = _INDEX_DEFAULTS.approx_ttl_s
+    capacity_blocks: Annotated[int, msgspec.Meta(gt=0)] | None = DEFAULT_CAPACITY_BLOCKS
+    tier_weights: dict[str, float] = msgspec.field(
+        default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
+    )
     lookup_budget_s: _PositiveS = 0.005
     kv_events: KVEventSettings | None = None
 

@@ -29,6 +29,38 @@ MODEL_REWRITE_HEADER = "x-llm-d-model-name-rewrite"
 EXPLAIN_HEADER = "x-extproc-explain"
 DECISION_HEADER = "x-extproc-decision"
 
+# Where the request path is when `:path` is missing (a proxy that rewrote it keeps the original
+# here), in order after `:path`.
+PATH_FALLBACK_HEADERS = ("x-envoy-original-path", "x-original-path")
+
+# Disaggregation (llm-d's P/D and E/P/D, data parallel): picker -> the decode server's sidecar,
+# which endpoint runs the other stage.
+PREFILLER_HEADER = "x-prefiller-host-port"
+ENCODERS_HEADER = "x-encoder-hosts-ports"
+DATA_PARALLEL_HEADER = "x-data-parallel-host-port"
+
+# Client -> picker: session affinity (the session-affinity scorer's default header; the
+# endpoint it names is base64-encoded).
+SESSION_TOKEN_HEADER = "x-session-token"
+
+# Client -> picker: objective, fairness and latency SLOs, llm-d's name first, then GIE's /
+# the older one. Flow control and the latency plugins read them.
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
+FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+TTFT_SLO_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
+TPOT_SLO_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
+
+# Picker -> proxy (request): the latency plugins' prediction for the chosen endpoint.
+PREDICTED_TTFT_HEADER = "x-extproc-predicted-ttft-ms"
+
+# Client -> picker: video facts the body cannot tell (token estimate of a video item).
+VIDEO_FPS_HEADER = "x-llm-d-video-fps"
+VIDEO_DURATION_HEADER = "x-llm-d-video-duration-seconds"
+VIDEO_RESOLUTION_HEADER = "x-llm-d-video-resolution"
+
+# Admin port's explain endpoint: the request path the posted body is explained for.
+EXPLAIN_PATH_HEADER = "x-extproc-path"
+
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 EXT_PROC_METHOD = f"/{EXT_PROC_SERVICE}/Process"
 

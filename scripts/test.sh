@@ -19,7 +19,7 @@ fi
 . scripts/uv.sh
 $UV sync --locked --all-extras --group dev -q
 # Gates before the tests: lint and types (the import-direction rules are a test).
-$UV run --locked ruff check --quiet extproc tests bench
+$UV run --locked ruff check --quiet extproc tests bench scripts
 $UV run --locked mypy
 # The real-vLLM tier (tests/vllm): its own venv and model, outside the repo; skips if absent.
 bash scripts/vllm-env.sh

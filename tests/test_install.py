@@ -18,6 +18,8 @@ UV_BIN = os.environ.get("UV") or shutil.which("uv")
 
 # Imported by a tool, a benchmark or a test, never by `extproc serve`.
 NOT_RUNTIME = ("httpx", "rich", "psutil", "msgpack", "kubernetes_asyncio", "matplotlib", "envoy")
+# Packages/modules of extproc that belong to an extra (the demo and its local stack).
+EXTRA_ONLY = ("demo", "stack")
 
 
 def _venv(tmp: Path, extras: tuple[str, ...] = ()) -> Path:
@@ -81,6 +83,23 @@ def test_base_install_serves_and_offers_the_plugin_api_without_tool_dependencies
     assert found.stdout.strip() == "[]"
     api = _run(venv, "python", "-c", "import extproc.plugins, extproc.testing, extproc.server.app")
     assert api.returncode == 0, api.stderr
+    # Every module `serve` may import lazily (per configuration) loads in the base install:
+    # a module-level import of a dev-only package would only fail in a user's cluster.
+    walk = (
+        "import importlib, pkgutil, sys, extproc\n"
+        "bad = []\n"
+        "for m in pkgutil.walk_packages(extproc.__path__, 'extproc.'):\n"
+        "    if m.name.endswith('__main__') or m.name.split('.')[1] in sys.argv[1:]:\n"
+        "        continue\n"
+        "    try:\n"
+        "        importlib.import_module(m.name)\n"
+        "    except ImportError as e:\n"
+        "        bad.append(f'{m.name}: {e}')\n"
+        "print(bad)"
+    )
+    loaded = _run(venv, "python", "-c", walk, *EXTRA_ONLY)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "[]"
     demo = _run(venv, "extproc", "demo", "--requests", "1")
     assert demo.returncode == 2
     assert "pip install 'extproc[demo]'" in demo.stderr

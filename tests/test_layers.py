@@ -11,12 +11,14 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "extproc"
 
-_BASE = {"core", "errors", "protocol"}
+# Pure helpers any layer may use: no extproc imports of their own.
+_BASE = {"core", "errors", "protocol", "backoff"}
 # package or top-level module -> the extproc packages/modules it may import
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "errors": set(),
     "protocol": set(),
+    "backoff": set(),
     "logs": set(),
     "throttle": set(),  # rate-limited logging for what hostile peers can repeat
     "redis_client": {"errors"},
@@ -49,7 +51,7 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": set(),
 }
 # The pure layers: no network, no event loop, no transport.
-NO_IO = {"core", "errors", "hashing", "requests", "scheduling", "plugins", "latency"}
+NO_IO = {"core", "errors", "backoff", "hashing", "requests", "scheduling", "plugins", "latency"}
 IO_LIBRARIES = {"grpc", "redis", "zmq", "aiohttp", "asyncio", "socket", "httpx"}
 
 

@@ -24,6 +24,7 @@ from urllib.parse import urlencode
 import aiohttp
 import msgspec
 
+from extproc.backoff import backoff_s
 from extproc.core import Endpoint
 from extproc.endpoints.pool import normalize_address
 from extproc.errors import ConfigError
@@ -564,8 +565,7 @@ class InferencePoolWatch:
 
     def backoff_s(self, failures: int) -> float:
         t = self.timing
-        base = min(t.max_backoff_s, t.backoff_s * 2 ** min(failures - 1, 30))
-        return base * (0.5 + self.rand() / 2)
+        return backoff_s(failures, t.backoff_s, t.max_backoff_s, self.rand())
 
     async def run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.timing.request_timeout_s)

@@ -32,7 +32,7 @@ class LatencyLearner:
         pool: EndpointPool,
         states: EndpointStates | None,
         *,
-        interval_s: float = 0.25,
+        interval_s: float = 0.05,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.model = model
@@ -95,4 +95,8 @@ class LatencyLearner:
                 self.missing.discard(address)
                 log.info("latency model: endpoint %s now exports latency histograms", address)
             self._without.pop(address, None)
-            self.model.learn(address, scraped.latency, scraped.running)
+            age = states.age_s(address) or 0.0
+            self.model.learn(
+                address, scraped.latency, scraped.running, scraped.waiting,
+                self.model.now() - age,
+            )  # fmt: skip

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 import aiohttp
 import msgspec
 
+from extproc.backoff import backoff_s
 from extproc.endpoints.kubernetes import (
     ApiServer,
     ObjectMeta,
@@ -91,8 +92,7 @@ class InferenceObjectiveWatch:
 
     def backoff_s(self, failures: int) -> float:
         t = self.timing
-        base = min(t.max_backoff_s, t.backoff_s * 2 ** min(failures - 1, 30))
-        return base * (0.5 + self.rand() / 2)
+        return backoff_s(failures, t.backoff_s, t.max_backoff_s, self.rand())
 
     async def run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.timing.request_timeout_s)

@@ -33,6 +33,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
+from extproc.backoff import backoff_s
 from extproc.endpoints.inflight import Placement
 from extproc.redis_client import redis_from_url
 
@@ -265,8 +266,7 @@ class SharedInFlight:
             self._others_tokens = {}
             self._others_total = 0
         s = self._s
-        backoff = min(s.max_backoff_s, s.interval_s * 2 ** min(self._failing - 1, 16))
-        return backoff * (0.5 + 0.5 * self._rng.random())
+        return backoff_s(self._failing, s.interval_s, s.max_backoff_s, self._rng.random())
 
     async def _eval(self, script: str, *args: bytes | str) -> Any:
         try:

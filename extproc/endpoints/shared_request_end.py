@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import msgspec
 from redis.asyncio import Redis
@@ -23,6 +24,16 @@ from extproc.redis_client import redis_from_url
 log = logging.getLogger("extproc.request_end")
 
 _MAX_PENDING = 50_000
+
+
+@dataclass(slots=True)
+class SharedEndStats:
+    """Counters since start: entries published to the other replicas, holds released by an
+    entry another replica received, entries dropped (Redis failing or backlog full)."""
+
+    published: int = 0
+    applied: int = 0
+    dropped: int = 0
 
 
 class SharedRequestEnds:
@@ -43,9 +54,7 @@ class SharedRequestEnds:
         self._channel = channel
         self._interval = interval_s
         self._pending: list[Ended] = []
-        self.published = 0
-        self.applied = 0
-        self.dropped = 0
+        self.stats = SharedEndStats()
         ends.on_unmatched = self.forward
 
     @classmethod
@@ -55,7 +64,7 @@ class SharedRequestEnds:
 
     def forward(self, entry: Ended) -> None:
         if len(self._pending) >= _MAX_PENDING:
-            self.dropped += 1
+            self.stats.dropped += 1
             return
         self._pending.append(entry)
 
@@ -73,9 +82,9 @@ class SharedRequestEnds:
             )
             try:
                 await self._client.publish(self._channel, blob)
-                self.published += len(batch)
+                self.stats.published += len(batch)
             except (RedisError, OSError) as exc:
-                self.dropped += len(batch)
+                self.stats.dropped += len(batch)
                 log.warning("request ends: publish failed (%r); holds will expire", exc)
 
     async def _subscribe_loop(self) -> None:
@@ -99,7 +108,7 @@ class SharedRequestEnds:
                 return
             for rid, ttfb, upstream in entries:
                 if self._ends.ended(Ended(str(rid), ttfb, str(upstream)), forwarded=True):
-                    self.applied += 1
+                    self.stats.applied += 1
         except (ValueError, TypeError):  # msgspec.DecodeError is a ValueError
             log.warning("request ends: malformed message on the channel")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from extproc.core import EndpointState
 
 if TYPE_CHECKING:
-    from extproc.endpoints.scrape import Scraped
+    from extproc.endpoints.exposition import Scraped
 
 
 class EndpointStates:

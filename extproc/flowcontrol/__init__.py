@@ -8,8 +8,10 @@ with `x-llm-d-request-dropped-reason` and `retry-after`.
 
 Modules: `detectors` (is the pool saturated?), `admitters` (may it queue at all?),
 `policies` (which flow, which request next), `controller` (the queue and its lifecycle),
-`objectives` (priority from InferenceObjective names), `shared` (queue and usage state
-shared by replicas through Redis), `config` (llm-d's `flowControl` / `saturationDetector`
+`tickets` (requests, tickets, reasons, counters),
+`objectives` (priority from InferenceObjective names), `eviction` (cutting running
+lower-band requests for a blocked higher band), `shared` (queue and usage state shared by
+replicas through Redis), `config` (llm-d's `flowControl` / `saturationDetector`
 sections), `admission` (the router's hook).
 Off unless configured: without a `flowControl` section nothing here runs.
 """

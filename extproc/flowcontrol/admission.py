@@ -28,13 +28,13 @@ from extproc.flowcontrol.controller import (
     FlowRequest,
     Ticket,
 )
+from extproc.flowcontrol.eviction import EVICTED
 from extproc.flowcontrol.objectives import (
     DEFAULT_FAIRNESS_ID,
-    FAIRNESS_HEADERS,
-    SLO_TTFT_HEADERS,
     Objectives,
     first_header,
 )
+from extproc.protocol import FAIRNESS_HEADERS, TTFT_SLO_HEADERS
 
 log = logging.getLogger("extproc.flowcontrol")
 
@@ -81,6 +81,7 @@ class Admission:
             usage_limit=config.usage_limit,
             priorities=tuple(config.bands),
             visibility_s=s.placement_visibility_s,
+            eviction=config.eviction,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         self.wait_seconds = Histogram(
@@ -98,7 +99,7 @@ class Admission:
         if len(fairness) > _MAX_FAIRNESS_ID:
             raise BadRequest(f"fairness ID longer than {_MAX_FAIRNESS_ID} characters")
         slo = None
-        raw = first_header(h, SLO_TTFT_HEADERS)
+        raw = first_header(h, TTFT_SLO_HEADERS)
         if raw is not None:
             try:
                 slo = max(0.0, float(raw)) / 1000.0
@@ -140,6 +141,14 @@ class Admission:
             raise Shed(exc.reason, exc.message, self.settings.retry_after_s) from None
         self.wait_seconds.labels(str(flow.priority)).observe(ticket.waited_s)
         return ticket
+
+    def evicted_error(self) -> Shed:
+        """What an evicted request's stream answers (flowcontrol/eviction.py)."""
+        return Shed(
+            EVICTED,
+            "evicted to make room for higher-priority work",
+            self.settings.retry_after_s,
+        )
 
     def placed(self, ticket: Ticket) -> None:
         self.controller.placed(ticket)
@@ -190,40 +199,12 @@ class Admission:
         for p, w in fc.oldest_wait().items():
             o.add_metric([str(p)], w)
         yield o
-        c = counter(
-            "extproc_flow_requests",
-            "Flow-control outcomes: dispatched, rejected_capacity (queue full), evicted_ttl, "
-            "evicted_pressure (displaced by higher priority), cancelled (client left), "
-            "rejected_admitter (refused by an admitter).",
-            ["priority", "fairness_id", "outcome"],
-        )
-        for (p, f, outcome), n in sorted(fc.stats.outcomes.items()):
-            c.add_metric([str(p), f, outcome], n)
-        yield c
-        ws = counter(
-            "extproc_flow_wait_seconds",
-            "Total queue wait of dispatched requests by band and fairness ID (divide by "
-            'extproc_flow_requests{outcome="dispatched"} for the mean).',
-            ["priority", "fairness_id"],
-        )
-        for (p, f), total in sorted(fc.stats.wait_sum.items()):
-            ws.add_metric([str(p), f], total)
-        yield ws
+        # Outcome counts and waits are FlowStats fields: server/families.py exports them.
         sat = gauge("extproc_flow_saturation", "Pool saturation by the configured detector.")
         sat.add_metric([], fc.saturation())
         yield sat
         if self.shared is not None:
-            st = self.shared.stats
-            for name, doc, value in (
-                ("exchanges", "Successful flow-state exchanges with Redis.", st.exchanges),
-                ("errors", "Failed flow-state exchanges with Redis.", st.errors),
-            ):
-                cc = counter(f"extproc_flow_shared_{name}", doc)
-                cc.add_metric([], value)
-                yield cc
-            g = gauge("extproc_flow_shared_peers", "Other replicas seen at the last exchange.")
-            g.add_metric([], st.peers)
-            yield g
+            # Exchange counts are SharedFlowStats fields: server/families.py exports them.
             d = gauge(
                 "extproc_flow_shared_degraded",
                 "1 while Redis is failing: flow control is per replica.",

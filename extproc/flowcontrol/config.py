@@ -12,7 +12,9 @@ takes GIE v1.2-v1.4's inline `queueDepthThreshold` / `kvCacheUtilThreshold` /
 `metricsStalenessThreshold`), `usageLimitPolicyPluginRef`
 (default `static-usage-limit-policy`, ceiling 1.0). Policy and detector refs name entries of
 the top-level `plugins` list (by name, else by type), or a type directly. Accepted but not
-acted on (a warning at start): `noEndpointRequestTTL`, `enableEviction`. Admitters
+acted on (a warning at start): `noEndpointRequestTTL`. `enableEviction` turns on in-flight
+eviction (flowcontrol/eviction.py) with the eviction filter and order listed in `plugins`
+(llm-d's sheddable filter and priority-then-time order by default). Admitters
 (`probabilistic-admitter`) listed in `plugins` are active.
 """
 
@@ -30,6 +32,12 @@ from extproc.errors import ConfigError
 from extproc.flowcontrol.admitters import ADMITTERS, Admitter
 from extproc.flowcontrol.controller import BandLimits
 from extproc.flowcontrol.detectors import DETECTORS, SaturationDetector, UtilizationDetector
+from extproc.flowcontrol.eviction import (
+    EVICTION_FILTERS,
+    EVICTION_ORDERS,
+    EVICTION_PLUGINS,
+    EvictionSettings,
+)
 from extproc.flowcontrol.policies import (
     FAIRNESS as _FAIRNESS,
 )
@@ -47,7 +55,14 @@ log = logging.getLogger("extproc.flowcontrol")
 
 FAIRNESS: tuple[type[Any], ...] = (*_FAIRNESS, ProgramAwareFairness)
 
-FLOW_PLUGINS: tuple[type[Any], ...] = (*DETECTORS, *ORDERING, *FAIRNESS, *USAGE_LIMITS, *ADMITTERS)
+FLOW_PLUGINS: tuple[type[Any], ...] = (
+    *DETECTORS,
+    *ORDERING,
+    *FAIRNESS,
+    *USAGE_LIMITS,
+    *ADMITTERS,
+    *EVICTION_PLUGINS,
+)
 ADMITTER_TYPES = frozenset(c.type_name for c in ADMITTERS)
 _BY_TYPE = {c.type_name: c for c in FLOW_PLUGINS}
 FLOW_PLUGIN_TYPES = frozenset(_BY_TYPE)
@@ -182,6 +197,7 @@ class FlowConfig:
     usage_limit: UsageLimitPolicy = field(default_factory=StaticUsageLimit)
     admitters: tuple[Admitter, ...] = ()
     settings: FlowControlSettings = field(default_factory=FlowControlSettings)
+    eviction: EvictionSettings | None = None  # `enableEviction`
 
     def band(self, priority: int) -> tuple[BandLimits, OrderingPolicy, FairnessPolicy]:
         """Limits and fresh policy instances for a band (each band keeps its own state)."""
@@ -312,11 +328,15 @@ def build_flow_config(
         if params is None:  # referenced by type alone: its parameters take their defaults
             params = _decode(cls.Params, {}, where)
         usage_limit = cls(params)
-    for name in ("noEndpointRequestTTL", "enableEviction"):
-        if getattr(spec, name):
-            log.warning("flowControl.%s is accepted but not implemented: ignored", name)
+    if spec.noEndpointRequestTTL:
+        log.warning("flowControl.noEndpointRequestTTL is accepted but not implemented: ignored")
+    detector = det_cls(det_params)
+    settings = settings or FlowControlSettings()
+    eviction = None
+    if spec.enableEviction:
+        eviction = _eviction(named, detector, settings)
     return FlowConfig(
-        detector=det_cls(det_params),
+        detector=detector,
         ttl_s=ttl,
         max_requests=max_requests,
         max_bytes=max_bytes,
@@ -326,7 +346,31 @@ def build_flow_config(
         policies=named,
         usage_limit=usage_limit,
         admitters=tuple(admitters),
-        settings=settings or FlowControlSettings(),
+        settings=settings,
+        eviction=eviction,
+    )
+
+
+def _eviction(
+    named: Mapping[str, tuple[type[Any], Any]],
+    detector: SaturationDetector,
+    settings: FlowControlSettings,
+) -> EvictionSettings:
+    """`enableEviction`: the filter and order listed in `plugins` (llm-d's defaults when
+    none is), and the pacing grace the detector needs to see freed capacity: a few ticks
+    for in-flight counts; for scraped figures the staleness bound, the placement visibility
+    window and llm-d's 250 ms engine-reclaim budget."""
+    filt = next((c(p) for c, p in named.values() if c in EVICTION_FILTERS), None)
+    order = next((c(p) for c, p in named.values() if c in EVICTION_ORDERS), None)
+    if getattr(detector, "sees_placement", True):
+        grace = max(0.01, 2 * settings.tick_s)
+    else:
+        stale = float(getattr(detector, "stale_after_s", 0.2))
+        grace = stale + settings.placement_visibility_s + 0.25
+    return EvictionSettings(
+        filter=filt or EVICTION_FILTERS[0](),
+        order=order or EVICTION_ORDERS[0](),
+        grace_s=grace,
     )
 
 

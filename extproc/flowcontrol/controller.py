@@ -28,6 +28,7 @@ from typing import cast
 
 from extproc.core import EndpointState
 from extproc.flowcontrol.detectors import SaturationDetector
+from extproc.flowcontrol.eviction import EvictionSettings, Evictor
 from extproc.flowcontrol.policies import (
     Arrival,
     FairnessPolicy,
@@ -36,58 +37,34 @@ from extproc.flowcontrol.policies import (
     TimedFairness,
     UsageLimitPolicy,
 )
+from extproc.flowcontrol.tickets import (
+    EVICTED_PRESSURE,
+    MAX_LABELLED_FLOWS,
+    OUTCOMES,
+    REJECTED_SATURATED,
+    REJECTED_TTL,
+    BandLimits,
+    FlowRejected,
+    FlowRequest,
+    FlowStats,
+    Ticket,
+)
 
 log = logging.getLogger("extproc.flowcontrol")
 
-# Reasons, as llm-d spells them in `x-llm-d-request-dropped-reason`.
-REJECTED_SATURATED = "rejected-saturated"
-REJECTED_TTL = "rejected-ttl-expired"
-EVICTED_PRESSURE = "evicted-queue-pressure"
-
-MAX_LABELLED_FLOWS = 256
-
-OUTCOMES = ("dispatched", "rejected_capacity", "evicted_ttl", "evicted_pressure", "cancelled")
-
-
-class FlowRejected(Exception):
-    """The request is shed: `reason` is the dropped-reason header value."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class FlowRequest:
-    """What admission needs: who (fairness ID), how urgent (priority), how big (tokens for
-    fairness: uncached prompt + expected output; bytes for the queue bound)."""
-
-    fairness_id: str
-    priority: int
-    tokens: int
-    body_bytes: int
-    slo_ttft_s: float | None = None
-    output_tokens: int = 0  # the expected output part of `tokens`
-
-
-@dataclass(eq=False, slots=True)
-class Ticket:
-    """An admitted request, until `release`. `placed` once the router counted it in flight
-    (from then on the detector sees it through in-flight counts, not as pending)."""
-
-    request: FlowRequest
-    waited_s: float = 0.0
-    placed: bool = False
-    released: bool = False
-    pending: bool = True  # counted in the controller's pending figures
-
-
-@dataclass(frozen=True, slots=True)
-class BandLimits:
-    priority: int
-    max_requests: int = 5000
-    max_bytes: int = 1_000_000_000
+__all__ = [
+    "EVICTED_PRESSURE",
+    "MAX_LABELLED_FLOWS",
+    "OUTCOMES",
+    "REJECTED_SATURATED",
+    "REJECTED_TTL",
+    "BandLimits",
+    "FlowController",
+    "FlowRejected",
+    "FlowRequest",
+    "FlowStats",
+    "Ticket",
+]
 
 
 @dataclass(eq=False, slots=True)
@@ -112,32 +89,6 @@ class _Band:
     bytes: int = 0
 
 
-@dataclass(slots=True)
-class FlowStats:
-    """Counters by (priority, fairness ID, outcome) and wait sums by (priority, fairness ID)."""
-
-    outcomes: dict[tuple[int, str, str], int] = field(default_factory=dict)
-    wait_sum: dict[tuple[int, str], float] = field(default_factory=dict)
-    wait_count: dict[tuple[int, str], int] = field(default_factory=dict)
-    wait_max: dict[int, float] = field(default_factory=dict)
-
-    flows: set[str] = field(default_factory=set)
-
-    def label(self, fairness_id: str) -> str:
-        """Fairness IDs come from clients: past `MAX_LABELLED_FLOWS` distinct ones, the rest
-        are counted together as "other" (bounded memory and metric cardinality)."""
-        if fairness_id in self.flows:
-            return fairness_id
-        if len(self.flows) < MAX_LABELLED_FLOWS:
-            self.flows.add(fairness_id)
-            return fairness_id
-        return "other"
-
-    def count(self, req: FlowRequest, outcome: str) -> None:
-        k = (req.priority, self.label(req.fairness_id), outcome)
-        self.outcomes[k] = self.outcomes.get(k, 0) + 1
-
-
 class FlowController:
     def __init__(
         self,
@@ -153,6 +104,7 @@ class FlowController:
         usage_limit: UsageLimitPolicy | None = None,
         priorities: Sequence[int] = (),
         visibility_s: float = 0.1,
+        eviction: EvictionSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -160,7 +112,8 @@ class FlowController:
         all queues together (0 = only the per-band bounds). `usage_limit` gives each band its
         saturation ceiling (default: 1.0 for all); `priorities` are the configured bands.
         `visibility_s`: with a detector that reads scraped figures, how long a placed
-        request still counts as pending (until a scrape can show it)."""
+        request still counts as pending (until a scrape can show it). `eviction`: cut
+        running lower-band requests when a higher band is blocked (None: never)."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -182,6 +135,13 @@ class FlowController:
         self.peer_top_band: int | None = None
         # Work other replicas released that the detector may not see yet (last exchange).
         self.peer_pending: tuple[int, int] = (0, 0)
+        # Flows queued at other replicas, per band (last exchange), and how long this
+        # replica leaves free capacity to a peer whose flow is next fleet-wide before it
+        # serves its own queue anyway (0: never defers; set with shared state).
+        self.peer_flows: dict[int, frozenset[str]] = {}
+        self.defer_limit_s = 0.0
+        self._deferring_since: float | None = None
+        self.deferrals = 0
         self._decayed_at = clock()
         self.stats = FlowStats()
         self._usage_limit: UsageLimitPolicy = usage_limit or StaticUsageLimit()
@@ -192,6 +152,7 @@ class FlowController:
         # Every enqueued item in arrival order (one TTL for all: the oldest expire first);
         # items that left the queue are skipped lazily when they reach the front.
         self._arrivals: collections.deque[tuple[_Band, _Item]] = collections.deque()
+        self.evictor = Evictor(eviction, clock) if eviction is not None else None
 
     # -- admission -------------------------------------------------------------------------
 
@@ -345,7 +306,10 @@ class FlowController:
         k = (request.priority, self.stats.label(request.fairness_id))
         self.stats.wait_sum[k] = self.stats.wait_sum.get(k, 0.0) + waited
         self.stats.wait_count[k] = self.stats.wait_count.get(k, 0) + 1
-        return Ticket(request, waited)
+        ticket = Ticket(request, waited, dispatched_at=self._clock())
+        if self.evictor is not None:
+            self.evictor.track(ticket)
+        return ticket
 
     def dispatch(self) -> int:
         """Release queued requests while the pool has capacity; returns how many."""
@@ -356,6 +320,9 @@ class FlowController:
             if self.peer_top_band is not None and self.peer_top_band > top:
                 break  # a replica holds higher-priority work: that capacity is its to use
             if not self._open(top):
+                self._deferring_since = None
+                if self.evictor is not None:
+                    self._reclaim(top)
                 break
             band = self._bands[top]
             served = self._fleet_served()
@@ -364,7 +331,10 @@ class FlowController:
                 arrivals = {f: q[0].arrival for f, q in band.flows.items()}
                 flow = cast(TimedFairness, band.fairness).pick_at(arrivals, now)
             else:
+                if self._defer_to_peer(top, band, heads, served, now):
+                    break
                 flow = band.fairness.pick(heads, served, self.weights)
+            self._deferring_since = None
             item = band.flows[flow][0]
             self._remove(band, item)
             if item.future.done():
@@ -378,6 +348,51 @@ class FlowController:
             item.future.set_result(ticket)
             released += 1
         return released
+
+    def _defer_to_peer(
+        self,
+        priority: int,
+        band: _Band,
+        heads: Mapping[str, tuple[float, ...]],
+        served: Mapping[str, float],
+        now: float,
+    ) -> bool:
+        """Fleet-wide fairness: with a usage-based policy, the flow next by fleet-wide usage
+        may be queued at another replica only; then this free capacity is left to that
+        replica (it sees the same usage and capacity and releases it), for at most
+        `defer_limit_s` (stale peer state must not leave capacity idle for long)."""
+        peers = self.peer_flows.get(priority)
+        if not peers or not self.defer_limit_s or not getattr(band.fairness, "fleet_wide", False):
+            return False
+        everywhere = dict(heads)
+        for f in peers:
+            everywhere.setdefault(f, (math.inf,))  # a tie goes to a local flow
+        if band.fairness.pick(everywhere, served, self.weights) in heads:
+            return False
+        if self._deferring_since is None:
+            self._deferring_since = now
+            self.deferrals += 1
+        return now - self._deferring_since < self.defer_limit_s
+
+    def top_flows(self) -> dict[int, list[str]]:
+        """Per band, the flows queued here (published to the other replicas)."""
+        return {p: list(b.flows) for p, b in self._bands.items() if b.flows}
+
+    def _reclaim(self, priority: int) -> None:
+        """Band `priority` has work but no room: evict running lower-band requests (paced,
+        see flowcontrol/eviction.py). Their capacity returns when their streams end."""
+        assert self.evictor is not None
+        sat = self.saturation()
+        for ticket in self.evictor.reclaim(sat, self.ceiling(priority, sat), priority):
+            self.stats.count(ticket.request, "evicted_inflight")
+            log.info(
+                "evicted in flight",
+                extra={
+                    "priority": ticket.request.priority,
+                    "fairness_id": ticket.request.fairness_id,
+                    "for_priority": priority,
+                },
+            )
 
     def _fleet_served(self) -> dict[str, float]:
         if not self.peer_served:
@@ -405,6 +420,8 @@ class FlowController:
             return
         ticket.released = True
         self._unpend(ticket)
+        if self.evictor is not None:
+            self.evictor.untrack(ticket)
         self.dispatch()
 
     def _unpend(self, ticket: Ticket) -> None:

@@ -59,13 +59,26 @@ class UtilizationDetector:
         if not states:
             return 1.0
         p = self.params
-        total = 0.0
-        for s in states:
-            if s.age_s is None or s.age_s > self.stale_after_s:
-                total += 1.0
-                continue
+        fresh = [s for s in states if s.age_s is not None and s.age_s <= self.stale_after_s]
+        total = float(len(states) - len(fresh))  # unobservable endpoints count as full
+        if not fresh:
+            return total / len(states)
+        # Released work the next scrape will show, spread over the observable endpoints.
+        # Where the engine's KV size is known it lands in KV first and only what does not fit
+        # waits; otherwise every released request is counted as waiting (an overestimate
+        # that holds back the next release until the scrape shows where it went).
+        capacity = [(s.kv_blocks or 0) * (s.kv_block_size or 0) for s in fresh]
+        if all(capacity):
+            share = pending_tokens / len(fresh)
+            per_req = pending_tokens / pending_requests if pending_requests else 0.0
+            for s, cap in zip(fresh, capacity, strict=True):
+                kv = s.kv_usage + share / cap
+                overflow = max(0.0, kv - 1.0) * cap / per_req if per_req else 0.0
+                waiting = s.waiting + overflow
+                total += max(waiting / p.queueDepthThreshold, min(kv, 1.0) / p.kvCacheUtilThreshold)
+            return total / len(states)
+        for s in fresh:
             total += max(s.waiting / p.queueDepthThreshold, s.kv_usage / p.kvCacheUtilThreshold)
-        # Released work lands in some endpoint's waiting queue before the next scrape shows it.
         return (total + pending_requests / p.queueDepthThreshold) / len(states)
 
 

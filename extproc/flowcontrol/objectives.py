@@ -17,11 +17,10 @@ from typing import Any
 
 import yaml
 
+from extproc.protocol import OBJECTIVE_HEADERS
+
 log = logging.getLogger("extproc.flowcontrol")
 
-OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
-FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
-SLO_TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
 DEFAULT_FAIRNESS_ID = "default-flow"
 
 

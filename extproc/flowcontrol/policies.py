@@ -148,6 +148,9 @@ class WeightedTokenFairness:
     # When the band is full, a newcomer under its share displaces queued work of the flow
     # furthest over its share, instead of being shed itself.
     displaces = True
+    # Its pick depends on usage only, which replicas share: a replica can tell when the next
+    # flow fleet-wide is queued elsewhere (FlowController._defer_to_peer).
+    fleet_wide = True
 
     def __init__(self, params: _NoParams | None = None) -> None:
         pass

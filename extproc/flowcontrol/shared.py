@@ -7,12 +7,17 @@ tokens it served per flow (decayed), and reads everyone else's. With that, each 
 - picks flows by fleet-wide served tokens (`weighted-token-fairness-policy`), so token
   shares hold across replicas;
 - counts the work other replicas released but the detector cannot see yet (their pending
-  figures), so replicas do not each fill the same free capacity.
+  figures), so replicas do not each fill the same free capacity;
+- knows which flows are queued where, per band: when the flow next by fleet-wide usage is
+  queued only at another replica, free capacity is left to that replica (for at most two
+  exchange intervals, so stale state never idles capacity for long). Token shares then hold
+  however Envoy spreads a tenant's requests over the replicas.
 Saturation is fleet-wide by construction when in-flight counts are shared
 (`state.shared_inflight`) or scraped from the servers.
 
 Layout (one hash slot, Cluster-safe): `{<ns>}:flow` hash, field = process id, value =
-msgpack `[expiry_ms, top_band | nil, {flow: tokens}, pending_requests, pending_tokens]`;
+msgpack `[expiry_ms, top_band | false, {flow: tokens}, pending_requests, pending_tokens,
+{band: [queued flow, ...]}]` (the last element absent from older replicas);
 one script refreshes our field, drops expired ones (Redis server time, so no clock agreement
 needed) and returns the rest.
 Redis failing -> per-replica flow control: peers' state is forgotten, a warning is logged,
@@ -26,7 +31,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
+from msgspec import msgpack
 from redis.exceptions import NoScriptError, RedisError
 
 from extproc.endpoints.shared_inflight import default_process_id
@@ -81,6 +86,7 @@ class SharedFlowState:
         self.stats = SharedFlowStats()
         self.degraded = False
         self._sha: str | None = None
+        controller.defer_limit_s = 2 * interval_s
 
     @classmethod
     def from_url(cls, url: str, controller: FlowController, *, cluster: bool = False, **kw: Any):
@@ -91,7 +97,13 @@ class SharedFlowState:
         """One publish-and-read; on failure, fall back to local state (never raises)."""
         fc = self._fc
         mine = {k: round(v) for k, v in fc.served.items()}
-        own = msgpack.packb([0, fc.top_band(), mine, fc.pending_requests, fc.pending_tokens])
+        # No queued band is `false`, not nil: a nil inside the array would cut it short when
+        # the Lua script re-packs it (and peers would drop the entry as corrupt).
+        own_top = fc.top_band()
+        own = msgpack.encode(
+            [0, False if own_top is None else own_top, mine, fc.pending_requests, fc.pending_tokens,
+             fc.top_flows()]
+        )  # fmt: skip
         try:
             blobs = await self._eval(own)
         except (RedisError, OSError, TimeoutError) as exc:
@@ -104,6 +116,7 @@ class SharedFlowState:
             fc.peer_top_band = None
             fc.peer_served = {}
             fc.peer_pending = (0, 0)
+            fc.peer_flows = {}
             return
         if self.degraded:
             log.info("flow control: shared state restored")
@@ -113,22 +126,27 @@ class SharedFlowState:
         served: dict[str, float] = {}
         peers = 0
         pend_reqs = pend_toks = 0
+        queued: dict[int, set[str]] = {}
         for blob in blobs:
             try:
-                _, band, flows, p_reqs, p_toks = msgpack.unpackb(blob, strict_map_key=False)
-                for f, v in flows.items():
+                _, band, flows, p_reqs, p_toks, *rest = msgpack.decode(blob)
+                # Redis's Lua msgpack re-packs an empty map as an empty array.
+                for f, v in _mapping(flows).items():
                     served[str(f)] = served.get(str(f), 0.0) + float(v)
                 pend_reqs += max(0, int(p_reqs))
                 pend_toks += max(0, int(p_toks))
-            except (ValueError, TypeError, AttributeError, msgpack.UnpackException):
+                for b, names in _mapping(rest[0] if rest else {}).items():
+                    queued.setdefault(int(b), set()).update(str(n) for n in names)
+            except (ValueError, TypeError, AttributeError):  # msgspec.DecodeError is a ValueError
                 continue  # a foreign or corrupt entry must not stop flow control
             peers += 1
-            if isinstance(band, int) and (top is None or band > top):
+            if type(band) is int and (top is None or band > top):
                 top = band
         self.stats.peers = peers
         fc.peer_top_band = top
         fc.peer_served = served
         fc.peer_pending = (pend_reqs, pend_toks)
+        fc.peer_flows = {b: frozenset(names) for b, names in queued.items()}
         # A peer's higher band may have drained: whatever we hold may now go.
         fc.dispatch()
 
@@ -153,3 +171,12 @@ class SharedFlowState:
         except (RedisError, OSError, TimeoutError) as exc:
             log.info("flow control: could not withdraw shared state (%r); its TTL will", exc)
         await self._client.aclose()
+
+
+def _mapping(value: Any) -> dict:
+    """A decoded msgpack map; an empty array (how Lua re-packs an empty map) is an empty map."""
+    if isinstance(value, list) and not value:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError("not a map")
+    return value

@@ -8,8 +8,9 @@ cannot share affinity between replicas. Not thread-safe: use it from one event l
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Collection, Sequence
+from itertools import groupby, repeat
 from types import TracebackType
 
 from extproc.index.base import (
@@ -24,6 +25,7 @@ from extproc.index.base import (
     filter_matches,
 )
 from extproc.index.prefix import Segment, parse_tag, prefix_matches
+from extproc.index.recency import WriteOrder
 
 Records = tuple[tuple[str, int], ...]
 
@@ -37,7 +39,7 @@ class MemoryKVIndex:
         # finds segment boundaries with an identity check per block.
         self._blocks: dict[int, Records] = {}
         # Per endpoint, its keys from least to most recently written (capacity and drops).
-        self._members: dict[str, OrderedDict[int, None]] = {}
+        self._members: dict[str, WriteOrder] = {}
         # Per-endpoint capacity learned from the server's cache config (overrides the option).
         self._caps: dict[str, int] = {}
         self.stats = IndexStats()
@@ -118,8 +120,7 @@ class MemoryKVIndex:
     ) -> bool:
         self._update(block_keys, entry_tag(endpoint, medium, group), None)
         if untrack and (members := self._members.get(endpoint)) is not None:
-            for key in block_keys:
-                members.pop(key, None)
+            members.discard(block_keys)
         return True
 
     def set_capacity(self, endpoint: str, blocks: int) -> None:
@@ -144,50 +145,58 @@ class MemoryKVIndex:
         return None
 
     def _update(self, keys: Sequence[int], tag: str, deadline: int | None) -> None:
-        """Set (deadline given) or delete (None) one tag on every key."""
+        """Set (deadline given) or delete (None) one tag on every key.
+
+        Bulk, not per key: chained keys come in runs that carry the same entries (a new
+        chain is one run of "absent"), so the new value is computed once per run and the
+        run is written with one C-level `dict.update`. A 1,500-block new chain costs two
+        passes over the keys at C speed instead of a sort and a tuple per block."""
         blocks = self._blocks
-        prev_old: Records | None = None
-        prev_new: Records | None = None
-        for key in keys:
-            old = blocks.get(key)
-            if old is not None and old is prev_old:
-                new = prev_new
+        olds = list(map(blocks.get, keys))
+        start = 0
+        # groupby compares identity first, so a run of one shared tuple is cheap to find.
+        for old, run in groupby(olds):
+            n = len(list(run))
+            entries = dict(old) if old else {}
+            if deadline is None:
+                entries.pop(tag, None)
             else:
-                entries = dict(old) if old else {}
-                if deadline is None:
-                    entries.pop(tag, None)
-                else:
-                    entries[tag] = deadline
-                new = tuple(sorted(entries.items())) if entries else None
-                prev_old, prev_new = old, new
-            if new is None:
-                blocks.pop(key, None)
-            else:
-                blocks[key] = new
+                entries[tag] = deadline
+            span = keys[start : start + n]
+            start += n
+            if entries:
+                blocks.update(zip(span, repeat(tuple(sorted(entries.items())))))
+            elif old is not None:
+                deque(map(blocks.pop, span, repeat(None)), maxlen=0)
 
     def _track(self, endpoint: str, keys: Sequence[int]) -> None:
         members = self._members.get(endpoint)
         if members is None:
-            members = self._members[endpoint] = OrderedDict()
-        # Tail first, so that under capacity pressure a prefix loses its tail before its head.
-        for key in reversed(keys):
-            members[key] = None
-            members.move_to_end(key)
+            members = self._members[endpoint] = WriteOrder()
+        members.touch(keys)
         cap = self._caps.get(endpoint, self._opt.capacity_blocks)
         if cap is not None and len(members) > cap:
-            evicted = [members.popitem(last=False)[0] for _ in range(len(members) - cap)]
+            # One batch per write, not one eviction per key inserted.
+            evicted = members.pop_oldest(len(members) - cap)
             self.stats.evicted_blocks += len(evicted)
             self._drop(endpoint, evicted)
 
     def _drop(self, endpoint: str, keys: Sequence[int]) -> None:
-        """Remove every tag of `endpoint` (all media and groups) from `keys`."""
+        """Remove every tag of `endpoint` (all media and groups) from `keys`; per run of
+        keys sharing their entries, like `_update`."""
         blocks = self._blocks
-        for key in keys:
-            old = blocks.get(key)
+        olds = list(map(blocks.get, keys))
+        start = 0
+        for old, run in groupby(olds):
+            n = len(list(run))
+            span = keys[start : start + n]
+            start += n
             if old is None:
                 continue
             new = tuple(e for e in old if parse_tag(e[0])[0] != endpoint)
+            if len(new) == len(old):
+                continue
             if new:
-                blocks[key] = new
+                blocks.update(zip(span, repeat(new)))
             else:
-                del blocks[key]
+                deque(map(blocks.pop, span, repeat(None)), maxlen=0)

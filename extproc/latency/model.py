@@ -17,11 +17,11 @@ after another on the accelerator:
   first decode step): the TTFT sum minus the queue and prefill sums, per request, smoothed.
 - `transport` (added to TTFT) is the time outside the engine: from the decision to the
   response headers of streamed requests (servers send them on accepting the request).
-- `backlog` is the prefill work ahead of the request: the work this picker placed there and
-  has not seen finish (a virtual prefill lane per endpoint, advanced at each placement by
-  the predicted prefill of what was placed), plus, for each scraped waiting request beyond
-  this picker's own unfinished ones, the endpoint's mean prefill (requests other pickers or
-  clients sent, or ours running late).
+- `backlog` is the prefill work ahead of the request: the placements of this picker the
+  engine has not produced a first token for (counted against its first-token tally at each
+  scrape, see `backlog.py`), priced with the current fit, plus, for each scraped waiting
+  request beyond ours, the endpoint's mean prefill (requests other pickers or clients
+  sent).
 
 TPOT is fitted the same way from `inter_token_latency` against the running batch size:
 `TPOT = base + per_sequence * (running + 1)`.
@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Annotated
@@ -49,6 +48,7 @@ from typing import Annotated
 import msgspec
 
 from extproc.core import EndpointState, LatencyTotals
+from extproc.latency.backlog import Backlog
 from extproc.latency.rls import RecursiveLeastSquares
 
 # Tokens are fitted in thousands so both features of the prefill fit have similar scale.
@@ -56,6 +56,8 @@ _TOKEN_SCALE = 1000.0
 # A prefill interval off the fit by more than this fraction (twice running) means the
 # server's speed changed.
 _CHANGE = 0.5
+# A token-scale sample off by more than this factor (twice running) replaces the scale.
+_SCALE_JUMP = 1.5
 # Response-header delays above this are stalls, not the path's cost, and are not learned.
 _MAX_TRANSPORT_S = 1.0
 
@@ -124,6 +126,7 @@ class ModelStats:
     samples: int = 0
     resets: int = 0
     reopened: int = 0  # fits reopened because a server's speed changed
+    rescaled: int = 0  # token scale taken whole because the picker's estimates changed
 
 
 class _Learned:
@@ -162,21 +165,32 @@ class LatencyModel:
         self._learned: dict[str, _Learned] = {}
         self._coeffs: dict[str, Coefficients] = {}  # warm endpoints only
         self._fleet: Coefficients | None = None
-        self._lane: dict[str, float] = {}  # address -> when its placed prefills end
-        # address -> predicted prefill end of each placed request, oldest first
-        self._ends: dict[str, deque[float]] = {}
+        self._backlog: dict[str, Backlog] = {}  # address -> our unfinished placements
         # address -> [estimated prompt tokens, requests] placed since the last scale sample
         self._placed: dict[str, list[float]] = {}
         self.token_scale = 1.0  # engine tokens per estimated token
+        self._scale_surprises = 0
         # address -> smoothed seconds from the decision to the response headers (streaming)
         self._transport: dict[str, float] = {}
 
     # -- learning (off the hot path) -----------------------------------------------------
 
-    def learn(self, address: str, totals: LatencyTotals | None, running: int = 0) -> bool:
-        """Feed one scrape's cumulative histograms; True when it taught the model something."""
+    def learn(
+        self,
+        address: str,
+        totals: LatencyTotals | None,
+        running: int = 0,
+        waiting: int = 0,
+        at: float | None = None,
+    ) -> bool:
+        """Feed one scrape's cumulative histograms and queue (taken at `at`, default now);
+        True when it taught the model something."""
         if totals is None:
             return False
+        backlog = self._backlog.get(address)
+        if backlog is None:
+            backlog = self._backlog[address] = Backlog()
+        backlog.sync(totals.ttft_count, waiting, running, self.now() if at is None else at)
         st = self._learned.get(address)
         if st is None:
             st = self._learned[address] = _Learned(self.settings)
@@ -264,6 +278,18 @@ class LatencyModel:
             return False  # requests others sent: nothing of ours to compare with
         sample = ((t.prompt_sum - last.prompt_sum) / n) / (placed[0] / placed[1])
         sample = min(20.0, max(0.05, sample))
+        # Far off twice running: the picker's estimates changed scale (approximate mode
+        # recalibrated its bytes per token), so every placement since is off by that much.
+        if not 1 / _SCALE_JUMP < sample / self.token_scale < _SCALE_JUMP:
+            self._scale_surprises += 1
+            if self._scale_surprises < 2:
+                return False  # one odd sample moves nothing
+            self._scale_surprises = 0
+            self.token_scale = sample
+            self.stats.rescaled += 1
+            return True
+        else:
+            self._scale_surprises = 0
         self.token_scale = _ewma(self.token_scale, sample, self.settings.smoothing)
         return True
 
@@ -295,8 +321,7 @@ class LatencyModel:
 
     def retain(self, addresses: Collection[str]) -> None:
         """Forget endpoints that left the pool."""
-        tables = (self._learned, self._coeffs, self._lane, self._placed, self._transport,
-                  self._ends)  # fmt: skip
+        tables = (self._learned, self._coeffs, self._backlog, self._placed, self._transport)
         for table in tables:
             for gone in [a for a in table if a not in addresses]:
                 del table[gone]
@@ -335,16 +360,13 @@ class LatencyModel:
             self.stats.predictions_borrowed += 1
         else:
             self.stats.predictions_warm += 1
-        backlog = self._lane.get(address, 0.0) - now
-        if backlog < 0.0:
-            backlog = 0.0
+        scale = self.token_scale
+        b = self._backlog.get(address)
+        backlog = 0.0 if b is None else b.work_s(c.per_request_s, c.per_token_s * scale, now)
         if not state.is_stale and state.waiting:
-            # Waiting requests beyond ours still unfinished when the scrape was taken are
-            # work other pickers or clients queued there (or ours running late): the lane
-            # cannot see them. Ours are counted generously (until their predicted end, as of
-            # the scrape's age): a request of ours that arrived late is not someone else's.
-            taken = now - (state.age_s or 0.0)
-            foreign = state.waiting - self._unfinished(address, taken)
+            # Waiting requests beyond our unfinished placements are work
+            # other pickers or clients queued there: our placements cannot show them.
+            foreign = state.waiting - (0 if b is None else b.ours_waiting())
             if foreign > 0:
                 backlog += foreign * (c.per_request_s + c.per_token_s * c.mean_tokens)
         ttft = (
@@ -352,7 +374,7 @@ class LatencyModel:
             + self._transport.get(address, 0.0)
             + backlog
             + c.per_request_s
-            + c.per_token_s * uncached_tokens * self.token_scale
+            + c.per_token_s * uncached_tokens * scale
         )
         tpot = None
         if c.itl_base_s is not None:
@@ -381,25 +403,14 @@ class LatencyModel:
             else:
                 placed[0] += prompt_tokens
                 placed[1] += 1.0
-        c = self._coeffs.get(address) or self._fleet
-        if c is None:
-            return
-        lane = self._lane.get(address, 0.0)
-        start = lane if lane > now else now
-        self._lane[address] = start + c.prefill_s(uncached_tokens * self.token_scale)
-        ends = self._ends.get(address)
-        if ends is None:
-            ends = self._ends[address] = deque()
-        ends.append(self._lane[address])
+        b = self._backlog.get(address)
+        if b is None:
+            b = self._backlog[address] = Backlog()
+        b.place(uncached_tokens, now)
 
-    def _unfinished(self, address: str, at: float) -> int:
-        """Requests this picker placed on `address` whose prefill should not be over `at`."""
-        ends = self._ends.get(address)
-        if not ends:
-            return 0
-        while ends and ends[0] <= at:
-            ends.popleft()
-        return len(ends)
+    def backlogs(self) -> dict[str, Backlog]:
+        """Our unfinished placements per endpoint (for metrics and tests; a copy)."""
+        return dict(self._backlog)
 
 
 def _ewma(old: float, new: float, a: float) -> float:

@@ -18,12 +18,9 @@ import pybase64
 from extproc.core import MediaItem, Modality
 from extproc.errors import BadRequest
 from extproc.hashing.media import content_digest, url_digest
+from extproc.protocol import VIDEO_DURATION_HEADER, VIDEO_FPS_HEADER, VIDEO_RESOLUTION_HEADER
 from extproc.requests.settings import ParseSettings
 from extproc.requests.sniff import InvalidMedia, image_size, wav_duration_s
-
-VIDEO_FPS_HEADER = "x-llm-d-video-fps"
-VIDEO_DURATION_HEADER = "x-llm-d-video-duration-seconds"
-VIDEO_RESOLUTION_HEADER = "x-llm-d-video-resolution"
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 

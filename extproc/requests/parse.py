@@ -17,14 +17,13 @@ from extproc.core import Api, InferenceRequest, MediaItem, Prompt
 from extproc.errors import BadRequest
 from extproc.hashing.estimate import text_tokens
 from extproc.hashing.prefix import approx_seed, block_keys, canonical_stream
+from extproc.protocol import MODEL_REWRITE_HEADER, PATH_FALLBACK_HEADERS, REQUEST_ID_HEADER
 from extproc.requests import anthropic, openai
 from extproc.requests.media import MediaResolver
 from extproc.requests.settings import ParseSettings
 
-MODEL_REWRITE_HEADER = "x-llm-d-model-name-rewrite"
-REQUEST_ID_HEADER = "x-request-id"
 # When a route rewrote :path before us, the client's path survives in one of these.
-_PATH_FALLBACK_HEADERS = (":path", "x-envoy-original-path", "x-original-path")
+_PATH_FALLBACK_HEADERS = (":path", *PATH_FALLBACK_HEADERS)
 
 # Suffixes, so prefixed deployments (`/openai/v1/chat/completions`) match too; chat first,
 # as it also ends in /completions.
@@ -97,10 +96,18 @@ _MODEL_ONLY = msgspec.json.Decoder(_ModelOnly)
 
 
 def parse_request(
-    path: str, headers: Mapping[str, str], body: bytes, settings: ParseSettings
+    path: str,
+    headers: Mapping[str, str],
+    body: bytes,
+    settings: ParseSettings,
+    *,
+    approximate_keys: bool = True,
 ) -> InferenceRequest:
     """Parse one request. `headers` have lower-case names. Raises `BadRequest` for a known
-    API path whose body is malformed; never raises for an unknown path."""
+    API path whose body is malformed; never raises for an unknown path.
+
+    `approximate_keys=False` (precise mode, where the tokenizer's keys replace them) skips
+    the canonical stream and its hashing: `block_keys` is left empty."""
     request_id = headers.get(REQUEST_ID_HEADER, "")
     api = api_for_path(path)
     if api is Api.UNKNOWN:
@@ -141,11 +148,13 @@ def parse_request(
     prompt, tokens = convert(decoded, resolver, settings)
     if tokens is None:
         tokens = estimate_prompt_tokens(prompt, settings)
-    limit = settings.max_blocks * settings.block_bytes
-    stream = canonical_stream(prompt, settings.bytes_per_token, limit)
-    keys = block_keys(
-        stream, settings.block_bytes, approx_seed(base_model, lora_adapter, cache_salt)
-    )
+    keys: tuple[int, ...] = ()
+    if approximate_keys:
+        limit = settings.max_blocks * settings.block_bytes
+        stream = canonical_stream(prompt, settings.bytes_per_token, limit)
+        keys = block_keys(
+            stream, settings.block_bytes, approx_seed(base_model, lora_adapter, cache_salt)
+        )
     return InferenceRequest(
         request_id=request_id,
         path=path,

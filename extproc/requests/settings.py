@@ -37,8 +37,9 @@ class ParseSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       `lora_adapter`, which feeds the block-key seed.
     - `message_overhead_tokens` (4): template tokens per chat turn (role markers).
     - `precise` (None): tokenizer + chat template for precise block keys. `parse_request`
-      stays approximate; whoever owns startup builds `PreciseKeys.from_settings(precise)`
-      once and calls `.block_keys(request)` on the parsed request.
+      computes approximate keys unless told not to (`approximate_keys=False`); whoever owns
+      startup builds `PreciseKeys.from_settings(precise)` once and calls
+      `.block_keys(request)` on the parsed request.
     """
 
     block_tokens: _Positive = 64

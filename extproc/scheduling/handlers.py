@@ -10,21 +10,20 @@ import msgspec
 
 from extproc.core import Candidate, Decision, Endpoint, InferenceRequest
 from extproc.errors import ConfigError
+from extproc.protocol import ENCODERS_HEADER, PREFILLER_HEADER
 from extproc.scheduling.framework import Decider, ProfileResult, ProfileRunner
 
-PREFILLER_HEADER = "x-prefiller-host-port"
-ENCODERS_HEADER = "x-encoder-hosts-ports"
 
-
-def decision_from(result: ProfileResult, **extra: object) -> Decision:
-    """The Decision a profile's result makes on its own (`extra`: Decision fields to add)."""
-    return Decision(
-        endpoints=tuple(c.endpoint for c in result.chosen),
-        scores=result.scores,
-        reasons=result.reasons,
-        profile=result.profile,
-        **extra,  # type: ignore[arg-type]
-    )
+def decision_from(result: ProfileResult, **fields: object) -> Decision:
+    """The Decision a profile's result makes on its own; `fields` add to or replace its
+    Decision fields (a handler's headers, other endpoints, scores of several profiles)."""
+    made: dict[str, object] = {
+        "endpoints": tuple(c.endpoint for c in result.chosen),
+        "scores": result.scores,
+        "reasons": result.reasons,
+        "profile": result.profile,
+    }
+    return Decision(**(made | fields))  # type: ignore[arg-type]
 
 
 class SingleProfileHandler:
@@ -182,14 +181,13 @@ class DisaggProfileHandler:
                 else:
                     reasons.append(f"prefill skipped: {self._p.deciders.prefill} said no")
 
-        return Decision(
-            endpoints=tuple(c.endpoint for c in decode.chosen),
+        return decision_from(
+            decode,
             headers=headers,
             prefill=prefill,
             encoders=encoders,
             scores=scores,
             reasons=tuple(reasons),
-            profile=decode.profile,
         )
 
 

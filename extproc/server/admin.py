@@ -18,12 +18,11 @@ import orjson
 from aiohttp import web
 
 from extproc.errors import ExtprocError
+from extproc.protocol import EXPLAIN_PATH_HEADER
 from extproc.router import Router
 from extproc.server.metrics import PickerMetrics
 from extproc.server.stream import explanation
 from extproc.signals import Signals
-
-EXPLAIN_PATH_HEADER = "x-extproc-path"
 
 
 def make_admin_app(

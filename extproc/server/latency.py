@@ -12,6 +12,7 @@ from extproc.endpoints.latency_learner import LatencyLearner
 from extproc.endpoints.pool import EndpointPool
 from extproc.endpoints.state import EndpointStates
 from extproc.latency.model import LatencyModel
+from extproc.server.families import LATENCY_MODEL
 
 
 @runtime_checkable
@@ -50,15 +51,6 @@ def collect(found: Sequence[LatencyLearner], plugins: Iterable[object]) -> Itera
         "latency histograms; predicted from the fleet's fit).",
         labels=["state"],
     )
-    predictions = CounterMetricFamily(
-        "extproc_latency_predictions",
-        "Latency predictions by source: own (the endpoint's fit), fleet (borrowed, too few "
-        "samples), none (nothing learned yet).",
-        labels=["source"],
-    )
-    samples = CounterMetricFamily(
-        "extproc_latency_samples", "Scrape intervals the latency model learned from."
-    )
     throughput = GaugeMetricFamily(
         "extproc_latency_prefill_tokens_per_second",
         "Prefill throughput the latency model learned per endpoint (uncached tokens/s).",
@@ -75,8 +67,22 @@ def collect(found: Sequence[LatencyLearner], plugins: Iterable[object]) -> Itera
         "extproc_latency_token_scale",
         "Engine prompt tokens per token the picker estimates (learned).",
     )
+    queued = GaugeMetricFamily(
+        "extproc_latency_backlog_requests",
+        "Per endpoint, this picker's placements without a first token yet (the queue the "
+        "TTFT prediction prices).",
+        labels=["endpoint"],
+    )
+    trimmed = CounterMetricFamily(
+        "extproc_latency_backlog_trimmed",
+        "Placements dropped from the latency model's queue because the engine reported fewer "
+        "waiting and running requests (failed, cancelled, or counted as others' work).",
+    )
     for learner in found:
         scale.add_metric([], learner.model.token_scale)
+        for address, b in learner.model.backlogs().items():
+            queued.add_metric([address], len(b))
+        trimmed.add_metric([], sum(b.trimmed for b in learner.model.backlogs().values()))
         for address, c in learner.model.all_coefficients().items():
             terms.add_metric([address, "per_request"], c.per_request_s)
             terms.add_metric([address, "per_token"], c.per_token_s)
@@ -89,11 +95,6 @@ def collect(found: Sequence[LatencyLearner], plugins: Iterable[object]) -> Itera
         learning.add_metric([], 1.0 if learner.scraping else 0.0)
         endpoints.add_metric(["warm"], model.warm_endpoints)
         endpoints.add_metric(["no_histograms"], len(learner.missing))
-        st = model.stats
-        predictions.add_metric(["own"], st.predictions_warm)
-        predictions.add_metric(["fleet"], st.predictions_borrowed)
-        predictions.add_metric(["none"], st.predictions_missing)
-        samples.add_metric([], st.samples)
         for address, c in model.all_coefficients().items():
             if c.per_token_s > 0:
                 throughput.add_metric([address], c.tokens_per_s)
@@ -110,7 +111,9 @@ def collect(found: Sequence[LatencyLearner], plugins: Iterable[object]) -> Itera
     shed.add_metric(
         [], sum(getattr(p, "shed", 0) for p in plugins if _is(p, "latency-slo-admitter"))
     )
-    yield from (learning, endpoints, predictions, samples, throughput, terms, scale, fallbacks,
+    # ModelStats fields, through their table (server/families.py).
+    yield from LATENCY_MODEL.families_of([learner.model.stats for learner in found])
+    yield from (learning, endpoints, throughput, terms, scale, queued, trimmed, fallbacks,
                 shed)  # fmt: skip
 
 

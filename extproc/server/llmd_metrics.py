@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from extproc import __version__
 from extproc.core import Endpoint, EndpointState
+from extproc.protocol import FAIRNESS_HEADERS
 from extproc.server.metric_stores import (
     BoundedLabel,
     Counter,
@@ -71,7 +72,6 @@ TOKEN_BUCKETS = (*RESPONSE_SIZE_BUCKETS, 131072, 262144, 524288, 1048576)
 # --- label conventions ----------------------------------------------------------------------
 
 DEFAULT_FAIRNESS_ID = "default-flow"
-FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 # extproc has no InferenceObjective priorities: every request is llm-d's default priority.
 PRIORITY = "0"
 MAX_LABEL_VALUES = 1000

@@ -44,3 +44,14 @@ def bind_grpc(name: str, address: str, add_port, *args) -> int:
     except RuntimeError as exc:
         host, _, port = address.rpartition(":")
         raise PortInUse(name, host, int(port), str(exc)) from None
+
+
+def bind_worker_port(server, cfg, creds=None) -> int:
+    """This process's own ext_proc port beside the shared one (`server.worker_port`): the same
+    service and transport security, on a port no sibling worker shares, so a proxy that lists
+    every worker's port balances streams over processes (SO_REUSEPORT balances connections
+    only, and Envoy multiplexes all of a thread's streams on one connection)."""
+    address = f"{cfg.host}:{cfg.worker_port}"
+    if creds is None:
+        return bind_grpc("worker", address, server.add_insecure_port)
+    return bind_grpc("worker", address, server.add_secure_port, creds)

@@ -126,6 +126,7 @@ class StreamHandler:
         self._allow = allow or PeerAllowList()
         self._throttle = Throttle()
         self._warned: set[int] = set()  # body modes already logged as "routing on headers"
+        self._replies = wire.DecisionReplies()
 
     @classmethod
     def from_settings(
@@ -158,6 +159,7 @@ class StreamHandler:
             self._warned,
             self.budget,
             self._explain_tokens,
+            self._replies,
         )
         deadline = BodyDeadline(self._body_timeout_s)
         state.deadline = deadline
@@ -165,8 +167,17 @@ class StreamHandler:
         try:
             while True:
                 left = deadline.remaining()
+                msg: wire.ProcessingRequest | None
                 try:
-                    if left is None:
+                    if state.eviction is not None:
+                        # An evictable request (flow control): its eviction may come first.
+                        got = await _next_or_evicted(it, state.eviction)
+                        if got is None:
+                            for resp in state.evicted():
+                                yield resp
+                            return
+                        msg = got
+                    elif left is None:
                         msg = await anext(it)
                     else:
                         async with asyncio.timeout(max(left, 0.0)):
@@ -199,6 +210,24 @@ class StreamHandler:
             log.warning(message, extra={"suppressed_since_last": suppressed})
 
 
+async def _next_or_evicted(
+    it: AsyncIterator[wire.ProcessingRequest | None], evicted: asyncio.Future[None]
+) -> wire.ProcessingRequest | None:
+    """The next message from Envoy, or None when the eviction signal comes first (the read
+    is then abandoned: the stream ends with the eviction answer)."""
+    if evicted.done():
+        return None
+    reader = asyncio.ensure_future(anext(it))
+    try:
+        await asyncio.wait((reader, evicted), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not reader.done():
+            reader.cancel()
+    if reader.done() and not reader.cancelled():
+        return reader.result()  # a message (or StopAsyncIteration) wins a tie
+    return None
+
+
 class _Stream:
     __slots__ = (
         "body_len",
@@ -206,6 +235,7 @@ class _Stream:
         "chunks",
         "deadline",
         "done",
+        "eviction",
         "explain",
         "explain_tokens",
         "headers",
@@ -213,6 +243,7 @@ class _Stream:
         "metrics",
         "mode",
         "obs",
+        "replies",
         "response_mode",
         "routed",
         "router",
@@ -229,8 +260,10 @@ class _Stream:
         warned: set[int],
         budget: BodyBudget,
         explain_tokens: tuple[bytes, ...] = (),
+        replies: wire.DecisionReplies | None = None,
     ) -> None:
         self.router = router
+        self.replies = replies if replies is not None else wire.DecisionReplies()
         self.budget = budget
         self.explain_tokens = explain_tokens
         self.deadline: BodyDeadline | None = None
@@ -245,6 +278,7 @@ class _Stream:
         self.chunks: list[bytes] = []
         self.body_len = 0
         self.routed: Routed | None = None
+        self.eviction: asyncio.Future[None] | None = None
         self.explain = False
         self.done = False
         self.obs = metrics.llmd.request()  # llm-d's request families (server/llmd_metrics.py)
@@ -255,7 +289,9 @@ class _Stream:
         except ExtprocError as err:
             return self.fail(err)
         except Exception:
-            log.exception("internal error", extra={"request_id": self.headers.get("x-request-id")})
+            log.exception(
+                "internal error", extra={"request_id": self.headers.get(protocol.REQUEST_ID_HEADER)}
+            )
             return self.fail(ExtprocError())
 
     def _release_body(self) -> None:
@@ -274,7 +310,7 @@ class _Stream:
         log.info(
             "rejected",
             extra={
-                "request_id": self.headers.get("x-request-id"),
+                "request_id": self.headers.get(protocol.REQUEST_ID_HEADER),
                 "status": err.status,
                 "code": err.code,
             },
@@ -332,9 +368,9 @@ class _Stream:
         if self.mode not in (_FULL_DUPLEX, *_BUFFERED):
             # This body mode never shows us the whole body: decide on headers alone.
             self._without_body()
-            return [self._override(wire.routed_headers(await self._route(None)))]
+            return [self._override(self.replies.headers(await self._route(None)))]
         if msg.request_headers.end_of_stream:
-            return [self._override(wire.routed_headers(await self._route(b"")))]
+            return [self._override(self.replies.headers(await self._route(b"")))]
         if self.deadline is not None:
             self.deadline.start()
         if self.mode == _FULL_DUPLEX:
@@ -392,7 +428,7 @@ class _Stream:
                 # streams past us. A cut JSON document cannot be parsed: route on headers.
                 self._release_body()
                 self._without_body()
-                return [wire.routed_body(await self._route(None))]
+                return [self.replies.body(await self._route(None))]
             return []  # FULL_DUPLEX: more chunks follow (bounded by max_body)
         return await self._body_complete(trailers_follow=False)
 
@@ -410,8 +446,8 @@ class _Stream:
         finally:
             self._release_body()  # held through parsing: the joined copy lives until then
         if self.mode in _BUFFERED:
-            return [wire.routed_body(decision)]
-        out = [wire.routed_headers(decision)]
+            return [self.replies.body(decision)]
+        out = [self.replies.headers(decision)]
         out.extend(wire.streamed_body(body, end_of_stream=not trailers_follow))
         return out
 
@@ -432,9 +468,26 @@ class _Stream:
         req = routed.request
         self.obs.routed(req.model, self.headers, self.body_len, req.prompt_tokens)
         self.routed = routed
+        ticket = routed.ticket
+        if ticket is not None and ticket.evictable:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def signal() -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
+            ticket.on_evict(signal)
+            self.eviction = fut
         if explain:
             log.debug("decision", extra={"decision": explanation(routed)})
         return routed.decision
+
+    def evicted(self) -> list[wire.ProcessingResponse]:
+        """Flow control cut this running request for higher-priority work: 429 `evicted`
+        (Envoy resets the response instead if it has already started)."""
+        admission = self.router.admission
+        assert admission is not None  # only flow control sets `eviction`
+        return self.fail(admission.evicted_error())
 
     def _on_response_headers(self, msg: wire.ProcessingRequest) -> wire.ProcessingResponse:
         routed = self.routed

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from extproc.backoff import backoff_s
+
 log = logging.getLogger("extproc.workers")
 
 # A worker that dies sooner than this after its start counts as crashing at once: its next
@@ -128,7 +130,8 @@ class Supervisor:
                 return
             lived = now - slot.started_at
             slot.fast_crashes = slot.fast_crashes + 1 if lived < _FAST_CRASH_S else 0
-            delay = min(0.5 * 2**slot.fast_crashes, _MAX_BACKOFF_S) if slot.fast_crashes else 0
+            # 1 s after the first fast crash, doubling: a crash loop does not spin.
+            delay = backoff_s(slot.fast_crashes, 1.0, _MAX_BACKOFF_S)
             log.warning(
                 "worker exited, restarting",
                 extra={"worker": slot.index, "returncode": rc, "restart_in_s": delay},

@@ -56,7 +56,11 @@ def make_app(name: str) -> web.Application:
                 k.lower(): v
                 for k, v in request.headers.items()
                 if k.lower()
-                in ("x-prefiller-host-port", "x-encoder-hosts-ports", "x-data-parallel-host-port")
+                in (
+                    protocol.PREFILLER_HEADER,
+                    protocol.ENCODERS_HEADER,
+                    protocol.DATA_PARALLEL_HEADER,
+                )
             },
         }
         headers_delay = _int(request.headers.get(HEADERS_DELAY_HEADER))

@@ -32,8 +32,9 @@ from typing import Any
 
 import aiohttp
 
+from extproc.protocol import PREDICTED_TTFT_HEADER
+
 SERVED_BY_HEADER = "x-served-by"
-PREDICTED_TTFT_HEADER = "x-extproc-predicted-ttft-ms"
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,30 +23,55 @@ def test_block_size_follows_the_engine_and_changes_the_keys() -> None:
     assert cal.stats.changes == 1  # the same size again changes nothing
 
 
+def window(cal: Calibration, engine_at: int, engine_tokens: int, requests: int = 16) -> int:
+    """Place `requests` copies of BODY on a:1, then scrape its counter `engine_tokens` later."""
+    req = cal("/v1/completions", {}, BODY)
+    for _ in range(requests):
+        cal.placed("a:1", req)
+    cal.observe("a:1", None, engine_at + engine_tokens)
+    return engine_at + engine_tokens
+
+
 def test_characters_per_token_follow_the_engines_counts() -> None:
     cal = Calibration(ParseSettings(bytes_per_token=4))
-    req = cal("/v1/completions", {}, BODY)  # 1000 estimated tokens
+    assert cal("/v1/completions", {}, BODY).prompt_tokens == 1000
     cal.observe("a:1", None, 10_000)  # opens the window
-    for _ in range(4):
-        cal.placed("a:1", req)
-    cal.observe("a:1", None, 11_000)  # too few tokens yet to judge
-    assert cal.stats.changes == 0
-    cal.observe("a:1", None, 12_500)  # the engine counted 2500 for our 4000: 6.4 chars/token
+    at = window(cal, 10_000, 1_000, requests=2)  # too few tokens and requests yet to judge
+    assert cal.stats.changes == 0 and "a:1" not in cal.stats.ratios
+    # The engine counted 20,000 (+1,000 above) for our 34,000: ~6.5 characters per token...
+    at = window(cal, at, 20_000, requests=32)
+    assert cal.stats.changes == 0  # ...proposed once: not yet
+    window(cal, at, 20_000, requests=32)  # the next window says the same: changed
     assert cal.settings.bytes_per_token == 6 and cal.stats.changes == 1
     assert cal("/v1/completions", {}, BODY).prompt_tokens == 667
 
 
+def test_windows_that_disagree_or_sit_near_the_current_value_change_nothing() -> None:
+    # Windows swinging 4x either way (a long prompt in flight on one side of the window's
+    # edge) propose 8, then 2, then 8 ...: never twice in a row.
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    cal.observe("a:1", None, 0)
+    at = 0
+    for _ in range(4):
+        at = window(cal, at, 16_000, requests=32)  # half our estimate: 8 characters a token
+        at = window(cal, at, 32_000, requests=16)  # twice our estimate: 2 characters a token
+    assert cal.stats.changes == 0 and cal.settings.bytes_per_token == 4
+    # A true 2.5 characters per token while using 2: within the hysteresis, kept.
+    cal = Calibration(ParseSettings(bytes_per_token=2))
+    cal.observe("a:1", None, 0)
+    at = 0
+    for _ in range(6):
+        at = window(cal, at, 16 * 1600)  # 4,000 characters are 1,600 engine tokens
+    assert cal.stats.changes == 0 and cal.stats.ratios["a:1"] == 0.8
+
+
 def test_foreign_traffic_and_restarts_do_not_calibrate() -> None:
     cal = Calibration(ParseSettings(bytes_per_token=4))
-    req = cal("/v1/completions", {}, BODY)
     cal.observe("a:1", None, 0)
-    cal.placed("a:1", req)
-    cal.observe("a:1", None, 50_000)  # 50x what we placed: someone else's requests
+    window(cal, 0, 400_000, requests=8)  # 50x what we placed: someone else's requests
     assert cal.stats.windows_skipped == 1 and cal.settings.bytes_per_token == 4
     cal.observe("a:1", None, 10)  # the counter went back: a new engine, a new window
-    cal.placed("a:1", req)
-    cal.placed("a:1", req)
-    cal.observe("a:1", None, 2010)
+    window(cal, 10, 16_000)
     assert cal.settings.bytes_per_token == 4 and cal.stats.ratios["a:1"] == 1.0
 
 

@@ -68,16 +68,16 @@ def test_precise_config_without_a_local_tokenizer_serves_and_says_it_is_degraded
 def test_serve_refuses_a_config_with_pending_plugins_naming_the_issue(capsys, tmp_path):
     from extproc.cli import main
 
-    # The eviction plugins are still pending (issue 15 built no queue eviction).
-    config = tmp_path / "evicting.yaml"
+    # GIE v1.x's SLO-aware profile handler is pending (issue 16).
+    config = tmp_path / "pending.yaml"
     doc = yaml.safe_load(
         (CORPUS / "router--deploy_config_soft-reflective-ceiling-epp-config.yaml").read_text()
     )
-    doc["plugins"].append({"type": "sheddable-eviction-filter"})
+    doc["plugins"].append({"type": "slo-aware-profile-handler"})
     config.write_text(yaml.safe_dump(doc))
     args = ["serve", "--config", str(config), "--endpoints", "127.0.0.1:1"]
     assert main(args) == 2
-    assert "'sheddable-eviction-filter' is pending: built in issue 15" in capsys.readouterr().err
+    assert "'slo-aware-profile-handler' is pending: built in issue 16" in capsys.readouterr().err
 
 
 def test_the_soft_ceiling_and_program_aware_configs_serve_unchanged():

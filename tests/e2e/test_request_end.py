@@ -78,4 +78,7 @@ def test_inflight_count_lasts_until_a_streamed_reply_ends(slow_stack: Stack):
             what="in-flight count back to 0 after the reply",
         )
         assert picker_metric(stack, "extproc_request_end_expired_total") == 0
+        # The held streamed request was released by its entry (a RequestEndStats field that
+        # reaches /metrics through server/families.py).
+        assert picker_metric(stack, "extproc_request_end_ended_total") >= 1
         assert time.monotonic() - start < 20

@@ -9,13 +9,37 @@ import copy
 import json
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import yaml
 from aiohttp import web
+
+from extproc.config import DiscoverySettings
 
 NS = "ns"
 POOLS = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
 PODS = f"/api/v1/namespaces/{NS}/pods"
+
+
+def pool_discovery(tmp_path: Path, server: str, pool_name: str = "pool") -> DiscoverySettings:
+    """Discovery settings that watch InferencePool `pool_name` in NS on the API server at
+    `server` (a kubeconfig with a token, written under `tmp_path`)."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": server}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    return DiscoverySettings(inference_pool=pool_name, namespace=NS, kubeconfig=str(path))
+
 
 _END = object()  # end the stream normally (like timeoutSeconds)
 _DROP = object()  # cut the connection

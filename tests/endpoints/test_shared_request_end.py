@@ -29,7 +29,7 @@ async def test_an_entry_logged_to_another_replica_releases_the_hold(redis_server
                 break
             await asyncio.sleep(0.05)
         assert a_counts.requests("s1") == 0
-        assert b.published == 1 and a.applied == 1
+        assert b.stats.published == 1 and a.stats.applied == 1
         assert b_ends.stats.unmatched == 1 and a_ends.stats.unmatched == 0
     finally:
         for t in tasks:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.core import EndpointState
-from extproc.endpoints.scrape import Scraped
+from extproc.endpoints.exposition import Scraped
 from extproc.endpoints.state import EndpointStates
 from tests.index.conftest import ManualClock
 

@@ -7,12 +7,10 @@ import asyncio
 
 import httpx
 import msgspec
-import yaml
 
-from extproc.config import DiscoverySettings
 from extproc.flowcontrol.config import FlowControlSettings
 from extproc.server.app import App
-from tests.endpoints.fakekube import NS, PODS, POOLS, FakeKube, pod, pool
+from tests.endpoints.fakekube import PODS, POOLS, FakeKube, pod, pool, pool_discovery
 from tests.endpoints.test_objectives_watch import OBJECTIVES, objective
 
 
@@ -26,23 +24,10 @@ async def test_objectives_from_kubernetes_and_metrics(settings, tmp_path):
     kube.put(PODS, pod("a", "127.0.1.1"))
     kube.put(OBJECTIVES, objective("critical", 10))
     await kube.start()
-    cfg = tmp_path / "kubeconfig"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": kube.url}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "x",
-            }
-        )
-    )
     s = msgspec.structs.replace(
         settings,
         endpoints=[],
-        discovery=DiscoverySettings(inference_pool="pool", namespace=NS, kubeconfig=str(cfg)),
+        discovery=pool_discovery(tmp_path, kube.url),
         flow_control=FlowControlSettings(),
     )
     try:
@@ -57,5 +42,8 @@ async def test_objectives_from_kubernetes_and_metrics(settings, tmp_path):
                 text = (await c.get(f"http://127.0.0.1:{app.admin_port}/metrics")).text
             assert "extproc_flow_saturation" in text
             assert "extproc_flow_queue_wait_seconds" in text
+            # Both Kubernetes watches' counters, told apart by resource.
+            for resource in ("inferencepool", "inferenceobjective"):
+                assert f'extproc_discovery_lists_total{{resource="{resource}"}}' in text
     finally:
         await kube.stop()

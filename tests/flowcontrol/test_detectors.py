@@ -44,3 +44,20 @@ def test_concurrency_modes():
     )
     # endpoint 1: max(4/8, 100/100) = 1; endpoint 2: 0 -> 0.5
     assert hyb.saturation(s, 0, 0) == pytest.approx(0.5)
+
+
+def test_released_work_fills_known_kv_before_it_counts_as_waiting():
+    """With the engine's KV size known, pending tokens are projected into KV use; only what
+    does not fit counts as waiting (without it, one release would count a whole waiting
+    request and hold back higher bands until the next scrape)."""
+    det = UtilizationDetector(
+        UtilizationDetector.Params(queueDepthThreshold=1, kvCacheUtilThreshold=0.95)
+    )
+    fresh = EndpointState(kv_usage=0.5, age_s=0.0, is_stale=False, kv_block_size=16, kv_blocks=100)
+    # 1 request of 160 tokens on 1,600 tokens of KV: +0.1 KV, no waiting.
+    assert det.saturation([fresh], 1, 160) == pytest.approx(0.6 / 0.95)
+    # 1 request of 960 tokens: 0.5 + 0.6 = 1.1 -> 0.1 of the KV (160 tokens) overflows, 1/6 of
+    # the request waiting.
+    assert det.saturation([fresh], 1, 960) == pytest.approx(max(1 / 6, 1 / 0.95))
+    unknown = EndpointState(kv_usage=0.5, age_s=0.0, is_stale=False)
+    assert det.saturation([unknown], 1, 160) == pytest.approx(0.5 / 0.95 + 1.0)

@@ -13,7 +13,8 @@ from tests.redis_servers import RedisServer
 
 async def test_replicas_share_top_band_and_served_tokens(redis_server: RedisServer):
     a, slots_a, _ = make(capacity=2)
-    b, _slots_b, _ = make(capacity=1)
+    # b's pool has room for a's released-but-unplaced request (counted fleet-wide) plus one.
+    b, _slots_b, _ = make(capacity=2)
     sa = SharedFlowState.from_url(redis_server.url, a, namespace="t1", process_id="a")
     sb = SharedFlowState.from_url(redis_server.url, b, namespace="t1", process_id="b")
     try:
@@ -47,12 +48,13 @@ async def test_redis_down_degrades_to_local_and_says_so(redis_server: RedisServe
         await sa.exchange()
         assert not sa.degraded and sa.stats.exchanges == 1
         a.peer_top_band = 3  # as if a peer had reported
+        a.peer_flows = {0: frozenset({"x"})}
         redis_server.kill()
         with caplog.at_level(logging.WARNING, logger="extproc.flowcontrol"):
             await sa.exchange()
             await sa.exchange()
         assert sa.degraded and sa.stats.errors == 2
-        assert a.peer_top_band is None and a.peer_served == {}
+        assert a.peer_top_band is None and a.peer_served == {} and a.peer_flows == {}
         assert sum("per replica" in r.getMessage() for r in caplog.records) == 1
         (r,) = await start(a, req())
         assert r.done()  # local flow control goes on
@@ -65,6 +67,7 @@ async def test_degraded_shared_state_shows_in_metrics(redis_server: RedisServer)
 
     from extproc.flowcontrol.admission import Admission
     from extproc.flowcontrol.config import build_flow_config
+    from extproc.server.families import SHARED_FLOW
 
     cfg = build_flow_config({}, None, [])
     adm = Admission(cfg, list, registry=CollectorRegistry())
@@ -73,7 +76,11 @@ async def test_degraded_shared_state_shows_in_metrics(redis_server: RedisServer)
     )
 
     def gauge(name: str) -> float:
-        fam = next(f for f in adm.collect() if f.name == name)
+        # The degraded gauge is Admission's; the exchange counters are SharedFlowStats
+        # fields, exported through their table.
+        assert adm.shared is not None
+        found = [*adm.collect(), *SHARED_FLOW.families(adm.shared.stats)]
+        fam = next(f for f in found if f.name == name)
         return fam.samples[0].value
 
     try:
@@ -85,3 +92,63 @@ async def test_degraded_shared_state_shows_in_metrics(redis_server: RedisServer)
         assert gauge("extproc_flow_shared_errors") == 1.0
     finally:
         await asyncio.wait_for(adm.aclose(), 5)
+
+
+async def test_shares_hold_fleet_wide_when_each_tenant_reaches_one_replica(
+    redis_server: RedisServer,
+):
+    """Tenant A (weight 3) reaches only replica a, tenant B (weight 1) only replica b, both
+    behind one slot. Each replica alone would fill every free slot with its own tenant;
+    sharing which flows are queued where, the replica whose tenant is next fleet-wide takes
+    the slot and the other leaves it: 3:1, as with one replica."""
+    weights = {"A": 3.0, "B": 1.0}
+    band = {"priority": 0, "fairnessPolicyRef": "weighted-token-fairness-policy"}
+    fc = {"priorityBands": [band]}
+    a, slots, _ = make(capacity=1, weights=weights, flow_control=fc)
+    b, _, _ = make(capacity=1, weights=weights, flow_control=fc)
+    b._states = slots.states  # one pool: both replicas see the same in-flight count
+    sa = SharedFlowState.from_url(redis_server.url, a, namespace="t4", process_id="a")
+    sb = SharedFlowState.from_url(redis_server.url, b, namespace="t4", process_id="b")
+    try:
+        (h,) = await start(a, req("H"))
+        running = (a, place(a, slots, h))
+        queued = {a: list(await start(a, *(req("A") for _ in range(8)))),
+                  b: list(await start(b, *(req("B") for _ in range(8))))}  # fmt: skip
+        order: list[str] = []
+        for _ in range(8):
+            await sa.exchange()
+            await sb.exchange()
+            ctl, ticket = running
+            slots.used -= 1
+            ctl.release(ticket)  # the slot frees; its replica dispatches first, then the other
+            for c in (ctl, b if ctl is a else a):
+                c.dispatch()
+                await settle()
+                for t in [t for t in queued[c] if t.done()]:
+                    queued[c].remove(t)
+                    running = (c, place(c, slots, t))
+                    order.append(t.result().request.fairness_id)
+        assert len(order) == 8  # one request per free slot, never two
+        assert order.count("A") == 6 and order.count("B") == 2, order
+        assert a.deferrals + b.deferrals > 0
+    finally:
+        await sa.aclose()
+        await sb.aclose()
+
+
+async def test_an_idle_replica_is_still_a_peer(redis_server: RedisServer):
+    """Nothing queued, nothing served: the entry survives Redis's Lua re-packing (a nil top
+    band or an empty map once made peers drop it as corrupt)."""
+    a, _, _ = make(capacity=1)
+    b, _, _ = make(capacity=1)
+    sa = SharedFlowState.from_url(redis_server.url, a, namespace="t5", process_id="a")
+    sb = SharedFlowState.from_url(redis_server.url, b, namespace="t5", process_id="b")
+    try:
+        await sa.exchange()
+        await sb.exchange()
+        await sa.exchange()
+        assert sa.stats.peers == 1 and sb.stats.peers == 1
+        assert a.peer_top_band is None and a.peer_served == {} and a.peer_flows == {}
+    finally:
+        await sa.aclose()
+        await sb.aclose()

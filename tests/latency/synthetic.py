@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from extproc.endpoints.scrape import LatencyTotals
+from extproc.endpoints.exposition import LatencyTotals
 from extproc.latency import LatencyModel
 
 

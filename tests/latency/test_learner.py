@@ -8,9 +8,9 @@ import logging
 import pytest
 
 from extproc.core import Endpoint
+from extproc.endpoints.exposition import Scraped
 from extproc.endpoints.latency_learner import LatencyLearner
 from extproc.endpoints.pool import EndpointPool
-from extproc.endpoints.scrape import Scraped
 from extproc.endpoints.state import EndpointStates
 from extproc.latency import LatencyModel
 from tests.latency.synthetic import Engine

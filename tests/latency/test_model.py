@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from extproc.core import EndpointState
-from extproc.endpoints.scrape import LatencyTotals
+from extproc.endpoints.exposition import LatencyTotals
 from extproc.latency import LatencyModel, ModelSettings
 from extproc.latency.rls import RecursiveLeastSquares
 from tests.latency.synthetic import Engine, teach
@@ -252,3 +252,29 @@ def test_own_queued_requests_in_the_scraped_waiting_count_are_not_counted_twice(
     assert lane_only is not None and agrees is not None and more is not None
     assert agrees.ttft_s == lane_only.ttft_s
     assert more.ttft_s - lane_only.ttft_s == pytest.approx(2 * c.prefill_s(c.mean_tokens))
+
+
+def test_token_scale_follows_a_changed_estimate_at_once() -> None:
+    """Approximate mode recalibrated (bytes per token 4 -> 1): the picker's estimates are 4x
+    larger from then on. Two samples that far off replace the scale, instead of smoothing
+    towards it over a dozen while every prediction is 4x off."""
+    model = LatencyModel()
+    eng = Engine()
+    teach(model, "a:1", eng)
+    t = eng.totals
+
+    def sample(estimate: float, engine: float) -> None:
+        nonlocal t
+        model.place("a:1", 0, 0.0, prompt_tokens=estimate)
+        t = LatencyTotals(**{**_fields(t), "prompt_sum": t.prompt_sum + engine,
+                             "prompt_count": t.prompt_count + 1})  # fmt: skip
+        model.learn("a:1", t)
+
+    for _ in range(10):
+        sample(1000, 3000)
+    assert model.token_scale == pytest.approx(3.0, rel=0.05)
+    sample(4000, 3000)
+    assert model.token_scale == pytest.approx(3.0, rel=0.05)  # one odd sample: not yet
+    sample(4000, 3000)
+    assert model.token_scale == pytest.approx(0.75)
+    assert model.stats.rescaled == 2  # the first from the initial 1.0, then this one

@@ -187,11 +187,19 @@ def test_flow_control_types_and_sections_go_to_flow_control():
     assert any("no plugin named 'utilisation-detector'" in p for p in problems(d))
 
 
-def test_flow_control_policies_not_built_yet_are_pending_in_issue_15():
+def test_flow_control_eviction_and_late_policies_are_implemented():
     d = doc()
-    d["plugins"].append({"type": "sheddable-eviction-filter"})
-    (p,) = problems(d)
-    assert "'sheddable-eviction-filter' is pending: built in issue 15" in p
+    d["plugins"] += [
+        {"type": t}
+        for t in (
+            "sheddable-eviction-filter",
+            "priority-then-time-eviction-order-policy",
+            "eviction-sheddable-filter",
+            "eviction-priority-then-time-ordering",
+        )
+    ]
+    d["flowControl"] = {"enableEviction": True}
+    assert problems(d) == []
     d = doc()
     d["plugins"] += [{"type": "program-aware-fairness"}, {"type": "soft-reflective-ceiling-policy"}]
     assert problems(d) == []

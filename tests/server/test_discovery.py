@@ -14,7 +14,7 @@ from extproc.config import DiscoverySettings
 from extproc.server.app import App
 from extproc.server.health import NOT_SERVING, SERVING
 from extproc.testing import ExtProcClient, body_chunks, destination, post, request_headers
-from tests.endpoints.fakekube import NS, PODS, POOLS, FakeKube, pod, pool
+from tests.endpoints.fakekube import PODS, POOLS, FakeKube, pod, pool, pool_discovery
 
 CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
 
@@ -53,23 +53,8 @@ async def test_inference_pool_pods_become_endpoints_and_follow_changes(settings,
         kube.put(POOLS, pool(ports=(8000,)))
         kube.put(PODS, pod("a", "127.0.1.1"))
         kube.put(PODS, pod("b", "127.0.1.2", ready=False))
-        cfg = tmp_path / "kubeconfig"
-        cfg.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "c", "cluster": {"server": kube.url}}],
-                    "users": [{"name": "u", "user": {"token": "t"}}],
-                    "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                    "current-context": "x",
-                }
-            )
-        )
         s = msgspec.structs.replace(
-            settings,
-            endpoints=[],
-            discovery=DiscoverySettings(inference_pool="pool", namespace=NS, kubeconfig=str(cfg)),
+            settings, endpoints=[], discovery=pool_discovery(tmp_path, kube.url)
         )
         async with App(s, []) as app:
             await eventually(lambda: _is(readiness(app), SERVING))
@@ -80,8 +65,18 @@ async def test_inference_pool_pods_become_endpoints_and_follow_changes(settings,
             kube.delete(PODS, "a")
             kube.delete(PODS, "b")
             await eventually(lambda: _is(readiness(app), NOT_SERVING))
+            # The watch's own counters reach /metrics (server/families.py WATCH).
+            text = app.metrics.exposition().decode()
+            lists = _sample(text, 'extproc_discovery_lists_total{resource="inferencepool"}')
+            changes = _sample(text, 'extproc_discovery_changes_total{resource="inferencepool"}')
+            assert lists >= 1 and changes >= 1
     finally:
         await kube.stop()
+
+
+def _sample(text: str, series: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(series + " "))
+    return float(line.rpartition(" ")[2])
 
 
 async def test_endpoints_file_is_followed(settings, tmp_path: Path):

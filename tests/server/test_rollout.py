@@ -17,12 +17,12 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.config import DiscoverySettings
 from extproc.server.app import App
 from extproc.server.health import NOT_SERVING, SERVING
 from extproc.stack import free_port, grpc_health_status, wait_until
 from extproc.testing import ExtProcClient, body_chunks, destination, post, request_headers
 from tests.conftest import ENDPOINTS
+from tests.endpoints.fakekube import pool_discovery
 
 CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
 
@@ -36,27 +36,9 @@ async def status(port: int, service: str) -> int:
 async def test_not_ready_for_any_probe_name_until_discovery_has_synced(settings, tmp_path):
     """An API server that cannot be reached: the pool stays unknown, so every name a proxy or
     kubelet probes for readiness answers NOT_SERVING (liveness stays SERVING)."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [
-                    {"name": "c", "cluster": {"server": f"http://127.0.0.1:{free_port()}"}}
-                ],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "x",
-            }
-        )
-    )
+    unreachable = f"http://127.0.0.1:{free_port()}"
     s = msgspec.structs.replace(
-        settings,
-        endpoints=[],
-        discovery=DiscoverySettings(
-            inference_pool="pool", namespace="ns", kubeconfig=str(kubeconfig)
-        ),
+        settings, endpoints=[], discovery=pool_discovery(tmp_path, unreachable)
     )
     async with App(s, []) as app:
         await asyncio.sleep(0.3)  # a few failed list attempts

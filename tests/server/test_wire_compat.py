@@ -173,3 +173,18 @@ def test_envoy_responses_decode_in_ours():
     )
     ours = pb.ProcessingResponse.FromString(bytes(immediate))
     assert (ours.immediate_response.status.code, ours.immediate_response.details) == (429, "shed")
+
+
+def test_decision_replies_are_built_once_per_destination_and_bounded():
+    from extproc.core import Decision, Endpoint
+
+    replies = wire.DecisionReplies(limit=2)
+    a = Decision(endpoints=(Endpoint("10.0.0.1:8000"), Endpoint("10.0.0.2:8000")))
+    same = Decision(endpoints=(Endpoint("10.0.0.1:8000"), Endpoint("10.0.0.2:8000")))
+    assert replies.headers(a) is replies.headers(same)
+    assert replies.headers(a) == wire.routed_headers(a)
+    assert replies.body(a) == wire.routed_body(a)  # a body reply is its own entry
+    hinted = Decision(endpoints=a.endpoints, headers={"x-prefiller-host-port": "10.0.0.3:8000"})
+    assert replies.headers(hinted) == wire.routed_headers(hinted)  # headers are in the key
+    assert replies.headers(hinted) is not replies.headers(a)
+    assert len(replies._cache) <= 2  # emptied when full, never grows past the limit

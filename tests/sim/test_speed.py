@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from extproc.endpoints.scrape import parse_metrics
+from extproc.endpoints.exposition import parse_metrics
 from extproc.sim.cli import build_arg_parser, server_settings
 from extproc.sim.timing import TimingSettings
 from tests.sim.conftest import StartSim

@@ -18,11 +18,6 @@ from __future__ import annotations
 # found first, as flow control's own types). When they land, the registry (or flow
 # control) finds them before this table; the names are then removed here.
 PENDING_TYPES: dict[str, int] = {
-    # flow control: saturation detectors, admitters, fairness / ordering / usage policies
-    "sheddable-eviction-filter": 15,
-    "priority-then-time-eviction-order-policy": 15,
-    "eviction-priority-then-time-ordering": 15,  # GIE v1.5's name
-    "eviction-sheddable-filter": 15,  # GIE v1.5's name
     # predicted latency
     "predicted-latency-scorer": 16,  # GIE v1.5's name
     "slo-aware-profile-handler": 16,  # GIE v1.x
@@ -206,6 +201,10 @@ LLMD_TYPES: frozenset[str] = frozenset(
         "slo-headroom-tier-filter",
         # flow control (built by extproc.flowcontrol, not the scheduling registry)
         "concurrency-detector",
+        "eviction-priority-then-time-ordering",  # GIE v1.5's name
+        "eviction-sheddable-filter",  # GIE v1.5's name
+        "priority-then-time-eviction-order-policy",
+        "sheddable-eviction-filter",
         "edf-ordering-policy",
         "fcfs-ordering-policy",
         "global-strict-fairness-policy",

@@ -11,8 +11,7 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from extproc.core import Candidate, Decision, InferenceRequest
-
-SESSION_TOKEN_HEADER = "x-session-token"
+from extproc.protocol import SESSION_TOKEN_HEADER
 
 
 def session_token(address: str) -> str:

@@ -25,13 +25,14 @@ import msgspec
 from extproc.core import Candidate, Decision, InferenceRequest
 from extproc.errors import ConfigError, Overloaded
 from extproc.latency import LatencyModel, ModelSettings, Prediction
+from extproc.protocol import (
+    OBJECTIVE_HEADERS,
+    PREDICTED_TTFT_HEADER,
+    TPOT_SLO_HEADERS,
+    TTFT_SLO_HEADERS,
+)
 from extproc.scheduling.plugins.prefix import prefix_fraction
 from extproc.scheduling.plugins.scorers import lower_is_better
-
-TTFT_SLO_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
-TPOT_SLO_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
-OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
-PREDICTED_TTFT_HEADER = "x-extproc-predicted-ttft-ms"
 
 _NonNeg = Annotated[float, msgspec.Meta(ge=0.0)]
 _Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
@@ -114,7 +115,7 @@ class PredictedLatencyProducer:
         use_encoder_cache_features: bool = False
         encoder_cache_match_info_producer_name: str = ""
         model: ModelSettings = ModelSettings()
-        learn_interval_ms: Annotated[float, msgspec.Meta(gt=0.0)] = 250.0
+        learn_interval_ms: Annotated[float, msgspec.Meta(gt=0.0)] = 50.0
         response_header: bool = False
 
     def __init__(self, params: Params | None = None, *, model: LatencyModel | None = None) -> None:

@@ -10,6 +10,7 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from extproc.core import Candidate, Decision, Endpoint, InferenceRequest
+from extproc.protocol import DATA_PARALLEL_HEADER
 from extproc.scheduling.framework import ProfileRunner
 from extproc.scheduling.handlers import (
     DisaggDeciders,
@@ -17,8 +18,6 @@ from extproc.scheduling.handlers import (
     DisaggProfiles,
     decision_from,
 )
-
-DATA_PARALLEL_HEADER = "x-data-parallel-host-port"
 
 
 class DataParallelProfileHandler:
@@ -60,12 +59,10 @@ class DataParallelProfileHandler:
         if not result.chosen:
             return decision_from(result)
         rank = result.chosen[0].endpoint
-        return Decision(
+        return decision_from(
+            result,
             endpoints=tuple(self._primary(c.endpoint) for c in result.chosen),
             headers={DATA_PARALLEL_HEADER: rank.address},
-            scores=result.scores,
-            reasons=result.reasons,
-            profile=result.profile,
         )
 
 

@@ -1,0 +1,159 @@
+"""In-flight eviction (llm-d's `flowControl.enableEviction`): when a higher band cannot be
+dispatched because the pool is saturated, requests already running in a lower band are cut
+to make room, answered 429 with `x-llm-d-request-dropped-reason: evicted`.
+
+Which running requests may be cut is the filter's call (`sheddable-eviction-filter`: only
+sheddable ones, priority < 0); in which order, the order policy's
+(`priority-then-time-eviction-order-policy`: lowest priority first, then the most recently
+dispatched, which has the least KV-cache work sunk into it). llm-d wires exactly these two
+(they take no parameters); GIE v1.5 names them `eviction-sheddable-filter` and
+`eviction-priority-then-time-ordering`. Listing them in `plugins` is accepted; the switch is
+`enableEviction`.
+
+Sizing and pacing follow llm-d's reclamation rules, in saturation units: a decision frees
+`max(1, ceil((saturation - ceiling) / (saturation / running)))` requests (at most
+`max_per_decision`, 2), never one at or above the waiting band's priority; the next decision
+waits until every evicted request's stream has ended (or `confirm_timeout_s` passed) and then
+`grace_s` more, the time the detector needs to see the freed capacity (a few ms for in-flight
+counts; a scrape plus the staleness bound plus the engine's abort for scraped figures), so
+one blocked request does not cut the whole lower band before the detector can react.
+
+What can be cut: a request whose ext_proc stream is still open. With the generated Envoy
+config (`response_body_mode: NONE`) that is until the model server's response headers; with
+a streamed response body mode, until the response ends (Envoy then resets a response
+already under way).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+EVICTED = "evicted"  # llm-d's RequestDroppedReasonEvicted
+
+
+class _NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class SheddableEvictionFilter:
+    """Only sheddable requests (priority < 0) may be evicted."""
+
+    type_name = "sheddable-eviction-filter"
+    Params = _NoParams
+
+    def __init__(self, params: Any = None) -> None:
+        pass
+
+    def accept(self, priority: int) -> bool:
+        return priority < 0
+
+
+class GieSheddableEvictionFilter(SheddableEvictionFilter):
+    type_name = "eviction-sheddable-filter"
+
+
+class PriorityThenTimeEvictionOrder:
+    """Lowest priority first; among equals, the most recently dispatched first."""
+
+    type_name = "priority-then-time-eviction-order-policy"
+    Params = _NoParams
+
+    def __init__(self, params: Any = None) -> None:
+        pass
+
+    def key(self, priority: int, dispatched_at: float) -> tuple[float, float]:
+        """Smaller = evicted first."""
+        return (priority, -dispatched_at)
+
+
+class GiePriorityThenTimeEvictionOrder(PriorityThenTimeEvictionOrder):
+    type_name = "eviction-priority-then-time-ordering"
+
+
+EVICTION_FILTERS: tuple[type[Any], ...] = (SheddableEvictionFilter, GieSheddableEvictionFilter)
+EVICTION_ORDERS: tuple[type[Any], ...] = (
+    PriorityThenTimeEvictionOrder,
+    GiePriorityThenTimeEvictionOrder,
+)
+EVICTION_PLUGINS: tuple[type[Any], ...] = (*EVICTION_FILTERS, *EVICTION_ORDERS)
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionSettings:
+    """Resolved `enableEviction`: the policies, llm-d's decision cap and confirmation
+    timeout, and the grace derived from the detector (see the module docstring)."""
+
+    filter: SheddableEvictionFilter = field(default_factory=SheddableEvictionFilter)
+    order: PriorityThenTimeEvictionOrder = field(default_factory=PriorityThenTimeEvictionOrder)
+    max_per_decision: int = 2
+    grace_s: float = 0.01
+    confirm_timeout_s: float = 10.0
+
+
+@dataclass(slots=True)
+class Evictor:
+    """Running evictable requests, and the stop-and-wait pacing of eviction decisions."""
+
+    settings: EvictionSettings
+    clock: Callable[[], float]
+    running: int = 0  # every running request this replica dispatched (the credit's divisor)
+    _candidates: dict[Any, None] = field(default_factory=dict)  # insertion-ordered set
+    _outstanding: dict[Any, float] = field(default_factory=dict)  # evicted -> when
+    _cooling_until: float = 0.0
+
+    def track(self, ticket: Any) -> None:
+        """A request started: count it; keep it as a candidate when the filter accepts it."""
+        self.running += 1
+        if self.settings.filter.accept(ticket.request.priority):
+            ticket.evictable = True
+            self._candidates[ticket] = None
+
+    def untrack(self, ticket: Any) -> None:
+        """A request ended (its stream closed): an evicted one confirms its eviction."""
+        self.running = max(0, self.running - 1)
+        self._candidates.pop(ticket, None)
+        if self._outstanding.pop(ticket, None) is not None:
+            self._cooling_until = max(self._cooling_until, self.clock() + self.settings.grace_s)
+
+    def gate_open(self) -> bool:
+        now = self.clock()
+        timeout = self.settings.confirm_timeout_s
+        for t, at in list(self._outstanding.items()):
+            if now - at >= timeout:
+                # Never confirmed (a stream that will not end): do not block eviction forever.
+                del self._outstanding[t]
+                self._cooling_until = max(self._cooling_until, now + self.settings.grace_s)
+        return not self._outstanding and now >= self._cooling_until
+
+    def reclaim(self, saturation: float, ceiling: float, demand_priority: int) -> list[Any]:
+        """One decision for a band blocked at `ceiling`: the tickets to cut (their `evict`
+        already called), none while the gate is closed."""
+        if not self._candidates or self.running <= 0 or not self.gate_open():
+            return []
+        credit = saturation / self.running
+        if credit <= 0 or math.isnan(credit) or math.isinf(credit):
+            return []
+        n = max(1, math.ceil((saturation - ceiling) / credit))
+        n = min(n, self.settings.max_per_decision)
+        order = self.settings.order
+        # Candidates are kept in dispatch order: a later one wins a tie on the clock.
+        ranked = sorted(
+            (
+                (order.key(t.request.priority, t.dispatched_at), -i, t)
+                for i, t in enumerate(self._candidates)
+                if t.request.priority < demand_priority
+            ),
+            key=lambda e: (e[0], e[1]),
+        )
+        victims = [t for _, _, t in ranked[:n]]
+        now = self.clock()
+        for t in victims:
+            del self._candidates[t]
+            self._outstanding[t] = now
+            t.evict()
+        return victims

@@ -1,0 +1,109 @@
+"""What flow control hands out and counts: the request as admission sees it
+(`FlowRequest`), the admitted request's `Ticket` (released when it ends, or evicted while
+running), the band limits, the shed reasons (`FlowRejected`, with llm-d's
+`x-llm-d-request-dropped-reason` values) and the outcome counters (`FlowStats`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# Reasons, as llm-d spells them in `x-llm-d-request-dropped-reason`.
+REJECTED_SATURATED = "rejected-saturated"
+REJECTED_TTL = "rejected-ttl-expired"
+EVICTED_PRESSURE = "evicted-queue-pressure"
+
+MAX_LABELLED_FLOWS = 256
+
+OUTCOMES = (
+    "dispatched",
+    "rejected_capacity",
+    "evicted_ttl",
+    "evicted_pressure",
+    "cancelled",
+    "evicted_inflight",
+)
+
+
+class FlowRejected(Exception):
+    """The request is shed: `reason` is the dropped-reason header value."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class FlowRequest:
+    """What admission needs: who (fairness ID), how urgent (priority), how big (tokens for
+    fairness: uncached prompt + expected output; bytes for the queue bound)."""
+
+    fairness_id: str
+    priority: int
+    tokens: int
+    body_bytes: int
+    slo_ttft_s: float | None = None
+    output_tokens: int = 0  # the expected output part of `tokens`
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """An admitted request, until `release`. `placed` once the router counted it in flight
+    (from then on the detector sees it through in-flight counts, not as pending)."""
+
+    request: FlowRequest
+    waited_s: float = 0.0
+    placed: bool = False
+    released: bool = False
+    pending: bool = True  # counted in the controller's pending figures
+    # In-flight eviction (flowcontrol/eviction.py): whether this one may be cut, when it
+    # started, whether it was cut, and who cuts it (the ext_proc stream, once routed).
+    evictable: bool = False
+    dispatched_at: float = 0.0
+    evicted: bool = False
+    _on_evict: Callable[[], None] | None = None
+
+    def evict(self) -> None:
+        self.evicted = True
+        if self._on_evict is not None:
+            self._on_evict()
+
+    def on_evict(self, fn: Callable[[], None]) -> None:
+        """Call `fn` when the request is evicted (at once if it already was)."""
+        self._on_evict = fn
+        if self.evicted:
+            fn()
+
+
+@dataclass(frozen=True, slots=True)
+class BandLimits:
+    priority: int
+    max_requests: int = 5000
+    max_bytes: int = 1_000_000_000
+
+
+@dataclass(slots=True)
+class FlowStats:
+    """Counters by (priority, fairness ID, outcome) and wait sums by (priority, fairness ID)."""
+
+    outcomes: dict[tuple[int, str, str], int] = field(default_factory=dict)
+    wait_sum: dict[tuple[int, str], float] = field(default_factory=dict)
+    wait_count: dict[tuple[int, str], int] = field(default_factory=dict)
+    wait_max: dict[int, float] = field(default_factory=dict)
+
+    flows: set[str] = field(default_factory=set)
+
+    def label(self, fairness_id: str) -> str:
+        """Fairness IDs come from clients: past `MAX_LABELLED_FLOWS` distinct ones, the rest
+        are counted together as "other" (bounded memory and metric cardinality)."""
+        if fairness_id in self.flows:
+            return fairness_id
+        if len(self.flows) < MAX_LABELLED_FLOWS:
+            self.flows.add(fairness_id)
+            return fairness_id
+        return "other"
+
+    def count(self, req: FlowRequest, outcome: str) -> None:
+        k = (req.priority, self.label(req.fairness_id), outcome)
+        self.outcomes[k] = self.outcomes.get(k, 0) + 1

@@ -1,0 +1,256 @@
+"""The parts of a picker process, built from Settings: index, endpoint state and scrapers,
+in-flight counts, request ends, calibration, the router with its scheduler, flow control,
+the KV-event subscriber and the latency learners. Building starts nothing: the lifecycle
+(server/lifecycle.py) runs the loops and binds the ports, the exporter (server/exporter.py)
+reads their stats. Cross-field checks of the settings live in the config loader; the few
+here are the ones only building can tell."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from extproc.calibration import Calibration
+from extproc.config import Settings, build_configured_flow_control, build_configured_scheduler
+from extproc.core import Endpoint
+from extproc.endpoints import EndpointPool, InFlight
+from extproc.endpoints.dcgm import DCGMScraper
+from extproc.endpoints.prefill_speed import PrefillSpeeds
+from extproc.endpoints.request_end import RequestEnds
+from extproc.endpoints.scrape import MetricsScraper
+from extproc.endpoints.shared_inflight import SharedInFlight
+from extproc.endpoints.state import EndpointStates
+from extproc.errors import ConfigError
+from extproc.hashing.tokenizer import PreciseKeys
+from extproc.index.base import IndexOptions, KVIndex
+from extproc.router import Router
+from extproc.scheduling.timing import instrument
+from extproc.server import latency as latency_wiring
+from extproc.server.access_log import AccessLogHandler
+from extproc.server.health import Health
+from extproc.server.llmd_metrics import BuildInfo, PoolView
+from extproc.server.metrics import PickerMetrics
+from extproc.signals import Signals
+
+log = logging.getLogger("extproc.server")
+
+
+def build_index(settings: Settings) -> KVIndex | None:
+    cfg = settings.index
+    options = IndexOptions(
+        approx_ttl_s=cfg.approx_ttl_s,
+        capacity_blocks=cfg.capacity_blocks,
+        tier_weights=dict(cfg.tier_weights),
+    )
+    if cfg.backend == "memory":
+        from extproc.index.memory import MemoryKVIndex
+
+        return MemoryKVIndex(options)
+    if not cfg.redis_url:
+        raise ConfigError("required with backend: redis", path=("index", "redis_url"))
+    from extproc.index.redis import RedisKVIndex
+
+    return RedisKVIndex.from_url(
+        cfg.redis_url, cluster=cfg.cluster, options=options, lookup_budget_s=cfg.lookup_budget_s
+    )
+
+
+class Parts:
+    """Every component of one picker process, wired to each other, not yet running."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        endpoints: Sequence[Endpoint],
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        """`environ` is only read for Kubernetes credentials (in-cluster service account or
+        $KUBECONFIG) and build info; the CLI passes the process environment."""
+        self.settings = settings
+        self._environ = dict(environ or {})
+        precise_cfg = settings.parse.precise
+        if settings.index.kv_events is not None and precise_cfg is None:
+            raise ConfigError(
+                "KV events need precise keys: set parse.precise (tokenizer_dir, model)",
+                path=("index", "kv_events"),
+            )
+        self.precise = PreciseKeys.from_settings(precise_cfg) if precise_cfg else None
+        self.index = build_index(settings)
+        record = settings.index.record_decisions
+        if record is None:
+            record = settings.index.kv_events is None
+        self.pool = EndpointPool(endpoints)
+        self.metrics = PickerMetrics()
+        state = settings.state
+        # Without scraping nothing is fresh anyway: the class's default staleness then.
+        self.states = (
+            EndpointStates(stale_after_s=state.scrape.stale_after_s)
+            if state.scrape
+            else EndpointStates()
+        )
+        self.scraper = (
+            MetricsScraper(
+                self.pool,
+                self.states,
+                state.scrape,
+                on_invalidate=self._invalidate_endpoint,
+                on_scrape=self._calibrate,
+            )
+            if state.scrape
+            else None
+        )
+        self.dcgm = DCGMScraper(self.pool, self.states, state.dcgm) if state.dcgm else None
+        self.inflight: InFlight | SharedInFlight = InFlight()
+        if settings.index.backend == "redis" and state.shared_inflight is not None:
+            assert settings.index.redis_url is not None  # build_index checked it
+            self.inflight = SharedInFlight.from_url(
+                settings.index.redis_url,
+                cluster=settings.index.cluster,
+                settings=state.shared_inflight,
+            )
+        self.speeds = PrefillSpeeds()
+        self.ends = RequestEnds(
+            self.inflight.release,
+            state.request_end,
+            on_end=lambda p, e: self.speeds.observe(p.address, p.tokens, e.ttfb_s),
+        )
+        self.access_log = AccessLogHandler(self.ends)
+        self.shared_ends = None
+        if settings.index.backend == "redis" and settings.index.redis_url:
+            self.shared_ends = self._share_request_ends(settings.index.redis_url)
+        # Approximate keys only: precise keys come from the real tokenizer and block size.
+        self.calibration = Calibration(
+            settings.parse,
+            enabled=settings.parse.calibrate and self.precise is None,
+            approximate_keys=self.precise is None,
+        )
+        self.router = Router(
+            pool=self.pool,
+            scheduler=instrument(build_configured_scheduler(settings), self.metrics.llmd),
+            parser=self.calibration,
+            inflight=self.inflight,
+            index=self.index,
+            precise=self.precise,
+            states=self.states if self.scraper or self.dcgm else None,
+            is_failing=self.scraper.is_failing if self.scraper and state.exclude_failing else None,
+            record_decisions=record,
+            on_lookup=self.metrics.lookup_seconds.observe,
+            on_placed=self.calibration.placed if self.calibration.enabled else None,
+            ends=self.ends,
+            speeds=self.speeds,
+        )
+        self.admission = self._build_admission()
+        self.subscriber = self._build_subscriber()
+        self.latency = latency_wiring.learners(
+            self.router.scheduler.plugins, self.pool, self.states if self.scraper else None
+        )
+        self.signals = Signals(
+            scraped_metrics=self.scraper is not None,
+            kv_events=self.subscriber is not None,
+            approximate_index=self.index is not None and record,
+        )
+        self.health = Health()
+        # Discovery loops, each with a `synced` event (filled by the lifecycle).
+        self.watches: list = []
+        self.metrics.llmd.attach_pool(self._pool_view())
+        self.metrics.llmd.build = BuildInfo.installed(self._environ)
+
+    def _pool_view(self) -> PoolView:
+        """llm-d's pool gauges: named after the InferencePool when discovery watches one."""
+        d, scraped = self.settings.discovery, self.scraper is not None
+        return PoolView(
+            name=d.inference_pool or "extproc",
+            namespace=d.namespace or "",
+            endpoints=self.pool.snapshot,
+            states=self.states.state if scraped else None,
+        )
+
+    def _share_request_ends(self, url: str):
+        """Replicas behind one gateway get each other's access-log entries (Redis pub/sub)."""
+        if self.settings.index.cluster:
+            log.warning(
+                "request ends are not shared on Redis Cluster: holds of requests "
+                "logged to another replica end by max_hold_s"
+            )
+            return None
+        from extproc.endpoints.shared_inflight import default_process_id
+        from extproc.endpoints.shared_request_end import SharedRequestEnds
+
+        pid = getattr(self.inflight, "process_id", None) or default_process_id()
+        return SharedRequestEnds.from_url(url, self.ends, process_id=pid)
+
+    def _build_admission(self):
+        """Flow control (docs/flow-control.md), when configured: the router's admission hook."""
+        flow = build_configured_flow_control(self.settings)
+        if flow is None:
+            return None
+        from extproc.flowcontrol.admission import Admission
+
+        router = self.router
+
+        def pool_states():
+            inflight, states = router.inflight, router.states
+            return [
+                states.state(e.address, inflight.requests(e.address), inflight.tokens(e.address))
+                for e in self.pool.snapshot()
+            ]
+
+        try:
+            admission = Admission(flow, pool_states, registry=self.metrics.registry)
+        except ValueError as exc:
+            raise ConfigError(str(exc), path=("flow_control", "objectives_file")) from None
+        idx = self.settings.index
+        if flow.settings.shared and idx.backend == "redis" and idx.redis_url:
+            from extproc.flowcontrol.shared import SharedFlowState
+
+            admission.shared = SharedFlowState.from_url(
+                idx.redis_url,
+                admission.controller,
+                cluster=idx.cluster,
+                interval_s=flow.settings.share_interval_s,
+            )
+        router.admission = admission
+        return admission
+
+    def _build_subscriber(self):
+        ev = self.settings.index.kv_events
+        if ev is None or self.index is None or self.precise is None:
+            return None
+        from extproc.index.curve import CurveKeys
+        from extproc.index.subscriber import KVEventSubscriber
+
+        sub = KVEventSubscriber(
+            self.index,
+            model=self.precise.model,
+            bind=ev.bind,
+            block_size=self.precise.block_size,
+            replay_port=ev.replay_port if ev.bind is not None else None,
+            is_member=lambda address: self.pool.get(address) is not None,
+            curve=CurveKeys.from_settings(ev),
+        )
+        if ev.bind is None:
+            for e in self.pool.snapshot():
+                sub.watch(self.event_source(e))
+        return sub
+
+    def _calibrate(self, address: str, scraped) -> None:
+        self.calibration.observe(address, scraped.kv_block_size, scraped.prompt_tokens)
+
+    async def _invalidate_endpoint(self, address: str, reason: str) -> None:
+        """The scraper saw `address` restart or stop answering: its cache is not what the
+        index says (a restarted vLLM starts empty and publishes nothing until used)."""
+        if self.subscriber is not None:
+            await self.subscriber.invalidate(address)
+        elif self.index is not None:
+            await self.index.remove_endpoint(address)
+
+    def event_source(self, e: Endpoint):
+        """Where endpoint `e` publishes KV events (connect mode)."""
+        from extproc.index.subscriber import EventSource
+
+        ev = self.settings.index.kv_events
+        assert ev is not None
+        host = e.address.rpartition(":")[0]
+        replay = f"tcp://{host}:{ev.replay_port}" if ev.replay_port else None
+        return EventSource(e.address, f"tcp://{host}:{ev.port}", replay_url=replay)

@@ -1,0 +1,178 @@
+"""The picker's own metric families, read from its parts at every scrape.
+
+Stats dataclass fields go through their tables (server/families.py), so a field cannot be
+forgotten; what is not a stats field (per-endpoint figures, readiness, signals, the KV-event
+silence clock) is written out here. docs/operations.md lists every metric.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import Metric
+
+from extproc.endpoints.shared_inflight import SharedInFlight
+from extproc.server import families as fam
+from extproc.server import latency as latency_wiring
+from extproc.server.assembly import Parts
+from extproc.server.families import one
+from extproc.server.metrics import counter, gauge
+
+
+def register(parts: Parts, ready: Callable[[], bool], kube_watches: dict[str, object]) -> None:
+    """Add every component's collector to the process's registry."""
+    m = parts.metrics
+    m.add_collector(Exporter(parts, ready, kube_watches).collect)
+    if parts.latency:
+        plugins = parts.router.scheduler.plugins
+        m.add_collector(lambda: latency_wiring.collect(parts.latency, plugins))
+    if parts.admission is not None:
+        admission = parts.admission
+        m.add_collector(admission.collect)
+        m.add_collector(lambda: fam.FLOW.families(admission.controller.stats))
+        if admission.shared is not None:
+            shared = admission.shared
+            m.add_collector(lambda: fam.SHARED_FLOW.families(shared.stats))
+
+
+class Exporter:
+    def __init__(
+        self, parts: Parts, ready: Callable[[], bool], kube_watches: dict[str, object]
+    ) -> None:
+        self._p = parts
+        self._ready = ready
+        self._kube = kube_watches
+        # Time of the last KV-event message seen at a scrape (the silence gauge's reference).
+        self._kv_seen = (0, time.monotonic())
+
+    def collect(self) -> Iterator[Metric]:
+        p = self._p
+        sig = gauge(
+            "extproc_scheduling_signal",
+            "1 for each live signal that feeds scheduling in this process, 0 when off.",
+            ["signal"],
+        )
+        for name, on in p.signals.as_dict().items():
+            sig.add_metric([name], 1.0 if on else 0.0)
+        yield sig
+        yield from fam.CALIBRATION.families(p.calibration.stats)
+        r = p.router.stats
+        yield from fam.ROUTER.families(r)
+        faults = counter(
+            "extproc_plugin_faults",
+            "Scores refused from a scorer (wrong count, NaN, out of [0, 1], or raised); "
+            "the scorer is left out of that decision.",
+            ["plugin"],
+        )
+        for profile in p.router.scheduler.profiles.values():
+            for plugin, n in profile.faults.counts.items():
+                faults.add_metric([plugin], n)
+        yield faults
+        g = gauge("extproc_inflight_requests", "Requests in flight per endpoint.", ["endpoint"])
+        t = gauge("extproc_inflight_tokens", "Estimated in-flight prompt tokens.", ["endpoint"])
+        for e in p.pool.snapshot():
+            g.add_metric([e.address], p.router.inflight.requests(e.address))
+            t.add_metric([e.address], p.router.inflight.tokens(e.address))
+        yield g
+        yield t
+        yield from self._request_ends()
+        yield one("extproc_endpoints", "Endpoints in the pool.", len(p.pool))
+        if p.dcgm is not None:
+            yield from fam.DCGM.families(p.dcgm.stats)
+        yield one(
+            "extproc_llmd_degraded",
+            "Parts of the llm-d config running with less than asked for (see the start-up log).",
+            len(p.settings.degraded),
+        )
+        yield one(
+            "extproc_ready",
+            "1 while the picker reports SERVING (endpoints known, not draining).",
+            1.0 if self._ready() else 0.0,
+        )
+        if r.prefix_blocks_requested:
+            # Since start; for a window use the PromQL in docs/operations.md.
+            yield one(
+                "extproc_prefix_hit_ratio",
+                "Matched / requested prefix blocks since start (tier-weighted).",
+                r.prefix_blocks_matched / r.prefix_blocks_requested,
+            )
+        yield from self._endpoints()
+        if p.index is not None:
+            yield from fam.INDEX.families(p.index.stats)
+        if isinstance(p.inflight, SharedInFlight):
+            yield from fam.SHARED_INFLIGHT.families(p.inflight.stats)
+            yield one(
+                "extproc_shared_inflight_degraded",
+                "1 while peers' in-flight counts are unknown (Redis failing): local counts only.",
+                1.0 if p.inflight.is_degraded else 0.0,
+            )
+        if p.subscriber is not None:
+            yield from self._kv_events()
+        if self._kube:
+            names = list(self._kube)
+            stats = [w.stats for w in self._kube.values()]  # type: ignore[attr-defined]
+            yield from fam.WATCH.families_of(stats, "resource", names)
+
+    def _kv_events(self) -> Iterator[Metric]:
+        assert self._p.subscriber is not None
+        k = self._p.subscriber.stats
+        yield from fam.KV_EVENTS.families(k)
+        # How long since anything arrived at all (a silent publisher shows here).
+        now = time.monotonic()
+        if k.messages != self._kv_seen[0]:
+            self._kv_seen = (k.messages, now)
+        yield one(
+            "extproc_kv_events_last_message_age_seconds",
+            "Seconds since a KV-event message last arrived, or since start when none has "
+            "(at scrape resolution).",
+            now - self._kv_seen[1],
+        )
+
+    def _request_ends(self) -> Iterator[Metric]:
+        p = self._p
+        yield from fam.REQUEST_ENDS.families(p.ends.stats)
+        if p.shared_ends is not None:
+            yield from fam.SHARED_REQUEST_ENDS.families(p.shared_ends.stats)
+        yield one(
+            "extproc_access_log_streams", "Access-log streams open now.", p.access_log.streams
+        )
+        tps = gauge(
+            "extproc_prefill_tokens_per_second",
+            "Prefill speed learned per endpoint (uncached tokens / time to first byte).",
+            ["endpoint"],
+        )
+        for address, value in p.speeds.snapshot().items():
+            tps.add_metric([address], value)
+        yield tps
+
+    def _endpoints(self) -> Iterator[Metric]:
+        """Per endpoint: scraped-state age and staleness, scrape failures."""
+        p = self._p
+        if p.scraper is None:
+            return
+        age = gauge(
+            "extproc_endpoint_state_age_seconds",
+            "Age of the endpoint's last successful metrics scrape (absent: never scraped).",
+            ["endpoint"],
+        )
+        stale = gauge(
+            "extproc_endpoint_stale",
+            "1 when the endpoint's scraped figures are older than stale_after_s or missing.",
+            ["endpoint"],
+        )
+        failures = counter(
+            "extproc_endpoint_scrape_failures",
+            "Failed metrics scrapes of the endpoint since it joined the pool.",
+            ["endpoint"],
+        )
+        for e in p.pool.snapshot():
+            a = p.states.age_s(e.address)
+            if a is not None:
+                age.add_metric([e.address], a)
+            stale.add_metric([e.address], 1.0 if p.states.is_stale(e.address) else 0.0)
+            failures.add_metric([e.address], p.scraper.failures(e.address))
+        yield age
+        yield stale
+        yield failures
+        yield from fam.SCRAPE.families(p.scraper.stats)

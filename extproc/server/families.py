@@ -1,0 +1,421 @@
+"""Which stats field of which component becomes which Prometheus metric family.
+
+Every component keeps its counters in a stats dataclass (`RouterStats`, `IndexStats`, ...)
+that the hot path bumps for free; the metrics exporter (server/exporter.py) reads them at
+scrape time through the tables here. One table per stats class names, for each field, its
+metric family, or says in `unexported` why it has none. tests/server/test_families.py walks
+every stats dataclass of the package and fails on a field in neither place, so a counter
+added without a metric is caught, not silently dropped from /metrics.
+
+A field's value may be a number (one sample, with fixed label values when several fields
+share a family) or a dict (one sample per key; a tuple key fills several labels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+Family = CounterMetricFamily | GaugeMetricFamily
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    """One field's metric. `labels`: the label names of a dict field's keys, or of `values`
+    (the fixed label values of a number field sharing its family with others). `keys`: dict
+    keys always exported (0 until seen), so `rate()` has a series from the start."""
+
+    name: str
+    doc: str
+    kind: Literal["counter", "gauge"] = "counter"
+    labels: tuple[str, ...] = ()
+    values: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StatsFamilies:
+    """The export table of one stats class: `exported` maps a field to its metric,
+    `unexported` maps a field to the reason it has none."""
+
+    stats: str  # the stats class, by dotted name: imported by the test, not here
+    exported: Mapping[str, Stat]
+    unexported: Mapping[str, str] = field(default_factory=dict)
+
+    def families(self, stats: Any, by: tuple[str, str] | None = None) -> list[Metric]:
+        """The families of one component's stats; `by` = (label, value) adds a label every
+        sample carries (several components of one kind, e.g. two Kubernetes watches)."""
+        return self.families_of([stats], by[0] if by else None, [by[1]] if by else None)
+
+    def families_of(
+        self, many: Sequence[Any], by: str | None = None, values: Sequence[str] | None = None
+    ) -> list[Metric]:
+        """`many` components' stats in one set of families, told apart by the label `by`
+        with `values` (one each); without `by`, numbers are summed over them."""
+        built: dict[str, Family] = {}
+        extra = [by] if by else []
+        for name, stat in self.exported.items():
+            family = built.get(stat.name)
+            if family is None:
+                make = CounterMetricFamily if stat.kind == "counter" else GaugeMetricFamily
+                family = built[stat.name] = make(stat.name, stat.doc, labels=[*stat.labels, *extra])
+            if by is None and len(many) > 1:
+                total = sum(getattr(s, name) for s in many)
+                family.add_metric(list(stat.values), total)
+                continue
+            for i, s in enumerate(many):
+                tail = [values[i]] if by and values else []
+                _add(family, stat, getattr(s, name), tail)
+        return list(built.values())
+
+
+def _add(family: Family, stat: Stat, value: Any, tail: list[str]) -> None:
+    if isinstance(value, Mapping):
+        items = {**dict.fromkeys(stat.keys, 0), **value}
+        for key, v in sorted(items.items(), key=lambda kv: str(kv[0])):
+            labels = [str(k) for k in key] if isinstance(key, tuple) else [str(key)]
+            family.add_metric([*labels, *tail], v)
+    else:
+        family.add_metric([*stat.values, *tail], value)
+
+
+ROUTER = StatsFamilies(
+    "extproc.router.RouterStats",
+    {
+        "decisions": Stat("extproc_decisions", "Decisions made (requests routed)."),
+        "lookups_degraded": Stat(
+            "extproc_index_lookups_degraded",
+            "Index lookups answered degraded (Redis slow or down): routed on load alone.",
+        ),
+        "prefix_blocks_requested": Stat(
+            "extproc_prefix_blocks_requested", "Block keys of routed requests."
+        ),
+        "prefix_blocks_matched": Stat(
+            "extproc_prefix_blocks_matched",
+            "Tier-weighted blocks the chosen endpoint held (hit ratio = matched / requested).",
+        ),
+        "served_elsewhere": Stat(
+            "extproc_served_elsewhere",
+            "Requests the proxy reported served by another endpoint than the pick (a retry "
+            "walked the fallback list); in-flight and index followed the served one.",
+        ),
+    },
+)
+
+INDEX = StatsFamilies(
+    "extproc.index.base.IndexStats",
+    {
+        "lookups": Stat("extproc_index_lookups", "Index lookups made."),
+        "writes_dropped": Stat(
+            "extproc_index_writes_dropped", "Index writes dropped (queue full)."
+        ),
+        "write_errors": Stat("extproc_index_write_errors", "Index write batches that failed."),
+        "batches": Stat("extproc_index_write_batches", "Index write batches applied."),
+        "evicted_blocks": Stat(
+            "extproc_index_evicted_blocks",
+            "Block entries evicted to keep an endpoint within capacity_blocks.",
+        ),
+    },
+    {
+        # The router counts the same degraded answers (every lookup goes through it).
+        "lookups_degraded": "RouterStats.lookups_degraded: extproc_index_lookups_degraded",
+    },
+)
+
+
+def _kv(name: str, doc: str, kind: Literal["counter", "gauge"] = "counter") -> Stat:
+    return Stat(f"extproc_kv_events_{name}", doc, kind)
+
+
+KV_EVENTS = StatsFamilies(
+    "extproc.index.kvevents.IngestStats",
+    {
+        "messages": _kv("messages", "KV-event messages received."),
+        "events": _kv("events", "KV events decoded from the messages."),
+        "blocks_stored": _kv("blocks_stored", "BlockStored blocks ingested."),
+        "blocks_removed": _kv("blocks_removed", "BlockRemoved blocks ingested."),
+        "duplicate_stores": _kv(
+            "duplicate_stores", "BlockStored blocks the endpoint already held (a second copy)."
+        ),
+        "orphan_blocks": _kv(
+            "orphan_blocks",
+            "Stored blocks whose parent was never seen (a lost BlockStored): not keyable.",
+        ),
+        "unknown_removals": _kv(
+            "unknown_removals", "BlockRemoved blocks the index did not know for the endpoint."
+        ),
+        "malformed": _kv("malformed", "KV-event frames or events that could not be decoded."),
+        "duplicate_messages": _kv(
+            "duplicate_messages", "KV-event batches received twice (same sequence)."
+        ),
+        "late_messages": _kv(
+            "late_messages", "KV-event batches behind the last one and stamped earlier: ignored."
+        ),
+        "lag_s": _kv(
+            "lag_seconds",
+            "Publisher timestamp to ingestion of the latest KV-event batch (host clocks).",
+            "gauge",
+        ),
+        "gaps": _kv("gaps", "KV-event sequence gaps."),
+        "replayed": _kv("replayed", "KV-event batches recovered by replay."),
+        "resyncs": _kv("resyncs", "Endpoints rebuilt after an unrecoverable gap."),
+        "restarts": _kv("restarts", "Publisher restarts seen (sequence went back)."),
+        "clears": _kv(
+            "clears", "AllBlocksCleared events applied (the endpoint's entries dropped)."
+        ),
+        "rejected": _kv(
+            "rejected",
+            "KV-event messages refused: topic names no pool endpoint, or sent from another "
+            "address than that endpoint's.",
+        ),
+    },
+)
+
+SCRAPE = StatsFamilies(
+    "extproc.endpoints.scrape.ScrapeStats",
+    {
+        "scrapes": Stat("extproc_scrapes", "Successful endpoint metrics scrapes."),
+        "failures": Stat("extproc_scrape_failures", "Failed endpoint metrics scrapes."),
+        "unchanged": Stat(
+            "extproc_scrape_unchanged",
+            "Scrapes whose body equalled the endpoint's previous one (hashed, not parsed).",
+        ),
+        "parse_cpu_s": Stat(
+            "extproc_scrape_parse_cpu_seconds",
+            "CPU seconds spent hashing, parsing and storing scraped bodies.",
+        ),
+        "connects": Stat(
+            "extproc_scrape_connections",
+            "Connections opened to endpoints' metrics ports (kept alive across scrapes).",
+        ),
+        "invalidations": Stat(
+            "extproc_endpoint_cache_invalidations",
+            "Endpoints whose index entries were dropped: restart (process start time changed) "
+            "or unreachable (a scrape failed).",
+            labels=("reason",),
+            keys=("restart", "unreachable"),
+        ),
+    },
+)
+
+DCGM = StatsFamilies(
+    "extproc.endpoints.dcgm.DCGMStats",
+    {
+        "polls": Stat("extproc_dcgm_polls", "DCGM exporter polls made."),
+        "failures": Stat(
+            "extproc_dcgm_failures",
+            "DCGM polls without a GPU utilization (the endpoint's GPUUtilization is missing "
+            "until one succeeds).",
+        ),
+    },
+)
+
+REQUEST_ENDS = StatsFamilies(
+    "extproc.endpoints.request_end.RequestEndStats",
+    {
+        "held": Stat(
+            "extproc_request_end_held",
+            "Placements held past their ext_proc stream, waiting for the access-log entry.",
+            "gauge",
+        ),
+        "ended": Stat(
+            "extproc_request_end_ended", "Held placements released by their access-log entry."
+        ),
+        "expired": Stat(
+            "extproc_request_end_expired",
+            "Held placements released by max_hold_s: their access-log entry never came.",
+        ),
+        "entries": Stat("extproc_access_log_entries", "Access-log entries received."),
+        "unmatched": Stat(
+            "extproc_access_log_unmatched",
+            "Access-log entries for requests this process did not hold.",
+        ),
+    },
+)
+
+SHARED_REQUEST_ENDS = StatsFamilies(
+    "extproc.endpoints.shared_request_end.SharedEndStats",
+    {
+        "published": Stat(
+            "extproc_request_end_forwarded",
+            "Unmatched access-log entries published to the other replicas.",
+        ),
+        "applied": Stat(
+            "extproc_request_end_forward_applied",
+            "Holds released by an entry another replica received.",
+        ),
+        "dropped": Stat(
+            "extproc_request_end_forward_dropped",
+            "Entries that could not be published (Redis failing or backlog full).",
+        ),
+    },
+)
+
+SHARED_INFLIGHT = StatsFamilies(
+    "extproc.endpoints.shared_inflight.SharedInFlightStats",
+    {
+        "errors": Stat(
+            "extproc_shared_inflight_errors", "Failed exchanges of in-flight counts with Redis."
+        ),
+        "exchanges": Stat(
+            "extproc_shared_inflight_exchanges",
+            "Successful exchanges of in-flight counts with Redis.",
+        ),
+        "bad_entries": Stat(
+            "extproc_shared_inflight_bad_entries",
+            "Peers' in-flight entries in Redis that could not be decoded (skipped).",
+        ),
+        "peers": Stat(
+            "extproc_shared_inflight_peers",
+            "Other picker processes seen at the last exchange.",
+            "gauge",
+        ),
+    },
+)
+
+CALIBRATION = StatsFamilies(
+    "extproc.calibration.CalibrationStats",
+    {
+        "block_tokens": Stat(
+            "extproc_approx_block_tokens", "Tokens per approximate block key.", "gauge"
+        ),
+        "bytes_per_token": Stat(
+            "extproc_approx_bytes_per_token",
+            "Characters per token of approximate keys and token estimates.",
+            "gauge",
+        ),
+        "changes": Stat(
+            "extproc_approx_recalibrations",
+            "Changes of the approximate block size or characters per token, from the engines.",
+        ),
+        "windows_skipped": Stat(
+            "extproc_approx_windows_skipped",
+            "Calibration windows left out: engine / estimated tokens outside the plausible "
+            "range (another client, a restart).",
+        ),
+        "ratios": Stat(
+            "extproc_approx_token_ratio",
+            "Engine prompt tokens per estimated token in the endpoint's last window.",
+            "gauge",
+            labels=("endpoint",),
+        ),
+    },
+)
+
+WATCH = StatsFamilies(
+    "extproc.endpoints.kubernetes.WatchStats",
+    {
+        "lists": Stat("extproc_discovery_lists", "Kubernetes lists made by a watch."),
+        "watches": Stat("extproc_discovery_watches", "Kubernetes watch connections opened."),
+        "relists_gone": Stat(
+            "extproc_discovery_relists_gone",
+            "Relists because the API server no longer had the watched resourceVersion (410).",
+        ),
+        "failures": Stat(
+            "extproc_discovery_failures", "Watch passes that ended in an error (then backoff)."
+        ),
+        "bookmarks": Stat("extproc_discovery_bookmarks", "Watch bookmarks received."),
+        "changes": Stat("extproc_discovery_changes", "Changes applied from the watched resource."),
+    },
+)
+
+FLOW = StatsFamilies(
+    "extproc.flowcontrol.tickets.FlowStats",
+    {
+        "outcomes": Stat(
+            "extproc_flow_requests",
+            "Flow-control outcomes: dispatched, rejected_capacity (queue full), evicted_ttl, "
+            "evicted_pressure (displaced by higher priority), cancelled (client left), "
+            "rejected_admitter (refused by an admitter), evicted_inflight (cut while running, "
+            "enableEviction).",
+            labels=("priority", "fairness_id", "outcome"),
+        ),
+        "wait_sum": Stat(
+            "extproc_flow_wait_seconds",
+            "Total queue wait of dispatched requests by band and fairness ID (divide by "
+            'extproc_flow_requests{outcome="dispatched"} for the mean).',
+            labels=("priority", "fairness_id"),
+        ),
+        "wait_max": Stat(
+            "extproc_flow_wait_max_seconds",
+            "Longest queue wait of a dispatched request since start, by band.",
+            "gauge",
+            labels=("priority",),
+        ),
+    },
+    {
+        # Equal to the dispatched outcome count of extproc_flow_requests.
+        "wait_count": 'extproc_flow_requests{outcome="dispatched"}',
+        # Bookkeeping of which fairness IDs get their own label (cardinality bound).
+        "flows": "label bookkeeping, not a measurement",
+    },
+)
+
+SHARED_FLOW = StatsFamilies(
+    "extproc.flowcontrol.shared.SharedFlowStats",
+    {
+        "exchanges": Stat(
+            "extproc_flow_shared_exchanges", "Successful flow-state exchanges with Redis."
+        ),
+        "errors": Stat("extproc_flow_shared_errors", "Failed flow-state exchanges with Redis."),
+        "peers": Stat(
+            "extproc_flow_shared_peers", "Other replicas seen at the last exchange.", "gauge"
+        ),
+    },
+)
+
+LATENCY_MODEL = StatsFamilies(
+    "extproc.latency.model.ModelStats",
+    {
+        "predictions_warm": Stat(
+            "extproc_latency_predictions",
+            "Latency predictions by source: own (the endpoint's fit), fleet (borrowed, too "
+            "few samples), none (nothing learned yet).",
+            labels=("source",),
+            values=("own",),
+        ),
+        "predictions_borrowed": Stat(
+            "extproc_latency_predictions", "", labels=("source",), values=("fleet",)
+        ),
+        "predictions_missing": Stat(
+            "extproc_latency_predictions", "", labels=("source",), values=("none",)
+        ),
+        "samples": Stat(
+            "extproc_latency_samples", "Scrape intervals the latency model learned from."
+        ),
+        "resets": Stat(
+            "extproc_latency_resets",
+            "Engine restarts seen by the latency model (its counters began again).",
+        ),
+        "reopened": Stat(
+            "extproc_latency_refits",
+            "Endpoint fits reopened because the server's speed changed.",
+        ),
+        "rescaled": Stat(
+            "extproc_latency_token_rescales",
+            "Token scale taken whole (not blended) because the picker's estimates changed.",
+        ),
+    },
+)
+
+# Every stats class of the package and its table; tests/server/test_families.py checks
+# that no stats dataclass is missing here.
+TABLES: tuple[StatsFamilies, ...] = (
+    ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
+    CALIBRATION, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
+)  # fmt: skip
+
+
+def one(name: str, doc: str, value: float, kind: Literal["counter", "gauge"] = "gauge") -> Metric:
+    """A family with a single unlabelled sample (figures that are no stats field)."""
+    family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+def chain(*groups: Iterable[Metric]) -> Iterator[Metric]:
+    for group in groups:
+        yield from group

@@ -1,0 +1,331 @@
+"""Start, serve and drain one picker process (the parts of server/assembly.py).
+
+Start order: index (warms Redis up), discovery, background loops, then every port is bound
+before any listens, and readiness turns SERVING once endpoints are known. `stop()` (what
+SIGTERM calls) marks health NOT_SERVING, lets open streams finish within `grace_s`, then
+tears down in reverse order: servers -> loops -> queued index writes -> clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Self
+
+import grpc
+from aiohttp import web
+
+from extproc import protocol
+from extproc.config import Settings
+from extproc.core import Endpoint
+from extproc.endpoints.shared_inflight import SharedInFlight
+from extproc.errors import ConfigError
+from extproc.server import exporter, wire
+from extproc.server.admin import make_admin_app
+from extproc.server.assembly import Parts
+from extproc.server.guard import lenient_deserializer
+from extproc.server.ports import PortInUse, bind_grpc, bind_worker_port, check_ports
+from extproc.server.stream import StreamHandler
+
+log = logging.getLogger("extproc.server")
+
+# Keepalive so a proxy that vanished without closing its connection frees its streams.
+_SERVER_OPTIONS = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+)
+
+
+class Lifecycle(Parts):
+    def __init__(
+        self,
+        settings: Settings,
+        endpoints: Sequence[Endpoint],
+        *,
+        environ: Mapping[str, str] | None = None,
+        shared_ports: bool = False,
+    ) -> None:
+        """`shared_ports`: a `--workers` worker, whose ext_proc and health ports are shared
+        with its siblings (SO_REUSEPORT); otherwise a second process on the same port is a
+        conflict."""
+        super().__init__(settings, endpoints, environ=environ)
+        self._shared_ports = shared_ports
+        self._bound = False
+        self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self._admin: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._exits = contextlib.AsyncExitStack()
+        # Kubernetes watches by resource, for their stats (server/exporter.py).
+        self.kube_watches: dict[str, object] = {}
+        self._endpoints_changed = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._stopping = False
+        # Set when certificate files are served (reload counters).
+        self.tls_reloader: object | None = None
+        self.port = 0
+        self.worker_port = 0  # this process's own ext_proc port (--worker-ports)
+        self.health_port = 0
+        self.admin_port = 0
+        # Every component's stats on /metrics, with this process's readiness and watches.
+        exporter.register(self, self.ready, self.kube_watches)
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        """Discovery's callback: swap the pool now (the next request sees it); follow-up work
+        that needs awaiting runs in the reconcile loop."""
+        self.pool.replace(endpoints)
+        self._endpoints_changed.set()
+
+    async def _reconcile(self) -> None:
+        """Follow pool changes: KV-event subscriptions, index entries of endpoints that left,
+        readiness."""
+        known = {e.address for e in self.pool.snapshot()}
+        while True:
+            await self._endpoints_changed.wait()
+            self._endpoints_changed.clear()
+            known = await self._apply_endpoints(known)
+
+    async def _apply_endpoints(self, before: set[str]) -> set[str]:
+        endpoints = self.pool.snapshot()
+        after = {e.address for e in endpoints}
+        if self.subscriber is not None and self.settings.index.kv_events.bind is None:  # type: ignore[union-attr]
+            for e in endpoints:
+                if e.address not in before:
+                    self.subscriber.watch(self.event_source(e))
+            for gone in before - after:
+                self.subscriber.unwatch(gone)
+        if self.index is not None:
+            for gone in before - after:
+                await self.index.remove_endpoint(gone)
+        await self.health.set_ready(self.ready())
+        return after
+
+    def ready(self) -> bool:
+        """Ready once endpoints are known (discovery has synced) and while not draining."""
+        synced = all(w.synced.is_set() for w in self.watches)
+        return self._bound and synced and len(self.pool) > 0 and not self._stopping
+
+    async def _start_discovery(self) -> None:
+        d = self.settings.discovery
+        if d.endpoints_file:
+            from extproc.endpoints.filewatch import EndpointFileWatch, load_endpoint_file
+
+            self.pool.replace(load_endpoint_file(d.endpoints_file))
+            watch = EndpointFileWatch(d.endpoints_file, self.set_endpoints)
+            self.watches.append(watch)
+            watch.synced.set()  # loaded above
+            self.spawn("endpoints-file", watch.run)
+        if d.inference_pool:
+            from extproc.endpoints.kubernetes import (
+                ApiServer,
+                InferencePoolWatch,
+                in_cluster_namespace,
+            )
+
+            namespace = d.namespace or in_cluster_namespace()
+            if not namespace:
+                raise ConfigError(
+                    "needed outside a cluster (--namespace)", path=("discovery", "namespace")
+                )
+            api = await ApiServer.load(self._environ, kubeconfig=d.kubeconfig)
+            k8s = InferencePoolWatch(api, namespace, d.inference_pool, self.set_endpoints)
+            self.watches.append(k8s)
+            self.kube_watches["inferencepool"] = k8s
+            self.spawn("inferencepool-watch", k8s.run)
+            if self.admission is not None and self.admission.objectives.path is None:
+                from extproc.endpoints.objectives_watch import InferenceObjectiveWatch
+
+                objectives = InferenceObjectiveWatch(
+                    api, namespace, d.inference_pool, self.admission.objectives.replace
+                )
+                self.kube_watches["inferenceobjective"] = objectives
+                self.spawn("inferenceobjective-watch", objectives.run)
+            self.spawn("readiness", self._ready_when_synced)
+
+    async def _ready_when_synced(self) -> None:
+        for w in self.watches:
+            await w.synced.wait()
+        self._endpoints_changed.set()
+
+    def spawn(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run a background loop until stop; a crash is logged, never silent."""
+
+        async def guarded() -> None:
+            try:
+                await loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("background loop %s crashed", name)
+
+        self._tasks.append(asyncio.create_task(guarded(), name=name))
+
+    async def __aenter__(self) -> Self:
+        cfg = self.settings.server
+        # Before anything connects or binds: a taken port is one clear error, not a
+        # traceback after the ext_proc port already took streams. Workers share two ports.
+        shared = {} if self._shared_ports else {"ext_proc": cfg.port, "health": cfg.health_port}
+        own = {"worker": cfg.worker_port or 0}
+        check_ports(cfg.host, {**shared, **own, "admin": cfg.admin_port or 0})
+        try:
+            await self._start(cfg)
+            return self
+        except BaseException:
+            if not self._bound:
+                # Never served: nothing to drain, close at once.
+                for server in (self._server, self._health_server):
+                    if server is not None:
+                        await server.stop(0)
+                self._server = self._health_server = None
+            await self.stop()
+            raise
+
+    def _start_loops(self) -> None:
+        """Every background loop, with the clients closed after the loops stop."""
+        self.spawn("endpoints", self._reconcile)
+        if self.scraper is not None:
+            self.spawn("metrics-scraper", self.scraper.run)
+        if self.dcgm is not None:
+            self.spawn("dcgm", self.dcgm.run)
+        if isinstance(self.inflight, SharedInFlight):
+            self.spawn("shared-inflight", self.inflight.run)
+            # Closed after the loops stop: withdraws this process's load from Redis at once.
+            self._exits.push_async_callback(self.inflight.aclose)
+        if self.subscriber is not None:
+            self.spawn("kv-events", self.subscriber.run)
+        for i, learner in enumerate(self.latency):
+            self.spawn(f"latency-learner-{i}", learner.run)
+        if self.admission is not None:
+            self.spawn("flow-control", self.admission.run)
+            if self.admission.shared is not None:
+                self.spawn("flow-control-shared", self.admission.shared.run)
+                self._exits.push_async_callback(self.admission.aclose)
+        self.spawn("request-end-sweep", self._sweep_request_ends)
+        if self.shared_ends is not None:
+            self.spawn("shared-request-ends", self.shared_ends.run)
+            self._exits.push_async_callback(self.shared_ends.aclose)
+
+    async def _start(self, cfg) -> None:
+        handler = StreamHandler.from_settings(self.router, cfg, self.metrics)
+        # Registered by full method name: our message classes live in our own proto package
+        # (see protos/), the service name is Envoy's.
+        method = grpc.stream_stream_rpc_method_handler(
+            handler.process,
+            request_deserializer=lenient_deserializer,
+            response_serializer=wire.ProcessingResponse.SerializeToString,
+        )
+        generic = grpc.method_handlers_generic_handler(
+            protocol.EXT_PROC_SERVICE, {"Process": method}
+        )
+        if self.index is not None:
+            # The index owns its writer loop; entering warms Redis up (scripts, slot map) so
+            # the first lookups fit their budget, and leaving flushes queued writes.
+            await self._exits.enter_async_context(self.index)  # type: ignore[arg-type]
+        await self._start_discovery()
+        self._start_loops()
+        # NOT_SERVING from the first probe: the health servicer answers SERVING for "" by
+        # default, which would let a proxy send traffic before endpoints are known.
+        await self.health.set_ready(False)
+        # SO_REUSEPORT only between workers: otherwise a second picker would share the port
+        # silently and take half the streams.
+        reuse = (("grpc.so_reuseport", int(self._shared_ports)),)
+        self._server = grpc.aio.server(options=_SERVER_OPTIONS + reuse)
+        self._server.add_generic_rpc_handlers((generic, self.access_log.rpc_handler()))
+        self.health.add_to(self._server)
+        address = f"{cfg.host}:{cfg.port}"
+        tls = cfg.effective_tls
+        if tls is not None:
+            from extproc.server.tls import port_credentials
+
+            creds, self.tls_reloader = port_credentials(tls)
+            self.port = bind_grpc("ext_proc", address, self._server.add_secure_port, creds)
+        else:
+            self.port = bind_grpc("ext_proc", address, self._server.add_insecure_port)
+        if cfg.worker_port is not None:
+            self.worker_port = bind_worker_port(self._server, cfg, creds if tls else None)
+        # Plaintext on purpose: kubelet's gRPC probes have no TLS option. It serves only the
+        # health service, so it carries no request data.
+        self._health_server = grpc.aio.server(options=reuse)
+        self.health.add_to(self._health_server)
+        health_address = f"{cfg.host}:{cfg.health_port}"
+        self.health_port = bind_grpc(
+            "health", health_address, self._health_server.add_insecure_port
+        )
+        # Every port is bound before any starts listening (the admin site binds as it starts).
+        if cfg.admin_port is not None:
+            await self._start_admin(cfg)
+        await self._health_server.start()
+        await self._server.start()
+        self._bound = True
+        await self.health.set_ready(self.ready())
+        self.signals.announce()
+        for what in self.settings.degraded:
+            log.warning("degraded: %s", what, extra={"degraded": what})
+        log.info(
+            "serving",
+            extra={
+                "port": self.port,
+                "health_port": self.health_port,
+                "worker_port": self.worker_port or None,
+                "admin_port": self.admin_port,
+                "endpoints": len(self.pool),
+                "tls": tls is not None,
+            },
+        )
+
+    async def _start_admin(self, cfg) -> None:
+        admin = make_admin_app(
+            self.router, self.metrics, self.signals, max_body_bytes=cfg.admin_explain_max_bytes
+        )
+        self._admin = web.AppRunner(admin, access_log=None)
+        await self._admin.setup()
+        site = web.TCPSite(self._admin, cfg.admin_host, cfg.admin_port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise PortInUse("admin", cfg.admin_host, cfg.admin_port, exc.strerror or "") from None
+        self.admin_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def _sweep_request_ends(self) -> None:
+        """Release holds whose access-log entry never came, even while no request arrives."""
+        while True:
+            await asyncio.sleep(1.0)
+            self.ends.sweep()
+
+    async def serve(self) -> None:
+        """Run until `stop()` has drained the server."""
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        """Drain: NOT_SERVING first (so the proxy and Kubernetes stop sending), then let open
+        streams finish for up to `grace_s`, then close."""
+        if self._stopping:
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        await self.health.set_ready(False)
+        if self.settings.server.drain_delay_s and self._server is not None:
+            # Still serving while NOT_SERVING propagates: refusing at once would fail the
+            # streams Envoy keeps sending until its health check notices.
+            await asyncio.sleep(self.settings.server.drain_delay_s)
+        if self._server is not None:
+            await self._server.stop(self.settings.server.grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+        if self._admin is not None:
+            await self._admin.cleanup()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._exits.aclose()
+        self._stopped.set()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

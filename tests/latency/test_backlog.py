@@ -1,0 +1,85 @@
+"""The queue of our placements closed by the engine's first-token count: what it prices
+and what it drops."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.core import EndpointState
+from extproc.latency import LatencyModel
+from extproc.latency.backlog import Backlog
+from tests.latency.synthetic import Engine, teach
+
+PRICES = (0.002, 0.0002)  # 2 ms a request, 5,000 tokens/s
+
+
+def test_first_tokens_finish_the_oldest_placements_and_the_rest_is_priced() -> None:
+    b = Backlog()
+    b.sync(10, 0, 0, at=0.0)  # the engine's count before anything of ours
+    for i in range(3):
+        b.place(1000, now=0.0 + i * 0.001)
+    # Nothing finished yet: three prefills of 0.202 s ahead, the head started at 0.
+    work = b.work_s(*PRICES, now=0.1)
+    assert work == pytest.approx(3 * 0.202 - 0.1)
+    b.sync(11, 1, 1, at=0.25)  # one first token between the scrapes at 0 and 0.25
+    assert len(b) == 2
+    work = b.work_s(*PRICES, now=0.25)
+    # The next one started halfway between the scrapes (0.125).
+    assert work == pytest.approx(2 * 0.202 - 0.125)
+    b.sync(13, 0, 1, at=0.6)
+    assert len(b) == 0 and b.tokens == 0.0
+    assert b.work_s(*PRICES, now=0.6) == 0.0
+
+
+def test_placements_the_engine_does_not_hold_are_dropped() -> None:
+    """A request that failed before its first token never shows in the count: the engine's
+    waiting + running bounds what can still be ours (young placements may be in transit)."""
+    b = Backlog()
+    b.sync(0, 0, 0, at=0.0)
+    for _ in range(4):
+        b.place(500, now=1.0)
+    b.place(500, now=2.0)
+    b.sync(0, 1, 1, at=2.01)  # the engine holds 2; the newest is still on its way
+    assert len(b) == 3 and b.trimmed == 2
+    b.sync(0, 0, 0, at=0.0)  # a restart (the count went back): nothing is compared
+    assert len(b) == 3
+
+
+def test_a_late_head_is_not_credited_past_its_price() -> None:
+    b = Backlog()
+    b.sync(0, 0, 0, at=0.0)
+    b.place(2000, now=0.0)  # priced 0.402 s
+    b.place(2000, now=0.0)
+    assert b.work_s(*PRICES, now=0.2) == pytest.approx(0.804 - 0.2)
+    b.sync(0, 1, 1, at=1.2)  # still running, three times its price
+    # The second is still all ahead; the head is done for all we know.
+    assert b.work_s(*PRICES, now=1.2) == pytest.approx(0.402)
+    assert b.work_s(*PRICES, now=1.3) == pytest.approx(0.302)
+
+
+def test_the_model_prices_the_queue_the_engine_still_has() -> None:
+    """Three of our prefills placed; the engine's first-token count says two are done: the
+    prediction carries one (what is left of it), not three, whatever was predicted."""
+    t = [100.0]
+    model = LatencyModel(clock=lambda: t[0])
+    eng = Engine()
+    teach(model, "a:1", eng)
+    c = model.coefficients("a:1")
+    assert c is not None
+    idle = EndpointState(is_stale=False, age_s=0.0)
+    model.learn("a:1", eng.totals, 0, 0, at=t[0])
+    empty = model.predict("a:1", idle, 500, t[0])
+    for _ in range(3):
+        model.place("a:1", 2000, t[0])
+    queued = model.predict("a:1", idle, 500, t[0])
+    assert empty is not None and queued is not None
+    assert queued.ttft_s - empty.ttft_s == pytest.approx(3 * c.prefill_s(2000))
+    t[0] += 0.3
+    model.learn("a:1", eng.interval([2000, 2000], running=1), 1, 0, at=t[0])
+    c = model.coefficients("a:1")
+    assert c is not None
+    later = model.predict("a:1", idle, 500, t[0])
+    assert later is not None
+    # The third started halfway between the scrapes (0.15 s ago).
+    assert later.ttft_s - empty.ttft_s == pytest.approx(c.prefill_s(2000) - 0.15, rel=0.05)
+    assert len(model.backlogs()["a:1"]) == 1

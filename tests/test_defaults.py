@@ -1,0 +1,52 @@
+"""Each default is defined once: the settings take the index's own defaults instead of
+repeating them (issue 19: tier weights and capacity had drifted apart)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from extproc.config import DEFAULT_CAPACITY_BLOCKS, Settings
+from extproc.index.base import DEFAULT_TIER_WEIGHTS, IndexOptions
+
+PACKAGE = Path(__file__).resolve().parents[1] / "extproc"
+SOURCES = {p: p.read_text() for p in PACKAGE.rglob("*.py") if "_proto" not in p.parts}
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r'"GPU":\s*1\.0',  # the tier weights
+        r"\b500_000\b",  # the served index's capacity per endpoint
+    ],
+)
+def test_a_default_literal_appears_once(pattern: str):
+    where = [str(p.relative_to(PACKAGE)) for p, text in SOURCES.items() if re.search(pattern, text)]
+    assert len(where) == 1, where
+
+
+def test_settings_take_the_index_defaults():
+    index = Settings().index
+    assert index.tier_weights == dict(DEFAULT_TIER_WEIGHTS)
+    assert index.approx_ttl_s == IndexOptions().approx_ttl_s
+    assert index.capacity_blocks == DEFAULT_CAPACITY_BLOCKS
+
+
+def test_envoy_config_points_at_the_picker_default_port():
+    """bootstrap sits below config (it may not import it), so its default picker address
+    restates the port; this keeps the two equal."""
+    from extproc.bootstrap import BootstrapOptions
+
+    assert BootstrapOptions().extproc == f"127.0.0.1:{Settings().server.port}"
+
+
+def test_cli_help_shows_the_settings_defaults():
+    from extproc.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    helps = {a.dest: a.help for a in serve._actions}
+    server = Settings().server
+    assert f"(default {server.port})" in helps["port"]
+    assert f"(default {server.admin_port})" in helps["admin_port"]
