@@ -17,10 +17,9 @@ from extproc.stack import Stack, StackOptions
 SIM = ("--fast", "4", "--prefill-tps", "5000", "--num-gpu-blocks", "700",
        "--max-model-len", "16384")  # fmt: skip
 # The simulator's tokenizer (465 tokens) averages ~1.3 bytes per token where real ones average
-# ~4: the picker is told, as calibration would find. Calibration itself is off here: its
-# windows, cut while requests are in flight, re-derived the keys 4-7 times in these 24
-# requests, each time forgetting every prefix (reported; tests/calibration/ covers it).
-PARSE = "parse: {block_tokens: 16, bytes_per_token: 1, calibrate: false}\n"
+# ~4: the picker is told, as calibration would find (calibration stays on and must leave it:
+# a change of keys mid-run forgets every prefix, which is not what this test is about).
+PARSE = "parse: {block_tokens: 16, bytes_per_token: 1}\n"
 
 
 def test_shared_agent_prompt_spreads_and_sessions_stay_put(tmp_path):
