@@ -26,7 +26,7 @@ in a row must propose it. Every change is logged and counted. Event-loop use onl
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -81,6 +81,9 @@ class Calibration:
         # A proposed bytes-per-token and how many windows in a row proposed it.
         self._proposal: tuple[int, int] | None = None
         self.stats = CalibrationStats(settings.block_tokens, settings.bytes_per_token)
+        # Told the factor every token estimate grows by when bytes-per-token changes (the
+        # capacity model measures in those estimates: see extproc/index/capacity.py).
+        self.on_units: list[Callable[[float], None]] = []
 
     def __call__(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
         return parse_request(
@@ -129,8 +132,12 @@ class Calibration:
             self._set(bytes_per_token=bpt, why=f"{endpoint} counted {ratio:.2f}x our estimate")
 
     def _set(self, *, why: str, **changes: int) -> None:
+        old_bpt = self.settings.bytes_per_token
         self.settings = msgspec.structs.replace(self.settings, **changes)
         self.stats.block_tokens = self.settings.block_tokens
         self.stats.bytes_per_token = self.settings.bytes_per_token
         self.stats.changes += 1
         log.info("approximate keys recalibrated: %s (%s)", changes, why)
+        if self.settings.bytes_per_token != old_bpt:
+            for listener in self.on_units:
+                listener(old_bpt / self.settings.bytes_per_token)

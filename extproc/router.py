@@ -158,6 +158,11 @@ class Router:
         request = self._request(path, headers, body)
         return await self.route_request(request, subset=subset, explain=explain, place=place)
 
+    def estimate_units_changed(self, factor: float) -> None:
+        """Token estimates are now `factor` times larger (approximate keys recalibrated)."""
+        if self._capacity is not None:
+            self._capacity.units_changed(factor)
+
     def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
         """The CPU-bound half of `route` (parsing, block hashing), callable from a worker
         thread: it touches no shared state."""

@@ -10,14 +10,24 @@ Our blocks are sized by an estimate (`block_tokens` estimated tokens from bytes)
 be far off for a given tokenizer. The ratio of real to estimated tokens is measured: the
 engine's cumulative prompt-token counter (`prefix_cache_queries`, every prompt token it was
 asked for) against the estimated prompt tokens the picker placed there since the same scrape.
+
+Calibration may change the unit of those estimates mid-run (`bytes_per_token`, say 4 -> 1 for a
+tokenizer of ~1.3 characters per token: every estimate 4x larger). A cumulative measurement
+then mixes both units for the rest of the run: in the demo the ratio stayed ~1.6x too high, so
+every server was credited with ~60% of what its cache really held and the index forgot the
+prefixes of groups that were still resident (they were spread like new prefixes). So
+`units_changed` carries the ratio over in the new unit and restarts the measurement.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from extproc.core import Candidate, InferenceRequest
+
+log = logging.getLogger("extproc.index.capacity")
 
 # Estimated tokens placed before the measured ratio is trusted over 1.0.
 _MIN_TOKENS = 20_000
@@ -43,6 +53,19 @@ class CapacityModel:
 
     def placed(self, address: str, request: InferenceRequest) -> None:
         self._placed[address] = self._placed.get(address, 0) + request.prompt_tokens
+
+    def units_changed(self, factor: float) -> None:
+        """Every token estimate from now on is `factor` times what it was for the same prompt
+        (calibration changed bytes per token by 1 / factor). The measured ratio is carried over
+        in the new unit; the measurement restarts at each endpoint's next scrape, so estimates
+        of the old unit never mix with the new; capacities are recomputed at the next
+        decision."""
+        if factor <= 0:
+            return
+        self.ratio /= factor
+        self._base.clear()
+        self._n = 0
+        log.info("capacity ratio carried over to new token estimates: %.3f", self.ratio)
 
     def update(self, request: InferenceRequest, cands: Sequence[Candidate]) -> None:
         self._n += 1

@@ -140,6 +140,7 @@ class Parts:
             ends=self.ends,
             speeds=self.speeds,
         )
+        self.calibration.on_units.append(self.router.estimate_units_changed)
         self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
         self.latency = latency_wiring.learners(
