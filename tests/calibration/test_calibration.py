@@ -46,6 +46,19 @@ def test_characters_per_token_follow_the_engines_counts() -> None:
     assert cal("/v1/completions", {}, BODY).prompt_tokens == 667
 
 
+def test_a_change_of_characters_per_token_tells_the_listeners_by_how_much_estimates_grow():
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    factors: list[float] = []
+    cal.on_units.append(factors.append)
+    cal.observe("a:1", 16, 0)  # a block size change: estimates keep their unit
+    assert cal.stats.changes == 1 and factors == []
+    at = 0
+    for _ in range(2):  # 34,000 estimated tokens counted as 68,000 twice: 2 chars per token
+        at = window(cal, at, 68_000, requests=34)
+    assert cal.settings.bytes_per_token == 2
+    assert factors == [2.0]
+
+
 def test_windows_that_disagree_or_sit_near_the_current_value_change_nothing() -> None:
     # Windows swinging 4x either way (a long prompt in flight on one side of the window's
     # edge) propose 8, then 2, then 8 ...: never twice in a row.

@@ -48,3 +48,30 @@ def test_capacity_comes_from_cache_config_in_measured_tokens_per_block():
         model.update(req(100), cands)
     assert abs(model.ratio - 3.0) < 1e-9
     assert sent["a"] == int(1000 * 16 / (64 * 3.0))
+
+
+def test_a_change_of_estimate_units_carries_the_ratio_over_and_restarts_the_measurement():
+    # Calibration went from 4 to 1 bytes per token: every estimate is 4x larger from now
+    # on. A cumulative measurement would mix both units (here: ratio 1.5 instead of 0.75,
+    # every server credited with half its cache).
+    sent: dict[str, int] = {}
+    queries = {"a": 0}
+    model = CapacityModel(sent.__setitem__, lambda addr: Scrape(queries[addr]))
+    cands = [Candidate(Endpoint("a"), EndpointState(kv_blocks=1000, kv_block_size=16))]
+    model.update(req(100), cands)  # first scrape: the measurement's base
+    for _ in range(32):
+        model.placed("a", req(1000))  # 32,000 estimated tokens, 3x as many real ones
+    queries["a"] += 96_000
+    for _ in range(32):
+        model.update(req(100), cands)
+    assert abs(model.ratio - 3.0) < 1e-9
+    model.units_changed(4.0)
+    assert abs(model.ratio - 0.75) < 1e-9  # the same truth in the new unit
+    model.update(req(100), cands)  # recomputed at once, and the new base taken
+    assert sent["a"] == int(1000 * 16 / (64 * 0.75))
+    for _ in range(32):
+        model.placed("a", req(4000))  # the same prompts, estimated in the new unit
+    queries["a"] += 96_000
+    for _ in range(32):
+        model.update(req(100), cands)
+    assert abs(model.ratio - 0.75) < 1e-9  # measured anew: no old-unit estimates in it
