@@ -91,6 +91,21 @@ async def test_a_rogue_publisher_changes_no_routing(curve: bool):
             "precise": {"tokenizer_dir": str(SIM_TOKENIZER_DIR), "model": MODEL, "block_size": BS}
         },
         "index": {"kv_events": kv},
+        # Cache affinity alone: the test asks whether forged events move routing, so no
+        # load or session-spreading scorer may move it for its own reasons (the default
+        # profile spreads ten new sessions over two servers).
+        "scheduling": {
+            "plugins": [{"type": "prefix-cache-scorer"}, {"type": "max-score-picker"}],
+            "schedulingProfiles": [
+                {
+                    "name": "default",
+                    "plugins": [
+                        {"pluginRef": "prefix-cache-scorer", "weight": 1},
+                        {"pluginRef": "max-score-picker"},
+                    ],
+                }
+            ],
+        },
     }
     ctx: zmq.Context[Any] = zmq.Context()
     try:
