@@ -31,6 +31,7 @@ from extproc.flowcontrol.config import (
 )
 from extproc.hashing.tokenizer import PreciseSettings
 from extproc.index.base import DEFAULT_TIER_WEIGHTS, IndexOptions
+from extproc.index.redis import DEFAULT_LOOKUP_BUDGET_S
 from extproc.requests import ParseSettings
 from extproc.scheduling.config import EndpointPickerConfig, build_scheduler, default_config
 from extproc.scheduling.framework import Scheduler
@@ -186,7 +187,7 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tier_weights: dict[str, float] = msgspec.field(
         default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
     )
-    lookup_budget_s: _PositiveS = 0.005
+    lookup_budget_s: _PositiveS = DEFAULT_LOOKUP_BUDGET_S
     kv_events: KVEventSettings | None = None
 
 

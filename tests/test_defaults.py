@@ -20,6 +20,8 @@ SOURCES = {p: p.read_text() for p in PACKAGE.rglob("*.py") if "_proto" not in p.
     [
         r'"GPU":\s*1\.0',  # the tier weights
         r"\b500_000\b",  # the served index's capacity per endpoint
+        r"(budget_s|BUDGET_S)[^=\n]*=\s*0\.005\b",  # the Redis lookup budget
+        r"stale_after_s[^=\n]*=\s*0\.2\b|STALE_AFTER_S\s*=\s*0\.2\b",  # stale scraped figures
     ],
 )
 def test_a_default_literal_appears_once(pattern: str):

@@ -19,7 +19,7 @@ from extproc.core import LatencyTotals
 from extproc.endpoints.exposition import MetricsError, Scraped, parse_metrics
 from extproc.endpoints.fetcher import MetricsFetcher
 from extproc.endpoints.pool import EndpointPool
-from extproc.endpoints.state import EndpointStates
+from extproc.endpoints.state import DEFAULT_STALE_AFTER_S, EndpointStates
 
 # Re-exported: callers that read scraped figures imported them from here before the split.
 __all__ = [
@@ -47,7 +47,7 @@ class ScrapeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.05
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.2
-    stale_after_s: Annotated[float, msgspec.Meta(gt=0)] = 0.2
+    stale_after_s: Annotated[float, msgspec.Meta(gt=0)] = DEFAULT_STALE_AFTER_S
     path: Annotated[str, msgspec.Meta(pattern="^/")] = "/metrics"
     scheme: Literal["http", "https"] = "http"
     max_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0

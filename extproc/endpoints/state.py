@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from extproc.core import EndpointState
 
+# Figures older than this are stale: scoring treats them as missing (a few scrape intervals).
+DEFAULT_STALE_AFTER_S = 0.2
+
 if TYPE_CHECKING:
     from extproc.endpoints.exposition import Scraped
 
@@ -25,7 +28,10 @@ class EndpointStates:
     """
 
     def __init__(
-        self, *, stale_after_s: float = 0.2, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if stale_after_s <= 0:
             raise ValueError("stale_after_s must be positive")

@@ -46,6 +46,9 @@ from extproc.redis_client import redis_from_url
 
 log = logging.getLogger(__name__)
 
+# A Redis lookup slower than this is abandoned and the decision goes on by load.
+DEFAULT_LOOKUP_BUDGET_S = 0.005
+
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
 # Member scores are ms since this epoch times 4096, so they stay exact in a double
 # (< 2**53) for decades while leaving room to order the blocks of one write tail-first.
@@ -102,7 +105,7 @@ class RedisKVIndex:
         *,
         options: IndexOptions | None = None,
         namespace: str = "extproc:kv",
-        lookup_budget_s: float = 0.005,
+        lookup_budget_s: float = DEFAULT_LOOKUP_BUDGET_S,
         queue_blocks: int = 1_000_000,
         batch_blocks: int = 32_768,
         key_ttl_s: float = 86_400.0,
