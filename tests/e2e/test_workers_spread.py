@@ -47,13 +47,17 @@ def test_envoy_spreads_streams_over_both_workers(stack: Stack):
     wait_until(
         lambda: stack.picker_healthy_in_envoy() == WORKERS, timeout_s=30, what="both workers"
     )
-    before = [routed(a) for a in admins]
     body = {"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}
 
     def send(i: int) -> int:
         with httpx.Client(base_url=stack.url, timeout=30) as c:
             return c.post("/v1/chat/completions", json=body).status_code
 
+    # Not counted: Envoy's first streams open its connections to the workers (once, in one
+    # CI run of seven, all 24 counted streams went to one worker right after start-up).
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        assert set(pool.map(send, range(8))) == {200}
+    before = [routed(a) for a in admins]
     with ThreadPoolExecutor(max_workers=8) as pool:
         statuses = list(pool.map(send, range(REQUESTS)))
     assert statuses == [200] * REQUESTS
