@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 import orjson
 import yaml
+from sglang_peer import install_sglang  # bench/sglang_peer.py (bench/ is on the path)
 
 from extproc.bootstrap import BootstrapOptions, build_bootstrap
 from extproc.gateways import LLM_D, gateway_bootstrap
@@ -164,24 +165,6 @@ class Target:
     pid: int | None  # the process whose CPU is charged (picker, floor, router); None: Envoy
 
 
-def install_sglang(tmp: Path) -> tuple[Path | None, str]:
-    """sglang-router into a throwaway venv (uv); never into the project."""
-    venv = tmp / "sglang-venv"
-    try:
-        subprocess.run(["uv", "venv", "-q", str(venv)], check=True, timeout=120,
-                       capture_output=True)  # fmt: skip
-        subprocess.run(["uv", "pip", "install", "-q", "--python", str(venv / "bin" / "python"),
-                        "sglang-router"], check=True, timeout=600,
-                       capture_output=True)  # fmt: skip
-    except (OSError, subprocess.SubprocessError) as exc:
-        print(f"sglang-router skipped: install failed ({type(exc).__name__})", file=sys.stderr)
-        return None, "skipped"
-    out = subprocess.run([str(venv / "bin" / "python"), "-c",
-                          "import importlib.metadata as m; print(m.version('sglang-router'))"],
-                         capture_output=True, text=True)  # fmt: skip
-    return venv, out.stdout.strip()
-
-
 def start_sglang(venv: Path, upstream: str, work: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(work / "sglang-router.log", "ab")  # noqa: SIM115 - owned by the process
@@ -294,7 +277,9 @@ def main() -> None:
                 targets.append(Target(name, url, pid))
         if not args.no_sglang and want("sglang-router"):
             venv, version = install_sglang(work)
-            if venv is not None:
+            if venv is None:
+                print(version, file=sys.stderr)
+            else:
                 p, url = start_sglang(venv, upstream, work)
                 procs.append(p)
                 targets.append(Target(f"sglang-router {version}", url, p.pid))

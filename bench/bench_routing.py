@@ -49,6 +49,7 @@ from results import (  # bench/results.py (run as a script: bench/ is on the pat
     table,
     write_section,
 )
+from sglang_peer import install_sglang  # bench/sglang_peer.py
 
 from extproc.hashing.tokenizer import PreciseKeys, PreciseSettings
 from extproc.requests import ParseSettings, parse_request
@@ -174,23 +175,6 @@ def sglang_router(fleet: SimFleet, venv: Path, log_dir: Path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def install_sglang(tmp: Path) -> tuple[Path | None, str]:
-    """sglang-router into a throwaway venv (uv); never into the project."""
-    venv = tmp / "sglang-venv"
-    try:
-        subprocess.run(["uv", "venv", "-q", str(venv)], check=True, timeout=120,
-                       capture_output=True)  # fmt: skip
-        subprocess.run(["uv", "pip", "install", "-q", "--python", str(venv / "bin" / "python"),
-                        "sglang-router"], check=True, timeout=600,
-                       capture_output=True)  # fmt: skip
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"sglang-router skipped: install failed ({type(exc).__name__})"
-    out = subprocess.run([str(venv / "bin" / "python"), "-c",
-                          "import importlib.metadata as m; print(m.version('sglang-router'))"],
-                         capture_output=True, text=True)  # fmt: skip
-    return venv, f"sglang-router {out.stdout.strip()} (cache_aware), temporary venv"
 
 
 @dataclass
@@ -420,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                 venv, note = None, "sglang-router skipped (--no-sglang)"
             else:
                 venv, note = install_sglang(Path(tmp))
+                if venv is not None:
+                    note = f"sglang-router {note} (cache_aware), temporary venv"
             notes.append(note)
             if venv is None:
                 policies.remove("sglang-router cache_aware")
