@@ -156,7 +156,7 @@ class BoundedLoadFilter:
     def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
         if len(cands) < 2:
             return cands
-        if self._sessions is not None and self._sessions.continues(req):
+        if self._sessions is not None and self._sessions.continues(req, cands):
             return cands
         loads = [_load(c) for c in cands]
         bound = (1.0 + self._eps) * (sum(loads) + 1) / len(cands) + 1.0
