@@ -276,6 +276,34 @@ SHARED_INFLIGHT = StatsFamilies(
     },
 )
 
+SHARED_SESSIONS = StatsFamilies(
+    "extproc.scheduling.shared_sessions.SharedSessionsStats",
+    {
+        "exchanges": Stat(
+            "extproc_shared_sessions_exchanges",
+            "Successful exchanges of live-session placements with Redis.",
+        ),
+        "errors": Stat(
+            "extproc_shared_sessions_errors",
+            "Failed exchanges of live-session placements with Redis.",
+        ),
+        "published": Stat(
+            "extproc_shared_sessions_published", "Session placements published to peers."
+        ),
+        "applied": Stat(
+            "extproc_shared_sessions_applied", "Peers' session placements applied here."
+        ),
+        "dropped": Stat(
+            "extproc_shared_sessions_dropped",
+            "Session placements never published (queue full while Redis failed).",
+        ),
+        "bad_entries": Stat(
+            "extproc_shared_sessions_bad_entries",
+            "Stream entries that could not be decoded (skipped).",
+        ),
+    },
+)
+
 CALIBRATION = StatsFamilies(
     "extproc.calibration.CalibrationStats",
     {
@@ -405,7 +433,7 @@ LATENCY_MODEL = StatsFamilies(
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
-    CALIBRATION, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
+    SHARED_SESSIONS, CALIBRATION, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
 )  # fmt: skip
 
 

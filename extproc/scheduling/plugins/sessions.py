@@ -80,6 +80,10 @@ class LiveSessions:
     def __len__(self) -> int:
         return len(self._chains)
 
+    @property
+    def window_s(self) -> float:
+        return self._window
+
     def find(self, block_keys: Sequence[int], matched: Iterable[float] = ()) -> int | None:
         """The live chain this request continues, or None (a new session). `matched`: the
         blocks each endpoint holds of the request (the index's answer); the previous turn's
