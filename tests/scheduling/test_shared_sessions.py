@@ -22,7 +22,9 @@ from tests.scheduling.test_sessions import SHARED, held, turn
 
 
 @contextlib.asynccontextmanager
-async def replica(url: str, name: str) -> AsyncIterator[tuple[BoundedSessionsFilter, SharedSessions]]:
+async def replica(
+    url: str, name: str
+) -> AsyncIterator[tuple[BoundedSessionsFilter, SharedSessions]]:
     f = BoundedSessionsFilter(BoundedSessionsFilter.Params(epsilon=0.0))
     shared = SharedSessions.from_url(
         url, SharedSessions.records([f]), process_id=name, window_s=120.0,
@@ -67,7 +69,7 @@ async def test_replicas_agree_on_sessions_per_server_and_find_each_others(
     async with (
         replica(redis_server.url, "r0") as (f0, s0),
         replica(redis_server.url, "r1") as (f1, s1),
-        replica(redis_server.url, "r2") as (f2, s2),
+        replica(redis_server.url, "r2") as (f2, _),
     ):
         filters = [f0, f1, f2]
         home: dict[int, str] = {}
