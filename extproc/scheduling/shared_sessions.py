@@ -6,10 +6,12 @@ alternate between replicas would look new at each (sessions.py). Replicas theref
 their placements and apply each other's: every replica's record converges on the same
 sessions per server, and any replica finds a session's tail.
 
-The hot path never awaits Redis: a placement is applied locally at once and queued; a
-background loop sends the queue and brings back the peers' placements in one pipelined round
-trip every `interval_s` (a peer's placement shows here that much later: turns of a session
-are seconds apart, a tool or a person in between). Layout: one stream `<ns>`, an entry per
+The hot path never awaits Redis: a placement is applied locally at once and queued; one
+background loop appends what is queued to a stream as soon as it can, another waits on the
+stream (a blocking read) and applies the peers' placements as they arrive, a few ms after
+they were made (a session's next turn comes after its answer, plus a tool or a person: on
+a shared index its lookup must find both the blocks and the session of the last turn, so a
+periodic exchange of tens of ms would not do). Layout: one stream `<ns>`, an entry per
 batch (`d`: msgpack `[process id, [[plugin, previous tail, endpoint, tail], ...]]`),
 trimmed to about `max_entries` entries, so Redis memory is bounded whatever the load; a
 replica that starts (or comes back) reads the entries of the last session window.
@@ -67,7 +69,7 @@ class SharedSessions:
         process_id: str,
         window_s: float,
         key: str = "extproc:sessions",
-        interval_s: float = 0.05,
+        block_s: float = 1.0,
         timeout_s: float = 0.5,
         max_entries: int = 20_000,
         max_pending: int = 50_000,
@@ -78,14 +80,17 @@ class SharedSessions:
         self._id = process_id
         self._window_ms = int(window_s * 1000)
         self._key = key
-        self._interval = interval_s
+        self._block_ms = int(block_s * 1000)
         self._timeout = timeout_s
         self._max_entries = max_entries
         self._max_pending = max_pending
         self._owns_client = owns_client
         self._pending: list[tuple[str, Touch]] = []
         self._cursor: str | None = None  # the last stream id read; None: not started yet
-        self._failing = 0
+        self._publish_failing = 0
+        self._read_failing = 0
+        self._now_ms = 0  # Redis's clock, as last seen
+        self._wake = asyncio.Event()
         self._rng = random.Random()
         self.stats = SharedSessionsStats()
         for name, record in self._sessions.items():
@@ -108,59 +113,69 @@ class SharedSessions:
     @property
     def is_degraded(self) -> bool:
         """The last exchange failed: the record holds this replica's placements only."""
-        return self._failing > 0
+        return self._publish_failing > 0 or self._read_failing > 0
 
     def _queue(self, name: str, touch: Touch) -> None:
         if len(self._pending) >= self._max_pending:
             self.stats.dropped += 1
             return
         self._pending.append((name, touch))
+        self._wake.set()
 
     async def run(self) -> None:
+        """Publishes placements as they come and reads the peers' as they arrive (a
+        blocking read): a session's next turn may come within a few hundred ms."""
+        await asyncio.gather(self._publish_loop(), self._read_loop())
+
+    async def _publish_loop(self) -> None:
         while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._pending:
+                continue
+            batch, self._pending = self._pending, []
+            blob = msgpack.encode([self._id, [(n, list(p), e, list(t)) for n, (p, e, t) in batch]])
             try:
                 async with asyncio.timeout(self._timeout):
-                    await self.exchange()
-            except (RedisError, OSError, TimeoutError) as exc:
-                self._failed(exc)
-                await asyncio.sleep(
-                    backoff_s(self._failing, self._interval, 1.0, self._rng.random())
-                )
-                continue
-            await asyncio.sleep(self._interval)
-
-    async def exchange(self) -> None:
-        """One round trip: publish the queued placements, apply the peers' since the last."""
-        client = self._client
-        if self._cursor is None:
-            # Start where the session window starts, by Redis's clock (stream ids are its ms).
-            sec, usec = await client.time()
-            self._cursor = f"{max(0, sec * 1000 + usec // 1000 - self._window_ms)}-0"
-        batch = self._pending
-        self._pending = []
-        try:
-            async with client.pipeline(transaction=False) as pipe:
-                if batch:
-                    blob = msgpack.encode(
-                        [self._id, [(n, list(p), e, list(t)) for n, (p, e, t) in batch]]
+                    await self._client.xadd(
+                        self._key, {"d": blob}, maxlen=self._max_entries, approximate=True
                     )
-                    pipe.xadd(self._key, {"d": blob}, maxlen=self._max_entries, approximate=True)
-                pipe.xread({self._key: self._cursor}, count=1000)
-                results = await pipe.execute()
-        except BaseException:
-            # Sent again at the next exchange (late, so peers see it a little older).
-            queued = batch + self._pending
-            self.stats.dropped += max(0, len(queued) - self._max_pending)
-            self._pending = queued[-self._max_pending :]
-            raise
-        self.stats.published += len(batch)
-        self._apply(results[-1], results[0] if batch else None)
-        self.stats.exchanges += 1
-        if self._failing:
-            log.info("shared sessions: Redis back after %d failed exchanges", self._failing)
-            self._failing = 0
+            except (RedisError, OSError, TimeoutError) as exc:
+                # Sent again with the next batch (late: peers see it a little older).
+                queued = batch + self._pending
+                self.stats.dropped += max(0, len(queued) - self._max_pending)
+                self._pending = queued[-self._max_pending :]
+                self._publish_failing = self._failed(exc, self._publish_failing)
+                await asyncio.sleep(self._backoff(self._publish_failing))
+                self._wake.set()
+                continue
+            self.stats.published += len(batch)
+            self._publish_failing = self._healed(self._publish_failing)
 
-    def _apply(self, read: Any, own_id: Any) -> None:
+    async def _read_loop(self) -> None:
+        client = self._client
+        while True:
+            try:
+                if self._cursor is None:
+                    # Start where the session window starts, by Redis's clock (stream ids
+                    # are its ms), so a replica that starts late knows the live sessions.
+                    async with asyncio.timeout(self._timeout):
+                        sec, usec = await client.time()
+                    self._now_ms = sec * 1000 + usec // 1000
+                    self._cursor = f"{max(0, self._now_ms - self._window_ms)}-0"
+                async with asyncio.timeout(self._block_ms / 1000 + self._timeout):
+                    read = await client.xread(
+                        {self._key: self._cursor}, count=1000, block=self._block_ms
+                    )
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._read_failing = self._failed(exc, self._read_failing)
+                await asyncio.sleep(self._backoff(self._read_failing))
+                continue
+            self._apply(read)
+            self.stats.exchanges += 1
+            self._read_failing = self._healed(self._read_failing)
+
+    def _apply(self, read: Any) -> None:
         if not read:
             return
         # RESP2 answers [[key, entries]], RESP3 {key: [entries]}.
@@ -168,7 +183,7 @@ class SharedSessions:
         if not entries:
             return
         # Ages are measured on Redis's clock: the newest id seen stands for "now".
-        newest = _ms(own_id) if own_id is not None else _ms(entries[-1][0])
+        newest = self._now_ms = max(self._now_ms, _ms(entries[-1][0]))
         for entry_id, fields in entries:
             self._cursor = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             raw = fields.get(b"d", fields.get("d")) if isinstance(fields, dict) else None
@@ -186,15 +201,25 @@ class SharedSessions:
                 # Another version or a stray writer on our key: skip, never fail.
                 self.stats.bad_entries += 1
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException, failing: int) -> int:
         self.stats.errors += 1
-        self._failing += 1
-        if self._failing == 1:
+        if not self.is_degraded:
             log.warning(
                 "shared sessions: Redis exchange failed (%r); placing new sessions on this "
                 "replica's own record until it is back",
                 exc,
             )
+        return failing + 1
+
+    def _healed(self, failing: int) -> int:
+        if failing:
+            was = self._publish_failing + self._read_failing
+            if was == failing:  # the other loop is fine: the outage is over
+                log.info("shared sessions: Redis back after %d failed exchanges", failing)
+        return 0
+
+    def _backoff(self, failing: int) -> float:
+        return backoff_s(failing, 0.05, 1.0, self._rng.random())
 
     async def aclose(self) -> None:
         if self._owns_client:

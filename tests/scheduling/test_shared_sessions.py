@@ -28,7 +28,7 @@ async def replica(
     f = BoundedSessionsFilter(BoundedSessionsFilter.Params(epsilon=0.0))
     shared = SharedSessions.from_url(
         url, SharedSessions.records([f]), process_id=name, window_s=120.0,
-        interval_s=0.02, timeout_s=0.3,
+        block_s=0.2, timeout_s=0.3,
     )  # fmt: skip
     task = asyncio.create_task(shared.run())
     try:

@@ -1,0 +1,84 @@
+"""Three `extproc serve` replicas sharing one Redis behind one Envoy place agentic sessions as
+one replica does: the live-session record is shared (scheduling/shared_sessions.py), so each
+replica bounds new sessions by every server's sessions, not by the third it placed itself,
+and a later turn reaching another replica still finds its session's home.
+
+The same seeded trace runs through one replica (memory index) and three (Redis), against
+fresh simulated servers each. Sessions start 0.6 s apart, many exchange intervals (50 ms),
+so which replica Envoy picks for a session's first turn does not change what the others
+know; the comparison is on where sessions start (sessions per server) with one session of
+margin. Without sharing, every replica puts its own first sessions on the holder of the
+shared agent prompt (its record is empty): 9 sessions then give 5-7 on one server where one
+replica gives 3-4."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from itertools import pairwise
+
+import httpx
+
+from extproc.sim.sessions import AgenticSpec, build_sessions, run_closed_loop
+from extproc.stack import Stack, StackOptions
+from tests.redis_servers import RedisServer
+
+SIM = ("--fast", "4", "--prefill-tps", "5000", "--num-gpu-blocks", "1400",
+       "--max-model-len", "16384")  # fmt: skip
+PARSE = "parse: {block_tokens: 16, bytes_per_token: 1}\n"  # see test_pressure.py
+SPEC = AgenticSpec(sessions=9, turns=3, agent_words=300, result_words=80, max_tokens=8,
+                   think_s=0.05, stagger_s=0.6, seed=11)  # fmt: skip
+
+
+def run(tmp_path, replicas: int, redis_url: str | None):
+    sessions = build_sessions(SPEC)
+    cfg = tmp_path / f"picker{replicas}.yaml"
+    cfg.write_text(PARSE)
+    opts = StackOptions(
+        upstreams=3,
+        sim_args=SIM,
+        replicas=replicas,
+        redis_url=redis_url,
+        extproc_args=("--config", str(cfg)),
+    )
+    with Stack(opts) as stack:
+        results, _ = asyncio.run(
+            run_closed_loop(sessions, stack.url, think_s=SPEC.think_s, stagger_s=SPEC.stagger_s)
+        )
+        admin = [stack.picker_admin_port] + [a for _, _, a in stack.replica_ports]
+        metrics = [httpx.get(f"http://127.0.0.1:{p}/metrics").text for p in admin]
+    assert all(r.status == 200 for r in results), [r.error for r in results if r.error]
+    by_index = {r.index: r for r in results}
+    placed = [[by_index[t.index].served_by for t in turns] for turns in sessions]
+    return placed, metrics
+
+
+def stayed_moved(placed: list[list[str]]) -> tuple[int, int]:
+    pairs = [p for servers in placed for p in pairwise(servers)]
+    return sum(a == b for a, b in pairs), sum(a != b for a, b in pairs)
+
+
+def sample(metrics: str, name: str) -> float:
+    line = next(x for x in metrics.splitlines() if x.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_three_replicas_place_sessions_as_one_does(tmp_path, redis_server: RedisServer):
+    one, _ = run(tmp_path, 1, None)
+    three, metrics = run(tmp_path, 3, redis_server.url)
+    starts_one = Counter(servers[0] for servers in one)
+    starts_three = Counter(servers[0] for servers in three)
+    # Sessions per server: the same spread as one replica's, one session of margin.
+    assert len(starts_three) == 3, (starts_one, starts_three)
+    assert abs(max(starts_three.values()) - max(starts_one.values())) <= 1, (
+        starts_one,
+        starts_three,
+    )
+    assert max(starts_three.values()) <= 4, (starts_one, starts_three)
+    # Later turns, whichever replica gets them, mostly stay where their session lives.
+    stayed, moved = stayed_moved(three)
+    assert stayed >= 2 * moved, (stayed, moved, three)
+    # Every replica exchanged placements with the others, and none was degraded.
+    for m in metrics:
+        assert sample(m, "extproc_shared_sessions_applied_total") > 0, m
+        assert sample(m, "extproc_shared_sessions_degraded") == 0
