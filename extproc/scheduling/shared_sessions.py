@@ -115,6 +115,11 @@ class SharedSessions:
         """The last exchange failed: the record holds this replica's placements only."""
         return self._publish_failing > 0 or self._read_failing > 0
 
+    @property
+    def live(self) -> int:
+        """Live sessions in the shared records (counted by each replica alike)."""
+        return sum(len(r) for r in self._sessions.values())
+
     def _queue(self, name: str, touch: Touch) -> None:
         if len(self._pending) >= self._max_pending:
             self.stats.dropped += 1

@@ -115,6 +115,11 @@ class Exporter:
                 "are bounded by this replica's own placements.",
                 1.0 if p.shared_sessions.is_degraded else 0.0,
             )
+            yield one(
+                "extproc_shared_sessions_live",
+                "Live sessions in this replica's record (every replica's placements).",
+                p.shared_sessions.live,
+            )
         if p.subscriber is not None:
             yield from self._kv_events()
         if self._kube:
