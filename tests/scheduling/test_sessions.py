@@ -147,8 +147,9 @@ def test_bounded_load_counts_a_servers_scraped_queue():
 def test_a_continuation_is_found_near_the_match_only():
     sessions = LiveSessions(window_s=1e9, max_sessions=100)
     sessions.touch(None, "a", turn(0, 3).block_keys)
-    later = turn(0, 30).block_keys  # 179 blocks; the tail of turn 3 is block 48
-    assert sessions.find(later, []) is None  # matched nowhere: a new session, nothing probed
+    later = turn(0, 80).block_keys  # 434 blocks; the tail of turn 3 is block 48
+    assert sessions.find(later, []) is None  # beyond the scan of the last 256 blocks
+    assert sessions.find(turn(0, 40).block_keys, []) is not None  # 234 blocks: within it
     assert sessions.find(later, [0.0, 49.0]) is not None  # the approximate index's match
     # Precise keys: the engine cached the previous answer too (the match runs past the tail),
     # or a lower tier weighs the match down (rounded up; the tail is one block back).

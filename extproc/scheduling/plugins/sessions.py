@@ -18,10 +18,10 @@ share (by KV capacity) of all live sessions. The hot shared prefix is thereby re
 more servers, deliberately and early, and each session's later turns are left to the
 scorers (its tail pulls it back where it grew). Continuations are never filtered.
 
-A continuation is looked for only near the lengths the index matched (the previous turn was
+A continuation is looked for near the lengths the index matched (the previous turn was
 recorded, or cached, up to its end, so its tail sits at the longest match or a few blocks
-before it): a few dozen dict probes, not a scan of the whole request. A request matched
-nowhere is a new session.
+before it), then in the request's last few hundred blocks: a bounded number of dict probes,
+not a scan of the whole request (2,048 blocks and more for a long context).
 
 With a Redis index, replicas share the record (scheduling/shared_sessions.py): each publishes
 its placements and applies the others', so every replica counts every server's sessions and
@@ -48,6 +48,9 @@ _TAIL_KEYS = 2
 # Blocks probed back from a matched length: with precise keys the engine also caches the
 # previous answer, so the match runs past the previous prompt's tail by that answer's blocks.
 _PROBE_BACK = 64
+# Blocks scanned back from a request's end when no match length leads to a tail: a turn
+# adds fewer (a tool result, a user message), a new session pays this much, not its length.
+_SCAN_TAIL = 256
 
 # (previous tail keys or (), endpoint, new tail keys): one placement, as replicas share it.
 Touch = tuple[tuple[int, ...], str, tuple[int, ...]]
@@ -88,22 +91,23 @@ class LiveSessions:
         """The live chain this request continues, or None (a new session). `matched`: the
         blocks each endpoint holds of the request (the index's answer); the previous turn's
         tail is probed at and up to `_PROBE_BACK` blocks before each distinct match length,
-        longest first."""
+        longest first, then in the request's last `_SCAN_TAIL` blocks (a shared index may
+        not show the previous turn yet: another replica's write still on its way)."""
         by_key = self._by_key
         n = len(block_keys)
         if not by_key or not n:
             return None
         # Tier weights make a match fractional: round up, the probe walks back anyway.
         ends = sorted({min(n, math.ceil(m)) for m in matched if m > 0}, reverse=True)
-        floor = n + 1  # positions below `floor` are still unprobed
-        for end in ends:
-            top = min(end, floor) - 1
-            bottom = max(0, end - _PROBE_BACK)
-            for i in range(top, bottom - 1, -1):
+        # At most `_PROBE_BACK` per match length plus `_SCAN_TAIL` dict lookups (a window
+        # may overlap another: probing a key twice is cheaper than tracking what was done).
+        windows = [(end - 1, max(0, end - _PROBE_BACK) - 1) for end in ends]
+        windows.append((n - 1, max(0, n - _SCAN_TAIL) - 1))
+        for top, stop in windows:
+            for i in range(top, stop, -1):
                 chain = by_key.get(block_keys[i])
                 if chain is not None:
                     return chain
-            floor = min(floor, bottom)
         return None
 
     def endpoint(self, chain_id: int) -> str | None:
