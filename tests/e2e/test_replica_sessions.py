@@ -26,7 +26,27 @@ SIM = ("--fast", "4", "--prefill-tps", "5000", "--num-gpu-blocks", "1400",
 # See test_pressure.py for the parse line. The lookup budget: on a shared 2-core CI machine a
 # Redis round trip often takes longer than the 5 ms default, and a lookup answered without
 # matches hides a session's last turn (covered by the index's own degradation tests).
-CONFIG = "parse: {block_tokens: 16, bytes_per_token: 1}\nindex: {lookup_budget_s: 0.1}\n"
+# The scheduling profile is the session plugins with cache affinity, no load scorers: their
+# inputs are learned per replica (prefill speed from each replica's own third of the
+# requests, measured 4-10x apart for the same server under load), which moves sessions on
+# noise; this test is about the session record the replicas share.
+CONFIG = """
+parse: {block_tokens: 16, bytes_per_token: 1}
+index: {lookup_budget_s: 0.1}
+scheduling:
+  plugins:
+    - {type: bounded-sessions-filter}
+    - {type: prefix-cache-scorer}
+    - {type: session-tail-scorer}
+    - {type: max-score-picker}
+  schedulingProfiles:
+    - name: default
+      plugins:
+        - {pluginRef: bounded-sessions-filter}
+        - {pluginRef: prefix-cache-scorer, weight: 1}
+        - {pluginRef: session-tail-scorer, weight: 2}
+        - {pluginRef: max-score-picker}
+"""
 SPEC = AgenticSpec(sessions=9, turns=3, agent_words=300, result_words=80, max_tokens=8,
                    think_s=0.05, stagger_s=0.6, seed=11)  # fmt: skip
 
@@ -73,7 +93,7 @@ def test_three_replicas_place_sessions_as_one_does(tmp_path, redis_server: Redis
     degraded = [sample(m, "extproc_index_lookups_degraded_total") for m in metrics]
     why = (live_one, live_three, three, degraded)
     assert len(live_three) == 3, why
-    assert max(live_three.values()) <= max(max(live_one.values()) + 1, 4), why
+    assert max(live_three.values()) <= max(live_one.values()) + 1, why
     # Later turns, whichever replica gets them, mostly stay where their session lives.
     stayed, moved = stayed_moved(three)
     assert stayed >= 2 * moved, (stayed, moved, *why)
