@@ -194,6 +194,10 @@ class FlowController:
                 return False
         return self.peer_top_band is None or self.peer_top_band <= priority
 
+    @property
+    def detector(self) -> SaturationDetector:
+        return self._detector
+
     def saturation(self) -> float:
         peer_reqs, peer_toks = self.peer_pending
         return self._detector.saturation(
