@@ -93,7 +93,7 @@ def estimate_tokens(body: dict) -> int:
 def estimate_ratio(done: list[Req]) -> float:
     """Picker token estimate (prompt + output) per engine KV token (blocks reserved)."""
     est = sum(r.est_tokens + OUTPUT_TOKENS for r in done)
-    kv = sum(-(-(r.prompt_tokens + OUTPUT_TOKENS) // KV_BLOCK) * KV_BLOCK for r in done)
+    kv = sum(-(-(r.prompt_tokens + r.max_tokens) // KV_BLOCK) * KV_BLOCK for r in done)
     return est / kv
 
 
@@ -175,6 +175,7 @@ class Req:
     error: str = ""
     done_at: float = 0.0  # seconds after the run's start when the response completed
     est_tokens: int = 0  # the picker's prompt-token estimate
+    max_tokens: int = OUTPUT_TOKENS
 
 
 @dataclass
@@ -338,7 +339,7 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": prompt(rng, r.words)}],
-        "max_tokens": OUTPUT_TOKENS,
+        "max_tokens": r.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -392,7 +393,7 @@ async def open_loop(url: str, reqs: list[Req]) -> float:
 
 
 async def closed_loop(
-    url: str, concurrency: int, seconds: float
+    url: str, concurrency: int, seconds: float, spread: int
 ) -> tuple[float, float, dict[str, float], float]:
     """Keep `concurrency` requests outstanding; served (req/s, tokens/s, mean tokens per
     request of each tenant) once warmed up."""
@@ -411,6 +412,7 @@ async def closed_loop(
                 tenant = "AAAAABBC"[n % 8]
                 n += 1
                 r = Req(tenant, "batch", 0.0, PROMPT_WORDS[tenant])
+                r.max_tokens = output_tokens(random.Random(n), spread)
                 await send(session, url, r, 10_000 + n)
                 if loop.time() >= warm and r.status == 200 and loop.time() <= end:
                     done.append(r)
@@ -424,9 +426,14 @@ async def closed_loop(
     return len(done) / seconds, tokens / seconds, per, estimate_ratio(done)
 
 
+def output_tokens(rng: random.Random, spread: int) -> int:
+    """max_tokens of one request: OUTPUT_TOKENS on average, uniform within +-spread."""
+    return OUTPUT_TOKENS + (rng.randint(-spread, spread) if spread else 0)
+
+
 def burst(
     tok_s: float, interactive_tok_s: float, per_req: dict[str, float], seconds: float, seed: int,
-    stratified: bool = True,
+    stratified: bool = True, spread: int = 0,
 ) -> list[Req]:  # fmt: skip
     """Poisson arrivals offering `tok_s` tokens/s in all, `interactive_tok_s` of them
     interactive; each tenant offers a third of either (request rates from each tenant's mean
@@ -460,6 +467,8 @@ def burst(
             out.append(Req(tenant, objective, t, PROMPT_WORDS[tenant]))
             t += rng.expovariate(rate)
     out.sort(key=lambda r: r.at)
+    for r in out:
+        r.max_tokens = output_tokens(rng, spread)
     return out
 
 
@@ -517,7 +526,10 @@ def main() -> int:
     ap.add_argument("--slo-s", type=float, default=5.0, help="TTFT SLO for goodput")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--poisson-interactive", action="store_true",
-                    help="interactive tenants as independent Poisson streams (see burst())")
+                    help="interactive tenants: independent Poisson streams")  # fmt: skip
+    ap.add_argument("--output-spread", type=int, default=64,
+                    help="max_tokens uniform in 96 +- this (0: all 96, which synchronises "
+                    "the engines: every request of a refill ends together)")  # fmt: skip
     ap.add_argument("--warm-s", type=float, default=5.0,
                     help="the steady-goodput window starts this long into the burst")  # fmt: skip
     ap.add_argument("--runs", default="on,off,on-2-replicas")
@@ -546,7 +558,9 @@ def main() -> int:
         # Capacity: enough outstanding requests to keep both KV caches full, flow control
         # off (with it on, the holdback would keep them below full: a lower bar).
         dep.start(picker_config(objectives, flow=False))
-        req_s, cap_tps, per_req, kv_ratio = asyncio.run(closed_loop(dep.url, 64, 12.0))
+        req_s, cap_tps, per_req, kv_ratio = asyncio.run(
+            closed_loop(dep.url, 64, 12.0, args.output_spread)
+        )
         print(f"capacity: {req_s:.2f} req/s, {cap_tps:.0f} tok/s; tokens/request {per_req}; "
               f"picker estimate / engine KV tokens {kv_ratio:.3f}")  # fmt: skip
         # Unloaded: interactive alone at ~0.2x capacity.
@@ -560,7 +574,8 @@ def main() -> int:
         offered = args.overload * cap_tps
         for run in args.runs.split(","):
             reqs = burst(offered, 0.25 * cap_tps, per_req, args.burst_s, args.seed,
-                         stratified=not args.poisson_interactive)  # fmt: skip
+                         stratified=not args.poisson_interactive,
+                         spread=args.output_spread)  # fmt: skip
             if run == "on-2-replicas":
                 if redis is None:
                     port = free_port()
