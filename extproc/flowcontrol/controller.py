@@ -257,16 +257,10 @@ class FlowController:
 
     def _over_share(self, band: _Band, request: FlowRequest) -> _Item | None:
         """The newest queued request of the flow holding the most queued tokens per unit of
-        weight, if the newcomer's flow, with the newcomer, would still hold less; a flow's
-        last queued request is never taken.
-
-        The bounded queue is shared by weight among the flows competing for it, and every
-        backlogged flow keeps work queued for the usage-based pick to choose when its turn
-        comes. (Displacing by served usage instead emptied the queue of whichever flow had
-        just been served a large request: usage jumps by a whole request at dispatch, so
-        that flow looked furthest over its share, and newcomers of frequent small-request
-        flows displaced its queued work; when its turn came it had nothing queued, and its
-        share went to the others: -13..-18% for the medium tenant in the overload bench.)"""
+        weight, if the newcomer's flow, with the newcomer, would still hold less; never a
+        flow's last one. So every backlogged flow keeps work queued for the usage-based pick.
+        (By served usage instead, the flow just served a large request looked furthest over
+        its share, lost its queue to newcomers, and had nothing queued when its turn came.)"""
 
         def norm(f: str, extra: int = 0) -> float:
             return (band.queued_tokens.get(f, 0) + extra) / self.weights.get(f, 1.0)
