@@ -43,7 +43,9 @@ class _Thinking(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="th
     thinking: str
 
 
-class _RedactedThinking(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="redacted_thinking"):
+class _RedactedThinking(
+    msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="redacted_thinking"
+):
     data: str
 
 
