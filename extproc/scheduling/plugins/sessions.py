@@ -99,7 +99,8 @@ class LiveSessions:
             return None
         # Tier weights make a match fractional: round up, the probe walks back anyway.
         ends = sorted({min(n, math.ceil(m)) for m in matched if m > 0}, reverse=True)
-        # At most `_PROBE_BACK` per match length plus `_SCAN_TAIL` dict lookups (a window
+        # At most `_PROBE_BACK` per match length plus `_SCAN_TAIL` dict lookups, whatever the
+        # prompt's length: a long new prompt must not cost a loop per key (a window
         # may overlap another: probing a key twice is cheaper than tracking what was done).
         windows = [(end - 1, max(0, end - _PROBE_BACK) - 1) for end in ends]
         windows.append((n - 1, max(0, n - _SCAN_TAIL) - 1))
