@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shlex
 import statistics
 import sys
@@ -161,7 +162,10 @@ def mape_breakdown(results: list[Result], names: list[str], half: int) -> dict[s
     return out
 
 
-def run_one(fleet_name: str, policy: str, rate: float, groups: int, seed: int, tmp: Path) -> Row:
+def run_one(
+    fleet_name: str, policy: str, rate: float, groups: int, seed: int, tmp: Path,
+    dump: Path | None = None,
+) -> Row:  # fmt: skip
     sim_args = (*SIM_ARGS, "--speeds", FLEETS[fleet_name])
     path = tmp / f"picker-{abs(hash(policy))}.yaml"
     path.write_text(PARSE + POLICIES[policy])
@@ -190,6 +194,8 @@ def run_one(fleet_name: str, policy: str, rate: float, groups: int, seed: int, t
             if timer is not None:
                 timer.cancel()
         names = [s.name for s in fleet.servers]
+    if dump is not None:
+        _dump(dump, fleet_name, policy, rate, seed, names, results, offsets)
     s = summarize(results, duration)
     shares = {f"s{i}": s.per_endpoint.get(n, 0) for i, n in enumerate(names)}
     row = Row(
@@ -204,6 +210,22 @@ def run_one(fleet_name: str, policy: str, rate: float, groups: int, seed: int, t
         flush=True,
     )
     return row
+
+
+def _dump(
+    path: Path, fleet: str, policy: str, rate: float, seed: int, names: list[str],
+    results: list[Result], offsets: list[float],
+) -> None:  # fmt: skip
+    """Appends one JSON line per request (for finding where prediction errors come from)."""
+    with path.open("a") as f:
+        for r in results:
+            f.write(json.dumps({
+                "fleet": fleet, "policy": policy, "rate": rate, "seed": seed,
+                "index": r.index, "sent": offsets[r.index], "half": len(offsets) // 2,
+                "server": names.index(r.served_by) if r.served_by in names else -1,
+                "ttft": r.ttft_s, "predicted": r.predicted_ttft_s,
+                "prompt": r.prompt_tokens, "cached": r.cached_tokens,
+            }) + "\n")  # fmt: skip
 
 
 def _pct(v: float | None) -> str:
@@ -285,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES)
     p.add_argument("--seeds", type=int, nargs="+", default=[1], help="one run per seed")
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    p.add_argument("--dump", type=Path, help="append per-request JSON lines to this file")
     args = p.parse_args(argv)
     rates = args.rates or [5.0, 8.0]
     groups = args.groups or (4 if args.quick else 16)
@@ -298,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
             for rate in rates:
                 for seed in args.seeds:
                     for policy in args.policies:
-                        rows.append(run_one(fleet, policy, rate, groups, seed, Path(tmp)))
+                        rows.append(
+                            run_one(fleet, policy, rate, groups, seed, Path(tmp), args.dump)
+                        )
     section = markdown(rows, command, time.monotonic() - t0, groups)
     print("\n" + section)
     if args.write:

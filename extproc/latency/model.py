@@ -58,6 +58,8 @@ _TOKEN_SCALE = 1000.0
 _CHANGE = 0.5
 # A token-scale sample off by more than this factor (twice running) replaces the scale.
 _SCALE_JUMP = 1.5
+# Requests an overhead window must hold when its ends are not quiet (see _learn_overhead).
+_OVERHEAD_WINDOW = 32
 # Response-header delays above this are stalls, not the path's cost, and are not learned.
 _MAX_TRANSPORT_S = 1.0
 
@@ -132,8 +134,9 @@ class ModelStats:
 class _Learned:
     """The learner's state for one endpoint (learner loop only)."""
 
-    __slots__ = ("coeffs", "itl", "itl_base", "mean_tokens", "overhead", "prefill",
-                 "prompt_base", "ratio", "running", "surprises", "totals")  # fmt: skip
+    __slots__ = ("coeffs", "itl", "itl_base", "mean_tokens", "overhead", "overhead_base",
+                 "prefill", "prompt_base", "ratio", "running", "surprises",
+                 "totals")  # fmt: skip
 
     def __init__(self, s: ModelSettings) -> None:
         self.totals: LatencyTotals | None = None
@@ -143,6 +146,7 @@ class _Learned:
         self.itl_base: LatencyTotals | None = None
         self.prompt_base: LatencyTotals | None = None
         self.overhead: float | None = None
+        self.overhead_base: LatencyTotals | None = None  # start of the overhead window
         self.mean_tokens: float | None = None
         self.ratio: tuple[float, float] | None = None  # smoothed (prefill s / req, s / token)
         self.coeffs: Coefficients | None = None
@@ -240,16 +244,43 @@ class LatencyModel:
             else (_ewma(st.ratio[0], per_req, a), _ewma(st.ratio[1], per_tok, a))
         )
         st.mean_tokens = _smooth(st.mean_tokens, tokens / n, a)
-        first = t.ttft_count - last.ttft_count
-        if first >= 1 and t.queue_count - last.queue_count >= 1:
-            rest = (
-                (t.ttft_sum - last.ttft_sum)
-                - (t.queue_sum - last.queue_sum)
-                - (t.prefill_sum - last.prefill_sum)
-            ) / first
-            st.overhead = _smooth(st.overhead, max(0.0, rest), a)
+        self._learn_overhead(st, t)
         st.totals = t
         return True
+
+    def _learn_overhead(self, st: _Learned, t: LatencyTotals) -> None:
+        """TTFT not spent queued or prefilling, per request. The three histograms observe a
+        request at different moments (the engine records queue time when its prefill starts,
+        or at the end of the request; TTFT at the first token), so one scrape interval's
+        differences mix requests: a request queued for a second whose wait was recorded in
+        an earlier interval adds that second to this one's TTFT alone. Clipped at zero, such
+        mixed samples read as 100-200 ms of overhead on a busy server (measured on the
+        simulator, where the true figure is a few ms). So the sums are compared only over a
+        window whose ends see the same number of requests between their observations (the
+        count gaps agree): when no request is in between at either end the window holds
+        the same requests in all three; otherwise the windows waits for a quiet scrape,
+        or for enough requests that the in-between ones hardly count."""
+        base = st.overhead_base
+        if base is None or t.ttft_count < base.ttft_count or t.queue_count < base.queue_count:
+            st.overhead_base = t
+            return
+        n = t.ttft_count - base.ttft_count
+        if n < 1:
+            return
+        gap_now = (t.ttft_count - t.queue_count, t.ttft_count - t.prefill_count)
+        gap_base = (base.ttft_count - base.queue_count, base.ttft_count - base.prefill_count)
+        quiet = gap_now == gap_base == (0.0, 0.0)
+        if not quiet and not (gap_now == gap_base and n >= _OVERHEAD_WINDOW):
+            if n >= 4 * _OVERHEAD_WINDOW:
+                st.overhead_base = t  # never settles: start again rather than mix forever
+            return
+        rest = (
+            (t.ttft_sum - base.ttft_sum)
+            - (t.queue_sum - base.queue_sum)
+            - (t.prefill_sum - base.prefill_sum)
+        ) / n
+        st.overhead = max(0.0, _smooth(st.overhead, rest, self.settings.smoothing))
+        st.overhead_base = t
 
     def _learn_itl(self, st: _Learned, t: LatencyTotals, running: int) -> bool:
         last = st.itl_base
