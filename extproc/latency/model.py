@@ -76,6 +76,8 @@ class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     forgetting: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
     min_samples: Annotated[int, msgspec.Meta(ge=1)] = 3
     smoothing: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.3
+    # Price an endpoint at the speed its late head shows (see Backlog.slowdown).
+    late_heads: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,8 @@ class ModelStats:
     resets: int = 0
     reopened: int = 0  # fits reopened because a server's speed changed
     rescaled: int = 0  # token scale taken whole because the picker's estimates changed
+    rescaled_speed: int = 0  # of those reopened, scaled at once by one prefill far off them
+    late_heads: int = 0  # predictions priced at a late head's speed (see Backlog.slowdown)
 
 
 class _Learned:
@@ -229,7 +233,16 @@ class LatencyModel:
             expected = st.prefill.predict(x)
             if expected > 0 and abs(secs - expected) > _CHANGE * expected:
                 st.surprises += 1
-                if st.surprises >= 2:
+                if st.surprises == 1 and n == 1:
+                    # One whole prefill far off: the engine timed it (no machine jitter in
+                    # it), so take its speed now, as a factor on the whole fit (a tenant
+                    # slows every term alike), and reopen it so the next samples correct
+                    # what is not a common factor.
+                    st.prefill.w = [w * secs / expected for w in st.prefill.w]
+                    st.prefill.reopen()
+                    self.stats.reopened += 1
+                    self.stats.rescaled_speed += 1
+                elif st.surprises >= 2:
                     st.prefill.reopen()
                     st.surprises = 0
                     self.stats.reopened += 1
@@ -393,19 +406,27 @@ class LatencyModel:
             self.stats.predictions_warm += 1
         scale = self.token_scale
         b = self._backlog.get(address)
-        backlog = 0.0 if b is None else b.work_s(c.per_request_s, c.per_token_s * scale, now)
+        per_request_s, per_token_s = c.per_request_s, c.per_token_s
+        if b is not None and self.settings.late_heads:
+            # A head running far past its price: the server slowed and the fit does not
+            # know yet; price everything here at the speed the head shows.
+            slow = b.slowdown(per_request_s, per_token_s * scale)
+            if slow > 1.0:
+                per_request_s, per_token_s = per_request_s * slow, per_token_s * slow
+                self.stats.late_heads += 1
+        backlog = 0.0 if b is None else b.work_s(per_request_s, per_token_s * scale, now)
         if not state.is_stale and state.waiting:
             # Waiting requests beyond our unfinished placements are work
             # other pickers or clients queued there: our placements cannot show them.
             foreign = state.waiting - (0 if b is None else b.ours_waiting())
             if foreign > 0:
-                backlog += foreign * (c.per_request_s + c.per_token_s * c.mean_tokens)
+                backlog += foreign * (per_request_s + per_token_s * c.mean_tokens)
         ttft = (
             c.overhead_s
             + self._transport.get(address, 0.0)
             + backlog
-            + c.per_request_s
-            + c.per_token_s * uncached_tokens * scale
+            + per_request_s
+            + per_token_s * uncached_tokens * scale
         )
         tpot = None
         if c.itl_base_s is not None:
