@@ -282,24 +282,27 @@ def test_token_scale_follows_a_changed_estimate_at_once() -> None:
 
 def test_overhead_is_not_read_from_intervals_that_mix_requests() -> None:
     """The engine records a request's queue time when its prefill starts and its TTFT at
-    the first token, often in different scrape intervals: an interval's TTFT then holds a
-    queue wait recorded earlier. Compared per interval (and clipped at zero) that read as
-    100-200 ms of overhead on a busy simulated server whose true figure is 3 ms."""
+    the first token, often in different scrape intervals: an interval then holds one
+    request's TTFT and the next one's queue wait. Compared per interval (and clipped at
+    zero) that read as 100-200 ms of overhead on a busy simulated server whose true figure
+    is a few ms."""
     model = LatencyModel()
     eng = Engine()
     teach(model, "a:1", eng)
+    waits = [0.2, 1.0] * 20
     t = eng.totals
-    for _ in range(20):
-        # Interval 1: a request starts its prefill after a 1 s wait (queue recorded).
-        t = dataclasses.replace(t, queue_sum=t.queue_sum + 1.0, queue_count=t.queue_count + 1)
-        model.learn("a:1", t)
-        # Interval 2: its first token (TTFT = wait + prefill + overhead), prefill recorded.
+    # The first request starts its prefill (its wait recorded); then each interval ends
+    # one request (TTFT, prefill) and starts the next (its wait).
+    t = dataclasses.replace(t, queue_sum=t.queue_sum + waits[0], queue_count=t.queue_count + 1)
+    model.learn("a:1", t)
+    for wait, following in zip(waits, [*waits[1:], 0.0], strict=True):
         prefill = eng.prefill_s(1000)
         t = dataclasses.replace(
             t,
-            ttft_sum=t.ttft_sum + 1.0 + prefill + eng.overhead_s, ttft_count=t.ttft_count + 1,
+            ttft_sum=t.ttft_sum + wait + prefill + eng.overhead_s, ttft_count=t.ttft_count + 1,
             prefill_sum=t.prefill_sum + prefill, prefill_count=t.prefill_count + 1,
             prefill_tokens=(t.prefill_tokens or 0.0) + 1000,
+            queue_sum=t.queue_sum + following, queue_count=t.queue_count + 1,
         )  # fmt: skip
         model.learn("a:1", t)
     c = model.coefficients("a:1")
