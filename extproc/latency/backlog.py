@@ -11,11 +11,11 @@ placements are the ones that finished. What is left is priced at prediction time
 endpoint's current fit, so a speed change the fit has just learned reprices the whole
 queue at once.
 
-Not done: timing each of our prefills from the same tally (the first token that ends one
-starts the next) to see a slowed server before the histogram fit does. Tried: on a loaded
-2-core machine the timings (scrape and event-loop jitter of tens of ms on 0.15-0.6 s
-prefills) said "twice slower" of servers that had not changed, which cost more than the
-earlier detection gained.
+A late head is a signal too (`slowdown`): still unfinished at a scrape long after its
+price, it says its server slowed before any slowed prefill has ended and taught the fit.
+Only a head late by half its price and 100 ms counts: timing every prefill from the tally
+was tried, and on a loaded 2-core machine the timings (scrape and event-loop jitter of
+tens of ms on 0.15-0.6 s prefills) said "twice slower" of servers that had not changed.
 
 Bounds: the queue never holds more placements than the engine reports waiting plus
 running (a request that failed before its first token would otherwise stay forever), and

@@ -70,13 +70,13 @@ class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     `forgetting` (0.9): weight each fit keeps per new sample (about the last 10 intervals
     matter). `min_samples` (3): prefill intervals before an endpoint's own fit is used.
     `smoothing` (0.3): weight of a new interval in the smoothed means (overhead, mean
-    uncached tokens per request).
+    uncached tokens per request). `late_heads` (true): price an endpoint whose oldest
+    unfinished placement is far past its price at the speed that placement shows.
     """
 
     forgetting: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
     min_samples: Annotated[int, msgspec.Meta(ge=1)] = 3
     smoothing: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.3
-    # Price an endpoint at the speed its late head shows (see Backlog.slowdown).
     late_heads: bool = True
 
 
