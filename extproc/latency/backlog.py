@@ -28,8 +28,11 @@ from collections import deque
 from dataclasses import dataclass
 
 # Placements younger than this at a scrape may not have reached the engine yet: the bound
-# by its waiting + running counts spares them.
-_IN_TRANSIT_S = 0.05
+# by its waiting + running counts spares them. Generous: on a loaded machine a request
+# spends well over 50 ms between the decision and the engine (Envoy, the HTTP hop), and
+# each one taken for lost popped a real one from the head, so busy servers' queues ran
+# short; a request that really failed costs only this much longer in the queue.
+_IN_TRANSIT_S = 0.5
 # A head must be this late (beyond half its price) to say its server slowed.
 _LATE_S = 0.1
 
