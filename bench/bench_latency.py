@@ -137,7 +137,7 @@ class Row:
     # signed error (predicted - measured) / measured: where the error comes from.
     mape_by: dict[str, float | None] = field(default_factory=dict)
     bias: float | None = None
-    floor: float | None = None  # MAPE of the simulator-physics oracle (the machine's noise)
+    floor: float | None = None  # MAPE of the simulator-physics oracle (the run's noise)
 
 
 def _pairs(results: list[Result]) -> list[tuple[float, float]]:
@@ -168,8 +168,9 @@ def oracle(
     """What the simulator's physics says each request's TTFT is, knowing what no picker can
     (its real uncached tokens, every server's speed at each moment): per server, prefills
     one after another in arrival order, each (step + uncached / prefill rate) / speed. How
-    far the measured TTFT is from this is the machine's noise (event-loop lateness, proxy
-    and client time on a loaded host), the floor under any predictor's error here."""
+    far the measured TTFT is from this is what the machine adds (event-loop lateness on a
+    loaded host) plus the path's cost outside the engine (proxy, HTTP, client), which a
+    predictor can learn (transport): an indicator of the run's noise, not a strict floor."""
     tps, step = 5000.0, 0.002  # SIM_ARGS' --prefill-tps and the simulator's step overhead
     free_at = [0.0] * len(names)
     out: dict[int, float] = {}
@@ -314,8 +315,8 @@ def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
         "chose; per server (s0..s3) and per phase (before / after s0 slows); bias is the "
         "mean signed error. Oracle MAPE: the same figure for the simulator's own physics "
         "(each server's prefills one after another in arrival order, at the real uncached "
-        "tokens and speeds, `oracle()`), i.e. the machine's noise: the floor under any "
-        "predictor's error in that run.",
+        "tokens and speeds, `oracle()`): the machine's lateness plus the path outside the "
+        "engine, an indicator of the run's noise.",
         "",
     ]
     out += table(
