@@ -18,12 +18,14 @@ Placements:
   can beat it on hits by much, and it ignores load entirely);
 - partition: whole tenants (groups, sessions) pinned to servers, largest first onto the
   server with the least prompt tokens so far (the best static split by size);
-- round-robin: for reference against the measured round-robin row.
+- round-robin: for reference against the measured round-robin row;
+- pooled optimum: a bound no placement can beat (see `pooled_optimum`).
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -33,12 +35,12 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_routing import PRESSURE_SHAPE, ideal_items  # noqa: E402
+from bench_routing import PRESSURE_SHAPE, ideal_items
 
-from extproc.hashing.tokenizer import PreciseKeys, PreciseSettings  # noqa: E402
-from extproc.requests import ParseSettings, parse_request  # noqa: E402
-from extproc.sim.workload import WorkItem  # noqa: E402
-from extproc.stack import SIM_TOKENIZER_DIR  # noqa: E402
+from extproc.hashing.tokenizer import PreciseKeys, PreciseSettings
+from extproc.requests import ParseSettings, parse_request
+from extproc.sim.workload import WorkItem
+from extproc.stack import SIM_TOKENIZER_DIR
 
 BLOCK = 16
 
@@ -97,10 +99,10 @@ def distinct(rows) -> Placement:
     firsts: dict[int, list[int]] = {}
     for item, blocks, _ in rows:
         firsts.setdefault(item.group, blocks)
-    common = min(
-        next((i for i, ks in enumerate(zip(*firsts.values(), strict=False)) if len(set(ks)) > 1), 0),
-        min(len(b) for b in firsts.values()),
-    ) if len(firsts) > 1 else 0
+    common = 0
+    if len(firsts) > 1:
+        columns = zip(*firsts.values(), strict=False)
+        common = next((i for i, ks in enumerate(columns) if len(set(ks)) > 1), 0)
     tokens: list[int] = []
 
     def place(item, blocks, limit, caches, counts) -> int:
@@ -152,6 +154,51 @@ def hit_ratio(rows, servers: int, capacity: int | None, place: Placement) -> flo
     return hit / total if total else 0.0
 
 
+def pooled_optimum(rows, capacity: int) -> float:
+    """An upper bound for every router and every eviction policy: one cache as large as the
+    whole fleet's, evicting by Belady's rule (the block used again furthest in the future
+    goes first), every block that is present counted as a hit, prefix or not. A fleet of
+    separate caches holds at most that many blocks at once, each stored on demand like here,
+    so no placement can hit more."""
+    accesses: list[tuple[list[int], int]] = []
+    uses: dict[int, list[int]] = {}
+    t = 0
+    for _, blocks, n in rows:
+        limit = (n - 1) // BLOCK
+        stored = blocks[: n // BLOCK]
+        accesses.append((blocks[:limit], t))
+        for k in blocks[:limit]:
+            uses.setdefault(k, []).append(t)
+        t += 1
+        for k in stored:
+            uses.setdefault(k, []).append(t)
+        t += 1
+    cursor = {k: 0 for k in uses}
+
+    def next_use(k: int, now: int) -> int:
+        times = uses[k]
+        i = cursor[k]
+        while i < len(times) and times[i] <= now:
+            i += 1
+        cursor[k] = i
+        return times[i] if i < len(times) else 1 << 60
+
+    cache: set[int] = set()
+    heap: list[tuple[int, int]] = []  # (-next use, key), stale entries skipped
+    hit = total = 0
+    for (_, blocks, n), (looked, t) in zip(rows, accesses, strict=True):
+        hit += sum(1 for k in looked if k in cache) * BLOCK
+        total += n
+        for k in blocks[: n // BLOCK]:
+            cache.add(k)
+            heapq.heappush(heap, (-next_use(k, t + 1), k))
+        while len(cache) > capacity:
+            neg, k = heapq.heappop(heap)
+            if k in cache and -neg == next_use(k, t + 1):
+                cache.discard(k)
+    return hit / total if total else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", nargs="+", default=["tenants", "agentic"])
@@ -168,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows = [(replace(i, group=i.conversation), b, n) for i, b, n in rows]
             unbounded = hit_ratio(rows, 1, None, greedy)
             figs = {
+                "pooled optimum": pooled_optimum(rows, servers * blocks),
                 "greedy": hit_ratio(rows, servers, blocks, greedy),
                 "distinct": hit_ratio(rows, servers, blocks, distinct(rows)),
                 "partition": hit_ratio(rows, servers, blocks, partition(rows)),
