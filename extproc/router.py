@@ -162,6 +162,8 @@ class Router:
         """Token estimates are now `factor` times larger (approximate keys recalibrated)."""
         if self._capacity is not None:
             self._capacity.units_changed(factor)
+        if self.speeds is not None:
+            self.speeds.units_changed(factor)
 
     def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
         """The CPU-bound half of `route` (parsing, block hashing), callable from a worker
