@@ -27,6 +27,7 @@ from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import EMPTY, KVIndex, Lookup
 from extproc.index.capacity import CapacityModel
 from extproc.scheduling import Scheduler
+from extproc.scheduling.framework import EstimateUnits
 
 log = logging.getLogger("extproc.router")
 
@@ -162,6 +163,11 @@ class Router:
         """Token estimates are now `factor` times larger (approximate keys recalibrated)."""
         if self._capacity is not None:
             self._capacity.units_changed(factor)
+        if self.speeds is not None:
+            self.speeds.units_changed(factor)
+        for plugin in self.scheduler.plugins:
+            if isinstance(plugin, EstimateUnits):
+                plugin.units_changed(factor)
 
     def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
         """The CPU-bound half of `route` (parsing, block hashing), callable from a worker
