@@ -398,6 +398,16 @@ LATENCY_MODEL = StatsFamilies(
             "extproc_latency_token_rescales",
             "Token scale taken whole (not blended) because the picker's estimates changed.",
         ),
+        "rescaled_speed": Stat(
+            "extproc_latency_speed_rescales",
+            "Reopened fits scaled at once by one whole prefill far off them (a sudden "
+            "slowdown shows before the fit re-learns).",
+        ),
+        "late_heads": Stat(
+            "extproc_latency_late_head_predictions",
+            "Predictions priced at the speed a late unfinished placement shows "
+            "(the endpoint slowed since its fit).",
+        ),
     },
 )
 
