@@ -22,6 +22,7 @@ from extproc import protocol
 
 LbMode = Literal["original-dst", "override-host"]
 BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
+ResponseHeaders = Literal["auto", "send", "skip"]
 
 _T = "type.googleapis.com/envoy.extensions"
 
@@ -71,6 +72,11 @@ class BootstrapOptions:
     extproc_streams_per_connection: int = 100
     # How the request body reaches the picker (docs/gateways.md, "The cheapest exchange").
     request_body_mode: BodyMode = "FULL_DUPLEX_STREAMED"
+    # Whether Envoy sends the response headers to the picker. `auto`: skipped when the
+    # access log reports each request's end (it carries the served endpoint and the time to
+    # the first upstream byte) and explanations are off; `send` keeps the phase for response
+    # headers the picker adds (session tokens, predicted TTFT): docs/gateways.md.
+    response_headers: ResponseHeaders = "auto"
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:
@@ -101,9 +107,10 @@ def _ext_proc_filter(opts: BootstrapOptions) -> dict[str, Any]:
             "failure_mode_allow": opts.fail_open,
             "processing_mode": {
                 "request_header_mode": "SEND",
-                # Response headers are observed (status, served endpoint); response bodies are
-                # not requested, so the picker's cost does not grow with output length.
-                "response_header_mode": "SEND",
+                # Response headers are observed (status, served endpoint) unless the access
+                # log reports them; response bodies are not requested, so the picker's cost
+                # does not grow with output length.
+                "response_header_mode": "SKIP" if skips_response_headers(opts) else "SEND",
                 "request_body_mode": opts.request_body_mode,
                 "response_body_mode": "NONE",
                 # FULL_DUPLEX_STREAMED is rejected unless the matching trailer mode is SEND.
@@ -122,6 +129,15 @@ def _ext_proc_filter(opts: BootstrapOptions) -> dict[str, Any]:
             "allow_mode_override": False,
         },
     }
+
+
+def skips_response_headers(opts: BootstrapOptions) -> bool:
+    """Whether the generated config leaves the response-header phase out (two of the six
+    ext_proc messages per request): only where the access log tells the picker what the
+    phase would have (served endpoint, time to first byte, request end)."""
+    if opts.response_headers == "auto":
+        return opts.access_log and not opts.allow_explain
+    return opts.response_headers == "skip"
 
 
 def _picker_tls(opts: BootstrapOptions, host: str) -> dict[str, Any]:

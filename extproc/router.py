@@ -9,6 +9,7 @@ the admin API's explain endpoint and the tests call it directly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -20,7 +21,7 @@ from extproc.core import Candidate, Decision, Endpoint, EndpointState, Inference
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.inflight import InFlightCounter, Placement
 from extproc.endpoints.prefill_speed import PrefillSpeeds
-from extproc.endpoints.request_end import RequestEnds
+from extproc.endpoints.request_end import Ended, Late, RequestEnds
 from extproc.errors import ExtprocError, NoEndpoints
 from extproc.flowcontrol.controller import Ticket
 from extproc.hashing.tokenizer import PreciseKeys
@@ -89,6 +90,9 @@ class RouterStats:
     prefix_blocks_matched: float = 0.0
     # Requests the proxy reports served by another endpoint than the pick.
     served_elsewhere: int = 0
+    # Decisions whose response headers (session token, predicted TTFT) never reached the
+    # client: the proxy skipped the response-header phase (envoy-config --response-headers).
+    response_headers_unsent: int = 0
 
 
 class Router:
@@ -129,6 +133,7 @@ class Router:
         self._on_lookup = on_lookup
         self._on_placed = on_placed
         self.ends = ends
+        self._unsent_warned = -1e9  # last warning about unsent response headers
         self.speeds = speeds
         set_capacity = getattr(index, "set_capacity", None)
         self._capacity = (
@@ -329,13 +334,52 @@ class Router:
             self.index.record(address, routed.request.block_keys)
         return dataclasses.replace(routed, placement=placement)
 
-    def finish(self, routed: Routed) -> None:
+    def ended_unseen(self, routed: Routed, then: Late | None, entry: Ended | None) -> None:
+        """The access-log entry of a request whose response headers the picker never saw
+        (None: none came): the index follows the endpoint that served it (its in-flight
+        count was released with the hold), the latency model learns the time to the first
+        byte, and decision response headers that could not be sent are counted. `then`
+        sees the entry last."""
+        if entry is not None:
+            self._learn_unseen(routed, entry)
+        if then is not None:
+            then(entry)
+
+    def _learn_unseen(self, routed: Routed, entry: Ended) -> None:
+        if entry.upstream and entry.upstream != routed.placement.address:
+            self.stats.served_elsewhere += 1
+            if self._record and self.index is not None:
+                self.index.record(entry.upstream, routed.request.block_keys)
+        elif entry.ttfb_s is not None and routed.decided_at:
+            self.scheduler.responded(routed.request, routed.decision, entry.ttfb_s)
+        if routed.decision.response_headers and entry.status is not None:
+            self.stats.response_headers_unsent += 1
+            now = time.monotonic()
+            if now - self._unsent_warned > 60.0:
+                self._unsent_warned = now
+                log.warning(
+                    "decision response headers (%s) not sent: the proxy skips the "
+                    "response-header phase; generate its config with "
+                    "`extproc envoy-config --response-headers send`",
+                    ", ".join(sorted(routed.decision.response_headers)),
+                    extra={"unsent_total": self.stats.response_headers_unsent},
+                )
+
+    def finish(self, routed: Routed, *, responded: bool = True, then: Late | None = None) -> None:
         """The request's ext_proc stream ended (response headers seen, response done, client
         gone, or error): release its placement, or hold it until the access log says the
-        request itself ended (see `endpoints/request_end.py`)."""
+        request itself ended (see `endpoints/request_end.py`). `responded=False`: the stream
+        never saw the response headers (the proxy skips that phase), so the access-log entry
+        reports what they would have (see `ended_unseen`; `then` sees the entry, or None,
+        once the request is over)."""
         if self.ends is not None:
-            self.ends.finish(routed.request.request_id, routed.placement)
+            late = None if responded else functools.partial(self.ended_unseen, routed, then)
+            self.ends.finish(routed.request.request_id, routed.placement, late)
+            if responded and then is not None:
+                then(None)
         else:
             self.inflight.release(routed.placement)
+            if then is not None:
+                then(None)
         if routed.ticket is not None and self.admission is not None:
             self.admission.release(routed.ticket)

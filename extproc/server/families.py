@@ -102,6 +102,12 @@ ROUTER = StatsFamilies(
             "Requests the proxy reported served by another endpoint than the pick (a retry "
             "walked the fallback list); in-flight and index followed the served one.",
         ),
+        "response_headers_unsent": Stat(
+            "extproc_response_headers_unsent",
+            "Decisions whose response headers (session token, predicted TTFT) never reached "
+            "the client: the proxy skips the response-header phase (envoy-config "
+            "--response-headers send keeps it).",
+        ),
     },
 )
 

@@ -42,6 +42,7 @@ import orjson
 
 from extproc import protocol
 from extproc.core import Decision
+from extproc.endpoints.request_end import Ended
 from extproc.errors import (
     BadRequest,
     BodyBudgetExhausted,
@@ -244,6 +245,7 @@ class _Stream:
         "mode",
         "obs",
         "replies",
+        "responded",
         "response_mode",
         "routed",
         "router",
@@ -278,6 +280,7 @@ class _Stream:
         self.chunks: list[bytes] = []
         self.body_len = 0
         self.routed: Routed | None = None
+        self.responded = False  # the response headers came (the proxy may skip them)
         self.eviction: asyncio.Future[None] | None = None
         self.explain = False
         self.done = False
@@ -493,6 +496,7 @@ class _Stream:
         routed = self.routed
         if routed is None:
             return wire.CONTINUE_RESPONSE_HEADERS
+        self.responded = True
         served = wire.served_endpoint(msg)
         if served is not None and served != routed.placement.address:
             routed = self.routed = self.router.served(routed, served)
@@ -503,9 +507,19 @@ class _Stream:
         return wire.response_headers_with(extra) if extra else wire.CONTINUE_RESPONSE_HEADERS
 
     def close(self) -> None:
-        """The stream ended, however it ended: release what the decision placed."""
-        self.obs.close()
+        """The stream ended, however it ended: release what the decision placed. Without
+        the response headers (the proxy skips that phase), llm-d's request families wait
+        for the access-log entry: its status and size stand in for the headers'."""
         self._release_body()
-        if self.routed is not None:
-            self.router.finish(self.routed)
-            self.routed = None
+        routed, self.routed = self.routed, None
+        if routed is None or self.responded:
+            self.obs.close()
+            if routed is not None:
+                self.router.finish(routed)
+            return
+        self.router.finish(routed, responded=False, then=self._ended)
+
+    def _ended(self, entry: Ended | None) -> None:
+        if entry is not None and entry.status is not None:
+            self.obs.response(str(entry.status), str(entry.response_bytes))
+        self.obs.close()
