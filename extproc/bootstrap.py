@@ -73,8 +73,8 @@ class BootstrapOptions:
     # How the request body reaches the picker (docs/gateways.md, "The cheapest exchange").
     request_body_mode: BodyMode = "FULL_DUPLEX_STREAMED"
     # Whether Envoy sends the response headers to the picker. `auto`: skipped when the
-    # access log reports each request's end (it carries the served endpoint and the time to
-    # the first upstream byte) and explanations are off; `send` keeps the phase for response
+    # access log reports each request's end, explanations are off and the request has one
+    # possible address (`skips_response_headers`); `send` keeps the phase for response
     # headers the picker adds (session tokens, predicted TTFT): docs/gateways.md.
     response_headers: ResponseHeaders = "auto"
 
@@ -133,10 +133,15 @@ def _ext_proc_filter(opts: BootstrapOptions) -> dict[str, Any]:
 
 def skips_response_headers(opts: BootstrapOptions) -> bool:
     """Whether the generated config leaves the response-header phase out (two of the six
-    ext_proc messages per request): only where the access log tells the picker what the
-    phase would have (served endpoint, time to first byte, request end)."""
+    ext_proc messages per request). `auto` skips only where nothing is lost: the access log
+    reports what the phase would have (request end, time to first byte, status, size), no
+    explanation is to be returned, and the request cannot be served elsewhere than the
+    pick (original-dst, or no retries), so in-flight counts need no correction mid-request.
+    Forced `skip` with fallbacks: the index follows the served endpoint when the entry
+    comes; the in-flight count stays on the pick until then."""
     if opts.response_headers == "auto":
-        return opts.access_log and not opts.allow_explain
+        one_address = opts.lb == "original-dst" or opts.retries == 0
+        return opts.access_log and not opts.allow_explain and one_address
     return opts.response_headers == "skip"
 
 
