@@ -81,8 +81,10 @@ def test_default_config_skips_response_headers_and_the_access_log_stands_in():
         assert sent == sent_with_phase - n, (sent, sent_with_phase)
         # Every request's end came from its access-log entry, with its status and size.
         wait_until(
-            lambda: total(stack, "extproc_request_end_ended_total") - ended0 == n
-            and total(stack, "inference_objective_response_sizes_count") - sizes0 == n,
+            lambda: (
+                total(stack, "extproc_request_end_ended_total") - ended0 == n
+                and total(stack, "inference_objective_response_sizes_count") - sizes0 == n
+            ),
             timeout_s=10,
             what="the access-log entries",
         )
