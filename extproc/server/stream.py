@@ -53,7 +53,7 @@ from extproc.errors import (
 from extproc.router import Routed, Router
 from extproc.server import wire
 from extproc.server.guard import PeerAllowList, Throttle
-from extproc.server.limits import BodyBudget, BodyDeadline
+from extproc.server.limits import BodyBudget, BodyDeadline, DeadlineSweeper
 from extproc.server.metrics import PickerMetrics
 
 if TYPE_CHECKING:
@@ -128,6 +128,7 @@ class StreamHandler:
         self._throttle = Throttle()
         self._warned: set[int] = set()  # body modes already logged as "routing on headers"
         self._replies = wire.DecisionReplies()
+        self._sweeper = DeadlineSweeper(min(1.0, body_timeout_s / 4))
 
     @classmethod
     def from_settings(
@@ -162,7 +163,9 @@ class StreamHandler:
             self._explain_tokens,
             self._replies,
         )
-        deadline = BodyDeadline(self._body_timeout_s)
+        deadline = BodyDeadline(
+            self._body_timeout_s, task=asyncio.current_task(), sweeper=self._sweeper
+        )
         state.deadline = deadline
         it = aiter(requests)
         try:
@@ -180,9 +183,19 @@ class StreamHandler:
                         msg = got
                     elif left is None:
                         msg = await anext(it)
+                    elif left <= 0:
+                        raise TimeoutError
                     else:
-                        async with asyncio.timeout(max(left, 0.0)):
+                        # The sweeper cuts this read at the deadline (`limits`).
+                        deadline.reading = True
+                        try:
                             msg = await anext(it)
+                        except asyncio.CancelledError:
+                            if not deadline.take_fired():
+                                raise
+                            raise TimeoutError from None
+                        finally:
+                            deadline.reading = False
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
