@@ -96,6 +96,12 @@ class Calibration:
             w.estimated += request.prompt_tokens
             w.requests += 1
 
+    def forget(self, endpoint: str) -> None:
+        """`endpoint` left the pool: drop its window and its ratio (a gauge of a server that
+        is gone reads as a live one)."""
+        self._windows.pop(endpoint, None)
+        self.stats.ratios.pop(endpoint, None)
+
     def observe(self, endpoint: str, block_size: int | None, prompt_tokens: int | None) -> None:
         """One scrape of `endpoint`: its engine block size and prompt-token counter."""
         if not self.enabled:

@@ -206,7 +206,7 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scrape: ScrapeSettings | None = ScrapeSettings()
     shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
     exclude_failing: bool = True
-    request_end: RequestEndSettings = RequestEndSettings()
+    request_end: RequestEndSettings = msgspec.field(default_factory=RequestEndSettings)
     # GPU utilization from each endpoint host's DCGM exporter (None: not polled); turned on
     # by llm-d's dcgm-data-source plugin.
     dcgm: DCGMSettings | None = None
@@ -227,12 +227,14 @@ class DiscoverySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
 
 class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Sections are built per instance: frozen structs still hold lists and dicts
+    # (allowed_clients, tier_weights), and two Settings must never share them.
     endpoints: list[str] = msgspec.field(default_factory=list)
-    discovery: DiscoverySettings = DiscoverySettings()
-    server: ServerSettings = ServerSettings()
-    parse: ParseSettings = ParseSettings()
-    index: IndexSettings = IndexSettings()
-    state: StateSettings = StateSettings()
+    discovery: DiscoverySettings = msgspec.field(default_factory=DiscoverySettings)
+    server: ServerSettings = msgspec.field(default_factory=ServerSettings)
+    parse: ParseSettings = msgspec.field(default_factory=ParseSettings)
+    index: IndexSettings = msgspec.field(default_factory=IndexSettings)
+    state: StateSettings = msgspec.field(default_factory=StateSettings)
     scheduling: EndpointPickerConfig | None = None
     disabled_plugins: list[str] = msgspec.field(default_factory=list)
     # Flow control (docs/flow-control.md); also on when `scheduling` has `flowControl`.

@@ -52,3 +52,14 @@ def test_cli_help_shows_the_settings_defaults():
     server = Settings().server
     assert f"(default {server.port})" in helps["port"]
     assert f"(default {server.admin_port})" in helps["admin_port"]
+
+
+def test_default_sections_are_not_shared_between_settings():
+    # Frozen structs still hold lists and dicts: a section shared by every Settings() would
+    # let one mutation change every other instance's defaults.
+    a, b = Settings(), Settings()
+    assert a.index.tier_weights is not b.index.tier_weights
+    assert a.server.allowed_clients is not b.server.allowed_clients
+    assert a.index.tier_weights is not DEFAULT_TIER_WEIGHTS
+    a.index.tier_weights["gpu"] = 0.0
+    assert b.index.tier_weights == DEFAULT_TIER_WEIGHTS

@@ -82,8 +82,8 @@ class Lifecycle(Parts):
         self._endpoints_changed.set()
 
     async def _reconcile(self) -> None:
-        """Follow pool changes: KV-event subscriptions, index entries of endpoints that left,
-        readiness."""
+        """Follow pool changes: KV-event subscriptions, index entries and calibration windows
+        of endpoints that left, readiness."""
         known = {e.address for e in self.pool.snapshot()}
         while True:
             await self._endpoints_changed.wait()
@@ -99,6 +99,8 @@ class Lifecycle(Parts):
                     self.subscriber.watch(self.event_source(e))
             for gone in before - after:
                 self.subscriber.unwatch(gone)
+        for gone in before - after:
+            self.calibration.forget(gone)
         if self.index is not None:
             for gone in before - after:
                 await self.index.remove_endpoint(gone)

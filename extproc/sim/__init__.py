@@ -1,2 +1,6 @@
 """Stand-ins for model servers (there are no GPUs here): the demo, tests and benchmarks
 route to these."""
+
+# The response header every stand-in sets to its own name: how tests and benchmarks see which
+# server a request really reached (the picker's choice is only what it asked Envoy for).
+SERVED_BY_HEADER = "x-served-by"

@@ -19,8 +19,8 @@ import orjson
 from aiohttp import web
 
 from extproc import protocol
+from extproc.sim import SERVED_BY_HEADER
 
-SERVED_BY_HEADER = "x-served-by"
 DELAY_HEADER = "x-echo-delay-ms"  # request header: send the body this long after the headers
 # Request headers for a streamed answer: the JSON line, then CHUNKS chunks of CHUNK_BYTES
 # (`stream_chunk(i, size)`), one every CHUNK_GAP_MS; HEADERS_DELAY_MS before anything at all

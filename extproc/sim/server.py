@@ -25,13 +25,13 @@ from aiohttp import web
 from extproc.core import Api
 from extproc.errors import BadRequest
 from extproc.requests import ParseSettings, parse_request
+from extproc.sim import SERVED_BY_HEADER
 from extproc.sim.blocks import wire_hash
 from extproc.sim.engine import Chunk, Engine, EngineSettings, Job
 from extproc.sim.kvevents import KVEventPublisher, KVEventsSettings
 from extproc.sim.metrics import render
 from extproc.sim.tokens import SimTokenizer
 
-SERVED_BY_HEADER = "x-served-by"
 FINGERPRINT = "vllm-0.32.0-extproc-sim"
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 

@@ -33,8 +33,7 @@ from typing import Any
 import aiohttp
 
 from extproc.protocol import PREDICTED_TTFT_HEADER
-
-SERVED_BY_HEADER = "x-served-by"
+from extproc.sim import SERVED_BY_HEADER
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,13 +88,21 @@ async def test_endpoints_file_is_followed(settings, tmp_path: Path):
     async with App(s, []) as app:
         assert await readiness(app) == SERVING
         assert await destinations(app) == {"127.0.2.1:8000"}
+        # A calibration ratio (the extproc_approx_token_ratio gauge) of the endpoint that
+        # leaves must leave with it.
+        app.calibration.stats.ratios["127.0.2.1:8000"] = 0.8
         path.write_text(yaml.safe_dump([{"address": "127.0.2.9:8000", "labels": {"x": "y"}}]))
         await eventually(lambda: _has(app, "127.0.2.9:8000"), timeout_s=10)
         assert await destinations(app) == {"127.0.2.9:8000"}
+        await eventually(lambda: _lacks_ratio(app, "127.0.2.1:8000"), timeout_s=10)
 
 
 async def _is(status, expected: int) -> bool:
     return await status == expected
+
+
+async def _lacks_ratio(app: App, address: str) -> bool:
+    return address not in app.calibration.stats.ratios
 
 
 async def _has(app: App, address: str) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -41,29 +41,35 @@ async def test_grpc_servers_share_a_port_by_default():
             await s.stop(0)
 
 
+# A worker that drains on SIGTERM. It touches `<dir>/<pid>` once its handler is installed:
+# a SIGTERM before that kills it with -15, and on a loaded machine Python can take well over
+# a second to get there.
 SLEEPER = (
-    "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
-    "time.sleep(60)"
+    "import os, pathlib, signal, sys, time; "
+    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+    "pathlib.Path(sys.argv[1], str(os.getpid())).touch(); time.sleep(60)"
 )
 
 
-def test_supervisor_restarts_a_dead_worker_and_forwards_sigterm():
-    sup = Supervisor(lambda i: [sys.executable, "-c", SLEEPER], 2, grace_s=1.0)
-    import threading
+def test_supervisor_restarts_a_dead_worker_and_forwards_sigterm(tmp_path):
+    sup = Supervisor(lambda i: [sys.executable, "-c", SLEEPER, str(tmp_path)], 2, grace_s=1.0)
+
+    def handlers_installed() -> bool:
+        pids = sup.pids
+        return all(p is not None and (tmp_path / str(p)).exists() for p in pids)
 
     result: list[int] = []
     t = threading.Thread(target=lambda: result.append(sup.run()))
     t.start()
     try:
-        wait_until(lambda: all(sup.pids), timeout_s=10, what="workers")
+        wait_until(handlers_installed, timeout_s=30, what="workers")
         first = sup.pids[0]
         assert first is not None
         psutil.Process(first).kill()
         wait_until(lambda: sup.pids[0] not in (None, first), timeout_s=10, what="restarted worker")
         assert sup.restarts == 1
+        wait_until(handlers_installed, timeout_s=30, what="restarted worker's handler")
         pids = [p for p in sup.pids if p is not None]
-        # Let both sleepers install their SIGTERM handler before the drain.
-        time.sleep(0.5)
     finally:
         sup.stop()
         t.join(timeout=15)
