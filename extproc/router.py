@@ -13,7 +13,7 @@ import functools
 import logging
 import operator
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -338,46 +338,64 @@ class Router:
             self.index.record(address, routed.request.block_keys)
         return dataclasses.replace(routed, placement=placement)
 
-    def ended_unseen(self, routed: Routed, then: Late | None, entry: Ended | None) -> None:
-        """The access-log entry of a request whose response headers the picker never saw
-        (None: none came): the index follows the endpoint that served it (its in-flight
-        count was released with the hold), the latency model learns the time to the first
-        byte, and decision response headers that could not be sent are counted. `then`
-        sees the entry last."""
+    def _unseen(self, routed: Routed, then: Late | None) -> Late:
+        """What a request whose response headers the picker never saw needs from its
+        access-log entry, keeping only that: the hold lasts the whole request, so no prompt,
+        and block keys only when a fallback could serve it."""
+        keys = routed.request.block_keys if len(routed.decision.endpoints) > 1 else ()
+        learn = routed if routed.decided_at and self.scheduler.learns_from_responses else None
+        unsent = tuple(sorted(routed.decision.response_headers))
+        return functools.partial(
+            self._ended_unseen, routed.placement.address, keys, learn, unsent, then
+        )
+
+    def _ended_unseen(
+        self,
+        pick: str,
+        keys: Sequence[int],
+        learn: Routed | None,
+        unsent: tuple[str, ...],
+        then: Late | None,
+        entry: Ended | None,
+    ) -> None:
+        """The access-log entry (None: none came): the index follows the endpoint that
+        served (the in-flight count was released with the hold), plugins learning from
+        response timing get the time to the first byte, decision response headers that
+        could not be sent are counted; `then` sees the entry last."""
         if entry is not None:
-            self._learn_unseen(routed, entry)
+            if entry.upstream and entry.upstream != pick:
+                self.stats.served_elsewhere += 1
+                if keys and self._record and self.index is not None:
+                    self.index.record(entry.upstream, keys)
+            elif learn is not None and entry.ttfb_s is not None:
+                self.scheduler.responded(learn.request, learn.decision, entry.ttfb_s)
+            if unsent and entry.status is not None:
+                self._count_unsent(unsent)
         if then is not None:
             then(entry)
 
-    def _learn_unseen(self, routed: Routed, entry: Ended) -> None:
-        if entry.upstream and entry.upstream != routed.placement.address:
-            self.stats.served_elsewhere += 1
-            if self._record and self.index is not None:
-                self.index.record(entry.upstream, routed.request.block_keys)
-        elif entry.ttfb_s is not None and routed.decided_at:
-            self.scheduler.responded(routed.request, routed.decision, entry.ttfb_s)
-        if routed.decision.response_headers and entry.status is not None:
-            self.stats.response_headers_unsent += 1
-            now = time.monotonic()
-            if now - self._unsent_warned > 60.0:
-                self._unsent_warned = now
-                log.warning(
-                    "decision response headers (%s) not sent: the proxy skips the "
-                    "response-header phase; generate its config with "
-                    "`extproc envoy-config --response-headers send`",
-                    ", ".join(sorted(routed.decision.response_headers)),
-                    extra={"unsent_total": self.stats.response_headers_unsent},
-                )
+    def _count_unsent(self, names: tuple[str, ...]) -> None:
+        self.stats.response_headers_unsent += 1
+        now = time.monotonic()
+        if now - self._unsent_warned > 60.0:
+            self._unsent_warned = now
+            log.warning(
+                "decision response headers (%s) not sent: the proxy skips the "
+                "response-header phase; generate its config with "
+                "`extproc envoy-config --response-headers send`",
+                ", ".join(names),
+                extra={"unsent_total": self.stats.response_headers_unsent},
+            )
 
     def finish(self, routed: Routed, *, responded: bool = True, then: Late | None = None) -> None:
         """The request's ext_proc stream ended (response headers seen, response done, client
         gone, or error): release its placement, or hold it until the access log says the
         request itself ended (see `endpoints/request_end.py`). `responded=False`: the stream
         never saw the response headers (the proxy skips that phase), so the access-log entry
-        reports what they would have (see `ended_unseen`; `then` sees the entry, or None,
+        reports what they would have (see `_ended_unseen`; `then` sees the entry, or None,
         once the request is over)."""
         if self.ends is not None:
-            late = None if responded else functools.partial(self.ended_unseen, routed, then)
+            late = None if responded else self._unseen(routed, then)
             self.ends.finish(routed.request.request_id, routed.placement, late)
             if responded and then is not None:
                 then(None)

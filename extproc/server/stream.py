@@ -30,6 +30,7 @@ operator-issued token in `x-extproc-explain` (`server.explain_tokens`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -58,6 +59,7 @@ from extproc.server.metrics import PickerMetrics
 
 if TYPE_CHECKING:
     from extproc.config import ServerSettings
+    from extproc.server.llmd_metrics import RequestMetrics
 
 log = logging.getLogger("extproc.stream")
 
@@ -530,9 +532,13 @@ class _Stream:
             if routed is not None:
                 self.router.finish(routed)
             return
-        self.router.finish(routed, responded=False, then=self._ended)
+        # The obs alone, not this stream: the hold lasts the whole request.
+        self.router.finish(routed, responded=False, then=functools.partial(_ended, self.obs))
 
-    def _ended(self, entry: Ended | None) -> None:
-        if entry is not None and entry.status is not None:
-            self.obs.response(str(entry.status), str(entry.response_bytes))
-        self.obs.close()
+
+def _ended(obs: RequestMetrics, entry: Ended | None) -> None:
+    """llm-d's request families of a stream that never saw its response headers, closed with
+    the access-log entry (status and size), or without it when none came."""
+    if entry is not None and entry.status is not None:
+        obs.response(str(entry.status), str(entry.response_bytes))
+    obs.close()
