@@ -192,10 +192,9 @@ def picker_doc(port: int, mode: str, *, tls: bool, response_headers: str = "auto
     )
 
 
-# The floor keeps the response-header phase (the exchange gateways use, the issue's
-# reference); extproc runs `envoy-config`'s defaults (the phase skipped where the access
-# log reports request ends). `-skip` / `-send`: the other side of that choice, when named.
-_RESPONSE_HEADERS = {"floor": "send", "extproc": "auto"}
+# Both keep the response-header phase (`envoy-config`'s default, the gateways' exchange);
+# `-skip` / `-send` variants, when named, set `--response-headers` explicitly.
+_RESPONSE_HEADERS = {"floor": "send", "extproc": "send"}
 _VARIANTS = {"skip": "skip", "send": "send"}
 
 

@@ -1,10 +1,10 @@
 """Where the picker's CPU goes next to the floor's, natively: `perf record` on each process
-under the same wrk load through its own Envoy (1 KB chat, `extproc envoy-config` defaults for
-the picker; the floor processor in the same exchange), interleaved round by round, and the
-samples split by shared object (the Python interpreter, gRPC's core, upb, orjson, libc, the
-kernel...). Samples per request per object say which layer the difference lives in; Python
-3.11 has no perf trampolines, so Python functions show as the interpreter (the in-process
-cProfile of `profile_stream.py` splits those).
+under the same wrk load through its own Envoy (1 KB chat; the picker with
+`--response-headers skip`, the floor processor keeping that phase, as in RESULTS.md),
+interleaved round by round, and the samples split by shared object (the Python interpreter,
+gRPC's core, upb, orjson, libc, the kernel...). Samples per request per object say which
+layer the difference lives in; Python 3.11 has no perf trampolines, so Python functions
+show as the interpreter (the in-process cProfile of `profile_stream.py` splits those).
 
     uv run python bench/profile_native.py [--seconds 8] [--rounds 2] [--conns 1]
 """
@@ -81,7 +81,7 @@ def main() -> None:
         try:
             targets = []
             for who, port, pid, rh in (
-                ("extproc", stack.extproc_port, stack._procs["extproc"].pid, "auto"),
+                ("extproc", stack.extproc_port, stack._procs["extproc"].pid, "skip"),
                 ("floor", floor_port, floor.pid, "send"),
             ):
                 doc = picker_doc(port, "FULL_DUPLEX_STREAMED", tls=True, response_headers=rh)

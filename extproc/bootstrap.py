@@ -72,11 +72,14 @@ class BootstrapOptions:
     extproc_streams_per_connection: int = 100
     # How the request body reaches the picker (docs/gateways.md, "The cheapest exchange").
     request_body_mode: BodyMode = "FULL_DUPLEX_STREAMED"
-    # Whether Envoy sends the response headers to the picker. `auto`: skipped when the
-    # access log reports each request's end, explanations are off and the request has one
-    # possible address (`skips_response_headers`); `send` keeps the phase for response
-    # headers the picker adds (session tokens, predicted TTFT): docs/gateways.md.
-    response_headers: ResponseHeaders = "auto"
+    # Whether Envoy sends the response headers to the picker (docs/gateways.md, "The
+    # cheapest exchange"). `send` (default) keeps the phase: response headers the picker
+    # adds (session tokens, predicted TTFT), flow control's admission and eviction window
+    # (both end with the ext_proc stream). `auto`: skipped when the access log reports each
+    # request's end, explanations are off and the request has one possible address
+    # (`skips_response_headers`); `skip`: always. Opt-in: the config cannot see the
+    # picker's profile.
+    response_headers: ResponseHeaders = "send"
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:

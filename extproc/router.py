@@ -108,6 +108,9 @@ class RouterStats:
     # Decisions whose response headers (session token, predicted TTFT) never reached the
     # client: the proxy skipped the response-header phase (envoy-config --response-headers).
     response_headers_unsent: int = 0
+    # Flow-control tickets released at a stream that ended without response headers: the
+    # admission slot and the eviction window closed at the decision, not at the response.
+    admissions_without_response: int = 0
 
 
 class Router:
@@ -149,6 +152,7 @@ class Router:
         self._on_placed = on_placed
         self.ends = ends
         self._unsent_warned = -1e9  # last warning about unsent response headers
+        self._admission_warned = -1e9  # last warning about flow control without them
         self.speeds = speeds
         set_capacity = getattr(index, "set_capacity", None)
         self._capacity = (
@@ -374,6 +378,18 @@ class Router:
         if then is not None:
             then(entry)
 
+    def _admission_unseen(self) -> None:
+        self.stats.admissions_without_response += 1
+        now = time.monotonic()
+        if now - self._admission_warned > 60.0:
+            self._admission_warned = now
+            log.warning(
+                "flow control with a stream that ended before the response headers: if the "
+                "proxy skips that phase, admission slots and eviction end at the decision; "
+                "generate its config with `extproc envoy-config --response-headers send`",
+                extra={"total": self.stats.admissions_without_response},
+            )
+
     def _count_unsent(self, names: tuple[str, ...]) -> None:
         self.stats.response_headers_unsent += 1
         now = time.monotonic()
@@ -404,4 +420,6 @@ class Router:
             if then is not None:
                 then(None)
         if routed.ticket is not None and self.admission is not None:
+            if not responded:
+                self._admission_unseen()
             self.admission.release(routed.ticket)

@@ -108,6 +108,12 @@ ROUTER = StatsFamilies(
             "the client: the proxy skips the response-header phase (envoy-config "
             "--response-headers send keeps it).",
         ),
+        "admissions_without_response": Stat(
+            "extproc_admissions_without_response",
+            "Flow-control tickets released at a stream that ended before the response headers "
+            "(client gone, or the proxy skips that phase: admission and eviction then end at "
+            "the decision).",
+        ),
     },
 )
 

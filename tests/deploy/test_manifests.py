@@ -420,8 +420,7 @@ def test_envoyfilter_mirrors_the_bootstrap_filters_and_cluster() -> None:
     assert ef["apiVersion"] == "networking.istio.io/v1alpha3"
     patches = ef["spec"]["configPatches"]
     filters = [p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_FILTER"]
-    # No access log in the Istio overlay: the picker keeps the response-header phase.
-    boot = build_bootstrap(BootstrapOptions(access_log=False))["static_resources"]
+    boot = build_bootstrap(BootstrapOptions())["static_resources"]
     hcm = boot["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     want = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.router"]
     grpc = filters[1]["typed_config"]["grpc_service"]["envoy_grpc"]

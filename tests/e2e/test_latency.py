@@ -10,13 +10,11 @@ import asyncio
 import re
 import statistics
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
-from extproc.bootstrap import build_bootstrap
 from extproc.sim.workload import WorkloadSpec, arrival_offsets, build_workload, run_open_loop
 from extproc.stack import Stack, StackOptions
 
@@ -47,14 +45,7 @@ SIM_ARGS = ("--fast", "1", "--prefill-tps", "20000", "--decode-tps", "200")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     cfg: Path = tmp_path_factory.mktemp("latency") / "picker.yaml"
     cfg.write_text(CONFIG)
-    # The predicted TTFT rides on the response headers: Envoy must send them to the picker
-    # (`envoy-config --response-headers send`; auto skips that phase).
-    opts = StackOptions(
-        upstreams=3,
-        sim_args=SIM_ARGS,
-        extproc_args=("--config", str(cfg)),
-        bootstrap=lambda o: build_bootstrap(replace(o, response_headers="send")),
-    )
+    opts = StackOptions(upstreams=3, sim_args=SIM_ARGS, extproc_args=("--config", str(cfg)))
     with Stack(opts) as s:
         yield s
 

@@ -1,8 +1,9 @@
-"""Issue 17: where the access log reports each request's end, `extproc envoy-config` leaves the
-response-header phase out, and a real Envoy then sends the picker two messages per request
-instead of three. What the phase told the picker comes from the access-log entry instead:
-the request end (in-flight counts), the status and body size (llm-d's request families) and,
-where a fallback served the request, the served endpoint (the index follows it)."""
+"""Issue 17: where the access log reports each request's end, `extproc envoy-config
+--response-headers auto` leaves the response-header phase out, and a real Envoy then sends
+the picker one message fewer per request. What the phase told the picker comes from the
+access-log entry instead: the request end (in-flight counts), the status and body size
+(llm-d's request families) and, where a fallback served the request, the served endpoint
+(the index follows it)."""
 
 from __future__ import annotations
 
@@ -61,18 +62,18 @@ def run_requests(stack: Stack, c: httpx.Client) -> int:
     return stack.envoy_stats(SENT).get(SENT, 0) - sent0
 
 
-def test_default_config_skips_response_headers_and_the_access_log_stands_in():
+def test_auto_skips_response_headers_and_the_access_log_stands_in():
     n = N
-    send = StackOptions(
-        upstreams=1, bootstrap=lambda o: build_bootstrap(replace(o, response_headers="send"))
-    )
-    with Stack(send) as stack, httpx.Client(base_url=stack.url, timeout=30) as c:
-        assert processing_mode(stack)["response_header_mode"] == "SEND"
-        sent_with_phase = run_requests(stack, c)
     with (
-        Stack(StackOptions(upstreams=1)) as stack,
+        Stack(StackOptions(upstreams=1)) as stack,  # the default config keeps the phase
         httpx.Client(base_url=stack.url, timeout=30) as c,
     ):
+        assert processing_mode(stack)["response_header_mode"] == "SEND"
+        sent_with_phase = run_requests(stack, c)
+    auto = StackOptions(
+        upstreams=1, bootstrap=lambda o: build_bootstrap(replace(o, response_headers="auto"))
+    )
+    with Stack(auto) as stack, httpx.Client(base_url=stack.url, timeout=30) as c:
         assert processing_mode(stack)["response_header_mode"] == "SKIP"
         sizes0 = total(stack, "inference_objective_response_sizes_count")
         ended0 = total(stack, "extproc_request_end_ended_total")
