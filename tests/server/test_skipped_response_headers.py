@@ -99,3 +99,28 @@ async def test_unsent_decision_response_headers_are_counted_and_logged(app: App,
     assert router.stats.response_headers_unsent == 1
     assert metric(app, "extproc_response_headers_unsent_total") == 1
     assert any("x-session-token" in r.getMessage() for r in caplog.records)
+
+
+async def test_flow_control_without_response_headers_is_logged_and_counted(app: App, caplog):
+    router = app.router
+
+    class Admission:  # stands in for flow control: only the release matters here
+        def __init__(self) -> None:
+            self.released: list[object] = []
+
+        def release(self, ticket) -> None:
+            self.released.append(ticket)
+
+    headers = post("/v1/chat/completions", {"x-request-id": "r4"})
+    routed = await router.route("/v1/chat/completions", headers, CHAT)
+    admission = Admission()
+    router.admission = admission  # type: ignore[assignment]
+    ticket = object()
+    routed = dataclasses.replace(routed, ticket=ticket)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="extproc.router"):
+        router.finish(routed, responded=False)
+    assert admission.released == [ticket]
+    assert router.stats.admissions_without_response == 1
+    assert metric(app, "extproc_admissions_without_response_total") == 1
+    assert any("--response-headers send" in r.getMessage() for r in caplog.records)
+    router.admission = None
