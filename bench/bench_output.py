@@ -1,7 +1,8 @@
 """Does the picker's CPU grow with output length? Streamed completions of 100 and of 10,000
 tokens through Envoy and `extproc serve` to simulated vLLM servers, interleaved round by
 round, against the picker's background CPU (scraping, health checks) measured idle in the
-same run.
+same run, idle and while engines stream replies sent to them directly (a busy engine's
+metrics change every scrape, so scraping it costs more than an idle one).
 
 Per request: gross CPU (the picker's on-CPU time over the round / requests) and net CPU
 (gross minus the background rate times the round's wall time). The picker asks Envoy for no
@@ -54,10 +55,12 @@ def main() -> None:
     sim = ("--decode-tps", str(args.decode_tps), "--max-model-len", "32768")
     extra = ("--config", args.config) if args.config else ()
     opts = StackOptions(upstreams=args.endpoints, sim_args=sim, extproc_args=extra)
-    plan = {100: 20, 10_000: 2}  # requests per round of each length
+    plan = {100: 40, 10_000: 2}  # requests per round of each length
     gross: dict[int, list[float]] = {t: [] for t in plan}
     net: dict[int, list[float]] = {t: [] for t in plan}
+    net_busy: list[float] = []  # 10k-token requests net of the busy background
     idle: list[float] = []
+    busy: list[float] = []
     n = 0
     with Stack(opts) as stack, httpx.Client(timeout=120) as client:
         pid = stack._procs["extproc"].pid
@@ -68,6 +71,16 @@ def main() -> None:
             time.sleep(args.idle_s)
             rate = (cpu_seconds(pid) - c0) / (time.perf_counter() - t0)
             idle.append(rate)
+            # Busy background: the same 10k-token streams sent to the engines directly (not
+            # through Envoy), so the picker does no request work while its scrapes see busy
+            # engines whose metrics change every time.
+            c0, t0 = cpu_seconds(pid), time.perf_counter()
+            for i in range(plan[10_000]):
+                n += 1
+                upstream = stack.upstream_addresses[i % len(stack.upstream_addresses)]
+                stream_one(client, f"http://{upstream}", model, 10_000, n)
+            busy_wall = time.perf_counter() - t0
+            busy.append((cpu_seconds(pid) - c0) / busy_wall)
             for tokens, count in plan.items():
                 c0, t0 = cpu_seconds(pid), time.perf_counter()
                 for _ in range(count):
@@ -76,10 +89,14 @@ def main() -> None:
                 cpu, wall = cpu_seconds(pid) - c0, time.perf_counter() - t0
                 gross[tokens].append(cpu / count * 1e3)
                 net[tokens].append((cpu - rate * wall) / count * 1e3)
+                if tokens == 10_000:
+                    net_busy.append((cpu - busy[-1] * wall) / count * 1e3)
     bg = statistics.median(idle)
     print(
         f"background: {bg * 1e3:.1f} ms CPU/s for {args.endpoints} endpoints "
-        f"({bg * 1e3 / args.endpoints:.1f} ms per endpoint per second)"
+        f"({bg * 1e3 / args.endpoints:.1f} ms per endpoint per second); with one engine "
+        f"busy: {statistics.median(busy) * 1e3:.1f} ms CPU/s "
+        f"(rounds: {', '.join(f'{x * 1e3:.1f}' for x in busy)})"
     )
     print("| output tokens | gross CPU ms/req | net CPU ms/req (rounds) |")
     print("|---|---|---|")
@@ -89,7 +106,11 @@ def main() -> None:
         print(f"| {tokens:,} | {g:.2f} | {m:.2f} ({rounds}) |")
     g = statistics.median(gross[10_000]) / statistics.median(gross[100])
     m = statistics.median(net[10_000]) / statistics.median(net[100])
-    print(f"ratio 10k/100: gross {g:.2f}x, net of background {m:.2f}x")
+    b = statistics.median(net_busy) / statistics.median(net[100])
+    print(
+        f"ratio 10k/100: gross {g:.2f}x, net of background {m:.2f}x, 10k net of the busy "
+        f"background {b:.2f}x (10k net ms/req: {', '.join(f'{x:.2f}' for x in net_busy)})"
+    )
 
 
 if __name__ == "__main__":

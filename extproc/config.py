@@ -349,6 +349,10 @@ def apply_plumbing(settings: Settings, plumbing: Plumbing, ex: Examined) -> Sett
             changes["path"] = plumbing.scrape_path
         if plumbing.scrape_interval_s:
             changes["interval_s"] = plumbing.scrape_interval_s
+        if plumbing.scrape_tls_verify is not None:
+            changes["tls_verify"] = plumbing.scrape_tls_verify
+        if plumbing.scrape_tls_ca_file:
+            changes["tls_ca_file"] = plumbing.scrape_tls_ca_file
         if changes:
             state = msgspec.structs.replace(
                 state, scrape=msgspec.structs.replace(state.scrape, **changes)
@@ -360,6 +364,7 @@ def apply_plumbing(settings: Settings, plumbing: Plumbing, ex: Examined) -> Sett
             ("path", plumbing.dcgm_path),
             ("port", plumbing.dcgm_port),
             ("interval_s", plumbing.dcgm_interval_s),
+            ("tls_verify", plumbing.dcgm_tls_verify),
         ):
             if value is not None:
                 dcgm[key] = value

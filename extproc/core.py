@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import msgspec
+
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 _EMPTY_FLOATS: Mapping[str, float] = MappingProxyType({})
 
@@ -54,16 +56,19 @@ class MediaItem:
     height: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Part:
-    """One piece of a message, in reading order: text, or a media item (then `text` is "")."""
+class Part(msgspec.Struct, frozen=True, gc=False):
+    """One piece of a message, in reading order: text, or a media item (then `text` is "").
+
+    Part and Message are msgspec Structs, not dataclasses: a long conversation builds
+    hundreds of them per request, and a frozen dataclass costs ~1 µs each to build (a
+    Struct ~0.1 µs). Untracked by the cycle collector (`gc=False`): they hold only strings,
+    bytes, tuples and media items, never themselves."""
 
     text: str = ""
     media: MediaItem | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
+class Message(msgspec.Struct, frozen=True, gc=False):
     """One conversation turn, whatever API it came from (Anthropic and Responses inputs are
     mapped onto chat roles). `tool_calls` holds the raw JSON text of each call the assistant
     made; `tool_call_id` is set on tool results."""

@@ -21,6 +21,7 @@ from typing import Annotated, Literal
 import aiohttp
 import msgspec
 
+from extproc.endpoints.fetcher import tls_context
 from extproc.endpoints.pool import EndpointPool
 from extproc.endpoints.state import EndpointStates
 
@@ -40,6 +41,11 @@ class DCGMSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     port: Annotated[int, msgspec.Meta(gt=0, le=65535)] = 9400
     interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    # https only: verify the exporter's certificate (against `tls_ca_file`, else the system
+    # CAs). Off by default, like metric scrapes and llm-d's `insecureSkipVerify: true`: an
+    # exporter serves its own certificate.
+    tls_verify: bool = False
+    tls_ca_file: str | None = None
 
 
 def gpu_utilization(body: bytes, pod: str) -> float | None:
@@ -91,7 +97,12 @@ class DCGMScraper:
 
     async def run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self._s.timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as http, asyncio.TaskGroup() as tasks:
+        tls = tls_context(self._s.tls_verify, self._s.tls_ca_file)
+        connector = aiohttp.TCPConnector(ssl=tls)
+        async with (
+            aiohttp.ClientSession(timeout=timeout, connector=connector) as http,
+            asyncio.TaskGroup() as tasks,
+        ):
             while True:
                 endpoints = self._pool.snapshot()
                 self._states.retain({e.address for e in endpoints})

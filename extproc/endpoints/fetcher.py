@@ -11,7 +11,8 @@ writes the prebuilt request on its connection and an `asyncio.Protocol` collects
 What it accepts: `200` with `Content-Length`, chunked, or close-delimited bodies, up to
 `max_body_bytes`; anything else (another status, a redirect, an encoding we did not ask
 for, a malformed head) is a `FetchError`. After any failure or cancellation the connection
-is dropped, so a half-read answer can never be taken for the next one.
+is dropped, so a half-read answer can never be taken for the next one. `https` runs the
+same exchange over TLS (`tls_context`).
 """
 
 from __future__ import annotations
@@ -174,6 +175,18 @@ class _Answer(asyncio.Protocol):
             self.transport.close()
 
 
+def tls_context(verify: bool, ca_file: str | None = None) -> ssl.SSLContext:
+    """The client context of an https scrape. Unverified by default, as llm-d's scraper
+    (`insecureSkipVerify` defaults to true): model servers mostly serve self-signed
+    certificates made at start, and their metrics are not secrets. `verify` checks the
+    chain (against `ca_file`, else the system's CAs) and the endpoint's address."""
+    ctx = ssl.create_default_context(cafile=ca_file)
+    if not verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 class MetricsFetcher:
     """GETs `path` from `address` (`host:port`) on one kept-alive connection. One fetch at a
     time (the scrape loop never overlaps two on one endpoint); bound each call with a
@@ -186,13 +199,13 @@ class MetricsFetcher:
         *,
         scheme: Literal["http", "https"] = "http",
         max_body_bytes: int = 16 << 20,
+        tls_verify: bool = False,
+        tls_ca_file: str | None = None,
     ) -> None:
         host, _, port = address.rpartition(":")
         self._host = host.strip("[]")
         self._port = int(port)
-        self._ssl: ssl.SSLContext | None = (
-            ssl.create_default_context() if scheme == "https" else None
-        )
+        self._ssl = tls_context(tls_verify, tls_ca_file) if scheme == "https" else None
         self._max_body = max_body_bytes
         self._request = (
             f"GET {path} HTTP/1.1\r\nHost: {address}\r\nUser-Agent: extproc\r\n"

@@ -52,6 +52,10 @@ class ScrapeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scheme: Literal["http", "https"] = "http"
     max_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     max_body_bytes: Annotated[int, msgspec.Meta(gt=0)] = 16 << 20
+    # https only: verify the server's certificate (against `tls_ca_file`, else the system
+    # CAs) and address. Off by default, as in llm-d (`insecureSkipVerify: true`).
+    tls_verify: bool = False
+    tls_ca_file: str | None = None
 
 
 @dataclass(slots=True)
@@ -165,7 +169,14 @@ class MetricsScraper:
         for gone in self._health.keys() - addresses:
             self._health.pop(gone).fetcher.close()
         for new in addresses - self._health.keys():
-            fetcher = MetricsFetcher(new, s.path, scheme=s.scheme, max_body_bytes=s.max_body_bytes)
+            fetcher = MetricsFetcher(
+                new,
+                s.path,
+                scheme=s.scheme,
+                max_body_bytes=s.max_body_bytes,
+                tls_verify=s.tls_verify,
+                tls_ca_file=s.tls_ca_file,
+            )
             self._health[new] = _Health(fetcher)
         self._states.retain(addresses)
 

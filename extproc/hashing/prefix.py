@@ -44,45 +44,29 @@ def placeholder(digest: bytes, tokens: int, bytes_per_token: int) -> bytes:
     return (digest * (size // len(digest) + 1))[:size]
 
 
-class _Stream:
-    """Collects pieces until `limit` bytes; later pieces are dropped, as no block past the
-    cap is ever hashed."""
-
-    __slots__ = ("limit", "pieces", "size")
-
-    def __init__(self, limit: int) -> None:
-        self.pieces: list[bytes] = []
-        self.size = 0
-        self.limit = limit
-
-    def add(self, piece: bytes) -> bool:
-        """Appends `piece`; False once the stream is full."""
-        if self.size >= self.limit:
-            return False
-        self.pieces.append(piece)
-        self.size += len(piece)
-        return True
-
-
 def canonical_stream(prompt: Prompt, bytes_per_token: int, limit_bytes: int) -> bytes:
     """The first `limit_bytes` bytes of the prompt's canonical byte stream."""
-    out = _Stream(limit_bytes)
+    pieces: list[bytes] = []
+    size = 0
     for tool in prompt.tools:
-        if not (out.add(_TOOL) and out.add(tool)):
+        if size >= limit_bytes:
             break
+        pieces += (_TOOL, tool)
+        size += 2 + len(tool)
     if prompt.completion is not None:
         c = prompt.completion
         if isinstance(c, str):
-            out.add(_encode_head(c, limit_bytes))
+            pieces.append(_encode_head(c, limit_bytes))
         else:
-            out.add(_IDS)
+            pieces.append(_IDS)
             # Token ids weigh 4 bytes each, the same as a text token at the default width.
             n = min(len(c), limit_bytes // 4 + 1)
-            out.add(struct.pack(f"<{n}I", *c[:n]))
+            pieces.append(struct.pack(f"<{n}I", *c[:n]))
     for message in prompt.messages:
-        if not _add_message(out, message, bytes_per_token):
+        size = _add_message(pieces, size, limit_bytes, message, bytes_per_token)
+        if size >= limit_bytes:
             break
-    stream = b"".join(out.pieces)
+    stream = b"".join(pieces)
     return stream if len(stream) <= limit_bytes else stream[:limit_bytes]
 
 
@@ -94,37 +78,53 @@ def _encode_head(text: str, room_bytes: int) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
-def _add_message(out: _Stream, m: Message, bytes_per_token: int) -> bool:
-    add = out.add
-    add(_ROLE)
-    add(m.role.encode("utf-8", "surrogatepass"))
-    add(_END)
+def _add_message(pieces: list[bytes], size: int, limit: int, m: Message, bpt: int) -> int:
+    """Appends `m`'s pieces; returns the stream's size after them. Called per turn of a
+    long conversation, so the pieces go straight onto the list (no call per piece); a
+    piece that starts past `limit` is left out, as no block past the cap is hashed."""
+    role = m.role.encode("utf-8", "surrogatepass")
+    pieces += (_ROLE, role, _END)
+    size += 3 + len(role)
     if m.name is not None:
-        add(_NAME)
-        add(m.name.encode("utf-8", "surrogatepass"))
-        add(_END)
+        name = m.name.encode("utf-8", "surrogatepass")
+        pieces += (_NAME, name, _END)
+        size += 3 + len(name)
     if m.tool_call_id is not None:
-        add(_CALL_ID)
-        add(m.tool_call_id.encode("utf-8", "surrogatepass"))
-        add(_END)
+        call_id = m.tool_call_id.encode("utf-8", "surrogatepass")
+        pieces += (_CALL_ID, call_id, _END)
+        size += 3 + len(call_id)
     previous_text = False
     for part in m.parts:
+        if size >= limit:
+            return size
         if part.media is None:
             if previous_text:
-                add(_PART_SEP)
-            add(_encode_head(part.text, out.limit - out.size))
+                pieces.append(_PART_SEP)
+                size += 1
+                if size >= limit:
+                    return size
+            text = _encode_head(part.text, limit - size)
+            pieces.append(text)
+            size += len(text)
             previous_text = True
         else:
             digest = bytes.fromhex(part.media.content_hash)
             # Clip to the room left: a 16k-token video must not build 64 KB past the cap.
-            room = max(out.limit - out.size, 0) // bytes_per_token + 1
-            add(_MEDIA)
-            add(placeholder(digest, min(part.media.tokens, room), bytes_per_token))
+            room = (limit - size) // bpt + 1
+            pieces.append(_MEDIA)
+            size += 2
+            if size >= limit:
+                return size
+            unit = placeholder(digest, min(part.media.tokens, room), bpt)
+            pieces.append(unit)
+            size += len(unit)
             previous_text = False
     for call in m.tool_calls:
-        add(_CALL)
-        add(call)
-    return out.size < out.limit
+        if size >= limit:
+            return size
+        pieces += (_CALL, call)
+        size += 2 + len(call)
+    return size
 
 
 def block_keys(stream: bytes, block_bytes: int, seed: int) -> tuple[int, ...]:

@@ -152,6 +152,11 @@ class MemoryKVIndex:
         run is written with one C-level `dict.update`. A 1,500-block new chain costs two
         passes over the keys at C speed instead of a sort and a tuple per block."""
         blocks = self._blocks
+        if deadline is not None and blocks.keys().isdisjoint(keys):
+            # A new chain (the common case of a long new prompt): one pass to check, one
+            # to write, no per-run bookkeeping.
+            blocks.update(zip(keys, repeat(((tag, deadline),))))
+            return
         olds = list(map(blocks.get, keys))
         start = 0
         # groupby compares identity first, so a run of one shared tuple is cheap to find.

@@ -11,51 +11,53 @@ from extproc.core import MediaItem, Message, Part, Prompt
 from extproc.requests.media import MediaResolver, decode_base64
 
 
-class _Base64Source(msgspec.Struct, frozen=True, tag_field="type", tag="base64"):
+class _Base64Source(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="base64"):
     data: str
     media_type: str = ""
 
 
-class _UrlSource(msgspec.Struct, frozen=True, tag_field="type", tag="url"):
+class _UrlSource(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="url"):
     url: str
 
 
-class _Text(msgspec.Struct, frozen=True, tag_field="type", tag="text"):
+class _Text(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="text"):
     text: str
 
 
-class _Image(msgspec.Struct, frozen=True, tag_field="type", tag="image"):
+class _Image(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="image"):
     source: _Base64Source | _UrlSource
 
 
-class _ToolUse(msgspec.Struct, frozen=True, tag_field="type", tag="tool_use"):
+class _ToolUse(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="tool_use"):
     id: str
     name: str
     input: msgspec.Raw
 
 
-class _ToolResult(msgspec.Struct, frozen=True, tag_field="type", tag="tool_result"):
+class _ToolResult(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="tool_result"):
     tool_use_id: str
     content: str | list[_Text | _Image] | None = None
 
 
-class _Thinking(msgspec.Struct, frozen=True, tag_field="type", tag="thinking"):
+class _Thinking(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="thinking"):
     thinking: str
 
 
-class _RedactedThinking(msgspec.Struct, frozen=True, tag_field="type", tag="redacted_thinking"):
+class _RedactedThinking(
+    msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="redacted_thinking"
+):
     data: str
 
 
 _Block = _Text | _Image | _ToolUse | _ToolResult | _Thinking | _RedactedThinking
 
 
-class _Message(msgspec.Struct, frozen=True):
+class _Message(msgspec.Struct, frozen=True, gc=False):
     role: str
     content: str | list[_Block]
 
 
-class MessagesRequest(msgspec.Struct, frozen=True):
+class MessagesRequest(msgspec.Struct, frozen=True, gc=False):
     model: str
     messages: list[_Message]
     system: str | list[_Text] | None = None

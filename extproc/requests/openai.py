@@ -1,7 +1,9 @@
 """OpenAI-style bodies (completions, chat completions, responses, embeddings) -> `Prompt`.
 
 The structs declare only what routing reads; every other field is skipped by the decoder
-without being built. Unknown content-part types fail the tagged unions: a 400.
+without being built. Unknown content-part types fail the tagged unions: a 400. They are
+untracked by the cycle collector (`gc=False`: decoded JSON holds no cycles), so a 200-turn
+body adds nothing for the collector to walk.
 """
 
 from __future__ import annotations
@@ -17,43 +19,43 @@ from extproc.requests.media import MediaResolver, decode_base64
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 
 
-class _Url(msgspec.Struct, frozen=True):
+class _Url(msgspec.Struct, frozen=True, gc=False):
     url: str
 
 
-class _InputAudio(msgspec.Struct, frozen=True):
+class _InputAudio(msgspec.Struct, frozen=True, gc=False):
     data: str
     format: str = "wav"
 
 
-class _Text(msgspec.Struct, frozen=True, tag_field="type", tag="text"):
+class _Text(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="text"):
     text: str
 
 
-class _ImageUrl(msgspec.Struct, frozen=True, tag_field="type", tag="image_url"):
+class _ImageUrl(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="image_url"):
     image_url: str | _Url
 
 
-class _InputAudioPart(msgspec.Struct, frozen=True, tag_field="type", tag="input_audio"):
+class _InputAudioPart(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="input_audio"):
     input_audio: _InputAudio
 
 
-class _AudioUrl(msgspec.Struct, frozen=True, tag_field="type", tag="audio_url"):
+class _AudioUrl(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="audio_url"):
     audio_url: str | _Url
 
 
-class _VideoUrl(msgspec.Struct, frozen=True, tag_field="type", tag="video_url"):
+class _VideoUrl(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="video_url"):
     video_url: str | _Url
 
 
-class _Refusal(msgspec.Struct, frozen=True, tag_field="type", tag="refusal"):
+class _Refusal(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="refusal"):
     refusal: str
 
 
 _ChatPart = _Text | _ImageUrl | _InputAudioPart | _AudioUrl | _VideoUrl | _Refusal
 
 
-class _ChatMessage(msgspec.Struct, frozen=True):
+class _ChatMessage(msgspec.Struct, frozen=True, gc=False):
     role: str
     content: str | list[_ChatPart] | None = None
     name: str | None = None
@@ -61,7 +63,7 @@ class _ChatMessage(msgspec.Struct, frozen=True):
     tool_call_id: str | None = None
 
 
-class ChatRequest(msgspec.Struct, frozen=True):
+class ChatRequest(msgspec.Struct, frozen=True, gc=False):
     model: str
     messages: list[_ChatMessage]
     tools: list[msgspec.Raw] | None = None
@@ -73,7 +75,7 @@ class ChatRequest(msgspec.Struct, frozen=True):
     continue_final_message: bool | None = None
 
 
-class CompletionsRequest(msgspec.Struct, frozen=True):
+class CompletionsRequest(msgspec.Struct, frozen=True, gc=False):
     model: str
     prompt: msgspec.Raw
     stream: bool | None = None
@@ -81,31 +83,31 @@ class CompletionsRequest(msgspec.Struct, frozen=True):
     add_special_tokens: bool | None = None
 
 
-class EmbeddingsRequest(msgspec.Struct, frozen=True):
+class EmbeddingsRequest(msgspec.Struct, frozen=True, gc=False):
     model: str
     input: msgspec.Raw
     cache_salt: str | None = None
     stream: bool | None = None
 
 
-class _InputText(msgspec.Struct, frozen=True, tag_field="type", tag="input_text"):
+class _InputText(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="input_text"):
     text: str
 
 
-class _OutputText(msgspec.Struct, frozen=True, tag_field="type", tag="output_text"):
+class _OutputText(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="output_text"):
     text: str
 
 
-class _ReasoningText(msgspec.Struct, frozen=True, tag_field="type", tag="reasoning_text"):
+class _ReasoningText(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="reasoning_text"):
     text: str
 
 
-class _InputImage(msgspec.Struct, frozen=True, tag_field="type", tag="input_image"):
+class _InputImage(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="input_image"):
     image_url: str | None = None
     file_id: str | None = None
 
 
-class _ResponsesAudio(msgspec.Struct, frozen=True, tag_field="type", tag="input_audio"):
+class _ResponsesAudio(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="input_audio"):
     input_audio: _InputAudio
 
 
@@ -114,7 +116,7 @@ _ResponsesPart = (
 )
 
 
-class _ResponsesItem(msgspec.Struct, frozen=True):
+class _ResponsesItem(msgspec.Struct, frozen=True, gc=False):
     type: str = "message"
     role: str | None = None
     content: str | list[_ResponsesPart] | None = None
@@ -124,7 +126,7 @@ class _ResponsesItem(msgspec.Struct, frozen=True):
     output: str | list[_ResponsesPart] | None = None
 
 
-class ResponsesRequest(msgspec.Struct, frozen=True):
+class ResponsesRequest(msgspec.Struct, frozen=True, gc=False):
     model: str
     input: str | list[_ResponsesItem] | None = None
     instructions: str | None = None

@@ -178,11 +178,19 @@ def estimate_prompt_tokens(prompt: Prompt, settings: ParseSettings) -> int:
     processes each), tool JSON by its bytes, plus a fixed overhead per turn."""
     bpt = settings.bytes_per_token
     total = sum(-(-len(t) // bpt) for t in prompt.tools)
+    total += settings.message_overhead_tokens * len(prompt.messages)
+    # Once per turn of conversations hundreds of turns long: ASCII text inline, no
+    # generator unless the turn has tool calls.
     for m in prompt.messages:
-        total += settings.message_overhead_tokens
         for p in m.parts:
-            total += text_tokens(p.text, bpt) if p.media is None else p.media.tokens
-        total += sum(-(-len(c) // bpt) for c in m.tool_calls)
+            if p.media is not None:
+                total += p.media.tokens
+            elif p.text.isascii():
+                total += -(-len(p.text) // bpt)
+            else:
+                total += text_tokens(p.text, bpt)
+        if m.tool_calls:
+            total += sum(-(-len(c) // bpt) for c in m.tool_calls)
     return total
 
 

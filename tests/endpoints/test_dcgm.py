@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
+from pathlib import Path
 
+import pytest
 from aiohttp import web
 
 from extproc.core import Endpoint
 from extproc.endpoints.dcgm import ATTRIBUTE, DCGMScraper, DCGMSettings, gpu_utilization
 from extproc.endpoints.pool import EndpointPool
 from extproc.endpoints.state import EndpointStates
+from extproc.server.tls import self_signed
 
 PAGE = b"""\
 # HELP DCGM_FI_DEV_GPU_UTIL GPU utilization (in %).
@@ -65,6 +69,61 @@ async def test_poller_puts_the_attribute_in_state_and_removes_it_when_the_export
         pages["status"] = 500
         await until(lambda: ATTRIBUTE not in states.state("127.0.0.1:8001").attributes)
         assert poller.stats.failures > 0
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await runner.cleanup()
+
+
+async def _until(check, tries: int = 250) -> None:
+    for _ in range(tries):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+@pytest.mark.parametrize("verify", ["off", "system CAs", "its CA file"])
+async def test_https_polls_of_an_exporter_with_its_own_certificate(tmp_path: Path, verify: str):
+    # The exporter serves a self-signed certificate, as DCGM exporters started with TLS do.
+    # Polls do not verify by default (llm-d's insecureSkipVerify defaults to true); with
+    # verification on, the system CAs refuse it and its own certificate file admits it.
+    pair = self_signed()
+    (tmp_path / "cert.pem").write_bytes(pair.cert_pem)
+    (tmp_path / "key.pem").write_bytes(pair.key_pem)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+
+    async def handle(_: web.Request) -> web.Response:
+        return web.Response(body=PAGE)
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ctx)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    states = EndpointStates()
+    pool = EndpointPool([Endpoint("127.0.0.1:8001", name="pod-a")])
+    settings = DCGMSettings(
+        scheme="https",
+        port=port,
+        interval_s=0.02,
+        tls_verify=verify != "off",
+        tls_ca_file=str(tmp_path / "cert.pem") if verify == "its CA file" else None,
+    )
+    poller = DCGMScraper(pool, states, settings)
+    task = asyncio.create_task(poller.run())
+    try:
+        if verify == "system CAs":
+            await _until(lambda: poller.stats.failures >= 3)
+            assert ATTRIBUTE not in states.state("127.0.0.1:8001").attributes
+        else:
+            await _until(lambda: ATTRIBUTE in states.state("127.0.0.1:8001").attributes)
+            assert states.state("127.0.0.1:8001").attributes[ATTRIBUTE] == 0.8
+            assert poller.stats.failures == 0
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

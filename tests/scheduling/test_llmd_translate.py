@@ -270,6 +270,32 @@ def test_mapped_plugins_turn_on_extprocs_machinery(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("parameters", "verify", "ca_file"),
+    [
+        ({}, False, None),
+        ({"insecureSkipVerify": True}, False, None),
+        ({"insecureSkipVerify": False, "caCertPath": "/etc/ca.pem"}, True, "/etc/ca.pem"),
+    ],
+)
+def test_tls_verification_follows_insecure_skip_verify(parameters, verify, ca_file):
+    # llm-d's default is not to verify; asking for verification must not be dropped.
+    d = doc()
+    d["plugins"] += [
+        {"type": "metrics-data-source", "parameters": {"scheme": "https", **parameters}},
+        {"type": "dcgm-data-source", "parameters": {"scheme": "https", **parameters}},
+    ]
+    d["plugins"][-1]["parameters"].pop("caCertPath", None)  # not a dcgm-data-source field
+    ex = examine(d)
+    s = ex.settings
+    assert s is not None and s.state.scrape is not None and s.state.dcgm is not None
+    assert (s.state.scrape.tls_verify, s.state.scrape.tls_ca_file) == (verify, ca_file)
+    assert s.state.dcgm.tls_verify is verify
+    assert ex.translation is not None
+    notes = [n for r in ex.translation.realised for n in r.notes]
+    assert not [n for n in notes if "insecureSkipVerify" in n or "caCertPath" in n]
+
+
 def test_mapped_plugin_parameters_are_strict():
     d = doc()
     d["plugins"].append({"type": "metrics-data-source", "parameters": {"intervall": "1s"}})

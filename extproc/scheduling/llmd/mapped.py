@@ -39,6 +39,10 @@ class Plumbing:
     dcgm_path: str | None = None
     dcgm_port: int | None = None
     dcgm_interval_s: float | None = None
+    # llm-d's insecureSkipVerify, inverted (None: not set, the unverified default stays).
+    scrape_tls_verify: bool | None = None
+    scrape_tls_ca_file: str | None = None
+    dcgm_tls_verify: bool | None = None
 
     def merge(self, other: Plumbing) -> Plumbing:
         """`other`'s set fields over ours; precise beats approximate (a precise producer and
@@ -132,13 +136,24 @@ def _metrics_source(p: MetricsSourceParams) -> tuple[Plumbing, list[str]]:
         p,
         {
             "port": "metrics are scraped on each endpoint's serving port",
-            "insecureSkipVerify": "https scrapes do not verify certificates",
-            "caCertPath": "scrape TLS client settings are not implemented",
-            "clientCertPath": "scrape TLS client settings are not implemented",
-            "clientKeyPath": "scrape TLS client settings are not implemented",
+            "clientCertPath": "scrapes present no client certificate",
+            "clientKeyPath": "scrapes present no client certificate",
         },
     )
-    return Plumbing(scrape_scheme=p.scheme, scrape_path=p.path, scrape_interval_s=interval), notes
+    return (
+        Plumbing(
+            scrape_scheme=p.scheme,
+            scrape_path=p.path,
+            scrape_interval_s=interval,
+            scrape_tls_verify=_verify(p.insecureSkipVerify),
+            scrape_tls_ca_file=p.caCertPath,
+        ),
+        notes,
+    )
+
+
+def _verify(insecure_skip_verify: bool | None) -> bool | None:
+    return None if insecure_skip_verify is None else not insecure_skip_verify
 
 
 class MetricsExtractorParams(_P, frozen=True):
@@ -359,7 +374,6 @@ def _dcgm(p: DCGMSourceParams) -> tuple[Plumbing, list[str]]:
     notes = _ignored(
         p,
         {
-            "insecureSkipVerify": "https polls do not verify certificates",
             "useNodeAddress": "the exporter is polled at each endpoint's own host address",
         },
     )
@@ -370,6 +384,7 @@ def _dcgm(p: DCGMSourceParams) -> tuple[Plumbing, list[str]]:
         dcgm_path=p.path,
         dcgm_port=p.port,
         dcgm_interval_s=interval,
+        dcgm_tls_verify=_verify(p.insecureSkipVerify),
     )
     return plumbing, notes
 

@@ -71,8 +71,8 @@ class LiveSessions:
         """The live chain this request continues, or None (a new session). Scans from the
         end: a continuation's tail sits near its own end, a new session's nowhere."""
         by_key = self._by_key
-        if not by_key:
-            return None
+        if not by_key or by_key.keys().isdisjoint(block_keys):
+            return None  # checked at C speed: a long new prompt must not cost a loop per key
         for key in reversed(block_keys):
             chain = by_key.get(key)
             if chain is not None:
