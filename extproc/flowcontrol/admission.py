@@ -203,6 +203,14 @@ class Admission:
         sat = gauge("extproc_flow_saturation", "Pool saturation by the configured detector.")
         sat.add_metric([], fc.saturation())
         yield sat
+        unknown = getattr(fc.detector, "unknown_capacity", None)
+        if unknown is not None:
+            u = gauge(
+                "extproc_flow_detector_unknown_capacity_endpoints",
+                "Endpoints the detector counts as saturated because their KV size is unknown.",
+            )
+            u.add_metric([], unknown)
+            yield u
         if self.shared is not None:
             # Exchange counts are SharedFlowStats fields: server/families.py exports them.
             d = gauge(

@@ -87,6 +87,8 @@ class _Band:
     flows: dict[str, list[_Item]] = field(default_factory=dict)
     count: int = 0
     bytes: int = 0
+    # Tokens queued per flow (the queue's share by weight, see _over_share).
+    queued_tokens: dict[str, int] = field(default_factory=dict)
 
 
 class FlowController:
@@ -172,6 +174,8 @@ class FlowController:
             self._arrivals.append((band, item))
         band.count += 1
         band.bytes += request.body_bytes
+        f = request.fairness_id
+        band.queued_tokens[f] = band.queued_tokens.get(f, 0) + request.tokens
         self.count += 1
         self.bytes += request.body_bytes
         self.dispatch()
@@ -193,6 +197,10 @@ class FlowController:
             if p > priority and b.count:
                 return False
         return self.peer_top_band is None or self.peer_top_band <= priority
+
+    @property
+    def detector(self) -> SaturationDetector:
+        return self._detector
 
     def saturation(self) -> float:
         peer_reqs, peer_toks = self.peer_pending
@@ -248,18 +256,20 @@ class FlowController:
             )
 
     def _over_share(self, band: _Band, request: FlowRequest) -> _Item | None:
-        """The newest queued request of the flow furthest over its token share, if that
-        flow is further over it than the newcomer's."""
-        served = self._fleet_served()
+        """The newest queued request of the flow holding the most queued tokens per unit of
+        weight, if the newcomer's flow, with the newcomer, would still hold less; never a
+        flow's last one. So every backlogged flow keeps work queued for the usage-based pick.
+        (By served usage instead, the flow just served a large request looked furthest over
+        its share, lost its queue to newcomers, and had nothing queued when its turn came.)"""
 
-        def norm(f: str) -> float:
-            return served.get(f, 0.0) / self.weights.get(f, 1.0)
+        def norm(f: str, extra: int = 0) -> float:
+            return (band.queued_tokens.get(f, 0) + extra) / self.weights.get(f, 1.0)
 
-        flows = [f for f in band.flows if f != request.fairness_id]
+        flows = [f for f, q in band.flows.items() if f != request.fairness_id and len(q) > 1]
         if not flows:
             return None
         worst = max(flows, key=norm)
-        if norm(worst) <= norm(request.fairness_id):
+        if norm(worst) <= norm(request.fairness_id, request.tokens):
             return None
         return max(band.flows[worst], key=lambda i: i.arrival.seq)
 
@@ -286,6 +296,12 @@ class FlowController:
         heapq.heapify(q)
         if not q:
             del band.flows[item.request.fairness_id]
+        f = item.request.fairness_id
+        left = band.queued_tokens.get(f, 0) - item.request.tokens
+        if left > 0 and q:
+            band.queued_tokens[f] = left
+        else:
+            band.queued_tokens.pop(f, None)
         band.count -= 1
         band.bytes -= item.request.body_bytes
         self.count -= 1

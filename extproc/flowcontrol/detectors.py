@@ -9,6 +9,7 @@ in-flight figures cannot show yet; without it one capacity tick would release th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, Protocol
 
@@ -19,6 +20,8 @@ from extproc.core import EndpointState
 _Pos = Annotated[float, msgspec.Meta(gt=0)]
 _PosInt = Annotated[int, msgspec.Meta(gt=0)]
 _NonNeg = Annotated[float, msgspec.Meta(ge=0)]
+
+log = logging.getLogger("extproc.flowcontrol")
 
 
 class SaturationDetector(Protocol):
@@ -88,7 +91,16 @@ class ConcurrencyDetector:
     `tokens` (in-flight tokens / maxTokenConcurrency; our in-flight tokens are the uncached
     prompt tokens placed), `hybrid` (per endpoint the larger of the two). Pool saturation is
     the average over endpoints. Works without scraping; fleet-wide when in-flight counts are
-    shared (`state.shared_inflight`)."""
+    shared (`state.shared_inflight`).
+
+    Two extproc parameters (not llm-d's) make `tokens` track the engine's KV exactly:
+    `outputTokens` counts each in-flight request's output besides its prompt (vLLM-style
+    engines hold KV for prompt + output, and a simulator or engine that reserves max_tokens
+    at admission holds it all from the start); `kvCacheFraction` > 0 takes each endpoint's
+    token ceiling from its own KV size (`vllm:cache_config_info`: blocks x block size)
+    times the fraction instead of the hand-set `maxTokenConcurrency`. An endpoint whose KV
+    size is not known yet counts as saturated (never as empty): logged once, and counted in
+    `unknown_capacity` (exported as `extproc_flow_detector_unknown_capacity_endpoints`)."""
 
     type_name = "concurrency-detector"
     sees_placement = True  # in-flight counts move at placement
@@ -99,9 +111,22 @@ class ConcurrencyDetector:
         concurrencyMode: Literal["requests", "tokens", "hybrid"] = "requests"
         maxTokenConcurrency: _PosInt = 1_000_000
         inFlightLoadProducerName: str = ""
+        outputTokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+        kvCacheFraction: Annotated[float, msgspec.Meta(ge=0, le=2)] = 0.0
 
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
+        # Endpoints whose KV size was unknown at the last evaluation (kvCacheFraction).
+        self.unknown_capacity = 0
+        self._warned = False
+
+    def _token_ceiling(self, s: EndpointState) -> float | None:
+        p = self.params
+        if not p.kvCacheFraction:
+            return float(p.maxTokenConcurrency)
+        if s.kv_blocks and s.kv_block_size:
+            return p.kvCacheFraction * s.kv_blocks * s.kv_block_size
+        return None
 
     def saturation(
         self, states: Sequence[EndpointState], pending_requests: int, pending_tokens: int
@@ -110,22 +135,27 @@ class ConcurrencyDetector:
             return 1.0
         p = self.params
         n = len(states)
-        reqs = (sum(s.inflight_requests for s in states) + pending_requests) / (
-            n * p.maxConcurrency
-        )
-        toks = (sum(s.inflight_tokens for s in states) + pending_tokens) / (
-            n * p.maxTokenConcurrency
-        )
         if p.concurrencyMode == "requests":
-            return reqs
-        if p.concurrencyMode == "tokens":
-            return toks
-        # hybrid: per endpoint the more constraining ratio, averaged; pending spread evenly.
+            reqs = sum(s.inflight_requests for s in states) + pending_requests
+            return reqs / (n * p.maxConcurrency)
+        # Per endpoint (ceilings may differ), pending work spread evenly.
         total = 0.0
+        unknown = 0
         for s in states:
-            total += max(
-                (s.inflight_requests + pending_requests / n) / p.maxConcurrency,
-                (s.inflight_tokens + pending_tokens / n) / p.maxTokenConcurrency,
+            cap = self._token_ceiling(s)
+            unknown += cap is None
+            toks = s.inflight_tokens + s.inflight_requests * p.outputTokens + pending_tokens / n
+            ratio = toks / cap if cap else 1.0
+            if p.concurrencyMode == "hybrid":
+                ratio = max(ratio, (s.inflight_requests + pending_requests / n) / p.maxConcurrency)
+            total += ratio
+        self.unknown_capacity = unknown
+        if unknown and not self._warned:
+            self._warned = True
+            log.warning(
+                "concurrency-detector: KV size of %d endpoint(s) unknown (no "
+                "vllm:cache_config_info scraped); they count as saturated",
+                unknown,
             )
         return total / n
 

@@ -140,13 +140,14 @@ class WeightedTokenFairness:
     decay (flowControl `usageHalfLife`), so a tenant idle for a while gets no unbounded
     catch-up burst; with shared state they are summed over every replica, so shares hold
     fleet-wide. Weights come from `flow_control.fairness_weights` (default 1 each). When the
-    band's queue is full, a request of a flow under its share displaces the newest queued
-    request of the flow furthest over its share (so a bounded queue cannot starve a tenant)."""
+    band's queue is full, a request of a flow under its share of the queue (queued tokens per
+    weight) displaces the newest queued request of the flow holding the most, never a flow's
+    last one (so a bounded queue cannot starve a tenant; FlowController._over_share)."""
 
     type_name = "weighted-token-fairness-policy"
     Params = _NoParams
-    # When the band is full, a newcomer under its share displaces queued work of the flow
-    # furthest over its share, instead of being shed itself.
+    # When the band is full, a newcomer under its share of the queue displaces queued work
+    # of the flow holding the most, instead of being shed itself.
     displaces = True
     # Its pick depends on usage only, which replicas share: a replica can tell when the next
     # flow fleet-wide is queued elsewhere (FlowController._defer_to_peer).

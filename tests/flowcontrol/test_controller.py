@@ -401,6 +401,28 @@ async def test_full_band_displaces_the_tenant_over_its_share():
     assert h3.exception().reason == REJECTED_SATURATED
 
 
+async def test_full_band_keeps_queued_work_of_a_flow_just_served():
+    """The queue is shared by weight of queued tokens, not by served usage: a flow just
+    served a large request (over its usage share for now) keeps its one queued request when
+    a flow that already has work queued sends more; otherwise its queue would be empty when
+    the usage-based pick turns to it, and its share would go to the others."""
+    ctl, slots, _ = make(
+        capacity=1,
+        flow_control={
+            "priorityBands": [
+                {"priority": 0, "maxRequests": 2, "fairnessPolicyRef": "wtf"},
+            ]
+        },
+        plugins=[{"type": "weighted-token-fairness-policy", "name": "wtf"}],
+    )
+    (first,) = await start(ctl, req("big", tokens=2000))
+    place(ctl, slots, first)  # big is far over its usage share now
+    big, small = await start(ctl, req("big", tokens=2000), req("small"))
+    (more,) = await start(ctl, req("small"))
+    assert more.exception().reason == REJECTED_SATURATED
+    assert not big.done() and not small.done()
+
+
 async def test_scraped_detectors_keep_placed_work_pending_until_visible():
     from extproc.flowcontrol.detectors import UtilizationDetector
 

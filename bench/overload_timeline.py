@@ -1,0 +1,126 @@
+"""A per-interval timeline of an overload run: what the picker held and released, and what
+the engines ran, side by side, to find where capacity went unused.
+
+Sampled from a background thread while the burst runs (the pickers' and sims' /metrics):
+per sample the detector's saturation, requests queued in the picker per band, requests
+dispatched since the last sample per band, and per engine its running and waiting requests
+and KV use. `summary()` condenses the burst window into the figures that tell the causes
+apart: the engines' mean KV use (a fleet kept full sits near 1.0), how often batch work
+waited in the picker while KV use was below 90% (a conservative detector or a slow release),
+and the engines' own waiting queues (work released into engines that are already full).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def _page(client: httpx.Client, url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in client.get(url, timeout=2).text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def _sum(page: dict[str, float], name: str, *needles: str) -> float:
+    return sum(
+        v for k, v in page.items()
+        if k.partition("{")[0] == name and all(n in k for n in needles)
+    )  # fmt: skip
+
+
+class Timeline:
+    """Samples every `every_s` until `stop()`; rows in `rows`, also written to `path`."""
+
+    def __init__(
+        self, picker_admins: list[int], sims: list[str], path: Path, every_s: float = 0.5
+    ) -> None:
+        self.picker_urls = [f"http://127.0.0.1:{p}/metrics" for p in picker_admins]
+        self.sim_urls = [f"http://{a}/metrics" for a in sims]
+        self.path = path
+        self.every_s = every_s
+        self.rows: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="timeline", daemon=True)
+
+    def start(self) -> Timeline:
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        with self.path.open("w") as f:
+            for row in self.rows:
+                f.write(json.dumps(row) + "\n")
+        return self.rows
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        last: dict[str, float] = {}
+        with httpx.Client() as client:
+            while not self._stop.is_set():
+                at = time.monotonic() - t0
+                try:
+                    row = self._sample(client, at, last)
+                except httpx.HTTPError:
+                    row = {"t": round(at, 2), "error": "scrape failed"}
+                self.rows.append(row)
+                self._stop.wait(max(0.0, t0 + len(self.rows) * self.every_s - time.monotonic()))
+
+    def _sample(self, client: httpx.Client, at: float, last: dict[str, float]) -> dict:
+        row: dict = {"t": round(at, 2)}
+        pages = [_page(client, u) for u in self.picker_urls]
+        row["saturation"] = round(
+            max((_sum(p, "extproc_flow_saturation") for p in pages), default=0.0), 3
+        )
+        for band, label in (("10", "hi"), ("0", "lo")):
+            sel = f'priority="{band}"'
+            queued = sum(_sum(p, "extproc_flow_queue_requests", sel) for p in pages)
+            row[f"queued_{label}"] = int(queued)
+            done = sum(
+                _sum(p, "extproc_flow_requests_total", sel, 'outcome="dispatched"') for p in pages
+            )
+            row[f"released_{label}"] = int(done - last.get(label, 0.0))
+            last[label] = done
+        row["inflight_tokens"] = int(sum(_sum(p, "extproc_inflight_tokens") for p in pages))
+        for i, url in enumerate(self.sim_urls):
+            s = _page(client, url)
+            row[f"run{i}"] = int(_sum(s, "vllm:num_requests_running"))
+            row[f"wait{i}"] = int(_sum(s, "vllm:num_requests_waiting"))
+            row[f"kv{i}"] = round(_sum(s, "vllm:kv_cache_usage_perc"), 3)
+        return row
+
+
+def summary(rows: list[dict], start_s: float, end_s: float, servers: int) -> dict:
+    """The burst window [start_s, end_s] of a timeline in a few figures."""
+    win = [r for r in rows if "error" not in r and start_s <= r["t"] <= end_s]
+    if not win:
+        return {}
+    n = len(win)
+    kv = [sum(r[f"kv{i}"] for i in range(servers)) / servers for r in win]
+    return {
+        "tl_samples": n,
+        "tl_kv_mean": round(sum(kv) / n, 3),
+        "tl_running_mean": round(sum(r[f"run{i}"] for r in win for i in range(servers)) / n, 1),
+        "tl_engine_waiting_mean": round(
+            sum(r[f"wait{i}"] for r in win for i in range(servers)) / n, 2
+        ),
+        "tl_saturation_mean": round(sum(r["saturation"] for r in win) / n, 3),
+        "tl_queued_lo_mean": round(sum(r["queued_lo"] for r in win) / n, 1),
+        "tl_queued_hi_mean": round(sum(r["queued_hi"] for r in win) / n, 2),
+        # Capacity unused while work waited in the picker.
+        "tl_idle_while_queued": round(
+            sum(1 for r, k in zip(win, kv, strict=True) if r["queued_lo"] and k < 0.9) / n, 3
+        ),
+    }
