@@ -299,6 +299,11 @@ class Scheduler:
         for obs in self._observers:
             obs.observe(req, cands, decision)
 
+    @property
+    def learns_from_responses(self) -> bool:
+        """Whether any plugin learns from response timing (`responded` does something)."""
+        return bool(self._response_observers)
+
     def responded(self, req: InferenceRequest, decision: Decision, elapsed_s: float) -> None:
         """Tell plugins that learn from response timing when the response headers came."""
         for obs in self._response_observers:
