@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import operator
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,20 +57,6 @@ class Admission(Protocol):
     def placed(self, ticket: Ticket) -> None: ...
     def release(self, ticket: Ticket) -> None: ...
     def evicted_error(self) -> ExtprocError: ...
-
-
-_STATE_FIELDS = tuple(f.name for f in dataclasses.fields(EndpointState))
-_TPS_AT = _STATE_FIELDS.index("prefill_tps")
-_BEFORE_TPS = operator.attrgetter(*_STATE_FIELDS[:_TPS_AT])
-_TPS_LAST = _STATE_FIELDS[-1] == "prefill_tps"
-
-
-def _with_prefill_tps(state: EndpointState, tps: float | None) -> EndpointState:
-    """`dataclasses.replace(state, prefill_tps=tps)` at under half its cost (it runs per
-    candidate per request; replace() looks the fields up every call)."""
-    if not _TPS_LAST:
-        return dataclasses.replace(state, prefill_tps=tps)
-    return EndpointState(*_BEFORE_TPS(state), tps)
 
 
 def in_subset(address: str, subset: Collection[str]) -> bool:
@@ -281,7 +266,7 @@ class Router:
             a = e.address
             state = states.state(a, inflight.requests(a), inflight.tokens(a))
             if speeds is not None:
-                state = _with_prefill_tps(state, speeds.get(a))
+                state = state.with_prefill_tps(speeds.get(a))
             cands.append(Candidate(endpoint=e, state=state, prefix_blocks=matches.get(a, 0.0)))
         decision = self.scheduler.schedule(request, cands, explain=explain)
         if not decision.endpoints:

@@ -8,7 +8,6 @@ import dataclasses
 import orjson
 
 from extproc.core import EndpointState
-from extproc.router import _with_prefill_tps
 from extproc.server.app import App
 from extproc.testing import post
 
@@ -25,8 +24,8 @@ def test_the_fast_copy_equals_replace_for_every_field():
         else:
             values[f.name] = i + 1
     state = EndpointState(**values)
-    assert _with_prefill_tps(state, 1234.5) == dataclasses.replace(state, prefill_tps=1234.5)
-    assert _with_prefill_tps(state, None).prefill_tps is None
+    assert state.with_prefill_tps(1234.5) == dataclasses.replace(state, prefill_tps=1234.5)
+    assert state.with_prefill_tps(None).prefill_tps is None
 
 
 async def test_candidates_carry_the_learned_prefill_speed(app: App, monkeypatch):
