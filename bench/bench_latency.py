@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shlex
 import statistics
 import sys
@@ -88,6 +89,11 @@ LATENCY = (
 """
 )
 
+# The same, without pricing a late head's endpoint at its speed (for an A/B of that step).
+LATENCY_NO_LATE = LATENCY.replace(
+    "{responseHeader: true}", "{responseHeader: true, model: {lateHeads: false}}"
+)
+
 POLICIES = {
     "extproc default": "",  # no scheduling section: the built-in default profile
     "llm-d default (prefix 3, queue 2, kv 2)": fixed(
@@ -102,12 +108,13 @@ POLICIES = {
         }
     ),
     "predicted latency": LATENCY,
+    "predicted latency, no late heads": LATENCY_NO_LATE,
 }
 
 
 # The load-heavy profile trails the other two by far (TTFT p90 4.0 s against 1.2 s on the
 # mixed fleet at 8 req/s): left out of the default run to keep it short.
-DEFAULT_POLICIES = [p for p in POLICIES if not p.startswith("load-heavy")]
+DEFAULT_POLICIES = [p for p in POLICIES if not p.startswith(("load-heavy", "predicted latency,"))]
 
 
 def workload(groups: int, seed: int, warmup: bool = False) -> WorkloadSpec:
@@ -130,6 +137,7 @@ class Row:
     # signed error (predicted - measured) / measured: where the error comes from.
     mape_by: dict[str, float | None] = field(default_factory=dict)
     bias: float | None = None
+    floor: float | None = None  # MAPE of the simulator-physics oracle (the run's noise)
 
 
 def _pairs(results: list[Result]) -> list[tuple[float, float]]:
@@ -150,6 +158,35 @@ def bias(results: list[Result]) -> float | None:
     return statistics.fmean((p - m) / m for p, m in pairs)
 
 
+def oracle(
+    results: list[Result],
+    names: list[str],
+    offsets: list[float],
+    speeds: list[float],
+    slow_from: float | None,
+) -> dict[int, float]:
+    """What the simulator's physics says each request's TTFT is, knowing what no picker can
+    (its real uncached tokens, every server's speed at each moment): per server, prefills
+    one after another in arrival order, each (step + uncached / prefill rate) / speed. How
+    far the measured TTFT is from this is what the machine adds (event-loop lateness on a
+    loaded host) plus the path's cost outside the engine (proxy, HTTP, client), which a
+    predictor can learn (transport): an indicator of the run's noise, not a strict floor."""
+    tps, step = 5000.0, 0.002  # SIM_ARGS' --prefill-tps and the simulator's step overhead
+    free_at = [0.0] * len(names)
+    out: dict[int, float] = {}
+    for r in sorted(results, key=lambda r: offsets[r.index]):
+        if r.served_by not in names or r.ttft_s is None:
+            continue
+        i, sent = names.index(r.served_by), offsets[r.index]
+        speed = speeds[i]
+        if i == 0 and slow_from is not None and sent >= slow_from:
+            speed = SLOWDOWN
+        start = max(sent, free_at[i])
+        free_at[i] = start + (step + (r.prompt_tokens - r.cached_tokens) / tps) / speed
+        out[r.index] = free_at[i] - sent
+    return out
+
+
 def mape_breakdown(results: list[Result], names: list[str], half: int) -> dict[str, float | None]:
     """MAPE per server (`s0`...) and per phase (`before` / `after` request `half`, when the
     mixed fleet's server 0 is slowed)."""
@@ -158,10 +195,26 @@ def mape_breakdown(results: list[Result], names: list[str], half: int) -> dict[s
         out[f"s{i}"] = mape([r for r in results if r.served_by == n])
     out["before"] = mape([r for r in results if r.index < half])
     out["after"] = mape([r for r in results if r.index >= half])
+    for i in range(len(names)):
+        for phase, inside in (("before", lambda r: r.index < half),
+                              ("after", lambda r: r.index >= half)):  # fmt: skip
+            out[f"s{i}-{phase}"] = mape(
+                [r for r in results if r.served_by == names[i] and inside(r)]
+            )
     return out
 
 
-def run_one(fleet_name: str, policy: str, rate: float, groups: int, seed: int, tmp: Path) -> Row:
+def floor_mape(results: list[Result], expected: dict[int, float]) -> float | None:
+    """MAPE of the oracle's TTFT against the measured one (see `oracle`)."""
+    errs = [abs(expected[r.index] - r.ttft_s) / r.ttft_s
+            for r in results if r.ttft_s and r.index in expected]  # fmt: skip
+    return statistics.fmean(errs) if errs else None
+
+
+def run_one(
+    fleet_name: str, policy: str, rate: float, groups: int, seed: int, tmp: Path,
+    dump: Path | None = None,
+) -> Row:  # fmt: skip
     sim_args = (*SIM_ARGS, "--speeds", FLEETS[fleet_name])
     path = tmp / f"picker-{abs(hash(policy))}.yaml"
     path.write_text(PARSE + POLICIES[policy])
@@ -190,20 +243,41 @@ def run_one(fleet_name: str, policy: str, rate: float, groups: int, seed: int, t
             if timer is not None:
                 timer.cancel()
         names = [s.name for s in fleet.servers]
+    if dump is not None:
+        _dump(dump, fleet_name, policy, rate, seed, names, results, offsets)
+    speeds = [float(v) for v in FLEETS[fleet_name].split(",")]
+    slow_from = offsets[len(offsets) // 2] if fleet_name == "mixed" else None
+    floor = floor_mape(results, oracle(results, names, offsets, speeds, slow_from))
     s = summarize(results, duration)
     shares = {f"s{i}": s.per_endpoint.get(n, 0) for i, n in enumerate(names)}
     row = Row(
         fleet_name, policy, rate, s, mape(results), shares, seed,
-        mape_breakdown(results, names, len(offsets) // 2), bias(results),
+        mape_breakdown(results, names, len(offsets) // 2), bias(results), floor,
     )  # fmt: skip
     print(
         f"  {fleet_name:<8} {policy:<48} {rate:>4g}/s seed {seed} TTFT p50 {s.ttft_p50_s:6.3f}s "
         f"p90 {s.ttft_p90_s:6.3f}s hit {s.hit_ratio:5.1%} ok {s.ok}/{s.requests} "
-        f"mape {_pct(row.mape)} bias {_pct(row.bias)} "
+        f"mape {_pct(row.mape)} bias {_pct(row.bias)} floor {_pct(row.floor)} "
         f"{' '.join(f'{k} {_pct(v)}' for k, v in row.mape_by.items())} shares {shares}",
         flush=True,
     )
     return row
+
+
+def _dump(
+    path: Path, fleet: str, policy: str, rate: float, seed: int, names: list[str],
+    results: list[Result], offsets: list[float],
+) -> None:  # fmt: skip
+    """Appends one JSON line per request (for finding where prediction errors come from)."""
+    with path.open("a") as f:
+        for r in results:
+            f.write(json.dumps({
+                "fleet": fleet, "policy": policy, "rate": rate, "seed": seed,
+                "index": r.index, "sent": offsets[r.index], "half": len(offsets) // 2,
+                "server": names.index(r.served_by) if r.served_by in names else -1,
+                "ttft": r.ttft_s, "predicted": r.predicted_ttft_s,
+                "prompt": r.prompt_tokens, "cached": r.cached_tokens,
+            }) + "\n")  # fmt: skip
 
 
 def _pct(v: float | None) -> str:
@@ -217,7 +291,9 @@ def _cells(r: Row) -> tuple[object, ...]:
     phases = f"{_pct(by.get('before'))} / {_pct(by.get('after'))}"
     return (r.fleet, f"{r.rate:g}", r.policy, r.seed, f"{s.ttft_p50_s:.3f}",
             f"{s.ttft_p90_s:.3f}", f"{s.hit_ratio:.1%}", f"{s.ok}/{s.requests}", shares,
-            _pct(r.mape), _pct(r.bias), servers, phases)  # fmt: skip
+            _pct(r.mape), _pct(r.bias), servers, phases,
+            f"{_pct(by.get('s0-before'))} / {_pct(by.get('s0-after'))}",
+            _pct(r.floor))  # fmt: skip
 
 
 def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
@@ -237,14 +313,18 @@ def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
         "MAPE: mean |predicted - measured| / measured TTFT over the measured requests, the "
         "prediction being the picker's `x-extproc-predicted-ttft-ms` for the endpoint it "
         "chose; per server (s0..s3) and per phase (before / after s0 slows); bias is the "
-        "mean signed error.",
+        "mean signed error. Oracle MAPE: the same figure for the simulator's own physics "
+        "(each server's prefills one after another in arrival order, at the real uncached "
+        "tokens and speeds, `oracle()`): the machine's lateness plus the path outside the "
+        "engine, an indicator of the run's noise.",
         "",
     ]
     out += table(
         [("fleet", "l"), ("rate req/s", "r"), ("policy", "l"), ("run", "r"),
          ("TTFT p50 s", "r"), ("TTFT p90 s", "r"), ("hit ratio", "r"), ("ok", "r"),
          ("requests per server", "l"), ("TTFT MAPE", "r"), ("bias", "r"),
-         ("MAPE s0 / s1 / s2 / s3", "l"), ("MAPE before / after", "l")],
+         ("MAPE s0 / s1 / s2 / s3", "l"), ("MAPE before / after", "l"),
+         ("MAPE s0 before / after", "l"), ("oracle MAPE", "r")],
         (_cells(r) for r in rows),
     )  # fmt: skip
     out += ["", "Medians over the runs:", ""]
@@ -285,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES)
     p.add_argument("--seeds", type=int, nargs="+", default=[1], help="one run per seed")
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    p.add_argument("--dump", type=Path, help="append per-request JSON lines to this file")
     args = p.parse_args(argv)
     rates = args.rates or [5.0, 8.0]
     groups = args.groups or (4 if args.quick else 16)
@@ -298,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
             for rate in rates:
                 for seed in args.seeds:
                     for policy in args.policies:
-                        rows.append(run_one(fleet, policy, rate, groups, seed, Path(tmp)))
+                        rows.append(
+                            run_one(fleet, policy, rate, groups, seed, Path(tmp), args.dump)
+                        )
     section = markdown(rows, command, time.monotonic() - t0, groups)
     print("\n" + section)
     if args.write:

@@ -11,11 +11,11 @@ placements are the ones that finished. What is left is priced at prediction time
 endpoint's current fit, so a speed change the fit has just learned reprices the whole
 queue at once.
 
-Not done: timing each of our prefills from the same tally (the first token that ends one
-starts the next) to see a slowed server before the histogram fit does. Tried: on a loaded
-2-core machine the timings (scrape and event-loop jitter of tens of ms on 0.15-0.6 s
-prefills) said "twice slower" of servers that had not changed, which cost more than the
-earlier detection gained.
+A late head is a signal too (`slowdown`): still unfinished at a scrape long after its
+price, it says its server slowed before any slowed prefill has ended and taught the fit.
+Only a head late by half its price and 100 ms counts: timing every prefill from the tally
+was tried, and on a loaded 2-core machine the timings (scrape and event-loop jitter of
+tens of ms on 0.15-0.6 s prefills) said "twice slower" of servers that had not changed.
 
 Bounds: the queue never holds more placements than the engine reports waiting plus
 running (a request that failed before its first token would otherwise stay forever), and
@@ -28,8 +28,13 @@ from collections import deque
 from dataclasses import dataclass
 
 # Placements younger than this at a scrape may not have reached the engine yet: the bound
-# by its waiting + running counts spares them.
-_IN_TRANSIT_S = 0.05
+# by its waiting + running counts spares them. Generous: on a loaded machine a request
+# spends well over 50 ms between the decision and the engine (Envoy, the HTTP hop), and
+# each one taken for lost popped a real one from the head, so busy servers' queues ran
+# short; a request that really failed costs only this much longer in the queue.
+_IN_TRANSIT_S = 0.5
+# A head must be this late (beyond half its price) to say its server slowed.
+_LATE_S = 0.1
 
 
 @dataclass(slots=True)
@@ -98,6 +103,22 @@ class Backlog:
         the scrape may predate its start), so a request of ours is never taken for someone
         else's."""
         return len(self._pending)
+
+    def slowdown(self, per_request_s: float, per_token_s: float) -> float:
+        """How many times slower than its price the head has been running, as of the last
+        scrape that still had it unfinished (1.0: not late). A server slowed by another
+        tenant shows here first: its fit learns only when a slowed prefill ends, and every
+        request placed meanwhile would be predicted at the old speed. Only a head late by
+        half its price and 100 ms counts: the start is known to a scrape interval, and a
+        loaded machine's scrape and event-loop jitter are tens of ms."""
+        if not self._pending or self._synced_at is None:
+            return 1.0
+        head = self._pending[0]
+        head_s = per_request_s + per_token_s * head.tokens
+        elapsed = self._synced_at - max(head.at, self._head_since)
+        if head_s <= 0 or elapsed < 1.5 * head_s + _LATE_S:
+            return 1.0
+        return elapsed / head_s
 
     def work_s(self, per_request_s: float, per_token_s: float, now: float) -> float:
         """Seconds of prefill still ahead of a request sent now, at the given prices."""

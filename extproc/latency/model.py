@@ -58,6 +58,8 @@ _TOKEN_SCALE = 1000.0
 _CHANGE = 0.5
 # A token-scale sample off by more than this factor (twice running) replaces the scale.
 _SCALE_JUMP = 1.5
+# Requests an overhead window must hold when its ends are not quiet (see _learn_overhead).
+_OVERHEAD_WINDOW = 32
 # Response-header delays above this are stalls, not the path's cost, and are not learned.
 _MAX_TRANSPORT_S = 1.0
 
@@ -68,12 +70,14 @@ class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     `forgetting` (0.9): weight each fit keeps per new sample (about the last 10 intervals
     matter). `min_samples` (3): prefill intervals before an endpoint's own fit is used.
     `smoothing` (0.3): weight of a new interval in the smoothed means (overhead, mean
-    uncached tokens per request).
+    uncached tokens per request). `late_heads` (true): price an endpoint whose oldest
+    unfinished placement is far past its price at the speed that placement shows.
     """
 
     forgetting: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
     min_samples: Annotated[int, msgspec.Meta(ge=1)] = 3
     smoothing: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.3
+    late_heads: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,13 +131,16 @@ class ModelStats:
     resets: int = 0
     reopened: int = 0  # fits reopened because a server's speed changed
     rescaled: int = 0  # token scale taken whole because the picker's estimates changed
+    rescaled_speed: int = 0  # of those reopened, scaled at once by one prefill far off them
+    late_heads: int = 0  # predictions priced at a late head's speed (see Backlog.slowdown)
 
 
 class _Learned:
     """The learner's state for one endpoint (learner loop only)."""
 
-    __slots__ = ("coeffs", "itl", "itl_base", "mean_tokens", "overhead", "prefill",
-                 "prompt_base", "ratio", "running", "surprises", "totals")  # fmt: skip
+    __slots__ = ("coeffs", "itl", "itl_base", "mean_tokens", "overhead", "overhead_base",
+                 "prefill", "prompt_base", "ratio", "running", "surprises",
+                 "totals")  # fmt: skip
 
     def __init__(self, s: ModelSettings) -> None:
         self.totals: LatencyTotals | None = None
@@ -143,6 +150,7 @@ class _Learned:
         self.itl_base: LatencyTotals | None = None
         self.prompt_base: LatencyTotals | None = None
         self.overhead: float | None = None
+        self.overhead_base: LatencyTotals | None = None  # start of the overhead window
         self.mean_tokens: float | None = None
         self.ratio: tuple[float, float] | None = None  # smoothed (prefill s / req, s / token)
         self.coeffs: Coefficients | None = None
@@ -225,7 +233,16 @@ class LatencyModel:
             expected = st.prefill.predict(x)
             if expected > 0 and abs(secs - expected) > _CHANGE * expected:
                 st.surprises += 1
-                if st.surprises >= 2:
+                if st.surprises == 1 and n == 1:
+                    # One whole prefill far off: the engine timed it (no machine jitter in
+                    # it), so take its speed now, as a factor on the whole fit (a tenant
+                    # slows every term alike), and reopen it so the next samples correct
+                    # what is not a common factor.
+                    st.prefill.w = [w * secs / expected for w in st.prefill.w]
+                    st.prefill.reopen()
+                    self.stats.reopened += 1
+                    self.stats.rescaled_speed += 1
+                elif st.surprises >= 2:
                     st.prefill.reopen()
                     st.surprises = 0
                     self.stats.reopened += 1
@@ -240,16 +257,43 @@ class LatencyModel:
             else (_ewma(st.ratio[0], per_req, a), _ewma(st.ratio[1], per_tok, a))
         )
         st.mean_tokens = _smooth(st.mean_tokens, tokens / n, a)
-        first = t.ttft_count - last.ttft_count
-        if first >= 1 and t.queue_count - last.queue_count >= 1:
-            rest = (
-                (t.ttft_sum - last.ttft_sum)
-                - (t.queue_sum - last.queue_sum)
-                - (t.prefill_sum - last.prefill_sum)
-            ) / first
-            st.overhead = _smooth(st.overhead, max(0.0, rest), a)
+        self._learn_overhead(st, t)
         st.totals = t
         return True
+
+    def _learn_overhead(self, st: _Learned, t: LatencyTotals) -> None:
+        """TTFT not spent queued or prefilling, per request. The three histograms observe a
+        request at different moments (the engine records queue time when its prefill starts,
+        or at the end of the request; TTFT at the first token), so one scrape interval's
+        differences mix requests: a request queued for a second whose wait was recorded in
+        an earlier interval adds that second to this one's TTFT alone. Clipped at zero, such
+        mixed samples read as 100-200 ms of overhead on a busy server (measured on the
+        simulator, where the true figure is a few ms). So the sums are compared only over a
+        window whose ends see the same number of requests between their observations (the
+        count gaps agree): when no request is in between at either end the window holds
+        the same requests in all three; otherwise the windows waits for a quiet scrape,
+        or for enough requests that the in-between ones hardly count."""
+        base = st.overhead_base
+        if base is None or t.ttft_count < base.ttft_count or t.queue_count < base.queue_count:
+            st.overhead_base = t
+            return
+        n = t.ttft_count - base.ttft_count
+        if n < 1:
+            return
+        gap_now = (t.ttft_count - t.queue_count, t.ttft_count - t.prefill_count)
+        gap_base = (base.ttft_count - base.queue_count, base.ttft_count - base.prefill_count)
+        quiet = gap_now == gap_base == (0.0, 0.0)
+        if not quiet and not (gap_now == gap_base and n >= _OVERHEAD_WINDOW):
+            if n >= 4 * _OVERHEAD_WINDOW:
+                st.overhead_base = t  # never settles: start again rather than mix forever
+            return
+        rest = (
+            (t.ttft_sum - base.ttft_sum)
+            - (t.queue_sum - base.queue_sum)
+            - (t.prefill_sum - base.prefill_sum)
+        ) / n
+        st.overhead = max(0.0, _smooth(st.overhead, rest, self.settings.smoothing))
+        st.overhead_base = t
 
     def _learn_itl(self, st: _Learned, t: LatencyTotals, running: int) -> bool:
         last = st.itl_base
@@ -362,19 +406,27 @@ class LatencyModel:
             self.stats.predictions_warm += 1
         scale = self.token_scale
         b = self._backlog.get(address)
-        backlog = 0.0 if b is None else b.work_s(c.per_request_s, c.per_token_s * scale, now)
+        per_request_s, per_token_s = c.per_request_s, c.per_token_s
+        if b is not None and self.settings.late_heads:
+            # A head running far past its price: the server slowed and the fit does not
+            # know yet; price everything here at the speed the head shows.
+            slow = b.slowdown(per_request_s, per_token_s * scale)
+            if slow > 1.0:
+                per_request_s, per_token_s = per_request_s * slow, per_token_s * slow
+                self.stats.late_heads += 1
+        backlog = 0.0 if b is None else b.work_s(per_request_s, per_token_s * scale, now)
         if not state.is_stale and state.waiting:
             # Waiting requests beyond our unfinished placements are work
             # other pickers or clients queued there: our placements cannot show them.
             foreign = state.waiting - (0 if b is None else b.ours_waiting())
             if foreign > 0:
-                backlog += foreign * (c.per_request_s + c.per_token_s * c.mean_tokens)
+                backlog += foreign * (per_request_s + per_token_s * c.mean_tokens)
         ttft = (
             c.overhead_s
             + self._transport.get(address, 0.0)
             + backlog
-            + c.per_request_s
-            + c.per_token_s * uncached_tokens * scale
+            + per_request_s
+            + per_token_s * uncached_tokens * scale
         )
         tpot = None
         if c.itl_base_s is not None:

@@ -102,6 +102,18 @@ ROUTER = StatsFamilies(
             "Requests the proxy reported served by another endpoint than the pick (a retry "
             "walked the fallback list); in-flight and index followed the served one.",
         ),
+        "response_headers_unsent": Stat(
+            "extproc_response_headers_unsent",
+            "Decisions whose response headers (session token, predicted TTFT) never reached "
+            "the client: the proxy skips the response-header phase (envoy-config "
+            "--response-headers send keeps it).",
+        ),
+        "admissions_without_response": Stat(
+            "extproc_admissions_without_response",
+            "Flow-control tickets released at a stream that ended before the response headers "
+            "(client gone, or the proxy skips that phase: admission and eviction then end at "
+            "the decision).",
+        ),
     },
 )
 
@@ -425,6 +437,16 @@ LATENCY_MODEL = StatsFamilies(
         "rescaled": Stat(
             "extproc_latency_token_rescales",
             "Token scale taken whole (not blended) because the picker's estimates changed.",
+        ),
+        "rescaled_speed": Stat(
+            "extproc_latency_speed_rescales",
+            "Reopened fits scaled at once by one whole prefill far off them (a sudden "
+            "slowdown shows before the fit re-learns).",
+        ),
+        "late_heads": Stat(
+            "extproc_latency_late_head_predictions",
+            "Predictions priced at the speed a late unfinished placement shows "
+            "(the endpoint slowed since its fit).",
         ),
     },
 )

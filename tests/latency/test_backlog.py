@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.core import EndpointState
-from extproc.latency import LatencyModel
+from extproc.latency import LatencyModel, ModelSettings
 from extproc.latency.backlog import Backlog
 from tests.latency.synthetic import Engine, teach
 
@@ -83,3 +83,40 @@ def test_the_model_prices_the_queue_the_engine_still_has() -> None:
     # The third started halfway between the scrapes (0.15 s ago).
     assert later.ttft_s - empty.ttft_s == pytest.approx(c.prefill_s(2000) - 0.15, rel=0.05)
     assert len(model.backlogs()["a:1"]) == 1
+
+
+def test_a_head_far_past_its_price_says_how_much_slower_its_server_is() -> None:
+    """A server slowed by another tenant: the fit learns only when a slowed prefill ends,
+    but its head, still unfinished at a scrape long after its price, shows it earlier."""
+    b = Backlog()
+    b.sync(0, 0, 0, at=0.0)
+    b.place(1000, now=0.0)  # priced 0.202 s
+    b.sync(0, 0, 1, at=0.25)  # late by 48 ms: scrape and event-loop jitter, not a slowdown
+    assert b.slowdown(*PRICES) == 1.0
+    b.sync(0, 0, 1, at=0.8)  # late by 0.6 s: four times its price
+    assert b.slowdown(*PRICES) == pytest.approx(0.8 / 0.202)
+    b.sync(1, 0, 1, at=0.9)  # its first token: nothing of ours is late
+    assert b.slowdown(*PRICES) == 1.0
+
+
+def test_the_model_prices_an_endpoint_at_its_late_heads_speed() -> None:
+    clock = [100.0]
+    model = LatencyModel(clock=lambda: clock[0])
+    eng = Engine()
+    teach(model, "a:1", eng)
+    state = EndpointState(is_stale=False, running=1)
+    fit = model.predict("a:1", state, 1000, now=clock[0])
+    assert fit is not None
+    model.place("a:1", 1000, now=clock[0])
+    clock[0] += 1.0  # the placement's first token never came: the server slowed ~4x
+    model.learn("a:1", eng.totals, running=1, waiting=0, at=clock[0])
+    late = model.predict("a:1", state, 1000, now=clock[0])
+    assert late is not None and late.ttft_s > 3 * fit.ttft_s
+    assert model.stats.late_heads == 1
+    off = LatencyModel(ModelSettings(late_heads=False), clock=lambda: clock[0])
+    other = Engine()
+    teach(off, "a:1", other)
+    off.place("a:1", 1000, now=clock[0] - 1.0)
+    off.learn("a:1", other.totals, running=1, waiting=0, at=clock[0])
+    unchanged = off.predict("a:1", state, 1000, now=clock[0])
+    assert unchanged is not None and unchanged.ttft_s < 2 * fit.ttft_s

@@ -278,3 +278,45 @@ def test_token_scale_follows_a_changed_estimate_at_once() -> None:
     sample(4000, 3000)
     assert model.token_scale == pytest.approx(0.75)
     assert model.stats.rescaled == 2  # the first from the initial 1.0, then this one
+
+
+def test_overhead_is_not_read_from_intervals_that_mix_requests() -> None:
+    """The engine records a request's queue time when its prefill starts and its TTFT at
+    the first token, often in different scrape intervals: an interval then holds one
+    request's TTFT and the next one's queue wait. Compared per interval (and clipped at
+    zero) that read as 100-200 ms of overhead on a busy simulated server whose true figure
+    is a few ms."""
+    model = LatencyModel()
+    eng = Engine()
+    teach(model, "a:1", eng)
+    waits = [0.2, 1.0] * 20
+    t = eng.totals
+    # The first request starts its prefill (its wait recorded); then each interval ends
+    # one request (TTFT, prefill) and starts the next (its wait).
+    t = dataclasses.replace(t, queue_sum=t.queue_sum + waits[0], queue_count=t.queue_count + 1)
+    model.learn("a:1", t)
+    for wait, following in zip(waits, [*waits[1:], 0.0], strict=True):
+        prefill = eng.prefill_s(1000)
+        t = dataclasses.replace(
+            t,
+            ttft_sum=t.ttft_sum + wait + prefill + eng.overhead_s, ttft_count=t.ttft_count + 1,
+            prefill_sum=t.prefill_sum + prefill, prefill_count=t.prefill_count + 1,
+            prefill_tokens=(t.prefill_tokens or 0.0) + 1000,
+            queue_sum=t.queue_sum + following, queue_count=t.queue_count + 1,
+        )  # fmt: skip
+        model.learn("a:1", t)
+    c = model.coefficients("a:1")
+    assert c is not None and c.overhead_s == pytest.approx(eng.overhead_s, abs=0.002)
+
+
+def test_one_whole_prefill_far_off_the_fit_rescales_it_at_once() -> None:
+    model = LatencyModel()
+    eng = Engine()
+    teach(model, "a:1", eng)
+    eng.per_request_s *= 3
+    eng.per_token_s *= 3  # another tenant: every term three times slower
+    model.learn("a:1", eng.interval([1500]))
+    c = model.coefficients("a:1")
+    assert c is not None
+    assert c.prefill_s(1500) == pytest.approx(eng.prefill_s(1500), rel=0.05)
+    assert model.stats.rescaled_speed == 1

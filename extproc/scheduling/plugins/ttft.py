@@ -66,6 +66,12 @@ class PredictedTTFTScorer:
         # so a server loaded behind the picker's back kept its share of new prefixes).
         self._mean_prefill: float | None = None
 
+    def units_changed(self, factor: float) -> None:
+        """Estimates grew `factor`-fold: the mean placed prefill follows (the prior speed is a
+        guess in no unit in particular; measured speeds are rescaled where they are kept)."""
+        if factor > 0 and self._mean_prefill is not None:
+            self._mean_prefill *= factor
+
     def _tps(self, c: Candidate) -> float:
         tps = c.state.prefill_tps
         return tps if tps else self._prior
