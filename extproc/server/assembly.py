@@ -188,7 +188,7 @@ class Parts:
         if idx.backend != "redis" or not idx.redis_url:
             return None
         from extproc.endpoints.shared_inflight import default_process_id
-        from extproc.scheduling.shared_sessions import SharedSessions
+        from extproc.server.shared_sessions import SharedSessions
 
         records = SharedSessions.records(self.router.scheduler.plugins)
         if not records:

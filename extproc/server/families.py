@@ -289,7 +289,7 @@ SHARED_INFLIGHT = StatsFamilies(
 )
 
 SHARED_SESSIONS = StatsFamilies(
-    "extproc.scheduling.shared_sessions.SharedSessionsStats",
+    "extproc.server.shared_sessions.SharedSessionsStats",
     {
         "exchanges": Stat(
             "extproc_shared_sessions_exchanges",

@@ -1,5 +1,5 @@
 """Three `extproc serve` replicas sharing one Redis behind one Envoy place agentic sessions as
-one replica does: the live-session record is shared (scheduling/shared_sessions.py), so each
+one replica does: the live-session record is shared (server/shared_sessions.py), so each
 replica bounds new sessions by every server's sessions, not by the third it placed itself,
 and a later turn reaching another replica still finds its session's home.
 

@@ -23,7 +23,7 @@ recorded, or cached, up to its end, so its tail sits at the longest match or a f
 before it), then in the request's last few hundred blocks: a bounded number of dict probes,
 not a scan of the whole request (2,048 blocks and more for a long context).
 
-With a Redis index, replicas share the record (scheduling/shared_sessions.py): each publishes
+With a Redis index, replicas share the record (server/shared_sessions.py): each publishes
 its placements and applies the others', so every replica counts every server's sessions and
 finds a session's tail whichever replica placed its last turn.
 """

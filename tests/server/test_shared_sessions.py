@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from extproc.core import Decision
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter
-from extproc.scheduling.shared_sessions import SharedSessions
+from extproc.server.shared_sessions import SharedSessions
 from tests.redis_servers import RedisServer
 from tests.scheduling.helpers import cand
 from tests.scheduling.test_sessions import SHARED, held, turn
@@ -106,7 +106,7 @@ async def test_replicas_agree_on_sessions_per_server_and_find_each_others(
 async def test_redis_outage_degrades_to_own_record_says_so_and_heals(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="extproc.scheduling.shared_sessions")
+    caplog.set_level(logging.INFO, logger="extproc.server.shared_sessions")
     async with (
         replica(redis_server.url, "r0") as (f0, s0),
         replica(redis_server.url, "r1") as (f1, s1),
