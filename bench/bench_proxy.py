@@ -182,13 +182,20 @@ def start_sglang(venv: Path, upstream: str, work: Path) -> tuple[subprocess.Pope
     return proc, f"http://127.0.0.1:{port}"
 
 
-def picker_doc(port: int, mode: str, *, tls: bool) -> dict:
+def picker_doc(port: int, mode: str, *, tls: bool, response_headers: str = "auto") -> dict:
     return bootstrap(
         extproc=f"127.0.0.1:{port}",
         request_body_mode=mode,
         extproc_tls=tls,
         extproc_sni="localhost",
+        response_headers=response_headers,
     )
+
+
+# Both keep the response-header phase (`envoy-config`'s default, the gateways' exchange);
+# `-skip` / `-send` variants, when named, set `--response-headers` explicitly.
+_RESPONSE_HEADERS = {"floor": "send", "extproc": "send"}
+_VARIANTS = {"skip": "skip", "send": "send"}
 
 
 def main() -> None:
@@ -201,8 +208,8 @@ def main() -> None:
         "--only",
         default="",
         help="comma list of configurations to run (envoy, floor FD, extproc FD, floor BUF, "
-        "extproc BUF, sglang-router; floor BUF-noresp, floor llm-d, extproc llm-d only when "
-        "named)",
+        "extproc BUF, sglang-router; floor BUF-noresp, floor llm-d, extproc llm-d and the "
+        "response-header variants '<who> <FD|BUF>-skip|-send' only when named)",
     )
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--big", action="store_true", help="220 KB prompts at 150 connections")
@@ -245,9 +252,17 @@ def main() -> None:
                                    ("extproc", stack.extproc_port, picker_pid)):  # fmt: skip
                 name = f"{who} {short}"
                 if want(name):
-                    p, url = start_envoy(picker_doc(port, mode, tls=True), work, name)
+                    doc = picker_doc(port, mode, tls=True, response_headers=_RESPONSE_HEADERS[who])
+                    p, url = start_envoy(doc, work, name)
                     procs.append(p)
                     targets.append(Target(name, url, pid))
+                for suffix, rh in _VARIANTS.items():
+                    variant = f"{name}-{suffix}"
+                    if variant in only:
+                        doc = picker_doc(port, mode, tls=True, response_headers=rh)
+                        p, url = start_envoy(doc, work, variant)
+                        procs.append(p)
+                        targets.append(Target(variant, url, pid))
         if only and "floor BUF-noresp" in only:
             # What skipping the response-header phase would save (4 messages, not 6).
             doc = picker_doc(floor_port, "BUFFERED", tls=True)

@@ -1,11 +1,13 @@
 """The picker's own Python work per request, without the transport: the ext_proc messages Envoy
-sends for one 1 KB chat request (FULL_DUPLEX_STREAMED: headers, body, response headers; and
-its access-log entry) decoded from bytes, fed through the real `StreamHandler` of a real `App`
+sends for one 1 KB chat request (FULL_DUPLEX_STREAMED: headers, body; response headers only
+with `--response-headers`, as `envoy-config --response-headers send` configures; and its
+access-log entry) decoded from bytes, fed through the real `StreamHandler` of a real `App`
 (default settings, one static endpoint), and every reply encoded, as grpc.aio would. The floor
 processor's loop runs on the same messages. CPU per request of each, interleaved, medians; then
 a cProfile of the picker's loop, to read the gap above the floor function by function.
 
     uv run python bench/profile_stream.py [--requests 3000] [--rounds 5] [--profile 20]
+        [--response-headers]
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ def access_log_bytes(rid: str) -> bytes:
     e = msg.http_logs.log_entry.add()
     e.request.request_id = rid
     e.common_properties.time_to_first_upstream_rx_byte.nanos = 400_000
+    e.response.response_code.value = 200
+    e.response.response_body_bytes = 300
     sa = e.common_properties.upstream_remote_address.socket_address
     sa.address, sa.port_value = "127.0.0.1", 18000
     return msg.SerializeToString()
@@ -80,14 +84,14 @@ async def _aiter(items):
         yield item
 
 
-async def picker_requests(handler: StreamHandler, app: App, n: int) -> None:
+async def picker_requests(handler: StreamHandler, app: App, n: int, phases: int) -> None:
     ctx = _Context()
     decode = wire.ProcessingRequest.FromString
     encode = wire.ProcessingResponse.SerializeToString
     ends = app.access_log
     for _ in range(n):
         raw = messages()
-        msgs = [decode(b) for b in raw[:3]]
+        msgs = [decode(b) for b in raw[:phases]]
         async for resp in handler.process(_aiter(msgs), ctx):
             encode(resp)
         # Envoy batches entries; one per request is what the picker decodes in the end.
@@ -97,7 +101,7 @@ async def picker_requests(handler: StreamHandler, app: App, n: int) -> None:
             ends._ends.ended(entry)
 
 
-async def floor_requests(n: int) -> None:
+async def floor_requests(n: int, phases: int) -> None:
     decision = Decision(endpoints=(Endpoint(ENDPOINT),))
     on_headers = wire.routed_headers(decision)
     decode = wire.ProcessingRequest.FromString
@@ -105,7 +109,7 @@ async def floor_requests(n: int) -> None:
     for _ in range(n):
         raw = messages()
         chunks: list[bytes] = []
-        for b in raw[:3]:
+        for b in raw[:phases]:
             msg = decode(b)
             kind = msg.WhichOneof("request")
             if kind == "request_body":
@@ -124,7 +128,9 @@ async def main() -> None:
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", type=int, default=20, help="functions listed (0: no profile)")
+    ap.add_argument("--response-headers", action="store_true", help="send the third phase")
     args = ap.parse_args()
+    phases = 3 if args.response_headers else 2
     settings = Settings(endpoints=[ENDPOINT])
     settings = Settings(
         endpoints=[ENDPOINT],
@@ -139,12 +145,12 @@ async def main() -> None:
             budget=BodyBudget(limit=cfg.body_budget_bytes),
             body_timeout_s=cfg.body_timeout_s,
         )
-        await picker_requests(handler, app, 200)  # warm up
-        await floor_requests(200)
+        await picker_requests(handler, app, 200, phases)  # warm up
+        await floor_requests(200, phases)
         picker, floor = [], []
         for _ in range(args.rounds):
-            for out, run in ((picker, lambda: picker_requests(handler, app, args.requests)),
-                             (floor, lambda: floor_requests(args.requests))):  # fmt: skip
+            for out, run in ((picker, lambda: picker_requests(handler, app, args.requests, phases)),
+                             (floor, lambda: floor_requests(args.requests, phases))):  # fmt: skip
                 t0 = time.process_time()
                 await run()
                 out.append((time.process_time() - t0) / args.requests * 1e6)
@@ -155,7 +161,7 @@ async def main() -> None:
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()
-            await picker_requests(handler, app, args.requests)
+            await picker_requests(handler, app, args.requests, phases)
             prof.disable()
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile)

@@ -22,6 +22,7 @@ from extproc import protocol
 
 LbMode = Literal["original-dst", "override-host"]
 BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
+ResponseHeaders = Literal["auto", "send", "skip"]
 
 _T = "type.googleapis.com/envoy.extensions"
 
@@ -71,6 +72,14 @@ class BootstrapOptions:
     extproc_streams_per_connection: int = 100
     # How the request body reaches the picker (docs/gateways.md, "The cheapest exchange").
     request_body_mode: BodyMode = "FULL_DUPLEX_STREAMED"
+    # Whether Envoy sends the response headers to the picker (docs/gateways.md, "The
+    # cheapest exchange"). `send` (default) keeps the phase: response headers the picker
+    # adds (session tokens, predicted TTFT), flow control's admission and eviction window
+    # (both end with the ext_proc stream). `auto`: skipped when the access log reports each
+    # request's end, explanations are off and the request has one possible address
+    # (`skips_response_headers`); `skip`: always. Opt-in: the config cannot see the
+    # picker's profile.
+    response_headers: ResponseHeaders = "send"
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:
@@ -101,9 +110,10 @@ def _ext_proc_filter(opts: BootstrapOptions) -> dict[str, Any]:
             "failure_mode_allow": opts.fail_open,
             "processing_mode": {
                 "request_header_mode": "SEND",
-                # Response headers are observed (status, served endpoint); response bodies are
-                # not requested, so the picker's cost does not grow with output length.
-                "response_header_mode": "SEND",
+                # Response headers are observed (status, served endpoint) unless the access
+                # log reports them; response bodies are not requested, so the picker's cost
+                # does not grow with output length.
+                "response_header_mode": "SKIP" if skips_response_headers(opts) else "SEND",
                 "request_body_mode": opts.request_body_mode,
                 "response_body_mode": "NONE",
                 # FULL_DUPLEX_STREAMED is rejected unless the matching trailer mode is SEND.
@@ -122,6 +132,20 @@ def _ext_proc_filter(opts: BootstrapOptions) -> dict[str, Any]:
             "allow_mode_override": False,
         },
     }
+
+
+def skips_response_headers(opts: BootstrapOptions) -> bool:
+    """Whether the generated config leaves the response-header phase out (two of the six
+    ext_proc messages per request). `auto` skips only where nothing is lost: the access log
+    reports what the phase would have (request end, time to first byte, status, size), no
+    explanation is to be returned, and the request cannot be served elsewhere than the
+    pick (original-dst, or no retries), so in-flight counts need no correction mid-request.
+    Forced `skip` with fallbacks: the index follows the served endpoint when the entry
+    comes; the in-flight count stays on the pick until then."""
+    if opts.response_headers == "auto":
+        one_address = opts.lb == "original-dst" or opts.retries == 0
+        return opts.access_log and not opts.allow_explain and one_address
+    return opts.response_headers == "skip"
 
 
 def _picker_tls(opts: BootstrapOptions, host: str) -> dict[str, Any]:

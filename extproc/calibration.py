@@ -13,8 +13,13 @@ the two. `Calibration` owns the parse settings the router parses with and adjust
   once enough tokens are observed; foreign traffic on the same engine shows as a ratio out of
   bounds and that window is skipped.
 
-Both change the keys, and every change costs every recorded prefix its affinity (the index's
-old approximate entries stop matching and expire), so changes are rare by design. A window
+A change of block size changes the keys (block boundaries move, the index's old entries stop
+matching and expire); it comes once, from the first scrape, before most traffic. A change of
+bytes-per-token does not: the first one pins the key geometry (`key_bytes_per_token`, the
+value the keys were made with), so block boundaries stay where they were and only the token
+estimates (hence the tokens a block stands for, and capacity accounting) change. Before that,
+each change re-keyed every approximate prefix and the demo's approximate mode forgot what it
+had learned 4-7 times a run. Changes are still rare by design: a window
 pairs our placements with the engine's counter, and the two are never aligned (requests in
 flight are counted on one side only): with windows of one or two long prompts the measured
 ratio swung 4x, and bytes-per-token flipped 1 <-> 4 a dozen times per run. So a window must
@@ -80,7 +85,7 @@ class Calibration:
         self._windows: dict[str, _Window] = {}
         # A proposed bytes-per-token and how many windows in a row proposed it.
         self._proposal: tuple[int, int] | None = None
-        self.stats = CalibrationStats(settings.block_tokens, settings.bytes_per_token)
+        self.stats = CalibrationStats(settings.key_block_tokens, settings.bytes_per_token)
         # Told the factor every token estimate grows by when bytes-per-token changes (the
         # capacity model measures in those estimates: see extproc/index/capacity.py).
         self.on_units: list[Callable[[float], None]] = []
@@ -139,8 +144,10 @@ class Calibration:
 
     def _set(self, *, why: str, **changes: int) -> None:
         old_bpt = self.settings.bytes_per_token
+        if "bytes_per_token" in changes and self.settings.key_bytes_per_token is None:
+            changes = {**changes, "key_bytes_per_token": old_bpt}
         self.settings = msgspec.structs.replace(self.settings, **changes)
-        self.stats.block_tokens = self.settings.block_tokens
+        self.stats.block_tokens = self.settings.key_block_tokens
         self.stats.bytes_per_token = self.settings.bytes_per_token
         self.stats.changes += 1
         log.info("approximate keys recalibrated: %s (%s)", changes, why)

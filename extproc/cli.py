@@ -179,6 +179,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         extproc_ca_file=args.extproc_ca,
         allow_explain=args.allow_explain,
         extproc_workers=args.extproc_workers,
+        response_headers=args.response_headers,
     )
     try:
         sys.stdout.write(render_bootstrap(opts))
@@ -381,6 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-explain",
         action="store_true",
         help="let x-extproc-explain/x-extproc-decision cross the edge (trusted callers only)",
+    )
+    e.add_argument(
+        "--response-headers",
+        choices=("auto", "send", "skip"),
+        default="send",
+        help="send the response headers to the picker (default); auto: skip them when the "
+        "access log reports request ends, explanations are off and a request has one "
+        "address (-14 to -18%% picker CPU; not with flow control or profiles that add "
+        "response headers: docs/gateways.md)",
     )
     e.set_defaults(func=cmd_envoy_config)
 

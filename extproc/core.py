@@ -179,6 +179,28 @@ class EndpointState:
     attributes: Mapping[str, float] = field(default_factory=lambda: _EMPTY_FLOATS)
     prefill_tps: float | None = None
 
+    def with_prefill_tps(self, tps: float | None) -> EndpointState:
+        """This state with `prefill_tps` set. Spelled out, not `dataclasses.replace`: it runs
+        per candidate per request, and replace() looks every field up by name each call
+        (about twice the cost). tests/server/test_candidate_state.py checks it keeps every
+        field."""
+        return EndpointState(
+            self.waiting,
+            self.running,
+            self.kv_usage,
+            self.inflight_requests,
+            self.inflight_tokens,
+            self.age_s,
+            self.is_stale,
+            self.kv_block_size,
+            self.kv_blocks,
+            self.max_adapters,
+            self.running_adapters,
+            self.waiting_adapters,
+            self.attributes,
+            tps,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Candidate:

@@ -9,9 +9,10 @@ the admin API's explain endpoint and the tests call it directly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,13 +21,14 @@ from extproc.core import Candidate, Decision, Endpoint, EndpointState, Inference
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.inflight import InFlightCounter, Placement
 from extproc.endpoints.prefill_speed import PrefillSpeeds
-from extproc.endpoints.request_end import RequestEnds
+from extproc.endpoints.request_end import Ended, Late, RequestEnds
 from extproc.errors import ExtprocError, NoEndpoints
 from extproc.flowcontrol.controller import Ticket
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import EMPTY, KVIndex, Lookup
 from extproc.index.capacity import CapacityModel
 from extproc.scheduling import Scheduler
+from extproc.scheduling.framework import EstimateUnits
 
 log = logging.getLogger("extproc.router")
 
@@ -89,6 +91,12 @@ class RouterStats:
     prefix_blocks_matched: float = 0.0
     # Requests the proxy reports served by another endpoint than the pick.
     served_elsewhere: int = 0
+    # Decisions whose response headers (session token, predicted TTFT) never reached the
+    # client: the proxy skipped the response-header phase (envoy-config --response-headers).
+    response_headers_unsent: int = 0
+    # Flow-control tickets released at a stream that ended without response headers: the
+    # admission slot and the eviction window closed at the decision, not at the response.
+    admissions_without_response: int = 0
 
 
 class Router:
@@ -129,6 +137,8 @@ class Router:
         self._on_lookup = on_lookup
         self._on_placed = on_placed
         self.ends = ends
+        self._unsent_warned = -1e9  # last warning about unsent response headers
+        self._admission_warned = -1e9  # last warning about flow control without them
         self.speeds = speeds
         set_capacity = getattr(index, "set_capacity", None)
         self._capacity = (
@@ -162,6 +172,11 @@ class Router:
         """Token estimates are now `factor` times larger (approximate keys recalibrated)."""
         if self._capacity is not None:
             self._capacity.units_changed(factor)
+        if self.speeds is not None:
+            self.speeds.units_changed(factor)
+        for plugin in self.scheduler.plugins:
+            if isinstance(plugin, EstimateUnits):
+                plugin.units_changed(factor)
 
     def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
         """The CPU-bound half of `route` (parsing, block hashing), callable from a worker
@@ -245,25 +260,14 @@ class Router:
         """Scheduling proper: synchronous, so nothing changes between state and placement."""
         matches = lookup.matches
         inflight, states = self.inflight, self.states
-        cands = [
-            Candidate(
-                endpoint=e,
-                state=states.state(
-                    e.address, inflight.requests(e.address), inflight.tokens(e.address)
-                ),
-                prefix_blocks=matches.get(e.address, 0.0),
-            )
-            for e in endpoints
-        ]
-        speeds = self.speeds
-        if speeds is not None and speeds.samples:
-            cands = [
-                dataclasses.replace(
-                    c,
-                    state=dataclasses.replace(c.state, prefill_tps=speeds.get(c.endpoint.address)),
-                )
-                for c in cands
-            ]
+        speeds = self.speeds if self.speeds is not None and self.speeds.samples else None
+        cands = []
+        for e in endpoints:
+            a = e.address
+            state = states.state(a, inflight.requests(a), inflight.tokens(a))
+            if speeds is not None:
+                state = state.with_prefill_tps(speeds.get(a))
+            cands.append(Candidate(endpoint=e, state=state, prefix_blocks=matches.get(a, 0.0)))
         decision = self.scheduler.schedule(request, cands, explain=explain)
         if not decision.endpoints:
             raise NoEndpoints("no model-server endpoint is eligible for this request")
@@ -329,13 +333,84 @@ class Router:
             self.index.record(address, routed.request.block_keys)
         return dataclasses.replace(routed, placement=placement)
 
-    def finish(self, routed: Routed) -> None:
+    def _unseen(self, routed: Routed, then: Late | None) -> Late:
+        """What a request whose response headers the picker never saw needs from its
+        access-log entry, keeping only that: the hold lasts the whole request, so no prompt,
+        and block keys only when a fallback could serve it."""
+        keys = routed.request.block_keys if len(routed.decision.endpoints) > 1 else ()
+        learn = routed if routed.decided_at and self.scheduler.learns_from_responses else None
+        unsent = tuple(sorted(routed.decision.response_headers))
+        return functools.partial(
+            self._ended_unseen, routed.placement.address, keys, learn, unsent, then
+        )
+
+    def _ended_unseen(
+        self,
+        pick: str,
+        keys: Sequence[int],
+        learn: Routed | None,
+        unsent: tuple[str, ...],
+        then: Late | None,
+        entry: Ended | None,
+    ) -> None:
+        """The access-log entry (None: none came): the index follows the endpoint that
+        served (the in-flight count was released with the hold), plugins learning from
+        response timing get the time to the first byte, decision response headers that
+        could not be sent are counted; `then` sees the entry last."""
+        if entry is not None:
+            if entry.upstream and entry.upstream != pick:
+                self.stats.served_elsewhere += 1
+                if keys and self._record and self.index is not None:
+                    self.index.record(entry.upstream, keys)
+            elif learn is not None and entry.ttfb_s is not None:
+                self.scheduler.responded(learn.request, learn.decision, entry.ttfb_s)
+            if unsent and entry.status is not None:
+                self._count_unsent(unsent)
+        if then is not None:
+            then(entry)
+
+    def _admission_unseen(self) -> None:
+        self.stats.admissions_without_response += 1
+        now = time.monotonic()
+        if now - self._admission_warned > 60.0:
+            self._admission_warned = now
+            log.warning(
+                "flow control with a stream that ended before the response headers: if the "
+                "proxy skips that phase, admission slots and eviction end at the decision; "
+                "generate its config with `extproc envoy-config --response-headers send`",
+                extra={"total": self.stats.admissions_without_response},
+            )
+
+    def _count_unsent(self, names: tuple[str, ...]) -> None:
+        self.stats.response_headers_unsent += 1
+        now = time.monotonic()
+        if now - self._unsent_warned > 60.0:
+            self._unsent_warned = now
+            log.warning(
+                "decision response headers (%s) not sent: the proxy skips the "
+                "response-header phase; generate its config with "
+                "`extproc envoy-config --response-headers send`",
+                ", ".join(names),
+                extra={"unsent_total": self.stats.response_headers_unsent},
+            )
+
+    def finish(self, routed: Routed, *, responded: bool = True, then: Late | None = None) -> None:
         """The request's ext_proc stream ended (response headers seen, response done, client
         gone, or error): release its placement, or hold it until the access log says the
-        request itself ended (see `endpoints/request_end.py`)."""
+        request itself ended (see `endpoints/request_end.py`). `responded=False`: the stream
+        never saw the response headers (the proxy skips that phase), so the access-log entry
+        reports what they would have (see `_ended_unseen`; `then` sees the entry, or None,
+        once the request is over)."""
         if self.ends is not None:
-            self.ends.finish(routed.request.request_id, routed.placement)
+            late = None if responded else self._unseen(routed, then)
+            self.ends.finish(routed.request.request_id, routed.placement, late)
+            if responded and then is not None:
+                then(None)
         else:
             self.inflight.release(routed.placement)
+            if then is not None:
+                then(None)
         if routed.ticket is not None and self.admission is not None:
+            if not responded:
+                self._admission_unseen()
             self.admission.release(routed.ticket)

@@ -40,6 +40,19 @@ class PrefillSpeeds:
         self.samples += 1
         self._tps[address] = statistics.median(window)
 
+    def units_changed(self, factor: float) -> None:
+        """Token estimates are now `factor` times what they were (approximate mode changed
+        its bytes per token): every sample is rescaled, else for a whole window of samples
+        per server a prompt in the new unit would be priced at a speed in the old one (4x
+        off after a 4 -> 1 change)."""
+        if factor <= 0:
+            return
+        for window in self._samples.values():
+            scaled = [v * factor for v in window]
+            window.clear()
+            window.extend(scaled)
+        self._tps = {a: v * factor for a, v in self._tps.items()}
+
     def get(self, address: str) -> float | None:
         """The learned speed, else the fleet median, else None (nothing learned yet)."""
         tps = self._tps.get(address)

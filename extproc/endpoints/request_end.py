@@ -53,6 +53,13 @@ class Ended:
     request_id: str
     ttfb_s: float | None = None
     upstream: str = ""
+    status: int | None = None  # the response status sent downstream
+    response_bytes: int | None = None  # response body bytes sent downstream
+
+
+# Called once per hold: with its entry, or None when released without one (not held,
+# expired, pushed out).
+Late = Callable[[Ended | None], None]
 
 
 @dataclass(slots=True)
@@ -91,8 +98,9 @@ class RequestEnds:
         self._release = release
         self._on_end = on_end
         self._clock = clock
-        # request id -> (placement, deadline); insertion order is deadline order.
-        self._held: OrderedDict[str, tuple[Placement, float]] = OrderedDict()
+        # Insertion order is deadline order.
+        # request id -> (placement, deadline, what to tell when its entry comes).
+        self._held: OrderedDict[str, tuple[Placement, float, Late | None]] = OrderedDict()
         self._early: OrderedDict[str, float] = OrderedDict()
         self._last_log: float | None = None
         self._warned = 0.0
@@ -116,22 +124,26 @@ class RequestEnds:
             return False
         return self.on_unmatched is not None or self._unmatched_share < _SHARE_LIMIT
 
-    def finish(self, request_id: str, placement: Placement) -> None:
-        """The ext_proc stream of `request_id` ended: release now, or hold until the log."""
+    def finish(self, request_id: str, placement: Placement, late: Late | None = None) -> None:
+        """The ext_proc stream of `request_id` ended: release now, or hold until the log.
+        `late` sees the entry when it comes (what the skipped response-header phase would
+        have told: the served endpoint, the time to the first byte)."""
         now = self._clock()
         self.sweep(now)
         if not request_id or not self.holding or self._early.pop(request_id, None) is not None:
             self._release(placement)
+            if late is not None:
+                late(None)
             return
         previous = self._held.pop(request_id, None)
         if previous is not None:
             # The same id routed twice (a client reusing x-request-id): never leak the first.
-            self._release(previous[0])
-        self._held[request_id] = (placement, now + self.settings.max_hold_s)
+            self._drop(previous)
+        self._held[request_id] = (placement, now + self.settings.max_hold_s, late)
         if len(self._held) > self.settings.max_held:
-            _, (oldest, _) = self._held.popitem(last=False)
+            _, oldest = self._held.popitem(last=False)
             self.stats.expired += 1
-            self._release(oldest)
+            self._drop(oldest)
         self.stats.held = len(self._held)
 
     def ended(self, entry: Ended, *, forwarded: bool = False) -> bool:
@@ -161,18 +173,26 @@ class RequestEnds:
         self._release(held[0])
         if self._on_end is not None:
             self._on_end(held[0], entry)
+        if held[2] is not None:
+            held[2](entry)
         return True
+
+    def _drop(self, hold: tuple[Placement, float, Late | None]) -> None:
+        """Release a hold whose entry never came."""
+        self._release(hold[0])
+        if hold[2] is not None:
+            hold[2](None)
 
     def sweep(self, now: float | None = None) -> int:
         """Release holds past their deadline; returns how many."""
         now = self._clock() if now is None else now
         held, n = self._held, 0
         while held:
-            rid, (placement, deadline) = next(iter(held.items()))
-            if deadline > now:
+            rid, hold = next(iter(held.items()))
+            if hold[1] > now:
                 break
             del held[rid]
-            self._release(placement)
+            self._drop(hold)
             n += 1
         early = self._early
         while early and next(iter(early.values())) <= now:

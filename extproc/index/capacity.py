@@ -17,6 +17,14 @@ then mixes both units for the rest of the run: in the demo the ratio stayed ~1.6
 every server was credited with ~60% of what its cache really held and the index forgot the
 prefixes of groups that were still resident (they were spread like new prefixes). So
 `units_changed` carries the ratio over in the new unit and restarts the measurement.
+
+Replicas behind one gateway each place a share of a server's requests, while the engine
+counts them all: the ratio of totals would be the replica count times too high (3 replicas:
+each server credited with a third of its cache, and with a shared index the replicas trim
+it to that). So where the engine also counts its requests (`request_prompt_tokens`), the
+ratio is taken per request: real prompt tokens per request the engine finished (both from
+that histogram, so requests still running count in neither) over estimated tokens per
+request this picker placed, whatever share of the traffic it sees.
 """
 
 from __future__ import annotations
@@ -47,12 +55,15 @@ class CapacityModel:
         self._scraped = scraped
         self._sent: dict[str, int] = {}
         self._placed: dict[str, int] = {}  # estimated prompt tokens placed, per endpoint
-        self._base: dict[str, tuple[int, int]] = {}  # first (queries, placed) seen
+        self._requests: dict[str, int] = {}  # requests placed, per endpoint
+        # first (queries, placed, engine requests or -1, their prompt tokens, requests placed)
+        self._base: dict[str, tuple[int, int, int, float, int]] = {}
         self._n = 0
         self.ratio = 1.0  # real tokens per estimated token
 
     def placed(self, address: str, request: InferenceRequest) -> None:
         self._placed[address] = self._placed.get(address, 0) + request.prompt_tokens
+        self._requests[address] = self._requests.get(address, 0) + 1
 
     def units_changed(self, factor: float) -> None:
         """Every token estimate from now on is `factor` times what it was for the same prompt
@@ -87,18 +98,33 @@ class CapacityModel:
         if self._scraped is None:
             return
         real = est = 0
+        # The same, per request, over the endpoints whose engine counts its requests.
+        real_pr = est_pr = 0
+        served = ours = 0
         for c in cands:
             addr = c.endpoint.address
             s = self._scraped(addr)
             queries = getattr(s, "prefix_cache_queries", None)
             if queries is None:
                 continue
+            latency = getattr(s, "latency", None)
+            engine_n = int(latency.prompt_count) if latency is not None else -1
+            engine_tokens = latency.prompt_sum if latency is not None else 0.0
             placed = self._placed.get(addr, 0)
+            n = self._requests.get(addr, 0)
             base = self._base.get(addr)
-            if base is None or queries < base[0]:  # first sight, or the engine restarted
-                self._base[addr] = (queries, placed)
+            if base is None or queries < base[0] or engine_n < base[2]:
+                # First sight, or the engine restarted.
+                self._base[addr] = (queries, placed, engine_n, engine_tokens, n)
                 continue
             real += queries - base[0]
             est += placed - base[1]
-        if est >= _MIN_TOKENS and real > 0:
+            if base[2] >= 0 and engine_n > base[2] and n > base[4]:
+                real_pr += int(engine_tokens - base[3])
+                est_pr += placed - base[1]
+                served += engine_n - base[2]
+                ours += n - base[4]
+        if est_pr >= _MIN_TOKENS and real_pr > 0:
+            self.ratio = (real_pr / served) / (est_pr / ours)
+        elif est >= _MIN_TOKENS and real > 0:
             self.ratio = real / est

@@ -151,7 +151,7 @@ def parse_request(
     keys: tuple[int, ...] = ()
     if approximate_keys:
         limit = settings.max_blocks * settings.block_bytes
-        stream = canonical_stream(prompt, settings.bytes_per_token, limit)
+        stream = canonical_stream(prompt, settings.key_bpt, limit)
         keys = block_keys(
             stream, settings.block_bytes, approx_seed(base_model, lora_adapter, cache_salt)
         )
@@ -165,7 +165,7 @@ def parse_request(
         stream=bool(decoded.stream),
         prompt_tokens=tokens,
         block_keys=keys,
-        block_tokens=settings.block_tokens,
+        block_tokens=settings.key_block_tokens,
         media=distinct_media(prompt),
         lora_adapter=lora_adapter,
         cache_salt=cache_salt,

@@ -26,6 +26,8 @@ class ParseSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     - `block_tokens` (64) x `bytes_per_token` (4): approximate blocks of 256 canonical bytes.
       A media item weighs `tokens * bytes_per_token` bytes, so an image blocks like its cost.
+      `key_bytes_per_token`, when set, replaces `bytes_per_token` in both (the key geometry)
+      while token estimates keep using `bytes_per_token`: see the field.
     - `max_blocks` (2048): blocks hashed per request, 512 KB of stream, ~128k tokens. Token
       estimates still cover the whole prompt.
     - `image_estimators`: first `model_glob` match wins (Qwen3-VL 1024 px/token, Qwen2-VL
@@ -57,10 +59,25 @@ class ParseSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Approximate keys follow the engines: `block_tokens` from their reported KV block size,
     # `bytes_per_token` from their prompt-token counts (extproc/calibration.py).
     calibrate: bool = True
+    # Bytes per token of the key geometry (block bytes, media placeholder width); None means
+    # `bytes_per_token`. Calibration pins it to the value the keys were made with before it
+    # first changes `bytes_per_token`: a better token estimate then never moves a block
+    # boundary, so every prefix recorded before the change still matches after it.
+    key_bytes_per_token: _Positive | None = None
+
+    @property
+    def key_bpt(self) -> int:
+        return self.key_bytes_per_token or self.bytes_per_token
 
     @property
     def block_bytes(self) -> int:
-        return self.block_tokens * self.bytes_per_token
+        return self.block_tokens * self.key_bpt
+
+    @property
+    def key_block_tokens(self) -> int:
+        """Estimated tokens one approximate block covers: `block_tokens` until calibration
+        changes `bytes_per_token` under a pinned key geometry, then scaled by the change."""
+        return max(1, round(self.block_bytes / self.bytes_per_token))
 
     def image_estimator(self, model: str) -> ImageEstimator:
         """The estimator for `model` (first glob match, case-blind)."""

@@ -96,6 +96,15 @@ class Binds(Protocol):
     def bind(self, plugins: Mapping[str, object]) -> None: ...
 
 
+@runtime_checkable
+class EstimateUnits(Protocol):
+    """A plugin that keeps figures in estimated tokens: told when every estimate becomes
+    `factor` times what it was for the same prompt (approximate mode recalibrated its bytes
+    per token), so figures learned before are not mixed with those after."""
+
+    def units_changed(self, factor: float) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ProfileResult:
     """What one profile chose: candidates in preference order (may be empty)."""
@@ -289,6 +298,11 @@ class Scheduler:
         """Tell learning plugins where a request was sent."""
         for obs in self._observers:
             obs.observe(req, cands, decision)
+
+    @property
+    def learns_from_responses(self) -> bool:
+        """Whether any plugin learns from response timing (`responded` does something)."""
+        return bool(self._response_observers)
 
     def responded(self, req: InferenceRequest, decision: Decision, elapsed_s: float) -> None:
         """Tell plugins that learn from response timing when the response headers came."""

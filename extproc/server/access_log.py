@@ -2,7 +2,8 @@
 entries tell the picker that a request has ended (see `endpoints/request_end.py`).
 
 Envoy keeps one client stream open per worker and sends batches of HTTP entries on it; we
-read the request id, the time to the first upstream byte and the upstream address of each,
+read the request id, the time to the first upstream byte, the upstream address, the status
+and the response body size of each,
 and never answer until the stream ends (the protocol's response is empty).
 """
 
@@ -34,7 +35,11 @@ def entries(msg: pb.StreamAccessLogsMessage) -> list[Ended]:
         if common.HasField("upstream_remote_address"):
             sa = common.upstream_remote_address.socket_address
             upstream = f"{sa.address}:{sa.port_value}"
-        out.append(Ended(e.request.request_id, ttfb, upstream))
+        status = size = None
+        if e.response.HasField("response_code"):
+            status = e.response.response_code.value
+            size = e.response.response_body_bytes
+        out.append(Ended(e.request.request_id, ttfb, upstream, status, size))
     return out
 
 

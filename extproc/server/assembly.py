@@ -141,6 +141,7 @@ class Parts:
             speeds=self.speeds,
         )
         self.calibration.on_units.append(self.router.estimate_units_changed)
+        self.shared_sessions = self._share_sessions()
         self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
         self.latency = latency_wiring.learners(
@@ -180,6 +181,23 @@ class Parts:
 
         pid = getattr(self.inflight, "process_id", None) or default_process_id()
         return SharedRequestEnds.from_url(url, self.ends, process_id=pid)
+
+    def _share_sessions(self):
+        """Replicas sharing a Redis index share the live-session record too."""
+        idx = self.settings.index
+        if idx.backend != "redis" or not idx.redis_url:
+            return None
+        from extproc.endpoints.shared_inflight import default_process_id
+        from extproc.scheduling.shared_sessions import SharedSessions
+
+        records = SharedSessions.records(self.router.scheduler.plugins)
+        if not records:
+            return None
+        pid = getattr(self.inflight, "process_id", None) or default_process_id()
+        window = max(r.window_s for r in records.values())
+        return SharedSessions.from_url(
+            idx.redis_url, records, cluster=idx.cluster, process_id=pid, window_s=window
+        )
 
     def _build_admission(self):
         """Flow control (docs/flow-control.md), when configured: the router's admission hook."""

@@ -107,6 +107,19 @@ class Exporter:
                 "1 while peers' in-flight counts are unknown (Redis failing): local counts only.",
                 1.0 if p.inflight.is_degraded else 0.0,
             )
+        if p.shared_sessions is not None:
+            yield from fam.SHARED_SESSIONS.families(p.shared_sessions.stats)
+            yield one(
+                "extproc_shared_sessions_degraded",
+                "1 while the live-session record is not shared (Redis failing): new sessions "
+                "are bounded by this replica's own placements.",
+                1.0 if p.shared_sessions.is_degraded else 0.0,
+            )
+            yield one(
+                "extproc_shared_sessions_live",
+                "Live sessions in this replica's record (every replica's placements).",
+                p.shared_sessions.live,
+            )
         if p.subscriber is not None:
             yield from self._kv_events()
         if self._kube:

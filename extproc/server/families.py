@@ -102,6 +102,18 @@ ROUTER = StatsFamilies(
             "Requests the proxy reported served by another endpoint than the pick (a retry "
             "walked the fallback list); in-flight and index followed the served one.",
         ),
+        "response_headers_unsent": Stat(
+            "extproc_response_headers_unsent",
+            "Decisions whose response headers (session token, predicted TTFT) never reached "
+            "the client: the proxy skips the response-header phase (envoy-config "
+            "--response-headers send keeps it).",
+        ),
+        "admissions_without_response": Stat(
+            "extproc_admissions_without_response",
+            "Flow-control tickets released at a stream that ended before the response headers "
+            "(client gone, or the proxy skips that phase: admission and eviction then end at "
+            "the decision).",
+        ),
     },
 )
 
@@ -276,6 +288,34 @@ SHARED_INFLIGHT = StatsFamilies(
     },
 )
 
+SHARED_SESSIONS = StatsFamilies(
+    "extproc.scheduling.shared_sessions.SharedSessionsStats",
+    {
+        "exchanges": Stat(
+            "extproc_shared_sessions_exchanges",
+            "Successful exchanges of live-session placements with Redis.",
+        ),
+        "errors": Stat(
+            "extproc_shared_sessions_errors",
+            "Failed exchanges of live-session placements with Redis.",
+        ),
+        "published": Stat(
+            "extproc_shared_sessions_published", "Session placements published to peers."
+        ),
+        "applied": Stat(
+            "extproc_shared_sessions_applied", "Peers' session placements applied here."
+        ),
+        "dropped": Stat(
+            "extproc_shared_sessions_dropped",
+            "Session placements never published (queue full while Redis failed).",
+        ),
+        "bad_entries": Stat(
+            "extproc_shared_sessions_bad_entries",
+            "Stream entries that could not be decoded (skipped).",
+        ),
+    },
+)
+
 CALIBRATION = StatsFamilies(
     "extproc.calibration.CalibrationStats",
     {
@@ -398,6 +438,16 @@ LATENCY_MODEL = StatsFamilies(
             "extproc_latency_token_rescales",
             "Token scale taken whole (not blended) because the picker's estimates changed.",
         ),
+        "rescaled_speed": Stat(
+            "extproc_latency_speed_rescales",
+            "Reopened fits scaled at once by one whole prefill far off them (a sudden "
+            "slowdown shows before the fit re-learns).",
+        ),
+        "late_heads": Stat(
+            "extproc_latency_late_head_predictions",
+            "Predictions priced at the speed a late unfinished placement shows "
+            "(the endpoint slowed since its fit).",
+        ),
     },
 )
 
@@ -405,7 +455,7 @@ LATENCY_MODEL = StatsFamilies(
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
-    CALIBRATION, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
+    SHARED_SESSIONS, CALIBRATION, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
 )  # fmt: skip
 
 

@@ -211,6 +211,9 @@ class Lifecycle(Parts):
         if self.shared_ends is not None:
             self.spawn("shared-request-ends", self.shared_ends.run)
             self._exits.push_async_callback(self.shared_ends.aclose)
+        if self.shared_sessions is not None:
+            self.spawn("shared-sessions", self.shared_sessions.run)
+            self._exits.push_async_callback(self.shared_sessions.aclose)
 
     async def _start(self, cfg) -> None:
         handler = StreamHandler.from_settings(self.router, cfg, self.metrics)

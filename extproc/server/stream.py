@@ -30,6 +30,7 @@ operator-issued token in `x-extproc-explain` (`server.explain_tokens`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -42,6 +43,7 @@ import orjson
 
 from extproc import protocol
 from extproc.core import Decision
+from extproc.endpoints.request_end import Ended
 from extproc.errors import (
     BadRequest,
     BodyBudgetExhausted,
@@ -52,11 +54,12 @@ from extproc.errors import (
 from extproc.router import Routed, Router
 from extproc.server import wire
 from extproc.server.guard import PeerAllowList, Throttle
-from extproc.server.limits import BodyBudget, BodyDeadline
+from extproc.server.limits import BodyBudget, BodyDeadline, DeadlineSweeper
 from extproc.server.metrics import PickerMetrics
 
 if TYPE_CHECKING:
     from extproc.config import ServerSettings
+    from extproc.server.llmd_metrics import RequestMetrics
 
 log = logging.getLogger("extproc.stream")
 
@@ -127,6 +130,7 @@ class StreamHandler:
         self._throttle = Throttle()
         self._warned: set[int] = set()  # body modes already logged as "routing on headers"
         self._replies = wire.DecisionReplies()
+        self._sweeper = DeadlineSweeper(min(1.0, body_timeout_s / 4))
 
     @classmethod
     def from_settings(
@@ -161,7 +165,9 @@ class StreamHandler:
             self._explain_tokens,
             self._replies,
         )
-        deadline = BodyDeadline(self._body_timeout_s)
+        deadline = BodyDeadline(
+            self._body_timeout_s, task=asyncio.current_task(), sweeper=self._sweeper
+        )
         state.deadline = deadline
         it = aiter(requests)
         try:
@@ -179,9 +185,19 @@ class StreamHandler:
                         msg = got
                     elif left is None:
                         msg = await anext(it)
+                    elif left <= 0:
+                        raise TimeoutError
                     else:
-                        async with asyncio.timeout(max(left, 0.0)):
+                        # The sweeper cuts this read at the deadline (`limits`).
+                        deadline.reading = True
+                        try:
                             msg = await anext(it)
+                        except asyncio.CancelledError:
+                            if not deadline.take_fired():
+                                raise
+                            raise TimeoutError from None
+                        finally:
+                            deadline.reading = False
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
@@ -244,6 +260,7 @@ class _Stream:
         "mode",
         "obs",
         "replies",
+        "responded",
         "response_mode",
         "routed",
         "router",
@@ -278,6 +295,7 @@ class _Stream:
         self.chunks: list[bytes] = []
         self.body_len = 0
         self.routed: Routed | None = None
+        self.responded = False  # the response headers came (the proxy may skip them)
         self.eviction: asyncio.Future[None] | None = None
         self.explain = False
         self.done = False
@@ -493,6 +511,7 @@ class _Stream:
         routed = self.routed
         if routed is None:
             return wire.CONTINUE_RESPONSE_HEADERS
+        self.responded = True
         served = wire.served_endpoint(msg)
         if served is not None and served != routed.placement.address:
             routed = self.routed = self.router.served(routed, served)
@@ -503,9 +522,23 @@ class _Stream:
         return wire.response_headers_with(extra) if extra else wire.CONTINUE_RESPONSE_HEADERS
 
     def close(self) -> None:
-        """The stream ended, however it ended: release what the decision placed."""
-        self.obs.close()
+        """The stream ended, however it ended: release what the decision placed. Without
+        the response headers (the proxy skips that phase), llm-d's request families wait
+        for the access-log entry: its status and size stand in for the headers'."""
         self._release_body()
-        if self.routed is not None:
-            self.router.finish(self.routed)
-            self.routed = None
+        routed, self.routed = self.routed, None
+        if routed is None or self.responded:
+            self.obs.close()
+            if routed is not None:
+                self.router.finish(routed)
+            return
+        # The obs alone, not this stream: the hold lasts the whole request.
+        self.router.finish(routed, responded=False, then=functools.partial(_ended, self.obs))
+
+
+def _ended(obs: RequestMetrics, entry: Ended | None) -> None:
+    """llm-d's request families of a stream that never saw its response headers, closed with
+    the access-log entry (status and size), or without it when none came."""
+    if entry is not None and entry.status is not None:
+        obs.response(str(entry.status), str(entry.response_bytes))
+    obs.close()

@@ -59,6 +59,37 @@ def test_a_change_of_characters_per_token_tells_the_listeners_by_how_much_estima
     assert factors == [2.0]
 
 
+def test_a_change_of_characters_per_token_keeps_every_block_key() -> None:
+    # Keys made before the change must match after it (else the index forgets every recorded
+    # prefix); only the tokens a block stands for follow the new estimate.
+    chat = orjson.dumps({"model": "m", "messages": [
+        {"role": "system", "content": "s" * 3000},
+        {"role": "user", "content": [
+            {"type": "text", "text": "look"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 64}},
+        ]},
+    ]})  # fmt: skip
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    cal.observe("a:1", 16, 0)  # a block size change re-keys: it comes first, once
+    before = [cal("/v1/completions", {}, BODY), cal("/v1/chat/completions", {}, chat)]
+    assert before[0].block_tokens == 16 and len(before[0].block_keys) == 4000 // 64
+    at = 0
+    for _ in range(2):  # 2 characters per token
+        at = window(cal, at, 68_000, requests=34)
+    assert cal.settings.bytes_per_token == 2 and cal.settings.key_bytes_per_token == 4
+    after = [cal("/v1/completions", {}, BODY), cal("/v1/chat/completions", {}, chat)]
+    for b, a in zip(before, after, strict=True):
+        assert a.block_keys == b.block_keys
+        assert a.block_tokens == 32 and a.prompt_tokens > b.prompt_tokens
+    assert after[0].prompt_tokens == 2 * before[0].prompt_tokens  # media keep their cost
+    assert cal.stats.block_tokens == 32
+    for _ in range(2):  # and again, to 1: the geometry stays the first one
+        at = window(cal, at, 68_000, requests=17)
+    assert cal.settings.bytes_per_token == 1 and cal.settings.key_bytes_per_token == 4
+    assert cal("/v1/completions", {}, BODY).block_keys == before[0].block_keys
+    assert cal("/v1/completions", {}, BODY).block_tokens == 64
+
+
 def test_windows_that_disagree_or_sit_near_the_current_value_change_nothing() -> None:
     # Windows swinging 4x either way (a long prompt in flight on one side of the window's
     # edge) propose 8, then 2, then 8 ...: never twice in a row.

@@ -92,6 +92,19 @@ def test_prefill_speed_is_the_median_of_tokens_over_ttfb():
     assert sp.get("c") == 12500  # unmeasured: the fleet's median
 
 
+def test_prefill_speeds_follow_a_change_of_token_estimates():
+    # Calibration made every estimate 4x larger: the speeds learned in the old unit scale
+    # with them, and new samples in the new unit join the same window without a jump.
+    sp = PrefillSpeeds()
+    for _ in range(3):
+        sp.observe("a", 5000, 1.0)
+    sp.units_changed(4.0)
+    assert sp.get("a") == 20000
+    sp.observe("a", 20000, 1.0)
+    sp.observe("a", 20000, 1.0)
+    assert sp.get("a") == 20000
+
+
 def test_auto_mode_stops_holding_when_entries_are_mostly_for_other_replicas():
     inflight, _, ends, _ = make()
     for i in range(100):

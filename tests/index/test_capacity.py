@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from extproc.core import Candidate, Endpoint, EndpointState, InferenceRequest
+from extproc.core import Candidate, Endpoint, EndpointState, InferenceRequest, LatencyTotals
 from extproc.index.capacity import CapacityModel
 from extproc.index.memory import MemoryKVIndex
 
@@ -27,6 +27,7 @@ def test_per_endpoint_capacity_drops_the_least_recently_written_prefixes():
 @dataclass(frozen=True)
 class Scrape:
     prefix_cache_queries: int
+    latency: LatencyTotals | None = None
 
 
 def req(tokens: int) -> InferenceRequest:
@@ -75,3 +76,22 @@ def test_a_change_of_estimate_units_carries_the_ratio_over_and_restarts_the_meas
     for _ in range(32):
         model.update(req(100), cands)
     assert abs(model.ratio - 0.75) < 1e-9  # measured anew: no old-unit estimates in it
+
+
+def test_a_replica_placing_a_third_of_the_requests_measures_the_same_ratio():
+    # Three replicas behind one gateway: this one placed 32 of the 96 requests the engine
+    # served, 1,000 estimated tokens each, 3,000 real tokens each. Totals alone would give
+    # 9.0 (every server credited with a third of its cache); per request it is 3.0.
+    sent: dict[str, int] = {}
+    state = {"a": Scrape(0, LatencyTotals())}
+    model = CapacityModel(sent.__setitem__, lambda addr: state[addr])
+    cands = [Candidate(Endpoint("a"), EndpointState(kv_blocks=1000, kv_block_size=16))]
+    model.update(req(100), cands)  # the base
+    for _ in range(32):
+        model.placed("a", req(1000))
+    # 8 more were still running: counted by the prefix-cache queries, not by the histogram.
+    state["a"] = Scrape(104 * 3000, LatencyTotals(prompt_sum=96 * 3000.0, prompt_count=96))
+    for _ in range(32):
+        model.update(req(100), cands)
+    assert abs(model.ratio - 3.0) < 1e-9
+    assert sent["a"] == int(1000 * 16 / (64 * 3.0))

@@ -27,6 +27,11 @@ def turn(session: int, n: int) -> InferenceRequest:
     return dataclasses.replace(req(tokens=64 * (len(SHARED) + len(own))), block_keys=SHARED + own)
 
 
+def held(session: int, n: int) -> int:
+    """Blocks of turn `n + 1` the server that took turn `n` holds (its whole prompt)."""
+    return len(turn(session, n).block_keys)
+
+
 def place(f: BoundedSessionsFilter, r: InferenceRequest, cands: Sequence[Candidate]) -> str:
     """Filter, then send to the first survivor holding the most (as a cache scorer would)."""
     kept = f.filter(r, cands)
@@ -48,9 +53,10 @@ def test_new_sessions_on_a_shared_prompt_spread_evenly_and_turns_stay_home():
     # Later turns continue their chains: never filtered, counted once.
     for s in range(6):
         r = turn(s, 1)
-        assert f.continues(r) and f.home(r) == home[s]
-        assert f.filter(r, [cand(a) for a in "abc"]) == [cand(a) for a in "abc"]
-        f.observe(r, [], Decision(endpoints=(cand(home[s]).endpoint,)))
+        cands = [cand(a, prefix=held(s, 0) if a == home[s] else 0) for a in "abc"]
+        assert f.continues(r, cands) and f.home(r, cands) == home[s]
+        assert f.filter(r, cands) == cands
+        f.observe(r, cands, Decision(endpoints=(cand(home[s]).endpoint,)))
     assert f.sessions.counts() == {"a": 2, "b": 2, "c": 2}
 
 
@@ -70,8 +76,8 @@ def test_sessions_expire_and_a_moved_session_counts_where_it_went():
     sessions = LiveSessions(window_s=10.0, max_sessions=100, clock=clock)
     sessions.touch(None, "a", turn(0, 0).block_keys)
     sessions.touch(None, "a", turn(1, 0).block_keys)
-    chain = sessions.find(turn(0, 1).block_keys)
-    assert chain is not None and sessions.find(turn(2, 0).block_keys) is None
+    chain = sessions.find(turn(0, 1).block_keys, [held(0, 0)])
+    assert chain is not None and sessions.find(turn(2, 0).block_keys, [len(SHARED)]) is None
     sessions.touch(chain, "b", turn(0, 1).block_keys)  # moved: one session each
     assert sessions.counts() == {"a": 1, "b": 1}
     clock.advance(11.0)
@@ -83,7 +89,7 @@ def test_the_record_is_bounded():
     for s in range(10):
         sessions.touch(None, "a", turn(s, 0).block_keys)
     assert len(sessions) == 3 and sessions.counts() == {"a": 3}
-    assert sessions.find(turn(0, 1).block_keys) is None  # the oldest were forgotten
+    assert sessions.find(turn(0, 1).block_keys, [held(0, 0)]) is None  # the oldest forgotten
 
 
 def test_tail_scorer_keeps_a_later_turn_home_and_has_no_opinion_on_new_sessions():
@@ -93,9 +99,10 @@ def test_tail_scorer_keeps_a_later_turn_home_and_has_no_opinion_on_new_sessions(
     cands = [cand(a) for a in "abc"]
     assert scorer.score(turn(0, 0), cands) == [1.0, 1.0, 1.0]
     f.observe(turn(0, 0), cands, Decision(endpoints=(cands[1].endpoint,)))
-    assert scorer.score(turn(0, 1), cands) == [0.0, 1.0, 0.0]
+    later = [cand(a, prefix=held(0, 0) if a == "b" else 0) for a in "abc"]
+    assert scorer.score(turn(0, 1), later) == [0.0, 1.0, 0.0]
     # Its home filtered out (or gone): no preference among the rest.
-    assert scorer.score(turn(0, 1), [cands[0], cands[2]]) == [1.0, 1.0]
+    assert scorer.score(turn(0, 1), [later[0], later[2]]) == [1.0, 1.0]
 
 
 def test_bounded_load_leaves_later_turns_to_the_scorers():
@@ -106,6 +113,7 @@ def test_bounded_load_leaves_later_turns_to_the_scorers():
     first = turn(0, 0)
     assert addrs(load.filter(first, busy)) == ["b", "c"]  # a new session: bounded
     f.observe(first, busy, Decision(endpoints=(busy[0].endpoint,)))
+    busy[0] = cand("a", inflight_requests=6, prefix=held(0, 0))
     assert addrs(load.filter(turn(0, 1), busy)) == ["a", "b", "c"]  # its next turn: not
 
 
@@ -134,3 +142,34 @@ def test_bounded_load_counts_a_servers_scraped_queue():
     assert addrs(load.filter(req(blocks=3), cands)) == ["b"]  # 12 > 1.25 x 15 / 2 + 1
     stale = [cand("a", running=2, waiting=10, age_s=None), cand("b", inflight_requests=2)]
     assert addrs(load.filter(req(blocks=3), stale)) == ["a", "b"]  # old figures: not counted
+
+
+def test_a_continuation_is_found_near_the_match_only():
+    sessions = LiveSessions(window_s=1e9, max_sessions=100)
+    sessions.touch(None, "a", turn(0, 3).block_keys)
+    later = turn(0, 80).block_keys  # 434 blocks; the tail of turn 3 is block 48
+    assert sessions.find(later, []) is None  # beyond the scan of the last 256 blocks
+    assert sessions.find(turn(0, 40).block_keys, []) is not None  # 234 blocks: within it
+    assert sessions.find(later, [0.0, 49.0]) is not None  # the approximate index's match
+    # Precise keys: the engine cached the previous answer too (the match runs past the tail),
+    # or a lower tier weighs the match down (rounded up; the tail is one block back).
+    assert sessions.find(later, [49 + 40]) is not None
+    assert sessions.find(later, [48.4]) is not None
+    # Far past the tail (another session's longer match): out of the probe's reach.
+    assert sessions.find(later, [49 + 70]) is None
+    assert sessions.find(later, [49 + 70, 49]) is not None
+
+
+def test_a_peer_placement_continues_the_same_chain_here():
+    a, b = (LiveSessions(window_s=10.0, max_sessions=100, clock=ManualClock()) for _ in "ab")
+    published: list = []
+    a.on_touch = published.append
+    b.on_touch = published.append
+    a.touch(None, "x", turn(0, 0).block_keys)  # replica a starts the session
+    b.apply(published.pop())
+    chain = b.find(turn(0, 1).block_keys, [held(0, 0)])
+    assert chain is not None
+    b.touch(chain, "y", turn(0, 1).block_keys)  # replica b places its next turn elsewhere
+    a.apply(published.pop())
+    assert a.counts() == b.counts() == {"y": 1}
+    assert a.endpoint(a.find(turn(0, 2).block_keys, [held(0, 1)])) == "y"

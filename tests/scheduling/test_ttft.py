@@ -104,3 +104,17 @@ def test_other_replicas_inflight_prefill_counts_as_a_queue():
     b = cand("b", prefill_tps=6400.0)  # 1 s to recompute
     s = sc.score(r, [a, b])
     assert s[1] == 1.0 and s[0] < 0.6
+
+
+def test_a_change_of_token_estimates_rescales_the_mean_queued_prefill():
+    # Calibration made every estimate 4x larger (and the measured speeds with them): the
+    # queue of 3 scraped waiting requests must cost the same time before and after.
+    sc = PredictedTTFTScorer(clock=Clock())
+    for _ in range(40):
+        place(sc, req(blocks=100, tokens=1600), [cand("z", prefill_tps=1e9)], "z")
+    r = req(blocks=100, tokens=1600)
+    before = sc.predict(r, cand("a", prefix=100, prefill_tps=1600.0, waiting=3), 100.0)
+    sc.units_changed(4.0)
+    r4 = req(blocks=100, tokens=6400)
+    after = sc.predict(r4, cand("a", prefix=100, prefill_tps=6400.0, waiting=3), 100.0)
+    assert after > 0.5 and abs(after - before) < 1e-6

@@ -18,9 +18,14 @@ share (by KV capacity) of all live sessions. The hot shared prefix is thereby re
 more servers, deliberately and early, and each session's later turns are left to the
 scorers (its tail pulls it back where it grew). Continuations are never filtered.
 
-The record is this picker's own (replicas sharing a Redis index each balance the sessions
-they place; a turn placed by another replica looks like a new session here, which
-over-counts every server alike).
+A continuation is looked for near the lengths the index matched (the previous turn was
+recorded, or cached, up to its end, so its tail sits at the longest match or a few blocks
+before it), then in the request's last few hundred blocks: a bounded number of dict probes,
+not a scan of the whole request (2,048 blocks and more for a long context).
+
+With a Redis index, replicas share the record (scheduling/shared_sessions.py): each publishes
+its placements and applies the others', so every replica counts every server's sessions and
+finds a session's tail whichever replica placed its last turn.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
@@ -40,6 +45,15 @@ from extproc.errors import ConfigError
 # Tail keys kept per chain: the last full block of a turn is normally inside the next turn,
 # but a template may rewrite the last block when the assistant's answer follows it.
 _TAIL_KEYS = 2
+# Blocks probed back from a matched length: with precise keys the engine also caches the
+# previous answer, so the match runs past the previous prompt's tail by that answer's blocks.
+_PROBE_BACK = 64
+# Blocks scanned back from a request's end when no match length leads to a tail: a turn
+# adds fewer (a tool result, a user message), a new session pays this much, not its length.
+_SCAN_TAIL = 256
+
+# (previous tail keys or (), endpoint, new tail keys): one placement, as replicas share it.
+Touch = tuple[tuple[int, ...], str, tuple[int, ...]]
 
 
 @dataclass(slots=True)
@@ -63,20 +77,38 @@ class LiveSessions:
         self._by_key: dict[int, int] = {}  # tail key -> chain id
         self._counts: dict[str, int] = {}
         self._next_id = 0
+        # Called with each placement made here (replicas publish it, see shared_sessions).
+        self.on_touch: Callable[[Touch], None] | None = None
 
     def __len__(self) -> int:
         return len(self._chains)
 
-    def find(self, block_keys: Sequence[int]) -> int | None:
-        """The live chain this request continues, or None (a new session). Scans from the
-        end: a continuation's tail sits near its own end, a new session's nowhere."""
+    @property
+    def window_s(self) -> float:
+        return self._window
+
+    def find(self, block_keys: Sequence[int], matched: Iterable[float] = ()) -> int | None:
+        """The live chain this request continues, or None (a new session). `matched`: the
+        blocks each endpoint holds of the request (the index's answer); the previous turn's
+        tail is probed at and up to `_PROBE_BACK` blocks before each distinct match length,
+        longest first, then in the request's last `_SCAN_TAIL` blocks (a shared index may
+        not show the previous turn yet: another replica's write still on its way)."""
         by_key = self._by_key
-        if not by_key or by_key.keys().isdisjoint(block_keys):
-            return None  # checked at C speed: a long new prompt must not cost a loop per key
-        for key in reversed(block_keys):
-            chain = by_key.get(key)
-            if chain is not None:
-                return chain
+        n = len(block_keys)
+        if not by_key or not n:
+            return None
+        # Tier weights make a match fractional: round up, the probe walks back anyway.
+        ends = sorted({min(n, math.ceil(m)) for m in matched if m > 0}, reverse=True)
+        # At most `_PROBE_BACK` per match length plus `_SCAN_TAIL` dict lookups, whatever the
+        # prompt's length: a long new prompt must not cost a loop per key (a window
+        # may overlap another: probing a key twice is cheaper than tracking what was done).
+        windows = [(end - 1, max(0, end - _PROBE_BACK) - 1) for end in ends]
+        windows.append((n - 1, max(0, n - _SCAN_TAIL) - 1))
+        for top, stop in windows:
+            for i in range(top, stop, -1):
+                chain = by_key.get(block_keys[i])
+                if chain is not None:
+                    return chain
         return None
 
     def endpoint(self, chain_id: int) -> str | None:
@@ -93,13 +125,30 @@ class LiveSessions:
         """`block_keys` were placed on `endpoint`, continuing `chain_id` (None: a new one)."""
         if not block_keys:
             return
-        now = self._clock()
+        old = self._chains.get(chain_id) if chain_id is not None else None
+        tail = tuple(block_keys[-_TAIL_KEYS:])
+        self._place(chain_id, endpoint, tail, self._clock())
+        if self.on_touch is not None:
+            self.on_touch((old.keys if old is not None else (), endpoint, tail))
+
+    def apply(self, touch: Touch, age_s: float = 0.0) -> None:
+        """A placement another replica made `age_s` ago: continues the chain ending on its
+        previous tail keys (if still live here), as `touch` does."""
+        prev, endpoint, tail = touch
+        if not tail:
+            return
+        chain_id = next((c for k in prev if (c := self._by_key.get(k)) is not None), None)
+        self._place(chain_id, endpoint, tail, self._clock() - max(0.0, age_s))
+
+    def _place(
+        self, chain_id: int | None, endpoint: str, tail: tuple[int, ...], now: float
+    ) -> None:
         if chain_id is not None and (old := self._chains.pop(chain_id, None)) is not None:
             self._forget(old)
         else:
             chain_id = self._next_id
             self._next_id += 1
-        chain = _Chain(endpoint, now, tuple(block_keys[-_TAIL_KEYS:]))
+        chain = _Chain(endpoint, now, tail)
         self._chains[chain_id] = chain
         for key in chain.keys:
             prev = self._by_key.get(key)
@@ -170,27 +219,29 @@ class BoundedSessionsFilter:
         # The continuation found while filtering, reused by `observe` for the same request.
         self._last: tuple[InferenceRequest, int | None] | None = None
 
-    def _chain(self, req: InferenceRequest) -> int | None:
+    def _chain(self, req: InferenceRequest, cands: Sequence[Candidate]) -> int | None:
+        # Looked up once per request, by the first plugin to ask (this filter comes first,
+        # seeing every candidate's match); later asks with fewer candidates reuse it.
         last = self._last
         if last is not None and last[0] is req:
             return last[1]
-        chain = self.sessions.find(req.block_keys)
+        chain = self.sessions.find(req.block_keys, [c.prefix_blocks for c in cands])
         self._last = (req, chain)
         return chain
 
-    def continues(self, req: InferenceRequest) -> bool:
+    def continues(self, req: InferenceRequest, cands: Sequence[Candidate]) -> bool:
         """Whether `req` is a later turn of a live session."""
-        return bool(req.block_keys) and self._chain(req) is not None
+        return bool(req.block_keys) and self._chain(req, cands) is not None
 
-    def home(self, req: InferenceRequest) -> str | None:
+    def home(self, req: InferenceRequest, cands: Sequence[Candidate]) -> str | None:
         """The endpoint holding the tail of the session `req` continues (None: a new one)."""
         if not req.block_keys:
             return None
-        chain = self._chain(req)
+        chain = self._chain(req, cands)
         return None if chain is None else self.sessions.endpoint(chain)
 
     def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
-        if len(cands) < 2 or not req.block_keys or self._chain(req) is not None:
+        if len(cands) < 2 or not req.block_keys or self._chain(req, cands) is not None:
             return cands
         if not any(c.prefix_blocks for c in cands):
             # A prefix nobody holds joins no group: spreading it is load's business (and
@@ -219,7 +270,7 @@ class BoundedSessionsFilter:
     ) -> None:
         if not decision.endpoints or not req.block_keys:
             return
-        chain = self._chain(req)
+        chain = self._chain(req, cands)
         self._last = None
         self.sessions.touch(chain, decision.primary.address, req.block_keys)
 
@@ -257,7 +308,7 @@ class SessionTailScorer:
             raise ConfigError(f"{self.type_name} needs a bounded-sessions-filter plugin")
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
-        home = self._sessions.home(req) if self._sessions is not None else None
+        home = self._sessions.home(req, cands) if self._sessions is not None else None
         if home is None or not any(c.endpoint.address == home for c in cands):
             return [1.0] * len(cands)
         return [1.0 if c.endpoint.address == home else 0.0 for c in cands]

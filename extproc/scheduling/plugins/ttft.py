@@ -66,6 +66,12 @@ class PredictedTTFTScorer:
         # so a server loaded behind the picker's back kept its share of new prefixes).
         self._mean_prefill: float | None = None
 
+    def units_changed(self, factor: float) -> None:
+        """Estimates grew `factor`-fold: the mean placed prefill follows (the prior speed is a
+        guess in no unit in particular; measured speeds are rescaled where they are kept)."""
+        if factor > 0 and self._mean_prefill is not None:
+            self._mean_prefill *= factor
+
     def _tps(self, c: Candidate) -> float:
         tps = c.state.prefill_tps
         return tps if tps else self._prior
@@ -156,7 +162,7 @@ class BoundedLoadFilter:
     def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
         if len(cands) < 2:
             return cands
-        if self._sessions is not None and self._sessions.continues(req):
+        if self._sessions is not None and self._sessions.continues(req, cands):
             return cands
         loads = [_load(c) for c in cands]
         bound = (1.0 + self._eps) * (sum(loads) + 1) / len(cands) + 1.0

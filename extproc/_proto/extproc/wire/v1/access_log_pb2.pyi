@@ -41,10 +41,12 @@ class HTTPRequestProperties(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class HTTPResponseProperties(_message.Message):
-    __slots__ = ("response_code",)
+    __slots__ = ("response_code", "response_body_bytes")
     RESPONSE_CODE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_BODY_BYTES_FIELD_NUMBER: _ClassVar[int]
     response_code: _wrappers_pb2.UInt32Value
-    def __init__(self, response_code: _Optional[_Union[_wrappers_pb2.UInt32Value, _Mapping]] = ...) -> None: ...
+    response_body_bytes: int
+    def __init__(self, response_code: _Optional[_Union[_wrappers_pb2.UInt32Value, _Mapping]] = ..., response_body_bytes: _Optional[int] = ...) -> None: ...
 
 class HTTPAccessLogEntry(_message.Message):
     __slots__ = ("common_properties", "request", "response")
