@@ -26,7 +26,7 @@ from extproc.errors import ExtprocError, NoEndpoints
 from extproc.flowcontrol.controller import Ticket
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import EMPTY, KVIndex, Lookup
-from extproc.index.capacity import CapacityModel
+from extproc.index.capacity import CapacityModel, CapacityStats
 from extproc.scheduling import Scheduler
 from extproc.scheduling.framework import EstimateUnits
 
@@ -167,6 +167,11 @@ class Router:
         Async because the prefix-index lookup is; scheduling itself never awaits."""
         request = self._request(path, headers, body)
         return await self.route_request(request, subset=subset, explain=explain, place=place)
+
+    @property
+    def capacity_stats(self) -> CapacityStats | None:
+        """The KV-capacity model's figures (None when no index takes capacities)."""
+        return self._capacity.stats if self._capacity is not None else None
 
     def estimate_units_changed(self, factor: float) -> None:
         """Token estimates are now `factor` times larger (approximate keys recalibrated)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.core import Candidate, InferenceRequest
@@ -41,6 +42,17 @@ log = logging.getLogger("extproc.index.capacity")
 _MIN_TOKENS = 20_000
 # Recompute capacities every this many decisions (cheap, but not per request).
 _EVERY = 32
+
+
+@dataclass(slots=True)
+class CapacityStats:
+    """`ratio`: real tokens per estimated token, as last measured. `measured`: measurements
+    by source: `per_request` (the engines' request_prompt_tokens histograms, right whatever
+    share of the traffic this replica places) or `totals` (token counters only: with N
+    picker replicas each server is credited with about 1/N of its cache)."""
+
+    ratio: float = 1.0
+    measured: dict[str, int] = field(default_factory=dict)
 
 
 class CapacityModel:
@@ -60,6 +72,8 @@ class CapacityModel:
         self._base: dict[str, tuple[int, int, int, float, int]] = {}
         self._n = 0
         self.ratio = 1.0  # real tokens per estimated token
+        self.stats = CapacityStats()
+        self._warned_totals = False
 
     def placed(self, address: str, request: InferenceRequest) -> None:
         self._placed[address] = self._placed.get(address, 0) + request.prompt_tokens
@@ -126,5 +140,18 @@ class CapacityModel:
                 ours += n - base[4]
         if est_pr >= _MIN_TOKENS and real_pr > 0:
             self.ratio = (real_pr / served) / (est_pr / ours)
+            self._count("per_request")
         elif est >= _MIN_TOKENS and real > 0:
             self.ratio = real / est
+            self._count("totals")
+            if not self._warned_totals:
+                self._warned_totals = True
+                log.warning(
+                    "KV capacity measured from token totals: the engines do not export "
+                    "request_prompt_tokens, so with several picker replicas each server is "
+                    "credited with only this replica's share of its cache"
+                )
+
+    def _count(self, source: str) -> None:
+        self.stats.ratio = self.ratio
+        self.stats.measured[source] = self.stats.measured.get(source, 0) + 1

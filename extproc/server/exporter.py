@@ -57,6 +57,8 @@ class Exporter:
             sig.add_metric([name], 1.0 if on else 0.0)
         yield sig
         yield from fam.CALIBRATION.families(p.calibration.stats)
+        if (capacity := p.router.capacity_stats) is not None:
+            yield from fam.CAPACITY.families(capacity)
         r = p.router.stats
         yield from fam.ROUTER.families(r)
         faults = counter(

@@ -345,6 +345,25 @@ CALIBRATION = StatsFamilies(
     },
 )
 
+CAPACITY = StatsFamilies(
+    "extproc.index.capacity.CapacityStats",
+    {
+        "ratio": Stat(
+            "extproc_capacity_token_ratio",
+            "Engine prompt tokens per estimated token, as the KV-capacity model last measured "
+            "it (an endpoint's cache in our blocks is its KV tokens / (block tokens x this)).",
+            "gauge",
+        ),
+        "measured": Stat(
+            "extproc_capacity_measurements",
+            "KV-capacity ratio measurements by source: per_request (engines' prompt-token "
+            "histograms) or totals (token counters only; with several picker replicas each "
+            "server is under-credited).",
+            labels=("source",),
+        ),
+    },
+)
+
 WATCH = StatsFamilies(
     "extproc.endpoints.kubernetes.WatchStats",
     {
@@ -455,7 +474,7 @@ LATENCY_MODEL = StatsFamilies(
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
-    SHARED_SESSIONS, CALIBRATION, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
+    SHARED_SESSIONS, CALIBRATION, CAPACITY, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
 )  # fmt: skip
 
 

@@ -95,3 +95,28 @@ def test_a_replica_placing_a_third_of_the_requests_measures_the_same_ratio():
         model.update(req(100), cands)
     assert abs(model.ratio - 3.0) < 1e-9
     assert sent["a"] == int(1000 * 16 / (64 * 3.0))
+    assert model.stats.measured == {"per_request": 1} and model.stats.ratio == model.ratio
+
+
+def test_without_the_engines_request_histogram_the_totals_fallback_is_said(caplog):
+    # An engine that exports token totals but no request_prompt_tokens histogram: the ratio
+    # comes from totals, which is right for one replica and wrong for several: a warning
+    # (once) and the measurement's source on /metrics say so.
+    sent: dict[str, int] = {}
+    queries = {"a": 0}
+    model = CapacityModel(sent.__setitem__, lambda addr: Scrape(queries[addr]))
+    cands = [Candidate(Endpoint("a"), EndpointState(kv_blocks=1000, kv_block_size=16))]
+    model.update(req(100), cands)
+    for _ in range(32):
+        model.placed("a", req(1000))
+    queries["a"] += 64_000
+    with caplog.at_level("WARNING", logger="extproc.index.capacity"):
+        for _ in range(64):
+            model.update(req(100), cands)
+    assert abs(model.ratio - 2.0) < 1e-9
+    assert model.stats.measured == {"totals": 2}
+    assert [r.message for r in caplog.records].count(
+        "KV capacity measured from token totals: the engines do not export "
+        "request_prompt_tokens, so with several picker replicas each server is credited "
+        "with only this replica's share of its cache"
+    ) == 1

@@ -35,6 +35,8 @@ async def test_default_picker_says_it_scrapes_and_learns_from_its_decisions(
     }
     assert 'extproc_scheduling_signal{signal="scraped-metrics"} 1.0' in metrics
     assert 'extproc_scheduling_signal{signal="kv-events"} 0.0' in metrics
+    # The KV-capacity model (approximate index) reports what it measured and how.
+    assert "extproc_capacity_token_ratio 1.0" in metrics
     assert [r.getMessage() for r in caplog.records if r.name == "extproc.signals"] == [
         "scheduling signals: scraped-metrics, in-flight, approximate-index"
     ]
