@@ -167,7 +167,8 @@ def oracle(
 ) -> dict[int, float]:
     """What the simulator's physics says each request's TTFT is, knowing what no picker can
     (its real uncached tokens, every server's speed at each moment): per server, prefills
-    one after another in arrival order, each (step + uncached / prefill rate) / speed. How
+    one after another in arrival order, each (step + uncached / prefill rate) / speed, the
+    slowdown stretching the rest of a prefill under way when it comes. How
     far the measured TTFT is from this is what the machine adds (event-loop lateness on a
     loaded host) plus the path's cost outside the engine (proxy, HTTP, client), which a
     predictor can learn (transport): an indicator of the run's noise, not a strict floor."""
@@ -178,11 +179,15 @@ def oracle(
         if r.served_by not in names or r.ttft_s is None:
             continue
         i, sent = names.index(r.served_by), offsets[r.index]
-        speed = speeds[i]
-        if i == 0 and slow_from is not None and sent >= slow_from:
-            speed = SLOWDOWN
         start = max(sent, free_at[i])
-        free_at[i] = start + (step + (r.prompt_tokens - r.cached_tokens) / tps) / speed
+        work = step + (r.prompt_tokens - r.cached_tokens) / tps  # seconds at speed 1
+        speed = speeds[i]
+        if i == 0 and slow_from is not None and start + work / speed > slow_from:
+            # The slowdown stretches whatever is left of a prefill under way (as the
+            # simulator does), and all of one started after it.
+            done = max(0.0, slow_from - start) * speed
+            start, speed, work = max(start, slow_from), SLOWDOWN, work - done
+        free_at[i] = start + work / speed
         out[r.index] = free_at[i] - sent
     return out
 

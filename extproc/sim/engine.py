@@ -44,7 +44,10 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       between go out together (each still its own SSE chunk), bounding CPU per stream.
     - `relative_speed` (1.0): this server's speed against the `timing` rates (0.5: half as
       fast, a smaller GPU); `Engine.relative_speed` changes it while running (a server
-      slowed by another tenant), from the next admitted prefill and decode tick on.
+      slowed by another tenant) at once: the rest of the prefill under way and every
+      admitted prefill still waiting are stretched by the change (a GPU shared with another
+      tenant slows the work it already holds, not only later work), decode from its next
+      tick on.
     """
 
     model: str = "tiny"
@@ -125,7 +128,55 @@ class Engine:
         self._admitted = 0
         self._counts = dict.fromkeys(_State, 0)
         self._lane_free_at = 0.0
-        self.relative_speed = settings.relative_speed
+        # Admitted prefills not yet ended, in lane order (rescheduled by a speed change).
+        self._lane: deque[_Seq] = deque()
+        # Set when the lane is rescheduled, so sleepers wake and re-read their times.
+        self._moved: asyncio.Future[None] | None = None
+        self._speed = settings.relative_speed
+
+    @property
+    def relative_speed(self) -> float:
+        return self._speed
+
+    @relative_speed.setter
+    def relative_speed(self, speed: float) -> None:
+        old, self._speed = self._speed, speed
+        try:
+            now = asyncio.get_running_loop().time()
+        except RuntimeError:
+            return  # no loop, nothing in flight
+        self._reschedule(old / speed, now)
+
+    def _reschedule(self, factor: float, now: float) -> None:
+        """Stretches (factor > 1) or shrinks the lane's remaining prefill work from `now`:
+        the prefill under way keeps what it did and does the rest at the new speed; the
+        admitted ones behind it follow back to back, as they were scheduled."""
+        lane = self._lane
+        while lane and lane[0].prefill_end <= now:
+            lane.popleft()
+        if not lane:
+            return
+        cursor = now
+        for seq in lane:
+            if seq.prefill_start <= now:  # under way
+                seq.prefill_end = now + (seq.prefill_end - now) * factor
+            else:
+                work = (seq.prefill_end - seq.prefill_start) * factor
+                seq.prefill_start = cursor  # back to back: it was queued behind the last
+                seq.prefill_end = seq.prefill_start + work
+            cursor = seq.prefill_end
+        self._lane_free_at = cursor
+        if self._moved is not None and not self._moved.done():
+            self._moved.set_result(None)
+        self._moved = None
+
+    async def _wait_lane(self, seq: _Seq, ends: bool) -> None:
+        """Sleeps until `seq`'s prefill starts (or ends, with `ends`), following reschedules."""
+        loop = asyncio.get_running_loop()
+        while (delay := (seq.prefill_end if ends else seq.prefill_start) - loop.time()) > 0:
+            if self._moved is None:
+                self._moved = loop.create_future()
+            await asyncio.wait({self._moved}, timeout=delay)
 
     def gauges(self) -> Gauges:
         waiting = self._counts[_State.QUEUED] + self._counts[_State.ADMITTED]
@@ -171,10 +222,10 @@ class Engine:
         try:
             self._admit()
             await seq.admitted
-            await _sleep_until(loop, seq.prefill_start)
+            await self._wait_lane(seq, ends=False)
             self._move(seq, _State.RUNNING)
             self.stats.queue_time.observe(seq.prefill_start - t0)
-            await _sleep_until(loop, seq.prefill_end)
+            await self._wait_lane(seq, ends=True)
             self.stats.prefill_time.observe(seq.prefill_end - seq.prefill_start)
             cached = (seq.hit.gpu + seq.hit.cpu) * bs
             self.stats.prefill_computed.observe(len(ids) - cached)
@@ -263,6 +314,10 @@ class Engine:
             work /= self.relative_speed
             seq.prefill_start = max(loop.time(), self._lane_free_at)
             seq.prefill_end = self._lane_free_at = seq.prefill_start + work
+            lane = self._lane
+            while lane and lane[0].prefill_end <= seq.prefill_start:
+                lane.popleft()  # ended: bounded by what is still queued
+            lane.append(seq)
             st = self.stats
             st.prompt_tokens += prompt_len
             st.cached_prompt_tokens += hit_tokens
@@ -318,9 +373,3 @@ class Engine:
         self.cache.events = []
         if self._on_events is not None:
             self._on_events(events)
-
-
-async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
-    delay = when - loop.time()
-    if delay > 0:
-        await asyncio.sleep(delay)

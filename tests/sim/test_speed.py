@@ -3,6 +3,8 @@ learns from (exported as vLLM exports them, read back with the picker's own pars
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 
 from extproc.endpoints.exposition import parse_metrics
@@ -71,3 +73,31 @@ def test_cli_speeds_per_server() -> None:
         except ValueError:
             continue
         raise AssertionError(f"--speeds {bad} accepted")
+
+
+async def test_a_slowdown_stretches_the_prefills_already_admitted(start_sim: StartSim):
+    """A tenant slowing the GPU slows the work it already holds: the prefill under way and
+    the admitted ones queued behind it take longer, not only prefills admitted afterwards
+    (otherwise a server with a queue hides its slowdown until that queue has drained)."""
+    timing = TimingSettings(prefill_tps=2000.0, speed=2.0)  # ~600 uncached tokens: 150 ms
+    async with start_sim(events=False, timing=timing) as srv, aiohttp.ClientSession() as http:
+        await ttft(http, srv.url, TEXT + " zero")
+        before = (await scrape(http, srv.url)).latency
+        both = asyncio.gather(
+            ttft(http, srv.url, "First. " + TEXT), ttft(http, srv.url, "Second. " + TEXT)
+        )
+        for _ in range(2000):  # until both are admitted (a few ms; bounded)
+            g = srv.engine.gauges()
+            if g.running + g.waiting >= 2:
+                break
+            await asyncio.sleep(0.001)
+        srv.engine.relative_speed = 0.25
+        await both
+        after = (await scrape(http, srv.url)).latency
+    assert before is not None and after is not None and before.prefill_tokens
+    assert after.prefill_count - before.prefill_count == 2
+    fast = before.prefill_sum / before.prefill_tokens  # seconds per token at full speed
+    tokens = (after.prefill_tokens or 0.0) - before.prefill_tokens
+    # Fully stretched: ~4x; even if the first prefill ended before the change (a stalled
+    # test loop), the second alone makes it 2.5x. Before the fix: exactly 1x.
+    assert (after.prefill_sum - before.prefill_sum) / tokens > 2.0 * fast
