@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Annotated
@@ -62,6 +63,9 @@ _SCALE_JUMP = 1.5
 _OVERHEAD_WINDOW = 32
 # Response-header delays above this are stalls, not the path's cost, and are not learned.
 _MAX_TRANSPORT_S = 1.0
+# Placements kept per endpoint for the token-scale match (bounded memory: beyond it the
+# oldest go, and their engine counts are then compared with no estimate, i.e. skipped).
+_MAX_UNCOUNTED = 1024
 
 
 class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
@@ -174,8 +178,9 @@ class LatencyModel:
         self._coeffs: dict[str, Coefficients] = {}  # warm endpoints only
         self._fleet: Coefficients | None = None
         self._backlog: dict[str, Backlog] = {}  # address -> our unfinished placements
-        # address -> [estimated prompt tokens, requests] placed since the last scale sample
-        self._placed: dict[str, list[float]] = {}
+        # address -> estimated prompt tokens of our placements the engine's prompt-token
+        # histogram has not counted yet, oldest first (0: no estimate)
+        self._placed: dict[str, deque[float]] = {}
         self.token_scale = 1.0  # engine tokens per estimated token
         self._scale_surprises = 0
         # address -> smoothed seconds from the decision to the response headers (streaming)
@@ -309,18 +314,33 @@ class LatencyModel:
         return True
 
     def _learn_scale(self, address: str, st: _Learned, t: LatencyTotals) -> bool:
+        """One sample of engine tokens per estimated token: the engine's mean prompt tokens
+        over the requests its histogram counted since the last scrape, against the
+        picker's estimates for *those* requests. The engine counts a request when it
+        starts or ends it, seconds after it was placed on a queued server, so the ones it
+        counted are the oldest uncounted placements (it serves them first come first
+        served), not the ones placed since the last scrape: comparing with those read
+        the mix of prompt sizes placed during the queue's delay (3.9 -> 9.4 -> 1.5 on a
+        constant tokenizer behind a 20-request queue)."""
         last = st.prompt_base
+        placed = self._placed.get(address)
         if last is None or t.prompt_count < last.prompt_count:
             st.prompt_base = t
+            if placed is not None and last is not None:
+                placed.clear()  # the engine restarted: what it held is gone
             return False
-        n = t.prompt_count - last.prompt_count
+        n = int(t.prompt_count - last.prompt_count)
         if n < 1:
             return False
         st.prompt_base = t
-        placed = self._placed.pop(address, None)
-        if placed is None or placed[1] < 1 or placed[0] <= 0:
+        if not placed:
             return False  # requests others sent: nothing of ours to compare with
-        sample = ((t.prompt_sum - last.prompt_sum) / n) / (placed[0] / placed[1])
+        # More counted than ours uncounted: others sent some too, and which of ours were
+        # among them is unknown; compare the means of all (and start the match afresh).
+        counted = [placed.popleft() for _ in range(min(n, len(placed)))]
+        if min(counted) <= 0:
+            return False  # a placement without an estimate: nothing to compare with
+        sample = ((t.prompt_sum - last.prompt_sum) / n) / (sum(counted) / len(counted))
         sample = min(20.0, max(0.05, sample))
         # Far off twice running: the picker's estimates changed scale (approximate mode
         # recalibrated its bytes per token), so every placement since is off by that much.
@@ -448,13 +468,10 @@ class LatencyModel:
     ) -> None:
         """A request with `uncached_tokens` to prefill (of `prompt_tokens` estimated in all)
         was sent to `address`: its prefill is now ahead of every later request there."""
-        if prompt_tokens > 0:
-            placed = self._placed.get(address)
-            if placed is None:
-                self._placed[address] = [prompt_tokens, 1.0]
-            else:
-                placed[0] += prompt_tokens
-                placed[1] += 1.0
+        placed = self._placed.get(address)
+        if placed is None:
+            placed = self._placed[address] = deque(maxlen=_MAX_UNCOUNTED)
+        placed.append(max(0.0, prompt_tokens))
         b = self._backlog.get(address)
         if b is None:
             b = self._backlog[address] = Backlog()
