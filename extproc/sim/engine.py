@@ -315,8 +315,11 @@ class Engine:
             seq.prefill_start = max(loop.time(), self._lane_free_at)
             seq.prefill_end = self._lane_free_at = seq.prefill_start + work
             lane = self._lane
-            while lane and lane[0].prefill_end <= seq.prefill_start:
-                lane.popleft()  # ended: bounded by what is still queued
+            # Ended by now: bounded by what is still queued. (Not by this one's start, which
+            # is in the future behind a queue: that dropped every admitted prefill but the
+            # last, so a slowdown stretched only the newest and the rest kept their speed.)
+            while lane and lane[0].prefill_end <= loop.time():
+                lane.popleft()
             lane.append(seq)
             st = self.stats
             st.prompt_tokens += prompt_len
