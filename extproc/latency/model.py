@@ -29,7 +29,9 @@ TPOT is fitted the same way from `inter_token_latency` against the running batch
 Token counts: the picker estimates a request's tokens from its text (or counts them exactly
 in precise mode); the engine's histograms count with its own tokenizer. `token_scale`, the
 engine's mean prompt tokens per request (`request_prompt_tokens`) over the picker's mean
-estimate for the requests it placed, converts one into the other, learned like the rest.
+estimate for the same requests (the oldest placements it has not counted yet: behind a
+queue it counts requests placed seconds ago), converts one into the other, learned like
+the rest.
 
 An endpoint with too few samples borrows the fleet's median coefficients (its prediction
 says `warm=False`); with no warm endpoint at all there is no prediction, and consumers fall

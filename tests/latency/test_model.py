@@ -280,6 +280,31 @@ def test_token_scale_follows_a_changed_estimate_at_once() -> None:
     assert model.stats.rescaled == 2  # the first from the initial 1.0, then this one
 
 
+def test_token_scale_compares_the_requests_the_engine_counted_behind_a_queue() -> None:
+    """A server with a queue counts a request's prompt tokens seconds after it was placed:
+    each scrape's counted requests are the oldest uncounted placements, not the ones placed
+    since the last scrape. With prompts of mixed sizes, comparing with the latter made the
+    scale swing (3.9 -> 9.4 -> 1.5 on a constant tokenizer, bench/latency_slowdown_replay.py);
+    matched in order it stays at the engine's 2 tokens per estimated token."""
+    model = LatencyModel()
+    eng = Engine()
+    teach(model, "a:1", eng)
+    t = eng.totals
+    sizes = [1000.0, 1000.0, 4000.0, 1000.0, 250.0, 4000.0, 1000.0]
+    queue = 5  # placements ahead of the one the engine counts next
+    for i in range(queue):
+        model.place("a:1", 0, 0.0, prompt_tokens=sizes[i % len(sizes)])
+    scales = []
+    for i in range(queue, queue + 40):
+        model.place("a:1", 0, 0.0, prompt_tokens=sizes[i % len(sizes)])
+        counted = sizes[(i - queue) % len(sizes)]  # the oldest uncounted placement
+        t = LatencyTotals(**{**_fields(t), "prompt_sum": t.prompt_sum + 2 * counted,
+                             "prompt_count": t.prompt_count + 1})  # fmt: skip
+        model.learn("a:1", t)
+        scales.append(model.token_scale)
+    assert scales[-30:] == pytest.approx([2.0] * 30, rel=0.01)
+
+
 def test_overhead_is_not_read_from_intervals_that_mix_requests() -> None:
     """The engine records a request's queue time when its prefill starts and its TTFT at
     the first token, often in different scrape intervals: an interval then holds one
