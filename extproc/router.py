@@ -29,6 +29,7 @@ from extproc.index.base import EMPTY, KVIndex, Lookup
 from extproc.index.capacity import CapacityModel, CapacityStats
 from extproc.scheduling import Scheduler
 from extproc.scheduling.framework import EstimateUnits
+from extproc.throttle import Throttle
 
 log = logging.getLogger("extproc.router")
 
@@ -137,8 +138,8 @@ class Router:
         self._on_lookup = on_lookup
         self._on_placed = on_placed
         self.ends = ends
-        self._unsent_warned = -1e9  # last warning about unsent response headers
-        self._admission_warned = -1e9  # last warning about flow control without them
+        # Warnings about a proxy that skips the response-header phase: once a minute each.
+        self._warnings = Throttle(every_s=60.0)
         self.speeds = speeds
         set_capacity = getattr(index, "set_capacity", None)
         self._capacity = (
@@ -376,9 +377,7 @@ class Router:
 
     def _admission_unseen(self) -> None:
         self.stats.admissions_without_response += 1
-        now = time.monotonic()
-        if now - self._admission_warned > 60.0:
-            self._admission_warned = now
+        if self._warnings.allow("admission") is not None:
             log.warning(
                 "flow control with a stream that ended before the response headers: if the "
                 "proxy skips that phase, admission slots and eviction end at the decision; "
@@ -388,9 +387,7 @@ class Router:
 
     def _count_unsent(self, names: tuple[str, ...]) -> None:
         self.stats.response_headers_unsent += 1
-        now = time.monotonic()
-        if now - self._unsent_warned > 60.0:
-            self._unsent_warned = now
+        if self._warnings.allow("unsent") is not None:
             log.warning(
                 "decision response headers (%s) not sent: the proxy skips the "
                 "response-header phase; generate its config with "

@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     # Admission between the index lookup and scheduling: it reads endpoint state, its plugins
     # are built like scheduling plugins, and replicas share its state through Redis.
     "flowcontrol": _BASE | {"endpoints", "redis_client", "scheduling"},
-    "router": _BASE | {"hashing", "index", "endpoints", "scheduling", "flowcontrol"},
+    "router": _BASE | {"hashing", "index", "endpoints", "scheduling", "flowcontrol", "throttle"},
     "config": _BASE | {"requests", "scheduling", "endpoints", "index", "hashing", "flowcontrol"},
     "calibration": _BASE | {"requests"},
     "signals": set(),
