@@ -56,7 +56,7 @@ from extproc.sim.workload import percentile
 from extproc.stack import SimFleet, envoy_binary, free_port, grpc_health_status, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overload_timeline import Timeline, summary
+from overload_timeline import Timeline, scrape, summary, summed
 
 TENANTS = {"A": 3.0, "B": 2.0, "C": 1.0}
 PROMPT_WORDS = {"A": 60, "B": 180, "C": 360}  # ~3 tokens a word in the sim's tokenizer
@@ -265,26 +265,6 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 p.kill()
         self.procs.clear()
-
-
-def scrape(url: str) -> dict[str, float]:
-    """A Prometheus text page as {series: value} (labels kept verbatim)."""
-    out: dict[str, float] = {}
-    for line in httpx.get(url, timeout=5).text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            try:
-                out[key] = float(value)
-            except ValueError:
-                continue
-    return out
-
-
-def summed(page: dict[str, float], name: str, *needles: str) -> float:
-    return sum(
-        v for k, v in page.items()
-        if k.partition("{")[0] == name and all(n in k for n in needles)
-    )  # fmt: skip
 
 
 def hist_quantile(page: dict[str, float], name: str, q: float, *needles: str) -> float:

@@ -20,9 +20,13 @@ from pathlib import Path
 import httpx
 
 
-def _page(client: httpx.Client, url: str) -> dict[str, float]:
+def scrape(
+    url: str, client: httpx.Client | None = None, timeout_s: float = 5.0
+) -> dict[str, float]:
+    """A Prometheus text page as {series: value} (labels kept verbatim)."""
+    get = client.get if client is not None else httpx.get
     out: dict[str, float] = {}
-    for line in client.get(url, timeout=2).text.splitlines():
+    for line in get(url, timeout=timeout_s).text.splitlines():
         if line and not line.startswith("#"):
             key, _, value = line.rpartition(" ")
             try:
@@ -32,7 +36,8 @@ def _page(client: httpx.Client, url: str) -> dict[str, float]:
     return out
 
 
-def _sum(page: dict[str, float], name: str, *needles: str) -> float:
+def summed(page: dict[str, float], name: str, *needles: str) -> float:
+    """The sum of `name`'s series whose labels hold every one of `needles`."""
     return sum(
         v for k, v in page.items()
         if k.partition("{")[0] == name and all(n in k for n in needles)
@@ -80,25 +85,25 @@ class Timeline:
 
     def _sample(self, client: httpx.Client, at: float, last: dict[str, float]) -> dict:
         row: dict = {"t": round(at, 2)}
-        pages = [_page(client, u) for u in self.picker_urls]
+        pages = [scrape(u, client, 2.0) for u in self.picker_urls]
         row["saturation"] = round(
-            max((_sum(p, "extproc_flow_saturation") for p in pages), default=0.0), 3
+            max((summed(p, "extproc_flow_saturation") for p in pages), default=0.0), 3
         )
         for band, label in (("10", "hi"), ("0", "lo")):
             sel = f'priority="{band}"'
-            queued = sum(_sum(p, "extproc_flow_queue_requests", sel) for p in pages)
+            queued = sum(summed(p, "extproc_flow_queue_requests", sel) for p in pages)
             row[f"queued_{label}"] = int(queued)
             done = sum(
-                _sum(p, "extproc_flow_requests_total", sel, 'outcome="dispatched"') for p in pages
+                summed(p, "extproc_flow_requests_total", sel, 'outcome="dispatched"') for p in pages
             )
             row[f"released_{label}"] = int(done - last.get(label, 0.0))
             last[label] = done
-        row["inflight_tokens"] = int(sum(_sum(p, "extproc_inflight_tokens") for p in pages))
+        row["inflight_tokens"] = int(sum(summed(p, "extproc_inflight_tokens") for p in pages))
         for i, url in enumerate(self.sim_urls):
-            s = _page(client, url)
-            row[f"run{i}"] = int(_sum(s, "vllm:num_requests_running"))
-            row[f"wait{i}"] = int(_sum(s, "vllm:num_requests_waiting"))
-            row[f"kv{i}"] = round(_sum(s, "vllm:kv_cache_usage_perc"), 3)
+            s = scrape(url, client, 2.0)
+            row[f"run{i}"] = int(summed(s, "vllm:num_requests_running"))
+            row[f"wait{i}"] = int(summed(s, "vllm:num_requests_waiting"))
+            row[f"kv{i}"] = round(summed(s, "vllm:kv_cache_usage_perc"), 3)
         return row
 
 
