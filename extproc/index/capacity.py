@@ -71,9 +71,16 @@ class CapacityModel:
         # first (queries, placed, engine requests or -1, their prompt tokens, requests placed)
         self._base: dict[str, tuple[int, int, int, float, int]] = {}
         self._n = 0
-        self.ratio = 1.0  # real tokens per estimated token
         self.stats = CapacityStats()
-        self._warned_totals = False
+
+    @property
+    def ratio(self) -> float:
+        """Real tokens per estimated token (kept in the stats, which /metrics reads)."""
+        return self.stats.ratio
+
+    @ratio.setter
+    def ratio(self, value: float) -> None:
+        self.stats.ratio = value
 
     def placed(self, address: str, request: InferenceRequest) -> None:
         self._placed[address] = self._placed.get(address, 0) + request.prompt_tokens
@@ -144,8 +151,7 @@ class CapacityModel:
         elif est >= _MIN_TOKENS and real > 0:
             self.ratio = real / est
             self._count("totals")
-            if not self._warned_totals:
-                self._warned_totals = True
+            if self.stats.measured["totals"] == 1:  # said once
                 log.warning(
                     "KV capacity measured from token totals: the engines do not export "
                     "request_prompt_tokens, so with several picker replicas each server is "
@@ -153,5 +159,4 @@ class CapacityModel:
                 )
 
     def _count(self, source: str) -> None:
-        self.stats.ratio = self.ratio
         self.stats.measured[source] = self.stats.measured.get(source, 0) + 1
