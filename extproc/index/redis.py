@@ -43,6 +43,7 @@ from extproc.index.base import (
 from extproc.index.prefix import Records, Segment, prefix_matches
 from extproc.index.redis_scripts import LOOKUP, SHA, TRACK, WRITE
 from extproc.redis_client import redis_from_url
+from extproc.redis_loop import close, command, stop
 
 log = logging.getLogger(__name__)
 
@@ -144,14 +145,16 @@ class RedisKVIndex:
         """Best-effort warm-up (cluster slot map, scripts) so the first lookup fits its
         budget; False if Redis is not reachable yet (the index still works and retries)."""
         try:
-            async with asyncio.timeout(timeout_s):
-                for script in SHA:
-                    await self._client.script_load(script)
-                self._scripts_loaded = True
-                return True
+            await command(self._load_scripts(), timeout_s)
+            return True
         except Exception as exc:  # a warm-up, never fatal
             log.warning("kv index: Redis not reachable yet: %r", exc)
             return False
+
+    async def _load_scripts(self) -> None:
+        for script in SHA:
+            await self._client.script_load(script)
+        self._scripts_loaded = True
 
     async def __aenter__(self) -> RedisKVIndex:
         await self.connect()
@@ -171,8 +174,7 @@ class RedisKVIndex:
             log.warning("kv index: %d queued write blocks lost at close", self._queued_blocks)
         finally:
             if self._task is not None:
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+                await stop([self._task])
                 self._task = None
             await self.aclose()
 
@@ -399,7 +401,8 @@ class RedisKVIndex:
         delay = 0.05
         while True:
             try:
-                await action()
+                # In a task of its own: the writer must stay cancellable (redis_loop.py).
+                await command(action(), max(5.0, self._write_retry_s))
                 self.stats.batches += 1
                 return
             except Exception as exc:  # the writer outlives any one batch, bug or outage
@@ -494,7 +497,7 @@ class RedisKVIndex:
 
     async def aclose(self) -> None:
         if self._owns_client:
-            await self._client.aclose()
+            await close(self._client, "kv index")
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
