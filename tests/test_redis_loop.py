@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -27,7 +26,7 @@ import pytest
 from redis.asyncio import Redis
 
 from extproc.endpoints.inflight import InFlight
-from extproc.endpoints.request_end import RequestEnds, RequestEndSettings
+from extproc.endpoints.request_end import Ended, RequestEnds, RequestEndSettings
 from extproc.endpoints.shared_inflight import SharedInFlight, SharedInFlightSettings
 from extproc.endpoints.shared_request_end import SharedRequestEnds
 from extproc.flowcontrol.shared import SharedFlowState
@@ -42,16 +41,29 @@ from tests.redis_servers import RedisServer
 STOP_BOUND_S = 5.0  # generous: the machine is shared; a hang is forever, not 5 s
 
 
-async def _stubborn(call: Awaitable[Any]) -> Any:
+async def _stubborn(call: Awaitable[Any], inside: asyncio.Event | None = None) -> Any:
     """Await `call`, dropping any cancellation meanwhile: what redis-py does with one that
-    lands while it (re)connects (it retries the command and returns its answer)."""
-    task = asyncio.ensure_future(call)
-    while True:
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():  # the command itself was cancelled (the event loop closing)
-                raise
+    lands while it (re)connects (it retries the command and returns its answer). `inside` is
+    set while a call is under way, so a test can cancel exactly then."""
+
+    async def slow() -> Any:
+        out = await call
+        await asyncio.sleep(0.2)  # a reconnect's worth: the cancel lands in here
+        return out
+
+    task = asyncio.ensure_future(slow())
+    if inside is not None:
+        inside.set()
+    try:
+        while True:
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if task.done():  # the command itself was cancelled (the event loop closing)
+                    raise
+    finally:
+        if inside is not None:
+            inside.clear()
 
 
 class Swallowing:
@@ -59,6 +71,7 @@ class Swallowing:
 
     def __init__(self, client: Any) -> None:
         self._client = client
+        self.inside = asyncio.Event()
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._client, name)
@@ -67,7 +80,7 @@ class Swallowing:
 
         def call(*a: Any, **kw: Any) -> Any:
             out = attr(*a, **kw)
-            return _stubborn(out) if inspect.isawaitable(out) else out
+            return _stubborn(out, self.inside) if inspect.isawaitable(out) else out
 
         return call
 
@@ -106,11 +119,22 @@ LOOPS: dict[str, Callable[[str, Any], Any]] = {
 }
 
 
-async def _running(loop: Any) -> asyncio.Task[None]:
+async def _stop_inside_a_call(loop: Any, client: Swallowing, poke: Callable[[], None]) -> None:
+    """Run the loop, stop it while it is inside a Redis call, and check that it and every
+    task it started end within the bound (an abandoned call ends by itself)."""
+    before = asyncio.all_tasks()
     task = asyncio.create_task(loop.run(), name="loop-under-test")
-    await asyncio.sleep(0.3)  # a few exchanges in
+    async with asyncio.timeout(STOP_BOUND_S):
+        while not client.inside.is_set():
+            poke()
+            await asyncio.sleep(0.005)
     assert not task.done()
-    return task
+    assert await stop([task], timeout_s=STOP_BOUND_S), "the loop swallowed its cancel"
+    assert task.cancelled()
+    left = asyncio.all_tasks() - before - {asyncio.current_task()}
+    if left:
+        _, pending = await asyncio.wait(left, timeout=STOP_BOUND_S)
+        assert not pending, f"still running after stop: {pending}"
 
 
 @pytest.mark.parametrize("name", list(LOOPS))
@@ -119,13 +143,15 @@ async def test_a_loop_stops_even_when_redis_py_swallows_the_cancel(
 ) -> None:
     real = _client(redis_server.url)
     try:
-        loop = LOOPS[name](redis_server.url, Swallowing(real))
+        client = Swallowing(real)
+        loop = LOOPS[name](redis_server.url, client)
+        poke = (
+            (lambda: loop.forward(Ended("r", 0.1, "10.0.0.1:8000")))
+            if name == "shared-request-ends"
+            else (lambda: None)
+        )
         for _ in range(3):
-            task = await _running(loop)
-            started = time.monotonic()
-            assert await stop([task], timeout_s=STOP_BOUND_S), f"{name} swallowed its cancel"
-            assert time.monotonic() - started < STOP_BOUND_S
-            assert task.cancelled()
+            await _stop_inside_a_call(loop, client, poke)
         assert "did not stop" not in caplog.text
     finally:
         await real.aclose()
@@ -136,13 +162,15 @@ async def test_the_index_writer_stops_even_when_redis_py_swallows_the_cancel(
 ) -> None:
     real = _client(redis_server.url)
     try:
-        index = RedisKVIndex(Swallowing(real))
-        for i in range(3):
-            task = asyncio.create_task(index.run(), name="kv-index-writer")
-            for j in range(20):  # the writer is busy in Redis
-                index.record(f"10.0.0.{i}:8000", [j * 7919 + k for k in range(64)])
-            await asyncio.sleep(0.05)
-            assert await stop([task], timeout_s=STOP_BOUND_S), "the writer swallowed its cancel"
+        client = Swallowing(real)
+        index = RedisKVIndex(client)  # type: ignore[arg-type]
+
+        def poke() -> None:
+            index._scripts_loaded = False  # its SCRIPT LOAD goes through the wrapper
+            index.record("10.0.0.1:8000", list(range(64)))
+
+        for _ in range(3):
+            await _stop_inside_a_call(index, client, poke)
     finally:
         await real.aclose()
 
