@@ -34,27 +34,33 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-async def command(call: Awaitable[T], timeout_s: float) -> T:
+async def command(
+    call: Awaitable[T], timeout_s: float, abandoned: set[asyncio.Task[Any]] | None = None
+) -> T:
     """The result of one Redis call (or a few, in one coroutine), run in its own task and
     waited for at most `timeout_s` (then TimeoutError). Cancelling the caller cancels and
-    abandons the call; the caller's cancellation always goes through."""
+    abandons the call; the caller's cancellation always goes through. An abandoned call is
+    kept in `abandoned` until it ends, so `close` can wait for it."""
     task = asyncio.ensure_future(call)
     try:
         done, _ = await asyncio.wait((task,), timeout=timeout_s)
     except asyncio.CancelledError:
-        _abandon(task)
+        _abandon(task, abandoned)
         raise
     if not done:
-        _abandon(task)
+        _abandon(task, abandoned)
         raise TimeoutError(f"no answer from Redis within {timeout_s:.3g} s")
     if task.cancelled():  # only `_abandon` cancels it, and never a finished one: belt and braces
         raise TimeoutError("Redis call cancelled")
     return task.result()
 
 
-def _abandon(task: asyncio.Future[Any]) -> None:
+def _abandon(task: asyncio.Task[Any], abandoned: set[asyncio.Task[Any]] | None) -> None:
     task.cancel()
     task.add_done_callback(_retrieve)
+    if abandoned is not None:
+        abandoned.add(task)
+        task.add_done_callback(abandoned.discard)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -137,10 +143,22 @@ async def stop(tasks: Iterable[asyncio.Task[Any]], timeout_s: float = 5.0) -> bo
     return not pending
 
 
-async def close(client: object, name: str, timeout_s: float = 5.0) -> None:
-    """Close a Redis client (its connections: an abandoned call's pending read fails at
-    once), waiting at most `timeout_s`; a close that fails or hangs is logged, not raised."""
+async def close(
+    client: Any,
+    name: str,
+    abandoned: set[asyncio.Task[Any]] | None = None,
+    timeout_s: float = 5.0,
+) -> None:
+    """Close a Redis client (or PubSub), waiting at most `timeout_s`: its connections close,
+    so an abandoned call's pending read fails at once. The calls in `abandoned` are then
+    waited for (bounded): one that swallowed its cancel may have opened a connection after
+    the first close, so the client is closed once more after them. Failures are logged."""
     try:
-        await command(client.aclose(), timeout_s)  # type: ignore[attr-defined]
+        await command(client.aclose(), timeout_s)
+        if abandoned:
+            _, pending = await asyncio.wait(set(abandoned), timeout=timeout_s)
+            if pending:
+                log.warning("%s: %d Redis calls still running at close", name, len(pending))
+            await command(client.aclose(), timeout_s)
     except (OSError, TimeoutError, RedisError) as exc:
         log.warning("%s: closing the Redis client failed (%r)", name, exc)

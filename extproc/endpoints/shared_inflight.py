@@ -148,6 +148,7 @@ class SharedInFlight:
         self._others_tokens: dict[str, int] = {}
         self._others_total = 0
         self._last_ok = -float("inf")
+        self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         self._outage = Outage(
             log,
             failed_msg="shared in-flight: Redis exchange failed (%r); counting this process's "
@@ -212,7 +213,7 @@ class SharedInFlight:
             started = self._clock()
             exchange = self._eval(_EXCHANGE, self.process_id, self._ttl_ms, self._blob())
             try:
-                blobs = await command(exchange, self._s.timeout_s)
+                blobs = await command(exchange, self._s.timeout_s, self._abandoned)
             except (RedisError, OSError, TimeoutError) as exc:
                 delay = self._failed(exc)
             else:
@@ -224,12 +225,14 @@ class SharedInFlight:
         """Withdraw this process's load (others stop counting it at their next exchange,
         not after the TTL) and close the client if owned. Call after cancelling `run`."""
         try:
-            await command(self._eval(_WITHDRAW, self.process_id), self._s.timeout_s)
+            await command(
+                self._eval(_WITHDRAW, self.process_id), self._s.timeout_s, self._abandoned
+            )
         except (RedisError, OSError, TimeoutError) as exc:
             log.info("shared in-flight: could not withdraw (%r); the TTL will", exc)
         finally:
             if self._owns_client:
-                await close(self._client, "shared in-flight")
+                await close(self._client, "shared in-flight", self._abandoned)
 
     def _blob(self) -> bytes:
         if not self._requests:

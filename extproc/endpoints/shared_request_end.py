@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
@@ -57,6 +58,7 @@ class SharedRequestEnds:
         self._channel = channel
         self._interval = interval_s
         self._pending: list[Ended] = []
+        self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         self.stats = SharedEndStats()
         ends.on_unmatched = self.forward
 
@@ -84,7 +86,9 @@ class SharedRequestEnds:
                 [self._id, [(e.request_id, e.ttfb_s, e.upstream) for e in batch]]
             )
             try:
-                await command(self._client.publish(self._channel, blob), _TIMEOUT_S)
+                await command(
+                    self._client.publish(self._channel, blob), _TIMEOUT_S, self._abandoned
+                )
                 self.stats.published += len(batch)
             except (RedisError, OSError, TimeoutError) as exc:
                 self.stats.dropped += len(batch)
@@ -94,18 +98,18 @@ class SharedRequestEnds:
         while True:
             pubsub = self._client.pubsub()
             try:
-                await command(pubsub.subscribe(self._channel), _TIMEOUT_S)
+                await command(pubsub.subscribe(self._channel), _TIMEOUT_S, self._abandoned)
                 while True:
                     # A bounded wait per message, never `listen()`: see extproc/redis_loop.py.
                     get = pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
-                    msg = await command(get, _POLL_S + _TIMEOUT_S)
+                    msg = await command(get, _POLL_S + _TIMEOUT_S, self._abandoned)
                     if msg is not None and msg.get("type") == "message":
                         self._apply(msg["data"])
             except (RedisError, OSError, TimeoutError) as exc:
                 log.warning("request ends: subscription lost (%r); retrying", exc)
                 await asyncio.sleep(1.0)
             finally:
-                await close(pubsub, "request ends")
+                await close(pubsub, "request ends", self._abandoned)
 
     def _apply(self, data: bytes) -> None:
         try:
@@ -119,4 +123,4 @@ class SharedRequestEnds:
             log.warning("request ends: malformed message on the channel")
 
     async def aclose(self) -> None:
-        await close(self._client, "request ends")
+        await close(self._client, "request ends", self._abandoned)

@@ -94,6 +94,7 @@ class SharedFlowState:
         # 2 s is what the client's own timeouts allow (0.5 s connect + 0.5 s read, retried once).
         self._timeout_s = max(2.0, 10 * interval_s)
         self._sha: str | None = None
+        self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         controller.defer_limit_s = 2 * interval_s
 
     @classmethod
@@ -118,7 +119,7 @@ class SharedFlowState:
              fc.top_flows()]
         )  # fmt: skip
         try:
-            blobs = await command(self._eval(own), self._timeout_s)
+            blobs = await command(self._eval(own), self._timeout_s, self._abandoned)
         except (RedisError, OSError, TimeoutError) as exc:
             self.stats.errors += 1
             self._outage.failed(exc)  # no backoff: the exchange keeps its interval
@@ -174,10 +175,11 @@ class SharedFlowState:
     async def aclose(self) -> None:
         """Withdraw our entry so peers stop deferring to it, then close the client."""
         try:
-            await command(self._client.hdel(self._key, self.process_id), self._timeout_s)
+            hdel = self._client.hdel(self._key, self.process_id)
+            await command(hdel, self._timeout_s, self._abandoned)
         except (RedisError, OSError, TimeoutError) as exc:
             log.info("flow control: could not withdraw shared state (%r); its TTL will", exc)
-        await close(self._client, "flow control")
+        await close(self._client, "flow control", self._abandoned)
 
 
 def _mapping(value: Any) -> dict:

@@ -130,6 +130,7 @@ class RedisKVIndex:
         self._retry_at = 0.0
         self._failures = 0
         self._task: asyncio.Task[None] | None = None
+        self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         # Per-endpoint capacity from the server's cache config (overrides the option); every
         # replica scrapes the same servers, so they all trim to the same bound.
         self._caps: dict[str, int] = {}
@@ -145,7 +146,7 @@ class RedisKVIndex:
         """Best-effort warm-up (cluster slot map, scripts) so the first lookup fits its
         budget; False if Redis is not reachable yet (the index still works and retries)."""
         try:
-            await command(self._load_scripts(), timeout_s)
+            await command(self._load_scripts(), timeout_s, self._abandoned)
             return True
         except Exception as exc:  # a warm-up, never fatal
             log.warning("kv index: Redis not reachable yet: %r", exc)
@@ -402,7 +403,7 @@ class RedisKVIndex:
         while True:
             try:
                 # In a task of its own: the writer must stay cancellable (redis_loop.py).
-                await command(action(), max(5.0, self._write_retry_s))
+                await command(action(), max(5.0, self._write_retry_s), self._abandoned)
                 self.stats.batches += 1
                 return
             except Exception as exc:  # the writer outlives any one batch, bug or outage
@@ -497,7 +498,7 @@ class RedisKVIndex:
 
     async def aclose(self) -> None:
         if self._owns_client:
-            await close(self._client, "kv index")
+            await close(self._client, "kv index", self._abandoned)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

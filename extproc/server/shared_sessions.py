@@ -94,6 +94,7 @@ class SharedSessions:
         )
         self._now_ms = 0  # Redis's clock, as last seen
         self._wake = asyncio.Event()
+        self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         self.stats = SharedSessionsStats()
         for name, record in self._sessions.items():
             record.on_touch = lambda touch, name=name: self._queue(name, touch)
@@ -146,7 +147,7 @@ class SharedSessions:
                 self._key, {"d": blob}, maxlen=self._max_entries, approximate=True
             )
             try:
-                await command(add, self._timeout)
+                await command(add, self._timeout, self._abandoned)
             except (RedisError, OSError, TimeoutError) as exc:
                 # Sent again with the next batch (late: peers see it a little older).
                 queued = batch + self._pending
@@ -166,11 +167,11 @@ class SharedSessions:
                 if self._cursor is None:
                     # Start where the session window starts, by Redis's clock (stream ids
                     # are its ms), so a replica that starts late knows the live sessions.
-                    sec, usec = await command(client.time(), self._timeout)
+                    sec, usec = await command(client.time(), self._timeout, self._abandoned)
                     self._now_ms = sec * 1000 + usec // 1000
                     self._cursor = f"{max(0, self._now_ms - self._window_ms)}-0"
                 xread = client.xread({self._key: self._cursor}, count=1000, block=self._block_ms)
-                read = await command(xread, self._block_ms / 1000 + self._timeout)
+                read = await command(xread, self._block_ms / 1000 + self._timeout, self._abandoned)
             except (RedisError, OSError, TimeoutError) as exc:
                 self.stats.errors += 1
                 await asyncio.sleep(self._outage.failed(exc, "read"))
@@ -207,7 +208,7 @@ class SharedSessions:
 
     async def aclose(self) -> None:
         if self._owns_client:
-            await close(self._client, "shared sessions")
+            await close(self._client, "shared sessions", self._abandoned)
 
 
 def _ms(entry_id: Any) -> int:
