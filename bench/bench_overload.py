@@ -184,6 +184,10 @@ class Req:
     done_at: float = 0.0  # seconds after the run's start when the response completed
     est_tokens: int = 0  # the picker's prompt-token estimate
     max_tokens: int = OUTPUT_TOKENS
+    served_by: str = ""
+    # From the sim's first-token timing comment: KV wait (FCFS admission), prefill-lane
+    # wait, prefill. TTFT minus these is the picker's queue plus proxies and client.
+    engine: tuple[float, float, float] | None = None
 
 
 @dataclass
@@ -351,6 +355,7 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
     headers = {
         "x-llm-d-inference-fairness-id": r.tenant,
         "x-llm-d-inference-objective": r.objective,
+        "x-sim-timing": "1",
     }
     start = time.perf_counter()
     try:
@@ -360,11 +365,17 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
         ) as resp:  # fmt: skip
             r.status = resp.status
             r.reason = resp.headers.get("x-llm-d-request-dropped-reason", "")
+            r.served_by = resp.headers.get("x-served-by", "")
             if resp.status != 200:
                 await resp.read()
             else:
                 async for raw in resp.content:
                     line = raw.strip()
+                    if line.startswith(b": timing "):
+                        parts = dict(kv.split("=") for kv in line[9:].decode().split())
+                        r.engine = (float(parts["kv_wait_s"]), float(parts["lane_wait_s"]),
+                                    float(parts["prefill_s"]))  # fmt: skip
+                        continue
                     if not line.startswith(b"data:") or line == b"data: [DONE]":
                         continue
                     chunk = json.loads(line[5:])
@@ -476,6 +487,33 @@ def burst(
     return out
 
 
+def breakdown(rs: list[Req]) -> dict:
+    """Where admitted interactive requests' TTFT went, per request: the engine's KV wait
+    (FCFS admission: behind whatever heads its queue), its prefill-lane wait, the prefill,
+    and the rest (picker queue, proxies, client and CPU starvation). Means over all, and
+    over the slowest 5% (the p99's neighbourhood), plus which server those landed on."""
+    rs = [r for r in rs if r.engine is not None and r.ttft_s is not None]
+    if not rs:
+        return {}
+
+    def parts(sub: list[Req]) -> dict:
+        n = len(sub)
+        kv = sum(r.engine[0] for r in sub) / n  # type: ignore[index]
+        lane = sum(r.engine[1] for r in sub) / n  # type: ignore[index]
+        pre = sum(r.engine[2] for r in sub) / n  # type: ignore[index]
+        ttft = sum(r.ttft_s for r in sub) / n  # type: ignore[misc]
+        return {"n": n, "ttft": round(ttft, 3), "kv_wait": round(kv, 3),
+                "lane_wait": round(lane, 3), "prefill": round(pre, 3),
+                "rest": round(ttft - kv - lane - pre, 3)}  # fmt: skip
+
+    slow = sorted(rs, key=lambda r: r.ttft_s or 0.0)[-max(1, len(rs) // 20) :]
+    servers: dict[str, int] = {}
+    for r in slow:
+        servers[r.served_by] = servers.get(r.served_by, 0) + 1
+    return {"hi_breakdown_all": parts(rs), "hi_breakdown_slowest5pct": parts(slow),
+            "hi_slowest_servers": servers}  # fmt: skip
+
+
 def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo_s: float,
            unloaded_p99: float, window: tuple[float, float]) -> dict:  # fmt: skip
     ok = [r for r in reqs if r.status == 200 and r.ttft_s is not None and not r.error]
@@ -496,6 +534,7 @@ def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo
     row["hi_ttft_p50"] = percentile(hi, 50)
     row["hi_ttft_p99"] = percentile(hi, 99)
     row["hi_ttft_p99_vs_unloaded"] = percentile(hi, 99) / unloaded_p99
+    row.update(breakdown([r for r in ok if r.objective == "interactive"]))
     for obj in ("interactive", "batch"):
         sub = [r for r in reqs if r.objective == obj]
         shed = [r for r in sub if r.status in (429, 503)]
@@ -572,6 +611,7 @@ def main() -> int:
                 for i in range(30)]  # fmt: skip
         asyncio.run(open_loop(dep.url, calm))
         base = [r.ttft_s for r in calm if r.ttft_s is not None]
+        print("unloaded breakdown", json.dumps(breakdown(calm)))
         unloaded_p50, unloaded_p99 = percentile(base, 50), percentile(base, 99)
         print(f"unloaded interactive TTFT p50 {unloaded_p50:.3f} s, p99 {unloaded_p99:.3f} s")
         dep.stop()
