@@ -124,7 +124,10 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     sent with 429s. `usage_half_life_s`: how fast served tokens are forgotten. `tick_s`: how
     often TTLs are checked and endpoint figures re-read for capacity. `placement_visibility_s`:
     with a detector on scraped figures, how long released work still counts as pending after
-    placement (about two scrape intervals: until a scrape can show it)."""
+    placement (about two scrape intervals: until a scrape can show it).
+    `admit_per_endpoint`: release a request only where one endpoint has room for it under
+    the band's ceiling (counting what was released to it and not placed yet), and place it
+    on such an endpoint; off: by the pool's average saturation alone."""
 
     fairness_weights: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
         default_factory=dict
@@ -137,6 +140,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     tick_s: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.02
     share_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.1
     placement_visibility_s: Annotated[float, msgspec.Meta(ge=0)] = 0.1
+    admit_per_endpoint: bool = True
 
 
 _DUR = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
