@@ -113,6 +113,7 @@ def picker_config(
     kind: str = "concurrency",
     kv_ratio: float = 1.0,
     ttl_s: float = 10.0,
+    per_endpoint: bool = True,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -164,6 +165,10 @@ def picker_config(
             "objectives_file": str(objectives),
             "expected_output_tokens": OUTPUT_TOKENS,
             "retry_after_s": 2,
+            # Per-endpoint admission and the reserve for interactive (on by default);
+            # the `on-pool` run turns both off: admission by the pool's average.
+            "admit_per_endpoint": per_endpoint,
+            "reserve_for_higher_bands": per_endpoint,
         }
     return doc
 
@@ -617,10 +622,13 @@ def main() -> int:
         dep.stop()
         offered = args.overload * cap_tps
         for run in args.runs.split(","):
+            # A run is on | off | on-pool | on-2-replicas, optionally `@<minCeiling>`.
+            base, _, at = run.partition("@")
+            ceiling = float(at) if at else args.min_ceiling
             reqs = burst(offered, 0.25 * cap_tps, per_req, args.burst_s, args.seed,
                          stratified=not args.poisson_interactive,
                          spread=args.output_spread)  # fmt: skip
-            if run == "on-2-replicas":
+            if base == "on-2-replicas":
                 if redis is None:
                     port = free_port()
                     redis = subprocess.Popen(
@@ -632,7 +640,7 @@ def main() -> int:
                 cfg = picker_config(
                     objectives,
                     flow=True,
-                    min_ceiling=args.min_ceiling,
+                    min_ceiling=ceiling,
                     kind=args.detector,
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
@@ -641,8 +649,9 @@ def main() -> int:
             else:
                 cfg = picker_config(
                     objectives,
-                    flow=run == "on",
-                    min_ceiling=args.min_ceiling,
+                    flow=base != "off",
+                    per_endpoint=base != "on-pool",
+                    min_ceiling=ceiling,
                     kind=args.detector,
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,

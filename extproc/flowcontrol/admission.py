@@ -86,6 +86,7 @@ class Admission:
             visibility_s=s.placement_visibility_s,
             eviction=config.eviction,
             endpoints=endpoints if s.admit_per_endpoint else None,
+            reserve=s.reserve_for_higher_bands,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         self.wait_seconds = Histogram(

@@ -127,7 +127,11 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     placement (about two scrape intervals: until a scrape can show it).
     `admit_per_endpoint`: release a request only where one endpoint has room for it under
     the band's ceiling (counting what was released to it and not placed yet), and place it
-    on such an endpoint; off: by the pool's average saturation alone."""
+    on such an endpoint; off: by the pool's average saturation alone.
+    `reserve_for_higher_bands` (with `admit_per_endpoint`): a lower band's request is
+    released only where afterwards some endpoint still has room for the largest of the last
+    100 requests of a higher band, so higher work finds a server with room instead of
+    waiting for lower work to end."""
 
     fairness_weights: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
         default_factory=dict
@@ -141,6 +145,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     share_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.1
     placement_visibility_s: Annotated[float, msgspec.Meta(ge=0)] = 0.1
     admit_per_endpoint: bool = True
+    reserve_for_higher_bands: bool = True
 
 
 _DUR = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")

@@ -114,6 +114,7 @@ class FlowController:
         visibility_s: float = 0.1,
         eviction: EvictionSettings | None = None,
         endpoints: Callable[[], Sequence[tuple[str, EndpointState]]] | None = None,
+        reserve: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -124,7 +125,9 @@ class FlowController:
         request still counts as pending (until a scrape can show it). `eviction`: cut
         running lower-band requests when a higher band is blocked (None: never).
         `endpoints`: (address, state) per endpoint now, for per-endpoint admission (None:
-        by the pool's saturation alone)."""
+        by the pool's saturation alone). `reserve`: with per-endpoint admission, a lower
+        band's request is released only where afterwards some endpoint still has room for
+        the largest recent request of a higher band."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -177,12 +180,19 @@ class FlowController:
         # Dispatch opportunities where the pool was under the ceiling but no endpoint had
         # room for the next request (it stayed queued).
         self.no_room = 0
+        self._reserve = reserve
+        # Per band, the token sizes of its latest requests and their largest (the room a
+        # lower band leaves free for it).
+        self._sizes: dict[int, collections.deque[int]] = {}
+        self._largest: dict[int, int] = {}
 
     # -- admission -------------------------------------------------------------------------
 
     async def admit(self, request: FlowRequest) -> Ticket:
         now = self._clock()
         p = request.priority
+        if self._reserve:
+            self._note_size(request)
         if self.count == 0 and self._may_run(p) and self._open(p):
             room = self._room(request)
             if room is not None:
@@ -243,24 +253,66 @@ class FlowController:
         sat = self.saturation()
         return sat < self.ceiling(priority, sat)
 
+    def _note_size(self, request: FlowRequest) -> None:
+        sizes = self._sizes.get(request.priority)
+        if sizes is None:
+            sizes = self._sizes[request.priority] = collections.deque(maxlen=_SIZES_KEPT)
+        dropped = sizes[0] if len(sizes) == sizes.maxlen else None
+        sizes.append(request.tokens)
+        largest = self._largest.get(request.priority, 0)
+        if request.tokens >= largest:
+            self._largest[request.priority] = request.tokens
+        elif dropped == largest:
+            self._largest[request.priority] = max(sizes)
+
+    def _reserved(self, priority: int) -> tuple[int, int]:
+        """(tokens, priority): the largest recent request of a band above `priority` and
+        the highest such band (whose ceiling it must fit under); (0, _) for none."""
+        above = [(t, p) for p, t in self._largest.items() if p > priority]
+        if not above:
+            return 0, priority
+        return max(t for t, _ in above), max(p for _, p in above)
+
     def _room(self, request: FlowRequest) -> tuple[str, frozenset[str]] | None:
         """Where the request may go: (the endpoint with the most room, every endpoint with
         room), or None when none has room for it under its band's ceiling. An endpoint with
         nothing on it always has room (else a request larger than the headroom would wait
-        forever). Without per-endpoint admission: anywhere."""
+        forever). With `reserve`, an endpoint has room for a lower band's request only if
+        afterwards some endpoint (it or another) still has room for the largest recent
+        request of a higher band: higher work finds a server free, not the head of a
+        queue of lower work. Without per-endpoint admission: anywhere."""
         if self._endpoints is None:
             return _ANYWHERE
         eps = self._endpoints()
         if not eps:
             return _ANYWHERE  # no endpoint at all: the router answers 503
         det = cast(EndpointDetector, self._detector)
-        ceiling = self.ceiling(request.priority, self.saturation())
+        sat = self.saturation()
+        ceiling = self.ceiling(request.priority, sat)
+        held, top = self._reserved(request.priority) if self._reserve else (0, 0)
+        top_ceiling = self.ceiling(top, sat) if held else 0.0
         fits: list[tuple[float, str]] = []
+        spare = 0  # endpoints with room for the reserved request as they are
+        keeps: dict[str, bool] = {}  # ... with this request on it too
+        has: dict[str, bool] = {}
         for addr, state in eps:
             reqs, toks = self._pending_at.get(addr, _NONE)
+            idle = det.endpoint_saturation(state, reqs, toks) == 0
             after = det.endpoint_saturation(state, reqs + 1, toks + request.tokens)
-            if after <= ceiling or det.endpoint_saturation(state, reqs, toks) == 0:
+            if after <= ceiling or idle:
                 fits.append((after, addr))
+            if held:
+                has[addr] = idle or (
+                    det.endpoint_saturation(state, reqs + 1, toks + held) <= top_ceiling
+                )
+                spare += has[addr]
+                keeps[addr] = (
+                    det.endpoint_saturation(state, reqs + 2, toks + request.tokens + held)
+                    <= top_ceiling
+                )
+        if held:
+            # On `a` the reserve holds if `a` keeps room for it, or another endpoint has it.
+            fits = [(x, a) for x, a in fits if keeps[a] or spare - has[a] > 0]
         if not fits:
             return None
         return min(fits)[1], frozenset(a for _, a in fits)
@@ -586,6 +638,7 @@ class FlowController:
 
 
 _ANYWHERE: tuple[str, frozenset[str]] = ("", frozenset())
+_SIZES_KEPT = 100  # recent requests per band whose largest sets the reserve
 _NONE = (0, 0)
 
 
