@@ -114,6 +114,7 @@ def picker_config(
     kv_ratio: float = 1.0,
     ttl_s: float = 10.0,
     per_endpoint: bool = True,
+    reserve: int = 1,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -168,7 +169,7 @@ def picker_config(
             # Per-endpoint admission and the reserve for interactive (on by default);
             # the `on-pool` run turns both off: admission by the pool's average.
             "admit_per_endpoint": per_endpoint,
-            "reserve_for_higher_bands": per_endpoint,
+            "reserve_for_higher_bands": reserve if per_endpoint else 0,
         }
     return doc
 
@@ -594,6 +595,9 @@ def main() -> int:
     ap.add_argument("--min-ceiling", type=float, default=0.85,
                     help="priority-holdback minCeiling: where batch stops (headroom kept for "
                     "interactive)")  # fmt: skip
+    ap.add_argument("--reserve", type=int, default=1,
+                    help="flow_control.reserve_for_higher_bands: how many of the largest "
+                    "recent interactive requests one server keeps room for")  # fmt: skip
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     objectives = tmp / "objectives.yaml"
@@ -622,9 +626,12 @@ def main() -> int:
         dep.stop()
         offered = args.overload * cap_tps
         for run in args.runs.split(","):
-            # A run is on | off | on-pool | on-2-replicas, optionally `@<minCeiling>`.
+            # A run is on | off | on-pool | on-2-replicas, optionally `@<minCeiling>` and
+            # `r<reserve_for_higher_bands>` (e.g. on@0.99r2).
             base, _, at = run.partition("@")
+            at, _, rsv = at.partition("r")
             ceiling = float(at) if at else args.min_ceiling
+            reserve = int(rsv) if rsv else args.reserve
             reqs = burst(offered, 0.25 * cap_tps, per_req, args.burst_s, args.seed,
                          stratified=not args.poisson_interactive,
                          spread=args.output_spread)  # fmt: skip
@@ -640,6 +647,7 @@ def main() -> int:
                 cfg = picker_config(
                     objectives,
                     flow=True,
+                    reserve=reserve,
                     min_ceiling=ceiling,
                     kind=args.detector,
                     ttl_s=args.ttl_s,
@@ -651,6 +659,7 @@ def main() -> int:
                     objectives,
                     flow=base != "off",
                     per_endpoint=base != "on-pool",
+                    reserve=reserve,
                     min_ceiling=ceiling,
                     kind=args.detector,
                     ttl_s=args.ttl_s,

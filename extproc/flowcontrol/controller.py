@@ -114,7 +114,7 @@ class FlowController:
         visibility_s: float = 0.1,
         eviction: EvictionSettings | None = None,
         endpoints: Callable[[], Sequence[tuple[str, EndpointState]]] | None = None,
-        reserve: bool = False,
+        reserve: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -127,7 +127,7 @@ class FlowController:
         `endpoints`: (address, state) per endpoint now, for per-endpoint admission (None:
         by the pool's saturation alone). `reserve`: with per-endpoint admission, a lower
         band's request is released only where afterwards some endpoint still has room for
-        the largest recent request of a higher band."""
+        that many of the largest recent requests of a higher band (0: no reserve)."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -257,16 +257,12 @@ class FlowController:
         sizes = self._sizes.get(request.priority)
         if sizes is None:
             sizes = self._sizes[request.priority] = collections.deque(maxlen=_SIZES_KEPT)
-        dropped = sizes[0] if len(sizes) == sizes.maxlen else None
         sizes.append(request.tokens)
-        largest = self._largest.get(request.priority, 0)
-        if request.tokens >= largest:
-            self._largest[request.priority] = request.tokens
-        elif dropped == largest:
-            self._largest[request.priority] = max(sizes)
+        # The room kept: the `reserve` largest of the band's recent requests together.
+        self._largest[request.priority] = sum(heapq.nlargest(self._reserve, sizes))
 
     def _reserved(self, priority: int) -> tuple[int, int]:
-        """(tokens, priority): the largest recent request of a band above `priority` and
+        """(tokens, priority): the room reserved for a band above `priority` and
         the highest such band (whose ceiling it must fit under); (0, _) for none."""
         above = [(t, p) for p, t in self._largest.items() if p > priority]
         if not above:

@@ -30,7 +30,7 @@ class Fleet:
         return [s for _, s in self.endpoints()]
 
 
-def make(fleet: Fleet, *, per_endpoint: bool = True, reserve: bool = False) -> FlowController:
+def make(fleet: Fleet, *, per_endpoint: bool = True, reserve: int = 0) -> FlowController:
     plugins = [
         {
             "type": "concurrency-detector",
@@ -119,7 +119,7 @@ async def test_work_released_and_not_placed_counts_on_its_endpoint():
 
 async def test_lower_band_leaves_room_for_the_largest_recent_higher_request():
     fleet = Fleet()
-    ctl = make(fleet, reserve=True)
+    ctl = make(fleet, reserve=1)
     high = await ctl.admit(req(500, priority=10))  # seen: interactive work is up to 500
     ctl.release(high)
     fleet.tokens.update(A=700, B=400)
@@ -128,7 +128,7 @@ async def test_lower_band_leaves_room_for_the_largest_recent_higher_request():
     assert first.endpoints == {"A"}
     ctl.release(first)  # (never placed: not counted anywhere any more)
     fleet.tokens.update(A=800, B=600)
-    ctl2 = make(fleet, reserve=False)
+    ctl2 = make(fleet, reserve=0)
     assert (await ctl2.admit(req(200))).endpoints == {"A", "B"}  # no reserve: both fit
     low = asyncio.create_task(ctl.admit(req(200)))
     await settle()
