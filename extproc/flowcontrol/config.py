@@ -133,8 +133,9 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     on such an endpoint; off: by the pool's average saturation alone.
     `reserve_for_higher_bands` (with `admit_per_endpoint`): a lower band's request is
     released only where afterwards some endpoint still has room for this many of the
-    largest of the last 100 requests of a higher band together (0: no reserve), so higher
-    work finds a server with room instead of waiting for lower work to end."""
+    largest of the last 100 requests of a higher band together (0, the default: no
+    reserve), so higher work finds a server with room instead of waiting for lower work to
+    end."""
 
     fairness_weights: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
         default_factory=dict
@@ -148,7 +149,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     share_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.1
     placement_visibility_s: Annotated[float, msgspec.Meta(ge=0)] = 0.1
     admit_per_endpoint: bool = True
-    reserve_for_higher_bands: Annotated[int, msgspec.Meta(ge=0, le=_SIZES_KEPT)] = 1
+    reserve_for_higher_bands: Annotated[int, msgspec.Meta(ge=0, le=_SIZES_KEPT)] = 0
 
 
 _DUR = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
