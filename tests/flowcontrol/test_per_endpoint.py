@@ -140,3 +140,33 @@ async def test_lower_band_leaves_room_for_the_largest_recent_higher_request():
     ctl.tick()
     await settle()
     assert low.done()
+
+
+async def test_a_reserve_of_two_keeps_room_for_the_two_largest_together():
+    fleet = Fleet()
+    ctl = make(fleet, reserve=2)
+    for size in (300, 200, 100):
+        ctl.release(await ctl.admit(req(size, priority=10)))
+    fleet.tokens.update(A=900, B=400)
+    low = asyncio.create_task(ctl.admit(req(200)))
+    await settle()
+    assert not low.done()  # on B: 600 + 500 reserved > 1000; on A it does not fit at all
+    fleet.tokens.update(B=300)
+    ctl.tick()
+    await settle()
+    assert low.result().endpoints == {"B"}  # 300 + 200 + 500 = 1000
+
+
+def test_endpoints_that_cannot_be_judged_never_have_room():
+    from extproc.flowcontrol.detectors import ConcurrencyDetector, UtilizationDetector
+
+    util = UtilizationDetector()
+    assert util.endpoint_saturation(EndpointState(age_s=None), 1, 10) == float("inf")
+    fresh = EndpointState(age_s=0.01, kv_usage=0.4, kv_blocks=100, kv_block_size=10)
+    assert util.endpoint_saturation(fresh, 1, 400) == (0.4 + 0.4) / 0.8
+    conc = ConcurrencyDetector(
+        ConcurrencyDetector.Params(concurrencyMode="tokens", kvCacheFraction=1.0)
+    )
+    assert conc.endpoint_saturation(EndpointState(), 1, 10) == float("inf")
+    sized = EndpointState(inflight_tokens=100, kv_blocks=100, kv_block_size=10)
+    assert conc.endpoint_saturation(sized, 1, 400) == 0.5
