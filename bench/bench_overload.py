@@ -21,6 +21,8 @@ unloaded TTFT (interactive requests alone at ~0.2x capacity). Then the same seed
   output) against each server's reported KV size (or `--detector utilization` on scraped
   KV use and queue depth); weighted-token fairness; priority-holdback `--min-ceiling` for
   batch; TTL `--ttl-s`; batch band bounded at 24 queued;
+- flow control on, admitted by the pool's average only (`on-pool`: `admit_per_endpoint`
+  and `reserve_for_higher_bands` off, the behaviour before per-endpoint admission);
 - flow control off, one picker (the same picker config without `flowControl`);
 - flow control on, two pickers behind one Envoy, sharing state through one Redis.
 Goodput = served tokens/s of requests whose TTFT met the SLO (`--slo-s`), over the burst
@@ -28,7 +30,10 @@ window plus the drain; "steady" counts, as capacity is counted, requests complet
 `--warm-s` and the end of the arrivals. Every request is accounted for: served, or 429/503
 with a reason (else counted lost). A timeline per run (picker queue, releases, saturation;
 engine running / waiting / KV use per server, every 0.5 s) is written next to the logs and
-summarised in the row (`tl_*`, bench/overload_timeline.py).
+summarised in the row (`tl_*`, bench/overload_timeline.py). Per admitted interactive
+request, the sim says where its TTFT went (`x-sim-timing`: KV wait, prefill-lane wait,
+prefill; the rest is the picker's queue, proxies and the client): `hi_breakdown_*`.
+A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`).
 """
 
 from __future__ import annotations
