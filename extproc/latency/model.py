@@ -130,9 +130,9 @@ class Prediction:
         """TTFT plus the delay this request's prefill adds to the requests that will queue
         behind it: as many, in a queue that neither grows nor drains, as it finds ahead of
         it. Choosing by TTFT alone, a request whose prefix server is busy goes where it
-        waits least, as a cache miss: several times the work of a hit (4x on a server a
-        quarter as fast, for a 20% shorter wait), which under load lengthens every later
-        request's wait. With no queue it is the TTFT."""
+        waits least, as a cache miss: several times the prefill of a hit, and more again
+        on a slower server, for a slightly shorter wait; under load that work lengthens
+        every later request's wait. With no queue it is the TTFT."""
         return self.ttft_s + self.prefill_s * self.queued
 
     @property
