@@ -440,7 +440,6 @@ class LatencySloAdmitter(_Consumer):
         objective_priorities: dict[str, int] = msgspec.field(default_factory=dict)
         default_priority: int = 0
         latency_prediction_info_producer_name: str = ""
-        queue_cost: bool = True
 
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
