@@ -128,7 +128,8 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     often TTLs are checked and endpoint figures re-read for capacity. `placement_visibility_s`:
     with a detector on scraped figures, how long released work still counts as pending after
     placement (about two scrape intervals: until a scrape can show it).
-    `admit_per_endpoint`: release a request only where one endpoint has room for it under
+    `admit_per_endpoint` (off by default: without a reserve it measured worse, see
+    docs/flow-control.md): release a request only where one endpoint has room for it under
     the band's ceiling (counting what was released to it and not placed yet), and place it
     on such an endpoint; off: by the pool's average saturation alone.
     `reserve_for_higher_bands` (with `admit_per_endpoint`): a lower band's request is
@@ -148,7 +149,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     tick_s: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.02
     share_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.1
     placement_visibility_s: Annotated[float, msgspec.Meta(ge=0)] = 0.1
-    admit_per_endpoint: bool = True
+    admit_per_endpoint: bool = False
     reserve_for_higher_bands: Annotated[int, msgspec.Meta(ge=0, le=_SIZES_KEPT)] = 0
 
 

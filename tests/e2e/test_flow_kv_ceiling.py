@@ -28,7 +28,7 @@ CONFIG = {
     "parse": {"bytes_per_token": 4, "calibrate": False},  # a fixed estimate to reckon with
     "state": {"request_end": {"mode": "access-log"}},  # in flight until the stream ends
     # Released work counts its output as placed work does (outputTokens).
-    "flow_control": {"expected_output_tokens": OUTPUT},
+    "flow_control": {"expected_output_tokens": OUTPUT, "admit_per_endpoint": True},
     "scheduling": {
         "plugins": [
             {"type": "queue-scorer"},
@@ -100,7 +100,7 @@ async def test_admits_what_the_engines_kv_holds_and_queues_the_rest(kv_stack: St
     cost = est + OUTPUT
     kv = BLOCKS * BLOCK
     # A request starts where the server stays within its ceiling with it (per-endpoint
-    # admission, the default; by the pool alone one more started, to wait in the engine).
+    # admission; by the pool alone one more started, to wait in the engine).
     starts = kv // cost
     n = starts + 3
     assert starts >= 2 and (est * n) / kv < 1, "without outputTokens nothing would queue"

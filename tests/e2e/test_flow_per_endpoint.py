@@ -44,7 +44,7 @@ CONFIG = {
             }
         ],
     },
-    "flow_control": {},  # admit_per_endpoint is on by default
+    "flow_control": {"admit_per_endpoint": True},
 }
 PREFIX = "the long shared system prompt about mountains and weather and rivers " * 12
 LONG = 400  # output tokens at 100 tokens/s: the first request streams for ~4 s
