@@ -40,7 +40,14 @@ POLICIES: tuple[tuple[str, dict], ...] = (
 class DemoConfig:
     """Sized so one policy runs ~10 s on 2 cores and the caches cannot hold every group on
     every server: round-robin spreads each group over all servers and thrashes, affinity
-    keeps each group's prefix on one server. `gpu_blocks` is per server, 16 tokens each."""
+    keeps each group's prefix on one server. `gpu_blocks` is per server, 16 tokens each.
+
+    The groups scale with the fleet (`groups_per_upstream`, 12 on the default 3 servers) so
+    that holds at any size: a group's system prompt is ~3,350 tokens (~210 blocks), so one
+    server's share of 4 groups (~840 blocks plus live conversations) fits its 1,200 blocks
+    and every group on every server (8 x 210 on 2 servers, 12 x 210 on 3) does not. A fixed
+    12 groups on 2 servers gave each server 6 (~1,260 blocks): affinity overflowed the cache
+    too, and which prefixes survived depended on timing, so round-robin sometimes won."""
 
     requests: int = 300
     upstreams: int = 3
@@ -48,15 +55,21 @@ class DemoConfig:
     fast: float = 10.0
     gpu_blocks: int = 1200
     prefill_tps: float = 3000.0
-    groups: int = 12
+    groups: int | None = None  # None: groups_per_upstream x upstreams
+    groups_per_upstream: int = 4
     system_words: int = 700
     seed: int = 7
 
+    @property
+    def group_count(self) -> int:
+        return self.groups if self.groups is not None else self.groups_per_upstream * self.upstreams
+
     def spec(self) -> WorkloadSpec:
         # Conversations of 3 turns; enough conversations per group to reach `requests`.
-        convs = max(1, math.ceil(self.requests / (self.groups * 3)))
+        groups = self.group_count
+        convs = max(1, math.ceil(self.requests / (groups * 3)))
         return WorkloadSpec(
-            groups=self.groups,
+            groups=groups,
             conversations_per_group=convs,
             turns=3,
             system_words=self.system_words,
