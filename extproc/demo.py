@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from extproc.sim.workload import (
@@ -27,7 +27,7 @@ from extproc.sim.workload import (
     run_open_loop,
     summarize,
 )
-from extproc.stack import Stack, StackOptions
+from extproc.stack import SIM_TOKENIZER_DIR, Stack, StackOptions
 
 POLICIES: tuple[tuple[str, dict], ...] = (
     ("round-robin", {"picker": False, "baseline": "round-robin"}),
@@ -90,6 +90,16 @@ class DemoConfig:
             "--prefill-tps", str(self.prefill_tps),
             "--seed", str(self.seed),
         )  # fmt: skip
+
+
+def _system_tokens(spec: WorkloadSpec) -> int:
+    """One group's system prompt in the simulated servers' tokens, to the nearest hundred
+    (a word of the workload's made-up vocabulary is about five of them, not three)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(SIM_TOKENIZER_DIR / "tokenizer.json"))
+    first = build_workload(replace(spec, groups=1, conversations_per_group=1, image_fraction=0))
+    return round(len(tok.encode(first[0].body["messages"][0]["content"]).ids), -2)
 
 
 def run_policy(
@@ -182,7 +192,7 @@ def run_demo(
     print(
         f"extproc demo: {cfg.upstreams} simulated vLLM servers behind a real Envoy; "
         f"{cfg.requests} streaming chat requests at {cfg.rate_per_s:g}/s (Poisson, seed "
-        f"{cfg.seed}): {spec.groups} groups sharing ~{spec.system_words * 3}-token system "
+        f"{cfg.seed}): {spec.groups} groups sharing ~{_system_tokens(spec):,}-token system "
         f"prompts, 3-turn conversations, 30% with an image.\n"
         f"Simulated time runs x{cfg.fast:g}: prefill {cfg.prefill_tps:g} tok/s, KV cache "
         f"{cfg.gpu_blocks} blocks x 16 tokens per server, in simulated units; the figures "
