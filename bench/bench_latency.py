@@ -94,6 +94,12 @@ LATENCY_NO_LATE = LATENCY.replace(
     "{responseHeader: true}", "{responseHeader: true, model: {lateHeads: false}}"
 )
 
+# The same, ranking by predicted TTFT alone (before the latency-scorer counted the wait a
+# request's prefill adds to the ones queued behind it), for an A/B of that step.
+LATENCY_TTFT_ONLY = LATENCY.replace(
+    "  - type: latency-scorer\n", "  - type: latency-scorer\n    parameters: {queueCost: false}\n"
+)
+
 POLICIES = {
     "extproc default": "",  # no scheduling section: the built-in default profile
     "llm-d default (prefix 3, queue 2, kv 2)": fixed(
@@ -109,6 +115,7 @@ POLICIES = {
     ),
     "predicted latency": LATENCY,
     "predicted latency, no late heads": LATENCY_NO_LATE,
+    "predicted latency, TTFT only": LATENCY_TTFT_ONLY,
 }
 
 

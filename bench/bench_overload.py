@@ -21,6 +21,8 @@ unloaded TTFT (interactive requests alone at ~0.2x capacity). Then the same seed
   output) against each server's reported KV size (or `--detector utilization` on scraped
   KV use and queue depth); weighted-token fairness; priority-holdback `--min-ceiling` for
   batch; TTL `--ttl-s`; batch band bounded at 24 queued;
+- flow control on, admitted by the pool's average only (`on-pool`: `admit_per_endpoint`
+  and `reserve_for_higher_bands` off, the behaviour before per-endpoint admission);
 - flow control off, one picker (the same picker config without `flowControl`);
 - flow control on, two pickers behind one Envoy, sharing state through one Redis.
 Goodput = served tokens/s of requests whose TTFT met the SLO (`--slo-s`), over the burst
@@ -28,7 +30,10 @@ window plus the drain; "steady" counts, as capacity is counted, requests complet
 `--warm-s` and the end of the arrivals. Every request is accounted for: served, or 429/503
 with a reason (else counted lost). A timeline per run (picker queue, releases, saturation;
 engine running / waiting / KV use per server, every 0.5 s) is written next to the logs and
-summarised in the row (`tl_*`, bench/overload_timeline.py).
+summarised in the row (`tl_*`, bench/overload_timeline.py). Per admitted interactive
+request, the sim says where its TTFT went (`x-sim-timing`: KV wait, prefill-lane wait,
+prefill; the rest is the picker's queue, proxies and the client): `hi_breakdown_*`.
+A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`).
 """
 
 from __future__ import annotations
@@ -113,6 +118,8 @@ def picker_config(
     kind: str = "concurrency",
     kv_ratio: float = 1.0,
     ttl_s: float = 10.0,
+    per_endpoint: bool = True,
+    reserve: int = 1,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -164,6 +171,10 @@ def picker_config(
             "objectives_file": str(objectives),
             "expected_output_tokens": OUTPUT_TOKENS,
             "retry_after_s": 2,
+            # Per-endpoint admission and the reserve for interactive (on by default);
+            # the `on-pool` run turns both off: admission by the pool's average.
+            "admit_per_endpoint": per_endpoint,
+            "reserve_for_higher_bands": reserve if per_endpoint else 0,
         }
     return doc
 
@@ -184,6 +195,10 @@ class Req:
     done_at: float = 0.0  # seconds after the run's start when the response completed
     est_tokens: int = 0  # the picker's prompt-token estimate
     max_tokens: int = OUTPUT_TOKENS
+    served_by: str = ""
+    # From the sim's first-token timing comment: KV wait (FCFS admission), prefill-lane
+    # wait, prefill. TTFT minus these is the picker's queue plus proxies and client.
+    engine: tuple[float, float, float] | None = None
 
 
 @dataclass
@@ -351,6 +366,7 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
     headers = {
         "x-llm-d-inference-fairness-id": r.tenant,
         "x-llm-d-inference-objective": r.objective,
+        "x-sim-timing": "1",
     }
     start = time.perf_counter()
     try:
@@ -360,11 +376,17 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
         ) as resp:  # fmt: skip
             r.status = resp.status
             r.reason = resp.headers.get("x-llm-d-request-dropped-reason", "")
+            r.served_by = resp.headers.get("x-served-by", "")
             if resp.status != 200:
                 await resp.read()
             else:
                 async for raw in resp.content:
                     line = raw.strip()
+                    if line.startswith(b": timing "):
+                        parts = dict(kv.split("=") for kv in line[9:].decode().split())
+                        r.engine = (float(parts["kv_wait_s"]), float(parts["lane_wait_s"]),
+                                    float(parts["prefill_s"]))  # fmt: skip
+                        continue
                     if not line.startswith(b"data:") or line == b"data: [DONE]":
                         continue
                     chunk = json.loads(line[5:])
@@ -476,6 +498,33 @@ def burst(
     return out
 
 
+def breakdown(rs: list[Req]) -> dict:
+    """Where admitted interactive requests' TTFT went, per request: the engine's KV wait
+    (FCFS admission: behind whatever heads its queue), its prefill-lane wait, the prefill,
+    and the rest (picker queue, proxies, client and CPU starvation). Means over all, and
+    over the slowest 5% (the p99's neighbourhood), plus which server those landed on."""
+    rs = [r for r in rs if r.engine is not None and r.ttft_s is not None]
+    if not rs:
+        return {}
+
+    def parts(sub: list[Req]) -> dict:
+        n = len(sub)
+        kv = sum(r.engine[0] for r in sub) / n  # type: ignore[index]
+        lane = sum(r.engine[1] for r in sub) / n  # type: ignore[index]
+        pre = sum(r.engine[2] for r in sub) / n  # type: ignore[index]
+        ttft = sum(r.ttft_s for r in sub) / n  # type: ignore[misc]
+        return {"n": n, "ttft": round(ttft, 3), "kv_wait": round(kv, 3),
+                "lane_wait": round(lane, 3), "prefill": round(pre, 3),
+                "rest": round(ttft - kv - lane - pre, 3)}  # fmt: skip
+
+    slow = sorted(rs, key=lambda r: r.ttft_s or 0.0)[-max(1, len(rs) // 20) :]
+    servers: dict[str, int] = {}
+    for r in slow:
+        servers[r.served_by] = servers.get(r.served_by, 0) + 1
+    return {"hi_breakdown_all": parts(rs), "hi_breakdown_slowest5pct": parts(slow),
+            "hi_slowest_servers": servers}  # fmt: skip
+
+
 def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo_s: float,
            unloaded_p99: float, window: tuple[float, float]) -> dict:  # fmt: skip
     ok = [r for r in reqs if r.status == 200 and r.ttft_s is not None and not r.error]
@@ -496,6 +545,7 @@ def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo
     row["hi_ttft_p50"] = percentile(hi, 50)
     row["hi_ttft_p99"] = percentile(hi, 99)
     row["hi_ttft_p99_vs_unloaded"] = percentile(hi, 99) / unloaded_p99
+    row.update(breakdown([r for r in ok if r.objective == "interactive"]))
     for obj in ("interactive", "batch"):
         sub = [r for r in reqs if r.objective == obj]
         shed = [r for r in sub if r.status in (429, 503)]
@@ -550,6 +600,9 @@ def main() -> int:
     ap.add_argument("--min-ceiling", type=float, default=0.85,
                     help="priority-holdback minCeiling: where batch stops (headroom kept for "
                     "interactive)")  # fmt: skip
+    ap.add_argument("--reserve", type=int, default=1,
+                    help="flow_control.reserve_for_higher_bands: how many of the largest "
+                    "recent interactive requests one server keeps room for")  # fmt: skip
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     objectives = tmp / "objectives.yaml"
@@ -572,15 +625,22 @@ def main() -> int:
                 for i in range(30)]  # fmt: skip
         asyncio.run(open_loop(dep.url, calm))
         base = [r.ttft_s for r in calm if r.ttft_s is not None]
+        print("unloaded breakdown", json.dumps(breakdown(calm)))
         unloaded_p50, unloaded_p99 = percentile(base, 50), percentile(base, 99)
         print(f"unloaded interactive TTFT p50 {unloaded_p50:.3f} s, p99 {unloaded_p99:.3f} s")
         dep.stop()
         offered = args.overload * cap_tps
         for run in args.runs.split(","):
+            # A run is on | off | on-pool | on-2-replicas, optionally `@<minCeiling>` and
+            # `r<reserve_for_higher_bands>` (e.g. on@0.99r2).
+            base, _, at = run.partition("@")
+            at, _, rsv = at.partition("r")
+            ceiling = float(at) if at else args.min_ceiling
+            reserve = int(rsv) if rsv else args.reserve
             reqs = burst(offered, 0.25 * cap_tps, per_req, args.burst_s, args.seed,
                          stratified=not args.poisson_interactive,
                          spread=args.output_spread)  # fmt: skip
-            if run == "on-2-replicas":
+            if base == "on-2-replicas":
                 if redis is None:
                     port = free_port()
                     redis = subprocess.Popen(
@@ -592,7 +652,8 @@ def main() -> int:
                 cfg = picker_config(
                     objectives,
                     flow=True,
-                    min_ceiling=args.min_ceiling,
+                    reserve=reserve,
+                    min_ceiling=ceiling,
                     kind=args.detector,
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
@@ -601,8 +662,10 @@ def main() -> int:
             else:
                 cfg = picker_config(
                     objectives,
-                    flow=run == "on",
-                    min_ceiling=args.min_ceiling,
+                    flow=base != "off",
+                    per_endpoint=base != "on-pool",
+                    reserve=reserve,
+                    min_ceiling=ceiling,
                     kind=args.detector,
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,

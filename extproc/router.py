@@ -232,6 +232,11 @@ class Router:
         try:
             if ticket.waited_s > 0:
                 endpoints = self._eligible(subset)  # the pool may have changed while it waited
+            if ticket.endpoints:
+                # Per-endpoint admission released it where it fits: place it there.
+                endpoints = (
+                    tuple(e for e in endpoints if e.address in ticket.endpoints) or endpoints
+                )
             routed = self._decide(request, endpoints, lookup, explain, place, ticket)
         except BaseException:
             self.admission.release(ticket)

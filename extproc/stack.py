@@ -577,6 +577,20 @@ class Stack:
             what="picker healthy in envoy",
         )
 
+    def wait_picker_routing(self, body: dict[str, Any], timeout_s: float = 10.0) -> None:
+        """`wait_picker_healthy`, then until a request (`body` posted as a chat completion)
+        through Envoy is routed again. A health check's result reaches Envoy's worker threads a
+        moment after the admin stats show it (the main thread rebuilds the healthy-host set,
+        then posts it to each worker); until then a request finds no healthy picker and fails
+        at once, so three quick requests can all land in that gap."""
+        self.wait_picker_healthy(timeout_s)
+        with httpx.Client(base_url=self.url, timeout=timeout_s) as client:
+            wait_until(
+                lambda: client.post("/v1/chat/completions", json=body).status_code == 200,
+                timeout_s=timeout_s,
+                what="a request routed through the restarted picker",
+            )
+
     def envoy_stats(self, prefix: str = "") -> dict[str, int]:
         text = httpx.get(
             f"http://127.0.0.1:{self.admin_port}/stats", params={"filter": prefix}, timeout=2

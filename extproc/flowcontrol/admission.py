@@ -62,7 +62,10 @@ class Admission:
         registry: CollectorRegistry | None = None,
         controller: FlowController | None = None,
         rand: Callable[[], float] = random.random,
+        endpoints: Callable[[], Sequence[tuple[str, EndpointState]]] | None = None,
     ) -> None:
+        """`states`: the pool's endpoint states now; `endpoints`: the same with addresses,
+        for per-endpoint admission (`admit_per_endpoint`; None: by the pool alone)."""
         s = config.settings
         self._states = states
         self._rand = rand
@@ -82,6 +85,8 @@ class Admission:
             priorities=tuple(config.bands),
             visibility_s=s.placement_visibility_s,
             eviction=config.eviction,
+            endpoints=endpoints if s.admit_per_endpoint else None,
+            reserve=s.reserve_for_higher_bands,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         self.wait_seconds = Histogram(
@@ -211,6 +216,13 @@ class Admission:
             )
             u.add_metric([], unknown)
             yield u
+        nr = counter(
+            "extproc_flow_no_endpoint_room",
+            "Dispatch opportunities where the pool was under its ceiling but no endpoint had "
+            "room for the next request (per-endpoint admission: it stayed queued).",
+        )
+        nr.add_metric([], fc.no_room)
+        yield nr
         if self.shared is not None:
             # Exchange counts are SharedFlowStats fields: server/families.py exports them.
             d = gauge(

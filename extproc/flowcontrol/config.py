@@ -111,6 +111,9 @@ class FlowControlSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enableEviction: bool = False
 
 
+_SIZES_KEPT = 100  # as the controller keeps per band
+
+
 class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """extproc's own `flow_control` section (present = flow control on, with llm-d's
     defaults when the scheduling config has no `flowControl` section).
@@ -124,7 +127,16 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     sent with 429s. `usage_half_life_s`: how fast served tokens are forgotten. `tick_s`: how
     often TTLs are checked and endpoint figures re-read for capacity. `placement_visibility_s`:
     with a detector on scraped figures, how long released work still counts as pending after
-    placement (about two scrape intervals: until a scrape can show it)."""
+    placement (about two scrape intervals: until a scrape can show it).
+    `admit_per_endpoint` (off by default: without a reserve it measured worse, see
+    docs/flow-control.md): release a request only where one endpoint has room for it under
+    the band's ceiling (counting what was released to it and not placed yet), and place it
+    on such an endpoint; off: by the pool's average saturation alone.
+    `reserve_for_higher_bands` (with `admit_per_endpoint`): a lower band's request is
+    released only where afterwards some endpoint still has room for this many of the
+    largest of the last 100 requests of a higher band together (0, the default: no
+    reserve), so higher work finds a server with room instead of waiting for lower work to
+    end."""
 
     fairness_weights: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
         default_factory=dict
@@ -137,6 +149,8 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     tick_s: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.02
     share_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.1
     placement_visibility_s: Annotated[float, msgspec.Meta(ge=0)] = 0.1
+    admit_per_endpoint: bool = False
+    reserve_for_higher_bands: Annotated[int, msgspec.Meta(ge=0, le=_SIZES_KEPT)] = 0
 
 
 _DUR = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")

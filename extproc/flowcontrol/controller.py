@@ -7,6 +7,12 @@ priority). Cancelling the awaiting task (the client left, Envoy reset the stream
 the request from its queue at once. `release(ticket)` when the request ends frees capacity
 and dispatches more.
 
+Per-endpoint admission (`endpoints` given and a detector with `endpoint_saturation`): a
+request is released only when, besides the pool being under its band's ceiling, some
+endpoint stays under that ceiling with the request on it; the ticket names those endpoints
+and the router places it on one. By the pool's average alone, a request was released while
+the server it landed on was full, and its engine queued it (and interactive work behind it).
+
 Dispatch: bands by priority (highest first), strictly: a lower band gets capacity only when
 every higher band is empty, here and (with shared state) at every other replica. Within a
 band the fairness policy picks the flow, the ordering policy the flow's request. Time comes
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from extproc.core import EndpointState
-from extproc.flowcontrol.detectors import SaturationDetector
+from extproc.flowcontrol.detectors import EndpointDetector, SaturationDetector
 from extproc.flowcontrol.eviction import EvictionSettings, Evictor
 from extproc.flowcontrol.policies import (
     Arrival,
@@ -107,6 +113,8 @@ class FlowController:
         priorities: Sequence[int] = (),
         visibility_s: float = 0.1,
         eviction: EvictionSettings | None = None,
+        endpoints: Callable[[], Sequence[tuple[str, EndpointState]]] | None = None,
+        reserve: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -115,7 +123,11 @@ class FlowController:
         saturation ceiling (default: 1.0 for all); `priorities` are the configured bands.
         `visibility_s`: with a detector that reads scraped figures, how long a placed
         request still counts as pending (until a scrape can show it). `eviction`: cut
-        running lower-band requests when a higher band is blocked (None: never)."""
+        running lower-band requests when a higher band is blocked (None: never).
+        `endpoints`: (address, state) per endpoint now, for per-endpoint admission (None:
+        by the pool's saturation alone). `reserve`: with per-endpoint admission, a lower
+        band's request is released only where afterwards some endpoint still has room for
+        that many of the largest recent requests of a higher band (0: no reserve)."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -155,14 +167,37 @@ class FlowController:
         # items that left the queue are skipped lazily when they reach the front.
         self._arrivals: collections.deque[tuple[_Band, _Item]] = collections.deque()
         self.evictor = Evictor(eviction, clock) if eviction is not None else None
+        self._endpoints = endpoints
+        if endpoints is not None and not hasattr(detector, "endpoint_saturation"):
+            log.warning(
+                "per-endpoint admission off: detector %s has no per-endpoint figures; "
+                "admitting by the pool's saturation alone",
+                type(detector).__name__,
+            )
+            self._endpoints = None
+        # Released, not yet placed, per target endpoint: [requests, tokens].
+        self._pending_at: dict[str, list[int]] = {}
+        # Dispatch opportunities where the pool was under the ceiling but no endpoint had
+        # room for the next request (it stayed queued).
+        self.no_room = 0
+        self._reserve = reserve
+        # Per band, the token sizes of its latest requests and their largest (the room a
+        # lower band leaves free for it).
+        self._sizes: dict[int, collections.deque[int]] = {}
+        self._largest: dict[int, int] = {}
 
     # -- admission -------------------------------------------------------------------------
 
     async def admit(self, request: FlowRequest) -> Ticket:
         now = self._clock()
         p = request.priority
+        if self._reserve:
+            self._note_size(request)
         if self.count == 0 and self._may_run(p) and self._open(p):
-            return self._start(request, 0.0)
+            room = self._room(request)
+            if room is not None:
+                return self._start(request, 0.0, room)
+            self.no_room += 1
         band = self._band(request.priority)
         self._make_room(request, band)
         loop = asyncio.get_running_loop()
@@ -217,6 +252,66 @@ class FlowController:
         """One dispatch opportunity for the band: may one of its requests start now?"""
         sat = self.saturation()
         return sat < self.ceiling(priority, sat)
+
+    def _note_size(self, request: FlowRequest) -> None:
+        sizes = self._sizes.get(request.priority)
+        if sizes is None:
+            sizes = self._sizes[request.priority] = collections.deque(maxlen=_SIZES_KEPT)
+        sizes.append(request.tokens)
+        # The room kept: the `reserve` largest of the band's recent requests together.
+        self._largest[request.priority] = sum(heapq.nlargest(self._reserve, sizes))
+
+    def _reserved(self, priority: int) -> tuple[int, int]:
+        """(tokens, priority): the room reserved for a band above `priority` and
+        the highest such band (whose ceiling it must fit under); (0, _) for none."""
+        above = [(t, p) for p, t in self._largest.items() if p > priority]
+        if not above:
+            return 0, priority
+        return max(t for t, _ in above), max(p for _, p in above)
+
+    def _room(self, request: FlowRequest) -> tuple[str, frozenset[str]] | None:
+        """Where the request may go: (the endpoint with the most room, every endpoint with
+        room), or None when none has room for it under its band's ceiling. An endpoint with
+        nothing on it always has room (else a request larger than the headroom would wait
+        forever). With `reserve`, an endpoint has room for a lower band's request only if
+        afterwards some endpoint (it or another) still has room for the largest recent
+        request of a higher band: higher work finds a server free, not the head of a
+        queue of lower work. Without per-endpoint admission: anywhere."""
+        if self._endpoints is None:
+            return _ANYWHERE
+        eps = self._endpoints()
+        if not eps:
+            return _ANYWHERE  # no endpoint at all: the router answers 503
+        det = cast(EndpointDetector, self._detector)
+        sat = self.saturation()
+        ceiling = self.ceiling(request.priority, sat)
+        held, top = self._reserved(request.priority) if self._reserve else (0, 0)
+        top_ceiling = self.ceiling(top, sat) if held else 0.0
+        fits: list[tuple[float, str]] = []
+        spare = 0  # endpoints with room for the reserved request as they are
+        keeps: dict[str, bool] = {}  # ... with this request on it too
+        has: dict[str, bool] = {}
+        for addr, state in eps:
+            reqs, toks = self._pending_at.get(addr, _NONE)
+            idle = det.endpoint_saturation(state, reqs, toks) == 0
+            after = det.endpoint_saturation(state, reqs + 1, toks + request.tokens)
+            if after <= ceiling or idle:
+                fits.append((after, addr))
+            if held:
+                has[addr] = idle or (
+                    det.endpoint_saturation(state, reqs + 1, toks + held) <= top_ceiling
+                )
+                spare += has[addr]
+                keeps[addr] = (
+                    det.endpoint_saturation(state, reqs + 2, toks + request.tokens + held)
+                    <= top_ceiling
+                )
+        if held:
+            # On `a` the reserve holds if `a` keeps room for it, or another endpoint has it.
+            fits = [(x, a) for x, a in fits if keeps[a] or spare - has[a] > 0]
+        if not fits:
+            return None
+        return min(fits)[1], frozenset(a for _, a in fits)
 
     def _band(self, priority: int) -> _Band:
         band = self._bands.get(priority)
@@ -309,9 +404,16 @@ class FlowController:
 
     # -- dispatch --------------------------------------------------------------------------
 
-    def _start(self, request: FlowRequest, waited: float) -> Ticket:
+    def _start(
+        self, request: FlowRequest, waited: float, room: tuple[str, frozenset[str]]
+    ) -> Ticket:
         self.pending_requests += 1
         self.pending_tokens += request.tokens
+        target, where = room
+        if target:
+            at = self._pending_at.setdefault(target, [0, 0])
+            at[0] += 1
+            at[1] += request.tokens
         f = request.fairness_id
         self.served[f] = self.served.get(f, 0.0) + request.tokens
         fairness = self._band(request.priority).fairness
@@ -322,7 +424,9 @@ class FlowController:
         k = (request.priority, self.stats.label(request.fairness_id))
         self.stats.wait_sum[k] = self.stats.wait_sum.get(k, 0.0) + waited
         self.stats.wait_count[k] = self.stats.wait_count.get(k, 0) + 1
-        ticket = Ticket(request, waited, dispatched_at=self._clock())
+        ticket = Ticket(
+            request, waited, dispatched_at=self._clock(), endpoints=where, target=target
+        )
         if self.evictor is not None:
             self.evictor.track(ticket)
         return ticket
@@ -352,13 +456,24 @@ class FlowController:
                 flow = band.fairness.pick(heads, served, self.weights)
             self._deferring_since = None
             item = band.flows[flow][0]
+            room = _ANYWHERE
+            if not item.future.done():
+                found = self._room(item.request)
+                if found is None:
+                    # The pool has room on average, but no server for this request: it
+                    # waits here, not at the head of a full server's queue.
+                    self.no_room += 1
+                    if self.evictor is not None:
+                        self._reclaim(top)
+                    break
+                room = found
             self._remove(band, item)
             if item.future.done():
                 # Its task was cancelled (the client left) and has not run its cleanup yet.
                 self.stats.count(item.request, "cancelled")
                 continue
             waited = now - item.arrival.enqueued
-            ticket = self._start(item.request, waited)
+            ticket = self._start(item.request, waited, room)
             prev = self.stats.wait_max.get(top, 0.0)
             self.stats.wait_max[top] = max(prev, waited)
             item.future.set_result(ticket)
@@ -445,6 +560,12 @@ class FlowController:
             ticket.pending = False
             self.pending_requests -= 1
             self.pending_tokens -= ticket.request.tokens
+            at = self._pending_at.get(ticket.target)
+            if at is not None:
+                at[0] -= 1
+                at[1] -= ticket.request.tokens
+                if at[0] <= 0:
+                    del self._pending_at[ticket.target]
 
     # -- time ------------------------------------------------------------------------------
 
@@ -510,6 +631,11 @@ class FlowController:
                 for item in list(q):
                     self._remove(band, item)
                     _fail(item, FlowRejected(reason, "the picker is shutting down"))
+
+
+_ANYWHERE: tuple[str, frozenset[str]] = ("", frozenset())
+_SIZES_KEPT = 100  # recent requests per band whose largest sets the reserve
+_NONE = (0, 0)
 
 
 def _fail(item: _Item, exc: FlowRejected) -> None:

@@ -10,6 +10,7 @@ in-flight figures cannot show yet; without it one capacity tick would release th
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, Protocol
 
@@ -30,6 +31,17 @@ class SaturationDetector(Protocol):
     ) -> float:
         """Pool saturation: 0 idle, 1.0 at the configured ideal capacity."""
         ...
+
+
+class EndpointDetector(SaturationDetector, Protocol):
+    """A detector that can also judge one endpoint: its saturation with `extra_requests` /
+    `extra_tokens` more placed on it (work released to it and a request that would be).
+    Per-endpoint admission (`flow_control.admit_per_endpoint`) releases a request only
+    where this stays under the band's ceiling."""
+
+    def endpoint_saturation(
+        self, state: EndpointState, extra_requests: int, extra_tokens: int
+    ) -> float: ...
 
 
 class UtilizationDetector:
@@ -83,6 +95,24 @@ class UtilizationDetector:
         for s in fresh:
             total += max(s.waiting / p.queueDepthThreshold, s.kv_usage / p.kvCacheUtilThreshold)
         return (total + pending_requests / p.queueDepthThreshold) / len(states)
+
+    def endpoint_saturation(
+        self, state: EndpointState, extra_requests: int, extra_tokens: int
+    ) -> float:
+        """One endpoint with extra work on it, counted as `saturation` counts pending work
+        (into KV where its size is known, what does not fit waits); stale = full."""
+        p = self.params
+        if state.age_s is None or state.age_s > self.stale_after_s:
+            return math.inf  # unobservable: never a place to release work to
+        cap = (state.kv_blocks or 0) * (state.kv_block_size or 0)
+        if cap:
+            kv = state.kv_usage + extra_tokens / cap
+            per_req = extra_tokens / extra_requests if extra_requests else 0.0
+            overflow = max(0.0, kv - 1.0) * cap / per_req if per_req else 0.0
+            waiting = state.waiting + overflow
+            return max(waiting / p.queueDepthThreshold, min(kv, 1.0) / p.kvCacheUtilThreshold)
+        waiting = state.waiting + extra_requests
+        return max(waiting / p.queueDepthThreshold, state.kv_usage / p.kvCacheUtilThreshold)
 
 
 class ConcurrencyDetector:
@@ -149,6 +179,26 @@ class ConcurrencyDetector:
             if p.concurrencyMode == "hybrid":
                 ratio = max(ratio, (s.inflight_requests + pending_requests / n) / p.maxConcurrency)
             total += ratio
+        self._note_unknown(unknown)
+        return total / n
+
+    def endpoint_saturation(
+        self, state: EndpointState, extra_requests: int, extra_tokens: int
+    ) -> float:
+        """One endpoint with extra work on it (`extra_tokens` already include their
+        expected output, as pending work does in `saturation`)."""
+        p = self.params
+        reqs = state.inflight_requests + extra_requests
+        if p.concurrencyMode == "requests":
+            return reqs / p.maxConcurrency
+        cap = self._token_ceiling(state)
+        toks = state.inflight_tokens + state.inflight_requests * p.outputTokens + extra_tokens
+        ratio = toks / cap if cap else math.inf  # KV size unknown: saturated
+        if p.concurrencyMode == "hybrid":
+            ratio = max(ratio, reqs / p.maxConcurrency)
+        return ratio
+
+    def _note_unknown(self, unknown: int) -> None:
         self.unknown_capacity = unknown
         if unknown and not self._warned:
             self._warned = True
@@ -157,7 +207,6 @@ class ConcurrencyDetector:
                 "vllm:cache_config_info scraped); they count as saturated",
                 unknown,
             )
-        return total / n
 
 
 DETECTORS: tuple[type[Any], ...] = (UtilizationDetector, ConcurrencyDetector)

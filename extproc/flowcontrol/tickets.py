@@ -57,6 +57,11 @@ class Ticket:
     placed: bool = False
     released: bool = False
     pending: bool = True  # counted in the controller's pending figures
+    # Per-endpoint admission: the endpoints with room for it when released (the router
+    # places it on one of them; empty = anywhere) and the one its pending work is counted
+    # against until placed (the one with the most room).
+    endpoints: frozenset[str] = frozenset()
+    target: str = ""
     # In-flight eviction (flowcontrol/eviction.py): whether this one may be cut, when it
     # started, whether it was cut, and who cuts it (the ext_proc stream, once routed).
     evictable: bool = False

@@ -116,10 +116,24 @@ class Prediction:
     ttft_s: float
     tpot_s: float | None
     warm: bool
+    # This request's own prefill there, and the requests queued ahead of it (ours not yet
+    # started plus others waiting): see `cost_s`.
+    prefill_s: float = 0.0
+    queued: int = 0
 
     @property
     def ttft_ms(self) -> float:
         return self.ttft_s * 1000.0
+
+    @property
+    def cost_s(self) -> float:
+        """TTFT plus the delay this request's prefill adds to the requests that will queue
+        behind it: as many, in a queue that neither grows nor drains, as it finds ahead of
+        it. Choosing by TTFT alone, a request whose prefix server is busy goes where it
+        waits least, as a cache miss: several times the prefill of a hit, and more again
+        on a slower server, for a slightly shorter wait; under load that work lengthens
+        every later request's wait. With no queue it is the TTFT."""
+        return self.ttft_s + self.prefill_s * self.queued
 
     @property
     def tpot_ms(self) -> float | None:
@@ -437,24 +451,21 @@ class LatencyModel:
                 per_request_s, per_token_s = per_request_s * slow, per_token_s * slow
                 self.stats.late_heads += 1
         backlog = 0.0 if b is None else b.work_s(per_request_s, per_token_s * scale, now)
+        queued = 0 if b is None else len(b)
         if not state.is_stale and state.waiting:
             # Waiting requests beyond our unfinished placements are work
             # other pickers or clients queued there: our placements cannot show them.
             foreign = state.waiting - (0 if b is None else b.ours_waiting())
             if foreign > 0:
                 backlog += foreign * (per_request_s + per_token_s * c.mean_tokens)
-        ttft = (
-            c.overhead_s
-            + self._transport.get(address, 0.0)
-            + backlog
-            + per_request_s
-            + per_token_s * uncached_tokens * scale
-        )
+                queued += foreign
+        prefill = per_request_s + per_token_s * uncached_tokens * scale
+        ttft = c.overhead_s + self._transport.get(address, 0.0) + backlog + prefill
         tpot = None
         if c.itl_base_s is not None:
             running = (0 if state.is_stale else state.running) + 1
             tpot = max(0.0, c.itl_base_s + c.itl_per_seq_s * running)
-        return Prediction(ttft, tpot, warm)
+        return Prediction(ttft, tpot, warm, prefill, queued)
 
     def responded(self, address: str, elapsed_s: float) -> None:
         """A streamed response's headers came back `elapsed_s` after the decision: servers

@@ -208,15 +208,25 @@ class Parts:
 
         router = self.router
 
-        def pool_states():
+        def pool_endpoints():
             inflight, states = router.inflight, router.states
             return [
-                states.state(e.address, inflight.requests(e.address), inflight.tokens(e.address))
+                (
+                    e.address,
+                    states.state(
+                        e.address, inflight.requests(e.address), inflight.tokens(e.address)
+                    ),
+                )
                 for e in self.pool.snapshot()
             ]
 
+        def pool_states():
+            return [s for _, s in pool_endpoints()]
+
         try:
-            admission = Admission(flow, pool_states, registry=self.metrics.registry)
+            admission = Admission(
+                flow, pool_states, registry=self.metrics.registry, endpoints=pool_endpoints
+            )
         except ValueError as exc:
             raise ConfigError(str(exc), path=("flow_control", "objectives_file")) from None
         idx = self.settings.index

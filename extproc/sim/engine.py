@@ -81,6 +81,9 @@ class Chunk:
 
     token_ids: list[int]
     cached_tokens: int
+    # On the first chunk only: where its time to first token went, in seconds: waiting for
+    # KV blocks (FCFS admission), waiting for the prefill lane, and the prefill itself.
+    timing: tuple[float, float, float] | None = None
 
 
 class _State(enum.Enum):
@@ -103,6 +106,7 @@ class _Seq:
     hit: Hit = field(default_factory=lambda: Hit(0, 0))
     filled: int = 0
     generated: list[int] = field(default_factory=list)
+    admitted_at: float = 0.0
     prefill_start: float = 0.0
     prefill_end: float = 0.0
 
@@ -233,7 +237,12 @@ class Engine:
             first = self.tokenizer.sample(rng, 1)
             self._emit(seq, first)
             self.stats.ttft.observe(loop.time() - t0)
-            yield Chunk(first, cached)
+            timing = (
+                seq.admitted_at - t0,
+                seq.prefill_start - seq.admitted_at,
+                seq.prefill_end - seq.prefill_start,
+            )
+            yield Chunk(first, cached, timing)
             async for tokens in self._decode(seq, rng):
                 yield Chunk(tokens, cached)
             self.stats.finished["length"] += 1
@@ -312,7 +321,8 @@ class Engine:
             encode = self._encode_tokens(seq.job.tokens, hit_tokens)
             work = self._timing.prefill_s(prompt_len - hit_tokens, encode, hit.cpu * bs)
             work /= self.relative_speed
-            seq.prefill_start = max(loop.time(), self._lane_free_at)
+            seq.admitted_at = loop.time()
+            seq.prefill_start = max(seq.admitted_at, self._lane_free_at)
             seq.prefill_end = self._lane_free_at = seq.prefill_start + work
             lane = self._lane
             # Ended by now: bounded by what is still queued. (Not by this one's start, which

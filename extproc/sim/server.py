@@ -25,7 +25,7 @@ from aiohttp import web
 from extproc.core import Api
 from extproc.errors import BadRequest
 from extproc.requests import ParseSettings, parse_request
-from extproc.sim import SERVED_BY_HEADER
+from extproc.sim import SERVED_BY_HEADER, TIMING_HEADER
 from extproc.sim.blocks import wire_hash
 from extproc.sim.engine import Chunk, Engine, EngineSettings, Job
 from extproc.sim.kvevents import KVEventPublisher, KVEventsSettings
@@ -222,7 +222,8 @@ class SimServer:
         include_usage = bool(sampling.stream_options and sampling.stream_options.include_usage)
         # A client that hangs up ends the stream; the engine already gave its blocks back.
         with contextlib.suppress(ConnectionResetError):
-            await self._stream(resp, shape, stream, job, include_usage)
+            timing = request.headers.get(TIMING_HEADER) == "1"
+            await self._stream(resp, shape, stream, job, include_usage, timing)
         return resp
 
     async def _stream(
@@ -232,6 +233,7 @@ class SimServer:
         stream: contextlib.aclosing[AsyncGenerator[Chunk, None]],
         job: Job,
         include_usage: bool,
+        timing: bool = False,
     ) -> None:
         chat = shape.chat
         produced = 0
@@ -241,6 +243,15 @@ class SimServer:
                 await resp.write(_sse(shape.delta({"role": "assistant", "content": ""}, None)))
             async for chunk in chunks:
                 out = bytearray()
+                if timing and chunk.timing is not None:
+                    # Asked for with TIMING_HEADER: an SSE comment (clients skip it) saying
+                    # where the first token's time went, for benchmarks that break TTFT
+                    # down per request.
+                    kv, lane, prefill = chunk.timing
+                    out += (
+                        f": timing kv_wait_s={kv:.4f} lane_wait_s={lane:.4f} "
+                        f"prefill_s={prefill:.4f}\n\n"
+                    ).encode()
                 for tid in chunk.token_ids:
                     produced += 1
                     done = "length" if produced == job.max_tokens else None

@@ -23,7 +23,8 @@ def test_fail_closed_by_default_and_recovers_when_the_picker_returns():
         stack.stop_extproc(signal.SIGKILL)
         assert statuses(stack, 5) == [500] * 5
         stack.start_extproc()
-        stack.wait_picker_healthy()  # Envoy health-checks the picker every second
+        # Envoy health-checks the picker every second; the first routed request ends the wait.
+        stack.wait_picker_routing(CHAT)
         assert statuses(stack, 3) == [200] * 3
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import re
 from collections.abc import Iterator
 
@@ -28,6 +27,8 @@ PROMPT = "tell me about the weather in the mountains " * 8
 CONFIG = {
     "parse": {"bytes_per_token": 4, "calibrate": False},  # a fixed estimate to reckon with
     "state": {"request_end": {"mode": "access-log"}},  # in flight until the stream ends
+    # Released work counts its output as placed work does (outputTokens).
+    "flow_control": {"expected_output_tokens": OUTPUT, "admit_per_endpoint": True},
     "scheduling": {
         "plugins": [
             {"type": "queue-scorer"},
@@ -71,10 +72,12 @@ def metric(stack: Stack, name: str) -> float | None:
     return sum(found) if found else None
 
 
-def body(model: str) -> dict:
+def body(model: str, i: int = 0) -> dict:
+    # Distinct from the first block on (no prefix hit: every request's whole prompt counts),
+    # all of one length (one estimate).
     return {
         "model": model,
-        "messages": [{"role": "user", "content": PROMPT}],
+        "messages": [{"role": "user", "content": f"{i:03d} {PROMPT}"}],
         "max_tokens": OUTPUT,
         "stream": True,
     }
@@ -96,19 +99,20 @@ async def test_admits_what_the_engines_kv_holds_and_queues_the_rest(kv_stack: St
     ).prompt_tokens
     cost = est + OUTPUT
     kv = BLOCKS * BLOCK
-    # A request starts while the pool is below its ceiling (before counting itself).
-    starts = math.ceil(kv / cost) if kv % cost else kv // cost + 1
+    # A request starts where the server stays within its ceiling with it (per-endpoint
+    # admission; by the pool alone one more started, to wait in the engine).
+    starts = kv // cost
     n = starts + 3
     assert starts >= 2 and (est * n) / kv < 1, "without outputTokens nothing would queue"
 
-    async def one(c: httpx.AsyncClient) -> int:
-        async with c.stream("POST", "/v1/chat/completions", json=body(stack.fleet.model)) as r:
+    async def one(c: httpx.AsyncClient, i: int) -> int:
+        async with c.stream("POST", "/v1/chat/completions", json=body(stack.fleet.model, i)) as r:
             async for _ in r.aiter_lines():
                 pass
             return r.status_code
 
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
-        tasks = [asyncio.create_task(one(c)) for _ in range(n)]
+        tasks = [asyncio.create_task(one(c, i)) for i in range(n)]
         # While the first ones stream (~3 s each), the rest wait in the picker.
         queued: list[float] = []
         for _ in range(100):

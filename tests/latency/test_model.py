@@ -147,6 +147,17 @@ def test_scraped_waiting_counts_work_other_pickers_queued() -> None:
     assert alone is not None and waiting is not None and stale is not None
     assert waiting.ttft_s - alone.ttft_s == pytest.approx(3 * c.prefill_s(c.mean_tokens))
     assert stale.ttft_s == alone.ttft_s  # figures we no longer trust add nothing
+    # The queue a prefill would delay: others' waiting requests, and ours placed there.
+    assert (alone.queued, waiting.queued, stale.queued) == (0, 3, 0)
+    assert waiting.prefill_s == pytest.approx(c.prefill_s(500))
+    assert waiting.cost_s == pytest.approx(waiting.ttft_s + 3 * waiting.prefill_s)
+    assert alone.cost_s == alone.ttft_s  # no queue: the cost is the wait
+    model.place("a:1", 800, 0.0)
+    model.place("a:1", 800, 0.0)
+    ours = model.predict("a:1", EndpointState(is_stale=False, waiting=3), 500, 0.0)
+    assert ours is not None and ours.queued == 3  # two ours among the three waiting
+    more = model.predict("a:1", EndpointState(is_stale=False, waiting=1), 500, 0.0)
+    assert more is not None and more.queued == 2  # ours count even when not yet seen
 
 
 def test_unmeasured_endpoints_borrow_the_fleet_and_nothing_learned_is_none() -> None:

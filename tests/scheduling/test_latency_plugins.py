@@ -141,6 +141,32 @@ def test_scorer_counts_prefix_hits_as_less_prefill():
     assert scorer.score(r, [cand("s", prefix=9.0), cand("f")]) == [1.0, 0.0]
 
 
+def test_scorer_counts_the_wait_a_prefill_adds_to_the_requests_queued_behind_it():
+    """Both endpoints are busy; the fast one holds the prompt's prefix, the slow one would
+    prefill all of it and is predicted a little sooner. By TTFT alone the request goes to
+    the slow one as a miss: 1.6 s of prefill that everyone queued behind it there waits for.
+    Counting that wait (its prefill times the queue it finds), the hit on the busy cache
+    holder wins, while an idle slow endpoint (nobody behind it) still wins on TTFT."""
+    prod = producer()
+    now = prod.model.now()
+    for _ in range(6):
+        prod.model.place("f", 3000, now)  # 6 x 0.3 s queued on the fast endpoint
+    r = req(blocks=10, tokens=4000)
+    cands = [cand("s"), cand("f", prefix=9.0)]
+    ttft_s, ttft_f = (i.prediction.ttft_s for i in prod.predictions(r, cands))  # type: ignore[union-attr]
+    assert ttft_s < ttft_f  # the idle slow endpoint is sooner
+    assert bound(LatencyScorer(), prod).score(r, cands) == [1.0, 0.0]
+    prod.model.place("s", 400, now)  # now the slow endpoint has a queue too
+    r2 = req(blocks=10, tokens=4000)
+    infos = prod.predictions(r2, cands)
+    assert infos[0] is not None and infos[1] is not None
+    assert infos[0].prediction.ttft_s < infos[1].prediction.ttft_s  # still sooner there
+    assert (infos[0].prediction.queued, infos[1].prediction.queued) == (1, 6)
+    assert bound(LatencyScorer(), prod).score(r2, cands) == [0.0, 1.0]
+    ttft_only = LatencyScorer(LatencyScorer.Params(queue_cost=False))
+    assert bound(ttft_only, prod).score(r2, cands) == [1.0, 0.0]
+
+
 def test_scorer_with_slo_packs_onto_the_endpoint_closest_to_it_or_takes_most_headroom():
     prod = producer()
     r = req(tokens=1000, headers={"x-llm-d-slo-ttft-ms": "1000"})

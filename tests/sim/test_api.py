@@ -9,6 +9,7 @@ from pathlib import Path
 
 import aiohttp
 
+from extproc.sim import TIMING_HEADER
 from extproc.sim.server import SERVED_BY_HEADER
 from tests.requests.images import png
 from tests.sim.conftest import StartSim
@@ -71,6 +72,30 @@ async def test_chat_stream_is_valid_sse_with_usage_last(start_sim: StartSim):
     assert content[-1]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+async def test_timing_header_adds_the_first_tokens_breakdown_as_an_sse_comment(
+    start_sim: StartSim,
+):
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 3,
+        "stream": True,
+    }
+    async with (
+        start_sim(events=False) as srv,
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"{srv.url}/v1/chat/completions", json=body, headers={TIMING_HEADER: "1"}
+        ) as resp,
+    ):
+        raw = (await resp.read()).decode()
+    comments = [e for e in raw.split("\n\n") if e.startswith(":")]
+    assert len(comments) == 1
+    parts = dict(kv.split("=") for kv in comments[0].removeprefix(": timing ").split())
+    assert set(parts) == {"kv_wait_s", "lane_wait_s", "prefill_s"}
+    assert all(float(v) >= 0 for v in parts.values()) and float(parts["prefill_s"]) > 0
 
 
 async def test_completion_stream_without_usage_ends_with_done(start_sim: StartSim):

@@ -44,7 +44,7 @@ def test_third_party_scorer_routes_through_envoy(plugin_site, tmp_path):
         stack.stop_extproc()
         stack.options.extproc_args = ["--config", str(cfg)]
         stack.start_extproc()
-        stack.wait_picker_healthy()
+        stack.wait_picker_routing(CHAT)
         with httpx.Client(base_url=stack.url, timeout=30) as http:
             served = {
                 http.post("/v1/chat/completions", json=CHAT).json()["endpoint"] for _ in range(12)

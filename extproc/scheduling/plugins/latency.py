@@ -278,6 +278,7 @@ class LatencyScorer(_Consumer):
         composite_queue_weight: _NonNeg = 1.0
         composite_prefix_weight: _NonNeg = 1.0
         latency_prediction_info_producer_name: str = ""
+        queue_cost: bool = True
 
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
@@ -303,7 +304,13 @@ class LatencyScorer(_Consumer):
                 chosen = idle or _least_severe(chosen, infos)
         p = self.params
         most = positive and p.headroom_selection_strategy == "most"
-        ttft = _normalise([infos[i].ttft_headroom_ms for i in chosen], most)  # type: ignore[union-attr]
+        if positive or not p.queue_cost:
+            heads = [infos[i].ttft_headroom_ms for i in chosen]  # type: ignore[union-attr]
+        else:
+            # Nothing meets the objective (or none was given): the lowest latency wins, and
+            # that counts the wait this request's prefill adds to those queued behind it.
+            heads = [_queue_cost_headroom_ms(infos[i]) for i in chosen]  # type: ignore[arg-type]
+        ttft = _normalise(heads, most)
         tpot = _normalise([infos[i].tpot_headroom_ms for i in chosen], most)  # type: ignore[union-attr]
         wt, wp = p.ttft_weight, p.tpot_weight
         if ttft is None and tpot is None:
@@ -338,6 +345,13 @@ class LatencyScorer(_Consumer):
             )
             out.append(s / total)
         return out
+
+
+def _queue_cost_headroom_ms(info: LatencyInfo) -> float:
+    """TTFT headroom less the wait this request's prefill adds to the requests that will
+    queue behind it (`Prediction.cost_s`)."""
+    pred = info.prediction
+    return info.ttft_headroom_ms - (pred.cost_s - pred.ttft_s) * 1000.0
 
 
 def _least_severe(chosen: list[int], infos: Sequence[LatencyInfo | None]) -> list[int]:
