@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import os
+import signal
 import time
 
 import httpx
 import pytest
 
-from extproc.stack import Stack, StackOptions
+from extproc.stack import Stack, StackOptions, wait_until
 
 # Two running at a time and a small KV cache: the load shows as waiting requests and KV use.
 SIM = ("--max-num-seqs", "2", "--num-gpu-blocks", "64", "--decode-tps", "20")
@@ -130,3 +132,43 @@ def test_a_dead_server_loses_its_index_entries_within_a_scrape_interval():
             time.sleep(0.02)
         assert not any(held().values()), held()
         assert want in invalidations()
+
+
+def test_a_frozen_server_keeps_its_index_entries_and_comes_back():
+    """A server that stops answering in time (SIGSTOP: frozen, as a starved host looks) is
+    taken out of routing after three timed-out scrapes, but what the index credits it with
+    stays: the same process comes back with its cache, and its start time says so."""
+    with Stack(StackOptions(upstreams=2, sim_args=())) as stack:
+        body = {"model": stack.fleet.model, "prompt": "a long shared document " * 80}
+        r = httpx.post(f"{stack.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+        admin = f"http://127.0.0.1:{stack.picker_admin_port}"
+
+        def held() -> dict[str, float]:
+            path = {"x-extproc-path": "/v1/completions"}
+            r = httpx.post(f"{admin}/debug/explain", json=body, headers=path, timeout=5)
+            return r.json()["prefix_blocks"]
+
+        def metric_lines(prefix: str) -> list[str]:
+            text = httpx.get(f"{admin}/metrics", timeout=5).text
+            return [m for m in text.splitlines() if m.startswith(prefix)]
+
+        def failures() -> list[float]:
+            return [float(m.split()[-1]) for m in metric_lines("extproc_endpoint_scrape_failures")]
+
+        before = held()
+        assert max(before.values()) > 0
+        os.kill(stack.fleet.proc.pid, signal.SIGSTOP)  # every simulated server at once
+        try:
+            wait_until(
+                lambda: len(f := failures()) == 2 and min(f) >= 4,
+                timeout_s=20,
+                what="three timed-out scrapes of each server",
+            )
+        finally:
+            os.kill(stack.fleet.proc.pid, signal.SIGCONT)
+        assert held() == before  # before any request could teach the index again
+        r = httpx.post(f"{stack.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+        unreachable = 'extproc_endpoint_cache_invalidations_total{reason="unreachable"}'
+        assert [float(m.split()[-1]) for m in metric_lines(unreachable)] in ([], [0.0])
