@@ -77,7 +77,7 @@ class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     matter). `min_samples` (3): prefill intervals before an endpoint's own fit is used.
     `smoothing` (0.3): weight of a new interval in the smoothed means (overhead, mean
     uncached tokens per request). `late_heads` (true): price an endpoint whose oldest
-    unfinished placement is far past its price at the speed that placement shows.
+    unfinished placement has run longer than its price at the speed that placement shows.
     """
 
     forgetting: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
@@ -443,10 +443,11 @@ class LatencyModel:
         scale = self.token_scale
         b = self._backlog.get(address)
         per_request_s, per_token_s = c.per_request_s, c.per_token_s
+        transport_s = self._transport.get(address, 0.0)
         if b is not None and self.settings.late_heads:
-            # A head running far past its price: the server slowed and the fit does not
-            # know yet; price everything here at the speed the head shows.
-            slow = b.slowdown(per_request_s, per_token_s * scale)
+            # A head running past its price: the server slowed and the fit does not know
+            # yet; price everything here at (at most) the speed the head shows.
+            slow = b.slowdown(per_request_s, per_token_s * scale, c.overhead_s, transport_s)
             if slow > 1.0:
                 per_request_s, per_token_s = per_request_s * slow, per_token_s * slow
                 self.stats.late_heads += 1
@@ -460,7 +461,7 @@ class LatencyModel:
                 backlog += foreign * (per_request_s + per_token_s * c.mean_tokens)
                 queued += foreign
         prefill = per_request_s + per_token_s * uncached_tokens * scale
-        ttft = c.overhead_s + self._transport.get(address, 0.0) + backlog + prefill
+        ttft = c.overhead_s + transport_s + backlog + prefill
         tpot = None
         if c.itl_base_s is not None:
             running = (0 if state.is_stale else state.running) + 1
