@@ -82,7 +82,7 @@ async def main(requests: int, gap_s: float, late_heads: bool) -> None:
             b = model.backlogs().get(ADDR)
             fit = "-" if c is None else f"{c.per_request_s * 1e3:.0f} ms + {c.tokens_per_s:.0f} t/s"
             head = "-"
-            if c is not None and b is not None and len(b):
+            if c is not None and b is not None and len(b) and hasattr(b, "head_elapsed_s"):
                 price = c.prefill_s(b.head_tokens * model.token_scale)
                 head = f"{b.head_elapsed_s():.2f}/{price:.2f} s"
             return (
