@@ -259,12 +259,20 @@ class LatencyModel:
                     # it), so take its speed now, as a factor on the whole fit (a tenant
                     # slows every term alike), and reopen it so the next samples correct
                     # what is not a common factor.
-                    st.prefill.w = [w * secs / expected for w in st.prefill.w]
+                    factor = secs / expected
+                    st.prefill.w = [w * factor for w in st.prefill.w]
                     st.prefill.reopen()
+                    if st.ratio is not None:
+                        # The fallback means (see _publish) follow the same evidence: left
+                        # to their smoothing they kept the old speed for ~5 more intervals
+                        # whenever the reopened fit went negative (1-request intervals of
+                        # similar size cannot separate its two terms).
+                        st.ratio = (st.ratio[0] * factor, st.ratio[1] * factor)
                     self.stats.reopened += 1
                     self.stats.rescaled_speed += 1
                 elif st.surprises >= 2:
                     st.prefill.reopen()
+                    st.ratio = None  # the fallback means restart from this sample too
                     st.surprises = 0
                     self.stats.reopened += 1
             else:
