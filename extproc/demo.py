@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from extproc.sim.workload import (
@@ -27,7 +27,7 @@ from extproc.sim.workload import (
     run_open_loop,
     summarize,
 )
-from extproc.stack import Stack, StackOptions
+from extproc.stack import SIM_TOKENIZER_DIR, Stack, StackOptions
 
 POLICIES: tuple[tuple[str, dict], ...] = (
     ("round-robin", {"picker": False, "baseline": "round-robin"}),
@@ -40,7 +40,14 @@ POLICIES: tuple[tuple[str, dict], ...] = (
 class DemoConfig:
     """Sized so one policy runs ~10 s on 2 cores and the caches cannot hold every group on
     every server: round-robin spreads each group over all servers and thrashes, affinity
-    keeps each group's prefix on one server. `gpu_blocks` is per server, 16 tokens each."""
+    keeps each group's prefix on one server. `gpu_blocks` is per server, 16 tokens each.
+
+    The groups scale with the fleet (`groups_per_upstream`, 12 on the default 3 servers) so
+    that holds at any size: a group's system prompt is ~3,350 tokens (~210 blocks), so one
+    server's share of 4 groups (~840 blocks plus live conversations) fits its 1,200 blocks
+    and every group on every server (8 x 210 on 2 servers, 12 x 210 on 3) does not. A fixed
+    12 groups on 2 servers gave each server 6 (~1,260 blocks): affinity overflowed the cache
+    too, and which prefixes survived depended on timing, so round-robin sometimes won."""
 
     requests: int = 300
     upstreams: int = 3
@@ -48,15 +55,21 @@ class DemoConfig:
     fast: float = 10.0
     gpu_blocks: int = 1200
     prefill_tps: float = 3000.0
-    groups: int = 12
+    groups: int | None = None  # None: groups_per_upstream x upstreams
+    groups_per_upstream: int = 4
     system_words: int = 700
     seed: int = 7
 
+    @property
+    def group_count(self) -> int:
+        return self.groups if self.groups is not None else self.groups_per_upstream * self.upstreams
+
     def spec(self) -> WorkloadSpec:
         # Conversations of 3 turns; enough conversations per group to reach `requests`.
-        convs = max(1, math.ceil(self.requests / (self.groups * 3)))
+        groups = self.group_count
+        convs = max(1, math.ceil(self.requests / (groups * 3)))
         return WorkloadSpec(
-            groups=self.groups,
+            groups=groups,
             conversations_per_group=convs,
             turns=3,
             system_words=self.system_words,
@@ -77,6 +90,16 @@ class DemoConfig:
             "--prefill-tps", str(self.prefill_tps),
             "--seed", str(self.seed),
         )  # fmt: skip
+
+
+def _system_tokens(spec: WorkloadSpec) -> int:
+    """One group's system prompt in the simulated servers' tokens, to the nearest hundred
+    (a word of the workload's made-up vocabulary is about five of them, not three)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(SIM_TOKENIZER_DIR / "tokenizer.json"))
+    first = build_workload(replace(spec, groups=1, conversations_per_group=1, image_fraction=0))
+    return round(len(tok.encode(first[0].body["messages"][0]["content"]).ids), -2)
 
 
 def run_policy(
@@ -169,7 +192,7 @@ def run_demo(
     print(
         f"extproc demo: {cfg.upstreams} simulated vLLM servers behind a real Envoy; "
         f"{cfg.requests} streaming chat requests at {cfg.rate_per_s:g}/s (Poisson, seed "
-        f"{cfg.seed}): {spec.groups} groups sharing ~{spec.system_words * 3}-token system "
+        f"{cfg.seed}): {spec.groups} groups sharing ~{_system_tokens(spec):,}-token system "
         f"prompts, 3-turn conversations, 30% with an image.\n"
         f"Simulated time runs x{cfg.fast:g}: prefill {cfg.prefill_tps:g} tok/s, KV cache "
         f"{cfg.gpu_blocks} blocks x 16 tokens per server, in simulated units; the figures "

@@ -22,23 +22,25 @@ ALLOWED: dict[str, set[str]] = {
     "logs": set(),
     "throttle": set(),  # rate-limited logging for what hostile peers can repeat
     "redis_client": {"errors"},
+    "redis_loop": {"backoff"},  # how long-lived loops wait for, and stop around, Redis
     "hashing": _BASE,
     "requests": _BASE | {"hashing"},
     "latency": _BASE,
     "scheduling": _BASE | {"latency"},
     "plugins": _BASE | {"scheduling"},
-    "index": _BASE | {"hashing", "redis_client", "throttle"},
-    "endpoints": _BASE | {"redis_client", "latency"},
+    "index": _BASE | {"hashing", "redis_client", "redis_loop", "throttle"},
+    "endpoints": _BASE | {"redis_client", "redis_loop", "latency"},
     # Admission between the index lookup and scheduling: it reads endpoint state, its plugins
     # are built like scheduling plugins, and replicas share its state through Redis.
-    "flowcontrol": _BASE | {"endpoints", "redis_client", "scheduling"},
+    "flowcontrol": _BASE | {"endpoints", "redis_client", "redis_loop", "scheduling"},
     "router": _BASE | {"hashing", "index", "endpoints", "scheduling", "flowcontrol", "throttle"},
     "config": _BASE | {"requests", "scheduling", "endpoints", "index", "hashing", "flowcontrol"},
     "calibration": _BASE | {"requests"},
     "signals": set(),
     "server": _BASE
     | {"_proto", "config", "endpoints", "hashing", "index", "requests", "router", "scheduling"}
-    | {"logs", "redis_client", "flowcontrol", "latency", "throttle", "calibration", "signals"},
+    | {"logs", "redis_client", "redis_loop", "flowcontrol", "latency", "throttle"}
+    | {"calibration", "signals"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,
     "gateways": _BASE | {"bootstrap"},

@@ -61,8 +61,8 @@ class ScrapeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 @dataclass(slots=True)
 class ScrapeStats:
     """Counters since start: successful scrapes and failed ones (all endpoints), and cache
-    invalidations by reason (`restart`: the process start time changed; `unreachable`: the
-    first failed scrape of a run)."""
+    invalidations by reason (`restart`: the process start time changed; `unreachable`: an
+    outage that means the cache is gone, once per outage; see `MetricsScraper._cache_lost`)."""
 
     scrapes: int = 0
     failures: int = 0
@@ -82,6 +82,7 @@ class _Health:
     failures: int = 0  # since the endpoint joined the pool
     retry_at: float = 0.0
     started: float | None = None  # the engine's process start time, as last scraped
+    forgotten: bool = False  # this outage already invalidated what the index credits it with
     digest: int | None = None  # hash of the last parsed body
     scraped: Scraped | None = None  # what that body said
 
@@ -115,8 +116,9 @@ class MetricsScraper:
     ) -> None:
         """`on_invalidate(address, reason)` is awaited when what the index believes about
         an endpoint's cache can no longer be true: its process restarted (empty cache), or
-        it stopped answering (dead, or restarting; see `is_failing`). Within one scrape
-        interval of a refused connection; a busy server's timeouts count after three."""
+        it refused or answered wrongly (dead, or restarting). Within one scrape interval of a
+        refused connection. Timeouts alone take a server out of routing after three in a row
+        (`is_failing`) but keep its cache, unless its start time is unknown (`_cache_lost`)."""
         self._on_invalidate = on_invalidate
         self._on_scrape = on_scrape  # each successful scrape (approximate-mode calibration)
         self._pool = pool
@@ -190,9 +192,9 @@ class MetricsScraper:
                 self.stats.connects += h.fetcher.connects - connects
             scraped = self._read(h, body)
         except Exception as exc:  # any failure of one endpoint is that endpoint's, not ours
-            was_failing = self.is_failing(address)
             self._failed(address, h, exc)
-            if not was_failing and self._health.get(address) is h and self.is_failing(address):
+            if self._health.get(address) is h and self._cache_lost(address, h):
+                h.forgotten = True
                 await self._invalidate(address, "unreachable")
         else:
             if self._health.get(address) is h:  # still in the pool
@@ -208,9 +210,23 @@ class MetricsScraper:
                     log.info("endpoint %s: metrics back after %d failures", address, h.failing)
                     h.failing = 0
                     h.slow = False
+                    h.forgotten = False
                     h.retry_at = 0.0
         finally:
             self._pending.discard(address)
+
+    def _cache_lost(self, address: str, h: _Health) -> bool:
+        """Whether this failure means the endpoint's cache must be taken as gone (once per
+        outage): it is failing, and not only by timeouts of a process whose start time we
+        know. A server that stops answering in time (frozen, or starved of CPU on a loaded
+        host) still holds its cache; it is out of routing while failing, and when it answers
+        again a new start time (`restart`) is what says the cache went. Forgetting it at the
+        third timeout emptied the index of busy servers that never restarted. A refused or
+        wrong answer (a dead or restarting process), or an engine without a start time,
+        still invalidates at once."""
+        if h.forgotten or not self.is_failing(address):
+            return False
+        return not (h.slow and h.started is not None)
 
     def _read(self, h: _Health, body: bytes) -> Scraped:
         """The body's figures; an idle engine's body repeats itself, so a body equal to the

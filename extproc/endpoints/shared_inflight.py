@@ -33,9 +33,9 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
-from extproc.backoff import backoff_s
 from extproc.endpoints.inflight import Placement
 from extproc.redis_client import redis_from_url
+from extproc.redis_loop import Outage, close, command
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,16 @@ class SharedInFlight:
         self._others_tokens: dict[str, int] = {}
         self._others_total = 0
         self._last_ok = -float("inf")
-        self._failing = 0
+        self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
+        self._outage = Outage(
+            log,
+            failed_msg="shared in-flight: Redis exchange failed (%r); counting this process's "
+            "requests only until it is back",
+            healed_msg="shared in-flight: Redis back after %d failed exchanges",
+            base_s=settings.interval_s,
+            cap_s=settings.max_backoff_s,
+            rng=self._rng,
+        )
         self.stats = SharedInFlightStats()
 
     @classmethod
@@ -194,7 +203,7 @@ class SharedInFlight:
     @property
     def is_degraded(self) -> bool:
         """The last exchange with Redis failed: others' counts are old or dropped."""
-        return self._failing > 0
+        return self._outage.degraded
 
     # -- the exchange loop -------------------------------------------------------------------
 
@@ -202,9 +211,9 @@ class SharedInFlight:
         interval = self._s.interval_s
         while True:
             started = self._clock()
+            exchange = self._eval(_EXCHANGE, self.process_id, self._ttl_ms, self._blob())
             try:
-                async with asyncio.timeout(self._s.timeout_s):
-                    blobs = await self._eval(_EXCHANGE, self.process_id, self._ttl_ms, self._blob())
+                blobs = await command(exchange, self._s.timeout_s, self._abandoned)
             except (RedisError, OSError, TimeoutError) as exc:
                 delay = self._failed(exc)
             else:
@@ -216,13 +225,14 @@ class SharedInFlight:
         """Withdraw this process's load (others stop counting it at their next exchange,
         not after the TTL) and close the client if owned. Call after cancelling `run`."""
         try:
-            async with asyncio.timeout(self._s.timeout_s):
-                await self._eval(_WITHDRAW, self.process_id)
+            await command(
+                self._eval(_WITHDRAW, self.process_id), self._s.timeout_s, self._abandoned
+            )
         except (RedisError, OSError, TimeoutError) as exc:
             log.info("shared in-flight: could not withdraw (%r); the TTL will", exc)
         finally:
             if self._owns_client:
-                await self._client.aclose()
+                await close(self._client, "shared in-flight", self._abandoned)
 
     def _blob(self) -> bytes:
         if not self._requests:
@@ -247,26 +257,17 @@ class SharedInFlight:
         self.stats.exchanges += 1
         self.stats.peers = len(blobs)
         self._last_ok = self._clock()
-        if self._failing:
-            log.info("shared in-flight: Redis back after %d failed exchanges", self._failing)
-            self._failing = 0
+        self._outage.healed()
 
     def _failed(self, exc: BaseException) -> float:
         self.stats.errors += 1
-        self._failing += 1
-        if self._failing == 1:
-            log.warning(
-                "shared in-flight: Redis exchange failed (%r); counting this process's "
-                "requests only until it is back",
-                exc,
-            )
+        delay = self._outage.failed(exc)
         if self._others_requests and self._clock() - self._last_ok > self._ttl_s:
             # Redis would have expired them by now too: stale peers must not pin load.
             self._others_requests = {}
             self._others_tokens = {}
             self._others_total = 0
-        s = self._s
-        return backoff_s(self._failing, s.interval_s, s.max_backoff_s, self._rng.random())
+        return delay
 
     async def _eval(self, script: str, *args: bytes | str) -> Any:
         try:

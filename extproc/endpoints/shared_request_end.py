@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
@@ -20,10 +21,13 @@ from redis.exceptions import RedisError
 
 from extproc.endpoints.request_end import Ended, RequestEnds
 from extproc.redis_client import redis_from_url
+from extproc.redis_loop import close, command
 
 log = logging.getLogger("extproc.request_end")
 
 _MAX_PENDING = 50_000
+_TIMEOUT_S = 2.0  # per Redis call
+_POLL_S = 1.0  # the longest wait for one message before asking again
 
 
 @dataclass(slots=True)
@@ -54,6 +58,7 @@ class SharedRequestEnds:
         self._channel = channel
         self._interval = interval_s
         self._pending: list[Ended] = []
+        self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         self.stats = SharedEndStats()
         ends.on_unmatched = self.forward
 
@@ -81,9 +86,11 @@ class SharedRequestEnds:
                 [self._id, [(e.request_id, e.ttfb_s, e.upstream) for e in batch]]
             )
             try:
-                await self._client.publish(self._channel, blob)
+                await command(
+                    self._client.publish(self._channel, blob), _TIMEOUT_S, self._abandoned
+                )
                 self.stats.published += len(batch)
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, TimeoutError) as exc:
                 self.stats.dropped += len(batch)
                 log.warning("request ends: publish failed (%r); holds will expire", exc)
 
@@ -91,15 +98,18 @@ class SharedRequestEnds:
         while True:
             pubsub = self._client.pubsub()
             try:
-                await pubsub.subscribe(self._channel)
-                async for msg in pubsub.listen():
-                    if msg.get("type") == "message":
+                await command(pubsub.subscribe(self._channel), _TIMEOUT_S, self._abandoned)
+                while True:
+                    # A bounded wait per message, never `listen()`: see extproc/redis_loop.py.
+                    get = pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
+                    msg = await command(get, _POLL_S + _TIMEOUT_S, self._abandoned)
+                    if msg is not None and msg.get("type") == "message":
                         self._apply(msg["data"])
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, TimeoutError) as exc:
                 log.warning("request ends: subscription lost (%r); retrying", exc)
                 await asyncio.sleep(1.0)
             finally:
-                await pubsub.aclose()
+                await close(pubsub, "request ends", self._abandoned)
 
     def _apply(self, data: bytes) -> None:
         try:
@@ -113,4 +123,4 @@ class SharedRequestEnds:
             log.warning("request ends: malformed message on the channel")
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await close(self._client, "request ends", self._abandoned)

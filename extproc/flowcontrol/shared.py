@@ -37,6 +37,7 @@ from redis.exceptions import NoScriptError, RedisError
 from extproc.endpoints.shared_inflight import default_process_id
 from extproc.flowcontrol.controller import FlowController
 from extproc.redis_client import redis_from_url
+from extproc.redis_loop import Outage, close, command
 
 log = logging.getLogger("extproc.flowcontrol")
 
@@ -84,14 +85,27 @@ class SharedFlowState:
         self._ttl_ms = int((ttl_s or max(1.0, 10 * interval_s)) * 1000)
         self.process_id = process_id or default_process_id()
         self.stats = SharedFlowStats()
-        self.degraded = False
+        self._outage = Outage(
+            log,
+            failed_msg="flow control: Redis unreachable, per replica until it returns: %r",
+            healed_msg="flow control: shared state restored (after %d failed exchanges)",
+        )
+        # Each exchange is bounded: a Redis that hangs counts as down, as one that refuses.
+        # 2 s is what the client's own timeouts allow (0.5 s connect + 0.5 s read, retried once).
+        self._timeout_s = max(2.0, 10 * interval_s)
         self._sha: str | None = None
+        self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         controller.defer_limit_s = 2 * interval_s
 
     @classmethod
     def from_url(cls, url: str, controller: FlowController, *, cluster: bool = False, **kw: Any):
         client = redis_from_url(url, cluster=cluster, connect_timeout_s=0.5, timeout_s=0.5)
         return cls(client, controller, **kw)
+
+    @property
+    def degraded(self) -> bool:
+        """The last exchange failed: flow control is per replica."""
+        return self._outage.degraded
 
     async def exchange(self) -> None:
         """One publish-and-read; on failure, fall back to local state (never raises)."""
@@ -105,22 +119,16 @@ class SharedFlowState:
              fc.top_flows()]
         )  # fmt: skip
         try:
-            blobs = await self._eval(own)
+            blobs = await command(self._eval(own), self._timeout_s, self._abandoned)
         except (RedisError, OSError, TimeoutError) as exc:
             self.stats.errors += 1
-            if not self.degraded:
-                log.warning(
-                    "flow control: Redis unreachable, per replica until it returns: %r", exc
-                )
-            self.degraded = True
+            self._outage.failed(exc)  # no backoff: the exchange keeps its interval
             fc.peer_top_band = None
             fc.peer_served = {}
             fc.peer_pending = (0, 0)
             fc.peer_flows = {}
             return
-        if self.degraded:
-            log.info("flow control: shared state restored")
-        self.degraded = False
+        self._outage.healed()
         self.stats.exchanges += 1
         top: int | None = None
         served: dict[str, float] = {}
@@ -167,10 +175,11 @@ class SharedFlowState:
     async def aclose(self) -> None:
         """Withdraw our entry so peers stop deferring to it, then close the client."""
         try:
-            await self._client.hdel(self._key, self.process_id)
+            hdel = self._client.hdel(self._key, self.process_id)
+            await command(hdel, self._timeout_s, self._abandoned)
         except (RedisError, OSError, TimeoutError) as exc:
             log.info("flow control: could not withdraw shared state (%r); its TTL will", exc)
-        await self._client.aclose()
+        await close(self._client, "flow control", self._abandoned)
 
 
 def _mapping(value: Any) -> dict:

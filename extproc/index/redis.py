@@ -43,6 +43,7 @@ from extproc.index.base import (
 from extproc.index.prefix import Records, Segment, prefix_matches
 from extproc.index.redis_scripts import LOOKUP, SHA, TRACK, WRITE
 from extproc.redis_client import redis_from_url
+from extproc.redis_loop import close, command, stop
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class RedisKVIndex:
         self._retry_at = 0.0
         self._failures = 0
         self._task: asyncio.Task[None] | None = None
+        self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         # Per-endpoint capacity from the server's cache config (overrides the option); every
         # replica scrapes the same servers, so they all trim to the same bound.
         self._caps: dict[str, int] = {}
@@ -144,14 +146,16 @@ class RedisKVIndex:
         """Best-effort warm-up (cluster slot map, scripts) so the first lookup fits its
         budget; False if Redis is not reachable yet (the index still works and retries)."""
         try:
-            async with asyncio.timeout(timeout_s):
-                for script in SHA:
-                    await self._client.script_load(script)
-                self._scripts_loaded = True
-                return True
+            await command(self._load_scripts(), timeout_s, self._abandoned)
+            return True
         except Exception as exc:  # a warm-up, never fatal
             log.warning("kv index: Redis not reachable yet: %r", exc)
             return False
+
+    async def _load_scripts(self) -> None:
+        for script in SHA:
+            await self._client.script_load(script)
+        self._scripts_loaded = True
 
     async def __aenter__(self) -> RedisKVIndex:
         await self.connect()
@@ -171,8 +175,7 @@ class RedisKVIndex:
             log.warning("kv index: %d queued write blocks lost at close", self._queued_blocks)
         finally:
             if self._task is not None:
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+                await stop([self._task])
                 self._task = None
             await self.aclose()
 
@@ -399,7 +402,8 @@ class RedisKVIndex:
         delay = 0.05
         while True:
             try:
-                await action()
+                # In a task of its own: the writer must stay cancellable (redis_loop.py).
+                await command(action(), max(5.0, self._write_retry_s), self._abandoned)
                 self.stats.batches += 1
                 return
             except Exception as exc:  # the writer outlives any one batch, bug or outage
@@ -494,7 +498,7 @@ class RedisKVIndex:
 
     async def aclose(self) -> None:
         if self._owns_client:
-            await self._client.aclose()
+            await close(self._client, "kv index", self._abandoned)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

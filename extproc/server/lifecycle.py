@@ -22,6 +22,7 @@ from extproc.config import Settings
 from extproc.core import Endpoint
 from extproc.endpoints.shared_inflight import SharedInFlight
 from extproc.errors import ConfigError
+from extproc.redis_loop import stop
 from extproc.server import exporter, wire
 from extproc.server.admin import make_admin_app
 from extproc.server.assembly import Parts
@@ -324,11 +325,9 @@ class Lifecycle(Parts):
             await self._health_server.stop(0)
         if self._admin is not None:
             await self._admin.cleanup()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Bounded: a loop that swallowed its cancellation is named in a log line, not waited
+        # on forever (extproc/redis_loop.py says how redis-py can swallow one).
+        await stop(self._tasks)
         await self._exits.aclose()
         self._stopped.set()
 

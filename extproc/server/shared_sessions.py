@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +35,8 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from extproc.backoff import backoff_s
 from extproc.redis_client import redis_from_url
+from extproc.redis_loop import Outage, close, command
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter, LiveSessions, Touch
 
 log = logging.getLogger(__name__)
@@ -87,11 +86,15 @@ class SharedSessions:
         self._owns_client = owns_client
         self._pending: list[tuple[str, Touch]] = []
         self._cursor: str | None = None  # the last stream id read; None: not started yet
-        self._publish_failing = 0
-        self._read_failing = 0
+        self._outage = Outage(
+            log,
+            failed_msg="shared sessions: Redis exchange failed (%r); placing new sessions on "
+            "this replica's own record until it is back",
+            healed_msg="shared sessions: Redis back after %d failed exchanges",
+        )
         self._now_ms = 0  # Redis's clock, as last seen
         self._wake = asyncio.Event()
-        self._rng = random.Random()
+        self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         self.stats = SharedSessionsStats()
         for name, record in self._sessions.items():
             record.on_touch = lambda touch, name=name: self._queue(name, touch)
@@ -113,7 +116,7 @@ class SharedSessions:
     @property
     def is_degraded(self) -> bool:
         """The last exchange failed: the record holds this replica's placements only."""
-        return self._publish_failing > 0 or self._read_failing > 0
+        return self._outage.degraded
 
     @property
     def live(self) -> int:
@@ -140,22 +143,22 @@ class SharedSessions:
                 continue
             batch, self._pending = self._pending, []
             blob = msgpack.encode([self._id, [(n, list(p), e, list(t)) for n, (p, e, t) in batch]])
+            add = self._client.xadd(
+                self._key, {"d": blob}, maxlen=self._max_entries, approximate=True
+            )
             try:
-                async with asyncio.timeout(self._timeout):
-                    await self._client.xadd(
-                        self._key, {"d": blob}, maxlen=self._max_entries, approximate=True
-                    )
+                await command(add, self._timeout, self._abandoned)
             except (RedisError, OSError, TimeoutError) as exc:
                 # Sent again with the next batch (late: peers see it a little older).
                 queued = batch + self._pending
                 self.stats.dropped += max(0, len(queued) - self._max_pending)
                 self._pending = queued[-self._max_pending :]
-                self._publish_failing = self._failed(exc, self._publish_failing)
-                await asyncio.sleep(self._backoff(self._publish_failing))
+                self.stats.errors += 1
+                await asyncio.sleep(self._outage.failed(exc, "publish"))
                 self._wake.set()
                 continue
             self.stats.published += len(batch)
-            self._publish_failing = self._healed(self._publish_failing)
+            self._outage.healed("publish")
 
     async def _read_loop(self) -> None:
         client = self._client
@@ -164,21 +167,18 @@ class SharedSessions:
                 if self._cursor is None:
                     # Start where the session window starts, by Redis's clock (stream ids
                     # are its ms), so a replica that starts late knows the live sessions.
-                    async with asyncio.timeout(self._timeout):
-                        sec, usec = await client.time()
+                    sec, usec = await command(client.time(), self._timeout, self._abandoned)
                     self._now_ms = sec * 1000 + usec // 1000
                     self._cursor = f"{max(0, self._now_ms - self._window_ms)}-0"
-                async with asyncio.timeout(self._block_ms / 1000 + self._timeout):
-                    read = await client.xread(
-                        {self._key: self._cursor}, count=1000, block=self._block_ms
-                    )
+                xread = client.xread({self._key: self._cursor}, count=1000, block=self._block_ms)
+                read = await command(xread, self._block_ms / 1000 + self._timeout, self._abandoned)
             except (RedisError, OSError, TimeoutError) as exc:
-                self._read_failing = self._failed(exc, self._read_failing)
-                await asyncio.sleep(self._backoff(self._read_failing))
+                self.stats.errors += 1
+                await asyncio.sleep(self._outage.failed(exc, "read"))
                 continue
             self._apply(read)
             self.stats.exchanges += 1
-            self._read_failing = self._healed(self._read_failing)
+            self._outage.healed("read")
 
     def _apply(self, read: Any) -> None:
         if not read:
@@ -206,29 +206,9 @@ class SharedSessions:
                 # Another version or a stray writer on our key: skip, never fail.
                 self.stats.bad_entries += 1
 
-    def _failed(self, exc: BaseException, failing: int) -> int:
-        self.stats.errors += 1
-        if not self.is_degraded:
-            log.warning(
-                "shared sessions: Redis exchange failed (%r); placing new sessions on this "
-                "replica's own record until it is back",
-                exc,
-            )
-        return failing + 1
-
-    def _healed(self, failing: int) -> int:
-        if failing:
-            was = self._publish_failing + self._read_failing
-            if was == failing:  # the other loop is fine: the outage is over
-                log.info("shared sessions: Redis back after %d failed exchanges", failing)
-        return 0
-
-    def _backoff(self, failing: int) -> float:
-        return backoff_s(failing, 0.05, 1.0, self._rng.random())
-
     async def aclose(self) -> None:
         if self._owns_client:
-            await self._client.aclose()
+            await close(self._client, "shared sessions", self._abandoned)
 
 
 def _ms(entry_id: Any) -> int:

@@ -27,6 +27,7 @@ def test_tiny_demo_prints_sane_table(capsys, tmp_path):
     before = _children()
     rc = run_demo(requests=48, upstreams=2, rate=24, chart=str(tmp_path / "demo.png"))
     out = capsys.readouterr().out
+    print(out)  # captured again: `pytest -rP` shows a passing run's table
     rows = {}
     for line in out.splitlines():
         m = re.match(

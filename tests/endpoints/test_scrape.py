@@ -254,7 +254,10 @@ async def test_a_busy_server_timing_out_twice_is_neither_excluded_nor_forgotten(
     servers: dict[str, ModelServer],
 ) -> None:
     """Timeouts are a busy server (a long prefill), not a dead one: only the third in a row
-    makes it failing; a refused or wrong answer does at once (the tests above)."""
+    makes it failing; a refused or wrong answer does at once (the tests above). Even then
+    its cache is kept while its start time says it is the same process: a frozen or starved
+    server that answers again has lost nothing; a new start time, or a hard failure, is what
+    forgets it."""
     server = servers["ok"]
     address = server.address
     calls: list[tuple[str, str]] = []
@@ -279,5 +282,16 @@ async def test_a_busy_server_timing_out_twice_is_neither_excluded_nor_forgotten(
         server.mode = "slow"
         await until(lambda: scraper.failures(address) >= 5)
         assert scraper.is_failing(address)
-    # Forgotten once, at the third timeout in a row; never for the two before.
-    assert calls == [(address, "unreachable")]
+        assert calls == []  # out of routing, cache kept: the same process, only slow
+        server.mode = "ok"
+        server.release.set()
+        await until(lambda: not scraper.is_failing(address))
+        assert calls == []  # back with the same start time: nothing was lost
+        server.release.clear()
+        server.mode = "slow"
+        failures = scraper.failures(address)
+        await until(lambda: scraper.failures(address) >= failures + 3)
+        server.mode = "error"  # then it dies: that loses the cache
+        server.release.set()
+        await until(lambda: bool(calls))
+        assert calls == [(address, "unreachable")]

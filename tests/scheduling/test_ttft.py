@@ -80,6 +80,22 @@ def test_a_shared_first_block_does_not_make_a_request_warm():
     assert lru.score(r, warm) == [1.0] * 4
 
 
+def test_on_two_servers_the_one_holding_the_prefix_makes_the_request_warm():
+    lru = NoHitLRUScorer()
+    r = req(blocks=40, tokens=2560)
+    cold = [cand("a"), cand("b")]
+    lru.observe(r, cold, Decision(endpoints=(cold[1].endpoint,)))  # b took the last new one
+    assert lru.score(r, cold) == [1.0, 0.0]
+    # a holds this request's prefix: one holder of two is not "most", so no LRU pull to b.
+    warm = [cand("a", prefix=30), cand("b")]
+    assert lru.score(r, warm) == [1.0, 1.0]
+    lru.observe(r, warm, Decision(endpoints=(warm[0].endpoint,)))
+    assert lru.score(r, cold) == [1.0, 0.0]  # a warm pick does not count as a cold one
+    # Both hold the same shared header: still new, and spread.
+    header = [cand("a", prefix=1), cand("b", prefix=1)]
+    assert lru.score(r, header) == [1.0, 0.0]
+
+
 def test_bounded_load_spills_a_hot_prefix_group_to_a_second_server():
     from extproc.scheduling.plugins.ttft import BoundedLoadFilter
 

@@ -190,12 +190,15 @@ class NoHitLRUScorer:
     def _is_cold(cands: Sequence[Candidate]) -> bool:
         """A request is new when no endpoint holds more of it than most endpoints do: a
         prefix every server holds (a chat-template header, a shared first block) says
-        nothing about where this request belongs; the part that distinguishes it decides."""
+        nothing about where this request belongs; the part that distinguishes it decides.
+        "Most" is a strict majority: with two endpoints, one holder of two is this
+        request's own prefix (`>=` made it cold, and the LRU pull sent about half the warm
+        requests of a two-server fleet to the server without their prefix)."""
         best = max((c.prefix_blocks for c in cands), default=0.0)
         if best <= 0:
             return True
         holders = sum(1 for c in cands if c.prefix_blocks >= best)
-        return len(cands) > 1 and holders * 2 >= len(cands)
+        return len(cands) > 1 and holders * 2 > len(cands)
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
         if not self._is_cold(cands):
