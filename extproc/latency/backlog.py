@@ -11,11 +11,16 @@ placements are the ones that finished. What is left is priced at prediction time
 endpoint's current fit, so a speed change the fit has just learned reprices the whole
 queue at once.
 
-A late head is a signal too (`slowdown`): still unfinished at a scrape long after its
-price, it says its server slowed before any slowed prefill has ended and taught the fit.
-Only a head late by half its price and 100 ms counts: timing every prefill from the tally
-was tried, and on a loaded 2-core machine the timings (scrape and event-loop jitter of
-tens of ms on 0.15-0.6 s prefills) said "twice slower" of servers that had not changed.
+A late head is a signal too (`slowdown`): still unfinished at a scrape after its price, it
+says its server slowed before any slowed prefill has ended and taught the fit. It is timed
+as a bound, not an estimate: from the *latest* moment it can have started (the scrape that
+saw the placement before it finish, or that first saw it on an idle server, and no earlier
+than its placement plus the path to the engine) to the last scrape that still saw it
+unfinished. Scrape and event-loop jitter can only shorten that span, never lengthen it, so
+a head found running longer than its price proves the server is at least that much slower
+than the fit, and no margin is needed. (Timing from the earliest possible start, with a
+margin of half the price and 100 ms against the jitter, waited 1-2 scrapes too long after
+a slowdown and still guessed.)
 
 Bounds: the queue never holds more placements than the engine reports waiting plus
 running (a request that failed before its first token would otherwise stay forever), and
@@ -33,8 +38,6 @@ from dataclasses import dataclass
 # each one taken for lost popped a real one from the head, so busy servers' queues ran
 # short; a request that really failed costs only this much longer in the queue.
 _IN_TRANSIT_S = 0.5
-# A head must be this late (beyond half its price) to say its server slowed.
-_LATE_S = 0.1
 
 
 @dataclass(slots=True)
@@ -47,14 +50,18 @@ class Backlog:
     """One endpoint's unfinished placements, oldest first. Learner loop (`sync`) and hot
     path (`place`, `work_s`) share one event loop; nothing here awaits."""
 
-    __slots__ = ("_count", "_head_since", "_pending", "_synced_at", "_tokens", "trimmed")
+    __slots__ = ("_count", "_head_from", "_head_since", "_pending", "_synced_at", "_tokens",
+                 "trimmed")  # fmt: skip
 
     def __init__(self) -> None:
         self._pending: deque[_Placed] = deque()
         self._tokens = 0.0  # sum of pending tokens
         self._count: float | None = None  # the engine's first-token count at the last sync
         self._synced_at: float | None = None
-        self._head_since = 0.0  # when the current head's prefill started, at the latest
+        self._head_since = 0.0  # when the current head's prefill started, best guess
+        # The scrape by which the current head had started, at the latest (None: no scrape
+        # since it became the head has seen it in the engine).
+        self._head_from: float | None = None
         self.trimmed = 0  # placements dropped by the waiting + running bound
 
     def __len__(self) -> int:
@@ -64,9 +71,14 @@ class Backlog:
     def tokens(self) -> float:
         return self._tokens
 
+    @property
+    def head_tokens(self) -> float:
+        """The oldest unfinished placement's uncached tokens (0 with none)."""
+        return self._pending[0].tokens if self._pending else 0.0
+
     def place(self, tokens: float, now: float) -> None:
         if not self._pending:
-            self._head_since = now
+            self._head_since, self._head_from = now, None
         self._pending.append(_Placed(now, tokens))
         self._tokens += tokens
 
@@ -80,8 +92,9 @@ class Backlog:
         if done > 0 and self._pending:
             for _ in range(min(done, len(self._pending))):
                 self._pop()
-            # The next one started when the last of them ended, between the two scrapes.
-            self._head_since = (previous + at) / 2.0
+            # The next one started when the last of them ended, between the two scrapes
+            # (best guess, for pricing what is left of it), and by this one (for certain).
+            self._head_since, self._head_from = (previous + at) / 2.0, None
         # Placements older than the scrape that the engine does not hold are lost (failed,
         # cancelled, or others' first tokens finished ours in the count): keep the newest.
         arrived = sum(1 for p in self._pending if p.at <= at - _IN_TRANSIT_S)
@@ -90,7 +103,10 @@ class Backlog:
             self.trimmed += excess
             for _ in range(excess):
                 self._pop()
-            self._head_since = at
+            self._head_since, self._head_from = at, None
+        # The engine holds all of ours: the head (first come, first served) is under way.
+        if self._pending and self._head_from is None and waiting + running >= len(self._pending):
+            self._head_from = at
 
     def _pop(self) -> None:
         p = self._pending.popleft()
@@ -104,21 +120,32 @@ class Backlog:
         else's."""
         return len(self._pending)
 
-    def slowdown(self, per_request_s: float, per_token_s: float) -> float:
-        """How many times slower than its price the head has been running, as of the last
-        scrape that still had it unfinished (1.0: not late). A server slowed by another
-        tenant shows here first: its fit learns only when a slowed prefill ends, and every
-        request placed meanwhile would be predicted at the old speed. Only a head late by
-        half its price and 100 ms counts: the start is known to a scrape interval, and a
-        loaded machine's scrape and event-loop jitter are tens of ms."""
-        if not self._pending or self._synced_at is None:
+    def head_elapsed_s(self, transport_s: float = 0.0) -> float:
+        """How long the head has run at least, as of the last scrape that still had it
+        unfinished: from the latest moment it can have started (see the module docstring;
+        `transport_s` is the path from the decision to the engine) to that scrape."""
+        if not self._pending or self._synced_at is None or self._head_from is None:
+            return 0.0
+        start = max(self._head_from, self._pending[0].at + transport_s)
+        return max(0.0, self._synced_at - start)
+
+    def slowdown(
+        self,
+        per_request_s: float,
+        per_token_s: float,
+        overhead_s: float = 0.0,
+        transport_s: float = 0.0,
+    ) -> float:
+        """How many times slower than its price the head has run at least (1.0: not
+        late). A server slowed by another tenant shows here first: its fit learns only when
+        a slowed prefill ends, and every request placed meanwhile would be predicted at the
+        old speed. The head's first token is at most `overhead_s` past its prefill's end, so
+        a head unfinished after `elapsed` has prefilled for at least `elapsed - overhead_s`:
+        its speed, `tokens / (elapsed - overhead_s)`, bounds the server's from above."""
+        head_s = per_request_s + per_token_s * self.head_tokens
+        if head_s <= 0:
             return 1.0
-        head = self._pending[0]
-        head_s = per_request_s + per_token_s * head.tokens
-        elapsed = self._synced_at - max(head.at, self._head_since)
-        if head_s <= 0 or elapsed < 1.5 * head_s + _LATE_S:
-            return 1.0
-        return elapsed / head_s
+        return max(1.0, (self.head_elapsed_s(transport_s) - overhead_s) / head_s)
 
     def work_s(self, per_request_s: float, per_token_s: float, now: float) -> float:
         """Seconds of prefill still ahead of a request sent now, at the given prices."""

@@ -77,7 +77,7 @@ class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     matter). `min_samples` (3): prefill intervals before an endpoint's own fit is used.
     `smoothing` (0.3): weight of a new interval in the smoothed means (overhead, mean
     uncached tokens per request). `late_heads` (true): price an endpoint whose oldest
-    unfinished placement is far past its price at the speed that placement shows.
+    unfinished placement has run longer than its price at the speed that placement shows.
     """
 
     forgetting: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
@@ -259,12 +259,20 @@ class LatencyModel:
                     # it), so take its speed now, as a factor on the whole fit (a tenant
                     # slows every term alike), and reopen it so the next samples correct
                     # what is not a common factor.
-                    st.prefill.w = [w * secs / expected for w in st.prefill.w]
+                    factor = secs / expected
+                    st.prefill.w = [w * factor for w in st.prefill.w]
                     st.prefill.reopen()
+                    if st.ratio is not None:
+                        # The fallback means (see _publish) follow the same evidence: left
+                        # to their smoothing they kept the old speed for ~5 more intervals
+                        # whenever the reopened fit went negative (1-request intervals of
+                        # similar size cannot separate its two terms).
+                        st.ratio = (st.ratio[0] * factor, st.ratio[1] * factor)
                     self.stats.reopened += 1
                     self.stats.rescaled_speed += 1
                 elif st.surprises >= 2:
                     st.prefill.reopen()
+                    st.ratio = None  # the fallback means restart from this sample too
                     st.surprises = 0
                     self.stats.reopened += 1
             else:
@@ -443,10 +451,11 @@ class LatencyModel:
         scale = self.token_scale
         b = self._backlog.get(address)
         per_request_s, per_token_s = c.per_request_s, c.per_token_s
+        transport_s = self._transport.get(address, 0.0)
         if b is not None and self.settings.late_heads:
-            # A head running far past its price: the server slowed and the fit does not
-            # know yet; price everything here at the speed the head shows.
-            slow = b.slowdown(per_request_s, per_token_s * scale)
+            # A head running past its price: the server slowed and the fit does not know
+            # yet; price everything here at (at most) the speed the head shows.
+            slow = b.slowdown(per_request_s, per_token_s * scale, c.overhead_s, transport_s)
             if slow > 1.0:
                 per_request_s, per_token_s = per_request_s * slow, per_token_s * slow
                 self.stats.late_heads += 1
@@ -460,7 +469,7 @@ class LatencyModel:
                 backlog += foreign * (per_request_s + per_token_s * c.mean_tokens)
                 queued += foreign
         prefill = per_request_s + per_token_s * uncached_tokens * scale
-        ttft = c.overhead_s + self._transport.get(address, 0.0) + backlog + prefill
+        ttft = c.overhead_s + transport_s + backlog + prefill
         tpot = None
         if c.itl_base_s is not None:
             running = (0 if state.is_stale else state.running) + 1

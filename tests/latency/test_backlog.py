@@ -85,18 +85,56 @@ def test_the_model_prices_the_queue_the_engine_still_has() -> None:
     assert len(model.backlogs()["a:1"]) == 1
 
 
-def test_a_head_far_past_its_price_says_how_much_slower_its_server_is() -> None:
+def test_a_head_past_its_price_bounds_how_much_slower_its_server_is() -> None:
     """A server slowed by another tenant: the fit learns only when a slowed prefill ends,
-    but its head, still unfinished at a scrape long after its price, shows it earlier."""
+    but its head, still unfinished at a scrape after its price, shows it earlier. The head
+    is timed from the latest moment it can have started (the first scrape that saw it in
+    the engine), so the figure is a lower bound on the slowdown."""
     b = Backlog()
     b.sync(0, 0, 0, at=0.0)
     b.place(1000, now=0.0)  # priced 0.202 s
-    b.sync(0, 0, 1, at=0.25)  # late by 48 ms: scrape and event-loop jitter, not a slowdown
+    b.sync(0, 0, 0, at=0.05)  # not in the engine yet (in transit): not timed
+    assert b.head_elapsed_s() == 0.0 and b.slowdown(*PRICES) == 1.0
+    b.sync(0, 0, 1, at=0.1)  # the engine holds it: started by 0.1 at the latest
     assert b.slowdown(*PRICES) == 1.0
-    b.sync(0, 0, 1, at=0.8)  # late by 0.6 s: four times its price
+    b.sync(0, 0, 1, at=0.3)  # has run 0.2 s at least: within its price
+    assert b.slowdown(*PRICES) == 1.0
+    b.sync(0, 0, 1, at=0.9)  # has run 0.8 s at least: four times its price
     assert b.slowdown(*PRICES) == pytest.approx(0.8 / 0.202)
-    b.sync(1, 0, 1, at=0.9)  # its first token: nothing of ours is late
+    # Up to 0.1 s of it may be the first token's overhead, and 0.05 s the path to the engine.
+    assert b.slowdown(*PRICES, overhead_s=0.1) == pytest.approx(0.7 / 0.202)
+    assert b.slowdown(*PRICES, transport_s=0.15) == pytest.approx(0.75 / 0.202)
+    b.sync(1, 0, 1, at=1.0)  # its first token: nothing of ours is late
     assert b.slowdown(*PRICES) == 1.0
+
+
+def test_a_head_only_a_little_late_already_counts() -> None:
+    """No margin: 30% past its price, measured from its latest possible start, is 30%
+    slower for certain (the old rule waited for 1.5 times the price plus 0.1 s)."""
+    b = Backlog()
+    b.sync(0, 0, 0, at=0.0)
+    b.place(1000, now=0.0)
+    b.place(1000, now=0.01)
+    b.sync(0, 1, 1, at=0.05)  # the head started by 0.05
+    b.sync(0, 1, 1, at=0.05 + 1.3 * 0.202)
+    assert b.slowdown(*PRICES) == pytest.approx(1.3)
+
+
+def test_the_next_head_is_timed_from_the_scrape_that_saw_the_last_one_end() -> None:
+    """Scrape jitter can only shorten the timed span: the new head started somewhere
+    between the scrapes around its predecessor's first token, and is timed from the later."""
+    b = Backlog()
+    b.sync(0, 0, 0, at=0.0)
+    for _ in range(3):
+        b.place(1000, now=0.0)
+    b.sync(0, 2, 1, at=0.1)
+    b.sync(1, 1, 1, at=0.5)  # the first ended between 0.1 and 0.5
+    assert b.head_elapsed_s() == 0.0
+    b.sync(1, 1, 1, at=0.7)
+    assert b.head_elapsed_s() == pytest.approx(0.2)
+    assert b.slowdown(*PRICES) == 1.0  # 0.2 s of a 0.202 s price: not late yet
+    # Pricing what is left still uses the best guess of its start (halfway, 0.3).
+    assert b.work_s(*PRICES, now=0.7) == pytest.approx(2 * 0.202 - 0.202)
 
 
 def test_the_model_prices_an_endpoint_at_its_late_heads_speed() -> None:
@@ -108,11 +146,17 @@ def test_the_model_prices_an_endpoint_at_its_late_heads_speed() -> None:
     fit = model.predict("a:1", state, 1000, now=clock[0])
     assert fit is not None
     model.place("a:1", 1000, now=clock[0])
-    clock[0] += 1.0  # the placement's first token never came: the server slowed ~4x
+    clock[0] += 0.05
+    model.learn("a:1", eng.totals, running=1, waiting=0, at=clock[0])  # the engine has it
+    clock[0] += 0.3  # 1.5 times its price, not yet its first token: 1.5 times slower
+    model.learn("a:1", eng.totals, running=1, waiting=0, at=clock[0])
+    slower = model.predict("a:1", state, 1000, now=clock[0])
+    assert slower is not None and slower.prefill_s == pytest.approx(0.3, rel=0.05)
+    clock[0] += 0.65  # the placement's first token never came: the server slowed ~4x
     model.learn("a:1", eng.totals, running=1, waiting=0, at=clock[0])
     late = model.predict("a:1", state, 1000, now=clock[0])
     assert late is not None and late.ttft_s > 3 * fit.ttft_s
-    assert model.stats.late_heads == 1
+    assert model.stats.late_heads == 2
     off = LatencyModel(ModelSettings(late_heads=False), clock=lambda: clock[0])
     other = Engine()
     teach(off, "a:1", other)

@@ -356,3 +356,37 @@ def test_one_whole_prefill_far_off_the_fit_rescales_it_at_once() -> None:
     assert c is not None
     assert c.prefill_s(1500) == pytest.approx(eng.prefill_s(1500), rel=0.05)
     assert model.stats.rescaled_speed == 1
+
+
+def test_after_a_prefill_that_straddled_a_slowdown_the_fit_catches_up_quickly() -> None:
+    """The first slowed prefill to end began before the slowdown: the rescale it triggers
+    takes only part of the change. The one-request intervals after it cannot separate the
+    fit's two terms, so the published fit often falls back to the smoothed means, which
+    must follow the rescale too (left alone they kept the old speed for ~5 intervals: the
+    fit predicted 24%, 20%, 14% low on the 2nd to 4th slowed prefill)."""
+    model = LatencyModel()
+    eng = Engine()
+    teach(model, "a:1", eng)
+    # Slowed to 0.3 a third of the way into a 1,400-token prefill.
+    straddle = eng.prefill_s(1400) * (1 / 3 + (2 / 3) / 0.3)
+    eng.per_request_s /= 0.3
+    eng.per_token_s /= 0.3
+    t = eng.totals
+    eng.totals = dataclasses.replace(
+        t,
+        ttft_sum=t.ttft_sum + straddle + eng.overhead_s,
+        ttft_count=t.ttft_count + 1,
+        queue_count=t.queue_count + 1,
+        prefill_sum=t.prefill_sum + straddle,
+        prefill_count=t.prefill_count + 1,
+        prefill_tokens=(t.prefill_tokens or 0.0) + 1400,
+    )
+    model.learn("a:1", eng.totals)
+    assert model.stats.rescaled_speed == 1
+    ratios = []
+    for tokens in (1400, 1350, 5800, 1400, 1300):
+        model.learn("a:1", eng.interval([tokens]))
+        c = model.coefficients("a:1")
+        assert c is not None
+        ratios.append(c.prefill_s(1400) / eng.prefill_s(1400))
+    assert all(r > 0.9 for r in ratios[1:]), ratios
