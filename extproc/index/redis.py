@@ -199,26 +199,15 @@ class RedisKVIndex:
         if now < self._retry_at:
             self.stats.lookups_degraded += 1
             return DEGRADED
-        # Waited on, not wrapped in asyncio.timeout: redis-py can turn the cancellation into
-        # a connection error and retry the command without it (measured: a 5 ms budget took
-        # 1.6 s over a 200 ms link while a fresh connection was set up). The decision returns
-        # at the budget whatever the client does; the abandoned call is cancelled.
-        call = asyncio.ensure_future(
-            self._eval(LOOKUP, self._root_key(block_keys[0]), _pack(block_keys))
-        )
+        # A call of its own, waited on (`command`), not wrapped in asyncio.timeout: redis-py
+        # can turn the cancellation into a connection error and retry the command without it
+        # (measured: a 5 ms budget took 1.6 s over a 200 ms link while a fresh connection
+        # was set up). The decision returns at the budget whatever the client does; the
+        # abandoned call is cancelled.
+        lookup = self._eval(LOOKUP, self._root_key(block_keys[0]), _pack(block_keys))
         try:
-            done, _ = await asyncio.wait((call,), timeout=self._budget_s)
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        if not done:
-            call.cancel()
-            call.add_done_callback(_retrieve)
-            self._lookup_failed(TimeoutError())
-            return DEGRADED
-        try:
-            out = call.result()
-        except (RedisError, OSError) as exc:
+            out = await command(lookup, self._budget_s, self._abandoned)
+        except (RedisError, OSError) as exc:  # over budget: TimeoutError, an OSError
             self._lookup_failed(exc)
             return DEGRADED
         self._failures = 0
@@ -499,12 +488,6 @@ class RedisKVIndex:
     async def aclose(self) -> None:
         if self._owns_client:
             await close(self._client, "kv index", self._abandoned)
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    """Done-callback of an abandoned lookup: consume its outcome (no 'never retrieved')."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _parse_value(raw: bytes) -> Records:
