@@ -102,27 +102,43 @@ def moves_off_a_busy_server(sim_stack: Stack) -> None:
     assert served[idle] >= 18, served
 
 
+class Taught:
+    """A stack whose picker has placed one long prompt (approximate mode learns its prefix
+    from the decision), and what the picker's admin port says about it."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.body = {"model": stack.fleet.model, "prompt": "a long shared document " * 80}
+        self.admin = f"http://127.0.0.1:{stack.picker_admin_port}"
+        assert self.send() == 200
+
+    def send(self) -> int:
+        body = {**self.body, "max_tokens": 1}
+        return httpx.post(f"{self.stack.url}/v1/completions", json=body, timeout=60).status_code
+
+    def held(self) -> dict[str, float]:
+        """Prefix blocks the index credits each endpoint with, for the taught prompt."""
+        path = {"x-extproc-path": "/v1/completions"}
+        r = httpx.post(f"{self.admin}/debug/explain", json=self.body, headers=path, timeout=5)
+        return r.json()["prefix_blocks"]
+
+    def metric_lines(self, prefix: str) -> list[str]:
+        text = httpx.get(f"{self.admin}/metrics", timeout=5).text
+        return [m for m in text.splitlines() if m.startswith(prefix)]
+
+
 def test_a_dead_server_loses_its_index_entries_within_a_scrape_interval():
     """Approximate mode learns a prefix from its decision; when the server stops answering
     its metrics, the picker forgets what it believed that server held (counted by reason)."""
     with Stack(StackOptions(upstreams=2, sim_args=())) as stack:
-        body = {"model": stack.fleet.model, "prompt": "a long shared document " * 80}
-        r = httpx.post(f"{stack.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
-        assert r.status_code == 200
-        admin = f"http://127.0.0.1:{stack.picker_admin_port}"
-
-        def held() -> dict[str, float]:
-            path = {"x-extproc-path": "/v1/completions"}
-            r = httpx.post(f"{admin}/debug/explain", json=body, headers=path, timeout=5)
-            return r.json()["prefix_blocks"]
-
+        taught = Taught(stack)
+        held = taught.held
         assert max(held().values()) > 0
         stack.fleet.proc.kill()  # every simulated server dies at once
         stack.fleet.proc.wait()
 
         def invalidations() -> list[str]:
-            text = httpx.get(f"{admin}/metrics", timeout=5).text
-            return [m for m in text.splitlines() if m.startswith("extproc_endpoint_cache_inv")]
+            return taught.metric_lines("extproc_endpoint_cache_inv")
 
         want = 'extproc_endpoint_cache_invalidations_total{reason="unreachable"} 2.0'
         start = time.monotonic()
@@ -139,19 +155,8 @@ def test_a_frozen_server_keeps_its_index_entries_and_comes_back():
     taken out of routing after three timed-out scrapes, but what the index credits it with
     stays: the same process comes back with its cache, and its start time says so."""
     with Stack(StackOptions(upstreams=2, sim_args=())) as stack:
-        body = {"model": stack.fleet.model, "prompt": "a long shared document " * 80}
-        r = httpx.post(f"{stack.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
-        assert r.status_code == 200
-        admin = f"http://127.0.0.1:{stack.picker_admin_port}"
-
-        def held() -> dict[str, float]:
-            path = {"x-extproc-path": "/v1/completions"}
-            r = httpx.post(f"{admin}/debug/explain", json=body, headers=path, timeout=5)
-            return r.json()["prefix_blocks"]
-
-        def metric_lines(prefix: str) -> list[str]:
-            text = httpx.get(f"{admin}/metrics", timeout=5).text
-            return [m for m in text.splitlines() if m.startswith(prefix)]
+        taught = Taught(stack)
+        held, metric_lines = taught.held, taught.metric_lines
 
         def failures() -> list[float]:
             return [float(m.split()[-1]) for m in metric_lines("extproc_endpoint_scrape_failures")]
@@ -168,7 +173,6 @@ def test_a_frozen_server_keeps_its_index_entries_and_comes_back():
         finally:
             os.kill(stack.fleet.proc.pid, signal.SIGCONT)
         assert held() == before  # before any request could teach the index again
-        r = httpx.post(f"{stack.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
-        assert r.status_code == 200
+        assert taught.send() == 200
         unreachable = 'extproc_endpoint_cache_invalidations_total{reason="unreachable"}'
         assert [float(m.split()[-1]) for m in metric_lines(unreachable)] in ([], [0.0])
