@@ -79,28 +79,11 @@ async def test_a_slowdown_stretches_the_prefills_already_admitted(start_sim: Sta
     """A tenant slowing the GPU slows the work it already holds: the prefill under way and
     the admitted ones queued behind it take longer, not only prefills admitted afterwards
     (otherwise a server with a queue hides its slowdown until that queue has drained)."""
-    timing = TimingSettings(prefill_tps=2000.0, speed=2.0)  # ~600 uncached tokens: 150 ms
-    async with start_sim(events=False, timing=timing) as srv, aiohttp.ClientSession() as http:
-        await ttft(http, srv.url, TEXT + " zero")
-        before = (await scrape(http, srv.url)).latency
-        both = asyncio.gather(
-            ttft(http, srv.url, "First. " + TEXT), ttft(http, srv.url, "Second. " + TEXT)
-        )
-        for _ in range(2000):  # until both are admitted (a few ms; bounded)
-            g = srv.engine.gauges()
-            if g.running + g.waiting >= 2:
-                break
-            await asyncio.sleep(0.001)
-        srv.engine.relative_speed = 0.25
-        await both
-        after = (await scrape(http, srv.url)).latency
-    assert before is not None and after is not None and before.prefill_tokens
-    assert after.prefill_count - before.prefill_count == 2
-    fast = before.prefill_sum / before.prefill_tokens  # seconds per token at full speed
-    tokens = (after.prefill_tokens or 0.0) - before.prefill_tokens
+    prefills, slower = await _slowed_while_admitted(start_sim, ("First", "Second"))
+    assert prefills == 2
     # Fully stretched: ~4x; even if the first prefill ended before the change (a stalled
     # test loop), the second alone makes it 2.5x. Before the fix: exactly 1x.
-    assert (after.prefill_sum - before.prefill_sum) / tokens > 2.0 * fast
+    assert slower > 2.0
 
 
 async def test_a_slowdown_stretches_every_admitted_prefill_not_only_the_newest(
@@ -111,24 +94,34 @@ async def test_a_slowdown_stretches_every_admitted_prefill_not_only_the_newest(
     (it pruned by the newcomer's start, in the future behind the queue), so only the newest
     was stretched and a queued server looked fast for the whole queue (the latency model's
     "lag" after a slowdown in bench/latency_slowdown_replay.py)."""
+    prefills, slower = await _slowed_while_admitted(
+        start_sim, ("First", "Second", "Third", "Fourth")
+    )
+    assert prefills == 4
+    # All stretched: ~4x; if the first ended before the change (a stalled loop), still
+    # (1 + 3 * 4) / 4 = 3.25x. With the newest alone stretched: at most (3 + 4) / 4 = 1.75x.
+    assert slower > 2.5
+
+
+async def _slowed_while_admitted(start_sim: StartSim, names: tuple[str, ...]) -> tuple[int, float]:
+    """Prefills of one prompt per name, admitted back to back, then the server slowed to a
+    quarter: (prefills the engine counted, their seconds per token / the full-speed ones)."""
     timing = TimingSettings(prefill_tps=2000.0, speed=2.0)  # ~600 uncached tokens: 150 ms
     async with start_sim(events=False, timing=timing) as srv, aiohttp.ClientSession() as http:
         await ttft(http, srv.url, TEXT + " zero")
         before = (await scrape(http, srv.url)).latency
-        names = ("First", "Second", "Third", "Fourth")
-        four = asyncio.gather(*(ttft(http, srv.url, f"{n}. {TEXT}") for n in names))
-        for _ in range(2000):  # until all four are admitted (a few ms; bounded)
+        sent = asyncio.gather(*(ttft(http, srv.url, f"{n}. {TEXT}") for n in names))
+        for _ in range(2000):  # until all are admitted (a few ms; bounded)
             g = srv.engine.gauges()
-            if g.running + g.waiting >= 4:
+            if g.running + g.waiting >= len(names):
                 break
             await asyncio.sleep(0.001)
         srv.engine.relative_speed = 0.25
-        await four
+        await sent
         after = (await scrape(http, srv.url)).latency
     assert before is not None and after is not None and before.prefill_tokens
-    assert after.prefill_count - before.prefill_count == 4
     fast = before.prefill_sum / before.prefill_tokens  # seconds per token at full speed
     tokens = (after.prefill_tokens or 0.0) - before.prefill_tokens
-    # All stretched: ~4x; if the first ended before the change (a stalled loop), still
-    # (1 + 3 * 4) / 4 = 3.25x. With the newest alone stretched: at most (3 + 4) / 4 = 1.75x.
-    assert (after.prefill_sum - before.prefill_sum) / tokens > 2.5 * fast
+    return after.prefill_count - before.prefill_count, (
+        (after.prefill_sum - before.prefill_sum) / tokens / fast
+    )
