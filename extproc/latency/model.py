@@ -153,14 +153,17 @@ class ModelStats:
     rescaled: int = 0  # token scale taken whole because the picker's estimates changed
     rescaled_speed: int = 0  # of those reopened, scaled at once by one prefill far off them
     late_heads: int = 0  # predictions priced at a late head's speed (see Backlog.slowdown)
+    # of those, priced at the slowdown the engine's decode steps show (larger than the
+    # late head's bound; see LatencyModel._learn_itl)
+    decode_priced: int = 0
 
 
 class _Learned:
     """The learner's state for one endpoint (learner loop only)."""
 
-    __slots__ = ("coeffs", "itl", "itl_base", "mean_tokens", "overhead", "overhead_base",
-                 "prefill", "prompt_base", "ratio", "running", "surprises",
-                 "totals")  # fmt: skip
+    __slots__ = ("coeffs", "decode_slowdown", "itl", "itl_base", "itl_ref", "mean_tokens",
+                 "overhead", "overhead_base", "prefill", "prompt_base", "ratio", "running",
+                 "surprises", "totals")  # fmt: skip
 
     def __init__(self, s: ModelSettings) -> None:
         self.totals: LatencyTotals | None = None
@@ -175,6 +178,13 @@ class _Learned:
         self.ratio: tuple[float, float] | None = None  # smoothed (prefill s / req, s / token)
         self.coeffs: Coefficients | None = None
         self.surprises = 0  # consecutive prefill samples far off the fit
+        # The decode fit's weights when the prefill fit last matched a prefill the engine
+        # timed, scaled with the prefill fit since (None: not matched since a reopen): the
+        # decode speed the prefill fit's speed goes with.
+        self.itl_ref: list[float] | None = None
+        # The latest decode interval's inter-token latency over itl_ref's at its batch size:
+        # how much slower the server decodes than when the prefill fit was right.
+        self.decode_slowdown = 1.0
 
     def coeffs_ready(self, min_samples: int) -> bool:
         return self.prefill.samples >= min_samples
@@ -201,6 +211,8 @@ class LatencyModel:
         self._scale_surprises = 0
         # address -> smoothed seconds from the decision to the response headers (streaming)
         self._transport: dict[str, float] = {}
+        # address -> how much slower it decodes than when its prefill fit was last right
+        self._decode_slowdown: dict[str, float] = {}
 
     # -- learning (off the hot path) -----------------------------------------------------
 
@@ -227,6 +239,7 @@ class LatencyModel:
         learned = self._learn_itl(st, totals, running) or learned
         learned = self._learn_scale(address, st, totals) or learned
         st.running = running
+        self._decode_slowdown[address] = st.decode_slowdown
         if learned:
             self.stats.samples += 1
             self._publish(address, st)
@@ -268,15 +281,20 @@ class LatencyModel:
                         # whenever the reopened fit went negative (1-request intervals of
                         # similar size cannot separate its two terms).
                         st.ratio = (st.ratio[0] * factor, st.ratio[1] * factor)
+                    if st.itl_ref is not None:
+                        st.itl_ref = [w * factor for w in st.itl_ref]
                     self.stats.reopened += 1
                     self.stats.rescaled_speed += 1
                 elif st.surprises >= 2:
                     st.prefill.reopen()
                     st.ratio = None  # the fallback means restart from this sample too
+                    st.itl_ref = None  # and the decode speed it goes with, at its next match
                     st.surprises = 0
                     self.stats.reopened += 1
             else:
                 st.surprises = 0
+                if st.itl.samples >= self.settings.min_samples:
+                    st.itl_ref = list(st.itl.w)
         st.prefill.update(x, secs)
         a = self.settings.smoothing
         per_req, per_tok = secs / n, (secs / tokens if tokens > 0 else 0.0)
@@ -334,7 +352,12 @@ class LatencyModel:
             st.itl_base = last  # keep accumulating until tokens were produced
             return False
         mean_running = (st.running + running) / 2.0
-        st.itl.update((1.0, mean_running), (t.itl_sum - last.itl_sum) / n)
+        itl = (t.itl_sum - last.itl_sum) / n
+        if st.itl_ref is not None:
+            expected = st.itl_ref[0] + st.itl_ref[1] * mean_running
+            if expected > 0:
+                st.decode_slowdown = itl / expected
+        st.itl.update((1.0, mean_running), itl)
         return True
 
     def _learn_scale(self, address: str, st: _Learned, t: LatencyTotals) -> bool:
@@ -409,7 +432,8 @@ class LatencyModel:
 
     def retain(self, addresses: Collection[str]) -> None:
         """Forget endpoints that left the pool."""
-        tables = (self._learned, self._coeffs, self._backlog, self._placed, self._transport)
+        tables = (self._learned, self._coeffs, self._backlog, self._placed, self._transport,
+                  self._decode_slowdown)  # fmt: skip
         for table in tables:
             for gone in [a for a in table if a not in addresses]:
                 del table[gone]
@@ -457,6 +481,15 @@ class LatencyModel:
             # yet; price everything here at (at most) the speed the head shows.
             slow = b.slowdown(per_request_s, per_token_s * scale, c.overhead_s, transport_s)
             if slow > 1.0:
+                # The head proves the server slowed at least this much, not by how much:
+                # its bound grows with the time it runs. The decode steps measure the
+                # slowdown itself (a tenant on the GPU slows every step alike) since the
+                # first slowed token; taken only with the head's proof, so a decode
+                # interval stretched for another reason moves nothing on its own.
+                decode = self._decode_slowdown.get(address, 1.0)
+                if decode > slow:
+                    slow = decode
+                    self.stats.decode_priced += 1
                 per_request_s, per_token_s = per_request_s * slow, per_token_s * slow
                 self.stats.late_heads += 1
         backlog = 0.0 if b is None else b.work_s(per_request_s, per_token_s * scale, now)
