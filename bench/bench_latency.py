@@ -205,20 +205,21 @@ def oracle(
 def evidence_at(
     results: list[Result], names: list[str], offsets: list[float], slow_from: float
 ) -> float:
-    """The earliest moment a picker can know server 0 slowed: when the first prefill it runs
-    after the slowdown (the one under way then, or the first to start after it) would have
-    ended at the old speed. Until then every prefill there ends on time, or is still within
-    its price: no signal exists. Same physics as `oracle` (arrival order, real uncached
-    tokens), at s0's speed before the slowdown."""
-    tps, step = 5000.0, 0.002
-    free_at = 0.0
+    """The earliest moment a picker can know server 0 slowed: when the first prefill the
+    slowdown stretched (the one under way then, or the first to start after it) would
+    have ended at the old speed. Until then every prefill there ends on time or is still
+    within its price. Each prefill starts at its arrival or at the first token before it
+    (as measured), and takes its uncached tokens at s0's speed before the slowdown."""
+    tps, step = 5000.0, 0.002  # SIM_ARGS' --prefill-tps and the simulator's step overhead
     s0 = sorted((r for r in results if r.served_by == names[0] and r.ttft_s is not None),
-                key=lambda r: offsets[r.index])  # fmt: skip
+                key=lambda r: offsets[r.index] + (r.ttft_s or 0.0))  # fmt: skip
+    previous = 0.0  # the first token before this one
     for r in s0:
-        start = max(offsets[r.index], free_at)
-        free_at = start + step + (r.prompt_tokens - r.cached_tokens) / tps
-        if free_at > slow_from:
-            return free_at
+        first = offsets[r.index] + (r.ttft_s or 0.0)
+        end = max(offsets[r.index], previous) + step + (r.prompt_tokens - r.cached_tokens) / tps
+        if first > slow_from and end > slow_from:
+            return end
+        previous = first
     return slow_from
 
 

@@ -65,6 +65,9 @@ _SCALE_JUMP = 1.5
 _OVERHEAD_WINDOW = 32
 # Response-header delays above this are stalls, not the path's cost, and are not learned.
 _MAX_TRANSPORT_S = 1.0
+# Decode intervals whose median measures a slowdown (one odd interval, a stall of the
+# machine or a batch change, moves nothing).
+_DECODE_INTERVALS = 3
 # Placements kept per endpoint for the token-scale match (bounded memory: beyond it the
 # oldest go, and their engine counts are then compared with no estimate, i.e. skipped).
 _MAX_UNCOUNTED = 1024
@@ -161,7 +164,7 @@ class ModelStats:
 class _Learned:
     """The learner's state for one endpoint (learner loop only)."""
 
-    __slots__ = ("coeffs", "decode_slowdown", "itl", "itl_base", "itl_ref", "mean_tokens",
+    __slots__ = ("coeffs", "decode_ratios", "itl", "itl_base", "itl_ref", "mean_tokens",
                  "overhead", "overhead_base", "prefill", "prompt_base", "ratio", "running",
                  "surprises", "totals")  # fmt: skip
 
@@ -182,9 +185,9 @@ class _Learned:
         # timed, scaled with the prefill fit since (None: not matched since a reopen): the
         # decode speed the prefill fit's speed goes with.
         self.itl_ref: list[float] | None = None
-        # The latest decode interval's inter-token latency over itl_ref's at its batch size:
-        # how much slower the server decodes than when the prefill fit was right.
-        self.decode_slowdown = 1.0
+        # The latest decode intervals' inter-token latency over itl_ref's at their batch
+        # size: how much slower the server decodes than when the prefill fit was right.
+        self.decode_ratios: deque[float] = deque(maxlen=_DECODE_INTERVALS)
 
     def coeffs_ready(self, min_samples: int) -> bool:
         return self.prefill.samples >= min_samples
@@ -239,7 +242,10 @@ class LatencyModel:
         learned = self._learn_itl(st, totals, running) or learned
         learned = self._learn_scale(address, st, totals) or learned
         st.running = running
-        self._decode_slowdown[address] = st.decode_slowdown
+        if st.decode_ratios:
+            self._decode_slowdown[address] = statistics.median(st.decode_ratios)
+        else:
+            self._decode_slowdown.pop(address, None)
         if learned:
             self.stats.samples += 1
             self._publish(address, st)
@@ -281,20 +287,25 @@ class LatencyModel:
                         # whenever the reopened fit went negative (1-request intervals of
                         # similar size cannot separate its two terms).
                         st.ratio = (st.ratio[0] * factor, st.ratio[1] * factor)
-                    if st.itl_ref is not None:
+                    if st.itl_ref is not None:  # the decode speed it goes with too
                         st.itl_ref = [w * factor for w in st.itl_ref]
+                        ratios = [r / factor for r in st.decode_ratios]
+                        st.decode_ratios.clear()
+                        st.decode_ratios.extend(ratios)
                     self.stats.reopened += 1
                     self.stats.rescaled_speed += 1
                 elif st.surprises >= 2:
                     st.prefill.reopen()
                     st.ratio = None  # the fallback means restart from this sample too
                     st.itl_ref = None  # and the decode speed it goes with, at its next match
+                    st.decode_ratios.clear()
                     st.surprises = 0
                     self.stats.reopened += 1
             else:
                 st.surprises = 0
                 if st.itl.samples >= self.settings.min_samples:
                     st.itl_ref = list(st.itl.w)
+                    st.decode_ratios.clear()  # the fit's speed is the server's again
         st.prefill.update(x, secs)
         a = self.settings.smoothing
         per_req, per_tok = secs / n, (secs / tokens if tokens > 0 else 0.0)
@@ -356,7 +367,7 @@ class LatencyModel:
         if st.itl_ref is not None:
             expected = st.itl_ref[0] + st.itl_ref[1] * mean_running
             if expected > 0:
-                st.decode_slowdown = itl / expected
+                st.decode_ratios.append(itl / expected)
         st.itl.update((1.0, mean_running), itl)
         return True
 

@@ -164,3 +164,35 @@ def test_the_model_prices_an_endpoint_at_its_late_heads_speed() -> None:
     off.learn("a:1", other.totals, running=1, waiting=0, at=clock[0])
     unchanged = off.predict("a:1", state, 1000, now=clock[0])
     assert unchanged is not None and unchanged.ttft_s < 2 * fit.ttft_s
+
+
+def test_a_late_heads_endpoint_is_priced_at_the_slowdown_its_decode_steps_show() -> None:
+    """The head's bound grows with the time it runs: 20% late proves 1.2 times slower,
+    while the server (another tenant on its GPU) is 3 times slower, and every request
+    queued there would be priced 2.5 times short. Its decode steps have shown the factor
+    since the first slowed token; taken once the head proves the slowdown (main's code:
+    priced at the bound, 1.2)."""
+    clock = [100.0]
+    model = LatencyModel(clock=lambda: clock[0])
+    eng = Engine()
+    teach(model, "a:1", eng)
+    state = EndpointState(is_stale=False, running=4)
+    fit = model.predict("a:1", state, 1000, now=clock[0])
+    assert fit is not None
+    for _ in range(5):
+        model.place("a:1", 1000, now=clock[0])
+    clock[0] += 0.05
+    model.learn("a:1", eng.totals, running=4, waiting=1, at=clock[0])  # under way
+    eng.per_request_s, eng.per_token_s = eng.per_request_s * 3, eng.per_token_s * 3
+    eng.itl_base_s, eng.itl_per_seq_s = eng.itl_base_s * 3, eng.itl_per_seq_s * 3
+    for _ in range(3):  # decode steps at a third of the speed; the head is within its price
+        clock[0] += 0.05
+        model.learn("a:1", eng.decode(20), running=4, waiting=4, at=clock[0])
+    early = model.predict("a:1", state, 1000, now=clock[0])
+    assert early is not None and early.prefill_s == pytest.approx(fit.prefill_s, rel=0.01)
+    clock[0] = 100.05 + 1.2 * fit.prefill_s  # 1.2 times its price: late, for certain
+    model.learn("a:1", eng.decode(20), running=4, waiting=4, at=clock[0])
+    late = model.predict("a:1", state, 1000, now=clock[0])
+    assert late is not None
+    assert late.prefill_s == pytest.approx(3 * fit.prefill_s, rel=0.05)
+    assert model.stats.decode_priced == 1
