@@ -80,13 +80,18 @@ class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     matter). `min_samples` (3): prefill intervals before an endpoint's own fit is used.
     `smoothing` (0.3): weight of a new interval in the smoothed means (overhead, mean
     uncached tokens per request). `late_heads` (true): price an endpoint whose oldest
-    unfinished placement has run longer than its price at the speed that placement shows.
+    unfinished placement has run longer than its price at the speed that placement shows
+    (or its decode steps show, when larger). `decode_alone` (false): also price an endpoint
+    at its decode steps' slowdown, when more than 1.5 times, before any head is late (a
+    tenant's slowdown shows within a scrape or two; but on vLLM decode steps that share a
+    step with a long prefill chunk stretch too, which says nothing of the prefill speed).
     """
 
     forgetting: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
     min_samples: Annotated[int, msgspec.Meta(ge=1)] = 3
     smoothing: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.3
     late_heads: bool = True
+    decode_alone: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,21 +492,27 @@ class LatencyModel:
         b = self._backlog.get(address)
         per_request_s, per_token_s = c.per_request_s, c.per_token_s
         transport_s = self._transport.get(address, 0.0)
-        if b is not None and self.settings.late_heads:
+        if self.settings.late_heads:
             # A head running past its price: the server slowed and the fit does not know
             # yet; price everything here at (at most) the speed the head shows.
-            slow = b.slowdown(per_request_s, per_token_s * scale, c.overhead_s, transport_s)
+            late = 1.0
+            if b is not None:
+                late = b.slowdown(per_request_s, per_token_s * scale, c.overhead_s, transport_s)
+            # The head proves the server slowed at least this much, not by how much: its
+            # bound grows with the time it runs. The decode steps measure the slowdown
+            # itself (a tenant on the GPU slows every step alike) since the first slowed
+            # token; taken with the head's proof (or alone, `decode_alone`, when far off),
+            # so by default a decode interval stretched for another reason moves nothing.
+            slow = late
+            decode = self._decode_slowdown.get(address, 1.0)
+            if decode > late and (
+                late > 1.0 or (self.settings.decode_alone and decode > 1.0 + _CHANGE)
+            ):
+                slow = decode
+                self.stats.decode_priced += 1
             if slow > 1.0:
-                # The head proves the server slowed at least this much, not by how much:
-                # its bound grows with the time it runs. The decode steps measure the
-                # slowdown itself (a tenant on the GPU slows every step alike) since the
-                # first slowed token; taken only with the head's proof, so a decode
-                # interval stretched for another reason moves nothing on its own.
-                decode = self._decode_slowdown.get(address, 1.0)
-                if decode > slow:
-                    slow = decode
-                    self.stats.decode_priced += 1
                 per_request_s, per_token_s = per_request_s * slow, per_token_s * slow
+            if late > 1.0:
                 self.stats.late_heads += 1
         backlog = 0.0 if b is None else b.work_s(per_request_s, per_token_s * scale, now)
         queued = 0 if b is None else len(b)

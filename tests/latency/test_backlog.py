@@ -196,3 +196,25 @@ def test_a_late_heads_endpoint_is_priced_at_the_slowdown_its_decode_steps_show()
     assert late is not None
     assert late.prefill_s == pytest.approx(3 * fit.prefill_s, rel=0.05)
     assert model.stats.decode_priced == 1
+
+
+def test_decode_steps_alone_price_the_slowdown_only_when_asked() -> None:
+    """`decodeAlone`: the decode steps' slowdown, far off (here 3 times), prices the
+    endpoint before any head is late; by default it waits for a late head."""
+    models = {}
+    for alone in (False, True):
+        clock = [100.0]
+        model = LatencyModel(ModelSettings(decode_alone=alone), clock=lambda c=clock: c[0])
+        eng = Engine()
+        teach(model, "a:1", eng)
+        model.place("a:1", 1000, now=clock[0])
+        clock[0] += 0.05
+        model.learn("a:1", eng.totals, running=4, waiting=1, at=clock[0])
+        eng.itl_base_s, eng.itl_per_seq_s = eng.itl_base_s * 3, eng.itl_per_seq_s * 3
+        for _ in range(2):
+            clock[0] += 0.05
+            model.learn("a:1", eng.decode(20), running=4, waiting=1, at=clock[0])
+        models[alone] = model.predict("a:1", EndpointState(is_stale=False), 1000, clock[0])
+    waits, alone = models[False], models[True]
+    assert waits is not None and alone is not None
+    assert alone.prefill_s == pytest.approx(3 * waits.prefill_s, rel=0.05)
