@@ -94,10 +94,10 @@ LATENCY_NO_LATE = LATENCY.replace(
     "{responseHeader: true}", "{responseHeader: true, model: {lateHeads: false}}"
 )
 
-# The same, also pricing an endpoint at its decode steps' slowdown before a head is late
-# (opt-in: on vLLM a long prefill chunk stretches the decode steps it shares a step with).
-LATENCY_DECODE_ALONE = LATENCY.replace(
-    "{responseHeader: true}", "{responseHeader: true, model: {decodeAlone: true}}"
+# The same, also pricing an endpoint at the slowdown its decode steps show (opt-in: on
+# vLLM a long prefill chunk stretches the decode steps it shares a step with).
+LATENCY_DECODE = LATENCY.replace(
+    "{responseHeader: true}", "{responseHeader: true, model: {decodeSlowdown: true}}"
 )
 
 # The same, ranking by predicted TTFT alone (before the latency-scorer counted the wait a
@@ -121,7 +121,7 @@ POLICIES = {
     ),
     "predicted latency": LATENCY,
     "predicted latency, no late heads": LATENCY_NO_LATE,
-    "predicted latency, decode alone": LATENCY_DECODE_ALONE,
+    "predicted latency, decode slowdown": LATENCY_DECODE,
     "predicted latency, TTFT only": LATENCY_TTFT_ONLY,
 }
 

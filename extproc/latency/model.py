@@ -81,17 +81,19 @@ class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     `smoothing` (0.3): weight of a new interval in the smoothed means (overhead, mean
     uncached tokens per request). `late_heads` (true): price an endpoint whose oldest
     unfinished placement has run longer than its price at the speed that placement shows
-    (or its decode steps show, when larger). `decode_alone` (false): also price an endpoint
-    at its decode steps' slowdown, when more than 1.5 times, before any head is late (a
-    tenant's slowdown shows within a scrape or two; but on vLLM decode steps that share a
-    step with a long prefill chunk stretch too, which says nothing of the prefill speed).
+    `decode_slowdown` (false, with `late_heads`): also price an endpoint at the slowdown its
+    decode steps show, when a head is late and it is larger than the head's bound, or
+    when it is 1.5 times or more on its own: a tenant's slowdown shows there within a
+    scrape or two, long before a slowed prefill ends. Off by default: on vLLM, decode
+    steps that share a step with a long prefill chunk (chunked prefill) stretch too, which
+    says nothing of the prefill speed; measured on the simulator only (bench/RESULTS.md).
     """
 
     forgetting: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
     min_samples: Annotated[int, msgspec.Meta(ge=1)] = 3
     smoothing: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.3
     late_heads: bool = True
-    decode_alone: bool = False
+    decode_slowdown: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +249,7 @@ class LatencyModel:
         learned = self._learn_itl(st, totals, running) or learned
         learned = self._learn_scale(address, st, totals) or learned
         st.running = running
-        if st.decode_ratios:
+        if len(st.decode_ratios) == _DECODE_INTERVALS:
             self._decode_slowdown[address] = statistics.median(st.decode_ratios)
         else:
             self._decode_slowdown.pop(address, None)
@@ -498,18 +500,16 @@ class LatencyModel:
             late = 1.0
             if b is not None:
                 late = b.slowdown(per_request_s, per_token_s * scale, c.overhead_s, transport_s)
-            # The head proves the server slowed at least this much, not by how much: its
-            # bound grows with the time it runs. The decode steps measure the slowdown
-            # itself (a tenant on the GPU slows every step alike) since the first slowed
-            # token; taken with the head's proof (or alone, `decode_alone`, when far off),
-            # so by default a decode interval stretched for another reason moves nothing.
             slow = late
-            decode = self._decode_slowdown.get(address, 1.0)
-            if decode > late and (
-                late > 1.0 or (self.settings.decode_alone and decode > 1.0 + _CHANGE)
-            ):
-                slow = decode
-                self.stats.decode_priced += 1
+            if self.settings.decode_slowdown:
+                # The head proves the server slowed at least this much, not by how much:
+                # its bound grows with the time it runs. The decode steps measure the
+                # slowdown itself (a tenant on the GPU slows every step alike) from the
+                # first slowed token: taken when a head is late, or when far off alone.
+                decode = self._decode_slowdown.get(address, 1.0)
+                if decode > late and (late > 1.0 or decode > 1.0 + _CHANGE):
+                    slow = decode
+                    self.stats.decode_priced += 1
             if slow > 1.0:
                 per_request_s, per_token_s = per_request_s * slow, per_token_s * slow
             if late > 1.0:
