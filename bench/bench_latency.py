@@ -415,7 +415,9 @@ def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
     out += ["", "Medians over the runs:", ""]
     for fleet in dict.fromkeys(r.fleet for r in rows):
         for rate in dict.fromkeys(r.rate for r in rows if r.fleet == fleet):
-            here = [r for r in rows if r.fleet == fleet and r.rate == rate]
+            # Variants of the latency profile ("predicted latency, ...") are not fixed ones.
+            here = [r for r in rows if r.fleet == fleet and r.rate == rate
+                    and not r.policy.startswith("predicted latency,")]  # fmt: skip
             p90 = {
                 pol: statistics.median(r.summary.ttft_p90_s for r in here if r.policy == pol)
                 for pol in dict.fromkeys(r.policy for r in here)
