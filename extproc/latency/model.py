@@ -80,7 +80,7 @@ class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     matter). `min_samples` (3): prefill intervals before an endpoint's own fit is used.
     `smoothing` (0.3): weight of a new interval in the smoothed means (overhead, mean
     uncached tokens per request). `late_heads` (true): price an endpoint whose oldest
-    unfinished placement has run longer than its price at the speed that placement shows
+    unfinished placement has run longer than its price at the speed that placement shows.
     `decode_slowdown` (false, with `late_heads`): also price an endpoint at the slowdown its
     decode steps show, when a head is late and it is larger than the head's bound, or
     when it is 1.5 times or more on its own: a tenant's slowdown shows there within a
@@ -163,8 +163,8 @@ class ModelStats:
     rescaled: int = 0  # token scale taken whole because the picker's estimates changed
     rescaled_speed: int = 0  # of those reopened, scaled at once by one prefill far off them
     late_heads: int = 0  # predictions priced at a late head's speed (see Backlog.slowdown)
-    # of those, priced at the slowdown the engine's decode steps show (larger than the
-    # late head's bound; see LatencyModel._learn_itl)
+    # priced at the slowdown the engine's decode steps show (`decode_slowdown`; see
+    # LatencyModel._learn_itl)
     decode_priced: int = 0
 
 
