@@ -33,11 +33,19 @@ from pathlib import Path
 import httpx
 import orjson
 import yaml
+from grpc_health.v1 import health_pb2
 from sglang_peer import install_sglang  # bench/sglang_peer.py (bench/ is on the path)
 
 from extproc.bootstrap import BootstrapOptions, build_bootstrap
 from extproc.gateways import LLM_D, gateway_bootstrap
-from extproc.stack import Stack, StackOptions, envoy_binary, free_port, wait_until
+from extproc.stack import (
+    Stack,
+    StackOptions,
+    envoy_binary,
+    free_port,
+    grpc_health_status,
+    wait_until,
+)
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
@@ -192,6 +200,26 @@ def picker_doc(port: int, mode: str, *, tls: bool, response_headers: str = "auto
     )
 
 
+def start_baseline_picker(src: Path, upstream: str, work: Path) -> tuple[subprocess.Popen, int]:
+    """`extproc serve` from another checkout (run from it, so its package wins the import),
+    with the stack picker's flags: the same endpoint, TLS, access log."""
+    port, health, admin = free_port(), free_port(), free_port()
+    log = open(work / "extproc-base.log", "ab")  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "extproc", "serve", "--endpoints", upstream,
+         "--host", "127.0.0.1", "--port", str(port), "--health-port", str(health),
+         "--admin-port", str(admin), "--drain-delay", "0.0", "--fallbacks", "0"],
+        cwd=src, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(src), "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    log.close()
+    wait_until(
+        lambda: grpc_health_status(health, "readiness") == health_pb2.HealthCheckResponse.SERVING,
+        timeout_s=60, what="baseline extproc", proc=proc,
+    )  # fmt: skip
+    return proc, port
+
+
 # Both keep the response-header phase (`envoy-config`'s default, the gateways' exchange);
 # `-skip` / `-send` variants, when named, set `--response-headers` explicitly.
 _RESPONSE_HEADERS = {"floor": "send", "extproc": "send"}
@@ -212,6 +240,12 @@ def main() -> None:
         "response-header variants '<who> <FD|BUF>-skip|-send' only when named)",
     )
     ap.add_argument("--no-sglang", action="store_true")
+    ap.add_argument(
+        "--baseline-src",
+        default="",
+        help="a checkout of another extproc version: its picker runs next to this one, as "
+        "'extproc-base FD' and 'extproc-base llm-d' (old vs new in one run)",
+    )
     ap.add_argument("--big", action="store_true", help="220 KB prompts at 150 connections")
     args = ap.parse_args()
     if args.big:
@@ -247,12 +281,17 @@ def main() -> None:
         )  # fmt: skip
         procs.append(floor)
         picker_pid = stack._procs["extproc"].pid
+        pickers = [("floor", floor_port, floor.pid), ("extproc", stack.extproc_port, picker_pid)]
+        if args.baseline_src:
+            base = start_baseline_picker(Path(args.baseline_src), upstream, work)
+            procs.append(base[0])
+            pickers.append(("extproc-base", base[1], base[0].pid))
         for mode, short in (("FULL_DUPLEX_STREAMED", "FD"), ("BUFFERED", "BUF")):
-            for who, port, pid in (("floor", floor_port, floor.pid),
-                                   ("extproc", stack.extproc_port, picker_pid)):  # fmt: skip
+            for who, port, pid in pickers:
                 name = f"{who} {short}"
                 if want(name):
-                    doc = picker_doc(port, mode, tls=True, response_headers=_RESPONSE_HEADERS[who])
+                    rh = _RESPONSE_HEADERS[who.split("-")[0]]
+                    doc = picker_doc(port, mode, tls=True, response_headers=rh)
                     p, url = start_envoy(doc, work, name)
                     procs.append(p)
                     targets.append(Target(name, url, pid))
@@ -273,8 +312,7 @@ def main() -> None:
             p, url = start_envoy(doc, work, "floor-noresp")
             procs.append(p)
             targets.append(Target("floor BUF-noresp", url, floor.pid))
-        for who, port, pid in (("floor", floor_port, floor.pid),
-                               ("extproc", stack.extproc_port, picker_pid)):  # fmt: skip
+        for who, port, pid in pickers:
             name = f"{who} llm-d"
             if only and name in only:
                 # llm-d's chart settings (extproc/gateways.py): FULL_DUPLEX both ways, the
