@@ -79,11 +79,17 @@ def _ms(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-def run_wrk(url: str, body_file: Path, conns: int, seconds: float) -> WrkResult:
+def run_wrk(
+    url: str, body_file: Path, conns: int, seconds: float, think_ms: float = 0
+) -> WrkResult:
+    """`think_ms` > 0: each connection waits that long before its next request, so every
+    configuration gets about the same offered load (conns / (think + latency)) instead of
+    as much as it can take (closed loop)."""
     script = body_file.with_suffix(".lua")
     script.write_text(
         f'local f = io.open("{body_file}", "rb"); wrk.body = f:read("*all"); f:close()\n'
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        + (f"function delay() return {think_ms:g} end\n" if think_ms > 0 else "")
     )
     out = subprocess.run(
         [
@@ -158,10 +164,10 @@ def baseline_doc(upstream: str) -> dict:
     return doc
 
 
-def measure(url: str, body: Path, conns: int, seconds: int, pid: int | None):
-    run_wrk(url, body, conns, 1)  # warm up connections and caches
+def measure(url: str, body: Path, conns: int, seconds: int, pid: int | None, think_ms: float = 0):
+    run_wrk(url, body, conns, 1, think_ms)  # warm up connections and caches
     cpu0 = cpu_seconds(pid) if pid else 0.0
-    res = run_wrk(url, body, conns, seconds)
+    res = run_wrk(url, body, conns, seconds, think_ms)
     cpu_ms = (cpu_seconds(pid) - cpu0) / max(res.requests, 1) * 1e3 if pid else 0.0
     return res, cpu_ms
 
@@ -240,6 +246,13 @@ def main() -> None:
         "response-header variants '<who> <FD|BUF>-skip|-send' only when named)",
     )
     ap.add_argument("--no-sglang", action="store_true")
+    ap.add_argument(
+        "--think-ms",
+        type=float,
+        default=0,
+        help="pause per connection between requests: the same offered load for every "
+        "configuration (default 0: closed loop, each runs as fast as it can)",
+    )
     ap.add_argument(
         "--baseline-src",
         default="",
@@ -342,7 +355,7 @@ def main() -> None:
             for conns in conns_list:
                 for r in range(args.rounds):
                     for t in targets:
-                        res, cpu = measure(t.url, body, conns, args.seconds, t.pid)
+                        res, cpu = measure(t.url, body, conns, args.seconds, t.pid, args.think_ms)
                         results.setdefault((size, conns, t.name), []).append((res, cpu))
                         print(
                             f"round {r} {size // 1024:>4} KB c={conns:<3} {t.name:<22} "
