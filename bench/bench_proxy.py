@@ -14,6 +14,8 @@ the CPU of the picker (or router) per request (user+system from /proc / requests
     apt-get install wrk   # once
     uv run python bench/bench_proxy.py [--seconds 5] [--rounds 3] [--sizes 1,100] [--conns 1,16]
     uv run python bench/bench_proxy.py --big   # 220 KB prompts, 150 connections, errors counted
+    # old vs new in one run, at the same offered load (each connection pauses 50 ms):
+    uv run python bench/bench_proxy.py --baseline-src ../main --think-ms 50 --only ...
 """
 
 from __future__ import annotations
