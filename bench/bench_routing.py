@@ -417,7 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, help="groups per workload (x 5 requests)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workloads", nargs="+", default=["text", "multimodal"])
-    p.add_argument("--policies", nargs="+", default=list(POLICIES))
+    # The baseline-tree policy only on request (it needs --baseline-tree).
+    every = [name for name, opts in POLICIES.items() if not opts.get("tree")]
+    p.add_argument("--policies", nargs="+", default=every)
     p.add_argument("--no-sglang", action="store_true", help="skip the peer router")
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     p.add_argument("--baseline-tree", type=Path, help="source tree of the baseline-tree policy")
