@@ -141,17 +141,20 @@ def main(argv: list[str] | None = None) -> int:
         help="approximate, precise, precise-events-only (no placement corrections)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
     p.add_argument("--out", type=Path, default=Path("trace"))
     p.add_argument("--extra", default="", help="YAML merged into every picker config")
+    p.add_argument("--logs", type=Path, help="keep the stacks' logs here (default: discarded)")
     args = p.parse_args(argv)
     load = args.load or (8 if args.workload == "agentic" else 24)
     servers, sim_args = PRESSURE_SHAPE[args.workload]
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
     with tempfile.TemporaryDirectory(prefix="trace-routing-") as tmp:
-        log_dir = Path(tmp)
+        log_dir = args.logs or Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
         with SimFleet(servers, sim_args, log_dir=log_dir) as fleet:
-            for mode in args.modes:
+            for rnd, mode in ((r, m) for r in range(args.rounds) for m in args.modes):
                 fleet.reset()
                 cfg: dict = {"server": {"explain_tokens": [TOKEN]}}
                 if mode.startswith("precise"):
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                         rows = asyncio.run(_agentic(stack.url, int(load), args.seed))
                     else:
                         rows = asyncio.run(_tenants(stack.url, load, args.seed))
-                out = args.out / f"{args.workload}-{mode}.jsonl"
+                out = args.out / f"{args.workload}-{mode}-{rnd}.jsonl"
                 out.write_text("".join(json.dumps(r) + "\n" for r in rows))
                 lines.append(summarize(mode, rows))
                 print(lines[-1], flush=True)

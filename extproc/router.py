@@ -367,6 +367,11 @@ class Router:
         if self.placed is not None and routed.decision.endpoints:
             self.placed.settled(routed.decision.primary.address, routed.request.block_keys)
 
+    def _settle_late(self, routed: Routed) -> Late | None:
+        if self.placed is None:
+            return None
+        return functools.partial(self._settle_then, routed, None)
+
     def _settle_then(self, routed: Routed, then: Late | None, entry: Ended | None) -> None:
         self._settle(routed)
         if then is not None:
@@ -442,20 +447,22 @@ class Router:
         never saw the response headers (the proxy skips that phase), so the access-log entry
         reports what they would have (see `_ended_unseen`; `then` sees the entry, or None,
         once the request is over)."""
-        if self.placed is not None:
-            if responded:
-                self._settle(routed)
-            else:
-                # No response seen: the placement's blocks are credited until the request
-                # ends (access log), or the pending bound.
-                then = functools.partial(self._settle_then, routed, then)
         if self.ends is not None:
-            late = None if responded else self._unseen(routed, then)
+            if responded:
+                # Placed blocks are credited until the request ends (the response headers
+                # of a stream come before its engine admits it, and publishes its blocks);
+                # while it runs they are held by it, so nothing evicts them.
+                late = self._settle_late(routed)
+            else:
+                if self.placed is not None:
+                    then = functools.partial(self._settle_then, routed, then)
+                late = self._unseen(routed, then)
             self.ends.finish(routed.request.request_id, routed.placement, late)
             if responded and then is not None:
                 then(None)
         else:
             self.inflight.release(routed.placement)
+            self._settle(routed)
             if then is not None:
                 then(None)
         if routed.ticket is not None and self.admission is not None:
