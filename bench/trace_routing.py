@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
+import httpx
 import yaml
 from bench_routing import AGENTIC, PRESSURE_SHAPE, tenants_spec
 
@@ -175,9 +176,14 @@ def main(argv: list[str] | None = None) -> int:
                         rows = asyncio.run(_agentic(stack.url, int(load), args.seed))
                     else:
                         rows = asyncio.run(_tenants(stack.url, load, args.seed))
+                    admin = f"http://127.0.0.1:{stack.picker_admin_port}/metrics"
+                    corrections = [
+                        line for line in httpx.get(admin, timeout=10).text.splitlines()
+                        if line.startswith("extproc_precise_placement_corrections_total")
+                    ]  # fmt: skip
                 out = args.out / f"{args.workload}-{mode}-{rnd}.jsonl"
                 out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-                lines.append(summarize(mode, rows))
+                lines.append(summarize(mode, rows) + "".join(f"\n  {c}" for c in corrections))
                 print(lines[-1], flush=True)
     return 0
 
