@@ -367,13 +367,19 @@ class Router:
         if self.placed is not None and routed.decision.endpoints:
             self.placed.settled(routed.decision.primary.address, routed.request.block_keys)
 
-    def _settle_late(self, routed: Routed) -> Late | None:
-        if self.placed is None:
-            return None
-        return functools.partial(self._settle_then, routed, None)
+    def _settle_late(self, routed: Routed, then: Late | None) -> Late | None:
+        """`then`, settling the placement's credit first when the request has ended. Keeps
+        the pick and the block keys only, not the request (held to the request's end)."""
+        if self.placed is None or not routed.decision.endpoints:
+            return then
+        pick = routed.decision.primary.address
+        return functools.partial(self._settle_then, pick, routed.request.block_keys, then)
 
-    def _settle_then(self, routed: Routed, then: Late | None, entry: Ended | None) -> None:
-        self._settle(routed)
+    def _settle_then(
+        self, pick: str, keys: Sequence[int], then: Late | None, entry: Ended | None
+    ) -> None:
+        if self.placed is not None:
+            self.placed.settled(pick, keys)
         if then is not None:
             then(entry)
 
@@ -448,15 +454,13 @@ class Router:
         reports what they would have (see `_ended_unseen`; `then` sees the entry, or None,
         once the request is over)."""
         if self.ends is not None:
+            # Placed blocks are credited until the request ends (the response headers of a
+            # stream come before its engine admits it and publishes its blocks); while it
+            # runs they are held by it, so nothing evicts them.
             if responded:
-                # Placed blocks are credited until the request ends (the response headers
-                # of a stream come before its engine admits it, and publishes its blocks);
-                # while it runs they are held by it, so nothing evicts them.
-                late = self._settle_late(routed)
+                late = self._settle_late(routed, None)
             else:
-                if self.placed is not None:
-                    then = functools.partial(self._settle_then, routed, then)
-                late = self._unseen(routed, then)
+                late = self._unseen(routed, self._settle_late(routed, then))
             self.ends.finish(routed.request.request_id, routed.placement, late)
             if responded and then is not None:
                 then(None)
