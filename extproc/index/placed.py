@@ -15,9 +15,10 @@ decision that is the truth at an instant between two others the picker also know
   found 2,912 of its 15,861 tokens cached though the index had matched 14,272 (issue 14).
 
 `PlacedBlocks` keeps both corrections from the decisions this picker made:
-- `pending`: each placement's blocks until the request's stream ends at its response (its
-  prompt was admitted and published by then) or `pending_s` at most; an endpoint is
-  credited with the longer of the two matches.
+- `pending`: each placement's blocks until the request ends (`settled`: the router calls it
+  at the gateway's access-log entry; a stream's response headers come before its engine
+  admits it) or `pending_s` at most; an endpoint is credited with the longer of the two
+  matches. While the request runs its blocks are held by it: nothing evicts them.
 - `resident`: every placement's blocks per endpoint, bounded by the endpoint's KV capacity
   and trimmed least recently placed first, tail before head (the approximate index's model
   of an LRU cache). Where it is full, a reported match longer than what it still holds is
@@ -55,13 +56,79 @@ class PlacedStats:
     evicting: int = 0
 
 
+class _InFlight:
+    """Placements not yet settled, by their first block key: only chains sharing a
+    request's block 0 can share a prefix with it. Block keys are chained (each hashes its
+    parent), so two chains agree up to some block and differ from there on: the common
+    prefix is found by bisection, O(log n) per placement in flight on the same root, and a
+    placement costs an append, not a write per block."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
+        self._ttl = ttl_s
+        self._clock = clock
+        self._by_root: dict[int, list[tuple[str, Sequence[int], float]]] = {}
+        self._added = 0
+
+    def add(self, endpoint: str, keys: Sequence[int]) -> None:
+        now = self._clock()
+        self._by_root.setdefault(keys[0], []).append((endpoint, keys, now + self._ttl))
+        self._added += 1
+        if self._added % 1024 == 0:
+            # Placements never settled (a stream that vanished) go with their deadline.
+            for root in list(self._by_root):
+                self._prune(root, now)
+
+    def remove(self, endpoint: str, keys: Sequence[int]) -> None:
+        entries = self._by_root.get(keys[0])
+        if not entries:
+            return
+        for i, (addr, held, _) in enumerate(entries):
+            if addr == endpoint and (held is keys or held == keys):
+                del entries[i]
+                break
+        if not entries:
+            del self._by_root[keys[0]]
+
+    def forget(self, endpoint: str) -> None:
+        for root, entries in list(self._by_root.items()):
+            kept = [e for e in entries if e[0] != endpoint]
+            if kept:
+                self._by_root[root] = kept
+            else:
+                del self._by_root[root]
+
+    def matches(self, keys: Sequence[int]) -> dict[str, float]:
+        if not keys or keys[0] not in self._by_root:
+            return {}
+        self._prune(keys[0], self._clock())
+        out: dict[str, float] = {}
+        for addr, held, _ in self._by_root.get(keys[0], ()):
+            lo, hi = 1, min(len(keys), len(held))  # keys[:lo] agree; past hi cannot
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if keys[mid - 1] == held[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo > out.get(addr, 0.0):
+                out[addr] = float(lo)
+        return out
+
+    def _prune(self, root: int, now: float) -> None:
+        entries = self._by_root.get(root)
+        if entries and any(e[2] <= now for e in entries):
+            entries[:] = [e for e in entries if e[2] > now]
+            if not entries:
+                del self._by_root[root]
+
+
 class PlacedBlocks:
     """See the module docstring. Event-loop only, like the memory index it uses."""
 
     def __init__(
         self, *, pending_s: float = PENDING_S, clock: Callable[[], float] = time.time
     ) -> None:
-        self._pending = MemoryKVIndex(IndexOptions(approx_ttl_s=pending_s, clock=clock))
+        self._pending = _InFlight(pending_s, clock)
         self._resident = MemoryKVIndex(
             IndexOptions(
                 approx_ttl_s=RESIDENT_TTL_S,
@@ -78,19 +145,20 @@ class PlacedBlocks:
         self._resident.set_capacity(endpoint, blocks)
 
     def placed(self, endpoint: str, block_keys: Sequence[int]) -> None:
-        self._pending.record(endpoint, block_keys)
-        self._resident.record(endpoint, block_keys)
+        if block_keys:
+            self._pending.add(endpoint, block_keys)
+            self._resident.record(endpoint, block_keys)
 
     def settled(self, endpoint: str, block_keys: Sequence[int]) -> None:
         """The request's response came (or its stream ended): its engine has published
         what it admitted, so the events speak for these blocks from now on."""
         if block_keys:
-            self._pending.remove(endpoint, block_keys, root=block_keys[0])
+            self._pending.remove(endpoint, block_keys)
 
     async def forget(self, endpoint: str) -> None:
         """The endpoint left the pool or its cache was invalidated."""
         self._caps.pop(endpoint, None)
-        await self._pending.remove_endpoint(endpoint)
+        self._pending.forget(endpoint)
         await self._resident.remove_endpoint(endpoint)
 
     async def adjust(self, block_keys: Sequence[int], found: Lookup) -> Lookup:
@@ -98,7 +166,7 @@ class PlacedBlocks:
         A degraded answer is left alone: routing is on load then."""
         if found.degraded or not block_keys:
             return found
-        pending = (await self._pending.lookup(block_keys)).matches
+        pending = self._pending.matches(block_keys)
         resident = (await self._resident.lookup(block_keys)).matches
         matches = dict(found.matches)
         evicting = raised = False

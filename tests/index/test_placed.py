@@ -33,6 +33,8 @@ async def test_a_placement_counts_until_its_response():
     # Events that already show part of it: the placement's longer match wins.
     assert (await placed.adjust(keys, Lookup({A: 3.0, B: 5.0}))).matches == {A: 8, B: 5.0}
     assert placed.stats.pending == 2
+    # A request sharing only the first five blocks is credited those five.
+    assert (await placed.adjust((1, 2, 3, 4, 5, 99, 98), Lookup({}))).matches == {A: 5}
     placed.settled(A, keys)
     # After the response the events speak for it, whatever they say.
     assert (await placed.adjust(keys, Lookup({A: 3.0}))).matches == {A: 3.0}
