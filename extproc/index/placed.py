@@ -22,7 +22,10 @@ decision that is the truth at an instant between two others the picker also know
 - `resident`: every placement's blocks per endpoint, bounded by the endpoint's KV capacity
   and trimmed least recently placed first, tail before head (the approximate index's model
   of an LRU cache). Where it is full, a reported match longer than what it still holds is
-  cut to it: the work placed since will evict the rest before this request is admitted.
+  cut to it while work placed there is still in flight and shares less of the prompt: that
+  work will evict the rest before this request is admitted. Work that has ended is in the
+  events already (requests sent one after another are never cut: the engine's own LRU,
+  which the events report, is the truth for them).
 The index itself is never written: what the engines report stays what the index holds.
 """
 
@@ -67,11 +70,13 @@ class _InFlight:
         self._ttl = ttl_s
         self._clock = clock
         self._by_root: dict[int, list[tuple[str, Sequence[int], float]]] = {}
+        self._per_endpoint: dict[str, int] = {}
         self._added = 0
 
     def add(self, endpoint: str, keys: Sequence[int]) -> None:
         now = self._clock()
         self._by_root.setdefault(keys[0], []).append((endpoint, keys, now + self._ttl))
+        self._per_endpoint[endpoint] = self._per_endpoint.get(endpoint, 0) + 1
         self._added += 1
         if self._added % 1024 == 0:
             # Placements never settled (a stream that vanished) go with their deadline.
@@ -85,11 +90,13 @@ class _InFlight:
         for i, (addr, held, _) in enumerate(entries):
             if addr == endpoint and (held is keys or held == keys):
                 del entries[i]
+                self._count(endpoint, -1)
                 break
         if not entries:
             del self._by_root[keys[0]]
 
     def forget(self, endpoint: str) -> None:
+        self._per_endpoint.pop(endpoint, None)
         for root, entries in list(self._by_root.items()):
             kept = [e for e in entries if e[0] != endpoint]
             if kept:
@@ -97,29 +104,60 @@ class _InFlight:
             else:
                 del self._by_root[root]
 
+    def evicting(self, endpoint: str, keys: Sequence[int], n: float) -> bool:
+        """Whether some placement in flight on `endpoint` shares less than `n` leading
+        blocks with `keys`: when admitted it takes blocks of its own, which can evict the
+        tail of `keys` (those sharing more need only what is held already)."""
+        total = self._per_endpoint.get(endpoint, 0)
+        if not total:
+            return False
+        covering = sum(
+            1
+            for addr, held, _ in self._by_root.get(keys[0], ())
+            if addr == endpoint and _common(keys, held) >= n
+        )
+        return total > covering
+
+    def _count(self, endpoint: str, delta: int) -> None:
+        n = self._per_endpoint.get(endpoint, 0) + delta
+        if n > 0:
+            self._per_endpoint[endpoint] = n
+        else:
+            self._per_endpoint.pop(endpoint, None)
+
     def matches(self, keys: Sequence[int]) -> dict[str, float]:
         if not keys or keys[0] not in self._by_root:
             return {}
         self._prune(keys[0], self._clock())
         out: dict[str, float] = {}
         for addr, held, _ in self._by_root.get(keys[0], ()):
-            lo, hi = 1, min(len(keys), len(held))  # keys[:lo] agree; past hi cannot
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if keys[mid - 1] == held[mid - 1]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            if lo > out.get(addr, 0.0):
-                out[addr] = float(lo)
+            n = _common(keys, held)
+            if n > out.get(addr, 0.0):
+                out[addr] = float(n)
         return out
 
     def _prune(self, root: int, now: float) -> None:
         entries = self._by_root.get(root)
         if entries and any(e[2] <= now for e in entries):
+            for e in entries:
+                if e[2] <= now:
+                    self._count(e[0], -1)
             entries[:] = [e for e in entries if e[2] > now]
             if not entries:
                 del self._by_root[root]
+
+
+def _common(keys: Sequence[int], held: Sequence[int]) -> int:
+    """Leading blocks two chains with the same block 0 share (chained keys: they agree up
+    to some block and differ from there on, so bisection finds it)."""
+    lo, hi = 1, min(len(keys), len(held))  # keys[:lo] agree; past hi they cannot
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if keys[mid - 1] == held[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class PlacedBlocks:
@@ -178,6 +216,7 @@ class PlacedBlocks:
                 and 0.0 < kept < n
                 and self._resident.held_blocks(addr) >= cap
                 and pending.get(addr, 0.0) < n
+                and self._pending.evicting(addr, block_keys, n)
             ):
                 matches[addr] = kept
                 evicting = True

@@ -65,7 +65,7 @@ async def test_a_reported_match_is_cut_to_what_the_cache_keeps_after_later_place
     assert placed.stats.evicting == 1
 
 
-async def test_no_cut_without_capacity_pressure_or_while_the_blocks_are_in_flight():
+async def test_no_cut_without_capacity_pressure_work_in_flight_or_while_its_own_blocks_are():
     placed = PlacedBlocks()
     first, second = chain(1, 8), chain(100, 8)
     # Capacity unknown: nothing is cut.
@@ -80,6 +80,13 @@ async def test_no_cut_without_capacity_pressure_or_while_the_blocks_are_in_fligh
     placed.placed(A, first)
     placed.placed(A, second)
     assert (await placed.adjust(first, Lookup({A: 8.0}))).matches == {A: 8}
+    # Everything placed has ended: the events already show what it evicted.
+    placed = PlacedBlocks()
+    placed.set_capacity(A, 10)
+    for keys in (first, second):
+        placed.placed(A, keys)
+        placed.settled(A, keys)
+    assert (await placed.adjust(first, Lookup({A: 8.0}))).matches == {A: 8.0}
     # Room enough: nothing is cut either.
     placed = PlacedBlocks()
     placed.set_capacity(A, 100)
