@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -46,9 +47,35 @@ SIM_TOKENIZER_DIR = Path(__file__).resolve().parent / "sim" / "data" / "tokenize
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a process started next to listen on. Drawn below the kernel's
+    ephemeral range: a port from bind(0) is free again once returned here, and the kernel
+    may hand it to an outgoing connection's source port before the child binds it (every
+    test makes many connections), which fails the child's bind. Below that range only
+    another caller of this function could take it, and draws are random."""
+    low, high = _LISTEN_PORTS
+    for _ in range(64):
+        port = low + secrets.randbelow(high - low + 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is crowded: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _listen_ports() -> tuple[int, int]:
+    """Ports below the ephemeral range (Linux: /proc/sys/net/ipv4/ip_local_port_range)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default start
+    return (10_000, low - 1) if low > 12_000 else (low, 65_535)
+
+
+_LISTEN_PORTS = _listen_ports()
 
 
 def free_port_run(n: int) -> int:
