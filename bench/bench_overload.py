@@ -623,8 +623,12 @@ def main() -> int:
     ap.add_argument("--reserve", type=int, default=1,
                     help="flow_control.reserve_for_higher_bands: how many of the largest "
                     "recent interactive requests one server keeps room for")  # fmt: skip
-    ap.add_argument("--unloaded-repeats", type=int, default=0,
-                    help="extra unloaded passes (printed, not used as the baseline)")
+    ap.add_argument(
+        "--unloaded-repeats",
+        type=int,
+        default=0,
+        help="extra unloaded passes (printed, not used as the baseline)",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     objectives = tmp / "objectives.yaml"
