@@ -203,6 +203,7 @@ class Req:
     # wait, prefill. TTFT minus these is the picker's queue plus proxies and client.
     engine: tuple[float, float, float] | None = None
     picker_wait: float | None = None  # the picker's flow-control queue wait (its decision)
+    to_server: float | None = None  # client send to the sim's arrival (wall clocks, one host)
 
 
 @dataclass
@@ -211,6 +212,9 @@ class Deployment:
 
     fleet: SimFleet
     log_dir: Path
+    # Envoy runs the response-header phase so each response can carry the picker's decision
+    # (`--trace`): two more ext_proc messages per request, so off by default.
+    trace: bool = False
     procs: list[subprocess.Popen] = field(default_factory=list)
     url: str = ""
     admin_ports: list[int] = field(default_factory=list)
@@ -244,7 +248,7 @@ class Deployment:
         doc = build_bootstrap(
             BootstrapOptions(
                 listen_port=listen, listen_address="127.0.0.1",
-                extproc=f"127.0.0.1:{ports[0]}", admin_port=admin,
+                extproc=f"127.0.0.1:{ports[0]}", admin_port=admin, allow_explain=self.trace,
             )
         )  # fmt: skip
         # Two replicas behind one Envoy: both in the picker cluster, round robin per stream.
@@ -357,7 +361,10 @@ def prompt(rng: random.Random, words: int) -> str:
     return " ".join("".join(rng.choice(syll) for _ in range(3)) for _ in range(words))
 
 
-async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) -> None:
+async def send(
+    session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int, trace: bool = False
+) -> None:
+    """`trace`: ask for the picker's decision (its queue wait) on the response."""
     rng = random.Random(rng_seed)
     body = {
         "model": "tiny",
@@ -371,8 +378,10 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
         "x-llm-d-inference-fairness-id": r.tenant,
         "x-llm-d-inference-objective": r.objective,
         "x-sim-timing": "1",
-        "x-extproc-explain": EXPLAIN_TOKEN,
     }
+    if trace:
+        headers["x-extproc-explain"] = EXPLAIN_TOKEN
+    sent = time.time()
     start = time.perf_counter()
     try:
         async with session.post(
@@ -394,6 +403,7 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
                         parts = dict(kv.split("=") for kv in line[9:].decode().split())
                         r.engine = (float(parts["kv_wait_s"]), float(parts["lane_wait_s"]),
                                     float(parts["prefill_s"]))  # fmt: skip
+                        r.to_server = float(parts["recv_at"]) - sent
                         continue
                     if not line.startswith(b"data:") or line == b"data: [DONE]":
                         continue
@@ -410,7 +420,7 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
     r.total_s = time.perf_counter() - start
 
 
-async def open_loop(url: str, reqs: list[Req]) -> float:
+async def open_loop(url: str, reqs: list[Req], trace: bool = False) -> float:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -419,7 +429,7 @@ async def open_loop(url: str, reqs: list[Req]) -> float:
             delay = t0 + r.at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            await send(session, url, r, i)
+            await send(session, url, r, i, trace)
             r.done_at = loop.time() - t0
 
         await asyncio.gather(*(fire(i, r) for i, r in enumerate(reqs)))
@@ -518,9 +528,13 @@ def breakdown(rs: list[Req]) -> dict:
     def one(r: Req) -> dict:
         kv, lane, pre = r.engine or (0.0, 0.0, 0.0)
         ttft, pick = r.ttft_s or 0.0, r.picker_wait or 0.0
-        return {"ttft": round(ttft, 3), "picker": round(pick, 3), "kv": round(kv, 3),
+        # Before the server: the picker's queue and the rest of the way there (Envoy, the
+        # picker's CPU time); after the prefill: the first token's way back to the client.
+        there = r.to_server if r.to_server is not None else pick
+        return {"ttft": round(ttft, 3), "picker": round(pick, 3),
+                "to_server_other": round(there - pick, 3), "kv": round(kv, 3),
                 "lane": round(lane, 3), "prefill": round(pre, 3),
-                "rest": round(ttft - pick - kv - lane - pre, 3), "at": round(r.at, 2),
+                "back": round(ttft - there - kv - lane - pre, 3), "at": round(r.at, 2),
                 "tenant": r.tenant, "server": r.served_by}  # fmt: skip
 
     def parts(sub: list[Req]) -> dict:
@@ -623,6 +637,9 @@ def main() -> int:
     ap.add_argument("--reserve", type=int, default=1,
                     help="flow_control.reserve_for_higher_bands: how many of the largest "
                     "recent interactive requests one server keeps room for")  # fmt: skip
+    ap.add_argument("--trace", action="store_true",
+                    help="per-request picker queue wait from the decision header (Envoy then "
+                    "runs the response-header phase)")  # fmt: skip
     ap.add_argument(
         "--unloaded-repeats",
         type=int,
@@ -635,7 +652,7 @@ def main() -> int:
     objectives.write_text(yaml.safe_dump_all(OBJECTIVES))
     redis = None
     fleet = SimFleet(SERVERS, ("--fast", str(args.sim_speed), *SIM_ARGS), log_dir=tmp)
-    dep = Deployment(fleet, tmp)
+    dep = Deployment(fleet, tmp, trace=args.trace)
     rows = []
     try:
         # Capacity: enough outstanding requests to keep both KV caches full, flow control
@@ -651,7 +668,7 @@ def main() -> int:
         for rep in range(1 + args.unloaded_repeats):
             calm = [Req("ABC"[i % 3], "interactive", i / (0.2 * req_s),
                         PROMPT_WORDS["ABC"[i % 3]]) for i in range(30)]  # fmt: skip
-            asyncio.run(open_loop(dep.url, calm))
+            asyncio.run(open_loop(dep.url, calm, args.trace))
             base = [r.ttft_s for r in calm if r.ttft_s is not None]
             print("unloaded breakdown", json.dumps(breakdown(calm)))
             p50, p99 = percentile(base, 50), percentile(base, 99)
@@ -703,7 +720,7 @@ def main() -> int:
                 dep.start(cfg)
             sims_before = sims_now(dep)
             tl = Timeline(dep.admin_ports, fleet.addresses, tmp / f"timeline-{run}.jsonl").start()
-            duration = asyncio.run(open_loop(dep.url, reqs))
+            duration = asyncio.run(open_loop(dep.url, reqs, args.trace))
             rows_tl = tl.stop()
             diag = diagnostics(dep, sims_before)
             dep.stop()
