@@ -33,7 +33,8 @@ engine running / waiting / KV use per server, every 0.5 s) is written next to th
 summarised in the row (`tl_*`, bench/overload_timeline.py). Per admitted interactive
 request, the sim says where its TTFT went (`x-sim-timing`: KV wait, prefill-lane wait,
 prefill; the rest is the picker's queue, proxies and the client): `hi_breakdown_*`.
-A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`).
+A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), and `~base` to run its
+pickers from `--baseline-src` (old code against new in one run).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -219,7 +221,10 @@ class Deployment:
     url: str = ""
     admin_ports: list[int] = field(default_factory=list)
 
-    def start(self, cfg: dict, *, pickers: int = 1, redis_url: str | None = None) -> None:
+    def start(
+        self, cfg: dict, *, pickers: int = 1, redis_url: str | None = None, src: str = ""
+    ) -> None:
+        """`src`: run the pickers from that source tree (a baseline checkout) instead."""
         path = self.log_dir / f"picker-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         ports = []
@@ -237,7 +242,8 @@ class Deployment:
             if redis_url:
                 argv += ["--redis-url", redis_url]
             log = open(self.log_dir / f"picker{i}.log", "ab")  # noqa: SIM115
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            env = {**os.environ, "PYTHONPATH": src} if src else None
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
             self.procs.append(proc)
             wait_until(
                 lambda h=health: grpc_health_status(h, "readiness") == 1,
@@ -640,6 +646,9 @@ def main() -> int:
     ap.add_argument("--trace", action="store_true",
                     help="per-request picker queue wait from the decision header (Envoy then "
                     "runs the response-header phase)")  # fmt: skip
+    ap.add_argument("--baseline-src", default="",
+                    help="a source tree (e.g. a worktree of main): runs named `...~base` "
+                    "start their pickers from it, for old-vs-new in one run")  # fmt: skip
     ap.add_argument(
         "--unloaded-repeats",
         type=int,
@@ -680,7 +689,12 @@ def main() -> int:
         for run in args.runs.split(","):
             # A run is on | off | on-pool | on-2-replicas, optionally `@<minCeiling>` and
             # `r<reserve_for_higher_bands>` (e.g. on@0.99r2).
-            base, _, at = run.partition("@")
+            # A trailing `~base` runs the pickers from `--baseline-src` (old code, same run).
+            run_name, tilde, _ = run.partition("~")
+            src = args.baseline_src if tilde else ""
+            if tilde and not src:
+                raise SystemExit(f"{run}: ~base needs --baseline-src")
+            base, _, at = run_name.partition("@")
             at, _, rsv = at.partition("r")
             ceiling = float(at) if at else args.min_ceiling
             reserve = int(rsv) if rsv else args.reserve
@@ -705,7 +719,7 @@ def main() -> int:
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
                 )
-                dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0")
+                dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
                 cfg = picker_config(
                     objectives,
@@ -717,7 +731,7 @@ def main() -> int:
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
                 )
-                dep.start(cfg)
+                dep.start(cfg, src=src)
             sims_before = sims_now(dep)
             tl = Timeline(dep.admin_ports, fleet.addresses, tmp / f"timeline-{run}.jsonl").start()
             duration = asyncio.run(open_loop(dep.url, reqs, args.trace))
