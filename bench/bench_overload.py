@@ -33,7 +33,8 @@ engine running / waiting / KV use per server, every 0.5 s) is written next to th
 summarised in the row (`tl_*`, bench/overload_timeline.py). Per admitted interactive
 request, the sim says where its TTFT went (`x-sim-timing`: KV wait, prefill-lane wait,
 prefill; the rest is the picker's queue, proxies and the client): `hi_breakdown_*`.
-A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`).
+A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), and `~base` to run its
+pickers from `--baseline-src` (old code against new in one run).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -84,6 +86,7 @@ OBJECTIVES = [
 # the fraction is that ratio, measured in the capacity phase (`estimate_ratio`): at
 # saturation 1.0 the engines' KV is full by their own count.
 KV_BLOCK = 16
+EXPLAIN_TOKEN = "bench-overload-explain"
 
 
 def detector(kind: str, kv_ratio: float = 1.0) -> dict:
@@ -146,6 +149,8 @@ def picker_config(
     # In-flight counts last until Envoy's access log reports the request's end, from the
     # first request on ("auto" holds only once log entries have arrived).
     doc["state"] = {"request_end": {"mode": "access-log"}}
+    # The decision comes back on each response (its flow-control queue wait per request).
+    doc["server"] = {"explain_tokens": [EXPLAIN_TOKEN]}
     if flow:
         plugins += [
             detector(kind, kv_ratio),
@@ -199,6 +204,8 @@ class Req:
     # From the sim's first-token timing comment: KV wait (FCFS admission), prefill-lane
     # wait, prefill. TTFT minus these is the picker's queue plus proxies and client.
     engine: tuple[float, float, float] | None = None
+    picker_wait: float | None = None  # the picker's flow-control queue wait (its decision)
+    to_server: float | None = None  # client send to the sim's arrival (wall clocks, one host)
 
 
 @dataclass
@@ -207,11 +214,17 @@ class Deployment:
 
     fleet: SimFleet
     log_dir: Path
+    # Envoy runs the response-header phase so each response can carry the picker's decision
+    # (`--trace`): two more ext_proc messages per request, so off by default.
+    trace: bool = False
     procs: list[subprocess.Popen] = field(default_factory=list)
     url: str = ""
     admin_ports: list[int] = field(default_factory=list)
 
-    def start(self, cfg: dict, *, pickers: int = 1, redis_url: str | None = None) -> None:
+    def start(
+        self, cfg: dict, *, pickers: int = 1, redis_url: str | None = None, src: str = ""
+    ) -> None:
+        """`src`: run the pickers from that source tree (a baseline checkout) instead."""
         path = self.log_dir / f"picker-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         ports = []
@@ -229,7 +242,8 @@ class Deployment:
             if redis_url:
                 argv += ["--redis-url", redis_url]
             log = open(self.log_dir / f"picker{i}.log", "ab")  # noqa: SIM115
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            env = {**os.environ, "PYTHONPATH": src} if src else None
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
             self.procs.append(proc)
             wait_until(
                 lambda h=health: grpc_health_status(h, "readiness") == 1,
@@ -240,7 +254,7 @@ class Deployment:
         doc = build_bootstrap(
             BootstrapOptions(
                 listen_port=listen, listen_address="127.0.0.1",
-                extproc=f"127.0.0.1:{ports[0]}", admin_port=admin,
+                extproc=f"127.0.0.1:{ports[0]}", admin_port=admin, allow_explain=self.trace,
             )
         )  # fmt: skip
         # Two replicas behind one Envoy: both in the picker cluster, round robin per stream.
@@ -353,7 +367,10 @@ def prompt(rng: random.Random, words: int) -> str:
     return " ".join("".join(rng.choice(syll) for _ in range(3)) for _ in range(words))
 
 
-async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) -> None:
+async def send(
+    session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int, trace: bool = False
+) -> None:
+    """`trace`: ask for the picker's decision (its queue wait) on the response."""
     rng = random.Random(rng_seed)
     body = {
         "model": "tiny",
@@ -368,6 +385,9 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
         "x-llm-d-inference-objective": r.objective,
         "x-sim-timing": "1",
     }
+    if trace:
+        headers["x-extproc-explain"] = EXPLAIN_TOKEN
+    sent = time.time()
     start = time.perf_counter()
     try:
         async with session.post(
@@ -377,6 +397,9 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
             r.status = resp.status
             r.reason = resp.headers.get("x-llm-d-request-dropped-reason", "")
             r.served_by = resp.headers.get("x-served-by", "")
+            decision = resp.headers.get("x-extproc-decision")
+            if decision:
+                r.picker_wait = json.loads(decision).get("queue_wait_s")
             if resp.status != 200:
                 await resp.read()
             else:
@@ -386,6 +409,7 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
                         parts = dict(kv.split("=") for kv in line[9:].decode().split())
                         r.engine = (float(parts["kv_wait_s"]), float(parts["lane_wait_s"]),
                                     float(parts["prefill_s"]))  # fmt: skip
+                        r.to_server = float(parts["recv_at"]) - sent
                         continue
                     if not line.startswith(b"data:") or line == b"data: [DONE]":
                         continue
@@ -402,7 +426,7 @@ async def send(session: aiohttp.ClientSession, url: str, r: Req, rng_seed: int) 
     r.total_s = time.perf_counter() - start
 
 
-async def open_loop(url: str, reqs: list[Req]) -> float:
+async def open_loop(url: str, reqs: list[Req], trace: bool = False) -> float:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -411,7 +435,7 @@ async def open_loop(url: str, reqs: list[Req]) -> float:
             delay = t0 + r.at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            await send(session, url, r, i)
+            await send(session, url, r, i, trace)
             r.done_at = loop.time() - t0
 
         await asyncio.gather(*(fire(i, r) for i, r in enumerate(reqs)))
@@ -507,22 +531,38 @@ def breakdown(rs: list[Req]) -> dict:
     if not rs:
         return {}
 
+    def one(r: Req) -> dict:
+        kv, lane, pre = r.engine or (0.0, 0.0, 0.0)
+        ttft, pick = r.ttft_s or 0.0, r.picker_wait or 0.0
+        # Before the server: the picker's queue and the rest of the way there (Envoy, the
+        # picker's CPU time); after the prefill: the first token's way back to the client.
+        there = r.to_server if r.to_server is not None else pick
+        return {"ttft": round(ttft, 3), "picker": round(pick, 3),
+                "to_server_other": round(there - pick, 3), "kv": round(kv, 3),
+                "lane": round(lane, 3), "prefill": round(pre, 3),
+                "back": round(ttft - there - kv - lane - pre, 3), "at": round(r.at, 2),
+                "tenant": r.tenant, "server": r.served_by}  # fmt: skip
+
     def parts(sub: list[Req]) -> dict:
         n = len(sub)
         kv = sum(r.engine[0] for r in sub) / n  # type: ignore[index]
         lane = sum(r.engine[1] for r in sub) / n  # type: ignore[index]
         pre = sum(r.engine[2] for r in sub) / n  # type: ignore[index]
         ttft = sum(r.ttft_s for r in sub) / n  # type: ignore[misc]
-        return {"n": n, "ttft": round(ttft, 3), "kv_wait": round(kv, 3),
-                "lane_wait": round(lane, 3), "prefill": round(pre, 3),
-                "rest": round(ttft - kv - lane - pre, 3)}  # fmt: skip
+        pick = sum(r.picker_wait or 0.0 for r in sub) / n
+        return {"n": n, "ttft": round(ttft, 3), "picker_wait": round(pick, 3),
+                "kv_wait": round(kv, 3), "lane_wait": round(lane, 3), "prefill": round(pre, 3),
+                "rest": round(ttft - pick - kv - lane - pre, 3)}  # fmt: skip
 
     slow = sorted(rs, key=lambda r: r.ttft_s or 0.0)[-max(1, len(rs) // 20) :]
     servers: dict[str, int] = {}
     for r in slow:
         servers[r.served_by] = servers.get(r.served_by, 0) + 1
+    # The slowest five one by one: TTFT = picker queue + engine (KV wait, lane, prefill)
+    # + the rest (Envoy, the picker's and the sim's CPU time, the client).
+    five = [one(r) for r in sorted(rs, key=lambda r: r.ttft_s or 0.0)[-5:]]
     return {"hi_breakdown_all": parts(rs), "hi_breakdown_slowest5pct": parts(slow),
-            "hi_slowest_servers": servers}  # fmt: skip
+            "hi_slowest_servers": servers, "hi_slowest5": five}  # fmt: skip
 
 
 def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo_s: float,
@@ -603,13 +643,25 @@ def main() -> int:
     ap.add_argument("--reserve", type=int, default=1,
                     help="flow_control.reserve_for_higher_bands: how many of the largest "
                     "recent interactive requests one server keeps room for")  # fmt: skip
+    ap.add_argument("--trace", action="store_true",
+                    help="per-request picker queue wait from the decision header (Envoy then "
+                    "runs the response-header phase)")  # fmt: skip
+    ap.add_argument("--baseline-src", default="",
+                    help="a source tree (e.g. a worktree of main): runs named `...~base` "
+                    "start their pickers from it, for old-vs-new in one run")  # fmt: skip
+    ap.add_argument(
+        "--unloaded-repeats",
+        type=int,
+        default=0,
+        help="extra unloaded passes (printed, not used as the baseline)",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     objectives = tmp / "objectives.yaml"
     objectives.write_text(yaml.safe_dump_all(OBJECTIVES))
     redis = None
     fleet = SimFleet(SERVERS, ("--fast", str(args.sim_speed), *SIM_ARGS), log_dir=tmp)
-    dep = Deployment(fleet, tmp)
+    dep = Deployment(fleet, tmp, trace=args.trace)
     rows = []
     try:
         # Capacity: enough outstanding requests to keep both KV caches full, flow control
@@ -620,20 +672,29 @@ def main() -> int:
         )
         print(f"capacity: {req_s:.2f} req/s, {cap_tps:.0f} tok/s; tokens/request {per_req}; "
               f"picker estimate / engine KV tokens {kv_ratio:.3f}")  # fmt: skip
-        # Unloaded: interactive alone at ~0.2x capacity.
-        calm = [Req("ABC"[i % 3], "interactive", i / (0.2 * req_s), PROMPT_WORDS["ABC"[i % 3]])
-                for i in range(30)]  # fmt: skip
-        asyncio.run(open_loop(dep.url, calm))
-        base = [r.ttft_s for r in calm if r.ttft_s is not None]
-        print("unloaded breakdown", json.dumps(breakdown(calm)))
-        unloaded_p50, unloaded_p99 = percentile(base, 50), percentile(base, 99)
-        print(f"unloaded interactive TTFT p50 {unloaded_p50:.3f} s, p99 {unloaded_p99:.3f} s")
+        # Unloaded: interactive alone at ~0.2x capacity (the first pass is the baseline;
+        # `--unloaded-repeats` more passes show how far CPU noise alone moves its p99).
+        for rep in range(1 + args.unloaded_repeats):
+            calm = [Req("ABC"[i % 3], "interactive", i / (0.2 * req_s),
+                        PROMPT_WORDS["ABC"[i % 3]]) for i in range(30)]  # fmt: skip
+            asyncio.run(open_loop(dep.url, calm, args.trace))
+            base = [r.ttft_s for r in calm if r.ttft_s is not None]
+            print("unloaded breakdown", json.dumps(breakdown(calm)))
+            p50, p99 = percentile(base, 50), percentile(base, 99)
+            print(f"unloaded pass {rep}: interactive TTFT p50 {p50:.3f} s, p99 {p99:.3f} s")
+            if rep == 0:
+                unloaded_p50, unloaded_p99 = p50, p99
         dep.stop()
         offered = args.overload * cap_tps
         for run in args.runs.split(","):
             # A run is on | off | on-pool | on-2-replicas, optionally `@<minCeiling>` and
             # `r<reserve_for_higher_bands>` (e.g. on@0.99r2).
-            base, _, at = run.partition("@")
+            # A trailing `~base` runs the pickers from `--baseline-src` (old code, same run).
+            run_name, tilde, _ = run.partition("~")
+            src = args.baseline_src if tilde else ""
+            if tilde and not src:
+                raise SystemExit(f"{run}: ~base needs --baseline-src")
+            base, _, at = run_name.partition("@")
             at, _, rsv = at.partition("r")
             ceiling = float(at) if at else args.min_ceiling
             reserve = int(rsv) if rsv else args.reserve
@@ -658,7 +719,7 @@ def main() -> int:
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
                 )
-                dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0")
+                dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
                 cfg = picker_config(
                     objectives,
@@ -670,10 +731,10 @@ def main() -> int:
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
                 )
-                dep.start(cfg)
+                dep.start(cfg, src=src)
             sims_before = sims_now(dep)
             tl = Timeline(dep.admin_ports, fleet.addresses, tmp / f"timeline-{run}.jsonl").start()
-            duration = asyncio.run(open_loop(dep.url, reqs))
+            duration = asyncio.run(open_loop(dep.url, reqs, args.trace))
             rows_tl = tl.stop()
             diag = diagnostics(dep, sims_before)
             dep.stop()

@@ -136,7 +136,8 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     released only where afterwards some endpoint still has room for this many of the
     largest of the last 100 requests of a higher band together (0, the default: no
     reserve), so higher work finds a server with room instead of waiting for lower work to
-    end."""
+    end; while a higher band has fewer than 100 requests of history, at least the room of
+    the largest recent requests of any band."""
 
     fairness_weights: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
         default_factory=dict

@@ -185,6 +185,9 @@ class FlowController:
         # lower band leaves free for it).
         self._sizes: dict[int, collections.deque[int]] = {}
         self._largest: dict[int, int] = {}
+        # The same over every band's recent requests: the room kept for a higher band
+        # whose own history is not full yet (see `_reserved`).
+        self._largest_any = 0
 
     # -- admission -------------------------------------------------------------------------
 
@@ -260,11 +263,28 @@ class FlowController:
         sizes.append(request.tokens)
         # The room kept: the `reserve` largest of the band's recent requests together.
         self._largest[request.priority] = sum(heapq.nlargest(self._reserve, sizes))
+        everyone = itertools.chain.from_iterable(self._sizes.values())
+        self._largest_any = sum(heapq.nlargest(self._reserve, everyone))
 
     def _reserved(self, priority: int) -> tuple[int, int]:
         """(tokens, priority): the room reserved for a band above `priority` and
-        the highest such band (whose ceiling it must fit under); (0, _) for none."""
+        the highest such band (whose ceiling it must fit under); (0, _) for none.
+
+        A band above (configured or seen) whose history is not full yet gets at least
+        the room of the largest recent requests of any band: at the start of a burst lower
+        work arrives first and, reserving only for what the higher band has sent so far
+        (nothing, or one small request), filled every server; the higher band's first
+        requests then waited in the picker until lower work ended (measured: the slowest
+        interactive requests of bench/bench_overload.py, 0.6-1.5 s, arrived in its first
+        3 s). Once the band has a full history its own sizes decide."""
         above = [(t, p) for p, t in self._largest.items() if p > priority]
+        young = [
+            p
+            for p in self._priorities | self._largest.keys()
+            if p > priority and len(self._sizes.get(p, ())) < _SIZES_KEPT
+        ]
+        if young:
+            above.append((self._largest_any, max(young)))
         if not above:
             return 0, priority
         return max(t for t, _ in above), max(p for _, p in above)

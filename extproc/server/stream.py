@@ -87,6 +87,8 @@ def explanation(routed: Routed) -> dict:
         "index_degraded": routed.lookup.degraded,
         "prompt_tokens": routed.request.prompt_tokens,
         "predicted_cached_tokens": predicted_cached_tokens(routed),
+        # Seconds flow control held it in the picker's queue (None: flow control off).
+        "queue_wait_s": routed.ticket.waited_s if routed.ticket is not None else None,
     }
 
 

@@ -5,5 +5,6 @@ route to these."""
 # server a request really reached (the picker's choice is only what it asked Envoy for).
 SERVED_BY_HEADER = "x-served-by"
 # Request header: "1" adds an SSE comment before the first token with its KV wait, prefill
-# lane wait and prefill time (`: timing kv_wait_s=... lane_wait_s=... prefill_s=...`).
+# lane wait and prefill time (`: timing kv_wait_s=... lane_wait_s=... prefill_s=...
+# recv_at=...`, the last the wall-clock time the request reached the server).
 TIMING_HEADER = "x-sim-timing"

@@ -192,6 +192,7 @@ class SimServer:
         return req, sampling, job
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        received = time.time()  # wall clock: benchmarks on this host compare it to theirs
         try:
             req, sampling, job = await self._read(request)
         except BadRequest as exc:
@@ -223,7 +224,7 @@ class SimServer:
         # A client that hangs up ends the stream; the engine already gave its blocks back.
         with contextlib.suppress(ConnectionResetError):
             timing = request.headers.get(TIMING_HEADER) == "1"
-            await self._stream(resp, shape, stream, job, include_usage, timing)
+            await self._stream(resp, shape, stream, job, include_usage, timing, received)
         return resp
 
     async def _stream(
@@ -234,6 +235,7 @@ class SimServer:
         job: Job,
         include_usage: bool,
         timing: bool = False,
+        received: float = 0.0,
     ) -> None:
         chat = shape.chat
         produced = 0
@@ -250,7 +252,7 @@ class SimServer:
                     kv, lane, prefill = chunk.timing
                     out += (
                         f": timing kv_wait_s={kv:.4f} lane_wait_s={lane:.4f} "
-                        f"prefill_s={prefill:.4f}\n\n"
+                        f"prefill_s={prefill:.4f} recv_at={received:.4f}\n\n"
                     ).encode()
                 for tid in chunk.token_ids:
                     produced += 1

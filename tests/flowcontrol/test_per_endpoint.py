@@ -170,3 +170,29 @@ def test_endpoints_that_cannot_be_judged_never_have_room():
     assert conc.endpoint_saturation(EndpointState(), 1, 10) == float("inf")
     sized = EndpointState(inflight_tokens=100, kv_blocks=100, kv_block_size=10)
     assert conc.endpoint_saturation(sized, 1, 400) == 0.5
+
+
+async def test_a_configured_higher_band_is_reserved_for_before_it_sends_anything():
+    # A burst's first seconds: batch alone so far. Reserving only for interactive sizes
+    # seen (none), the second batch request took the other server too.
+    fleet = Fleet()
+    ctl = make(fleet, reserve=1)
+    first = await ctl.admit(req(600))
+    place(ctl, fleet, first)
+    second = asyncio.create_task(ctl.admit(req(600)))
+    await settle()
+    assert not second.done()  # either server with it leaves no room for 600 more
+    hi = await ctl.admit(req(600, priority=10))  # the first interactive finds the room
+    assert hi.target != first.target
+
+
+async def test_the_prior_yields_to_the_higher_bands_own_full_history():
+    fleet = Fleet()
+    ctl = make(fleet, reserve=1)
+    big = await ctl.admit(req(900))  # a large batch request: the prior while young
+    ctl.release(big)
+    for _ in range(100):  # a full history of small interactive requests
+        ctl.release(await ctl.admit(req(100, priority=10)))
+    fleet.tokens.update(A=500)
+    # Room for 100 more interactive tokens stays on A or B: batch is not held for 900.
+    assert (await ctl.admit(req(500))).endpoints == {"A", "B"}

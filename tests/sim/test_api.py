@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from pathlib import Path
 
 import aiohttp
@@ -94,8 +95,10 @@ async def test_timing_header_adds_the_first_tokens_breakdown_as_an_sse_comment(
     comments = [e for e in raw.split("\n\n") if e.startswith(":")]
     assert len(comments) == 1
     parts = dict(kv.split("=") for kv in comments[0].removeprefix(": timing ").split())
-    assert set(parts) == {"kv_wait_s", "lane_wait_s", "prefill_s"}
+    assert set(parts) == {"kv_wait_s", "lane_wait_s", "prefill_s", "recv_at"}
     assert all(float(v) >= 0 for v in parts.values()) and float(parts["prefill_s"]) > 0
+    # The arrival, on the wall clock: a bench on the same host subtracts its send time.
+    assert abs(float(parts["recv_at"]) - time.time()) < 60
 
 
 async def test_completion_stream_without_usage_ends_with_done(start_sim: StartSim):
