@@ -121,8 +121,9 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     `fairness_weights`: token share per fairness ID for `weighted-token-fairness-policy`
     (unlisted IDs weigh 1). `objectives_file`: InferenceObjective documents (or a mapping
     name -> priority) naming the priorities `x-llm-d-inference-objective` selects; re-read
-    when it changes. `expected_output_tokens`: the output cost counted for fairness when the
-    request does not say (`max_tokens`/`max_completion_tokens`). `shared`: with a Redis index,
+    when it changes. `expected_output_tokens`: the output cost counted per request, for fairness
+    and for room (a request's own `max_tokens` is not read: the parser does not extract
+    it). `shared`: with a Redis index,
     share queue and usage state with the other replicas. `retry_after_s`: the `retry-after`
     sent with 429s. `usage_half_life_s`: how fast served tokens are forgotten. `tick_s`: how
     often TTLs are checked and endpoint figures re-read for capacity. `placement_visibility_s`:
