@@ -142,6 +142,7 @@ class Parts:
         )
         self.calibration.on_units.append(self.router.estimate_units_changed)
         self.shared_sessions = self._share_sessions()
+        self.shared_observations = self._share_observations()
         self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
         self.latency = latency_wiring.learners(
@@ -181,6 +182,25 @@ class Parts:
 
         pid = getattr(self.inflight, "process_id", None) or default_process_id()
         return SharedRequestEnds.from_url(url, self.ends, process_id=pid)
+
+    def _share_observations(self):
+        """Replicas sharing a Redis index learn prefill speeds and new-prefix spreading
+        from every replica's placements (Redis pub/sub)."""
+        idx = self.settings.index
+        if idx.backend != "redis" or not idx.redis_url:
+            return None
+        if idx.cluster:
+            log.warning(
+                "prefill speeds and new-prefix picks are not shared on Redis Cluster: "
+                "each replica learns from its own placements"
+            )
+            return None
+        from extproc.endpoints.shared_inflight import default_process_id
+        from extproc.server.shared_observations import SharedObservations
+
+        lru = SharedObservations.lru_scorers(self.router.scheduler.plugins)
+        pid = getattr(self.inflight, "process_id", None) or default_process_id()
+        return SharedObservations.from_url(idx.redis_url, self.speeds, lru, process_id=pid)
 
     def _share_sessions(self):
         """Replicas sharing a Redis index share the live-session record too."""
