@@ -85,6 +85,8 @@ POLICIES: dict[str, dict] = {
     "least-request": {"picker": False, "baseline": "least-request"},
     "extproc approximate": {},
     "extproc precise": {"precise": True},
+    # One picker on the Redis index and shared state: separates "Redis" from "3 replicas".
+    "extproc approximate, 1 replica (Redis)": {"replicas": 1, "redis": True},
     "extproc approximate, 3 replicas (Redis)": {"replicas": 3, "redis": True},
     "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
     "sglang-router cache_aware": {"sglang": True},

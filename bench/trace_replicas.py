@@ -25,7 +25,8 @@ from extproc.stack import SimFleet, Stack, StackOptions
 
 _KEEP = re.compile(
     r"^(extproc_prefill_tokens_per_second|extproc_approx_bytes_per_token|"
-    r"extproc_approx_recalibrations|extproc_shared_\w+|extproc_decisions_total)"
+    r"extproc_approx_recalibrations|extproc_shared_\w+|extproc_decisions_total|"
+    r"extproc_index_lookups\w*|extproc_index_\w*degraded\w*)"
 )
 
 
