@@ -200,7 +200,13 @@ class Parts:
 
         lru = SharedObservations.lru_scorers(self.router.scheduler.plugins)
         pid = getattr(self.inflight, "process_id", None) or default_process_id()
-        return SharedObservations.from_url(idx.redis_url, self.speeds, lru, process_id=pid)
+        return SharedObservations.from_url(
+            idx.redis_url,
+            self.speeds,
+            lru,
+            process_id=pid,
+            known=lambda address: self.pool.get(address) is not None,
+        )
 
     def _share_sessions(self):
         """Replicas sharing a Redis index share the live-session record too."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,7 @@ class SharedObservations:
         lru: Mapping[str, NoHitLRUScorer],
         *,
         process_id: str,
+        known: Callable[[str], bool] = lambda address: True,
         channel: str = "extproc:observations",
         interval_s: float = 0.05,
     ) -> None:
@@ -76,6 +77,9 @@ class SharedObservations:
         self._speeds = speeds
         self._lru = dict(lru)
         self._id = process_id
+        # Peers' items name servers of the pool only: a bad message must not grow the
+        # per-server state here without bound.
+        self._known = known
         self._channel = channel
         self._interval = interval_s
         self._samples: list[tuple[str, float]] = []
@@ -95,9 +99,10 @@ class SharedObservations:
         lru: Mapping[str, NoHitLRUScorer],
         *,
         process_id: str,
+        known: Callable[[str], bool] = lambda address: True,
     ) -> SharedObservations:
         client = redis_from_url(url, cluster=False, connect_timeout_s=1.0, timeout_s=None)
-        return cls(client, speeds, lru, process_id=process_id)  # type: ignore[arg-type]
+        return cls(client, speeds, lru, process_id=process_id, known=known)  # type: ignore[arg-type]
 
     @staticmethod
     def lru_scorers(plugins: Iterable[object]) -> dict[str, NoHitLRUScorer]:
@@ -184,11 +189,12 @@ class SharedObservations:
             if sender == self._id:
                 return
             for address, tps in samples:
-                self._speeds.add(str(address), float(tps))
-                self.stats.applied += 1
+                if self._known(str(address)):
+                    self._speeds.add(str(address), float(tps))
+                    self.stats.applied += 1
             for plugin, address in picks:
                 lru = self._lru.get(str(plugin))
-                if lru is not None:
+                if lru is not None and self._known(str(address)):
                     lru.picked(str(address))
                     self.stats.applied += 1
         except (ValueError, TypeError):  # msgspec.DecodeError is a ValueError

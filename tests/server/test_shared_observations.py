@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import msgspec
+import redis.asyncio
+
 from extproc.core import Candidate, Decision, Endpoint, EndpointState, InferenceRequest
 from extproc.endpoints.prefill_speed import PrefillSpeeds
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
@@ -79,6 +82,31 @@ async def test_a_cold_pick_on_one_replica_steers_the_others_next_cold_pick(redis
         b_lru.observe(req, cands, Decision(endpoints=(cands[1].endpoint,)))
         await _until(lambda: a.stats.applied == 1, "b's pick back on a")
         assert a_lru.score(req, cands) == [0.9, 0.0, 1.0]
+
+
+async def test_a_bad_message_or_an_unknown_server_is_skipped(redis_server):
+    speeds, lru = PrefillSpeeds(), NoHitLRUScorer()
+    shared = SharedObservations.from_url(
+        redis_server.url, speeds, SharedObservations.lru_scorers([lru]), process_id="a",
+        known=lambda address: address == "s1",
+    )  # fmt: skip
+    async with _running(shared):
+        await asyncio.sleep(0.3)
+        client = redis.asyncio.Redis.from_url(redis_server.url)
+        try:
+            await client.publish("extproc:observations", b"not msgpack \xc1")
+            await client.publish("extproc:observations", msgspec.msgpack.encode([1, 2]))
+            await client.publish(
+                "extproc:observations",
+                msgspec.msgpack.encode(["b", [["s9", 100.0], ["s1", 5000.0]], [["0", "s9"]]]),
+            )
+        finally:
+            await client.aclose()
+        await _until(lambda: speeds.get("s1") == 5000.0, "the known server's sample")
+    assert shared.stats.bad_entries == 2
+    assert shared.stats.applied == 1
+    assert speeds.snapshot().keys() == {"s1"}  # the unknown server left no state
+    assert lru.score(InferenceRequest("r", "/"), _cands(["s1", "s9"])) == [1.0, 1.0]
 
 
 async def test_redis_gone_is_said_and_learning_goes_on_locally(redis_server):
