@@ -273,6 +273,24 @@ def run_step(wl: str, load: float, groups: int, seed: int, url: str) -> Summary:
     return summarize(results, duration)
 
 
+def lookup_counts(stack: Stack | None) -> tuple[float, float]:
+    """(index lookups answered degraded, all lookups) so far, summed over the picker
+    replicas. A lookup slower than the budget (Redis under CPU load) degrades and the request
+    is routed on load alone: this separates "Redis" from "replicas disagree"."""
+    if stack is None or not stack.options.picker:
+        return (0.0, 0.0)
+    admin = [stack.picker_admin_port, *(a for _, _, a in stack.replica_ports)]
+    degraded = lookups = 0.0
+    for port in admin:
+        for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "extproc_index_lookups_degraded_total":
+                degraded += float(value)
+            elif name == "extproc_index_lookups_total":
+                lookups += float(value)
+    return degraded, lookups
+
+
 def run_policy(policy: str, wl: str, rates, groups, seed, venv, log_dir) -> list[Row]:
     opts = dict(POLICIES[policy])
     args = opts.get("extproc_args", ())
@@ -282,6 +300,7 @@ def run_policy(policy: str, wl: str, rates, groups, seed, venv, log_dir) -> list
         opts["extproc_args"] = ("--config", str(cfg))
     servers, sim_args = PRESSURE_SHAPE.get(wl, (SERVERS, SIM_ARGS))
     rows = []
+    stack: Stack | None = None
     with SimFleet(servers, sim_args, log_dir=log_dir) as fleet, contextlib.ExitStack() as ex:
         if opts.pop("redis", False):
             opts["redis_url"] = ex.enter_context(redis_server(log_dir))
@@ -294,14 +313,17 @@ def run_policy(policy: str, wl: str, rates, groups, seed, venv, log_dir) -> list
             time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's new socket
         for step, rate in enumerate(rates):
             fleet.reset()
+            before = lookup_counts(stack)
             s = run_step(wl, rate, groups, seed + step, url)
+            after = lookup_counts(stack)
+            degraded = f" degraded lookups {after[0] - before[0]:.0f}/{after[1] - before[1]:.0f}"
             rows.append(Row(wl, policy, rate, 0.0, s))
             spread = "/".join(str(n) for n in sorted(s.per_endpoint.values(), reverse=True))
             print(
                 f"  {wl:<10} {policy:<38} {rate:>5g} hit {s.hit_ratio:6.1%} "
                 f"TTFT p50 {s.ttft_p50_s:7.3f}s p90 {s.ttft_p90_s:7.3f}s "
                 f"p99 {s.ttft_p99_s:7.3f}s {s.output_tok_per_s:6.0f} tok/s "
-                f"ok {s.ok}/{s.requests} spread {spread}",
+                f"ok {s.ok}/{s.requests} spread {spread}{degraded if stack else ''}",
                 flush=True,
             )
     return rows
