@@ -88,6 +88,12 @@ POLICIES: dict[str, dict] = {
     # One picker on the Redis index and shared state: separates "Redis" from "3 replicas".
     "extproc approximate, 1 replica (Redis)": {"replicas": 1, "redis": True},
     "extproc approximate, 3 replicas (Redis)": {"replicas": 3, "redis": True},
+    # The Redis lookup budget before it followed each prompt's prefill time (5 ms always).
+    "extproc approximate, 3 replicas (Redis), fixed lookup budget": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@FIXED_BUDGET"),
+    },
     "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
     "sglang-router cache_aware": {"sglang": True},
 }
@@ -241,6 +247,8 @@ scheduling:
     - {pluginRef: max-score-picker}
 """
 
+CONFIGS = {"@PREVIOUS": PREVIOUS_DEFAULT, "@FIXED_BUDGET": "index: {lookup_budget: fixed}\n"}
+
 
 def tenants_spec(seed: int) -> WorkloadSpec:
     return WorkloadSpec(groups=24, conversations_per_group=5, turns=2, system_words=400,
@@ -294,9 +302,9 @@ def lookup_counts(stack: Stack | None) -> tuple[float, float]:
 def run_policy(policy: str, wl: str, rates, groups, seed, venv, log_dir) -> list[Row]:
     opts = dict(POLICIES[policy])
     args = opts.get("extproc_args", ())
-    if args and args[1] == "@PREVIOUS":
-        cfg = log_dir / "previous-default.yaml"
-        cfg.write_text(PREVIOUS_DEFAULT)
+    if args and args[1] in CONFIGS:
+        cfg = log_dir / f"{args[1][1:].lower()}.yaml"
+        cfg.write_text(CONFIGS[args[1]])
         opts["extproc_args"] = ("--config", str(cfg))
     servers, sim_args = PRESSURE_SHAPE.get(wl, (SERVERS, SIM_ARGS))
     rows = []

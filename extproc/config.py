@@ -176,6 +176,9 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `approx_ttl_s`: how long a recorded decision counts as cached. `capacity_blocks`: per
     endpoint, the most block keys kept. `tier_weights`: weight per medium of a matched block.
     `lookup_budget_s`: a Redis lookup slower than this is abandoned (routing goes on by load).
+    `lookup_budget`: `prefill` lets a lookup run up to the request's prompt prefill time at
+    the fleet's measured speed when that is longer (what a lookup can save at most); `fixed`
+    keeps `lookup_budget_s` for every request.
     """
 
     backend: Literal["memory", "redis"] = "memory"
@@ -188,6 +191,7 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
     )
     lookup_budget_s: _PositiveS = DEFAULT_LOOKUP_BUDGET_S
+    lookup_budget: Literal["prefill", "fixed"] = "prefill"
     kv_events: KVEventSettings | None = None
 
 

@@ -78,6 +78,10 @@ class PrefillSpeeds:
             return None
         return statistics.median(self._tps.values())
 
+    def fleet(self) -> float | None:
+        """The median of the learned speeds (None before any sample)."""
+        return statistics.median(self._tps.values()) if self._tps else None
+
     def forget(self, address: str) -> None:
         self._tps.pop(address, None)
         self._samples.pop(address, None)

@@ -139,6 +139,7 @@ class Parts:
             on_placed=self.calibration.placed if self.calibration.enabled else None,
             ends=self.ends,
             speeds=self.speeds,
+            lookup_budget_follows_prefill=settings.index.lookup_budget == "prefill",
         )
         self.calibration.on_units.append(self.router.estimate_units_changed)
         self.shared_sessions = self._share_sessions()
