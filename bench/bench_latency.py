@@ -94,6 +94,12 @@ LATENCY_NO_LATE = LATENCY.replace(
     "{responseHeader: true}", "{responseHeader: true, model: {lateHeads: false}}"
 )
 
+# The same, also pricing an endpoint at the slowdown its decode steps show (opt-in: on
+# vLLM a long prefill chunk stretches the decode steps it shares a step with).
+LATENCY_DECODE = LATENCY.replace(
+    "{responseHeader: true}", "{responseHeader: true, model: {decodeSlowdown: true}}"
+)
+
 # The same, ranking by predicted TTFT alone (before the latency-scorer counted the wait a
 # request's prefill adds to the ones queued behind it), for an A/B of that step.
 LATENCY_TTFT_ONLY = LATENCY.replace(
@@ -115,6 +121,7 @@ POLICIES = {
     ),
     "predicted latency": LATENCY,
     "predicted latency, no late heads": LATENCY_NO_LATE,
+    "predicted latency, decode slowdown": LATENCY_DECODE,
     "predicted latency, TTFT only": LATENCY_TTFT_ONLY,
 }
 
@@ -145,6 +152,9 @@ class Row:
     mape_by: dict[str, float | None] = field(default_factory=dict)
     bias: float | None = None
     floor: float | None = None  # MAPE of the simulator-physics oracle (the run's noise)
+    # s0's requests the slowdown touched, by what a picker could know (`slowdown_split`):
+    # how many in (a) / (b) / (c); their MAPE is in mape_by (s0-a...), with "without a".
+    split_n: dict[str, int] = field(default_factory=dict)
 
 
 def _pairs(results: list[Result]) -> list[tuple[float, float]]:
@@ -196,6 +206,49 @@ def oracle(
             start, speed, work = max(start, slow_from), SLOWDOWN, work - done
         free_at[i] = start + work / speed
         out[r.index] = free_at[i] - sent
+    return out
+
+
+def evidence_at(
+    results: list[Result], names: list[str], offsets: list[float], slow_from: float
+) -> float:
+    """The earliest moment a picker can know server 0 slowed: when the first prefill the
+    slowdown stretched (the one under way then, or the first to start after it) would
+    have ended at the old speed. Until then every prefill there ends on time or is still
+    within its price. Each prefill starts at its arrival or at the first token before it
+    (as measured), and takes its uncached tokens at s0's speed before the slowdown."""
+    tps, step = 5000.0, 0.002  # SIM_ARGS' --prefill-tps and the simulator's step overhead
+    s0 = sorted((r for r in results if r.served_by == names[0] and r.ttft_s is not None),
+                key=lambda r: offsets[r.index] + (r.ttft_s or 0.0))  # fmt: skip
+    previous = 0.0  # the first token before this one
+    for r in s0:
+        first = offsets[r.index] + (r.ttft_s or 0.0)
+        end = max(offsets[r.index], previous) + step + (r.prompt_tokens - r.cached_tokens) / tps
+        if first > slow_from and end > slow_from:
+            return end
+        previous = first
+    return slow_from
+
+
+def slowdown_split(
+    results: list[Result], names: list[str], offsets: list[float], slow_from: float
+) -> dict[str, list[Result]]:
+    """Server 0's requests whose TTFT the slowdown touched, by what the picker could know
+    when it priced them: (a) placed before the slowdown, first token after it (priced at
+    the old speed before the speed changed: no picker can know); (b) placed after it but
+    before any evidence could exist (`evidence_at`); (c) placed after that (the model's
+    job: its reaction time shows here)."""
+    seen = evidence_at(results, names, offsets, slow_from)
+    out: dict[str, list[Result]] = {"a": [], "b": [], "c": []}
+    for r in results:
+        if r.served_by != names[0] or r.ttft_s is None:
+            continue
+        sent = offsets[r.index]
+        if sent < slow_from:
+            if sent + r.ttft_s > slow_from:
+                out["a"].append(r)
+        else:
+            out["b" if sent < seen else "c"].append(r)
     return out
 
 
@@ -260,12 +313,21 @@ def run_one(
     speeds = [float(v) for v in FLEETS[fleet_name].split(",")]
     slow_from = offsets[len(offsets) // 2] if fleet_name == "mixed" else None
     floor = floor_mape(results, oracle(results, names, offsets, speeds, slow_from))
+    split: dict[str, list[Result]] = {}
+    if slow_from is not None:
+        split = slowdown_split(results, names, offsets, slow_from)
     s = summarize(results, duration)
     shares = {f"s{i}": s.per_endpoint.get(n, 0) for i, n in enumerate(names)}
     row = Row(
         fleet_name, policy, rate, s, mape(results), shares, seed,
         mape_breakdown(results, names, len(offsets) // 2), bias(results), floor,
     )  # fmt: skip
+    if split:
+        in_a = {r.index for r in split["a"]}
+        row.mape_by["without a"] = mape([r for r in results if r.index not in in_a])
+        for k, rs in split.items():
+            row.mape_by[f"s0-{k}"] = mape(rs)
+            row.split_n[k] = len(rs)
     print(
         f"  {fleet_name:<8} {policy:<48} {rate:>4g}/s seed {seed} TTFT p50 {s.ttft_p50_s:6.3f}s "
         f"p90 {s.ttft_p90_s:6.3f}s hit {s.hit_ratio:5.1%} ok {s.ok}/{s.requests} "
@@ -305,7 +367,13 @@ def _cells(r: Row) -> tuple[object, ...]:
             f"{s.ttft_p90_s:.3f}", f"{s.hit_ratio:.1%}", f"{s.ok}/{s.requests}", shares,
             _pct(r.mape), _pct(r.bias), servers, phases,
             f"{_pct(by.get('s0-before'))} / {_pct(by.get('s0-after'))}",
-            _pct(r.floor))  # fmt: skip
+            _pct(by.get("without a")), _split(r), _pct(r.floor))  # fmt: skip
+
+
+def _split(r: Row) -> str:
+    if not r.split_n:
+        return "-"
+    return " / ".join(f"{_pct(r.mape_by.get(f's0-{k}'))} ({r.split_n[k]})" for k in "abc")
 
 
 def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
@@ -328,7 +396,11 @@ def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
         "mean signed error. Oracle MAPE: the same figure for the simulator's own physics "
         "(each server's prefills one after another in arrival order, at the real uncached "
         "tokens and speeds, `oracle()`): the machine's lateness plus the path outside the "
-        "engine, an indicator of the run's noise.",
+        "engine, an indicator of the run's noise. Mixed fleet, s0's requests the slowdown "
+        "touched (`slowdown_split`): (a) placed before it, first token after it (priced "
+        "before the speed changed: no picker can know); (b) placed after it, before the "
+        "first prefill there would have ended at the old speed (no evidence yet); (c) "
+        "placed after that. MAPE without (a): every measured request but (a).",
         "",
     ]
     out += table(
@@ -336,13 +408,16 @@ def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
          ("TTFT p50 s", "r"), ("TTFT p90 s", "r"), ("hit ratio", "r"), ("ok", "r"),
          ("requests per server", "l"), ("TTFT MAPE", "r"), ("bias", "r"),
          ("MAPE s0 / s1 / s2 / s3", "l"), ("MAPE before / after", "l"),
-         ("MAPE s0 before / after", "l"), ("oracle MAPE", "r")],
+         ("MAPE s0 before / after", "l"), ("MAPE without (a)", "r"),
+         ("MAPE s0 (a) / (b) / (c) (requests)", "l"), ("oracle MAPE", "r")],
         (_cells(r) for r in rows),
     )  # fmt: skip
     out += ["", "Medians over the runs:", ""]
     for fleet in dict.fromkeys(r.fleet for r in rows):
         for rate in dict.fromkeys(r.rate for r in rows if r.fleet == fleet):
-            here = [r for r in rows if r.fleet == fleet and r.rate == rate]
+            # Variants of the latency profile ("predicted latency, ...") are not fixed ones.
+            here = [r for r in rows if r.fleet == fleet and r.rate == rate
+                    and not r.policy.startswith("predicted latency,")]  # fmt: skip
             p90 = {
                 pol: statistics.median(r.summary.ttft_p90_s for r in here if r.policy == pol)
                 for pol in dict.fromkeys(r.policy for r in here)
@@ -352,6 +427,8 @@ def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
                 continue
             best = min(p90, key=lambda k: p90[k])
             mapes = [r.mape for r in here if r.policy == "predicted latency" and r.mape]
+            no_a = [r.mape_by["without a"] for r in here
+                    if r.policy == "predicted latency" and r.mape_by.get("without a")]  # fmt: skip
             per_run = []
             for seed in dict.fromkeys(r.seed for r in here):
                 run = {r.policy: r.summary.ttft_p90_s for r in here if r.seed == seed}
@@ -363,7 +440,9 @@ def markdown(rows: list[Row], command: str, wall_s: float, groups: int) -> str:
                 f"fixed profile ({best}) {p90[best]:.3f} s: {lat / p90[best] - 1:+.0%} "
                 f"(per run, against that run's best fixed profile: {', '.join(per_run)}); "
                 + ", ".join(f"{k} {v:.3f} s" for k, v in p90.items())
-                + (f"; TTFT MAPE median {statistics.median(mapes):.1%}." if mapes else ".")
+                + (f"; TTFT MAPE median {statistics.median(mapes):.1%}" if mapes else "")
+                + (f", without (a) {statistics.median(no_a):.1%}" if no_a else "")
+                + "."
             )
     return "\n".join(out) + "\n"
 

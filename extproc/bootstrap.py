@@ -372,7 +372,16 @@ def build_bootstrap(opts: BootstrapOptions) -> dict[str, Any]:
                 "grpc_health_check": {"service_name": "readiness"},
             }
         ],
-        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        "common_lb_config": {
+            "healthy_panic_threshold": {"value": 0},
+            # Envoy holds a health change that comes within 1 s (the default window) of the
+            # previous one, and delivers it to the worker threads only when that second ends.
+            # A picker seen healthy again soon after it was seen down would then get no
+            # streams for up to a second while the admin stats already count it healthy: in
+            # fail-closed mode that is a second of 500s for nothing. A handful of picker hosts
+            # gains nothing from merging, so every change reaches the workers at once.
+            "update_merge_window": "0s",
+        },
         # One picker stream per request in flight: the same ceiling as the model servers.
         "circuit_breakers": {"thresholds": [_thresholds(opts, retries=3)]},
         "typed_extension_protocol_options": {

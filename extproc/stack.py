@@ -150,6 +150,8 @@ class StackOptions:
     # Picker processes (`--workers N`), each also on its own port (`--worker-ports`) that
     # Envoy balances streams over.
     workers: int = 1
+    # Seconds between Envoy's health checks of the picker (BootstrapOptions').
+    health_interval_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,6 +529,7 @@ class Stack:
             extproc_replicas=tuple(f"127.0.0.1:{p}" for p, _, _ in self.replica_ports),
             extproc_tls=not self.options.plaintext,
             extproc_sni="localhost",
+            health_interval_s=self.options.health_interval_s,
         )
         cfg = self.log_dir / "envoy.yaml"
         if self.options.picker and self.options.bootstrap is not None:
@@ -579,10 +582,10 @@ class Stack:
 
     def wait_picker_routing(self, body: dict[str, Any], timeout_s: float = 10.0) -> None:
         """`wait_picker_healthy`, then until a request (`body` posted as a chat completion)
-        through Envoy is routed again. A health check's result reaches Envoy's worker threads a
-        moment after the admin stats show it (the main thread rebuilds the healthy-host set,
-        then posts it to each worker); until then a request finds no healthy picker and fails
-        at once, so three quick requests can all land in that gap."""
+        through Envoy is routed again. The admin stats are the main thread's view; the worker
+        threads that route get the change a moment later, and up to a second later where a
+        cluster merges health changes (the picker cluster of `build_bootstrap` does not; a
+        gateway's may)."""
         self.wait_picker_healthy(timeout_s)
         with httpx.Client(base_url=self.url, timeout=timeout_s) as client:
             wait_until(

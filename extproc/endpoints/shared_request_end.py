@@ -5,7 +5,8 @@ replicas (Envoy balances each stream on its own). A replica that gets an entry f
 it does not hold publishes it (batched, every `interval_s`) on one channel; every replica
 applies what the others publish, so the replica holding the placement releases it within one
 interval instead of at `max_hold_s`. Redis down: entries are dropped (counted), the holds
-expire by themselves, and the loop reconnects.
+expire by themselves, the feature says it is degraded (one warning, `is_degraded`, a gauge
+on /metrics) and the loops back off and reconnect by themselves.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from redis.exceptions import RedisError
 
 from extproc.endpoints.request_end import Ended, RequestEnds
 from extproc.redis_client import redis_from_url
-from extproc.redis_loop import close, command
+from extproc.redis_loop import Outage, close, command
 
 log = logging.getLogger("extproc.request_end")
 
 _MAX_PENDING = 50_000
 _TIMEOUT_S = 2.0  # per Redis call
 _POLL_S = 1.0  # the longest wait for one message before asking again
+_MAX_BACKOFF_S = 2.0
 
 
 @dataclass(slots=True)
@@ -59,8 +61,21 @@ class SharedRequestEnds:
         self._interval = interval_s
         self._pending: list[Ended] = []
         self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
+        self._outage = Outage(
+            log,
+            failed_msg="request ends: Redis failing (%r); entries for other replicas' "
+            "requests are dropped and their holds expire at max_hold_s until it is back",
+            healed_msg="request ends: Redis back after %d failed exchanges",
+            base_s=interval_s,
+            cap_s=_MAX_BACKOFF_S,
+        )
         self.stats = SharedEndStats()
         ends.on_unmatched = self.forward
+
+    @property
+    def is_degraded(self) -> bool:
+        """True while the last publish or read failed: ends are not shared."""
+        return self._outage.degraded
 
     @classmethod
     def from_url(cls, url: str, ends: RequestEnds, *, process_id: str) -> SharedRequestEnds:
@@ -77,28 +92,41 @@ class SharedRequestEnds:
         await asyncio.gather(self._publish_loop(), self._subscribe_loop())
 
     async def _publish_loop(self) -> None:
+        delay = self._interval
         while True:
-            await asyncio.sleep(self._interval)
-            if not self._pending:
-                continue
-            batch, self._pending = self._pending, []
-            blob = msgspec.msgpack.encode(
-                [self._id, [(e.request_id, e.ttfb_s, e.upstream) for e in batch]]
-            )
-            try:
-                await command(
-                    self._client.publish(self._channel, blob), _TIMEOUT_S, self._abandoned
+            await asyncio.sleep(delay)
+            if self._pending:
+                batch, self._pending = self._pending, []
+                blob = msgspec.msgpack.encode(
+                    [self._id, [(e.request_id, e.ttfb_s, e.upstream) for e in batch]]
                 )
-                self.stats.published += len(batch)
-            except (RedisError, OSError, TimeoutError) as exc:
-                self.stats.dropped += len(batch)
-                log.warning("request ends: publish failed (%r); holds will expire", exc)
+                backoff = await self._exchange("publish", self._client.publish(self._channel, blob))
+                if backoff is None:
+                    self.stats.published += len(batch)
+                else:
+                    self.stats.dropped += len(batch)
+            elif self._outage.failures("publish"):
+                # Nothing to send, but the degraded flag must fall once Redis is back.
+                backoff = await self._exchange("publish", self._client.ping())
+            else:
+                backoff = None
+            delay = self._interval if backoff is None else backoff
+
+    async def _exchange(self, part: str, call: Any) -> float | None:
+        """One Redis call of `part`: None when it went through, else how long to back off."""
+        try:
+            await command(call, _TIMEOUT_S, self._abandoned)
+        except (RedisError, OSError, TimeoutError) as exc:
+            return self._outage.failed(exc, part)
+        self._outage.healed(part)
+        return None
 
     async def _subscribe_loop(self) -> None:
         while True:
             pubsub = self._client.pubsub()
             try:
                 await command(pubsub.subscribe(self._channel), _TIMEOUT_S, self._abandoned)
+                self._outage.healed("subscribe")
                 while True:
                     # A bounded wait per message, never `listen()`: see extproc/redis_loop.py.
                     get = pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
@@ -106,10 +134,10 @@ class SharedRequestEnds:
                     if msg is not None and msg.get("type") == "message":
                         self._apply(msg["data"])
             except (RedisError, OSError, TimeoutError) as exc:
-                log.warning("request ends: subscription lost (%r); retrying", exc)
-                await asyncio.sleep(1.0)
+                delay = self._outage.failed(exc, "subscribe")
             finally:
                 await close(pubsub, "request ends", self._abandoned)
+            await asyncio.sleep(delay)
 
     def _apply(self, data: bytes) -> None:
         try:

@@ -65,6 +65,9 @@ _SCALE_JUMP = 1.5
 _OVERHEAD_WINDOW = 32
 # Response-header delays above this are stalls, not the path's cost, and are not learned.
 _MAX_TRANSPORT_S = 1.0
+# Decode intervals whose median measures a slowdown (one odd interval, a stall of the
+# machine or a batch change, moves nothing).
+_DECODE_INTERVALS = 3
 # Placements kept per endpoint for the token-scale match (bounded memory: beyond it the
 # oldest go, and their engine counts are then compared with no estimate, i.e. skipped).
 _MAX_UNCOUNTED = 1024
@@ -78,12 +81,19 @@ class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
     `smoothing` (0.3): weight of a new interval in the smoothed means (overhead, mean
     uncached tokens per request). `late_heads` (true): price an endpoint whose oldest
     unfinished placement has run longer than its price at the speed that placement shows.
+    `decode_slowdown` (false, with `late_heads`): also price an endpoint at the slowdown its
+    decode steps show, when a head is late and it is larger than the head's bound, or
+    when it is 1.5 times or more on its own: a tenant's slowdown shows there within a
+    scrape or two, long before a slowed prefill ends. Off by default: on vLLM, decode
+    steps that share a step with a long prefill chunk (chunked prefill) stretch too, which
+    says nothing of the prefill speed; measured on the simulator only (bench/RESULTS.md).
     """
 
     forgetting: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
     min_samples: Annotated[int, msgspec.Meta(ge=1)] = 3
     smoothing: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.3
     late_heads: bool = True
+    decode_slowdown: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,14 +163,17 @@ class ModelStats:
     rescaled: int = 0  # token scale taken whole because the picker's estimates changed
     rescaled_speed: int = 0  # of those reopened, scaled at once by one prefill far off them
     late_heads: int = 0  # predictions priced at a late head's speed (see Backlog.slowdown)
+    # priced at the slowdown the engine's decode steps show (`decode_slowdown`; see
+    # LatencyModel._learn_itl)
+    decode_priced: int = 0
 
 
 class _Learned:
     """The learner's state for one endpoint (learner loop only)."""
 
-    __slots__ = ("coeffs", "itl", "itl_base", "mean_tokens", "overhead", "overhead_base",
-                 "prefill", "prompt_base", "ratio", "running", "surprises",
-                 "totals")  # fmt: skip
+    __slots__ = ("coeffs", "decode_ratios", "itl", "itl_base", "itl_ref", "mean_tokens",
+                 "overhead", "overhead_base", "prefill", "prompt_base", "ratio", "running",
+                 "surprises", "totals")  # fmt: skip
 
     def __init__(self, s: ModelSettings) -> None:
         self.totals: LatencyTotals | None = None
@@ -175,6 +188,13 @@ class _Learned:
         self.ratio: tuple[float, float] | None = None  # smoothed (prefill s / req, s / token)
         self.coeffs: Coefficients | None = None
         self.surprises = 0  # consecutive prefill samples far off the fit
+        # The decode fit's weights when the prefill fit last matched a prefill the engine
+        # timed, scaled with the prefill fit since (None: not matched since a reopen): the
+        # decode speed the prefill fit's speed goes with.
+        self.itl_ref: list[float] | None = None
+        # The latest decode intervals' inter-token latency over itl_ref's at their batch
+        # size: how much slower the server decodes than when the prefill fit was right.
+        self.decode_ratios: deque[float] = deque(maxlen=_DECODE_INTERVALS)
 
     def coeffs_ready(self, min_samples: int) -> bool:
         return self.prefill.samples >= min_samples
@@ -201,6 +221,8 @@ class LatencyModel:
         self._scale_surprises = 0
         # address -> smoothed seconds from the decision to the response headers (streaming)
         self._transport: dict[str, float] = {}
+        # address -> how much slower it decodes than when its prefill fit was last right
+        self._decode_slowdown: dict[str, float] = {}
 
     # -- learning (off the hot path) -----------------------------------------------------
 
@@ -227,6 +249,10 @@ class LatencyModel:
         learned = self._learn_itl(st, totals, running) or learned
         learned = self._learn_scale(address, st, totals) or learned
         st.running = running
+        if len(st.decode_ratios) == _DECODE_INTERVALS:
+            self._decode_slowdown[address] = statistics.median(st.decode_ratios)
+        else:
+            self._decode_slowdown.pop(address, None)
         if learned:
             self.stats.samples += 1
             self._publish(address, st)
@@ -268,15 +294,25 @@ class LatencyModel:
                         # whenever the reopened fit went negative (1-request intervals of
                         # similar size cannot separate its two terms).
                         st.ratio = (st.ratio[0] * factor, st.ratio[1] * factor)
+                    if st.itl_ref is not None:  # the decode speed it goes with too
+                        st.itl_ref = [w * factor for w in st.itl_ref]
+                        ratios = [r / factor for r in st.decode_ratios]
+                        st.decode_ratios.clear()
+                        st.decode_ratios.extend(ratios)
                     self.stats.reopened += 1
                     self.stats.rescaled_speed += 1
                 elif st.surprises >= 2:
                     st.prefill.reopen()
                     st.ratio = None  # the fallback means restart from this sample too
+                    st.itl_ref = None  # and the decode speed it goes with, at its next match
+                    st.decode_ratios.clear()
                     st.surprises = 0
                     self.stats.reopened += 1
             else:
                 st.surprises = 0
+                if st.itl.samples >= self.settings.min_samples:
+                    st.itl_ref = list(st.itl.w)
+                    st.decode_ratios.clear()  # the fit's speed is the server's again
         st.prefill.update(x, secs)
         a = self.settings.smoothing
         per_req, per_tok = secs / n, (secs / tokens if tokens > 0 else 0.0)
@@ -334,7 +370,12 @@ class LatencyModel:
             st.itl_base = last  # keep accumulating until tokens were produced
             return False
         mean_running = (st.running + running) / 2.0
-        st.itl.update((1.0, mean_running), (t.itl_sum - last.itl_sum) / n)
+        itl = (t.itl_sum - last.itl_sum) / n
+        if st.itl_ref is not None:
+            expected = st.itl_ref[0] + st.itl_ref[1] * mean_running
+            if expected > 0:
+                st.decode_ratios.append(itl / expected)
+        st.itl.update((1.0, mean_running), itl)
         return True
 
     def _learn_scale(self, address: str, st: _Learned, t: LatencyTotals) -> bool:
@@ -409,7 +450,8 @@ class LatencyModel:
 
     def retain(self, addresses: Collection[str]) -> None:
         """Forget endpoints that left the pool."""
-        tables = (self._learned, self._coeffs, self._backlog, self._placed, self._transport)
+        tables = (self._learned, self._coeffs, self._backlog, self._placed, self._transport,
+                  self._decode_slowdown)  # fmt: skip
         for table in tables:
             for gone in [a for a in table if a not in addresses]:
                 del table[gone]
@@ -452,12 +494,25 @@ class LatencyModel:
         b = self._backlog.get(address)
         per_request_s, per_token_s = c.per_request_s, c.per_token_s
         transport_s = self._transport.get(address, 0.0)
-        if b is not None and self.settings.late_heads:
+        if self.settings.late_heads:
             # A head running past its price: the server slowed and the fit does not know
             # yet; price everything here at (at most) the speed the head shows.
-            slow = b.slowdown(per_request_s, per_token_s * scale, c.overhead_s, transport_s)
+            late = 1.0
+            if b is not None:
+                late = b.slowdown(per_request_s, per_token_s * scale, c.overhead_s, transport_s)
+            slow = late
+            if self.settings.decode_slowdown:
+                # The head proves the server slowed at least this much, not by how much:
+                # its bound grows with the time it runs. The decode steps measure the
+                # slowdown itself (a tenant on the GPU slows every step alike) from the
+                # first slowed token: taken when a head is late, or when far off alone.
+                decode = self._decode_slowdown.get(address, 1.0)
+                if decode > late and (late > 1.0 or decode > 1.0 + _CHANGE):
+                    slow = decode
+                    self.stats.decode_priced += 1
             if slow > 1.0:
                 per_request_s, per_token_s = per_request_s * slow, per_token_s * slow
+            if late > 1.0:
                 self.stats.late_heads += 1
         backlog = 0.0 if b is None else b.work_s(per_request_s, per_token_s * scale, now)
         queued = 0 if b is None else len(b)

@@ -157,6 +157,12 @@ class Exporter:
         yield from fam.REQUEST_ENDS.families(p.ends.stats)
         if p.shared_ends is not None:
             yield from fam.SHARED_REQUEST_ENDS.families(p.shared_ends.stats)
+            yield one(
+                "extproc_shared_request_ends_degraded",
+                "1 while request ends are not shared (Redis failing): holds of requests whose "
+                "access-log entry reached another replica expire at max_hold_s.",
+                1.0 if p.shared_ends.is_degraded else 0.0,
+            )
         yield one(
             "extproc_access_log_streams", "Access-log streams open now.", p.access_log.streams
         )

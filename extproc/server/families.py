@@ -493,6 +493,11 @@ LATENCY_MODEL = StatsFamilies(
             "Predictions priced at the speed a late unfinished placement shows "
             "(the endpoint slowed since its fit).",
         ),
+        "decode_priced": Stat(
+            "extproc_latency_decode_slowdown_predictions",
+            "Predictions priced at the slowdown the endpoint's decode steps show "
+            "(model decodeSlowdown).",
+        ),
     },
 )
 

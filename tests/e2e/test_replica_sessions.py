@@ -101,3 +101,4 @@ def test_three_replicas_place_sessions_as_one_does(tmp_path, redis_server: Redis
     for m in metrics:
         assert sample(m, "extproc_shared_sessions_applied_total") > 0, m
         assert sample(m, "extproc_shared_sessions_degraded") == 0
+        assert sample(m, "extproc_shared_request_ends_degraded") == 0

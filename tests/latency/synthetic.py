@@ -3,6 +3,7 @@ with known prefill cost, as successive scrapes would show them."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -43,6 +44,15 @@ class Engine:
             itl_sum=t.itl_sum + itl,
             itl_count=t.itl_count + tokens,
             prefill_tokens=(t.prefill_tokens or 0.0) + sum(requests),
+        )
+        return self.totals
+
+    def decode(self, tokens: int, running: int = 4) -> LatencyTotals:
+        """One scrape interval in which only decode steps ran (`tokens` output tokens)."""
+        t = self.totals
+        itl = (self.itl_base_s + self.itl_per_seq_s * running) * tokens
+        self.totals = dataclasses.replace(
+            t, itl_sum=t.itl_sum + itl, itl_count=t.itl_count + tokens
         )
         return self.totals
 

@@ -164,3 +164,61 @@ def test_the_model_prices_an_endpoint_at_its_late_heads_speed() -> None:
     off.learn("a:1", other.totals, running=1, waiting=0, at=clock[0])
     unchanged = off.predict("a:1", state, 1000, now=clock[0])
     assert unchanged is not None and unchanged.ttft_s < 2 * fit.ttft_s
+
+
+def test_a_late_heads_endpoint_is_priced_at_the_slowdown_its_decode_steps_show() -> None:
+    """The head's bound grows with the time it runs: 10% late proves 1.1 times slower,
+    while the server (another tenant on its GPU) is 1.4 times slower, and every request
+    queued there is priced short by the rest. Its decode steps have shown the factor since
+    the first slowed token (`decodeSlowdown`; main's code, and the default: priced at the
+    bound). 1.4 times alone is not far enough off to count without the head's proof."""
+    clock = [100.0]
+    model = LatencyModel(ModelSettings(decode_slowdown=True), clock=lambda: clock[0])
+    eng = Engine()
+    teach(model, "a:1", eng)
+    state = EndpointState(is_stale=False, running=4)
+    fit = model.predict("a:1", state, 1000, now=clock[0])
+    assert fit is not None
+    for _ in range(5):
+        model.place("a:1", 1000, now=clock[0])
+    clock[0] += 0.05
+    model.learn("a:1", eng.totals, running=4, waiting=1, at=clock[0])  # under way
+    eng.itl_base_s, eng.itl_per_seq_s = eng.itl_base_s * 1.4, eng.itl_per_seq_s * 1.4
+    for _ in range(3):  # decode steps 1.4 times slower; the head is within its price
+        clock[0] += 0.05
+        model.learn("a:1", eng.decode(20), running=4, waiting=4, at=clock[0])
+    early = model.predict("a:1", state, 1000, now=clock[0])
+    assert early is not None and early.prefill_s == pytest.approx(fit.prefill_s, rel=0.01)
+    clock[0] = 100.05 + 1.1 * fit.prefill_s  # 1.1 times its price: late, for certain
+    model.learn("a:1", eng.decode(20), running=4, waiting=4, at=clock[0])
+    late = model.predict("a:1", state, 1000, now=clock[0])
+    assert late is not None
+    assert late.prefill_s == pytest.approx(1.4 * fit.prefill_s, rel=0.03)
+    assert model.stats.decode_priced == 1
+
+
+def test_decode_steps_price_the_slowdown_before_a_head_is_late_only_when_asked() -> None:
+    """`decodeSlowdown`: the decode steps' slowdown, far off (here 3 times), prices the
+    endpoint before any head is late once it is the median of the last three intervals
+    (one slowed interval after a normal one does not; two do); by default the decode
+    steps move nothing."""
+    seen: dict[bool, list[float]] = {}
+    for on in (False, True):
+        clock = [100.0]
+        model = LatencyModel(ModelSettings(decode_slowdown=on), clock=lambda c=clock: c[0])
+        eng = Engine()
+        teach(model, "a:1", eng)
+        model.place("a:1", 1000, now=clock[0])
+        clock[0] += 0.05
+        model.learn("a:1", eng.totals, running=4, waiting=1, at=clock[0])
+        eng.itl_base_s, eng.itl_per_seq_s = eng.itl_base_s * 3, eng.itl_per_seq_s * 3
+        seen[on] = []
+        for _ in range(3):
+            clock[0] += 0.05
+            model.learn("a:1", eng.decode(20), running=4, waiting=1, at=clock[0])
+            p = model.predict("a:1", EndpointState(is_stale=False), 1000, clock[0])
+            assert p is not None
+            seen[on].append(p.prefill_s)
+    fit = seen[False][0]
+    assert seen[False] == pytest.approx([fit] * 3)
+    assert seen[True] == pytest.approx([fit, 3 * fit, 3 * fit], rel=0.05)

@@ -7,6 +7,7 @@ takes the traffic."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -149,6 +150,39 @@ def test_fail_closed_gives_500s_only_while_the_picker_is_gone():
     unexplained = [t for t, st in outside if st != 200 and not flapped_near(tl, t)]
     assert not unexplained, f"500s outside the outage with the picker seen healthy: {unexplained}"
     assert any(st == 200 for t, st in outside if t >= m["healthy"]), "never served again"
+
+
+def test_a_picker_seen_healthy_again_is_routed_at_once():
+    """Envoy holds a health change that follows the previous one within its merge window (1 s
+    by default) before its worker threads see it, while the admin stats count the host healthy
+    at once; the picker cluster sets no window. The scenario makes the two changes close: the
+    picker frozen (SIGSTOP) until seen down, resumed at once, and health-checked every 0.3 s,
+    so the next check passes well inside a second of the down. Every request sent from
+    100 ms after the admin stats count it healthy again must be served."""
+    opts = StackOptions(upstreams=1, health_interval_s=0.3)
+    with Stack(opts) as stack, httpx.Client(base_url=stack.url, timeout=10) as client:
+        assert client.post("/v1/chat/completions", content=CHAT).status_code == 200
+        pid = stack._procs["extproc"].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: stack.picker_healthy_in_envoy() == 0, timeout_s=30,
+                       what="the frozen picker seen down")  # fmt: skip
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: stack.picker_healthy_in_envoy() > 0, timeout_s=30,
+                   what="the picker seen healthy again")  # fmt: skip
+        healthy = time.monotonic()
+        sent: list[tuple[float, int]] = []
+        while time.monotonic() - healthy < 1.5:
+            t = time.monotonic() - healthy
+            sent.append((t, client.post("/v1/chat/completions", content=CHAT).status_code))
+        merged = stack.envoy_stats("cluster_manager.").get(
+            "cluster_manager.cluster_updated_via_merge", 0
+        )
+    failed = [round(t, 3) for t, st in sent if st != 200]
+    figure("picker_back_routed", requests=len(sent), failed_s=failed[:8], updates_merged=merged)
+    assert not [t for t in failed if t >= 0.1], f"not routed after seen healthy: {failed}"
+    assert merged == 0, "a health change was held back by Envoy's merge window"
 
 
 def test_no_picker_reachable_is_a_json_error():

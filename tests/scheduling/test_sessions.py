@@ -105,6 +105,26 @@ def test_tail_scorer_keeps_a_later_turn_home_and_has_no_opinion_on_new_sessions(
     assert scorer.score(turn(0, 1), [later[0], later[2]]) == [1.0, 1.0]
 
 
+def test_tail_scorer_lets_go_once_the_home_has_evicted_the_tail():
+    """A chat's next turn whose home no longer holds more of it than elsewhere (the index
+    dropped the tail: that cache turned over) has nothing to lose by moving: no preference,
+    so predicted TTFT may send it to an idle server instead of queueing a full recompute."""
+    f = BoundedSessionsFilter()
+    scorer = SessionTailScorer()
+    scorer.bind({"f": f})
+    cands = [cand(a, prefix=len(SHARED)) for a in "abc"]
+    f.observe(turn(0, 0), cands, Decision(endpoints=(cands[1].endpoint,)))
+    # Every server holds the shared prompt, the home nothing more: evicted.
+    evicted = [cand(a, prefix=len(SHARED)) for a in "abc"]
+    assert f.home(turn(0, 1), evicted) == "b"
+    assert scorer.score(turn(0, 1), evicted) == [1.0, 1.0, 1.0]
+    # Another server took an identical prompt meanwhile and holds more than the home.
+    assert scorer.score(turn(0, 1), [cand("a", prefix=33), cand("b", prefix=31)]) == [1.0, 1.0]
+    # The home still ahead by one block: the hysteresis holds.
+    kept = [cand("a", prefix=len(SHARED)), cand("b", prefix=len(SHARED) + 1)]
+    assert scorer.score(turn(0, 1), kept) == [0.0, 1.0]
+
+
 def test_bounded_load_leaves_later_turns_to_the_scorers():
     f = BoundedSessionsFilter()
     load = BoundedLoadFilter()

@@ -277,8 +277,10 @@ class BoundedSessionsFilter:
 
 class SessionTailScorer:
     """For a later turn of a live session, 1.0 on the endpoint its tail grew on and 0
-    elsewhere; 1.0 everywhere for a request that starts a session. Needs a
-    `bounded-sessions-filter` in the same config (it keeps the record of sessions).
+    elsewhere, while that endpoint still holds more of the request than any other; 1.0
+    everywhere for a request that starts a session, and for one whose tail its home has
+    evicted. Needs a `bounded-sessions-filter` in the same config (it keeps the record of
+    sessions).
 
     A hysteresis, not a second affinity measure: moving a session recomputes its tail and
     leaves the old copy occupying the first server's cache until evicted, a cost the
@@ -286,6 +288,13 @@ class SessionTailScorer:
     weight 2 keeps a session home until its predicted TTFT there is about twice the best
     elsewhere; two sessions whose turns arrive together on one server no longer swap
     servers on a near-tie.
+
+    Once the index no longer credits the home with more of the request than elsewhere (its
+    capacity model, or KV events, say the tail was evicted: a cache holding many tenants'
+    prompts turns over faster than a chat's next turn comes), moving costs nothing the
+    prediction misses, and holding the turn home only queued a full recompute behind that
+    server's work (issue 14, tenants workload: in one traced run, 20 of the 66 requests
+    slower than round-robin's p90).
 
     ```yaml
     - type: session-tail-scorer
@@ -309,6 +318,13 @@ class SessionTailScorer:
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
         home = self._sessions.home(req, cands) if self._sessions is not None else None
-        if home is None or not any(c.endpoint.address == home for c in cands):
+        at_home = [c.endpoint.address == home for c in cands]
+        if home is None or not any(at_home):
             return [1.0] * len(cands)
-        return [1.0 if c.endpoint.address == home else 0.0 for c in cands]
+        held = max(c.prefix_blocks for c, h in zip(cands, at_home, strict=True) if h)
+        elsewhere = max(
+            (c.prefix_blocks for c, h in zip(cands, at_home, strict=True) if not h), default=0.0
+        )
+        if held <= elsewhere:
+            return [1.0] * len(cands)
+        return [1.0 if h else 0.0 for h in at_home]
