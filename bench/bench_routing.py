@@ -92,11 +92,17 @@ POLICIES: dict[str, dict] = {
     # One picker on the Redis index and shared state: separates "Redis" from "3 replicas".
     "extproc approximate, 1 replica (Redis)": {"replicas": 1, "redis": True},
     "extproc approximate, 3 replicas (Redis)": {"replicas": 3, "redis": True},
-    # The Redis lookup budget before it followed each prompt's prefill time (5 ms always).
-    "extproc approximate, 3 replicas (Redis), fixed lookup budget": {
+    # Opt-ins measured against the above (issue 14, fifth session): replicas sharing speed
+    # samples and new-prefix picks, and with it a lookup budget following the prompt.
+    "extproc approximate, 3 replicas (Redis), shared observations": {
         "replicas": 3,
         "redis": True,
-        "extproc_args": ("--config", "@FIXED_BUDGET"),
+        "extproc_args": ("--config", "@SHARED"),
+    },
+    "extproc approximate, 3 replicas (Redis), shared observations, prefill lookup budget": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@SHARED_PREFILL"),
     },
     "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
     "sglang-router cache_aware": {"sglang": True},
@@ -254,7 +260,11 @@ scheduling:
     - {pluginRef: max-score-picker}
 """
 
-CONFIGS = {"@PREVIOUS": PREVIOUS_DEFAULT, "@FIXED_BUDGET": "index: {lookup_budget: fixed}\n"}
+CONFIGS = {
+    "@PREVIOUS": PREVIOUS_DEFAULT,
+    "@SHARED": "state: {shared_observations: true}\n",
+    "@SHARED_PREFILL": "state: {shared_observations: true}\nindex: {lookup_budget: prefill}\n",
+}
 
 
 def tenants_spec(seed: int) -> WorkloadSpec:

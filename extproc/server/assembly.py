@@ -188,6 +188,8 @@ class Parts:
         """Replicas sharing a Redis index learn prefill speeds and new-prefix spreading
         from every replica's placements (Redis pub/sub)."""
         idx = self.settings.index
+        if not self.settings.state.shared_observations:
+            return None
         if idx.backend != "redis" or not idx.redis_url:
             return None
         if idx.cluster:

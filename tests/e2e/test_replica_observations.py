@@ -1,7 +1,8 @@
 """Three `extproc serve` replicas sharing one Redis behind one Envoy learn from every
-replica's placements (server/shared_observations.py): after new prompts spread over the
-servers, every replica holds the same prefill speed for every server, though each placed
-only about a third of the requests; and the new prompts spread over the whole fleet.
+replica's placements (`state.shared_observations`, server/shared_observations.py): after
+new prompts spread over the servers, every replica holds the same prefill speed for every
+server, though each placed only about a third of the requests; and the new prompts spread
+over the whole fleet.
 
 Requests go one at a time, 0.3 s apart (many 50 ms publish intervals), so what the test
 checks does not depend on how fast the machine is: a sample or a pick published after one
@@ -48,9 +49,17 @@ def sample(text: str, name: str) -> float:
 
 
 def test_replicas_learn_speeds_and_spread_new_prompts_from_each_others_placements(
-    redis_server: RedisServer,
+    tmp_path, redis_server: RedisServer
 ):
-    opts = StackOptions(upstreams=SERVERS, sim_args=SIM, replicas=3, redis_url=redis_server.url)
+    cfg = tmp_path / "picker.yaml"
+    cfg.write_text("state: {shared_observations: true}\n")
+    opts = StackOptions(
+        upstreams=SERVERS,
+        sim_args=SIM,
+        replicas=3,
+        redis_url=redis_server.url,
+        extproc_args=("--config", str(cfg)),
+    )
     with Stack(opts) as stack:
         served = []
         with httpx.Client(timeout=30) as http:
