@@ -214,9 +214,9 @@ class Router:
         """How long the index lookup is worth waiting for: what it can save at most, the
         prefill of the whole prompt at the fleet's measured speed (a lookup answered
         degraded routes on load alone and may recompute all of it). A fixed 5 ms budget
-        degraded 4-30% of a Redis index's lookups on a loaded 2-core machine (Redis answers
-        in 5-50 ms there), and every degraded lookup placed its request blind. None (the
-        index's configured budget) until a speed is measured."""
+        degraded up to 47% of a Redis index's lookups per benchmark step on a loaded 2-core
+        machine, and every degraded lookup placed its request blind. None (the index's
+        configured budget) until a speed is measured."""
         if not self._budget_follows_prefill or self.speeds is None:
             return None
         tps = self.speeds.fleet()

@@ -19,6 +19,22 @@ from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
 from tests.redis_servers import RedisServer
 
+# New-prefix spreading alone decides: with the default profile, predicted TTFT sends cold
+# requests to the server with the fastest measured speed, and speeds measured on a loaded
+# machine differ 4x between identical sims (980 against 3,888 tok/s in one run), which
+# would test the speed samples' noise, not the shared picks.
+CONFIG = """
+state: {shared_observations: true}
+scheduling:
+  plugins:
+    - {type: no-hit-lru-scorer}
+    - {type: max-score-picker}
+  schedulingProfiles:
+    - name: default
+      plugins:
+        - {pluginRef: no-hit-lru-scorer, weight: 1}
+        - {pluginRef: max-score-picker}
+"""
 SIM = ("--fast", "4", "--prefill-tps", "5000", "--num-gpu-blocks", "1400")
 SERVERS = 4
 REQUESTS = 8
@@ -52,7 +68,7 @@ def test_replicas_learn_speeds_and_spread_new_prompts_from_each_others_placement
     tmp_path, redis_server: RedisServer
 ):
     cfg = tmp_path / "picker.yaml"
-    cfg.write_text("state: {shared_observations: true}\n")
+    cfg.write_text(CONFIG)
     opts = StackOptions(
         upstreams=SERVERS,
         sim_args=SIM,
@@ -90,5 +106,6 @@ def test_replicas_learn_speeds_and_spread_new_prompts_from_each_others_placement
     for t in texts:
         assert sample(t, "extproc_shared_observations_applied_total") > 0, t
         assert sample(t, "extproc_shared_observations_degraded") == 0
-    # New prompts reach every server: the replicas' cold picks are one LRU.
-    assert len(Counter(served)) == SERVERS, why
+    # New prompts rotate over the servers as from one picker: the replicas' cold picks are
+    # one LRU (each replica's own LRU let their picks collide).
+    assert sorted(Counter(served).values()) == [REQUESTS // SERVERS] * SERVERS, why
