@@ -14,6 +14,8 @@ the CPU of the picker (or router) per request (user+system from /proc / requests
     apt-get install wrk   # once
     uv run python bench/bench_proxy.py [--seconds 5] [--rounds 3] [--sizes 1,100] [--conns 1,16]
     uv run python bench/bench_proxy.py --big   # 220 KB prompts, 150 connections, errors counted
+    # old vs new in one run, at the same offered load (each connection pauses 50 ms):
+    uv run python bench/bench_proxy.py --baseline-src ../main --think-ms 50 --only ...
 """
 
 from __future__ import annotations
@@ -33,11 +35,19 @@ from pathlib import Path
 import httpx
 import orjson
 import yaml
+from grpc_health.v1 import health_pb2
 from sglang_peer import install_sglang  # bench/sglang_peer.py (bench/ is on the path)
 
 from extproc.bootstrap import BootstrapOptions, build_bootstrap
 from extproc.gateways import LLM_D, gateway_bootstrap
-from extproc.stack import Stack, StackOptions, envoy_binary, free_port, wait_until
+from extproc.stack import (
+    Stack,
+    StackOptions,
+    envoy_binary,
+    free_port,
+    grpc_health_status,
+    wait_until,
+)
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
@@ -71,11 +81,17 @@ def _ms(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-def run_wrk(url: str, body_file: Path, conns: int, seconds: float) -> WrkResult:
+def run_wrk(
+    url: str, body_file: Path, conns: int, seconds: float, think_ms: float = 0
+) -> WrkResult:
+    """`think_ms` > 0: each connection waits that long before its next request, so every
+    configuration gets about the same offered load (conns / (think + latency)) instead of
+    as much as it can take (closed loop)."""
     script = body_file.with_suffix(".lua")
     script.write_text(
         f'local f = io.open("{body_file}", "rb"); wrk.body = f:read("*all"); f:close()\n'
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        + (f"function delay() return {think_ms:g} end\n" if think_ms > 0 else "")
     )
     out = subprocess.run(
         [
@@ -150,10 +166,10 @@ def baseline_doc(upstream: str) -> dict:
     return doc
 
 
-def measure(url: str, body: Path, conns: int, seconds: int, pid: int | None):
-    run_wrk(url, body, conns, 1)  # warm up connections and caches
+def measure(url: str, body: Path, conns: int, seconds: int, pid: int | None, think_ms: float = 0):
+    run_wrk(url, body, conns, 1, think_ms)  # warm up connections and caches
     cpu0 = cpu_seconds(pid) if pid else 0.0
-    res = run_wrk(url, body, conns, seconds)
+    res = run_wrk(url, body, conns, seconds, think_ms)
     cpu_ms = (cpu_seconds(pid) - cpu0) / max(res.requests, 1) * 1e3 if pid else 0.0
     return res, cpu_ms
 
@@ -192,6 +208,26 @@ def picker_doc(port: int, mode: str, *, tls: bool, response_headers: str = "auto
     )
 
 
+def start_baseline_picker(src: Path, upstream: str, work: Path) -> tuple[subprocess.Popen, int]:
+    """`extproc serve` from another checkout (run from it, so its package wins the import),
+    with the stack picker's flags: the same endpoint, TLS, access log."""
+    port, health, admin = free_port(), free_port(), free_port()
+    log = open(work / "extproc-base.log", "ab")  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "extproc", "serve", "--endpoints", upstream,
+         "--host", "127.0.0.1", "--port", str(port), "--health-port", str(health),
+         "--admin-port", str(admin), "--drain-delay", "0.0", "--fallbacks", "0"],
+        cwd=src, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(src), "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    log.close()
+    wait_until(
+        lambda: grpc_health_status(health, "readiness") == health_pb2.HealthCheckResponse.SERVING,
+        timeout_s=60, what="baseline extproc", proc=proc,
+    )  # fmt: skip
+    return proc, port
+
+
 # Both keep the response-header phase (`envoy-config`'s default, the gateways' exchange);
 # `-skip` / `-send` variants, when named, set `--response-headers` explicitly.
 _RESPONSE_HEADERS = {"floor": "send", "extproc": "send"}
@@ -212,6 +248,19 @@ def main() -> None:
         "response-header variants '<who> <FD|BUF>-skip|-send' only when named)",
     )
     ap.add_argument("--no-sglang", action="store_true")
+    ap.add_argument(
+        "--think-ms",
+        type=float,
+        default=0,
+        help="pause per connection between requests: the same offered load for every "
+        "configuration (default 0: closed loop, each runs as fast as it can)",
+    )
+    ap.add_argument(
+        "--baseline-src",
+        default="",
+        help="a checkout of another extproc version: its picker runs next to this one, as "
+        "'extproc-base FD' and 'extproc-base llm-d' (old vs new in one run)",
+    )
     ap.add_argument("--big", action="store_true", help="220 KB prompts at 150 connections")
     args = ap.parse_args()
     if args.big:
@@ -247,12 +296,17 @@ def main() -> None:
         )  # fmt: skip
         procs.append(floor)
         picker_pid = stack._procs["extproc"].pid
+        pickers = [("floor", floor_port, floor.pid), ("extproc", stack.extproc_port, picker_pid)]
+        if args.baseline_src:
+            base = start_baseline_picker(Path(args.baseline_src), upstream, work)
+            procs.append(base[0])
+            pickers.append(("extproc-base", base[1], base[0].pid))
         for mode, short in (("FULL_DUPLEX_STREAMED", "FD"), ("BUFFERED", "BUF")):
-            for who, port, pid in (("floor", floor_port, floor.pid),
-                                   ("extproc", stack.extproc_port, picker_pid)):  # fmt: skip
+            for who, port, pid in pickers:
                 name = f"{who} {short}"
                 if want(name):
-                    doc = picker_doc(port, mode, tls=True, response_headers=_RESPONSE_HEADERS[who])
+                    rh = _RESPONSE_HEADERS[who.split("-")[0]]
+                    doc = picker_doc(port, mode, tls=True, response_headers=rh)
                     p, url = start_envoy(doc, work, name)
                     procs.append(p)
                     targets.append(Target(name, url, pid))
@@ -273,8 +327,7 @@ def main() -> None:
             p, url = start_envoy(doc, work, "floor-noresp")
             procs.append(p)
             targets.append(Target("floor BUF-noresp", url, floor.pid))
-        for who, port, pid in (("floor", floor_port, floor.pid),
-                               ("extproc", stack.extproc_port, picker_pid)):  # fmt: skip
+        for who, port, pid in pickers:
             name = f"{who} llm-d"
             if only and name in only:
                 # llm-d's chart settings (extproc/gateways.py): FULL_DUPLEX both ways, the
@@ -304,7 +357,7 @@ def main() -> None:
             for conns in conns_list:
                 for r in range(args.rounds):
                     for t in targets:
-                        res, cpu = measure(t.url, body, conns, args.seconds, t.pid)
+                        res, cpu = measure(t.url, body, conns, args.seconds, t.pid, args.think_ms)
                         results.setdefault((size, conns, t.name), []).append((res, cpu))
                         print(
                             f"round {r} {size // 1024:>4} KB c={conns:<3} {t.name:<22} "

@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,6 +92,9 @@ POLICIES: dict[str, dict] = {
     "extproc precise": {"precise": True},
     # One picker on the Redis index and shared state: separates "Redis" from "3 replicas".
     "extproc approximate, 1 replica (Redis)": {"replicas": 1, "redis": True},
+    # Precise mode on the engines' KV events alone (no correction by the picker's own
+    # placements, index/placed.py): precise mode before the fifth session's fix.
+    "extproc precise, events only": {"events_only": True},
     "extproc approximate, 3 replicas (Redis)": {"replicas": 3, "redis": True},
     # Opt-ins measured against the above (issue 14, fifth session): replicas sharing speed
     # samples and new-prefix picks, and with it a lookup budget following the prompt.
@@ -354,6 +358,16 @@ def run_policy(
     rows = []
     stack: Stack | None = None
     with SimFleet(servers, sim_args, log_dir=log_dir) as fleet, contextlib.ExitStack() as ex:
+        if opts.pop("events_only", False):
+            cfg = fleet.precise_settings(f"tcp://127.0.0.1:{fleet.kv_events_port}")
+            cfg["index"]["kv_events"]["credit_placements"] = False
+            path = log_dir / "precise-events-only.yaml"
+            path.write_text(msgspec.json.encode(cfg).decode())  # JSON is YAML
+            opts["extproc_args"] = ("--config", str(path))
+            opts["precise"] = False
+            events = True
+        else:
+            events = bool(opts.get("precise"))
         if opts.pop("redis", False):
             opts["redis_url"] = ex.enter_context(redis_server(log_dir))
         if opts.get("sglang"):
@@ -362,7 +376,7 @@ def run_policy(
             with picker_tree(tree):
                 stack = ex.enter_context(Stack(StackOptions(fleet=fleet, log_dir=log_dir, **opts)))
             url = stack.url
-        if opts.get("precise"):
+        if events:
             time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's new socket
         for step, rate in enumerate(rates):
             fleet.reset()
@@ -451,6 +465,33 @@ def markdown(
     return "\n".join(out) + "\n"
 
 
+def medians(rows: list[Row], ideals: dict) -> list[str]:
+    """Per workload, load and policy over interleaved rounds: median and every run's TTFT
+    p90, median hit ratio (and of the oracle's)."""
+    out = ["#### Medians over the interleaved rounds", ""]
+    groups: dict[tuple[str, float, str], list[Summary]] = {}
+    for r in rows:
+        groups.setdefault((r.workload, r.rate, r.policy), []).append(r.summary)
+    cells = []
+    for (wl, load, pol), runs in groups.items():
+        p90 = [s.ttft_p90_s for s in runs]
+        hit = statistics.median(s.hit_ratio for s in runs)
+        ideal = ideals.get((wl, load), 0.0)
+        cells.append((
+            wl, f"{load:g}", pol, str(len(runs)), f"{statistics.median(p90):.3f}",
+            " / ".join(f"{v:.3f}" for v in p90),
+            f"{statistics.median(s.ttft_p50_s for s in runs):.3f}",
+            f"{hit:.1%}", f"{hit / ideal if ideal else 0:.0%}",
+        ))  # fmt: skip
+    out += table(
+        [("workload", "l"), ("load", "r"), ("policy", "l"), ("runs", "r"),
+         ("TTFT p90 s, median", "r"), ("TTFT p90 s, each run", "l"),
+         ("TTFT p50 s, median", "r"), ("hit ratio, median", "r"), ("vs ideal", "r")],
+        cells,
+    )  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 1 rate, few requests")
@@ -464,6 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", nargs="+", default=every)
     p.add_argument("--no-sglang", action="store_true", help="skip the peer router")
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="run the policies interleaved (A, B, A, B, ...) this many times; medians shown",
+    )  # fmt: skip
     p.add_argument("--baseline-tree", type=Path, help="source tree of the baseline-tree policy")
     args = p.parse_args(argv)
     rates = args.rates or ([12.0] if args.quick else [6.0, 16.0])
@@ -495,14 +540,17 @@ def main(argv: list[str] | None = None) -> int:
             for step, load in enumerate(loads):
                 items = ideal_items(wl, load, groups, args.seed + step)
                 ideals[(wl, load)] = ideal_hit_ratio(items, 16, "tiny")
-            for pol in policies:
-                rows += run_policy(
-                    pol, wl, loads, groups, args.seed, venv, Path(tmp), args.baseline_tree
-                )
+            for _ in range(args.rounds):
+                for pol in policies:
+                    rows += run_policy(
+                        pol, wl, loads, groups, args.seed, venv, Path(tmp), args.baseline_tree
+                    )
     wall = time.monotonic() - t0
     section = markdown(
         rows, ideals, command, notes, wall, groups, pressure=pressure, sessions=sessions
     )
+    if args.rounds > 1:
+        section += "\n" + "\n".join(medians(rows, ideals)) + "\n"
     print("\n" + section)
     if args.write:
         write_section(ROOT / "bench" / "RESULTS.md", section)

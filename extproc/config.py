@@ -147,6 +147,10 @@ class KVEventSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     drops before its subscription handshake (vLLM's first after every start). Keys are
     recomputed from token ids
     with the tokenizer in `parse.precise`, whose `model` and `block_size` apply here too.
+    `credit_placements` (true): the picker's own placements correct the events' picture
+    until the events catch up: blocks just placed count until the request's response, and
+    a match the work placed since will evict (by the endpoint's KV capacity) is cut
+    (`extproc/index/placed.py`, docs/index.md); false routes on the events alone.
     """
 
     port: _Port = 5557
@@ -157,6 +161,7 @@ class KVEventSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the pool and the publisher's address, with or without CURVE.
     curve_secret_key: str | None = None
     curve_publisher_keys: list[str] = msgspec.field(default_factory=list)
+    credit_placements: bool = True
 
     def __post_init__(self) -> None:
         if self.curve_secret_key is not None and self.bind is None:

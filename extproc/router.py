@@ -27,6 +27,7 @@ from extproc.flowcontrol.controller import Ticket
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import EMPTY, KVIndex, Lookup
 from extproc.index.capacity import CapacityModel, CapacityStats
+from extproc.index.placed import PlacedBlocks
 from extproc.scheduling import Scheduler
 from extproc.scheduling.framework import EstimateUnits
 from extproc.throttle import Throttle
@@ -118,12 +119,15 @@ class Router:
         ends: RequestEnds | None = None,
         speeds: PrefillSpeeds | None = None,
         admission: Admission | None = None,
+        placed: PlacedBlocks | None = None,
         lookup_budget_follows_prefill: bool = False,
     ) -> None:
         """`on_lookup` receives each index lookup's duration in seconds (the metrics
         histogram); it runs on the hot path, so it must be cheap and must not raise.
         `ends` holds placements past the stream end until the request really ends (access
         log); `speeds` are the learned prefill speeds put on each candidate's state.
+        `placed` (precise mode, where decisions are not recorded in the index) corrects
+        the index's answers by this picker's own placements (index/placed.py).
         `lookup_budget_follows_prefill`: an index lookup may take as long as this request's
         prompt would take to prefill at the fleet's measured speed (see `_lookup_budget`)."""
         self.pool = pool
@@ -144,11 +148,14 @@ class Router:
         # Warnings about a proxy that skips the response-header phase: once a minute each.
         self._warnings = Throttle(every_s=60.0)
         self.speeds = speeds
+        self.placed = placed if not self._record else None
         self._budget_follows_prefill = lookup_budget_follows_prefill
         set_capacity = getattr(index, "set_capacity", None)
+        if self.placed is not None:
+            set_capacity = self.placed.set_capacity
         self._capacity = (
             CapacityModel(set_capacity, getattr(self.states, "scraped", None))
-            if set_capacity is not None and self._record
+            if set_capacity is not None and (self._record or self.placed is not None)
             else None
         )
         # Flow control (None = off): holds a request after its lookup until capacity frees.
@@ -240,6 +247,8 @@ class Router:
                 self._on_lookup(time.perf_counter() - start)
             if lookup.degraded:
                 self.stats.lookups_degraded += 1
+            if self.placed is not None:
+                lookup = await self.placed.adjust(request.block_keys, lookup)
         matches = lookup.matches
         if self.admission is None or not place:
             return self._decide(request, endpoints, lookup, explain, place, None)
@@ -310,6 +319,11 @@ class Router:
             self.index.record(decision.primary.address, request.block_keys)
             if decision.prefill is not None:
                 self.index.record(decision.prefill.address, request.block_keys)
+        elif self.placed is not None and request.block_keys:
+            if self._capacity is not None:
+                self._capacity.placed(decision.primary.address, request)
+                self._capacity.update(request, cands)
+            self.placed.placed(decision.primary.address, request.block_keys)
         matched = matches.get(decision.primary.address, 0.0)
         stats = self.stats
         stats.decisions += 1
@@ -333,9 +347,13 @@ class Router:
             )
         request = self._parse(path, headers, body)
         if self._precise is not None and request.prompt is not None:
-            keys = self._precise.block_keys(request)
+            keys, tokens = self._precise.prompt_keys(request)
+            # The engine's token count, not the byte estimate: matches are in engine tokens.
             request = dataclasses.replace(
-                request, block_keys=keys, block_tokens=self._precise.block_size
+                request,
+                block_keys=keys,
+                block_tokens=self._precise.block_size,
+                prompt_tokens=tokens or request.prompt_tokens,
             )
         return request
 
@@ -356,11 +374,38 @@ class Router:
         if address == old.address:
             return routed
         self.stats.served_elsewhere += 1
+        self._settle(routed)
         self.inflight.release(old)
         placement = self.inflight.acquire(address, old.tokens)
         if self._record and self.index is not None:
             self.index.record(address, routed.request.block_keys)
         return dataclasses.replace(routed, placement=placement)
+
+    def _settle(self, routed: Routed) -> None:
+        if self.placed is not None and routed.decision.endpoints:
+            self.placed.settled(routed.decision.primary.address, routed.request.block_keys)
+
+    def _settle_late(self, routed: Routed, then: Late | None) -> Late | None:
+        """`then`, settling the placement's credit first when the request has ended. Keeps
+        the pick and the block keys only, not the request (held to the request's end)."""
+        if self.placed is None or not routed.decision.endpoints:
+            return then
+        pick = routed.decision.primary.address
+        return functools.partial(self._settle_then, pick, routed.request.block_keys, then)
+
+    def _settle_then(
+        self, pick: str, keys: Sequence[int], then: Late | None, entry: Ended | None
+    ) -> None:
+        if self.placed is not None:
+            self.placed.settled(pick, keys)
+        if then is not None:
+            then(entry)
+
+    async def forget_endpoint(self, address: str) -> None:
+        """`address` left the pool, or its cache was invalidated (a restart): what this
+        picker placed there no longer counts."""
+        if self.placed is not None:
+            await self.placed.forget(address)
 
     def _unseen(self, routed: Routed, then: Late | None) -> Late:
         """What a request whose response headers the picker never saw needs from its
@@ -427,12 +472,19 @@ class Router:
         reports what they would have (see `_ended_unseen`; `then` sees the entry, or None,
         once the request is over)."""
         if self.ends is not None:
-            late = None if responded else self._unseen(routed, then)
+            # Placed blocks are credited until the request ends (the response headers of a
+            # stream come before its engine admits it and publishes its blocks); while it
+            # runs they are held by it, so nothing evicts them.
+            if responded:
+                late = self._settle_late(routed, None)
+            else:
+                late = self._unseen(routed, self._settle_late(routed, then))
             self.ends.finish(routed.request.request_id, routed.placement, late)
             if responded and then is not None:
                 then(None)
         else:
             self.inflight.release(routed.placement)
+            self._settle(routed)
             if then is not None:
                 then(None)
         if routed.ticket is not None and self.admission is not None:

@@ -178,14 +178,23 @@ class PreciseKeys:
         The engine always computes a prompt's last token itself (it needs its logits), so a
         cache hit covers at most `(n - 1) // block_size` blocks of an n-token prompt: a
         block-aligned prompt's last block is never a hit, and is not looked up."""
+        return self.prompt_keys(req)[0]
+
+    def prompt_keys(self, req: InferenceRequest) -> tuple[tuple[int, ...], int]:
+        """`block_keys(req)` and the prompt's length in the engine's tokens (media counted
+        at their estimated tokens), from one tokenization; `((), 0)` without a parsed
+        prompt. The router puts the length in `prompt_tokens`: matched blocks are counted
+        in engine tokens here, and an estimate in another unit next to them made the
+        uncached part of a prompt (in-flight tokens, prefill speed samples) come out 0."""
         if req.prompt is None:
-            return ()
+            return (), 0
         ids, placements = self.token_ids(req.prompt)
+        n = len(ids)
         ids = ids[:-1]
         size = self._settings.block_size
         extras = block_extra_keys(len(ids) // size, size, placements, req.cache_salt)
         seed = chain_seed(self._settings.model, req.lora_adapter)
-        return tuple(token_block_keys(ids, size, seed, extras))
+        return tuple(token_block_keys(ids, size, seed, extras)), n
 
 
 def _expand(

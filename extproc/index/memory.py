@@ -132,6 +132,11 @@ class MemoryKVIndex:
         written keys are taken to be evicted (applied at the endpoint's next write)."""
         self._caps[endpoint] = blocks
 
+    def held_blocks(self, endpoint: str) -> int:
+        """How many block keys `endpoint` is credited with (at most its capacity)."""
+        members = self._members.get(endpoint)
+        return len(members) if members is not None else 0
+
     async def remove_endpoint(self, endpoint: str) -> None:
         self._caps.pop(endpoint, None)
         members = self._members.pop(endpoint, None)

@@ -17,6 +17,7 @@ import pybase64
 
 from extproc.core import MediaItem, Modality
 from extproc.errors import BadRequest
+from extproc.hashing.estimate import ImageEstimator
 from extproc.hashing.media import content_digest, url_digest
 from extproc.protocol import VIDEO_DURATION_HEADER, VIDEO_FPS_HEADER, VIDEO_RESOLUTION_HEADER
 from extproc.requests.settings import ParseSettings
@@ -77,13 +78,20 @@ class MediaResolver:
     up); not shared between threads.
     """
 
-    __slots__ = ("_headers", "_image", "_settings", "_video")
+    __slots__ = ("_headers", "_image", "_model", "_settings", "_video")
 
     def __init__(self, settings: ParseSettings, model: str, headers: Mapping[str, str]) -> None:
         self._settings = settings
-        self._image = settings.image_estimator(model)
+        self._model = model
+        # Matched on the first image: most requests carry none, and the glob walk is not free.
+        self._image: ImageEstimator | None = None
         self._headers = headers
         self._video: tuple[float, float, int, int] | None = None
+
+    def _image_estimator(self) -> ImageEstimator:
+        if self._image is None:
+            self._image = self._settings.image_estimator(self._model)
+        return self._image
 
     def image_url(self, url: str, field: str) -> MediaItem:
         """An `image_url`-style reference: a data URI or a remote URL."""
@@ -101,7 +109,7 @@ class MediaResolver:
         return MediaItem(
             Modality.IMAGE,
             content_digest(data).hex(),
-            self._image.image_tokens(width, height),
+            self._image_estimator().image_tokens(width, height),
             width=width,
             height=height,
         )
@@ -113,7 +121,7 @@ class MediaResolver:
         return MediaItem(
             Modality.IMAGE,
             url_digest(identity).hex(),
-            self._image.image_tokens(w, h),
+            self._image_estimator().image_tokens(w, h),
             is_remote=True,
             width=w,
             height=h,
@@ -146,7 +154,7 @@ class MediaResolver:
             digest, remote = url_digest(normalize_url(url, field)), True
         duration_s, fps, width, height = self._video_params()
         video = self._settings.video
-        per_frame = self._image.image_tokens(width, height)
+        per_frame = self._image_estimator().image_tokens(width, height)
         tokens = video.video_tokens(per_frame, duration_s, fps)
         return MediaItem(
             Modality.VIDEO, digest.hex(), tokens, is_remote=remote, width=width, height=height

@@ -150,11 +150,9 @@ def parse_request(
         tokens = estimate_prompt_tokens(prompt, settings)
     keys: tuple[int, ...] = ()
     if approximate_keys:
-        limit = settings.max_blocks * settings.block_bytes
-        stream = canonical_stream(prompt, settings.key_bpt, limit)
-        keys = block_keys(
-            stream, settings.block_bytes, approx_seed(base_model, lora_adapter, cache_salt)
-        )
+        block_bytes = settings.block_bytes  # a property: computed once here
+        stream = canonical_stream(prompt, settings.key_bpt, settings.max_blocks * block_bytes)
+        keys = block_keys(stream, block_bytes, approx_seed(base_model, lora_adapter, cache_salt))
     return InferenceRequest(
         request_id=request_id,
         path=path,

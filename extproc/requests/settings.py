@@ -77,6 +77,8 @@ class ParseSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def key_block_tokens(self) -> int:
         """Estimated tokens one approximate block covers: `block_tokens` until calibration
         changes `bytes_per_token` under a pinned key geometry, then scaled by the change."""
+        if self.key_bytes_per_token is None:
+            return self.block_tokens  # read once per request: skip the float round trip
         return max(1, round(self.block_bytes / self.bytes_per_token))
 
     def image_estimator(self, model: str) -> ImageEstimator:

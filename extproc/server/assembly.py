@@ -23,6 +23,7 @@ from extproc.endpoints.state import EndpointStates
 from extproc.errors import ConfigError
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import IndexOptions, KVIndex
+from extproc.index.placed import PlacedBlocks
 from extproc.router import Router
 from extproc.scheduling.timing import instrument
 from extproc.server import latency as latency_wiring
@@ -140,6 +141,7 @@ class Parts:
             ends=self.ends,
             speeds=self.speeds,
             lookup_budget_follows_prefill=settings.index.lookup_budget == "prefill",
+            placed=self._placed_blocks(record),
         )
         self.calibration.on_units.append(self.router.estimate_units_changed)
         self.shared_sessions = self._share_sessions()
@@ -271,6 +273,14 @@ class Parts:
         router.admission = admission
         return admission
 
+    def _placed_blocks(self, record: bool) -> PlacedBlocks | None:
+        """Precise mode: the picker's placements correct the events' picture (config
+        `index.kv_events.credit_placements`)."""
+        ev = self.settings.index.kv_events
+        if ev is None or record or not ev.credit_placements or self.index is None:
+            return None
+        return PlacedBlocks()
+
     def _build_subscriber(self):
         ev = self.settings.index.kv_events
         if ev is None or self.index is None or self.precise is None:
@@ -302,6 +312,7 @@ class Parts:
             await self.subscriber.invalidate(address)
         elif self.index is not None:
             await self.index.remove_endpoint(address)
+        await self.router.forget_endpoint(address)
 
     def event_source(self, e: Endpoint):
         """Where endpoint `e` publishes KV events (connect mode)."""

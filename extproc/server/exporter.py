@@ -59,6 +59,8 @@ class Exporter:
         yield from fam.CALIBRATION.families(p.calibration.stats)
         if (capacity := p.router.capacity_stats) is not None:
             yield from fam.CAPACITY.families(capacity)
+        if p.router.placed is not None:
+            yield from fam.PLACED.families(p.router.placed.stats)
         r = p.router.stats
         yield from fam.ROUTER.families(r)
         faults = counter(

@@ -390,6 +390,27 @@ CAPACITY = StatsFamilies(
     },
 )
 
+PLACED = StatsFamilies(
+    "extproc.index.placed.PlacedStats",
+    {
+        "pending": Stat(
+            "extproc_precise_placement_corrections",
+            "Precise mode: decisions whose KV-event matches the picker's own placements "
+            "corrected: pending (blocks placed, not yet reported, credited) or evicting (a "
+            "reported match cut to what the endpoint's cache keeps after the work placed "
+            "since).",
+            labels=("kind",),
+            values=("pending",),
+        ),
+        "evicting": Stat(
+            "extproc_precise_placement_corrections",
+            "",
+            labels=("kind",),
+            values=("evicting",),
+        ),
+    },
+)
+
 WATCH = StatsFamilies(
     "extproc.endpoints.kubernetes.WatchStats",
     {
@@ -505,8 +526,8 @@ LATENCY_MODEL = StatsFamilies(
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
-    SHARED_SESSIONS, SHARED_OBSERVATIONS, CALIBRATION, CAPACITY, WATCH, FLOW, SHARED_FLOW,
-    LATENCY_MODEL,
+    SHARED_SESSIONS, SHARED_OBSERVATIONS, CALIBRATION, CAPACITY, PLACED, WATCH, FLOW,
+    SHARED_FLOW, LATENCY_MODEL,
 )  # fmt: skip
 
 

@@ -105,6 +105,8 @@ class Lifecycle(Parts):
         if self.index is not None:
             for gone in before - after:
                 await self.index.remove_endpoint(gone)
+        for gone in before - after:
+            await self.router.forget_endpoint(gone)
         await self.health.set_ready(self.ready())
         return after
 

@@ -27,9 +27,10 @@ def header_map(hmap: pb.HeaderMap) -> dict[str, str]:
     a repeated header keeps its first value, as the picker only reads single-valued ones."""
     out: dict[str, str] = {}
     for hv in hmap.headers:
-        if hv.key not in out:
+        key = hv.key  # each field read builds a new str from upb: read it once
+        if key not in out:
             raw = hv.raw_value
-            out[hv.key] = raw.decode("utf-8", "replace") if raw else hv.value
+            out[key] = raw.decode("utf-8", "replace") if raw else hv.value
     return out
 
 

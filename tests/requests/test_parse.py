@@ -455,3 +455,16 @@ def test_lone_surrogate_escapes_never_crash() -> None:
     with pytest.raises(BadRequest, match=r"^(model|body)"):
         parse_request("/v1/chat/completions", {}, b'{"model": "\\udc00", "messages": []}', SETTINGS)
     assert parse_request("/x", {}, b'{"model": "\\udc00"}', SETTINGS).model == ""
+
+
+def test_key_block_tokens_is_the_same_with_the_geometry_pinned_at_its_own_width() -> None:
+    # The unpinned shortcut (block_tokens as is) must agree with the scaled formula.
+    for block_tokens in (1, 16, 64, 1000):
+        for bpt in (1, 3, 4, 7):
+            free = ParseSettings(block_tokens=block_tokens, bytes_per_token=bpt)
+            pinned = ParseSettings(
+                block_tokens=block_tokens, bytes_per_token=bpt, key_bytes_per_token=bpt
+            )
+            assert free.key_block_tokens == pinned.key_block_tokens == block_tokens
+    scaled = ParseSettings(block_tokens=64, bytes_per_token=2, key_bytes_per_token=4)
+    assert scaled.key_block_tokens == 128

@@ -54,7 +54,7 @@ async def test_precise_mode_does_not_compute_approximate_keys(
 ) -> None:
     approx_stream = counting(monkeypatch, parse, "canonical_stream")
     approx_hash = counting(monkeypatch, parse, "block_keys")
-    precise = counting(monkeypatch, tokenizer.PreciseKeys, "block_keys")
+    precise = counting(monkeypatch, tokenizer.PreciseKeys, "prompt_keys")
     s = msgspec.structs.replace(
         settings,
         parse=msgspec.structs.replace(
@@ -74,7 +74,7 @@ async def test_approximate_mode_does_not_run_the_tokenizer(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     approx_hash = counting(monkeypatch, parse, "block_keys")
-    precise = counting(monkeypatch, tokenizer.PreciseKeys, "block_keys")
+    precise = counting(monkeypatch, tokenizer.PreciseKeys, "prompt_keys")
     token_ids = counting(monkeypatch, tokenizer.PromptTokenizer, "token_ids")
     app = await route_one(settings)
     assert approx_hash[0] == 1

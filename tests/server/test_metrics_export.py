@@ -106,6 +106,7 @@ async def test_redis_and_kv_event_metrics_appear_with_those_components(full_app:
         "extproc_shared_inflight_degraded",
         "extproc_kv_events_gaps_total",
         "extproc_kv_events_last_message_age_seconds",
+        "extproc_precise_placement_corrections_total",
     ):
         assert name in names, name
 

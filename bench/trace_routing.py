@@ -1,0 +1,192 @@
+"""Per-request trace of one pressure workload through extproc: what the index matched on each
+endpoint at the decision, where the request went, and what the engine really served from its
+cache, so approximate and precise mode can be compared decision by decision.
+
+    uv run --extra envoy python bench/trace_routing.py --workload agentic
+
+Each request carries the operator's explain token; the picker answers with its decision
+(`x-extproc-decision`: per-endpoint prefix matches, scores, predicted cached tokens). The
+engine's `cached_tokens` is the truth the prediction is held against. One line per request
+is written as JSON to `--out` (one file per mode), and a summary is printed: how often the
+chosen endpoint's predicted hit was below / equal to / above what it served, the tokens
+mispredicted, and TTFT percentiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import httpx
+import yaml
+from bench_routing import AGENTIC, PRESSURE_SHAPE, tenants_spec
+
+from extproc.protocol import DECISION_HEADER, EXPLAIN_HEADER
+from extproc.sim import SERVED_BY_HEADER
+from extproc.sim.sessions import build_sessions
+from extproc.sim.workload import WorkItem, arrival_offsets, build_workload
+from extproc.stack import SimFleet, Stack, StackOptions
+
+TOKEN = "trace-routing-token"
+
+
+async def _send(http: aiohttp.ClientSession, url: str, item: WorkItem, t0: float) -> dict:
+    row: dict = {"index": item.index, "group": item.group or item.conversation, "turn": item.turn}
+    start = time.perf_counter()
+    row["sent_s"] = start - t0
+    try:
+        async with http.post(
+            f"{url}/v1/chat/completions",
+            json=item.body,
+            headers={EXPLAIN_HEADER: TOKEN},
+            timeout=aiohttp.ClientTimeout(total=120),
+        ) as resp:
+            row["status"] = resp.status
+            row["served_by"] = resp.headers.get(SERVED_BY_HEADER, "")
+            raw = resp.headers.get(DECISION_HEADER)
+            row["decision"] = json.loads(raw) if raw else None
+            async for line in resp.content:
+                line = line.strip()
+                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if "ttft_s" not in row and any(
+                    (c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()
+                ):
+                    row["ttft_s"] = time.perf_counter() - start
+                usage = chunk.get("usage")
+                if usage:
+                    row["prompt_tokens"] = usage.get("prompt_tokens", 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    row["cached_tokens"] = details.get("cached_tokens") or 0
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        row["error"] = repr(exc)
+    row["total_s"] = time.perf_counter() - start
+    return row
+
+
+async def _agentic(url: str, sessions: int, seed: int) -> list[dict]:
+    turns = build_sessions(replace(AGENTIC, sessions=sessions, seed=seed))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        t0 = time.perf_counter()
+
+        async def one(k: int, items: list[WorkItem]) -> list[dict]:
+            await asyncio.sleep(k * AGENTIC.stagger_s)
+            out = []
+            for item in items:
+                out.append(await _send(http, url, item, t0))
+                await asyncio.sleep(AGENTIC.think_s)
+            return out
+
+        per = await asyncio.gather(*(one(k, s) for k, s in enumerate(turns)))
+    return sorted((r for rs in per for r in rs), key=lambda r: r["sent_s"])
+
+
+async def _tenants(url: str, rate: float, seed: int) -> list[dict]:
+    items = build_workload(tenants_spec(seed))
+    offsets = arrival_offsets(len(items), rate, seed)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        t0 = time.perf_counter()
+
+        async def at(item: WorkItem, off: float) -> dict:
+            await asyncio.sleep(off)
+            return await _send(http, url, item, t0)
+
+        rows = await asyncio.gather(*(at(i, o) for i, o in zip(items, offsets, strict=True)))
+    return sorted(rows, key=lambda r: r["sent_s"])
+
+
+def summarize(mode: str, rows: list[dict]) -> str:
+    ok = [r for r in rows if r.get("status") == 200 and r.get("decision")]
+    below = above = equal = 0
+    missed = phantom = 0
+    for r in ok:
+        pred = r["decision"]["predicted_cached_tokens"]
+        real = r.get("cached_tokens", 0)
+        if real > pred + 16:
+            below += 1
+            missed += real - pred
+        elif real < pred - 16:
+            above += 1
+            phantom += pred - real
+        else:
+            equal += 1
+    ttft = sorted(r["ttft_s"] for r in ok if "ttft_s" in r)
+    pct = lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else float("nan")  # noqa: E731
+    spread: dict[str, int] = {}
+    for r in ok:
+        spread[r["served_by"]] = spread.get(r["served_by"], 0) + 1
+    prompt = sum(r.get("prompt_tokens", 0) for r in ok)
+    cached = sum(r.get("cached_tokens", 0) for r in ok)
+    return (
+        f"{mode:<12} ok {len(ok)}/{len(rows)} hit {cached / max(prompt, 1):.1%} "
+        f"TTFT p50 {pct(0.5):.3f} p90 {pct(0.9):.3f} | predicted hit vs served: "
+        f"under {below} (tokens {missed}), equal {equal}, over {above} (tokens {phantom}) | "
+        f"spread {'/'.join(str(n) for n in sorted(spread.values(), reverse=True))}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", choices=("agentic", "tenants"), default="agentic")
+    p.add_argument("--load", type=float, help="sessions (agentic) or req/s (tenants)")
+    p.add_argument(
+        "--modes", nargs="+", default=["approximate", "precise"],
+        help="approximate, precise, precise-events-only (no placement corrections)",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
+    p.add_argument("--out", type=Path, default=Path("trace"))
+    p.add_argument("--extra", default="", help="YAML merged into every picker config")
+    p.add_argument("--logs", type=Path, help="keep the stacks' logs here (default: discarded)")
+    args = p.parse_args(argv)
+    load = args.load or (8 if args.workload == "agentic" else 24)
+    servers, sim_args = PRESSURE_SHAPE[args.workload]
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = []
+    with tempfile.TemporaryDirectory(prefix="trace-routing-") as tmp:
+        log_dir = args.logs or Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with SimFleet(servers, sim_args, log_dir=log_dir) as fleet:
+            for rnd, mode in ((r, m) for r in range(args.rounds) for m in args.modes):
+                fleet.reset()
+                cfg: dict = {"server": {"explain_tokens": [TOKEN]}}
+                if mode.startswith("precise"):
+                    cfg |= fleet.precise_settings(f"tcp://127.0.0.1:{fleet.kv_events_port}")
+                if mode == "precise-events-only":
+                    cfg["index"]["kv_events"]["credit_placements"] = False
+                for k, v in (yaml.safe_load(args.extra) or {}).items():
+                    cfg[k] = {**cfg.get(k, {}), **v}
+                path = log_dir / f"{mode}.yaml"
+                path.write_text(yaml.safe_dump(cfg))
+                opts = StackOptions(
+                    fleet=fleet, log_dir=log_dir, extproc_args=("--config", str(path)),
+                    allow_explain=True,
+                )  # fmt: skip
+                with Stack(opts) as stack:
+                    time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's socket
+                    if args.workload == "agentic":
+                        rows = asyncio.run(_agentic(stack.url, int(load), args.seed))
+                    else:
+                        rows = asyncio.run(_tenants(stack.url, load, args.seed))
+                    admin = f"http://127.0.0.1:{stack.picker_admin_port}/metrics"
+                    corrections = [
+                        line for line in httpx.get(admin, timeout=10).text.splitlines()
+                        if line.startswith("extproc_precise_placement_corrections_total")
+                    ]  # fmt: skip
+                out = args.out / f"{args.workload}-{mode}-{rnd}.jsonl"
+                out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+                lines.append(summarize(mode, rows) + "".join(f"\n  {c}" for c in corrections))
+                print(lines[-1], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
