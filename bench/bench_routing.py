@@ -90,10 +90,24 @@ POLICIES: dict[str, dict] = {
     "least-request": {"picker": False, "baseline": "least-request"},
     "extproc approximate": {},
     "extproc precise": {"precise": True},
+    # One picker on the Redis index and shared state: separates "Redis" from "3 replicas".
+    "extproc approximate, 1 replica (Redis)": {"replicas": 1, "redis": True},
     # Precise mode on the engines' KV events alone (no correction by the picker's own
     # placements, index/placed.py): precise mode before the fifth session's fix.
     "extproc precise, events only": {"events_only": True},
     "extproc approximate, 3 replicas (Redis)": {"replicas": 3, "redis": True},
+    # Opt-ins measured against the above (issue 14, fifth session): replicas sharing speed
+    # samples and new-prefix picks, and with it a lookup budget following the prompt.
+    "extproc approximate, 3 replicas (Redis), shared observations": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@SHARED"),
+    },
+    "extproc approximate, 3 replicas (Redis), shared observations, prefill lookup budget": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@SHARED_PREFILL"),
+    },
     "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
@@ -250,6 +264,12 @@ scheduling:
     - {pluginRef: max-score-picker}
 """
 
+CONFIGS = {
+    "@PREVIOUS": PREVIOUS_DEFAULT,
+    "@SHARED": "state: {shared_observations: true}\n",
+    "@SHARED_PREFILL": "state: {shared_observations: true}\nindex: {lookup_budget: prefill}\n",
+}
+
 
 def tenants_spec(seed: int) -> WorkloadSpec:
     return WorkloadSpec(groups=24, conversations_per_group=5, turns=2, system_words=400,
@@ -282,6 +302,24 @@ def run_step(wl: str, load: float, groups: int, seed: int, url: str) -> Summary:
     return summarize(results, duration)
 
 
+def lookup_counts(stack: Stack | None) -> tuple[float, float]:
+    """(index lookups answered degraded, all lookups) so far, summed over the picker
+    replicas. A lookup slower than the budget (Redis under CPU load) degrades and the request
+    is routed on load alone: this separates "Redis" from "replicas disagree"."""
+    if stack is None or not stack.options.picker:
+        return (0.0, 0.0)
+    admin = [stack.picker_admin_port, *(a for _, _, a in stack.replica_ports)]
+    degraded = lookups = 0.0
+    for port in admin:
+        for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "extproc_index_lookups_degraded_total":
+                degraded += float(value)
+            elif name == "extproc_index_lookups_total":
+                lookups += float(value)
+    return degraded, lookups
+
+
 @contextlib.contextmanager
 def picker_tree(tree: Path | None):
     """Processes started inside import extproc from `tree` (`python -m` puts the working
@@ -312,12 +350,13 @@ def run_policy(
     else:
         tree = None
     args = opts.get("extproc_args", ())
-    if args and args[1] == "@PREVIOUS":
-        cfg = log_dir / "previous-default.yaml"
-        cfg.write_text(PREVIOUS_DEFAULT)
+    if args and args[1] in CONFIGS:
+        cfg = log_dir / f"{args[1][1:].lower()}.yaml"
+        cfg.write_text(CONFIGS[args[1]])
         opts["extproc_args"] = ("--config", str(cfg))
     servers, sim_args = PRESSURE_SHAPE.get(wl, (SERVERS, SIM_ARGS))
     rows = []
+    stack: Stack | None = None
     with SimFleet(servers, sim_args, log_dir=log_dir) as fleet, contextlib.ExitStack() as ex:
         if opts.pop("events_only", False):
             cfg = fleet.precise_settings(f"tcp://127.0.0.1:{fleet.kv_events_port}")
@@ -341,14 +380,17 @@ def run_policy(
             time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's new socket
         for step, rate in enumerate(rates):
             fleet.reset()
+            before = lookup_counts(stack)
             s = run_step(wl, rate, groups, seed + step, url)
+            after = lookup_counts(stack)
+            degraded = f" degraded lookups {after[0] - before[0]:.0f}/{after[1] - before[1]:.0f}"
             rows.append(Row(wl, policy, rate, 0.0, s))
             spread = "/".join(str(n) for n in sorted(s.per_endpoint.values(), reverse=True))
             print(
                 f"  {wl:<10} {policy:<38} {rate:>5g} hit {s.hit_ratio:6.1%} "
                 f"TTFT p50 {s.ttft_p50_s:7.3f}s p90 {s.ttft_p90_s:7.3f}s "
                 f"p99 {s.ttft_p99_s:7.3f}s {s.output_tok_per_s:6.0f} tok/s "
-                f"ok {s.ok}/{s.requests} spread {spread}",
+                f"ok {s.ok}/{s.requests} spread {spread}{degraded if stack else ''}",
                 flush=True,
             )
     return rows

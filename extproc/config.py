@@ -181,6 +181,9 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `approx_ttl_s`: how long a recorded decision counts as cached. `capacity_blocks`: per
     endpoint, the most block keys kept. `tier_weights`: weight per medium of a matched block.
     `lookup_budget_s`: a Redis lookup slower than this is abandoned (routing goes on by load).
+    `lookup_budget`: `fixed` keeps `lookup_budget_s` for every request; `prefill` lets a
+    lookup run up to the request's prompt prefill time at the fleet's measured speed when
+    that is longer (what a lookup can save at most; opt-in until measured faster).
     """
 
     backend: Literal["memory", "redis"] = "memory"
@@ -193,6 +196,7 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
     )
     lookup_budget_s: _PositiveS = DEFAULT_LOOKUP_BUDGET_S
+    lookup_budget: Literal["prefill", "fixed"] = "fixed"
     kv_events: KVEventSettings | None = None
 
 
@@ -205,11 +209,14 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `exclude_failing`: endpoints whose last scrape failed get no new requests while any other
     endpoint is healthy (a dead server stops receiving traffic within one scrape interval).
     `request_end`: when a placement stops counting in flight (the gateway's access log, see
-    `endpoints/request_end.py`).
+    `endpoints/request_end.py`). `shared_observations`: with a Redis index, replicas share
+    prefill-speed samples and new-prefix picks (`server/shared_observations.py`); off by
+    default until a measurement shows it faster (bench/RESULTS.md, issue 14, fifth session).
     """
 
     scrape: ScrapeSettings | None = ScrapeSettings()
     shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
+    shared_observations: bool = False
     exclude_failing: bool = True
     request_end: RequestEndSettings = msgspec.field(default_factory=RequestEndSettings)
     # GPU utilization from each endpoint host's DCGM exporter (None: not polled); turned on

@@ -7,13 +7,18 @@ A request's time to first byte is queueing plus prefill, so one sample can say "
 estimate is the median of the last samples, which neither kind moves far. Samples with too
 few tokens say more about overheads than about prefill and are skipped. Servers with no
 sample yet get the fleet's median, so a homogeneous fleet needs no calibration at all.
+
+Replicas sharing Redis share their samples (server/shared_observations.py): each replica
+places about a third of the requests, and a window of its own samples alone gave the same
+server 8,800 tok/s on one replica and 72,000 on another in one run, so the replicas' predicted
+TTFT ranked servers differently and moved sessions on that noise.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 # Below this many uncached tokens, time to first byte is mostly fixed overhead.
@@ -29,14 +34,25 @@ class PrefillSpeeds:
         self._samples: dict[str, deque[float]] = {}
         self._tps: dict[str, float] = {}
         self.samples = 0
+        # Told of each sample taken here (address, tokens/s): replicas publish it.
+        self.on_sample: Callable[[str, float], None] | None = None
 
     def observe(self, address: str, tokens: int, ttfb_s: float | None) -> None:
         if ttfb_s is None or ttfb_s <= 0 or tokens < MIN_SAMPLE_TOKENS:
             return
+        tps = tokens / ttfb_s
+        self.add(address, tps)
+        if self.on_sample is not None:
+            self.on_sample(address, tps)
+
+    def add(self, address: str, tps: float) -> None:
+        """One sample in tokens/s (a peer replica's, or this replica's own)."""
+        if not tps > 0 or tps == float("inf"):
+            return
         window = self._samples.get(address)
         if window is None:
             window = self._samples[address] = deque(maxlen=WINDOW)
-        window.append(tokens / ttfb_s)
+        window.append(tps)
         self.samples += 1
         self._tps[address] = statistics.median(window)
 
@@ -61,6 +77,10 @@ class PrefillSpeeds:
         if not self._tps:
             return None
         return statistics.median(self._tps.values())
+
+    def fleet(self) -> float | None:
+        """The median of the learned speeds (None before any sample)."""
+        return statistics.median(self._tps.values()) if self._tps else None
 
     def forget(self, address: str) -> None:
         self._tps.pop(address, None)

@@ -117,14 +117,20 @@ class KVIndex(Protocol):
     Writes (`record`, `store`, `remove`) never block: they enqueue and return False when the
     bounded queue is full (counted in `stats.writes_dropped`). They are applied in order by
     the backend's writer loop (`run`); `flush` waits until everything queued before it is
-    applied. `lookup` never raises because of the backend: it answers degraded instead.
+    applied. `lookup` never raises because of the backend: it answers degraded instead;
+    `budget_s` is what this request's lookup is worth waiting for (a remote backend waits at
+    least its configured budget, and up to this).
     `root` is the key of block 0 of the chain the keys belong to (Redis shards by it).
     """
 
     stats: IndexStats
 
     async def lookup(
-        self, block_keys: Sequence[int], endpoints: Collection[str] | None = None
+        self,
+        block_keys: Sequence[int],
+        endpoints: Collection[str] | None = None,
+        *,
+        budget_s: float | None = None,
     ) -> Lookup: ...
 
     def record(self, endpoint: str, block_keys: Sequence[int]) -> bool: ...

@@ -56,7 +56,11 @@ class MemoryKVIndex:
         await self.aclose()
 
     async def lookup(
-        self, block_keys: Sequence[int], endpoints: Collection[str] | None = None
+        self,
+        block_keys: Sequence[int],
+        endpoints: Collection[str] | None = None,
+        *,
+        budget_s: float | None = None,  # answered at once: no wait to bound
     ) -> Lookup:
         self.stats.lookups += 1
         blocks = self._blocks

@@ -190,7 +190,11 @@ class RedisKVIndex:
     # -- lookup -------------------------------------------------------------------------
 
     async def lookup(
-        self, block_keys: Sequence[int], endpoints: Collection[str] | None = None
+        self,
+        block_keys: Sequence[int],
+        endpoints: Collection[str] | None = None,
+        *,
+        budget_s: float | None = None,
     ) -> Lookup:
         self.stats.lookups += 1
         if not block_keys:
@@ -206,7 +210,8 @@ class RedisKVIndex:
         # abandoned call is cancelled.
         lookup = self._eval(LOOKUP, self._root_key(block_keys[0]), _pack(block_keys))
         try:
-            out = await command(lookup, self._budget_s, self._abandoned)
+            budget = self._budget_s if budget_s is None else max(self._budget_s, budget_s)
+            out = await command(lookup, budget, self._abandoned)
         except (RedisError, OSError) as exc:  # over budget: TimeoutError, an OSError
             self._lookup_failed(exc)
             return DEGRADED

@@ -140,10 +140,12 @@ class Parts:
             on_placed=self.calibration.placed if self.calibration.enabled else None,
             ends=self.ends,
             speeds=self.speeds,
+            lookup_budget_follows_prefill=settings.index.lookup_budget == "prefill",
             placed=self._placed_blocks(record),
         )
         self.calibration.on_units.append(self.router.estimate_units_changed)
         self.shared_sessions = self._share_sessions()
+        self.shared_observations = self._share_observations()
         self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
         self.latency = latency_wiring.learners(
@@ -183,6 +185,33 @@ class Parts:
 
         pid = getattr(self.inflight, "process_id", None) or default_process_id()
         return SharedRequestEnds.from_url(url, self.ends, process_id=pid)
+
+    def _share_observations(self):
+        """Replicas sharing a Redis index learn prefill speeds and new-prefix spreading
+        from every replica's placements (Redis pub/sub)."""
+        idx = self.settings.index
+        if not self.settings.state.shared_observations:
+            return None
+        if idx.backend != "redis" or not idx.redis_url:
+            return None
+        if idx.cluster:
+            log.warning(
+                "prefill speeds and new-prefix picks are not shared on Redis Cluster: "
+                "each replica learns from its own placements"
+            )
+            return None
+        from extproc.endpoints.shared_inflight import default_process_id
+        from extproc.server.shared_observations import SharedObservations
+
+        lru = SharedObservations.lru_scorers(self.router.scheduler.plugins)
+        pid = getattr(self.inflight, "process_id", None) or default_process_id()
+        return SharedObservations.from_url(
+            idx.redis_url,
+            self.speeds,
+            lru,
+            process_id=pid,
+            known=lambda address: self.pool.get(address) is not None,
+        )
 
     def _share_sessions(self):
         """Replicas sharing a Redis index share the live-session record too."""

@@ -124,6 +124,14 @@ class Exporter:
                 "Live sessions in this replica's record (every replica's placements).",
                 p.shared_sessions.live,
             )
+        if p.shared_observations is not None:
+            yield from fam.SHARED_OBSERVATIONS.families(p.shared_observations.stats)
+            yield one(
+                "extproc_shared_observations_degraded",
+                "1 while prefill-speed samples and new-prefix picks are not shared (Redis "
+                "failing): this replica learns from its own placements only.",
+                1.0 if p.shared_observations.is_degraded else 0.0,
+            )
         if p.subscriber is not None:
             yield from self._kv_events()
         if self._kube:

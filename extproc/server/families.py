@@ -316,6 +316,32 @@ SHARED_SESSIONS = StatsFamilies(
     },
 )
 
+SHARED_OBSERVATIONS = StatsFamilies(
+    "extproc.server.shared_observations.SharedObservationsStats",
+    {
+        "published": Stat(
+            "extproc_shared_observations_published",
+            "Prefill-speed samples and new-prefix picks published to the other replicas.",
+        ),
+        "applied": Stat(
+            "extproc_shared_observations_applied",
+            "Peers' prefill-speed samples and new-prefix picks applied here.",
+        ),
+        "dropped": Stat(
+            "extproc_shared_observations_dropped",
+            "Samples and picks never published (Redis failing or backlog full).",
+        ),
+        "errors": Stat(
+            "extproc_shared_observations_errors",
+            "Failed publishes or subscriptions of shared observations.",
+        ),
+        "bad_entries": Stat(
+            "extproc_shared_observations_bad_entries",
+            "Messages on the observations channel that could not be decoded (skipped).",
+        ),
+    },
+)
+
 CALIBRATION = StatsFamilies(
     "extproc.calibration.CalibrationStats",
     {
@@ -500,7 +526,8 @@ LATENCY_MODEL = StatsFamilies(
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
-    SHARED_SESSIONS, CALIBRATION, CAPACITY, PLACED, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
+    SHARED_SESSIONS, SHARED_OBSERVATIONS, CALIBRATION, CAPACITY, PLACED, WATCH, FLOW,
+    SHARED_FLOW, LATENCY_MODEL,
 )  # fmt: skip
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import msgspec
@@ -185,6 +185,9 @@ class NoHitLRUScorer:
         # address -> logical time of its last cold pick; oldest first.
         self._recent: OrderedDict[str, int] = OrderedDict()
         self._tick = 0
+        # Told of each cold pick made here (replicas publish it: with an LRU of its own, each
+        # replica spread only its third of the new prefixes, and their first picks collided).
+        self.on_pick: Callable[[str], None] | None = None
 
     @staticmethod
     def _is_cold(cands: Sequence[Candidate]) -> bool:
@@ -224,9 +227,15 @@ class NoHitLRUScorer:
     ) -> None:
         if not decision.endpoints or not self._is_cold(cands):
             return
-        self._tick += 1
         addr = decision.primary.address
-        self._recent.pop(addr, None)
-        self._recent[addr] = self._tick
+        self.picked(addr)
+        if self.on_pick is not None:
+            self.on_pick(addr)
+
+    def picked(self, address: str) -> None:
+        """`address` just received a cold request (here, or at a peer replica)."""
+        self._tick += 1
+        self._recent.pop(address, None)
+        self._recent[address] = self._tick
         while len(self._recent) > self._size:
             self._recent.popitem(last=False)

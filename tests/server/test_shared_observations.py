@@ -1,0 +1,125 @@
+"""Two replicas share what they learn through real Redis: a prefill-speed sample taken on
+one shows in the other's estimate, a new-prefix pick made on one moves the other's LRU, and
+a replica whose Redis is gone says so (metric, counters) and keeps learning on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import msgspec
+import redis.asyncio
+
+from extproc.core import Candidate, Decision, Endpoint, EndpointState, InferenceRequest
+from extproc.endpoints.prefill_speed import PrefillSpeeds
+from extproc.scheduling.plugins.prefix import NoHitLRUScorer
+from extproc.server.shared_observations import SharedObservations
+
+
+async def _until(pred, what: str) -> None:
+    for _ in range(100):
+        if pred():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never: {what}")
+
+
+@contextlib.asynccontextmanager
+async def _running(*shared: SharedObservations):
+    tasks = [asyncio.create_task(s.run()) for s in shared]
+    try:
+        yield
+    finally:
+        for t in tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for s in shared:
+            await s.aclose()
+
+
+def _cands(addresses: list[str]) -> list[Candidate]:
+    return [Candidate(Endpoint(a), EndpointState(), prefix_blocks=0.0) for a in addresses]
+
+
+async def test_a_speed_sample_taken_on_one_replica_reaches_the_other(redis_server):
+    a_speeds, b_speeds = PrefillSpeeds(), PrefillSpeeds()
+    a = SharedObservations.from_url(redis_server.url, a_speeds, {}, process_id="a")
+    b = SharedObservations.from_url(redis_server.url, b_speeds, {}, process_id="b")
+    async with _running(a, b):
+        await asyncio.sleep(0.3)  # both subscribed
+        a_speeds.observe("s1", 4000, 0.5)  # 8,000 tok/s, placed and ended on replica a
+        await _until(lambda: b_speeds.get("s1") is not None, "b learns s1's speed")
+        assert b_speeds.get("s1") == a_speeds.get("s1") == 8000.0
+        # b's own sample and a's are one window on both replicas: the same median.
+        b_speeds.observe("s1", 6000, 0.5)  # 12,000
+        b_speeds.observe("s1", 5000, 0.5)  # 10,000
+        await _until(lambda: a_speeds.get("s1") == 10000.0, "a sees b's samples")
+        assert b_speeds.get("s1") == 10000.0
+        assert a.stats.published == 1 and b.stats.applied == 1
+        assert b.stats.published == 2 and a.stats.applied == 2
+
+
+async def test_a_cold_pick_on_one_replica_steers_the_others_next_cold_pick(redis_server):
+    addrs = ["s0", "s1", "s2"]
+    a_lru, b_lru = NoHitLRUScorer(), NoHitLRUScorer()
+    a = SharedObservations.from_url(
+        redis_server.url, PrefillSpeeds(), SharedObservations.lru_scorers([a_lru]),
+        process_id="a",
+    )  # fmt: skip
+    b = SharedObservations.from_url(
+        redis_server.url, PrefillSpeeds(), SharedObservations.lru_scorers([b_lru]),
+        process_id="b",
+    )  # fmt: skip
+    req = InferenceRequest("r", "/v1/chat/completions", block_keys=(1, 2))
+    async with _running(a, b):
+        await asyncio.sleep(0.3)
+        cands = _cands(addrs)
+        a_lru.observe(req, cands, Decision(endpoints=(cands[0].endpoint,)))
+        await _until(lambda: a.stats.published == 1 and b.stats.applied == 1, "pick shared")
+        # Replica b never placed a cold request itself, yet s0 is now its least preferred.
+        assert b_lru.score(req, cands) == [0.0, 1.0, 1.0]
+        b_lru.observe(req, cands, Decision(endpoints=(cands[1].endpoint,)))
+        await _until(lambda: a.stats.applied == 1, "b's pick back on a")
+        assert a_lru.score(req, cands) == [0.9, 0.0, 1.0]
+
+
+async def test_a_bad_message_or_an_unknown_server_is_skipped(redis_server):
+    speeds, lru = PrefillSpeeds(), NoHitLRUScorer()
+    shared = SharedObservations.from_url(
+        redis_server.url, speeds, SharedObservations.lru_scorers([lru]), process_id="a",
+        known=lambda address: address == "s1",
+    )  # fmt: skip
+    async with _running(shared):
+        await asyncio.sleep(0.3)
+        client = redis.asyncio.Redis.from_url(redis_server.url)
+        try:
+            await client.publish("extproc:observations", b"not msgpack \xc1")
+            await client.publish("extproc:observations", msgspec.msgpack.encode([1, 2]))
+            await client.publish(
+                "extproc:observations",
+                msgspec.msgpack.encode(["b", [["s9", 100.0], ["s1", 5000.0]], [["0", "s9"]]]),
+            )
+        finally:
+            await client.aclose()
+        await _until(lambda: speeds.get("s1") == 5000.0, "the known server's sample")
+    assert shared.stats.bad_entries == 2
+    assert shared.stats.applied == 1
+    assert speeds.snapshot().keys() == {"s1"}  # the unknown server left no state
+    assert lru.score(InferenceRequest("r", "/"), _cands(["s1", "s9"])) == [1.0, 1.0]
+
+
+async def test_redis_gone_is_said_and_learning_goes_on_locally(redis_server):
+    speeds = PrefillSpeeds()
+    shared = SharedObservations.from_url(redis_server.url, speeds, {}, process_id="a")
+    async with _running(shared):
+        await asyncio.sleep(0.3)
+        assert not shared.is_degraded
+        redis_server.kill()
+        speeds.observe("s1", 4000, 0.5)
+        await _until(lambda: shared.is_degraded, "degraded")
+        await _until(lambda: shared.stats.dropped == 1, "the sample counted as dropped")
+        assert shared.stats.errors >= 1
+        assert speeds.get("s1") == 8000.0  # this replica's own sample still counts
+        redis_server.start()
+        await _until(lambda: not shared.is_degraded, "recovered after Redis came back")
