@@ -23,13 +23,14 @@ ALLOWED: dict[str, set[str]] = {
     "throttle": set(),  # rate-limited logging for what hostile peers can repeat
     "redis_client": {"errors"},
     "redis_loop": {"backoff"},  # how long-lived loops wait for, and stop around, Redis
+    "redis_broadcast": {"redis_loop"},  # a batched pub/sub channel between replicas
     "hashing": _BASE,
     "requests": _BASE | {"hashing"},
     "latency": _BASE,
     "scheduling": _BASE | {"latency"},
     "plugins": _BASE | {"scheduling"},
     "index": _BASE | {"hashing", "redis_client", "redis_loop", "throttle"},
-    "endpoints": _BASE | {"redis_client", "redis_loop", "latency"},
+    "endpoints": _BASE | {"redis_broadcast", "redis_client", "redis_loop", "latency"},
     # Admission between the index lookup and scheduling: it reads endpoint state, its plugins
     # are built like scheduling plugins, and replicas share its state through Redis.
     "flowcontrol": _BASE | {"endpoints", "redis_client", "redis_loop", "scheduling"},
@@ -39,7 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     "signals": set(),
     "server": _BASE
     | {"_proto", "config", "endpoints", "hashing", "index", "requests", "router", "scheduling"}
-    | {"logs", "redis_client", "redis_loop", "flowcontrol", "latency", "throttle"}
+    | {"logs", "redis_broadcast", "redis_client", "redis_loop", "flowcontrol", "latency"}
+    | {"throttle"}
     | {"calibration", "signals"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,

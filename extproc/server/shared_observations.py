@@ -12,38 +12,36 @@ estimates are drawn from every placement.
 
 On with `state.shared_observations: true` (off by default: in the fifth session's
 interleaved runs it made the replicas agree, but TTFT p90 was not measurably better).
-The hot path never touches Redis: a sample or a pick is applied locally at once and queued;
-one loop publishes the queue every `interval_s` (one message per batch), another applies the
-peers' messages as they arrive. Pub/sub keeps nothing in Redis, so its memory is bounded; a
-replica that is disconnected misses what was said meanwhile, which costs it a few samples of
-a rolling window, no more. Redis down: the replica learns from its own placements alone, says
-so in a log line, counts failures and dropped items (`extproc_shared_observations_*`), shows
-`extproc_shared_observations_degraded` 1 and reconnects by itself. Redis Cluster: not shared
+The hot path never touches Redis: a sample or a pick is applied locally at once and queued
+on a batched pub/sub channel (redis_broadcast.py); a replica that is disconnected misses what
+was said meanwhile, which costs it a few samples of a rolling window, no more. Redis down:
+the replica learns from its own placements alone, says so in a log line, counts failures and
+dropped items (`extproc_shared_observations_*`), shows `extproc_shared_observations_degraded`
+1 and reconnects by itself. Redis Cluster: not shared
 (pub/sub is per node there), said once in a log line.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from extproc.endpoints.prefill_speed import PrefillSpeeds
+from extproc.redis_broadcast import Broadcast
 from extproc.redis_client import redis_from_url
-from extproc.redis_loop import close, command
+from extproc.redis_loop import Outage
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
 
 log = logging.getLogger(__name__)
 
-_MAX_PENDING = 50_000
-_TIMEOUT_S = 2.0  # per Redis call
-_POLL_S = 1.0  # the longest wait for one message before asking again
+_MAX_BACKOFF_S = 2.0
+# Item kinds on the channel: a prefill-speed sample (address, tokens/s) and a cold pick of
+# a `no-hit-lru-scorer` (plugin name, address).
+_SAMPLE, _PICK = "s", "p"
 
 
 @dataclass(slots=True)
@@ -75,23 +73,32 @@ class SharedObservations:
         channel: str = "extproc:observations",
         interval_s: float = 0.05,
     ) -> None:
-        self._client = client
         self._speeds = speeds
         self._lru = dict(lru)
-        self._id = process_id
         # Peers' items name servers of the pool only: a bad message must not grow the
         # per-server state here without bound.
         self._known = known
-        self._channel = channel
-        self._interval = interval_s
-        self._samples: list[tuple[str, float]] = []
-        self._picks: list[tuple[str, str]] = []
-        self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
-        self._failing = False
-        self.stats = SharedObservationsStats()
-        speeds.on_sample = self._queue_sample
+        self._applied = 0
+        outage = Outage(
+            log,
+            failed_msg="shared observations: Redis failing (%r); prefill speeds and new-prefix "
+            "spreading learn from this replica's placements only until Redis answers",
+            healed_msg="shared observations: Redis answers again after %d failed exchanges",
+            base_s=interval_s,
+            cap_s=_MAX_BACKOFF_S,
+        )
+        self._channel = Broadcast(
+            client,
+            channel,
+            self._apply,
+            process_id=process_id,
+            outage=outage,
+            name="shared observations",
+            interval_s=interval_s,
+        )
+        speeds.on_sample = lambda address, tps: self._channel.send((_SAMPLE, address, tps))
         for name, plugin in self._lru.items():
-            plugin.on_pick = lambda addr, name=name: self._queue_pick(name, addr)
+            plugin.on_pick = lambda addr, name=name: self._channel.send((_PICK, name, addr))
 
     @classmethod
     def from_url(
@@ -114,94 +121,34 @@ class SharedObservations:
         return {str(i): p for i, p in enumerate(found)}
 
     @property
+    def stats(self) -> SharedObservationsStats:
+        c = self._channel.stats
+        return SharedObservationsStats(
+            published=c.published,
+            applied=self._applied,
+            dropped=c.dropped,
+            errors=c.errors,
+            bad_entries=c.malformed,
+        )
+
+    @property
     def is_degraded(self) -> bool:
-        return self._failing
-
-    def _queue_sample(self, address: str, tps: float) -> None:
-        if len(self._samples) + len(self._picks) >= _MAX_PENDING:
-            self.stats.dropped += 1
-            return
-        self._samples.append((address, tps))
-
-    def _queue_pick(self, plugin: str, address: str) -> None:
-        if len(self._samples) + len(self._picks) >= _MAX_PENDING:
-            self.stats.dropped += 1
-            return
-        self._picks.append((plugin, address))
+        return self._channel.is_degraded
 
     async def run(self) -> None:
-        await asyncio.gather(self._publish_loop(), self._subscribe_loop())
+        await self._channel.run()
 
-    async def _publish_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval)
-            if not self._samples and not self._picks:
-                continue
-            samples, picks = self._samples, self._picks
-            self._samples, self._picks = [], []
-            blob = msgspec.msgpack.encode([self._id, samples, picks])
-            n = len(samples) + len(picks)
-            try:
-                await command(
-                    self._client.publish(self._channel, blob), _TIMEOUT_S, self._abandoned
-                )
-                self.stats.published += n
-                self._recovered()
-            except (RedisError, OSError, TimeoutError) as exc:
-                self.stats.dropped += n
-                self._failed("publish", exc)
-
-    async def _subscribe_loop(self) -> None:
-        while True:
-            pubsub = self._client.pubsub()
-            try:
-                await command(pubsub.subscribe(self._channel), _TIMEOUT_S, self._abandoned)
-                self._recovered()
-                while True:
-                    # A bounded wait per message, never `listen()`: see extproc/redis_loop.py.
-                    get = pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
-                    msg = await command(get, _POLL_S + _TIMEOUT_S, self._abandoned)
-                    if msg is not None and msg.get("type") == "message":
-                        self._apply(msg["data"])
-            except (RedisError, OSError, TimeoutError) as exc:
-                self._failed("subscription", exc)
-                await asyncio.sleep(1.0)
-            finally:
-                await close(pubsub, "shared observations", self._abandoned)
-
-    def _failed(self, what: str, exc: BaseException) -> None:
-        self.stats.errors += 1
-        if not self._failing:
-            log.warning(
-                "shared observations: %s failed (%r); prefill speeds and new-prefix spreading "
-                "learn from this replica's placements only until Redis answers",
-                what,
-                exc,
-            )
-        self._failing = True
-
-    def _recovered(self) -> None:
-        if self._failing:
-            log.info("shared observations: Redis answers again")
-        self._failing = False
-
-    def _apply(self, data: bytes) -> None:
-        try:
-            sender, samples, picks = msgspec.msgpack.decode(data)
-            if sender == self._id:
-                return
-            for address, tps in samples:
-                if self._known(str(address)):
-                    self._speeds.add(str(address), float(tps))
-                    self.stats.applied += 1
-            for plugin, address in picks:
-                lru = self._lru.get(str(plugin))
-                if lru is not None and self._known(str(address)):
-                    lru.picked(str(address))
-                    self.stats.applied += 1
-        except (ValueError, TypeError):  # msgspec.DecodeError is a ValueError
-            self.stats.bad_entries += 1
-            log.warning("shared observations: malformed message on the channel")
+    def _apply(self, item: Any) -> None:
+        kind, first, second = item
+        if kind == _SAMPLE:
+            if self._known(str(first)):
+                self._speeds.add(str(first), float(second))
+                self._applied += 1
+        elif kind == _PICK:
+            lru = self._lru.get(str(first))
+            if lru is not None and self._known(str(second)):
+                lru.picked(str(second))
+                self._applied += 1
 
     async def aclose(self) -> None:
-        await close(self._client, "shared observations", self._abandoned)
+        await self._channel.aclose()

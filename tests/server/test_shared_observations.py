@@ -98,7 +98,9 @@ async def test_a_bad_message_or_an_unknown_server_is_skipped(redis_server):
             await client.publish("extproc:observations", msgspec.msgpack.encode([1, 2]))
             await client.publish(
                 "extproc:observations",
-                msgspec.msgpack.encode(["b", [["s9", 100.0], ["s1", 5000.0]], [["0", "s9"]]]),
+                msgspec.msgpack.encode(
+                    ["b", [["s", "s9", 100.0], ["s", "s1", 5000.0], ["p", "0", "s9"]]]
+                ),
             )
         finally:
             await client.aclose()

@@ -1,0 +1,149 @@
+"""A Redis pub/sub channel between picker replicas, batched: what one replica queues reaches
+every other one within about `interval_s` (shared request ends, shared observations).
+
+The hot path only queues an item (bounded: past `max_pending` it is dropped and counted).
+One loop publishes the queue every `interval_s`, one msgpack message `[process_id, items]`
+per batch; another applies the peers' items as they arrive (never this replica's own).
+Pub/sub keeps nothing in Redis, so its memory is bounded; a replica that is disconnected
+misses what was said meanwhile. Redis failing: the batch is dropped (counted), the feature's
+`Outage` says so once and shows degraded, the loops back off and reconnect by themselves. With
+nothing to publish, a failed publish side is probed with PING, so the degraded flag falls
+once Redis is back. A peer's message that does not decode, or an item `apply` rejects with
+ValueError/TypeError, is counted as malformed and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from extproc.redis_loop import Outage, close, command
+
+log = logging.getLogger(__name__)
+
+_TIMEOUT_S = 2.0  # per Redis call
+_POLL_S = 1.0  # the longest wait for one message before asking again
+
+
+@dataclass(slots=True)
+class BroadcastStats:
+    """Counters since start: items `published` to the peers, items `dropped` (Redis failing
+    or the backlog full), failed Redis calls (`errors`), peers' messages or items that did
+    not decode (`malformed`)."""
+
+    published: int = 0
+    dropped: int = 0
+    errors: int = 0
+    malformed: int = 0
+
+
+class Broadcast:
+    """Queues this replica's items for the peers and hands each peer item to `apply`. `name`
+    names the feature in log lines; `outage` is its failure/heal record."""
+
+    def __init__(
+        self,
+        client: Redis,
+        channel: str,
+        apply: Callable[[Any], None],
+        *,
+        process_id: str,
+        outage: Outage,
+        name: str,
+        interval_s: float = 0.05,
+        max_pending: int = 50_000,
+    ) -> None:
+        self._client = client
+        self._channel = channel
+        self._apply = apply
+        self._id = process_id
+        self._outage = outage
+        self._name = name
+        self._interval = interval_s
+        self._max_pending = max_pending
+        self._pending: list[Any] = []
+        self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
+        self.stats = BroadcastStats()
+
+    @property
+    def is_degraded(self) -> bool:
+        """True while the last publish or read failed: nothing is shared."""
+        return self._outage.degraded
+
+    def send(self, item: Any) -> None:
+        """Queue `item` (msgpack-encodable) for the next batch."""
+        if len(self._pending) >= self._max_pending:
+            self.stats.dropped += 1
+            return
+        self._pending.append(item)
+
+    async def run(self) -> None:
+        await asyncio.gather(self._publish_loop(), self._subscribe_loop())
+
+    async def aclose(self) -> None:
+        await close(self._client, self._name, self._abandoned)
+
+    async def _publish_loop(self) -> None:
+        delay = self._interval
+        while True:
+            await asyncio.sleep(delay)
+            if self._pending:
+                batch, self._pending = self._pending, []
+                blob = msgspec.msgpack.encode([self._id, batch])
+                backoff = await self._exchange("publish", self._client.publish(self._channel, blob))
+                if backoff is None:
+                    self.stats.published += len(batch)
+                else:
+                    self.stats.dropped += len(batch)
+            elif self._outage.failures("publish"):
+                backoff = await self._exchange("publish", self._client.ping())
+            else:
+                backoff = None
+            delay = self._interval if backoff is None else backoff
+
+    async def _exchange(self, part: str, call: Any) -> float | None:
+        """One Redis call of `part`: None when it went through, else how long to back off."""
+        try:
+            await command(call, _TIMEOUT_S, self._abandoned)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.stats.errors += 1
+            return self._outage.failed(exc, part)
+        self._outage.healed(part)
+        return None
+
+    async def _subscribe_loop(self) -> None:
+        while True:
+            pubsub = self._client.pubsub()
+            try:
+                await command(pubsub.subscribe(self._channel), _TIMEOUT_S, self._abandoned)
+                self._outage.healed("subscribe")
+                while True:
+                    # A bounded wait per message, never `listen()`: see extproc/redis_loop.py.
+                    get = pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
+                    msg = await command(get, _POLL_S + _TIMEOUT_S, self._abandoned)
+                    if msg is not None and msg.get("type") == "message":
+                        self._received(msg["data"])
+            except (RedisError, OSError, TimeoutError) as exc:
+                self.stats.errors += 1
+                delay = self._outage.failed(exc, "subscribe")
+            finally:
+                await close(pubsub, self._name, self._abandoned)
+            await asyncio.sleep(delay)
+
+    def _received(self, data: bytes) -> None:
+        try:
+            sender, items = msgspec.msgpack.decode(data)
+            if sender == self._id:
+                return
+            for item in items:
+                self._apply(item)
+        except (ValueError, TypeError):  # msgspec.DecodeError is a ValueError
+            self.stats.malformed += 1
+            log.warning("%s: malformed message on the channel", self._name)
