@@ -207,12 +207,14 @@ class Candidate:
     """An endpoint as the scheduler sees it: identity, live state, and its prefix match.
 
     `prefix_blocks` is the tier-weighted number of leading request blocks this endpoint is
-    believed to hold (0 when unknown).
+    believed to hold (0 when unknown). `prefix_known` is False when the index could not
+    answer (a degraded lookup): the 0 then says nothing of what is cached.
     """
 
     endpoint: Endpoint
     state: EndpointState = EndpointState()
     prefix_blocks: float = 0.0
+    prefix_known: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -305,7 +305,14 @@ class Router:
             state = states.state(a, inflight.requests(a), inflight.tokens(a))
             if speeds is not None:
                 state = state.with_prefill_tps(speeds.get(a))
-            cands.append(Candidate(endpoint=e, state=state, prefix_blocks=matches.get(a, 0.0)))
+            cands.append(
+                Candidate(
+                    endpoint=e,
+                    state=state,
+                    prefix_blocks=matches.get(a, 0.0),
+                    prefix_known=not lookup.degraded,
+                )
+            )
         decision = self.scheduler.schedule(request, cands, explain=explain)
         if not decision.endpoints:
             raise NoEndpoints("no model-server endpoint is eligible for this request")

@@ -123,6 +123,11 @@ def test_tail_scorer_lets_go_once_the_home_has_evicted_the_tail():
     # The home still ahead by one block: the hysteresis holds.
     kept = [cand("a", prefix=len(SHARED)), cand("b", prefix=len(SHARED) + 1)]
     assert scorer.score(turn(0, 1), kept) == [0.0, 1.0]
+    # The index did not answer (a degraded lookup: no prefix known anywhere): no sign of an
+    # eviction, so the session record keeps the turn home.
+    unknown = [dataclasses.replace(cand(a), prefix_known=False) for a in "abc"]
+    assert f.home(turn(0, 1), unknown) == "b"
+    assert scorer.score(turn(0, 1), unknown) == [0.0, 1.0, 0.0]
 
 
 def test_bounded_load_leaves_later_turns_to_the_scorers():

@@ -321,6 +321,10 @@ class SessionTailScorer:
         at_home = [c.endpoint.address == home for c in cands]
         if home is None or not any(at_home):
             return [1.0] * len(cands)
+        if not all(c.prefix_known for c in cands):
+            # The index did not answer (Redis slow or down): nothing says the tail is gone,
+            # and the session record is the one sign of where it lives.
+            return [1.0 if h else 0.0 for h in at_home]
         held = max(c.prefix_blocks for c, h in zip(cands, at_home, strict=True) if h)
         elsewhere = max(
             (c.prefix_blocks for c, h in zip(cands, at_home, strict=True) if not h), default=0.0
