@@ -24,12 +24,14 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
 
 log = logging.getLogger(__name__)
 
 _TIMEOUT_S = 2.0  # per Redis call
 _POLL_S = 1.0  # the longest wait for one message before asking again
+_MAX_BACKOFF_S = 2.0
 
 
 @dataclass(slots=True)
@@ -46,7 +48,8 @@ class BroadcastStats:
 
 class Broadcast:
     """Queues this replica's items for the peers and hands each peer item to `apply`. `name`
-    names the feature in log lines; `outage` is its failure/heal record."""
+    names the feature in log lines; `failed_msg` (one `%r`: the error) and `healed_msg`
+    (one `%d`: failed exchanges) are its `Outage` lines, logged on `logger`."""
 
     def __init__(
         self,
@@ -55,8 +58,10 @@ class Broadcast:
         apply: Callable[[Any], None],
         *,
         process_id: str,
-        outage: Outage,
         name: str,
+        logger: logging.Logger,
+        failed_msg: str,
+        healed_msg: str,
         interval_s: float = 0.05,
         max_pending: int = 50_000,
     ) -> None:
@@ -64,13 +69,24 @@ class Broadcast:
         self._channel = channel
         self._apply = apply
         self._id = process_id
-        self._outage = outage
+        self._outage = Outage(
+            logger,
+            failed_msg=failed_msg,
+            healed_msg=healed_msg,
+            base_s=interval_s,
+            cap_s=_MAX_BACKOFF_S,
+        )
         self._name = name
         self._interval = interval_s
         self._max_pending = max_pending
         self._pending: list[Any] = []
         self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         self.stats = BroadcastStats()
+
+    @staticmethod
+    def client(url: str) -> Redis:
+        """A client for a channel at `url` (no socket timeout: reads wait on `command`)."""
+        return redis_from_url(url, cluster=False, connect_timeout_s=1.0, timeout_s=None)  # type: ignore[return-value]
 
     @property
     def is_degraded(self) -> bool:

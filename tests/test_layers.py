@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "throttle": set(),  # rate-limited logging for what hostile peers can repeat
     "redis_client": {"errors"},
     "redis_loop": {"backoff"},  # how long-lived loops wait for, and stop around, Redis
-    "redis_broadcast": {"redis_loop"},  # a batched pub/sub channel between replicas
+    "redis_broadcast": {"redis_client", "redis_loop"},  # a batched pub/sub channel between replicas
     "hashing": _BASE,
     "requests": _BASE | {"hashing"},
     "latency": _BASE,

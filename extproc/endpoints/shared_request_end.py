@@ -19,12 +19,8 @@ from redis.asyncio import Redis
 
 from extproc.endpoints.request_end import Ended, RequestEnds
 from extproc.redis_broadcast import Broadcast
-from extproc.redis_client import redis_from_url
-from extproc.redis_loop import Outage
 
 log = logging.getLogger("extproc.request_end")
-
-_MAX_BACKOFF_S = 2.0
 
 
 @dataclass(slots=True)
@@ -51,29 +47,24 @@ class SharedRequestEnds:
     ) -> None:
         self._ends = ends
         self._applied = 0
-        outage = Outage(
-            log,
-            failed_msg="request ends: Redis failing (%r); entries for other replicas' "
-            "requests are dropped and their holds expire at max_hold_s until it is back",
-            healed_msg="request ends: Redis back after %d failed exchanges",
-            base_s=interval_s,
-            cap_s=_MAX_BACKOFF_S,
-        )
         self._channel = Broadcast(
             client,
             channel,
             self._apply,
             process_id=process_id,
-            outage=outage,
             name="request ends",
+            logger=log,
+            failed_msg="request ends: Redis failing (%r); entries for other replicas' "
+            "requests are dropped and their holds expire at max_hold_s until it is back",
+            healed_msg="request ends: Redis back after %d failed exchanges",
             interval_s=interval_s,
         )
         ends.on_unmatched = self.forward
 
     @classmethod
     def from_url(cls, url: str, ends: RequestEnds, *, process_id: str) -> SharedRequestEnds:
-        client = redis_from_url(url, cluster=False, connect_timeout_s=1.0, timeout_s=None)
-        return cls(ends, client, process_id=process_id)  # type: ignore[arg-type]
+        client = Broadcast.client(url)
+        return cls(ends, client, process_id=process_id)
 
     @property
     def stats(self) -> SharedEndStats:

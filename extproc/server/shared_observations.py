@@ -32,13 +32,10 @@ from redis.asyncio import Redis
 
 from extproc.endpoints.prefill_speed import PrefillSpeeds
 from extproc.redis_broadcast import Broadcast
-from extproc.redis_client import redis_from_url
-from extproc.redis_loop import Outage
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
 
 log = logging.getLogger(__name__)
 
-_MAX_BACKOFF_S = 2.0
 # Item kinds on the channel: a prefill-speed sample (address, tokens/s) and a cold pick of
 # a `no-hit-lru-scorer` (plugin name, address).
 _SAMPLE, _PICK = "s", "p"
@@ -79,21 +76,16 @@ class SharedObservations:
         # per-server state here without bound.
         self._known = known
         self._applied = 0
-        outage = Outage(
-            log,
-            failed_msg="shared observations: Redis failing (%r); prefill speeds and new-prefix "
-            "spreading learn from this replica's placements only until Redis answers",
-            healed_msg="shared observations: Redis answers again after %d failed exchanges",
-            base_s=interval_s,
-            cap_s=_MAX_BACKOFF_S,
-        )
         self._channel = Broadcast(
             client,
             channel,
             self._apply,
             process_id=process_id,
-            outage=outage,
             name="shared observations",
+            logger=log,
+            failed_msg="shared observations: Redis failing (%r); prefill speeds and new-prefix "
+            "spreading learn from this replica's placements only until Redis answers",
+            healed_msg="shared observations: Redis answers again after %d failed exchanges",
             interval_s=interval_s,
         )
         speeds.on_sample = lambda address, tps: self._channel.send((_SAMPLE, address, tps))
@@ -110,8 +102,8 @@ class SharedObservations:
         process_id: str,
         known: Callable[[str], bool] = lambda address: True,
     ) -> SharedObservations:
-        client = redis_from_url(url, cluster=False, connect_timeout_s=1.0, timeout_s=None)
-        return cls(client, speeds, lru, process_id=process_id, known=known)  # type: ignore[arg-type]
+        client = Broadcast.client(url)
+        return cls(client, speeds, lru, process_id=process_id, known=known)
 
     @staticmethod
     def lru_scorers(plugins: Iterable[object]) -> dict[str, NoHitLRUScorer]:
