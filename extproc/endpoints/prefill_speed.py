@@ -72,11 +72,7 @@ class PrefillSpeeds:
     def get(self, address: str) -> float | None:
         """The learned speed, else the fleet median, else None (nothing learned yet)."""
         tps = self._tps.get(address)
-        if tps is not None:
-            return tps
-        if not self._tps:
-            return None
-        return statistics.median(self._tps.values())
+        return tps if tps is not None else self.fleet()
 
     def fleet(self) -> float | None:
         """The median of the learned speeds (None before any sample)."""
