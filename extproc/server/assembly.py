@@ -96,7 +96,7 @@ class Parts:
                 self.states,
                 state.scrape,
                 on_invalidate=self._invalidate_endpoint,
-                on_scrape=self._calibrate,
+                on_scrape=self._scraped,
             )
             if state.scrape
             else None
@@ -302,8 +302,10 @@ class Parts:
                 sub.watch(self.event_source(e))
         return sub
 
-    def _calibrate(self, address: str, scraped) -> None:
+    def _scraped(self, address: str, scraped) -> None:
         self.calibration.observe(address, scraped.kv_block_size, scraped.prompt_tokens)
+        # The engine's own prefill timing, queueing excluded (endpoints/prefill_speed.py).
+        self.speeds.scraped(address, scraped.latency)
 
     async def _invalidate_endpoint(self, address: str, reason: str) -> None:
         """The scraper saw `address` restart or stop answering: its cache is not what the
