@@ -11,7 +11,8 @@ The queue ahead is this picker's own virtual prefill queue per endpoint (each pl
 its uncached tokens / speed; it drains in real time), floored by the in-flight prefill
 tokens every replica placed there and by the endpoint's scraped waiting requests at the
 mean placed prefill (both shared: replicas see the same floor). Speeds are
-measured online (`EndpointState.prefill_tps`, from the access log); until the first
+measured online (`EndpointState.prefill_tps`, from the engines' prefill histograms, else the
+access log: endpoints/prefill_speed.py); until the first
 measurement every endpoint gets the same prior, which only scales all predictions alike.
 """
 
