@@ -10,10 +10,10 @@ back to where it grew. No weight between "affinity" and "load" needs calibrating
 The queue ahead is this picker's own virtual prefill queue per endpoint (each placement adds
 its uncached tokens / speed; it drains in real time), floored by the in-flight prefill
 tokens every replica placed there and by the endpoint's scraped waiting requests at the
-mean placed prefill (both shared: replicas see the same floor). Speeds are
-measured online (`EndpointState.prefill_tps`, from the engines' prefill histograms, else the
-access log: endpoints/prefill_speed.py); until the first
-measurement every endpoint gets the same prior, which only scales all predictions alike.
+mean placed prefill (both shared: replicas see the same floor). Speeds are measured online
+(`EndpointState.prefill_tps`: from the engines' prefill histograms, else the access log,
+endpoints/prefill_speed.py); until the first measurement every endpoint gets the same
+prior, which only scales all predictions alike.
 """
 
 from __future__ import annotations
