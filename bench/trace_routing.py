@@ -38,7 +38,12 @@ TOKEN = "trace-routing-token"
 
 
 async def _send(http: aiohttp.ClientSession, url: str, item: WorkItem, t0: float) -> dict:
-    row: dict = {"index": item.index, "group": item.group or item.conversation, "turn": item.turn}
+    # "group" names an agentic session (their items all have group 0); "tenant" is the
+    # tenants workload's group, 0 included (its biggest tenant).
+    row: dict = {
+        "index": item.index, "group": item.group or item.conversation, "tenant": item.group,
+        "conversation": item.conversation, "turn": item.turn,
+    }  # fmt: skip
     start = time.perf_counter()
     row["sent_s"] = start - t0
     try:
@@ -143,7 +148,8 @@ def summarize(mode: str, rows: list[dict]) -> str:
     return (
         f"{mode:<12} ok {len(ok)}/{len(rows)} hit {cached / max(prompt, 1):.1%} "
         f"TTFT p50 {pct(0.5):.3f} p90 {pct(0.9):.3f} (median in the engine {mid(engine):.3f}, "
-        f"outside it {mid(outside):.3f}, sum outside {sum(outside):.2f}) | predicted hit vs served: "
+        f"outside it {mid(outside):.3f}, sum outside {sum(outside):.2f}) | "
+        "predicted hit vs served: "
         f"under {below} (tokens {missed}), equal {equal}, over {above} (tokens {phantom}) | "
         f"spread {'/'.join(str(n) for n in sorted(spread.values(), reverse=True))}"
     )
