@@ -5,7 +5,8 @@ Two sources, the engine's own first:
 - **The engine's histograms**, at every scrape: the uncached tokens it prefilled
   (`request_prefill_kv_computed_tokens` sum) over the seconds its requests spent in prefill
   (`request_prefill_time_seconds` sum) added since the previous scrape; the speed is the
-  ratio of the sums over the last `WINDOW` intervals that prefilled anything. Queueing is
+  ratio of the sums over the last `WINDOW` intervals that prefilled anything (vLLM without
+  the computed-tokens histogram: its `prompt_tokens_by_source{source="local_compute"}`). Queueing is
   not in it (vLLM times prefill from the request's first scheduling), nor the picker's
   guess of what the server held: identical servers read alike. Where prefills overlap in
   one batch (vLLM's chunked prefill), each request's prefill time counts the whole batch, so
@@ -122,10 +123,18 @@ class PrefillSpeeds:
             e.window.clear()
             e.tps = None
             return
-        if d_n == 0 or d_s <= 0 or d_tok < MIN_SAMPLE_TOKENS * d_n:
-            return  # no prefill, or fully cached ones: fixed overhead, not speed
+        if d_tok == 0 and d_s == 0:
+            return  # nothing prefilled since the last scrape
+        # Every interval with work counts, whatever its own ratio: vLLM observes a request's
+        # prefill time when the request finishes, and may count its tokens (by source) at
+        # its first token, so one interval can hold the tokens and a later one their
+        # seconds; summed over the window they meet again.
         e.window.append((d_tok, d_s))
-        e.tps = math.fsum(t for t, _ in e.window) / math.fsum(s for _, s in e.window)
+        tokens_in = math.fsum(t for t, _ in e.window)
+        seconds_in = math.fsum(s for _, s in e.window)
+        if tokens_in < MIN_SAMPLE_TOKENS or seconds_in <= 0:
+            return  # fully cached prompts only so far: fixed overhead, not speed
+        e.tps = tokens_in / seconds_in
         self.samples += 1
 
     def units_changed(self, factor: float) -> None:

@@ -111,3 +111,23 @@ def test_without_histograms_the_access_log_speaks_and_says_so(caplog):
     assert sp.get("old") == 10000 and sp.get("new") == before
     sp.forget("new")
     assert sp.get("new") == 10000  # the fleet's median, of what is left
+
+
+def test_tokens_and_seconds_counted_in_different_scrapes_still_meet():
+    # vLLM may count a request's computed tokens (by source) at its first token and observe
+    # its prefill time when it finishes: an interval with tokens and no seconds, then one
+    # with seconds and no tokens. Neither alone is a speed; together they are the right one.
+    sp = PrefillSpeeds()
+    tokens = seconds = count = 0.0
+    sp.scraped("a", LatencyTotals(prefill_sum=0.0, prefill_count=0.0, prefill_tokens=0.0))
+    for _ in range(10):
+        tokens += 2000
+        sp.scraped(
+            "a", LatencyTotals(prefill_sum=seconds, prefill_count=count, prefill_tokens=tokens)
+        )
+        seconds += 0.1
+        count += 1
+        sp.scraped(
+            "a", LatencyTotals(prefill_sum=seconds, prefill_count=count, prefill_tokens=tokens)
+        )
+    assert abs(sp.get("a") / 20000 - 1) < 0.01  # type: ignore[operator]
