@@ -56,7 +56,7 @@ class Admission(Protocol):
     """Flow control as the router sees it (extproc.flowcontrol.admission.Admission)."""
 
     async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket: ...
-    def placed(self, ticket: Ticket) -> None: ...
+    def placed(self, ticket: Ticket, address: str = "") -> None: ...
     def release(self, ticket: Ticket) -> None: ...
     def evicted_error(self) -> ExtprocError: ...
 
@@ -268,7 +268,7 @@ class Router:
         except BaseException:
             self.admission.release(ticket)
             raise
-        self.admission.placed(ticket)
+        self.admission.placed(ticket, routed.placement.address)
         return routed
 
     def _eligible(self, subset: Collection[str] | None) -> tuple[Endpoint, ...]:

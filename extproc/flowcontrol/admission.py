@@ -110,13 +110,20 @@ class Admission:
                 slo = max(0.0, float(raw)) / 1000.0
             except ValueError:
                 raise BadRequest("x-llm-d-slo-ttft-ms must be a number of milliseconds") from None
+        # The output counted: the configured expectation, or the request's own cap when it
+        # is lower (it cannot produce more). Not the cap when higher: clients set generous
+        # caps, and vLLM allocates KV as tokens are generated, not for max_tokens up front.
+        out = self.settings.expected_output_tokens
+        if request.max_output_tokens is not None:
+            out = min(out, request.max_output_tokens)
+        uncached = max(0, uncached_tokens)
         return FlowRequest(
             fairness_id=fairness,
             priority=self.objectives.priority(h),
-            tokens=max(0, uncached_tokens) + self.settings.expected_output_tokens,
+            tokens=uncached + out,
             body_bytes=request.body_bytes,
             slo_ttft_s=slo,
-            output_tokens=self.settings.expected_output_tokens,
+            output_tokens=out,
         )
 
     async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket:
@@ -155,8 +162,8 @@ class Admission:
             self.settings.retry_after_s,
         )
 
-    def placed(self, ticket: Ticket) -> None:
-        self.controller.placed(ticket)
+    def placed(self, ticket: Ticket, address: str = "") -> None:
+        self.controller.placed(ticket, address)
 
     def release(self, ticket: Ticket) -> None:
         self.controller.release(ticket)

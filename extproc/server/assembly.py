@@ -241,15 +241,14 @@ class Parts:
 
         def pool_endpoints():
             inflight, states = router.inflight, router.states
-            return [
-                (
-                    e.address,
-                    states.state(
-                        e.address, inflight.requests(e.address), inflight.tokens(e.address)
-                    ),
-                )
-                for e in self.pool.snapshot()
-            ]
+            # Measured prefill speeds too: the reserve for higher bands is sized by them.
+            speeds = router.speeds if router.speeds is not None and router.speeds.samples else None
+            out = []
+            for e in self.pool.snapshot():
+                a = e.address
+                st = states.state(a, inflight.requests(a), inflight.tokens(a))
+                out.append((a, st.with_prefill_tps(speeds.get(a)) if speeds else st))
+            return out
 
         def pool_states():
             return [s for _, s in pool_endpoints()]
