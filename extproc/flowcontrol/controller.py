@@ -243,9 +243,9 @@ class FlowController:
 
     def saturation(self) -> float:
         peer_reqs, peer_toks = self.peer_pending
-        # Own placed requests' output differences, spread as pending work is (>= 0 overall:
-        # only the pool's figure, never below what the detector counts by itself).
-        out = max(0, sum(d for _, d in self._out_at.values()))
+        # Own placed requests' own outputs in place of the detector's constant, spread as
+        # pending work is (exact for the average over endpoints of one size).
+        out = sum(d for _, d in self._out_at.values())
         return self._detector.saturation(
             self._states(),
             self.pending_requests + peer_reqs,
