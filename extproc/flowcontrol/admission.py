@@ -230,6 +230,22 @@ class Admission:
         )
         nr.add_metric([], fc.no_room)
         yield nr
+        if fc.reserve_count:
+            rt = gauge(
+                "extproc_flow_reserved_tokens",
+                "Tokens a lower band last had to leave free on one endpoint for higher bands "
+                "(reserve_for_higher_bands: the largest recent requests plus the arrival rate "
+                "times their prefill time).",
+            )
+            rt.add_metric([], fc.reserve.last_held)
+            yield rt
+            ru = counter(
+                "extproc_flow_reserve_rate_unsized",
+                "Reserve sizings without the arrival-rate term: no prefill speed measured yet "
+                "(the largest recent requests alone were kept free).",
+            )
+            ru.add_metric([], fc.reserve.rate_unsized)
+            yield ru
         if self.shared is not None:
             # Exchange counts are SharedFlowStats fields: server/families.py exports them.
             d = gauge(

@@ -181,7 +181,7 @@ class FlowController:
         # Dispatch opportunities where the pool was under the ceiling but no endpoint had
         # room for the next request (it stayed queued).
         self.no_room = 0
-        self._reserve = reserve
+        self.reserve_count = reserve
         self.reserve = Reserve(reserve, clock)
         # A detector that counts a constant output per in-flight request (the concurrency
         # detector's `outputTokens`) is told, per endpoint, how far the requests placed
@@ -195,7 +195,7 @@ class FlowController:
     async def admit(self, request: FlowRequest) -> Ticket:
         now = self._clock()
         p = request.priority
-        if self._reserve:
+        if self.reserve_count:
             self.reserve.note(p, request.tokens, request.output_tokens)
         if self.count == 0 and self._may_run(p) and self._open(p):
             room = self._room(request)
@@ -279,7 +279,7 @@ class FlowController:
         sat = self.saturation()
         ceiling = self.ceiling(request.priority, sat)
         held, top = (0, 0)
-        if self._reserve:
+        if self.reserve_count:
             speeds = [st.prefill_tps for _, st in eps if st.prefill_tps]
             tps = sum(speeds) / len(speeds) if speeds else None
             held, top = self.reserve.held(request.priority, self._priorities, tps)

@@ -17,8 +17,11 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+log = logging.getLogger("extproc.flowcontrol")
 
 HISTORY = 100  # recent requests per band whose sizes and arrival rate set the reserve
 
@@ -89,6 +92,12 @@ class Reserve:
             if prefill_tps:
                 tokens += int(self.rate(p) * prompt / prefill_tps)
             elif p in self._seen and len(self._seen[p]) >= 2:
+                if not self.rate_unsized:
+                    log.warning(
+                        "reserve for higher bands: no prefill speed measured (needs the "
+                        "access log), so their arrival rate is not counted; keeping room for "
+                        "the largest recent requests only"
+                    )
                 self.rate_unsized += 1
             if len(self._seen.get(p, ())) < HISTORY:
                 tokens = max(tokens, self._largest_any[0])

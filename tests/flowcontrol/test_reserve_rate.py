@@ -110,7 +110,7 @@ async def interactive_history(ctl: FlowController, clock: Clock, n: int) -> None
         ctl.release(await ctl.admit(FlowRequest("t", 10, 500, 10, output_tokens=100)))
 
 
-async def test_the_reserve_grows_with_the_higher_bands_arrival_rate():
+async def test_the_reserve_grows_with_the_higher_bands_arrival_rate(caplog):
     # 5000 interactive tokens/s; the largest (400 prompt tokens) prefills in 0.1 s at 4000
     # tokens/s: 500 more arrive meanwhile, so 1000 are kept free, not 500.
     clock = Clock()
@@ -128,6 +128,7 @@ async def test_the_reserve_grows_with_the_higher_bands_arrival_rate():
     await settle()
     assert low.done() and ctl.reserve.last_held == 500
     assert ctl.reserve.rate_unsized >= 1
+    assert "no prefill speed measured" in caplog.text  # said once, and counted
 
 
 async def test_a_band_that_went_quiet_needs_less_reserve():
