@@ -271,6 +271,15 @@ class Router:
         self.admission.placed(ticket, routed.placement.address)
         return routed
 
+    def routable(self) -> tuple[Endpoint, ...]:
+        """The endpoints a request without a subset may be placed on now (empty: none).
+        Flow control's per-endpoint admission judges these: releasing a request for a
+        server the router then routes around placed it on another, full one."""
+        try:
+            return self._eligible(None)
+        except NoEndpoints:
+            return ()
+
     def _eligible(self, subset: Collection[str] | None) -> tuple[Endpoint, ...]:
         endpoints = self.pool.snapshot()
         if subset is not None:

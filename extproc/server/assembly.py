@@ -239,19 +239,24 @@ class Parts:
 
         router = self.router
 
-        def pool_endpoints():
+        def endpoint_states(endpoints):
             inflight, states = router.inflight, router.states
             # Measured prefill speeds too: the reserve for higher bands is sized by them.
             speeds = router.speeds if router.speeds is not None and router.speeds.samples else None
             out = []
-            for e in self.pool.snapshot():
+            for e in endpoints:
                 a = e.address
                 st = states.state(a, inflight.requests(a), inflight.tokens(a))
                 out.append((a, st.with_prefill_tps(speeds.get(a)) if speeds else st))
             return out
 
+        def pool_endpoints():
+            # Where the router may place a request now (not a server it routes around:
+            # admitted for that one, a request landed on another, full one).
+            return endpoint_states(router.routable())
+
         def pool_states():
-            return [s for _, s in pool_endpoints()]
+            return [s for _, s in endpoint_states(self.pool.snapshot())]
 
         try:
             admission = Admission(
