@@ -251,7 +251,12 @@ class Deployment:
                 argv += ["--redis-url", redis_url]
             log = open(self.log_dir / f"picker{i}.log", "ab")  # noqa: SIM115
             env = {**os.environ, "PYTHONPATH": src} if src else None
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # Started from `src` too: `python -m` puts its working directory first on the
+            # path, ahead of PYTHONPATH, so from this tree the "baseline" ran this tree's code
+            # (it did, in the fifth session's old-against-new runs).
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=src or None
+            )
             self.procs.append(proc)
             wait_until(
                 lambda h=health: grpc_health_status(h, "readiness") == 1,

@@ -63,9 +63,11 @@ class Admission:
         controller: FlowController | None = None,
         rand: Callable[[], float] = random.random,
         endpoints: Callable[[], Sequence[tuple[str, EndpointState]]] | None = None,
+        prefill_speed: Callable[[], float | None] | None = None,
     ) -> None:
         """`states`: the pool's endpoint states now; `endpoints`: the same with addresses,
-        for per-endpoint admission (`admit_per_endpoint`; None: by the pool alone)."""
+        for per-endpoint admission (`admit_per_endpoint`; None: by the pool alone);
+        `prefill_speed`: tokens/s of a prefill alone, measured (sizes the reserve)."""
         s = config.settings
         self._states = states
         self._rand = rand
@@ -87,6 +89,7 @@ class Admission:
             eviction=config.eviction,
             endpoints=endpoints if s.admit_per_endpoint else None,
             reserve=s.reserve_for_higher_bands,
+            prefill_speed=prefill_speed,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         self.wait_seconds = Histogram(

@@ -116,6 +116,7 @@ class FlowController:
         eviction: EvictionSettings | None = None,
         endpoints: Callable[[], Sequence[tuple[str, EndpointState]]] | None = None,
         reserve: int = 0,
+        prefill_speed: Callable[[], float | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -128,7 +129,9 @@ class FlowController:
         `endpoints`: (address, state) per endpoint now, for per-endpoint admission (None:
         by the pool's saturation alone). `reserve`: with per-endpoint admission, a lower
         band's request is released only where afterwards some endpoint still has room for
-        that many of the largest recent requests of a higher band (0: no reserve)."""
+        that many of the largest recent requests of a higher band (0: no reserve), plus
+        that band's arrival rate times their prefill time at `prefill_speed` (tokens/s, the
+        fastest recently measured; None: unknown, the rate is left out)."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -183,6 +186,7 @@ class FlowController:
         self.no_room = 0
         self.reserve_count = reserve
         self.reserve = Reserve(reserve, clock)
+        self._prefill_speed = prefill_speed
         # A detector that counts a constant output per in-flight request (the concurrency
         # detector's `outputTokens`) is told, per endpoint, how far the requests placed
         # there from this process differ from it: each counts its own expected output
@@ -280,8 +284,7 @@ class FlowController:
         ceiling = self.ceiling(request.priority, sat)
         held, top = (0, 0)
         if self.reserve_count:
-            speeds = [st.prefill_tps for _, st in eps if st.prefill_tps]
-            tps = sum(speeds) / len(speeds) if speeds else None
+            tps = self._prefill_speed() if self._prefill_speed is not None else None
             held, top = self.reserve.held(request.priority, self._priorities, tps)
         top_ceiling = self.ceiling(top, sat) if held else 0.0
         fits: list[tuple[float, str]] = []

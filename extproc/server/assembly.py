@@ -241,13 +241,10 @@ class Parts:
 
         def endpoint_states(endpoints):
             inflight, states = router.inflight, router.states
-            # Measured prefill speeds too: the reserve for higher bands is sized by them.
-            speeds = router.speeds if router.speeds is not None and router.speeds.samples else None
             out = []
             for e in endpoints:
                 a = e.address
-                st = states.state(a, inflight.requests(a), inflight.tokens(a))
-                out.append((a, st.with_prefill_tps(speeds.get(a)) if speeds else st))
+                out.append((a, states.state(a, inflight.requests(a), inflight.tokens(a))))
             return out
 
         def pool_endpoints():
@@ -259,8 +256,14 @@ class Parts:
             return [s for _, s in endpoint_states(self.pool.snapshot())]
 
         try:
+            speeds = router.speeds
             admission = Admission(
-                flow, pool_states, registry=self.metrics.registry, endpoints=pool_endpoints
+                flow,
+                pool_states,
+                registry=self.metrics.registry,
+                endpoints=pool_endpoints,
+                # The reserve for higher bands is sized by a prefill's time alone.
+                prefill_speed=speeds.fastest if speeds is not None else None,
             )
         except ValueError as exc:
             raise ConfigError(str(exc), path=("flow_control", "objectives_file")) from None
