@@ -38,7 +38,12 @@ TOKEN = "trace-routing-token"
 
 
 async def _send(http: aiohttp.ClientSession, url: str, item: WorkItem, t0: float) -> dict:
-    row: dict = {"index": item.index, "group": item.group or item.conversation, "turn": item.turn}
+    # "group" names an agentic session (their items all have group 0); "tenant" is the
+    # tenants workload's group, 0 included (its biggest tenant).
+    row: dict = {
+        "index": item.index, "group": item.group or item.conversation, "tenant": item.group,
+        "conversation": item.conversation, "turn": item.turn,
+    }  # fmt: skip
     start = time.perf_counter()
     row["sent_s"] = start - t0
     try:
