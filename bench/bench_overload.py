@@ -34,7 +34,11 @@ summarised in the row (`tl_*`, bench/overload_timeline.py). Per admitted interac
 request, the sim says where its TTFT went (`x-sim-timing`: KV wait, prefill-lane wait,
 prefill; the rest is the picker's queue, proxies and the client): `hi_breakdown_*`.
 A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), and `~base` to run its
-pickers from `--baseline-src` (old code against new in one run).
+pickers from `--baseline-src` (old code against new in one run; `~base` runs also keep the
+old `expected_output_tokens` of 96, the others count each request's max_tokens, see
+`picker_config`). Unloaded: `--unloaded-n` requests a pass, `--unloaded-repeats` more
+passes, pooled into the baseline; each run's interactive TTFTs are printed (`hi_ttfts`) so
+`bench/overload_pool.py` can pool runs of one configuration.
 """
 
 from __future__ import annotations
