@@ -153,10 +153,9 @@ def picker_config(
     doc: dict = {"scheduling": sched, "parse": {"bytes_per_token": 1}}
     # In-flight counts last until Envoy's access log reports the request's end, from the
     # first request on ("auto" holds only once log entries have arrived).
-    # On a shared 2-core machine a starved sim answers /metrics in more than the default
-    # 0.2 s: three timeouts in a row and the router routed around it while admission still
-    # counted it (measured: batch held with the engines 20-60% full, then released onto one
-    # server). A real server's metrics endpoint is not starved by its own load like that.
+    # On a shared 2-core machine a starved sim answered /metrics in more than the default
+    # 0.2 s (scrape-timeout warnings in the picker's log); after three in a row the router
+    # routes around it. A real server's metrics endpoint is not starved like that.
     doc["state"] = {"request_end": {"mode": "access-log"}, "scrape": {"timeout_s": 1.0}}
     # The decision comes back on each response (its flow-control queue wait per request).
     doc["server"] = {"explain_tokens": [EXPLAIN_TOKEN]}
