@@ -502,3 +502,7 @@ def test_a_non_numeric_output_cap_gets_400_naming_the_field() -> None:
     assert bad("/v1/messages", {"model": "m", "max_tokens": [1], "messages": []}).startswith(
         "max_tokens:"
     )
+    overflow = b'{"model": "m", "messages": [], "max_tokens": 1e999}'  # not a finite number
+    assert bad("/v1/chat/completions", overflow).startswith("max_tokens:")
+    huge = b'{"model": "m", "messages": [], "max_tokens": 99999999999999999999999999}'
+    assert parse("/v1/chat/completions", huge).max_output_tokens == 10**26 - 1
