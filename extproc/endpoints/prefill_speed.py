@@ -162,6 +162,12 @@ class PrefillSpeeds:
         tps = self._own(address)
         return tps if tps is not None else self.fleet()
 
+    def fastest(self) -> float | None:
+        """The fastest sample kept, over every server (None before any): the closest to a
+        prefill alone, since a sample's time-to-first-byte includes any queueing before it
+        (under load the median is mostly queueing)."""
+        return max((max(w) for w in self._samples.values() if w), default=None)
+
     def fleet(self) -> float | None:
         """The median of the learned speeds (None before any sample)."""
         speeds = self.snapshot()
