@@ -131,3 +131,17 @@ def test_tokens_and_seconds_counted_in_different_scrapes_still_meet():
             "a", LatencyTotals(prefill_sum=seconds, prefill_count=count, prefill_tokens=tokens)
         )
     assert abs(sp.get("a") / 20000 - 1) < 0.01  # type: ignore[operator]
+
+
+def test_the_fastest_speed_is_the_engines_where_one_exports_it():
+    # Flow control's reserve sizes a prefill's time by `fastest`: an access-log sample is
+    # queueing plus prefill, so the engine's own figure, where there is one, wins over it.
+    sp = PrefillSpeeds()
+    sp.add("a", 50_000.0)  # a sample the access log overestimated (the index under-credited)
+    assert sp.fastest() == 50_000.0
+    engine = Engine(8000)
+    sp.scraped("b", engine.totals())
+    for _ in range(4):
+        engine.prefill(4000)
+    sp.scraped("b", engine.totals())
+    assert sp.fastest() is not None and 7000 < sp.fastest() < 8000
