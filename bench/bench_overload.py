@@ -34,7 +34,11 @@ summarised in the row (`tl_*`, bench/overload_timeline.py). Per admitted interac
 request, the sim says where its TTFT went (`x-sim-timing`: KV wait, prefill-lane wait,
 prefill; the rest is the picker's queue, proxies and the client): `hi_breakdown_*`.
 A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), and `~base` to run its
-pickers from `--baseline-src` (old code against new in one run).
+pickers from `--baseline-src` (old code against new in one run; `~base` runs also keep the
+old `expected_output_tokens` of 96, the others count each request's max_tokens, see
+`picker_config`). Unloaded: `--unloaded-n` requests a pass, `--unloaded-repeats` more
+passes, pooled into the baseline; each run's interactive TTFTs are printed (`hi_ttfts`) so
+`bench/overload_pool.py` can pool runs of one configuration.
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ def picker_config(
     ttl_s: float = 10.0,
     per_endpoint: bool = True,
     reserve: int = 1,
+    expected_output: int = OUTPUT_TOKENS,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -148,7 +153,10 @@ def picker_config(
     doc: dict = {"scheduling": sched, "parse": {"bytes_per_token": 1}}
     # In-flight counts last until Envoy's access log reports the request's end, from the
     # first request on ("auto" holds only once log entries have arrived).
-    doc["state"] = {"request_end": {"mode": "access-log"}}
+    # On a shared 2-core machine a starved sim answered /metrics in more than the default
+    # 0.2 s (scrape-timeout warnings in the picker's log); after three in a row the router
+    # routes around it. A real server's metrics endpoint is not starved like that.
+    doc["state"] = {"request_end": {"mode": "access-log"}, "scrape": {"timeout_s": 1.0}}
     # The decision comes back on each response (its flow-control queue wait per request).
     doc["server"] = {"explain_tokens": [EXPLAIN_TOKEN]}
     if flow:
@@ -174,7 +182,10 @@ def picker_config(
         doc["flow_control"] = {
             "fairness_weights": TENANTS,
             "objectives_file": str(objectives),
-            "expected_output_tokens": OUTPUT_TOKENS,
+            # The most any request asks for: the picker counts min(this, the request's
+            # max_tokens), i.e. each request's own max_tokens, which is what the sim
+            # reserves at admission (`~base` runs: OUTPUT_TOKENS, the old behaviour).
+            "expected_output_tokens": expected_output,
             "retry_after_s": 2,
             # Per-endpoint admission and the reserve for interactive (on by default);
             # the `on-pool` run turns both off: admission by the pool's average.
@@ -243,7 +254,12 @@ class Deployment:
                 argv += ["--redis-url", redis_url]
             log = open(self.log_dir / f"picker{i}.log", "ab")  # noqa: SIM115
             env = {**os.environ, "PYTHONPATH": src} if src else None
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # Started from `src` too: `python -m` puts its working directory first on the
+            # path, ahead of PYTHONPATH, so from this tree the "baseline" ran this tree's code
+            # (it did, in the fifth session's old-against-new runs).
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=src or None
+            )
             self.procs.append(proc)
             wait_until(
                 lambda h=health: grpc_health_status(h, "readiness") == 1,
@@ -649,11 +665,13 @@ def main() -> int:
     ap.add_argument("--baseline-src", default="",
                     help="a source tree (e.g. a worktree of main): runs named `...~base` "
                     "start their pickers from it, for old-vs-new in one run")  # fmt: skip
+    ap.add_argument("--unloaded-n", type=int, default=60,
+                    help="interactive requests per unloaded pass")  # fmt: skip
     ap.add_argument(
         "--unloaded-repeats",
         type=int,
         default=0,
-        help="extra unloaded passes (printed, not used as the baseline)",
+        help="extra unloaded passes (each printed; the baseline pools all passes)",
     )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
@@ -674,16 +692,24 @@ def main() -> int:
               f"picker estimate / engine KV tokens {kv_ratio:.3f}")  # fmt: skip
         # Unloaded: interactive alone at ~0.2x capacity (the first pass is the baseline;
         # `--unloaded-repeats` more passes show how far CPU noise alone moves its p99).
+        # `--unloaded-n` requests a pass; every pass's p99 is printed (its spread is the
+        # CPU noise alone) and the baseline is the p99 of all passes pooled, so that it is
+        # not just the slowest single request.
+        pooled: list[float] = []
+        pass_p99: list[float] = []
         for rep in range(1 + args.unloaded_repeats):
             calm = [Req("ABC"[i % 3], "interactive", i / (0.2 * req_s),
-                        PROMPT_WORDS["ABC"[i % 3]]) for i in range(30)]  # fmt: skip
+                        PROMPT_WORDS["ABC"[i % 3]]) for i in range(args.unloaded_n)]  # fmt: skip
             asyncio.run(open_loop(dep.url, calm, args.trace))
             base = [r.ttft_s for r in calm if r.ttft_s is not None]
+            pooled += base
             print("unloaded breakdown", json.dumps(breakdown(calm)))
             p50, p99 = percentile(base, 50), percentile(base, 99)
+            pass_p99.append(round(p99, 3))
             print(f"unloaded pass {rep}: interactive TTFT p50 {p50:.3f} s, p99 {p99:.3f} s")
-            if rep == 0:
-                unloaded_p50, unloaded_p99 = p50, p99
+        unloaded_p50, unloaded_p99 = percentile(pooled, 50), percentile(pooled, 99)
+        print(f"unloaded pooled ({len(pooled)} requests): p50 {unloaded_p50:.3f} s, "
+              f"p99 {unloaded_p99:.3f} s; per pass p99 {pass_p99}", flush=True)  # fmt: skip
         dep.stop()
         offered = args.overload * cap_tps
         for run in args.runs.split(","):
@@ -730,6 +756,7 @@ def main() -> int:
                     kind=args.detector,
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
+                    expected_output=OUTPUT_TOKENS if tilde else OUTPUT_TOKENS + args.output_spread,
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)
@@ -748,6 +775,10 @@ def main() -> int:
             row["offered_tok_s"] = offered
             row["offered_req_s"] = len(reqs) / args.burst_s
             row["duration_s"] = duration
+            # Every admitted interactive TTFT, so runs of one configuration can be pooled
+            # (bench/overload_pool.py): one run's p99 is its slowest one or two requests.
+            hi_ok = [r for r in reqs if r.objective == "interactive" and r.status == 200]
+            row["hi_ttfts"] = [round(r.ttft_s, 4) for r in hi_ok if r.ttft_s and not r.error]
             print(json.dumps(row), flush=True)
             rows.append(row)
             settle(dep)
@@ -758,6 +789,7 @@ def main() -> int:
             redis.terminate()
     base_row = {"capacity_req_s": req_s, "capacity_tok_s": cap_tps}
     base_row.update(unloaded_ttft_p50=unloaded_p50, unloaded_ttft_p99=unloaded_p99)
+    base_row.update(unloaded_pass_p99=pass_p99, unloaded_ttfts=[round(x, 4) for x in pooled])
     print(json.dumps(base_row))
     return 0
 

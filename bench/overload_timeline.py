@@ -99,6 +99,13 @@ class Timeline:
             row[f"released_{label}"] = int(done - last.get(label, 0.0))
             last[label] = done
         row["inflight_tokens"] = int(sum(summed(p, "extproc_inflight_tokens") for p in pages))
+        # Dispatch opportunities with room on average but none on any endpoint, and the
+        # room kept for higher bands (per-endpoint admission).
+        no_room = sum(summed(p, "extproc_flow_no_endpoint_room_total") for p in pages)
+        row["no_room"] = int(no_room - last.get("no_room", 0.0))
+        last["no_room"] = no_room
+        row["reserved"] = int(max((summed(p, "extproc_flow_reserved_tokens") for p in pages),
+                                  default=0.0))  # fmt: skip
         for i, url in enumerate(self.sim_urls):
             s = scrape(url, client, 2.0)
             row[f"run{i}"] = int(summed(s, "vllm:num_requests_running"))

@@ -29,7 +29,7 @@ import yaml
 from bench_routing import AGENTIC, PRESSURE_SHAPE, tenants_spec
 
 from extproc.protocol import DECISION_HEADER, EXPLAIN_HEADER
-from extproc.sim import SERVED_BY_HEADER
+from extproc.sim import SERVED_BY_HEADER, TIMING_HEADER
 from extproc.sim.sessions import build_sessions
 from extproc.sim.workload import WorkItem, arrival_offsets, build_workload
 from extproc.stack import SimFleet, Stack, StackOptions
@@ -38,14 +38,19 @@ TOKEN = "trace-routing-token"
 
 
 async def _send(http: aiohttp.ClientSession, url: str, item: WorkItem, t0: float) -> dict:
-    row: dict = {"index": item.index, "group": item.group or item.conversation, "turn": item.turn}
+    # "group" names an agentic session (their items all have group 0); "tenant" is the
+    # tenants workload's group, 0 included (its biggest tenant).
+    row: dict = {
+        "index": item.index, "group": item.group or item.conversation, "tenant": item.group,
+        "conversation": item.conversation, "turn": item.turn,
+    }  # fmt: skip
     start = time.perf_counter()
     row["sent_s"] = start - t0
     try:
         async with http.post(
             f"{url}/v1/chat/completions",
             json=item.body,
-            headers={EXPLAIN_HEADER: TOKEN},
+            headers={EXPLAIN_HEADER: TOKEN, TIMING_HEADER: "1"},
             timeout=aiohttp.ClientTimeout(total=120),
         ) as resp:
             row["status"] = resp.status
@@ -54,6 +59,14 @@ async def _send(http: aiohttp.ClientSession, url: str, item: WorkItem, t0: float
             row["decision"] = json.loads(raw) if raw else None
             async for line in resp.content:
                 line = line.strip()
+                if line.startswith(b": timing "):
+                    # The engine's share of TTFT (KV wait, prefill lane wait, prefill); the
+                    # rest is outside it: picker, proxy, HTTP, the engine's tokenizer.
+                    parts = dict(kv.split(b"=") for kv in line[9:].split())
+                    row["engine_s"] = sum(
+                        float(parts[k]) for k in (b"kv_wait_s", b"lane_wait_s", b"prefill_s")
+                    )
+                    continue
                 if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                     continue
                 chunk = json.loads(line[5:])
@@ -125,9 +138,18 @@ def summarize(mode: str, rows: list[dict]) -> str:
         spread[r["served_by"]] = spread.get(r["served_by"], 0) + 1
     prompt = sum(r.get("prompt_tokens", 0) for r in ok)
     cached = sum(r.get("cached_tokens", 0) for r in ok)
+    timed = [r for r in ok if "ttft_s" in r and "engine_s" in r]
+    engine = sorted(r["engine_s"] for r in timed)
+    outside = sorted(r["ttft_s"] - r["engine_s"] for r in timed)
+
+    def mid(xs: list[float]) -> float:
+        return xs[len(xs) // 2] if xs else float("nan")
+
     return (
         f"{mode:<12} ok {len(ok)}/{len(rows)} hit {cached / max(prompt, 1):.1%} "
-        f"TTFT p50 {pct(0.5):.3f} p90 {pct(0.9):.3f} | predicted hit vs served: "
+        f"TTFT p50 {pct(0.5):.3f} p90 {pct(0.9):.3f} (median in the engine {mid(engine):.3f}, "
+        f"outside it {mid(outside):.3f}, sum outside {sum(outside):.2f}) | "
+        "predicted hit vs served: "
         f"under {below} (tokens {missed}), equal {equal}, over {above} (tokens {phantom}) | "
         f"spread {'/'.join(str(n) for n in sorted(spread.values(), reverse=True))}"
     )

@@ -124,6 +124,9 @@ class InferenceRequest:
     media: tuple[MediaItem, ...] = ()
     lora_adapter: str | None = None
     cache_salt: str | None = None
+    # The client's output cap (max_tokens / max_completion_tokens / max_output_tokens), None
+    # when the body sets none: an upper bound on the KV the request's output can take.
+    max_output_tokens: int | None = None
     prompt: Prompt | None = field(default=None, repr=False, compare=False)
     # The endpoint an earlier profile of the same request chose (the decode pick, while the
     # prefill profile runs): topology plugins place a stage near its peer.

@@ -56,7 +56,7 @@ class Admission(Protocol):
     """Flow control as the router sees it (extproc.flowcontrol.admission.Admission)."""
 
     async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket: ...
-    def placed(self, ticket: Ticket) -> None: ...
+    def placed(self, ticket: Ticket, address: str = "") -> None: ...
     def release(self, ticket: Ticket) -> None: ...
     def evicted_error(self) -> ExtprocError: ...
 
@@ -268,8 +268,17 @@ class Router:
         except BaseException:
             self.admission.release(ticket)
             raise
-        self.admission.placed(ticket)
+        self.admission.placed(ticket, routed.placement.address)
         return routed
+
+    def routable(self) -> tuple[Endpoint, ...]:
+        """The endpoints a request without a subset may be placed on now (empty: none).
+        Flow control's per-endpoint admission judges these: releasing a request for a
+        server the router then routes around placed it on another, full one."""
+        try:
+            return self._eligible(None)
+        except NoEndpoints:
+            return ()
 
     def _eligible(self, subset: Collection[str] | None) -> tuple[Endpoint, ...]:
         endpoints = self.pool.snapshot()

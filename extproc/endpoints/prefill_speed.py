@@ -1,30 +1,71 @@
-"""Prefill speed per server, learned online from what the picker sees: the uncached prompt
-tokens it placed on a server and the time to that request's first response byte (from the
-gateway's access log).
+"""Prefill speed per server: uncached prompt tokens per second of prefill.
 
-A request's time to first byte is queueing plus prefill, so one sample can say "slower"
-(it queued) or "faster" (the server held more of the prompt than the index credited); the
-estimate is the median of the last samples, which neither kind moves far. Samples with too
-few tokens say more about overheads than about prefill and are skipped. Servers with no
-sample yet get the fleet's median, so a homogeneous fleet needs no calibration at all.
+Two sources, the engine's own first:
 
-Replicas sharing Redis share their samples (server/shared_observations.py): each replica
-places about a third of the requests, and a window of its own samples alone gave the same
-server 8,800 tok/s on one replica and 72,000 on another in one run, so the replicas' predicted
-TTFT ranked servers differently and moved sessions on that noise.
+- **The engine's histograms**, at every scrape: the uncached tokens it prefilled
+  (`request_prefill_kv_computed_tokens` sum) over the seconds its requests spent in prefill
+  (`request_prefill_time_seconds` sum) added since the previous scrape; the speed is the
+  ratio of the sums over the last `WINDOW` intervals that prefilled anything (vLLM without
+  the computed-tokens histogram: its `prompt_tokens_by_source{source="local_compute"}`). Queueing is
+  not in it (vLLM times prefill from the request's first scheduling), nor the picker's
+  guess of what the server held: identical servers read alike. Where prefills overlap in
+  one batch (vLLM's chunked prefill), each request's prefill time counts the whole batch, so
+  the speed reads as one request experiences it, lower under load: the price of a next
+  prefill there, which is what predicted TTFT needs. Every replica scrapes every server, so
+  replicas agree without sharing anything.
+- **The access log**, for engines exporting neither sum (sglang, older vLLM): a request's
+  uncached tokens as the picker estimated them over its time to first byte. That is
+  queueing plus prefill, and the estimate may credit what the server had evicted, so one
+  sample says "slower" (it queued) or "faster" (it held more than credited); the estimate
+  is the median of the last samples. On a loaded 2-core machine identical simulated servers
+  read 980 and 3,888 tok/s this way in one run, and new prompts went to the
+  fastest-measured one (issue 14); an endpoint learned this way is counted in
+  `extproc_prefill_speed_endpoints{source="access_log"}` and logged once.
+
+Samples with too few tokens say more about overheads than about prefill and are skipped.
+Servers with no sample yet get the fleet's median, so a homogeneous fleet needs no
+calibration at all.
+
+Replicas sharing Redis share their access-log samples (server/shared_observations.py):
+each replica places about a third of the requests, and a window of its own samples alone
+gave the same server 8,800 tok/s on one replica and 72,000 on another in one run.
+
+Units: access-log samples are in the picker's token estimates (rescaled when approximate
+mode's calibration changes them); engine samples are in the engine's tokens, which the
+calibrated estimates approximate. Predicted TTFT compares servers by ratios, which a
+common factor does not change.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
+
+from extproc.core import LatencyTotals
+
+log = logging.getLogger(__name__)
 
 # Below this many uncached tokens, time to first byte is mostly fixed overhead.
 MIN_SAMPLE_TOKENS = 256
-# Samples kept per server: a changed server shows within about half as many requests.
+# Samples kept per server: a changed server shows within about half as many requests
+# (access log), or scrape intervals with prefill work (engine).
 WINDOW = 31
+
+
+@dataclass(slots=True)
+class _Engine:
+    """One server's prefill histograms: the previous scrape's totals and recent intervals."""
+
+    tokens: float
+    seconds: float
+    count: float
+    window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    tps: float | None = None
 
 
 class PrefillSpeeds:
@@ -32,7 +73,9 @@ class PrefillSpeeds:
 
     def __init__(self) -> None:
         self._samples: dict[str, deque[float]] = {}
-        self._tps: dict[str, float] = {}
+        self._tps: dict[str, float] = {}  # access-log medians
+        self._engine: dict[str, _Engine] = {}
+        self._no_histograms: set[str] = set()  # scraped, exporting no prefill sums
         self.samples = 0
         # Told of each sample taken here (address, tokens/s): replicas publish it.
         self.on_sample: Callable[[str, float], None] | None = None
@@ -56,6 +99,44 @@ class PrefillSpeeds:
         self.samples += 1
         self._tps[address] = statistics.median(window)
 
+    def scraped(self, address: str, totals: LatencyTotals | None) -> None:
+        """A scrape of `address` (its latency histograms' totals; None: none exported)."""
+        if totals is None or totals.prefill_tokens is None:
+            if address not in self._no_histograms:
+                self._no_histograms.add(address)
+                log.warning(
+                    "endpoint %s exports no prefill-time and computed-token histograms: its "
+                    "prefill speed is learned from time to first byte, queueing included",
+                    address,
+                )
+            return
+        self._no_histograms.discard(address)
+        tokens, seconds, count = totals.prefill_tokens, totals.prefill_sum, totals.prefill_count
+        e = self._engine.get(address)
+        if e is None:
+            self._engine[address] = _Engine(tokens, seconds, count)
+            return
+        d_tok, d_s, d_n = tokens - e.tokens, seconds - e.seconds, count - e.count
+        e.tokens, e.seconds, e.count = tokens, seconds, count
+        if d_tok < 0 or d_s < 0 or d_n < 0:
+            # Counters went back: a new engine process, maybe on other hardware.
+            e.window.clear()
+            e.tps = None
+            return
+        if d_tok == 0 and d_s == 0:
+            return  # nothing prefilled since the last scrape
+        # Every interval with work counts, whatever its own ratio: vLLM observes a request's
+        # prefill time when the request finishes, and may count its tokens (by source) at
+        # its first token, so one interval can hold the tokens and a later one their
+        # seconds; summed over the window they meet again.
+        e.window.append((d_tok, d_s))
+        tokens_in = math.fsum(t for t, _ in e.window)
+        seconds_in = math.fsum(s for _, s in e.window)
+        if tokens_in < MIN_SAMPLE_TOKENS or seconds_in <= 0:
+            return  # fully cached prompts only so far: fixed overhead, not speed
+        e.tps = tokens_in / seconds_in
+        self.samples += 1
+
     def units_changed(self, factor: float) -> None:
         """Token estimates are now `factor` times what they were (approximate mode changed
         its bytes per token): every sample is rescaled, else for a whole window of samples
@@ -69,18 +150,48 @@ class PrefillSpeeds:
             window.extend(scaled)
         self._tps = {a: v * factor for a, v in self._tps.items()}
 
+    def _own(self, address: str) -> float | None:
+        e = self._engine.get(address)
+        if e is not None and e.tps is not None:
+            return e.tps
+        return self._tps.get(address)
+
     def get(self, address: str) -> float | None:
-        """The learned speed, else the fleet median, else None (nothing learned yet)."""
-        tps = self._tps.get(address)
+        """The learned speed (the engine's, else the access log's), else the fleet median,
+        else None (nothing learned yet)."""
+        tps = self._own(address)
         return tps if tps is not None else self.fleet()
+
+    def fastest(self) -> float | None:
+        """The fastest server's speed (None before any): the engines' own where any exports
+        them (queueing is not in them), else the fastest access-log sample kept, the closest
+        to a prefill alone, since a sample's time to first byte includes any queueing
+        before it (under load the median is mostly queueing)."""
+        engine = [e.tps for e in self._engine.values() if e.tps is not None]
+        if engine:
+            return max(engine)
+        return max((max(w) for w in self._samples.values() if w), default=None)
 
     def fleet(self) -> float | None:
         """The median of the learned speeds (None before any sample)."""
-        return statistics.median(self._tps.values()) if self._tps else None
+        speeds = self.snapshot()
+        return statistics.median(speeds.values()) if speeds else None
 
     def forget(self, address: str) -> None:
         self._tps.pop(address, None)
         self._samples.pop(address, None)
+        self._engine.pop(address, None)
+        self._no_histograms.discard(address)
 
     def snapshot(self) -> Mapping[str, float]:
-        return MappingProxyType(dict(self._tps))
+        """Each measured server's speed, the engine's where it has one."""
+        out = dict(self._tps)
+        for address, e in self._engine.items():
+            if e.tps is not None:
+                out[address] = e.tps
+        return MappingProxyType(out)
+
+    def sources(self) -> Mapping[str, int]:
+        """Measured servers by where their speed comes from: engine, access_log."""
+        engine = sum(1 for e in self._engine.values() if e.tps is not None)
+        return {"engine": engine, "access_log": len(self.snapshot()) - engine}

@@ -63,9 +63,11 @@ class Admission:
         controller: FlowController | None = None,
         rand: Callable[[], float] = random.random,
         endpoints: Callable[[], Sequence[tuple[str, EndpointState]]] | None = None,
+        prefill_speed: Callable[[], float | None] | None = None,
     ) -> None:
         """`states`: the pool's endpoint states now; `endpoints`: the same with addresses,
-        for per-endpoint admission (`admit_per_endpoint`; None: by the pool alone)."""
+        for per-endpoint admission (`admit_per_endpoint`; None: by the pool alone);
+        `prefill_speed`: tokens/s of a prefill alone, measured (sizes the reserve)."""
         s = config.settings
         self._states = states
         self._rand = rand
@@ -87,6 +89,7 @@ class Admission:
             eviction=config.eviction,
             endpoints=endpoints if s.admit_per_endpoint else None,
             reserve=s.reserve_for_higher_bands,
+            prefill_speed=prefill_speed,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         self.wait_seconds = Histogram(
@@ -110,13 +113,20 @@ class Admission:
                 slo = max(0.0, float(raw)) / 1000.0
             except ValueError:
                 raise BadRequest("x-llm-d-slo-ttft-ms must be a number of milliseconds") from None
+        # The output counted: the configured expectation, or the request's own cap when it
+        # is lower (it cannot produce more). Not the cap when higher: clients set generous
+        # caps, and vLLM allocates KV as tokens are generated, not for max_tokens up front.
+        out = self.settings.expected_output_tokens
+        if request.max_output_tokens is not None:
+            out = min(out, request.max_output_tokens)
+        uncached = max(0, uncached_tokens)
         return FlowRequest(
             fairness_id=fairness,
             priority=self.objectives.priority(h),
-            tokens=max(0, uncached_tokens) + self.settings.expected_output_tokens,
+            tokens=uncached + out,
             body_bytes=request.body_bytes,
             slo_ttft_s=slo,
-            output_tokens=self.settings.expected_output_tokens,
+            output_tokens=out,
         )
 
     async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket:
@@ -155,8 +165,8 @@ class Admission:
             self.settings.retry_after_s,
         )
 
-    def placed(self, ticket: Ticket) -> None:
-        self.controller.placed(ticket)
+    def placed(self, ticket: Ticket, address: str = "") -> None:
+        self.controller.placed(ticket, address)
 
     def release(self, ticket: Ticket) -> None:
         self.controller.release(ticket)
@@ -223,6 +233,22 @@ class Admission:
         )
         nr.add_metric([], fc.no_room)
         yield nr
+        if fc.reserve_count:
+            rt = gauge(
+                "extproc_flow_reserved_tokens",
+                "Tokens a lower band last had to leave free on one endpoint for higher bands "
+                "(reserve_for_higher_bands: the largest recent requests plus the arrival rate "
+                "times their prefill time).",
+            )
+            rt.add_metric([], fc.reserve.last_held)
+            yield rt
+            ru = counter(
+                "extproc_flow_reserve_rate_unsized",
+                "Reserve sizings without the arrival-rate term: no prefill speed measured yet "
+                "(the largest recent requests alone were kept free).",
+            )
+            ru.add_metric([], fc.reserve.rate_unsized)
+            yield ru
         if self.shared is not None:
             # Exchange counts are SharedFlowStats fields: server/families.py exports them.
             d = gauge(

@@ -111,7 +111,7 @@ class FlowControlSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enableEviction: bool = False
 
 
-_SIZES_KEPT = 100  # as the controller keeps per band
+_SIZES_KEPT = 100  # as flowcontrol/reserve.py keeps per band (HISTORY)
 
 
 class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -122,8 +122,8 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     (unlisted IDs weigh 1). `objectives_file`: InferenceObjective documents (or a mapping
     name -> priority) naming the priorities `x-llm-d-inference-objective` selects; re-read
     when it changes. `expected_output_tokens`: the output cost counted per request, for fairness
-    and for room (a request's own `max_tokens` is not read: the parser does not extract
-    it). `shared`: with a Redis index,
+    and for room; a request whose own cap (max_tokens and its spellings) is lower counts
+    its cap. `shared`: with a Redis index,
     share queue and usage state with the other replicas. `retry_after_s`: the `retry-after`
     sent with 429s. `usage_half_life_s`: how fast served tokens are forgotten. `tick_s`: how
     often TTLs are checked and endpoint figures re-read for capacity. `placement_visibility_s`:

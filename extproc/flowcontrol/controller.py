@@ -43,6 +43,7 @@ from extproc.flowcontrol.policies import (
     TimedFairness,
     UsageLimitPolicy,
 )
+from extproc.flowcontrol.reserve import Reserve
 from extproc.flowcontrol.tickets import (
     EVICTED_PRESSURE,
     MAX_LABELLED_FLOWS,
@@ -115,6 +116,7 @@ class FlowController:
         eviction: EvictionSettings | None = None,
         endpoints: Callable[[], Sequence[tuple[str, EndpointState]]] | None = None,
         reserve: int = 0,
+        prefill_speed: Callable[[], float | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -127,7 +129,9 @@ class FlowController:
         `endpoints`: (address, state) per endpoint now, for per-endpoint admission (None:
         by the pool's saturation alone). `reserve`: with per-endpoint admission, a lower
         band's request is released only where afterwards some endpoint still has room for
-        that many of the largest recent requests of a higher band (0: no reserve)."""
+        that many of the largest recent requests of a higher band (0: no reserve), plus
+        that band's arrival rate times their prefill time at `prefill_speed` (tokens/s, the
+        fastest recently measured; None: unknown, the rate is left out)."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -180,22 +184,23 @@ class FlowController:
         # Dispatch opportunities where the pool was under the ceiling but no endpoint had
         # room for the next request (it stayed queued).
         self.no_room = 0
-        self._reserve = reserve
-        # Per band, the token sizes of its latest requests and their largest (the room a
-        # lower band leaves free for it).
-        self._sizes: dict[int, collections.deque[int]] = {}
-        self._largest: dict[int, int] = {}
-        # The same over every band's recent requests: the room kept for a higher band
-        # whose own history is not full yet (see `_reserved`).
-        self._largest_any = 0
+        self.reserve_count = reserve
+        self.reserve = Reserve(reserve, clock)
+        self._prefill_speed = prefill_speed
+        # A detector that counts a constant output per in-flight request (the concurrency
+        # detector's `outputTokens`) is told, per endpoint, how far the requests placed
+        # there from this process differ from it: each counts its own expected output
+        # (capped by its max_tokens), so a server of short answers is not judged full.
+        self._base_out = int(getattr(detector, "output_per_request", 0))
+        self._out_at: dict[str, list[int]] = {}  # address -> [requests, output difference]
 
     # -- admission -------------------------------------------------------------------------
 
     async def admit(self, request: FlowRequest) -> Ticket:
         now = self._clock()
         p = request.priority
-        if self._reserve:
-            self._note_size(request)
+        if self.reserve_count:
+            self.reserve.note(p, request.tokens, request.output_tokens)
         if self.count == 0 and self._may_run(p) and self._open(p):
             room = self._room(request)
             if room is not None:
@@ -242,8 +247,13 @@ class FlowController:
 
     def saturation(self) -> float:
         peer_reqs, peer_toks = self.peer_pending
+        # Own placed requests' own outputs in place of the detector's constant, spread as
+        # pending work is (exact for the average over endpoints of one size).
+        out = sum(d for _, d in self._out_at.values())
         return self._detector.saturation(
-            self._states(), self.pending_requests + peer_reqs, self.pending_tokens + peer_toks
+            self._states(),
+            self.pending_requests + peer_reqs,
+            self.pending_tokens + peer_toks + out,
         )
 
     def ceiling(self, priority: int, saturation: float = 0.0) -> float:
@@ -255,39 +265,6 @@ class FlowController:
         """One dispatch opportunity for the band: may one of its requests start now?"""
         sat = self.saturation()
         return sat < self.ceiling(priority, sat)
-
-    def _note_size(self, request: FlowRequest) -> None:
-        sizes = self._sizes.get(request.priority)
-        if sizes is None:
-            sizes = self._sizes[request.priority] = collections.deque(maxlen=_SIZES_KEPT)
-        sizes.append(request.tokens)
-        # The room kept: the `reserve` largest of the band's recent requests together.
-        self._largest[request.priority] = sum(heapq.nlargest(self._reserve, sizes))
-        everyone = itertools.chain.from_iterable(self._sizes.values())
-        self._largest_any = sum(heapq.nlargest(self._reserve, everyone))
-
-    def _reserved(self, priority: int) -> tuple[int, int]:
-        """(tokens, priority): the room reserved for a band above `priority` and
-        the highest such band (whose ceiling it must fit under); (0, _) for none.
-
-        A band above (configured or seen) whose history is not full yet gets at least
-        the room of the largest recent requests of any band: at the start of a burst lower
-        work arrives first and, reserving only for what the higher band has sent so far
-        (nothing, or one small request), filled every server; the higher band's first
-        requests then waited in the picker until lower work ended (measured: the slowest
-        interactive requests of bench/bench_overload.py, 0.6-1.5 s, arrived in its first
-        3 s). Once the band has a full history its own sizes decide."""
-        above = [(t, p) for p, t in self._largest.items() if p > priority]
-        young = [
-            p
-            for p in self._priorities | self._largest.keys()
-            if p > priority and len(self._sizes.get(p, ())) < _SIZES_KEPT
-        ]
-        if young:
-            above.append((self._largest_any, max(young)))
-        if not above:
-            return 0, priority
-        return max(t for t, _ in above), max(p for _, p in above)
 
     def _room(self, request: FlowRequest) -> tuple[str, frozenset[str]] | None:
         """Where the request may go: (the endpoint with the most room, every endpoint with
@@ -305,7 +282,10 @@ class FlowController:
         det = cast(EndpointDetector, self._detector)
         sat = self.saturation()
         ceiling = self.ceiling(request.priority, sat)
-        held, top = self._reserved(request.priority) if self._reserve else (0, 0)
+        held, top = (0, 0)
+        if self.reserve_count:
+            tps = self._prefill_speed() if self._prefill_speed is not None else None
+            held, top = self.reserve.held(request.priority, self._priorities, tps)
         top_ceiling = self.ceiling(top, sat) if held else 0.0
         fits: list[tuple[float, str]] = []
         spare = 0  # endpoints with room for the reserved request as they are
@@ -314,6 +294,7 @@ class FlowController:
         for addr, state in eps:
             reqs, toks = self._pending_at.get(addr, _NONE)
             idle = det.endpoint_saturation(state, reqs, toks) == 0
+            toks += self._out_at.get(addr, _NONE)[1]
             after = det.endpoint_saturation(state, reqs + 1, toks + request.tokens)
             if after <= ceiling or idle:
                 fits.append((after, addr))
@@ -553,13 +534,18 @@ class FlowController:
             out[f] = out.get(f, 0.0) + v
         return out
 
-    def placed(self, ticket: Ticket) -> None:
-        """The router counted the request in flight. A detector reading in-flight counts
-        sees it from now on; one reading scraped figures only after the next scrape, so
-        until `visibility_s` has passed the request stays pending."""
+    def placed(self, ticket: Ticket, address: str = "") -> None:
+        """The router counted the request in flight on `address`. A detector reading
+        in-flight counts sees it from now on; one reading scraped figures only after the
+        next scrape, so until `visibility_s` has passed the request stays pending."""
         if ticket.placed or ticket.released:
             return
         ticket.placed = True
+        if self._base_out and address:
+            ticket.placed_at = address
+            at = self._out_at.setdefault(address, [0, 0])
+            at[0] += 1
+            at[1] += ticket.request.output_tokens - self._base_out
         if self._sees_placement:
             self._unpend(ticket)
         else:
@@ -571,6 +557,12 @@ class FlowController:
             return
         ticket.released = True
         self._unpend(ticket)
+        at = self._out_at.get(ticket.placed_at) if ticket.placed_at else None
+        if at is not None:
+            at[0] -= 1
+            at[1] -= ticket.request.output_tokens - self._base_out
+            if at[0] <= 0:
+                del self._out_at[ticket.placed_at]
         if self.evictor is not None:
             self.evictor.untrack(ticket)
         self.dispatch()
@@ -654,7 +646,6 @@ class FlowController:
 
 
 _ANYWHERE: tuple[str, frozenset[str]] = ("", frozenset())
-_SIZES_KEPT = 100  # recent requests per band whose largest sets the reserve
 _NONE = (0, 0)
 
 

@@ -150,6 +150,11 @@ class ConcurrencyDetector:
         self.unknown_capacity = 0
         self._warned = False
 
+    @property
+    def output_per_request(self) -> int:
+        """The output tokens counted per in-flight request (0: output not counted)."""
+        return 0 if self.params.concurrencyMode == "requests" else self.params.outputTokens
+
     def _token_ceiling(self, s: EndpointState) -> float | None:
         p = self.params
         if not p.kvCacheFraction:

@@ -62,6 +62,8 @@ class Ticket:
     # against until placed (the one with the most room).
     endpoints: frozenset[str] = frozenset()
     target: str = ""
+    # Where the router placed it, when the controller counts its own output there.
+    placed_at: str = ""
     # In-flight eviction (flowcontrol/eviction.py): whether this one may be cut, when it
     # started, whether it was cut, and who cuts it (the ext_proc stream, once routed).
     evictable: bool = False

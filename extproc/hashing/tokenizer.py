@@ -4,7 +4,9 @@ token blocks with `precise.token_block_keys` exactly as KV-event ingestion does 
 `BlockStored.token_ids`.
 
 Built once at startup (loading a tokenizer takes milliseconds to seconds); thread-safe
-afterwards: the tokenizer and the compiled template are read-only.
+afterwards: the tokenizer and the compiled template are read-only, and the memory of recent
+prompts (`token_prefixes.py`: a session's next turn is encoded only past the previous one)
+takes a lock.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tokenizers import Tokenizer
 
 from extproc.core import InferenceRequest, MediaItem, Message, Modality, Prompt
 from extproc.hashing.precise import block_extra_keys, chain_seed, token_block_keys
+from extproc.hashing.token_prefixes import TokenPrefixes
 
 
 class PreciseSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -66,6 +69,12 @@ class PromptTokenizer:
         self._specials = {
             k: _token_text(v) for k, v in config.items() if k.endswith("_token") and v is not None
         }
+        # A session's next turn holds its previous turn whole: only the new part is encoded.
+        self.prefixes = TokenPrefixes(self._encode_plain)
+
+    def _encode_plain(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self._tokenizer.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
 
     @classmethod
     def from_dir(cls, path: str | Path) -> PromptTokenizer:
@@ -114,8 +123,9 @@ class PromptTokenizer:
                 return self._tokenizer.encode(prompt.completion, add_special_tokens=special).ids
             return list(prompt.completion)
         text = self.render(prompt, add_generation_prompt)
-        special = prompt.add_special_tokens is True
-        return self._tokenizer.encode(text, add_special_tokens=special).ids
+        if prompt.add_special_tokens is True:
+            return self._tokenizer.encode(text, add_special_tokens=True).ids
+        return self.prefixes.ids(text)
 
 
 def _cut_after_final(text: str, final: Message) -> str:

@@ -63,6 +63,7 @@ class MessagesRequest(msgspec.Struct, frozen=True, gc=False):
     system: str | list[_Text] | None = None
     tools: list[msgspec.Raw] | None = None
     stream: bool | None = None
+    max_tokens: int | float | None = None  # required by Anthropic's API, optional here
 
 
 def messages_prompt(req: MessagesRequest, media: MediaResolver) -> Prompt:

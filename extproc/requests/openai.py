@@ -69,6 +69,9 @@ class ChatRequest(msgspec.Struct, frozen=True, gc=False):
     tools: list[msgspec.Raw] | None = None
     stream: bool | None = None
     cache_salt: str | None = None
+    # The output cap (vLLM: max_completion_tokens wins over the older max_tokens).
+    max_tokens: int | float | None = None
+    max_completion_tokens: int | float | None = None
     # vLLM's tokenization options: they change the token ids, so precise keys follow them.
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
@@ -80,6 +83,7 @@ class CompletionsRequest(msgspec.Struct, frozen=True, gc=False):
     prompt: msgspec.Raw
     stream: bool | None = None
     cache_salt: str | None = None
+    max_tokens: int | float | None = None
     add_special_tokens: bool | None = None
 
 
@@ -133,6 +137,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, gc=False):
     tools: list[msgspec.Raw] | None = None
     stream: bool | None = None
     cache_salt: str | None = None
+    max_output_tokens: int | float | None = None
 
 
 _PROMPT_TEXTS = msgspec.json.Decoder(str | list[str])

@@ -167,8 +167,21 @@ def parse_request(
         media=distinct_media(prompt),
         lora_adapter=lora_adapter,
         cache_salt=cache_salt,
+        max_output_tokens=output_cap(decoded),
         prompt=prompt,
     )
+
+
+def output_cap(decoded: Any) -> int | None:
+    """The body's output-token cap, whichever field its API spells it with (chat:
+    `max_completion_tokens`, else `max_tokens`; completions and Anthropic messages:
+    `max_tokens`; responses: `max_output_tokens`). A value below 1 is the engine's to
+    refuse: None here, as is a missing one."""
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = getattr(decoded, name, None)
+        if value is not None:
+            return int(value) if value >= 1 else None
+    return None
 
 
 def estimate_prompt_tokens(prompt: Prompt, settings: ParseSettings) -> int:

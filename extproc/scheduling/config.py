@@ -63,7 +63,8 @@ def default_config() -> EndpointPickerConfig:
     one currency, predicted time to first token (`predicted-ttft-scorer`: queued prefill
     work plus this request's uncached tokens, over each server's measured prefill speed), so
     a request sticks to its prefix until waiting there costs more than recomputing
-    elsewhere. Filters first: `bounded-sessions-filter` places a request that starts a
+    elsewhere (plus, in a full cache, the recompute of what moving evicts there).
+    Filters first: `bounded-sessions-filter` places a request that starts a
     session (agentic and chat sessions are idle between turns, so in-flight counts miss
     them) only where live sessions stay within an even share of the fleet's KV capacity,
     replicating a shared agent prompt instead of piling every session onto its first

@@ -96,7 +96,7 @@ class Parts:
                 self.states,
                 state.scrape,
                 on_invalidate=self._invalidate_endpoint,
-                on_scrape=self._calibrate,
+                on_scrape=self._scraped,
             )
             if state.scrape
             else None
@@ -239,24 +239,31 @@ class Parts:
 
         router = self.router
 
-        def pool_endpoints():
+        def endpoint_states(endpoints):
             inflight, states = router.inflight, router.states
-            return [
-                (
-                    e.address,
-                    states.state(
-                        e.address, inflight.requests(e.address), inflight.tokens(e.address)
-                    ),
-                )
-                for e in self.pool.snapshot()
-            ]
+            out = []
+            for e in endpoints:
+                a = e.address
+                out.append((a, states.state(a, inflight.requests(a), inflight.tokens(a))))
+            return out
+
+        def pool_endpoints():
+            # Where the router may place a request now (not a server it routes around:
+            # admitted for that one, a request landed on another, full one).
+            return endpoint_states(router.routable())
 
         def pool_states():
-            return [s for _, s in pool_endpoints()]
+            return [s for _, s in endpoint_states(self.pool.snapshot())]
 
         try:
+            speeds = router.speeds
             admission = Admission(
-                flow, pool_states, registry=self.metrics.registry, endpoints=pool_endpoints
+                flow,
+                pool_states,
+                registry=self.metrics.registry,
+                endpoints=pool_endpoints,
+                # The reserve for higher bands is sized by a prefill's time alone.
+                prefill_speed=speeds.fastest if speeds is not None else None,
             )
         except ValueError as exc:
             raise ConfigError(str(exc), path=("flow_control", "objectives_file")) from None
@@ -302,8 +309,10 @@ class Parts:
                 sub.watch(self.event_source(e))
         return sub
 
-    def _calibrate(self, address: str, scraped) -> None:
+    def _scraped(self, address: str, scraped) -> None:
         self.calibration.observe(address, scraped.kv_block_size, scraped.prompt_tokens)
+        # The engine's own prefill timing, queueing excluded (endpoints/prefill_speed.py).
+        self.speeds.scraped(address, scraped.latency)
 
     async def _invalidate_endpoint(self, address: str, reason: str) -> None:
         """The scraper saw `address` restart or stop answering: its cache is not what the

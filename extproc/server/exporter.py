@@ -170,12 +170,23 @@ class Exporter:
         )
         tps = gauge(
             "extproc_prefill_tokens_per_second",
-            "Prefill speed learned per endpoint (uncached tokens / time to first byte).",
+            "Prefill speed learned per endpoint (uncached tokens per prefill second from the "
+            "engine's histograms, else per second to first byte from the access log).",
             ["endpoint"],
         )
         for address, value in p.speeds.snapshot().items():
             tps.add_metric([address], value)
         yield tps
+        sources = gauge(
+            "extproc_prefill_speed_endpoints",
+            "Endpoints with a learned prefill speed, by source: engine (its prefill "
+            "histograms) or access_log (time to first byte, queueing included: the engine "
+            "exports no prefill histograms).",
+            ["source"],
+        )
+        for source, n in p.speeds.sources().items():
+            sources.add_metric([source], n)
+        yield sources
 
     def _endpoints(self) -> Iterator[Metric]:
         """Per endpoint: scraped-state age and staleness, scrape failures."""

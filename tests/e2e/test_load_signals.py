@@ -86,8 +86,12 @@ def moves_off_a_busy_server(sim_stack: Stack) -> None:
         assert seen[busy]["waiting"] >= 4 and seen[busy]["running"] == 2, seen
         assert seen[busy]["kv_usage"] > 0.5 and seen[idle]["waiting"] == 0, seen
         served = collections.Counter()
+        # What the picker saw of the busy server before each request it sent there: the
+        # failure message then tells a stale scrape from a scoring fault.
+        seen_before_busy: list[dict] = []
         with httpx.Client(base_url=sim_stack.url, timeout=60) as http:
             for i in range(20):
+                before = debug_state(sim_stack)[busy]
                 body = {
                     "model": sim_stack.fleet.model,
                     "prompt": f"fresh {i} " * 20,
@@ -96,10 +100,12 @@ def moves_off_a_busy_server(sim_stack: Stack) -> None:
                 r = http.post("/v1/completions", json=body)
                 assert r.status_code == 200
                 served[r.headers["x-served-by"]] += 1  # the simulated server's own name
+                if r.headers["x-served-by"] == busy:
+                    seen_before_busy.append(before)
         for f in pending:
             f.cancel()
     # Without scraped load the two tie on every in-flight figure and split the fresh prefixes.
-    assert served[idle] >= 18, served
+    assert served[idle] >= 18, (served, seen_before_busy)
 
 
 class Taught:

@@ -59,6 +59,13 @@ def speeds(text: str) -> dict[str, float]:
     return out
 
 
+def alike(a: dict[str, float], b: dict[str, float]) -> bool:
+    """The same servers at the same speed. Each replica reads the engines' prefill
+    histograms itself (endpoints/prefill_speed.py): the same counters, summed over its own
+    scrape intervals, may differ in the last bits."""
+    return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-9 * abs(b[k]) for k in a)
+
+
 def sample(text: str, name: str) -> float:
     line = next(x for x in text.splitlines() if x.startswith(name + " "))
     return float(line.split()[1])
@@ -91,16 +98,15 @@ def test_replicas_learn_speeds_and_spread_new_prompts_from_each_others_placement
         while True:
             texts = [httpx.get(f"http://127.0.0.1:{p}/metrics").text for p in admin]
             learned = [speeds(t) for t in texts]
-            if all(x == learned[0] for x in learned) or time.monotonic() > deadline:
+            if all(alike(x, learned[0]) for x in learned) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     decisions = [sample(t, "extproc_decisions_total") for t in texts]
     why = (served, learned, decisions)
-    # Every replica holds the same speed for the same servers (each replica alone knows only
-    # the servers it placed on itself). One server may lack a sample: a request whose end
-    # came before Envoy's access-log stream reached a replica leaves none (seen 1 in 4 runs
-    # at load 11, for the first request, on every replica alike).
-    assert all(x == learned[0] for x in learned), why
+    # Every replica holds the same speed for the same servers (from the engines' histograms
+    # each scrapes; before them, from access-log samples shared, each replica alone knowing
+    # only the servers it placed on itself). One server may lack a speed.
+    assert all(alike(x, learned[0]) for x in learned), why
     assert set(learned[0]) <= set(served) and len(learned[0]) >= len(set(served)) - 1, why
     assert sum(1 for d in decisions if d > 0) >= 2, why  # Envoy did use several replicas
     for t in texts:

@@ -8,6 +8,7 @@ import asyncio
 import httpx
 import msgspec
 
+from extproc.endpoints import parse_endpoints
 from extproc.flowcontrol.config import FlowControlSettings
 from extproc.server.app import App
 from tests.endpoints.fakekube import PODS, POOLS, FakeKube, pod, pool, pool_discovery
@@ -47,3 +48,22 @@ async def test_objectives_from_kubernetes_and_metrics(settings, tmp_path):
                 assert f'extproc_discovery_lists_total{{resource="{resource}"}}' in text
     finally:
         await kube.stop()
+
+
+async def test_per_endpoint_admission_judges_only_endpoints_the_router_may_use(settings):
+    # A server whose metrics stopped answering is routed around; admitting a request for
+    # it (the only one with room) placed the request on another, full server.
+    s = msgspec.structs.replace(
+        settings,
+        endpoints=["127.0.0.1:1", "127.0.0.1:2"],
+        flow_control=FlowControlSettings(admit_per_endpoint=True),
+    )
+    async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
+        assert app.admission is not None
+        judged = app.admission.controller._endpoints
+        assert judged is not None
+        assert [a for a, _ in judged()] == ["127.0.0.1:1", "127.0.0.1:2"]
+        app.router._is_failing = lambda a: a == "127.0.0.1:2"
+        assert [a for a, _ in judged()] == ["127.0.0.1:1"]
+        # The pool's saturation still counts every endpoint.
+        assert len(app.admission._states()) == 2

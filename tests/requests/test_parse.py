@@ -468,3 +468,41 @@ def test_key_block_tokens_is_the_same_with_the_geometry_pinned_at_its_own_width(
             assert free.key_block_tokens == pinned.key_block_tokens == block_tokens
     scaled = ParseSettings(block_tokens=64, bytes_per_token=2, key_bytes_per_token=4)
     assert scaled.key_block_tokens == 128
+
+
+# --- the output cap -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path,body,cap",
+    [
+        ("/v1/chat/completions", chat(user("hi"), max_tokens=40), 40),
+        # vLLM: max_completion_tokens wins over the older max_tokens.
+        ("/v1/chat/completions", chat(user("hi"), max_tokens=40, max_completion_tokens=7), 7),
+        ("/v1/chat/completions", chat(user("hi"), max_completion_tokens=12), 12),
+        ("/v1/chat/completions", chat(user("hi")), None),
+        ("/v1/chat/completions", chat(user("hi"), max_tokens=None), None),
+        ("/v1/chat/completions", chat(user("hi"), max_tokens=0), None),  # the engine's 400
+        ("/v1/chat/completions", chat(user("hi"), max_tokens=64.0), 64),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 16}, 16),
+        ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 300}, 300),
+        ("/v1/responses", {"model": "m", "input": "hi"}, None),
+        ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": [user("hi")]}, 5),
+        ("/v1/embeddings", {"model": "m", "input": "hi"}, None),
+    ],
+)
+def test_the_output_cap_is_read_from_every_request_shape(path: str, body: dict, cap) -> None:
+    assert parse(path, body).max_output_tokens == cap
+
+
+def test_a_non_numeric_output_cap_gets_400_naming_the_field() -> None:
+    assert bad("/v1/chat/completions", chat(user("hi"), max_tokens="many")).startswith(
+        "max_tokens:"
+    )
+    assert bad("/v1/messages", {"model": "m", "max_tokens": [1], "messages": []}).startswith(
+        "max_tokens:"
+    )
+    overflow = b'{"model": "m", "messages": [], "max_tokens": 1e999}'  # not a finite number
+    assert bad("/v1/chat/completions", overflow).startswith("max_tokens:")
+    huge = b'{"model": "m", "messages": [], "max_tokens": 99999999999999999999999999}'
+    assert parse("/v1/chat/completions", huge).max_output_tokens == 10**26 - 1

@@ -13,6 +13,7 @@ from extproc.scheduling.plugins.sessions import (
     BoundedSessionsFilter,
     LiveSessions,
     SessionTailScorer,
+    session_bound,
 )
 from extproc.scheduling.plugins.ttft import BoundedLoadFilter
 from extproc.testing import ManualClock, plugin_registry
@@ -58,6 +59,30 @@ def test_new_sessions_on_a_shared_prompt_spread_evenly_and_turns_stay_home():
         assert f.filter(r, cands) == cands
         f.observe(r, cands, Decision(endpoints=(cand(home[s]).endpoint,)))
     assert f.sessions.counts() == {"a": 2, "b": 2, "c": 2}
+
+
+def test_default_tolerance_leaves_no_server_without_a_session():
+    """Issue 14, agentic: 8 sessions on one agent prompt, 4 servers, the default epsilon. The
+    bound rounded up let the prompt's holders take a second and third session while one
+    server had none (3/3/2/0); now the fourth session goes to the empty server."""
+    f = BoundedSessionsFilter()
+    home: dict[int, str] = {}
+    for s in range(8):
+        cands = [cand(a, prefix=len(SHARED) if a in home.values() else 0) for a in "abcd"]
+        home[s] = place(f, turn(s, 0), cands)
+        if s == 3:
+            assert sorted(home.values()) == ["a", "b", "c", "d"]
+    assert f.sessions.counts() == {"a": 2, "b": 2, "c": 2, "d": 2}
+
+
+def test_session_bound_keeps_epsilon_and_always_leaves_room():
+    assert session_bound(1.0, 0.25) == 1  # ceil(1.25) would be 2: +100%
+    assert session_bound(1.25, 0.25) == 2  # never under the fair share rounded up
+    assert session_bound(2.0, 0.25) == 2
+    assert session_bound(4.0, 0.25) == 5
+    assert session_bound(10.0, 0.25) == 12
+    assert session_bound(0.2, 0.0) == 1
+    assert session_bound(3.0, 0.0) == 3  # float error does not add a session
 
 
 def test_capacity_shares_weigh_the_bound():

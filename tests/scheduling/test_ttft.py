@@ -134,3 +134,54 @@ def test_a_change_of_token_estimates_rescales_the_mean_queued_prefill():
     r4 = req(blocks=100, tokens=6400)
     after = sc.predict(r4, cand("a", prefix=100, prefill_tps=6400.0, waiting=3), 100.0)
     assert after > 0.5 and abs(after - before) < 1e-6
+
+
+def _fill(sc: PredictedTTFTScorer, clock: Clock, *, reused_blocks: int, **state) -> None:
+    """40 placements of 6,400-token prompts alternating on a and b, `reused_blocks` of 100
+    cached each time; then the queues drain."""
+    for i in range(40):
+        addr = "ab"[i % 2]
+        c = cand(addr, prefix=reused_blocks, prefill_tps=6400.0, **state)
+        place(sc, req(blocks=100, tokens=6400), [c], addr)
+    clock.t += 3600.0
+
+
+def test_a_full_cache_makes_leaving_the_holder_cost_the_evictions_it_causes():
+    # Both caches hold 6,400 tokens and have been written many times over; half of every
+    # placed prompt was cached (the workload reuses). The request's holder a has half its
+    # prompt (0.5 s left to compute) and 0.6 s of queue: moving to idle b is faster now
+    # (1.0 s against 1.1 s), but writes 3,200 more tokens into b's full cache, evicting
+    # prefixes someone will recompute. Predicted TTFT alone moved it; the choice now stays.
+    full = {"kv_blocks": 400, "kv_block_size": 16}
+    clock = Clock()
+    sc = PredictedTTFTScorer(clock=clock)
+    _fill(sc, clock, reused_blocks=50, **full)
+    place(sc, req(blocks=100, tokens=3840), [cand("a", prefill_tps=6400.0, **full)], "a")
+    r = req(blocks=100, tokens=6400)
+    a = cand("a", prefix=50, prefill_tps=6400.0, **full)
+    b = cand("b", prefill_tps=6400.0, **full)
+    assert sc.predict(r, a, clock.t) > sc.predict(r, b, clock.t)  # b is faster now
+    s = sc.score(r, [a, b])
+    assert s[0] == 1.0 and s[1] < 1.0
+    # A longer queue still moves it: the wait beats both recomputes.
+    place(sc, req(blocks=100, tokens=6400), [a], "a")
+    s = sc.score(r, [a, b])
+    assert s[1] == 1.0 and s[0] < 1.0
+
+
+def test_no_eviction_cost_while_caches_have_room_or_nothing_is_reused():
+    r = req(blocks=100, tokens=6400)
+    for state, reused in (
+        ({"kv_blocks": 1_000_000, "kv_block_size": 16}, 50),  # caches far from full
+        ({}, 50),  # capacity unknown
+        ({"kv_blocks": 400, "kv_block_size": 16}, 0),  # full, but no prompt was ever reused
+    ):
+        clock = Clock()
+        sc = PredictedTTFTScorer(clock=clock)
+        _fill(sc, clock, reused_blocks=reused, **state)
+        place(sc, req(blocks=100, tokens=3840), [cand("a", prefill_tps=6400.0, **state)], "a")
+        a = cand("a", prefix=50, prefill_tps=6400.0, **state)
+        b = cand("b", prefill_tps=6400.0, **state)
+        assert sc.eviction_cost(r, a) == sc.eviction_cost(r, b) == 0.0
+        s = sc.score(r, [a, b])
+        assert s[1] == 1.0 and s[0] < 1.0, state  # predicted TTFT alone: b is faster

@@ -181,6 +181,20 @@ class LiveSessions:
             self._counts.pop(chain.endpoint, None)
 
 
+def session_bound(fair: float, epsilon: float) -> int:
+    """The most sessions an endpoint whose fair share is `fair` sessions may carry: the
+    largest whole number within `(1 + epsilon) x fair`, and never under `ceil(fair)` (the
+    bounds then sum to at least the sessions placed, so some endpoint always has room).
+
+    Rounding the tolerance up instead, `ceil((1 + epsilon) x fair)`, lets it exceed epsilon
+    many times over while sessions are few: at one session's share per server a bound of 2
+    is +100%, not +25%, and the server holding the shared prompt took a second and a third
+    session while another server had none and kept none (issue 14, agentic: 8 sessions on 4
+    servers ended 3/3/2/0 at the start, spreads like 34/30/25/7 requests)."""
+    # The small tolerance keeps float error from shaving a whole session off a bound.
+    return max(math.ceil(fair - 1e-9), math.floor((1.0 + epsilon) * fair + 1e-9))
+
+
 def _capacity(c: Candidate) -> float | None:
     st = c.state
     if st.kv_blocks and st.kv_block_size:
@@ -191,9 +205,10 @@ def _capacity(c: Candidate) -> float | None:
 class BoundedSessionsFilter:
     """For a request that starts a session on a known prefix (it continues no live chain of
     turns, and some endpoint holds part of it: a shared prompt or header), keeps the
-    endpoints whose live sessions, with this one, stay within `ceil((1 + epsilon) x (live
-    sessions + 1) x their share of the fleet's KV capacity)` (equal shares while any
-    capacity is unknown). A session's later turns pass unfiltered. Never removes every
+    endpoints whose live sessions, with this one, stay within `(1 + epsilon) x (live
+    sessions + 1) x their share of the fleet's KV capacity` (equal shares while any
+    capacity is unknown), rounded down but never below the share itself rounded up
+    (`session_bound`). A session's later turns pass unfiltered. Never removes every
     candidate.
 
     ```yaml
@@ -256,12 +271,11 @@ class BoundedSessionsFilter:
             shares = [cap / total_cap for cap in caps]  # type: ignore[operator]
         else:
             shares = [1.0 / len(cands)] * len(cands)
-        scale = (1.0 + self._eps) * (sum(live) + 1)
+        total = sum(live) + 1
         keep = [
             c
             for c, n, share in zip(cands, live, shares, strict=True)
-            # The small tolerance keeps float error from shaving a whole session off a bound.
-            if n + 1 <= math.ceil(scale * share - 1e-9)
+            if n + 1 <= session_bound(total * share, self._eps)
         ]
         return keep or cands
 

@@ -10,9 +10,21 @@ back to where it grew. No weight between "affinity" and "load" needs calibrating
 The queue ahead is this picker's own virtual prefill queue per endpoint (each placement adds
 its uncached tokens / speed; it drains in real time), floored by the in-flight prefill
 tokens every replica placed there and by the endpoint's scraped waiting requests at the
-mean placed prefill (both shared: replicas see the same floor). Speeds are
-measured online (`EndpointState.prefill_tps`, from the access log); until the first
-measurement every endpoint gets the same prior, which only scales all predictions alike.
+mean placed prefill (both shared: replicas see the same floor). Speeds are measured online
+(`EndpointState.prefill_tps`: from the engines' prefill histograms, else the access log,
+endpoints/prefill_speed.py); until the first measurement every endpoint gets the same
+prior, which only scales all predictions alike.
+
+The choice weighs one more cost than the prediction: the recompute a placement causes later.
+Once an endpoint's cache has been written more than its size (the engine's KV capacity), every
+token recomputed there evicts a resident one, which the request that would have reused it must
+recompute. Moving a request off the endpoint holding L tokens of its prefix writes L more
+tokens elsewhere than staying would, so it evicts L tokens someone else may need: the request
+leaves its holder only when the wait there exceeds the recompute elsewhere by that future cost
+too. How likely an evicted token is to be needed again is measured, not set: the share of
+placed prompt tokens that were already cached (a workload without reuse loses nothing to an
+eviction, and the rule then adds nothing). Endpoints of unknown capacity, or whose cache has
+not filled yet, are charged nothing for evictions.
 """
 
 from __future__ import annotations
@@ -65,12 +77,20 @@ class PredictedTTFTScorer:
         # (starting from 0 made scraped waiting requests weigh nothing for ~20 placements,
         # so a server loaded behind the picker's back kept its share of new prefixes).
         self._mean_prefill: float | None = None
+        # Per endpoint, (estimated) tokens this picker has had it compute: once over its KV
+        # capacity, its cache is full and each new token evicts one.
+        self._written: dict[str, float] = {}
+        # Moving average of the share of each placed prompt that was already cached: how
+        # likely a resident token is to be asked for again.
+        self._reuse = 0.0
 
     def units_changed(self, factor: float) -> None:
         """Estimates grew `factor`-fold: the mean placed prefill follows (the prior speed is a
         guess in no unit in particular; measured speeds are rescaled where they are kept)."""
         if factor > 0 and self._mean_prefill is not None:
             self._mean_prefill *= factor
+        if factor > 0:
+            self._written = {a: n * factor for a, n in self._written.items()}
 
     def _tps(self, c: Candidate) -> float:
         tps = c.state.prefill_tps
@@ -91,11 +111,23 @@ class PredictedTTFTScorer:
             wait = max(wait, st.waiting * mean / tps)
         return max(0.0, wait) + uncached_tokens(req, c) / tps + _FLOOR_S
 
+    def eviction_cost(self, req: InferenceRequest, c: Candidate) -> float:
+        """Seconds of future recompute that placing this request on `c` causes: the resident
+        tokens its uncached part evicts, times the measured chance one is needed again,
+        over `c`'s prefill speed. 0 while `c`'s cache has room or its size is unknown."""
+        st = c.state
+        if not (self._reuse and st.kv_blocks and st.kv_block_size):
+            return 0.0
+        work = uncached_tokens(req, c)
+        room = st.kv_blocks * st.kv_block_size - self._written.get(c.endpoint.address, 0.0)
+        evicted = min(work, max(0.0, work - room))
+        return self._reuse * evicted / self._tps(c)
+
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
         now = self._clock()
-        ttft = [self.predict(req, c, now) for c in cands]
-        best = min(ttft)
-        return [best / t for t in ttft]
+        cost = [self.predict(req, c, now) + self.eviction_cost(req, c) for c in cands]
+        best = min(cost)
+        return [best / t for t in cost]
 
     def observe(
         self, req: InferenceRequest, cands: Sequence[Candidate], decision: Decision
@@ -112,9 +144,15 @@ class PredictedTTFTScorer:
         self._busy_until[addr] = start + work / self._tps(chosen)
         mean = self._mean_prefill
         self._mean_prefill = work if mean is None else mean + 0.05 * (work - mean)
+        self._written[addr] = self._written.get(addr, 0.0) + work
+        if req.prompt_tokens > 0:
+            reused = max(0.0, 1.0 - work / req.prompt_tokens)
+            self._reuse += 0.05 * (reused - self._reuse)
         if len(self._busy_until) > 4 * len(cands) + 64:
             # Endpoints that left: forget the drained ones.
             self._busy_until = {a: t for a, t in self._busy_until.items() if t > now}
+            live = self._busy_until.keys() | {c.endpoint.address for c in cands}
+            self._written = {a: n for a, n in self._written.items() if a in live}
 
 
 def _load(c: Candidate) -> int:

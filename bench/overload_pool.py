@@ -1,0 +1,44 @@
+"""Pool bench_overload.py runs of one configuration: interactive TTFT p99 over every admitted
+interactive request of all its runs, against the p99 of every unloaded pass pooled. One
+60 s run holds ~100 interactive requests, so its p99 is its slowest one or two; pooled over
+three runs it is about the third slowest.
+
+    .venv/bin/python bench/overload_pool.py out1.log out2.log ...
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from extproc.sim.workload import percentile
+
+
+def main(paths: list[str]) -> int:
+    hi: dict[str, list[float]] = {}
+    goodput: dict[str, list[float]] = {}
+    unloaded: list[float] = []
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if not line.startswith("{"):
+                continue
+            row = json.loads(line)
+            if "unloaded_ttfts" in row:
+                unloaded += row["unloaded_ttfts"]
+            elif "hi_ttfts" in row:
+                hi.setdefault(row["run"], []).extend(row["hi_ttfts"])
+                goodput.setdefault(row["run"], []).append(row["steady_goodput_vs_capacity"])
+    base = percentile(unloaded, 99)
+    print(f"unloaded pooled: {len(unloaded)} requests, p50 {percentile(unloaded, 50):.3f} s, "
+          f"p99 {base:.3f} s")  # fmt: skip
+    for run, ttfts in hi.items():
+        p99 = percentile(ttfts, 99)
+        print(f"{run}: {len(ttfts)} interactive, p50 {percentile(ttfts, 50):.3f} s, p99 "
+              f"{p99:.3f} s = {p99 / base:.2f}x pooled unloaded; steady goodput "
+              f"{[round(g, 3) for g in goodput[run]]}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,161 @@
+"""The reserve for a higher band grows with that band's arrival rate, behind a real Envoy:
+`extproc serve` with per-endpoint admission and `reserve_for_higher_bands: 1`, two bands
+(interactive 10, batch 0), a token-mode concurrency detector, two simulated vLLM servers.
+
+Interactive traffic arrives fast (a burst of requests, then a large one), so while its
+largest request prefills more interactive work is expected: the room kept for it is that
+request plus the arrival rate times its prefill time (at the fastest measured prefill
+speed), not the request alone. With a long batch request on one server and a long
+interactive one on the other, a short batch request fits beside the batch one and leaves
+the interactive server room for the largest interactive request, but not for that plus
+what arrives meanwhile: it is held (before: released at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import yaml
+
+from extproc.requests import ParseSettings, parse_request
+from extproc.sim import SERVED_BY_HEADER
+from extproc.stack import Stack, StackOptions
+
+SMALL, MEDIUM, BIG = 150, 250, 500  # words of 7 letters: ~300, ~500, ~1000 tokens
+LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
+MARGIN = 150  # the rate term must add more than this (it adds ~300-1500 here)
+HI = {"x-llm-d-inference-objective": "interactive"}
+LO = {"x-llm-d-inference-objective": "batch"}
+
+
+def body(model: str, seed: int, words: int, max_tokens: int, stream: bool = True) -> dict:
+    rng = random.Random(seed)  # distinct prompts: no prefix shared between requests
+    text = " ".join("".join(rng.choice("abcdefghij") for _ in range(7)) for _ in range(words))
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+
+
+def estimate(words: int) -> int:
+    raw = json.dumps(body("m", 0, words, 1)).encode()
+    return parse_request("/v1/chat/completions", {}, raw, ParseSettings()).prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    # The interactive server holds MEDIUM; beside it the old reserve (the largest
+    # interactive request, BIG) fits with MARGIN to spare, the new one does not.
+    cap = estimate(MEDIUM) + estimate(BIG) + MARGIN
+    detector = {"concurrencyMode": "tokens", "maxTokenConcurrency": cap}
+    tmp = tmp_path_factory.mktemp("flowrate")
+    objectives = tmp / "objectives.yaml"
+    objectives.write_text(yaml.safe_dump({"interactive": 10, "batch": 0}))
+    cfg = {
+        "parse": {"calibrate": False},
+        "state": {"request_end": {"mode": "access-log"}},  # in flight until the stream ends
+        "scheduling": {
+            "plugins": [
+                {"type": "token-load-scorer"},
+                {"type": "max-score-picker"},
+                {"type": "concurrency-detector", "parameters": detector},
+            ],
+            "flowControl": {
+                "defaultRequestTTL": "60s",
+                "priorityBands": [{"priority": 10}, {"priority": 0}],
+                "saturationDetector": {"pluginRef": "concurrency-detector"},
+            },
+            "schedulingProfiles": [
+                {
+                    "name": "default",
+                    "plugins": [
+                        {"pluginRef": "token-load-scorer"},
+                        {"pluginRef": "max-score-picker"},
+                    ],
+                }
+            ],
+        },
+        "flow_control": {
+            "admit_per_endpoint": True,
+            "reserve_for_higher_bands": 1,
+            "expected_output_tokens": 0,  # sizes are prompts alone: exact thresholds
+            "objectives_file": str(objectives),
+        },
+    }
+    path = tmp / "picker.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    # A slower prefill than the default, so a prefill time is long next to the client's
+    # own overheads (the rate term is arrival rate x prefill time).
+    sim = ("--decode-tps", "100", "--prefill-tps", "4000")
+    with Stack(StackOptions(upstreams=2, sim_args=sim, extproc_args=("--config", str(path)))) as s:
+        yield s
+
+
+def metric(stack: Stack, pattern: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
+    return sum(float(m) for m in re.findall(pattern, text, re.M))
+
+
+def queued_batch(stack: Stack) -> float:
+    return metric(stack, r'^extproc_flow_queue_requests{[^}]*priority="0"[^}]*} (\S+)$')
+
+
+async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(stack: Stack):
+    model = stack.fleet.model
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
+        # Interactive history: a burst of small requests, then the large one. Not streamed:
+        # the prefill speed is learned from the time to the first response byte, and a
+        # streamed response (the sim's, as vLLM's) sends its headers before the prefill.
+        smalls = [
+            c.post("/v1/chat/completions", json=body(model, i, SMALL, 1, False), headers=HI)
+            for i in range(8)
+        ]
+        assert all(r.status_code == 200 for r in await asyncio.gather(*smalls))
+        big_body = body(model, 100, BIG, 1, False)
+        big = await c.post("/v1/chat/completions", json=big_body, headers=HI)
+        assert big.status_code == 200
+        for _ in range(100):  # their in-flight counts end with their access-log entries
+            if not await asyncio.to_thread(metric, stack, r"^extproc_inflight_tokens{.*} (\S+)$"):
+                break
+            await asyncio.sleep(0.05)
+
+        async def long_one(seed: int, headers: dict, at: asyncio.Future[str]) -> int:
+            req = body(model, seed, MEDIUM, LONG)
+            async with c.stream("POST", "/v1/chat/completions", json=req, headers=headers) as r:
+                at.set_result(r.headers[SERVED_BY_HEADER])
+                async for _ in r.aiter_lines():
+                    pass
+                return r.status_code
+
+        lo_at: asyncio.Future[str] = loop.create_future()
+        hi_at: asyncio.Future[str] = loop.create_future()
+        batch = asyncio.create_task(long_one(200, LO, lo_at))
+        lo_server = await asyncio.wait_for(lo_at, 30)
+        interactive = asyncio.create_task(long_one(201, HI, hi_at))
+        assert await asyncio.wait_for(hi_at, 30) != lo_server  # the less loaded one
+
+        short = asyncio.create_task(
+            c.post("/v1/chat/completions", json=body(model, 300, SMALL, 4), headers=LO)
+        )
+        for _ in range(100):
+            if short.done() or await asyncio.to_thread(queued_batch, stack) == 1:
+                break
+            await asyncio.sleep(0.05)
+        # Before: released beside the batch request (the interactive server kept room for
+        # the largest interactive request). Now: that room is not enough.
+        assert not short.done(), "the short batch request was released"
+        assert not batch.done() and not interactive.done(), "a long request ended too soon"
+        held = metric(stack, r"^extproc_flow_reserved_tokens (\S+)$")
+        assert held > estimate(BIG) + MARGIN
+        assert metric(stack, r"^extproc_flow_reserve_rate_unsized_total (\S+)$") == 0
+        assert await batch == 200 and await interactive == 200
+        assert (await short).status_code == 200  # released once room came back
+        assert queued_batch(stack) == 0
