@@ -196,10 +196,10 @@ class Engine:
                 f"messages, {max_tokens} in the completion). Please reduce the length of "
                 "the messages or completion."
             )
-        if self.cache.blocks_for(prompt_len + max_tokens - 1) > s.num_gpu_blocks:
+        if self.cache.blocks_for(prompt_len + max_tokens - 1) > self.cache.usable_blocks:
             raise BadRequest(
                 f"The request needs {prompt_len + max_tokens} tokens of KV cache but this "
-                f"server holds {s.num_gpu_blocks * s.block_size}."
+                f"server holds {self.cache.usable_blocks * s.block_size}."
             )
 
     def reset_prefix_cache(self) -> None:

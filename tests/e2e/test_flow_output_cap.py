@@ -13,8 +13,6 @@ generous cap is not KV taken): the control here, held while the first streams.""
 from __future__ import annotations
 
 import asyncio
-import json
-import random
 import re
 from collections.abc import Iterator
 
@@ -22,33 +20,20 @@ import httpx
 import pytest
 import yaml
 
-from extproc.requests import ParseSettings, parse_request
 from extproc.stack import Stack, StackOptions
+from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
 
 OUTPUT = 256  # expected output tokens, and the detector's per-request constant
 LONG = 600  # output tokens at 100 tokens/s: the first request streams for ~6 s
 
 
 def body(model: str, seed: int, max_tokens: int) -> dict:
-    rng = random.Random(seed)  # distinct prompts: no prefix shared between requests
-    words = " ".join("".join(rng.choice("abcdefghij") for _ in range(7)) for _ in range(250))
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": words}],
-        "max_tokens": max_tokens,
-        "stream": True,
-    }
-
-
-def estimate(b: dict) -> int:
-    """The picker's prompt-token estimate for `b` (its parse settings below)."""
-    raw = json.dumps(b).encode()
-    return parse_request("/v1/chat/completions", {}, raw, ParseSettings()).prompt_tokens
+    return distinct_chat(model, seed, max_tokens)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
-    prompt = estimate(body("m", 1, 1))
+    prompt = estimated_prompt_tokens(body("m", 1, 1))
     # One request in flight (prompt + 256) plus one asking for 4 (prompt + 4) fit; plus
     # one counted at 256 (the old estimate) do not: the ceiling halfway between.
     ceiling = 2 * prompt + OUTPUT + 4 + (OUTPUT - 4) // 2

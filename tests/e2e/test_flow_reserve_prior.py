@@ -13,7 +13,6 @@ is answered at once by the server kept free."""
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 from collections.abc import Iterator
 
@@ -23,6 +22,7 @@ import yaml
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
+from tests.e2e.chat_bodies import distinct_chat
 
 CONFIG = {
     "parse": {"block_tokens": 16, "bytes_per_token": 4, "calibrate": False},
@@ -75,14 +75,7 @@ def queued(stack: Stack, priority: int) -> float:
 
 
 def body(model: str, seed: int, max_tokens: int) -> dict:
-    rng = random.Random(seed)  # distinct prompts: no prefix shared between requests
-    words = " ".join("".join(rng.choice("abcdefghij") for _ in range(7)) for _ in range(250))
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": words}],
-        "max_tokens": max_tokens,
-        "stream": True,
-    }
+    return distinct_chat(model, seed, max_tokens)
 
 
 async def test_batch_leaves_a_server_for_interactive_before_any_interactive_came(stack: Stack):

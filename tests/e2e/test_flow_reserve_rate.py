@@ -13,8 +13,6 @@ what arrives meanwhile: it is held (before: released at once)."""
 from __future__ import annotations
 
 import asyncio
-import json
-import random
 import re
 from collections.abc import Iterator
 
@@ -22,9 +20,9 @@ import httpx
 import pytest
 import yaml
 
-from extproc.requests import ParseSettings, parse_request
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
+from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
 
 SMALL, MEDIUM, BIG = 150, 250, 500  # words of 7 letters: ~300, ~500, ~1000 tokens
 LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
@@ -34,19 +32,11 @@ LO = {"x-llm-d-inference-objective": "batch"}
 
 
 def body(model: str, seed: int, words: int, max_tokens: int, stream: bool = True) -> dict:
-    rng = random.Random(seed)  # distinct prompts: no prefix shared between requests
-    text = " ".join("".join(rng.choice("abcdefghij") for _ in range(7)) for _ in range(words))
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
+    return distinct_chat(model, seed, max_tokens, words=words, stream=stream)
 
 
 def estimate(words: int) -> int:
-    raw = json.dumps(body("m", 0, words, 1)).encode()
-    return parse_request("/v1/chat/completions", {}, raw, ParseSettings()).prompt_tokens
+    return estimated_prompt_tokens(body("m", 0, words, 1))
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,11 @@ from extproc.sim.cache import CPU, GPU, Cleared, KVCache, Removed, Stored
 BS = 4
 
 
+def usable(n: int) -> int:
+    """A pool whose `n` blocks hold KV: vLLM's pool keeps one more as its null block."""
+    return n + 1
+
+
 def chain(tokens: list[int]):
     return chain_blocks(tokens, BS, "m")
 
@@ -24,7 +29,7 @@ def run(cache: KVCache, tokens: list[int], total_blocks: int | None = None):
 
 
 def test_shared_prefix_hits_and_emits_nothing():
-    cache = KVCache(16, BS)
+    cache = KVCache(usable(16), BS)
     run(cache, list(range(12)))
     cache.events.clear()
     hit = run(cache, [*range(8), 99, 98, 97, 96, 95])
@@ -33,7 +38,7 @@ def test_shared_prefix_hits_and_emits_nothing():
 
 
 def test_whole_prompt_hit_recomputes_last_block_as_duplicate_store():
-    cache = KVCache(16, BS)
+    cache = KVCache(usable(16), BS)
     run(cache, list(range(8)))
     cache.events.clear()
     hit = run(cache, list(range(8)))
@@ -45,7 +50,7 @@ def test_whole_prompt_hit_recomputes_last_block_as_duplicate_store():
 
 
 def test_lru_eviction_removes_tail_first_before_storing():
-    cache = KVCache(4, BS)
+    cache = KVCache(usable(4), BS)
     old = chain(list(range(16)))
     run(cache, list(range(16)))
     cache.events.clear()
@@ -59,7 +64,7 @@ def test_lru_eviction_removes_tail_first_before_storing():
 
 
 def test_held_blocks_are_not_evicted():
-    cache = KVCache(4, BS)
+    cache = KVCache(usable(4), BS)
     c = chain(list(range(16)))
     held = cache.acquire(c, cache.lookup(c, 3), 4)
     other = chain(list(range(50, 54)))
@@ -70,7 +75,7 @@ def test_held_blocks_are_not_evicted():
 
 
 def test_reset_clears_everything_and_says_so():
-    cache = KVCache(8, BS)
+    cache = KVCache(usable(8), BS)
     run(cache, list(range(9)))
     cache.reset()
     assert cache.events[-1] == Cleared()
@@ -79,7 +84,7 @@ def test_reset_clears_everything_and_says_so():
 
 
 def test_evicted_blocks_move_to_cpu_tier_and_hit_from_there():
-    cache = KVCache(3, BS, cpu_blocks=4)
+    cache = KVCache(usable(3), BS, cpu_blocks=4)
     first = list(range(9))
     run(cache, first)
     run(cache, list(range(100, 109)))
@@ -87,3 +92,17 @@ def test_evicted_blocks_move_to_cpu_tier_and_hit_from_there():
     assert offloaded
     hit = cache.lookup(chain(first), 2)
     assert hit.gpu + hit.cpu == 2 and hit.cpu >= 1
+
+
+def test_one_block_is_vllms_null_block_and_holds_nothing():
+    # vLLM's block pool takes its first block as a placeholder: a pool of 3 holds 2 blocks
+    # of KV, and its usage counts the 2 (tests/vllm/test_agreement.py checks the effect).
+    cache = KVCache(3, BS)
+    assert cache.usable_blocks == 2
+    c = chain(list(range(8)))
+    hit = cache.lookup(c, 1)
+    assert cache.can_allocate(c, hit, 2) and not cache.can_allocate(c, hit, 3)
+    held = cache.acquire(c, hit, 2)
+    assert cache.usage == 1.0
+    cache.release(held)
+    assert cache.usage == 0.0

@@ -248,10 +248,12 @@ def test_simulator_caches_what_vllm_cached(
             if sim != s.cached:
                 print(f"  differs: {s.kind} on {s.server}: vLLM {s.cached}, simulator {sim}")
     assert sum(1 for s, _ in pairs if s.cached) >= 20
-    # Exact on the known history in quiet runs. Runs that differed (122/123, 121/123) mostly had
-    # 504s, whose first attempts reached a server unseen by this comparison; one (122/123, a
-    # chat request: vLLM 64 cached tokens, simulator 96) had none but ran at load average 13,
-    # where vLLM's step timing differs from a quiet engine's. One difference is tolerated.
+    # Exact on the known history. Runs that differed (122/123, 121/123) mostly had 504s, whose
+    # first attempts reached a server unseen by this comparison. Others, the simulator one
+    # block above vLLM (a chat request: vLLM 64 cached tokens, simulator 96; 2-3 requests a run
+    # once placements changed in the sixth session), came from vLLM's null block, which the
+    # simulator's pool now keeps too (sim/cache.py): the two saved traces replay exact. One
+    # difference is still tolerated.
     assert same >= len(pairs) - 1, f"{same}/{len(pairs)}"
 
 
