@@ -7,8 +7,9 @@ request to arrive; the next one, arriving while the first is still prefilling, f
 server with room and waited in the picker until lower work ended on some server (0.2-1.1 s
 in bench/bench_overload.py). How much more arrives in that time follows from the band's
 token arrival rate (over its last `HISTORY` requests, so a band that went quiet decays on
-its own) times the prefill time of the largest request at the measured prefill speed.
-Without a measured speed (no access log yet) only the largest requests are kept, and
+its own) times the prefill time of the largest request at the fastest server's prefill
+speed (the engines' own where scraped, else time to first byte from the access log).
+Without a measured speed (neither yet) only the largest requests are kept, and
 `rate_unsized` says so.
 """
 
@@ -94,9 +95,9 @@ class Reserve:
             elif p in self._seen and len(self._seen[p]) >= 2:
                 if not self.rate_unsized:
                     log.warning(
-                        "reserve for higher bands: no prefill speed measured (needs the "
-                        "access log), so their arrival rate is not counted; keeping room for "
-                        "the largest recent requests only"
+                        "reserve for higher bands: no prefill speed measured yet (from the "
+                        "engines' histograms or the access log), so their arrival rate is not "
+                        "counted; keeping room for the largest recent requests only"
                     )
                 self.rate_unsized += 1
             if len(self._seen.get(p, ())) < HISTORY:
