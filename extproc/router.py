@@ -29,7 +29,7 @@ from extproc.index.base import EMPTY, KVIndex, Lookup
 from extproc.index.capacity import CapacityModel, CapacityStats
 from extproc.index.placed import PlacedBlocks
 from extproc.scheduling import Scheduler
-from extproc.scheduling.framework import EstimateUnits
+from extproc.scheduling.framework import EndpointReset, EstimateUnits
 from extproc.throttle import Throttle
 
 log = logging.getLogger("extproc.router")
@@ -419,9 +419,12 @@ class Router:
 
     async def forget_endpoint(self, address: str) -> None:
         """`address` left the pool, or its cache was invalidated (a restart): what this
-        picker placed there no longer counts."""
+        picker placed there no longer counts, in the index or in the plugins' figures."""
         if self.placed is not None:
             await self.placed.forget(address)
+        for plugin in self.scheduler.plugins:
+            if isinstance(plugin, EndpointReset):
+                plugin.endpoint_reset(address)
 
     def _unseen(self, routed: Routed, then: Late | None) -> Late:
         """What a request whose response headers the picker never saw needs from its

@@ -105,6 +105,15 @@ class EstimateUnits(Protocol):
     def units_changed(self, factor: float) -> None: ...
 
 
+@runtime_checkable
+class EndpointReset(Protocol):
+    """A plugin that keeps figures per endpoint about its cache or queue: told when an
+    endpoint's cache is gone (a restart, or it left the pool), so what it learned of the old
+    process does not steer requests to the new one."""
+
+    def endpoint_reset(self, address: str) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ProfileResult:
     """What one profile chose: candidates in preference order (may be empty)."""

@@ -185,3 +185,46 @@ def test_no_eviction_cost_while_caches_have_room_or_nothing_is_reused():
         assert sc.eviction_cost(r, a) == sc.eviction_cost(r, b) == 0.0
         s = sc.score(r, [a, b])
         assert s[1] == 1.0 and s[0] < 1.0, state  # predicted TTFT alone: b is faster
+
+
+def test_a_restarted_endpoint_is_charged_no_evictions_until_it_fills_again():
+    # A restarted server starts with an empty cache: what was written to the old process
+    # must not make the new one look full (nor its old queue look busy).
+    full = {"kv_blocks": 400, "kv_block_size": 16}
+    clock = Clock()
+    sc = PredictedTTFTScorer(clock=clock)
+    _fill(sc, clock, reused_blocks=50, **full)
+    r = req(blocks=100, tokens=6400)
+    b = cand("b", prefill_tps=6400.0, **full)
+    assert sc.eviction_cost(r, b) > 0
+    place(sc, req(blocks=100, tokens=6400), [b], "b")  # one prompt queued on b
+    sc.endpoint_reset("b")
+    assert sc.eviction_cost(r, b) == 0.0
+    assert sc.predict(r, b, clock.t) == sc.predict(r, cand("c", prefill_tps=6400.0), clock.t)
+    assert sc.eviction_cost(r, cand("a", prefill_tps=6400.0, **full)) > 0  # a is untouched
+
+
+async def test_the_router_resets_the_scorer_when_an_endpoint_is_forgotten():
+    # The assembled server calls `forget_endpoint` when the scraper sees a restart or an
+    # outage that empties the cache (server/assembly.py): the scorer must hear of it.
+    from extproc.core import Endpoint
+    from extproc.endpoints.pool import EndpointPool
+    from extproc.router import Router
+    from extproc.scheduling.config import build_scheduler, default_config
+    from extproc.testing import plugin_registry
+
+    router = Router(
+        pool=EndpointPool([Endpoint("a"), Endpoint("b")]),
+        scheduler=build_scheduler(default_config(), plugin_registry()),
+        parser=lambda *_: None,  # type: ignore[arg-type,return-value]
+    )
+    (sc,) = [p for p in router.scheduler.plugins if isinstance(p, PredictedTTFTScorer)]
+    full = {"kv_blocks": 400, "kv_block_size": 16}
+    for i in range(40):
+        addr = "ab"[i % 2]
+        place(sc, req(blocks=100, tokens=6400), [cand(addr, prefix=50, **full)], addr)
+    r = req(blocks=100, tokens=6400)
+    assert sc.eviction_cost(r, cand("b", **full)) > 0
+    await router.forget_endpoint("b")
+    assert sc.eviction_cost(r, cand("b", **full)) == 0.0
+    assert sc.eviction_cost(r, cand("a", **full)) > 0

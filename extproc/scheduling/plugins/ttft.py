@@ -92,6 +92,12 @@ class PredictedTTFTScorer:
         if factor > 0:
             self._written = {a: n * factor for a, n in self._written.items()}
 
+    def endpoint_reset(self, address: str) -> None:
+        """`address` restarted or left: its cache is empty (nothing written, so no eviction
+        charged until it fills again) and the prefill queued there is gone."""
+        self._written.pop(address, None)
+        self._busy_until.pop(address, None)
+
     def _tps(self, c: Candidate) -> float:
         tps = c.state.prefill_tps
         return tps if tps else self._prior
