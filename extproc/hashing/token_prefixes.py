@@ -39,8 +39,8 @@ MIN_CHARS = 1024
 PROBE = 256
 MAX_ENTRIES = 64
 # A remembered token costs ~130 bytes (its id and offsets as Python objects: 259 MB for 2M
-# tokens, measured); 500k tokens (~65 MB) hold 8 agentic sessions of 58k tokens each.
-MAX_TOKENS = 500_000
+# tokens, measured); 512k tokens (~67 MB) hold 8 agentic sessions of 58k tokens each.
+MAX_TOKENS = 512_000
 # Remembered prompts compared per lookup (the most recent with the same beginning): 8
 # sessions on one agent prompt share a beginning, a new session must still find its own.
 MAX_CANDIDATES = 32
