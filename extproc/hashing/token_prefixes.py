@@ -19,7 +19,8 @@ at the start of every encode, a merge across the cut), the whole prompt is encod
 without this cache, and counted in `misses`.
 
 Bounded: at most `MAX_ENTRIES` prompts and `MAX_TOKENS` tokens are remembered, the least
-recently used go first. Thread-safe (a lock around the table; encoding runs outside it).
+recently remembered go first (each encode remembers its prompt, so a live session's latest
+turn stays). Thread-safe (a lock around the table; encoding runs outside it).
 """
 
 from __future__ import annotations

@@ -256,14 +256,13 @@ class Parts:
             return [s for _, s in endpoint_states(self.pool.snapshot())]
 
         try:
-            speeds = router.speeds
             admission = Admission(
                 flow,
                 pool_states,
                 registry=self.metrics.registry,
                 endpoints=pool_endpoints,
                 # The reserve for higher bands is sized by a prefill's time alone.
-                prefill_speed=speeds.fastest if speeds is not None else None,
+                prefill_speed=self.speeds.fastest,
             )
         except ValueError as exc:
             raise ConfigError(str(exc), path=("flow_control", "objectives_file")) from None
