@@ -739,7 +739,7 @@ def main() -> int:
         offered = args.overload * cap_tps
         prior = interactive_prior(cap_tps, kv_ratio, args.output_spread)
         print(f"interactive reserve_prior (runs without ~base): {prior}", flush=True)
-        for run in args.runs.split(","):
+        for i_run, run in enumerate(args.runs.split(",")):
             # A run is on | off | on-pool | on-2-replicas, optionally `@<minCeiling>` and
             # `r<reserve_for_higher_bands>` (e.g. on@0.99r2).
             # A trailing `~base` runs the pickers from `--baseline-src` (old code, same run).
@@ -789,7 +789,8 @@ def main() -> int:
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)
-            tl = Timeline(dep.admin_ports, fleet.addresses, tmp / f"timeline-{run}.jsonl").start()
+            tl_path = tmp / f"timeline-{i_run}-{run}.jsonl"  # one per run, same names too
+            tl = Timeline(dep.admin_ports, fleet.addresses, tl_path).start()
             duration = asyncio.run(open_loop(dep.url, reqs, args.trace))
             rows_tl = tl.stop()
             diag = diagnostics(dep, sims_before)
