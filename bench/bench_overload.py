@@ -37,10 +37,11 @@ A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), `-nopr
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), and `~base` to run its pickers from
 `--baseline-src` (old code against new in one run; `~base` runs also keep the old
-`expected_output_tokens` of 96 and get no prior, the others count each request's
-max_tokens, see `picker_config`). Unloaded: `--unloaded-n` requests a pass,
-`--unloaded-repeats` more passes, pooled into the baseline; each run's interactive TTFTs
-are printed (`hi_ttfts`) so `bench/overload_pool.py` can pool runs of one configuration.
+`expected_output_tokens` of 96 unless `--base-expected-output` says otherwise, and get no
+prior; the others count each request's max_tokens, see `picker_config`). Unloaded:
+`--unloaded-n` requests a pass, `--unloaded-repeats` more passes, pooled into the
+baseline; each run's interactive TTFTs are printed (`hi_ttfts`) so
+`bench/overload_pool.py` can pool runs of one configuration.
 """
 
 from __future__ import annotations
@@ -681,6 +682,10 @@ def main() -> int:
     ap.add_argument("--reserve", type=int, default=1,
                     help="flow_control.reserve_for_higher_bands: how many of the largest "
                     "recent interactive requests one server keeps room for")  # fmt: skip
+    ap.add_argument("--base-expected-output", type=int, default=OUTPUT_TOKENS,
+                    help="expected_output_tokens of `~base` runs: 96 for a baseline that "
+                    "does not read max_tokens (before the sixth session), the largest "
+                    "max_tokens sent (96 + --output-spread) for one that does")  # fmt: skip
     ap.add_argument("--no-prior", action="store_true",
                     help="no flow_control.reserve_prior in the new code's runs (`~base` runs "
                     "never get one: the old code does not know it)")  # fmt: skip
@@ -784,7 +789,9 @@ def main() -> int:
                     kind=args.detector,
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
-                    expected_output=OUTPUT_TOKENS if tilde else OUTPUT_TOKENS + args.output_spread,
+                    expected_output=(
+                        args.base_expected_output if tilde else OUTPUT_TOKENS + args.output_spread
+                    ),
                     prior=None if tilde or args.no_prior or noprior else prior,
                 )
                 dep.start(cfg, src=src)

@@ -123,10 +123,11 @@ class Reserve:
         requests of any band: at a burst's start lower work arrives first, and reserving
         only for what the higher band had sent (nothing, or one small request) let lower
         work fill every server (`tests/e2e/test_flow_reserve_prior.py`)."""
-        best, top = 0, priority
+        best, top, above = 0, priority, False
         for p in set(configured) | self._seen.keys() | self._priors.keys():
             if p <= priority:
                 continue
+            above = True
             tokens, prompt = self._largest.get(p, (0, 0))
             rate = self.rate(p)
             short = self.history(p) < HISTORY
@@ -161,7 +162,10 @@ class Reserve:
                 tokens = max(tokens, self._largest_any[0])
             if tokens:
                 best, top = max(best, tokens), max(top, p)
-        self.last_held = best
+        if above:
+            # Only a band below another sizes it: the top band's own requests (nothing
+            # above them) read 0 and made the gauge flicker to 0 in the overload bench.
+            self.last_held = best
         return best, top
 
     def _source(self, priority: int, on_prior: bool) -> None:

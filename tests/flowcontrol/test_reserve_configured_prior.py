@@ -28,8 +28,9 @@ def test_the_prior_sizes_the_reserve_before_any_history():
     # Without a prefill speed: the request alone (the rate is left out, and counted).
     assert r.held(0, (10, 0), None) == (2000, 10)
     assert r.rate_unsized == 1
-    # Nothing above the top band.
+    # Nothing above the top band; the room a lower band keeps is still what is exported.
     assert r.held(10, (10, 0), 3600.0) == (0, 10)
+    assert r.last_held == 2000
 
 
 def test_the_larger_of_prior_and_history_counts_until_the_history_is_full(caplog):
