@@ -6,7 +6,8 @@ interleaved (A, B, C, A, B, C), CPU per request of the floor process from /proc 
 over Envoy alone (medians over rounds, and every round printed).
 
     uv run python bench/bench_transport.py [--seconds 4] [--rounds 3] [--conns 1,16]
-        [--only "aio,sync,..."] [--modes FD,BUF] [--picker]
+        [--only "aio,sync,..."] [--modes FD,BUF] [--picker] [--pyvoy-path DIR]
+    # pyvoy is not a project dependency:  uv pip install --target DIR pyvoy==1.3.0
 
 `--picker` adds `extproc serve` (the stack's picker) in FULL_DUPLEX, as a ratio to each floor.
 """
@@ -14,6 +15,7 @@ over Envoy alone (medians over rounds, and every round printed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -22,7 +24,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_proxy import baseline_doc, chat_body, measure, picker_doc, start_envoy
+from bench_proxy import (
+    baseline_doc,
+    chat_body,
+    cpu_seconds,
+    picker_doc,
+    run_wrk,
+    start_envoy,
+)
 
 from extproc.stack import Stack, StackOptions, free_port, wait_until
 
@@ -52,17 +61,55 @@ VARIANTS = (
     Variant("sync", ("--transport=sync", "--threads=64")),
     Variant("grpclib", ("--transport=grpclib",)),
     Variant("aio-plain", ("--plaintext",), tls=False),
+    # pyvoy (Envoy hosting the interpreter, ASGI): needs --pyvoy-path.
+    Variant("pyvoy", ("--transport=pyvoy",)),
 )
 
 
-def start_floor(variant: Variant, upstream: str, work: Path) -> tuple[subprocess.Popen, int]:
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of `pid` and every descendant (pyvoy's Envoy is a child of its CLI)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    tree, todo = {pid}, [pid]
+    while todo:
+        parent = todo.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in tree:
+                tree.add(child)
+                todo.append(child)
+    total = 0.0
+    for p in tree:
+        with contextlib.suppress(OSError):  # gone meanwhile
+            total += cpu_seconds(p)
+    return total
+
+
+def measure_tree(url: str, body: Path, conns: int, seconds: int, pid: int | None):
+    run_wrk(url, body, conns, 1)  # warm up connections and caches
+    cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+    res = run_wrk(url, body, conns, seconds)
+    cpu_ms = (tree_cpu_seconds(pid) - cpu0) / max(res.requests, 1) * 1e3 if pid else 0.0
+    return res, cpu_ms
+
+
+def start_floor(
+    variant: Variant, upstream: str, work: Path, pyvoy_path: str
+) -> tuple[subprocess.Popen, int]:
     port = free_port()
+    env = {**os.environ, **variant.env}
+    if variant.name == "pyvoy":
+        env["PYTHONPATH"] = pyvoy_path
     log = open(work / f"floor-{variant.name}.log", "ab")  # noqa: SIM115 - owned by the process
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("floor_processor.py")), str(port), upstream,
          *variant.flags],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env={**os.environ, **variant.env},
+        env=env,
     )  # fmt: skip
     log.close()
     return proc, port
@@ -76,10 +123,19 @@ def main() -> None:
     ap.add_argument("--size-kb", type=int, default=1)
     ap.add_argument("--modes", default="FD,BUF")
     ap.add_argument("--only", default="", help="comma list of variant names")
+    ap.add_argument(
+        "--pyvoy-path",
+        default="",
+        help="a `pip install --target DIR pyvoy` directory; without it the pyvoy floor is skipped",
+    )
     ap.add_argument("--picker", action="store_true", help="the picker too (FD only)")
     args = ap.parse_args()
     only = {x.strip() for x in args.only.split(",") if x.strip()}
-    variants = [v for v in VARIANTS if not only or v.name in only]
+    variants = [
+        v
+        for v in VARIANTS
+        if (not only or v.name in only) and (v.name != "pyvoy" or args.pyvoy_path)
+    ]
     modes = {"FD": "FULL_DUPLEX_STREAMED", "BUF": "BUFFERED"}
     procs: list[subprocess.Popen] = []
     results: dict[tuple[int, str], list[tuple[float, float]]] = {}
@@ -91,7 +147,7 @@ def main() -> None:
             procs.append(p)
             targets: list[tuple[str, str, int | None]] = [("envoy", envoy_url, None)]
             for v in variants:
-                floor, port = start_floor(v, upstream, work)
+                floor, port = start_floor(v, upstream, work, args.pyvoy_path)
                 procs.append(floor)
                 for short in args.modes.split(","):
                     doc = picker_doc(port, modes[short], tls=v.tls, response_headers="send")
@@ -107,11 +163,11 @@ def main() -> None:
             body.write_bytes(chat_body(args.size_kb * 1024))
             # The floors serve health like the picker; wait for Envoy to see them healthy.
             for _, url, _pid in targets[1:]:
-                wait_until(lambda u=url: _ok(u, body), timeout_s=30, what=url)
+                wait_until(lambda u=url: _ok(u, body), timeout_s=90, what=url)
             for conns in (int(c) for c in args.conns.split(",")):
                 for r in range(args.rounds):
                     for name, url, pid in targets:
-                        res, cpu = measure(url, body, conns, args.seconds, pid)
+                        res, cpu = measure_tree(url, body, conns, args.seconds, pid)
                         results.setdefault((conns, name), []).append((res.p50_ms, cpu))
                         print(
                             f"round {r} c={conns:<3} {name:<16} p50 {res.p50_ms:7.3f} ms "

@@ -153,8 +153,36 @@ def main(argv: list[str]) -> None:
         from floor_transports import serve_grpclib
 
         run(serve_grpclib(port, destination, tls=tls))
+    elif transport == "pyvoy":
+        exec_pyvoy(port, destination, tls=tls)
     else:
         raise SystemExit(f"unknown transport {transport!r}")
+
+
+def exec_pyvoy(port: int, destination: str, *, tls: bool) -> None:
+    """pyvoy's CLI in this process's place (it starts Envoy hosting the interpreter as its
+    child: the bench charges the process tree). pyvoy is not a project dependency: the bench
+    puts it on PYTHONPATH (`pip install --target DIR pyvoy`)."""
+    import os
+    import tempfile
+
+    from extproc.server.tls import self_signed
+
+    argv = [sys.executable, "-c", "from pyvoy._cli import main; main()", "floor_pyvoy:app",
+            "--address", "127.0.0.1", "--port", str(port), "--log-level", "warn"]  # fmt: skip
+    if tls:
+        pair = self_signed()
+        tmp = tempfile.mkdtemp(prefix="floor-pyvoy-")
+        key, cert = os.path.join(tmp, "key.pem"), os.path.join(tmp, "cert.pem")
+        with open(key, "wb") as f:
+            f.write(pair.key_pem)
+        with open(cert, "wb") as f:
+            f.write(pair.cert_pem)
+        argv += ["--tls-key", key, "--tls-cert", cert, "--tls-disable-http3"]
+    env = {**os.environ, "FLOOR_DESTINATION": destination}
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), here) if p)
+    os.execve(sys.executable, argv, env)
 
 
 if __name__ == "__main__":

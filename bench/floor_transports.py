@@ -210,3 +210,74 @@ async def serve_grpclib(port: int, destination: str, *, tls: bool) -> None:
     await server.start("127.0.0.1", port, ssl=_ssl_context(self_signed()) if tls else None)
     await asyncio.Event().wait()  # until killed
 
+
+
+def pyvoy_app(destination: str):
+    """The floor as a bare ASGI app for pyvoy (Envoy hosting the interpreter: HTTP/2, TLS and
+    trailers in Envoy's C++, each request event a call into Python). gRPC's framing done here:
+    a 5-byte prefix (flag, big-endian length) per message, grpc-status in the trailers."""
+    new_stream = replies(destination)
+    parse = wire.ProcessingRequest.FromString
+    health_ok = health_pb2.HealthCheckResponse(
+        status=health_pb2.HealthCheckResponse.SERVING
+    ).SerializeToString()
+    logs_done = access_log_pb2.StreamAccessLogsResponse().SerializeToString()
+    start = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [(b"content-type", b"application/grpc")],
+        "trailers": True,
+    }
+    body_end = {"type": "http.response.body", "body": b"", "more_body": False}
+    ok_trailers = {
+        "type": "http.response.trailers",
+        "headers": [(b"grpc-status", b"0")],
+        "more_trailers": False,
+    }
+
+    def frame(payload: bytes) -> dict:
+        head = b"\0" + len(payload).to_bytes(4, "big")
+        return {"type": "http.response.body", "body": head + payload, "more_body": True}
+
+    async def messages(receive):
+        buf = b""
+        more = True
+        while more:
+            event = await receive()
+            if event["type"] != "http.request":
+                return
+            buf += event.get("body", b"")
+            more = event.get("more_body", False)
+            while len(buf) >= 5:
+                size = int.from_bytes(buf[1:5], "big")
+                if len(buf) < 5 + size:
+                    break
+                yield buf[5 : 5 + size]
+                buf = buf[5 + size :]
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        path = scope["path"]
+        await send(start)
+        if path == protocol.EXT_PROC_METHOD:
+            step = new_stream()
+            async for raw in messages(receive):
+                for reply in step(parse(raw)):
+                    await send(frame(reply.SerializeToString()))
+        elif path.endswith("/StreamAccessLogs"):
+            async for _ in messages(receive):
+                pass
+            await send(frame(logs_done))
+        else:  # health Check: every service SERVING
+            async for _ in messages(receive):
+                pass
+            await send(frame(health_ok))
+        await send(body_end)  # ASGI: trailers only after the last body event
+        await send(ok_trailers)
+
+    return app
+
