@@ -211,7 +211,6 @@ async def serve_grpclib(port: int, destination: str, *, tls: bool) -> None:
     await asyncio.Event().wait()  # until killed
 
 
-
 def pyvoy_app(destination: str):
     """The floor as a bare ASGI app for pyvoy (Envoy hosting the interpreter: HTTP/2, TLS and
     trailers in Envoy's C++, each request event a call into Python). gRPC's framing done here:
@@ -280,4 +279,3 @@ def pyvoy_app(destination: str):
         await send(ok_trailers)
 
     return app
-
