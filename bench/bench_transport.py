@@ -63,6 +63,7 @@ VARIANTS = (
     Variant("aio-plain", ("--plaintext",), tls=False),
     # pyvoy (Envoy hosting the interpreter, ASGI): needs --pyvoy-path.
     Variant("pyvoy", ("--transport=pyvoy",)),
+    Variant("pyvoy-c1", ("--transport=pyvoy", "--envoy-concurrency=1")),
 )
 
 
@@ -102,7 +103,7 @@ def start_floor(
 ) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = {**os.environ, **variant.env}
-    if variant.name == "pyvoy":
+    if variant.name.startswith("pyvoy"):
         env["PYTHONPATH"] = pyvoy_path
     log = open(work / f"floor-{variant.name}.log", "ab")  # noqa: SIM115 - owned by the process
     proc = subprocess.Popen(
@@ -128,19 +129,21 @@ def main() -> None:
         default="",
         help="a `pip install --target DIR pyvoy` directory; without it the pyvoy floor is skipped",
     )
+    ap.add_argument("--workdir", default="", help="keep the processes' logs here")
     ap.add_argument("--picker", action="store_true", help="the picker too (FD only)")
     args = ap.parse_args()
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     variants = [
         v
         for v in VARIANTS
-        if (not only or v.name in only) and (v.name != "pyvoy" or args.pyvoy_path)
+        if (not only or v.name in only) and (not v.name.startswith("pyvoy") or args.pyvoy_path)
     ]
     modes = {"FD": "FULL_DUPLEX_STREAMED", "BUF": "BUFFERED"}
     procs: list[subprocess.Popen] = []
     results: dict[tuple[int, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, Stack(StackOptions(upstreams=1)) as stack:
-        work = Path(tmp)
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         try:
             upstream = stack.upstream_addresses[0]
             p, envoy_url = start_envoy(baseline_doc(upstream), work, "baseline")

@@ -154,12 +154,12 @@ def main(argv: list[str]) -> None:
 
         run(serve_grpclib(port, destination, tls=tls))
     elif transport == "pyvoy":
-        exec_pyvoy(port, destination, tls=tls)
+        exec_pyvoy(port, destination, tls=tls, envoy_threads=int(flag("envoy-concurrency", "0")))
     else:
         raise SystemExit(f"unknown transport {transport!r}")
 
 
-def exec_pyvoy(port: int, destination: str, *, tls: bool) -> None:
+def exec_pyvoy(port: int, destination: str, *, tls: bool, envoy_threads: int = 0) -> None:
     """pyvoy's CLI in this process's place (it starts Envoy hosting the interpreter as its
     child: the bench charges the process tree). pyvoy is not a project dependency: the bench
     puts it on PYTHONPATH (`pip install --target DIR pyvoy`)."""
@@ -169,7 +169,7 @@ def exec_pyvoy(port: int, destination: str, *, tls: bool) -> None:
     from extproc.server.tls import self_signed
 
     argv = [sys.executable, "-c", "from pyvoy._cli import main; main()", "floor_pyvoy:app",
-            "--address", "127.0.0.1", "--port", str(port), "--log-level", "warn"]  # fmt: skip
+            "--address", "127.0.0.1", "--port", str(port), "--log-level", os.environ.get("FLOOR_PYVOY_LOG", "warn")]  # fmt: skip
     if tls:
         pair = self_signed()
         tmp = tempfile.mkdtemp(prefix="floor-pyvoy-")
@@ -179,6 +179,8 @@ def exec_pyvoy(port: int, destination: str, *, tls: bool) -> None:
         with open(cert, "wb") as f:
             f.write(pair.cert_pem)
         argv += ["--tls-key", key, "--tls-cert", cert, "--tls-disable-http3"]
+    if envoy_threads:  # Envoy's worker threads (its default: one per core)
+        argv += ["--", "--concurrency", str(envoy_threads)]
     env = {**os.environ, "FLOOR_DESTINATION": destination}
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), here) if p)

@@ -217,10 +217,8 @@ def pyvoy_app(destination: str):
     a 5-byte prefix (flag, big-endian length) per message, grpc-status in the trailers."""
     new_stream = replies(destination)
     parse = wire.ProcessingRequest.FromString
-    health_ok = health_pb2.HealthCheckResponse(
-        status=health_pb2.HealthCheckResponse.SERVING
-    ).SerializeToString()
-    logs_done = access_log_pb2.StreamAccessLogsResponse().SerializeToString()
+    health_ok = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+    logs_done = access_log_pb2.StreamAccessLogsResponse()
     start = {
         "type": "http.response.start",
         "status": 200,
@@ -234,9 +232,16 @@ def pyvoy_app(destination: str):
         "more_trailers": False,
     }
 
-    def frame(payload: bytes) -> dict:
-        head = b"\0" + len(payload).to_bytes(4, "big")
-        return {"type": "http.response.body", "body": head + payload, "more_body": True}
+    class Gone(Exception):
+        """The stream was reset (Envoy's client went away): nothing more may be sent."""
+
+    def frames(replies) -> dict:
+        # One body event for all the replies to one message: one hand-off to Envoy's thread.
+        out = bytearray()
+        for r in replies:
+            payload = r.SerializeToString()
+            out += b"\0" + len(payload).to_bytes(4, "big") + payload
+        return {"type": "http.response.body", "body": bytes(out), "more_body": True}
 
     async def messages(receive):
         buf = b""
@@ -244,7 +249,7 @@ def pyvoy_app(destination: str):
         while more:
             event = await receive()
             if event["type"] != "http.request":
-                return
+                raise Gone
             buf += event.get("body", b"")
             more = event.get("more_body", False)
             while len(buf) >= 5:
@@ -262,19 +267,23 @@ def pyvoy_app(destination: str):
             return
         path = scope["path"]
         await send(start)
-        if path == protocol.EXT_PROC_METHOD:
-            step = new_stream()
-            async for raw in messages(receive):
-                for reply in step(parse(raw)):
-                    await send(frame(reply.SerializeToString()))
-        elif path.endswith("/StreamAccessLogs"):
-            async for _ in messages(receive):
-                pass
-            await send(frame(logs_done))
-        else:  # health Check: every service SERVING
-            async for _ in messages(receive):
-                pass
-            await send(frame(health_ok))
+        try:
+            if path == protocol.EXT_PROC_METHOD:
+                step = new_stream()
+                async for raw in messages(receive):
+                    out = frames(step(parse(raw)))
+                    if out["body"]:
+                        await send(out)
+            elif path.endswith("/StreamAccessLogs"):
+                async for _ in messages(receive):
+                    pass
+                await send(frames((logs_done,)))
+            else:  # health Check: every service SERVING
+                async for _ in messages(receive):
+                    pass
+                await send(frames((health_ok,)))
+        except Gone:
+            return
         await send(body_end)  # ASGI: trailers only after the last body event
         await send(ok_trailers)
 
