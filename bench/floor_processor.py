@@ -168,8 +168,9 @@ def exec_pyvoy(port: int, destination: str, *, tls: bool, envoy_threads: int = 0
 
     from extproc.server.tls import self_signed
 
+    log_level = os.environ.get("FLOOR_PYVOY_LOG", "warn")  # pyvoy's Envoy: debug shows resets
     argv = [sys.executable, "-c", "from pyvoy._cli import main; main()", "floor_pyvoy:app",
-            "--address", "127.0.0.1", "--port", str(port), "--log-level", os.environ.get("FLOOR_PYVOY_LOG", "warn")]  # fmt: skip
+            "--address", "127.0.0.1", "--port", str(port), "--log-level", log_level]  # fmt: skip
     if tls:
         pair = self_signed()
         tmp = tempfile.mkdtemp(prefix="floor-pyvoy-")
