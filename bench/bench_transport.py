@@ -64,6 +64,10 @@ VARIANTS = (
     # pyvoy (Envoy hosting the interpreter, ASGI): needs --pyvoy-path.
     Variant("pyvoy", ("--transport=pyvoy",)),
     Variant("pyvoy-c1", ("--transport=pyvoy", "--envoy-concurrency=1")),
+    # Not a floor: the picker's real handlers on pyvoy (bench/picker_pyvoy.py).
+    Variant(
+        "picker-pyvoy-c1", ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app")
+    ),
 )
 
 
@@ -103,7 +107,7 @@ def start_floor(
 ) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = {**os.environ, **variant.env}
-    if variant.name.startswith("pyvoy"):
+    if "pyvoy" in variant.name:
         env["PYTHONPATH"] = pyvoy_path
     log = open(work / f"floor-{variant.name}.log", "ab")  # noqa: SIM115 - owned by the process
     proc = subprocess.Popen(
@@ -136,7 +140,7 @@ def main() -> None:
     variants = [
         v
         for v in VARIANTS
-        if (not only or v.name in only) and (not v.name.startswith("pyvoy") or args.pyvoy_path)
+        if (not only or v.name in only) and ("pyvoy" not in v.name or args.pyvoy_path)
     ]
     modes = {"FD": "FULL_DUPLEX_STREAMED", "BUF": "BUFFERED"}
     procs: list[subprocess.Popen] = []

@@ -13,7 +13,7 @@ costs on this machine, in the same exchange:
 
     python bench/floor_processor.py PORT DESTINATION [--plaintext] [--max-streams=N]
         [--transport=aio|sync|grpclib] [--loop=uvloop|asyncio] [--option=NAME=INT ...]
-        [--threads=N]
+        [--threads=N] [--envoy-concurrency=N] [--app=picker_pyvoy:app]
 
 `--transport` other than aio runs the same loop on another server (`floor_transports.py`);
 `--loop` picks the event loop of the asyncio ones; `--option` adds a grpcio server option
@@ -154,12 +154,15 @@ def main(argv: list[str]) -> None:
 
         run(serve_grpclib(port, destination, tls=tls))
     elif transport == "pyvoy":
-        exec_pyvoy(port, destination, tls=tls, envoy_threads=int(flag("envoy-concurrency", "0")))
+        threads = int(flag("envoy-concurrency", "0"))
+        exec_pyvoy(port, destination, tls=tls, envoy_threads=threads, app=flag("app", ""))
     else:
         raise SystemExit(f"unknown transport {transport!r}")
 
 
-def exec_pyvoy(port: int, destination: str, *, tls: bool, envoy_threads: int = 0) -> None:
+def exec_pyvoy(
+    port: int, destination: str, *, tls: bool, envoy_threads: int = 0, app: str = ""
+) -> None:
     """pyvoy's CLI in this process's place (it starts Envoy hosting the interpreter as its
     child: the bench charges the process tree). pyvoy is not a project dependency: the bench
     puts it on PYTHONPATH (`pip install --target DIR pyvoy`)."""
@@ -169,7 +172,7 @@ def exec_pyvoy(port: int, destination: str, *, tls: bool, envoy_threads: int = 0
     from extproc.server.tls import self_signed
 
     log_level = os.environ.get("FLOOR_PYVOY_LOG", "warn")  # pyvoy's Envoy: debug shows resets
-    argv = [sys.executable, "-c", "from pyvoy._cli import main; main()", "floor_pyvoy:app",
+    argv = [sys.executable, "-c", "from pyvoy._cli import main; main()", app or "floor_pyvoy:app",
             "--address", "127.0.0.1", "--port", str(port), "--log-level", log_level]  # fmt: skip
     if tls:
         pair = self_signed()
@@ -182,7 +185,7 @@ def exec_pyvoy(port: int, destination: str, *, tls: bool, envoy_threads: int = 0
         argv += ["--tls-key", key, "--tls-cert", cert, "--tls-disable-http3"]
     if envoy_threads:  # Envoy's worker threads (its default: one per core)
         argv += ["--", "--concurrency", str(envoy_threads)]
-    env = {**os.environ, "FLOOR_DESTINATION": destination}
+    env = {**os.environ, "FLOOR_DESTINATION": destination, "PICKER_ENDPOINT": destination}
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), here) if p)
     os.execve(sys.executable, argv, env)

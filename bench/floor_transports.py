@@ -211,14 +211,44 @@ async def serve_grpclib(port: int, destination: str, *, tls: bool) -> None:
     await asyncio.Event().wait()  # until killed
 
 
-def pyvoy_app(destination: str):
-    """The floor as a bare ASGI app for pyvoy (Envoy hosting the interpreter: HTTP/2, TLS and
-    trailers in Envoy's C++, each request event a call into Python). gRPC's framing done here:
-    a 5-byte prefix (flag, big-endian length) per message, grpc-status in the trailers."""
-    new_stream = replies(destination)
-    parse = wire.ProcessingRequest.FromString
+class Gone(Exception):
+    """The stream was reset (Envoy's client went away): nothing more may be sent."""
+
+
+async def _messages(receive, parse):
+    """gRPC messages from ASGI request events: a 5-byte prefix (flag, big-endian length)."""
+    buf = b""
+    more = True
+    while more:
+        event = await receive()
+        if event["type"] != "http.request":
+            raise Gone
+        buf += event.get("body", b"")
+        more = event.get("more_body", False)
+        while len(buf) >= 5:
+            size = int.from_bytes(buf[1:5], "big")
+            if len(buf) < 5 + size:
+                break
+            yield parse(buf[5 : 5 + size])
+            buf = buf[5 + size :]
+
+
+def _frames(replies) -> dict:
+    # One body event for all the replies at hand: one hand-off to Envoy's thread.
+    out = bytearray()
+    for r in replies:
+        payload = r.SerializeToString()
+        out += b"\0" + len(payload).to_bytes(4, "big") + payload
+    return {"type": "http.response.body", "body": bytes(out), "more_body": True}
+
+
+def asgi_grpc(methods: dict, *, startup=None, shutdown=None):
+    """A bare ASGI gRPC server for pyvoy (Envoy hosting the interpreter: HTTP/2, TLS and
+    trailers in Envoy's C++, each request event a call into Python). `methods` maps a full
+    method path to (request class, handler); `handler(requests, emit)` reads decoded messages
+    from the async iterator and `await emit(replies)` sends a batch. Unknown paths answer the
+    health check (every service SERVING), which is all Envoy asks of the processor otherwise."""
     health_ok = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-    logs_done = access_log_pb2.StreamAccessLogsResponse()
     start = {
         "type": "http.response.start",
         "status": 200,
@@ -232,59 +262,60 @@ def pyvoy_app(destination: str):
         "more_trailers": False,
     }
 
-    class Gone(Exception):
-        """The stream was reset (Envoy's client went away): nothing more may be sent."""
-
-    def frames(replies) -> dict:
-        # One body event for all the replies to one message: one hand-off to Envoy's thread.
-        out = bytearray()
-        for r in replies:
-            payload = r.SerializeToString()
-            out += b"\0" + len(payload).to_bytes(4, "big") + payload
-        return {"type": "http.response.body", "body": bytes(out), "more_body": True}
-
-    async def messages(receive):
-        buf = b""
-        more = True
-        while more:
-            event = await receive()
-            if event["type"] != "http.request":
-                raise Gone
-            buf += event.get("body", b"")
-            more = event.get("more_body", False)
-            while len(buf) >= 5:
-                size = int.from_bytes(buf[1:5], "big")
-                if len(buf) < 5 + size:
-                    break
-                yield buf[5 : 5 + size]
-                buf = buf[5 + size :]
+    async def health(requests, emit):
+        async for _ in requests:
+            pass
+        await emit((health_ok,))
 
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
             while (await receive())["type"] != "lifespan.shutdown":
+                if startup is not None:
+                    await startup()
                 await send({"type": "lifespan.startup.complete"})
+            if shutdown is not None:
+                await shutdown()
             await send({"type": "lifespan.shutdown.complete"})
             return
-        path = scope["path"]
+        cls, handler = methods.get(scope["path"], (health_pb2.HealthCheckRequest, health))
         await send(start)
+
+        async def emit(replies) -> None:
+            out = _frames(replies)
+            if out["body"]:
+                await send(out)
+
         try:
-            if path == protocol.EXT_PROC_METHOD:
-                step = new_stream()
-                async for raw in messages(receive):
-                    out = frames(step(parse(raw)))
-                    if out["body"]:
-                        await send(out)
-            elif path.endswith("/StreamAccessLogs"):
-                async for _ in messages(receive):
-                    pass
-                await send(frames((logs_done,)))
-            else:  # health Check: every service SERVING
-                async for _ in messages(receive):
-                    pass
-                await send(frames((health_ok,)))
+            await handler(_messages(receive, cls.FromString), emit)
         except Gone:
             return
         await send(body_end)  # ASGI: trailers only after the last body event
         await send(ok_trailers)
 
     return app
+
+
+def pyvoy_app(destination: str):
+    """The floor on `asgi_grpc`: the same per-message logic as the other transports, each
+    message's replies sent as one body event."""
+    new_stream = replies(destination)
+
+    async def process(requests, emit) -> None:
+        step = new_stream()
+        async for msg in requests:
+            await emit(step(msg))
+
+    async def access_logs(requests, emit) -> None:
+        async for _ in requests:
+            pass
+        await emit((access_log_pb2.StreamAccessLogsResponse(),))
+
+    return asgi_grpc(
+        {
+            protocol.EXT_PROC_METHOD: (wire.ProcessingRequest, process),
+            f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs": (
+                access_log_pb2.StreamAccessLogsMessage,
+                access_logs,
+            ),
+        }
+    )
