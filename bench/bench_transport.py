@@ -94,10 +94,12 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
-def measure_tree(url: str, body: Path, conns: int, seconds: int, pid: int | None):
-    run_wrk(url, body, conns, 1)  # warm up connections and caches
+def measure_tree(
+    url: str, body: Path, conns: int, seconds: int, pid: int | None, think_ms: float = 0
+):
+    run_wrk(url, body, conns, 1, think_ms)  # warm up connections and caches
     cpu0 = tree_cpu_seconds(pid) if pid else 0.0
-    res = run_wrk(url, body, conns, seconds)
+    res = run_wrk(url, body, conns, seconds, think_ms)
     cpu_ms = (tree_cpu_seconds(pid) - cpu0) / max(res.requests, 1) * 1e3 if pid else 0.0
     return res, cpu_ms
 
@@ -132,6 +134,9 @@ def main() -> None:
         "--pyvoy-path",
         default="",
         help="a `pip install --target DIR pyvoy` directory; without it the pyvoy floor is skipped",
+    )
+    ap.add_argument(
+        "--think-ms", type=float, default=0, help="pause per connection: equal offered load"
     )
     ap.add_argument("--workdir", default="", help="keep the processes' logs here")
     ap.add_argument("--picker", action="store_true", help="the picker too (FD only)")
@@ -174,7 +179,7 @@ def main() -> None:
             for conns in (int(c) for c in args.conns.split(",")):
                 for r in range(args.rounds):
                     for name, url, pid in targets:
-                        res, cpu = measure_tree(url, body, conns, args.seconds, pid)
+                        res, cpu = measure_tree(url, body, conns, args.seconds, pid, args.think_ms)
                         results.setdefault((conns, name), []).append((res.p50_ms, cpu))
                         print(
                             f"round {r} c={conns:<3} {name:<16} p50 {res.p50_ms:7.3f} ms "
