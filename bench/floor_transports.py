@@ -14,6 +14,7 @@ them and only the transport differs.
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 import tempfile
 from collections.abc import Callable, Iterator
@@ -300,10 +301,16 @@ def pyvoy_app(destination: str):
     message's replies sent as one body event."""
     new_stream = replies(destination)
 
+    # FLOOR_END_STREAM=1: close the stream after the response-header reply (the last phase
+    # of our bootstrap) instead of waiting for Envoy to reset it.
+    end_early = os.environ.get("FLOOR_END_STREAM") == "1"
+
     async def process(requests, emit) -> None:
         step = new_stream()
         async for msg in requests:
             await emit(step(msg))
+            if end_early and msg.HasField("response_headers"):
+                return
 
     async def access_logs(requests, emit) -> None:
         async for _ in requests:
