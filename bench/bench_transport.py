@@ -104,6 +104,18 @@ def measure_tree(
     return res, cpu_ms
 
 
+def cap_streams(doc: dict, per_connection: int) -> dict:
+    """`max_requests_per_connection` on the picker's cluster: Envoy replaces each connection
+    after that many streams (pyvoy 1.3.0 fails past ~1,050 reset streams on one)."""
+    for cluster in doc["static_resources"]["clusters"]:
+        if cluster["name"] == "extproc":
+            opts = cluster["typed_extension_protocol_options"][
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+            ]
+            opts["common_http_protocol_options"] = {"max_requests_per_connection": per_connection}
+    return doc
+
+
 def start_floor(
     variant: Variant, upstream: str, work: Path, pyvoy_path: str
 ) -> tuple[subprocess.Popen, int]:
@@ -138,6 +150,12 @@ def main() -> None:
     ap.add_argument(
         "--think-ms", type=float, default=0, help="pause per connection: equal offered load"
     )
+    ap.add_argument(
+        "--max-streams-per-connection",
+        type=int,
+        default=0,
+        help="Envoy's max_requests_per_connection on the processor cluster (0: unlimited)",
+    )
     ap.add_argument("--workdir", default="", help="keep the processes' logs here")
     ap.add_argument("--picker", action="store_true", help="the picker too (FD only)")
     args = ap.parse_args()
@@ -163,11 +181,15 @@ def main() -> None:
                 procs.append(floor)
                 for short in args.modes.split(","):
                     doc = picker_doc(port, modes[short], tls=v.tls, response_headers="send")
+                    if args.max_streams_per_connection:
+                        cap_streams(doc, args.max_streams_per_connection)
                     p, url = start_envoy(doc, work, f"{v.name}-{short}")
                     procs.append(p)
                     targets.append((f"{v.name} {short}", url, floor.pid))
             if args.picker:
                 doc = picker_doc(stack.extproc_port, modes["FD"], tls=True, response_headers="send")
+                if args.max_streams_per_connection:
+                    cap_streams(doc, args.max_streams_per_connection)
                 p, url = start_envoy(doc, work, "extproc-FD")
                 procs.append(p)
                 targets.append(("extproc FD", url, stack._procs["extproc"].pid))
