@@ -109,6 +109,7 @@ POLICIES: dict[str, dict] = {
         "extproc_args": ("--config", "@SHARED_PREFILL"),
     },
     "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
+    "extproc approximate, placement memory": {"extproc_args": ("--config", "@MEMORY")},
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
@@ -264,8 +265,34 @@ scheduling:
     - {pluginRef: max-score-picker}
 """
 
+# The default profile plus placement-memory-scorer (issue 14, seventh session; opt-in).
+WITH_MEMORY = """
+scheduling:
+  plugins:
+  - {type: bounded-sessions-filter}
+  - {type: bounded-load-filter}
+  - {type: predicted-ttft-scorer}
+  - {type: kv-cache-utilization-scorer}
+  - {type: no-hit-lru-scorer}
+  - {type: session-tail-scorer}
+  - {type: placement-memory-scorer}
+  - {type: max-score-picker}
+  schedulingProfiles:
+  - name: default
+    plugins:
+    - {pluginRef: bounded-sessions-filter}
+    - {pluginRef: bounded-load-filter}
+    - {pluginRef: predicted-ttft-scorer, weight: 4}
+    - {pluginRef: kv-cache-utilization-scorer, weight: 1}
+    - {pluginRef: no-hit-lru-scorer, weight: 1}
+    - {pluginRef: session-tail-scorer, weight: 2}
+    - {pluginRef: placement-memory-scorer, weight: 1}
+    - {pluginRef: max-score-picker}
+"""
+
 CONFIGS = {
     "@PREVIOUS": PREVIOUS_DEFAULT,
+    "@MEMORY": WITH_MEMORY,
     "@SHARED": "state: {shared_observations: true}\n",
     "@SHARED_PREFILL": "state: {shared_observations: true}\nindex: {lookup_budget: prefill}\n",
 }
