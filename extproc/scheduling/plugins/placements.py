@@ -22,6 +22,14 @@ last took that prefix, 0 elsewhere. The group goes back where it lived instead o
 another server; the other scorers still weigh the load there (the weight of this scorer
 is a tie-break against predicted TTFT, not an override), and the filters still apply.
 `no-hit-lru-scorer` in the same profile leaves such requests alone (they are not new).
+
+Opt-in, not in the default profile: on the tenants workload the LRU caches had dropped
+everything of such a tenant by the time the index forgot it (a replay of traced runs:
+nothing beyond the header left on any server in 122 of 122 such misses), so going back hits
+nothing, and it evicts the home's blocks instead of those of the server that took a new
+prefix least recently; interleaved bench runs measured 2-6 points less hit ratio with it
+(bench/RESULTS.md, issue 14, seventh session). It would pay where caches keep a group's
+blocks longer than the index credits them (an index evicting early).
 """
 
 from __future__ import annotations
