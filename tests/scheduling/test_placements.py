@@ -84,10 +84,9 @@ def test_no_hit_lru_leaves_a_remembered_tenant_to_the_memory():
     header = [cand(x, prefix=HEADER) for x in names]
     for t in range(len(names)):
         r = tenant(t)
-        memory.score(r, header)
-        lru.score(r, header)
         d = Decision(endpoints=(header[t].endpoint,))
-        memory.observe(r, header, d)  # the memory first: no-hit-lru asks about r as scored
+        # Observed without scoring, the memory first: no-hit-lru still sees a new prefix.
+        memory.observe(r, header, d)
         lru.observe(r, header, d)
     assert list(lru._recent) == list(names)  # four new tenants: four cold picks
     again = tenant(3, extra=2)

@@ -152,8 +152,9 @@ class PlacementMemoryScorer:
     def observe(
         self, req: InferenceRequest, cands: Sequence[Candidate], decision: Decision
     ) -> None:
-        # `_last` stays: an observer after this one (no-hit-lru) asks about the request as
-        # it was scored, not as the memory has it now that it is placed.
+        # Answered (and kept in `_last`) before the placement is remembered: an observer
+        # after this one (no-hit-lru) asks about the request as it was before it was placed.
+        self.home(req, cands)
         if decision.endpoints and req.block_keys:
             self.memory.remember(req.block_keys, decision.primary.address)
 
