@@ -61,7 +61,6 @@ class _Chain:
     endpoint: str
     seen: float
     keys: tuple[int, ...]
-    cid: int = -1
 
 
 class LiveSessions:
@@ -77,10 +76,6 @@ class LiveSessions:
         self._chains: OrderedDict[int, _Chain] = OrderedDict()  # least recently active first
         self._by_key: dict[int, int] = {}  # tail key -> chain id
         self._counts: dict[str, int] = {}
-        # Per endpoint: tokens placed there so far (by this replica), and its chains in the
-        # order of their last turn with the written mark of that turn (`resident_counts`).
-        self._written: dict[str, float] = {}
-        self._resident: dict[str, OrderedDict[int, float]] = {}
         self._next_id = 0
         # Called with each placement made here (replicas publish it, see shared_sessions).
         self.on_touch: Callable[[Touch], None] | None = None
@@ -126,29 +121,6 @@ class LiveSessions:
         self._expire(self._clock())
         return self._counts
 
-    def wrote(self, endpoint: str, tokens: float) -> None:
-        """`tokens` of uncached prompt were placed on `endpoint` (they evict as much there
-        once its cache is full)."""
-        self._written[endpoint] = self._written.get(endpoint, 0.0) + max(0.0, tokens)
-
-    def resident_counts(self, capacity: Callable[[str], float | None]) -> Mapping[str, int]:
-        """Live sessions per endpoint whose tail may still be in its cache: the endpoint has
-        written less than its `capacity` (tokens; None: unknown, every live session counts)
-        since the session's last turn there. An LRU cache has evicted an idle session's tail
-        by then (its last turn's blocks are the oldest in it); a session turned over that
-        way takes no room, and comes back as a free placement."""
-        self._expire(self._clock())
-        out: dict[str, int] = {}
-        for endpoint, queue in self._resident.items():
-            cap = capacity(endpoint)
-            if cap:
-                horizon = self._written.get(endpoint, 0.0) - cap
-                while queue and next(iter(queue.values())) <= horizon:
-                    queue.popitem(last=False)
-            if queue:
-                out[endpoint] = len(queue)
-        return out
-
     def touch(self, chain_id: int | None, endpoint: str, block_keys: Sequence[int]) -> None:
         """`block_keys` were placed on `endpoint`, continuing `chain_id` (None: a new one)."""
         if not block_keys:
@@ -176,11 +148,8 @@ class LiveSessions:
         else:
             chain_id = self._next_id
             self._next_id += 1
-        chain = _Chain(endpoint, now, tail, chain_id)
+        chain = _Chain(endpoint, now, tail)
         self._chains[chain_id] = chain
-        self._resident.setdefault(endpoint, OrderedDict())[chain_id] = self._written.get(
-            endpoint, 0.0
-        )
         for key in chain.keys:
             prev = self._by_key.get(key)
             if prev is not None and prev != chain_id and (other := self._chains.get(prev)):
@@ -205,9 +174,6 @@ class LiveSessions:
     def _forget(self, chain: _Chain) -> None:
         for key in chain.keys:
             self._by_key.pop(key, None)
-        queue = self._resident.get(chain.endpoint)
-        if queue is not None:
-            queue.pop(chain.cid, None)
         n = self._counts.get(chain.endpoint, 0) - 1
         if n > 0:
             self._counts[chain.endpoint] = n
@@ -258,17 +224,12 @@ class BoundedSessionsFilter:
         # A session idle for longer is no longer counted (its cache is fair game).
         window_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
         max_sessions: Annotated[int, msgspec.Meta(gt=0)] = 50_000
-        # Count a session only while its tail may still be in its server's cache (that
-        # server has written less than its KV capacity since the session's last turn);
-        # off: every session active within the window counts.
-        forget_evicted: bool = False
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
         p = params or self.Params()
         self._eps = p.epsilon
-        self._forget_evicted = p.forget_evicted
         self.sessions = LiveSessions(p.window_seconds, p.max_sessions, clock)
         # The continuation found while filtering, reused by `observe` for the same request.
         self._last: tuple[InferenceRequest, int | None] | None = None
@@ -304,11 +265,7 @@ class BoundedSessionsFilter:
             # zeros say nothing: the request may start a session on a shared prompt, and
             # bounding it keeps sessions spread while the index is away, as when it answers.
             return cands
-        if self._forget_evicted:
-            by_address = {c.endpoint.address: _capacity(c) for c in cands}
-            counts = self.sessions.resident_counts(by_address.get)
-        else:
-            counts = self.sessions.counts()
+        counts = self.sessions.counts()
         live = [counts.get(c.endpoint.address, 0) for c in cands]
         caps = [_capacity(c) for c in cands]
         if all(caps):
@@ -331,13 +288,7 @@ class BoundedSessionsFilter:
             return
         chain = self._chain(req, cands)
         self._last = None
-        addr = decision.primary.address
-        chosen = next((c for c in cands if c.endpoint.address == addr), None)
-        if chosen is not None:
-            # The uncached part is what this placement writes into that cache.
-            held = min(1.0, chosen.prefix_blocks / len(req.block_keys))
-            self.sessions.wrote(addr, req.prompt_tokens * (1.0 - held))
-        self.sessions.touch(chain, addr, req.block_keys)
+        self.sessions.touch(chain, decision.primary.address, req.block_keys)
 
 
 class SessionTailScorer:
