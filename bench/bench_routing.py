@@ -108,6 +108,12 @@ POLICIES: dict[str, dict] = {
         "redis": True,
         "extproc_args": ("--config", "@SHARED_PREFILL"),
     },
+    # Issue 14, seventh session: replicas fold each other's predicted-TTFT placements.
+    "extproc approximate, 3 replicas (Redis), shared placements": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@PLACEMENTS"),
+    },
     "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
@@ -268,6 +274,7 @@ CONFIGS = {
     "@PREVIOUS": PREVIOUS_DEFAULT,
     "@SHARED": "state: {shared_observations: true}\n",
     "@SHARED_PREFILL": "state: {shared_observations: true}\nindex: {lookup_budget: prefill}\n",
+    "@PLACEMENTS": "state: {shared_placements: true}\n",
 }
 
 
