@@ -119,6 +119,11 @@ POLICIES: dict[str, dict] = {
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
     "extproc approximate, baseline tree": {"tree": True},
+    "extproc approximate, 3 replicas (Redis), baseline tree": {
+        "tree": True,
+        "replicas": 3,
+        "redis": True,
+    },
 }
 
 
