@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -88,6 +89,7 @@ def main() -> int:
             print(f"session {k} ({per_turn} turns): " + " ".join(row))
         if args.views:
             _print_views(samples, names)
+        _print_redis_commands(url, len(results))
         for i, port in enumerate(admins):
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
             print(f"--- replica {i}")
@@ -97,6 +99,26 @@ def main() -> int:
                         line = line.replace(a, n)
                     print("  " + line)
     return 0
+
+
+def _print_redis_commands(url: str, requests: int) -> None:
+    """Redis commands per request over the whole run (startup and shutdown included), by
+    command: what each decision costs Redis and the replicas' background loops."""
+    port = url.rsplit(":", 1)[1]
+    out = subprocess.run(["redis-cli", "-p", port, "info", "commandstats"],
+                         capture_output=True, text=True).stdout  # fmt: skip
+    calls = {}
+    for line in out.splitlines():
+        if line.startswith("cmdstat_"):
+            name, rest = line[8:].split(":", 1)
+            fields = dict(kv.split("=") for kv in rest.split(","))
+            calls[name] = (int(fields["calls"]), float(fields["usec"]))
+    total = sum(n for n, _ in calls.values())
+    usec = sum(u for _, u in calls.values())
+    top = sorted(calls.items(), key=lambda x: -x[1][0])[:8]
+    print(f"redis: {total} commands, {total / max(1, requests):.1f} per request, "
+          f"{usec / 1e6:.2f} s of Redis CPU; "
+          + ", ".join(f"{k} {n}" for k, (n, _) in top))  # fmt: skip
 
 
 def _views(text: str) -> dict[str, tuple[float, float]]:
