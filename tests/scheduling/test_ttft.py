@@ -3,10 +3,6 @@ the sticky endpoint costs more than recomputing elsewhere, with no hand-set weig
 
 from __future__ import annotations
 
-import dataclasses
-
-import pytest
-
 from extproc.core import Decision
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
 from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
@@ -232,21 +228,3 @@ async def test_the_router_resets_the_scorer_when_an_endpoint_is_forgotten():
     await router.forget_endpoint("b")
     assert sc.eviction_cost(r, cand("b", **full)) == 0.0
     assert sc.eviction_cost(r, cand("a", **full)) > 0
-
-
-def test_a_blind_placement_queues_the_measured_uncached_share_not_the_whole_prompt():
-    clock = Clock()
-    sc = PredictedTTFTScorer(clock=clock)
-    for _ in range(60):  # prompts 75% cached: the reuse share approaches 0.75
-        place(sc, req(blocks=100, tokens=6400), [cand("a", prefix=75, prefill_tps=6400.0)], "a")
-    clock.t += 60  # drained
-    assert "b" not in sc.view()
-    # The index did not answer: the candidate's 0 match says nothing of what is cached.
-    blind = dataclasses.replace(cand("b", prefill_tps=6400.0), prefix_known=False)
-    place(sc, req(blocks=100, tokens=6400), [blind], "b")
-    queue, written = sc.view()["b"]
-    assert 0.2 * 6400 < written < 0.35 * 6400  # 1 - reuse (~0.72 after 60 placements)
-    assert queue == pytest.approx(written / 6400.0)
-    # A known 0 match is a full miss: the whole prompt queues.
-    place(sc, req(blocks=100, tokens=6400), [cand("c", prefill_tps=6400.0)], "c")
-    assert sc.view()["c"][1] == 6400.0

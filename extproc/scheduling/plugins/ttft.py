@@ -162,14 +162,7 @@ class PredictedTTFTScorer:
         if chosen is None:
             return
         now = self._clock()
-        if chosen.prefix_known:
-            work = uncached_tokens(req, chosen)
-        else:
-            # The index did not answer (a degraded lookup): the 0 match says nothing, so the
-            # expected uncached share is the measured one, not the whole prompt. Counted as
-            # whole, one blind placement of a 20k-token session turn queued a second of
-            # prefill on its server that no engine did, on every replica once shared.
-            work = req.prompt_tokens * (1.0 - self._reuse)
+        work = uncached_tokens(req, chosen)
         seconds = work / self._tps(chosen)
         self._record(addr, work, req.prompt_tokens, seconds, now, now)
         if self.on_placed is not None:
