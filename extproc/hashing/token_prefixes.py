@@ -20,7 +20,10 @@ without this cache, and counted in `misses`.
 
 Bounded: at most `MAX_ENTRIES` prompts and `MAX_TOKENS` tokens are remembered, the least
 recently remembered go first (each encode remembers its prompt, so a live session's latest
-turn stays). Thread-safe (a lock around the table; encoding runs outside it).
+turn stays). A prompt that holds a remembered one whole replaces it: the older turn's tokens
+are all in the newer one, and a session's next turn extends its latest, so keeping every turn
+would spend the budget on copies of one conversation. Thread-safe (a lock around the table;
+encoding runs outside it).
 """
 
 from __future__ import annotations
@@ -143,26 +146,27 @@ class TokenPrefixes:
     def ids(self, text: str) -> list[int]:
         if len(text) < MIN_CHARS:
             return self._encode(text)[0]
-        best, common = self._find(text)
+        best_key, best, common = self._find(text)
         got = self._extend(best, text, common) if best is not None else None
         if got is not None:
             ids, offsets = got
         else:
             ids, rel = self._encode(text)
             offsets = _Offsets([(0, rel)])
-        self._remember(text, ids, offsets)
+        superseded = best_key if best is not None and common == len(best.text) else None
+        self._remember(text, ids, offsets, superseded)
         return list(ids)  # the remembered list stays unchanged whatever the caller does
 
-    def _find(self, text: str) -> tuple[_Entry | None, int]:
+    def _find(self, text: str) -> tuple[int, _Entry | None, int]:
         with self._lock:
             keys = list(self._by_probe.get(text[:PROBE], ()))
-            entries = [e for k in reversed(keys) if (e := self._entries.get(k)) is not None]
-        best, common = None, 0
-        for e in entries[:MAX_CANDIDATES]:
+            entries = [(k, e) for k in reversed(keys) if (e := self._entries.get(k)) is not None]
+        best_key, best, common = -1, None, 0
+        for k, e in entries[:MAX_CANDIDATES]:
             n = _common_prefix(e.text, text)
             if n > common:
-                best, common = e, n
-        return best, common
+                best_key, best, common = k, e, n
+        return best_key, best, common
 
     def _extend(self, e: _Entry, text: str, common: int) -> tuple[list[int], _Offsets] | None:
         offsets = e.offsets
@@ -194,20 +198,28 @@ class TokenPrefixes:
         self.reused_tokens += k
         return e.ids[:k] + tail_ids, offsets.extended(k, cut, tail_offsets)
 
-    def _remember(self, text: str, ids: list[int], offsets: _Offsets) -> None:
+    def _remember(
+        self, text: str, ids: list[int], offsets: _Offsets, superseded: int | None
+    ) -> None:
         entry = _Entry(text, ids, offsets)
         with self._lock:
+            if superseded is not None and superseded in self._entries:
+                self._forget(superseded, self._entries.pop(superseded))
             key = self._next
             self._next += 1
             self._entries[key] = entry
             self._by_probe.setdefault(text[:PROBE], []).append(key)
             self._tokens += len(ids)
             while self._entries and (len(self._entries) > MAX_ENTRIES or self._tokens > MAX_TOKENS):
-                old_key, old = self._entries.popitem(last=False)
-                self._tokens -= len(old.ids)
-                probe = old.text[:PROBE]
-                keys = self._by_probe.get(probe)
-                if keys is not None:
-                    keys.remove(old_key)
-                    if not keys:
-                        del self._by_probe[probe]
+                self._forget(*self._entries.popitem(last=False))
+
+    def _forget(self, key: int, entry: _Entry) -> None:
+        """Drops an entry already taken out of `_entries` from the counts and the probe
+        table (under the lock)."""
+        self._tokens -= len(entry.ids)
+        probe = entry.text[:PROBE]
+        keys = self._by_probe.get(probe)
+        if keys is not None:
+            keys.remove(key)
+            if not keys:
+                del self._by_probe[probe]

@@ -94,3 +94,24 @@ def test_memory_is_bounded(monkeypatch):
     before = len(tp._entries)
     tp.ids("short")
     assert len(tp._entries) == before
+
+
+def test_a_turn_holding_a_remembered_one_whole_replaces_it():
+    def chars(text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        return [ord(c) for c in text], [(i, i + 1) for i in range(len(text))]
+
+    tp = TokenPrefixes(chars)
+    session = "agent prompt " * 100
+    other = "another session " * 100
+    tp.ids(other)
+    for turn in range(10):
+        session += f" turn {turn}: " + "y" * 200
+        assert tp.ids(session) == chars(session)[0]
+    # One entry per session, the latest turn's; a sibling that shares only a beginning (a
+    # branch, not an extension) stays beside it.
+    assert sorted(len(e.text) for e in tp._entries.values()) == [len(other), len(session)]
+    assert tp._tokens == len(other) + len(session)
+    branch = session[:-100] + "z" * 300
+    tp.ids(branch)
+    assert len(tp._entries) == 3
+    assert sum(len(v) for v in tp._by_probe.values()) == len(tp._entries)

@@ -182,6 +182,10 @@ def test_a_prefix_nobody_holds_is_left_to_the_load_scorers():
     assert addrs(f.filter(turn(9, 0), cold)) == ["a", "b"]  # no holder: not a group joiner
     warm = [cand("a", prefix=29), cand("b")]
     assert addrs(f.filter(turn(9, 0), warm)) == ["b"]
+    # A degraded lookup (the index did not answer): nothing is known to be unheld, so the
+    # new session is bounded as one on a shared prompt would be.
+    blind = [dataclasses.replace(c, prefix_known=False) for c in cold]
+    assert addrs(f.filter(turn(9, 0), blind)) == ["b"]
 
 
 def test_bounded_load_counts_a_servers_scraped_queue():

@@ -204,12 +204,12 @@ def _capacity(c: Candidate) -> float | None:
 
 class BoundedSessionsFilter:
     """For a request that starts a session on a known prefix (it continues no live chain of
-    turns, and some endpoint holds part of it: a shared prompt or header), keeps the
-    endpoints whose live sessions, with this one, stay within `(1 + epsilon) x (live
-    sessions + 1) x their share of the fleet's KV capacity` (equal shares while any
-    capacity is unknown), rounded down but never below the share itself rounded up
-    (`session_bound`). A session's later turns pass unfiltered. Never removes every
-    candidate.
+    turns, and some endpoint holds part of it, a shared prompt or header, or the index could
+    not say), keeps the endpoints whose live sessions, with this one, stay within
+    `(1 + epsilon) x (live sessions + 1) x their share of the fleet's KV capacity` (equal
+    shares while any capacity is unknown), rounded down but never below the share itself
+    rounded up (`session_bound`). A session's later turns pass unfiltered. Never removes
+    every candidate.
 
     ```yaml
     - type: bounded-sessions-filter
@@ -258,10 +258,12 @@ class BoundedSessionsFilter:
     def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
         if len(cands) < 2 or not req.block_keys or self._chain(req, cands) is not None:
             return cands
-        if not any(c.prefix_blocks for c in cands):
+        if all(c.prefix_known for c in cands) and not any(c.prefix_blocks for c in cands):
             # A prefix nobody holds joins no group: spreading it is load's business (and
             # no-hit-lru's), and one-shot requests must not be dealt out in turn regardless
-            # of a server's queue.
+            # of a server's queue. When the index could not answer (a degraded lookup) the
+            # zeros say nothing: the request may start a session on a shared prompt, and
+            # bounding it keeps sessions spread while the index is away, as when it answers.
             return cands
         counts = self.sessions.counts()
         live = [counts.get(c.endpoint.address, 0) for c in cands]
