@@ -214,7 +214,8 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     default until a measurement shows it faster (bench/RESULTS.md, issue 14, fifth session).
     `shared_placements`: with a Redis index, replicas share `predicted-ttft-scorer`'s
     placements, so each one's prefill queues and written tokens cover every replica's
-    (`server/shared_placements.py`).
+    (`server/shared_placements.py`); off by default: in the seventh session's interleaved
+    runs it made the replicas agree but TTFT p90 was not better (bench/RESULTS.md, issue 14).
     """
 
     scrape: ScrapeSettings | None = ScrapeSettings()

@@ -10,7 +10,8 @@ filled looks idle, its cache looks roomy. Each replica therefore publishes every
 (redis_broadcast.py, one PUBLISH per replica every `interval_s`), and folds the peers' in
 as if it had made them, dated by how long each waited in its sender's batch.
 
-The hot path never touches Redis: a placement is applied locally at once and queued. Peers'
+On with `state.shared_placements: true` (off by default: the seventh session's interleaved
+runs did not show TTFT p90 better with it). The hot path never touches Redis: a placement is applied locally at once and queued. Peers'
 items are checked before they touch anything (`PredictedTTFTScorer.fold`: servers of the pool
 only, finite, uncached within the prompt, bounded prompt and prefill; a queue never predicted
 past a bound), so a forged message can neither grow the state nor skew it without limit; a
