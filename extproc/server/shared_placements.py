@@ -11,14 +11,15 @@ filled looks idle, its cache looks roomy. Each replica therefore publishes every
 as if it had made them, dated by how long each waited in its sender's batch.
 
 On with `state.shared_placements: true` (off by default: the seventh session's interleaved
-runs did not show TTFT p90 better with it). The hot path never touches Redis: a placement is applied locally at once and queued. Peers'
-items are checked before they touch anything (`PredictedTTFTScorer.fold`: servers of the pool
-only, finite, uncached within the prompt, bounded prompt and prefill; a queue never predicted
-past a bound), so a forged message can neither grow the state nor skew it without limit; a
-rejected item is counted (`bad_entries`). Redis down: each replica goes on with its own
-placements' view, says so in a log line, shows `extproc_shared_placements_degraded` 1, counts
-dropped items, and reconnects by itself; placements made meanwhile by peers are missed (the
-queue drains in seconds; the written count stays short by them). Redis Cluster: not shared
+runs did not show TTFT p90 better with it). The hot path never touches Redis: a placement
+is applied locally at once and queued. Peers' items are checked before they touch anything
+(`PredictedTTFTScorer.fold`: servers of the pool only, finite, uncached within the prompt,
+bounded prompt and prefill; a queue never predicted past a bound), so a forged message can
+neither grow the state nor skew it without limit; a rejected item is counted
+(`bad_entries`). Redis down: each replica goes on with its own placements' view, says so in
+a log line, shows `extproc_shared_placements_degraded` 1, counts dropped items, and
+reconnects by itself; placements made meanwhile by peers are missed (the queue drains in
+seconds; the written count stays short by them). Redis Cluster: not shared
 (pub/sub is per node there), said once in a log line.
 """
 
