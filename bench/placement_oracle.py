@@ -18,6 +18,12 @@ Placements:
   can beat it on hits by much, and it ignores load entirely);
 - partition: whole tenants (groups, sessions) pinned to servers, largest first onto the
   server with the least prompt tokens so far (the best static split by size);
+- memory: distinct, and a request matching nothing beyond the shared header whose
+  distinguishing first block was placed before goes back to the server that last took it
+  (placement-memory-scorer's rule);
+- segregated: the biggest tenants (known in advance, by prompt tokens) pinned in pairs to all
+  servers but one, the rest sharing the last one (they churn there instead of evicting the
+  big ones: the best split found, with hindsight no router has);
 - round-robin: for reference against the measured round-robin row;
 - pooled optimum: a bound no placement can beat (see `pooled_optimum`).
 """
@@ -114,6 +120,60 @@ def distinct(rows) -> Placement:
             best = tokens.index(min(tokens))
         tokens[best] += len(blocks)
         return best
+
+    return place
+
+
+def _common(rows) -> int:
+    """Blocks every group's first request shares (a template header)."""
+    firsts: dict[int, list[int]] = {}
+    for item, blocks, _ in rows:
+        firsts.setdefault(item.group, blocks)
+    if len(firsts) < 2:
+        return 0
+    columns = zip(*firsts.values(), strict=False)
+    return next((i for i, ks in enumerate(columns) if len(set(ks)) > 1), 0)
+
+
+def memory(rows) -> Placement:
+    """distinct, with a request that matches nothing beyond the header sent back to the
+    server that last took its first distinguishing block."""
+    common = _common(rows)
+    tokens: list[int] = []
+    last: dict[int, int] = {}
+
+    def place(item, blocks, limit, caches, counts) -> int:
+        if not tokens:
+            tokens.extend([0] * len(caches))
+        hits = [c.prefix(blocks, limit) for c in caches]
+        best = max(range(len(caches)), key=lambda s: (hits[s], -tokens[s]))
+        key = blocks[common] if len(blocks) > common else None
+        if hits[best] <= common:
+            best = last.get(key, tokens.index(min(tokens))) if key is not None else best
+        tokens[best] += len(blocks)
+        if key is not None:
+            last[key] = best
+        return best
+
+    return place
+
+
+def segregated(rows, per: int = 2) -> Placement:
+    size: dict[int, int] = {}
+    for item, _, n in rows:
+        size[item.group] = size.get(item.group, 0) + n
+    order = sorted(size, key=size.get, reverse=True)
+    home: dict[int, int] = {}
+
+    def place(item, blocks, limit, caches, counts) -> int:
+        if not home:
+            hot = len(caches) - 1
+            for i, g in enumerate(order[: hot * per]):
+                r, c = divmod(i, hot)
+                home[g] = c if r % 2 == 0 else hot - 1 - c  # snake order: sizes balance
+            for g in order[hot * per :]:
+                home[g] = hot
+        return home[item.group]
 
     return place
 
@@ -219,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                 "greedy": hit_ratio(rows, servers, blocks, greedy),
                 "distinct": hit_ratio(rows, servers, blocks, distinct(rows)),
                 "partition": hit_ratio(rows, servers, blocks, partition(rows)),
+                "memory": hit_ratio(rows, servers, blocks, memory(rows)),
+                "segregated": hit_ratio(rows, servers, blocks, segregated(rows)),
                 "round-robin": hit_ratio(rows, servers, blocks, round_robin),
             }
             cells = "  ".join(f"{k} {v:6.1%} ({v / unbounded:4.0%})" for k, v in figs.items())
