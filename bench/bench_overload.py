@@ -378,7 +378,22 @@ def diagnostics(dep: Deployment, sims_before: list[dict[str, float]]) -> dict:
         summed(b, "vllm:request_queue_time_seconds_count") for b in sims_before
     )
     row["engine_queue_mean_s"] = round(q_sum / q_n, 3) if q_n else None
+    # CPU seconds each process (pickers, then Envoy) used since it started for this run:
+    # with 2 cores shared, a picker that spends more CPU per decision delays every stream
+    # it serves, which shows up as `to_server_other` in the slowest ten, not as queue wait.
+    row["proc_cpu_s"] = [cpu_seconds(p.pid) for p in dep.procs]
     return row
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (Linux /proc), None when unreadable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    fields = stat.rpartition(")")[2].split()
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
 
 
 def sims_now(dep: Deployment) -> list[dict[str, float]]:
