@@ -672,8 +672,9 @@ def main() -> int:
     ap.add_argument("--burst-s", type=float, default=20.0, help="seconds of burst arrivals")
     ap.add_argument("--overload", type=float, default=4.0, help="offered tokens / capacity")
     ap.add_argument("--servers", type=int, default=SERVERS,
-                    help="sims in the fleet: the reserve is held on one server, so its share "
-                    "of the fleet's KV (what it costs in goodput) falls as servers are added")  # fmt: skip
+                    help="sims in the fleet: the reserve is held on one server, so its "
+                    "share of the fleet's KV (its cost in goodput) falls as servers are "
+                    "added")  # fmt: skip
     ap.add_argument("--slo-s", type=float, default=5.0, help="TTFT SLO for goodput")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--poisson-interactive", action="store_true",
