@@ -340,9 +340,7 @@ class Parts:
     def _scraped(self, address: str, scraped) -> None:
         lat = scraped.latency
         finished = (lat.prompt_sum, lat.prompt_count) if lat is not None else None
-        self.calibration.observe(
-            address, scraped.kv_block_size, scraped.prompt_tokens, finished
-        )
+        self.calibration.observe(address, scraped.kv_block_size, scraped.prompt_tokens, finished)
         # The engine's own prefill timing, queueing excluded (endpoints/prefill_speed.py).
         self.speeds.scraped(address, scraped.latency)
 

@@ -67,11 +67,8 @@ async def _scenario(stack: Stack) -> tuple[int, list[dict[str, float | None]]]:
 
         async def gauges() -> list[dict[str, float | None]]:
             texts = [(await h.get(f"http://127.0.0.1:{p}/metrics")).text for p in admins]
-            return [
-                {k: _gauge(t, f"extproc_{k}")
-                 for k in ("approx_bytes_per_token", "decisions_total")}  # fmt: skip
-                for t in texts
-            ]
+            names = ("approx_bytes_per_token", "decisions_total")
+            return [{k: _gauge(t, f"extproc_{k}") for k in names} for t in texts]
 
         n = 0
         while any(g["approx_bytes_per_token"] == 3 for g in await gauges()):
