@@ -9,7 +9,9 @@ A request missed when the engine served under half its prompt from cache. Causes
   (beyond the header every tenant shares) and it was a candidate, but scored lower;
 - spill, holder filtered out: that endpoint was removed by a filter;
 - index credited chosen: the index credited the chosen endpoint, the engine had evicted it;
-- known tenant evicted everywhere: the index credited nobody with more than the header.
+- known tenant evicted everywhere: the index credited nobody with more than the header;
+- known tenant, lookup degraded: the index did not answer in time (a Redis index), so it
+  credited nobody either (counted before the spills and evictions).
 Printed per file with how many of each are at or above the run's TTFT p90. For runs with
 several picker replicas (the decision names its `picker`), `--replicas` also splits each
 cause by whether the tenant's previous request was decided by the same or another replica,
@@ -33,6 +35,7 @@ CAUSES = (
     "spill: index holder filtered out",
     "index credited chosen, engine had evicted",
     "hit",
+    "known tenant, lookup degraded (the index answered nothing)",
 )
 
 
@@ -56,6 +59,8 @@ def classify(rows: list[dict]) -> tuple[collections.Counter, collections.Counter
             cause = CAUSES[5]
         elif r["tenant"] not in seen:
             cause = CAUSES[0]
+        elif d.get("index_degraded"):
+            cause = CAUSES[6]
         elif best > header and mine < best:
             holders = [a for a, n in held.items() if n == best]
             cause = CAUSES[2] if any(h in scored for h in holders) else CAUSES[3]
