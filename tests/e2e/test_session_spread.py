@@ -6,7 +6,12 @@ spreads like 34/30/25/7 requests in every mode); recomputing the ~3,000-token pr
 on that server costs far less than the sessions' tails crowding the others.
 
 Sessions start one after another (each first turn answered before the next is sent), so
-the placements do not depend on the machine's speed: only the bound decides."""
+the placements do not depend on the machine's speed: only the bound decides.
+
+The bound is for sessions that grow: chat conversations on a tenant's prompt, each ending
+after two short turns, stay with the prompt's holders once one of them has shown it stays
+small (issue 14, tenants: the bound wrote big tenants' prompts onto five or six servers),
+while agent sessions that grow by a tool result per turn still start 2 per server."""
 
 from __future__ import annotations
 
@@ -56,3 +61,52 @@ def test_new_sessions_fill_every_server_before_any_takes_a_second(tmp_path):
     # The first four sessions take one server each, then every server takes a second.
     assert len(set(served[:SERVERS])) == SERVERS, served
     assert sorted(counts.values()) == [SESSIONS // SERVERS] * SERVERS, served
+
+
+def run_sessions(tmp_path, prefix: str, first: list[str], second: list[str]) -> list[str]:
+    """Sessions one after another, each a first turn then a second turn carrying the first
+    whole (`first[s]`, then its answer and `second[s]`); where each first turn was served."""
+    cfg = tmp_path / "picker.yaml"
+    cfg.write_text(PARSE)
+    opts = StackOptions(upstreams=SERVERS, sim_args=SIM, extproc_args=("--config", str(cfg)))
+    served: list[str] = []
+    with Stack(opts) as stack, httpx.Client(timeout=60) as http:
+        for one, two in zip(first, second, strict=True):
+            messages = [{"role": "system", "content": prefix}, {"role": "user", "content": one}]
+            for content in (None, two):
+                if content is not None:
+                    messages += [
+                        {"role": "assistant", "content": "noted: " + one[:60]},
+                        {"role": "user", "content": content},
+                    ]
+                body = {"model": "tiny", "max_tokens": 2, "messages": messages}
+                r = http.post(f"{stack.url}/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                if content is None:
+                    served.append(r.headers[SERVED_BY_HEADER])
+    return served
+
+
+def test_chat_conversations_that_stay_small_stay_with_their_prompt(tmp_path):
+    rng = random.Random(5)
+    tenant = "You answer questions about one product. " + text(rng, 400)
+    # A question and a follow-up: the second turn grows the conversation by about a
+    # fifth of the tenant prompt it shares.
+    first = [f"question {s}: " + text(rng, 25) for s in range(SESSIONS)]
+    second = [f"follow-up {s}: " + text(rng, 25) for s in range(SESSIONS)]
+    served = run_sessions(tmp_path, tenant, first, second)
+    # The second conversation finds its group unknown and is bounded off the holder; once
+    # it has shown its size the rest join the prompt's holders. The bound alone (before
+    # issue 14's seventh session) wrote the prompt on all four servers.
+    assert len(set(served)) == 2, served
+    assert len(set(served[2:])) <= 2 and set(served[2:]) <= set(served[:2]), served
+
+
+def test_agent_sessions_that_grow_still_start_two_per_server(tmp_path):
+    rng = random.Random(7)
+    agent = "You are a coding agent. " + text(rng, 600)
+    # Each session's next turn adds a tool result over half the agent prompt's length.
+    first = [f"task {s}: " + text(rng, 80) for s in range(SESSIONS)]
+    second = [f"tool result {s}: " + text(rng, 450) for s in range(SESSIONS)]
+    served = run_sessions(tmp_path, agent, first, second)
+    assert sorted(Counter(served).values()) == [SESSIONS // SERVERS] * SERVERS, served
