@@ -257,13 +257,13 @@ def test_chat_sessions_that_stay_small_are_not_spread_off_their_prompts_holder()
     five or six servers. Once one conversation has shown it stays small, the group's new
     conversations are left to the scorers (here: the holder of the prompt)."""
     f = BoundedSessionsFilter()
-    placed = run_group(f, 8, "abcd", per_turn=3)  # 6 blocks past 29 shared: 0.21
-    assert f.sessions.growth(SHARED[-1]) is not None
-    assert f.sessions.growth(SHARED[-1]) < 0.5
-    # The first goes anywhere (nothing held), the second finds the group unknown (bounded,
-    # so it goes elsewhere); every later one joins a holder: the prompt is on two servers,
-    # where the bound alone writes it on all four.
-    assert placed[0] != placed[1] and set(placed[2:]) == {placed[0]}, placed
+    placed = run_group(f, 8, "abcd", per_turn=2)  # 4 blocks past 29 shared
+    growth = f.sessions.growth(SHARED, len(SHARED))
+    assert growth is not None and growth < 0.5
+    # The first conversation (nothing held) taught, once continued, that conversations on
+    # this prompt stay small: every later one joins the prompt's holder, where the bound
+    # alone writes the prompt on all four servers.
+    assert placed == [placed[0]] * 8, placed
 
 
 def test_agent_sessions_that_grow_still_spread_evenly():
@@ -271,11 +271,11 @@ def test_agent_sessions_that_grow_still_spread_evenly():
     bounded whatever has been learned about it, 2/2/2/2 on four servers."""
     f = BoundedSessionsFilter()
     placed = run_group(f, 8, "abcd", per_turn=10)  # 20 blocks past 29 shared: 0.69
-    assert f.sessions.growth(SHARED[-1]) > 0.5
+    assert (f.sessions.growth(SHARED, len(SHARED)) or 0.0) > 0.5
     assert sorted(placed) == ["a", "a", "b", "b", "c", "c", "d", "d"], placed
 
 
 def test_keep_together_zero_bounds_every_group():
     f = BoundedSessionsFilter(BoundedSessionsFilter.Params(keep_together_growth=0.0))
-    placed = run_group(f, 8, "abcd", per_turn=3)
+    placed = run_group(f, 8, "abcd", per_turn=2)
     assert sorted(placed) == ["a", "a", "b", "b", "c", "c", "d", "d"], placed

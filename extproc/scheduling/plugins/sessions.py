@@ -27,11 +27,13 @@ The bound is for sessions that grow. A chat tenant's new conversation is also a 
 on a known prefix (the tenant's prompt), but it ends after a turn or two having added a
 fraction of what it shares: bounding it only wrote big tenants' prompts onto five or six
 servers (issue 14, tenants: the holder filtered out in 14-20 requests a run). So each new
-session's group is learned, keyed by the last block it shared with what the index held:
-how far the group's sessions have grown past that shared prefix, relative to its length.
-A group whose continued sessions stayed within `keepTogetherGrowth` of it is left to the
-scorers; a group not seen continued yet is bounded (an agentic first fill shows nothing
-before the bound must act).
+prefix is looked up in what continued sessions have taught: when a session is continued,
+how far it has grown past each prefix of its first turn (every `_GROUP_STRIDE`-th block,
+as a fraction of that prefix) is kept under that block's key; a new session sharing that
+prefix with what the index holds reads it back. A prefix whose continued sessions stayed
+within `keepTogetherGrowth` of it is left to the scorers; one no session has been seen
+continued on is bounded (an agentic first fill shows nothing before the bound must act).
+A tenant's first conversation teaches its later ones, though it shared only the header.
 
 With a Redis index, replicas share the record (server/shared_sessions.py): each publishes
 its placements and applies the others', so every replica counts every server's sessions and
@@ -62,6 +64,10 @@ _PROBE_BACK = 64
 # adds fewer (a tool result, a user message), a new session pays this much, not its length.
 _SCAN_TAIL = 256
 
+# Blocks between two prefixes whose growth a continued session records: a new session looks
+# up the longest recorded prefix within what it shares, at most this many blocks short.
+_GROUP_STRIDE = 8
+
 # (previous tail keys or (), endpoint, new tail keys): one placement, as replicas share it.
 Touch = tuple[tuple[int, ...], str, tuple[int, ...]]
 
@@ -71,10 +77,8 @@ class _Chain:
     endpoint: str
     seen: float
     keys: tuple[int, ...]
-    # The block the session's first turn last shared with the index's answer (its group),
-    # and how many blocks it shared: None/0 when not known (another replica placed it).
-    group: int | None = None
-    shared: int = 0
+    # Blocks of the session's first turn: 0 when not known (another replica placed it).
+    first: int = 0
 
 
 class LiveSessions:
@@ -90,8 +94,8 @@ class LiveSessions:
         self._chains: OrderedDict[int, _Chain] = OrderedDict()  # least recently active first
         self._by_key: dict[int, int] = {}  # tail key -> chain id
         self._counts: dict[str, int] = {}
-        # group key -> the most its continued sessions grew past the shared prefix, as a
-        # fraction of it; least recently grown first, at most `max_sessions` groups.
+        # prefix's last block key -> the most sessions continued on it grew past it, as a
+        # fraction of its length; least recently grown first, at most `max_sessions` kept.
         self._growth: OrderedDict[int, float] = OrderedDict()
         self._next_id = 0
         # Called with each placement made here (replicas publish it, see shared_sessions).
@@ -133,34 +137,30 @@ class LiveSessions:
         chain = self._chains.get(chain_id)
         return chain.endpoint if chain is not None else None
 
-    def growth(self, group: int) -> float | None:
-        """How far the sessions of `group` grew past their shared prefix (a fraction of it,
-        the largest seen), or None while none of them has been continued here."""
-        return self._growth.get(group)
+    def growth(self, block_keys: Sequence[int], shared: int) -> float | None:
+        """How far sessions continued on the first `shared` blocks of `block_keys` grew past
+        them (a fraction of their length, the largest seen; looked up at the longest
+        recorded prefix within them), or None while none has been continued here."""
+        j = shared // _GROUP_STRIDE * _GROUP_STRIDE - 1
+        return self._growth.get(block_keys[j]) if 0 <= j < len(block_keys) else None
 
     def counts(self) -> Mapping[str, int]:
         """Live sessions per endpoint (endpoints without any are absent)."""
         self._expire(self._clock())
         return self._counts
 
-    def touch(
-        self, chain_id: int | None, endpoint: str, block_keys: Sequence[int], shared: int = 0
-    ) -> None:
-        """`block_keys` were placed on `endpoint`, continuing `chain_id` (None: a new one,
-        whose first `shared` blocks some endpoint held: its group)."""
+    def touch(self, chain_id: int | None, endpoint: str, block_keys: Sequence[int]) -> None:
+        """`block_keys` were placed on `endpoint`, continuing `chain_id` (None: a new one)."""
         if not block_keys:
             return
         old = self._chains.get(chain_id) if chain_id is not None else None
         tail = tuple(block_keys[-_TAIL_KEYS:])
+        first = len(block_keys)
         if old is not None:
-            group, shared = old.group, old.shared
-            if group is not None and shared > 0:
-                self._grew(group, (len(block_keys) - shared) / shared)
-        elif 0 < shared <= len(block_keys):
-            group = block_keys[shared - 1]
-        else:
-            group, shared = None, 0
-        self._place(chain_id, endpoint, tail, self._clock(), group, shared)
+            first = old.first
+            if first:
+                self._grew(block_keys, first)
+        self._place(chain_id, endpoint, tail, self._clock(), first)
         if self.on_touch is not None:
             self.on_touch((old.keys if old is not None else (), endpoint, tail))
 
@@ -172,14 +172,18 @@ class LiveSessions:
             return
         chain_id = next((c for k in prev if (c := self._by_key.get(k)) is not None), None)
         old = self._chains.get(chain_id) if chain_id is not None else None
-        group, shared = (old.group, old.shared) if old is not None else (None, 0)
-        self._place(chain_id, endpoint, tail, self._clock() - max(0.0, age_s), group, shared)
+        first = old.first if old is not None else 0
+        self._place(chain_id, endpoint, tail, self._clock() - max(0.0, age_s), first)
 
-    def _grew(self, group: int, growth: float) -> None:
-        growth = max(growth, self._growth.pop(group, 0.0))
-        self._growth[group] = growth
-        if len(self._growth) > self._max:
-            self._growth.popitem(last=False)
+    def _grew(self, block_keys: Sequence[int], first: int) -> None:
+        # One record per `_GROUP_STRIDE` blocks of the first turn: a turn costs
+        # first / _GROUP_STRIDE dict writes, not one per block.
+        growth, n = self._growth, len(block_keys)
+        for j in range(_GROUP_STRIDE - 1, min(first, n), _GROUP_STRIDE):
+            key = block_keys[j]
+            growth[key] = max((n - j - 1) / (j + 1), growth.pop(key, 0.0))
+        while len(growth) > self._max:
+            growth.popitem(last=False)
 
     def _place(
         self,
@@ -187,15 +191,14 @@ class LiveSessions:
         endpoint: str,
         tail: tuple[int, ...],
         now: float,
-        group: int | None = None,
-        shared: int = 0,
+        first: int = 0,
     ) -> None:
         if chain_id is not None and (old := self._chains.pop(chain_id, None)) is not None:
             self._forget(old)
         else:
             chain_id = self._next_id
             self._next_id += 1
-        chain = _Chain(endpoint, now, tail, group, shared)
+        chain = _Chain(endpoint, now, tail, first)
         self._chains[chain_id] = chain
         for key in chain.keys:
             prev = self._by_key.get(key)
@@ -258,10 +261,9 @@ class BoundedSessionsFilter:
     rounded up (`session_bound`). A session's later turns pass unfiltered. Never removes
     every candidate.
 
-    Unbounded: a new session whose group (the last block it shares with what the index
-    holds) has had sessions continued here, all grown past that shared prefix by at most
-    `keepTogetherGrowth` times its length. Measured on bench/bench_routing.py's workloads
-    (sim tokenizer, 16-token blocks): a chat tenant's conversation ends 0.18-0.20 past its
+    Unbounded: a new session on a prefix (what the index holds of it) that sessions
+    continued here all grew past by at most `keepTogetherGrowth` times its length.
+    Measured on bench/bench_routing.py's workloads (sim tokenizer, 16-token blocks): a chat tenant's conversation ends 0.18-0.20 past its
     ~139 shared blocks; an agent session is 0.64 past its 182 after one tool turn, 1.2 after
     two. The default 0.5 sits between; 0 bounds every group (the bound before this).
 
@@ -332,7 +334,7 @@ class BoundedSessionsFilter:
             return cands
         shared = self._lookup(req, cands)[1]
         if shared > 0 and all(c.prefix_known for c in cands):
-            growth = self.sessions.growth(req.block_keys[shared - 1])
+            growth = self.sessions.growth(req.block_keys, shared)
             if growth is not None and growth <= self._together:
                 # Its group's sessions stay small beside what they share: keeping them
                 # together costs less cache than writing the prefix on another server.
@@ -358,9 +360,9 @@ class BoundedSessionsFilter:
     ) -> None:
         if not decision.endpoints or not req.block_keys:
             return
-        chain, shared = self._lookup(req, cands)
+        chain = self._chain(req, cands)
         self._last = None
-        self.sessions.touch(chain, decision.primary.address, req.block_keys, shared)
+        self.sessions.touch(chain, decision.primary.address, req.block_keys)
 
 
 class SessionTailScorer:
