@@ -8,10 +8,11 @@ on that server costs far less than the sessions' tails crowding the others.
 Sessions start one after another (each first turn answered before the next is sent), so
 the placements do not depend on the machine's speed: only the bound decides.
 
-The bound is for sessions that grow: chat conversations on a tenant's prompt, each ending
-after two short turns, stay with the prompt's holders once one of them has shown it stays
-small (issue 14, tenants: the bound wrote big tenants' prompts onto five or six servers),
-while agent sessions that grow by a tool result per turn are still bounded."""
+With the opt-in `keepTogetherGrowth`, the bound is for sessions that grow: chat
+conversations on a tenant's prompt, each ending after two short turns, stay with the
+prompt's holders once one of them has shown it stays small (issue 14, tenants: the bound
+wrote big tenants' prompts onto five or six servers), while agent sessions that grow by a
+tool result per turn are still bounded."""
 
 from __future__ import annotations
 
@@ -66,16 +67,38 @@ def test_new_sessions_fill_every_server_before_any_takes_a_second(tmp_path):
 
 
 TOKEN = "session-spread-token"
+# The default profile with the opt-in `keepTogetherGrowth` (off by default).
+TOGETHER = """scheduling:
+  plugins:
+  - {type: bounded-sessions-filter, parameters: {keepTogetherGrowth: 0.5}}
+  - {type: bounded-load-filter}
+  - {type: predicted-ttft-scorer}
+  - {type: kv-cache-utilization-scorer}
+  - {type: no-hit-lru-scorer}
+  - {type: session-tail-scorer}
+  - {type: max-score-picker}
+  schedulingProfiles:
+  - name: default
+    plugins:
+    - {pluginRef: bounded-sessions-filter}
+    - {pluginRef: bounded-load-filter}
+    - {pluginRef: predicted-ttft-scorer, weight: 4}
+    - {pluginRef: kv-cache-utilization-scorer, weight: 1}
+    - {pluginRef: no-hit-lru-scorer, weight: 1}
+    - {pluginRef: session-tail-scorer, weight: 2}
+    - {pluginRef: max-score-picker}
+"""
 
 
 def run_sessions(
     tmp_path, prefix: str, first: list[str], second: list[str]
 ) -> tuple[list[str], list[list[str]]]:
-    """Sessions one after another, each a first turn then a second turn carrying the first
-    whole (`first[s]`, then its answer and `second[s]`); where each first turn was served,
-    and the picker's reasons for it (which filter removed which endpoint)."""
+    """With `keepTogetherGrowth: 0.5`, sessions one after another, each a first turn then a
+    second turn carrying the first whole (`first[s]`, then its answer and `second[s]`);
+    where each first turn was served, and the picker's reasons for it (which filter removed
+    which endpoint)."""
     cfg = tmp_path / "picker.yaml"
-    cfg.write_text(PARSE + f"server: {{explain_tokens: [{TOKEN}]}}\n")
+    cfg.write_text(PARSE + f"server: {{explain_tokens: [{TOKEN}]}}\n" + TOGETHER)
     opts = StackOptions(
         upstreams=SERVERS, sim_args=SIM, extproc_args=("--config", str(cfg)), allow_explain=True
     )

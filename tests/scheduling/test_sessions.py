@@ -235,6 +235,9 @@ def grown(session: int, n: int, per_turn: int) -> InferenceRequest:
     return dataclasses.replace(req(tokens=64 * (len(SHARED) + len(own))), block_keys=SHARED + own)
 
 
+TOGETHER = BoundedSessionsFilter.Params(keep_together_growth=0.5)
+
+
 def run_group(f: BoundedSessionsFilter, sessions: int, servers: str, per_turn: int) -> list[str]:
     """New sessions on SHARED, each continued once before the next starts (as a chat's
     second turn, or an agent's next tool turn, comes back meanwhile); the first session's
@@ -256,7 +259,7 @@ def test_chat_sessions_that_stay_small_are_not_spread_off_their_prompts_holder()
     of the tenant prompt they share; bounding them as sessions wrote big tenants' prompts onto
     five or six servers. Once one conversation has shown it stays small, the group's new
     conversations are left to the scorers (here: the holder of the prompt)."""
-    f = BoundedSessionsFilter()
+    f = BoundedSessionsFilter(TOGETHER)
     placed = run_group(f, 8, "abcd", per_turn=2)  # 4 blocks past 29 shared
     growth = f.sessions.growth(SHARED, len(SHARED))
     assert growth is not None and growth < 0.5
@@ -269,13 +272,13 @@ def test_chat_sessions_that_stay_small_are_not_spread_off_their_prompts_holder()
 def test_agent_sessions_that_grow_still_spread_evenly():
     """Agent sessions add more than half the shared prompt per tool turn: their group is
     bounded whatever has been learned about it, 2/2/2/2 on four servers."""
-    f = BoundedSessionsFilter()
+    f = BoundedSessionsFilter(TOGETHER)
     placed = run_group(f, 8, "abcd", per_turn=10)  # 20 blocks past 29 shared: 0.69
     assert (f.sessions.growth(SHARED, len(SHARED)) or 0.0) > 0.5
     assert sorted(placed) == ["a", "a", "b", "b", "c", "c", "d", "d"], placed
 
 
-def test_keep_together_zero_bounds_every_group():
-    f = BoundedSessionsFilter(BoundedSessionsFilter.Params(keep_together_growth=0.0))
+def test_by_default_every_group_is_bounded():
+    f = BoundedSessionsFilter()
     placed = run_group(f, 8, "abcd", per_turn=2)
     assert sorted(placed) == ["a", "a", "b", "b", "c", "c", "d", "d"], placed

@@ -23,7 +23,9 @@ recorded, or cached, up to its end, so its tail sits at the longest match or a f
 before it), then in the request's last few hundred blocks: a bounded number of dict probes,
 not a scan of the whole request (2,048 blocks and more for a long context).
 
-The bound is for sessions that grow. A chat tenant's new conversation is also a new session
+Optionally (`keepTogetherGrowth`, off by default: measured no clear gain, bench/RESULTS.md,
+issue 14 seventh session second part), the bound is only for sessions that grow. A chat
+tenant's new conversation is also a new session
 on a known prefix (the tenant's prompt), but it ends after a turn or two having added a
 fraction of what it shares: bounding it only wrote big tenants' prompts onto five or six
 servers (issue 14, tenants: the holder filtered out in 14-20 requests a run). So each new
@@ -34,6 +36,7 @@ prefix with what the index holds reads it back. A prefix whose continued session
 within `keepTogetherGrowth` of it is left to the scorers; one no session has been seen
 continued on is bounded (an agentic first fill shows nothing before the bound must act).
 A tenant's first conversation teaches its later ones, though it shared only the header.
+The learning is per replica (replicas share placements, not block keys).
 
 With a Redis index, replicas share the record (server/shared_sessions.py): each publishes
 its placements and applies the others', so every replica counts every server's sessions and
@@ -86,9 +89,15 @@ class LiveSessions:
     `max_sessions` are remembered (the least recently active are forgotten first)."""
 
     def __init__(
-        self, window_s: float, max_sessions: int, clock: Callable[[], float] = time.monotonic
+        self,
+        window_s: float,
+        max_sessions: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        learn_growth: bool = False,
     ) -> None:
         self._window = window_s
+        self._learn = learn_growth
         self._max = max_sessions
         self._clock = clock
         self._chains: OrderedDict[int, _Chain] = OrderedDict()  # least recently active first
@@ -158,7 +167,7 @@ class LiveSessions:
         first = len(block_keys)
         if old is not None:
             first = old.first
-            if first:
+            if first and self._learn:
                 self._grew(block_keys, first)
         self._place(chain_id, endpoint, tail, self._clock(), first)
         if self.on_touch is not None:
@@ -261,16 +270,19 @@ class BoundedSessionsFilter:
     rounded up (`session_bound`). A session's later turns pass unfiltered. Never removes
     every candidate.
 
-    Unbounded: a new session on a prefix (what the index holds of it) that sessions
-    continued here all grew past by at most `keepTogetherGrowth` times its length.
-    Measured on bench/bench_routing.py's workloads (sim tokenizer, 16-token blocks): a chat tenant's conversation ends 0.18-0.20 past its
-    ~139 shared blocks; an agent session is 0.64 past its 182 after one tool turn, 1.2 after
-    two. The default 0.5 sits between; 0 bounds every group (the bound before this).
+    With `keepTogetherGrowth` above 0, unbounded: a new session on a prefix (what the index
+    holds of it) that sessions continued here all grew past by at most that many times its
+    length. Measured on bench/bench_routing.py's workloads (sim tokenizer, 16-token blocks):
+    a chat tenant's conversation ends 0.18-0.20 past its ~139 shared blocks; an agent
+    session is 0.64 past its 182 after one tool turn, 1.2 after two: 0.5 sits between. Off
+    (0) by default: on the tenants workload it gained 0.2-4.2 hit-ratio points in four
+    interleaved runs at 12 req/s but lost 7 points in one of three at 24 req/s and 4.7 in one
+    of two traced pairs (issue 14, bench/RESULTS.md); agentic was unchanged.
 
     ```yaml
     - type: bounded-sessions-filter
       parameters: {epsilon: 0.25, windowSeconds: 120, maxSessions: 50000,
-                   keepTogetherGrowth: 0.5}
+                   keepTogetherGrowth: 0}
     ```
     """
 
@@ -281,9 +293,9 @@ class BoundedSessionsFilter:
         # A session idle for longer is no longer counted (its cache is fair game).
         window_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
         max_sessions: Annotated[int, msgspec.Meta(gt=0)] = 50_000
-        # Sessions of a group that grew at most this past their shared prefix (a fraction
-        # of it) are not bounded; 0: every group is.
-        keep_together_growth: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
+        # Sessions on a prefix that continued sessions grew at most this past (a fraction of
+        # its length) are not bounded; 0: every new session is (and nothing is learned).
+        keep_together_growth: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -291,7 +303,9 @@ class BoundedSessionsFilter:
         p = params or self.Params()
         self._eps = p.epsilon
         self._together = p.keep_together_growth
-        self.sessions = LiveSessions(p.window_seconds, p.max_sessions, clock)
+        self.sessions = LiveSessions(
+            p.window_seconds, p.max_sessions, clock, learn_growth=self._together > 0
+        )
         # The continuation found while filtering and the blocks some endpoint held, reused
         # by `observe` for the same request.
         self._last: tuple[InferenceRequest, int | None, int] | None = None
@@ -333,7 +347,7 @@ class BoundedSessionsFilter:
             # bounding it keeps sessions spread while the index is away, as when it answers.
             return cands
         shared = self._lookup(req, cands)[1]
-        if shared > 0 and all(c.prefix_known for c in cands):
+        if self._together > 0 and shared > 0 and all(c.prefix_known for c in cands):
             growth = self.sessions.growth(req.block_keys, shared)
             if growth is not None and growth <= self._together:
                 # Its group's sessions stay small beside what they share: keeping them
