@@ -68,9 +68,7 @@ def default_config() -> EndpointPickerConfig:
     session (agentic and chat sessions are idle between turns, so in-flight counts miss
     them) only where live sessions stay within an even share of the fleet's KV capacity,
     replicating a shared agent prompt instead of piling every session onto its first
-    holder (only sessions seen to grow past the prefix they share: a tenant's short chat
-    conversations stay with its prompt); `bounded-load-filter` keeps a prefix group from
-    piling onto one server beyond
+    holder; `bounded-load-filter` keeps a prefix group from piling onto one server beyond
     (1 + 0.25) x the mean in-flight load + 1 (later turns of a session are left to the
     scorers, `session-tail-scorer` keeping them home on near-ties). `kv-cache-utilization-scorer`
     breaks near-ties towards emptier caches, and
