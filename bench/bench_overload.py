@@ -33,11 +33,14 @@ engine running / waiting / KV use per server, every 0.5 s) is written next to th
 summarised in the row (`tl_*`, bench/overload_timeline.py). Per admitted interactive
 request, the sim says where its TTFT went (`x-sim-timing`: KV wait, prefill-lane wait,
 prefill; the rest is the picker's queue, proxies and the client): `hi_breakdown_*`.
-A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), and `~base` to run its
-pickers from `--baseline-src` (old code against new in one run; `~base` runs also keep the
-old `expected_output_tokens` of 96, the others count each request's max_tokens, see
-`picker_config`). Unloaded: `--unloaded-n` requests a pass, `--unloaded-repeats` more
-passes, pooled into the baseline; each run's interactive TTFTs are printed (`hi_ttfts`) so
+A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), `-noprior` (no
+`reserve_prior`, which the other new-code runs with per-endpoint admission get from the
+offered interactive load: `interactive_prior`), and `~base` to run its pickers from
+`--baseline-src` (old code against new in one run; `~base` runs also keep the old
+`expected_output_tokens` of 96 unless `--base-expected-output` says otherwise, and get no
+prior; the others count each request's max_tokens, see `picker_config`). Unloaded:
+`--unloaded-n` requests a pass, `--unloaded-repeats` more passes, pooled into the
+baseline; each run's interactive TTFTs are printed (`hi_ttfts`) so
 `bench/overload_pool.py` can pool runs of one configuration.
 """
 
@@ -128,6 +131,7 @@ def picker_config(
     per_endpoint: bool = True,
     reserve: int = 1,
     expected_output: int = OUTPUT_TOKENS,
+    prior: dict | None = None,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -192,7 +196,26 @@ def picker_config(
             "admit_per_endpoint": per_endpoint,
             "reserve_for_higher_bands": reserve if per_endpoint else 0,
         }
+        if prior and per_endpoint:
+            # What interactive is expected to send, so a fresh picker keeps room for it
+            # from the burst's first request (`interactive_prior`).
+            doc["flow_control"]["reserve_prior"] = {10: prior}
     return doc
+
+
+def interactive_prior(cap_tps: float, kv_ratio: float, spread: int) -> dict:
+    """`reserve_prior` for the interactive band, as an operator would state it from the
+    traffic they expect: its largest request (tenant C's prompt as the picker estimates
+    it, plus the largest max_tokens) and its arrival rate (a quarter of capacity, see
+    `burst`), in the picker's tokens (engine tokens x `estimate_ratio`)."""
+    text = prompt(random.Random(0), PROMPT_WORDS["C"])
+    body = {"model": "tiny", "max_tokens": OUTPUT_TOKENS + spread, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": text}]}  # fmt: skip
+    return {
+        "request_tokens": estimate_tokens(body) + OUTPUT_TOKENS + spread,
+        "tokens_per_s": round(0.25 * cap_tps * kv_ratio),
+    }
 
 
 @dataclass
@@ -574,11 +597,11 @@ def breakdown(rs: list[Req]) -> dict:
     servers: dict[str, int] = {}
     for r in slow:
         servers[r.served_by] = servers.get(r.served_by, 0) + 1
-    # The slowest five one by one: TTFT = picker queue + engine (KV wait, lane, prefill)
+    # The slowest ten one by one: TTFT = picker queue + engine (KV wait, lane, prefill)
     # + the rest (Envoy, the picker's and the sim's CPU time, the client).
-    five = [one(r) for r in sorted(rs, key=lambda r: r.ttft_s or 0.0)[-5:]]
+    ten = [one(r) for r in sorted(rs, key=lambda r: r.ttft_s or 0.0)[-10:]]
     return {"hi_breakdown_all": parts(rs), "hi_breakdown_slowest5pct": parts(slow),
-            "hi_slowest_servers": servers, "hi_slowest5": five}  # fmt: skip
+            "hi_slowest_servers": servers, "hi_slowest10": ten}  # fmt: skip
 
 
 def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo_s: float,
@@ -659,6 +682,13 @@ def main() -> int:
     ap.add_argument("--reserve", type=int, default=1,
                     help="flow_control.reserve_for_higher_bands: how many of the largest "
                     "recent interactive requests one server keeps room for")  # fmt: skip
+    ap.add_argument("--base-expected-output", type=int, default=OUTPUT_TOKENS,
+                    help="expected_output_tokens of `~base` runs: 96 for a baseline that "
+                    "does not read max_tokens (before the sixth session), the largest "
+                    "max_tokens sent (96 + --output-spread) for one that does")  # fmt: skip
+    ap.add_argument("--no-prior", action="store_true",
+                    help="no flow_control.reserve_prior in the new code's runs (`~base` runs "
+                    "never get one: the old code does not know it)")  # fmt: skip
     ap.add_argument("--trace", action="store_true",
                     help="per-request picker queue wait from the decision header (Envoy then "
                     "runs the response-header phase)")  # fmt: skip
@@ -712,11 +742,14 @@ def main() -> int:
               f"p99 {unloaded_p99:.3f} s; per pass p99 {pass_p99}", flush=True)  # fmt: skip
         dep.stop()
         offered = args.overload * cap_tps
-        for run in args.runs.split(","):
+        prior = interactive_prior(cap_tps, kv_ratio, args.output_spread)
+        print(f"interactive reserve_prior (runs without ~base): {prior}", flush=True)
+        for i_run, run in enumerate(args.runs.split(",")):
             # A run is on | off | on-pool | on-2-replicas, optionally `@<minCeiling>` and
             # `r<reserve_for_higher_bands>` (e.g. on@0.99r2).
             # A trailing `~base` runs the pickers from `--baseline-src` (old code, same run).
             run_name, tilde, _ = run.partition("~")
+            run_name, noprior, _ = run_name.partition("-noprior")
             src = args.baseline_src if tilde else ""
             if tilde and not src:
                 raise SystemExit(f"{run}: ~base needs --baseline-src")
@@ -756,11 +789,15 @@ def main() -> int:
                     kind=args.detector,
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
-                    expected_output=OUTPUT_TOKENS if tilde else OUTPUT_TOKENS + args.output_spread,
+                    expected_output=(
+                        args.base_expected_output if tilde else OUTPUT_TOKENS + args.output_spread
+                    ),
+                    prior=None if tilde or args.no_prior or noprior else prior,
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)
-            tl = Timeline(dep.admin_ports, fleet.addresses, tmp / f"timeline-{run}.jsonl").start()
+            tl_path = tmp / f"timeline-{i_run}-{run}.jsonl"  # one per run, same names too
+            tl = Timeline(dep.admin_ports, fleet.addresses, tl_path).start()
             duration = asyncio.run(open_loop(dep.url, reqs, args.trace))
             rows_tl = tl.stop()
             diag = diagnostics(dep, sims_before)

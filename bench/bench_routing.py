@@ -108,11 +108,22 @@ POLICIES: dict[str, dict] = {
         "redis": True,
         "extproc_args": ("--config", "@SHARED_PREFILL"),
     },
+    # Issue 14, seventh session: replicas fold each other's predicted-TTFT placements.
+    "extproc approximate, 3 replicas (Redis), shared placements": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@PLACEMENTS"),
+    },
     "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
     "extproc approximate, baseline tree": {"tree": True},
+    "extproc approximate, 3 replicas (Redis), baseline tree": {
+        "tree": True,
+        "replicas": 3,
+        "redis": True,
+    },
 }
 
 
@@ -268,6 +279,7 @@ CONFIGS = {
     "@PREVIOUS": PREVIOUS_DEFAULT,
     "@SHARED": "state: {shared_observations: true}\n",
     "@SHARED_PREFILL": "state: {shared_observations: true}\nindex: {lookup_budget: prefill}\n",
+    "@PLACEMENTS": "state: {shared_placements: true}\n",
 }
 
 

@@ -12,10 +12,18 @@ costs on this machine, in the same exchange:
   echoed, trailers answered.
 
     python bench/floor_processor.py PORT DESTINATION [--plaintext] [--max-streams=N]
+        [--transport=aio|sync|grpclib] [--loop=uvloop|asyncio] [--option=NAME=INT ...]
+        [--threads=N] [--envoy-concurrency=N] [--app=picker_pyvoy:app]
+
+`--transport` other than aio runs the same loop on another server (`floor_transports.py`);
+`--loop` picks the event loop of the asyncio ones; `--option` adds a grpcio server option
+(an integer where it parses as one, e.g. `grpc.so_reuseport=0`). The C core's environment knobs
+(`GRPC_POLL_STRATEGY`, `GRPC_ENABLE_FORK_SUPPORT`) are set by whoever starts the process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import grpc
@@ -32,7 +40,14 @@ from extproc.server.tls import self_signed, server_credentials
 _FULL_DUPLEX = wire.BodySendMode.FULL_DUPLEX_STREAMED
 
 
-async def serve(port: int, destination: str, *, tls: bool = True, max_streams: int = 0) -> None:
+async def serve(
+    port: int,
+    destination: str,
+    *,
+    tls: bool = True,
+    max_streams: int = 0,
+    options: tuple[tuple[str, int | str], ...] = (),
+) -> None:
     decision = Decision(endpoints=(Endpoint(destination),))
     on_headers = wire.routed_headers(decision)
     on_body = wire.routed_body(decision)
@@ -89,8 +104,8 @@ async def serve(port: int, destination: str, *, tls: bool = True, max_streams: i
         response_serializer=access_log_pb2.StreamAccessLogsResponse.SerializeToString,
     )
     # max_streams > 0: SETTINGS_MAX_CONCURRENT_STREAMS per connection (what a client sees).
-    options = [("grpc.max_concurrent_streams", max_streams)] if max_streams else []
-    server = grpc.aio.server(options=options)
+    opts = [("grpc.max_concurrent_streams", max_streams)] if max_streams else []
+    server = grpc.aio.server(options=opts + list(options))
     server.add_generic_rpc_handlers(
         (
             grpc.method_handlers_generic_handler(protocol.EXT_PROC_SERVICE, {"Process": handler}),
@@ -111,9 +126,70 @@ async def serve(port: int, destination: str, *, tls: bool = True, max_streams: i
     await server.wait_for_termination()
 
 
-if __name__ == "__main__":
-    flags = sys.argv[3:]
-    streams = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("--max-streams=")), 0)
-    uvloop.run(
-        serve(int(sys.argv[1]), sys.argv[2], tls="--plaintext" not in flags, max_streams=streams)
+def main(argv: list[str]) -> None:
+    port, destination, flags = int(argv[1]), argv[2], argv[3:]
+
+    def flag(name: str, default: str) -> str:
+        return next((f.split("=", 1)[1] for f in flags if f.startswith(f"--{name}=")), default)
+
+    tls = "--plaintext" not in flags
+    options = tuple(
+        (name, int(value) if value.lstrip("-").isdigit() else value)
+        for name, value in (
+            f.split("=", 1)[1].rsplit("=", 1) for f in flags if f.startswith("--option=")
+        )
     )
+    transport, loop = flag("transport", "aio"), flag("loop", "uvloop")
+    run = uvloop.run if loop == "uvloop" else asyncio.run
+    if transport == "aio":
+        streams = int(flag("max-streams", "0"))
+        run(serve(port, destination, tls=tls, max_streams=streams, options=options))
+    elif transport == "sync":
+        from floor_transports import serve_sync  # bench/ is on the path
+
+        threads = int(flag("threads", "64"))
+        serve_sync(port, destination, tls=tls, threads=threads, options=list(options))
+    elif transport == "grpclib":
+        from floor_transports import serve_grpclib
+
+        run(serve_grpclib(port, destination, tls=tls))
+    elif transport == "pyvoy":
+        threads = int(flag("envoy-concurrency", "0"))
+        exec_pyvoy(port, destination, tls=tls, envoy_threads=threads, app=flag("app", ""))
+    else:
+        raise SystemExit(f"unknown transport {transport!r}")
+
+
+def exec_pyvoy(
+    port: int, destination: str, *, tls: bool, envoy_threads: int = 0, app: str = ""
+) -> None:
+    """pyvoy's CLI in this process's place (it starts Envoy hosting the interpreter as its
+    child: the bench charges the process tree). pyvoy is not a project dependency: the bench
+    puts it on PYTHONPATH (`pip install --target DIR pyvoy`)."""
+    import os
+    import tempfile
+
+    from extproc.server.tls import self_signed
+
+    log_level = os.environ.get("FLOOR_PYVOY_LOG", "warn")  # pyvoy's Envoy: debug shows resets
+    argv = [sys.executable, "-c", "from pyvoy._cli import main; main()", app or "floor_pyvoy:app",
+            "--address", "127.0.0.1", "--port", str(port), "--log-level", log_level]  # fmt: skip
+    if tls:
+        pair = self_signed()
+        tmp = tempfile.mkdtemp(prefix="floor-pyvoy-")
+        key, cert = os.path.join(tmp, "key.pem"), os.path.join(tmp, "cert.pem")
+        with open(key, "wb") as f:
+            f.write(pair.key_pem)
+        with open(cert, "wb") as f:
+            f.write(pair.cert_pem)
+        argv += ["--tls-key", key, "--tls-cert", cert, "--tls-disable-http3"]
+    if envoy_threads:  # Envoy's worker threads (its default: one per core)
+        argv += ["--", "--concurrency", str(envoy_threads)]
+    env = {**os.environ, "FLOOR_DESTINATION": destination, "PICKER_ENDPOINT": destination}
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), here) if p)
+    os.execve(sys.executable, argv, env)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -34,8 +34,10 @@ def main(paths: list[str]) -> int:
           f"p99 {base:.3f} s")  # fmt: skip
     for run, ttfts in hi.items():
         p99 = percentile(ttfts, 99)
-        print(f"{run}: {len(ttfts)} interactive, p50 {percentile(ttfts, 50):.3f} s, p99 "
-              f"{p99:.3f} s = {p99 / base:.2f}x pooled unloaded; steady goodput "
+        above = sum(1 for t in ttfts if t > 2 * base)
+        print(f"{run}: {len(ttfts)} interactive, p50 {percentile(ttfts, 50):.3f} s, p95 "
+              f"{percentile(ttfts, 95):.3f} s, p99 {p99:.3f} s = {p99 / base:.2f}x pooled "
+              f"unloaded, {above} above 2x; steady goodput "
               f"{[round(g, 3) for g in goodput[run]]}")  # fmt: skip
     return 0
 

@@ -212,11 +212,16 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `endpoints/request_end.py`). `shared_observations`: with a Redis index, replicas share
     prefill-speed samples and new-prefix picks (`server/shared_observations.py`); off by
     default until a measurement shows it faster (bench/RESULTS.md, issue 14, fifth session).
+    `shared_placements`: with a Redis index, replicas share `predicted-ttft-scorer`'s
+    placements, so each one's prefill queues and written tokens cover every replica's
+    (`server/shared_placements.py`); off by default: in the seventh session's interleaved
+    runs it made the replicas agree but TTFT p90 was not better (bench/RESULTS.md, issue 14).
     """
 
     scrape: ScrapeSettings | None = ScrapeSettings()
     shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
     shared_observations: bool = False
+    shared_placements: bool = False
     exclude_failing: bool = True
     request_end: RequestEndSettings = msgspec.field(default_factory=RequestEndSettings)
     # GPU utilization from each endpoint host's DCGM exporter (None: not polled); turned on

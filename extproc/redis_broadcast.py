@@ -8,14 +8,17 @@ Pub/sub keeps nothing in Redis, so its memory is bounded; a replica that is disc
 misses what was said meanwhile. Redis failing: the batch is dropped (counted), the feature's
 `Outage` says so once and shows degraded, the loops back off and reconnect by themselves. With
 nothing to publish, a failed publish side is probed with PING, so the degraded flag falls
-once Redis is back. A peer's message that does not decode, or an item `apply` rejects with
-ValueError/TypeError, is counted as malformed and skipped.
+once Redis is back. With `timed`, each item reaches the peers as `[age_s, item]`: how long
+it waited in this replica's queue before its batch was published (the peer can date what it
+describes without comparing clocks across hosts). A peer's message that does not decode, or
+an item `apply` rejects with ValueError/TypeError, is counted as malformed and skipped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +67,7 @@ class Broadcast:
         healed_msg: str,
         interval_s: float = 0.05,
         max_pending: int = 50_000,
+        timed: bool = False,
     ) -> None:
         self._client = client
         self._channel = channel
@@ -80,6 +84,7 @@ class Broadcast:
         self._interval = interval_s
         self._max_pending = max_pending
         self._pending: list[Any] = []
+        self._timed = timed
         self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         self.stats = BroadcastStats()
 
@@ -98,7 +103,7 @@ class Broadcast:
         if len(self._pending) >= self._max_pending:
             self.stats.dropped += 1
             return
-        self._pending.append(item)
+        self._pending.append((time.monotonic(), item) if self._timed else item)
 
     async def run(self) -> None:
         await asyncio.gather(self._publish_loop(), self._subscribe_loop())
@@ -112,6 +117,9 @@ class Broadcast:
             await asyncio.sleep(delay)
             if self._pending:
                 batch, self._pending = self._pending, []
+                if self._timed:
+                    now = time.monotonic()
+                    batch = [[round(now - t, 4), item] for t, item in batch]
                 blob = msgspec.msgpack.encode([self._id, batch])
                 backoff = await self._exchange("publish", self._client.publish(self._channel, blob))
                 if backoff is None:
@@ -158,8 +166,17 @@ class Broadcast:
             sender, items = msgspec.msgpack.decode(data)
             if sender == self._id:
                 return
-            for item in items:
-                self._apply(item)
+            items = iter(items)
         except (ValueError, TypeError):  # msgspec.DecodeError is a ValueError
             self.stats.malformed += 1
             log.warning("%s: malformed message on the channel", self._name)
+            return
+        bad = 0
+        for item in items:  # one bad item costs itself, not the rest of its batch
+            try:
+                self._apply(item)
+            except (ValueError, TypeError):
+                bad += 1
+        if bad:
+            self.stats.malformed += bad
+            log.warning("%s: %d malformed items on the channel", self._name, bad)

@@ -34,6 +34,7 @@ from extproc.flowcontrol.objectives import (
     Objectives,
     first_header,
 )
+from extproc.flowcontrol.reserve import BandPrior
 from extproc.protocol import FAIRNESS_HEADERS, TTFT_SLO_HEADERS
 
 log = logging.getLogger("extproc.flowcontrol")
@@ -74,6 +75,21 @@ class Admission:
         self.config = config
         self.settings = s
         self.objectives = objectives or Objectives(s.objectives_file)
+        if s.reserve_prior and not (s.admit_per_endpoint and s.reserve_for_higher_bands):
+            log.warning(
+                "flow_control.reserve_prior has no effect without admit_per_endpoint and "
+                "reserve_for_higher_bands"
+            )
+        # The prior's prompt (what a server prefills) is its request less the output
+        # counted per request.
+        priors = {
+            p: BandPrior(
+                tokens=rp.request_tokens,
+                prompt=max(0, rp.request_tokens - s.expected_output_tokens),
+                rate=rp.tokens_per_s,
+            )
+            for p, rp in s.reserve_prior.items()
+        }
         self.controller = controller or FlowController(
             detector=config.detector,
             states=states,
@@ -90,6 +106,7 @@ class Admission:
             endpoints=endpoints if s.admit_per_endpoint else None,
             reserve=s.reserve_for_higher_bands,
             prefill_speed=prefill_speed,
+            reserve_priors=priors,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         self.wait_seconds = Histogram(
@@ -249,6 +266,23 @@ class Admission:
             )
             ru.add_metric([], fc.reserve.rate_unsized)
             yield ru
+            op = gauge(
+                "extproc_flow_reserve_on_prior",
+                "1 while a band's reserve counts its configured reserve_prior (its own "
+                "history is short), 0 once sized from measured history alone.",
+                ["priority"],
+            )
+            for p, on in fc.reserve.on_prior.items():
+                op.add_metric([str(p)], 1.0 if on else 0.0)
+            yield op
+            hist = gauge(
+                "extproc_flow_reserve_history_requests",
+                "Requests of each band's own history sizing the reserve (trusted alone at 100).",
+                ["priority"],
+            )
+            for p in fc.reserve.bands():
+                hist.add_metric([str(p)], fc.reserve.history(p))
+            yield hist
         if self.shared is not None:
             # Exchange counts are SharedFlowStats fields: server/families.py exports them.
             d = gauge(

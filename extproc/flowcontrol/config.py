@@ -114,6 +114,16 @@ class FlowControlSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 _SIZES_KEPT = 100  # as flowcontrol/reserve.py keeps per band (HISTORY)
 
 
+class ReservePrior(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a higher band is expected to send, for the reserve before its own history can
+    say (`reserve_prior`): the largest request, prompt + output in the picker's tokens
+    (uncached prompt estimate + expected output), and the band's arrival rate in those
+    tokens per second (0: no rate term from the prior)."""
+
+    request_tokens: Annotated[int, msgspec.Meta(gt=0)]
+    tokens_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+
 class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """extproc's own `flow_control` section (present = flow control on, with llm-d's
     defaults when the scheduling config has no `flowControl` section).
@@ -138,7 +148,10 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     largest of the last 100 requests of a higher band together (0, the default: no
     reserve), so higher work finds a server with room instead of waiting for lower work to
     end; while a higher band has fewer than 100 requests of history, at least the room of
-    the largest recent requests of any band."""
+    the largest recent requests of any band. `reserve_prior` (priority -> ReservePrior):
+    per higher band, its expected largest request and arrival rate, which size the reserve
+    (at least) until the band has 100 requests of history: a freshly started picker keeps
+    room from its first request instead of from what it happened to see first."""
 
     fairness_weights: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
         default_factory=dict
@@ -153,6 +166,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     placement_visibility_s: Annotated[float, msgspec.Meta(ge=0)] = 0.1
     admit_per_endpoint: bool = False
     reserve_for_higher_bands: Annotated[int, msgspec.Meta(ge=0, le=_SIZES_KEPT)] = 0
+    reserve_prior: dict[int, ReservePrior] = msgspec.field(default_factory=dict)
 
 
 _DUR = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")

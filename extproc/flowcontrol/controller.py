@@ -43,7 +43,7 @@ from extproc.flowcontrol.policies import (
     TimedFairness,
     UsageLimitPolicy,
 )
-from extproc.flowcontrol.reserve import Reserve
+from extproc.flowcontrol.reserve import BandPrior, Reserve
 from extproc.flowcontrol.tickets import (
     EVICTED_PRESSURE,
     MAX_LABELLED_FLOWS,
@@ -117,6 +117,7 @@ class FlowController:
         endpoints: Callable[[], Sequence[tuple[str, EndpointState]]] | None = None,
         reserve: int = 0,
         prefill_speed: Callable[[], float | None] | None = None,
+        reserve_priors: Mapping[int, BandPrior] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -131,7 +132,9 @@ class FlowController:
         band's request is released only where afterwards some endpoint still has room for
         that many of the largest recent requests of a higher band (0: no reserve), plus
         that band's arrival rate times their prefill time at `prefill_speed` (tokens/s, the
-        fastest recently measured; None: unknown, the rate is left out)."""
+        fastest recently measured; None: unknown, the rate is left out). `reserve_priors`:
+        per band, its expected largest request and arrival rate, counted until the band
+        has a history of its own (flowcontrol/reserve.py)."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -185,7 +188,7 @@ class FlowController:
         # room for the next request (it stayed queued).
         self.no_room = 0
         self.reserve_count = reserve
-        self.reserve = Reserve(reserve, clock)
+        self.reserve = Reserve(reserve, clock, reserve_priors)
         self._prefill_speed = prefill_speed
         # A detector that counts a constant output per in-flight request (the concurrency
         # detector's `outputTokens`) is told, per endpoint, how far the requests placed

@@ -11,6 +11,16 @@ its own) times the prefill time of the largest request at the fastest server's p
 speed (the engines' own where scraped, else time to first byte from the access log).
 Without a measured speed (neither yet) only the largest requests are kept, and
 `rate_unsized` says so.
+
+Why a prior (`BandPrior`, from `flow_control.reserve_prior`): a freshly started picker has
+seen nothing of the higher band when a burst starts, and lower work arrives first. Sized
+from what it had seen (the largest request of any band, a short one), the reserve was
+~1,400 tokens for the first second of the overload bench while batch filled the engines to
+0.88-0.97 of their KV, and the first large interactive requests waited 0.7-1.2 s in the
+picker. The prior states the band's largest request and arrival rate up front; until the
+band has `HISTORY` requests of its own the reserve is the larger of the prior's and the
+measured one. Which one a band runs on is logged at each change and exported
+(`on_prior`, `history`).
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import collections
 import heapq
 import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 log = logging.getLogger("extproc.flowcontrol")
@@ -34,13 +44,32 @@ class _Seen:
     prompt: int  # the part a server prefills
 
 
+@dataclass(frozen=True, slots=True)
+class BandPrior:
+    """What a band is expected to send before its history says: its largest request
+    (`tokens`, of which `prompt` is prefilled) and its arrival rate (tokens/s)."""
+
+    tokens: int
+    prompt: int
+    rate: float = 0.0
+
+
 class Reserve:
     """Per band, the recent requests' sizes and arrival times (`note`), and the room a band
     below must leave free for them (`held`)."""
 
-    def __init__(self, count: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        count: int,
+        clock: Callable[[], float],
+        priors: Mapping[int, BandPrior] | None = None,
+    ) -> None:
         self._count = count
         self._clock = clock
+        self._priors = dict(priors or {})
+        # Per band with a prior: whether its last sizing used it (None: not sized yet).
+        self.on_prior: dict[int, bool] = {}
+        self._warned_short: set[int] = set()
         self._seen: dict[int, collections.deque[_Seen]] = {}
         self._sum: dict[int, int] = {}  # tokens in each band's history (its arrival rate)
         self._largest: dict[int, tuple[int, int]] = {}  # (tokens, prompt) of the largest
@@ -64,6 +93,14 @@ class Reserve:
         top = heapq.nlargest(self._count, seen, key=lambda s: s.tokens)
         return sum(s.tokens for s in top), max((s.prompt for s in top), default=0)
 
+    def bands(self) -> list[int]:
+        """The bands seen or given a prior, in order."""
+        return sorted(self._seen.keys() | self._priors.keys())
+
+    def history(self, priority: int) -> int:
+        """Requests of the band's own history (the reserve trusts it at `HISTORY`)."""
+        return len(self._seen.get(priority, ()))
+
     def rate(self, priority: int) -> float:
         """Tokens per second the band sent over its history (0 with fewer than two)."""
         seen = self._seen.get(priority)
@@ -80,19 +117,40 @@ class Reserve:
         such band (whose ceiling it must fit under); (0, priority) when none.
 
         Per band above: its largest recent requests plus its arrival rate times the
-        largest one's prefill time. A band above (configured or seen) whose history is not
-        full yet gets at least the room of the largest recent requests of any band: at a
-        burst's start lower work arrives first, and reserving only for what the higher
-        band had sent (nothing, or one small request) let lower work fill every server
-        (`tests/e2e/test_flow_reserve_prior.py`)."""
-        best, top = 0, priority
-        for p in set(configured) | self._seen.keys():
+        largest one's prefill time. Until a band above (configured, with a prior, or seen)
+        has a full history, its configured prior counts as well (the larger request, the
+        larger rate), and without a prior it gets at least the room of the largest recent
+        requests of any band: at a burst's start lower work arrives first, and reserving
+        only for what the higher band had sent (nothing, or one small request) let lower
+        work fill every server (`tests/e2e/test_flow_reserve_prior.py`)."""
+        best, top, above = 0, priority, False
+        for p in set(configured) | self._seen.keys() | self._priors.keys():
             if p <= priority:
                 continue
+            above = True
             tokens, prompt = self._largest.get(p, (0, 0))
+            rate = self.rate(p)
+            short = self.history(p) < HISTORY
+            prior = self._priors.get(p)
+            if prior is not None:
+                self._source(p, short)
+                if short:
+                    tokens = max(tokens, self._count * prior.tokens)
+                    prompt = max(prompt, prior.prompt)
+                    rate = max(rate, prior.rate)
+            elif short and p not in self._warned_short:
+                self._warned_short.add(p)
+                log.warning(
+                    "reserve for higher bands: band %d has no reserve_prior and %d of %d "
+                    "requests of history; keeping room for the largest recent request of "
+                    "any band until it has them",
+                    p,
+                    self.history(p),
+                    HISTORY,
+                )
             if prefill_tps:
-                tokens += int(self.rate(p) * prompt / prefill_tps)
-            elif p in self._seen and len(self._seen[p]) >= 2:
+                tokens += int(rate * prompt / prefill_tps)
+            elif rate:
                 if not self.rate_unsized:
                     log.warning(
                         "reserve for higher bands: no prefill speed measured yet (from the "
@@ -100,9 +158,35 @@ class Reserve:
                         "counted; keeping room for the largest recent requests only"
                     )
                 self.rate_unsized += 1
-            if len(self._seen.get(p, ())) < HISTORY:
+            if short:
                 tokens = max(tokens, self._largest_any[0])
             if tokens:
                 best, top = max(best, tokens), max(top, p)
-        self.last_held = best
+        if above:
+            # Only a band below another sizes it: the top band's own requests (nothing
+            # above them) read 0 and made the gauge flicker to 0 in the overload bench.
+            self.last_held = best
         return best, top
+
+    def _source(self, priority: int, on_prior: bool) -> None:
+        """Say when a band's reserve starts or stops counting its configured prior."""
+        if self.on_prior.get(priority) == on_prior:
+            return
+        self.on_prior[priority] = on_prior
+        prior = self._priors[priority]
+        if on_prior:
+            log.info(
+                "reserve for band %d sized from its reserve_prior (%d tokens, %.0f tokens/s) "
+                "and its history (%d of %d requests)",
+                priority,
+                prior.tokens,
+                prior.rate,
+                self.history(priority),
+                HISTORY,
+            )
+        else:
+            log.info(
+                "reserve for band %d now sized from measured history alone (%d requests)",
+                priority,
+                self.history(priority),
+            )

@@ -146,6 +146,7 @@ class Parts:
         self.calibration.on_units.append(self.router.estimate_units_changed)
         self.shared_sessions = self._share_sessions()
         self.shared_observations = self._share_observations()
+        self.shared_placements = self._share_placements()
         self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
         self.latency = latency_wiring.learners(
@@ -209,6 +210,34 @@ class Parts:
             idx.redis_url,
             self.speeds,
             lru,
+            process_id=pid,
+            known=lambda address: self.pool.get(address) is not None,
+        )
+
+    def _share_placements(self):
+        """Replicas sharing a Redis index fold each other's placements into predicted TTFT's
+        prefill queues and written tokens (Redis pub/sub)."""
+        idx = self.settings.index
+        if not self.settings.state.shared_placements:
+            return None
+        if idx.backend != "redis" or not idx.redis_url:
+            return None
+        from extproc.endpoints.shared_inflight import default_process_id
+        from extproc.server.shared_placements import SharedPlacements
+
+        scorers = SharedPlacements.scorers(self.router.scheduler.plugins)
+        if not scorers:
+            return None
+        if idx.cluster:
+            log.warning(
+                "predicted-TTFT placements are not shared on Redis Cluster: each replica's "
+                "prefill queues and written tokens count its own placements"
+            )
+            return None
+        pid = getattr(self.inflight, "process_id", None) or default_process_id()
+        return SharedPlacements.from_url(
+            idx.redis_url,
+            scorers,
             process_id=pid,
             known=lambda address: self.pool.get(address) is not None,
         )

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import Metric
 
 from extproc.endpoints.shared_inflight import SharedInFlight
+from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
 from extproc.server import families as fam
 from extproc.server import latency as latency_wiring
 from extproc.server.assembly import Parts
@@ -132,12 +133,46 @@ class Exporter:
                 "failing): this replica learns from its own placements only.",
                 1.0 if p.shared_observations.is_degraded else 0.0,
             )
+        if p.shared_placements is not None:
+            yield from fam.SHARED_PLACEMENTS.families(p.shared_placements.stats)
+            yield one(
+                "extproc_shared_placements_degraded",
+                "1 while placements are not shared (Redis failing): predicted TTFT's prefill "
+                "queues and written tokens count this replica's placements only.",
+                1.0 if p.shared_placements.is_degraded else 0.0,
+            )
+        yield from self._ttft_views()
         if p.subscriber is not None:
             yield from self._kv_events()
         if self._kube:
             names = list(self._kube)
             stats = [w.stats for w in self._kube.values()]  # type: ignore[attr-defined]
             yield from fam.WATCH.families_of(stats, "resource", names)
+
+    def _ttft_views(self) -> Iterator[Metric]:
+        """What each `predicted-ttft-scorer` holds per endpoint (replicas compare them)."""
+        plugins = self._p.router.scheduler.plugins
+        scorers = [p for p in plugins if isinstance(p, PredictedTTFTScorer)]
+        if not scorers:
+            return
+        queue = gauge(
+            "extproc_predicted_prefill_queue_seconds",
+            "Prefill seconds predicted-ttft-scorer counts queued on the endpoint now (its "
+            "placements', and the peers' when placements are shared).",
+            ["scorer", "endpoint"],
+        )
+        written = gauge(
+            "extproc_predicted_written_tokens",
+            "Tokens predicted-ttft-scorer counts written into the endpoint's cache since it "
+            "started (eviction model).",
+            ["scorer", "endpoint"],
+        )
+        for i, scorer in enumerate(scorers):
+            for address, (q, w) in scorer.view().items():
+                queue.add_metric([str(i), address], q)
+                written.add_metric([str(i), address], w)
+        yield queue
+        yield written
 
     def _kv_events(self) -> Iterator[Metric]:
         assert self._p.subscriber is not None

@@ -342,6 +342,33 @@ SHARED_OBSERVATIONS = StatsFamilies(
     },
 )
 
+SHARED_PLACEMENTS = StatsFamilies(
+    "extproc.server.shared_placements.SharedPlacementsStats",
+    {
+        "published": Stat(
+            "extproc_shared_placements_published",
+            "Predicted-TTFT placements published to the other replicas.",
+        ),
+        "applied": Stat(
+            "extproc_shared_placements_applied",
+            "Peers' placements folded into this replica's prefill queues and written tokens.",
+        ),
+        "dropped": Stat(
+            "extproc_shared_placements_dropped",
+            "Placements never published (Redis failing or backlog full).",
+        ),
+        "errors": Stat(
+            "extproc_shared_placements_errors",
+            "Failed publishes or subscriptions of shared placements.",
+        ),
+        "bad_entries": Stat(
+            "extproc_shared_placements_bad_entries",
+            "Messages or placements from peers refused (undecodable, unknown server, values "
+            "out of bounds).",
+        ),
+    },
+)
+
 CALIBRATION = StatsFamilies(
     "extproc.calibration.CalibrationStats",
     {
@@ -526,8 +553,8 @@ LATENCY_MODEL = StatsFamilies(
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
-    SHARED_SESSIONS, SHARED_OBSERVATIONS, CALIBRATION, CAPACITY, PLACED, WATCH, FLOW,
-    SHARED_FLOW, LATENCY_MODEL,
+    SHARED_SESSIONS, SHARED_OBSERVATIONS, SHARED_PLACEMENTS, CALIBRATION, CAPACITY, PLACED,
+    WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
 )  # fmt: skip
 
 

@@ -220,6 +220,9 @@ class Lifecycle(Parts):
         if self.shared_observations is not None:
             self.spawn("shared-observations", self.shared_observations.run)
             self._exits.push_async_callback(self.shared_observations.aclose)
+        if self.shared_placements is not None:
+            self.spawn("shared-placements", self.shared_placements.run)
+            self._exits.push_async_callback(self.shared_placements.aclose)
 
     async def _start(self, cfg) -> None:
         handler = StreamHandler.from_settings(self.router, cfg, self.metrics)

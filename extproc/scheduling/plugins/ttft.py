@@ -25,10 +25,19 @@ too. How likely an evicted token is to be needed again is measured, not set: the
 placed prompt tokens that were already cached (a workload without reuse loses nothing to an
 eviction, and the rule then adds nothing). Endpoints of unknown capacity, or whose cache has
 not filled yet, are charged nothing for evictions.
+
+Replicas behind one gateway each place a share of the requests; a scorer that knew only its
+own placements would see a queue and a written cache a fraction of the fleet's. With
+`on_placed` set, each placement is handed out (server/shared_placements.py publishes it) and
+`fold` applies a peer's placement here as if this picker had made it: every replica's queue,
+written tokens, mean prefill and reuse share are drawn from every placement. Folded values
+are validated and clamped: a forged one can neither grow the state nor push a queue past
+`_MAX_QUEUE_S`.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, ClassVar
@@ -41,6 +50,11 @@ from extproc.scheduling.plugins.sessions import BoundedSessionsFilter
 # Fixed per-request cost (scheduling step, first decode step): keeps a fully cached request's
 # prediction above zero, so ratios stay finite.
 _FLOOR_S = 0.005
+# Bounds on a peer's placement folded in (fold): no prompt is longer than this (the longest
+# context windows are ~1-2M tokens), and no queue ahead on an endpoint is predicted past this
+# (a real one that long means the request times out anyway; a forged one stops here).
+_MAX_PROMPT_TOKENS = 1 << 23
+_MAX_QUEUE_S = 600.0
 
 
 def uncached_tokens(req: InferenceRequest, c: Candidate) -> float:
@@ -83,6 +97,9 @@ class PredictedTTFTScorer:
         # Moving average of the share of each placed prompt that was already cached: how
         # likely a resident token is to be asked for again.
         self._reuse = 0.0
+        # Each placement (address, uncached tokens, prompt tokens, prefill seconds) for the
+        # peers (server/shared_placements.py); None: not shared.
+        self.on_placed: Callable[[str, float, int, float], None] | None = None
 
     def units_changed(self, factor: float) -> None:
         """Estimates grew `factor`-fold: the mean placed prefill follows (the prior speed is a
@@ -146,19 +163,58 @@ class PredictedTTFTScorer:
             return
         now = self._clock()
         work = uncached_tokens(req, chosen)
-        start = max(now, self._busy_until.get(addr, now))
-        self._busy_until[addr] = start + work / self._tps(chosen)
-        mean = self._mean_prefill
-        self._mean_prefill = work if mean is None else mean + 0.05 * (work - mean)
-        self._written[addr] = self._written.get(addr, 0.0) + work
-        if req.prompt_tokens > 0:
-            reused = max(0.0, 1.0 - work / req.prompt_tokens)
-            self._reuse += 0.05 * (reused - self._reuse)
+        seconds = work / self._tps(chosen)
+        self._record(addr, work, req.prompt_tokens, seconds, now, now)
+        if self.on_placed is not None:
+            self.on_placed(addr, work, req.prompt_tokens, seconds)
         if len(self._busy_until) > 4 * len(cands) + 64:
             # Endpoints that left: forget the drained ones.
             self._busy_until = {a: t for a, t in self._busy_until.items() if t > now}
             live = self._busy_until.keys() | {c.endpoint.address for c in cands}
             self._written = {a: n for a, n in self._written.items() if a in live}
+
+    def _record(
+        self, addr: str, work: float, prompt_tokens: int, seconds: float, at: float, now: float
+    ) -> None:
+        """A placement of `work` uncached tokens (of `prompt_tokens`) on `addr` made at `at`,
+        taking `seconds` of prefill there: it queues behind what `addr` had, fills its cache."""
+        start = max(at, self._busy_until.get(addr, at))
+        self._busy_until[addr] = min(start + seconds, now + _MAX_QUEUE_S)
+        mean = self._mean_prefill
+        self._mean_prefill = work if mean is None else mean + 0.05 * (work - mean)
+        self._written[addr] = self._written.get(addr, 0.0) + work
+        if prompt_tokens > 0:
+            reused = max(0.0, 1.0 - work / prompt_tokens)
+            self._reuse += 0.05 * (reused - self._reuse)
+
+    def fold(
+        self, address: str, work: float, prompt_tokens: int, seconds: float, age_s: float
+    ) -> bool:
+        """A peer replica's placement on `address` (one `on_placed` gave there), made `age_s`
+        ago: applied as if placed here. False (nothing applied) for values no placement has:
+        not finite, negative, more uncached tokens than the prompt, a prompt or a prefill
+        beyond the bounds above. The caller checks `address` is in the pool."""
+        try:
+            work, seconds, age_s = float(work), float(seconds), float(age_s)
+            prompt = int(prompt_tokens)
+        except (TypeError, ValueError, OverflowError):
+            return False
+        if not (math.isfinite(work) and math.isfinite(seconds) and math.isfinite(age_s)):
+            return False
+        if not (0 <= work <= prompt <= _MAX_PROMPT_TOKENS and 0 <= seconds <= _MAX_QUEUE_S):
+            return False
+        now = self._clock()
+        self._record(address, work, prompt, seconds, now - min(max(age_s, 0.0), 1.0), now)
+        return True
+
+    def view(self) -> dict[str, tuple[float, float]]:
+        """Per endpoint this scorer has placed on (or folded a placement for): seconds of
+        prefill it predicts queued there now, and tokens it counts written to its cache."""
+        now = self._clock()
+        return {
+            a: (max(0.0, self._busy_until.get(a, now) - now), self._written.get(a, 0.0))
+            for a in self._busy_until.keys() | self._written.keys()
+        }
 
 
 def _load(c: Candidate) -> int:

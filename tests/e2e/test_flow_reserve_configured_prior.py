@@ -1,0 +1,128 @@
+"""A configured reserve prior keeps room for a higher band's large requests before that band
+has sent anything, behind a real Envoy: `extproc serve` with per-endpoint admission,
+`reserve_for_higher_bands: 1` and `reserve_prior` for interactive (10), a token-mode
+concurrency detector, two simulated vLLM servers, a freshly started picker.
+
+At a burst's start lower work arrives first. Without a prior the picker reserves the room
+of the largest request it has seen (a batch one, small), so the second batch request goes
+to the idle server and a large interactive request then finds no server with room: it
+waited in the picker until a batch request ended (the overload bench's worst interactive
+waits, 0.7-1.2 s, were these). With the prior the idle server is kept for the interactive
+size configured, the second batch request goes beside the first, and the interactive one
+is answered on the server kept free while both batch requests still stream."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import yaml
+
+from extproc.sim import SERVED_BY_HEADER
+from extproc.stack import Stack, StackOptions
+from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
+
+SMALL, BIG = 150, 500  # words of 7 letters: ~300 and ~1000 estimated tokens
+LONG = 500  # output tokens at 100 tokens/s: ~5 s of streaming
+HI = {"x-llm-d-inference-objective": "interactive"}
+LO = {"x-llm-d-inference-objective": "batch"}
+
+
+def body(model: str, seed: int, words: int, max_tokens: int) -> dict:
+    return distinct_chat(model, seed, max_tokens, words=words)
+
+
+def estimate(words: int) -> int:
+    return estimated_prompt_tokens(body("m", 0, words, 1))
+
+
+# Two batch requests fit on one server; one batch and one interactive request do not.
+CAP = 2 * estimate(SMALL) + 100
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    assert estimate(SMALL) + estimate(BIG) > CAP
+    tmp = tmp_path_factory.mktemp("flowconfprior")
+    objectives = tmp / "objectives.yaml"
+    objectives.write_text(yaml.safe_dump({"interactive": 10, "batch": 0}))
+    detector = {"concurrencyMode": "tokens", "maxTokenConcurrency": CAP}
+    cfg = {
+        "parse": {"calibrate": False},
+        "state": {"request_end": {"mode": "access-log"}},  # in flight until the stream ends
+        "scheduling": {
+            "plugins": [
+                {"type": "token-load-scorer"},
+                {"type": "max-score-picker"},
+                {"type": "concurrency-detector", "parameters": detector},
+            ],
+            "flowControl": {
+                "defaultRequestTTL": "60s",
+                "priorityBands": [{"priority": 10}, {"priority": 0}],
+                "saturationDetector": {"pluginRef": "concurrency-detector"},
+            },
+            "schedulingProfiles": [
+                {
+                    "name": "default",
+                    "plugins": [
+                        {"pluginRef": "token-load-scorer"},
+                        {"pluginRef": "max-score-picker"},
+                    ],
+                }
+            ],
+        },
+        "flow_control": {
+            "admit_per_endpoint": True,
+            "reserve_for_higher_bands": 1,
+            "expected_output_tokens": 0,  # sizes are prompts alone: exact thresholds
+            "reserve_prior": {10: {"request_tokens": estimate(BIG)}},
+            "objectives_file": str(objectives),
+        },
+    }
+    path = tmp / "picker.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    sim = ("--decode-tps", "100")
+    with Stack(StackOptions(upstreams=2, sim_args=sim, extproc_args=("--config", str(path)))) as s:
+        yield s
+
+
+def metric(stack: Stack, pattern: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
+    found = re.findall(pattern, text, re.M)
+    assert found, pattern
+    return sum(float(m) for m in found)
+
+
+async def test_a_fresh_picker_keeps_a_server_for_the_configured_interactive_size(stack: Stack):
+    model = stack.fleet.model
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
+
+        async def long_batch(seed: int, at: asyncio.Future[str]) -> int:
+            req = body(model, seed, SMALL, LONG)
+            async with c.stream("POST", "/v1/chat/completions", json=req, headers=LO) as r:
+                at.set_result(r.headers[SERVED_BY_HEADER])
+                async for _ in r.aiter_lines():
+                    pass
+                return r.status_code
+
+        first_at: asyncio.Future[str] = loop.create_future()
+        second_at: asyncio.Future[str] = loop.create_future()
+        first = asyncio.create_task(long_batch(1, first_at))
+        busy = await asyncio.wait_for(first_at, 30)
+        second = asyncio.create_task(long_batch(2, second_at))
+        # Before: on the idle server (the reserve was one small batch request's room).
+        assert await asyncio.wait_for(second_at, 30) == busy, "batch took the server kept free"
+        assert metric(stack, r'^extproc_flow_reserve_on_prior{priority="10"} (\S+)$') == 1
+        assert metric(stack, r"^extproc_flow_reserved_tokens (\S+)$") >= estimate(BIG)
+        hi = await c.post("/v1/chat/completions", json=body(model, 3, BIG, 4), headers=HI)
+        assert hi.status_code == 200
+        assert hi.headers[SERVED_BY_HEADER] != busy
+        # Answered while both batch requests still stream: it did not wait for one to end.
+        assert not first.done() and not second.done(), "a batch request ended before"
+        assert await first == 200 and await second == 200
+    hist = r'^extproc_flow_reserve_history_requests{priority="10"} (\S+)$'
+    assert metric(stack, hist) == 1
