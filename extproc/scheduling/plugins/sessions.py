@@ -25,10 +25,10 @@ not a scan of the whole request (2,048 blocks and more for a long context).
 
 Optionally (`keepTogetherGrowth`, off by default: measured no clear gain, bench/RESULTS.md,
 issue 14 seventh session second part), the bound is only for sessions that grow. A chat
-tenant's new conversation is also a new session
-on a known prefix (the tenant's prompt), but it ends after a turn or two having added a
-fraction of what it shares: bounding it only wrote big tenants' prompts onto five or six
-servers (issue 14, tenants: the holder filtered out in 14-20 requests a run). So each new
+tenant's new conversation is also a new session on a known prefix (the tenant's prompt),
+but it ends after a turn or two having added a fraction of what it shares: bounding it
+only wrote big tenants' prompts onto five or six servers (issue 14, tenants: the holder
+filtered out in 14-20 requests a run). So each new
 prefix is looked up in what continued sessions have taught: when a session is continued,
 how far it has grown past each prefix of its first turn (every `_GROUP_STRIDE`-th block,
 as a fraction of that prefix) is kept under that block's key; a new session sharing that
