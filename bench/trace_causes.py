@@ -9,8 +9,15 @@ A request missed when the engine served under half its prompt from cache. Causes
   (beyond the header every tenant shares) and it was a candidate, but scored lower;
 - spill, holder filtered out: that endpoint was removed by a filter;
 - index credited chosen: the index credited the chosen endpoint, the engine had evicted it;
-- known tenant evicted everywhere: the index credited nobody with more than the header.
-Printed per file with how many of each are at or above the run's TTFT p90.
+- known tenant evicted everywhere: the index credited nobody with more than the header;
+- known tenant, lookup degraded: the index did not answer in time (a Redis index), so it
+  credited nobody either (counted before the spills and evictions).
+Printed per file with how many of each are at or above the run's TTFT p90. For runs with
+several picker replicas (the decision names its `picker`), `--replicas` also splits each
+cause by whether the tenant's previous request was decided by the same or another replica,
+and counts the misses a lag could explain: a known tenant the index credits nobody with
+whose previous request was sent under `LAG_S` before (placed, but not yet seen, or only
+just) and lookups answered degraded.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ CAUSES = (
     "spill: index holder filtered out",
     "index credited chosen, engine had evicted",
     "hit",
+    "known tenant, lookup degraded (the index answered nothing)",
 )
 
 
@@ -51,6 +59,8 @@ def classify(rows: list[dict]) -> tuple[collections.Counter, collections.Counter
             cause = CAUSES[5]
         elif r["tenant"] not in seen:
             cause = CAUSES[0]
+        elif d.get("index_degraded"):
+            cause = CAUSES[6]
         elif best > header and mine < best:
             holders = [a for a, n in held.items() if n == best]
             cause = CAUSES[2] if any(h in scored for h in holders) else CAUSES[3]
@@ -64,7 +74,43 @@ def classify(rows: list[dict]) -> tuple[collections.Counter, collections.Counter
     return causes, slow, p90
 
 
+LAG_S = 0.5
+
+
+def by_replica(rows: list[dict]) -> collections.Counter:
+    """Each miss's cause, keyed with whether the tenant's previous request was decided by the
+    same replica, and with the lag suspects and degraded lookups counted apart."""
+    rows = sorted((r for r in rows if r.get("decision") and "ttft_s" in r),
+                  key=lambda r: r["sent_s"])  # fmt: skip
+    minima = [min(r["decision"]["prefix_blocks"].values(), default=0) for r in rows]
+    header = statistics.median_low(minima) if minima else 0
+    last: dict[int, dict] = {}
+    out: collections.Counter = collections.Counter()
+    for r in rows:
+        d, prev = r["decision"], last.get(r["tenant"])
+        last[r["tenant"]] = r
+        missed = r.get("cached_tokens", 0) < 0.5 * r.get("prompt_tokens", 0)
+        if prev is None:
+            continue
+        same = "same replica" if prev["decision"].get("picker") == d.get("picker") else "other"
+        out[f"known tenant, previous decided by {same}"] += 1
+        if d.get("index_degraded"):
+            out[f"degraded lookup ({'miss' if missed else 'hit'})"] += 1
+        if not missed:
+            continue
+        out[f"miss, previous decided by {same}"] += 1
+        held = d["prefix_blocks"]
+        if max(held.values(), default=0) <= header and r["sent_s"] - prev["sent_s"] < LAG_S:
+            out[f"miss, index credits nobody, previous < {LAG_S} s before ({same})"] += 1
+        recent = r["sent_s"] - prev["sent_s"] < LAG_S
+        if recent and held.get(prev.get("served_by", ""), 0) <= header:
+            out[f"miss, previous's server not credited, < {LAG_S} s ({same})"] += 1
+    return out
+
+
 def main(argv: list[str]) -> int:
+    replicas = "--replicas" in argv
+    argv = [a for a in argv if a != "--replicas"]
     for path in argv:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
         causes, slow, p90 = classify(rows)
@@ -73,6 +119,9 @@ def main(argv: list[str]) -> int:
         print(f"{path}: hit {cached / max(prompt, 1):.1%}, TTFT p90 {p90:.3f} s")
         for cause in CAUSES:
             print(f"  {causes[cause]:4d} ({slow[cause]:3d} at or above p90)  {cause}")
+        if replicas:
+            for key, n in sorted(by_replica(rows).items()):
+                print(f"  {n:4d}  {key}")
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
@@ -26,7 +27,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 import yaml
-from bench_routing import AGENTIC, PRESSURE_SHAPE, tenants_spec
+from bench_routing import AGENTIC, PRESSURE_SHAPE, redis_server, tenants_spec
 
 from extproc.protocol import DECISION_HEADER, EXPLAIN_HEADER
 from extproc.sim import SERVED_BY_HEADER, TIMING_HEADER
@@ -145,6 +146,18 @@ def summarize(mode: str, rows: list[dict]) -> str:
     def mid(xs: list[float]) -> float:
         return xs[len(xs) // 2] if xs else float("nan")
 
+    # Per deciding picker (replica): decisions, degraded lookups, lookup seconds p50 / p90.
+    pickers: dict[int, list[dict]] = {}
+    for r in ok:
+        pickers.setdefault(r["decision"].get("picker", 0), []).append(r)
+    per_picker = []
+    for rs in pickers.values():
+        lk = sorted(r["decision"].get("lookup_s", 0.0) for r in rs)
+        deg = sum(bool(r["decision"].get("index_degraded")) for r in rs)
+        per_picker.append(
+            f"{len(rs)} decided, {deg} degraded, lookup p50 {mid(lk) * 1e3:.1f} ms "
+            f"p90 {lk[int(0.9 * len(lk))] * 1e3:.1f} ms"
+        )
     return (
         f"{mode:<12} ok {len(ok)}/{len(rows)} hit {cached / max(prompt, 1):.1%} "
         f"TTFT p50 {pct(0.5):.3f} p90 {pct(0.9):.3f} (median in the engine {mid(engine):.3f}, "
@@ -152,6 +165,7 @@ def summarize(mode: str, rows: list[dict]) -> str:
         "predicted hit vs served: "
         f"under {below} (tokens {missed}), equal {equal}, over {above} (tokens {phantom}) | "
         f"spread {'/'.join(str(n) for n in sorted(spread.values(), reverse=True))}"
+        + "".join(f"\n  picker: {line}" for line in per_picker)
     )
 
 
@@ -161,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", type=float, help="sessions (agentic) or req/s (tenants)")
     p.add_argument(
         "--modes", nargs="+", default=["approximate", "precise"],
-        help="approximate, precise, precise-events-only (no placement corrections)",
+        help="approximate, precise, precise-events-only (no placement corrections); "
+        "approximate on a fresh Redis: redis1 (1 replica), redis3 (3 replicas), "
+        "redis3-shared (3 replicas, state.shared_placements)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -184,15 +200,20 @@ def main(argv: list[str] | None = None) -> int:
                     cfg |= fleet.precise_settings(f"tcp://127.0.0.1:{fleet.kv_events_port}")
                 if mode == "precise-events-only":
                     cfg["index"]["kv_events"]["credit_placements"] = False
+                if mode == "redis3-shared":
+                    cfg["state"] = {"shared_placements": True}
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
                     cfg[k] = {**cfg.get(k, {}), **v}
                 path = log_dir / f"{mode}.yaml"
                 path.write_text(yaml.safe_dump(cfg))
+                ex = contextlib.ExitStack()
+                replicas = {"redis1": 1, "redis3": 3, "redis3-shared": 3}.get(mode)
+                redis_url = ex.enter_context(redis_server(log_dir)) if replicas else None
                 opts = StackOptions(
                     fleet=fleet, log_dir=log_dir, extproc_args=("--config", str(path)),
-                    allow_explain=True,
+                    allow_explain=True, replicas=replicas or 1, redis_url=redis_url,
                 )  # fmt: skip
-                with Stack(opts) as stack:
+                with ex, Stack(opts) as stack:
                     time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's socket
                     if args.workload == "agentic":
                         rows = asyncio.run(_agentic(stack.url, int(load), args.seed))

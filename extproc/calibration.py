@@ -8,10 +8,16 @@ the two. `Calibration` owns the parse settings the router parses with and adjust
 
 - `block_tokens` follows the block size the endpoints publish in `vllm:cache_config_info`
   (the smallest, when they disagree);
-- `bytes_per_token` follows the ratio of our token estimates for the requests placed on an
-  endpoint to the prompt tokens its engine counted meanwhile (`vllm:prompt_tokens_total`),
-  once enough tokens are observed; foreign traffic on the same engine shows as a ratio out of
-  bounds and that window is skipped.
+- `bytes_per_token` follows the ratio of the prompt tokens an endpoint's engine counted per
+  request (`vllm:request_prompt_tokens` sum over count) to our mean estimate per request
+  placed there meanwhile, once enough tokens are observed. Per request, not in total: with
+  several picker replicas behind one gateway each places a share of an engine's requests,
+  and the totals' ratio (our estimates against `vllm:prompt_tokens_total`, all of it) read
+  that share as characters per token: three replicas each saw ~3x their estimates, outside
+  the bounds, skipped every window and kept 4 bytes per token where one replica learned 1
+  (issue 14, seventh session). Engines without the histogram fall back to the totals; there
+  foreign traffic on the same engine shows as a ratio out of bounds and that window is
+  skipped.
 
 A change of block size changes the keys (block boundaries move, the index's old entries stop
 matching and expire); it comes once, from the first scrape, before most traffic. A change of
@@ -59,6 +65,9 @@ class _Window:
     estimated: int = 0  # our token estimates of requests placed since the window opened
     requests: int = 0  # how many requests those were
     engine_start: int | None = None  # the engine's prompt-token counter when it opened
+    # The engine's per-request prompt-token histogram (sum, count) when it opened; None when
+    # the engine does not export it.
+    finished_start: tuple[float, float] | None = None
 
 
 @dataclass(slots=True)
@@ -107,8 +116,16 @@ class Calibration:
         self._windows.pop(endpoint, None)
         self.stats.ratios.pop(endpoint, None)
 
-    def observe(self, endpoint: str, block_size: int | None, prompt_tokens: int | None) -> None:
-        """One scrape of `endpoint`: its engine block size and prompt-token counter."""
+    def observe(
+        self,
+        endpoint: str,
+        block_size: int | None,
+        prompt_tokens: int | None,
+        finished: tuple[float, float] | None = None,
+    ) -> None:
+        """One scrape of `endpoint`: its engine block size and prompt-token counter, and
+        `finished`, the sum and count of its per-request prompt-token histogram (None, or a
+        count of 0 before any request finished, when not exported)."""
         if not self.enabled:
             return
         if block_size and block_size != self.settings.block_tokens:
@@ -118,12 +135,21 @@ class Calibration:
         w = self._windows.setdefault(endpoint, _Window())
         if w.engine_start is None or prompt_tokens < w.engine_start:  # first, or a restart
             w.engine_start, w.estimated, w.requests = prompt_tokens, 0, 0
+            w.finished_start = finished
             return
         engine = prompt_tokens - w.engine_start
         if engine < _MIN_TOKENS or w.requests < _MIN_REQUESTS:
             return
-        estimated, w.engine_start, w.estimated, w.requests = w.estimated, prompt_tokens, 0, 0
-        ratio = engine / estimated if estimated else 0.0
+        estimated, requests, start = w.estimated, w.requests, w.finished_start
+        w.engine_start, w.estimated, w.requests = prompt_tokens, 0, 0
+        w.finished_start = finished
+        done = finished[1] - start[1] if finished is not None and start is not None else 0.0
+        if done >= _MIN_REQUESTS and finished is not None and start is not None:
+            # Per request: the engine's mean prompt against our mean estimate (see above).
+            engine_mean = (finished[0] - start[0]) / done
+            ratio = engine_mean * requests / estimated if estimated else 0.0
+        else:
+            ratio = engine / estimated if estimated else 0.0
         if not _BOUNDS[0] <= ratio <= _BOUNDS[1]:
             self.stats.windows_skipped += 1
             return

@@ -81,6 +81,9 @@ class Routed:
     ticket: Ticket | None = None  # flow-control admission, released at finish
     # time.monotonic() at the decision: response timing is measured from it.
     decided_at: float = 0.0
+    # Seconds the index lookup took (0 without an index): the explanation reports it, so a
+    # trace can tell a slow or degraded lookup from a wrong placement.
+    lookup_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -238,20 +241,22 @@ class Router:
     ) -> Routed:
         endpoints = self._eligible(subset)
         lookup = EMPTY
+        lookup_s = 0.0
         if self.index is not None and request.block_keys:
             start = time.perf_counter()
             lookup = await self.index.lookup(
                 request.block_keys, budget_s=self._lookup_budget(request)
             )
+            lookup_s = time.perf_counter() - start
             if self._on_lookup is not None:
-                self._on_lookup(time.perf_counter() - start)
+                self._on_lookup(lookup_s)
             if lookup.degraded:
                 self.stats.lookups_degraded += 1
             if self.placed is not None:
                 lookup = await self.placed.adjust(request.block_keys, lookup)
         matches = lookup.matches
         if self.admission is None or not place:
-            return self._decide(request, endpoints, lookup, explain, place, None)
+            return self._decide(request, endpoints, lookup, explain, place, None, lookup_s)
         best = max(matches.values(), default=0.0)
         ticket = await self.admission.admit(
             request, request.prompt_tokens - int(best * request.block_tokens)
@@ -264,7 +269,7 @@ class Router:
                 endpoints = (
                     tuple(e for e in endpoints if e.address in ticket.endpoints) or endpoints
                 )
-            routed = self._decide(request, endpoints, lookup, explain, place, ticket)
+            routed = self._decide(request, endpoints, lookup, explain, place, ticket, lookup_s)
         except BaseException:
             self.admission.release(ticket)
             raise
@@ -303,6 +308,7 @@ class Router:
         explain: bool,
         place: bool,
         ticket: Ticket | None,
+        lookup_s: float = 0.0,
     ) -> Routed:
         """Scheduling proper: synchronous, so nothing changes between state and placement."""
         matches = lookup.matches
@@ -326,7 +332,9 @@ class Router:
         if not decision.endpoints:
             raise NoEndpoints("no model-server endpoint is eligible for this request")
         if not place:
-            return Routed(request, decision, Placement(decision.primary.address, 0), lookup)
+            return Routed(
+                request, decision, Placement(decision.primary.address, 0), lookup, lookup_s=lookup_s
+            )
         self.scheduler.observe(request, cands, decision)
         if self._record and self.index is not None:
             if self._capacity is not None:
@@ -351,7 +359,7 @@ class Router:
         placement = inflight.acquire(decision.primary.address, uncached)
         if self._on_placed is not None:
             self._on_placed(decision.primary.address, request)
-        return Routed(request, decision, placement, lookup, ticket, time.monotonic())
+        return Routed(request, decision, placement, lookup, ticket, time.monotonic(), lookup_s)
 
     def _request(
         self, path: str, headers: Mapping[str, str], body: bytes | None

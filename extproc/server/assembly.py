@@ -338,7 +338,9 @@ class Parts:
         return sub
 
     def _scraped(self, address: str, scraped) -> None:
-        self.calibration.observe(address, scraped.kv_block_size, scraped.prompt_tokens)
+        lat = scraped.latency
+        finished = (lat.prompt_sum, lat.prompt_count) if lat is not None else None
+        self.calibration.observe(address, scraped.kv_block_size, scraped.prompt_tokens, finished)
         # The engine's own prefill timing, queueing excluded (endpoints/prefill_speed.py).
         self.speeds.scraped(address, scraped.latency)
 

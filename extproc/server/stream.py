@@ -33,6 +33,7 @@ import asyncio
 import functools
 import hmac
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -85,6 +86,10 @@ def explanation(routed: Routed) -> dict:
         "prefix_blocks": dict(routed.lookup.matches),
         "request_blocks": len(routed.request.block_keys),
         "index_degraded": routed.lookup.degraded,
+        "lookup_s": round(routed.lookup_s, 6),
+        # Which picker process decided: with several replicas behind one proxy, a trace
+        # tells their decisions apart by it.
+        "picker": os.getpid(),
         "prompt_tokens": routed.request.prompt_tokens,
         "predicted_cached_tokens": predicted_cached_tokens(routed),
         # Seconds flow control held it in the picker's queue (None: flow control off).

@@ -123,3 +123,32 @@ def test_disabled_calibration_never_changes_the_settings() -> None:
     cal = Calibration(ParseSettings(), enabled=False)
     cal.observe("a:1", 16, 0)
     assert cal.settings == ParseSettings() and cal.stats.changes == 0
+
+
+def test_a_replica_placing_a_third_of_an_engines_requests_learns_its_tokens_per_request() -> None:
+    # Three pickers behind one gateway: this one places 16 of every 48 requests the engine
+    # serves. The engine counts 2 characters a token (2,000 tokens for our 1,000-token
+    # estimate). Compared in total (our 16,000 against the engine's 96,000) the ratio reads
+    # 6, outside the bounds: every window was skipped and bytes-per-token stayed 4. Per
+    # request (the engine's 2,000 against our 1,000) it is 2.
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    req = cal("/v1/completions", {}, BODY)
+    assert req.prompt_tokens == 1000
+    at, done = 0, (0.0, 0.0)
+    cal.observe("a:1", None, at, done)
+    for _ in range(2):
+        for _ in range(16):
+            cal.placed("a:1", req)
+        at, done = at + 96_000, (done[0] + 96_000, done[1] + 48)
+        cal.observe("a:1", None, at, done)
+    assert cal.stats.windows_skipped == 0 and cal.stats.ratios["a:1"] == 2.0
+    assert cal.settings.bytes_per_token == 2
+    # The same windows without the histogram (an engine that does not export it): the
+    # totals' ratio, and the share reads as foreign traffic.
+    old = Calibration(ParseSettings(bytes_per_token=4))
+    old.observe("a:1", None, 0)
+    for k in range(2):
+        for _ in range(16):
+            old.placed("a:1", req)
+        old.observe("a:1", None, (k + 1) * 96_000)
+    assert old.stats.windows_skipped == 2 and old.settings.bytes_per_token == 4

@@ -227,3 +227,58 @@ def test_a_peer_placement_continues_the_same_chain_here():
     a.apply(published.pop())
     assert a.counts() == b.counts() == {"y": 1}
     assert a.endpoint(a.find(turn(0, 2).block_keys, [held(0, 1)])) == "y"
+
+
+def grown(session: int, n: int, per_turn: int) -> InferenceRequest:
+    """Turn `n` of `session` adding `per_turn` blocks of its own each turn after SHARED."""
+    own = tuple(1000 * (session + 1) + i for i in range(per_turn * (n + 1)))
+    return dataclasses.replace(req(tokens=64 * (len(SHARED) + len(own))), block_keys=SHARED + own)
+
+
+TOGETHER = BoundedSessionsFilter.Params(keep_together_growth=0.5)
+
+
+def run_group(f: BoundedSessionsFilter, sessions: int, servers: str, per_turn: int) -> list[str]:
+    """New sessions on SHARED, each continued once before the next starts (as a chat's
+    second turn, or an agent's next tool turn, comes back meanwhile); the first session's
+    server holds SHARED from then on. Returns where each session started."""
+    placed: list[str] = []
+    for s in range(sessions):
+        cands = [cand(a, prefix=len(SHARED) if a in placed else 0) for a in servers]
+        placed.append(place(f, grown(s, 0, per_turn), cands))
+        nxt = grown(s, 1, per_turn)
+        held_by = len(grown(s, 0, per_turn).block_keys)
+        cands = [cand(a, prefix=held_by if a == placed[s] else 0) for a in servers]
+        assert f.continues(nxt, cands) and f.filter(nxt, cands) == cands
+        f.observe(nxt, cands, Decision(endpoints=(cand(placed[s]).endpoint,)))
+    return placed
+
+
+def test_chat_sessions_that_stay_small_are_not_spread_off_their_prompts_holder():
+    """Issue 14, tenants: a tenant's conversations end after two turns having added a fifth
+    of the tenant prompt they share; bounding them as sessions wrote big tenants' prompts onto
+    five or six servers. Once one conversation has shown it stays small, the group's new
+    conversations are left to the scorers (here: the holder of the prompt)."""
+    f = BoundedSessionsFilter(TOGETHER)
+    placed = run_group(f, 8, "abcd", per_turn=2)  # 4 blocks past 29 shared
+    growth = f.sessions.growth(SHARED, len(SHARED))
+    assert growth is not None and growth < 0.5
+    # The first conversation (nothing held) taught, once continued, that conversations on
+    # this prompt stay small: every later one joins the prompt's holder, where the bound
+    # alone writes the prompt on all four servers.
+    assert placed == [placed[0]] * 8, placed
+
+
+def test_agent_sessions_that_grow_still_spread_evenly():
+    """Agent sessions add more than half the shared prompt per tool turn: their group is
+    bounded whatever has been learned about it, 2/2/2/2 on four servers."""
+    f = BoundedSessionsFilter(TOGETHER)
+    placed = run_group(f, 8, "abcd", per_turn=10)  # 20 blocks past 29 shared: 0.69
+    assert (f.sessions.growth(SHARED, len(SHARED)) or 0.0) > 0.5
+    assert sorted(placed) == ["a", "a", "b", "b", "c", "c", "d", "d"], placed
+
+
+def test_by_default_every_group_is_bounded():
+    f = BoundedSessionsFilter()
+    placed = run_group(f, 8, "abcd", per_turn=2)
+    assert sorted(placed) == ["a", "a", "b", "b", "c", "c", "d", "d"], placed

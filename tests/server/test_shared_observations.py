@@ -5,7 +5,6 @@ a replica whose Redis is gone says so (metric, counters) and keeps learning on i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import msgspec
 import redis.asyncio
@@ -14,28 +13,7 @@ from extproc.core import Candidate, Decision, Endpoint, EndpointState, Inference
 from extproc.endpoints.prefill_speed import PrefillSpeeds
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
 from extproc.server.shared_observations import SharedObservations
-
-
-async def _until(pred, what: str) -> None:
-    for _ in range(100):
-        if pred():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never: {what}")
-
-
-@contextlib.asynccontextmanager
-async def _running(*shared: SharedObservations):
-    tasks = [asyncio.create_task(s.run()) for s in shared]
-    try:
-        yield
-    finally:
-        for t in tasks:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        for s in shared:
-            await s.aclose()
+from tests.server.broadcasting import running, until
 
 
 def _cands(addresses: list[str]) -> list[Candidate]:
@@ -46,15 +24,15 @@ async def test_a_speed_sample_taken_on_one_replica_reaches_the_other(redis_serve
     a_speeds, b_speeds = PrefillSpeeds(), PrefillSpeeds()
     a = SharedObservations.from_url(redis_server.url, a_speeds, {}, process_id="a")
     b = SharedObservations.from_url(redis_server.url, b_speeds, {}, process_id="b")
-    async with _running(a, b):
+    async with running(a, b):
         await asyncio.sleep(0.3)  # both subscribed
         a_speeds.observe("s1", 4000, 0.5)  # 8,000 tok/s, placed and ended on replica a
-        await _until(lambda: b_speeds.get("s1") is not None, "b learns s1's speed")
+        await until(lambda: b_speeds.get("s1") is not None, "b learns s1's speed")
         assert b_speeds.get("s1") == a_speeds.get("s1") == 8000.0
         # b's own sample and a's are one window on both replicas: the same median.
         b_speeds.observe("s1", 6000, 0.5)  # 12,000
         b_speeds.observe("s1", 5000, 0.5)  # 10,000
-        await _until(lambda: a_speeds.get("s1") == 10000.0, "a sees b's samples")
+        await until(lambda: a_speeds.get("s1") == 10000.0, "a sees b's samples")
         assert b_speeds.get("s1") == 10000.0
         assert a.stats.published == 1 and b.stats.applied == 1
         assert b.stats.published == 2 and a.stats.applied == 2
@@ -72,15 +50,15 @@ async def test_a_cold_pick_on_one_replica_steers_the_others_next_cold_pick(redis
         process_id="b",
     )  # fmt: skip
     req = InferenceRequest("r", "/v1/chat/completions", block_keys=(1, 2))
-    async with _running(a, b):
+    async with running(a, b):
         await asyncio.sleep(0.3)
         cands = _cands(addrs)
         a_lru.observe(req, cands, Decision(endpoints=(cands[0].endpoint,)))
-        await _until(lambda: a.stats.published == 1 and b.stats.applied == 1, "pick shared")
+        await until(lambda: a.stats.published == 1 and b.stats.applied == 1, "pick shared")
         # Replica b never placed a cold request itself, yet s0 is now its least preferred.
         assert b_lru.score(req, cands) == [0.0, 1.0, 1.0]
         b_lru.observe(req, cands, Decision(endpoints=(cands[1].endpoint,)))
-        await _until(lambda: a.stats.applied == 1, "b's pick back on a")
+        await until(lambda: a.stats.applied == 1, "b's pick back on a")
         assert a_lru.score(req, cands) == [0.9, 0.0, 1.0]
 
 
@@ -90,7 +68,7 @@ async def test_a_bad_message_or_an_unknown_server_is_skipped(redis_server):
         redis_server.url, speeds, SharedObservations.lru_scorers([lru]), process_id="a",
         known=lambda address: address == "s1",
     )  # fmt: skip
-    async with _running(shared):
+    async with running(shared):
         await asyncio.sleep(0.3)
         client = redis.asyncio.Redis.from_url(redis_server.url)
         try:
@@ -104,7 +82,7 @@ async def test_a_bad_message_or_an_unknown_server_is_skipped(redis_server):
             )
         finally:
             await client.aclose()
-        await _until(lambda: speeds.get("s1") == 5000.0, "the known server's sample")
+        await until(lambda: speeds.get("s1") == 5000.0, "the known server's sample")
     assert shared.stats.bad_entries == 2
     assert shared.stats.applied == 1
     assert speeds.snapshot().keys() == {"s1"}  # the unknown server left no state
@@ -114,14 +92,14 @@ async def test_a_bad_message_or_an_unknown_server_is_skipped(redis_server):
 async def test_redis_gone_is_said_and_learning_goes_on_locally(redis_server):
     speeds = PrefillSpeeds()
     shared = SharedObservations.from_url(redis_server.url, speeds, {}, process_id="a")
-    async with _running(shared):
+    async with running(shared):
         await asyncio.sleep(0.3)
         assert not shared.is_degraded
         redis_server.kill()
         speeds.observe("s1", 4000, 0.5)
-        await _until(lambda: shared.is_degraded, "degraded")
-        await _until(lambda: shared.stats.dropped == 1, "the sample counted as dropped")
+        await until(lambda: shared.is_degraded, "degraded")
+        await until(lambda: shared.stats.dropped == 1, "the sample counted as dropped")
         assert shared.stats.errors >= 1
         assert speeds.get("s1") == 8000.0  # this replica's own sample still counts
         redis_server.start()
-        await _until(lambda: not shared.is_degraded, "recovered after Redis came back")
+        await until(lambda: not shared.is_degraded, "recovered after Redis came back")

@@ -6,7 +6,6 @@ gone says so (metric, counters) and keeps its own view."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import msgspec
 import pytest
@@ -16,6 +15,7 @@ from extproc.core import Decision
 from extproc.scheduling.plugins.ttft import _MAX_QUEUE_S, PredictedTTFTScorer
 from extproc.server.shared_placements import SharedPlacements
 from tests.scheduling.helpers import cand, req
+from tests.server.broadcasting import running, until
 
 
 class Clock:
@@ -23,28 +23,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-async def _until(pred, what: str) -> None:
-    for _ in range(100):
-        if pred():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never: {what}")
-
-
-@contextlib.asynccontextmanager
-async def _running(*shared: SharedPlacements):
-    tasks = [asyncio.create_task(s.run()) for s in shared]
-    try:
-        yield
-    finally:
-        for t in tasks:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        for s in shared:
-            await s.aclose()
 
 
 def _place(scorer: PredictedTTFTScorer, r, cands, addr: str) -> None:
@@ -65,11 +43,11 @@ async def test_a_placement_on_one_replica_queues_and_fills_in_the_others_view(re
     cands = [cand("s0", prefill_tps=6400.0), cand("s1", prefill_tps=6400.0)]
     probe = req(blocks=100, tokens=6400)
     assert b_sc.score(probe, cands) == [1.0, 1.0]
-    async with _running(a, b):
+    async with running(a, b):
         await asyncio.sleep(0.3)  # both subscribed
         # Replica a places 12,800 uncached tokens (2 s of prefill) on s0.
         _place(a_sc, req(blocks=200, tokens=12_800), cands, "s0")
-        await _until(lambda: b.stats.applied == 1, "b folds a's placement")
+        await until(lambda: b.stats.applied == 1, "b folds a's placement")
         # b never placed anything, yet sees s0's queue (2 s, dated by its wait in a's batch:
         # the clock here stands still, so at most the 50 ms batch interval less) and its
         # written tokens, and steers the probe away from s0.
@@ -79,7 +57,7 @@ async def test_a_placement_on_one_replica_queues_and_fills_in_the_others_view(re
         assert s[1] == 1.0 and s[0] < 0.5
         # And back: b's placement on s1 reaches a; a's own is not echoed to itself.
         _place(b_sc, req(blocks=100, tokens=6400), cands, "s1")
-        await _until(lambda: a.stats.applied == 1, "a folds b's placement")
+        await until(lambda: a.stats.applied == 1, "a folds b's placement")
         assert a_sc.view()["s1"][1] == 6400 and a_sc.view()["s0"][1] == 12_800
     assert a.stats.published == 1 and b.stats.published == 1
     assert a.stats.bad_entries == b.stats.bad_entries == 0
@@ -90,14 +68,14 @@ async def test_written_tokens_shared_make_the_eviction_cost_start_on_every_repli
     a_sc, b_sc, a, b = _pair(redis_server.url, clock)
     # 64 blocks x 16 tokens: 1,024 tokens of cache per server.
     full = [cand(x, prefill_tps=1000.0, kv_blocks=64, kv_block_size=16) for x in ("s0", "s1")]
-    async with _running(a, b):
+    async with running(a, b):
         await asyncio.sleep(0.3)
         # Replica a fills s0's cache (and learns that prompts are reused).
         for _ in range(3):
             _place(a_sc, req(blocks=40, tokens=640), [full[0]], "s0")
         for _ in range(20):
             _place(a_sc, req(blocks=40, tokens=640), [cand("s0", prefix=39)], "s0")
-        await _until(lambda: b.stats.applied == 23, "b folds every placement")
+        await until(lambda: b.stats.applied == 23, "b folds every placement")
     clock.t += 60  # queues drained: only the eviction cost differs
     r = req(blocks=40, tokens=640)
     # Both replicas now charge s0 (full) for the evictions a cold prompt causes, not s1.
@@ -128,7 +106,7 @@ async def test_forged_placements_are_refused_or_clamped(redis_server):
     ]
     # Accepted, each within bounds, together past the queue bound: clamped there.
     good = [[0.0, ["0", "s1", 1000.0, 1000, _MAX_QUEUE_S]] for _ in range(3)]
-    async with _running(shared):
+    async with running(shared):
         await asyncio.sleep(0.3)
         client = redis.asyncio.Redis.from_url(redis_server.url)
         try:
@@ -136,7 +114,7 @@ async def test_forged_placements_are_refused_or_clamped(redis_server):
             await client.publish("extproc:placements", msgspec.msgpack.encode(["b", bad + good]))
         finally:
             await client.aclose()
-        await _until(lambda: shared.stats.applied == 3, "the valid placements")
+        await until(lambda: shared.stats.applied == 3, "the valid placements")
     assert shared.stats.bad_entries == 1 + len(bad)
     view = sc.view()
     assert view.keys() == {"s1"}  # nothing refused left state
@@ -151,14 +129,14 @@ async def test_redis_gone_is_said_and_the_replica_keeps_its_own_view(redis_serve
         redis_server.url, SharedPlacements.scorers([sc]), process_id="a"
     )
     cands = [cand("s0", prefill_tps=1000.0)]
-    async with _running(shared):
+    async with running(shared):
         await asyncio.sleep(0.3)
         assert not shared.is_degraded
         redis_server.kill()
         _place(sc, req(blocks=10, tokens=500), cands, "s0")
-        await _until(lambda: shared.is_degraded, "degraded")
-        await _until(lambda: shared.stats.dropped == 1, "the placement counted as dropped")
+        await until(lambda: shared.is_degraded, "degraded")
+        await until(lambda: shared.stats.dropped == 1, "the placement counted as dropped")
         assert shared.stats.errors >= 1
         assert sc.view()["s0"] == (0.5, 500.0)  # its own placement still counts
         redis_server.start()
-        await _until(lambda: not shared.is_degraded, "recovered after Redis came back")
+        await until(lambda: not shared.is_degraded, "recovered after Redis came back")

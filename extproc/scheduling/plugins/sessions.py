@@ -23,6 +23,21 @@ recorded, or cached, up to its end, so its tail sits at the longest match or a f
 before it), then in the request's last few hundred blocks: a bounded number of dict probes,
 not a scan of the whole request (2,048 blocks and more for a long context).
 
+Optionally (`keepTogetherGrowth`, off by default: measured no clear gain, bench/RESULTS.md,
+issue 14 seventh session second part), the bound is only for sessions that grow. A chat
+tenant's new conversation is also a new session on a known prefix (the tenant's prompt),
+but it ends after a turn or two having added a fraction of what it shares: bounding it
+only wrote big tenants' prompts onto five or six servers (issue 14, tenants: the holder
+filtered out in 14-20 requests a run). So each new
+prefix is looked up in what continued sessions have taught: when a session is continued,
+how far it has grown past each prefix of its first turn (every `_GROUP_STRIDE`-th block,
+as a fraction of that prefix) is kept under that block's key; a new session sharing that
+prefix with what the index holds reads it back. A prefix whose continued sessions stayed
+within `keepTogetherGrowth` of it is left to the scorers; one no session has been seen
+continued on is bounded (an agentic first fill shows nothing before the bound must act).
+A tenant's first conversation teaches its later ones, though it shared only the header.
+The learning is per replica (replicas share placements, not block keys).
+
 With a Redis index, replicas share the record (server/shared_sessions.py): each publishes
 its placements and applies the others', so every replica counts every server's sessions and
 finds a session's tail whichever replica placed its last turn.
@@ -52,6 +67,10 @@ _PROBE_BACK = 64
 # adds fewer (a tool result, a user message), a new session pays this much, not its length.
 _SCAN_TAIL = 256
 
+# Blocks between two prefixes whose growth a continued session records: a new session looks
+# up the longest recorded prefix within what it shares, at most this many blocks short.
+_GROUP_STRIDE = 8
+
 # (previous tail keys or (), endpoint, new tail keys): one placement, as replicas share it.
 Touch = tuple[tuple[int, ...], str, tuple[int, ...]]
 
@@ -61,6 +80,8 @@ class _Chain:
     endpoint: str
     seen: float
     keys: tuple[int, ...]
+    # Blocks of the session's first turn: 0 when not known (another replica placed it).
+    first: int = 0
 
 
 class LiveSessions:
@@ -68,14 +89,23 @@ class LiveSessions:
     `max_sessions` are remembered (the least recently active are forgotten first)."""
 
     def __init__(
-        self, window_s: float, max_sessions: int, clock: Callable[[], float] = time.monotonic
+        self,
+        window_s: float,
+        max_sessions: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        learn_growth: bool = False,
     ) -> None:
         self._window = window_s
+        self._learn = learn_growth
         self._max = max_sessions
         self._clock = clock
         self._chains: OrderedDict[int, _Chain] = OrderedDict()  # least recently active first
         self._by_key: dict[int, int] = {}  # tail key -> chain id
         self._counts: dict[str, int] = {}
+        # prefix's last block key -> the most sessions continued on it grew past it, as a
+        # fraction of its length; least recently grown first, at most `max_sessions` kept.
+        self._growth: OrderedDict[int, float] = OrderedDict()
         self._next_id = 0
         # Called with each placement made here (replicas publish it, see shared_sessions).
         self.on_touch: Callable[[Touch], None] | None = None
@@ -116,6 +146,13 @@ class LiveSessions:
         chain = self._chains.get(chain_id)
         return chain.endpoint if chain is not None else None
 
+    def growth(self, block_keys: Sequence[int], shared: int) -> float | None:
+        """How far sessions continued on the first `shared` blocks of `block_keys` grew past
+        them (a fraction of their length, the largest seen; looked up at the longest
+        recorded prefix within them), or None while none has been continued here."""
+        j = shared // _GROUP_STRIDE * _GROUP_STRIDE - 1
+        return self._growth.get(block_keys[j]) if 0 <= j < len(block_keys) else None
+
     def counts(self) -> Mapping[str, int]:
         """Live sessions per endpoint (endpoints without any are absent)."""
         self._expire(self._clock())
@@ -127,7 +164,12 @@ class LiveSessions:
             return
         old = self._chains.get(chain_id) if chain_id is not None else None
         tail = tuple(block_keys[-_TAIL_KEYS:])
-        self._place(chain_id, endpoint, tail, self._clock())
+        first = len(block_keys)
+        if old is not None:
+            first = old.first
+            if first and self._learn:
+                self._grew(block_keys, first)
+        self._place(chain_id, endpoint, tail, self._clock(), first)
         if self.on_touch is not None:
             self.on_touch((old.keys if old is not None else (), endpoint, tail))
 
@@ -138,17 +180,34 @@ class LiveSessions:
         if not tail:
             return
         chain_id = next((c for k in prev if (c := self._by_key.get(k)) is not None), None)
-        self._place(chain_id, endpoint, tail, self._clock() - max(0.0, age_s))
+        old = self._chains.get(chain_id) if chain_id is not None else None
+        first = old.first if old is not None else 0
+        self._place(chain_id, endpoint, tail, self._clock() - max(0.0, age_s), first)
+
+    def _grew(self, block_keys: Sequence[int], first: int) -> None:
+        # One record per `_GROUP_STRIDE` blocks of the first turn: a turn costs
+        # first / _GROUP_STRIDE dict writes, not one per block.
+        growth, n = self._growth, len(block_keys)
+        for j in range(_GROUP_STRIDE - 1, min(first, n), _GROUP_STRIDE):
+            key = block_keys[j]
+            growth[key] = max((n - j - 1) / (j + 1), growth.pop(key, 0.0))
+        while len(growth) > self._max:
+            growth.popitem(last=False)
 
     def _place(
-        self, chain_id: int | None, endpoint: str, tail: tuple[int, ...], now: float
+        self,
+        chain_id: int | None,
+        endpoint: str,
+        tail: tuple[int, ...],
+        now: float,
+        first: int = 0,
     ) -> None:
         if chain_id is not None and (old := self._chains.pop(chain_id, None)) is not None:
             self._forget(old)
         else:
             chain_id = self._next_id
             self._next_id += 1
-        chain = _Chain(endpoint, now, tail)
+        chain = _Chain(endpoint, now, tail, first)
         self._chains[chain_id] = chain
         for key in chain.keys:
             prev = self._by_key.get(key)
@@ -211,9 +270,19 @@ class BoundedSessionsFilter:
     rounded up (`session_bound`). A session's later turns pass unfiltered. Never removes
     every candidate.
 
+    With `keepTogetherGrowth` above 0, unbounded: a new session on a prefix (what the index
+    holds of it) that sessions continued here all grew past by at most that many times its
+    length. Measured on bench/bench_routing.py's workloads (sim tokenizer, 16-token blocks):
+    a chat tenant's conversation ends 0.18-0.20 past its ~139 shared blocks; an agent
+    session is 0.64 past its 182 after one tool turn, 1.2 after two: 0.5 sits between. Off
+    (0) by default: on the tenants workload it gained 0.2-4.2 hit-ratio points in four
+    interleaved runs at 12 req/s but lost 7 points in one of three at 24 req/s and 4.7 in one
+    of two traced pairs (issue 14, bench/RESULTS.md); agentic was unchanged.
+
     ```yaml
     - type: bounded-sessions-filter
-      parameters: {epsilon: 0.25, windowSeconds: 120, maxSessions: 50000}
+      parameters: {epsilon: 0.25, windowSeconds: 120, maxSessions: 50000,
+                   keepTogetherGrowth: 0}
     ```
     """
 
@@ -224,25 +293,37 @@ class BoundedSessionsFilter:
         # A session idle for longer is no longer counted (its cache is fair game).
         window_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
         max_sessions: Annotated[int, msgspec.Meta(gt=0)] = 50_000
+        # Sessions on a prefix that continued sessions grew at most this past (a fraction of
+        # its length) are not bounded; 0: every new session is (and nothing is learned).
+        keep_together_growth: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
         p = params or self.Params()
         self._eps = p.epsilon
-        self.sessions = LiveSessions(p.window_seconds, p.max_sessions, clock)
-        # The continuation found while filtering, reused by `observe` for the same request.
-        self._last: tuple[InferenceRequest, int | None] | None = None
+        self._together = p.keep_together_growth
+        self.sessions = LiveSessions(
+            p.window_seconds, p.max_sessions, clock, learn_growth=self._together > 0
+        )
+        # The continuation found while filtering and the blocks some endpoint held, reused
+        # by `observe` for the same request.
+        self._last: tuple[InferenceRequest, int | None, int] | None = None
 
-    def _chain(self, req: InferenceRequest, cands: Sequence[Candidate]) -> int | None:
+    def _lookup(self, req: InferenceRequest, cands: Sequence[Candidate]) -> tuple[int | None, int]:
         # Looked up once per request, by the first plugin to ask (this filter comes first,
         # seeing every candidate's match); later asks with fewer candidates reuse it.
         last = self._last
         if last is not None and last[0] is req:
-            return last[1]
+            return last[1], last[2]
         chain = self.sessions.find(req.block_keys, [c.prefix_blocks for c in cands])
-        self._last = (req, chain)
-        return chain
+        # Whole blocks only: a tier-weighted match is fractional.
+        shared = min(len(req.block_keys), int(max((c.prefix_blocks for c in cands), default=0)))
+        self._last = (req, chain, shared)
+        return chain, shared
+
+    def _chain(self, req: InferenceRequest, cands: Sequence[Candidate]) -> int | None:
+        return self._lookup(req, cands)[0]
 
     def continues(self, req: InferenceRequest, cands: Sequence[Candidate]) -> bool:
         """Whether `req` is a later turn of a live session."""
@@ -265,6 +346,13 @@ class BoundedSessionsFilter:
             # zeros say nothing: the request may start a session on a shared prompt, and
             # bounding it keeps sessions spread while the index is away, as when it answers.
             return cands
+        shared = self._lookup(req, cands)[1]
+        if self._together > 0 and shared > 0 and all(c.prefix_known for c in cands):
+            growth = self.sessions.growth(req.block_keys, shared)
+            if growth is not None and growth <= self._together:
+                # Its group's sessions stay small beside what they share: keeping them
+                # together costs less cache than writing the prefix on another server.
+                return cands
         counts = self.sessions.counts()
         live = [counts.get(c.endpoint.address, 0) for c in cands]
         caps = [_capacity(c) for c in cands]
