@@ -41,7 +41,10 @@ offered interactive load: `interactive_prior`), and `~base` to run its pickers f
 prior; the others count each request's max_tokens, see `picker_config`). Unloaded:
 `--unloaded-n` requests a pass, `--unloaded-repeats` more passes, pooled into the
 baseline; each run's interactive TTFTs are printed (`hi_ttfts`) so
-`bench/overload_pool.py` can pool runs of one configuration.
+`bench/overload_pool.py` can pool runs of one configuration. `--servers` sizes the fleet
+(2 by default; the reserve is held on one server, so its cost in goodput is its share of
+the fleet's KV). `proc_cpu_s`: CPU seconds of each picker and of Envoy over the run, to
+tell a picker that spends more per decision from a stalled machine.
 """
 
 from __future__ import annotations
