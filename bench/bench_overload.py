@@ -330,7 +330,8 @@ class Deployment:
         hcm["typed_config"].setdefault("access_log", []).append({
             "name": "envoy.access_loggers.file",
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3."
+                "FileAccessLog",
                 "path": str(access_path),
                 "log_format": {"text_format_source": {"inline_string": ACCESS_FORMAT}},
             },
@@ -790,7 +791,7 @@ def main() -> int:
     )
     ap.add_argument("--stall", default="", choices=("", "sims", "picker", "both"),
                     help="freeze (SIGSTOP) the sims' process and/or the picker for --stall-s "
-                    "seconds, --stall-at seconds into each burst: a machine stall, repeatable")  # fmt: skip
+                    "seconds, --stall-at seconds into each burst: a repeatable stall")  # fmt: skip
     ap.add_argument("--stall-at", type=float, default=8.0)
     ap.add_argument("--stall-s", type=float, default=2.0)
     args = ap.parse_args()
