@@ -789,9 +789,9 @@ def main() -> int:
         default=0,
         help="extra unloaded passes (each printed; the baseline pools all passes)",
     )
-    ap.add_argument("--stall", default="", choices=("", "sims", "picker", "both"),
-                    help="freeze (SIGSTOP) the sims' process and/or the picker for --stall-s "
-                    "seconds, --stall-at seconds into each burst: a repeatable stall")  # fmt: skip
+    ap.add_argument("--stall", default="", choices=("", "sims", "picker", "both", "all"),
+                    help="freeze (SIGSTOP) the sims' process and/or the picker (all: and Envoy) "
+                    "for --stall-s seconds, --stall-at seconds into each burst: a repeatable stall")  # fmt: skip
     ap.add_argument("--stall-at", type=float, default=8.0)
     ap.add_argument("--stall-s", type=float, default=2.0)
     args = ap.parse_args()
@@ -891,9 +891,11 @@ def main() -> int:
             tl = Timeline(dep.admin_ports, fleet.addresses, tl_path).start()
             stall = None
             if args.stall:
-                pids = [fleet.proc.pid] if args.stall in ("sims", "both") else []
-                if args.stall in ("picker", "both"):
+                pids = [fleet.proc.pid] if args.stall in ("sims", "both", "all") else []
+                if args.stall in ("picker", "both", "all"):
                     pids += [p.pid for p in dep.procs[:-1]]  # the last one is Envoy
+                if args.stall == "all":
+                    pids.append(dep.procs[-1].pid)
                 stall = threading.Timer(args.stall_at, freeze, (pids, args.stall_s))
                 stall.start()
             duration = asyncio.run(open_loop(dep.url, reqs, args.trace))
