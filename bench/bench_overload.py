@@ -790,8 +790,8 @@ def main() -> int:
         help="extra unloaded passes (each printed; the baseline pools all passes)",
     )
     ap.add_argument("--stall", default="", choices=("", "sims", "picker", "both", "all"),
-                    help="freeze (SIGSTOP) the sims' process and/or the picker (all: and Envoy) "
-                    "for --stall-s seconds, --stall-at seconds into each burst: a repeatable stall")  # fmt: skip
+                    help="freeze (SIGSTOP) the sims' process and/or the picker (all: Envoy too) "
+                    "for --stall-s seconds, --stall-at seconds into each burst")  # fmt: skip
     ap.add_argument("--stall-at", type=float, default=8.0)
     ap.add_argument("--stall-s", type=float, default=2.0)
     args = ap.parse_args()
