@@ -144,8 +144,10 @@ def test_fail_closed_gives_500s_only_while_the_picker_is_gone():
     assert failed, "the outage was not visible: the test did not kill anything"
     # Outside the outage every request is served, unless Envoy saw the live picker down at
     # that moment (a health-check flap, reported in the figure): fail closed still holds.
-    # (A request sent just before the kill may still be mid-stream when it lands.)
-    outside = [(t, st) for t, st in tl.events if t < m["kill"] - 0.1 or t >= m["healthy"] + 0.1]
+    # (A request sent just before the kill may still be mid-stream when it lands: on a
+    # starved machine one takes hundreds of ms, and 0.1 s of slack failed once, 3 requests
+    # sent 0.14 s before the kill.)
+    outside = [(t, st) for t, st in tl.events if t < m["kill"] - 0.5 or t >= m["healthy"] + 0.1]
     assert {st for _, st in outside} <= {200, 503}
     unexplained = [t for t, st in outside if st != 200 and not flapped_near(tl, t)]
     assert not unexplained, f"503s outside the outage with the picker seen healthy: {unexplained}"
