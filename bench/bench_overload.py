@@ -41,7 +41,10 @@ offered interactive load: `interactive_prior`), and `~base` to run its pickers f
 prior; the others count each request's max_tokens, see `picker_config`). Unloaded:
 `--unloaded-n` requests a pass, `--unloaded-repeats` more passes, pooled into the
 baseline; each run's interactive TTFTs are printed (`hi_ttfts`) so
-`bench/overload_pool.py` can pool runs of one configuration.
+`bench/overload_pool.py` can pool runs of one configuration. `--servers` sizes the fleet
+(2 by default; the reserve is held on one server, so its cost in goodput is its share of
+the fleet's KV). `proc_cpu_s`: CPU seconds of each picker and of Envoy over the run, to
+tell a picker that spends more per decision from a stalled machine.
 """
 
 from __future__ import annotations
@@ -378,7 +381,22 @@ def diagnostics(dep: Deployment, sims_before: list[dict[str, float]]) -> dict:
         summed(b, "vllm:request_queue_time_seconds_count") for b in sims_before
     )
     row["engine_queue_mean_s"] = round(q_sum / q_n, 3) if q_n else None
+    # CPU seconds each process (pickers, then Envoy) used since it started for this run:
+    # with 2 cores shared, a picker that spends more CPU per decision delays every stream
+    # it serves, which shows up as `to_server_other` in the slowest ten, not as queue wait.
+    row["proc_cpu_s"] = [cpu_seconds(p.pid) for p in dep.procs]
     return row
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (Linux /proc), None when unreadable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    fields = stat.rpartition(")")[2].split()
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
 
 
 def sims_now(dep: Deployment) -> list[dict[str, float]]:
@@ -656,6 +674,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--burst-s", type=float, default=20.0, help="seconds of burst arrivals")
     ap.add_argument("--overload", type=float, default=4.0, help="offered tokens / capacity")
+    ap.add_argument("--servers", type=int, default=SERVERS,
+                    help="sims in the fleet: the reserve is held on one server, so its "
+                    "share of the fleet's KV (its cost in goodput) falls as servers are "
+                    "added")  # fmt: skip
     ap.add_argument("--slo-s", type=float, default=5.0, help="TTFT SLO for goodput")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--poisson-interactive", action="store_true",
@@ -708,7 +730,7 @@ def main() -> int:
     objectives = tmp / "objectives.yaml"
     objectives.write_text(yaml.safe_dump_all(OBJECTIVES))
     redis = None
-    fleet = SimFleet(SERVERS, ("--fast", str(args.sim_speed), *SIM_ARGS), log_dir=tmp)
+    fleet = SimFleet(args.servers, ("--fast", str(args.sim_speed), *SIM_ARGS), log_dir=tmp)
     dep = Deployment(fleet, tmp, trace=args.trace)
     rows = []
     try:
@@ -807,7 +829,7 @@ def main() -> int:
                 f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99, window
             )
             row.update(diag)
-            row.update(summary(rows_tl, args.warm_s, args.burst_s, SERVERS))
+            row.update(summary(rows_tl, args.warm_s, args.burst_s, args.servers))
             row["timeline"] = str(tl.path)
             row["offered_tok_s"] = offered
             row["offered_req_s"] = len(reqs) / args.burst_s

@@ -194,6 +194,7 @@ class Parts:
         if not self.settings.state.shared_observations:
             return None
         if idx.backend != "redis" or not idx.redis_url:
+            log.warning("state.shared_observations needs a Redis index: nothing is shared")
             return None
         if idx.cluster:
             log.warning(
@@ -221,12 +222,17 @@ class Parts:
         if not self.settings.state.shared_placements:
             return None
         if idx.backend != "redis" or not idx.redis_url:
+            log.warning("state.shared_placements needs a Redis index: nothing is shared")
             return None
         from extproc.endpoints.shared_inflight import default_process_id
         from extproc.server.shared_placements import SharedPlacements
 
         scorers = SharedPlacements.scorers(self.router.scheduler.plugins)
         if not scorers:
+            log.warning(
+                "state.shared_placements: the scheduling profile has no predicted-ttft-scorer, "
+                "so there are no placements to share"
+            )
             return None
         if idx.cluster:
             log.warning(

@@ -57,3 +57,17 @@ async def test_without_scraping_the_fall_back_to_in_flight_counts_is_loud(
         if r.name == "extproc.signals" and r.levelno == logging.WARNING
     ]
     assert warned and "in-flight counts only" in warned[0]
+
+
+async def test_sharing_asked_for_without_a_redis_index_is_said(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level(logging.WARNING)
+    s = msgspec.structs.replace(
+        settings, state=StateSettings(shared_observations=True, shared_placements=True)
+    )
+    async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
+        assert app.shared_placements is None and app.shared_observations is None
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("shared_placements needs a Redis index" in m for m in warned), warned
+    assert any("shared_observations needs a Redis index" in m for m in warned), warned
