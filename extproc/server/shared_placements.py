@@ -19,8 +19,9 @@ neither grow the state nor skew it without limit; a rejected item is counted
 (`bad_entries`). Redis down: each replica goes on with its own placements' view, says so in
 a log line, shows `extproc_shared_placements_degraded` 1, counts dropped items, and
 reconnects by itself; placements made meanwhile by peers are missed (the queue drains in
-seconds; the written count stays short by them). Redis Cluster: not shared
-(pub/sub is per node there), said once in a log line.
+seconds; the written count stays short by them), and the scorer floors its queue by the
+in-flight prefill tokens again (which it leaves out while the fleet's placements arrive).
+Redis Cluster: not shared (pub/sub is per node there), said once in a log line.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ class SharedPlacements:
             scorer.on_placed = lambda addr, work, prompt, secs, name=name: self._channel.send(
                 (name, addr, work, prompt, secs)
             )
+            # While Redis answers, the scorer's queue is the fleet's: it drops its in-flight
+            # floor; while Redis fails, it takes it again (its queue sees its own share).
+            scorer.fleet_folded = lambda: not self._channel.is_degraded
 
     @classmethod
     def from_url(

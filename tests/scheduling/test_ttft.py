@@ -122,6 +122,23 @@ def test_other_replicas_inflight_prefill_counts_as_a_queue():
     assert s[1] == 1.0 and s[0] < 0.6
 
 
+def test_with_the_fleets_placements_folded_the_inflight_floor_is_not_taken():
+    # The in-flight tokens count requests until they end (decoding ones too); a queue that
+    # folds every replica's placements already holds the prefill still ahead.
+    sc = PredictedTTFTScorer(clock=Clock())
+    r = req(blocks=10, tokens=6400)
+    a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)
+    b = cand("b", prefill_tps=6400.0)
+    folded = [True]
+    sc.fleet_folded = lambda: folded[0]
+    s = sc.score(r, [a, b])
+    assert s[0] == 1.0 and s[1] < 0.2  # the holder, cached and with nothing queued, wins
+    # Sharing fails: the floor is back (its own queue sees only its share).
+    folded[0] = False
+    s = sc.score(r, [a, b])
+    assert s[1] == 1.0 and s[0] < 0.6
+
+
 def test_a_change_of_token_estimates_rescales_the_mean_queued_prefill():
     # Calibration made every estimate 4x larger (and the measured speeds with them): the
     # queue of 3 scraped waiting requests must cost the same time before and after.

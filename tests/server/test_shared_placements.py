@@ -129,14 +129,20 @@ async def test_redis_gone_is_said_and_the_replica_keeps_its_own_view(redis_serve
         redis_server.url, SharedPlacements.scorers([sc]), process_id="a"
     )
     cands = [cand("s0", prefill_tps=1000.0)]
+    # 2 s of prefill in flight on s1 (any replica's): left out while the fleet's placements
+    # arrive, taken again while they do not.
+    probe = req(blocks=10, tokens=1000)
+    floor = [cand("s1", prefill_tps=1000.0, inflight_tokens=2000)]
     async with running(shared):
         await asyncio.sleep(0.3)
         assert not shared.is_degraded
+        assert sc.predict(probe, floor[0], clock.t) < 1.1
         redis_server.kill()
         _place(sc, req(blocks=10, tokens=500), cands, "s0")
         await until(lambda: shared.is_degraded, "degraded")
         await until(lambda: shared.stats.dropped == 1, "the placement counted as dropped")
         assert shared.stats.errors >= 1
         assert sc.view()["s0"] == (0.5, 500.0)  # its own placement still counts
+        assert sc.predict(probe, floor[0], clock.t) > 2.9
         redis_server.start()
         await until(lambda: not shared.is_degraded, "recovered after Redis came back")

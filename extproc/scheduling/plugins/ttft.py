@@ -10,7 +10,9 @@ back to where it grew. No weight between "affinity" and "load" needs calibrating
 The queue ahead is this picker's own virtual prefill queue per endpoint (each placement adds
 its uncached tokens / speed; it drains in real time), floored by the in-flight prefill
 tokens every replica placed there and by the endpoint's scraped waiting requests at the
-mean placed prefill (both shared: replicas see the same floor). Speeds are measured online
+mean placed prefill (both shared: replicas see the same floor). With the peers' placements
+folded in (below), the queue is the fleet's and the in-flight floor, which counts a request
+until it ends and not just through its prefill, is left out. Speeds are measured online
 (`EndpointState.prefill_tps`: from the engines' prefill histograms, else the access log,
 endpoints/prefill_speed.py); until the first measurement every endpoint gets the same
 prior, which only scales all predictions alike.
@@ -100,6 +102,10 @@ class PredictedTTFTScorer:
         # Each placement (address, uncached tokens, prompt tokens, prefill seconds) for the
         # peers (server/shared_placements.py); None: not shared.
         self.on_placed: Callable[[str, float, int, float], None] | None = None
+        # True while the peers' placements are folded in (server/shared_placements.py sets it;
+        # False while Redis fails): the virtual queue then is the fleet's, and the in-flight
+        # floor is not taken. None: not shared.
+        self.fleet_folded: Callable[[], bool] | None = None
 
     def units_changed(self, factor: float) -> None:
         """Estimates grew `factor`-fold: the mean placed prefill follows (the prior speed is a
@@ -124,9 +130,13 @@ class PredictedTTFTScorer:
         tps = self._tps(c)
         wait = self._busy_until.get(c.endpoint.address, now) - now
         st = c.state
-        if st.inflight_tokens:
-            # Prefill placed by every replica and not yet finished (shared through Redis):
-            # this replica's own queue sees only its share.
+        if st.inflight_tokens and not (self.fleet_folded is not None and self.fleet_folded()):
+            # Prompt tokens every replica placed there, counted until each request ends
+            # (shared through Redis): this replica's own queue sees only its share. An
+            # over-count (it keeps requests long past their prefill, decoding, and more so the
+            # more loaded the server), so it is dropped when the queue already folds every
+            # replica's placements: with three replicas it moved tenants off their prefix's
+            # holder 2x as often (bench/RESULTS.md, issue 14, seventh session, third part).
             wait = max(wait, st.inflight_tokens / tps)
         if st.waiting and not st.is_stale:
             # Before any placement, this request's own prompt is the best guess of a queued one.
