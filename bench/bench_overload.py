@@ -55,9 +55,11 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,6 +245,20 @@ class Req:
     engine: tuple[float, float, float] | None = None
     picker_wait: float | None = None  # the picker's flow-control queue wait (its decision)
     to_server: float | None = None  # client send to the sim's arrival (wall clocks, one host)
+    # Kept to tell a lost request's story: when its response headers came (seconds after
+    # sending), how many body lines it read before it ended, the picker's decision (--trace).
+    headers_s: float | None = None
+    lines: int = 0
+    decision: str = ""
+    bench_id: str = ""  # sent as x-bench-id, logged by Envoy's access log (envoy-access.log)
+
+
+ACCESS_FORMAT = (
+    "%START_TIME% id=%REQ(X-BENCH-ID)% code=%RESPONSE_CODE% flags=%RESPONSE_FLAGS% "
+    "details=%RESPONSE_CODE_DETAILS% term=%CONNECTION_TERMINATION_DETAILS% "
+    "upstream=%UPSTREAM_HOST% ufail=%UPSTREAM_TRANSPORT_FAILURE_REASON% dur=%DURATION% "
+    "sent=%BYTES_SENT%\n"
+)
 
 
 @dataclass
@@ -257,6 +273,7 @@ class Deployment:
     procs: list[subprocess.Popen] = field(default_factory=list)
     url: str = ""
     admin_ports: list[int] = field(default_factory=list)
+    access_path: Path | None = None  # the running Envoy's access log
 
     def start(
         self, cfg: dict, *, pickers: int = 1, redis_url: str | None = None, src: str = ""
@@ -306,6 +323,19 @@ class Deployment:
             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
             for p in ports
         ]
+        # Who ended each request, for the lost ones: the response flags and code details
+        # (ext_proc message timeout, upstream reset, ...), matched to the client by x-bench-id.
+        self.access_path = access_path = self.log_dir / f"envoy-access-{listen}.log"
+        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        hcm["typed_config"].setdefault("access_log", []).append({
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3."
+                "FileAccessLog",
+                "path": str(access_path),
+                "log_format": {"text_format_source": {"inline_string": ACCESS_FORMAT}},
+            },
+        })  # fmt: skip
         cfg_path = self.log_dir / f"envoy-{listen}.yaml"
         cfg_path.write_text(yaml.safe_dump(doc, sort_keys=False))
         log = open(self.log_dir / "envoy.log", "ab")  # noqa: SIM115
@@ -441,7 +471,9 @@ async def send(
         "x-llm-d-inference-fairness-id": r.tenant,
         "x-llm-d-inference-objective": r.objective,
         "x-sim-timing": "1",
+        "x-bench-id": r.bench_id or str(rng_seed),
     }
+    r.bench_id = headers["x-bench-id"]
     if trace:
         headers["x-extproc-explain"] = EXPLAIN_TOKEN
     sent = time.time()
@@ -452,15 +484,18 @@ async def send(
             timeout=aiohttp.ClientTimeout(total=120),
         ) as resp:  # fmt: skip
             r.status = resp.status
+            r.headers_s = time.perf_counter() - start
             r.reason = resp.headers.get("x-llm-d-request-dropped-reason", "")
             r.served_by = resp.headers.get("x-served-by", "")
             decision = resp.headers.get("x-extproc-decision")
             if decision:
+                r.decision = decision
                 r.picker_wait = json.loads(decision).get("queue_wait_s")
             if resp.status != 200:
                 await resp.read()
             else:
                 async for raw in resp.content:
+                    r.lines += 1
                     line = raw.strip()
                     if line.startswith(b": timing "):
                         parts = dict(kv.split("=") for kv in line[9:].decode().split())
@@ -622,6 +657,34 @@ def breakdown(rs: list[Req]) -> dict:
             "hi_slowest_servers": servers, "hi_slowest10": ten}  # fmt: skip
 
 
+def lost_detail(r: Req) -> dict:
+    """What one lost request saw, to be matched with Envoy's access log by `id`."""
+    d = {"id": r.bench_id, "tenant": r.tenant, "objective": r.objective, "at": round(r.at, 3),
+         "status": r.status, "error": r.error[:160], "headers_s": r.headers_s and round(
+             r.headers_s, 3), "total_s": round(r.total_s, 3), "ttft_s": r.ttft_s and round(
+             r.ttft_s, 3), "lines": r.lines, "served_by": r.served_by}  # fmt: skip
+    if r.decision:
+        d["decision"] = json.loads(r.decision)
+    return d
+
+
+def freeze(pids: list[int], seconds: float) -> None:
+    """A machine stall on demand: stop these processes, then let them go on."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    print(f"stall: froze {pids} for {seconds} s", file=sys.stderr, flush=True)
+    time.sleep(seconds)
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
+
+
+def envoy_lines(path: Path | None, ids: set[str]) -> list[str]:
+    """Envoy's access-log lines of these requests (read after Envoy stopped: flushed)."""
+    if not ids or path is None or not path.exists():
+        return []
+    return [ln for ln in path.read_text().splitlines() if ln.split(" ")[1][3:] in ids]
+
+
 def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo_s: float,
            unloaded_p99: float, window: tuple[float, float]) -> dict:  # fmt: skip
     ok = [r for r in reqs if r.status == 200 and r.ttft_s is not None and not r.error]
@@ -656,6 +719,7 @@ def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo
     lost = [r for r in reqs if not (r.status == 200 and not r.error) and not (
         r.status in (429, 503) and r.reason)]  # fmt: skip
     row["lost"] = len(lost)
+    row["lost_detail"] = [lost_detail(r) for r in lost]
     wsum = sum(TENANTS.values())
     for label, objs in (("", ("batch", "interactive")), ("batch_", ("batch",))):
         tok = {t: 0 for t in TENANTS}
@@ -725,6 +789,11 @@ def main() -> int:
         default=0,
         help="extra unloaded passes (each printed; the baseline pools all passes)",
     )
+    ap.add_argument("--stall", default="", choices=("", "sims", "picker", "both", "all"),
+                    help="freeze (SIGSTOP) the sims' process and/or the picker (all: Envoy too) "
+                    "for --stall-s seconds, --stall-at seconds into each burst")  # fmt: skip
+    ap.add_argument("--stall-at", type=float, default=8.0)
+    ap.add_argument("--stall-s", type=float, default=2.0)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     objectives = tmp / "objectives.yaml"
@@ -820,7 +889,18 @@ def main() -> int:
             sims_before = sims_now(dep)
             tl_path = tmp / f"timeline-{i_run}-{run}.jsonl"  # one per run, same names too
             tl = Timeline(dep.admin_ports, fleet.addresses, tl_path).start()
+            stall = None
+            if args.stall:
+                pids = [fleet.proc.pid] if args.stall in ("sims", "both", "all") else []
+                if args.stall in ("picker", "both", "all"):
+                    pids += [p.pid for p in dep.procs[:-1]]  # the last one is Envoy
+                if args.stall == "all":
+                    pids.append(dep.procs[-1].pid)
+                stall = threading.Timer(args.stall_at, freeze, (pids, args.stall_s))
+                stall.start()
             duration = asyncio.run(open_loop(dep.url, reqs, args.trace))
+            if stall is not None:
+                stall.join()
             rows_tl = tl.stop()
             diag = diagnostics(dep, sims_before)
             dep.stop()
@@ -829,6 +909,7 @@ def main() -> int:
                 f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99, window
             )
             row.update(diag)
+            row["lost_envoy"] = envoy_lines(dep.access_path, {d["id"] for d in row["lost_detail"]})
             row.update(summary(rows_tl, args.warm_s, args.burst_s, args.servers))
             row["timeline"] = str(tl.path)
             row["offered_tok_s"] = offered

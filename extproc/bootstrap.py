@@ -493,13 +493,30 @@ PICKER_UNAVAILABLE_BODY = (
 
 
 def _picker_unavailable_reply() -> dict[str, Any]:
-    """Envoy's own 500s get a JSON body like the picker's errors, not an empty one. The only
-    local 500 in this config is the ext_proc filter failing closed (no picker reachable, or
-    the stream broke); the picker's own 500 says the same thing in other words, and is the
-    only other local reply the mapper touches (its 4xx/503/429 answers keep their bodies)."""
+    """Envoy's own 500s become a 503 with a JSON body like the picker's errors, the reason
+    header and `retry-after`: a refusal the client can tell apart and retry, not a bare 500
+    (issue 15: a picker starved of CPU for ~3 s is health-checked down, and every request
+    until it is seen up again failed here). The only local 500 in this config is the ext_proc
+    filter failing closed (no picker reachable, or the stream broke); the picker's own 500
+    says the same thing in other words, and is the only other local reply the mapper
+    touches (its 4xx/503/429 answers keep their status, body and headers)."""
     return {
         "mappers": [
             {
+                "status_code": 503,
+                "headers_to_add": [
+                    {
+                        "header": {
+                            "key": protocol.DROPPED_REASON_HEADER,
+                            "value": "picker-unavailable",
+                        },
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    },
+                    {
+                        "header": {"key": "retry-after", "value": "1"},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    },
+                ],
                 "filter": {
                     "status_code_filter": {
                         "comparison": {

@@ -341,7 +341,9 @@ class _Stream:
             },
         )
         extra = dict(err.extra_headers)
-        if err.status == 429:
+        if err.status in (429, 503):
+            # A refusal with its reason: 503s too (no endpoint, body budget), so a client
+            # (and the overload bench) can tell a refusal from a failure.
             extra[protocol.DROPPED_REASON_HEADER] = err.code
         return [wire.error_response(err, extra)]
 
