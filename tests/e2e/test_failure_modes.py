@@ -21,7 +21,14 @@ def test_fail_closed_by_default_and_recovers_when_the_picker_returns():
     with Stack(StackOptions(upstreams=2)) as stack:
         assert statuses(stack, 3) == [200] * 3
         stack.stop_extproc(signal.SIGKILL)
-        assert statuses(stack, 5) == [500] * 5
+        # A refusal the client can tell from a failure: 503, its reason, when to retry.
+        with httpx.Client(base_url=stack.url, timeout=10) as c:
+            refused = [c.post("/v1/chat/completions", json=CHAT) for _ in range(5)]
+        assert [r.status_code for r in refused] == [503] * 5
+        assert {r.headers.get(protocol.DROPPED_REASON_HEADER) for r in refused} == {
+            "picker-unavailable"
+        }
+        assert all(r.headers.get("retry-after") == "1" for r in refused)
         stack.start_extproc()
         # Envoy health-checks the picker every second; the first routed request ends the wait.
         stack.wait_picker_routing(CHAT)

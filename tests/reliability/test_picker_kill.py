@@ -392,8 +392,8 @@ def test_two_replicas_one_killed_under_load(two_replica_bootstrap: int, sig: int
             "cluster.extproc.outlier_detection.ejections_enforced_total", 0
         ),
     )
-    # Fail closed: every failure is a 500, and once the stopped replica is seen down the
-    # survivor serves everything (unless Envoy saw no healthy picker at all: a flap).
+    # Fail closed: every failure is a 503 with its reason, and once the stopped replica is
+    # seen down the survivor serves everything (unless Envoy saw no healthy picker: a flap).
     assert {st for _, st in failed} <= {503}
     settled = m["seen_down"] + 0.1
     unexplained = [
