@@ -19,11 +19,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import yaml
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
+from tests.e2e.flow_configs import two_band_reserve_config
 
 SMALL, BIG = 150, 500  # words of 7 letters: ~300 and ~1000 estimated tokens
 LONG = 500  # output tokens at 100 tokens/s: ~5 s of streaming
@@ -47,43 +47,13 @@ CAP = 2 * estimate(SMALL) + 100
 def stack(tmp_path_factory) -> Iterator[Stack]:
     assert estimate(SMALL) + estimate(BIG) > CAP
     tmp = tmp_path_factory.mktemp("flowconfprior")
-    objectives = tmp / "objectives.yaml"
-    objectives.write_text(yaml.safe_dump({"interactive": 10, "batch": 0}))
-    detector = {"concurrencyMode": "tokens", "maxTokenConcurrency": CAP}
-    cfg = {
-        "parse": {"calibrate": False},
-        "state": {"request_end": {"mode": "access-log"}},  # in flight until the stream ends
-        "scheduling": {
-            "plugins": [
-                {"type": "token-load-scorer"},
-                {"type": "max-score-picker"},
-                {"type": "concurrency-detector", "parameters": detector},
-            ],
-            "flowControl": {
-                "defaultRequestTTL": "60s",
-                "priorityBands": [{"priority": 10}, {"priority": 0}],
-                "saturationDetector": {"pluginRef": "concurrency-detector"},
-            },
-            "schedulingProfiles": [
-                {
-                    "name": "default",
-                    "plugins": [
-                        {"pluginRef": "token-load-scorer"},
-                        {"pluginRef": "max-score-picker"},
-                    ],
-                }
-            ],
-        },
-        "flow_control": {
-            "admit_per_endpoint": True,
-            "reserve_for_higher_bands": 1,
-            "expected_output_tokens": 0,  # sizes are prompts alone: exact thresholds
-            "reserve_prior": {10: {"request_tokens": estimate(BIG)}},
-            "objectives_file": str(objectives),
-        },
-    }
-    path = tmp / "picker.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path = two_band_reserve_config(
+        tmp,
+        "token-load-scorer",
+        CAP,
+        expected_output_tokens=0,  # sizes are prompts alone: exact thresholds
+        reserve_prior={10: {"request_tokens": estimate(BIG)}},
+    )
     sim = ("--decode-tps", "100")
     with Stack(StackOptions(upstreams=2, sim_args=sim, extproc_args=("--config", str(path)))) as s:
         yield s

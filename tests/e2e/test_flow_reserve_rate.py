@@ -18,11 +18,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import yaml
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
+from tests.e2e.flow_configs import two_band_reserve_config
 
 SMALL, MEDIUM, BIG = 150, 250, 500  # words of 7 letters: ~300, ~500, ~1000 tokens
 LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
@@ -44,43 +44,13 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     # The interactive server holds MEDIUM; beside it the old reserve (the largest
     # interactive request, BIG) fits with MARGIN to spare, the new one does not.
     cap = estimate(MEDIUM) + estimate(BIG) + MARGIN
-    detector = {"concurrencyMode": "tokens", "maxTokenConcurrency": cap}
     tmp = tmp_path_factory.mktemp("flowrate")
-    objectives = tmp / "objectives.yaml"
-    objectives.write_text(yaml.safe_dump({"interactive": 10, "batch": 0}))
-    cfg = {
-        "parse": {"calibrate": False},
-        "state": {"request_end": {"mode": "access-log"}},  # in flight until the stream ends
-        "scheduling": {
-            "plugins": [
-                {"type": "token-load-scorer"},
-                {"type": "max-score-picker"},
-                {"type": "concurrency-detector", "parameters": detector},
-            ],
-            "flowControl": {
-                "defaultRequestTTL": "60s",
-                "priorityBands": [{"priority": 10}, {"priority": 0}],
-                "saturationDetector": {"pluginRef": "concurrency-detector"},
-            },
-            "schedulingProfiles": [
-                {
-                    "name": "default",
-                    "plugins": [
-                        {"pluginRef": "token-load-scorer"},
-                        {"pluginRef": "max-score-picker"},
-                    ],
-                }
-            ],
-        },
-        "flow_control": {
-            "admit_per_endpoint": True,
-            "reserve_for_higher_bands": 1,
-            "expected_output_tokens": 0,  # sizes are prompts alone: exact thresholds
-            "objectives_file": str(objectives),
-        },
-    }
-    path = tmp / "picker.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path = two_band_reserve_config(
+        tmp,
+        "token-load-scorer",
+        cap,
+        expected_output_tokens=0,  # sizes are prompts alone: exact thresholds
+    )
     # A slower prefill than the default, so a prefill time is long next to the client's
     # own overheads (the rate term is arrival rate x prefill time).
     sim = ("--decode-tps", "100", "--prefill-tps", "4000")

@@ -1,0 +1,51 @@
+"""The picker config the flow-control reserve tests share: two bands (interactive 10, batch
+0, named in an objectives file), a token concurrency detector, one scorer and
+per-endpoint admission with a reserve for one higher-band request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def two_band_reserve_config(
+    tmp: Path, scorer: str, max_tokens_in_flight: int, **flow_control: Any
+) -> Path:
+    """Writes the config (and its objectives file) into `tmp`; returns the config's path.
+    `flow_control` adds to or overrides extproc's own `flow_control` section."""
+    objectives = tmp / "objectives.yaml"
+    objectives.write_text(yaml.safe_dump({"interactive": 10, "batch": 0}))
+    detector = {"concurrencyMode": "tokens", "maxTokenConcurrency": max_tokens_in_flight}
+    cfg = {
+        "parse": {"calibrate": False},
+        "state": {"request_end": {"mode": "access-log"}},  # in flight until the stream ends
+        "scheduling": {
+            "plugins": [
+                {"type": scorer},
+                {"type": "max-score-picker"},
+                {"type": "concurrency-detector", "parameters": detector},
+            ],
+            "flowControl": {
+                "defaultRequestTTL": "60s",
+                "priorityBands": [{"priority": 10}, {"priority": 0}],
+                "saturationDetector": {"pluginRef": "concurrency-detector"},
+            },
+            "schedulingProfiles": [
+                {
+                    "name": "default",
+                    "plugins": [{"pluginRef": scorer}, {"pluginRef": "max-score-picker"}],
+                }
+            ],
+        },
+        "flow_control": {
+            "admit_per_endpoint": True,
+            "reserve_for_higher_bands": 1,
+            "objectives_file": str(objectives),
+            **flow_control,
+        },
+    }
+    path = tmp / "picker.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
