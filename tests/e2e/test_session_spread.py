@@ -25,6 +25,7 @@ import httpx
 from extproc.protocol import DECISION_HEADER, EXPLAIN_HEADER
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
+from tests.e2e.profiles import default_profile_with
 
 SIM = ("--fast", "4", "--prefill-tps", "5000", "--num-gpu-blocks", "2000")
 # Told, as calibration would find: a change of keys mid-test would forget every prefix.
@@ -68,26 +69,7 @@ def test_new_sessions_fill_every_server_before_any_takes_a_second(tmp_path):
 
 TOKEN = "session-spread-token"
 # The default profile with the opt-in `keepTogetherGrowth` (off by default).
-TOGETHER = """scheduling:
-  plugins:
-  - {type: bounded-sessions-filter, parameters: {keepTogetherGrowth: 0.5}}
-  - {type: bounded-load-filter}
-  - {type: predicted-ttft-scorer}
-  - {type: kv-cache-utilization-scorer}
-  - {type: no-hit-lru-scorer}
-  - {type: session-tail-scorer}
-  - {type: max-score-picker}
-  schedulingProfiles:
-  - name: default
-    plugins:
-    - {pluginRef: bounded-sessions-filter}
-    - {pluginRef: bounded-load-filter}
-    - {pluginRef: predicted-ttft-scorer, weight: 4}
-    - {pluginRef: kv-cache-utilization-scorer, weight: 1}
-    - {pluginRef: no-hit-lru-scorer, weight: 1}
-    - {pluginRef: session-tail-scorer, weight: 2}
-    - {pluginRef: max-score-picker}
-"""
+TOGETHER = default_profile_with({"bounded-sessions-filter": {"keepTogetherGrowth": 0.5}})
 
 
 def run_sessions(

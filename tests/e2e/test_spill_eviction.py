@@ -17,6 +17,7 @@ import httpx
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
+from tests.e2e.profiles import default_profile_with
 
 # 64 blocks x 16 tokens per server; slow decode so a long reply stays in flight.
 SIM = ("--num-gpu-blocks", "64", "--decode-tps", "40")
@@ -24,28 +25,9 @@ SIM = ("--num-gpu-blocks", "64", "--decode-tps", "40")
 # uncached part stays under 256 of them, the prefill-speed sampler's minimum, so both servers
 # keep the scorer's prior speed, set low so the prompts dwarf the fixed 5 ms per request.
 # The default profile otherwise.
-PICKER = """
-parse: {block_tokens: 16, bytes_per_token: 1}
-scheduling:
-  plugins:
-  - {type: bounded-sessions-filter}
-  - {type: bounded-load-filter}
-  - {type: predicted-ttft-scorer, parameters: {priorPrefillTokensPerSecond: 1000}}
-  - {type: kv-cache-utilization-scorer}
-  - {type: no-hit-lru-scorer}
-  - {type: session-tail-scorer}
-  - {type: max-score-picker}
-  schedulingProfiles:
-  - name: default
-    plugins:
-    - {pluginRef: bounded-sessions-filter}
-    - {pluginRef: bounded-load-filter}
-    - {pluginRef: predicted-ttft-scorer, weight: 4}
-    - {pluginRef: kv-cache-utilization-scorer, weight: 1}
-    - {pluginRef: no-hit-lru-scorer, weight: 1}
-    - {pluginRef: session-tail-scorer, weight: 2}
-    - {pluginRef: max-score-picker}
-"""
+PICKER = "parse: {block_tokens: 16, bytes_per_token: 1}\n" + default_profile_with(
+    {"predicted-ttft-scorer": {"priorPrefillTokensPerSecond": 1000}}
+)
 SCORER = "default/predicted-ttft-scorer"
 WORDS = ("tenant", "policy", "invoice", "refund", "order", "ticket", "account", "shipping")
 
