@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import time
 
 import aiohttp
@@ -17,21 +16,12 @@ import httpx
 
 from extproc.sim.workload import WorkItem, send_one
 from extproc.stack import Stack, StackOptions
+from tests.e2e.calibration_workload import SIM, gauge, syllable_text
 
-# Caches large enough that nothing is evicted: the test is about the picker's keys, not LRU.
-SIM = ("--fast", "10", "--prefill-tps", "50000", "--num-gpu-blocks", "20000",
-       "--max-model-len", "16384", "--seed", "3")  # fmt: skip
 # The simulator's tokenizer averages ~1.3 characters per token: from 3, calibration finds 1
 # (a ratio of ~2.3, inside its bounds and far outside its hysteresis).
 PARSE = "parse: {bytes_per_token: 3}\n"
 GROUPS = 6
-_SYL = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "so", "pe", "da", "zu", "ri", "mo", "fa")
-
-
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(
-        "".join(rng.choice(_SYL) for _ in range(rng.randint(1, 3))) for _ in range(words)
-    )
 
 
 def _item(index: int, system: str, question: str) -> WorkItem:
@@ -48,21 +38,16 @@ def _item(index: int, system: str, question: str) -> WorkItem:
     return WorkItem(index, 0, index, 0, 0, body)
 
 
-def _gauge(metrics: str, name: str) -> float | None:
-    m = re.search(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", metrics, re.MULTILINE)
-    return float(m.group(1)) if m else None
-
-
 async def _scenario(stack: Stack) -> tuple[list, list, dict[str, float | None]]:
     admin = f"http://127.0.0.1:{stack.picker_admin_port}/metrics"
     rng = random.Random(11)
-    systems = [_text(rng, 900) for _ in range(GROUPS)]
+    systems = [syllable_text(rng, 900) for _ in range(GROUPS)]
     async with aiohttp.ClientSession() as s, httpx.AsyncClient() as h:
 
         async def gauges() -> dict[str, float | None]:
             text = (await h.get(admin)).text
             return {
-                k: _gauge(text, f"extproc_approx_{k}")
+                k: gauge(text, f"extproc_approx_{k}")
                 for k in ("block_tokens", "bytes_per_token", "recalibrations")
             }
 
@@ -81,7 +66,7 @@ async def _scenario(stack: Stack) -> tuple[list, list, dict[str, float | None]]:
         n = 100
         while (await gauges())["bytes_per_token"] == 3:
             assert n < 700, await gauges()
-            batch = [_item(n + i, _text(rng, 500), "filler") for i in range(6)]
+            batch = [_item(n + i, syllable_text(rng, 500), "filler") for i in range(6)]
             n += len(batch)
             done = await asyncio.gather(*(send_one(s, stack.url, b, 30) for b in batch))
             assert all(r.status == 200 for r in done), [r.error for r in done]

@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 
 import aiohttp
 import httpx
 
 from extproc.sim.workload import WorkItem, send_one
 from extproc.stack import Stack, StackOptions
+from tests.e2e.calibration_workload import SIM, gauge, syllable_text
 from tests.redis_servers import RedisServer
 
-SIM = ("--fast", "10", "--prefill-tps", "50000", "--num-gpu-blocks", "20000",
-       "--max-model-len", "16384", "--seed", "3")  # fmt: skip
 # From 3 bytes per token the simulator's ~1.3 characters per token is a ratio of ~2.3 per
 # request (inside calibration's bounds); in total, for a replica with a third of the
 # requests, ~7 (outside them).
@@ -35,13 +33,6 @@ PARSE = "parse: {bytes_per_token: 3}\n"
 # Each replica needs two windows of >= 8 of its own requests: ~48 requests in all with
 # three replicas. The bound leaves room for windows lost to misalignment.
 MAX_REQUESTS = 360
-_SYL = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "so", "pe", "da", "zu", "ri", "mo", "fa")
-
-
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(
-        "".join(rng.choice(_SYL) for _ in range(rng.randint(1, 3))) for _ in range(words)
-    )
 
 
 def _item(index: int, text: str) -> WorkItem:
@@ -55,11 +46,6 @@ def _item(index: int, text: str) -> WorkItem:
     return WorkItem(index, 0, index, 0, 0, body)
 
 
-def _gauge(metrics: str, name: str) -> float | None:
-    m = re.search(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", metrics, re.MULTILINE)
-    return float(m.group(1)) if m else None
-
-
 async def _scenario(stack: Stack) -> tuple[int, list[dict[str, float | None]]]:
     admins = [stack.picker_admin_port, *(a for _, _, a in stack.replica_ports)]
     rng = random.Random(5)
@@ -68,13 +54,13 @@ async def _scenario(stack: Stack) -> tuple[int, list[dict[str, float | None]]]:
         async def gauges() -> list[dict[str, float | None]]:
             texts = [(await h.get(f"http://127.0.0.1:{p}/metrics")).text for p in admins]
             names = ("approx_bytes_per_token", "decisions_total")
-            return [{k: _gauge(t, f"extproc_{k}") for k in names} for t in texts]
+            return [{k: gauge(t, f"extproc_{k}") for k in names} for t in texts]
 
         n = 0
         while any(g["approx_bytes_per_token"] == 3 for g in await gauges()):
             if n >= MAX_REQUESTS:
                 break
-            batch = [_item(n + i, f"filler {n + i}: " + _text(rng, 500)) for i in range(6)]
+            batch = [_item(n + i, f"filler {n + i}: " + syllable_text(rng, 500)) for i in range(6)]
             n += len(batch)
             done = await asyncio.gather(*(send_one(s, stack.url, b, 30) for b in batch))
             assert all(r.status == 200 for r in done), [r.error for r in done]
