@@ -173,6 +173,13 @@ class Parts:
             states=self.states.state if scraped else None,
         )
 
+    def _process_id(self) -> str:
+        """This replica's name on the shared channels: the shared in-flight record's, when
+        there is one, so every channel names a replica alike."""
+        from extproc.endpoints.shared_inflight import default_process_id
+
+        return getattr(self.inflight, "process_id", None) or default_process_id()
+
     def _share_request_ends(self, url: str):
         """Replicas behind one gateway get each other's access-log entries (Redis pub/sub)."""
         if self.settings.index.cluster:
@@ -181,10 +188,9 @@ class Parts:
                 "logged to another replica end by max_hold_s"
             )
             return None
-        from extproc.endpoints.shared_inflight import default_process_id
         from extproc.endpoints.shared_request_end import SharedRequestEnds
 
-        pid = getattr(self.inflight, "process_id", None) or default_process_id()
+        pid = self._process_id()
         return SharedRequestEnds.from_url(url, self.ends, process_id=pid)
 
     def _share_observations(self):
@@ -202,11 +208,10 @@ class Parts:
                 "each replica learns from its own placements"
             )
             return None
-        from extproc.endpoints.shared_inflight import default_process_id
         from extproc.server.shared_observations import SharedObservations
 
         lru = SharedObservations.lru_scorers(self.router.scheduler.plugins)
-        pid = getattr(self.inflight, "process_id", None) or default_process_id()
+        pid = self._process_id()
         return SharedObservations.from_url(
             idx.redis_url,
             self.speeds,
@@ -224,7 +229,6 @@ class Parts:
         if idx.backend != "redis" or not idx.redis_url:
             log.warning("state.shared_placements needs a Redis index: nothing is shared")
             return None
-        from extproc.endpoints.shared_inflight import default_process_id
         from extproc.server.shared_placements import SharedPlacements
 
         scorers = SharedPlacements.scorers(self.router.scheduler.plugins)
@@ -240,7 +244,7 @@ class Parts:
                 "prefill queues and written tokens count its own placements"
             )
             return None
-        pid = getattr(self.inflight, "process_id", None) or default_process_id()
+        pid = self._process_id()
         return SharedPlacements.from_url(
             idx.redis_url,
             scorers,
@@ -253,13 +257,12 @@ class Parts:
         idx = self.settings.index
         if idx.backend != "redis" or not idx.redis_url:
             return None
-        from extproc.endpoints.shared_inflight import default_process_id
         from extproc.server.shared_sessions import SharedSessions
 
         records = SharedSessions.records(self.router.scheduler.plugins)
         if not records:
             return None
-        pid = getattr(self.inflight, "process_id", None) or default_process_id()
+        pid = self._process_id()
         window = max(r.window_s for r in records.values())
         return SharedSessions.from_url(
             idx.redis_url, records, cluster=idx.cluster, process_id=pid, window_s=window
