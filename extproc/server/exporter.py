@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import Metric
 
 from extproc.endpoints.shared_inflight import SharedInFlight
-from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
 from extproc.server import families as fam
 from extproc.server import latency as latency_wiring
 from extproc.server.assembly import Parts
 from extproc.server.families import one
 from extproc.server.metrics import counter, gauge
+from extproc.server.shared_placements import SharedPlacements
 
 
 def register(parts: Parts, ready: Callable[[], bool], kube_watches: dict[str, object]) -> None:
@@ -151,8 +151,8 @@ class Exporter:
 
     def _ttft_views(self) -> Iterator[Metric]:
         """What each `predicted-ttft-scorer` holds per endpoint (replicas compare them)."""
-        plugins = self._p.router.scheduler.plugins
-        scorers = [p for p in plugins if isinstance(p, PredictedTTFTScorer)]
+        # Named as the shared channel names them, so replicas' views line up by label.
+        scorers = SharedPlacements.scorers(self._p.router.scheduler.plugins)
         if not scorers:
             return
         queue = gauge(
@@ -167,10 +167,10 @@ class Exporter:
             "started (eviction model).",
             ["scorer", "endpoint"],
         )
-        for i, scorer in enumerate(scorers):
+        for name, scorer in scorers.items():
             for address, (q, w) in scorer.view().items():
-                queue.add_metric([str(i), address], q)
-                written.add_metric([str(i), address], w)
+                queue.add_metric([name, address], q)
+                written.add_metric([name, address], w)
         yield queue
         yield written
 
