@@ -1,8 +1,9 @@
 """A chat's next turn through Envoy and `extproc serve` while its home server streams a long
-answer: predicted TTFT's in-flight floor counts only the requests the engine reports before
-their first token, so a request decoding there is not taken for queued prefill and the turn
-stays home (issue 14, eighth session: counted until it ended, a long answer's prompt made
-the holder look seconds deep and sessions left the server holding their prefix).
+answer: with `inflightFloor: untilFirstToken`, predicted TTFT's in-flight floor counts only
+the requests the engine reports before their first token, so a request decoding there is
+not taken for queued prefill and the turn stays home (issue 14, eighth session: counted
+until it ended, a long answer's prompt made the holder look seconds deep and sessions left
+the server holding their prefix; that stays the default, and the test fails with it).
 
 Deterministic: the long request is streamed, its first token read, and the picker's own
 state polled until a scrape taken after that token is in it; the next turn is then
@@ -18,6 +19,7 @@ import httpx
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions, wait_until
+from tests.e2e.profiles import default_profile_with
 from tests.e2e.test_request_end import picker_metric
 
 # Slow decode (the long answer lasts ~60 s unless cut), fast prefill: the answer's prompt
@@ -44,7 +46,8 @@ def test_a_request_decoding_on_the_home_server_does_not_push_the_next_turn_off_i
     rng = random.Random(7)
     system = "agent prompt. " + text(rng, 80)
     cfg = tmp_path / "picker.yaml"
-    cfg.write_text(PARSE)
+    floor = {"predicted-ttft-scorer": {"inflightFloor": "untilFirstToken"}}
+    cfg.write_text(PARSE + default_profile_with(floor))
     opts = StackOptions(upstreams=2, sim_args=SIM, extproc_args=("--config", str(cfg)))
     with Stack(opts) as stack, httpx.Client(timeout=60) as http:
         admin = f"http://127.0.0.1:{stack.picker_admin_port}"

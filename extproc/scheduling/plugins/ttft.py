@@ -11,9 +11,10 @@ The queue ahead is this picker's own virtual prefill queue per endpoint (each pl
 its uncached tokens / speed; it drains in real time), floored by the in-flight prefill
 tokens every replica placed there and by the endpoint's scraped waiting requests at the
 mean placed prefill (both shared: replicas see the same floor). In-flight requests count
-only as many as the engine reports before their first token, not through their decode
-(`_inflight_prefill`). With the peers' placements folded in (below), the queue is the
-fleet's and the in-flight floor is left out. Speeds are measured online
+until they end, or (`inflightFloor: untilFirstToken`) only as many as the engine reports
+before their first token, not through their decode (`_inflight_prefill`). With the peers'
+placements folded in (below), the queue is the fleet's and the in-flight floor is left out.
+Speeds are measured online
 (`EndpointState.prefill_tps`: from the engines' prefill histograms, else the access log,
 endpoints/prefill_speed.py); until the first measurement every endpoint gets the same
 prior, which only scales all predictions alike.
@@ -44,7 +45,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -75,9 +76,15 @@ class PredictedTTFTScorer:
     """Scores each endpoint by predicted TTFT: best / own (1.0 for the fastest), so a
     max-score picker sends the request where its first token comes soonest.
 
+    `inflightFloor`: how the in-flight requests floor the queue ahead (without shared
+    placements): `untilEnd` (default) counts each one's prompt until it ends, decoding
+    included; `untilFirstToken` counts only as many as the engine reports before their
+    first token (`_inflight_prefill`). Opt-in: interleaved runs did not show it better on
+    every workload (bench/RESULTS.md, issue 14, eighth session).
+
     ```yaml
     - type: predicted-ttft-scorer
-      parameters: {priorPrefillTokensPerSecond: 10000}
+      parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: untilEnd}
     ```
     """
 
@@ -86,11 +93,14 @@ class PredictedTTFTScorer:
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
         # Used only before any endpoint's speed has been measured.
         prior_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
+        inflight_floor: Literal["untilEnd", "untilFirstToken"] = "untilEnd"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self._prior = (params or self.Params()).prior_prefill_tokens_per_second
+        p = params or self.Params()
+        self._prior = p.prior_prefill_tokens_per_second
+        self._until_first_token = p.inflight_floor == "untilFirstToken"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -161,8 +171,10 @@ class PredictedTTFTScorer:
         Requests placed since the last scrape are not in the engine's count yet: this
         picker's own are in its virtual queue, a peer's show at the next scrape. Without
         that count (not exported, or the scrape is stale) every in-flight token counts, as
-        before, and `floor_fallbacks` says so."""
+        with `untilEnd`, and `floor_fallbacks` says so."""
         n, tokens = st.inflight_requests, float(st.inflight_tokens)
+        if not self._until_first_token:
+            return tokens
         if st.prefilling is None or st.is_stale:
             self.floor_fallbacks += 1
             if address not in self._fallen_back and len(self._fallen_back) < 1024:
