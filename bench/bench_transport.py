@@ -68,6 +68,37 @@ VARIANTS = (
     Variant(
         "picker-pyvoy-c1", ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app")
     ),
+    # The same with no grpc.aio server in the process (health only, or none at all).
+    Variant(
+        "picker-pyvoy-health",
+        ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app"),
+        env={"PICKER_GRPC": "health"},
+    ),
+    Variant(
+        "picker-pyvoy-nogrpc",
+        ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app"),
+        env={"PICKER_GRPC": ""},
+    ),
+    Variant(
+        "picker-pyvoy-switch",
+        ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app"),
+        env={"PICKER_GRPC": "", "PICKER_SWITCH_S": "0.0002"},
+    ),
+    Variant(
+        "picker-pyvoy-trace",
+        ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app"),
+        env={"PICKER_GRPC": "", "PICKER_TRACE": "/tmp/picker-pyvoy-trace.txt"},
+    ),
+    Variant(
+        "picker-pyvoy-c2",
+        ("--transport=pyvoy", "--envoy-concurrency=2", "--app=picker_pyvoy:app"),
+        env={"PICKER_GRPC": ""},
+    ),
+    Variant(
+        "picker-pyvoy-coalesce",
+        ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app"),
+        env={"PICKER_GRPC": "", "PICKER_COALESCE": "1", "PICKER_TRACE": "/tmp/picker-pyvoy-co.txt"},
+    ),
 )
 
 
