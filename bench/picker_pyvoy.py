@@ -2,7 +2,15 @@
 `App`, its `StreamHandler` and `AccessLogHandler`, default settings, one static endpoint) served
 by pyvoy through `floor_transports.asgi_grpc` instead of grpc.aio, so the picker's cost on that
 transport is measured rather than estimated. A measurement device, not a supported way to run
-extproc: the App still starts its own (idle) grpc.aio ports, no TLS reload, no workers.
+extproc: no TLS reload, no workers.
+
+Knobs (environment), for the eighth session's moderate-load trace:
+- PICKER_GRPC: the App's own ports still served on grpc.aio beside pyvoy, comma list of
+  `ext_proc`, `health` (default both; "" starts no grpc.aio server in the process);
+- PICKER_TRACE=FILE: per-stream timings (first message in -> first reply out, each reply's
+  wait on `send`) and the loop's lag, percentiles rewritten to FILE every ~0.5 s;
+- PICKER_COALESCE=1: replies queue while a send is in flight and leave as one body event;
+- PICKER_SWITCH_S: the interpreter's GIL switch interval.
 
     PICKER_ENDPOINT=HOST:PORT pyvoy picker_pyvoy:app ...   (floor_processor.py --transport=pyvoy
     --app=picker_pyvoy:app starts it)
@@ -13,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
-import time
 import sys
+import time
 
 from floor_transports import asgi_grpc
 
