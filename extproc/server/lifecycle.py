@@ -180,7 +180,9 @@ class Lifecycle(Parts):
         # Before anything connects or binds: a taken port is one clear error, not a
         # traceback after the ext_proc port already took streams. Workers share two ports.
         ports = {"ext_proc": cfg.port, "health": cfg.health_port}
-        shared = {} if self._shared_ports else {k: ports[k] for k in self._grpc_ports}
+        # In this order: the ext_proc port is the one named when both are taken.
+        served = {k: v for k, v in ports.items() if k in self._grpc_ports}
+        shared = {} if self._shared_ports else served
         own = {"worker": cfg.worker_port or 0} if "ext_proc" in self._grpc_ports else {}
         check_ports(cfg.host, {**shared, **own, "admin": cfg.admin_port or 0})
         try:
