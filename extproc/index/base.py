@@ -106,7 +106,7 @@ class IndexStats:
     lookups_degraded: int = 0
     # Why lookups were degraded besides an open breaker (remote backends only): over budget,
     # or an error. Late: a timed-out lookup's answer came back in the background. In grace:
-    # answered only in the loop turns after the budget's timer (the loop was late, not Redis).
+    # answered in a second budget given because the loop woke the first late (starved).
     lookups_timed_out: int = 0
     lookups_failed: int = 0
     lookups_late: int = 0

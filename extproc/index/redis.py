@@ -56,10 +56,11 @@ DEFAULT_LOOKUP_BUDGET_MAX_S = 0.05
 # Timed-out lookups left to finish in the background (their answer is a latency sample and
 # proof Redis is alive); beyond this many at once, a timed-out lookup is cancelled.
 _MAX_BACKGROUND_LOOKUPS = 64
-# Loop turns a timed-out lookup still gets before it is abandoned: a starved event loop
-# serves the budget's timer and the socket's answer in the same turn, so an answer Redis
-# sent in time would otherwise be read as a timeout (the loop's lateness, not Redis's).
-_GRACE_TURNS = 4
+# A budget's timer that fires this many budgets after the lookup began was late: the event
+# loop was starved, and an answer Redis sent in time (or a call not yet sent) would be read
+# as a timeout. Such a lookup is waited for one more budget (`lookups_in_grace` when it
+# then answers).
+_LATE_LOOP = 1.5
 
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
 # Member scores are ms since this epoch times 4096, so they stay exact in a double
@@ -230,12 +231,13 @@ class RedisKVIndex:
         )
         try:
             done, _ = await asyncio.wait((task,), timeout=budget)
-            if not done:
-                for _ in range(_GRACE_TURNS):
-                    await asyncio.sleep(0)
-                    if task.done():
-                        self.stats.lookups_in_grace += 1
-                        break
+            if not done and time.perf_counter() - started > budget * _LATE_LOOP:
+                # The loop woke us well past the budget: it was starved (other requests' CPU
+                # work, another process), not waiting on Redis; the call may not even have
+                # been sent. Redis gets one more budget of a running loop.
+                done, _ = await asyncio.wait((task,), timeout=budget)
+                if done:
+                    self.stats.lookups_in_grace += 1
         except asyncio.CancelledError:
             abandon(task, self._abandoned)
             raise

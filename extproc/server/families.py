@@ -144,8 +144,8 @@ INDEX = StatsFamilies(
         ),
         "lookups_in_grace": Stat(
             "extproc_index_lookups_in_grace",
-            "Index lookups answered only in the event-loop turns after their budget ran out "
-            "(the loop was late, not Redis): used, not degraded.",
+            "Index lookups answered in a second budget given because the event loop woke the "
+            "first one late (the loop was starved, not Redis): used, not degraded.",
         ),
         "lookup_budget_s": Stat(
             "extproc_index_lookup_budget_seconds",
