@@ -9,10 +9,11 @@ replica was answered degraded (routed blind) while Redis was up and answering. N
 - The budget is `factor` x the p90 of recent answered lookups (late answers included: they
   are the latency this process really sees), never below the configured `floor_s` nor above
   `cap_s`. A request may ask for more (`budget(requested)`, e.g. its prefill time).
-- A timed-out lookup is left to finish in the background; its answer counts as a sample and
-  as proof Redis is alive. Timeouts open the breaker only when `unanswered` of them in a
-  row are still without any answer `dead_after_s` after the first: a stalled Redis, not a
-  slow one. Errors (refused connection, Redis error) open it at once, as before.
+- A timed-out lookup is left to finish in the background; its answer counts as a sample and,
+  when it came within `cap_s`, as proof Redis is alive. Timeouts open the breaker only when
+  `unanswered` of them in a row are still without such an answer `dead_after_s` after the
+  first: a stalled Redis (or one slower than the cap), not a slow one. Errors (refused
+  connection, Redis error) open it at once, as before.
 Pure bookkeeping, no I/O and no clock of its own beyond `clock`: the index calls it.
 """
 
@@ -65,12 +66,16 @@ class LookupHealth:
         """True while lookups are answered degraded without trying Redis."""
         return self._clock() < self._retry_at
 
-    def answered(self, seconds: float) -> None:
-        """A lookup (in time or late) came back with an answer: Redis is alive."""
-        self._unanswered = 0
-        self._opens = 0
-        self._retry_at = 0.0  # a late answer while open is the probe succeeding
+    def answered(self, seconds: float, *, late: bool = False) -> None:
+        """A lookup came back with an answer, within its budget or `late` (in the background
+        after timing out): Redis is alive. A late answer slower than `cap_s` is a sample but
+        no proof of health: a Redis that slow would cost every lookup the whole cap, so its
+        timeouts go on counting towards the breaker."""
         self._samples.append(seconds)
+        if not late or seconds <= self.cap_s:
+            self._unanswered = 0
+            self._opens = 0
+            self._retry_at = 0.0  # a late answer while open is the probe succeeding
         self._since_recompute += 1
         if self._since_recompute >= _RECOMPUTE_EVERY:
             self._since_recompute = 0

@@ -291,10 +291,11 @@ class RedisKVIndex:
         seconds = time.perf_counter() - started
         self.stats.lookups_late += 1
         self.late_answers_s.append(seconds)
-        if self._health.is_open():
-            log.info("kv index: a late lookup answer after %.3fs: lookups resume", seconds)
-        self._health.answered(seconds)
+        was_open = self._health.is_open()
+        self._health.answered(seconds, late=True)
         self.stats.lookup_budget_s = self._health.budget_s
+        if was_open and not self._health.is_open():
+            log.info("kv index: a lookup answered after %.3fs: lookups resume", seconds)
 
     def _lookup_failed(self, exc: BaseException) -> None:
         self.stats.lookups_degraded += 1
