@@ -77,7 +77,8 @@ class LookupHealth:
             self._opens = 0
             self._retry_at = 0.0  # a late answer while open is the probe succeeding
         self._since_recompute += 1
-        if self._since_recompute >= _RECOMPUTE_EVERY:
+        # A late answer is news (the budget is too short now): taken into account at once.
+        if late or self._since_recompute >= _RECOMPUTE_EVERY:
             self._since_recompute = 0
             ordered = sorted(self._samples)
             p90 = ordered[int(0.9 * (len(ordered) - 1))]
