@@ -143,8 +143,6 @@ class RedisKVIndex:
         self._scripts_loaded = False
         self._parsed: dict[bytes, Records] = {}
         self._health = LookupHealth(lookup_budget_s, lookup_budget_max_s)
-        # How long timed-out lookups really took (their background answers), for traces.
-        self.late_answers_s: deque[float] = deque(maxlen=4096)
         self._task: asyncio.Task[None] | None = None
         self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         # Per-endpoint capacity from the server's cache config (overrides the option); every
@@ -290,7 +288,6 @@ class RedisKVIndex:
             return  # a dead Redis: the lookups that meet it say so
         seconds = time.perf_counter() - started
         self.stats.lookups_late += 1
-        self.late_answers_s.append(seconds)
         was_open = self._health.is_open()
         self._health.answered(seconds, late=True)
         self.stats.lookup_budget_s = self._health.budget_s
