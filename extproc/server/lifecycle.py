@@ -55,8 +55,9 @@ class Lifecycle(Parts):
         """`shared_ports`: a `--workers` worker, whose ext_proc and health ports are shared
         with its siblings (SO_REUSEPORT); otherwise a second process on the same port is a
         conflict. `grpc_ports`: which of the ext_proc and health ports this process serves on
-        grpc.aio; another transport (server/pyvoy.py) serves the rest and calls the same
-        handlers (`stream_handler`, `access_log`, `health`)."""
+        grpc.aio; another transport serves the rest and calls the same
+        handlers (`stream_handler`, `access_log`, `health`; bench/picker_pyvoy.py measures
+        pyvoy that way)."""
         super().__init__(settings, endpoints, environ=environ)
         self._shared_ports = shared_ports
         self._grpc_ports = grpc_ports
