@@ -35,6 +35,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 from bench_routing import AGENTIC, PRESSURE_SHAPE, tenants_spec
+from trace_causes import cause_of_each
 from trace_routing import _send, cpu_seconds
 
 from extproc.sim.sessions import build_sessions
@@ -162,7 +163,23 @@ def prefix_counters(urls: Sequence[str]) -> tuple[float, float]:
     return hits, queries
 
 
-def replay(workload: str, load: float, seed: int, rows: list[dict], log_dir: Path) -> dict:
+def by_cause(rows: Sequence[dict], cause: dict[int, str]) -> tuple[dict, dict]:
+    """Uncached prompt tokens (the prefill work a decision left) and requests at or above
+    the rows' TTFT p90, per miss cause of `trace_causes.py` (causes from the original trace)."""
+    ok = [r for r in rows if r.get("status") == 200 and "ttft_s" in r and r["index"] in cause]
+    p90 = _pct(sorted(r["ttft_s"] for r in ok), 0.9)
+    work: dict[str, int] = {}
+    slow: dict[str, int] = {}
+    for r in ok:
+        c = cause[r["index"]].split(" (")[0]
+        work[c] = work.get(c, 0) + r.get("prompt_tokens", 0) - r.get("cached_tokens", 0)
+        slow[c] = slow.get(c, 0) + (r["ttft_s"] >= p90)
+    return work, slow
+
+
+def replay(
+    workload: str, load: float, seed: int, rows: list[dict], log_dir: Path
+) -> tuple[dict, list[dict]]:
     servers, sim_args = PRESSURE_SHAPE[workload]
     with SimFleet(servers, sim_args, log_dir=log_dir) as fleet:
         urls = [s.url for s in fleet.servers]
@@ -191,7 +208,13 @@ def replay(workload: str, load: float, seed: int, rows: list[dict], log_dir: Pat
     f["metrics_hit"] = (h1 - h0) / max(q1 - q0, 1.0)
     f["wall_s"] = round(wall, 2)
     f["cpu_s"] = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
-    return f
+    return f, out
+
+
+def _print_causes(rows: Sequence[dict], cause: dict[int, str]) -> None:
+    work, slow = by_cause(rows, cause)
+    for c in sorted(work, key=lambda c: -work[c]):
+        print(f"    {c:<52} uncached tokens {work[c]:7d}, at or above p90 {slow[c]:3d}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1, help="the traces' seed")
     p.add_argument("--rounds", type=int, default=2, help="traces interleaved, this many times")
     p.add_argument("--out", type=Path, help="write every replay's figures here as JSON lines")
+    p.add_argument(
+        "--causes", action="store_true",
+        help="tenants: uncached tokens and slow requests per miss cause (trace_causes.py)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     load = args.load or (8 if args.workload == "agentic" else 24)
     traces = {t: [json.loads(x) for x in t.read_text().splitlines()] for t in args.traces}
@@ -214,11 +241,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{k} {v:.1f}" for k, v in sorted(c["cpu_s"].items())
             )
         print(_line(f"original {t.name}", figures(rows), extra), flush=True)
+        if args.causes:
+            _print_causes(rows, cause_of_each(rows))
     results = []
     with tempfile.TemporaryDirectory(prefix="replay-decisions-") as tmp:
         for rnd in range(args.rounds):
             for t, rows in traces.items():
-                f = replay(args.workload, load, args.seed, rows, Path(tmp))
+                f, out = replay(args.workload, load, args.seed, rows, Path(tmp))
                 f |= {"trace": str(t), "round": rnd}
                 results.append(f)
                 cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(f["cpu_s"].items()))
@@ -227,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                     + f" | CPU s over {f['wall_s']:.1f} s: {cpu}",
                     flush=True,
                 )
+                if args.causes:
+                    _print_causes(out, cause_of_each(rows))
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in results))
     return 0
