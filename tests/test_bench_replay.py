@@ -68,10 +68,14 @@ def test_closed_loop_plan_keeps_each_sessions_turn_order(rd):
 def test_open_loop_replay_sends_each_request_at_its_time_to_its_server(rd):
     plan = [rd.Send(_item(i), i % 2, at_s=0.05 * i) for i in range(6)]
     seen: list[tuple[int, str, float]] = []
+    running = [0, 0]  # now, most at once
 
     async def send(url: str, item: WorkItem, t0: float) -> dict:
         seen.append((item.index, url, time.perf_counter() - t0))
+        running[0] += 1
+        running[1] = max(running)
         await asyncio.sleep(0.2)  # slower than the gaps: requests overlap, as in open loop
+        running[0] -= 1
         return {"index": item.index}
 
     rows = asyncio.run(rd.replay_open(plan, ["u0", "u1"], send))
@@ -80,8 +84,9 @@ def test_open_loop_replay_sends_each_request_at_its_time_to_its_server(rd):
     for i, url, at in seen:
         assert url == f"u{i % 2}"
         assert at >= 0.05 * i - 0.001  # never early (late is the machine's doing)
-    # Open loop: the last request went out before the first one ended.
-    assert seen[-1][2] < 0.2 + 0.05 * 5
+    # Open loop: a request goes out while earlier ones run (timers fire in deadline order, so
+    # the second, due at 0.05 s, always starts before the first's 0.2 s sleep ends).
+    assert running[1] >= 2
 
 
 def test_closed_loop_replay_sends_a_turn_after_the_previous_one_ended(rd):
@@ -101,3 +106,17 @@ def test_closed_loop_replay_sends_a_turn_after_the_previous_one_ended(rd):
     for ss in spans.values():
         for (_, end), (start, _) in itertools.pairwise(ss):
             assert start >= end + 0.02 - 0.001  # the previous turn ended, then think time
+
+
+def test_causes_sum_uncached_tokens_and_count_the_slow_tail(rd):
+    rows = [
+        {"index": i, "status": 200, "ttft_s": 0.1 * (i + 1), "prompt_tokens": 100,
+         "cached_tokens": 100 if i % 2 else 0}
+        for i in range(10)
+    ]  # fmt: skip
+    rows.append({"index": 10, "status": 0})  # failed: neither work nor tail
+    cause = {i: "hit" if i % 2 else "spill: index holder lost on score" for i in range(11)}
+    work, slow = rd.by_cause(rows, cause)
+    assert work == {"spill: index holder lost on score": 500, "hit": 0}
+    # p90 of ten TTFTs 0.1..1.0 is the tenth (index 9, a hit): only it is at or above.
+    assert slow == {"spill: index holder lost on score": 0, "hit": 1}
