@@ -202,7 +202,7 @@ def streamed_body(
     for i in range(last + 1):
         a, b = i * size, (i + 1) * size
         if not h:
-            part = body[a:b]
+            part = body[rest_from + a : rest_from + b]
         elif b <= h:
             part = head[a:b]
         elif a >= h:
