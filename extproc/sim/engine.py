@@ -190,6 +190,13 @@ class Engine:
                 self._moved = loop.create_future()
             await asyncio.wait({self._moved}, timeout=delay)
 
+    def prefill_order(self) -> list[Job]:
+        """The jobs whose prefill has not ended, in the order the engine will end them: the
+        admitted ones by their place in the prefill lane, then the admission queue."""
+        now = asyncio.get_running_loop().time()
+        lane = [s.job for s in self._lane if s.prefill_end > now and s.state is not _State.DONE]
+        return lane + [s.job for s in self._queue if not s.admitted.cancelled()]
+
     def gauges(self) -> Gauges:
         waiting = self._counts[_State.QUEUED] + self._counts[_State.ADMITTED]
         return Gauges(self._counts[_State.RUNNING], waiting, self.cache.usage)
