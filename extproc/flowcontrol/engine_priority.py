@@ -26,10 +26,9 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from extproc.core import Api
+from extproc.protocol import ENGINE_PRIORITY_HEADER
 
-# vLLM's request header for the same value; it wins over the body there, so a client's
-# must not reach the engine.
-ENGINE_PRIORITY_HEADER = "x-vllm-priority"
+__all__ = ["ENGINE_PRIORITY_HEADER", "EnginePriority", "engine_priority", "with_priority"]
 
 # The APIs whose vLLM request carries `priority` (vLLM 0.32: chat, completions, responses,
 # embeddings; its Anthropic messages request has none).

@@ -47,7 +47,7 @@ def _priority_seen(request: web.Request, body: bytes) -> dict:
     (absent from the answer when the body has none), vLLM's `x-vllm-priority` header, and
     the declared content-length (a rewritten body must declare its new size)."""
     out: dict = {
-        "vllm_priority_header": request.headers.get("x-vllm-priority"),
+        "vllm_priority_header": request.headers.get(protocol.ENGINE_PRIORITY_HEADER),
         "content_length": request.headers.get("content-length"),
     }
     if b"priority" in body:  # only then parse: large bodies pass through untouched

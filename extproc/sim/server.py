@@ -24,6 +24,7 @@ from aiohttp import web
 
 from extproc.core import Api
 from extproc.errors import BadRequest
+from extproc.protocol import ENGINE_PRIORITY_HEADER
 from extproc.requests import ParseSettings, parse_request
 from extproc.sim import SERVED_BY_HEADER, TIMING_HEADER
 from extproc.sim.blocks import wire_hash
@@ -67,7 +68,7 @@ class _StreamOptions(msgspec.Struct):
 
 _SAMPLING = msgspec.json.Decoder(_Sampling)
 # vLLM 0.32 reads this header before the body's `priority` (an unparsable value is ignored).
-_PRIORITY_HEADER = "x-vllm-priority"
+_PRIORITY_HEADER = ENGINE_PRIORITY_HEADER
 
 
 def _priority(headers: dict[str, str], sampling: _Sampling) -> int:
