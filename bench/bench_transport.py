@@ -9,7 +9,10 @@ over Envoy alone (medians over rounds, and every round printed).
         [--only "aio,sync,..."] [--modes FD,BUF] [--picker] [--pyvoy-path DIR]
     # pyvoy is not a project dependency:  uv pip install --target DIR pyvoy==1.3.0
 
-`--picker` adds `extproc serve` (the stack's picker) in FULL_DUPLEX, as a ratio to each floor.
+`--picker` adds `extproc serve` (the stack's picker) in FULL_DUPLEX, as a ratio to each floor,
+and each variant's p50 minus the picker's in the same round (median over rounds). The
+`picker-pyvoy-*` variants run `picker_pyvoy.py` with its knobs (no grpc.aio server, Envoy
+concurrency 2, per-stream timings, coalesced replies, GIL switch interval).
 """
 
 from __future__ import annotations
@@ -67,6 +70,37 @@ VARIANTS = (
     # Not a floor: the picker's real handlers on pyvoy (bench/picker_pyvoy.py).
     Variant(
         "picker-pyvoy-c1", ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app")
+    ),
+    # The same with no grpc.aio server in the process (health only, or none at all).
+    Variant(
+        "picker-pyvoy-health",
+        ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app"),
+        env={"PICKER_GRPC": "health"},
+    ),
+    Variant(
+        "picker-pyvoy-nogrpc",
+        ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app"),
+        env={"PICKER_GRPC": ""},
+    ),
+    Variant(
+        "picker-pyvoy-switch",
+        ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app"),
+        env={"PICKER_GRPC": "", "PICKER_SWITCH_S": "0.0002"},
+    ),
+    Variant(
+        "picker-pyvoy-trace",
+        ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app"),
+        env={"PICKER_GRPC": "", "PICKER_TRACE": "/tmp/picker-pyvoy-trace.txt"},
+    ),
+    Variant(
+        "picker-pyvoy-c2",
+        ("--transport=pyvoy", "--envoy-concurrency=2", "--app=picker_pyvoy:app"),
+        env={"PICKER_GRPC": ""},
+    ),
+    Variant(
+        "picker-pyvoy-coalesce",
+        ("--transport=pyvoy", "--envoy-concurrency=1", "--app=picker_pyvoy:app"),
+        env={"PICKER_GRPC": "", "PICKER_COALESCE": "1", "PICKER_TRACE": "/tmp/picker-pyvoy-co.txt"},
     ),
 )
 
@@ -223,8 +257,8 @@ def _ok(url: str, body: Path) -> bool:
 
 def report(results, names: list[str], conns_list: list[int]) -> None:
     print("\n| conc | configuration | p50 ms | added p50 ms | CPU ms/req (rounds) | median "
-          "| vs aio floor, same mode |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| vs aio floor, same mode | p50 vs picker on grpc.aio, per round |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for conns in conns_list:
         base = statistics.median(r[0] for r in results[(conns, "envoy")])
         for name in names:
@@ -239,9 +273,16 @@ def report(results, names: list[str], conns_list: list[int]) -> None:
                 # Ratio per round, then the median: load swings hit a round's A and B alike.
                 per_round = [c / a[1] for c, a in zip(cpus, ref, strict=True)]
                 ratio = f"{statistics.median(per_round):.2f}x"
+            picker = results.get((conns, "extproc FD"))
+            gap = "-"
+            if picker and name not in ("envoy", "extproc FD"):
+                # p50 minus the grpc.aio picker's in the same round (adjacent in time): the
+                # machine's load swings move both, the difference less.
+                diffs = [r[0] - a[0] for r, a in zip(runs, picker, strict=True)]
+                gap = f"{statistics.median(diffs):+.2f}"
             print(
                 f"| {conns} | {name} | {p50:.3f} | {p50 - base:+.3f} "
-                f"| {' '.join(f'{c:.3f}' for c in cpus)} | {cpu:.3f} | {ratio} |"
+                f"| {' '.join(f'{c:.3f}' for c in cpus)} | {cpu:.3f} | {ratio} | {gap} |"
             )
 
 

@@ -243,7 +243,7 @@ def _frames(replies) -> dict:
     return {"type": "http.response.body", "body": bytes(out), "more_body": True}
 
 
-def asgi_grpc(methods: dict, *, startup=None, shutdown=None):
+def asgi_grpc(methods: dict, *, startup=None, shutdown=None, coalesce: bool = False):
     """A bare ASGI gRPC server for pyvoy (Envoy hosting the interpreter: HTTP/2, TLS and
     trailers in Envoy's C++, each request event a call into Python). `methods` maps a full
     method path to (request class, handler); `handler(requests, emit)` reads decoded messages
@@ -281,13 +281,33 @@ def asgi_grpc(methods: dict, *, startup=None, shutdown=None):
         cls, handler = methods.get(scope["path"], (health_pb2.HealthCheckRequest, health))
         await send(start)
 
-        async def emit(replies) -> None:
-            out = _frames(replies)
-            if out["body"]:
-                await send(out)
+        if coalesce:
+            # Replies queue up while a send is in flight and leave as one body event: the
+            # handler never waits on Envoy's thread between two replies.
+            pending: list = []
+            writer: list = []
+
+            async def drain() -> None:
+                while pending:
+                    batch = pending[:]
+                    pending.clear()
+                    await send(_frames(batch))
+
+            async def emit(replies) -> None:
+                pending.extend(replies)
+                if pending and (not writer or writer[0].done()):
+                    writer[:] = [asyncio.ensure_future(drain())]
+        else:
+
+            async def emit(replies) -> None:
+                out = _frames(replies)
+                if out["body"]:
+                    await send(out)
 
         try:
             await handler(_messages(receive, cls.FromString), emit)
+            if coalesce and writer:
+                await writer[0]
         except Gone:
             return
         await send(body_end)  # ASGI: trailers only after the last body event

@@ -169,6 +169,29 @@ def summarize(mode: str, rows: list[dict]) -> str:
     )
 
 
+_HEALTH = {
+    "lookups_degraded_total": "degraded",
+    "lookups_timed_out_total": "timed out",
+    "lookups_failed_total": "failed",
+    "lookups_late_total": "late",
+    "lookups_in_grace_total": "in grace",
+    "lookup_budget_seconds": "budget s",
+}
+
+
+def _lookup_health(admin_port: int) -> str:
+    """One replica's index lookups by outcome (why each degraded one was degraded; the rest
+    met an open breaker) and its current adaptive budget."""
+    text = httpx.get(f"http://127.0.0.1:{admin_port}/metrics", timeout=10).text
+    got = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        short = _HEALTH.get(name.removeprefix("extproc_index_"))
+        if short and name.startswith("extproc_index_"):
+            got[short] = float(value)
+    return "lookups: " + ", ".join(f"{k} {got[k]:g}" for k in _HEALTH.values() if k in got)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=("agentic", "tenants"), default="agentic")
@@ -224,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                         line for line in httpx.get(admin, timeout=10).text.splitlines()
                         if line.startswith("extproc_precise_placement_corrections_total")
                     ]  # fmt: skip
+                    admins = [stack.picker_admin_port, *(a for _, _, a in stack.replica_ports)]
+                    corrections += [_lookup_health(a) for a in admins] if replicas else []
                 out = args.out / f"{args.workload}-{mode}-{rnd}.jsonl"
                 out.write_text("".join(json.dumps(r) + "\n" for r in rows))
                 lines.append(summarize(mode, rows) + "".join(f"\n  {c}" for c in corrections))

@@ -56,8 +56,13 @@ _MIN_REQUESTS = 8
 # a change (hysteresis), and the same proposal must come from this many windows in a row.
 _HYSTERESIS = 0.75
 _CONFIRMATIONS = 2
-# Ratios of engine tokens to our estimates outside these bounds mean someone else's traffic.
-_BOUNDS = (0.33, 3.0)
+# Measured characters per token outside these bounds mean someone else's traffic (or, below
+# one, a chat template's tokens outweighing short prompts): a token covers at least one byte
+# of text, and no tokenizer we know averages more than a dozen. Bounds on the characters, not
+# on the ratio to the current value: a ratio bound of 3x refused the simulator's true ~1.3
+# characters per token from the default 4 (ratio ~3.1) in about half the runs, and from a
+# wrong value a ratio bound can refuse the way back.
+_CHARS_PER_TOKEN = (1.0, 12.0)
 
 
 @dataclass(slots=True)
@@ -150,14 +155,14 @@ class Calibration:
             ratio = engine_mean * requests / estimated if estimated else 0.0
         else:
             ratio = engine / estimated if estimated else 0.0
-        if not _BOUNDS[0] <= ratio <= _BOUNDS[1]:
-            self.stats.windows_skipped += 1
-            return
-        self.stats.ratios[endpoint] = ratio
         # Our estimate is chars / bytes_per_token; the engine's count says the real
         # characters per token is bytes_per_token / ratio.
         current = self.settings.bytes_per_token
-        measured = current / ratio
+        measured = current / ratio if ratio > 0 else float("inf")
+        if not _CHARS_PER_TOKEN[0] <= measured <= _CHARS_PER_TOKEN[1]:
+            self.stats.windows_skipped += 1
+            return
+        self.stats.ratios[endpoint] = ratio
         if abs(measured - current) < _HYSTERESIS:
             self._proposal = None
             return

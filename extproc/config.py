@@ -31,7 +31,7 @@ from extproc.flowcontrol.config import (
 )
 from extproc.hashing.tokenizer import PreciseSettings
 from extproc.index.base import DEFAULT_TIER_WEIGHTS, IndexOptions
-from extproc.index.redis import DEFAULT_LOOKUP_BUDGET_S
+from extproc.index.redis import DEFAULT_LOOKUP_BUDGET_MAX_S, DEFAULT_LOOKUP_BUDGET_S
 from extproc.requests import ParseSettings
 from extproc.scheduling.config import EndpointPickerConfig, build_scheduler, default_config
 from extproc.scheduling.framework import Scheduler
@@ -180,7 +180,9 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     chosen endpoint (approximate mode); defaults to on unless KV events are configured.
     `approx_ttl_s`: how long a recorded decision counts as cached. `capacity_blocks`: per
     endpoint, the most block keys kept. `tier_weights`: weight per medium of a matched block.
-    `lookup_budget_s`: a Redis lookup slower than this is abandoned (routing goes on by load).
+    `lookup_budget_s`, `lookup_budget_max_s`: a Redis lookup slower than its budget is answered
+    degraded (routing goes on by load); the budget is twice the p90 of recently answered
+    lookups, within these bounds (`index/lookup_health.py`).
     `lookup_budget`: `fixed` keeps `lookup_budget_s` for every request; `prefill` lets a
     lookup run up to the request's prompt prefill time at the fleet's measured speed when
     that is longer (what a lookup can save at most; opt-in until measured faster).
@@ -196,6 +198,7 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS)
     )
     lookup_budget_s: _PositiveS = DEFAULT_LOOKUP_BUDGET_S
+    lookup_budget_max_s: _PositiveS = DEFAULT_LOOKUP_BUDGET_MAX_S
     lookup_budget: Literal["prefill", "fixed"] = "fixed"
     kv_events: KVEventSettings | None = None
 

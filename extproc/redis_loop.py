@@ -45,17 +45,18 @@ async def command(
     try:
         done, _ = await asyncio.wait((task,), timeout=timeout_s)
     except asyncio.CancelledError:
-        _abandon(task, abandoned)
+        abandon(task, abandoned)
         raise
     if not done:
-        _abandon(task, abandoned)
+        abandon(task, abandoned)
         raise TimeoutError(f"no answer from Redis within {timeout_s:.3g} s")
-    if task.cancelled():  # only `_abandon` cancels it, and never a finished one: belt and braces
+    if task.cancelled():  # only `abandon` cancels it, and never a finished one: belt and braces
         raise TimeoutError("Redis call cancelled")
     return task.result()
 
 
-def _abandon(task: asyncio.Task[Any], abandoned: set[asyncio.Task[Any]] | None) -> None:
+def abandon(task: asyncio.Task[Any], abandoned: set[asyncio.Task[Any]] | None) -> None:
+    """Cancel a call nobody waits for any more; `close` still waits for it in `abandoned`."""
     task.cancel()
     task.add_done_callback(_retrieve)
     if abandoned is not None:

@@ -104,6 +104,14 @@ class IndexStats:
 
     lookups: int = 0
     lookups_degraded: int = 0
+    # Why lookups were degraded besides an open breaker (remote backends only): over budget,
+    # or an error. Late: a timed-out lookup's answer came back in the background. In grace:
+    # answered in a second budget given because the loop woke the first late (starved).
+    lookups_timed_out: int = 0
+    lookups_failed: int = 0
+    lookups_late: int = 0
+    lookups_in_grace: int = 0
+    lookup_budget_s: float = 0.0
     writes_dropped: int = 0
     write_errors: int = 0
     batches: int = 0

@@ -40,15 +40,27 @@ from extproc.index.base import (
     entry_tag,
     filter_matches,
 )
+from extproc.index.lookup_health import LookupHealth
 from extproc.index.prefix import Records, Segment, prefix_matches
 from extproc.index.redis_scripts import LOOKUP, SHA, TRACK, WRITE
 from extproc.redis_client import redis_from_url
-from extproc.redis_loop import close, command, stop
+from extproc.redis_loop import abandon, close, command, stop
 
 log = logging.getLogger(__name__)
 
-# A Redis lookup slower than this is abandoned and the decision goes on by load.
+# A Redis lookup slower than its budget is answered degraded and the decision goes on by
+# load. The budget follows the measured latency of answered lookups (`LookupHealth`), never
+# below the first nor above the second.
 DEFAULT_LOOKUP_BUDGET_S = 0.005
+DEFAULT_LOOKUP_BUDGET_MAX_S = 0.05
+# Timed-out lookups left to finish in the background (their answer is a latency sample and
+# proof Redis is alive); beyond this many at once, a timed-out lookup is cancelled.
+_MAX_BACKGROUND_LOOKUPS = 64
+# A budget's timer that fires this many budgets after the lookup began was late: the event
+# loop was starved, and an answer Redis sent in time (or a call not yet sent) would be read
+# as a timeout. Such a lookup is waited for one more budget (`lookups_in_grace` when it
+# then answers).
+_LATE_LOOP = 1.5
 
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
 # Member scores are ms since this epoch times 4096, so they stay exact in a double
@@ -93,9 +105,12 @@ class _Op:
 class RedisKVIndex:
     """A `KVIndex` in Redis, Valkey or a Cluster of either (see `base.KVIndex`).
 
-    `lookup_budget_s`: a lookup that takes longer answers degraded (routing goes on load);
-    after a failure the index answers degraded at once for a short backoff, then tries again,
-    so a dead Redis costs requests nothing. `queue_blocks`: the most queued write blocks
+    `lookup_budget_s` .. `lookup_budget_max_s`: a lookup that takes longer than its budget
+    answers degraded (routing goes on load); the budget follows twice the p90 of answered
+    lookups within those bounds, and a timed-out lookup finishes in the background
+    (`lookup_health.py`). After an error, or timeouts that stay unanswered (a stalled Redis),
+    the index answers degraded at once for a short backoff, then tries again, so a dead
+    Redis costs requests nothing. `queue_blocks`: the most queued write blocks
     (beyond it writes are dropped and counted). A failed write batch is retried for
     `write_retry_s`, then dropped. The writer loop is `run()` (or use `async with`).
     """
@@ -107,6 +122,7 @@ class RedisKVIndex:
         options: IndexOptions | None = None,
         namespace: str = "extproc:kv",
         lookup_budget_s: float = DEFAULT_LOOKUP_BUDGET_S,
+        lookup_budget_max_s: float = DEFAULT_LOOKUP_BUDGET_MAX_S,
         queue_blocks: int = 1_000_000,
         batch_blocks: int = 32_768,
         key_ttl_s: float = 86_400.0,
@@ -116,7 +132,6 @@ class RedisKVIndex:
         self._client = client
         self._opt = options if options is not None else IndexOptions()
         self._ns = namespace
-        self._budget_s = lookup_budget_s
         self._queue_blocks = queue_blocks
         self._batch_blocks = batch_blocks
         self._key_ttl_ms = str(int(key_ttl_s * 1000))
@@ -127,8 +142,7 @@ class RedisKVIndex:
         self._wake = asyncio.Event()
         self._scripts_loaded = False
         self._parsed: dict[bytes, Records] = {}
-        self._retry_at = 0.0
-        self._failures = 0
+        self._health = LookupHealth(lookup_budget_s, lookup_budget_max_s)
         self._task: asyncio.Task[None] | None = None
         self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         # Per-endpoint capacity from the server's cache config (overrides the option); every
@@ -199,23 +213,43 @@ class RedisKVIndex:
         self.stats.lookups += 1
         if not block_keys:
             return EMPTY
-        now = time.monotonic()
-        if now < self._retry_at:
+        health = self._health
+        if health.is_open():
             self.stats.lookups_degraded += 1
             return DEGRADED
-        # A call of its own, waited on (`command`), not wrapped in asyncio.timeout: redis-py
-        # can turn the cancellation into a connection error and retry the command without it
-        # (measured: a 5 ms budget took 1.6 s over a 200 ms link while a fresh connection
-        # was set up). The decision returns at the budget whatever the client does; the
-        # abandoned call is cancelled.
-        lookup = self._eval(LOOKUP, self._root_key(block_keys[0]), _pack(block_keys))
+        # A task of its own, waited on, not wrapped in asyncio.timeout: redis-py can turn the
+        # cancellation into a connection error and retry the command without it (measured:
+        # a 5 ms budget took 1.6 s over a 200 ms link while a fresh connection was set up).
+        # The decision returns at the budget whatever the client does.
+        budget = health.budget(budget_s)
+        self.stats.lookup_budget_s = health.budget_s
+        started = time.perf_counter()
+        task = asyncio.ensure_future(
+            self._eval(LOOKUP, self._root_key(block_keys[0]), _pack(block_keys))
+        )
         try:
-            budget = self._budget_s if budget_s is None else max(self._budget_s, budget_s)
-            out = await command(lookup, budget, self._abandoned)
-        except (RedisError, OSError) as exc:  # over budget: TimeoutError, an OSError
+            done, _ = await asyncio.wait((task,), timeout=budget)
+            if not done and time.perf_counter() - started > budget * _LATE_LOOP:
+                # The loop woke us well past the budget: it was starved (other requests' CPU
+                # work, another process), not waiting on Redis; the call may not even have
+                # been sent. Redis gets one more budget of a running loop.
+                done, _ = await asyncio.wait((task,), timeout=budget)
+                if done:
+                    self.stats.lookups_in_grace += 1
+        except asyncio.CancelledError:
+            abandon(task, self._abandoned)
+            raise
+        if not task.done():
+            self._timed_out(task, started)
+            return DEGRADED
+        exc = task.exception()
+        if exc is not None:
+            if not isinstance(exc, (RedisError, OSError)):
+                raise exc
             self._lookup_failed(exc)
             return DEGRADED
-        self._failures = 0
+        health.answered(time.perf_counter() - started)
+        out = task.result()
         walked = int(out[-1])
         if walked == 0:
             return EMPTY
@@ -234,15 +268,40 @@ class RedisKVIndex:
         matches = prefix_matches(segments, walked, now_ms, o.tier_weights, o.default_tier_weight)
         return Lookup(filter_matches(matches, endpoints))
 
+    def _timed_out(self, task: asyncio.Task[Any], started: float) -> None:
+        """The lookup ran out of budget: answered degraded; the call goes on in the background
+        (its answer is a latency sample and proof Redis is up), cancelled if too many do."""
+        self.stats.lookups_degraded += 1
+        self.stats.lookups_timed_out += 1
+        if len(self._abandoned) >= _MAX_BACKGROUND_LOOKUPS:
+            abandon(task, self._abandoned)
+        else:
+            self._abandoned.add(task)
+            task.add_done_callback(lambda t: self._late(t, started))
+        backoff = self._health.timed_out()
+        if backoff is not None:
+            self._opened(TimeoutError("lookups unanswered"), backoff)
+
+    def _late(self, task: asyncio.Task[Any], started: float) -> None:
+        self._abandoned.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            return  # a dead Redis: the lookups that meet it say so
+        seconds = time.perf_counter() - started
+        self.stats.lookups_late += 1
+        was_open = self._health.is_open()
+        self._health.answered(seconds, late=True)
+        self.stats.lookup_budget_s = self._health.budget_s
+        if was_open and not self._health.is_open():
+            log.info("kv index: a lookup answered after %.3fs: lookups resume", seconds)
+
     def _lookup_failed(self, exc: BaseException) -> None:
         self.stats.lookups_degraded += 1
-        self._failures += 1
-        # A lone slow answer (GC pause, busy core) should not open the breaker.
-        if isinstance(exc, TimeoutError) and self._failures < 3:
-            return
-        backoff = min(1.0, 0.05 * 2 ** min(self._failures, 5))
-        self._retry_at = time.monotonic() + backoff
-        if self._failures in (1, 3) or self._failures % 100 == 0:
+        self.stats.lookups_failed += 1
+        self._opened(exc, self._health.failed())
+
+    def _opened(self, exc: BaseException, backoff: float) -> None:
+        opens = self._health.opens
+        if opens in (1, 3) or opens % 100 == 0:
             log.warning("kv index: lookup degraded (%r); retry in %.2fs", exc, backoff)
 
     async def _eval(self, script: str, key: str, *args: bytes | str) -> Any:

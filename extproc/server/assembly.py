@@ -52,7 +52,11 @@ def build_index(settings: Settings) -> KVIndex | None:
     from extproc.index.redis import RedisKVIndex
 
     return RedisKVIndex.from_url(
-        cfg.redis_url, cluster=cfg.cluster, options=options, lookup_budget_s=cfg.lookup_budget_s
+        cfg.redis_url,
+        cluster=cfg.cluster,
+        options=options,
+        lookup_budget_s=cfg.lookup_budget_s,
+        lookup_budget_max_s=cfg.lookup_budget_max_s,
     )
 
 

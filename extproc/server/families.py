@@ -130,6 +130,29 @@ INDEX = StatsFamilies(
             "extproc_index_evicted_blocks",
             "Block entries evicted to keep an endpoint within capacity_blocks.",
         ),
+        "lookups_timed_out": Stat(
+            "extproc_index_lookups_timed_out",
+            "Index lookups answered degraded because Redis did not answer within the budget.",
+        ),
+        "lookups_failed": Stat(
+            "extproc_index_lookups_failed",
+            "Index lookups answered degraded because of a Redis error (the breaker opens).",
+        ),
+        "lookups_late": Stat(
+            "extproc_index_lookups_late",
+            "Timed-out index lookups whose answer came back later, in the background.",
+        ),
+        "lookups_in_grace": Stat(
+            "extproc_index_lookups_in_grace",
+            "Index lookups answered in a second budget given because the event loop woke the "
+            "first one late (the loop was starved, not Redis): used, not degraded.",
+        ),
+        "lookup_budget_s": Stat(
+            "extproc_index_lookup_budget_seconds",
+            "The current Redis lookup budget: twice the p90 of answered lookups, within "
+            "index.lookup_budget_s and lookup_budget_max_s (0: a local index).",
+            kind="gauge",
+        ),
     },
     {
         # The router counts the same degraded answers (every lookup goes through it).

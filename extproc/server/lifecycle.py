@@ -50,12 +50,18 @@ class Lifecycle(Parts):
         *,
         environ: Mapping[str, str] | None = None,
         shared_ports: bool = False,
+        grpc_ports: frozenset[str] = frozenset({"ext_proc", "health"}),
     ) -> None:
         """`shared_ports`: a `--workers` worker, whose ext_proc and health ports are shared
         with its siblings (SO_REUSEPORT); otherwise a second process on the same port is a
-        conflict."""
+        conflict. `grpc_ports`: which of the ext_proc and health ports this process serves on
+        grpc.aio; another transport serves the rest and calls the same
+        handlers (`stream_handler`, `access_log`, `health`; bench/picker_pyvoy.py measures
+        pyvoy that way)."""
         super().__init__(settings, endpoints, environ=environ)
         self._shared_ports = shared_ports
+        self._grpc_ports = grpc_ports
+        self.stream_handler: StreamHandler | None = None
         self._bound = False
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -174,8 +180,11 @@ class Lifecycle(Parts):
         cfg = self.settings.server
         # Before anything connects or binds: a taken port is one clear error, not a
         # traceback after the ext_proc port already took streams. Workers share two ports.
-        shared = {} if self._shared_ports else {"ext_proc": cfg.port, "health": cfg.health_port}
-        own = {"worker": cfg.worker_port or 0}
+        ports = {"ext_proc": cfg.port, "health": cfg.health_port}
+        # In this order: the ext_proc port is the one named when both are taken.
+        served = {k: v for k, v in ports.items() if k in self._grpc_ports}
+        shared = {} if self._shared_ports else served
+        own = {"worker": cfg.worker_port or 0} if "ext_proc" in self._grpc_ports else {}
         check_ports(cfg.host, {**shared, **own, "admin": cfg.admin_port or 0})
         try:
             await self._start(cfg)
@@ -226,6 +235,7 @@ class Lifecycle(Parts):
 
     async def _start(self, cfg) -> None:
         handler = StreamHandler.from_settings(self.router, cfg, self.metrics)
+        self.stream_handler = handler
         # Registered by full method name: our message classes live in our own proto package
         # (see protos/), the service name is Envoy's.
         method = grpc.stream_stream_rpc_method_handler(
@@ -248,33 +258,36 @@ class Lifecycle(Parts):
         # SO_REUSEPORT only between workers: otherwise a second picker would share the port
         # silently and take half the streams.
         reuse = (("grpc.so_reuseport", int(self._shared_ports)),)
-        self._server = grpc.aio.server(options=_SERVER_OPTIONS + reuse)
-        self._server.add_generic_rpc_handlers((generic, self.access_log.rpc_handler()))
-        self.health.add_to(self._server)
-        address = f"{cfg.host}:{cfg.port}"
         tls = cfg.effective_tls
-        if tls is not None:
-            from extproc.server.tls import port_credentials
+        if "ext_proc" in self._grpc_ports:
+            self._server = grpc.aio.server(options=_SERVER_OPTIONS + reuse)
+            self._server.add_generic_rpc_handlers((generic, self.access_log.rpc_handler()))
+            self.health.add_to(self._server)
+            address = f"{cfg.host}:{cfg.port}"
+            if tls is not None:
+                from extproc.server.tls import port_credentials
 
-            creds, self.tls_reloader = port_credentials(tls)
-            self.port = bind_grpc("ext_proc", address, self._server.add_secure_port, creds)
-        else:
-            self.port = bind_grpc("ext_proc", address, self._server.add_insecure_port)
-        if cfg.worker_port is not None:
-            self.worker_port = bind_worker_port(self._server, cfg, creds if tls else None)
-        # Plaintext on purpose: kubelet's gRPC probes have no TLS option. It serves only the
-        # health service, so it carries no request data.
-        self._health_server = grpc.aio.server(options=reuse)
-        self.health.add_to(self._health_server)
-        health_address = f"{cfg.host}:{cfg.health_port}"
-        self.health_port = bind_grpc(
-            "health", health_address, self._health_server.add_insecure_port
-        )
+                creds, self.tls_reloader = port_credentials(tls)
+                self.port = bind_grpc("ext_proc", address, self._server.add_secure_port, creds)
+            else:
+                self.port = bind_grpc("ext_proc", address, self._server.add_insecure_port)
+            if cfg.worker_port is not None:
+                self.worker_port = bind_worker_port(self._server, cfg, creds if tls else None)
+        if "health" in self._grpc_ports:
+            # Plaintext on purpose: kubelet's gRPC probes have no TLS option. It serves only
+            # the health service, so it carries no request data.
+            self._health_server = grpc.aio.server(options=reuse)
+            self.health.add_to(self._health_server)
+            health_address = f"{cfg.host}:{cfg.health_port}"
+            self.health_port = bind_grpc(
+                "health", health_address, self._health_server.add_insecure_port
+            )
         # Every port is bound before any starts listening (the admin site binds as it starts).
         if cfg.admin_port is not None:
             await self._start_admin(cfg)
-        await self._health_server.start()
-        await self._server.start()
+        for server in (self._health_server, self._server):
+            if server is not None:
+                await server.start()
         self._bound = True
         await self.health.set_ready(self.ready())
         self.signals.announce()

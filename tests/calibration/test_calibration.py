@@ -152,3 +152,32 @@ def test_a_replica_placing_a_third_of_an_engines_requests_learns_its_tokens_per_
             old.placed("a:1", req)
         old.observe("a:1", None, (k + 1) * 96_000)
     assert old.stats.windows_skipped == 2 and old.settings.bytes_per_token == 4
+
+
+def test_a_tokenizer_near_one_character_per_token_is_learned_from_the_default() -> None:
+    # The simulator's tokenizer on the benches' text: ~1.3 characters a token, 3.1x our
+    # default estimate. The old bound (a ratio of at most 3) skipped every such window.
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    cal.observe("a:1", None, 0)
+    at = 0
+    for _ in range(2):
+        at = window(cal, at, 16 * 3100)  # 4,000 characters are 3,100 engine tokens
+    assert cal.stats.windows_skipped == 0 and cal.settings.bytes_per_token == 1
+    # Below one character a token is a template's tokens outweighing short prompts, not a
+    # tokenizer: skipped.
+    low = Calibration(ParseSettings(bytes_per_token=4))
+    low.observe("a:1", None, 0)
+    window(low, 0, 16 * 5000)
+    assert low.stats.windows_skipped == 1 and low.settings.bytes_per_token == 4
+
+
+def test_a_wrong_value_can_find_its_way_back() -> None:
+    # Learned 1 character a token (say from a window of template-heavy requests), while the
+    # engine really counts 4: the ratio reads 0.25, which a bound on the ratio (>= 0.33)
+    # refused forever.
+    cal = Calibration(ParseSettings(bytes_per_token=1))
+    cal.observe("a:1", None, 0)
+    at = 0
+    for _ in range(2):
+        at = window(cal, at, 16 * 1000)  # our 4,000-token estimate is 1,000 engine tokens
+    assert cal.settings.bytes_per_token == 4
