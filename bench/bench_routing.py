@@ -50,6 +50,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import yaml
 from results import (  # bench/results.py (run as a script: bench/ is on the path)
     table,
     write_section,
@@ -58,6 +59,7 @@ from sglang_peer import install_sglang  # bench/sglang_peer.py
 
 from extproc.hashing.tokenizer import PreciseKeys, PreciseSettings
 from extproc.requests import ParseSettings, parse_request
+from extproc.scheduling.config import default_config
 from extproc.sim.sessions import AgenticSpec, build_sessions, run_closed_loop
 from extproc.sim.workload import (
     Summary,
@@ -115,6 +117,13 @@ POLICIES: dict[str, dict] = {
         "extproc_args": ("--config", "@PLACEMENTS"),
     },
     "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
+    # Issue 14, eighth session: the in-flight floor counts requests before their first token.
+    "extproc approximate, floor until first token": {"extproc_args": ("--config", "@FIRST")},
+    "extproc approximate, 3 replicas (Redis), floor until first token": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@FIRST"),
+    },
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
@@ -275,8 +284,28 @@ scheduling:
     - {pluginRef: max-score-picker}
 """
 
+
+def _default_profile_with(plugin: str, parameters: dict) -> str:
+    """The default scheduling config, `plugin` (a type) given `parameters`, as YAML."""
+    cfg = default_config()
+    plugins = [
+        msgspec.structs.replace(p, parameters=parameters) if p.type == plugin else p
+        for p in cfg.plugins
+    ]
+    doc = msgspec.to_builtins(msgspec.structs.replace(cfg, plugins=plugins))
+    strip = lambda v: (  # noqa: E731  (a config's unset fields are None: left out)
+        {k: strip(x) for k, x in v.items() if x is not None}
+        if isinstance(v, dict)
+        else [strip(x) for x in v]
+        if isinstance(v, list)
+        else v
+    )
+    return yaml.safe_dump({"scheduling": strip(doc)}, sort_keys=False)
+
+
 CONFIGS = {
     "@PREVIOUS": PREVIOUS_DEFAULT,
+    "@FIRST": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "untilFirstToken"}),
     "@SHARED": "state: {shared_observations: true}\n",
     "@SHARED_PREFILL": "state: {shared_observations: true}\nindex: {lookup_budget: prefill}\n",
     "@PLACEMENTS": "state: {shared_placements: true}\n",

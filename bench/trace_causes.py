@@ -17,7 +17,10 @@ several picker replicas (the decision names its `picker`), `--replicas` also spl
 cause by whether the tenant's previous request was decided by the same or another replica,
 and counts the misses a lag could explain: a known tenant the index credits nobody with
 whose previous request was sent under `LAG_S` before (placed, but not yet seen, or only
-just) and lookups answered degraded.
+just) and lookups answered degraded. `--moves` (agentic traces) lists each turn that left
+its session's previous server: the prefix blocks the index credited the old and the new
+server with, and each scorer's score for the new server minus the old one (the scorer
+with the largest difference "decided"), or the filter that removed the old one.
 """
 
 from __future__ import annotations
@@ -108,8 +111,46 @@ def by_replica(rows: list[dict]) -> collections.Counter:
     return out
 
 
+def moves(rows: list[dict]) -> list[str]:
+    """Each turn of a session served elsewhere than its previous turn, and why."""
+    last: dict[int, str] = {}
+    out: list[str] = []
+    for r in sorted(rows, key=lambda r: (r["group"], r["turn"])):
+        d, new = r.get("decision"), r.get("served_by")
+        old = last.get(r["group"])
+        if d and new and old and new != old:
+            total = d["scores"].get("default/total", {})
+            held = d["prefix_blocks"]
+            where = f"session {r['group']} turn {r['turn']}: blocks {held.get(old, 0):g} -> "
+            where += f"{held.get(new, 0):g} of {d['request_blocks']}"
+            if d.get("index_degraded"):
+                where += ", lookup degraded"
+            if old not in total:
+                why = "; ".join(x for x in d["reasons"] if old in x) or "; ".join(d["reasons"])
+                out.append(f"{where}, old server filtered out: {why}")
+            else:
+                diffs = {
+                    k.split("/")[-1]: round(v.get(new, 0.0) - v.get(old, 0.0), 3)
+                    for k, v in d["scores"].items()
+                    if k != "default/total"
+                }
+                top = max(diffs, key=lambda k: diffs[k])
+                out.append(f"{where}, decided by {top}; new - old: {diffs}")
+        if new:
+            last[r["group"]] = new
+    return out
+
+
 def main(argv: list[str]) -> int:
     replicas = "--replicas" in argv
+    if "--moves" in argv:
+        for path in (a for a in argv if not a.startswith("--")):
+            rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+            found = moves(rows)
+            print(f"{path}: {len(found)} turns left their session's server")
+            for line in found:
+                print(f"  {line}")
+        return 0
     argv = [a for a in argv if a != "--replicas"]
     for path in argv:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines()]

@@ -165,7 +165,10 @@ class EndpointState:
     prefill work: prompt tokens the endpoint did not already hold when the request was
     placed. `kv_block_size` / `kv_blocks` are the engine's cache config (tokens per block,
     GPU blocks); adapters are LoRA names. `prefill_tps` is the endpoint's prefill speed in
-    tokens per second as the picker has measured it (None until learned).
+    tokens per second as the picker has measured it (None until learned). `prefilling` is
+    the engine's requests not yet past their first token (waiting, or running their
+    prefill), from its first-token and finished counts (endpoints/state.py); None when the
+    engine does not export them.
     """
 
     waiting: int = 0
@@ -184,6 +187,7 @@ class EndpointState:
     # 0..1 from DCGM), read by llm-d's endpoint-attribute plugins; absent when unknown.
     attributes: Mapping[str, float] = field(default_factory=lambda: _EMPTY_FLOATS)
     prefill_tps: float | None = None
+    prefilling: int | None = None
 
     def with_prefill_tps(self, tps: float | None) -> EndpointState:
         """This state with `prefill_tps` set. Spelled out, not `dataclasses.replace`: it runs
@@ -205,6 +209,7 @@ class EndpointState:
             self.waiting_adapters,
             self.attributes,
             tps,
+            self.prefilling,
         )
 
 

@@ -45,6 +45,10 @@ class Scraped(msgspec.Struct, frozen=True):
     # Prompt tokens the engine processed since it started (cached ones included).
     prompt_tokens: int | None = None
     latency: LatencyTotals | None = None
+    # Requests the engine finished since it started, every finish reason summed (vLLM's
+    # `request_success_total`; aborts and errors included); None when not exported. With
+    # the first-token count (`latency.ttft_count`) it says how many are decoding.
+    finished: int | None = None
 
 
 # The parser.
@@ -80,6 +84,7 @@ _V_HITS = (
     b"gpu_prefix_cache_hits",
 )
 _V_PROMPT_TOKENS = (b"prompt_tokens_total", b"prompt_tokens")
+_V_FINISHED = (b"request_success_total", b"request_success")
 # Latency histograms (sum and count lines only; the buckets are never decoded).
 _V_HIST = {
     "ttft": b"time_to_first_token_seconds",
@@ -119,6 +124,7 @@ _VLLM = _family(
         _V_KV_COMPUTED,
         _V_BY_SOURCE,
         *_V_PROMPT_TOKENS,
+        *_V_FINISHED,
     ),
 )
 _SGLANG = _family(b"sglang", (_S_WAITING, _S_RUNNING, _S_KV))
@@ -301,4 +307,5 @@ def parse_metrics(data: bytes) -> Scraped:
         prompt_tokens=_counter(found, _V_PROMPT_TOKENS),
         prefix_cache_hits=_counter(found, _V_HITS),
         latency=_latency(found),
+        finished=_counter(found, _V_FINISHED),
     )

@@ -2,6 +2,16 @@
 
 The scraper writes here (`update`, `retain`); the router reads `state()` per candidate on
 the hot path and adds in-flight counts, which it owns.
+
+Besides the engine's gauges, each scrape says how many of its requests are still before
+their first token (`EndpointState.prefilling`): waiting + running less those decoding, and
+decoding = first tokens produced (`time_to_first_token_seconds` count, observed at the first
+token) less requests finished (`request_success_total`, every reason), both counted since
+the engine started. A request aborted before its first token is finished without a first
+token, so that difference undercounts decoding by every such abort since the start; the
+largest deficit ever seen (finished - first tokens, which is exactly the aborts' count
+whenever nothing is decoding) is added back. Until it is seen the count errs towards more
+requests in prefill, i.e. towards the older floor that counted every request.
 """
 
 from __future__ import annotations
@@ -40,6 +50,9 @@ class EndpointStates:
         self._latest: dict[str, tuple[Scraped, float]] = {}
         # address -> attribute -> value, from sources besides the engine (DCGM).
         self._attributes: dict[str, dict[str, float]] = {}
+        # address -> (engine start, first tokens, finished, aborts before a first token as
+        # a lower bound, requests before their first token); see the module docstring.
+        self._prefill: dict[str, tuple[float | None, float, int, float, int]] = {}
 
     def put_attribute(self, address: str, key: str, value: float) -> None:
         self._attributes.setdefault(address, {})[key] = value
@@ -52,6 +65,24 @@ class EndpointStates:
 
     def update(self, address: str, scraped: Scraped) -> None:
         self._latest[address] = (scraped, self._clock())
+        lat = scraped.latency
+        if lat is None or scraped.finished is None:
+            # Not exported (sglang, an older vLLM): unknown. (No first-token histogram with
+            # a finished count reads as nothing decoding: every request counts as prefill.)
+            self._prefill.pop(address, None)
+            return
+        first, done = lat.ttft_count, scraped.finished
+        gap = first - done  # decoding - aborts before a first token
+        aborts = max(0.0, -gap)
+        prev = self._prefill.get(address)
+        if prev is not None and (
+            prev[0] == scraped.process_start_s and first >= prev[1] and done >= prev[2]
+        ):
+            # Same engine (counters only grow): the aborts' count never shrinks.
+            aborts = max(aborts, prev[3])
+        decoding = min(scraped.running, max(0, round(gap + aborts)))
+        pending = scraped.waiting + scraped.running - decoding
+        self._prefill[address] = (scraped.process_start_s, first, done, aborts, pending)
 
     def retain(self, addresses: Collection[str]) -> None:
         """Forget every endpoint not in `addresses` (it left the pool)."""
@@ -59,6 +90,8 @@ class EndpointStates:
             del self._latest[gone]
         for gone in [a for a in self._attributes if a not in addresses]:
             del self._attributes[gone]
+        for gone in [a for a in self._prefill if a not in addresses]:
+            del self._prefill[gone]
 
     def scraped(self, address: str) -> Scraped | None:
         entry = self._latest.get(address)
@@ -86,6 +119,9 @@ class EndpointStates:
             )
         s, at = entry
         age = max(0.0, self._clock() - at)
+        prefill = self._prefill.get(address)
+        if prefill is not None:
+            extra["prefilling"] = prefill[4]
         return EndpointState(
             waiting=s.waiting,
             running=s.running,

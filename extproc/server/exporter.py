@@ -167,12 +167,21 @@ class Exporter:
             "started (eviction model).",
             ["scorer", "endpoint"],
         )
+        fallbacks = counter(
+            "extproc_predicted_ttft_floor_fallbacks",
+            "Predictions whose in-flight floor counted every in-flight request until it ends "
+            "(decoding included): the endpoint's engine gave no fresh first-token and "
+            "finished counts (vllm:time_to_first_token_seconds, vllm:request_success_total).",
+            ["scorer"],
+        )
         for name, scorer in scorers.items():
             for address, (q, w) in scorer.view().items():
                 queue.add_metric([name, address], q)
                 written.add_metric([name, address], w)
+            fallbacks.add_metric([name], scorer.floor_fallbacks)
         yield queue
         yield written
+        yield fallbacks
 
     def _kv_events(self) -> Iterator[Metric]:
         assert self._p.subscriber is not None

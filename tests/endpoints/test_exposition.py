@@ -63,6 +63,8 @@ def test_real_vllm_scrape_gives_load_cache_config_and_prefix_counters() -> None:
             prompt_count=9.0,
             prefill_tokens=367.0,
         ),
+        # request_success_total over its five finish reasons (length 9, the others 0).
+        finished=9,
     )
 
 

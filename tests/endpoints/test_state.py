@@ -73,3 +73,46 @@ def test_retain_forgets_endpoints_that_left() -> None:
 def test_stale_after_must_be_positive() -> None:
     with pytest.raises(ValueError, match="stale_after_s"):
         EndpointStates(stale_after_s=0)
+
+
+def _engine(waiting: int, running: int, first: float, done: int, start: float = 1.0) -> Scraped:
+    from extproc.core import LatencyTotals
+
+    return Scraped(
+        waiting=waiting,
+        running=running,
+        process_start_s=start,
+        latency=LatencyTotals(ttft_count=first),
+        finished=done,
+    )
+
+
+def test_prefilling_is_the_engines_requests_before_their_first_token() -> None:
+    states = EndpointStates()
+    # 10 first tokens, 7 finished: 3 of the 5 running decode; 2 waiting + 2 running prefill.
+    states.update(A, _engine(waiting=2, running=5, first=10, done=7))
+    assert states.state(A, 6, 9000).prefilling == 4
+    # An engine exporting no first-token or finished counts: unknown, not 0.
+    states.update(B, Scraped(waiting=2, running=5))
+    assert states.state(B, 6, 9000).prefilling is None
+    states.update(A, Scraped(waiting=2, running=5))
+    assert states.state(A).prefilling is None
+
+
+def test_aborts_before_a_first_token_are_added_back_once_seen_and_reset_on_restart() -> None:
+    states = EndpointStates()
+    # Idle, 2 requests finished without a first token (aborted in the queue).
+    states.update(A, _engine(waiting=0, running=0, first=3, done=5))
+    assert states.state(A).prefilling == 0
+    # 4 more first tokens, none finished: 4 decode; the 2 aborts no longer hide two of them.
+    states.update(A, _engine(waiting=1, running=4, first=7, done=5))
+    assert states.state(A).prefilling == 1
+    # Decoding never exceeds what runs (other clients' counts, or an abort mid-stream).
+    states.update(A, _engine(waiting=0, running=1, first=9, done=5))
+    assert states.state(A).prefilling == 0
+    # A restarted engine starts its counts again: the old aborts no longer apply.
+    states.update(A, _engine(waiting=0, running=3, first=2, done=0, start=2.0))
+    assert states.state(A).prefilling == 1
+    states.retain([B])
+    states.update(B, _engine(waiting=1, running=0, first=0, done=0))
+    assert states.state(A).prefilling is None and states.state(B).prefilling == 1

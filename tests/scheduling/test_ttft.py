@@ -245,3 +245,47 @@ async def test_the_router_resets_the_scorer_when_an_endpoint_is_forgotten():
     await router.forget_endpoint("b")
     assert sc.eviction_cost(r, cand("b", **full)) == 0.0
     assert sc.eviction_cost(r, cand("a", **full)) > 0
+
+
+FIRST_TOKEN = PredictedTTFTScorer.Params(inflight_floor="untilFirstToken")
+
+
+def test_inflight_requests_past_their_first_token_are_not_counted_as_queued_prefill():
+    # The holder has 4 requests of 3,200 uncached tokens in flight, all decoding long
+    # answers: the engine reports none before its first token. Counted whole (the old
+    # floor) they were 2 s of prefill and the next turn left for b.
+    sc = PredictedTTFTScorer(FIRST_TOKEN, clock=Clock())
+    r = req(blocks=10, tokens=6400)
+    b = cand("b", prefill_tps=6400.0)  # 1 s to recompute
+    busy = dict(prefill_tps=6400.0, inflight_requests=4, inflight_tokens=12_800, running=4)
+    s = sc.score(r, [cand("a", prefix=10, prefilling=0, **busy), b])
+    assert s[0] == 1.0 and s[1] < 0.2
+    assert sc.floor_fallbacks == 0
+    # 3 of the 4 still before their first token: 3 x 3,200 tokens = 1.5 s queued there.
+    s = sc.score(r, [cand("a", prefix=10, prefilling=3, waiting=0, **busy), b])
+    assert s[1] == 1.0 and 0.6 < s[0] < 0.7
+    # Other clients' prefills on the engine count only up to ours (waiting has its floor).
+    s = sc.score(r, [cand("a", prefix=10, prefilling=9, **busy), b])
+    assert s[1] == 1.0 and s[0] < 0.6
+    # The default counts each in-flight request until it ends, whatever the engine says.
+    sc = PredictedTTFTScorer(clock=Clock())
+    s = sc.score(r, [cand("a", prefix=10, prefilling=0, **busy), b])
+    assert s[1] == 1.0 and s[0] < 0.6
+    assert sc.floor_fallbacks == 0
+
+
+def test_without_the_engines_first_token_count_the_floor_counts_every_request(caplog):
+    sc = PredictedTTFTScorer(FIRST_TOKEN, clock=Clock())
+    r = req(blocks=10, tokens=6400)
+    b = cand("b", prefill_tps=6400.0)
+    busy = dict(prefill_tps=6400.0, inflight_requests=4, inflight_tokens=12_800, running=4)
+    with caplog.at_level("WARNING", logger="extproc.scheduling.plugins.ttft"):
+        # Not exported, then exported but stale: the whole in-flight count, as before.
+        s = sc.score(r, [cand("a", prefix=10, **busy), b])
+        assert s[1] == 1.0 and s[0] < 0.6
+        s = sc.score(r, [cand("a", prefix=10, prefilling=0, age_s=1.0, **busy), b])
+        assert s[1] == 1.0 and s[0] < 0.6
+    assert sc.floor_fallbacks == 2
+    # One line per endpoint, not per prediction.
+    lines = [m for m in caplog.messages if "in-flight requests count as prefill" in m]
+    assert len(lines) == 1 and "a" in lines[0]

@@ -10,9 +10,11 @@ back to where it grew. No weight between "affinity" and "load" needs calibrating
 The queue ahead is this picker's own virtual prefill queue per endpoint (each placement adds
 its uncached tokens / speed; it drains in real time), floored by the in-flight prefill
 tokens every replica placed there and by the endpoint's scraped waiting requests at the
-mean placed prefill (both shared: replicas see the same floor). With the peers' placements
-folded in (below), the queue is the fleet's and the in-flight floor, which counts a request
-until it ends and not just through its prefill, is left out. Speeds are measured online
+mean placed prefill (both shared: replicas see the same floor). In-flight requests count
+until they end, or (`inflightFloor: untilFirstToken`) only as many as the engine reports
+before their first token, not through their decode (`_inflight_prefill`). With the peers'
+placements folded in (below), the queue is the fleet's and the in-flight floor is left out.
+Speeds are measured online
 (`EndpointState.prefill_tps`: from the engines' prefill histograms, else the access log,
 endpoints/prefill_speed.py); until the first measurement every endpoint gets the same
 prior, which only scales all predictions alike.
@@ -39,15 +41,18 @@ are validated and clamped: a forged one can neither grow the state nor push a qu
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
-from extproc.core import Candidate, Decision, InferenceRequest
+from extproc.core import Candidate, Decision, EndpointState, InferenceRequest
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter
+
+log = logging.getLogger(__name__)
 
 # Fixed per-request cost (scheduling step, first decode step): keeps a fully cached request's
 # prediction above zero, so ratios stay finite.
@@ -71,9 +76,15 @@ class PredictedTTFTScorer:
     """Scores each endpoint by predicted TTFT: best / own (1.0 for the fastest), so a
     max-score picker sends the request where its first token comes soonest.
 
+    `inflightFloor`: how the in-flight requests floor the queue ahead (without shared
+    placements): `untilEnd` (default) counts each one's prompt until it ends, decoding
+    included; `untilFirstToken` counts only as many as the engine reports before their
+    first token (`_inflight_prefill`). Opt-in: interleaved runs did not show it better on
+    every workload (bench/RESULTS.md, issue 14, eighth session).
+
     ```yaml
     - type: predicted-ttft-scorer
-      parameters: {priorPrefillTokensPerSecond: 10000}
+      parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: untilEnd}
     ```
     """
 
@@ -82,11 +93,14 @@ class PredictedTTFTScorer:
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
         # Used only before any endpoint's speed has been measured.
         prior_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
+        inflight_floor: Literal["untilEnd", "untilFirstToken"] = "untilEnd"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self._prior = (params or self.Params()).prior_prefill_tokens_per_second
+        p = params or self.Params()
+        self._prior = p.prior_prefill_tokens_per_second
+        self._until_first_token = p.inflight_floor == "untilFirstToken"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -106,6 +120,11 @@ class PredictedTTFTScorer:
         # False while Redis fails): the virtual queue then is the fleet's, and the in-flight
         # floor is not taken. None: not shared.
         self.fleet_folded: Callable[[], bool] | None = None
+        # Predictions whose in-flight floor counted every in-flight request whole, the
+        # engine's count of requests before their first token missing or stale
+        # (`_inflight_prefill`); endpoints already logged, bounded.
+        self.floor_fallbacks = 0
+        self._fallen_back: set[str] = set()
 
     def units_changed(self, factor: float) -> None:
         """Estimates grew `factor`-fold: the mean placed prefill follows (the prior speed is a
@@ -131,18 +150,45 @@ class PredictedTTFTScorer:
         wait = self._busy_until.get(c.endpoint.address, now) - now
         st = c.state
         if st.inflight_tokens and not (self.fleet_folded is not None and self.fleet_folded()):
-            # Prompt tokens every replica placed there, counted until each request ends
-            # (shared through Redis): this replica's own queue sees only its share. An
-            # over-count (it keeps requests long past their prefill, decoding, and more so the
-            # more loaded the server), so it is dropped when the queue already folds every
-            # replica's placements: with three replicas it moved tenants off their prefix's
-            # holder 2x as often (bench/RESULTS.md, issue 14, seventh session, third part).
-            wait = max(wait, st.inflight_tokens / tps)
+            # Prompt tokens every replica placed there (shared through Redis): this replica's
+            # own queue sees only its share. Dropped when the queue already folds every
+            # replica's placements (bench/RESULTS.md, issue 14, seventh session, third part).
+            wait = max(wait, self._inflight_prefill(st, c.endpoint.address) / tps)
         if st.waiting and not st.is_stale:
             # Before any placement, this request's own prompt is the best guess of a queued one.
             mean = self._mean_prefill if self._mean_prefill is not None else req.prompt_tokens
             wait = max(wait, st.waiting * mean / tps)
         return max(0.0, wait) + uncached_tokens(req, c) / tps + _FLOOR_S
+
+    def _inflight_prefill(self, st: EndpointState, address: str) -> float:
+        """The in-flight tokens that can still be in prefill on the endpoint. In-flight
+        counts last until a request ends, decoding included: counted whole, a server
+        streaming long answers looked seconds deep and sessions left the server holding
+        their prefix (issue 14, eighth session). The engine says how many of its requests
+        are before their first token (`prefilling`, endpoints/state.py); only that many of
+        the in-flight requests count, at their mean tokens (the engine serves prefills
+        first come first served, so those are the youngest; their sizes are not kept).
+        Requests placed since the last scrape are not in the engine's count yet: this
+        picker's own are in its virtual queue, a peer's show at the next scrape. Without
+        that count (not exported, or the scrape is stale) every in-flight token counts, as
+        with `untilEnd`, and `floor_fallbacks` says so."""
+        n, tokens = st.inflight_requests, float(st.inflight_tokens)
+        if not self._until_first_token:
+            return tokens
+        if st.prefilling is None or st.is_stale:
+            self.floor_fallbacks += 1
+            if address not in self._fallen_back and len(self._fallen_back) < 1024:
+                self._fallen_back.add(address)
+                log.warning(
+                    "predicted-ttft-scorer: %s gives no fresh first-token and finished counts "
+                    "(vllm:time_to_first_token_seconds, vllm:request_success_total): its "
+                    "in-flight requests count as prefill until they end",
+                    address,
+                )
+            return tokens
+        if n > st.prefilling:
+            return tokens * st.prefilling / n
+        return tokens
 
     def eviction_cost(self, req: InferenceRequest, c: Candidate) -> float:
         """Seconds of future recompute that placing this request on `c` causes: the resident
