@@ -21,6 +21,7 @@ import yaml
 
 from extproc.bootstrap import build_bootstrap
 from extproc.stack import Stack, StackOptions
+from tests.e2e.flow_configs import in_flight_scheduling
 from tests.e2e.test_flow_control import metric
 
 OBJECTIVES = """\
@@ -42,20 +43,7 @@ def stack(request, tmp_path_factory) -> Iterator[tuple[str, Stack]]:
     (tmp / "objectives.yaml").write_text(OBJECTIVES)
     config = {
         # In-flight requests as the saturation signal: the echo upstreams export no metrics.
-        "scheduling": {
-            "plugins": [
-                {"type": "queue-scorer"},
-                {"type": "max-score-picker"},
-                {"type": "concurrency-detector", "parameters": {"maxConcurrency": 100}},
-            ],
-            "flowControl": {"saturationDetector": {"pluginRef": "concurrency-detector"}},
-            "schedulingProfiles": [
-                {
-                    "name": "default",
-                    "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}],
-                }
-            ],
-        },
+        "scheduling": in_flight_scheduling(),
         "flow_control": {
             "objectives_file": str(tmp / "objectives.yaml"),
             "engine_priority": mode != "off",

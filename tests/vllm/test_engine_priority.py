@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from extproc.stack import Stack, StackOptions
+from tests.e2e.flow_configs import in_flight_scheduling
 from tests.vllm.conftest import picker_config
 from tests.vllm.fleet import MODEL_NAME, VllmFleet
 
@@ -26,20 +27,7 @@ OBJECTIVES = "interactive: 10\nbatch: -1\n"
 def priority_stack(vllm_fleet: VllmFleet, tmp_path_factory) -> Iterator[Stack]:
     tmp: Path = tmp_path_factory.mktemp("engine-priority")
     (tmp / "objectives.yaml").write_text(OBJECTIVES)
-    scheduling = {
-        "plugins": [
-            {"type": "queue-scorer"},
-            {"type": "max-score-picker"},
-            {"type": "concurrency-detector", "parameters": {"maxConcurrency": 100}},
-        ],
-        "flowControl": {"saturationDetector": {"pluginRef": "concurrency-detector"}},
-        "schedulingProfiles": [
-            {
-                "name": "default",
-                "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}],
-            }
-        ],
-    }
+    scheduling = in_flight_scheduling()
     flow = {"objectives_file": str(tmp / "objectives.yaml"), "engine_priority": True}
     cfg = picker_config(vllm_fleet, tmp / "picker.yaml", scheduling=scheduling, flow_control=flow)
     opts = StackOptions(fleet=vllm_fleet, extproc_args=("--config", str(cfg)))  # type: ignore[arg-type]
