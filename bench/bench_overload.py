@@ -33,7 +33,10 @@ engine running / waiting / KV use per server, every 0.5 s) is written next to th
 summarised in the row (`tl_*`, bench/overload_timeline.py). Per admitted interactive
 request, the sim says where its TTFT went (`x-sim-timing`: KV wait, prefill-lane wait,
 prefill; the rest is the picker's queue, proxies and the client): `hi_breakdown_*`.
-A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), `-noprior` (no
+A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), `-ep` (the picker
+writes the band into each body as the engine's `priority`, `flow_control.engine_priority`;
+with any `-ep` run the sims run `--scheduling-policy priority`, which orders requests of
+equal priority, i.e. every other run's, by arrival as FCFS does), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), and `~base` to run its pickers from
 `--baseline-src` (old code against new in one run; `~base` runs also keep the old
@@ -137,6 +140,7 @@ def picker_config(
     reserve: int = 1,
     expected_output: int = OUTPUT_TOKENS,
     prior: dict | None = None,
+    engine_priority: bool = False,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -201,6 +205,9 @@ def picker_config(
             "admit_per_endpoint": per_endpoint,
             "reserve_for_higher_bands": reserve if per_endpoint else 0,
         }
+        if engine_priority:
+            # The band as the engine's `priority` (the sims run the priority policy).
+            doc["flow_control"]["engine_priority"] = True
         if prior and per_endpoint:
             # What interactive is expected to send, so a fresh picker keeps room for it
             # from the burst's first request (`interactive_prior`).
@@ -799,7 +806,12 @@ def main() -> int:
     objectives = tmp / "objectives.yaml"
     objectives.write_text(yaml.safe_dump_all(OBJECTIVES))
     redis = None
-    fleet = SimFleet(args.servers, ("--fast", str(args.sim_speed), *SIM_ARGS), log_dir=tmp)
+    # Any `-ep` run: the sims schedule by request `priority` (vLLM's priority policy). With
+    # every request at the default 0 (all other runs, the capacity and unloaded phases) that
+    # is arrival order, as FCFS (tests/sim/test_priority.py).
+    engine_policy = any("-ep" in r for r in args.runs.split(","))
+    policy = ("--scheduling-policy", "priority") if engine_policy else ()
+    fleet = SimFleet(args.servers, ("--fast", str(args.sim_speed), *SIM_ARGS, *policy), log_dir=tmp)
     dep = Deployment(fleet, tmp, trace=args.trace)
     rows = []
     try:
@@ -840,6 +852,8 @@ def main() -> int:
             # `r<reserve_for_higher_bands>` (e.g. on@0.99r2).
             # A trailing `~base` runs the pickers from `--baseline-src` (old code, same run).
             run_name, tilde, _ = run.partition("~")
+            run_name, ep, after = run_name.partition("-ep")  # engine priority (`-ep`)
+            run_name += after
             run_name, noprior, _ = run_name.partition("-noprior")
             src = args.baseline_src if tilde else ""
             if tilde and not src:
@@ -884,6 +898,7 @@ def main() -> int:
                         args.base_expected_output if tilde else OUTPUT_TOKENS + args.output_spread
                     ),
                     prior=None if tilde or args.no_prior or noprior else prior,
+                    engine_priority=bool(ep),
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)

@@ -123,6 +123,12 @@ def _run(coro) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.worker_index is not None:
+        from extproc.server.workers import die_with_supervisor
+
+        if not die_with_supervisor():
+            log.error("the supervisor is gone: worker %d exits", args.worker_index)
+            return 1
     settings = _serve_settings(args)
     parse_endpoints(",".join(settings.endpoints))  # fail fast, before binding ports
     if args.workers > 1:

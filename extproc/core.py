@@ -127,6 +127,9 @@ class InferenceRequest:
     # The client's output cap (max_tokens / max_completion_tokens / max_output_tokens), None
     # when the body sets none: an upper bound on the KV the request's output can take.
     max_output_tokens: int | None = None
+    # Whether the body sets vLLM's top-level `priority` (flow control's `engine_priority`
+    # replaces it rather than inserting a second one).
+    client_priority: bool = False
     prompt: Prompt | None = field(default=None, repr=False, compare=False)
     # The endpoint an earlier profile of the same request chose (the decode pick, while the
     # prefill profile runs): topology plugins place a stage near its peer.

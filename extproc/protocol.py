@@ -22,6 +22,9 @@ PICKER_OWNED_HEADERS = frozenset({DESTINATION_HEADER, SUBSET_HINT_KEY})
 REQUEST_ID_HEADER = "x-request-id"
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 MODEL_REWRITE_HEADER = "x-llm-d-model-name-rewrite"
+# vLLM's request priority header (read before the body's `priority`): a client's is removed
+# when flow control writes the band into the body (`flow_control.engine_priority`).
+ENGINE_PRIORITY_HEADER = "x-vllm-priority"
 
 # Operator-only explanation: a request whose `x-extproc-explain` carries one of
 # `server.explain_tokens` gets its decision back as JSON in the `x-extproc-decision` response

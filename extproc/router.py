@@ -24,6 +24,7 @@ from extproc.endpoints.prefill_speed import PrefillSpeeds
 from extproc.endpoints.request_end import Ended, Late, RequestEnds
 from extproc.errors import ExtprocError, NoEndpoints
 from extproc.flowcontrol.controller import Ticket
+from extproc.flowcontrol.engine_priority import EnginePriority
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import EMPTY, KVIndex, Lookup
 from extproc.index.capacity import CapacityModel, CapacityStats
@@ -54,6 +55,9 @@ class InFlightOnly:
 
 class Admission(Protocol):
     """Flow control as the router sees it (extproc.flowcontrol.admission.Admission)."""
+
+    # The band as the engine's priority in the forwarded body (None: not configured).
+    engine_priority: EnginePriority | None
 
     async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket: ...
     def placed(self, ticket: Ticket, address: str = "") -> None: ...

@@ -28,6 +28,7 @@ from extproc.flowcontrol.controller import (
     FlowRequest,
     Ticket,
 )
+from extproc.flowcontrol.engine_priority import EnginePriority
 from extproc.flowcontrol.eviction import EVICTED
 from extproc.flowcontrol.objectives import (
     DEFAULT_FAIRNESS_ID,
@@ -109,6 +110,8 @@ class Admission:
             reserve_priors=priors,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
+        # The band written into the forwarded body as the engine's priority (None: off).
+        self.engine_priority = EnginePriority(registry) if s.engine_priority else None
         self.wait_seconds = Histogram(
             "extproc_flow_queue_wait_seconds",
             "Time admitted requests spent in the flow-control queue, by priority band "

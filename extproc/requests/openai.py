@@ -76,6 +76,9 @@ class ChatRequest(msgspec.Struct, frozen=True, gc=False):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    # vLLM's engine priority (lower first): only whether the client set one (flow control's
+    # `engine_priority` replaces it; docs/flow-control.md).
+    priority: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionsRequest(msgspec.Struct, frozen=True, gc=False):
@@ -85,6 +88,9 @@ class CompletionsRequest(msgspec.Struct, frozen=True, gc=False):
     cache_salt: str | None = None
     max_tokens: int | float | None = None
     add_special_tokens: bool | None = None
+    # vLLM's engine priority (lower first): only whether the client set one (flow control's
+    # `engine_priority` replaces it; docs/flow-control.md).
+    priority: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
 class EmbeddingsRequest(msgspec.Struct, frozen=True, gc=False):
@@ -92,6 +98,9 @@ class EmbeddingsRequest(msgspec.Struct, frozen=True, gc=False):
     input: msgspec.Raw
     cache_salt: str | None = None
     stream: bool | None = None
+    # vLLM's engine priority (lower first): only whether the client set one (flow control's
+    # `engine_priority` replaces it; docs/flow-control.md).
+    priority: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
 class _InputText(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="input_text"):
@@ -138,6 +147,9 @@ class ResponsesRequest(msgspec.Struct, frozen=True, gc=False):
     stream: bool | None = None
     cache_salt: str | None = None
     max_output_tokens: int | float | None = None
+    # vLLM's engine priority (lower first): only whether the client set one (flow control's
+    # `engine_priority` replaces it; docs/flow-control.md).
+    priority: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
 _PROMPT_TEXTS = msgspec.json.Decoder(str | list[str])

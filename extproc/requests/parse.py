@@ -168,6 +168,7 @@ def parse_request(
         lora_adapter=lora_adapter,
         cache_salt=cache_salt,
         max_output_tokens=output_cap(decoded),
+        client_priority=getattr(decoded, "priority", msgspec.UNSET) is not msgspec.UNSET,
         prompt=prompt,
     )
 

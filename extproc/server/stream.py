@@ -52,6 +52,7 @@ from extproc.errors import (
     PayloadTooLarge,
     RequestTimeout,
 )
+from extproc.flowcontrol.engine_priority import ENGINE_PRIORITY_HEADER, EnginePriority
 from extproc.router import Routed, Router
 from extproc.server import wire
 from extproc.server.guard import PeerAllowList, Throttle
@@ -472,10 +473,62 @@ class _Stream:
             decision = await self._route(body)
         finally:
             self._release_body()  # held through parsing: the joined copy lives until then
+        engine = self._engine_priority()
+        if engine is None:
+            if self.mode in _BUFFERED:
+                return [self.replies.body(decision)]
+            out = [self.replies.headers(decision)]
+            out.extend(wire.streamed_body(body, end_of_stream=not trailers_follow))
+            return out
+        return self._with_engine_priority(engine, decision, body, trailers_follow)
+
+    def _engine_priority(self) -> EnginePriority | None:
+        admission = self.router.admission
+        return admission.engine_priority if admission is not None else None
+
+    def _with_engine_priority(
+        self, engine: EnginePriority, decision: Decision, body: bytes, trailers_follow: bool
+    ) -> list[wire.ProcessingResponse]:
+        """The decision with flow control's band written into the body as the engine's
+        `priority` (`flowcontrol/engine_priority.py`); the client's `x-vllm-priority` header
+        (read before the body by vLLM) never reaches the engine."""
+        routed = self.routed
+        edit = None
+        if routed is not None and routed.ticket is not None:
+            req = routed.request
+            band = routed.ticket.request.priority
+            edit = engine.edit(req.api, band, body, client_set=req.client_priority)
+        else:
+            engine.count("skipped")
+        remove = (ENGINE_PRIORITY_HEADER,)
+        sized: dict[str, str] = {}
+        if edit is not None and "content-length" in self.headers:
+            sized["content-length"] = str(edit.length(len(body)))
         if self.mode in _BUFFERED:
-            return [self.replies.body(decision)]
-        out = [self.replies.headers(decision)]
-        out.extend(wire.streamed_body(body, end_of_stream=not trailers_follow))
+            return [
+                wire.with_request_edit(
+                    self.replies.body(decision),
+                    set_headers=sized,
+                    remove_headers=remove,
+                    body=edit.join(body) if edit is not None else None,
+                )
+            ]
+        out = [
+            wire.with_request_edit(
+                self.replies.headers(decision), set_headers=sized, remove_headers=remove
+            )
+        ]
+        if edit is None:
+            out.extend(wire.streamed_body(body, end_of_stream=not trailers_follow))
+        else:
+            out.extend(
+                wire.streamed_body(
+                    body,
+                    end_of_stream=not trailers_follow,
+                    head=edit.head,
+                    rest_from=edit.rest_from,
+                )
+            )
         return out
 
     async def _route(self, body: bytes | None) -> Decision:
@@ -485,6 +538,10 @@ class _Stream:
             self.router.finish(self.routed)
             self.routed = None
         path = self.headers.get(":path", "/")
+        if not body and (engine := self._engine_priority()) is not None:
+            # Decided without a body to write the band into: the engine runs it at its
+            # default priority. Counted, so an operator sees engine priority not applied.
+            engine.count("skipped")
         explain = self.explain or log.isEnabledFor(logging.DEBUG)
         start = time.perf_counter()
         routed = await self.router.route(

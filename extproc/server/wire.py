@@ -188,17 +188,57 @@ def response_headers_with(headers: Mapping[str, str]) -> pb.ProcessingResponse:
     return resp
 
 
-def streamed_body(body: bytes, *, end_of_stream: bool) -> Iterator[pb.ProcessingResponse]:
-    """The body echoed back in chunks of at most BODY_CHUNK_BYTES. FULL_DUPLEX_STREAMED
-    needs at least one chunk, even for an empty body, to carry `end_of_stream`."""
+def streamed_body(
+    body: bytes, *, end_of_stream: bool, head: bytes = b"", rest_from: int = 0
+) -> Iterator[pb.ProcessingResponse]:
+    """The body echoed back in chunks of at most BODY_CHUNK_BYTES: `head` followed by
+    `body[rest_from:]` (an edit that leaves the rest of the body as it came, no copy of it
+    beyond the chunk slices). FULL_DUPLEX_STREAMED needs at least one chunk, even for an
+    empty body, to carry `end_of_stream`."""
     size = protocol.BODY_CHUNK_BYTES
-    last = max(0, (len(body) - 1) // size)
+    h = len(head)
+    total = h + len(body) - rest_from
+    last = max(0, (total - 1) // size)
     for i in range(last + 1):
+        a, b = i * size, (i + 1) * size
+        if not h:
+            part = body[rest_from + a : rest_from + b]
+        elif b <= h:
+            part = head[a:b]
+        elif a >= h:
+            part = body[rest_from + a - h : rest_from + b - h]
+        else:
+            part = head[a:] + body[rest_from : rest_from + b - h]
         resp = pb.ProcessingResponse()
         sr = resp.request_body.response.body_mutation.streamed_response
-        sr.body = body[i * size : (i + 1) * size]
+        sr.body = part
         sr.end_of_stream = end_of_stream and i == last
         yield resp
+
+
+def with_request_edit(
+    resp: pb.ProcessingResponse,
+    *,
+    set_headers: Mapping[str, str],
+    remove_headers: tuple[str, ...] = (),
+    body: bytes | None = None,
+) -> pb.ProcessingResponse:
+    """A copy of a request-phase decision reply (headers or BUFFERED body; the cached one
+    stays untouched) that also sets `set_headers`, removes `remove_headers` and, with
+    `body`, replaces the buffered body."""
+    out = pb.ProcessingResponse()
+    out.CopyFrom(resp)
+    common = (
+        out.request_headers.response
+        if out.WhichOneof("response") == "request_headers"
+        else out.request_body.response
+    )
+    for name, value in set_headers.items():
+        _set_header(common.header_mutation, name, value)
+    common.header_mutation.remove_headers.extend(remove_headers)
+    if body is not None:
+        common.body_mutation.body = body
+    return out
 
 
 def error_response(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -47,11 +48,29 @@ def worker_argv(argv: Sequence[str], index: int) -> list[str]:
     return [sys.executable, "-m", "extproc", *out, "--worker-index", str(index)]
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    # PR_SET_PDEATHSIG: if the parent is SIGKILLed, workers get SIGTERM and drain instead of
-    # holding the port as orphans.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)
+# The supervisor's pid, in each worker's environment (see `die_with_supervisor`).
+SUPERVISOR_ENV = "EXTPROC_SUPERVISOR_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_supervisor(environ: dict[str, str] | None = None) -> bool:
+    """In a worker, first thing: if the supervisor is SIGKILLed, this process gets SIGTERM
+    and drains instead of holding the ports as an orphan (Linux's PR_SET_PDEATHSIG).
+    Returns False when the supervisor is already gone (the worker should exit).
+
+    Set by the worker itself, not by a `preexec_fn` between fork and exec: a preexec_fn makes
+    subprocess fork the whole (threaded) parent, and a parent that had started gRPC ran gRPC's
+    fork handlers in the child, whose poller then died on the descriptors closed before exec:
+    workers exited at birth (tests/server/test_workers.py, 1 run in 5 under load). Without
+    it, subprocess spawns with vfork and runs nothing of the parent's in the child."""
+    env = os.environ if environ is None else environ
+    pid = env.get(SUPERVISOR_ENV)
+    if pid is None or not sys.platform.startswith("linux"):
+        return True
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    # The supervisor may have died between our start and the prctl: then we were already
+    # reparented and no signal will come.
+    return os.getppid() == int(pid)
 
 
 @dataclass(slots=True)
@@ -114,9 +133,7 @@ class Supervisor:
     def _start(self, slot: _Slot) -> None:
         argv = list(self._command(slot.index))
         slot.proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            argv, stdin=subprocess.DEVNULL, env={**os.environ, SUPERVISOR_ENV: str(os.getpid())}
         )
         slot.started_at = self._clock()
         slot.restart_at = None

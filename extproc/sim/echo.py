@@ -2,7 +2,8 @@
 
 Each listens on its own port and replies JSON: its name, the destination header Envoy
 forwarded, the request path, the body size and a digest of the body (so a test can prove the
-body arrived intact). The `x-served-by` response header carries the name too.
+body arrived intact), and the engine priority the body and headers carry. The `x-served-by`
+response header carries the name too.
 
     python -m extproc.sim.echo 127.0.0.1:8001 127.0.0.1:8002
 """
@@ -41,6 +42,25 @@ def _int(value: str | None) -> int | None:
     return int(value) if value and value.isascii() and value.isdigit() else None
 
 
+def _priority_seen(request: web.Request, body: bytes) -> dict:
+    """What an engine with priority scheduling would read: the body's top-level `priority`
+    (absent from the answer when the body has none), vLLM's `x-vllm-priority` header, and
+    the declared content-length (a rewritten body must declare its new size)."""
+    out: dict = {
+        "vllm_priority_header": request.headers.get(protocol.ENGINE_PRIORITY_HEADER),
+        "content_length": request.headers.get("content-length"),
+    }
+    if b"priority" in body:  # only then parse: large bodies pass through untouched
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            out["body_json"] = False
+            return out
+        if isinstance(doc, dict) and "priority" in doc:
+            out["priority"] = doc["priority"]
+    return out
+
+
 def make_app(name: str) -> web.Application:
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -63,6 +83,7 @@ def make_app(name: str) -> web.Application:
                 )
             },
         }
+        payload.update(_priority_seen(request, body))
         headers_delay = _int(request.headers.get(HEADERS_DELAY_HEADER))
         if headers_delay:
             await asyncio.sleep(headers_delay / 1000)

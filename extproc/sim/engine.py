@@ -1,6 +1,7 @@
-"""One simulated vLLM engine: admission (FCFS, a max batch, KV-block capacity), the prefix
-cache and encoder cache consulted at admission, prefill served one request at a time at the
-`timing` rates, then decode at a batch-dependent rate. The HTTP layer (`server`) turns the
+"""One simulated vLLM engine: admission (FCFS, or by `priority` with the priority policy; a
+max batch, KV-block capacity), the prefix cache and encoder cache consulted at admission,
+prefill served one request at a time at the `timing` rates, then decode at a batch-dependent
+rate. The HTTP layer (`server`) turns the
 token chunks `generate` yields into OpenAI responses.
 
 Owned by one event loop; `generate` is the only coroutine and may be cancelled at any point
@@ -15,7 +16,7 @@ import random
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -42,6 +43,13 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - `seed` (0): output tokens are a function of (seed, request seed or prompt).
     - `min_tick_s` (0.005): wall seconds between token emissions at least; tokens due in
       between go out together (each still its own SSE chunk), bounding CPU per stream.
+    - `scheduling_policy` ("fcfs") [--scheduling-policy]: "priority" serves a lower request
+      `priority` first (ties by arrival), as vLLM's priority policy orders its waiting
+      queue: in the admission queue and among admitted prefills not started yet (the sim's
+      ADMITTED state is still "waiting" in vLLM); a prefill under way is not preempted.
+      vLLM also preempts its lowest-priority running request when a running one needs KV
+      blocks; the sim holds prompt + max_tokens from admission, so none ever needs more.
+      "fcfs" ignores `priority` (vLLM 0.32 accepts a non-zero one without the policy).
     - `relative_speed` (1.0): this server's speed against the `timing` rates (0.5: half as
       fast, a smaller GPU); `Engine.relative_speed` changes it while running (a server
       slowed by another tenant) at once: the rest of the prefill under way and every
@@ -61,6 +69,7 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_tick_s: Annotated[float, msgspec.Meta(gt=0)] = 0.005
     timing: TimingSettings = TimingSettings()
     relative_speed: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +82,7 @@ class Job:
     cache_salt: str | None = None
     seed: int | None = None
     stream: bool = False
+    priority: int = 0  # lower first, with the priority scheduling policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,9 +180,7 @@ class Engine:
                 seq.prefill_end = seq.prefill_start + work
             cursor = seq.prefill_end
         self._lane_free_at = cursor
-        if self._moved is not None and not self._moved.done():
-            self._moved.set_result(None)
-        self._moved = None
+        self._wake()
 
     async def _wait_lane(self, seq: _Seq, ends: bool) -> None:
         """Sleeps until `seq`'s prefill starts (or ends, with `ends`), following reschedules."""
@@ -181,6 +189,13 @@ class Engine:
             if self._moved is None:
                 self._moved = loop.create_future()
             await asyncio.wait({self._moved}, timeout=delay)
+
+    def prefill_order(self) -> list[Job]:
+        """The jobs whose prefill has not ended, in the order the engine will end them: the
+        admitted ones by their place in the prefill lane, then the admission queue."""
+        now = asyncio.get_running_loop().time()
+        lane = [s.job for s in self._lane if s.prefill_end > now and s.state is not _State.DONE]
+        return lane + [s.job for s in self._queue if not s.admitted.cancelled()]
 
     def gauges(self) -> Gauges:
         waiting = self._counts[_State.QUEUED] + self._counts[_State.ADMITTED]
@@ -222,7 +237,7 @@ class Engine:
             admitted=loop.create_future(),
         )
         self._move(seq, _State.QUEUED)
-        self._queue.append(seq)
+        self._enqueue(seq)
         try:
             self._admit()
             await seq.admitted
@@ -322,15 +337,13 @@ class Engine:
             work = self._timing.prefill_s(prompt_len - hit_tokens, encode, hit.cpu * bs)
             work /= self.relative_speed
             seq.admitted_at = loop.time()
-            seq.prefill_start = max(seq.admitted_at, self._lane_free_at)
-            seq.prefill_end = self._lane_free_at = seq.prefill_start + work
             lane = self._lane
             # Ended by now: bounded by what is still queued. (Not by this one's start, which
             # is in the future behind a queue: that dropped every admitted prefill but the
             # last, so a slowdown stretched only the newest and the rest kept their speed.)
             while lane and lane[0].prefill_end <= loop.time():
                 lane.popleft()
-            lane.append(seq)
+            self._into_lane(seq, work, seq.admitted_at)
             st = self.stats
             st.prompt_tokens += prompt_len
             st.cached_prompt_tokens += hit_tokens
@@ -340,6 +353,53 @@ class Engine:
             st.generation_hist.observe(seq.job.max_tokens)
             seq.admitted.set_result(None)
         self._flush()
+
+    def _enqueue(self, seq: _Seq) -> None:
+        """Into the admission queue: at the end (FCFS), or behind every request of its
+        priority or a lower value (the priority policy; arrival order within a priority)."""
+        queue = self._queue
+        if self.settings.scheduling_policy == "fcfs" or not queue:
+            queue.append(seq)
+            return
+        p = seq.job.priority
+        pos = len(queue)
+        while pos > 0 and queue[pos - 1].job.priority > p:
+            pos -= 1
+        queue.insert(pos, seq)
+
+    def _into_lane(self, seq: _Seq, work: float, now: float) -> None:
+        """Schedules `seq`'s prefill: after the last one (FCFS), or, with the priority policy,
+        ahead of admitted prefills of a higher value that have not started (they move back
+        by its work; their sleepers wake and re-read their times)."""
+        lane = self._lane
+        pos = len(lane)
+        if self.settings.scheduling_policy == "priority":
+            p = seq.job.priority
+            for i, other in enumerate(lane):
+                if other.prefill_start > now and other.job.priority > p:
+                    pos = i
+                    break
+        if pos == len(lane):
+            seq.prefill_start = max(now, self._lane_free_at)
+            seq.prefill_end = self._lane_free_at = seq.prefill_start + work
+            lane.append(seq)
+            return
+        seq.prefill_start = max(now, lane[pos - 1].prefill_end) if pos else now
+        seq.prefill_end = seq.prefill_start + work
+        lane.insert(pos, seq)
+        cursor = seq.prefill_end
+        for i in range(pos + 1, len(lane)):
+            other = lane[i]
+            length = other.prefill_end - other.prefill_start
+            other.prefill_start = cursor
+            other.prefill_end = cursor = cursor + length
+        self._lane_free_at = cursor
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._moved is not None and not self._moved.done():
+            self._moved.set_result(None)
+        self._moved = None
 
     def _encode_tokens(self, tokens: PromptTokens, hit_tokens: int) -> int:
         """Media tokens to run through the encoder: items reaching past the cached prefix

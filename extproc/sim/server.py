@@ -24,6 +24,7 @@ from aiohttp import web
 
 from extproc.core import Api
 from extproc.errors import BadRequest
+from extproc.protocol import ENGINE_PRIORITY_HEADER
 from extproc.requests import ParseSettings, parse_request
 from extproc.sim import SERVED_BY_HEADER, TIMING_HEADER
 from extproc.sim.blocks import wire_hash
@@ -58,6 +59,7 @@ class _Sampling(msgspec.Struct):
     seed: int | None = None
     n: int = 1
     stream_options: _StreamOptions | None = None
+    priority: int = 0  # vLLM's: lower first with --scheduling-policy priority
 
 
 class _StreamOptions(msgspec.Struct):
@@ -65,6 +67,18 @@ class _StreamOptions(msgspec.Struct):
 
 
 _SAMPLING = msgspec.json.Decoder(_Sampling)
+# vLLM 0.32 reads this header before the body's `priority` (an unparsable value is ignored).
+_PRIORITY_HEADER = ENGINE_PRIORITY_HEADER
+
+
+def _priority(headers: dict[str, str], sampling: _Sampling) -> int:
+    raw = headers.get(_PRIORITY_HEADER)
+    if raw is not None:
+        try:
+            return int(raw)
+        except ValueError:
+            pass
+    return sampling.priority
 
 
 class _Speed(msgspec.Struct, forbid_unknown_fields=True):
@@ -188,7 +202,14 @@ class SimServer:
         if max_tokens < 1:
             raise BadRequest("max_tokens: must be at least 1")
         self.engine.check(len(tokens.ids), max_tokens)
-        job = Job(tokens, max_tokens, req.cache_salt, sampling.seed, req.stream)
+        job = Job(
+            tokens,
+            max_tokens,
+            req.cache_salt,
+            sampling.seed,
+            req.stream,
+            _priority(headers, sampling),
+        )
         return req, sampling, job
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:

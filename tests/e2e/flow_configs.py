@@ -1,6 +1,7 @@
-"""The picker config the flow-control reserve tests share: two bands (interactive 10, batch
-0, named in an objectives file), a token concurrency detector, one scorer and
-per-endpoint admission with a reserve for one higher-band request."""
+"""Picker configs the flow-control tests share: the reserve tests' two bands (interactive 10,
+batch 0, named in an objectives file), a token concurrency detector, one scorer and
+per-endpoint admission with a reserve for one higher-band request; and a plain scheduling
+section whose saturation signal is the in-flight request count."""
 
 from __future__ import annotations
 
@@ -49,3 +50,22 @@ def two_band_reserve_config(
     path = tmp / "picker.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def in_flight_scheduling(max_concurrency: int = 100) -> dict[str, Any]:
+    """A `scheduling` section: the queue scorer, and flow control saturated by in-flight
+    requests (upstreams that export no metrics, or tests that must not depend on them)."""
+    return {
+        "plugins": [
+            {"type": "queue-scorer"},
+            {"type": "max-score-picker"},
+            {"type": "concurrency-detector", "parameters": {"maxConcurrency": max_concurrency}},
+        ],
+        "flowControl": {"saturationDetector": {"pluginRef": "concurrency-detector"}},
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}],
+            }
+        ],
+    }

@@ -19,6 +19,7 @@ import httpx
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions, wait_until
+from tests.e2e.chat_turns import ChatTurns
 from tests.e2e.profiles import default_profile_with
 from tests.e2e.test_request_end import picker_metric
 
@@ -51,17 +52,8 @@ def test_a_request_decoding_on_the_home_server_does_not_push_the_next_turn_off_i
     opts = StackOptions(upstreams=2, sim_args=SIM, extproc_args=("--config", str(cfg)))
     with Stack(opts) as stack, httpx.Client(timeout=60) as http:
         admin = f"http://127.0.0.1:{stack.picker_admin_port}"
-
-        def send(body: dict) -> str:
-            r = http.post(f"{stack.url}/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
-            return r.headers[SERVED_BY_HEADER]
-
-        def explain(body: dict) -> dict:
-            path = {"x-extproc-path": "/v1/chat/completions"}
-            r = http.post(f"{admin}/debug/explain", json=body, headers=path)
-            assert r.status_code == 200, r.text
-            return r.json()
+        turns = ChatTurns(http, stack)
+        send, explain = turns.send, turns.explain
 
         def queued(address: str) -> float:
             for line in http.get(f"{admin}/metrics").text.splitlines():

@@ -11,8 +11,8 @@ import random
 
 import httpx
 
-from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
+from tests.e2e.chat_turns import ChatTurns
 
 # 64 blocks x 16 tokens per server: a few of the prompts below fill it.
 SIM = ("--fast", "4", "--num-gpu-blocks", "64")
@@ -42,18 +42,8 @@ def test_the_tail_hysteresis_holds_while_cached_and_lets_go_once_evicted(tmp_pat
     cfg.write_text(PARSE)
     opts = StackOptions(upstreams=2, sim_args=SIM, extproc_args=("--config", str(cfg)))
     with Stack(opts) as stack, httpx.Client(timeout=60) as http:
-        admin = f"http://127.0.0.1:{stack.picker_admin_port}/debug/explain"
-
-        def send(body: dict) -> str:
-            r = http.post(f"{stack.url}/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
-            return r.headers[SERVED_BY_HEADER]
-
-        def explain(body: dict) -> dict:
-            path = {"x-extproc-path": "/v1/chat/completions"}
-            r = http.post(admin, json=body, headers=path)
-            assert r.status_code == 200, r.text
-            return r.json()
+        turns = ChatTurns(http, stack)
+        send, explain = turns.send, turns.explain
 
         # The conversation's first turn; its next turn is explained, never sent.
         send(chat(system, q1))

@@ -17,6 +17,7 @@ import httpx
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
+from tests.e2e.chat_turns import ChatTurns
 from tests.e2e.profiles import default_profile_with
 
 # 64 blocks x 16 tokens per server; slow decode so a long reply stays in flight.
@@ -49,12 +50,8 @@ def test_a_full_reused_cache_keeps_a_request_on_its_holder_against_a_short_queue
     cfg.write_text(PICKER)
     opts = StackOptions(upstreams=2, sim_args=SIM, extproc_args=("--config", str(cfg)))
     with Stack(opts) as stack, httpx.Client(timeout=60) as http:
-        admin = f"http://127.0.0.1:{stack.picker_admin_port}/debug/explain"
-
-        def send(body: dict) -> str:
-            r = http.post(f"{stack.url}/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
-            return r.headers[SERVED_BY_HEADER]
+        turns = ChatTurns(http, stack)
+        send, explain = turns.send, turns.explain
 
         def settled() -> None:
             # Every request so far has ended in the picker's books (the access log's entry
@@ -69,12 +66,6 @@ def test_a_full_reused_cache_keeps_a_request_on_its_holder_against_a_short_queue
                     return
                 time.sleep(0.05)
             raise AssertionError("requests still in flight")
-
-        def explain(body: dict) -> dict:
-            path = {"x-extproc-path": "/v1/chat/completions"}
-            r = http.post(admin, json=body, headers=path)
-            assert r.status_code == 200, r.text
-            return r.json()
 
         # Fill both caches several times over with tenants whose prompts come back: each
         # new prompt is sent three times, so about 60% of the placed prompts is reused.

@@ -105,6 +105,8 @@ async def test_flow_control_without_response_headers_is_logged_and_counted(app: 
     router = app.router
 
     class Admission:  # stands in for flow control: only the release matters here
+        engine_priority = None
+
         def __init__(self) -> None:
             self.released: list[object] = []
 

@@ -4,6 +4,7 @@ SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2
 
-from extproc.server.workers import Supervisor, worker_argv
+from extproc.server.workers import SUPERVISOR_ENV, Supervisor, die_with_supervisor, worker_argv
 from extproc.stack import free_port, grpc_health_status, wait_until
 from tests.conftest import ENDPOINTS
 
@@ -75,6 +76,41 @@ def test_supervisor_restarts_a_dead_worker_and_forwards_sigterm(tmp_path):
         t.join(timeout=15)
     assert result == [0]
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+
+
+# A worker that asks to die with its supervisor, then records the SIGTERM that brings.
+ORPHAN = (
+    "import pathlib, signal, sys, time; "
+    "from extproc.server.workers import die_with_supervisor; "
+    "assert die_with_supervisor(); d = pathlib.Path(sys.argv[1]); "
+    "signal.signal(signal.SIGTERM, lambda *_: ((d / 'terminated').touch(), sys.exit(0))); "
+    "(d / 'ready').touch(); time.sleep(60)"
+)
+SUPERVISOR = (
+    "import sys; from extproc.server.workers import Supervisor; "
+    "Supervisor(lambda i: [sys.executable, '-c', sys.argv[1], sys.argv[2]], 1, grace_s=1.0).run()"
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_drains_when_its_supervisor_is_killed(tmp_path):
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, ORPHAN, str(tmp_path)])
+    try:
+        wait_until(lambda: (tmp_path / "ready").exists(), timeout_s=30, what="worker", proc=sup)
+        sup.kill()
+        sup.wait(timeout=10)
+        wait_until(
+            lambda: (tmp_path / "terminated").exists(), timeout_s=10, what="worker's SIGTERM"
+        )
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+
+
+def test_a_worker_whose_supervisor_is_already_gone_exits():
+    assert die_with_supervisor({SUPERVISOR_ENV: str(os.getppid())})
+    assert not die_with_supervisor({SUPERVISOR_ENV: "1" if os.getppid() != 1 else "2"})
+    assert die_with_supervisor({})  # not a supervised worker: nothing to do
 
 
 @pytest.fixture

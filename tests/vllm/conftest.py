@@ -50,6 +50,11 @@ def vllm_fleet() -> Iterator[VllmFleet]:
             str(GPU_BLOCKS),
             "--max-model-len",
             str(MAX_MODEL_LEN),
+            # Priority scheduling (lower `priority` first): with every request at the default
+            # 0 it orders by arrival like FCFS; tests/vllm/test_engine_priority.py sends the
+            # bands flow control writes into bodies.
+            "--scheduling-policy",
+            "priority",
         ),
         log_dir=logs,
     )

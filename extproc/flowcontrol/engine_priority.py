@@ -1,0 +1,125 @@
+"""Engine-side priority (`flow_control.engine_priority`): the request's priority band written
+into the body the model server receives, as vLLM's `priority` (served by an engine started
+with `--scheduling-policy priority`: lower value first, ties by arrival; default 0).
+
+Why: flow control orders requests in the picker, but once released a request joins the
+engine's own queue, where an interactive request waited behind batch prefills (FCFS). With
+the band in the body the engine serves the higher band's prefills first too.
+
+The mapping is `-band` (band 10 -> -10, band 0 -> 0, band -1 -> 1): a higher band gets a
+smaller number, bands keep their order, and the default band keeps vLLM's default.
+
+The client does not choose its place in the engine's queue: a `priority` it sent is
+replaced, and the `x-vllm-priority` header (which vLLM 0.32 reads before the body) is
+removed. Without a client `priority` (the common case) the field is inserted right after
+the body's opening brace: a few bytes ahead of the untouched body (`BodyEdit`), no second
+copy of a large body on the streamed path. With one, the body is re-encoded with the value
+replaced (the client asked for a priority; it pays for the copy).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter
+
+from extproc.core import Api
+from extproc.protocol import ENGINE_PRIORITY_HEADER
+
+__all__ = ["ENGINE_PRIORITY_HEADER", "EnginePriority", "engine_priority", "with_priority"]
+
+# The APIs whose vLLM request carries `priority` (vLLM 0.32: chat, completions, responses,
+# embeddings; its Anthropic messages request has none).
+APIS = frozenset({Api.CHAT, Api.COMPLETIONS, Api.RESPONSES, Api.EMBEDDINGS})
+
+OUTCOMES = ("inserted", "replaced", "skipped")
+
+_WS = b" \t\r\n"
+
+
+def engine_priority(band: int) -> int:
+    """The engine's priority for a flow-control band: higher band, smaller number."""
+    return -band
+
+
+@dataclass(frozen=True, slots=True)
+class BodyEdit:
+    """The body the engine gets: `head` followed by `body[rest_from:]` (only `head` is new)."""
+
+    head: bytes
+    rest_from: int
+
+    def length(self, body_len: int) -> int:
+        return len(self.head) + body_len - self.rest_from
+
+    def join(self, body: bytes) -> bytes:
+        return self.head + body[self.rest_from :] if self.rest_from < len(body) else self.head
+
+
+def with_priority(body: bytes, value: int, *, client_set: bool) -> BodyEdit:
+    """`body` (a JSON object, as the request parser accepted it) with top-level `priority`
+    set to `value`. `client_set`: the body already has one (the parser saw it)."""
+    if client_set:
+        return _replaced(body, value)
+    i = 0
+    n = len(body)
+    while i < n and body[i] in _WS:
+        i += 1
+    if i == n or body[i] != 0x7B:  # "{": anything else was refused by the parser
+        return _replaced(body, value)
+    j = i + 1
+    while j < n and body[j] in _WS:
+        j += 1
+    field_ = b'"priority":%d' % value
+    if j < n and body[j] == 0x7D:  # "{}": no member to separate from
+        return BodyEdit(body[: i + 1] + field_, i + 1)
+    return BodyEdit(body[: i + 1] + field_ + b",", i + 1)
+
+
+def _replaced(body: bytes, value: int) -> BodyEdit:
+    try:
+        doc = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        doc = json.loads(body)  # what msgspec refuses and the parser let through
+    if not isinstance(doc, dict):
+        raise ValueError("body is not a JSON object")
+    doc["priority"] = value
+    return BodyEdit(msgspec.json.encode(doc), len(body))
+
+
+@dataclass(slots=True)
+class EnginePriority:
+    """The switch and its counter (`extproc_flow_engine_priority_total{outcome}`):
+    `inserted` (no client priority), `replaced` (the client's replaced), `skipped` (a request
+    with the feature on whose body was not rewritten: an API without the field, no body, or
+    a body mode that never shows the whole body)."""
+
+    registry: CollectorRegistry | None = None
+    _counter: Counter | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._counter = Counter(
+            "extproc_flow_engine_priority",
+            "Requests whose engine priority the picker wrote into the forwarded body "
+            "(flow_control.engine_priority), by outcome: inserted, replaced (the client's "
+            "own), skipped (not rewritten: API without the field, or no body seen).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for o in OUTCOMES:
+            self._counter.labels(o)
+
+    def count(self, outcome: str) -> None:
+        assert self._counter is not None
+        self._counter.labels(outcome).inc()
+
+    def edit(self, api: Api, band: int, body: bytes, *, client_set: bool) -> BodyEdit | None:
+        """The edit for one request (None: the body goes as it came, counted `skipped`)."""
+        if api not in APIS or not body:
+            self.count("skipped")
+            return None
+        out = with_priority(body, engine_priority(band), client_set=client_set)
+        self.count("replaced" if client_set else "inserted")
+        return out
