@@ -42,18 +42,16 @@ CAUSES = (
 )
 
 
-def classify(rows: list[dict]) -> tuple[collections.Counter, collections.Counter, float]:
+def cause_of_each(rows: list[dict]) -> dict[int, str]:
+    """Each decided request's cause (by its `index`), in send order."""
     rows = sorted(rows, key=lambda r: r["sent_s"])
     ok = [r for r in rows if r.get("decision") and "ttft_s" in r]
-    ttfts = sorted(r["ttft_s"] for r in ok)
-    p90 = ttfts[int(0.9 * len(ttfts))] if ttfts else float("nan")
     # Blocks every tenant shares (the chat header): what the index credits every endpoint with
     # on most requests (the first few, before any placement, see less).
     minima = [min(r["decision"]["prefix_blocks"].values(), default=0) for r in ok]
     header = statistics.median_low(minima) if minima else 0
     seen: set[int] = set()
-    causes: collections.Counter = collections.Counter()
-    slow: collections.Counter = collections.Counter()
+    out: dict[int, str] = {}
     for r in ok:
         d = r["decision"]
         held, scored = d["prefix_blocks"], d["scores"].get("default/total", {})
@@ -71,9 +69,20 @@ def classify(rows: list[dict]) -> tuple[collections.Counter, collections.Counter
             cause = CAUSES[4]
         else:
             cause = CAUSES[1]
-        causes[cause] += 1
-        slow[cause] += r["ttft_s"] >= p90
+        out[r["index"]] = cause
         seen.add(r["tenant"])
+    return out
+
+
+def classify(rows: list[dict]) -> tuple[collections.Counter, collections.Counter, float]:
+    ok = [r for r in rows if r.get("decision") and "ttft_s" in r]
+    ttfts = sorted(r["ttft_s"] for r in ok)
+    p90 = ttfts[int(0.9 * len(ttfts))] if ttfts else float("nan")
+    cause = cause_of_each(rows)
+    causes: collections.Counter = collections.Counter(cause.values())
+    slow: collections.Counter = collections.Counter(
+        cause[r["index"]] for r in ok if r["ttft_s"] >= p90
+    )
     return causes, slow, p90
 
 

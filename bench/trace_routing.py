@@ -26,6 +26,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import psutil
 import yaml
 from bench_routing import AGENTIC, PRESSURE_SHAPE, redis_server, tenants_spec
 
@@ -192,6 +193,29 @@ def _lookup_health(admin_port: int) -> str:
     return "lookups: " + ", ".join(f"{k} {got[k]:g}" for k in _HEALTH.values() if k in got)
 
 
+def _role(proc: psutil.Process) -> str:
+    cmd = " ".join(proc.cmdline())
+    if "extproc.sim" in cmd:
+        return "simulators"
+    if "redis-server" in cmd:
+        return "redis"
+    if "envoy" in proc.name():
+        return "envoy"
+    return "pickers" if "serve" in cmd else proc.name()
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process (the load generator) and of each
+    child by role (simulators, pickers, envoy, redis): what the machine spent on whom."""
+    me = psutil.Process()
+    out = {"load generator": sum(me.cpu_times()[:2])}
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            role = _role(child)
+            out[role] = out.get(role, 0.0) + sum(child.cpu_times()[:2])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=("agentic", "tenants"), default="agentic")
@@ -238,10 +262,13 @@ def main(argv: list[str] | None = None) -> int:
                 )  # fmt: skip
                 with ex, Stack(opts) as stack:
                     time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's socket
+                    cpu0, wall0 = cpu_seconds(), time.perf_counter()
                     if args.workload == "agentic":
                         rows = asyncio.run(_agentic(stack.url, int(load), args.seed))
                     else:
                         rows = asyncio.run(_tenants(stack.url, load, args.seed))
+                    cpu1, wall = cpu_seconds(), time.perf_counter() - wall0
+                    cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
                     admin = f"http://127.0.0.1:{stack.picker_admin_port}/metrics"
                     corrections = [
                         line for line in httpx.get(admin, timeout=10).text.splitlines()
@@ -251,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
                     corrections += [_lookup_health(a) for a in admins] if replicas else []
                 out = args.out / f"{args.workload}-{mode}-{rnd}.jsonl"
                 out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+                (args.out / f"{args.workload}-{mode}-{rnd}.cpu.json").write_text(
+                    json.dumps({"wall_s": round(wall, 2), "cpu_s": cpu})
+                )
+                corrections.append(
+                    f"CPU s over {wall:.1f} s: "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items()))
+                )
                 lines.append(summarize(mode, rows) + "".join(f"\n  {c}" for c in corrections))
                 print(lines[-1], flush=True)
     return 0
