@@ -94,9 +94,18 @@ class CapacityModel:
         decision."""
         if factor <= 0:
             return
-        self.ratio /= factor
         self._base.clear()
         self._n = 0
+        if not self.stats.measured:
+            # Nothing measured yet: 1.0 is the prior ("estimates are right"), which
+            # calibration just made truer. Divided by the factor it credited every server
+            # with 4x its cache (4 -> 1 bytes per token) until measured anew: three replicas
+            # pooling calibration changed at 2 s, before any had placed the 20,000 estimated
+            # tokens a measurement needs, and "index credited chosen, engine had evicted"
+            # misses doubled (bench/RESULTS.md, issue 14, tenth session).
+            log.info("capacity ratio not measured yet: the prior %.3f holds", self.ratio)
+            return
+        self.ratio /= factor
         log.info("capacity ratio carried over to new token estimates: %.3f", self.ratio)
 
     def update(self, request: InferenceRequest, cands: Sequence[Candidate]) -> None:

@@ -120,3 +120,17 @@ def test_without_the_engines_request_histogram_the_totals_fallback_is_said(caplo
         "request_prompt_tokens, so with several picker replicas each server is credited "
         "with only this replica's share of its cache"
     ) == 1
+
+
+def test_a_ratio_never_measured_is_not_carried_over():
+    # Calibration changed 4 -> 1 bytes per token before this replica placed enough to
+    # measure: 1.0 is the prior, not a measurement; carried over as 0.25 it credited every
+    # server with 4x its cache.
+    sent: dict[str, int] = {}
+    model = CapacityModel(sent.__setitem__, lambda addr: Scrape(0))
+    cands = [Candidate(Endpoint("a"), EndpointState(kv_blocks=1000, kv_block_size=16))]
+    model.update(req(100), cands)
+    model.units_changed(4.0)
+    assert model.ratio == 1.0 and not model.stats.measured
+    model.update(req(100), cands)
+    assert sent["a"] == 1000 * 16 // 64
