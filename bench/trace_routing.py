@@ -225,6 +225,7 @@ def _size(path: Path) -> int:
 _RECALIBRATED = re.compile(
     r"^(\S+ \S+) INFO extproc\.calibration approximate keys recalibrated: (\{.*?\}) \((.*)\)"
 )
+_CAPACITY = re.compile(r"^(\S+ \S+) INFO extproc\.index\.capacity capacity ratio (.*)")
 
 
 def recalibrations(log: Path, offset: int, epoch0: float) -> list[dict]:
@@ -240,6 +241,9 @@ def recalibrations(log: Path, offset: int, epoch0: float) -> list[dict]:
         if m := _RECALIBRATED.match(line):
             at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             out.append({"at_s": round(at - epoch0, 2), "change": m.group(2), "why": m.group(3)})
+        elif m := _CAPACITY.match(line):  # what the KV-capacity ratio did at the change
+            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            out.append({"at_s": round(at - epoch0, 2), "change": "capacity", "why": m.group(2)})
     return out
 
 
@@ -247,7 +251,7 @@ def _calibration_line(rows: list[dict], changes: dict[str, list[dict]]) -> str:
     """How many requests were decided with an uncalibrated token estimate (the picker's
     estimate under 0.6 of the engine's count: at 4 bytes per token for the simulator's ~1.3
     characters it is ~0.33, calibrated ~1.3), the last of them, and when each picker's
-    bytes per token changed."""
+    bytes per token changed (with its KV-capacity ratio after the change)."""
     late = [
         r["sent_s"] for r in rows
         if r.get("prompt_tokens") and r.get("decision")
@@ -256,7 +260,8 @@ def _calibration_line(rows: list[dict], changes: dict[str, list[dict]]) -> str:
     per = "; ".join(
         f"{n}: " + (", ".join(
             f"{c['at_s']:.1f} s {c['change']}{' adopted' if 'adopted' in c['why'] else ''}"
-            for c in cs if "bytes_per_token" in c["change"]
+            if c["change"] != "capacity" else "capacity " + re.findall(r"[\d.]+", c["why"])[-1]
+            for c in cs if "bytes_per_token" in c["change"] or c["change"] == "capacity"
         ) or "none")
         for n, cs in changes.items()
     )  # fmt: skip
