@@ -117,6 +117,9 @@ class Calibration:
         # Told (endpoint, estimated tokens, bytes_per_token) of each request placed here (the
         # peers count it in their windows).
         self.on_placed: Callable[[str, int, int], None] | None = None
+        # Told (endpoint, estimated tokens in this replica's unit) of each peer's placement
+        # (the KV-capacity model measures from them too).
+        self.on_peer_placed: list[Callable[[str, int], None]] = []
 
     def __call__(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
         return parse_request(
@@ -138,8 +141,11 @@ class Calibration:
         error only while replicas disagree)."""
         if self.enabled:
             w = self._windows.setdefault(endpoint, _Window())
-            w.estimated += round(tokens * bytes_per_token / self.settings.bytes_per_token)
+            mine = round(tokens * bytes_per_token / self.settings.bytes_per_token)
+            w.estimated += mine
             w.requests += 1
+            for listener in self.on_peer_placed:
+                listener(endpoint, mine)
 
     def adopt(self, bytes_per_token: int, key_bytes_per_token: int, *, source: str) -> bool:
         """A peer's confirmed bytes-per-token: adopted when within the bounds and made for

@@ -83,7 +83,12 @@ class CapacityModel:
         self.stats.ratio = value
 
     def placed(self, address: str, request: InferenceRequest) -> None:
-        self._placed[address] = self._placed.get(address, 0) + request.prompt_tokens
+        self.placed_tokens(address, request.prompt_tokens)
+
+    def placed_tokens(self, address: str, tokens: int) -> None:
+        """A request of `tokens` estimated tokens placed on `address` (here, or by a peer
+        replica pooling its placements: then the measurement covers every replica's)."""
+        self._placed[address] = self._placed.get(address, 0) + tokens
         self._requests[address] = self._requests.get(address, 0) + 1
 
     def units_changed(self, factor: float) -> None:

@@ -280,6 +280,7 @@ class Parts:
             return None
         from extproc.server.shared_calibration import SharedCalibration
 
+        self.calibration.on_peer_placed.append(self.router.peer_placed)
         return SharedCalibration.from_url(
             idx.redis_url,
             self.calibration,

@@ -190,6 +190,8 @@ def test_a_peers_placements_fill_this_replicas_windows() -> None:
     cal = Calibration(ParseSettings(bytes_per_token=4))
     told: list[tuple[int, int]] = []
     cal.on_change = lambda bpt, key: told.append((bpt, key))
+    capacity: list[tuple[str, int]] = []
+    cal.on_peer_placed.append(lambda ep, tokens: capacity.append((ep, tokens)))
     at, done = 0, (0.0, 0.0)
     cal.observe("a:1", None, at, done)
     for _ in range(2):
@@ -198,6 +200,7 @@ def test_a_peers_placements_fill_this_replicas_windows() -> None:
         at, done = at + 64_000, (done[0] + 64_000, done[1] + 32)
         cal.observe("a:1", None, at, done)
     assert cal.settings.bytes_per_token == 2 and told == [(2, 4)]
+    assert capacity[0] == ("a:1", 1000) and len(capacity) == 64  # the capacity model's too
     # A peer still at 4 after this change: its estimate is put in this replica's unit.
     cal.observe("a:1", None, at, done)
     for _ in range(16):
@@ -205,6 +208,7 @@ def test_a_peers_placements_fill_this_replicas_windows() -> None:
     at, done = at + 32_000, (done[0] + 32_000, done[1] + 16)
     cal.observe("a:1", None, at, done)
     assert cal.stats.ratios["a:1"] == 1.0
+    assert capacity[-1] == ("a:1", 2000)  # in this replica's unit
 
 
 def test_this_replicas_placements_are_told_to_the_peers() -> None:
