@@ -199,7 +199,7 @@ class Router:
         would, where alone it waited for 20,000 estimated tokens of its own share and
         credited each server meanwhile with what the 1.0 prior said."""
         if self._capacity is not None:
-            self._capacity.placed_tokens(address, tokens)
+            self._capacity.peer_placed(address, tokens)
 
     def estimate_units_changed(self, factor: float) -> None:
         """Token estimates are now `factor` times larger (approximate keys recalibrated)."""

@@ -138,8 +138,9 @@ def test_a_ratio_never_measured_is_not_carried_over():
 
 def test_peers_placements_make_the_measurement_as_early_as_one_replicas():
     # Pooled (state.shared_calibration): this replica placed 8 of the 32 requests, its peers
-    # the other 24; 20,000 estimated tokens are there at once, so the ratio is measured now
-    # where this replica's own 8,000 waited for more.
+    # the other 24. Both the tokens (20,000 estimated needed) and the recompute every 32
+    # placements are there at this replica's next decision; alone it waited for 32 of its
+    # own decisions and 20,000 of its own estimated tokens.
     sent: dict[str, int] = {}
     state = {"a": Scrape(0, LatencyTotals())}
     model = CapacityModel(sent.__setitem__, lambda addr: state[addr])
@@ -149,11 +150,12 @@ def test_peers_placements_make_the_measurement_as_early_as_one_replicas():
         m.update(req(100), cands)  # the base
         for _ in range(8):
             m.placed("a", req(1000))
+            m.update(req(1000), cands)
     for _ in range(24):
-        model.placed_tokens("a", 1000)
+        model.peer_placed("a", 1000)
     state["a"] = Scrape(96_000, LatencyTotals(prompt_sum=96_000.0, prompt_count=32))
     for m in (model, alone):
-        for _ in range(32):
-            m.update(req(100), cands)
+        m.update(req(100), cands)
     assert abs(model.ratio - 3.0) < 1e-9 and model.stats.measured == {"per_request": 1}
+    assert sent["a"] == int(1000 * 16 / (64 * 3.0))
     assert alone.ratio == 1.0 and not alone.stats.measured
