@@ -9,7 +9,12 @@ third of the requests, so its windows fill three times slower: on the tenants wo
 req/s, bench/RESULTS.md, issue 14, eighth session) 18-26 of 22-30 "index credited chosen,
 engine had evicted" misses fell in the run's first 5 s, decided at the uncalibrated 4 bytes
 per token where the simulator's tokenizer is ~1. Pooled, each replica's windows hold every
-replica's placements: the fleet calibrates as early as one replica would.
+replica's placements: the fleet calibrates as early as one replica would. The KV-capacity
+model (index/capacity.py, real tokens per estimated token, which sizes what the index may
+credit each server with) is fed the same placements: measured on a third of them it stayed
+at its 1.0 prior for ~4 s, crediting every server with ~3x its cache at 4 bytes per token,
+and that, not the token estimate itself, made the "credited chosen, engine evicted" misses
+(bench/RESULTS.md, issue 14, tenth session).
 
 On with `state.shared_calibration: true` and a (non-Cluster) Redis index. The hot path never
 touches Redis: a placement is counted locally and queued on a batched pub/sub channel
