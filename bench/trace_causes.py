@@ -150,6 +150,24 @@ def moves(rows: list[dict]) -> list[str]:
     return out
 
 
+def by_time(rows: list[dict], first_s: float = 5.0) -> list[str]:
+    """Requests and their uncached prompt tokens per cause, all of the run and those sent in
+    its first `first_s` seconds (where a replica's calibration transient falls)."""
+    by = {r["index"]: r for r in rows}
+    n: collections.Counter = collections.Counter()
+    early: collections.Counter = collections.Counter()
+    tokens: collections.Counter = collections.Counter()
+    for index, cause in cause_of_each(rows).items():
+        r, c = by[index], cause.split(" (")[0]
+        n[c] += 1
+        early[c] += r["sent_s"] < first_s
+        tokens[c] += r.get("prompt_tokens", 0) - r.get("cached_tokens", 0)
+    return [
+        f"{n[c]:4d} (first {first_s:g} s {early[c]:3d}), uncached tokens {tokens[c]:7d}  {c}"
+        for c in sorted(n, key=lambda c: -tokens[c])
+    ]
+
+
 def main(argv: list[str]) -> int:
     replicas = "--replicas" in argv
     if "--moves" in argv:
@@ -160,7 +178,15 @@ def main(argv: list[str]) -> int:
             for line in found:
                 print(f"  {line}")
         return 0
-    argv = [a for a in argv if a != "--replicas"]
+    early = "--early" in argv
+    argv = [a for a in argv if a not in ("--replicas", "--early")]
+    if early:
+        for path in argv:
+            rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+            print(f"{path}:")
+            for line in by_time(rows):
+                print(f"  {line}")
+        return 0
     for path in argv:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
         causes, slow, p90 = classify(rows)

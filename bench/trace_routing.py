@@ -18,10 +18,12 @@ import argparse
 import asyncio
 import contextlib
 import json
+import re
 import sys
 import tempfile
 import time
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 
 import aiohttp
@@ -216,6 +218,57 @@ def cpu_seconds() -> dict[str, float]:
     return out
 
 
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+_RECALIBRATED = re.compile(
+    r"^(\S+ \S+) INFO extproc\.calibration approximate keys recalibrated: (\{.*?\}) \((.*)\)"
+)
+_CAPACITY = re.compile(r"^(\S+ \S+) INFO extproc\.index\.capacity capacity ratio (.*)")
+
+
+def recalibrations(log: Path, offset: int, epoch0: float) -> list[dict]:
+    """One picker's calibration changes in its log past `offset` (this run's part): seconds
+    since the load started, what changed, and why (an engine's count, or adopted)."""
+    if not log.exists():
+        return []
+    with log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    out = []
+    for line in text.splitlines():
+        if m := _RECALIBRATED.match(line):
+            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            out.append({"at_s": round(at - epoch0, 2), "change": m.group(2), "why": m.group(3)})
+        elif m := _CAPACITY.match(line):  # what the KV-capacity ratio did at the change
+            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            out.append({"at_s": round(at - epoch0, 2), "change": "capacity", "why": m.group(2)})
+    return out
+
+
+def _calibration_line(rows: list[dict], changes: dict[str, list[dict]]) -> str:
+    """How many requests were decided with an uncalibrated token estimate (the picker's
+    estimate under 0.6 of the engine's count: at 4 bytes per token for the simulator's ~1.3
+    characters it is ~0.33, calibrated ~1.3), the last of them, and when each picker's
+    bytes per token changed (with its KV-capacity ratio after the change)."""
+    late = [
+        r["sent_s"] for r in rows
+        if r.get("prompt_tokens") and r.get("decision")
+        and r["decision"].get("prompt_tokens", 0) < 0.6 * r["prompt_tokens"]
+    ]  # fmt: skip
+    per = "; ".join(
+        f"{n}: " + (", ".join(
+            f"{c['at_s']:.1f} s {c['change']}{' adopted' if 'adopted' in c['why'] else ''}"
+            if c["change"] != "capacity" else "capacity " + re.findall(r"[\d.]+", c["why"])[-1]
+            for c in cs if "bytes_per_token" in c["change"] or c["change"] == "capacity"
+        ) or "none")
+        for n, cs in changes.items()
+    )  # fmt: skip
+    last = f", last sent at {max(late):.1f} s" if late else ""
+    return f"decided uncalibrated: {len(late)}{last} | bytes per token changed: {per}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=("agentic", "tenants"), default="agentic")
@@ -224,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         "--modes", nargs="+", default=["approximate", "precise"],
         help="approximate, precise, precise-events-only (no placement corrections); "
         "approximate on a fresh Redis: redis1 (1 replica), redis3 (3 replicas), "
-        "redis3-shared (3 replicas, state.shared_placements)",
+        "redis3-shared (3 replicas, state.shared_placements), redis3-cal (3 replicas, "
+        "state.shared_calibration)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -249,12 +303,16 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["index"]["kv_events"]["credit_placements"] = False
                 if mode == "redis3-shared":
                     cfg["state"] = {"shared_placements": True}
+                if mode == "redis3-cal":
+                    cfg["state"] = {"shared_calibration": True}
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
                     cfg[k] = {**cfg.get(k, {}), **v}
                 path = log_dir / f"{mode}.yaml"
                 path.write_text(yaml.safe_dump(cfg))
                 ex = contextlib.ExitStack()
-                replicas = {"redis1": 1, "redis3": 3, "redis3-shared": 3}.get(mode)
+                replicas = {"redis1": 1, "redis3": 3, "redis3-shared": 3, "redis3-cal": 3}.get(mode)
+                names = ["extproc", *(f"extproc-{i}" for i in range(1, replicas or 1))]
+                log_at = {n: _size(log_dir / f"{n}.log") for n in names}
                 redis_url = ex.enter_context(redis_server(log_dir)) if replicas else None
                 opts = StackOptions(
                     fleet=fleet, log_dir=log_dir, extproc_args=("--config", str(path)),
@@ -262,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                 )  # fmt: skip
                 with ex, Stack(opts) as stack:
                     time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's socket
-                    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+                    cpu0, wall0, epoch0 = cpu_seconds(), time.perf_counter(), time.time()
                     if args.workload == "agentic":
                         rows = asyncio.run(_agentic(stack.url, int(load), args.seed))
                     else:
@@ -281,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
                 (args.out / f"{args.workload}-{mode}-{rnd}.cpu.json").write_text(
                     json.dumps({"wall_s": round(wall, 2), "cpu_s": cpu})
                 )
+                changes = {
+                    n: recalibrations(log_dir / f"{n}.log", log_at[n], epoch0) for n in names
+                }
+                (args.out / f"{args.workload}-{mode}-{rnd}.calib.json").write_text(
+                    json.dumps(changes)
+                )
+                corrections.append(_calibration_line(rows, changes))
                 corrections.append(
                     f"CPU s over {wall:.1f} s: "
                     + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items()))

@@ -32,6 +32,12 @@ ratio swung 4x, and bytes-per-token flipped 1 <-> 4 a dozen times per run. So a 
 hold many requests and tokens, a new value must be clearly away from the current one
 (hysteresis: a true 2.5 characters per token does not alternate 2 and 3), and two windows
 in a row must propose it. Every change is logged and counted. Event-loop use only.
+
+Replicas behind one gateway can pool this (`state.shared_calibration`,
+server/shared_calibration.py): each replica's placements count in every replica's windows
+(`peer_placed`), so each window fills as fast as one replica's would, and a replica's own
+confirmed change (`on_change`) is adopted by the others (`adopt`) through the same logged,
+counted path, never re-announced.
 """
 
 from __future__ import annotations
@@ -81,6 +87,8 @@ class CalibrationStats:
     bytes_per_token: int = 0
     changes: int = 0
     windows_skipped: int = 0
+    adopted: int = 0  # of `changes`: bytes-per-token values adopted from peer replicas
+    refused: int = 0  # peers' values refused (out of bounds, or another key geometry)
     ratios: dict[str, float] = field(default_factory=dict)  # endpoint -> last engine/estimate
 
 
@@ -103,6 +111,15 @@ class Calibration:
         # Told the factor every token estimate grows by when bytes-per-token changes (the
         # capacity model measures in those estimates: see extproc/index/capacity.py).
         self.on_units: list[Callable[[float], None]] = []
+        # Told (bytes_per_token, key bytes per token) of each change this replica confirmed
+        # from its own windows (not of adopted ones: peers never re-announce a value).
+        self.on_change: Callable[[int, int], None] | None = None
+        # Told (endpoint, estimated tokens, bytes_per_token) of each request placed here (the
+        # peers count it in their windows).
+        self.on_placed: Callable[[str, int, int], None] | None = None
+        # Told (endpoint, estimated tokens in this replica's unit) of each peer's placement
+        # (the KV-capacity model measures from them too).
+        self.on_peer_placed: list[Callable[[str, int], None]] = []
 
     def __call__(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
         return parse_request(
@@ -114,6 +131,44 @@ class Calibration:
             w = self._windows.setdefault(endpoint, _Window())
             w.estimated += request.prompt_tokens
             w.requests += 1
+            if self.on_placed is not None:
+                self.on_placed(endpoint, request.prompt_tokens, self.settings.bytes_per_token)
+
+    def peer_placed(self, endpoint: str, tokens: int, bytes_per_token: int) -> None:
+        """A peer replica placed a request on `endpoint` it estimated at `tokens` with its
+        `bytes_per_token`: counted in this replica's window as if placed here (in this
+        replica's unit; the chat template's few tokens per turn scale with it too, a small
+        error only while replicas disagree)."""
+        if self.enabled:
+            w = self._windows.setdefault(endpoint, _Window())
+            mine = round(tokens * bytes_per_token / self.settings.bytes_per_token)
+            w.estimated += mine
+            w.requests += 1
+            for listener in self.on_peer_placed:
+                listener(endpoint, mine)
+
+    def adopt(self, bytes_per_token: int, key_bytes_per_token: int, *, source: str) -> bool:
+        """A peer's confirmed bytes-per-token: adopted when within the bounds and made for
+        the same key geometry (the peers' keys are this replica's keys); otherwise counted
+        in `refused`, logged, and False. Adopted changes go through the path of this
+        replica's own (logged, counted, listeners told), but are not announced again."""
+        lo, hi = _CHARS_PER_TOKEN
+        bpt, key = bytes_per_token, key_bytes_per_token
+        if not self.enabled:
+            return False
+        if not lo <= bpt <= hi or key != self.settings.key_bpt:
+            self.stats.refused += 1
+            log.warning(
+                "calibration from %s refused: %d bytes per token for keys of %d bytes per "
+                "token (bounds %g-%g; this replica's keys: %d)",
+                source, bpt, key, lo, hi, self.settings.key_bpt,
+            )  # fmt: skip
+            return False
+        self._proposal = None
+        if bpt != self.settings.bytes_per_token:
+            self.stats.adopted += 1
+            self._set(bytes_per_token=bpt, why=f"adopted from {source}", announce=False)
+        return True
 
     def forget(self, endpoint: str) -> None:
         """`endpoint` left the pool: drop its window and its ratio (a gauge of a server that
@@ -173,7 +228,7 @@ class Calibration:
             self._proposal = None
             self._set(bytes_per_token=bpt, why=f"{endpoint} counted {ratio:.2f}x our estimate")
 
-    def _set(self, *, why: str, **changes: int) -> None:
+    def _set(self, *, why: str, announce: bool = True, **changes: int) -> None:
         old_bpt = self.settings.bytes_per_token
         if "bytes_per_token" in changes and self.settings.key_bytes_per_token is None:
             changes = {**changes, "key_bytes_per_token": old_bpt}
@@ -182,6 +237,14 @@ class Calibration:
         self.stats.bytes_per_token = self.settings.bytes_per_token
         self.stats.changes += 1
         log.info("approximate keys recalibrated: %s (%s)", changes, why)
-        if self.settings.bytes_per_token != old_bpt:
+        new_bpt = self.settings.bytes_per_token
+        if new_bpt != old_bpt:
+            factor = old_bpt / new_bpt
+            # Open windows hold estimates made at the old value: into the new unit, or the
+            # next window of every other endpoint measures the change itself.
+            for w in self._windows.values():
+                w.estimated = round(w.estimated * factor)
             for listener in self.on_units:
-                listener(old_bpt / self.settings.bytes_per_token)
+                listener(factor)
+            if announce and self.on_change is not None:
+                self.on_change(new_bpt, self.settings.key_bpt)

@@ -219,12 +219,16 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     placements, so each one's prefill queues and written tokens cover every replica's
     (`server/shared_placements.py`); off by default: in the seventh session's interleaved
     runs it made the replicas agree but TTFT p90 was not better (bench/RESULTS.md, issue 14).
+    `shared_calibration`: with a Redis index, replicas pool approximate mode's calibration
+    (every replica's placements in every replica's windows, confirmed bytes-per-token adopted
+    by the peers, a starting replica reads the fleet's value: `server/shared_calibration.py`).
     """
 
     scrape: ScrapeSettings | None = ScrapeSettings()
     shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
     shared_observations: bool = False
     shared_placements: bool = False
+    shared_calibration: bool = False
     exclude_failing: bool = True
     request_end: RequestEndSettings = msgspec.field(default_factory=RequestEndSettings)
     # GPU utilization from each endpoint host's DCGM exporter (None: not polled); turned on

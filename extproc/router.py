@@ -192,6 +192,15 @@ class Router:
         """The KV-capacity model's figures (None when no index takes capacities)."""
         return self._capacity.stats if self._capacity is not None else None
 
+    def peer_placed(self, address: str, tokens: int) -> None:
+        """A peer replica placed a request of `tokens` estimated tokens (in this replica's
+        unit) on `address`: the KV-capacity model measures real tokens per estimated token
+        from every replica's placements (`state.shared_calibration`), as fast as one replica
+        would, where alone it waited for 20,000 estimated tokens of its own share and
+        credited each server meanwhile with what the 1.0 prior said."""
+        if self._capacity is not None:
+            self._capacity.peer_placed(address, tokens)
+
     def estimate_units_changed(self, factor: float) -> None:
         """Token estimates are now `factor` times larger (approximate keys recalibrated)."""
         if self._capacity is not None:

@@ -70,7 +70,9 @@ class CapacityModel:
         self._requests: dict[str, int] = {}  # requests placed, per endpoint
         # first (queries, placed, engine requests or -1, their prompt tokens, requests placed)
         self._base: dict[str, tuple[int, int, int, float, int]] = {}
-        self._n = 0
+        # Placements since capacities were last recomputed (this replica's decisions and
+        # pooled peers' placements); None: recompute at the next decision.
+        self._since: int | None = None
         self.stats = CapacityStats()
 
     @property
@@ -83,8 +85,20 @@ class CapacityModel:
         self.stats.ratio = value
 
     def placed(self, address: str, request: InferenceRequest) -> None:
-        self._placed[address] = self._placed.get(address, 0) + request.prompt_tokens
+        self.placed_tokens(address, request.prompt_tokens)
+
+    def placed_tokens(self, address: str, tokens: int) -> None:
+        self._placed[address] = self._placed.get(address, 0) + tokens
         self._requests[address] = self._requests.get(address, 0) + 1
+
+    def peer_placed(self, address: str, tokens: int) -> None:
+        """A peer replica pooling its placements placed `tokens` estimated tokens (in this
+        replica's unit) on `address`: measured with this replica's, and counted towards the
+        next recompute (every 32 of one replica's own decisions took 4 s at a third of 24
+        req/s: the first measurement came after calibration even when pooled)."""
+        self.placed_tokens(address, tokens)
+        if self._since is not None:
+            self._since += 1
 
     def units_changed(self, factor: float) -> None:
         """Every token estimate from now on is `factor` times what it was for the same prompt
@@ -94,15 +108,28 @@ class CapacityModel:
         decision."""
         if factor <= 0:
             return
-        self.ratio /= factor
         self._base.clear()
-        self._n = 0
+        self._since = None
+        if not self.stats.measured:
+            # Nothing measured yet: 1.0 is the prior ("estimates are right"), which
+            # calibration just made truer. Divided by the factor it credited every server
+            # with 4x its cache (4 -> 1 bytes per token) until measured anew: three replicas
+            # pooling calibration changed at 2 s, before any had placed the 20,000 estimated
+            # tokens a measurement needs, and "index credited chosen, engine had evicted"
+            # misses doubled (bench/RESULTS.md, issue 14, tenth session).
+            log.info("capacity ratio not measured yet: the prior %.3f holds", self.ratio)
+            return
+        self.ratio /= factor
         log.info("capacity ratio carried over to new token estimates: %.3f", self.ratio)
 
     def update(self, request: InferenceRequest, cands: Sequence[Candidate]) -> None:
-        self._n += 1
-        if self._n % _EVERY != 1 or not request.block_tokens:
+        if self._since is not None:
+            self._since += 1
+            if self._since < _EVERY:
+                return
+        if not request.block_tokens:
             return
+        self._since = 0
         self._measure(cands)
         per_block = request.block_tokens * self.ratio
         for c in cands:

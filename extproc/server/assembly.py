@@ -151,6 +151,7 @@ class Parts:
         self.shared_sessions = self._share_sessions()
         self.shared_observations = self._share_observations()
         self.shared_placements = self._share_placements()
+        self.shared_calibration = self._share_calibration()
         self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
         self.latency = latency_wiring.learners(
@@ -253,6 +254,37 @@ class Parts:
             idx.redis_url,
             scorers,
             process_id=pid,
+            known=lambda address: self.pool.get(address) is not None,
+        )
+
+    def _share_calibration(self):
+        """Replicas sharing a Redis index pool approximate mode's calibration (Redis pub/sub
+        and one key)."""
+        idx = self.settings.index
+        if not self.settings.state.shared_calibration:
+            return None
+        if not self.calibration.enabled:
+            log.warning(
+                "state.shared_calibration: calibration is off (parse.calibrate false or "
+                "precise keys): nothing is shared"
+            )
+            return None
+        if idx.backend != "redis" or not idx.redis_url:
+            log.warning("state.shared_calibration needs a Redis index: nothing is shared")
+            return None
+        if idx.cluster:
+            log.warning(
+                "calibration is not shared on Redis Cluster: each replica calibrates from "
+                "its own placements"
+            )
+            return None
+        from extproc.server.shared_calibration import SharedCalibration
+
+        self.calibration.on_peer_placed.append(self.router.peer_placed)
+        return SharedCalibration.from_url(
+            idx.redis_url,
+            self.calibration,
+            process_id=self._process_id(),
             known=lambda address: self.pool.get(address) is not None,
         )
 

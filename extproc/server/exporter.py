@@ -133,6 +133,14 @@ class Exporter:
                 "failing): this replica learns from its own placements only.",
                 1.0 if p.shared_observations.is_degraded else 0.0,
             )
+        if p.shared_calibration is not None:
+            yield from fam.SHARED_CALIBRATION.families(p.shared_calibration.stats)
+            yield one(
+                "extproc_shared_calibration_degraded",
+                "1 while calibration is not pooled (Redis failing): approximate keys "
+                "calibrate from this replica's placements only.",
+                1.0 if p.shared_calibration.is_degraded else 0.0,
+            )
         if p.shared_placements is not None:
             yield from fam.SHARED_PLACEMENTS.families(p.shared_placements.stats)
             yield one(

@@ -365,6 +365,37 @@ SHARED_OBSERVATIONS = StatsFamilies(
     },
 )
 
+SHARED_CALIBRATION = StatsFamilies(
+    "extproc.server.shared_calibration.SharedCalibrationStats",
+    {
+        "published": Stat(
+            "extproc_shared_calibration_published",
+            "Placements and confirmed calibration changes published to the other replicas.",
+        ),
+        "applied": Stat(
+            "extproc_shared_calibration_applied",
+            "Peers' placements counted in this replica's calibration windows.",
+        ),
+        "adopted": Stat(
+            "extproc_shared_calibration_adopted",
+            "Peers' confirmed bytes-per-token values (or the fleet's value read at start) "
+            "accepted here.",
+        ),
+        "dropped": Stat(
+            "extproc_shared_calibration_dropped",
+            "Placements and changes never published (Redis failing or backlog full).",
+        ),
+        "errors": Stat(
+            "extproc_shared_calibration_errors",
+            "Failed Redis calls of shared calibration (channel or the fleet's value key).",
+        ),
+        "bad_entries": Stat(
+            "extproc_shared_calibration_bad_entries",
+            "Peers' messages or items refused (undecodable, unknown server, implausible numbers).",
+        ),
+    },
+)
+
 SHARED_PLACEMENTS = StatsFamilies(
     "extproc.server.shared_placements.SharedPlacementsStats",
     {
@@ -406,6 +437,16 @@ CALIBRATION = StatsFamilies(
         "changes": Stat(
             "extproc_approx_recalibrations",
             "Changes of the approximate block size or characters per token, from the engines.",
+        ),
+        "adopted": Stat(
+            "extproc_approx_recalibrations_adopted",
+            "Of the recalibrations, bytes-per-token values adopted from peer replicas "
+            "(state.shared_calibration).",
+        ),
+        "refused": Stat(
+            "extproc_approx_calibrations_refused",
+            "Peer replicas' bytes-per-token values refused: out of bounds or made for other "
+            "keys (logged).",
         ),
         "windows_skipped": Stat(
             "extproc_approx_windows_skipped",
@@ -576,8 +617,8 @@ LATENCY_MODEL = StatsFamilies(
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
-    SHARED_SESSIONS, SHARED_OBSERVATIONS, SHARED_PLACEMENTS, CALIBRATION, CAPACITY, PLACED,
-    WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
+    SHARED_SESSIONS, SHARED_OBSERVATIONS, SHARED_PLACEMENTS, SHARED_CALIBRATION, CALIBRATION,
+    CAPACITY, PLACED, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
 )  # fmt: skip
 
 

@@ -181,3 +181,93 @@ def test_a_wrong_value_can_find_its_way_back() -> None:
     for _ in range(2):
         at = window(cal, at, 16 * 1000)  # our 4,000-token estimate is 1,000 engine tokens
     assert cal.settings.bytes_per_token == 4
+
+
+def test_a_peers_placements_fill_this_replicas_windows() -> None:
+    # Three replicas pooling: this one placed none of the 32 requests a window needs, its
+    # peers placed them all; the engine counts 2 characters a token. Two windows: changed,
+    # and announced (this replica confirmed it from its own windows).
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    told: list[tuple[int, int]] = []
+    cal.on_change = lambda bpt, key: told.append((bpt, key))
+    capacity: list[tuple[str, int]] = []
+    cal.on_peer_placed.append(lambda ep, tokens: capacity.append((ep, tokens)))
+    at, done = 0, (0.0, 0.0)
+    cal.observe("a:1", None, at, done)
+    for _ in range(2):
+        for _ in range(32):
+            cal.peer_placed("a:1", 1000, 4)  # 4,000 characters at the peer's 4 per token
+        at, done = at + 64_000, (done[0] + 64_000, done[1] + 32)
+        cal.observe("a:1", None, at, done)
+    assert cal.settings.bytes_per_token == 2 and told == [(2, 4)]
+    assert capacity[0] == ("a:1", 1000) and len(capacity) == 64  # the capacity model's too
+    # A peer still at 4 after this change: its estimate is put in this replica's unit.
+    cal.observe("a:1", None, at, done)
+    for _ in range(16):
+        cal.peer_placed("a:1", 1000, 4)  # 2,000 tokens each at 2 characters a token
+    at, done = at + 32_000, (done[0] + 32_000, done[1] + 16)
+    cal.observe("a:1", None, at, done)
+    assert cal.stats.ratios["a:1"] == 1.0
+    assert capacity[-1] == ("a:1", 2000)  # in this replica's unit
+
+
+def test_this_replicas_placements_are_told_to_the_peers() -> None:
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    placed: list[tuple[str, int, int]] = []
+    cal.on_placed = lambda *a: placed.append(a)
+    cal.placed("a:1", cal("/v1/completions", {}, BODY))
+    assert placed == [("a:1", 1000, 4)]
+    off = Calibration(ParseSettings(), enabled=False)
+    off.on_placed = lambda *a: placed.append(a)
+    off.placed("a:1", off("/v1/completions", {}, BODY))
+    off.peer_placed("a:1", 1000, 4)
+    assert len(placed) == 1 and not off.adopt(1, 4, source="peer")
+
+
+def test_a_peers_value_is_adopted_logged_and_not_announced_again(caplog) -> None:
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    factors: list[float] = []
+    told: list[tuple[int, int]] = []
+    cal.on_units.append(factors.append)
+    cal.on_change = lambda bpt, key: told.append((bpt, key))
+    key_before = cal("/v1/completions", {}, BODY).block_keys
+    with caplog.at_level("INFO", logger="extproc.calibration"):
+        assert cal.adopt(1, 4, source="replica b")
+    assert cal.settings.bytes_per_token == 1 and cal.settings.key_bytes_per_token == 4
+    assert cal.stats.changes == 1 and cal.stats.adopted == 1 and cal.stats.bytes_per_token == 1
+    assert factors == [4.0] and told == []  # the capacity model told; nobody re-announces
+    assert "adopted from replica b" in caplog.text
+    # The keys are the fleet's: made with the geometry the peer pinned.
+    after = cal("/v1/completions", {}, BODY)
+    assert after.block_keys == key_before and after.prompt_tokens == 4000
+    assert cal.adopt(1, 4, source="replica c")  # the same value: agreed, nothing changes
+    assert cal.stats.changes == 1 and cal.stats.adopted == 1
+
+
+def test_a_peers_value_out_of_bounds_or_for_other_keys_is_refused_and_counted(caplog) -> None:
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    with caplog.at_level("WARNING", logger="extproc.calibration"):
+        assert not cal.adopt(0, 4, source="forged")
+        assert not cal.adopt(40, 4, source="forged")
+        assert not cal.adopt(2, 3, source="a replica keyed at 3 bytes per token")
+    assert cal.stats.refused == 3 and cal.stats.changes == 0
+    assert cal.settings == ParseSettings(bytes_per_token=4)
+    assert caplog.text.count("refused") == 3
+
+
+def test_a_change_puts_the_open_windows_in_the_new_unit() -> None:
+    # Two servers: a:1's windows confirm 1 character a token; b:1's window was open with
+    # estimates at 4. Left at 4, b:1's next window read a quarter of the truth (skipped, or
+    # from another value a wrong proposal); scaled, it agrees with the new value.
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    req = cal("/v1/completions", {}, BODY)
+    for ep in ("a:1", "b:1"):
+        cal.observe(ep, None, 0)
+    for _ in range(16):
+        cal.placed("b:1", req)  # 16 x 1,000 estimated at 4: 16 x 4,000 at 1
+    at = 0
+    for _ in range(2):
+        at = window(cal, at, 16 * 4000)
+    assert cal.settings.bytes_per_token == 1
+    cal.observe("b:1", None, 16 * 4000)
+    assert cal.stats.windows_skipped == 0 and cal.stats.ratios["b:1"] == 1.0

@@ -11,18 +11,26 @@ TTFT's prefill cost, the KV-capacity model's written tokens, in-flight tokens) t
 (the engine's `request_prompt_tokens` histogram against its mean estimate).
 
 One server, so every replica places on the same engine; the filler goes in small batches
-until every replica has changed, or fails after a bound far above what one replica needs."""
+until every replica has changed, or fails after a bound far above what one replica needs.
+
+A fourth replica runs beside them, sharing the Redis but not behind Envoy: it places
+nothing. With `state.shared_calibration` (server/shared_calibration.py) the others'
+placements fill its windows and their confirmed value reaches it, and a fifth started after
+the fleet calibrated reads the fleet's value from Redis; without, the idle one keeps its
+configured value."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import aiohttp
 import httpx
+import pytest
 
 from extproc.sim.workload import WorkItem, send_one
-from extproc.stack import Stack, StackOptions
+from extproc.stack import Stack, StackOptions, free_port
 from tests.e2e.calibration_workload import SIM, gauge, syllable_text
 from tests.redis_servers import RedisServer
 
@@ -44,6 +52,35 @@ def _item(index: int, text: str) -> WorkItem:
         "messages": [{"role": "user", "content": text}],
     }
     return WorkItem(index, 0, index, 0, 0, body)
+
+
+NAMES = (
+    "approx_bytes_per_token", "decisions_total", "approx_recalibrations_adopted_total",
+    "shared_calibration_applied_total",
+)  # fmt: skip
+
+
+def _gauges(admin: int) -> dict[str, float | None]:
+    text = httpx.get(f"http://127.0.0.1:{admin}/metrics", timeout=10).text
+    return {k: gauge(text, f"extproc_{k}") for k in NAMES}
+
+
+def _idle_replica(stack: Stack, name: str) -> int:
+    """One more `extproc serve` on the stack's Redis and servers, not behind Envoy: it
+    places nothing. Its admin port."""
+    ports = (free_port(), free_port(), free_port())
+    stack.start_extproc(ports, name=name)
+    return ports[2]
+
+
+def _settle(admin: int, want: float, timeout_s: float = 5.0) -> dict[str, float | None]:
+    """The replica's figures once its bytes per token is `want`, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (g := _gauges(admin))["approx_bytes_per_token"] != want:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return g
 
 
 async def _scenario(stack: Stack) -> tuple[int, list[dict[str, float | None]]]:
@@ -68,11 +105,12 @@ async def _scenario(stack: Stack) -> tuple[int, list[dict[str, float | None]]]:
         return n, await gauges()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
 def test_every_replica_learns_characters_per_token_from_its_share_of_requests(
-    tmp_path, redis_server: RedisServer
+    tmp_path, redis_server: RedisServer, shared: bool
 ):
     cfg = tmp_path / "picker.yaml"
-    cfg.write_text(PARSE)
+    cfg.write_text(PARSE + ("state: {shared_calibration: true}\n" if shared else ""))
     opts = StackOptions(
         upstreams=1,
         sim_args=SIM,
@@ -81,9 +119,25 @@ def test_every_replica_learns_characters_per_token_from_its_share_of_requests(
         extproc_args=("--config", str(cfg)),
     )
     with Stack(opts) as stack:
+        idle_admin = _idle_replica(stack, "extproc-idle")
         sent, after = asyncio.run(_scenario(stack))
-    why = (sent, after)
+        # Sharing: the idle replica follows at once; alone it has nothing to learn from
+        # (a few scrapes' time would do if it could).
+        idle = _settle(idle_admin, 1 if shared else 3, timeout_s=5 if shared else 1)
+        late = _settle(_idle_replica(stack, "extproc-late"), 1) if shared else None
+    why = (sent, after, idle, late)
     # Envoy spread the requests over the replicas (each placed a share, none all of them).
     assert all((g["decisions_total"] or 0) >= 8 for g in after), why
     # Every replica moved from 3 to the engines' ~1.3 characters per token.
     assert all(g["approx_bytes_per_token"] == 1 for g in after), why
+    assert not idle["decisions_total"], why  # placed nothing itself
+    if not shared:
+        assert idle["approx_bytes_per_token"] == 3, why
+        return
+    # The idle replica calibrated from the others' placements (or adopted their value).
+    assert (
+        idle["approx_bytes_per_token"] == 1 and (idle["shared_calibration_applied_total"] or 0) > 0
+    ), why
+    # The late one, with no placement said since it started, read the fleet's value.
+    assert late is not None and late["approx_bytes_per_token"] == 1, why
+    assert late["approx_recalibrations_adopted_total"] == 1, why

@@ -120,3 +120,42 @@ def test_without_the_engines_request_histogram_the_totals_fallback_is_said(caplo
         "request_prompt_tokens, so with several picker replicas each server is credited "
         "with only this replica's share of its cache"
     ) == 1
+
+
+def test_a_ratio_never_measured_is_not_carried_over():
+    # Calibration changed 4 -> 1 bytes per token before this replica placed enough to
+    # measure: 1.0 is the prior, not a measurement; carried over as 0.25 it credited every
+    # server with 4x its cache.
+    sent: dict[str, int] = {}
+    model = CapacityModel(sent.__setitem__, lambda addr: Scrape(0))
+    cands = [Candidate(Endpoint("a"), EndpointState(kv_blocks=1000, kv_block_size=16))]
+    model.update(req(100), cands)
+    model.units_changed(4.0)
+    assert model.ratio == 1.0 and not model.stats.measured
+    model.update(req(100), cands)
+    assert sent["a"] == 1000 * 16 // 64
+
+
+def test_peers_placements_make_the_measurement_as_early_as_one_replicas():
+    # Pooled (state.shared_calibration): this replica placed 8 of the 32 requests, its peers
+    # the other 24. Both the tokens (20,000 estimated needed) and the recompute every 32
+    # placements are there at this replica's next decision; alone it waited for 32 of its
+    # own decisions and 20,000 of its own estimated tokens.
+    sent: dict[str, int] = {}
+    state = {"a": Scrape(0, LatencyTotals())}
+    model = CapacityModel(sent.__setitem__, lambda addr: state[addr])
+    alone = CapacityModel({}.__setitem__, lambda addr: state[addr])
+    cands = [Candidate(Endpoint("a"), EndpointState(kv_blocks=1000, kv_block_size=16))]
+    for m in (model, alone):
+        m.update(req(100), cands)  # the base
+        for _ in range(8):
+            m.placed("a", req(1000))
+            m.update(req(1000), cands)
+    for _ in range(24):
+        model.peer_placed("a", 1000)
+    state["a"] = Scrape(96_000, LatencyTotals(prompt_sum=96_000.0, prompt_count=32))
+    for m in (model, alone):
+        m.update(req(100), cands)
+    assert abs(model.ratio - 3.0) < 1e-9 and model.stats.measured == {"per_request": 1}
+    assert sent["a"] == int(1000 * 16 / (64 * 3.0))
+    assert alone.ratio == 1.0 and not alone.stats.measured

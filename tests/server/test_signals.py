@@ -64,10 +64,15 @@ async def test_sharing_asked_for_without_a_redis_index_is_said(
 ):
     caplog.set_level(logging.WARNING)
     s = msgspec.structs.replace(
-        settings, state=StateSettings(shared_observations=True, shared_placements=True)
+        settings,
+        state=StateSettings(
+            shared_observations=True, shared_placements=True, shared_calibration=True
+        ),
     )
     async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
         assert app.shared_placements is None and app.shared_observations is None
+        assert app.shared_calibration is None
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("shared_placements needs a Redis index" in m for m in warned), warned
     assert any("shared_observations needs a Redis index" in m for m in warned), warned
+    assert any("shared_calibration needs a Redis index" in m for m in warned), warned
