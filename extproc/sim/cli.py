@@ -43,12 +43,8 @@ def build_arg_parser(prog: str = "python -m extproc.sim") -> argparse.ArgumentPa
     p.add_argument("--chat-max-tokens", type=int, default=256,
                    help="chat default when the request sets no max_tokens")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--scheduling-policy",
-        choices=("fcfs", "priority"),
-        default="fcfs",
-        help="priority: lower request `priority` first, as vLLM's (default fcfs)",
-    )
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="priority: lower request `priority` first, as vLLM's (default fcfs)")
     g = p.add_argument_group("timing (simulated seconds; --fast divides them all)")
     g.add_argument("--prefill-tps", type=float, default=t.prefill_tps)
     g.add_argument("--decode-tps", type=float, default=t.decode_tps)
