@@ -28,7 +28,13 @@ import aiohttp
 import httpx
 import psutil
 import yaml
-from bench_routing import AGENTIC, PRESSURE_SHAPE, redis_server, tenants_spec
+from bench_routing import (
+    AGENTIC,
+    PRESSURE_SHAPE,
+    _default_profile_with,
+    redis_server,
+    tenants_spec,
+)
 
 from extproc.protocol import DECISION_HEADER, EXPLAIN_HEADER
 from extproc.sim import SERVED_BY_HEADER, TIMING_HEADER
@@ -224,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         "--modes", nargs="+", default=["approximate", "precise"],
         help="approximate, precise, precise-events-only (no placement corrections); "
         "approximate on a fresh Redis: redis1 (1 replica), redis3 (3 replicas), "
-        "redis3-shared (3 replicas, state.shared_placements)",
+        "redis3-shared (3 replicas, state.shared_placements); a redis mode + '-drained': "
+        "predicted-ttft-scorer's peerInflight: drained",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -249,12 +256,17 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["index"]["kv_events"]["credit_placements"] = False
                 if mode == "redis3-shared":
                     cfg["state"] = {"shared_placements": True}
+                drained = mode.endswith("-drained")
+                if drained:
+                    peer = {"peerInflight": "drained"}
+                    cfg |= yaml.safe_load(_default_profile_with("predicted-ttft-scorer", peer))
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
                     cfg[k] = {**cfg.get(k, {}), **v}
                 path = log_dir / f"{mode}.yaml"
                 path.write_text(yaml.safe_dump(cfg))
                 ex = contextlib.ExitStack()
-                replicas = {"redis1": 1, "redis3": 3, "redis3-shared": 3}.get(mode)
+                base = mode.removesuffix("-drained") if drained else mode
+                replicas = {"redis1": 1, "redis3": 3, "redis3-shared": 3}.get(base)
                 redis_url = ex.enter_context(redis_server(log_dir)) if replicas else None
                 opts = StackOptions(
                     fleet=fleet, log_dir=log_dir, extproc_args=("--config", str(path)),
