@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         help="approximate, precise, precise-events-only (no placement corrections); "
         "approximate on a fresh Redis: redis1 (1 replica), redis3 (3 replicas), "
         "redis3-shared (3 replicas, state.shared_placements); a redis mode + '-drained': "
-        "predicted-ttft-scorer's peerInflight: drained",
+        "predicted-ttft-scorer's peerInflight: drained; + '-lane': its inflightFloor: drained",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -256,16 +256,20 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["index"]["kv_events"]["credit_placements"] = False
                 if mode == "redis3-shared":
                     cfg["state"] = {"shared_placements": True}
-                drained = mode.endswith("-drained")
-                if drained:
-                    peer = {"peerInflight": "drained"}
+                suffix = next((x for x in ("-drained", "-lane") if mode.endswith(x)), "")
+                if suffix:
+                    peer = (
+                        {"peerInflight": "drained"}
+                        if suffix == "-drained"
+                        else {"inflightFloor": "drained"}
+                    )
                     cfg |= yaml.safe_load(_default_profile_with("predicted-ttft-scorer", peer))
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
                     cfg[k] = {**cfg.get(k, {}), **v}
                 path = log_dir / f"{mode}.yaml"
                 path.write_text(yaml.safe_dump(cfg))
                 ex = contextlib.ExitStack()
-                base = mode.removesuffix("-drained") if drained else mode
+                base = mode.removesuffix(suffix) if suffix else mode
                 replicas = {"redis1": 1, "redis3": 3, "redis3-shared": 3}.get(base)
                 redis_url = ex.enter_context(redis_server(log_dir)) if replicas else None
                 opts = StackOptions(

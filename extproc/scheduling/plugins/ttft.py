@@ -108,7 +108,7 @@ class PredictedTTFTScorer:
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
         # Used only before any endpoint's speed has been measured.
         prior_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
-        inflight_floor: Literal["untilEnd", "untilFirstToken"] = "untilEnd"
+        inflight_floor: Literal["untilEnd", "untilFirstToken", "drained"] = "untilEnd"
         peer_inflight: Literal["whole", "drained"] = "whole"
 
     def __init__(
@@ -117,6 +117,7 @@ class PredictedTTFTScorer:
         p = params or self.Params()
         self._prior = p.prior_prefill_tokens_per_second
         self._until_first_token = p.inflight_floor == "untilFirstToken"
+        self._floor_drained = p.inflight_floor == "drained"
         self._drain_peers = p.peer_inflight == "drained"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
@@ -171,7 +172,16 @@ class PredictedTTFTScorer:
         tps = self._tps(c)
         wait = self._busy_until.get(c.endpoint.address, now) - now
         st = c.state
-        if st.inflight_tokens and not (self.fleet_folded is not None and self.fleet_folded()):
+        if self._floor_drained:
+            # No in-flight floor: this replica's own placements are its virtual queue, and
+            # the peers' in-flight tokens count as far as a lane has not computed them, on
+            # top (one lane serves both).
+            arrivals = self.peer_arrivals
+            if arrivals is not None and not (self.fleet_folded is not None and self.fleet_folded()):
+                address = c.endpoint.address
+                if arrivals.total(address):
+                    wait = max(0.0, wait) + arrivals.pending(address, now, tps) / tps
+        elif st.inflight_tokens and not (self.fleet_folded is not None and self.fleet_folded()):
             # Prompt tokens every replica placed there (shared through Redis): this replica's
             # own queue sees only its share. Dropped when the queue already folds every
             # replica's placements (bench/RESULTS.md, issue 14, seventh session, third part).
