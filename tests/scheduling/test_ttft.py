@@ -365,3 +365,25 @@ def test_drained_peers_with_the_fleets_placements_folded_take_no_floor():
     sc.fleet_folded = lambda: True
     s = sc.score(r, [a, b])
     assert s[0] == 1.0 and not peers.asked
+
+
+def test_drained_floor_is_the_virtual_queue_plus_the_peers_undrained_tokens():
+    # `inflightFloor: drained`: in-flight tokens are no floor at all (this replica's own
+    # placements are its virtual queue); the peers' count on top, as far as not computed.
+    clock = Clock()
+    r = req(blocks=10, tokens=6400)
+    a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)
+    b = cand("b", prefill_tps=6400.0)
+    sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(inflight_floor="drained"), clock=clock)
+    s = sc.score(r, [a, b])
+    assert s[0] == 1.0 and s[1] < 0.2  # alone: nothing queued in its own books
+    place(sc, req(blocks=10, tokens=3200), [cand("a", prefill_tps=6400.0)], "a")  # 0.5 s
+    peers = Peers(12_800, 3200.0)  # 0.5 s of the peers' not computed yet
+    sc.peer_arrivals = peers
+    s = sc.score(r, [a, b])
+    # a: 0.5 + 0.5 s ahead, nothing uncached; b: 1 s to recompute: a tie by the fixed cost.
+    assert s[0] == pytest.approx(1.0, abs=0.01) and s[1] == 1.0
+    sc.fleet_folded = lambda: True  # the peers' placements are in the queue already
+    peers.asked.clear()
+    s = sc.score(r, [a, b])
+    assert s[0] == 1.0 and s[1] < 0.6 and not peers.asked
