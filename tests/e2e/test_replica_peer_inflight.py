@@ -34,7 +34,7 @@ state: {request_end: {mode: access-log}}
 scheduling:
   plugins:
   - type: predicted-ttft-scorer
-    parameters: {priorPrefillTokensPerSecond: 2000, peerInflight: %s}
+    parameters: {priorPrefillTokensPerSecond: 2000, %s}
   - {type: kv-cache-utilization-scorer}
   - {type: max-score-picker}
   schedulingProfiles:
@@ -70,12 +70,12 @@ def metric(http: httpx.Client, port: int, name: str, endpoint: str | None = None
     return total
 
 
-def run(tmp_path, redis: RedisServer, mode: str) -> tuple[str, int, list[dict], list[float]]:
+def run(tmp_path, redis: RedisServer, floor: str) -> tuple[str, int, list[dict], list[float]]:
     """The holder, which replica placed the long answer, every replica's explanation of the
     tenant's next request, and every replica's drained-tokens counter."""
     rng = random.Random(11)
     cfg = tmp_path / "picker.yaml"
-    cfg.write_text(PICKER % mode)
+    cfg.write_text(PICKER % floor)
     opts = StackOptions(
         upstreams=2,
         sim_args=SIM,
@@ -146,7 +146,7 @@ def run(tmp_path, redis: RedisServer, mode: str) -> tuple[str, int, list[dict], 
 def test_replicas_keep_a_tenant_on_its_holder_while_a_peers_answer_decodes_there(
     tmp_path, redis_server
 ):
-    home, placer, explained, drained = run(tmp_path, redis_server, "drained")
+    home, placer, explained, drained = run(tmp_path, redis_server, "peerInflight: drained")
     why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained], drained)
     for i, e in enumerate(explained):
         if i == placer:
@@ -160,7 +160,18 @@ def test_replicas_keep_a_tenant_on_its_holder_while_a_peers_answer_decodes_there
 
 
 def test_counted_whole_a_peers_answer_moves_the_tenant_to_a_cold_server(tmp_path, redis_server):
-    home, placer, explained, drained = run(tmp_path, redis_server, "whole")
+    home, placer, explained, drained = run(tmp_path, redis_server, "peerInflight: whole")
     why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained], drained)
     assert all(e["endpoints"][0] != home for e in explained), why
     assert drained == [0, 0, 0], why
+
+
+def test_with_the_drained_floor_the_placer_keeps_the_tenant_on_its_holder_too(
+    tmp_path, redis_server
+):
+    # `inflightFloor: drained`: no replica floors by in-flight tokens; its own placements
+    # are its virtual queue (drained by now), the peers' count as far as not computed.
+    home, placer, explained, _ = run(tmp_path, redis_server, "inflightFloor: drained")
+    why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained])
+    assert all(e["endpoints"][0] == home for e in explained), why
+    assert all(e["scores"][SCORER][home] == 1.0 for e in explained), why

@@ -12,7 +12,13 @@ its uncached tokens / speed; it drains in real time), floored by the in-flight p
 tokens every replica placed there and by the endpoint's scraped waiting requests at the
 mean placed prefill (both shared: replicas see the same floor). In-flight requests count
 until they end, or (`inflightFloor: untilFirstToken`) only as many as the engine reports
-before their first token, not through their decode (`_inflight_prefill`). With the peers'
+before their first token, not through their decode (`_inflight_prefill`). With
+`inflightFloor: drained` there is no in-flight floor: the picker's own placements are its
+virtual queue, and the other replicas' in-flight tokens add what a prefill lane at the
+endpoint's speed would not have computed since the exchange brought them
+(endpoints/peer_arrivals.py); counted until they end, time spent decoding, in the gateway
+and waiting for the access log read as queued prefill, more so on a loaded machine, and
+tenants left busy holders (bench/RESULTS.md, issue 14, tenth session). With the peers'
 placements folded in (below), the queue is the fleet's and the in-flight floor is left out.
 Speeds are measured online
 (`EndpointState.prefill_tps`: from the engines' prefill histograms, else the access log,
@@ -88,7 +94,9 @@ class PredictedTTFTScorer:
     placements): `untilEnd` (default) counts each one's prompt until it ends, decoding
     included; `untilFirstToken` counts only as many as the engine reports before their
     first token (`_inflight_prefill`). Opt-in: interleaved runs did not show it better on
-    every workload (bench/RESULTS.md, issue 14, eighth session).
+    every workload (bench/RESULTS.md, issue 14, eighth session). `drained`: no in-flight
+    floor; the virtual queue plus the peers' in-flight tokens a lane at the endpoint's speed
+    would not have computed since they arrived (one replica: the virtual queue alone).
 
     `peerInflight`: how the other replicas' share of those in-flight tokens counts (shared
     in-flight counts, no shared placements): `whole` counts it until the requests end;
