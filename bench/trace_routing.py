@@ -30,7 +30,13 @@ import aiohttp
 import httpx
 import psutil
 import yaml
-from bench_routing import AGENTIC, PRESSURE_SHAPE, redis_server, tenants_spec
+from bench_routing import (
+    AGENTIC,
+    PRESSURE_SHAPE,
+    _default_profile_with,
+    redis_server,
+    tenants_spec,
+)
 
 from extproc.protocol import DECISION_HEADER, EXPLAIN_HEADER
 from extproc.sim import SERVED_BY_HEADER, TIMING_HEADER
@@ -278,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         help="approximate, precise, precise-events-only (no placement corrections); "
         "approximate on a fresh Redis: redis1 (1 replica), redis3 (3 replicas), "
         "redis3-shared (3 replicas, state.shared_placements), redis3-cal (3 replicas, "
-        "state.shared_calibration)",
+        "state.shared_calibration); a redis mode + '-drained': predicted-ttft-scorer's "
+        "peerInflight: drained; + '-lane': its inflightFloor: drained",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -305,12 +312,21 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["state"] = {"shared_placements": True}
                 if mode == "redis3-cal":
                     cfg["state"] = {"shared_calibration": True}
+                suffix = next((x for x in ("-drained", "-lane") if mode.endswith(x)), "")
+                if suffix:
+                    peer = (
+                        {"peerInflight": "drained"}
+                        if suffix == "-drained"
+                        else {"inflightFloor": "drained"}
+                    )
+                    cfg |= yaml.safe_load(_default_profile_with("predicted-ttft-scorer", peer))
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
                     cfg[k] = {**cfg.get(k, {}), **v}
                 path = log_dir / f"{mode}.yaml"
                 path.write_text(yaml.safe_dump(cfg))
                 ex = contextlib.ExitStack()
-                replicas = {"redis1": 1, "redis3": 3, "redis3-shared": 3, "redis3-cal": 3}.get(mode)
+                base = mode.removesuffix(suffix) if suffix else mode
+                replicas = {"redis1": 1, "redis3": 3, "redis3-shared": 3, "redis3-cal": 3}.get(base)
                 names = ["extproc", *(f"extproc-{i}" for i in range(1, replicas or 1))]
                 log_at = {n: _size(log_dir / f"{n}.log") for n in names}
                 redis_url = ex.enter_context(redis_server(log_dir)) if replicas else None

@@ -34,6 +34,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
 from extproc.endpoints.inflight import Placement
+from extproc.endpoints.peer_arrivals import PeerArrivals
 from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
 
@@ -148,6 +149,9 @@ class SharedInFlight:
         self._others_tokens: dict[str, int] = {}
         self._others_total = 0
         self._last_ok = -float("inf")
+        # The peers' tokens dated by when each exchange brought them (peer_arrivals.py): how
+        # much of them can still be prefill ahead of a new request.
+        self.arrivals = PeerArrivals()
         self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         self._outage = Outage(
             log,
@@ -254,6 +258,7 @@ class SharedInFlight:
         self._others_requests = dict(reqs)
         self._others_tokens = dict(toks)
         self._others_total = sum(reqs.values())
+        self.arrivals.update(self._others_tokens, self._clock())
         self.stats.exchanges += 1
         self.stats.peers = len(blobs)
         self._last_ok = self._clock()
@@ -267,6 +272,7 @@ class SharedInFlight:
             self._others_requests = {}
             self._others_tokens = {}
             self._others_total = 0
+            self.arrivals.clear()
         return delay
 
     async def _eval(self, script: str, *args: bytes | str) -> Any:

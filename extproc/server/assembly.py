@@ -25,6 +25,7 @@ from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import IndexOptions, KVIndex
 from extproc.index.placed import PlacedBlocks
 from extproc.router import Router
+from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
 from extproc.scheduling.timing import instrument
 from extproc.server import latency as latency_wiring
 from extproc.server.access_log import AccessLogHandler
@@ -148,6 +149,12 @@ class Parts:
             placed=self._placed_blocks(record),
         )
         self.calibration.on_units.append(self.router.estimate_units_changed)
+        if isinstance(self.inflight, SharedInFlight):
+            # Predicted TTFT's floor may count the peers' in-flight tokens drained by time
+            # (its `peerInflight`); the exchange dates them.
+            for plugin in self.router.scheduler.plugins:
+                if isinstance(plugin, PredictedTTFTScorer):
+                    plugin.peer_arrivals = self.inflight.arrivals
         self.shared_sessions = self._share_sessions()
         self.shared_observations = self._share_observations()
         self.shared_placements = self._share_placements()

@@ -182,14 +182,22 @@ class Exporter:
             "finished counts (vllm:time_to_first_token_seconds, vllm:request_success_total).",
             ["scorer"],
         )
+        drained = counter(
+            "extproc_predicted_ttft_peer_tokens_drained",
+            "Other replicas' in-flight tokens predicted-ttft-scorer left out of its in-flight "
+            "floor as already prefilled (peerInflight: drained), summed over predictions.",
+            ["scorer"],
+        )
         for name, scorer in scorers.items():
             for address, (q, w) in scorer.view().items():
                 queue.add_metric([name, address], q)
                 written.add_metric([name, address], w)
             fallbacks.add_metric([name], scorer.floor_fallbacks)
+            drained.add_metric([name], scorer.peer_tokens_drained)
         yield queue
         yield written
         yield fallbacks
+        yield drained
 
     def _kv_events(self) -> Iterator[Metric]:
         assert self._p.subscriber is not None

@@ -173,3 +173,28 @@ async def test_redis_outage_keeps_local_counts_then_heals(
     messages = [r.getMessage() for r in caplog.records]
     assert sum("exchange failed" in m for m in messages) == 2  # once per process
     assert sum("back after" in m for m in messages) == 2
+
+
+async def test_peers_tokens_arrive_dated_and_are_forgotten_with_their_counts(
+    redis_server: RedisServer,
+) -> None:
+    """What `predicted-ttft-scorer`'s `peerInflight: drained` reads: each process's view of
+    the others' tokens as arrivals dated by the exchange that brought them (its own never
+    among them); they drain at a lane's speed, leave with a release, and go when Redis does."""
+    async with process(redis_server.url) as (a, _), process(redis_server.url) as (b, _):
+        placed = b.acquire(X, 3000)
+        a.acquire(X, 700)  # a's own: in its counts, not among its peers' arrivals
+        await until(lambda: a.arrivals.total(X) == 3000 and b.arrivals.total(X) == 700)
+        now = asyncio.get_running_loop().time()
+        assert a.tokens(X) == 3700
+        assert 2900 < a.arrivals.pending(X, now, tps=1000.0) <= 3000  # seen ~an interval ago
+        assert a.arrivals.pending(X, now + 3.5, tps=1000.0) == 0.0  # computed by then
+        b.release(placed)
+        await until(lambda: a.arrivals.total(X) == 0)
+        assert a.arrivals.pending(X, now, tps=1.0) == 0.0
+        b.acquire(Y, 50)
+        await until(lambda: a.arrivals.total(Y) == 50)
+        redis_server.kill()
+        # The peers' counts expire as Redis would have expired them; their arrivals too.
+        await until(lambda: a.requests(Y) == 0)
+        assert a.arrivals.total(Y) == 0 and a.arrivals.pending(Y, now, tps=1.0) == 0.0

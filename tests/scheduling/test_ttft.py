@@ -3,6 +3,8 @@ the sticky endpoint costs more than recomputing elsewhere, with no hand-set weig
 
 from __future__ import annotations
 
+import pytest
+
 from extproc.core import Decision
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
 from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
@@ -289,3 +291,99 @@ def test_without_the_engines_first_token_count_the_floor_counts_every_request(ca
     # One line per endpoint, not per prediction.
     lines = [m for m in caplog.messages if "in-flight requests count as prefill" in m]
     assert len(lines) == 1 and "a" in lines[0]
+
+
+class Peers:
+    """The peers' in-flight tokens on "a": `total`, of which `ahead` not yet computed."""
+
+    def __init__(self, total: int, ahead: float) -> None:
+        self.totals, self.ahead = {"a": total}, ahead
+        self.asked: list[tuple[str, float, float]] = []
+
+    def total(self, address: str) -> int:
+        return self.totals.get(address, 0)
+
+    def pending(self, address: str, now: float, tps: float) -> float:
+        self.asked.append((address, now, tps))
+        return min(self.ahead, self.total(address))
+
+
+def peer_scorer(mode: str, clock: Clock) -> PredictedTTFTScorer:
+    return PredictedTTFTScorer(PredictedTTFTScorer.Params(peer_inflight=mode), clock=clock)
+
+
+def test_drained_peers_inflight_keeps_the_holder_once_their_prefill_is_done():
+    # 12,800 tokens the other replicas placed on a are still in flight (decoding, or in the
+    # gateway): counted whole they are 2 s of queue, more than recomputing on b (1 s).
+    r = req(blocks=10, tokens=6400)
+    a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)
+    b = cand("b", prefill_tps=6400.0)
+    clock = Clock()
+    whole = peer_scorer("whole", clock)
+    whole.peer_arrivals = Peers(12_800, 0.0)
+    s = whole.score(r, [a, b])
+    assert s[1] == 1.0 and s[0] < 0.6  # the default: moved, as on main
+    drained = peer_scorer("drained", clock)
+    peers = Peers(12_800, 0.0)
+    drained.peer_arrivals = peers
+    s = drained.score(r, [a, b])
+    assert s[0] == 1.0 and s[1] < 0.2  # a lane would have computed it: the holder keeps it
+    assert peers.asked[0] == ("a", clock.t, 6400.0)
+    assert drained.peer_tokens_drained == 12_800
+    # What the lane cannot have done yet still counts: 9,600 tokens ahead is 1.5 s of queue.
+    peers.ahead = 9600.0
+    s = drained.score(r, [a, b])
+    assert s[1] == 1.0 and s[0] < 0.7
+
+
+def test_drained_peers_leave_a_replicas_own_inflight_whole():
+    # One replica's own in-flight tokens count until they end, drained or not: of 12,800 in
+    # flight on a, 6,400 are the peers' (drained) and 6,400 this replica's (1 s of queue).
+    r = req(blocks=10, tokens=6400)
+    a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)
+    b = cand("b", prefill_tps=6400.0)
+    drained = peer_scorer("drained", Clock())
+    drained.peer_arrivals = Peers(6400, 0.0)
+    s = drained.score(r, [a, b])
+    # a: 1 s + 0 uncached + floor; b: 1 s to recompute: b by the fixed cost (a tie).
+    assert s[0] == pytest.approx(1.0, abs=0.01) and s[1] == 1.0
+    # No peers seen (a single replica, or counts not shared): every token counts.
+    alone = peer_scorer("drained", Clock())
+    assert alone.score(r, [a, b]) == PredictedTTFTScorer(clock=Clock()).score(r, [a, b])
+    alone.peer_arrivals = Peers(0, 0.0)
+    assert alone.score(r, [a, b]) == PredictedTTFTScorer(clock=Clock()).score(r, [a, b])
+    assert alone.peer_tokens_drained == 0
+
+
+def test_drained_peers_with_the_fleets_placements_folded_take_no_floor():
+    r = req(blocks=10, tokens=6400)
+    a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)
+    b = cand("b", prefill_tps=6400.0)
+    sc = peer_scorer("drained", Clock())
+    peers = Peers(12_800, 12_800.0)
+    sc.peer_arrivals = peers
+    sc.fleet_folded = lambda: True
+    s = sc.score(r, [a, b])
+    assert s[0] == 1.0 and not peers.asked
+
+
+def test_drained_floor_is_the_virtual_queue_plus_the_peers_undrained_tokens():
+    # `inflightFloor: drained`: in-flight tokens are no floor at all (this replica's own
+    # placements are its virtual queue); the peers' count on top, as far as not computed.
+    clock = Clock()
+    r = req(blocks=10, tokens=6400)
+    a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)
+    b = cand("b", prefill_tps=6400.0)
+    sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(inflight_floor="drained"), clock=clock)
+    s = sc.score(r, [a, b])
+    assert s[0] == 1.0 and s[1] < 0.2  # alone: nothing queued in its own books
+    place(sc, req(blocks=10, tokens=3200), [cand("a", prefill_tps=6400.0)], "a")  # 0.5 s
+    peers = Peers(12_800, 3200.0)  # 0.5 s of the peers' not computed yet
+    sc.peer_arrivals = peers
+    s = sc.score(r, [a, b])
+    # a: 0.5 + 0.5 s ahead, nothing uncached; b: 1 s to recompute: a tie by the fixed cost.
+    assert s[0] == pytest.approx(1.0, abs=0.01) and s[1] == 1.0
+    sc.fleet_folded = lambda: True  # the peers' placements are in the queue already
+    peers.asked.clear()
+    s = sc.score(r, [a, b])
+    assert s[0] == 1.0 and s[1] < 0.6 and not peers.asked

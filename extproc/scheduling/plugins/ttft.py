@@ -12,7 +12,13 @@ its uncached tokens / speed; it drains in real time), floored by the in-flight p
 tokens every replica placed there and by the endpoint's scraped waiting requests at the
 mean placed prefill (both shared: replicas see the same floor). In-flight requests count
 until they end, or (`inflightFloor: untilFirstToken`) only as many as the engine reports
-before their first token, not through their decode (`_inflight_prefill`). With the peers'
+before their first token, not through their decode (`_inflight_prefill`). With
+`inflightFloor: drained` there is no in-flight floor: the picker's own placements are its
+virtual queue, and the other replicas' in-flight tokens add what a prefill lane at the
+endpoint's speed would not have computed since the exchange brought them
+(endpoints/peer_arrivals.py); counted until they end, time spent decoding, in the gateway
+and waiting for the access log read as queued prefill, more so on a loaded machine, and
+tenants left busy holders (bench/RESULTS.md, issue 14, tenth session). With the peers'
 placements folded in (below), the queue is the fleet's and the in-flight floor is left out.
 Speeds are measured online
 (`EndpointState.prefill_tps`: from the engines' prefill histograms, else the access log,
@@ -45,7 +51,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, Protocol
 
 import msgspec
 
@@ -64,6 +70,14 @@ _MAX_PROMPT_TOKENS = 1 << 23
 _MAX_QUEUE_S = 600.0
 
 
+class PeerTokens(Protocol):
+    """The other replicas' in-flight tokens per endpoint, dated by arrival
+    (endpoints/peer_arrivals.py `PeerArrivals`)."""
+
+    def total(self, address: str) -> int: ...
+    def pending(self, address: str, now: float, tps: float) -> float: ...
+
+
 def uncached_tokens(req: InferenceRequest, c: Candidate) -> float:
     n = len(req.block_keys)
     if not n:
@@ -80,11 +94,20 @@ class PredictedTTFTScorer:
     placements): `untilEnd` (default) counts each one's prompt until it ends, decoding
     included; `untilFirstToken` counts only as many as the engine reports before their
     first token (`_inflight_prefill`). Opt-in: interleaved runs did not show it better on
-    every workload (bench/RESULTS.md, issue 14, eighth session).
+    every workload (bench/RESULTS.md, issue 14, eighth session). `drained`: no in-flight
+    floor; the virtual queue plus the peers' in-flight tokens a lane at the endpoint's speed
+    would not have computed since they arrived (one replica: the virtual queue alone).
+
+    `peerInflight`: how the other replicas' share of those in-flight tokens counts (shared
+    in-flight counts, no shared placements): `whole` counts it until the requests end;
+    `drained` only what a prefill lane at the endpoint's speed would not have computed
+    since each exchange brought it (endpoints/peer_arrivals.py). A replica's own in-flight
+    tokens count as before, so one replica decides as before either way.
 
     ```yaml
     - type: predicted-ttft-scorer
-      parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: untilEnd}
+      parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: untilEnd,
+                   peerInflight: whole}
     ```
     """
 
@@ -93,7 +116,8 @@ class PredictedTTFTScorer:
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
         # Used only before any endpoint's speed has been measured.
         prior_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
-        inflight_floor: Literal["untilEnd", "untilFirstToken"] = "untilEnd"
+        inflight_floor: Literal["untilEnd", "untilFirstToken", "drained"] = "untilEnd"
+        peer_inflight: Literal["whole", "drained"] = "whole"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -101,6 +125,8 @@ class PredictedTTFTScorer:
         p = params or self.Params()
         self._prior = p.prior_prefill_tokens_per_second
         self._until_first_token = p.inflight_floor == "untilFirstToken"
+        self._floor_drained = p.inflight_floor == "drained"
+        self._drain_peers = p.peer_inflight == "drained"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -125,6 +151,11 @@ class PredictedTTFTScorer:
         # (`_inflight_prefill`); endpoints already logged, bounded.
         self.floor_fallbacks = 0
         self._fallen_back: set[str] = set()
+        # The peers' in-flight tokens dated by arrival (the shared in-flight counts' exchange
+        # sets it; None: a single process, or counts not shared). Read with `drained`.
+        self.peer_arrivals: PeerTokens | None = None
+        # Peers' in-flight tokens left out of floors as already computed (`drained`), summed.
+        self.peer_tokens_drained = 0.0
 
     def units_changed(self, factor: float) -> None:
         """Estimates grew `factor`-fold: the mean placed prefill follows (the prior speed is a
@@ -149,18 +180,40 @@ class PredictedTTFTScorer:
         tps = self._tps(c)
         wait = self._busy_until.get(c.endpoint.address, now) - now
         st = c.state
-        if st.inflight_tokens and not (self.fleet_folded is not None and self.fleet_folded()):
+        if self._floor_drained:
+            # No in-flight floor: this replica's own placements are its virtual queue, and
+            # the peers' in-flight tokens count as far as a lane has not computed them, on
+            # top (one lane serves both).
+            arrivals = self.peer_arrivals
+            if arrivals is not None and not (self.fleet_folded is not None and self.fleet_folded()):
+                address = c.endpoint.address
+                if arrivals.total(address):
+                    wait = max(0.0, wait) + arrivals.pending(address, now, tps) / tps
+        elif st.inflight_tokens and not (self.fleet_folded is not None and self.fleet_folded()):
             # Prompt tokens every replica placed there (shared through Redis): this replica's
             # own queue sees only its share. Dropped when the queue already folds every
             # replica's placements (bench/RESULTS.md, issue 14, seventh session, third part).
-            wait = max(wait, self._inflight_prefill(st, c.endpoint.address) / tps)
+            address = c.endpoint.address
+            tokens = float(st.inflight_tokens)
+            arrivals = self.peer_arrivals
+            if self._drain_peers and arrivals is not None:
+                # The peers' share only as far as a lane at this speed has not computed it
+                # since it arrived: counted until the requests end, the time they spend
+                # decoding, in the gateway and the access log's flush read as queue
+                # (bench/RESULTS.md, issue 14, tenth session).
+                peers = min(float(arrivals.total(address)), tokens)
+                if peers:
+                    drained = max(0.0, peers - arrivals.pending(address, now, tps))
+                    tokens -= drained
+                    self.peer_tokens_drained += drained
+            wait = max(wait, self._inflight_prefill(st, address, tokens) / tps)
         if st.waiting and not st.is_stale:
             # Before any placement, this request's own prompt is the best guess of a queued one.
             mean = self._mean_prefill if self._mean_prefill is not None else req.prompt_tokens
             wait = max(wait, st.waiting * mean / tps)
         return max(0.0, wait) + uncached_tokens(req, c) / tps + _FLOOR_S
 
-    def _inflight_prefill(self, st: EndpointState, address: str) -> float:
+    def _inflight_prefill(self, st: EndpointState, address: str, tokens: float) -> float:
         """The in-flight tokens that can still be in prefill on the endpoint. In-flight
         counts last until a request ends, decoding included: counted whole, a server
         streaming long answers looked seconds deep and sessions left the server holding
@@ -171,8 +224,9 @@ class PredictedTTFTScorer:
         Requests placed since the last scrape are not in the engine's count yet: this
         picker's own are in its virtual queue, a peer's show at the next scrape. Without
         that count (not exported, or the scrape is stale) every in-flight token counts, as
-        with `untilEnd`, and `floor_fallbacks` says so."""
-        n, tokens = st.inflight_requests, float(st.inflight_tokens)
+        with `untilEnd`, and `floor_fallbacks` says so. `tokens`: the in-flight tokens to
+        count (the peers' share drained or not)."""
+        n = st.inflight_requests
         if not self._until_first_token:
             return tokens
         if st.prefilling is None or st.is_stale:

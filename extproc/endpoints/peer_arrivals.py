@@ -1,0 +1,92 @@
+"""The other replicas' in-flight prefill tokens per endpoint, dated by when this process saw
+them arrive, so a replica can tell a peer's work still ahead of a new prefill from work the
+engine has done long ago.
+
+Shared in-flight counts (shared_inflight.py) say how many prompt tokens every picker placed on
+an endpoint and has not seen end. A request stays counted until its end is logged: prefill,
+then decode, the response through the gateway and the access log's flush. Taken whole as the
+queue ahead (`predicted-ttft-scorer`'s floor), that time reads as prefill still to do; behind
+three replicas on a busy machine requests stay in flight longer, a busy holder looked
+deeper than it was and tenants left it for a cold server (bench/RESULTS.md, issue 14, tenth
+session). A replica's own placements are in its virtual queue with their times; the peers'
+are only totals. Here each exchange's growth of the peers' total on an endpoint is an
+arrival at that moment (a lower bound on what they placed: a release in the same interval
+hides as much), and a fall releases the oldest arrivals first (requests end roughly in the
+order they started). `pending` is the work a single prefill lane at `tps` would still have
+from those arrivals: the largest "tokens arrived since t, minus what the lane could compute
+since t" over the arrivals' times, the workload of a work-conserving queue. Arrivals are
+seen up to two exchange intervals late, which only makes them look less drained.
+
+No Redis here: the exchange loop feeds `update` with the peers' totals. Event-loop use only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+
+# Arrivals kept per endpoint; past this the two oldest are merged (their tokens kept, dated
+# by the younger, which errs towards counting them as still ahead).
+_MAX_ARRIVALS = 256
+
+
+class PeerArrivals:
+    """Peers' in-flight tokens per endpoint as dated arrivals (`[seen_at, tokens]`, oldest
+    first)."""
+
+    def __init__(self, max_arrivals: int = _MAX_ARRIVALS) -> None:
+        self._max = max(2, max_arrivals)
+        self._arrivals: dict[str, deque[list[float]]] = {}
+        self._totals: dict[str, int] = {}
+
+    def update(self, totals: Mapping[str, int], now: float) -> None:
+        """The peers' in-flight tokens per endpoint as of `now` (endpoints absent: none)."""
+        for address in self._totals.keys() - totals.keys():
+            self._arrivals.pop(address, None)
+        for address, total in totals.items():
+            total = max(0, int(total))
+            change = total - self._totals.get(address, 0)
+            if change > 0:
+                q = self._arrivals.setdefault(address, deque())
+                q.append([now, float(change)])
+                if len(q) > self._max:
+                    first = q.popleft()
+                    q[0][1] += first[1]
+            elif change < 0:
+                self._release(address, -change)
+        self._totals = {a: max(0, int(t)) for a, t in totals.items() if t > 0}
+        for address in [a for a in self._arrivals if a not in self._totals]:
+            del self._arrivals[address]
+
+    def _release(self, address: str, tokens: float) -> None:
+        q = self._arrivals.get(address)
+        while q and tokens > 0:
+            head = q[0]
+            if head[1] > tokens:
+                head[1] -= tokens
+                return
+            tokens -= head[1]
+            q.popleft()
+
+    def clear(self) -> None:
+        """The peers' counts were dropped (Redis gone past their TTL)."""
+        self._arrivals.clear()
+        self._totals.clear()
+
+    def total(self, address: str) -> int:
+        """The peers' in-flight tokens on `address` at the last update."""
+        return self._totals.get(address, 0)
+
+    def pending(self, address: str, now: float, tps: float) -> float:
+        """Tokens of the peers' arrivals on `address` a lane computing `tps` tokens a second
+        since each arrived would not have done by `now`; at most `total(address)`."""
+        q = self._arrivals.get(address)
+        if not q:
+            return 0.0
+        ahead = since = 0.0
+        for at, tokens in reversed(q):
+            since += tokens
+            left = since - tps * max(0.0, now - at)
+            if left > ahead:
+                ahead = left
+        return ahead

@@ -1,0 +1,177 @@
+"""Three `extproc serve` replicas behind one Envoy on one redis-server: a tenant's holder is
+busy streaming a long answer another replica placed there; its prompt was prefilled long
+ago. With `predicted-ttft-scorer`'s `peerInflight: drained` every replica that did not place
+it counts the peer's in-flight tokens only as far as a prefill lane could not have computed
+them since they arrived, so the tenant's next request stays on its holder (issue 14, tenth
+session: counted until the answer ends, they made the holder look a second deep and moved
+tenants to a cold server; `whole`, the default, still does, and the test checks it). The
+replica that placed the answer counts its own in-flight tokens whole either way, as one
+replica does.
+
+Deterministic: requests go one at a time through Envoy; the tenant's next request is only
+explained (never sent) by each replica's admin port, after every replica counts the long
+answer in flight, a lane at the sims' speed would have computed its prompt twice over, and
+every virtual queue drained. Predicted TTFT and kv-cache utilization at the default weights
+decide (no session filters: the long answer is a later turn, the probe a new one). Prefill
+at the scorer's prior; estimated tokens are bytes."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+
+from extproc.sim import SERVED_BY_HEADER
+from extproc.stack import Stack, StackOptions, wait_until
+from tests.redis_servers import RedisServer
+
+# Slow decode: the long answer streams for a minute unless cut. Prefill at 2,000 tokens/s.
+SIM = ("--decode-tps", "50", "--prefill-tps", "2000", "--num-gpu-blocks", "4000")
+PICKER = """
+parse: {block_tokens: 16, bytes_per_token: 1}
+state: {request_end: {mode: access-log}}
+scheduling:
+  plugins:
+  - type: predicted-ttft-scorer
+    parameters: {priorPrefillTokensPerSecond: 2000, %s}
+  - {type: kv-cache-utilization-scorer}
+  - {type: max-score-picker}
+  schedulingProfiles:
+  - name: default
+    plugins:
+    - {pluginRef: predicted-ttft-scorer, weight: 4}
+    - {pluginRef: kv-cache-utilization-scorer, weight: 1}
+    - {pluginRef: max-score-picker}
+"""
+SCORER = "default/predicted-ttft-scorer"
+WORDS = ("tenant", "policy", "invoice", "refund", "order", "ticket", "account", "shipping")
+CHAT = "/v1/chat/completions"
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def chat(system: str, *turns: str, max_tokens: int = 2, stream: bool = False) -> dict:
+    messages = [{"role": "system", "content": system}]
+    for i, t in enumerate(turns):
+        messages.append({"role": "assistant" if i % 2 else "user", "content": t})
+    return {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "stream": stream}
+
+
+def metric(http: httpx.Client, port: int, name: str, endpoint: str | None = None) -> float:
+    total = 0.0
+    for line in http.get(f"http://127.0.0.1:{port}/metrics").text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and (
+            endpoint is None or f'endpoint="{endpoint}"' in line
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def run(tmp_path, redis: RedisServer, floor: str) -> tuple[str, int, list[dict], list[float]]:
+    """The holder, which replica placed the long answer, every replica's explanation of the
+    tenant's next request, and every replica's drained-tokens counter."""
+    rng = random.Random(11)
+    cfg = tmp_path / "picker.yaml"
+    cfg.write_text(PICKER % floor)
+    opts = StackOptions(
+        upstreams=2,
+        sim_args=SIM,
+        replicas=3,
+        redis_url=redis.url,
+        extproc_args=("--config", str(cfg)),
+    )
+    with Stack(opts) as stack, httpx.Client(timeout=60) as http:
+        admin = [stack.picker_admin_port] + [a for _, _, a in stack.replica_ports]
+        system = "tenant prompt. " + text(rng, 150)  # ~1,000 tokens: 0.5 s to recompute
+        first = text(rng, 12)
+        r = http.post(f"{stack.url}{CHAT}", json=chat(system, first))
+        assert r.status_code == 200, r.text
+        home = r.headers[SERVED_BY_HEADER]
+        wait_until(
+            lambda: all(metric(http, p, "extproc_inflight_requests") == 0 for p in admin),
+            timeout_s=15,
+            what="the first request ended in every replica's books",
+        )
+        before = [metric(http, p, "extproc_decisions_total") for p in admin]
+        # The tenant's conversation goes on: ~2,100 new prompt tokens (1 s of prefill) and
+        # a long answer, on the holder (its prompt is cached there).
+        long = chat(system, first, text(rng, 12), text(rng, 300), max_tokens=3000, stream=True)
+        with http.stream("POST", f"{stack.url}{CHAT}", json=long) as s:
+            assert s.status_code == 200
+            assert s.headers[SERVED_BY_HEADER] == home
+            lines = (line for line in s.iter_lines() if line.startswith("data: "))
+            next(lines)
+            next(lines)  # the first token: the prompt is prefilled
+            grew = [
+                metric(http, p, "extproc_decisions_total") - b
+                for p, b in zip(admin, before, strict=True)
+            ]
+            assert sorted(grew) == [0, 0, 1], grew
+            placer = grew.index(1)
+            wait_until(
+                lambda: all(metric(http, p, "extproc_inflight_tokens", home) > 1500 for p in admin),
+                timeout_s=15,
+                what="every replica counts the long answer in flight",
+            )
+            time.sleep(2.5)  # a lane at 2,000 tokens/s computes its prompt twice over
+            wait_until(
+                lambda: all(
+                    metric(http, p, "extproc_predicted_prefill_queue_seconds", home) == 0.0
+                    for p in admin
+                ),
+                timeout_s=15,
+                what="every virtual queue drained",
+            )
+            probe = chat(system, text(rng, 12))  # the tenant's next conversation
+            explained = []
+            for p in admin:
+                e = http.post(
+                    f"http://127.0.0.1:{p}/debug/explain",
+                    json=probe,
+                    headers={"x-extproc-path": CHAT},
+                )
+                assert e.status_code == 200, e.text
+                explained.append(e.json())
+            assert metric(http, admin[placer], "extproc_inflight_tokens", home) > 1500
+            assert not s.is_closed  # still decoding
+            drained = [
+                metric(http, p, "extproc_predicted_ttft_peer_tokens_drained_total") for p in admin
+            ]
+    return home, placer, explained, drained
+
+
+def test_replicas_keep_a_tenant_on_its_holder_while_a_peers_answer_decodes_there(
+    tmp_path, redis_server
+):
+    home, placer, explained, drained = run(tmp_path, redis_server, "peerInflight: drained")
+    why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained], drained)
+    for i, e in enumerate(explained):
+        if i == placer:
+            # Its own answer counts whole, as on one replica: the holder looks a second deep.
+            assert e["endpoints"][0] != home, why
+            assert drained[i] == 0, why
+        else:
+            assert e["endpoints"][0] == home, why
+            assert e["scores"][SCORER][home] == 1.0, why
+            assert drained[i] > 1500, why
+
+
+def test_counted_whole_a_peers_answer_moves_the_tenant_to_a_cold_server(tmp_path, redis_server):
+    home, placer, explained, drained = run(tmp_path, redis_server, "peerInflight: whole")
+    why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained], drained)
+    assert all(e["endpoints"][0] != home for e in explained), why
+    assert drained == [0, 0, 0], why
+
+
+def test_with_the_drained_floor_the_placer_keeps_the_tenant_on_its_holder_too(
+    tmp_path, redis_server
+):
+    # `inflightFloor: drained`: no replica floors by in-flight tokens; its own placements
+    # are its virtual queue (drained by now), the peers' count as far as not computed.
+    home, placer, explained, _ = run(tmp_path, redis_server, "inflightFloor: drained")
+    why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained])
+    assert all(e["endpoints"][0] == home for e in explained), why
+    assert all(e["scores"][SCORER][home] == 1.0 for e in explained), why
