@@ -1,23 +1,25 @@
-"""Engine-side priority (`flow_control.engine_priority`): the request's priority band written
-into the body the model server receives, as vLLM's `priority` (served by an engine started
-with `--scheduling-policy priority`: lower value first, ties by arrival; default 0).
+"""Engine-side priority (`flow_control.engine_priority`): the request's priority band sent to
+the model server as vLLM's priority, in the body as `priority` (`body`, or `true`) or as the
+`x-vllm-priority` header (`header`); served by an engine started with `--scheduling-policy
+priority`: lower value first, ties by arrival; default 0.
 
 Why: flow control orders requests in the picker, but once released a request joins the
 engine's own queue, where an interactive request waited behind batch prefills (FCFS). With
-the band in the body the engine serves the higher band's prefills first too.
+the band sent along the engine serves the higher band's prefills first too.
 
 The mapping is `-band` (band 10 -> -10, band 0 -> 0, band -1 -> 1): a higher band gets a
 smaller number, bands keep their order, and the default band keeps vLLM's default.
 
-The client does not choose its place in the engine's queue: a `priority` it sent is
-replaced, and the `x-vllm-priority` header (which vLLM 0.32 reads before the body) is
+The body form. The client does not choose its place in the engine's queue: a `priority` it
+sent is replaced, and the `x-vllm-priority` header (which vLLM 0.32 reads before the body) is
 removed. Without a client `priority` (the common case) the field is inserted right after
 the body's opening brace: a few bytes ahead of the untouched body (`BodyEdit`), no second
 copy of a large body on the streamed path. With one, the body is re-encoded with the value
 replaced (the client asked for a priority; it pays for the copy).
 
-`via: header` (`engine_priority: header`) sends the band as the `x-vllm-priority` request
-header instead, replacing any the client sent, and leaves the body alone: no body mutation
+The header form (`via="header"`, `engine_priority: header`) sends the band as the
+`x-vllm-priority` request header instead, replacing any the client sent, and leaves the
+body alone: no body mutation
 at all (the streamed chunks go back as they came; BUFFERED sends no body mutation), and it
 reaches engines whose body the picker never sees (body modes NONE / STREAMED, a body cut at
 the proxy's buffer limit). vLLM 0.32 reads the header before the body's `priority`
