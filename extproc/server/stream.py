@@ -504,7 +504,7 @@ class _Stream:
         api = req.api
         if api is Api.UNKNOWN:
             # Decided without a body (the router parses none): the path still names the
-            # API, and the header mode needs nothing else.
+            # API, and the header form needs nothing else.
             api = api_for_path(self.headers.get(":path", "/"))
         band = routed.ticket.request.priority
         return engine.plan(api, band, body, client_set=req.client_priority)
