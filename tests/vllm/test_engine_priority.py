@@ -148,7 +148,7 @@ def test_a_one_slot_engine_orders_its_queue_by_the_pickers_header(
         # The slot's holder, long enough for the other two to reach the engine's queue.
         holder = threading.Thread(target=post, args=("holder", f"hold {nonce}", None, 1800, 0))
         holder.start()
-        time.sleep(0.3)
+        time.sleep(0.1)
         # Batch (band -1: header 1) first, with a body priority that would put it first;
         # interactive (band 10: header -10) later, with one that would put it last.
         threads = [
@@ -159,7 +159,7 @@ def test_a_one_slot_engine_orders_its_queue_by_the_pickers_header(
             ),
         ]
         threads[1].start()
-        time.sleep(0.2)
+        time.sleep(0.05)
         threads[2].start()
         deadline = time.monotonic() + 60
         while (w := waiting(server)) < 2 and time.monotonic() < deadline:
