@@ -1,14 +1,17 @@
 """What `flow_control.engine_priority` costs the picker per request, through Envoy, in one run.
 
-Four stacks (echo upstream + `extproc serve` + Envoy), flow control on in all (a
-concurrency detector that never holds), engine priority off / on, each in the
+One stack per form (echo upstream + `extproc serve` + Envoy), flow control on in all (a
+concurrency detector that never holds), engine priority off / `body` (written into the
+body) / `header` (sent as `x-vllm-priority`, the body untouched), each in the
 FULL_DUPLEX_STREAMED and BUFFERED exchanges. `wrk` drives them in turn, round after round
-(off, on, off, on, ...: load from other processes hits all alike), with chat bodies of each
-size, without a client `priority` (the field is inserted) and with one (the body is
-re-encoded). Reported: medians over rounds of the picker's CPU per request (user+system
-from /proc / requests served) and wrk's p50 / p99, as bench/bench_proxy.py does.
+(off, body, header, off, body, header, ...: load from other processes hits all alike), with
+chat bodies of each size, without a client `priority` (the body form inserts the field) and
+with one (the body form re-encodes the body). Reported: medians over rounds of the picker's
+CPU per request (user+system from /proc / requests served) and wrk's p50 / p99, as
+bench/bench_proxy.py does.
 
     uv run python bench/bench_engine_priority.py [--seconds 4] [--rounds 3] [--sizes 1,400]
+        [--forms off,body,header]
 """
 
 from __future__ import annotations
@@ -55,7 +58,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sizes", default="1,400", help="body sizes in KB")
     ap.add_argument("--conns", type=int, default=4)
+    ap.add_argument("--forms", default="off,body,header", help="engine_priority settings")
     args = ap.parse_args()
+    forms = args.forms.split(",")
+    setting = {"off": False, "body": "body", "header": "header"}
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stacks:
         work = Path(tmp)
         bodies: list[tuple[str, Path]] = []
@@ -68,11 +74,11 @@ def main() -> None:
                 bodies.append((label, path))
         targets = []
         for mode in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
-            for on in (False, True):
-                cfg = work / f"picker-{mode}-{on}.yaml"
+            for form in forms:
+                cfg = work / f"picker-{mode}-{form}.yaml"
                 cfg.write_text(yaml.safe_dump({
                     "scheduling": SCHEDULING,
-                    "flow_control": {"engine_priority": on},
+                    "flow_control": {"engine_priority": setting[form]},
                 }))  # fmt: skip
                 opts = StackOptions(
                     upstreams=1,
@@ -80,7 +86,7 @@ def main() -> None:
                     bootstrap=lambda o, m=mode: build_bootstrap(replace(o, request_body_mode=m)),
                 )
                 stack = stacks.enter_context(Stack(opts))
-                name = f"{'FD' if mode.startswith('FULL') else 'BUF'} {'on' if on else 'off'}"
+                name = f"{'FD' if mode.startswith('FULL') else 'BUF'} {form}"
                 targets.append((name, stack.url, stack._procs["extproc"].pid))
         results: dict[tuple[str, str], list] = {}
         for r in range(args.rounds):
@@ -89,7 +95,7 @@ def main() -> None:
                     res, cpu_ms = measure(url, body, args.conns, args.seconds, pid)
                     results.setdefault((label, name), []).append((res, cpu_ms))
             print(f"round {r + 1} done", flush=True)
-        print(f"\n{'body':<28} {'config':<8} {'cpu ms/req':>10} {'p50 ms':>8} {'p99 ms':>8} "
+        print(f"\n{'body':<28} {'config':<10} {'cpu ms/req':>10} {'p50 ms':>8} {'p99 ms':>8} "
               f"{'req/s':>7} {'non-2xx':>7}  cpu per round")  # fmt: skip
         for (label, name), runs in results.items():
             cpu = statistics.median(c for _, c in runs)
@@ -98,7 +104,7 @@ def main() -> None:
             rps = statistics.median(x.rps for x, _ in runs)
             bad = sum(x.non_2xx for x, _ in runs)
             each = " ".join(f"{c:.3f}" for _, c in runs)
-            print(f"{label:<28} {name:<8} {cpu:>10.3f} {p50:>8.2f} {p99:>8.2f} {rps:>7.0f} "
+            print(f"{label:<28} {name:<10} {cpu:>10.3f} {p50:>8.2f} {p99:>8.2f} {rps:>7.0f} "
                   f"{bad:>7}  {each}")  # fmt: skip
 
 

@@ -22,8 +22,9 @@ PICKER_OWNED_HEADERS = frozenset({DESTINATION_HEADER, SUBSET_HINT_KEY})
 REQUEST_ID_HEADER = "x-request-id"
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 MODEL_REWRITE_HEADER = "x-llm-d-model-name-rewrite"
-# vLLM's request priority header (read before the body's `priority`): a client's is removed
-# when flow control writes the band into the body (`flow_control.engine_priority`).
+# vLLM's request priority header (read before the body's `priority`): with
+# `flow_control.engine_priority` the picker sets it to the band (`header`) or removes the
+# client's while writing the band into the body (`body`).
 ENGINE_PRIORITY_HEADER = "x-vllm-priority"
 
 # Operator-only explanation: a request whose `x-extproc-explain` carries one of

@@ -56,7 +56,7 @@ class InFlightOnly:
 class Admission(Protocol):
     """Flow control as the router sees it (extproc.flowcontrol.admission.Admission)."""
 
-    # The band as the engine's priority in the forwarded body (None: not configured).
+    # The band as the engine's priority, in the forwarded body or header (None: off).
     engine_priority: EnginePriority | None
 
     async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket: ...

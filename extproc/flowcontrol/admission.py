@@ -110,8 +110,12 @@ class Admission:
             reserve_priors=priors,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
-        # The band written into the forwarded body as the engine's priority (None: off).
-        self.engine_priority = EnginePriority(registry) if s.engine_priority else None
+        # The band sent to the engine as its priority (None: off); `true` is the body form
+        # (the setting's original, boolean spelling).
+        via = s.engine_priority
+        self.engine_priority = (
+            EnginePriority(registry, "body" if via is True else via) if via else None
+        )
         self.wait_seconds = Histogram(
             "extproc_flow_queue_wait_seconds",
             "Time admitted requests spent in the flow-control queue, by priority band "

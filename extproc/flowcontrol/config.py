@@ -24,7 +24,7 @@ import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -152,9 +152,11 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     per higher band, its expected largest request and arrival rate, which size the reserve
     (at least) until the band has 100 requests of history: a freshly started picker keeps
     room from its first request instead of from what it happened to see first.
-    `engine_priority` (off by default): write the request's band into the body the model
-    server receives as its `priority` (`-band`: vLLM's priority scheduling serves lower
-    values first), replacing any the client sent (`flowcontrol/engine_priority.py`)."""
+    `engine_priority` (off by default): send the request's band to the model server as its
+    priority (`-band`: vLLM's priority scheduling serves lower values first), replacing any
+    the client sent (`flowcontrol/engine_priority.py`): `body` (or `true`) writes it into
+    the forwarded body as `priority`, `header` sends it as the `x-vllm-priority` header and
+    leaves the body alone."""
 
     fairness_weights: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
         default_factory=dict
@@ -170,7 +172,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     admit_per_endpoint: bool = False
     reserve_for_higher_bands: Annotated[int, msgspec.Meta(ge=0, le=_SIZES_KEPT)] = 0
     reserve_prior: dict[int, ReservePrior] = msgspec.field(default_factory=dict)
-    engine_priority: bool = False
+    engine_priority: bool | Literal["body", "header"] = False
 
 
 _DUR = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")

@@ -1,26 +1,40 @@
-"""Engine-side priority (`flow_control.engine_priority`): the request's priority band written
-into the body the model server receives, as vLLM's `priority` (served by an engine started
-with `--scheduling-policy priority`: lower value first, ties by arrival; default 0).
+"""Engine-side priority (`flow_control.engine_priority`): the request's priority band sent to
+the model server as vLLM's priority, in the body as `priority` (`body`, or `true`) or as the
+`x-vllm-priority` header (`header`); served by an engine started with `--scheduling-policy
+priority`: lower value first, ties by arrival; default 0.
 
 Why: flow control orders requests in the picker, but once released a request joins the
 engine's own queue, where an interactive request waited behind batch prefills (FCFS). With
-the band in the body the engine serves the higher band's prefills first too.
+the band sent along the engine serves the higher band's prefills first too.
 
 The mapping is `-band` (band 10 -> -10, band 0 -> 0, band -1 -> 1): a higher band gets a
 smaller number, bands keep their order, and the default band keeps vLLM's default.
 
-The client does not choose its place in the engine's queue: a `priority` it sent is
-replaced, and the `x-vllm-priority` header (which vLLM 0.32 reads before the body) is
+The body form. The client does not choose its place in the engine's queue: a `priority` it
+sent is replaced, and the `x-vllm-priority` header (which vLLM 0.32 reads before the body) is
 removed. Without a client `priority` (the common case) the field is inserted right after
 the body's opening brace: a few bytes ahead of the untouched body (`BodyEdit`), no second
 copy of a large body on the streamed path. With one, the body is re-encoded with the value
 replaced (the client asked for a priority; it pays for the copy).
+
+The header form (`via="header"`, `engine_priority: header`) sends the band as the
+`x-vllm-priority` request header instead, replacing any the client sent, and leaves the
+body alone: no body mutation
+at all (the streamed chunks go back as they came; BUFFERED sends no body mutation), and it
+reaches engines whose body the picker never sees (body modes NONE / STREAMED, a body cut at
+the proxy's buffer limit). vLLM 0.32 reads the header before the body's `priority`
+(`_get_priority` in its serving code), so a client's body `priority` is overridden by the
+engine itself and needs no rewrite; a non-integer one is refused by the engine as it would
+be without the picker (the client's own malformed request). Only the APIs whose vLLM
+handler reads the header get it (`HEADER_APIS`: Anthropic messages too, which the body form
+cannot reach); embeddings, where vLLM reads only the body, get the body edit instead.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
@@ -28,13 +42,28 @@ from prometheus_client import CollectorRegistry, Counter
 from extproc.core import Api
 from extproc.protocol import ENGINE_PRIORITY_HEADER
 
-__all__ = ["ENGINE_PRIORITY_HEADER", "EnginePriority", "engine_priority", "with_priority"]
+__all__ = [
+    "ENGINE_PRIORITY_HEADER",
+    "EngineEdit",
+    "EnginePriority",
+    "Via",
+    "engine_priority",
+    "with_priority",
+]
 
 # The APIs whose vLLM request carries `priority` (vLLM 0.32: chat, completions, responses,
 # embeddings; its Anthropic messages request has none).
 APIS = frozenset({Api.CHAT, Api.COMPLETIONS, Api.RESPONSES, Api.EMBEDDINGS})
+# The APIs whose vLLM handler reads `x-vllm-priority` (vLLM 0.32: `_get_priority` in
+# entrypoints/generate/base/serving.py, called by chat, completions and responses; Anthropic
+# messages are served as a chat completion with the same raw request, so the header counts
+# there too; pooling (embeddings) reads only the body's `priority`).
+HEADER_APIS = frozenset({Api.CHAT, Api.COMPLETIONS, Api.RESPONSES, Api.MESSAGES})
 
-OUTCOMES = ("inserted", "replaced", "skipped")
+# Where the band goes: `body` (vLLM's `priority` field) or `header` (`x-vllm-priority`).
+Via = Literal["body", "header"]
+
+OUTCOMES = ("inserted", "replaced", "header", "skipped")
 
 _WS = b" \t\r\n"
 
@@ -89,22 +118,39 @@ def _replaced(body: bytes, value: int) -> BodyEdit:
     return BodyEdit(msgspec.json.encode(doc), len(body))
 
 
+@dataclass(frozen=True, slots=True)
+class EngineEdit:
+    """What one decision does to the forwarded request for engine priority: headers set
+    (replacing the client's), headers removed, and the body edit (None: untouched)."""
+
+    set_headers: tuple[tuple[str, str], ...] = ()
+    remove_headers: tuple[str, ...] = ()
+    body: BodyEdit | None = None
+
+
+# The client's header never reaches the engine, whatever else happens to the request.
+_REMOVED = EngineEdit(remove_headers=(ENGINE_PRIORITY_HEADER,))
+
+
 @dataclass(slots=True)
 class EnginePriority:
-    """The switch and its counter (`extproc_flow_engine_priority_total{outcome}`):
-    `inserted` (no client priority), `replaced` (the client's replaced), `skipped` (a request
-    with the feature on whose body was not rewritten: an API without the field, no body, or
-    a body mode that never shows the whole body)."""
+    """The switch, where the band goes (`via`: `body` or `header`), and the counter
+    (`extproc_flow_engine_priority_total{outcome}`): `inserted` (into a body without a
+    client priority), `replaced` (the client's, in the body), `header` (sent as
+    `x-vllm-priority`), `skipped` (the feature is on but this request's engine priority was
+    not set: an API without it, no body to write into, or no flow-control band)."""
 
     registry: CollectorRegistry | None = None
+    via: Via = "body"
     _counter: Counter | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._counter = Counter(
             "extproc_flow_engine_priority",
-            "Requests whose engine priority the picker wrote into the forwarded body "
-            "(flow_control.engine_priority), by outcome: inserted, replaced (the client's "
-            "own), skipped (not rewritten: API without the field, or no body seen).",
+            "Requests whose engine priority the picker set (flow_control.engine_priority), "
+            "by outcome: inserted / replaced (the client's own) in the forwarded body, "
+            "header (x-vllm-priority), skipped (not set: API without it, no body seen, or "
+            "no band).",
             ["outcome"],
             registry=self.registry,
         )
@@ -115,8 +161,29 @@ class EnginePriority:
         assert self._counter is not None
         self._counter.labels(outcome).inc()
 
+    def plan(
+        self, api: Api, band: int | None, body: bytes | None, *, client_set: bool
+    ) -> EngineEdit:
+        """The edit for one decision. `band`: flow control's (None: the request has none);
+        `body`: the whole body (None or empty: not seen). Counted once per call."""
+        if band is None:
+            self.count("skipped")
+            return _REMOVED
+        if self.via == "header" and api in HEADER_APIS:
+            self.count("header")
+            return EngineEdit(set_headers=((ENGINE_PRIORITY_HEADER, str(engine_priority(band))),))
+        # The body form, and the header form's fallback where the engine reads only the body
+        # (embeddings): the band reaches the engine however it reads it.
+        edit = self.edit(api, band, body or b"", client_set=client_set)
+        return (
+            _REMOVED
+            if edit is None
+            else EngineEdit(remove_headers=_REMOVED.remove_headers, body=edit)
+        )
+
     def edit(self, api: Api, band: int, body: bytes, *, client_set: bool) -> BodyEdit | None:
-        """The edit for one request (None: the body goes as it came, counted `skipped`)."""
+        """The body edit for one request (None: the body goes as it came, counted
+        `skipped`)."""
         if api not in APIS or not body:
             self.count("skipped")
             return None

@@ -43,7 +43,7 @@ import grpc
 import orjson
 
 from extproc import protocol
-from extproc.core import Decision
+from extproc.core import Api, Decision
 from extproc.endpoints.request_end import Ended
 from extproc.errors import (
     BadRequest,
@@ -52,7 +52,8 @@ from extproc.errors import (
     PayloadTooLarge,
     RequestTimeout,
 )
-from extproc.flowcontrol.engine_priority import ENGINE_PRIORITY_HEADER, EnginePriority
+from extproc.flowcontrol.engine_priority import ENGINE_PRIORITY_HEADER, BodyEdit, EngineEdit
+from extproc.requests.parse import api_for_path
 from extproc.router import Routed, Router
 from extproc.server import wire
 from extproc.server.guard import PeerAllowList, Throttle
@@ -396,9 +397,13 @@ class _Stream:
         if self.mode not in (_FULL_DUPLEX, *_BUFFERED):
             # This body mode never shows us the whole body: decide on headers alone.
             self._without_body()
-            return [self._override(self.replies.headers(await self._route(None)))]
+            decision = await self._route(None)
+            return [
+                self._override(_edited(self.replies.headers(decision), self._engine_edit(None)))
+            ]
         if msg.request_headers.end_of_stream:
-            return [self._override(self.replies.headers(await self._route(b"")))]
+            decision = await self._route(b"")
+            return [self._override(_edited(self.replies.headers(decision), self._engine_edit(b"")))]
         if self.deadline is not None:
             self.deadline.start()
         if self.mode == _FULL_DUPLEX:
@@ -456,7 +461,8 @@ class _Stream:
                 # streams past us. A cut JSON document cannot be parsed: route on headers.
                 self._release_body()
                 self._without_body()
-                return [self.replies.body(await self._route(None))]
+                decision = await self._route(None)
+                return [_edited(self.replies.body(decision), self._engine_edit(None))]
             return []  # FULL_DUPLEX: more chunks follow (bounded by max_body)
         return await self._body_complete(trailers_follow=False)
 
@@ -473,36 +479,44 @@ class _Stream:
             decision = await self._route(body)
         finally:
             self._release_body()  # held through parsing: the joined copy lives until then
-        engine = self._engine_priority()
-        if engine is None:
-            if self.mode in _BUFFERED:
-                return [self.replies.body(decision)]
-            out = [self.replies.headers(decision)]
-            out.extend(wire.streamed_body(body, end_of_stream=not trailers_follow))
-            return out
-        return self._with_engine_priority(engine, decision, body, trailers_follow)
+        edit = self._engine_edit(body)
+        if edit is not None and edit.body is not None:
+            return self._with_body_edit(decision, body, edit.body, trailers_follow)
+        if self.mode in _BUFFERED:
+            return [_edited(self.replies.body(decision), edit)]
+        out = [_edited(self.replies.headers(decision), edit)]
+        out.extend(wire.streamed_body(body, end_of_stream=not trailers_follow))
+        return out
 
-    def _engine_priority(self) -> EnginePriority | None:
+    def _engine_edit(self, body: bytes | None) -> EngineEdit | None:
+        """What flow control's engine priority does to this decided request
+        (`flowcontrol/engine_priority.py`; None: the setting is off). Whatever it does, the
+        client's `x-vllm-priority` (read before the body by vLLM) never reaches the engine
+        as the client sent it."""
         admission = self.router.admission
-        return admission.engine_priority if admission is not None else None
+        engine = admission.engine_priority if admission is not None else None
+        if engine is None:
+            return None
+        routed = self.routed
+        if routed is None or routed.ticket is None:
+            return engine.plan(Api.UNKNOWN, None, body, client_set=False)
+        req = routed.request
+        api = req.api
+        if api is Api.UNKNOWN:
+            # Decided without a body (the router parses none): the path still names the
+            # API, and the header form needs nothing else.
+            api = api_for_path(self.headers.get(":path", "/"))
+        band = routed.ticket.request.priority
+        return engine.plan(api, band, body, client_set=req.client_priority)
 
-    def _with_engine_priority(
-        self, engine: EnginePriority, decision: Decision, body: bytes, trailers_follow: bool
+    def _with_body_edit(
+        self, decision: Decision, body: bytes, edit: BodyEdit, trailers_follow: bool
     ) -> list[wire.ProcessingResponse]:
         """The decision with flow control's band written into the body as the engine's
-        `priority` (`flowcontrol/engine_priority.py`); the client's `x-vllm-priority` header
-        (read before the body by vLLM) never reaches the engine."""
-        routed = self.routed
-        edit = None
-        if routed is not None and routed.ticket is not None:
-            req = routed.request
-            band = routed.ticket.request.priority
-            edit = engine.edit(req.api, band, body, client_set=req.client_priority)
-        else:
-            engine.count("skipped")
+        `priority`, and the client's `x-vllm-priority` removed."""
         remove = (ENGINE_PRIORITY_HEADER,)
         sized: dict[str, str] = {}
-        if edit is not None and "content-length" in self.headers:
+        if "content-length" in self.headers:
             sized["content-length"] = str(edit.length(len(body)))
         if self.mode in _BUFFERED:
             return [
@@ -510,7 +524,7 @@ class _Stream:
                     self.replies.body(decision),
                     set_headers=sized,
                     remove_headers=remove,
-                    body=edit.join(body) if edit is not None else None,
+                    body=edit.join(body),
                 )
             ]
         out = [
@@ -518,17 +532,11 @@ class _Stream:
                 self.replies.headers(decision), set_headers=sized, remove_headers=remove
             )
         ]
-        if edit is None:
-            out.extend(wire.streamed_body(body, end_of_stream=not trailers_follow))
-        else:
-            out.extend(
-                wire.streamed_body(
-                    body,
-                    end_of_stream=not trailers_follow,
-                    head=edit.head,
-                    rest_from=edit.rest_from,
-                )
+        out.extend(
+            wire.streamed_body(
+                body, end_of_stream=not trailers_follow, head=edit.head, rest_from=edit.rest_from
             )
+        )
         return out
 
     async def _route(self, body: bytes | None) -> Decision:
@@ -538,10 +546,6 @@ class _Stream:
             self.router.finish(self.routed)
             self.routed = None
         path = self.headers.get(":path", "/")
-        if not body and (engine := self._engine_priority()) is not None:
-            # Decided without a body to write the band into: the engine runs it at its
-            # default priority. Counted, so an operator sees engine priority not applied.
-            engine.count("skipped")
         explain = self.explain or log.isEnabledFor(logging.DEBUG)
         start = time.perf_counter()
         routed = await self.router.route(
@@ -600,6 +604,16 @@ class _Stream:
             return
         # The obs alone, not this stream: the hold lasts the whole request.
         self.router.finish(routed, responded=False, then=functools.partial(_ended, self.obs))
+
+
+def _edited(resp: wire.ProcessingResponse, edit: EngineEdit | None) -> wire.ProcessingResponse:
+    """A decision reply with engine priority's header edit (the reply as it is without one:
+    the cached replies are copied only when something changes)."""
+    if edit is None:
+        return resp
+    return wire.with_request_edit(
+        resp, set_headers=dict(edit.set_headers), remove_headers=edit.remove_headers
+    )
 
 
 def _ended(obs: RequestMetrics, entry: Ended | None) -> None:

@@ -48,6 +48,9 @@ def _priority_seen(request: web.Request, body: bytes) -> dict:
     the declared content-length (a rewritten body must declare its new size)."""
     out: dict = {
         "vllm_priority_header": request.headers.get(protocol.ENGINE_PRIORITY_HEADER),
+        # Every value: a header set by the picker must have replaced the client's, not
+        # joined it (vLLM reads the first).
+        "vllm_priority_headers": request.headers.getall(protocol.ENGINE_PRIORITY_HEADER, []),
         "content_length": request.headers.get("content-length"),
     }
     if b"priority" in body:  # only then parse: large bodies pass through untouched

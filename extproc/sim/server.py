@@ -67,12 +67,11 @@ class _StreamOptions(msgspec.Struct):
 
 
 _SAMPLING = msgspec.json.Decoder(_Sampling)
-# vLLM 0.32 reads this header before the body's `priority` (an unparsable value is ignored).
-_PRIORITY_HEADER = ENGINE_PRIORITY_HEADER
 
 
 def _priority(headers: dict[str, str], sampling: _Sampling) -> int:
-    raw = headers.get(_PRIORITY_HEADER)
+    # vLLM 0.32 reads the header before the body's `priority` (an unparsable value is ignored).
+    raw = headers.get(ENGINE_PRIORITY_HEADER)
     if raw is not None:
         try:
             return int(raw)

@@ -102,3 +102,76 @@ def test_streamed_chunks_carry_head_and_rest(size, head):
     assert b"".join(p.body for p in parts) == head + body[rest_from:]
     assert all(len(p.body) <= protocol.BODY_CHUNK_BYTES for p in parts)
     assert [p.end_of_stream for p in parts] == [False] * (len(parts) - 1) + [True]
+
+
+def outcome(reg, name: str) -> float:
+    return reg.get_sample_value("extproc_flow_engine_priority_total", {"outcome": name})
+
+
+def test_the_header_form_sets_the_header_and_leaves_the_body():
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    ep = EnginePriority(reg, "header")
+    body = b'{"model":"m","priority":3}'
+    for api in (Api.CHAT, Api.COMPLETIONS, Api.RESPONSES, Api.MESSAGES):
+        out = ep.plan(api, 10, body, client_set=True)
+        assert out.set_headers == ((protocol.ENGINE_PRIORITY_HEADER, "-10"),)
+        assert out.body is None and out.remove_headers == ()
+    # Decided without a body (a body mode that never shows it): the header still goes.
+    assert ep.plan(Api.CHAT, -1, None, client_set=False).set_headers == (
+        (protocol.ENGINE_PRIORITY_HEADER, "1"),
+    )
+    assert outcome(reg, "header") == 5
+    # Embeddings: vLLM reads only the body there, so the band goes into it.
+    out = ep.plan(Api.EMBEDDINGS, 1, b'{"model":"m","input":"x"}', client_set=False)
+    assert out.body is not None and out.set_headers == ()
+    assert out.remove_headers == (protocol.ENGINE_PRIORITY_HEADER,)
+    assert outcome(reg, "inserted") == 1
+    # No band, or an API without priority: the client's header is removed, nothing set.
+    for api, band in ((Api.CHAT, None), (Api.UNKNOWN, 10)):
+        out = ep.plan(api, band, body, client_set=False)
+        assert out.set_headers == () and out.body is None
+        assert out.remove_headers == (protocol.ENGINE_PRIORITY_HEADER,)
+    assert outcome(reg, "skipped") == 2
+
+
+def test_the_body_form_removes_the_clients_header_whatever_happens():
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    ep = EnginePriority(reg)  # "body", the default form
+    for api, band, body in (
+        (Api.CHAT, 10, b'{"model":"m"}'),
+        (Api.CHAT, 10, None),
+        (Api.MESSAGES, 10, b'{"model":"m"}'),
+        (Api.CHAT, None, b'{"model":"m"}'),
+    ):
+        out = ep.plan(api, band, body, client_set=False)
+        assert out.set_headers == () and out.remove_headers == (protocol.ENGINE_PRIORITY_HEADER,)
+    assert outcome(reg, "inserted") == 1 and outcome(reg, "skipped") == 3
+    assert outcome(reg, "header") == 0
+
+
+@pytest.mark.parametrize(
+    "value,via", [(True, "body"), ("body", "body"), ("header", "header"), (False, None)]
+)
+def test_the_setting_names_the_form(value, via):
+    import msgspec
+
+    from extproc.flowcontrol.admission import Admission
+    from extproc.flowcontrol.config import FlowControlSettings, build_flow_config
+
+    s = msgspec.convert({"engine_priority": value}, FlowControlSettings)
+    admission = Admission(build_flow_config(None, None, [], s), lambda: (), registry=None)
+    ep = admission.engine_priority
+    assert (ep.via if ep is not None else None) == via
+
+
+def test_an_unknown_form_is_refused():
+    import msgspec
+
+    from extproc.flowcontrol.config import FlowControlSettings
+
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"engine_priority": "trailer"}, FlowControlSettings)
