@@ -1,5 +1,6 @@
-"""Chat requests that share no prefix with one another (flow-control tests count every token
-of them as uncached work), and the prompt tokens the picker estimates for one."""
+"""Chat requests for the e2e tests: ones that share no prefix with one another (flow-control
+tests count every token of them as uncached work), the prompt tokens the picker estimates for
+one, and a session's turns after a system prompt built from a few business words."""
 
 from __future__ import annotations
 
@@ -29,3 +30,20 @@ def estimated_prompt_tokens(body: dict) -> int:
     """What a picker with default parse settings (calibration off) counts for `body`."""
     raw = json.dumps(body).encode()
     return parse_request(PATH, {}, raw, ParseSettings()).prompt_tokens
+
+
+WORDS = ("tenant", "policy", "invoice", "refund", "order", "ticket", "account", "shipping")
+
+
+def text(rng: random.Random, words: int) -> str:
+    """`words` of `WORDS`, drawn by `rng`."""
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def chat(system: str, *turns: str, max_tokens: int = 2, stream: bool = False) -> dict:
+    """A chat body for the simulator's `tiny` model: `system`, then the turns alternating
+    user and assistant."""
+    messages = [{"role": "system", "content": system}]
+    for i, t in enumerate(turns):
+        messages.append({"role": "assistant" if i % 2 else "user", "content": t})
+    return {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "stream": stream}

@@ -19,6 +19,7 @@ import httpx
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions, wait_until
+from tests.e2e.chat_bodies import chat, text
 from tests.e2e.chat_turns import ChatTurns
 from tests.e2e.profiles import default_profile_with
 from tests.e2e.test_request_end import picker_metric
@@ -29,18 +30,6 @@ SIM = ("--decode-tps", "50", "--num-gpu-blocks", "4000")
 # Told, as calibration would find (a change of keys mid-test would forget every prefix).
 PARSE = "parse: {block_tokens: 16, bytes_per_token: 1}\n"
 SCORER = "default/predicted-ttft-scorer"
-WORDS = ("tenant", "policy", "invoice", "refund", "order", "ticket", "account", "shipping")
-
-
-def text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def chat(system: str, *turns: str, max_tokens: int = 2, stream: bool = False) -> dict:
-    messages = [{"role": "system", "content": system}]
-    for i, t in enumerate(turns):
-        messages.append({"role": "assistant" if i % 2 else "user", "content": t})
-    return {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "stream": stream}
 
 
 def test_a_request_decoding_on_the_home_server_does_not_push_the_next_turn_off_it(tmp_path):

@@ -24,6 +24,7 @@ import httpx
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions, wait_until
+from tests.e2e.chat_bodies import chat, text
 from tests.redis_servers import RedisServer
 
 # Slow decode: the long answer streams for a minute unless cut. Prefill at 2,000 tokens/s.
@@ -45,19 +46,7 @@ scheduling:
     - {pluginRef: max-score-picker}
 """
 SCORER = "default/predicted-ttft-scorer"
-WORDS = ("tenant", "policy", "invoice", "refund", "order", "ticket", "account", "shipping")
 CHAT = "/v1/chat/completions"
-
-
-def text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def chat(system: str, *turns: str, max_tokens: int = 2, stream: bool = False) -> dict:
-    messages = [{"role": "system", "content": system}]
-    for i, t in enumerate(turns):
-        messages.append({"role": "assistant" if i % 2 else "user", "content": t})
-    return {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "stream": stream}
 
 
 def metric(http: httpx.Client, port: int, name: str, endpoint: str | None = None) -> float:
