@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
 import random
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -32,6 +33,7 @@ from extproc.sim.timing import TimingSettings
 from extproc.sim.tokens import PromptTokens, SimTokenizer, media_len
 
 _Positive = Annotated[int, msgspec.Meta(gt=0)]
+_log = logging.getLogger(__name__)
 
 
 class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -412,6 +414,19 @@ class Engine:
         """Starts the step task if prefill work waits and none runs (it ends when idle)."""
         if (self._waiting or self._prefilling) and (self._stepper is None or self._stepper.done()):
             self._stepper = asyncio.get_running_loop().create_task(self._steps())
+            self._stepper.add_done_callback(self._stepper_done)
+
+    def _stepper_done(self, task: asyncio.Task[None]) -> None:
+        """A step task that failed fails the requests it owed a first token (a 500 each,
+        not a hang)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        _log.error("sim engine: prefill steps failed: %r", task.exception())
+        for seq in self._waiting + self._prefilling:
+            if not seq.prefilled.done():
+                seq.prefilled.set_exception(
+                    RuntimeError(f"prefill steps failed: {task.exception()!r}")
+                )
 
     async def _steps(self) -> None:
         """Engine steps back to back while any prefill is left: each takes its chunks

@@ -161,3 +161,23 @@ def test_cli_flags_use_vllms_names_and_defaults():
     args = build_arg_parser().parse_args([*flags.split(), "--long-prefill-token-threshold", "512"])
     (s,) = server_settings(args)
     assert s.engine.chunk_policy == ChunkPolicy(8192, False, 512)
+
+
+async def test_a_failed_step_fails_the_waiting_requests_instead_of_hanging(
+    tokenizer, monkeypatch, caplog
+):
+    import extproc.sim.engine as engine_module
+
+    def broken(*args, **kwargs):
+        raise ValueError("broken planner")
+
+    monkeypatch.setattr(engine_module, "plan_step", broken)
+    engine = Engine(EngineSettings(timing=TIMING), tokenizer)
+    try:
+        with pytest.raises(RuntimeError, match="broken planner"):
+            async with asyncio.timeout(5):
+                async for _ in engine.generate(Job(prompt(SHORT, 1), 1)):
+                    pass
+    finally:
+        await engine.aclose()
+    assert "prefill steps failed" in caplog.text
