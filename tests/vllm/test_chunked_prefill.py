@@ -184,7 +184,7 @@ async def sim_pair(threshold: int, step_s: float, offset: float, seed: int) -> P
 def test_a_short_request_during_a_chunked_prefill(chunking_engine, capsys):
     threshold, url, step_s, long_queued = chunking_engine
     waits = threshold == 0  # vLLM's default: behind the whole prefill under way
-    expected = ["long", "short"] if waits else ["short", "long"]
+    expected = ["short", "long"]  # with a threshold
     sim = asyncio.run(sim_pair(threshold, step_s, SEND_SHORT_AFTER_S, 1))
     reals = [real_pair(url, 1000 * (threshold + 1) + 10 * i, long_queued) for i in range(ATTEMPTS)]
     with capsys.disabled():
@@ -194,16 +194,19 @@ def test_a_short_request_during_a_chunked_prefill(chunking_engine, capsys):
         for r in reals:
             print(f"  vLLM {r.long_done:.3f} / {r.short_done:.3f} s, "
                   f"{r.short_queued / step_s:.0f} steps")  # fmt: skip
-    assert sim.order == expected
     if waits:
-        # It sat in the queue for most of the long prefill (sent ~60 ms into ~119 steps).
+        # Its first token not before the long prompt's last steps (which it shares: the
+        # client may read either first), after sitting in the queue for most of the long
+        # prefill (sent ~60 ms into ~119 steps).
+        assert sim.short_done > sim.long_done - 3 * step_s, sim
         assert sim.short_queued > 40 * step_s
-        # The engine: every attempt in this order, and at least two queued for 20+ steps (an
+        # The engine: the same in every attempt, and at least two queued for 20+ steps (an
         # attempt the API server handed over late waited less, or not at all).
-        assert all(r.order == expected for r in reals), reals
+        assert all(r.short_done > r.long_done - 3 * step_s for r in reals), reals
         assert sum(r.short_queued > 20 * step_s for r in reals) >= 2, reals
     else:
-        assert sim.short_queued < 5 * step_s  # the next step (a loaded loop wakes late)
+        assert sim.order == expected
+        assert sim.short_queued < 10 * step_s  # the next step (a loaded loop wakes late)
         # The engine: at least two attempts in this order, none of them queued 20+ steps.
         assert sum(r.order == expected for r in reals) >= 2, reals
         assert all(r.short_queued < 20 * step_s for r in reals if r.order == expected), reals
