@@ -1,21 +1,22 @@
 """Chunked prefill against the real engine: a short high-priority request arriving while a
-long prompt is being prefilled in chunks, on a vLLM of its own with a small step budget
-(`--max-num-batched-tokens 16`: a 1,900-token prompt is ~119 steps, long enough that the
-client, starved by the engine's threads on two cores, still sends inside it), with
+long prompt is being prefilled in chunks, on a vLLM of its own with a tiny step budget
+(`--max-num-batched-tokens 2`: a 1,900-token prompt is ~950 steps, 2-10 s here, long enough
+that a loaded API server, which took up to 0.5 s to hand a request over, still hands the
+short one over inside it), with
 `--scheduling-policy priority`, and the simulator given the same settings and the same
 arrivals.
 
 - vLLM's default (`--long-prefill-token-threshold 0`): the prefill under way takes every
   step's budget until its last chunk; the short request, whatever its priority, gets its
   first token with the long one's (vLLM 0.32 `Scheduler.schedule`: running requests first).
-- With a threshold (8 tokens), the long prompt's chunk is capped while another request
+- With a threshold (1 token), the long prompt's chunk is capped while another request
   waits, so the short one gets in at the next step and finishes long before it.
 
 On a loaded machine the API server may take 0.1-0.3 s to hand a request to a busy engine, so
 arrival times seen by the client say little; the engine's own figure does: how long the
 short request sat in its queue (the growth of vLLM's `request_queue_time_seconds` sum over
 the pair, less the long request's share, measured alone). The simulator gets the same
-settings and arrivals (the short one 60 ms after the long): its order of first tokens and
+settings and arrivals (the short one 0.5 s after the long): its order of first tokens and
 the short request's queue wait (in steps) must tell the same story as the engine's.
 """
 
@@ -41,9 +42,9 @@ from extproc.sim.tokens import PromptTokens, SimTokenizer
 from extproc.stack import free_port
 from tests.vllm.fleet import MODEL_NAME, VllmFleet
 
-BUDGET, SEQS, MAX_LEN = 16, 4, 2048
+BUDGET, SEQS, MAX_LEN = 2, 2, 2048
 LONG, SHORT = 1900, 40
-SEND_SHORT_AFTER_S = 0.06
+SEND_SHORT_AFTER_S = 0.5
 QUEUE_SUM = "vllm:request_queue_time_seconds_sum"
 ATTEMPTS = 3
 
@@ -111,10 +112,10 @@ def real_pair(url: str, seed: int, long_queued: float) -> Pair:
     return Pair(done["long"] - t0, short_done, queued_seconds(url) - before - long_queued)
 
 
-@pytest.fixture(scope="module", params=[0, 8], ids=lambda t: f"threshold{t}")
+@pytest.fixture(scope="module", params=[0, 1], ids=lambda t: f"threshold{t}")
 def chunking_engine(request) -> Iterator[tuple[int, str, float, float]]:
     """(threshold, url, seconds per step, an idle engine's queue wait) of a one-server vLLM
-    with a 16-token step budget."""
+    with a 2-token step budget."""
     threshold = request.param
     logs = Path(tempfile.mkdtemp(prefix="extproc-vllm-chunked-"))
     fleet = VllmFleet.start(
@@ -197,7 +198,7 @@ def test_a_short_request_during_a_chunked_prefill(chunking_engine, capsys):
     if waits:
         # Its first token not before the long prompt's last steps (which it shares: the
         # client may read either first), after sitting in the queue for most of the long
-        # prefill (sent ~60 ms into ~119 steps).
+        # prefill (sent 0.5 s into ~950 steps).
         assert sim.short_done > sim.long_done - 3 * step_s, sim
         assert sim.short_queued > 40 * step_s
         # The engine: the same in every attempt, and at least two queued for 20+ steps (an
