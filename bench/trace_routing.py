@@ -285,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         "approximate on a fresh Redis: redis1 (1 replica), redis3 (3 replicas), "
         "redis3-shared (3 replicas, state.shared_placements), redis3-cal (3 replicas, "
         "state.shared_calibration); a redis mode + '-drained': predicted-ttft-scorer's "
-        "peerInflight: drained; + '-lane': its inflightFloor: drained",
+        "peerInflight: drained (the default); + '-whole': its peerInflight: whole (the "
+        "default before); + '-lane': its inflightFloor: drained",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -312,13 +313,14 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["state"] = {"shared_placements": True}
                 if mode == "redis3-cal":
                     cfg["state"] = {"shared_calibration": True}
-                suffix = next((x for x in ("-drained", "-lane") if mode.endswith(x)), "")
+                suffixes = {
+                    "-drained": {"peerInflight": "drained"},
+                    "-whole": {"peerInflight": "whole"},
+                    "-lane": {"inflightFloor": "drained"},
+                }
+                suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:
-                    peer = (
-                        {"peerInflight": "drained"}
-                        if suffix == "-drained"
-                        else {"inflightFloor": "drained"}
-                    )
+                    peer = suffixes[suffix]
                     cfg |= yaml.safe_load(_default_profile_with("predicted-ttft-scorer", peer))
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
                     cfg[k] = {**cfg.get(k, {}), **v}

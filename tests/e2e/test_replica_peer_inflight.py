@@ -4,7 +4,8 @@ ago. With `predicted-ttft-scorer`'s `peerInflight: drained` every replica that d
 it counts the peer's in-flight tokens only as far as a prefill lane could not have computed
 them since they arrived, so the tenant's next request stays on its holder (issue 14, tenth
 session: counted until the answer ends, they made the holder look a second deep and moved
-tenants to a cold server; `whole`, the default, still does, and the test checks it). The
+tenants to a cold server; `whole`, the default until then, still does, and the test checks
+it). `drained` is the default since the second part of that session. The
 replica that placed the answer counts its own in-flight tokens whole either way, as one
 replica does.
 
@@ -21,6 +22,7 @@ import random
 import time
 
 import httpx
+import pytest
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions, wait_until
@@ -132,10 +134,14 @@ def run(tmp_path, redis: RedisServer, floor: str) -> tuple[str, int, list[dict],
     return home, placer, explained, drained
 
 
+# The default (the other parameter given at its default only) and `drained` spelled out.
+@pytest.mark.parametrize(
+    "params", ["inflightFloor: untilEnd", "peerInflight: drained"], ids=["default", "drained"]
+)
 def test_replicas_keep_a_tenant_on_its_holder_while_a_peers_answer_decodes_there(
-    tmp_path, redis_server
+    tmp_path, redis_server, params
 ):
-    home, placer, explained, drained = run(tmp_path, redis_server, "peerInflight: drained")
+    home, placer, explained, drained = run(tmp_path, redis_server, params)
     why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained], drained)
     for i, e in enumerate(explained):
         if i == placer:

@@ -99,15 +99,18 @@ class PredictedTTFTScorer:
     would not have computed since they arrived (one replica: the virtual queue alone).
 
     `peerInflight`: how the other replicas' share of those in-flight tokens counts (shared
-    in-flight counts, no shared placements): `whole` counts it until the requests end;
-    `drained` only what a prefill lane at the endpoint's speed would not have computed
-    since each exchange brought it (endpoints/peer_arrivals.py). A replica's own in-flight
-    tokens count as before, so one replica decides as before either way.
+    in-flight counts, no shared placements): `drained` (default) only what a prefill lane at
+    the endpoint's speed would not have computed since each exchange brought it
+    (endpoints/peer_arrivals.py); `whole` counts it until the requests end, which on several
+    replicas made a busy holder look deeper than on one and moved tenants off it (drained
+    won every interleaved tenants pair on a quiet machine, bench/RESULTS.md, issue 14,
+    tenth session). A replica's own in-flight tokens count whole either way, so one replica
+    decides the same with both.
 
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: untilEnd,
-                   peerInflight: whole}
+                   peerInflight: drained}
     ```
     """
 
@@ -117,7 +120,7 @@ class PredictedTTFTScorer:
         # Used only before any endpoint's speed has been measured.
         prior_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
         inflight_floor: Literal["untilEnd", "untilFirstToken", "drained"] = "untilEnd"
-        peer_inflight: Literal["whole", "drained"] = "whole"
+        peer_inflight: Literal["whole", "drained"] = "drained"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
