@@ -58,6 +58,13 @@ def test_served_endpoint_takes_over_when_the_pick_is_dead(tmp_path: Path):
             for i in range(12):
                 if served_elsewhere >= 2:
                     break
+                # The previous answer counts until its end arrives (the access log's batch):
+                # read mid-answer counts only once it has.
+                wait_until(
+                    lambda: sum(metric(stack, "extproc_inflight_requests").values()) == 0,
+                    timeout_s=30,
+                    what="the previous request released",
+                )
                 body = orjson.dumps({"model": "m", "prompt": f"request {i} " * 50})
                 with c.stream(
                     "POST",
