@@ -41,8 +41,6 @@ class PeerArrivals:
 
     def update(self, totals: Mapping[str, int], now: float) -> None:
         """The peers' in-flight tokens per endpoint as of `now` (endpoints absent: none)."""
-        for address in self._totals.keys() - totals.keys():
-            self._arrivals.pop(address, None)
         for address, total in totals.items():
             total = max(0, int(total))
             change = total - self._totals.get(address, 0)

@@ -183,16 +183,18 @@ class PredictedTTFTScorer:
         tps = self._tps(c)
         wait = self._busy_until.get(c.endpoint.address, now) - now
         st = c.state
+        # The peers' placements already in the virtual queue: no in-flight floor on top.
+        folded = self.fleet_folded is not None and self.fleet_folded()
         if self._floor_drained:
             # No in-flight floor: this replica's own placements are its virtual queue, and
             # the peers' in-flight tokens count as far as a lane has not computed them, on
             # top (one lane serves both).
             arrivals = self.peer_arrivals
-            if arrivals is not None and not (self.fleet_folded is not None and self.fleet_folded()):
+            if arrivals is not None and not folded:
                 address = c.endpoint.address
                 if arrivals.total(address):
                     wait = max(0.0, wait) + arrivals.pending(address, now, tps) / tps
-        elif st.inflight_tokens and not (self.fleet_folded is not None and self.fleet_folded()):
+        elif st.inflight_tokens and not folded:
             # Prompt tokens every replica placed there (shared through Redis): this replica's
             # own queue sees only its share. Dropped when the queue already folds every
             # replica's placements (bench/RESULTS.md, issue 14, seventh session, third part).
