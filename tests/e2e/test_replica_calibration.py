@@ -127,7 +127,11 @@ def test_every_replica_learns_characters_per_token_from_its_share_of_requests(
         late = _settle(_idle_replica(stack, "extproc-late"), 1) if shared else None
     why = (sent, after, idle, late)
     # Envoy spread the requests over the replicas (each placed a share, none all of them).
-    assert all((g["decisions_total"] or 0) >= 8 for g in after), why
+    # Alone, a replica calibrates on windows of >= 8 of its own placements; sharing pools
+    # the fleet's, so a replica may be calibrated having placed fewer (6 each, 18 in all, seen).
+    own_window = 1 if shared else 8
+    assert all((g["decisions_total"] or 0) >= own_window for g in after), why
+    assert all((g["decisions_total"] or 0) < sent for g in after), why
     # Every replica moved from 3 to the engines' ~1.3 characters per token.
     assert all(g["approx_bytes_per_token"] == 1 for g in after), why
     assert not idle["decisions_total"], why  # placed nothing itself

@@ -26,11 +26,13 @@ async def ttft(http: aiohttp.ClientSession, url: str, prompt: str, max_tokens: i
 
 
 async def test_ttft_grows_with_uncached_tokens(start_sim: StartSim):
-    timing = TimingSettings(prefill_tps=2000.0, speed=10.0)  # ~600 tokens: 30 ms wall
+    timing = TimingSettings(prefill_tps=2000.0, speed=4.0)  # ~600 tokens: 75 ms wall
     async with start_sim(events=False, timing=timing) as srv, aiohttp.ClientSession() as http:
         cold = await ttft(http, srv.url, TEXT)
-        warm = await ttft(http, srv.url, TEXT)
-    assert cold > warm + 0.015
+        # A loaded machine only adds time: the fastest of a few cached answers is the
+        # overhead a cold prefill adds its ~75 ms to (one warm read came 22 ms, in CI).
+        warm = min([await ttft(http, srv.url, TEXT) for _ in range(3)])
+    assert cold > warm + 0.05
 
 
 async def test_ttft_grows_with_queueing_behind_a_full_batch(start_sim: StartSim):
