@@ -205,27 +205,37 @@ class Parts:
         pid = self._process_id()
         return SharedRequestEnds.from_url(url, self.ends, process_id=pid)
 
+    def _shared_redis(self, option: str, on_cluster: str) -> str | None:
+        """The Redis URL an opt-in `state.<option>` shares through, or None: off, no Redis
+        index, or Redis Cluster (these pub/sub channels run on one node's client). Asked
+        for but impossible is a warning, so a fleet that expected sharing sees why not."""
+        idx = self.settings.index
+        if not getattr(self.settings.state, option):
+            return None
+        if idx.backend != "redis" or not idx.redis_url:
+            log.warning("state.%s needs a Redis index: nothing is shared", option)
+            return None
+        if idx.cluster:
+            log.warning(on_cluster)
+            return None
+        return idx.redis_url
+
     def _share_observations(self):
         """Replicas sharing a Redis index learn prefill speeds and new-prefix spreading
         from every replica's placements (Redis pub/sub)."""
-        idx = self.settings.index
-        if not self.settings.state.shared_observations:
-            return None
-        if idx.backend != "redis" or not idx.redis_url:
-            log.warning("state.shared_observations needs a Redis index: nothing is shared")
-            return None
-        if idx.cluster:
-            log.warning(
-                "prefill speeds and new-prefix picks are not shared on Redis Cluster: "
-                "each replica learns from its own placements"
-            )
+        url = self._shared_redis(
+            "shared_observations",
+            "prefill speeds and new-prefix picks are not shared on Redis Cluster: "
+            "each replica learns from its own placements",
+        )
+        if url is None:
             return None
         from extproc.server.shared_observations import SharedObservations
 
         lru = SharedObservations.lru_scorers(self.router.scheduler.plugins)
         pid = self._process_id()
         return SharedObservations.from_url(
-            idx.redis_url,
+            url,
             self.speeds,
             lru,
             process_id=pid,
@@ -235,11 +245,12 @@ class Parts:
     def _share_placements(self):
         """Replicas sharing a Redis index fold each other's placements into predicted TTFT's
         prefill queues and written tokens (Redis pub/sub)."""
-        idx = self.settings.index
-        if not self.settings.state.shared_placements:
-            return None
-        if idx.backend != "redis" or not idx.redis_url:
-            log.warning("state.shared_placements needs a Redis index: nothing is shared")
+        url = self._shared_redis(
+            "shared_placements",
+            "predicted-TTFT placements are not shared on Redis Cluster: each replica's "
+            "prefill queues and written tokens count its own placements",
+        )
+        if url is None:
             return None
         from extproc.server.shared_placements import SharedPlacements
 
@@ -250,15 +261,9 @@ class Parts:
                 "so there are no placements to share"
             )
             return None
-        if idx.cluster:
-            log.warning(
-                "predicted-TTFT placements are not shared on Redis Cluster: each replica's "
-                "prefill queues and written tokens count its own placements"
-            )
-            return None
         pid = self._process_id()
         return SharedPlacements.from_url(
-            idx.redis_url,
+            url,
             scorers,
             process_id=pid,
             known=lambda address: self.pool.get(address) is not None,
@@ -267,8 +272,12 @@ class Parts:
     def _share_calibration(self):
         """Replicas sharing a Redis index pool approximate mode's calibration (Redis pub/sub
         and one key)."""
-        idx = self.settings.index
-        if not self.settings.state.shared_calibration:
+        url = self._shared_redis(
+            "shared_calibration",
+            "calibration is not shared on Redis Cluster: each replica calibrates from "
+            "its own placements",
+        )
+        if url is None:
             return None
         if not self.calibration.enabled:
             log.warning(
@@ -276,20 +285,11 @@ class Parts:
                 "precise keys): nothing is shared"
             )
             return None
-        if idx.backend != "redis" or not idx.redis_url:
-            log.warning("state.shared_calibration needs a Redis index: nothing is shared")
-            return None
-        if idx.cluster:
-            log.warning(
-                "calibration is not shared on Redis Cluster: each replica calibrates from "
-                "its own placements"
-            )
-            return None
         from extproc.server.shared_calibration import SharedCalibration
 
         self.calibration.on_peer_placed.append(self.router.peer_placed)
         return SharedCalibration.from_url(
-            idx.redis_url,
+            url,
             self.calibration,
             process_id=self._process_id(),
             known=lambda address: self.pool.get(address) is not None,
