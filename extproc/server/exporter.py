@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client.core import Metric
 
@@ -19,6 +20,24 @@ from extproc.server.assembly import Parts
 from extproc.server.families import one
 from extproc.server.metrics import counter, gauge
 from extproc.server.shared_placements import SharedPlacements
+
+
+class _SharedChannel(Protocol):
+    """What every Redis-backed sharing loop shows the exporter."""
+
+    @property
+    def stats(self) -> object: ...
+    @property
+    def is_degraded(self) -> bool: ...
+
+
+def _shared(
+    table: fam.StatsFamilies, channel: _SharedChannel, degraded: str, why: str
+) -> Iterator[Metric]:
+    """A sharing loop's counters and its degraded gauge; `why` says what the replica does
+    meanwhile (each loop falls back differently)."""
+    yield from table.families(channel.stats)
+    yield one(degraded, why, 1.0 if channel.is_degraded else 0.0)
 
 
 def register(parts: Parts, ready: Callable[[], bool], kube_watches: dict[str, object]) -> None:
@@ -106,19 +125,19 @@ class Exporter:
         if p.index is not None:
             yield from fam.INDEX.families(p.index.stats)
         if isinstance(p.inflight, SharedInFlight):
-            yield from fam.SHARED_INFLIGHT.families(p.inflight.stats)
-            yield one(
+            yield from _shared(
+                fam.SHARED_INFLIGHT,
+                p.inflight,
                 "extproc_shared_inflight_degraded",
                 "1 while peers' in-flight counts are unknown (Redis failing): local counts only.",
-                1.0 if p.inflight.is_degraded else 0.0,
             )
         if p.shared_sessions is not None:
-            yield from fam.SHARED_SESSIONS.families(p.shared_sessions.stats)
-            yield one(
+            yield from _shared(
+                fam.SHARED_SESSIONS,
+                p.shared_sessions,
                 "extproc_shared_sessions_degraded",
                 "1 while the live-session record is not shared (Redis failing): new sessions "
                 "are bounded by this replica's own placements.",
-                1.0 if p.shared_sessions.is_degraded else 0.0,
             )
             yield one(
                 "extproc_shared_sessions_live",
@@ -126,28 +145,28 @@ class Exporter:
                 p.shared_sessions.live,
             )
         if p.shared_observations is not None:
-            yield from fam.SHARED_OBSERVATIONS.families(p.shared_observations.stats)
-            yield one(
+            yield from _shared(
+                fam.SHARED_OBSERVATIONS,
+                p.shared_observations,
                 "extproc_shared_observations_degraded",
                 "1 while prefill-speed samples and new-prefix picks are not shared (Redis "
                 "failing): this replica learns from its own placements only.",
-                1.0 if p.shared_observations.is_degraded else 0.0,
             )
         if p.shared_calibration is not None:
-            yield from fam.SHARED_CALIBRATION.families(p.shared_calibration.stats)
-            yield one(
+            yield from _shared(
+                fam.SHARED_CALIBRATION,
+                p.shared_calibration,
                 "extproc_shared_calibration_degraded",
                 "1 while calibration is not pooled (Redis failing): approximate keys "
                 "calibrate from this replica's placements only.",
-                1.0 if p.shared_calibration.is_degraded else 0.0,
             )
         if p.shared_placements is not None:
-            yield from fam.SHARED_PLACEMENTS.families(p.shared_placements.stats)
-            yield one(
+            yield from _shared(
+                fam.SHARED_PLACEMENTS,
+                p.shared_placements,
                 "extproc_shared_placements_degraded",
                 "1 while placements are not shared (Redis failing): predicted TTFT's prefill "
                 "queues and written tokens count this replica's placements only.",
-                1.0 if p.shared_placements.is_degraded else 0.0,
             )
         yield from self._ttft_views()
         if p.subscriber is not None:
@@ -218,12 +237,12 @@ class Exporter:
         p = self._p
         yield from fam.REQUEST_ENDS.families(p.ends.stats)
         if p.shared_ends is not None:
-            yield from fam.SHARED_REQUEST_ENDS.families(p.shared_ends.stats)
-            yield one(
+            yield from _shared(
+                fam.SHARED_REQUEST_ENDS,
+                p.shared_ends,
                 "extproc_shared_request_ends_degraded",
                 "1 while request ends are not shared (Redis failing): holds of requests whose "
                 "access-log entry reached another replica expire at max_hold_s.",
-                1.0 if p.shared_ends.is_degraded else 0.0,
             )
         yield one(
             "extproc_access_log_streams", "Access-log streams open now.", p.access_log.streams
