@@ -285,10 +285,7 @@ class Engine:
             self._admit()
             await seq.admitted
             await seq.prefilled
-            self.stats.queue_time.observe(seq.prefill_start - t0)
-            self.stats.prefill_time.observe(seq.prefill_end - seq.prefill_start)
             cached = (seq.hit.gpu + seq.hit.cpu) * bs
-            self.stats.prefill_computed.observe(len(ids) - cached)
             rng = random.Random(self._seed(job))
             first = self.tokenizer.sample(rng, 1)
             self._emit(seq, first)
@@ -302,6 +299,11 @@ class Engine:
             async for tokens in self._decode(seq, rng):
                 yield Chunk(tokens, cached)
             self.stats.finished["length"] += 1
+            # vLLM observes a request's phases when it finishes (update_from_finished_request),
+            # not at its first token: a scraper sees a prefill's time only after its decode.
+            self.stats.queue_time.observe(seq.prefill_start - t0)
+            self.stats.prefill_time.observe(seq.prefill_end - seq.prefill_start)
+            self.stats.prefill_computed.observe(len(ids) - cached)
             self.stats.decode_time.observe(loop.time() - seq.prefill_end)
             if job.max_tokens > 1:
                 decode_s = loop.time() - seq.prefill_end
