@@ -801,6 +801,8 @@ def main() -> int:
                     "for --stall-s seconds, --stall-at seconds into each burst")  # fmt: skip
     ap.add_argument("--stall-at", type=float, default=8.0)
     ap.add_argument("--stall-s", type=float, default=2.0)
+    ap.add_argument("--sim-args", default="",
+                    help="more sim flags, e.g. '--long-prefill-token-threshold 256'")  # fmt: skip
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     objectives = tmp / "objectives.yaml"
@@ -811,7 +813,8 @@ def main() -> int:
     # is arrival order, as FCFS (tests/sim/test_priority.py).
     engine_policy = any("-ep" in r for r in args.runs.split(","))
     policy = ("--scheduling-policy", "priority") if engine_policy else ()
-    fleet = SimFleet(args.servers, ("--fast", str(args.sim_speed), *SIM_ARGS, *policy), log_dir=tmp)
+    sim_args = ("--fast", str(args.sim_speed), *SIM_ARGS, *policy, *args.sim_args.split())
+    fleet = SimFleet(args.servers, sim_args, log_dir=tmp)
     dep = Deployment(fleet, tmp, trace=args.trace)
     rows = []
     try:

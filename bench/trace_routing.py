@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         "redis3-shared (3 replicas, state.shared_placements), redis3-cal (3 replicas, "
         "state.shared_calibration); a redis mode + '-drained': predicted-ttft-scorer's "
         "peerInflight: drained (the default); + '-whole': its peerInflight: whole (the "
-        "default before); + '-lane': its inflightFloor: drained",
+        "default before); + '-lane': its inflightFloor: drained; any mode + '-request': "
+        "state.prefill_speed: request (the per-request prefill speed, the default before)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -302,17 +303,20 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = args.logs or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         with SimFleet(servers, sim_args, log_dir=log_dir) as fleet:
-            for rnd, mode in ((r, m) for r in range(args.rounds) for m in args.modes):
+            for rnd, named in ((r, m) for r in range(args.rounds) for m in args.modes):
                 fleet.reset()
                 cfg: dict = {"server": {"explain_tokens": [TOKEN]}}
+                mode = named.removesuffix("-request")
+                if named != mode:
+                    cfg["state"] = {"prefill_speed": "request"}
                 if mode.startswith("precise"):
                     cfg |= fleet.precise_settings(f"tcp://127.0.0.1:{fleet.kv_events_port}")
                 if mode == "precise-events-only":
                     cfg["index"]["kv_events"]["credit_placements"] = False
                 if mode == "redis3-shared":
-                    cfg["state"] = {"shared_placements": True}
+                    cfg["state"] = {**cfg.get("state", {}), "shared_placements": True}
                 if mode == "redis3-cal":
-                    cfg["state"] = {"shared_calibration": True}
+                    cfg["state"] = {**cfg.get("state", {}), "shared_calibration": True}
                 suffixes = {
                     "-drained": {"peerInflight": "drained"},
                     "-whole": {"peerInflight": "whole"},
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                     cfg |= yaml.safe_load(_default_profile_with("predicted-ttft-scorer", peer))
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
                     cfg[k] = {**cfg.get(k, {}), **v}
-                path = log_dir / f"{mode}.yaml"
+                path = log_dir / f"{named}.yaml"
                 path.write_text(yaml.safe_dump(cfg))
                 ex = contextlib.ExitStack()
                 base = mode.removesuffix(suffix) if suffix else mode
@@ -352,15 +356,15 @@ def main(argv: list[str] | None = None) -> int:
                     ]  # fmt: skip
                     admins = [stack.picker_admin_port, *(a for _, _, a in stack.replica_ports)]
                     corrections += [_lookup_health(a) for a in admins] if replicas else []
-                out = args.out / f"{args.workload}-{mode}-{rnd}.jsonl"
+                out = args.out / f"{args.workload}-{named}-{rnd}.jsonl"
                 out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-                (args.out / f"{args.workload}-{mode}-{rnd}.cpu.json").write_text(
+                (args.out / f"{args.workload}-{named}-{rnd}.cpu.json").write_text(
                     json.dumps({"wall_s": round(wall, 2), "cpu_s": cpu})
                 )
                 changes = {
                     n: recalibrations(log_dir / f"{n}.log", log_at[n], epoch0) for n in names
                 }
-                (args.out / f"{args.workload}-{mode}-{rnd}.calib.json").write_text(
+                (args.out / f"{args.workload}-{named}-{rnd}.calib.json").write_text(
                     json.dumps(changes)
                 )
                 corrections.append(_calibration_line(rows, changes))
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"CPU s over {wall:.1f} s: "
                     + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items()))
                 )
-                lines.append(summarize(mode, rows) + "".join(f"\n  {c}" for c in corrections))
+                lines.append(summarize(named, rows) + "".join(f"\n  {c}" for c in corrections))
                 print(lines[-1], flush=True)
     return 0
 

@@ -222,9 +222,14 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `shared_calibration`: with a Redis index, replicas pool approximate mode's calibration
     (every replica's placements in every replica's windows, confirmed bytes-per-token adopted
     by the peers, a starting replica reads the fleet's value: `server/shared_calibration.py`).
+    `prefill_speed`: how the engines' prefill histograms become each endpoint's prefill
+    speed (`endpoints/prefill_speed.py`): `busy` (tokens per second the engine was busy
+    prefilling) or `request` (per second of each request's prefill, where prefills sharing
+    engine steps each count the shared steps: a busy server reads slower).
     """
 
     scrape: ScrapeSettings | None = ScrapeSettings()
+    prefill_speed: Literal["busy", "request"] = "busy"
     shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
     shared_observations: bool = False
     shared_placements: bool = False

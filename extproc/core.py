@@ -262,7 +262,9 @@ class LatencyTotals:
     `prefill_tokens` is the uncached prompt tokens prefilled (vLLM's
     `request_prefill_kv_computed_tokens` sum, else `prompt_tokens_by_source{local_compute}`),
     None when neither is exported. `prompt` is `request_prompt_tokens` (tokens per request,
-    as the engine's tokenizer counts them). A histogram not exported has count 0.
+    as the engine's tokenizer counts them). `decode` is `request_decode_time_seconds` (first
+    token to last; vLLM observes it, and the prefill time, when the request finishes). A
+    histogram not exported has count 0.
     """
 
     ttft_sum: float = 0.0
@@ -277,4 +279,6 @@ class LatencyTotals:
     tpot_count: float = 0.0
     prompt_sum: float = 0.0
     prompt_count: float = 0.0
+    decode_sum: float = 0.0
+    decode_count: float = 0.0
     prefill_tokens: float | None = None

@@ -93,6 +93,7 @@ _V_HIST = {
     "itl": b"inter_token_latency_seconds",
     "tpot": b"request_time_per_output_token_seconds",
     "prompt": b"request_prompt_tokens",
+    "decode": b"request_decode_time_seconds",
 }
 _V_TPOT_OLD = b"time_per_output_token_seconds"  # before vLLM 0.11
 _V_KV_COMPUTED = b"request_prefill_kv_computed_tokens_sum"

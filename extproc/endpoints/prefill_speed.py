@@ -3,16 +3,21 @@
 Two sources, the engine's own first:
 
 - **The engine's histograms**, at every scrape: the uncached tokens it prefilled
-  (`request_prefill_kv_computed_tokens` sum) over the seconds its requests spent in prefill
-  (`request_prefill_time_seconds` sum) added since the previous scrape; the speed is the
-  ratio of the sums over the last `WINDOW` intervals that prefilled anything (vLLM without
-  the computed-tokens histogram: its `prompt_tokens_by_source{source="local_compute"}`). Queueing is
-  not in it (vLLM times prefill from the request's first scheduling), nor the picker's
-  guess of what the server held: identical servers read alike. Where prefills overlap in
-  one batch (vLLM's chunked prefill), each request's prefill time counts the whole batch, so
-  the speed reads as one request experiences it, lower under load: the price of a next
-  prefill there, which is what predicted TTFT needs. Every replica scrapes every server, so
-  replicas agree without sharing anything.
+  (`request_prefill_kv_computed_tokens` sum) over the seconds it was busy prefilling them,
+  over the last `WINDOW` intervals that prefilled anything (vLLM without the
+  computed-tokens histogram: its `prompt_tokens_by_source{source="local_compute"}`). The
+  seconds come from `request_prefill_time_seconds`, which times each request from its first
+  scheduled step to its first token: prefills sharing engine steps (vLLM's chunked prefill
+  batches every waiting prompt into the step's token budget) each count every shared step,
+  so their plain sum reads a busy server 2x and more slower than an idle identical one (19,593
+  vs 10,416 tok/s in tests/e2e/test_prefill_speed.py). The `busy` estimator (default) counts
+  each busy second once (`busy_time`): the engine's throughput, which is what predicted TTFT
+  divides by, since it models the queue ahead itself (queued tokens / speed: a speed slowed
+  by that same queue counted it twice, and moved requests off busy cache holders, issue 14).
+  `request` (opt-in) is the plain per-request ratio, the price one request experiences.
+  Queueing is in neither (vLLM times prefill from the request's first scheduling), nor the
+  picker's guess of what the server held: identical servers read alike. Every replica
+  scrapes every server, so replicas agree without sharing anything.
 - **The access log**, for engines exporting neither sum (sglang, older vLLM): a request's
   uncached tokens as the picker estimated them over its time to first byte. That is
   queueing plus prefill, and the estimate may credit what the server had evicted, so one
@@ -41,12 +46,15 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Literal
 
 from extproc.core import LatencyTotals
+from extproc.endpoints.busy_time import covered, segment
 
 log = logging.getLogger(__name__)
 
@@ -57,21 +65,44 @@ MIN_SAMPLE_TOKENS = 256
 WINDOW = 31
 
 
+Estimator = Literal["busy", "request"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Interval:
+    """What one scrape interval added: tokens, prefill seconds (per request, summed), and
+    the busy segment those seconds covered (None: no prefill ended in it)."""
+
+    tokens: float
+    seconds: float
+    busy: tuple[float, float] | None
+
+
 @dataclass(slots=True)
 class _Engine:
     """One server's prefill histograms: the previous scrape's totals and recent intervals."""
 
-    tokens: float
-    seconds: float
-    count: float
-    window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    totals: LatencyTotals
+    at: float  # clock() at the previous scrape
+    window: deque[_Interval] = field(default_factory=lambda: deque(maxlen=WINDOW))
     tps: float | None = None
+    # Prefill seconds summed per request over busy seconds, in the window: how many
+    # prefills shared the engine on average (1: one at a time).
+    overlap: float | None = None
 
 
 class PrefillSpeeds:
-    """Tokens per second per server address. Event-loop only."""
+    """Tokens per second per server address. Event-loop only.
 
-    def __init__(self) -> None:
+    `estimator`: how the engine's histograms become a speed (`busy`: tokens per second the
+    engine was busy prefilling; `request`: per second of each request's prefill, overlaps
+    counted again). `clock`: monotonic seconds, read at each scrape."""
+
+    def __init__(
+        self, estimator: Estimator = "busy", *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.estimator: Estimator = estimator
+        self._clock = clock
         self._samples: dict[str, deque[float]] = {}
         self._tps: dict[str, float] = {}  # access-log medians
         self._engine: dict[str, _Engine] = {}
@@ -111,17 +142,23 @@ class PrefillSpeeds:
                 )
             return
         self._no_histograms.discard(address)
-        tokens, seconds, count = totals.prefill_tokens, totals.prefill_sum, totals.prefill_count
+        now = self._clock()
         e = self._engine.get(address)
         if e is None:
-            self._engine[address] = _Engine(tokens, seconds, count)
+            self._engine[address] = _Engine(totals, now)
             return
-        d_tok, d_s, d_n = tokens - e.tokens, seconds - e.seconds, count - e.count
-        e.tokens, e.seconds, e.count = tokens, seconds, count
-        if d_tok < 0 or d_s < 0 or d_n < 0:
+        last, interval_s = e.totals, now - e.at
+        e.totals, e.at = totals, now
+        assert last.prefill_tokens is not None  # only totals with tokens are kept
+        d_tok = totals.prefill_tokens - last.prefill_tokens
+        d_s = totals.prefill_sum - last.prefill_sum
+        d_n = totals.prefill_count - last.prefill_count
+        d_dec = totals.decode_sum - last.decode_sum
+        d_dec_n = totals.decode_count - last.decode_count
+        if d_tok < 0 or d_s < 0 or d_n < 0 or d_dec < 0 or d_dec_n < 0:
             # Counters went back: a new engine process, maybe on other hardware.
             e.window.clear()
-            e.tps = None
+            e.tps = e.overlap = None
             return
         if d_tok == 0 and d_s == 0:
             return  # nothing prefilled since the last scrape
@@ -129,13 +166,28 @@ class PrefillSpeeds:
         # prefill time when the request finishes, and may count its tokens (by source) at
         # its first token, so one interval can hold the tokens and a later one their
         # seconds; summed over the window they meet again.
-        e.window.append((d_tok, d_s))
-        tokens_in = math.fsum(t for t, _ in e.window)
-        seconds_in = math.fsum(s for _, s in e.window)
+        busy = segment(now, interval_s, d_s, d_n, d_dec, d_dec_n)
+        e.window.append(_Interval(d_tok, d_s, busy))
+        tokens_in = math.fsum(i.tokens for i in e.window)
+        seconds_in = math.fsum(i.seconds for i in e.window)
         if tokens_in < MIN_SAMPLE_TOKENS or seconds_in <= 0:
             return  # fully cached prompts only so far: fixed overhead, not speed
-        e.tps = tokens_in / seconds_in
+        busy_in = covered(i.busy for i in e.window if i.busy is not None)
+        if busy_in <= 0:
+            return
+        first = e.tps is None
+        e.overlap = seconds_in / busy_in
+        e.tps = tokens_in / (busy_in if self.estimator == "busy" else seconds_in)
         self.samples += 1
+        if first:
+            log.info(
+                "endpoint %s: prefill speed from the engine's histograms, %s estimator "
+                "(%.0f tokens/s, %.2f prefills sharing each busy second)",
+                address,
+                self.estimator,
+                e.tps,
+                e.overlap,
+            )
 
     def units_changed(self, factor: float) -> None:
         """Token estimates are now `factor` times what they were (approximate mode changed
@@ -190,6 +242,13 @@ class PrefillSpeeds:
             if e.tps is not None:
                 out[address] = e.tps
         return MappingProxyType(out)
+
+    def overlaps(self) -> Mapping[str, float]:
+        """Per server measured from its histograms: prefill seconds counted per request
+        over busy seconds (the `busy` estimate is the `request` one times this)."""
+        return MappingProxyType(
+            {a: e.overlap for a, e in self._engine.items() if e.overlap is not None}
+        )
 
     def sources(self) -> Mapping[str, int]:
         """Measured servers by where their speed comes from: engine, access_log."""

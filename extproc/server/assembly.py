@@ -115,7 +115,7 @@ class Parts:
                 cluster=settings.index.cluster,
                 settings=state.shared_inflight,
             )
-        self.speeds = PrefillSpeeds()
+        self.speeds = PrefillSpeeds(state.prefill_speed)
         self.ends = RequestEnds(
             self.inflight.release,
             state.request_end,

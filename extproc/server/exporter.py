@@ -266,6 +266,24 @@ class Exporter:
         for source, n in p.speeds.sources().items():
             sources.add_metric([source], n)
         yield sources
+        overlap = gauge(
+            "extproc_prefill_overlap",
+            "Per endpoint with engine prefill histograms: its requests' prefill seconds summed "
+            "over the seconds it was busy prefilling (how many prefills shared each busy "
+            "second; the per-request speed is the busy one over this).",
+            ["endpoint"],
+        )
+        for address, value in p.speeds.overlaps().items():
+            overlap.add_metric([address], value)
+        yield overlap
+        estimator = gauge(
+            "extproc_prefill_speed_estimator",
+            "1, labelled with how engine histograms become a prefill speed (busy: per second "
+            "the engine was busy prefilling; request: per second of each request's prefill).",
+            ["estimator"],
+        )
+        estimator.add_metric([p.speeds.estimator], 1.0)
+        yield estimator
 
     def _endpoints(self) -> Iterator[Metric]:
         """Per endpoint: scraped-state age and staleness, scrape failures."""

@@ -1,17 +1,20 @@
 """One simulated vLLM engine: admission (FCFS, or by `priority` with the priority policy; a
 max batch, KV-block capacity), the prefix cache and encoder cache consulted at admission,
-prefill served one request at a time at the `timing` rates, then decode at a batch-dependent
-rate. The HTTP layer (`server`) turns the
-token chunks `generate` yields into OpenAI responses.
+prefill in engine steps (a token budget per step, prefills chunked, as vLLM's scheduler:
+`steps`) timed at the `timing` rates, then decode at a batch-dependent rate. The HTTP layer
+(`server`) turns the token chunks `generate` yields into OpenAI responses.
 
-Owned by one event loop; `generate` is the only coroutine and may be cancelled at any point
-(a client that hangs up): its blocks and batch slot are given back.
+Owned by one event loop; `generate` may be cancelled at any point (a client that hangs up):
+its blocks and batch slot are given back. A task of the engine's runs the prefill steps
+while there is prefill work; `aclose` ends it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
+import logging
 import random
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -25,10 +28,12 @@ from extproc.sim.blocks import BlockInfo, chain_blocks
 from extproc.sim.cache import CacheEvent, Hit, KVCache, PhysicalBlock
 from extproc.sim.encoder import EncoderCache
 from extproc.sim.metrics import EngineStats, Gauges
+from extproc.sim.steps import ChunkPolicy, Work, plan_step
 from extproc.sim.timing import TimingSettings
 from extproc.sim.tokens import PromptTokens, SimTokenizer, media_len
 
 _Positive = Annotated[int, msgspec.Meta(gt=0)]
+_log = logging.getLogger(__name__)
 
 
 class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -52,10 +57,19 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       "fcfs" ignores `priority` (vLLM 0.32 accepts a non-zero one without the policy).
     - `relative_speed` (1.0): this server's speed against the `timing` rates (0.5: half as
       fast, a smaller GPU); `Engine.relative_speed` changes it while running (a server
-      slowed by another tenant) at once: the rest of the prefill under way and every
-      admitted prefill still waiting are stretched by the change (a GPU shared with another
-      tenant slows the work it already holds, not only later work), decode from its next
-      tick on.
+      slowed by another tenant) at once: the rest of the prefill step under way and every
+      later one are stretched by the change (a GPU shared with another tenant slows the
+      work it already holds, not only later work), decode from its next tick on.
+    - `max_num_batched_tokens` (2048, vLLM's default for its API server on CPUs and GPUs
+      below H100 class) [--max-num-batched-tokens]: the prefill tokens of one engine step,
+      less one per decoding sequence. See `steps` for how a step is filled.
+    - `enable_chunked_prefill` (True, vLLM's default) [--enable-chunked-prefill /
+      --no-enable-chunked-prefill]: a prompt longer than the budget left is split across
+      steps; without it a prompt waits for a step with room for all of it (then the budget
+      must hold `max_model_len`, as vLLM requires).
+    - `long_prefill_token_threshold` (0: off, vLLM's default)
+      [--long-prefill-token-threshold]: with more than one request in the engine, no
+      request takes more than this many tokens of a step.
     """
 
     model: str = "tiny"
@@ -70,6 +84,36 @@ class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timing: TimingSettings = TimingSettings()
     relative_speed: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    max_num_batched_tokens: _Positive = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    def __post_init__(self) -> None:
+        # vLLM's own checks (SchedulerConfig.verify_max_model_len), in its words.
+        if self.max_num_batched_tokens < self.max_model_len and not self.enable_chunked_prefill:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}). Please increase max_num_batched_tokens "
+                "or decrease max_model_len."
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater "
+                f"than or equal to max_num_seqs ({self.max_num_seqs})."
+            )
+        if self.long_prefill_token_threshold > self.max_model_len:
+            raise ValueError(
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) cannot "
+                f"be greater than the max_model_len ({self.max_model_len})."
+            )
+
+    @property
+    def chunk_policy(self) -> ChunkPolicy:
+        return ChunkPolicy(
+            self.max_num_batched_tokens,
+            self.enable_chunked_prefill,
+            self.long_prefill_token_threshold,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +136,16 @@ class Chunk:
     token_ids: list[int]
     cached_tokens: int
     # On the first chunk only: where its time to first token went, in seconds: waiting for
-    # KV blocks (FCFS admission), waiting for the prefill lane, and the prefill itself.
+    # KV blocks (FCFS admission), waiting for its first prefill step, and the prefill itself
+    # (from its first step's start to its last step's end).
     timing: tuple[float, float, float] | None = None
 
 
 class _State(enum.Enum):
     NEW = 0
     QUEUED = 1  # not admitted yet (batch full or no KV room)
-    ADMITTED = 2  # blocks held, its prefill waits behind others: vLLM still says "waiting"
-    RUNNING = 3
+    ADMITTED = 2  # blocks held, no prefill step yet: vLLM still says "waiting"
+    RUNNING = 3  # prefilling (some steps done) or decoding
     DONE = 4
 
 
@@ -111,6 +156,8 @@ class _Seq:
     extra_keys: list[list[str | int]] | None
     total_blocks: int
     admitted: asyncio.Future[None]
+    prefilled: asyncio.Future[None]
+    arrival: int = 0
     state: _State = _State.NEW
     held: list[PhysicalBlock] = field(default_factory=list)
     hit: Hit = field(default_factory=lambda: Hit(0, 0))
@@ -119,6 +166,12 @@ class _Seq:
     admitted_at: float = 0.0
     prefill_start: float = 0.0
     prefill_end: float = 0.0
+    # Prefill work, fixed at admission: uncached prompt tokens (at least the last one), and
+    # media tokens to encode and CPU-tier tokens to load (charged to its first step).
+    to_compute: int = 0
+    computed: int = 0
+    encode_tokens: int = 0
+    load_tokens: int = 0
 
 
 class Engine:
@@ -138,13 +191,18 @@ class Engine:
         self.stats = EngineStats(settings.max_model_len)
         self._on_events = on_events
         self._timing = settings.timing
+        self._chunks = settings.chunk_policy
         self._queue: deque[_Seq] = deque()
         self._admitted = 0
+        self._arrivals = 0
         self._counts = dict.fromkeys(_State, 0)
-        self._lane_free_at = 0.0
-        # Admitted prefills not yet ended, in lane order (rescheduled by a speed change).
-        self._lane: deque[_Seq] = deque()
-        # Set when the lane is rescheduled, so sleepers wake and re-read their times.
+        # Admitted, no prefill step yet (vLLM's waiting queue), and prefills under way in the
+        # order they started (vLLM's running list, less the decoding ones).
+        self._waiting: list[_Seq] = []
+        self._prefilling: list[_Seq] = []
+        self._stepper: asyncio.Task[None] | None = None
+        self._step_end = 0.0  # of the step under way
+        # Set when the step under way is re-timed (a speed change): the stepper re-reads it.
         self._moved: asyncio.Future[None] | None = None
         self._speed = settings.relative_speed
 
@@ -159,43 +217,25 @@ class Engine:
             now = asyncio.get_running_loop().time()
         except RuntimeError:
             return  # no loop, nothing in flight
-        self._reschedule(old / speed, now)
+        if self._stepper is not None and not self._stepper.done() and self._step_end > now:
+            # The step under way does the rest of its work at the new speed; later steps
+            # are timed at it when they start.
+            self._step_end = now + (self._step_end - now) * old / speed
+            self._wake()
 
-    def _reschedule(self, factor: float, now: float) -> None:
-        """Stretches (factor > 1) or shrinks the lane's remaining prefill work from `now`:
-        the prefill under way keeps what it did and does the rest at the new speed; the
-        admitted ones behind it follow back to back, as they were scheduled."""
-        lane = self._lane
-        while lane and lane[0].prefill_end <= now:
-            lane.popleft()
-        if not lane:
-            return
-        cursor = now
-        for seq in lane:
-            if seq.prefill_start <= now:  # under way
-                seq.prefill_end = now + (seq.prefill_end - now) * factor
-            else:
-                work = (seq.prefill_end - seq.prefill_start) * factor
-                seq.prefill_start = cursor  # back to back: it was queued behind the last
-                seq.prefill_end = seq.prefill_start + work
-            cursor = seq.prefill_end
-        self._lane_free_at = cursor
-        self._wake()
-
-    async def _wait_lane(self, seq: _Seq, ends: bool) -> None:
-        """Sleeps until `seq`'s prefill starts (or ends, with `ends`), following reschedules."""
-        loop = asyncio.get_running_loop()
-        while (delay := (seq.prefill_end if ends else seq.prefill_start) - loop.time()) > 0:
-            if self._moved is None:
-                self._moved = loop.create_future()
-            await asyncio.wait({self._moved}, timeout=delay)
+    async def aclose(self) -> None:
+        """Ends the step task (the server's requests are gone by then)."""
+        task, self._stepper = self._stepper, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def prefill_order(self) -> list[Job]:
-        """The jobs whose prefill has not ended, in the order the engine will end them: the
-        admitted ones by their place in the prefill lane, then the admission queue."""
-        now = asyncio.get_running_loop().time()
-        lane = [s.job for s in self._lane if s.prefill_end > now and s.state is not _State.DONE]
-        return lane + [s.job for s in self._queue if not s.admitted.cancelled()]
+        """The jobs whose prefill has not ended, in the order the engine schedules them:
+        prefills under way, the admitted ones in the policy's order, the admission queue."""
+        ordered = self._prefilling + self._waiting_order()
+        return [s.job for s in ordered] + [s.job for s in self._queue if not s.admitted.cancelled()]
 
     def gauges(self) -> Gauges:
         waiting = self._counts[_State.QUEUED] + self._counts[_State.ADMITTED]
@@ -229,25 +269,23 @@ class Engine:
         self.check(len(ids), job.max_tokens)
         bs = self.settings.block_size
         extras = job.tokens.extra_keys(bs, job.cache_salt)
+        self._arrivals += 1
         seq = _Seq(
             job=job,
             chain=chain_blocks(ids, bs, self.settings.model, extras),
             extra_keys=extras,
             total_blocks=self.cache.blocks_for(len(ids) + job.max_tokens - 1),
             admitted=loop.create_future(),
+            prefilled=loop.create_future(),
+            arrival=self._arrivals,
         )
         self._move(seq, _State.QUEUED)
         self._enqueue(seq)
         try:
             self._admit()
             await seq.admitted
-            await self._wait_lane(seq, ends=False)
-            self._move(seq, _State.RUNNING)
-            self.stats.queue_time.observe(seq.prefill_start - t0)
-            await self._wait_lane(seq, ends=True)
-            self.stats.prefill_time.observe(seq.prefill_end - seq.prefill_start)
+            await seq.prefilled
             cached = (seq.hit.gpu + seq.hit.cpu) * bs
-            self.stats.prefill_computed.observe(len(ids) - cached)
             rng = random.Random(self._seed(job))
             first = self.tokenizer.sample(rng, 1)
             self._emit(seq, first)
@@ -261,6 +299,11 @@ class Engine:
             async for tokens in self._decode(seq, rng):
                 yield Chunk(tokens, cached)
             self.stats.finished["length"] += 1
+            # vLLM observes a request's phases when it finishes (update_from_finished_request),
+            # not at its first token: a scraper sees a prefill's time only after its decode.
+            self.stats.queue_time.observe(seq.prefill_start - t0)
+            self.stats.prefill_time.observe(seq.prefill_end - seq.prefill_start)
+            self.stats.prefill_computed.observe(len(ids) - cached)
             self.stats.decode_time.observe(loop.time() - seq.prefill_end)
             if job.max_tokens > 1:
                 decode_s = loop.time() - seq.prefill_end
@@ -333,17 +376,11 @@ class Engine:
             self._admitted += 1
             self._move(seq, _State.ADMITTED)
             hit_tokens = (hit.gpu + hit.cpu) * bs
-            encode = self._encode_tokens(seq.job.tokens, hit_tokens)
-            work = self._timing.prefill_s(prompt_len - hit_tokens, encode, hit.cpu * bs)
-            work /= self.relative_speed
+            seq.to_compute = prompt_len - hit_tokens  # at least 1: the last token never hits
+            seq.encode_tokens = self._encode_tokens(seq.job.tokens, hit_tokens)
+            seq.load_tokens = hit.cpu * bs
             seq.admitted_at = loop.time()
-            lane = self._lane
-            # Ended by now: bounded by what is still queued. (Not by this one's start, which
-            # is in the future behind a queue: that dropped every admitted prefill but the
-            # last, so a slowdown stretched only the newest and the rest kept their speed.)
-            while lane and lane[0].prefill_end <= loop.time():
-                lane.popleft()
-            self._into_lane(seq, work, seq.admitted_at)
+            self._waiting.append(seq)
             st = self.stats
             st.prompt_tokens += prompt_len
             st.cached_prompt_tokens += hit_tokens
@@ -353,6 +390,7 @@ class Engine:
             st.generation_hist.observe(seq.job.max_tokens)
             seq.admitted.set_result(None)
         self._flush()
+        self._kick()
 
     def _enqueue(self, seq: _Seq) -> None:
         """Into the admission queue: at the end (FCFS), or behind every request of its
@@ -367,34 +405,80 @@ class Engine:
             pos -= 1
         queue.insert(pos, seq)
 
-    def _into_lane(self, seq: _Seq, work: float, now: float) -> None:
-        """Schedules `seq`'s prefill: after the last one (FCFS), or, with the priority policy,
-        ahead of admitted prefills of a higher value that have not started (they move back
-        by its work; their sleepers wake and re-read their times)."""
-        lane = self._lane
-        pos = len(lane)
-        if self.settings.scheduling_policy == "priority":
-            p = seq.job.priority
-            for i, other in enumerate(lane):
-                if other.prefill_start > now and other.job.priority > p:
-                    pos = i
-                    break
-        if pos == len(lane):
-            seq.prefill_start = max(now, self._lane_free_at)
-            seq.prefill_end = self._lane_free_at = seq.prefill_start + work
-            lane.append(seq)
+    def _waiting_order(self) -> list[_Seq]:
+        """Admitted prefills not started, in the order a step takes them: arrival (FCFS),
+        or (priority, arrival) as vLLM's priority queue pops them."""
+        if self.settings.scheduling_policy == "fcfs":
+            return sorted(self._waiting, key=lambda s: s.arrival)
+        return sorted(self._waiting, key=lambda s: (s.job.priority, s.arrival))
+
+    def _kick(self) -> None:
+        """Starts the step task if prefill work waits and none runs (it ends when idle)."""
+        if (self._waiting or self._prefilling) and (self._stepper is None or self._stepper.done()):
+            self._stepper = asyncio.get_running_loop().create_task(self._steps())
+            self._stepper.add_done_callback(self._stepper_done)
+
+    def _stepper_done(self, task: asyncio.Task[None]) -> None:
+        """A step task that failed fails the requests it owed a first token (a 500 each,
+        not a hang)."""
+        if task.cancelled() or task.exception() is None:
             return
-        seq.prefill_start = max(now, lane[pos - 1].prefill_end) if pos else now
-        seq.prefill_end = seq.prefill_start + work
-        lane.insert(pos, seq)
-        cursor = seq.prefill_end
-        for i in range(pos + 1, len(lane)):
-            other = lane[i]
-            length = other.prefill_end - other.prefill_start
-            other.prefill_start = cursor
-            other.prefill_end = cursor = cursor + length
-        self._lane_free_at = cursor
-        self._wake()
+        _log.error("sim engine: prefill steps failed: %r", task.exception())
+        for seq in self._waiting + self._prefilling:
+            if not seq.prefilled.done():
+                seq.prefilled.set_exception(
+                    RuntimeError(f"prefill steps failed: {task.exception()!r}")
+                )
+
+    async def _steps(self) -> None:
+        """Engine steps back to back while any prefill is left: each takes its chunks
+        (`steps.plan_step`), lasts step_overhead + its tokens at the timing rates (decode is
+        timed apart, per sequence, and not charged to steps), then credits them; a request
+        whose prefill is complete gets its first token at the step's end."""
+        loop = asyncio.get_running_loop()
+        while True:
+            decoding = self._counts[_State.RUNNING] - len(self._prefilling)
+            eligible = self._counts[_State.RUNNING] + self._counts[_State.ADMITTED]
+            eligible += self._counts[_State.QUEUED]
+            plan = plan_step(
+                self._chunks,
+                [Work(s, s.to_compute - s.computed) for s in self._prefilling],
+                [Work(s, s.to_compute) for s in self._waiting_order()],
+                decoding,
+                eligible,
+            )
+            if not plan:
+                return  # idle, or every token of the budget decoding: a finish kicks again
+            now = loop.time()
+            tokens = encode = load = 0
+            for w in plan:
+                seq = w.item
+                tokens += w.left
+                if seq.state is _State.ADMITTED:  # its first step: vLLM's "running" from now
+                    encode += seq.encode_tokens
+                    load += seq.load_tokens
+                    seq.prefill_start = now
+                    self._waiting.remove(seq)
+                    self._prefilling.append(seq)
+                    self._move(seq, _State.RUNNING)
+            self._step_end = now + self._timing.prefill_s(tokens, encode, load) / self._speed
+            while (delay := self._step_end - loop.time()) > 0:
+                if self._moved is None:
+                    self._moved = loop.create_future()
+                await asyncio.wait({self._moved}, timeout=delay)
+            now = loop.time()
+            for w in plan:
+                seq = w.item
+                if seq.state is _State.DONE:
+                    continue  # its client left during the step
+                seq.computed += w.left
+                if seq.computed >= seq.to_compute:
+                    seq.prefill_end = now
+                    self._prefilling.remove(seq)
+                    seq.prefilled.set_result(None)
+            # The woken requests run first: one that ends frees its batch slot (and admits
+            # the next) before the next step is planned.
+            await asyncio.sleep(0)
 
     def _wake(self) -> None:
         if self._moved is not None and not self._moved.done():
@@ -423,6 +507,10 @@ class Engine:
         elif seq.state is not _State.DONE:
             if len(seq.generated) < seq.job.max_tokens:
                 self.stats.finished["abort"] += 1
+            if seq in self._waiting:
+                self._waiting.remove(seq)
+            if seq in self._prefilling:
+                self._prefilling.remove(seq)
             self.cache.release(seq.held)
             seq.held = []
             self._admitted -= 1

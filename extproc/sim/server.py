@@ -129,6 +129,8 @@ class SimServer:
 
     async def _start(self) -> None:
         s = self.settings
+        # Closed after the HTTP runner (the stack unwinds backwards): its requests end first.
+        self._stack.push_async_callback(self.engine.aclose)
         runner = web.AppRunner(self._app(), access_log=None)
         await runner.setup()
         self._stack.push_async_callback(runner.cleanup)

@@ -1,9 +1,11 @@
 """The simulator's physics: how long prefill, media encoding, CPU-tier loads and decode
 take. Pure arithmetic over `TimingSettings`; the engine does the waiting.
 
-    TTFT   = queueing + [encode(uncached media) + load(CPU hits) + prefill(uncached)
-             + step overhead], prefills served one after another (the GPU's compute is
-             shared, so a long uncached prompt delays everyone behind it)
+    step   = step overhead + prefill(the step's tokens) + encode(uncached media of the
+             prompts it starts) + load(their CPU hits); steps run one after another (the
+             GPU's compute is shared: a long uncached prompt delays everyone behind it),
+             filled under a token budget (`steps`)
+    TTFT   = queueing + the steps until the prompt's last token is computed
     decode = per sequence, decode_tps / (1 + decode_slowdown * (running - 1)) tokens/s
 
 `speed` compresses time: every rate is multiplied by it (fast mode for tests, `--fast N`).
@@ -28,7 +30,7 @@ class TimingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - `encode_tps` (20000): media tokens per second through the encoder, on an encoder
       cache miss.
     - `cpu_load_tps` (200000): tokens per second loaded back from the CPU tier.
-    - `step_overhead_s` (0.002): fixed cost of a request's prefill step.
+    - `step_overhead_s` (0.002): fixed cost of one engine step with prefill work.
     - `speed` (1.0): time compression; 50 means everything runs 50x faster.
     """
 
@@ -41,7 +43,7 @@ class TimingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     speed: _PositiveRate = 1.0
 
     def prefill_s(self, uncached_tokens: int, encode_tokens: int, load_tokens: int) -> float:
-        """Wall seconds of one request's prefill step."""
+        """Wall seconds of one prefill step (one request's, or a step's total)."""
         sim = (
             self.step_overhead_s
             + uncached_tokens / self.prefill_tps

@@ -50,7 +50,13 @@ def body(content: str) -> dict:
 def metrics(port: int) -> dict[str, float]:
     out = {}
     for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
-        if line.startswith(("extproc_prefill_tokens_per_second{", "extproc_prefill_speed_")):
+        if line.startswith(
+            (
+                "extproc_prefill_tokens_per_second{",
+                "extproc_prefill_speed_",
+                "extproc_prefill_overlap{",
+            )
+        ):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
@@ -101,3 +107,10 @@ def test_identical_servers_read_the_same_speed_though_one_queued(tmp_path):
     # The simulator's prefill: its speed, less a fixed step overhead per request.
     assert lo > 0.8 * TRUE_TPS and hi < 1.2 * TRUE_TPS, m
     assert m.get('extproc_prefill_speed_endpoints{source="access_log"}') == 0, m
+    # Read by the busy estimator: on the holder, the queued prefills shared its steps (each
+    # prompt spans two 2,048-token steps), so its requests' prefill seconds summed are about
+    # twice its busy seconds (the per-request speed read 10,416 vs 19,593 tok/s); the other
+    # server prefilled one prompt at a time.
+    assert m.get('extproc_prefill_speed_estimator{estimator="busy"}') == 1, m
+    overlaps = sorted(v for k, v in m.items() if k.startswith("extproc_prefill_overlap{"))
+    assert len(overlaps) == 2 and overlaps[0] < 1.2 and overlaps[1] > 1.5, m

@@ -61,6 +61,9 @@ def test_real_vllm_scrape_gives_load_cache_config_and_prefix_counters() -> None:
             tpot_count=9.0,
             prompt_sum=495.0,
             prompt_count=9.0,
+            # The decode phases: first token to last (the inter-token gaps added up).
+            decode_sum=0.10916207699983715,
+            decode_count=9.0,
             prefill_tokens=367.0,
         ),
         # request_success_total over its five finish reasons (length 9, the others 0).
