@@ -466,14 +466,16 @@ class Engine:
                 if self._moved is None:
                     self._moved = loop.create_future()
                 await asyncio.wait({self._moved}, timeout=delay)
-            now = loop.time()
+            # The step's scheduled end, not this wake-up: on a loaded machine the wake-up
+            # comes late, and the histograms would charge the delay to the step's prefills.
+            end = self._step_end
             for w in plan:
                 seq = w.item
                 if seq.state is _State.DONE:
                     continue  # its client left during the step
                 seq.computed += w.left
                 if seq.computed >= seq.to_compute:
-                    seq.prefill_end = now
+                    seq.prefill_end = end
                     self._prefilling.remove(seq)
                     seq.prefilled.set_result(None)
             # The woken requests run first: one that ends frees its batch slot (and admits

@@ -26,6 +26,7 @@ from tests.e2e.flow_configs import in_flight_scheduling
 OBJECTIVE = "x-llm-d-inference-objective"
 LONG = "The router sends the prefix to the server today. " * 500
 ALONE_S = 5500 / 2500  # the long prompt's prefill alone, at the rate below
+STEP_S = 2048 / 2500  # one full step at that rate
 
 
 @pytest.fixture(scope="module", params=[0, 256], ids=lambda t: f"threshold{t}")
@@ -67,6 +68,7 @@ def test_an_interactive_request_during_a_long_batch_prefill(stack):
     )
     batch.start()
     time.sleep(0.3)
+    sent = time.monotonic() - t0
     done["interactive"] = first_token(s, "What is the answer?", "interactive", t0)
     batch.join()
     if threshold == 0:
@@ -74,4 +76,7 @@ def test_an_interactive_request_during_a_long_batch_prefill(stack):
         assert done["interactive"] > 0.8 * ALONE_S, done  # it waited out the long prefill
     else:
         assert done["interactive"] < done["batch"], done
-        assert done["interactive"] < 0.75 * ALONE_S, done  # the step under way, and one more
+        # The rest of the step under way, then one shared step, from whenever it reached
+        # the engine (timed from its own send: on a loaded machine it may reach the engine
+        # a step late, which is still "the next step").
+        assert done["interactive"] - sent < STEP_S + 0.7, (sent, done)
