@@ -401,3 +401,29 @@ def test_drained_floor_is_the_virtual_queue_plus_the_peers_undrained_tokens():
     peers.asked.clear()
     s = sc.score(r, [a, b])
     assert s[0] == 1.0 and s[1] < 0.6 and not peers.asked
+
+
+def test_explain_gives_each_term_of_the_prediction_scored():
+    clock = Clock()
+    sc = PredictedTTFTScorer(clock=clock)
+    for _ in range(40):  # a mean placed prefill near 1,000 tokens
+        place(sc, req(blocks=10, tokens=1000), [cand("z", prefill_tps=1e9)], "z")
+    place(sc, req(blocks=10, tokens=2000), [cand("a", prefill_tps=1000.0)], "a")  # 2 s queued
+    r = req(blocks=10, tokens=1000)
+    cands = [
+        cand("a", prefix=8, prefill_tps=1000.0, waiting=1, kv_usage=0.5),
+        cand("b", prefill_tps=1000.0, waiting=3, inflight_tokens=500, inflight_requests=1),
+    ]
+    scores = sc.score(r, cands)
+    a, b = sc.explain(r, cands)
+    # a: its virtual queue (2 s) beats one waiting request at the mean prefill (1,050
+    # tokens once the 2,000-token placement moved it).
+    assert a["virtual_queue_s"] == pytest.approx(2.0) and a["queue_s"] == pytest.approx(2.0)
+    assert a["waiting_floor_s"] == pytest.approx(1.05) and a["mean_prefill"] == 1050
+    assert a["uncached_s"] == pytest.approx(0.2) and a["kv_usage"] == 0.5
+    # b: 3 waiting at 1,050 tokens (3.15 s) beat 500 in-flight tokens (0.5 s).
+    assert b["inflight_floor_s"] == pytest.approx(0.5)
+    assert b["queue_s"] == pytest.approx(b["waiting_floor_s"]) and b["waiting"] == 3
+    for t in (a, b):  # the terms add up to what was scored
+        assert t["predicted_s"] == pytest.approx(t["queue_s"] + t["uncached_s"] + 0.005)
+    assert scores[1] / scores[0] == pytest.approx(a["predicted_s"] / b["predicted_s"])
