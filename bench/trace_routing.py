@@ -33,7 +33,7 @@ import yaml
 from bench_routing import (
     AGENTIC,
     PRESSURE_SHAPE,
-    _default_profile_with,
+    _default_profile_with_all,
     redis_server,
     tenants_spec,
 )
@@ -286,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         "redis3-shared (3 replicas, state.shared_placements), redis3-cal (3 replicas, "
         "state.shared_calibration); a redis mode + '-drained': predicted-ttft-scorer's "
         "peerInflight: drained (the default); + '-whole': its peerInflight: whole (the "
-        "default before); + '-lane': its inflightFloor: drained",
+        "default before); + '-lane': its inflightFloor: drained; + '-wq': its waitingFloor: "
+        "endpointMean; + '-kv': kv-cache-utilization-scorer's countRequest: true; + '-wqkv': "
+        "both",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -313,15 +315,18 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["state"] = {"shared_placements": True}
                 if mode == "redis3-cal":
                     cfg["state"] = {"shared_calibration": True}
-                suffixes = {
-                    "-drained": {"peerInflight": "drained"},
-                    "-whole": {"peerInflight": "whole"},
-                    "-lane": {"inflightFloor": "drained"},
+                ttft, kv = "predicted-ttft-scorer", "kv-cache-utilization-scorer"
+                suffixes: dict[str, dict[str, dict]] = {
+                    "-drained": {ttft: {"peerInflight": "drained"}},
+                    "-whole": {ttft: {"peerInflight": "whole"}},
+                    "-lane": {ttft: {"inflightFloor": "drained"}},
+                    "-wqkv": {ttft: {"waitingFloor": "endpointMean"}, kv: {"countRequest": True}},
+                    "-wq": {ttft: {"waitingFloor": "endpointMean"}},
+                    "-kv": {kv: {"countRequest": True}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:
-                    peer = suffixes[suffix]
-                    cfg |= yaml.safe_load(_default_profile_with("predicted-ttft-scorer", peer))
+                    cfg |= yaml.safe_load(_default_profile_with_all(suffixes[suffix]))
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
                     cfg[k] = {**cfg.get(k, {}), **v}
                 path = log_dir / f"{mode}.yaml"

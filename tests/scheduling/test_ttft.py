@@ -68,6 +68,29 @@ def test_scraped_waiting_requests_count_for_other_replicas_placements():
     assert s[1] == 1.0 and s[0] < 0.5
 
 
+def test_endpoint_mean_waiting_floor_counts_a_holders_queued_hits_as_hits():
+    # The fleet's placements average ~6,400 uncached tokens (cold prompts); the holder's
+    # in-flight requests are hits: 3 of them, 600 uncached tokens in all.
+    def scorer(floor: str) -> PredictedTTFTScorer:
+        sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(waiting_floor=floor), clock=Clock())
+        for _ in range(40):
+            place(sc, req(blocks=100, tokens=6400), [cand("z", prefill_tps=1e9)], "z")
+        return sc
+
+    r = req(blocks=100, tokens=6400)
+    holder = cand(
+        "a", prefix=95, prefill_tps=6400.0, waiting=3, inflight_requests=3, inflight_tokens=600
+    )
+    cold = cand("b", prefill_tps=6400.0)  # 1 s to compute the whole prompt
+    # Default: 3 x ~6,400 tokens queued (~3 s) on the holder: the request leaves it.
+    assert scorer("fleetMean").score(r, [holder, cold])[0] < 0.5
+    # Its own in-flight mean, 200 tokens each: ~0.1 s queued, +0.05 s: it stays.
+    assert scorer("endpointMean").score(r, [holder, cold]) == [1.0, pytest.approx(0.155, abs=0.01)]
+    # Without in-flight requests there (placed behind the pickers' back) the fleet's mean.
+    unknown = cand("a", prefix=95, prefill_tps=6400.0, waiting=3)
+    assert scorer("endpointMean").score(r, [unknown, cold])[0] < 0.5
+
+
 def test_a_shared_first_block_does_not_make_a_request_warm():
     lru = NoHitLRUScorer()
     r = req(blocks=40, tokens=2560)

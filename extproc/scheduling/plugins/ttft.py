@@ -107,10 +107,18 @@ class PredictedTTFTScorer:
     tenth session). A replica's own in-flight tokens count whole either way, so one replica
     decides the same with both.
 
+    `waitingFloor`: what each of the endpoint's scraped waiting requests counts as queued
+    prefill: `fleetMean` (default) the mean uncached tokens of every placement this picker
+    made or folded; `endpointMean` the mean of the requests in flight on that endpoint
+    (its in-flight tokens over its in-flight requests, shared by every replica), the fleet
+    mean while it has none. A tenant's holder queues mostly hits of a few hundred tokens,
+    which the fleet's mean (cold prompts included) counted as thousands
+    (bench/RESULTS.md, issue 14, eleventh session).
+
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: untilEnd,
-                   peerInflight: drained}
+                   peerInflight: drained, waitingFloor: fleetMean}
     ```
     """
 
@@ -121,6 +129,7 @@ class PredictedTTFTScorer:
         prior_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
         inflight_floor: Literal["untilEnd", "untilFirstToken", "drained"] = "untilEnd"
         peer_inflight: Literal["whole", "drained"] = "drained"
+        waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -130,6 +139,7 @@ class PredictedTTFTScorer:
         self._until_first_token = p.inflight_floor == "untilFirstToken"
         self._floor_drained = p.inflight_floor == "drained"
         self._drain_peers = p.peer_inflight == "drained"
+        self._endpoint_mean = p.waiting_floor == "endpointMean"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -231,6 +241,8 @@ class PredictedTTFTScorer:
         if st.waiting and not st.is_stale:
             # Before any placement, this request's own prompt is the best guess of a queued one.
             mean = self._mean_prefill if self._mean_prefill is not None else req.prompt_tokens
+            if self._endpoint_mean and st.inflight_requests:
+                mean = st.inflight_tokens / st.inflight_requests
             if terms is not None:
                 terms["waiting_floor_s"] = st.waiting * mean / tps
             wait = max(wait, st.waiting * mean / tps)
