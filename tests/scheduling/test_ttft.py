@@ -89,6 +89,13 @@ def test_endpoint_mean_waiting_floor_counts_a_holders_queued_hits_as_hits():
     # Without in-flight requests there (placed behind the pickers' back) the fleet's mean.
     unknown = cand("a", prefix=95, prefill_tps=6400.0, waiting=3)
     assert scorer("endpointMean").score(r, [unknown, cold])[0] < 0.5
+    # More waiting than in flight (a peer's placements not exchanged yet): the excess at the
+    # fleet's mean: 200 + 2 x ~6,400 tokens, ~2 s.
+    lagging = cand(
+        "a", prefix=95, prefill_tps=6400.0, waiting=3, inflight_requests=1, inflight_tokens=200
+    )
+    (t, _) = scorer("endpointMean").explain(r, [lagging, cold])
+    assert t["waiting_floor_s"] == pytest.approx((200 + 2 * 6400) / 6400, rel=0.01)
 
 
 def test_a_shared_first_block_does_not_make_a_request_warm():

@@ -110,10 +110,10 @@ class PredictedTTFTScorer:
     `waitingFloor`: what each of the endpoint's scraped waiting requests counts as queued
     prefill: `fleetMean` (default) the mean uncached tokens of every placement this picker
     made or folded; `endpointMean` the mean of the requests in flight on that endpoint
-    (its in-flight tokens over its in-flight requests, shared by every replica), the fleet
-    mean while it has none. A tenant's holder queues mostly hits of a few hundred tokens,
-    which the fleet's mean (cold prompts included) counted as thousands
-    (bench/RESULTS.md, issue 14, eleventh session).
+    (its in-flight tokens over its in-flight requests, shared by every replica) for as many
+    waiting requests as it has in flight, the fleet mean for the rest. A tenant's holder
+    queues mostly hits of a few hundred tokens, which the fleet's mean (cold prompts
+    included) counted as thousands (bench/RESULTS.md, issue 14, eleventh session).
 
     ```yaml
     - type: predicted-ttft-scorer
@@ -241,11 +241,17 @@ class PredictedTTFTScorer:
         if st.waiting and not st.is_stale:
             # Before any placement, this request's own prompt is the best guess of a queued one.
             mean = self._mean_prefill if self._mean_prefill is not None else req.prompt_tokens
+            queued = st.waiting * mean
             if self._endpoint_mean and st.inflight_requests:
-                mean = st.inflight_tokens / st.inflight_requests
+                # As many waiting requests as the pickers have in flight there at their mean;
+                # the rest (sent behind the pickers' back, or placed by a peer since the last
+                # exchange) at the fleet's.
+                known = min(st.waiting, st.inflight_requests)
+                own = st.inflight_tokens / st.inflight_requests
+                queued = known * own + (st.waiting - known) * mean
             if terms is not None:
-                terms["waiting_floor_s"] = st.waiting * mean / tps
-            wait = max(wait, st.waiting * mean / tps)
+                terms["waiting_floor_s"] = queued / tps
+            wait = max(wait, queued / tps)
         uncached = uncached_tokens(req, c) / tps
         if terms is not None:
             terms["queue_s"] = max(0.0, wait)
