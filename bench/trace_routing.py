@@ -311,10 +311,6 @@ def main(argv: list[str] | None = None) -> int:
                     cfg |= fleet.precise_settings(f"tcp://127.0.0.1:{fleet.kv_events_port}")
                 if mode == "precise-events-only":
                     cfg["index"]["kv_events"]["credit_placements"] = False
-                if mode == "redis3-shared":
-                    cfg["state"] = {"shared_placements": True}
-                if mode == "redis3-cal":
-                    cfg["state"] = {"shared_calibration": True}
                 ttft, kv = "predicted-ttft-scorer", "kv-cache-utilization-scorer"
                 suffixes: dict[str, dict[str, dict]] = {
                     "-drained": {ttft: {"peerInflight": "drained"}},
@@ -327,12 +323,16 @@ def main(argv: list[str] | None = None) -> int:
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:
                     cfg |= yaml.safe_load(_default_profile_with_all(suffixes[suffix]))
+                base = mode.removesuffix(suffix) if suffix else mode
+                if base == "redis3-shared":
+                    cfg["state"] = {"shared_placements": True}
+                if base == "redis3-cal":
+                    cfg["state"] = {"shared_calibration": True}
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
                     cfg[k] = {**cfg.get(k, {}), **v}
                 path = log_dir / f"{mode}.yaml"
                 path.write_text(yaml.safe_dump(cfg))
                 ex = contextlib.ExitStack()
-                base = mode.removesuffix(suffix) if suffix else mode
                 replicas = {"redis1": 1, "redis3": 3, "redis3-shared": 3, "redis3-cal": 3}.get(base)
                 names = ["extproc", *(f"extproc-{i}" for i in range(1, replicas or 1))]
                 log_at = {n: _size(log_dir / f"{n}.log") for n in names}

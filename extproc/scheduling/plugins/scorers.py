@@ -60,8 +60,9 @@ class KVCacheUtilizationScorer:
     unknown capacity keep `1 - kv_usage`). A prefix holder's used blocks are largely the
     prefix this request shares, and a cold server must write the whole prompt: counting
     only what is used now penalised the holder for the very blocks the request reuses and
-    moved tenants off it on a small cache (bench/RESULTS.md, issue 14, eleventh session).
-    Output tokens are left out: they take the same blocks on every candidate.
+    moved tenants off it on a small cache. Opt-in: interleaved runs split both ways
+    (bench/RESULTS.md, issue 14, eleventh session). Output tokens are left out: they take
+    the same blocks on every candidate.
 
     ```yaml
     - type: kv-cache-utilization-scorer

@@ -113,7 +113,9 @@ class PredictedTTFTScorer:
     (its in-flight tokens over its in-flight requests, shared by every replica) for as many
     waiting requests as it has in flight, the fleet mean for the rest. A tenant's holder
     queues mostly hits of a few hundred tokens, which the fleet's mean (cold prompts
-    included) counted as thousands (bench/RESULTS.md, issue 14, eleventh session).
+    included) counted as thousands. Opt-in and not recommended: it lowers the other
+    servers' floors as much as the holder's, and on three replicas it lost tenants' holders
+    more often on the quietest set measured (bench/RESULTS.md, issue 14, eleventh session).
 
     ```yaml
     - type: predicted-ttft-scorer
