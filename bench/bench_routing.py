@@ -287,9 +287,15 @@ scheduling:
 
 def _default_profile_with(plugin: str, parameters: dict) -> str:
     """The default scheduling config, `plugin` (a type) given `parameters`, as YAML."""
+    return _default_profile_with_all({plugin: parameters})
+
+
+def _default_profile_with_all(parameters: dict[str, dict]) -> str:
+    """The default scheduling config, each plugin (a type) named in `parameters` given its
+    parameters, as YAML."""
     cfg = default_config()
     plugins = [
-        msgspec.structs.replace(p, parameters=parameters) if p.type == plugin else p
+        msgspec.structs.replace(p, parameters=parameters[p.type]) if p.type in parameters else p
         for p in cfg.plugins
     ]
     doc = msgspec.to_builtins(msgspec.structs.replace(cfg, plugins=plugins))

@@ -21,6 +21,13 @@ just) and lookups answered degraded. `--moves` (agentic traces) lists each turn 
 its session's previous server: the prefix blocks the index credited the old and the new
 server with, and each scorer's score for the new server minus the old one (the scorer
 with the largest difference "decided"), or the filter that removed the old one.
+`--spills` (tenants traces) lists each "holder lost on score" spill: the weighted score
+difference per scorer (chosen minus holder, the default profile's weights unless `--weights
+'{"predicted-ttft-scorer": 4, ...}'`), the scorers without which the holder would have won
+("tipped"), predicted TTFT's terms on the holder and the chosen server when the trace has
+them (`terms`, explained decisions), and the holder's real prefill backlog at the decision,
+reconstructed from the trace: the latest first token of a request sent to it earlier, less
+the decision's time (its lane serves prefills first come first served).
 """
 
 from __future__ import annotations
@@ -150,6 +157,85 @@ def moves(rows: list[dict]) -> list[str]:
     return out
 
 
+def _weights(argv: list[str]) -> dict[str, float]:
+    if "--weights" in argv:
+        return json.loads(argv[argv.index("--weights") + 1])
+    from extproc.scheduling.config import default_config
+
+    (profile,) = default_config().schedulingProfiles
+    return {r.pluginRef: r.weight or 1.0 for r in profile.plugins if r.weight is not None}
+
+
+def real_backlog(rows: list[dict], address: str, at_s: float) -> float:
+    """Seconds of prefill the engine at `address` still had ahead of a request arriving at
+    `at_s`: the latest first token of the requests sent to it before, less `at_s`."""
+    ends = [
+        r["sent_s"] + r["ttft_s"] for r in rows
+        if r.get("served_by") == address and "ttft_s" in r and r["sent_s"] < at_s
+    ]  # fmt: skip
+    return max(0.0, max(ends, default=0.0) - at_s)
+
+
+_QUEUE_TERMS = ("virtual_queue_s", "inflight_floor_s", "waiting_floor_s", "peers_pending_s")
+_TERMS = ("queue_s", "virtual_queue_s", "inflight_floor_s", "peers_pending_s",
+          "waiting_floor_s", "uncached_s", "eviction_s", "predicted_s")  # fmt: skip
+
+
+def _terms_line(t: dict) -> str:
+    """Predicted TTFT's terms and inputs for one server, one line."""
+    return (
+        ", ".join(f"{k.removesuffix('_s')} {t[k]:.3f}" for k in _TERMS if k in t)
+        + f" | waiting {t['waiting']:g} running {t['running']:g} kv {t['kv_usage']:.2f}"
+        f" inflight {t['inflight_requests']:g}/{t['inflight_tokens']:g} tok"
+    )
+
+
+def spills(rows: list[dict], weights: dict[str, float]) -> tuple[list[str], collections.Counter]:
+    """Each spill off a holder that lost on score: why, line by line, and a tally of the
+    scorers that tipped them and of the term that set the holder's predicted queue."""
+    cause = cause_of_each(rows)
+    by_addr: dict[str, str] = {}
+    lines: list[str] = []
+    tally: collections.Counter = collections.Counter()
+    for r in sorted(rows, key=lambda r: r["sent_s"]):
+        if cause.get(r["index"]) != CAUSES[2]:
+            continue
+        d, new = r["decision"], r["served_by"]
+        held, total = d["prefix_blocks"], d["scores"]["default/total"]
+        best = max(held.values())
+        holder = max((a for a, n in held.items() if n == best and a in total),
+                     key=lambda a: total[a])  # fmt: skip
+        short = lambda a: by_addr.setdefault(a, f"s{len(by_addr)}")  # noqa: E731
+        diffs = {
+            k.split("/")[-1]: weights.get(k.split("/")[-1], 1.0)
+            * (v.get(new, 0.0) - v.get(holder, 0.0))
+            for k, v in d["scores"].items() if k != "default/total"
+        }  # fmt: skip
+        margin = total[new] - total[holder]
+        tipped = [k for k, x in diffs.items() if x > 0 and margin - x <= 0]
+        tally.update(f"tipped by {k}" for k in tipped or ["several together"])
+        line = (
+            f"#{r['index']} t={r['sent_s']:.2f} tenant {r['tenant']} {short(holder)} "
+            f"(blocks {held[holder]:g}) -> {short(new)} ({held.get(new, 0):g}) of "
+            f"{d['request_blocks']}, margin {margin:.3f}, tipped by "
+            f"{'+'.join(tipped) or 'several'}; "
+            + ", ".join(f"{k} {x:+.3f}" for k, x in diffs.items() if abs(x) > 1e-3)
+        )
+        terms = d.get("terms", {}).get("default/predicted-ttft-scorer", {})
+        if holder in terms and new in terms:
+            h = terms[holder]
+            queue = {k: h.get(k, 0.0) for k in _QUEUE_TERMS}
+            setter = max(queue, key=lambda k: queue[k]) if max(queue.values()) > 0 else "none"
+            tally[f"holder's queue set by {setter}"] += 1
+            line += (
+                "\n      holder: " + _terms_line(h) + "\n      chosen: " + _terms_line(terms[new])
+            )
+        real = real_backlog(rows, holder, r["sent_s"])
+        line += f"\n      holder's real backlog {real:.3f} s; this TTFT {r['ttft_s']:.3f} s"
+        lines.append(line)
+    return lines, tally
+
+
 def by_time(rows: list[dict], first_s: float = 5.0) -> list[str]:
     """Requests and their uncached prompt tokens per cause, all of the run and those sent in
     its first `first_s` seconds (where a replica's calibration transient falls)."""
@@ -177,6 +263,19 @@ def main(argv: list[str]) -> int:
             print(f"{path}: {len(found)} turns left their session's server")
             for line in found:
                 print(f"  {line}")
+        return 0
+    if "--spills" in argv:
+        weights = _weights(argv)
+        paths = [a for i, a in enumerate(argv) if not a.startswith("--")
+                 and (i == 0 or argv[i - 1] != "--weights")]  # fmt: skip
+        for path in paths:
+            rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+            found, tally = spills(rows, weights)
+            print(f"{path}: {len(found)} spills off a holder that lost on score")
+            for line in found:
+                print(f"  {line}")
+            for k, n in sorted(tally.items()):
+                print(f"  {n:4d}  {k}")
         return 0
     early = "--early" in argv
     argv = [a for a in argv if a not in ("--replicas", "--early")]

@@ -33,7 +33,7 @@ import yaml
 from bench_routing import (
     AGENTIC,
     PRESSURE_SHAPE,
-    _default_profile_with,
+    _default_profile_with_all,
     redis_server,
     tenants_spec,
 )
@@ -286,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         "redis3-shared (3 replicas, state.shared_placements), redis3-cal (3 replicas, "
         "state.shared_calibration); a redis mode + '-drained': predicted-ttft-scorer's "
         "peerInflight: drained (the default); + '-whole': its peerInflight: whole (the "
-        "default before); + '-lane': its inflightFloor: drained; any mode + '-request': "
-        "state.prefill_speed: request (the per-request prefill speed, the default before)",
+        "default before); + '-lane': its inflightFloor: drained; + '-wq': its waitingFloor: "
+        "endpointMean; + '-kv': kv-cache-utilization-scorer's countRequest: true; + '-wqkv': "
+        "both; any mode + '-request': state.prefill_speed: request (the per-request prefill "
+        "speed, the default before)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -313,25 +315,28 @@ def main(argv: list[str] | None = None) -> int:
                     cfg |= fleet.precise_settings(f"tcp://127.0.0.1:{fleet.kv_events_port}")
                 if mode == "precise-events-only":
                     cfg["index"]["kv_events"]["credit_placements"] = False
-                if mode == "redis3-shared":
-                    cfg["state"] = {**cfg.get("state", {}), "shared_placements": True}
-                if mode == "redis3-cal":
-                    cfg["state"] = {**cfg.get("state", {}), "shared_calibration": True}
-                suffixes = {
-                    "-drained": {"peerInflight": "drained"},
-                    "-whole": {"peerInflight": "whole"},
-                    "-lane": {"inflightFloor": "drained"},
+                ttft, kv = "predicted-ttft-scorer", "kv-cache-utilization-scorer"
+                suffixes: dict[str, dict[str, dict]] = {
+                    "-drained": {ttft: {"peerInflight": "drained"}},
+                    "-whole": {ttft: {"peerInflight": "whole"}},
+                    "-lane": {ttft: {"inflightFloor": "drained"}},
+                    "-wqkv": {ttft: {"waitingFloor": "endpointMean"}, kv: {"countRequest": True}},
+                    "-wq": {ttft: {"waitingFloor": "endpointMean"}},
+                    "-kv": {kv: {"countRequest": True}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:
-                    peer = suffixes[suffix]
-                    cfg |= yaml.safe_load(_default_profile_with("predicted-ttft-scorer", peer))
+                    cfg |= yaml.safe_load(_default_profile_with_all(suffixes[suffix]))
+                base = mode.removesuffix(suffix) if suffix else mode
+                if base == "redis3-shared":
+                    cfg["state"] = {**cfg.get("state", {}), "shared_placements": True}
+                if base == "redis3-cal":
+                    cfg["state"] = {**cfg.get("state", {}), "shared_calibration": True}
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
                     cfg[k] = {**cfg.get(k, {}), **v}
                 path = log_dir / f"{named}.yaml"
                 path.write_text(yaml.safe_dump(cfg))
                 ex = contextlib.ExitStack()
-                base = mode.removesuffix(suffix) if suffix else mode
                 replicas = {"redis1": 1, "redis3": 3, "redis3-shared": 3, "redis3-cal": 3}.get(base)
                 names = ["extproc", *(f"extproc-{i}" for i in range(1, replicas or 1))]
                 log_at = {n: _size(log_dir / f"{n}.log") for n in names}

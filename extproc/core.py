@@ -248,6 +248,8 @@ class Decision:
     scores: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     reasons: tuple[str, ...] = ()
     profile: str = "default"
+    # Per explaining scorer, per address, what its score was made of (explained only).
+    terms: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
 
     @property
     def primary(self) -> Endpoint:

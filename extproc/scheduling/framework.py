@@ -42,6 +42,18 @@ class Scorer(Protocol):
 
 
 @runtime_checkable
+class ExplainsTerms(Protocol):
+    """A scorer that can say what its scores are made of: for each candidate, named input
+    figures and intermediate terms (seconds, tokens, fractions). Asked only when a decision
+    is explained (`x-extproc-explain`), after `score` on the same candidates, so a trace can
+    tell which input tipped a decision without a patched copy of the picker."""
+
+    def explain(
+        self, req: InferenceRequest, cands: Sequence[Candidate]
+    ) -> Sequence[Mapping[str, float]]: ...
+
+
+@runtime_checkable
 class Picker(Protocol):
     """Orders candidates by preference given their total scores; returns at most `limit`."""
 
@@ -122,6 +134,9 @@ class ProfileResult:
     chosen: tuple[Candidate, ...]
     scores: Mapping[str, Mapping[str, float]]
     reasons: tuple[str, ...]
+    # Per explaining scorer (`ExplainsTerms`), per address, its named terms; explained
+    # decisions only.
+    terms: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
 
 
 class ProfileRunner(Protocol):
@@ -200,6 +215,7 @@ class Profile:
                 return ProfileResult(self.name, (), {}, tuple(reasons))
         totals = [0.0] * len(cands)
         per_plugin: dict[str, dict[str, float]] = {}
+        terms: dict[str, dict[str, dict[str, float]]] = {}
         for ws in self.scorers:
             try:
                 scores = ws.scorer.score(req, cands)
@@ -218,12 +234,33 @@ class Profile:
                 per_plugin[f"{self.name}/{ws.name}"] = {
                     c.endpoint.address: round(s, 4) for c, s in zip(cands, scores, strict=True)
                 }
+                if isinstance(ws.scorer, ExplainsTerms) and (
+                    explained := _terms(ws.scorer, req, cands)
+                ):
+                    terms[f"{self.name}/{ws.name}"] = explained
         chosen = tuple(self.picker.pick(cands, totals, limit))
         if explain:
             per_plugin[f"{self.name}/total"] = {
                 c.endpoint.address: round(t, 4) for c, t in zip(cands, totals, strict=True)
             }
-        return ProfileResult(self.name, chosen, per_plugin, tuple(reasons))
+        return ProfileResult(self.name, chosen, per_plugin, tuple(reasons), terms)
+
+
+def _terms(
+    scorer: ExplainsTerms, req: InferenceRequest, cands: Sequence[Candidate]
+) -> dict[str, dict[str, float]]:
+    """A scorer's explained terms by address. A failing explanation is reported under
+    "error" with the exception's name: it only explains, the decision stands."""
+    try:
+        per = scorer.explain(req, cands)
+        out = {
+            c.endpoint.address: {k: round(float(v), 6) for k, v in t.items()}
+            for c, t in zip(cands, per, strict=True)
+        }
+        # A wrapper around a scorer that explains nothing gives empty terms: none shown.
+        return out if any(out.values()) else {}
+    except Exception as exc:
+        return {"error": {type(exc).__name__: 1.0}}
 
 
 class Scheduler:

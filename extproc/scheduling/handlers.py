@@ -22,6 +22,7 @@ def decision_from(result: ProfileResult, **fields: object) -> Decision:
         "scores": result.scores,
         "reasons": result.reasons,
         "profile": result.profile,
+        "terms": result.terms,
     }
     return Decision(**(made | fields))  # type: ignore[arg-type]
 

@@ -15,7 +15,7 @@ steps in one call.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 from typing import Protocol, cast
 
@@ -67,6 +67,14 @@ class _TimedScorer:
         out = self._inner.score(req, cands)
         self._observe(perf_counter() - t)
         return out
+
+    def explain(
+        self, req: InferenceRequest, cands: Sequence[Candidate]
+    ) -> Sequence[Mapping[str, float]]:
+        """The wrapped scorer's explanation (not timed: explained decisions only); none
+        when it gives none."""
+        inner = getattr(self._inner, "explain", None)
+        return inner(req, cands) if inner is not None else [{} for _ in cands]
 
 
 class _TimedPicker:

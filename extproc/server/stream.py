@@ -85,6 +85,7 @@ def explanation(routed: Routed) -> dict:
         "headers": dict(d.headers),
         "scores": {k: dict(v) for k, v in d.scores.items()},
         "reasons": list(d.reasons),
+        "terms": {k: {a: dict(t) for a, t in v.items()} for k, v in d.terms.items()},
         "prefix_blocks": dict(routed.lookup.matches),
         "request_blocks": len(routed.request.block_keys),
         "index_degraded": routed.lookup.degraded,

@@ -56,6 +56,25 @@ def test_kv_cache_utilization_scorer_is_free_fraction():
     assert scores == [0.75, 0.0]
 
 
+def test_kv_left_after_the_request_does_not_penalise_the_prefix_holder():
+    # A 6,400-token cache (400 blocks of 16); a 2,560-token prompt of 40 blocks. The holder
+    # uses 60% (mostly the prefix this request shares) and holds 36 of its 40 blocks; the
+    # cold server uses 20% and must write the whole prompt (40% of its cache).
+    r = req(blocks=40, tokens=2560)
+    size = {"kv_blocks": 400, "kv_block_size": 16}
+    holder = cand("holder", prefix=36, kv_usage=0.6, **size)
+    cold = cand("cold", kv_usage=0.2, **size)
+    used = KVCacheUtilizationScorer().score(r, [holder, cold])
+    assert used == pytest.approx([0.4, 0.8])  # the default: what is used now
+    after = KVCacheUtilizationScorer(KVCacheUtilizationScorer.Params(count_request=True))
+    # Left once placed: the holder writes 256 tokens (0.04), the cold server 2,560 (0.4).
+    assert after.score(r, [holder, cold]) == pytest.approx([0.36, 0.4])
+    # Unknown capacity: what is used now; a request past the free space scores 0; stale 0.
+    assert after.score(r, [cand("x", kv_usage=0.3)]) == pytest.approx([0.7])
+    assert after.score(r, [cand("y", kv_usage=0.7, **size)]) == [0.0]
+    assert after.score(r, [cand("z", age_s=5.0, **size)]) == [0.0]
+
+
 def test_active_request_and_token_load_scorers_prefer_less_placed_work():
     cands = [
         cand("a", inflight_requests=2, inflight_tokens=100),

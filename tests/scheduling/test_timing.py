@@ -96,3 +96,19 @@ def test_nothing_eligible_is_a_failed_attempt() -> None:
     assert not d.endpoints
     assert sink.attempts == [("m", None)]
     assert len(sink.e2e) == 1
+
+
+def test_an_explained_decision_carries_the_explaining_scorers_terms_timed_or_not() -> None:
+    cfg = decode_settings({})  # the default profile: predicted-ttft-scorer explains itself
+    r = req(blocks=4, tokens=2000)
+    fleet = [cand("a:8000", prefix=4, waiting=2), cand("b:8000", kv_usage=0.3)]
+    for sched in (
+        build_configured_scheduler(cfg),
+        instrument(build_configured_scheduler(cfg), Sink()),
+    ):
+        d = sched.schedule(r, fleet, explain=True)
+        (name,) = d.terms  # only the scorer that explains: the others give no terms
+        assert name == "default/predicted-ttft-scorer"
+        assert d.terms[name]["a:8000"]["waiting"] == 2
+        assert d.terms[name]["b:8000"]["kv_usage"] == 0.3
+        assert not sched.schedule(r, fleet).terms  # not explained: nothing computed

@@ -68,6 +68,36 @@ def test_scraped_waiting_requests_count_for_other_replicas_placements():
     assert s[1] == 1.0 and s[0] < 0.5
 
 
+def test_endpoint_mean_waiting_floor_counts_a_holders_queued_hits_as_hits():
+    # The fleet's placements average ~6,400 uncached tokens (cold prompts); the holder's
+    # in-flight requests are hits: 3 of them, 600 uncached tokens in all.
+    def scorer(floor: str) -> PredictedTTFTScorer:
+        sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(waiting_floor=floor), clock=Clock())
+        for _ in range(40):
+            place(sc, req(blocks=100, tokens=6400), [cand("z", prefill_tps=1e9)], "z")
+        return sc
+
+    r = req(blocks=100, tokens=6400)
+    holder = cand(
+        "a", prefix=95, prefill_tps=6400.0, waiting=3, inflight_requests=3, inflight_tokens=600
+    )
+    cold = cand("b", prefill_tps=6400.0)  # 1 s to compute the whole prompt
+    # Default: 3 x ~6,400 tokens queued (~3 s) on the holder: the request leaves it.
+    assert scorer("fleetMean").score(r, [holder, cold])[0] < 0.5
+    # Its own in-flight mean, 200 tokens each: ~0.1 s queued, +0.05 s: it stays.
+    assert scorer("endpointMean").score(r, [holder, cold]) == [1.0, pytest.approx(0.155, abs=0.01)]
+    # Without in-flight requests there (placed behind the pickers' back) the fleet's mean.
+    unknown = cand("a", prefix=95, prefill_tps=6400.0, waiting=3)
+    assert scorer("endpointMean").score(r, [unknown, cold])[0] < 0.5
+    # More waiting than in flight (a peer's placements not exchanged yet): the excess at the
+    # fleet's mean: 200 + 2 x ~6,400 tokens, ~2 s.
+    lagging = cand(
+        "a", prefix=95, prefill_tps=6400.0, waiting=3, inflight_requests=1, inflight_tokens=200
+    )
+    (t, _) = scorer("endpointMean").explain(r, [lagging, cold])
+    assert t["waiting_floor_s"] == pytest.approx((200 + 2 * 6400) / 6400, rel=0.01)
+
+
 def test_a_shared_first_block_does_not_make_a_request_warm():
     lru = NoHitLRUScorer()
     r = req(blocks=40, tokens=2560)
@@ -401,3 +431,29 @@ def test_drained_floor_is_the_virtual_queue_plus_the_peers_undrained_tokens():
     peers.asked.clear()
     s = sc.score(r, [a, b])
     assert s[0] == 1.0 and s[1] < 0.6 and not peers.asked
+
+
+def test_explain_gives_each_term_of_the_prediction_scored():
+    clock = Clock()
+    sc = PredictedTTFTScorer(clock=clock)
+    for _ in range(40):  # a mean placed prefill near 1,000 tokens
+        place(sc, req(blocks=10, tokens=1000), [cand("z", prefill_tps=1e9)], "z")
+    place(sc, req(blocks=10, tokens=2000), [cand("a", prefill_tps=1000.0)], "a")  # 2 s queued
+    r = req(blocks=10, tokens=1000)
+    cands = [
+        cand("a", prefix=8, prefill_tps=1000.0, waiting=1, kv_usage=0.5),
+        cand("b", prefill_tps=1000.0, waiting=3, inflight_tokens=500, inflight_requests=1),
+    ]
+    scores = sc.score(r, cands)
+    a, b = sc.explain(r, cands)
+    # a: its virtual queue (2 s) beats one waiting request at the mean prefill (1,050
+    # tokens once the 2,000-token placement moved it).
+    assert a["virtual_queue_s"] == pytest.approx(2.0) and a["queue_s"] == pytest.approx(2.0)
+    assert a["waiting_floor_s"] == pytest.approx(1.05) and a["mean_prefill"] == 1050
+    assert a["uncached_s"] == pytest.approx(0.2) and a["kv_usage"] == 0.5
+    # b: 3 waiting at 1,050 tokens (3.15 s) beat 500 in-flight tokens (0.5 s).
+    assert b["inflight_floor_s"] == pytest.approx(0.5)
+    assert b["queue_s"] == pytest.approx(b["waiting_floor_s"]) and b["waiting"] == 3
+    for t in (a, b):  # the terms add up to what was scored
+        assert t["predicted_s"] == pytest.approx(t["queue_s"] + t["uncached_s"] + 0.005)
+    assert scores[1] / scores[0] == pytest.approx(a["predicted_s"] / b["predicted_s"])

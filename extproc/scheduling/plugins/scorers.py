@@ -13,6 +13,7 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from extproc.core import Candidate, InferenceRequest
+from extproc.scheduling.plugins.ttft import uncached_tokens
 
 
 def lower_is_better(values: Sequence[float]) -> list[float]:
@@ -53,22 +54,38 @@ class KVCacheUtilizationScorer:
     """Prefers free KV cache: `1 - kv_usage` (usage is a 0..1 fraction); stale endpoints
     score 0.
 
+    `countRequest: true` (opt-in) scores the KV left once this request is placed: its
+    uncached prompt tokens (what the endpoint does not hold of its prefix) count as used
+    too, over the engine's KV capacity (`kv_blocks` x `kv_block_size`; endpoints of
+    unknown capacity keep `1 - kv_usage`). A prefix holder's used blocks are largely the
+    prefix this request shares, and a cold server must write the whole prompt: counting
+    only what is used now penalised the holder for the very blocks the request reuses and
+    moved tenants off it on a small cache. Opt-in: interleaved runs split both ways
+    (bench/RESULTS.md, issue 14, eleventh session). Output tokens are left out: they take
+    the same blocks on every candidate.
+
     ```yaml
     - type: kv-cache-utilization-scorer
+      parameters: {countRequest: false}
     ```
     """
 
     type_name: ClassVar[str] = "kv-cache-utilization-scorer"
-    Params = _NoParams
 
-    def __init__(self, params: _NoParams | None = None) -> None:
-        pass
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
+        count_request: bool = False
+
+    def __init__(self, params: Params | None = None) -> None:
+        self._count_request = (params or self.Params()).count_request
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
         out = []
+        count = self._count_request
         for c in cands:
             st = c.state
             free = 1.0 - st.kv_usage
+            if count and st.kv_blocks and st.kv_block_size:
+                free -= uncached_tokens(req, c) / (st.kv_blocks * st.kv_block_size)
             # Clamped inline: this runs per candidate per request.
             out.append(0.0 if st.is_stale or free < 0.0 else (1.0 if free > 1.0 else free))
         return out

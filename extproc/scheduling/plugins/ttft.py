@@ -107,10 +107,20 @@ class PredictedTTFTScorer:
     tenth session). A replica's own in-flight tokens count whole either way, so one replica
     decides the same with both.
 
+    `waitingFloor`: what each of the endpoint's scraped waiting requests counts as queued
+    prefill: `fleetMean` (default) the mean uncached tokens of every placement this picker
+    made or folded; `endpointMean` the mean of the requests in flight on that endpoint
+    (its in-flight tokens over its in-flight requests, shared by every replica) for as many
+    waiting requests as it has in flight, the fleet mean for the rest. A tenant's holder
+    queues mostly hits of a few hundred tokens, which the fleet's mean (cold prompts
+    included) counted as thousands. Opt-in and not recommended: it lowers the other
+    servers' floors as much as the holder's, and on three replicas it lost tenants' holders
+    more often on the quietest set measured (bench/RESULTS.md, issue 14, eleventh session).
+
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: untilEnd,
-                   peerInflight: drained}
+                   peerInflight: drained, waitingFloor: fleetMean}
     ```
     """
 
@@ -121,6 +131,7 @@ class PredictedTTFTScorer:
         prior_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
         inflight_floor: Literal["untilEnd", "untilFirstToken", "drained"] = "untilEnd"
         peer_inflight: Literal["whole", "drained"] = "drained"
+        waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -130,6 +141,7 @@ class PredictedTTFTScorer:
         self._until_first_token = p.inflight_floor == "untilFirstToken"
         self._floor_drained = p.inflight_floor == "drained"
         self._drain_peers = p.peer_inflight == "drained"
+        self._endpoint_mean = p.waiting_floor == "endpointMean"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -178,11 +190,21 @@ class PredictedTTFTScorer:
         tps = c.state.prefill_tps
         return tps if tps else self._prior
 
-    def predict(self, req: InferenceRequest, c: Candidate, now: float) -> float:
-        """Seconds until `c` would return this request's first token."""
+    def predict(
+        self,
+        req: InferenceRequest,
+        c: Candidate,
+        now: float,
+        terms: dict[str, float] | None = None,
+    ) -> float:
+        """Seconds until `c` would return this request's first token. `terms`, when given,
+        gets each term of the prediction (`explain`): one code path, so an explanation
+        cannot drift from what was scored."""
         tps = self._tps(c)
         wait = self._busy_until.get(c.endpoint.address, now) - now
         st = c.state
+        if terms is not None:
+            terms["virtual_queue_s"] = max(0.0, wait)
         # The peers' placements already in the virtual queue: no in-flight floor on top.
         folded = self.fleet_folded is not None and self.fleet_folded()
         if self._floor_drained:
@@ -193,7 +215,10 @@ class PredictedTTFTScorer:
             if arrivals is not None and not folded:
                 address = c.endpoint.address
                 if arrivals.total(address):
-                    wait = max(0.0, wait) + arrivals.pending(address, now, tps) / tps
+                    pending = arrivals.pending(address, now, tps) / tps
+                    wait = max(0.0, wait) + pending
+                    if terms is not None:
+                        terms["peers_pending_s"] = pending
         elif st.inflight_tokens and not folded:
             # Prompt tokens every replica placed there (shared through Redis): this replica's
             # own queue sees only its share. Dropped when the queue already folds every
@@ -211,12 +236,29 @@ class PredictedTTFTScorer:
                     drained = max(0.0, peers - arrivals.pending(address, now, tps))
                     tokens -= drained
                     self.peer_tokens_drained += drained
-            wait = max(wait, self._inflight_prefill(st, address, tokens) / tps)
+            floor = self._inflight_prefill(st, address, tokens) / tps
+            if terms is not None:
+                terms["inflight_floor_s"] = floor
+            wait = max(wait, floor)
         if st.waiting and not st.is_stale:
             # Before any placement, this request's own prompt is the best guess of a queued one.
             mean = self._mean_prefill if self._mean_prefill is not None else req.prompt_tokens
-            wait = max(wait, st.waiting * mean / tps)
-        return max(0.0, wait) + uncached_tokens(req, c) / tps + _FLOOR_S
+            queued = st.waiting * mean
+            if self._endpoint_mean and st.inflight_requests:
+                # As many waiting requests as the pickers have in flight there at their mean;
+                # the rest (sent behind the pickers' back, or placed by a peer since the last
+                # exchange) at the fleet's.
+                known = min(st.waiting, st.inflight_requests)
+                own = st.inflight_tokens / st.inflight_requests
+                queued = known * own + (st.waiting - known) * mean
+            if terms is not None:
+                terms["waiting_floor_s"] = queued / tps
+            wait = max(wait, queued / tps)
+        uncached = uncached_tokens(req, c) / tps
+        if terms is not None:
+            terms["queue_s"] = max(0.0, wait)
+            terms["uncached_s"] = uncached
+        return max(0.0, wait) + uncached + _FLOOR_S
 
     def _inflight_prefill(self, st: EndpointState, address: str, tokens: float) -> float:
         """The in-flight tokens that can still be in prefill on the endpoint. In-flight
@@ -266,6 +308,32 @@ class PredictedTTFTScorer:
         cost = [self.predict(req, c, now) + self.eviction_cost(req, c) for c in cands]
         best = min(cost)
         return [best / t for t in cost]
+
+    def explain(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[dict[str, float]]:
+        """Per candidate, the prediction's terms (seconds: the virtual queue, the in-flight
+        and scraped-waiting floors that applied, the queue they made, the uncached prefill,
+        the eviction cost, the total) and the inputs they came from (scraped waiting and
+        running, KV usage, in-flight requests and tokens, speed, the mean placed prefill)."""
+        now = self._clock()
+        out = []
+        for c in cands:
+            terms: dict[str, float] = {}
+            predicted = self.predict(req, c, now, terms)
+            st = c.state
+            terms |= {
+                "eviction_s": self.eviction_cost(req, c),
+                "predicted_s": predicted,
+                "tps": self._tps(c),
+                "waiting": st.waiting,
+                "running": st.running,
+                "kv_usage": st.kv_usage,
+                "inflight_requests": st.inflight_requests,
+                "inflight_tokens": st.inflight_tokens,
+                "stale": float(st.is_stale),
+                "mean_prefill": self._mean_prefill or 0.0,
+            }
+            out.append(terms)
+        return out
 
     def observe(
         self, req: InferenceRequest, cands: Sequence[Candidate], decision: Decision

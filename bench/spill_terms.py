@@ -1,0 +1,177 @@
+"""Spills of a `bench/trace_routing.py` tenants trace read through predicted TTFT's explained
+terms (`terms` in each decision): what each side of a spill was predicted to have queued
+against what it really had, and how the logged decisions re-score under other options.
+
+    uv run python bench/spill_terms.py --phases 4.6 trace/tenants-redis3-0.jsonl [...]
+    uv run python bench/spill_terms.py --sides trace/tenants-redis3-0.jsonl [...]
+    uv run python bench/spill_terms.py --rescore trace/tenants-redis3-0.jsonl [...]
+
+`--phases S`: hit ratio, spills and false credit before and after S seconds (the
+replicas' uncalibrated start). `--sides`: per spill ("holder lost on score",
+`trace_causes.py`), the queue predicted on the holder and on the destination, rescaled to
+engine tokens by the request's own uncached prefill (an uncalibrated picker predicts at its
+token estimate's scale), against the real backlog (`trace_causes.real_backlog`), and the
+destination's in-flight floor as used against its in-flight tokens counted whole.
+`--rescore`: every decision with a strong holder (10+ blocks beyond the shared header)
+re-scored from its logged terms and scores with the default profile's weights (no
+feedback on later requests): how many keep the holder as run, with
+`kv-cache-utilization-scorer` `countRequest`, `waitingFloor: endpointMean`, without the
+in-flight floor, and without the scraped-waiting floor. The tenants bench's KV capacity
+(400 blocks of 16 tokens) is assumed for `countRequest`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from trace_causes import CAUSES, cause_of_each, real_backlog
+
+TTFT = "default/predicted-ttft-scorer"
+WEIGHTS = {"predicted-ttft-scorer": 4.0, "kv-cache-utilization-scorer": 1.0,
+           "no-hit-lru-scorer": 1.0, "session-tail-scorer": 2.0}  # fmt: skip
+CAPACITY_TOKENS = 400 * 16
+ENGINE_TPS = 10_000.0  # the tenants bench's simulator: 5,000 tok/s, time compressed 2x
+
+
+def _ok(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("decision") and "ttft_s" in r]
+
+
+def _holder(d: dict) -> str | None:
+    held, total = d["prefix_blocks"], d["scores"].get("default/total", {})
+    best = max(held.values(), default=0)
+    hs = [a for a, n in held.items() if n == best and a in total]
+    return max(hs, key=lambda a: total[a]) if hs else None
+
+
+def phases(rows: list[dict], cut: float) -> list[str]:
+    cause = cause_of_each(rows)
+    out = []
+    ok = _ok(rows)
+    for name, sel in (("before", [r for r in ok if r["sent_s"] < cut]),
+                      ("after", [r for r in ok if r["sent_s"] >= cut])):  # fmt: skip
+        c = collections.Counter(cause[r["index"]] for r in sel)
+        prompt = sum(r.get("prompt_tokens", 0) for r in sel)
+        hit = sum(r.get("cached_tokens", 0) for r in sel) / max(prompt, 1)
+        out.append(
+            f"{name} {cut:g} s: {len(sel)} requests, hit {hit:.1%}, holder lost on score "
+            f"{c[CAUSES[2]]}, credited chosen evicted {c[CAUSES[4]]}, new tenants {c[CAUSES[0]]}"
+        )
+    return out
+
+
+def sides(rows: list[dict]) -> str:
+    cause = cause_of_each(rows)
+    h_pred, h_real, d_pred, d_real, used, whole = [], [], [], [], [], []
+    for r in _ok(rows):
+        d = r["decision"]
+        if cause[r["index"]] != CAUSES[2] or TTFT not in d.get("terms", {}):
+            continue
+        terms, held, new = d["terms"][TTFT], d["prefix_blocks"], r["served_by"]
+        holder = _holder(d)
+        if holder is None or holder not in terms or new not in terms:
+            continue
+        t = terms[new]
+        real_prefill = r["prompt_tokens"] * (1 - held.get(new, 0) / d["request_blocks"])
+        scale = real_prefill / ENGINE_TPS / t["uncached_s"] if t["uncached_s"] > 0 else 1.0
+        h_pred.append(terms[holder]["queue_s"] * scale)
+        h_real.append(real_backlog(rows, holder, r["sent_s"]))
+        d_pred.append(t["queue_s"] * scale)
+        d_real.append(real_backlog(rows, new, r["sent_s"]))
+        used.append(t.get("inflight_floor_s", 0.0) * scale)
+        whole.append(t["inflight_tokens"] / t["tps"] * scale)
+    if not h_pred:
+        return "no spills with terms"
+    m = statistics.mean
+    return (
+        f"{len(h_pred)} spills, means: holder's queue predicted {m(h_pred):.3f} s, real "
+        f"{m(h_real):.3f} | destination's predicted {m(d_pred):.3f}, real {m(d_real):.3f}; "
+        f"its in-flight floor used {m(used):.3f}, its in-flight tokens whole {m(whole):.3f}"
+    )
+
+
+def _rescore(d: dict, option: str) -> str:
+    terms, scores = d["terms"][TTFT], d["scores"]
+    pred, kv = {}, {}
+    for a, t in terms.items():
+        floor = 0.0 if option == "no in-flight floor" else t.get("inflight_floor_s", 0.0)
+        q = max(t.get("virtual_queue_s", 0.0), floor)
+        if "waiting_floor_s" in t and option != "no waiting floor":
+            wf = t["waiting_floor_s"]
+            if option == "waitingFloor: endpointMean" and t["inflight_requests"] > 0:
+                w, n = t["waiting"], t["inflight_requests"]
+                known = min(w, n)
+                mean = t["mean_prefill"] or wf * t["tps"] / w
+                wf = (known * t["inflight_tokens"] / n + (w - known) * mean) / t["tps"]
+            q = max(q, wf)
+        pred[a] = q + t["uncached_s"] + 0.005 + t["eviction_s"]
+        free = 1.0 - t["kv_usage"]
+        if option == "countRequest":
+            free -= t["uncached_s"] * t["tps"] / CAPACITY_TOKENS
+        kv[a] = 0.0 if t["stale"] or free < 0 else min(1.0, free)
+    best = min(pred.values())
+    total = {}
+    for a in terms:
+        s = (
+            WEIGHTS["predicted-ttft-scorer"] * best / pred[a]
+            + WEIGHTS["kv-cache-utilization-scorer"] * kv[a]
+        )
+        for k, v in scores.items():
+            name = k.split("/")[-1]
+            if name in ("no-hit-lru-scorer", "session-tail-scorer"):
+                s += WEIGHTS[name] * v.get(a, 0.0)
+        total[a] = s
+    return max(total, key=lambda a: total[a])
+
+
+OPTIONS = ("as run", "countRequest", "waitingFloor: endpointMean", "no in-flight floor",
+           "no waiting floor")  # fmt: skip
+
+
+def rescore(rows: list[dict]) -> str:
+    ok = [r for r in _ok(rows) if TTFT in r["decision"].get("terms", {})]
+    if not ok:
+        return "no decisions with terms"
+    header = statistics.median_low(
+        [min(r["decision"]["prefix_blocks"].values(), default=0) for r in ok]
+    )
+    same = sum(_rescore(r["decision"], "as run") == r["decision"]["endpoints"][0] for r in ok)
+    kept: collections.Counter = collections.Counter()
+    lost: collections.Counter = collections.Counter()
+    for r in ok:
+        d = r["decision"]
+        holder = _holder(d)
+        if holder is None or max(d["prefix_blocks"].values()) < header + 10:
+            continue
+        if holder not in d["terms"][TTFT]:
+            continue
+        for o in OPTIONS:
+            (kept if _rescore(d, o) == holder else lost)[o] += 1
+    return f"re-scored as logged {same}/{len(ok)}; strong holder kept/lost: " + ", ".join(
+        f"{o} {kept[o]}/{lost[o]}" for o in OPTIONS
+    )
+
+
+def main(argv: list[str]) -> int:
+    cut = float(argv[argv.index("--phases") + 1]) if "--phases" in argv else None
+    paths = [a for i, a in enumerate(argv)
+             if not a.startswith("--") and (i == 0 or argv[i - 1] != "--phases")]  # fmt: skip
+    for path in paths:
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        print(f"{path}:")
+        if cut is not None:
+            for line in phases(rows, cut):
+                print(f"  {line}")
+        if "--sides" in argv:
+            print(f"  {sides(rows)}")
+        if "--rescore" in argv:
+            print(f"  {rescore(rows)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
