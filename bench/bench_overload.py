@@ -36,7 +36,8 @@ prefill; the rest is the picker's queue, proxies and the client): `hi_breakdown_
 A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), `-ep` (the picker
 writes the band into each body as the engine's `priority`, `flow_control.engine_priority`;
 with any `-ep` run the sims run `--scheduling-policy priority`, which orders requests of
-equal priority, i.e. every other run's, by arrival as FCFS does), `-noprior` (no
+equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (the
+`prefill-gate` plugin, maxPrefillTokens N or `--gate-tokens`), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), and `~base` to run its pickers from
 `--baseline-src` (old code against new in one run; `~base` runs also keep the old
@@ -141,6 +142,7 @@ def picker_config(
     expected_output: int = OUTPUT_TOKENS,
     prior: dict | None = None,
     engine_priority: bool = False,
+    gate_tokens: int = 0,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -208,6 +210,12 @@ def picker_config(
         if engine_priority:
             # The band as the engine's `priority` (the sims run the priority policy).
             doc["flow_control"]["engine_priority"] = True
+        if gate_tokens:
+            # Batch starts on a server only while its unfinished prefill stays under this
+            # (picker tokens), interactive goes where the least is unfinished.
+            plugins.append(
+                {"type": "prefill-gate", "parameters": {"maxPrefillTokens": gate_tokens}}
+            )
         if prior and per_endpoint:
             # What interactive is expected to send, so a fresh picker keeps room for it
             # from the burst's first request (`interactive_prior`).
@@ -801,6 +809,12 @@ def main() -> int:
                     "for --stall-s seconds, --stall-at seconds into each burst")  # fmt: skip
     ap.add_argument("--stall-at", type=float, default=8.0)
     ap.add_argument("--stall-s", type=float, default=2.0)
+    ap.add_argument(
+        "--gate-tokens",
+        type=int,
+        default=2048,
+        help="prefill-gate maxPrefillTokens of `-gate` runs (`-gate<N>`: N)",
+    )
     ap.add_argument("--sim-args", default="",
                     help="more sim flags, e.g. '--long-prefill-token-threshold 256'")  # fmt: skip
     args = ap.parse_args()
@@ -858,6 +872,10 @@ def main() -> int:
             run_name, ep, after = run_name.partition("-ep")  # engine priority (`-ep`)
             run_name += after
             run_name, noprior, _ = run_name.partition("-noprior")
+            run_name, gate, gate_n = run_name.partition("-gate")  # prefill-gate (`-gate[N]`)
+            gate_n, _, rest = gate_n.partition("@")
+            run_name += "@" + rest if rest else ""
+            gate_tokens = (int(gate_n) if gate_n else args.gate_tokens) if gate else 0
             src = args.baseline_src if tilde else ""
             if tilde and not src:
                 raise SystemExit(f"{run}: ~base needs --baseline-src")
@@ -902,6 +920,7 @@ def main() -> int:
                     ),
                     prior=None if tilde or args.no_prior or noprior else prior,
                     engine_priority=bool(ep),
+                    gate_tokens=gate_tokens,
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)
