@@ -20,9 +20,9 @@ size, or a long prompt would never start).
 how many of its requests are before their first token (`EndpointState.prefilling`,
 endpoints/state.py). The engine starts prefills in arrival order, so those are the
 youngest this picker placed there; their sizes are the picker's uncached-prompt
-estimates, and the picker's placements since that scrape count whole (the engine had not
-seen them). Requests beyond this picker's own (other replicas') count at the mean size of
-its own. A server whose count is missing or stale is judged by all its in-flight prompt
+estimates, and the picker's placements since shortly before that scrape count whole (the
+engine may not have seen them). Requests beyond this picker's own (other replicas') count
+at the mean size of its own. A server whose count is missing or stale is judged by all its in-flight prompt
 tokens (decoding ones too: it holds back more, never less), counted in `blind` and logged
 once.
 
@@ -48,9 +48,13 @@ from extproc.core import EndpointState
 
 log = logging.getLogger("extproc.flowcontrol")
 
-# A placement older than the scrape by more than this has reached the engine (Envoy and the
-# HTTP hop take well under it even on a loaded machine); only then may the engine's count
-# retire it.
+# A placement made less than this before a scrape may not be in the engine's count: the
+# way to the engine (Envoy, the HTTP hop) and the scrape's own age at arrival. Found behind
+# Envoy: a long prompt placed just before a scrape that did not show it yet read as done,
+# and a batch request was released behind it (tests/e2e/test_flow_prefill_gate.py).
+_SEEN_AFTER_S = 0.2
+# Older than the scrape by more than this, a placement has surely reached the engine
+# (well over the way there even on a loaded machine); only then may the count retire it.
 _TRANSIT_S = 0.5
 
 
@@ -166,16 +170,19 @@ class PrefillGate:
             return total
         scraped_at = now - state.age_s
         total = 0.0
-        older = 0  # own placements the scrape could have seen
+        older = 0  # own placements the engine surely had when it was scraped
         if q:
             for e in q:
-                if e.at > scraped_at:
-                    total += e.tokens  # after the scrape: unfinished, unseen
+                if e.at > scraped_at - _SEEN_AFTER_S:
+                    # Maybe not in the engine's count yet: unfinished, counted whole.
+                    total += e.tokens
                 else:
                     older += 1
-            # The engine starts prefills in arrival order: of those it could see, its `n`
-            # unfinished ones are the youngest. The rest are done (retired once surely
-            # arrived, so a late arrival is not retired in place of an earlier one).
+            # The engine starts prefills in arrival order: of the older ones its `n`
+            # unfinished are the youngest (`n` may include some of the recent ones too:
+            # counted twice then, for at most _SEEN_AFTER_S; holding back, never less).
+            # The rest are done, and retired once surely arrived, so a late arrival is not
+            # retired in place of an earlier one.
             done = max(0, older - n)
             for i, e in enumerate(q):
                 if i >= older:

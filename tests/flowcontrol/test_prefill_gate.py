@@ -237,3 +237,19 @@ def test_config_errors_are_located():
     with pytest.raises(ConfigError):
         build_flow_config(fc, None, [det, {"type": "prefill-gate"}, {"type": "prefill-gate"}])
     assert build_flow_config(fc, None, [det]).gate is None
+
+
+async def test_a_placement_just_before_a_scrape_is_not_taken_as_done():
+    # Behind Envoy a long prompt placed just before a scrape was not in the engine's count
+    # yet; read as done, a batch request was released behind it.
+    clock = Clock()
+    fleet = Fleet(clock)
+    ctl = make(fleet, clock, {"maxPrefillTokens": 1000})
+    place(ctl, fleet, await ctl.admit(req(900)), "A")
+    clock.now += 0.05
+    fleet.scrape(A=0)  # taken before the request reached the engine
+    assert ctl.gate is not None
+    assert ctl.gate.unfinished("A", dict(fleet.endpoints())["A"]) == 900
+    clock.now += 0.3
+    fleet.scrape(A=0)  # it has surely arrived by now: done
+    assert ctl.gate.unfinished("A", dict(fleet.endpoints())["A"]) == 0
