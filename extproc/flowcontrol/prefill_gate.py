@@ -22,9 +22,9 @@ endpoints/state.py). The engine starts prefills in arrival order, so those are t
 youngest this picker placed there; their sizes are the picker's uncached-prompt
 estimates, and the picker's placements since shortly before that scrape count whole (the
 engine may not have seen them). Requests beyond this picker's own (other replicas') count
-at the mean size of its own. A server whose count is missing or stale is judged by all its in-flight prompt
-tokens (decoding ones too: it holds back more, never less), counted in `blind` and logged
-once.
+at the mean size of its own. A server whose count is missing or stale is judged by all its
+in-flight prompt tokens (decoding ones too: it holds back more, never less), counted in
+`blind` and logged once.
 
 "Sending work": a higher band is active for `activeWindow` after its last arrival here.
 Outside that window the gate does not hold (a batch-only pool runs at full speed).
