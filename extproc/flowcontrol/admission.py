@@ -193,8 +193,13 @@ class Admission:
     def placed(self, ticket: Ticket, address: str = "") -> None:
         self.controller.placed(ticket, address)
 
-    def release(self, ticket: Ticket) -> None:
-        self.controller.release(ticket)
+    def release(self, ticket: Ticket, *, output_held: bool = False) -> None:
+        """`output_held`: its in-flight count is held past the ticket; `ended` follows."""
+        self.controller.release(ticket, output_held=output_held)
+
+    def ended(self, ticket: Ticket) -> None:
+        """The request is over on its server (its in-flight count released)."""
+        self.controller.ended(ticket)
 
     async def run(self) -> None:
         """Tick: expire, decay, re-check capacity; reload objectives about once a second."""

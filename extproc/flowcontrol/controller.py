@@ -598,23 +598,37 @@ class FlowController:
         else:
             self._settling.append((self._clock(), ticket))
 
-    def release(self, ticket: Ticket) -> None:
-        """The request ended (or never got placed): its capacity is free again."""
+    def release(self, ticket: Ticket, *, output_held: bool = False) -> None:
+        """The request ended (or never got placed): its capacity is free again.
+        `output_held`: its in-flight count outlasts the ticket (held until the gateway's
+        access log says the request ended, endpoints/request_end.py), so its own output
+        keeps counting on its endpoint until `ended(ticket)`."""
         if ticket.released:
             return
         ticket.released = True
         self._unpend(ticket)
         if self.gate is not None:
             self.gate.forget(ticket)
-        at = self._out_at.get(ticket.placed_at) if ticket.placed_at else None
+        if not output_held:
+            self.ended(ticket)
+        if self.evictor is not None:
+            self.evictor.untrack(ticket)
+        self.dispatch()
+
+    def ended(self, ticket: Ticket) -> None:
+        """The request is over on its endpoint: its own output stops counting there, as
+        its in-flight count (and the detector's constant with it) does. Undone at the
+        ticket's release instead, the correction lasted only until the ext_proc stream
+        ended, at the response headers (before the prefill, for a streamed reply): for the
+        rest of the request its output counted as the detector's constant while the engine
+        held its own max_tokens (eleventh session, bench/RESULTS.md). Idempotent."""
+        address, ticket.placed_at = ticket.placed_at, ""
+        at = self._out_at.get(address) if address else None
         if at is not None:
             at[0] -= 1
             at[1] -= ticket.request.output_tokens - self._base_out
             if at[0] <= 0:
-                del self._out_at[ticket.placed_at]
-        if self.evictor is not None:
-            self.evictor.untrack(ticket)
-        self.dispatch()
+                del self._out_at[address]
 
     def _unpend(self, ticket: Ticket) -> None:
         if ticket.pending:
