@@ -89,11 +89,13 @@ async def test_a_running_requests_own_output_counts_past_its_stream(stack: Stack
         await asyncio.wait_for(started, 30)
         await asyncio.sleep(0.5)  # well past the stream's end
         second = asyncio.create_task(c.post("/v1/chat/completions", json=body(model, 2)))
+        held = False
         for _ in range(30):
-            if second.done() or await asyncio.to_thread(queued, stack) == 1:
+            held = await asyncio.to_thread(queued, stack) == 1
+            if held or second.done():
                 break
             await asyncio.sleep(0.1)
-        assert not second.done(), "placed beside the first: its output counted as 16"
+        assert held and not second.done(), "placed beside the first: its output counted as 16"
         assert not first.done(), "the first request ended before the check"
         assert await first == 200
         assert (await second).status_code == 200  # released once the first ended
