@@ -789,7 +789,10 @@ def main() -> int:
                     "max_tokens sent (96 + --output-spread) for one that does")  # fmt: skip
     ap.add_argument("--no-prior", action="store_true",
                     help="no flow_control.reserve_prior in the new code's runs (`~base` runs "
-                    "never get one: the old code does not know it)")  # fmt: skip
+                    "get one only with --base-prior)")  # fmt: skip
+    ap.add_argument("--base-prior", action="store_true",
+                    help="give `~base` runs the reserve_prior too (a baseline that knows it, "
+                    "from the seventh session on)")  # fmt: skip
     ap.add_argument("--trace", action="store_true",
                     help="per-request picker queue wait from the decision header (Envoy then "
                     "runs the response-header phase)")  # fmt: skip
@@ -918,7 +921,9 @@ def main() -> int:
                     expected_output=(
                         args.base_expected_output if tilde else OUTPUT_TOKENS + args.output_spread
                     ),
-                    prior=None if tilde or args.no_prior or noprior else prior,
+                    prior=None
+                    if (tilde and not args.base_prior) or args.no_prior or noprior
+                    else prior,
                     engine_priority=bool(ep),
                     gate_tokens=gate_tokens,
                 )
