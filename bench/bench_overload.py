@@ -906,6 +906,7 @@ def main() -> int:
                     kind=args.detector,
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
+                    gate_tokens=gate_tokens,
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
