@@ -22,9 +22,10 @@ endpoints/state.py). The engine starts prefills in arrival order, so those are t
 youngest this picker placed there; their sizes are the picker's uncached-prompt
 estimates, and the picker's placements since shortly before that scrape count whole (the
 engine may not have seen them). Requests beyond this picker's own (other replicas') count
-at the mean size of its own. A server whose count is missing or stale is judged by all its
-in-flight prompt tokens (decoding ones too: it holds back more, never less), counted in
-`blind` and logged once.
+at the mean size of its own. A late scrape is still used (what was placed since counts
+whole); a server whose count is missing, or older than 2 s, is judged by all its in-flight
+prompt tokens (decoding ones too: it holds back more, never less), counted in `blind` and
+logged once.
 
 "Sending work": a higher band is active for `activeWindow` after its last arrival here.
 Outside that window the gate does not hold (a batch-only pool runs at full speed).
@@ -53,6 +54,8 @@ log = logging.getLogger("extproc.flowcontrol")
 # Envoy: a long prompt placed just before a scrape that did not show it yet read as done,
 # and a batch request was released behind it (tests/e2e/test_flow_prefill_gate.py).
 _SEEN_AFTER_S = 0.2
+# A scrape older than this is not used at all (the server is judged blind).
+_BLIND_AFTER_S = 2.0
 # Older than the scrape by more than this, a placement has surely reached the engine
 # (well over the way there even on a loaded machine); only then may the count retire it.
 _TRANSIT_S = 0.5
@@ -154,7 +157,11 @@ class PrefillGate:
         now = self._clock()
         q = self._own.get(address)
         n = state.prefilling
-        if n is None or state.is_stale or state.age_s is None:
+        # A scrape older than the detectors' staleness bound still counts: everything
+        # placed since shortly before it counts whole, so an old count only holds back
+        # more. Judged blind on every stale scrape, a loaded machine's late scrapes held
+        # all batch work (in-flight prompt tokens are mostly decoding requests').
+        if n is None or state.age_s is None or state.age_s > _BLIND_AFTER_S:
             self.blind += 1
             if not self._warned_blind:
                 self._warned_blind = True

@@ -253,3 +253,24 @@ async def test_a_placement_just_before_a_scrape_is_not_taken_as_done():
     clock.now += 0.3
     fleet.scrape(A=0)  # it has surely arrived by now: done
     assert ctl.gate.unfinished("A", dict(fleet.endpoints())["A"]) == 0
+
+
+async def test_a_late_scrape_still_counts_and_what_came_since_counts_whole():
+    # Past the detectors' staleness bound (0.2 s) the count is still used: placements
+    # since shortly before it count whole, so it only holds back more. Judged blind
+    # instead, every in-flight prompt token (decoding ones too) counted.
+    clock = Clock()
+    fleet = Fleet(clock)
+    ctl = make(fleet, clock, {"maxPrefillTokens": 1000})
+    place(ctl, fleet, await ctl.admit(req(300)), "A")
+    clock.now += 1.0
+    fleet.scrape(A=1)
+    clock.now += 0.5  # the scrape is 0.5 s old: stale for the detectors
+    place(ctl, fleet, await ctl.admit(req(200)), "A")
+    fleet.tokens["A"] = 5000  # in flight, decoding ones too
+    assert ctl.gate is not None
+    assert ctl.gate.unfinished("A", dict(fleet.endpoints())["A"]) == 300 + 200
+    assert ctl.gate.blind == 0
+    clock.now += 2.0  # too old to use at all
+    assert ctl.gate.unfinished("A", dict(fleet.endpoints())["A"]) == 5000
+    assert ctl.gate.blind == 1
