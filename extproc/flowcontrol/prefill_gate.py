@@ -159,8 +159,8 @@ class PrefillGate:
         n = state.prefilling
         # A scrape older than the detectors' staleness bound still counts: everything
         # placed since shortly before it counts whole, so an old count only holds back
-        # more. Judged blind on every stale scrape, a loaded machine's late scrapes held
-        # all batch work (in-flight prompt tokens are mostly decoding requests').
+        # more. Judged blind on every stale scrape, each late scrape on a loaded machine
+        # counted every in-flight prompt token (mostly decoding requests') and held batch.
         if n is None or state.age_s is None or state.age_s > _BLIND_AFTER_S:
             self.blind += 1
             if not self._warned_blind:
