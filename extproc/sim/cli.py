@@ -43,28 +43,17 @@ def build_arg_parser(prog: str = "python -m extproc.sim") -> argparse.ArgumentPa
     p.add_argument("--chat-max-tokens", type=int, default=256,
                    help="chat default when the request sets no max_tokens")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--scheduling-policy",
-        choices=("fcfs", "priority"),
-        default="fcfs",
-        help="priority: lower request `priority` first, as vLLM's (default fcfs)",
-    )
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="priority: lower request `priority` first, as vLLM's (default fcfs)")
     c = p.add_argument_group("engine steps (vLLM's scheduler flags and defaults)")
-    c.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=e.max_num_batched_tokens,
-        help="prefill tokens per engine step, less one per decoding sequence",
-    )
+    c.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
+                   help="prefill tokens per engine step, less one per decoding sequence")
     c.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=e.enable_chunked_prefill,
                    help="split prompts longer than a step's budget across steps")  # fmt: skip
-    c.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=e.long_prefill_token_threshold,
-        help="cap on one request's tokens per step, others waiting (0: off)",
-    )
+    c.add_argument("--long-prefill-token-threshold", type=int,
+                   default=e.long_prefill_token_threshold,
+                   help="cap on one request's tokens per step, others waiting (0: off)")
     g = p.add_argument_group("timing (simulated seconds; --fast divides them all)")
     g.add_argument("--prefill-tps", type=float, default=t.prefill_tps)
     g.add_argument("--decode-tps", type=float, default=t.decode_tps)
