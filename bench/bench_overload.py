@@ -143,6 +143,7 @@ def picker_config(
     prior: dict | None = None,
     engine_priority: bool = False,
     gate_tokens: int = 0,
+    gate_steers: bool = True,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -214,7 +215,13 @@ def picker_config(
             # Batch starts on a server only while its unfinished prefill stays under this
             # (picker tokens), interactive goes where the least is unfinished.
             plugins.append(
-                {"type": "prefill-gate", "parameters": {"maxPrefillTokens": gate_tokens}}
+                {
+                    "type": "prefill-gate",
+                    "parameters": {
+                        "maxPrefillTokens": gate_tokens,
+                        "steerHigherBands": gate_steers,
+                    },
+                }
             )
         if prior and per_endpoint:
             # What interactive is expected to send, so a fresh picker keeps room for it
@@ -823,6 +830,8 @@ def main() -> int:
         default=2048,
         help="prefill-gate maxPrefillTokens of `-gate` runs (`-gate<N>`: N)",
     )
+    ap.add_argument("--gate-no-steer", action="store_true",
+                    help="`-gate` runs with steerHigherBands: false")  # fmt: skip
     ap.add_argument("--sim-args", default="",
                     help="more sim flags, e.g. '--long-prefill-token-threshold 256'")  # fmt: skip
     args = ap.parse_args()
@@ -914,6 +923,7 @@ def main() -> int:
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
                     gate_tokens=gate_tokens,
+                    gate_steers=not args.gate_no_steer,
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
@@ -934,6 +944,7 @@ def main() -> int:
                     else prior,
                     engine_priority=bool(ep),
                     gate_tokens=gate_tokens,
+                    gate_steers=not args.gate_no_steer,
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)
