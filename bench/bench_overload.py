@@ -36,7 +36,8 @@ prefill; the rest is the picker's queue, proxies and the client): `hi_breakdown_
 A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), `-ep` (the picker
 writes the band into each body as the engine's `priority`, `flow_control.engine_priority`;
 with any `-ep` run the sims run `--scheduling-policy priority`, which orders requests of
-equal priority, i.e. every other run's, by arrival as FCFS does), `-noprior` (no
+equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (the
+`prefill-gate` plugin, maxPrefillTokens N or `--gate-tokens`), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), and `~base` to run its pickers from
 `--baseline-src` (old code against new in one run; `~base` runs also keep the old
@@ -141,6 +142,8 @@ def picker_config(
     expected_output: int = OUTPUT_TOKENS,
     prior: dict | None = None,
     engine_priority: bool = False,
+    gate_tokens: int = 0,
+    gate_steers: bool = True,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -208,6 +211,18 @@ def picker_config(
         if engine_priority:
             # The band as the engine's `priority` (the sims run the priority policy).
             doc["flow_control"]["engine_priority"] = True
+        if gate_tokens:
+            # Batch starts on a server only while its unfinished prefill stays under this
+            # (picker tokens), interactive goes where the least is unfinished.
+            plugins.append(
+                {
+                    "type": "prefill-gate",
+                    "parameters": {
+                        "maxPrefillTokens": gate_tokens,
+                        "steerHigherBands": gate_steers,
+                    },
+                }
+            )
         if prior and per_endpoint:
             # What interactive is expected to send, so a fresh picker keeps room for it
             # from the burst's first request (`interactive_prior`).
@@ -664,6 +679,11 @@ def breakdown(rs: list[Req]) -> dict:
             "hi_slowest_servers": servers, "hi_slowest10": ten}  # fmt: skip
 
 
+def engine_times(rs: list[Req]) -> list[float]:
+    """Per request with the sim's timing: KV wait + step (lane) wait + prefill, seconds."""
+    return [round(sum(r.engine), 4) for r in rs if r.engine is not None and not r.error]
+
+
 def lost_detail(r: Req) -> dict:
     """What one lost request saw, to be matched with Envoy's access log by `id`."""
     d = {"id": r.bench_id, "tenant": r.tenant, "objective": r.objective, "at": round(r.at, 3),
@@ -781,7 +801,10 @@ def main() -> int:
                     "max_tokens sent (96 + --output-spread) for one that does")  # fmt: skip
     ap.add_argument("--no-prior", action="store_true",
                     help="no flow_control.reserve_prior in the new code's runs (`~base` runs "
-                    "never get one: the old code does not know it)")  # fmt: skip
+                    "get one only with --base-prior)")  # fmt: skip
+    ap.add_argument("--base-prior", action="store_true",
+                    help="give `~base` runs the reserve_prior too (a baseline that knows it, "
+                    "from the seventh session on)")  # fmt: skip
     ap.add_argument("--trace", action="store_true",
                     help="per-request picker queue wait from the decision header (Envoy then "
                     "runs the response-header phase)")  # fmt: skip
@@ -801,6 +824,14 @@ def main() -> int:
                     "for --stall-s seconds, --stall-at seconds into each burst")  # fmt: skip
     ap.add_argument("--stall-at", type=float, default=8.0)
     ap.add_argument("--stall-s", type=float, default=2.0)
+    ap.add_argument(
+        "--gate-tokens",
+        type=int,
+        default=2048,
+        help="prefill-gate maxPrefillTokens of `-gate` runs (`-gate<N>`: N)",
+    )
+    ap.add_argument("--gate-no-steer", action="store_true",
+                    help="`-gate` runs with steerHigherBands: false")  # fmt: skip
     ap.add_argument("--sim-args", default="",
                     help="more sim flags, e.g. '--long-prefill-token-threshold 256'")  # fmt: skip
     args = ap.parse_args()
@@ -832,6 +863,7 @@ def main() -> int:
         # CPU noise alone) and the baseline is the p99 of all passes pooled, so that it is
         # not just the slowest single request.
         pooled: list[float] = []
+        pooled_engine: list[float] = []
         pass_p99: list[float] = []
         for rep in range(1 + args.unloaded_repeats):
             calm = [Req("ABC"[i % 3], "interactive", i / (0.2 * req_s),
@@ -839,6 +871,7 @@ def main() -> int:
             asyncio.run(open_loop(dep.url, calm, args.trace))
             base = [r.ttft_s for r in calm if r.ttft_s is not None]
             pooled += base
+            pooled_engine += engine_times(calm)
             print("unloaded breakdown", json.dumps(breakdown(calm)))
             p50, p99 = percentile(base, 50), percentile(base, 99)
             pass_p99.append(round(p99, 3))
@@ -858,6 +891,10 @@ def main() -> int:
             run_name, ep, after = run_name.partition("-ep")  # engine priority (`-ep`)
             run_name += after
             run_name, noprior, _ = run_name.partition("-noprior")
+            run_name, gate, gate_n = run_name.partition("-gate")  # prefill-gate (`-gate[N]`)
+            gate_n, _, rest = gate_n.partition("@")
+            run_name += "@" + rest if rest else ""
+            gate_tokens = (int(gate_n) if gate_n else args.gate_tokens) if gate else 0
             src = args.baseline_src if tilde else ""
             if tilde and not src:
                 raise SystemExit(f"{run}: ~base needs --baseline-src")
@@ -885,6 +922,8 @@ def main() -> int:
                     kind=args.detector,
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
+                    gate_tokens=gate_tokens,
+                    gate_steers=not args.gate_no_steer,
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
@@ -900,8 +939,12 @@ def main() -> int:
                     expected_output=(
                         args.base_expected_output if tilde else OUTPUT_TOKENS + args.output_spread
                     ),
-                    prior=None if tilde or args.no_prior or noprior else prior,
+                    prior=None
+                    if (tilde and not args.base_prior) or args.no_prior or noprior
+                    else prior,
                     engine_priority=bool(ep),
+                    gate_tokens=gate_tokens,
+                    gate_steers=not args.gate_no_steer,
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)
@@ -937,6 +980,10 @@ def main() -> int:
             # (bench/overload_pool.py): one run's p99 is its slowest one or two requests.
             hi_ok = [r for r in reqs if r.objective == "interactive" and r.status == 200]
             row["hi_ttfts"] = [round(r.ttft_s, 4) for r in hi_ok if r.ttft_s and not r.error]
+            # The engine's part of each (KV wait + step wait + prefill, the sim's own timing):
+            # what the picker's admission decides, without the machine's stalls outside
+            # the engine (on a loaded 2-core machine those made most slow TTFTs).
+            row["hi_engine_s"] = engine_times(hi_ok)
             print(json.dumps(row), flush=True)
             rows.append(row)
             settle(dep)
@@ -948,6 +995,7 @@ def main() -> int:
     base_row = {"capacity_req_s": req_s, "capacity_tok_s": cap_tps}
     base_row.update(unloaded_ttft_p50=unloaded_p50, unloaded_ttft_p99=unloaded_p99)
     base_row.update(unloaded_pass_p99=pass_p99, unloaded_ttfts=[round(x, 4) for x in pooled])
+    base_row.update(unloaded_engine_s=pooled_engine)
     print(json.dumps(base_row))
     return 0
 

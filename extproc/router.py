@@ -61,7 +61,8 @@ class Admission(Protocol):
 
     async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket: ...
     def placed(self, ticket: Ticket, address: str = "") -> None: ...
-    def release(self, ticket: Ticket) -> None: ...
+    def release(self, ticket: Ticket, *, output_held: bool = False) -> None: ...
+    def ended(self, ticket: Ticket) -> None: ...
     def evicted_error(self) -> ExtprocError: ...
 
 
@@ -519,6 +520,10 @@ class Router:
                 late = self._settle_late(routed, None)
             else:
                 late = self._unseen(routed, self._settle_late(routed, then))
+            if routed.ticket is not None and self.admission is not None:
+                # Flow control counts the request's own output as long as its in-flight
+                # count lasts: to the request's end, not the stream's.
+                late = functools.partial(_ticket_ended, self.admission, routed.ticket, late)
             self.ends.finish(routed.request.request_id, routed.placement, late)
             if responded and then is not None:
                 then(None)
@@ -530,4 +535,14 @@ class Router:
         if routed.ticket is not None and self.admission is not None:
             if not responded:
                 self._admission_unseen()
-            self.admission.release(routed.ticket)
+            self.admission.release(routed.ticket, output_held=self.ends is not None)
+
+
+def _ticket_ended(
+    admission: Admission, ticket: Ticket, then: Late | None, entry: Ended | None
+) -> None:
+    """A held request's end (its access-log entry, or none in time): flow control stops
+    counting its output; then what else waited for the entry."""
+    admission.ended(ticket)
+    if then is not None:
+        then(entry)

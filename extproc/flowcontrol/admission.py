@@ -108,6 +108,7 @@ class Admission:
             reserve=s.reserve_for_higher_bands,
             prefill_speed=prefill_speed,
             reserve_priors=priors,
+            gate=config.gate,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         # The band sent to the engine as its priority (None: off); `true` is the body form
@@ -192,8 +193,13 @@ class Admission:
     def placed(self, ticket: Ticket, address: str = "") -> None:
         self.controller.placed(ticket, address)
 
-    def release(self, ticket: Ticket) -> None:
-        self.controller.release(ticket)
+    def release(self, ticket: Ticket, *, output_held: bool = False) -> None:
+        """`output_held`: its in-flight count is held past the ticket; `ended` follows."""
+        self.controller.release(ticket, output_held=output_held)
+
+    def ended(self, ticket: Ticket) -> None:
+        """The request is over on its server (its in-flight count released)."""
+        self.controller.ended(ticket)
 
     async def run(self) -> None:
         """Tick: expire, decay, re-check capacity; reload objectives about once a second."""
@@ -290,6 +296,31 @@ class Admission:
             for p in fc.reserve.bands():
                 hist.add_metric([str(p)], fc.reserve.history(p))
             yield hist
+        gate = fc.gate
+        if gate is not None:
+            gh = counter(
+                "extproc_flow_prefill_gate_held",
+                "Dispatch opportunities where a server had KV room for a lower band's request "
+                "but the prefill-gate held it: a higher band is active and no such server "
+                "would keep its unfinished prefill under maxPrefillTokens.",
+            )
+            gh.add_metric([], gate.held)
+            yield gh
+            gb = counter(
+                "extproc_flow_prefill_gate_blind",
+                "prefill-gate judgements of a server without fresh first-token and finished "
+                "counts: its in-flight prompt tokens counted as unfinished prefill.",
+            )
+            gb.add_metric([], gate.blind)
+            yield gb
+            gu = gauge(
+                "extproc_flow_prefill_gate_unfinished_tokens",
+                "Unfinished prefill tokens per server at the prefill-gate's last judgement.",
+                ["endpoint"],
+            )
+            for addr, toks in gate.last_unfinished.items():
+                gu.add_metric([addr], toks)
+            yield gu
         if self.shared is not None:
             # Exchange counts are SharedFlowStats fields: server/families.py exports them.
             d = gauge(

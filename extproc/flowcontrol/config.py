@@ -15,7 +15,8 @@ the top-level `plugins` list (by name, else by type), or a type directly. Accept
 acted on (a warning at start): `noEndpointRequestTTL`. `enableEviction` turns on in-flight
 eviction (flowcontrol/eviction.py) with the eviction filter and order listed in `plugins`
 (llm-d's sheddable filter and priority-then-time order by default). Admitters
-(`probabilistic-admitter`) listed in `plugins` are active.
+(`probabilistic-admitter`) listed in `plugins` are active, and so is extproc's
+`prefill-gate` (flowcontrol/prefill_gate.py).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from extproc.flowcontrol.policies import (
     StaticUsageLimit,
     UsageLimitPolicy,
 )
+from extproc.flowcontrol.prefill_gate import PrefillGate
 from extproc.flowcontrol.programs import ProgramAwareFairness
 
 log = logging.getLogger("extproc.flowcontrol")
@@ -62,6 +64,7 @@ FLOW_PLUGINS: tuple[type[Any], ...] = (
     *USAGE_LIMITS,
     *ADMITTERS,
     *EVICTION_PLUGINS,
+    PrefillGate,
 )
 ADMITTER_TYPES = frozenset(c.type_name for c in ADMITTERS)
 _BY_TYPE = {c.type_name: c for c in FLOW_PLUGINS}
@@ -234,6 +237,7 @@ class FlowConfig:
     admitters: tuple[Admitter, ...] = ()
     settings: FlowControlSettings = field(default_factory=FlowControlSettings)
     eviction: EvictionSettings | None = None  # `enableEviction`
+    gate: PrefillGate | None = None  # `prefill-gate` listed in plugins
 
     def band(self, priority: int) -> tuple[BandLimits, OrderingPolicy, FairnessPolicy]:
         """Limits and fresh policy instances for a band (each band keeps its own state)."""
@@ -283,6 +287,7 @@ def build_flow_config(
     spec: FlowControlSpec = _decode(FlowControlSpec, flow_control, ("flowControl",))
     named: dict[str, tuple[type[Any], Any]] = {}
     admitters: list[Admitter] = []
+    gate: PrefillGate | None = None
     for i, p in enumerate(plugins):
         cls = _BY_TYPE.get(p.get("type", ""))
         if cls is None:
@@ -291,6 +296,13 @@ def build_flow_config(
         named[p.get("name") or p["type"]] = (cls, params)
         if cls in ADMITTERS:
             admitters.append(cls(params))  # listed = active, as in llm-d
+        if cls is PrefillGate:
+            if gate is not None:
+                raise ConfigError("prefill-gate listed twice", path=("plugins", i))
+            try:
+                gate = PrefillGate(params)  # listed = active, as admitters are
+            except ConfigError as exc:
+                raise exc.within("plugins", i, "parameters", "activeWindow") from None
 
     def resolve(ref: str, kind: tuple[type[Any], ...], where: tuple[str | int, ...]) -> None:
         got = named.get(ref) or ((_BY_TYPE[ref], None) if ref in _BY_TYPE else None)
@@ -384,6 +396,7 @@ def build_flow_config(
         admitters=tuple(admitters),
         settings=settings,
         eviction=eviction,
+        gate=gate,
     )
 
 

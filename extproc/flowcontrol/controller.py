@@ -43,6 +43,7 @@ from extproc.flowcontrol.policies import (
     TimedFairness,
     UsageLimitPolicy,
 )
+from extproc.flowcontrol.prefill_gate import PrefillGate
 from extproc.flowcontrol.reserve import BandPrior, Reserve
 from extproc.flowcontrol.tickets import (
     EVICTED_PRESSURE,
@@ -118,6 +119,7 @@ class FlowController:
         reserve: int = 0,
         prefill_speed: Callable[[], float | None] | None = None,
         reserve_priors: Mapping[int, BandPrior] | None = None,
+        gate: PrefillGate | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -134,7 +136,9 @@ class FlowController:
         that band's arrival rate times their prefill time at `prefill_speed` (tokens/s, the
         fastest recently measured; None: unknown, the rate is left out). `reserve_priors`:
         per band, its expected largest request and arrival rate, counted until the band
-        has a history of its own (flowcontrol/reserve.py)."""
+        has a history of its own (flowcontrol/reserve.py). `gate`: with per-endpoint
+        admission, a lower band's request starts only where the server's unfinished prefill
+        stays short while a higher band is active (flowcontrol/prefill_gate.py)."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -196,6 +200,14 @@ class FlowController:
         # (capped by its max_tokens), so a server of short answers is not judged full.
         self._base_out = int(getattr(detector, "output_per_request", 0))
         self._out_at: dict[str, list[int]] = {}  # address -> [requests, output difference]
+        self.gate = gate
+        if gate is not None:
+            gate.use_clock(clock)
+        if gate is not None and self._endpoints is None:
+            log.warning(
+                "prefill-gate has no effect without per-endpoint admission "
+                "(flow_control.admit_per_endpoint and a detector with per-endpoint figures)"
+            )
 
     # -- admission -------------------------------------------------------------------------
 
@@ -204,6 +216,8 @@ class FlowController:
         p = request.priority
         if self.reserve_count:
             self.reserve.note(p, request.tokens, request.output_tokens)
+        if self.gate is not None:
+            self.gate.arrived(p)
         if self.count == 0 and self._may_run(p) and self._open(p):
             room = self._room(request)
             if room is not None:
@@ -313,9 +327,35 @@ class FlowController:
         if held:
             # On `a` the reserve holds if `a` keeps room for it, or another endpoint has it.
             fits = [(x, a) for x, a in fits if keeps[a] or spare - has[a] > 0]
+        if fits and self.gate is not None:
+            fits = self._gated(request, fits, dict(eps))
         if not fits:
             return None
         return min(fits)[1], frozenset(a for _, a in fits)
+
+    def _gated(
+        self,
+        request: FlowRequest,
+        fits: list[tuple[float, str]],
+        states: Mapping[str, EndpointState],
+    ) -> list[tuple[float, str]]:
+        """The prefill gate on the endpoints with room: a lower band's request only where
+        the server's unfinished prefill stays short while a higher band is active; a
+        higher band's request where the least is unfinished (flowcontrol/prefill_gate.py)."""
+        gate = self.gate
+        assert gate is not None
+        p = request.priority
+        if gate.active_above(p):
+            prompt = request.tokens - request.output_tokens
+            kept = [(x, a) for x, a in fits if gate.admits(gate.unfinished(a, states[a]), prompt)]
+            if not kept:
+                gate.note_held(p)
+            return kept
+        if gate.steers and self._priorities and p > min(self._priorities):
+            left = {a: gate.unfinished(a, states[a]) for _, a in fits}
+            least = min(left.values())
+            return [(x, a) for x, a in fits if left[a] <= least]
+        return fits
 
     def _band(self, priority: int) -> _Band:
         band = self._bands.get(priority)
@@ -431,6 +471,8 @@ class FlowController:
         ticket = Ticket(
             request, waited, dispatched_at=self._clock(), endpoints=where, target=target
         )
+        if self.gate is not None:
+            self.gate.released(ticket, target, request.tokens - request.output_tokens)
         if self.evictor is not None:
             self.evictor.track(ticket)
         return ticket
@@ -544,6 +586,8 @@ class FlowController:
         if ticket.placed or ticket.released:
             return
         ticket.placed = True
+        if self.gate is not None:
+            self.gate.placed(ticket, address)
         if self._base_out and address:
             ticket.placed_at = address
             at = self._out_at.setdefault(address, [0, 0])
@@ -554,21 +598,37 @@ class FlowController:
         else:
             self._settling.append((self._clock(), ticket))
 
-    def release(self, ticket: Ticket) -> None:
-        """The request ended (or never got placed): its capacity is free again."""
+    def release(self, ticket: Ticket, *, output_held: bool = False) -> None:
+        """The request ended (or never got placed): its capacity is free again.
+        `output_held`: its in-flight count outlasts the ticket (held until the gateway's
+        access log says the request ended, endpoints/request_end.py), so its own output
+        keeps counting on its endpoint until `ended(ticket)`."""
         if ticket.released:
             return
         ticket.released = True
         self._unpend(ticket)
-        at = self._out_at.get(ticket.placed_at) if ticket.placed_at else None
+        if self.gate is not None:
+            self.gate.forget(ticket)
+        if not output_held:
+            self.ended(ticket)
+        if self.evictor is not None:
+            self.evictor.untrack(ticket)
+        self.dispatch()
+
+    def ended(self, ticket: Ticket) -> None:
+        """The request is over on its endpoint: its own output stops counting there, as
+        its in-flight count (and the detector's constant with it) does. Undone at the
+        ticket's release instead, the correction lasted only until the ext_proc stream
+        ended, at the response headers (before the prefill, for a streamed reply): for the
+        rest of the request its output counted as the detector's constant while the engine
+        held its own max_tokens (eleventh session, bench/RESULTS.md). Idempotent."""
+        address, ticket.placed_at = ticket.placed_at, ""
+        at = self._out_at.get(address) if address else None
         if at is not None:
             at[0] -= 1
             at[1] -= ticket.request.output_tokens - self._base_out
             if at[0] <= 0:
-                del self._out_at[ticket.placed_at]
-        if self.evictor is not None:
-            self.evictor.untrack(ticket)
-        self.dispatch()
+                del self._out_at[address]
 
     def _unpend(self, ticket: Ticket) -> None:
         if ticket.pending:

@@ -56,7 +56,10 @@ class Admission:
     def placed(self, ticket: Ticket, address: str = "") -> None:
         pass
 
-    def release(self, ticket: Ticket) -> None:
+    def release(self, ticket: Ticket, *, output_held: bool = False) -> None:
+        pass
+
+    def ended(self, ticket: Ticket) -> None:
         pass
 
     def evicted_error(self):  # pragma: no cover - nothing is evicted here

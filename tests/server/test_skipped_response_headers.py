@@ -110,8 +110,11 @@ async def test_flow_control_without_response_headers_is_logged_and_counted(app: 
         def __init__(self) -> None:
             self.released: list[object] = []
 
-        def release(self, ticket) -> None:
+        def release(self, ticket, *, output_held: bool = False) -> None:
             self.released.append(ticket)
+
+        def ended(self, ticket) -> None:
+            pass
 
     headers = post("/v1/chat/completions", {"x-request-id": "r4"})
     routed = await router.route("/v1/chat/completions", headers, CHAT)

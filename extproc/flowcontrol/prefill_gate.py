@@ -1,0 +1,229 @@
+"""`prefill-gate`: a lower band's request starts on a server only while that server's
+unfinished prefill work stays short, as long as a higher band is sending work; a higher
+band's request goes to the server with the least unfinished prefill.
+
+Why: an engine cannot shorten a prefill under way. vLLM's scheduler (and the simulator's
+steps, extproc/sim/steps.py) gives each step's token budget to running prefills first, then
+to waiting ones in arrival (or priority) order; a waiting request never takes budget from
+a running one. So an interactive request's time to first token is its own prefill plus
+all the prefill work its server had not finished when it arrived (FCFS), or at least the
+prefills already under way (priority scheduling). In the overload bench (bench/RESULTS.md,
+eleventh session) the slowest admitted interactive requests were exactly that: 0.4-0.8 s
+of waiting for, and sharing steps with, batch prefills on a server whose KV had room.
+KV room (per-endpoint admission, the reserve) does not bound this wait; this gate does:
+with at most `maxPrefillTokens` of unfinished prefill on a server after a lower-band
+request is released to it, a higher-band request arriving there waits at most about that
+much prefill (a server with nothing in prefill always takes one request, whatever its
+size, or a long prompt would never start).
+
+"Unfinished" is counted per server from the engine's own figure, fresh at every scrape:
+how many of its requests are before their first token (`EndpointState.prefilling`,
+endpoints/state.py). The engine starts prefills in arrival order, so those are the
+youngest this picker placed there; their sizes are the picker's uncached-prompt
+estimates, and the picker's placements since shortly before that scrape count whole (the
+engine may not have seen them). Requests beyond this picker's own (other replicas') count
+at the mean size of its own. A late scrape is still used (what was placed since counts
+whole); a server whose count is missing, or older than 2 s, is judged by all its in-flight
+prompt tokens (decoding ones too: it holds back more, never less), counted in `blind` and
+logged once.
+
+"Sending work": a higher band is active for `activeWindow` after its last arrival here.
+Outside that window the gate does not hold (a batch-only pool runs at full speed).
+
+Held requests wait in the picker's queue (their band's TTL applies); `held` counts the
+dispatch opportunities where some server had KV room for the request but the gate kept it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+
+from extproc.core import EndpointState
+
+log = logging.getLogger("extproc.flowcontrol")
+
+# A placement made less than this before a scrape may not be in the engine's count: the
+# way to the engine (Envoy, the HTTP hop) and the scrape's own age at arrival. Found behind
+# Envoy: a long prompt placed just before a scrape that did not show it yet read as done,
+# and a batch request was released behind it (tests/e2e/test_flow_prefill_gate.py).
+_SEEN_AFTER_S = 0.2
+# A scrape older than this is not used at all (the server is judged blind).
+_BLIND_AFTER_S = 2.0
+# Older than the scrape by more than this, a placement has surely reached the engine
+# (well over the way there even on a loaded machine); only then may the count retire it.
+_TRANSIT_S = 0.5
+
+
+@dataclass(slots=True)
+class _Placed:
+    at: float  # when it was released (monotonic seconds)
+    tokens: int  # its uncached prompt, as the picker estimates it
+    address: str  # where it was released to, then where the router placed it
+
+
+class PrefillGate:
+    """See the module docstring. One instance per controller; event loop only."""
+
+    type_name = "prefill-gate"
+
+    class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+        # Unfinished prefill (picker tokens) a server may hold once a lower-band request is
+        # released to it, while a higher band is active. vLLM's default step budget on CPU
+        # and GPUs below 70 GiB (max_num_batched_tokens) is 2048: about one step's wait.
+        maxPrefillTokens: Annotated[int, msgspec.Meta(gt=0)] = 2048
+        # A higher band counts as active this long after its last arrival (Go duration).
+        activeWindow: str = "10s"
+        # A higher band's request goes to the servers with the least unfinished prefill
+        # (among those with KV room); this overrides prefix affinity for that band.
+        steerHigherBands: bool = True
+
+    def __init__(
+        self, params: Params | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        from extproc.flowcontrol.config import parse_duration  # config imports this module
+
+        self.params = params or self.Params()
+        self.window_s = parse_duration(self.params.activeWindow)
+        self.max_tokens = self.params.maxPrefillTokens
+        self.steers = self.params.steerHigherBands
+        self._clock = clock
+        self._last: dict[int, float] = {}  # band -> its last arrival
+        self._own: dict[str, collections.deque[_Placed]] = {}
+        self._unplaced: dict[object, _Placed] = {}  # ticket -> its entry, until placed
+        self.held = 0
+        self.blind = 0
+        self.last_unfinished: dict[str, float] = {}  # address -> tokens, last evaluation
+        self._warned_blind = False
+        self._told_held = False
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """The controller's clock (tests drive it by hand)."""
+        self._clock = clock
+
+    # -- what flows through the controller -------------------------------------------------
+
+    def arrived(self, priority: int) -> None:
+        self._last[priority] = self._clock()
+
+    def active_above(self, priority: int) -> bool:
+        """Whether a band above `priority` sent work within the window."""
+        now = self._clock()
+        return any(p > priority and now - t <= self.window_s for p, t in self._last.items())
+
+    def released(self, ticket: object, address: str, prompt_tokens: int) -> None:
+        """A request released towards `address` (the controller's target; "" = anywhere:
+        not counted until placed)."""
+        entry = _Placed(self._clock(), max(0, prompt_tokens), address)
+        self._unplaced[ticket] = entry
+        if address:
+            self._own.setdefault(address, collections.deque()).append(entry)
+
+    def placed(self, ticket: object, address: str) -> None:
+        """The router placed it on `address` (possibly another endpoint than its target)."""
+        entry = self._unplaced.pop(ticket, None)
+        if entry is None or not address or entry.address == address:
+            return
+        if entry.address:
+            q = self._own.get(entry.address)
+            if q is not None and entry in q:  # (retired already: nothing to move)
+                q.remove(entry)
+        entry.address = address
+        q = self._own.setdefault(address, collections.deque())
+        # Kept in release order: the engine retires the oldest first.
+        i = len(q)
+        while i > 0 and q[i - 1].at > entry.at:
+            i -= 1
+        q.insert(i, entry)
+
+    def forget(self, ticket: object) -> None:
+        """The ticket ended without the router placing it."""
+        entry = self._unplaced.pop(ticket, None)
+        if entry is not None and entry.address:
+            q = self._own.get(entry.address)
+            if q is not None and entry in q:
+                q.remove(entry)
+
+    # -- the judgement ---------------------------------------------------------------------
+
+    def unfinished(self, address: str, state: EndpointState) -> float:
+        """Prefill tokens `address` has not finished, as the picker can tell now."""
+        now = self._clock()
+        q = self._own.get(address)
+        n = state.prefilling
+        # A scrape older than the detectors' staleness bound still counts: everything
+        # placed since shortly before it counts whole, so an old count only holds back
+        # more. Judged blind on every stale scrape, each late scrape on a loaded machine
+        # counted every in-flight prompt token (mostly decoding requests') and held batch.
+        if n is None or state.age_s is None or state.age_s > _BLIND_AFTER_S:
+            self.blind += 1
+            if not self._warned_blind:
+                self._warned_blind = True
+                log.warning(
+                    "prefill-gate: %s gives no fresh first-token and finished counts "
+                    "(vllm:time_to_first_token_seconds, vllm:request_success_total); its "
+                    "in-flight prompt tokens count as unfinished prefill",
+                    address,
+                )
+            unplaced = sum(e.tokens for e in q or () if e.at > now - _TRANSIT_S)
+            total = float(state.inflight_tokens + unplaced)
+            self.last_unfinished[address] = total
+            return total
+        scraped_at = now - state.age_s
+        total = 0.0
+        older = 0  # own placements the engine surely had when it was scraped
+        if q:
+            for e in q:
+                if e.at > scraped_at - _SEEN_AFTER_S:
+                    # Maybe not in the engine's count yet: unfinished, counted whole.
+                    total += e.tokens
+                else:
+                    older += 1
+            # The engine starts prefills in arrival order: of the older ones its `n`
+            # unfinished are the youngest (`n` may include some of the recent ones too:
+            # counted twice then, for at most _SEEN_AFTER_S; holding back, never less).
+            # The rest are done, and retired once surely arrived, so a late arrival is not
+            # retired in place of an earlier one.
+            done = max(0, older - n)
+            for i, e in enumerate(q):
+                if i >= older:
+                    break
+                if i >= done:
+                    total += e.tokens
+            while done and q[0].at < scraped_at - _TRANSIT_S:
+                q.popleft()
+                done -= 1
+        if n > older:
+            # Not this picker's (another replica's): at the mean size of ours, else of what
+            # is in flight there.
+            if q:
+                mean = sum(e.tokens for e in q) / len(q)
+            elif state.inflight_requests:
+                mean = state.inflight_tokens / state.inflight_requests
+            else:
+                mean = float(self.max_tokens)
+            total += (n - older) * mean
+        self.last_unfinished[address] = total
+        return total
+
+    def admits(self, unfinished: float, prompt_tokens: int) -> bool:
+        """Whether a lower-band request of `prompt_tokens` may start where `unfinished`
+        prefill tokens are left (always where nothing is)."""
+        return unfinished <= 0 or unfinished + prompt_tokens <= self.max_tokens
+
+    def note_held(self, priority: int) -> None:
+        self.held += 1
+        if not self._told_held:
+            self._told_held = True
+            log.info(
+                "prefill-gate: holding band %d's requests while servers finish prefill "
+                "(a higher band is active; at most %d unfinished prefill tokens per server)",
+                priority,
+                self.max_tokens,
+            )
