@@ -483,6 +483,7 @@ def test_shared_lane_drains_the_peers_tokens_behind_this_replicas_own():
         assert sc.peer_tokens_drained == pytest.approx(6400 if mode == "drained" else 4800)
         terms = sc.explain(r, [a, b])
         assert terms[1]["inflight_floor_s"] == pytest.approx(0.25 if mode == "drained" else 0.5)
+        assert terms[1]["peer_inflight_tokens"] == 6400  # the peers' share, explained
     assert scores["drained"][1] == 1.0 and scores["drained"][0] < 0.95
     assert scores["sharedLane"][0] == 1.0 and scores["sharedLane"][1] < 0.95
     # Without own arrivals on b the two drain alike.

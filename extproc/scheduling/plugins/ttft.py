@@ -239,6 +239,8 @@ class PredictedTTFTScorer:
                 # decoding, in the gateway and the access log's flush read as queue
                 # (bench/RESULTS.md, issue 14, tenth session).
                 peers = min(float(arrivals.total(address)), tokens)
+                if terms is not None:
+                    terms["peer_inflight_tokens"] = peers
                 if peers:
                     pending = (
                         arrivals.pending_shared(address, now, tps)
