@@ -11,7 +11,8 @@ replicas' uncalibrated start). `--sides`: per spill ("holder lost on score",
 `trace_causes.py`), the queue predicted on the holder and on the destination, rescaled to
 engine tokens by the request's own uncached prefill (an uncalibrated picker predicts at its
 token estimate's scale), against the real backlog (`trace_causes.real_backlog`), and the
-destination's in-flight floor as used against its in-flight tokens counted whole.
+destination's in-flight floor as used against its in-flight tokens counted whole (and of
+those, the deciding replica's own and the peers', when the terms give the peers').
 `--rescore`: every decision with a strong holder (10+ blocks beyond the shared header)
 re-scored from its logged terms and scores with the default profile's weights (no
 feedback on later requests): how many keep the holder as run, with
@@ -67,6 +68,7 @@ def phases(rows: list[dict], cut: float) -> list[str]:
 def sides(rows: list[dict]) -> str:
     cause = cause_of_each(rows)
     h_pred, h_real, d_pred, d_real, used, whole = [], [], [], [], [], []
+    own, peers = [], []  # the destination's in-flight tokens whole: this replica's, the peers'
     for r in _ok(rows):
         d = r["decision"]
         if cause[r["index"]] != CAUSES[2] or TTFT not in d.get("terms", {}):
@@ -84,6 +86,9 @@ def sides(rows: list[dict]) -> str:
         d_real.append(real_backlog(rows, new, r["sent_s"]))
         used.append(t.get("inflight_floor_s", 0.0) * scale)
         whole.append(t["inflight_tokens"] / t["tps"] * scale)
+        if "peer_inflight_tokens" in t:
+            peers.append(t["peer_inflight_tokens"] / t["tps"] * scale)
+            own.append(whole[-1] - peers[-1])
     if not h_pred:
         return "no spills with terms"
     m = statistics.mean
@@ -91,6 +96,7 @@ def sides(rows: list[dict]) -> str:
         f"{len(h_pred)} spills, means: holder's queue predicted {m(h_pred):.3f} s, real "
         f"{m(h_real):.3f} | destination's predicted {m(d_pred):.3f}, real {m(d_real):.3f}; "
         f"its in-flight floor used {m(used):.3f}, its in-flight tokens whole {m(whole):.3f}"
+        + (f" (this replica's {m(own):.3f}, the peers' {m(peers):.3f})" if own else "")
     )
 
 

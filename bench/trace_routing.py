@@ -286,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         "redis3-shared (3 replicas, state.shared_placements), redis3-cal (3 replicas, "
         "state.shared_calibration); a redis mode + '-drained': predicted-ttft-scorer's "
         "peerInflight: drained (the default); + '-whole': its peerInflight: whole (the "
-        "default before); + '-lane': its inflightFloor: drained; + '-wq': its waitingFloor: "
-        "endpointMean; + '-kv': kv-cache-utilization-scorer's countRequest: true; + '-wqkv': "
+        "default before); + '-sharedlane': its peerInflight: sharedLane (the peers' drain "
+        "behind the replica's own in-flight tokens); + '-lane': its inflightFloor: drained; "
+        "+ '-wq': its waitingFloor: endpointMean; + '-kv': kv-cache-utilization-scorer's "
+        "countRequest: true; + '-wqkv': "
         "both; any mode + '-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before)",
     )  # fmt: skip
@@ -317,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["index"]["kv_events"]["credit_placements"] = False
                 ttft, kv = "predicted-ttft-scorer", "kv-cache-utilization-scorer"
                 suffixes: dict[str, dict[str, dict]] = {
+                    "-sharedlane": {ttft: {"peerInflight": "sharedLane"}},
                     "-drained": {ttft: {"peerInflight": "drained"}},
                     "-whole": {ttft: {"peerInflight": "whole"}},
                     "-lane": {ttft: {"inflightFloor": "drained"}},

@@ -17,6 +17,15 @@ from those arrivals: the largest "tokens arrived since t, minus what the lane co
 since t" over the arrivals' times, the workload of a work-conserving queue. Arrivals are
 seen up to two exchange intervals late, which only makes them look less drained.
 
+The engine has one lane, though, and it also computes this replica's own placements: a lane
+serving the peers alone at full speed drained their tokens on a server this replica was
+loading too (bench/RESULTS.md, issue 14, eleventh session: the destination's queue read
+0.00-0.03 s against 0.06-0.21 s real). So `update` takes this replica's own in-flight tokens
+as well, dated the same way (the exchange that published them), and `pending_shared` runs
+one first-come-first-served lane over both: what is left is the youngest work, and the
+peers' part of it is what still counts. At one exchange this replica's growth is put ahead
+of the peers' (their order inside the interval is unknown; ahead, it delays theirs).
+
 No Redis here: the exchange loop feeds `update` with the peers' totals. Event-loop use only.
 """
 
@@ -38,38 +47,24 @@ class PeerArrivals:
         self._max = max(2, max_arrivals)
         self._arrivals: dict[str, deque[list[float]]] = {}
         self._totals: dict[str, int] = {}
+        # This replica's own in-flight tokens, the same way (`pending_shared` only).
+        self._own_arrivals: dict[str, deque[list[float]]] = {}
+        self._own_totals: dict[str, int] = {}
 
-    def update(self, totals: Mapping[str, int], now: float) -> None:
-        """The peers' in-flight tokens per endpoint as of `now` (endpoints absent: none)."""
-        for address, total in totals.items():
-            total = max(0, int(total))
-            change = total - self._totals.get(address, 0)
-            if change > 0:
-                q = self._arrivals.setdefault(address, deque())
-                q.append([now, float(change)])
-                if len(q) > self._max:
-                    first = q.popleft()
-                    q[0][1] += first[1]
-            elif change < 0:
-                self._release(address, -change)
-        self._totals = {a: max(0, int(t)) for a, t in totals.items() if t > 0}
-        for address in [a for a in self._arrivals if a not in self._totals]:
-            del self._arrivals[address]
-
-    def _release(self, address: str, tokens: float) -> None:
-        q = self._arrivals.get(address)
-        while q and tokens > 0:
-            head = q[0]
-            if head[1] > tokens:
-                head[1] -= tokens
-                return
-            tokens -= head[1]
-            q.popleft()
+    def update(
+        self, totals: Mapping[str, int], now: float, own: Mapping[str, int] | None = None
+    ) -> None:
+        """The peers' in-flight tokens per endpoint as of `now` (endpoints absent: none), and
+        this replica's own (`own`; None leaves them as they were)."""
+        if own is not None:
+            self._own_totals = _advance(self._own_arrivals, self._own_totals, own, now, self._max)
+        self._totals = _advance(self._arrivals, self._totals, totals, now, self._max)
 
     def clear(self) -> None:
         """The peers' counts were dropped (Redis gone past their TTL)."""
         self._arrivals.clear()
         self._totals.clear()
+        # This replica's own counts are exact and local: kept.
 
     def total(self, address: str) -> int:
         """The peers' in-flight tokens on `address` at the last update."""
@@ -88,3 +83,68 @@ class PeerArrivals:
             if left > ahead:
                 ahead = left
         return ahead
+
+    def pending_shared(self, address: str, now: float, tps: float) -> float:
+        """Tokens of the peers' arrivals on `address` not done by `now` in one lane computing
+        `tps` tokens a second over this replica's own arrivals and the peers' in order of
+        arrival (own first at one exchange): the lane's backlog is its youngest arrivals,
+        and this is the peers' share of it. Without own arrivals, `pending`."""
+        peers = self._arrivals.get(address)
+        if not peers:
+            return 0.0
+        own = self._own_arrivals.get(address)
+        if not own:
+            return self.pending(address, now, tps)
+        # (seen_at, own before peers at one time, tokens), oldest first.
+        merged = sorted(
+            [(at, 0, tokens) for at, tokens in own] + [(at, 1, tokens) for at, tokens in peers]
+        )
+        backlog = since = 0.0
+        for at, _, tokens in reversed(merged):
+            since += tokens
+            backlog = max(backlog, since - tps * max(0.0, now - at))
+        ahead = 0.0
+        for _, is_peer, tokens in reversed(merged):
+            if backlog <= 0:
+                break
+            part = min(tokens, backlog)
+            backlog -= part
+            if is_peer:
+                ahead += part
+        return ahead
+
+
+def _advance(
+    arrivals: dict[str, deque[list[float]]],
+    known: Mapping[str, int],
+    totals: Mapping[str, int],
+    now: float,
+    cap: int,
+) -> dict[str, int]:
+    """Brings `arrivals` from the `known` totals to `totals` at `now`: growth arrives, a fall
+    releases the oldest first. Returns the new totals (positive only)."""
+    for address, total in totals.items():
+        total = max(0, int(total))
+        change = total - known.get(address, 0)
+        if change > 0:
+            q = arrivals.setdefault(address, deque())
+            q.append([now, float(change)])
+            if len(q) > cap:
+                first = q.popleft()
+                q[0][1] += first[1]
+        elif change < 0:
+            _release(arrivals.get(address), -change)
+    kept = {a: max(0, int(t)) for a, t in totals.items() if t > 0}
+    for address in [a for a in arrivals if a not in kept]:
+        del arrivals[address]
+    return kept
+
+
+def _release(q: deque[list[float]] | None, tokens: float) -> None:
+    while q and tokens > 0:
+        head = q[0]
+        if head[1] > tokens:
+            head[1] -= tokens
+            return
+        tokens -= head[1]
+        q.popleft()

@@ -258,7 +258,7 @@ class SharedInFlight:
         self._others_requests = dict(reqs)
         self._others_tokens = dict(toks)
         self._others_total = sum(reqs.values())
-        self.arrivals.update(self._others_tokens, self._clock())
+        self.arrivals.update(self._others_tokens, self._clock(), own=self._tokens)
         self.stats.exchanges += 1
         self.stats.peers = len(blobs)
         self._last_ok = self._clock()

@@ -14,11 +14,17 @@ explained (never sent) by each replica's admin port, after every replica counts 
 answer in flight, a lane at the sims' speed would have computed its prompt twice over, and
 every virtual queue drained. Predicted TTFT and kv-cache utilization at the default weights
 decide (no session filters: the long answer is a later turn, the probe a new one). Prefill
-at the scorer's prior; estimated tokens are bytes."""
+at the scorer's prior; estimated tokens are bytes.
+
+`peerInflight: sharedLane` (opt-in, eleventh session): on one server, a replica's own long
+prompt (A) and a peer's short one (B) placed after it; the replica that placed A drains B
+only in a lane that has computed A first, `drained` in a lane of B's own."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+import threading
 import time
 
 import httpx
@@ -134,9 +140,12 @@ def run(tmp_path, redis: RedisServer, floor: str) -> tuple[str, int, list[dict],
     return home, placer, explained, drained
 
 
-# The default (the other parameter given at its default only) and `drained` spelled out.
+# The default (the other parameter given at its default only), `drained` spelled out, and
+# `sharedLane` (the replicas that did not place the answer have nothing of their own there).
 @pytest.mark.parametrize(
-    "params", ["inflightFloor: untilEnd", "peerInflight: drained"], ids=["default", "drained"]
+    "params",
+    ["inflightFloor: untilEnd", "peerInflight: drained", "peerInflight: sharedLane"],
+    ids=["default", "drained", "sharedLane"],
 )
 def test_replicas_keep_a_tenant_on_its_holder_while_a_peers_answer_decodes_there(
     tmp_path, redis_server, params
@@ -170,3 +179,103 @@ def test_with_the_drained_floor_the_placer_keeps_the_tenant_on_its_holder_too(
     why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained])
     assert all(e["endpoints"][0] == home for e in explained), why
     assert all(e["scores"][SCORER][home] == 1.0 for e in explained), why
+
+
+# Prefill slow enough that no first token (and no measured speed) comes before the probe.
+SLOW_PREFILL = (
+    *("--decode-tps", "50", "--prefill-tps", "500"),
+    *("--num-gpu-blocks", "4000", "--max-model-len", "32768"),
+)
+
+
+def _stream_in_background(http: httpx.Client, url: str, body: dict) -> threading.Thread:
+    """Sends `body` streamed and reads it to its end (or the stack's) in a daemon thread."""
+
+    def read() -> None:
+        with contextlib.suppress(httpx.HTTPError), http.stream("POST", url, json=body) as s:
+            for _ in s.iter_lines():
+                pass
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t
+
+
+def run_lane(tmp_path, redis: RedisServer, mode: str) -> tuple[int, int, list[float], list[dict]]:
+    """One server; a long prompt's answer (A) placed by one replica, then a short one's (B)
+    by the next. Returns A's placer, B's placer, every replica's drained-tokens counter after
+    explaining a probe, and every replica's terms for the server."""
+    rng = random.Random(12)
+    cfg = tmp_path / "picker.yaml"
+    cfg.write_text(PICKER % f"peerInflight: {mode}")
+    opts = StackOptions(
+        upstreams=1,
+        sim_args=SLOW_PREFILL,
+        replicas=3,
+        redis_url=redis.url,
+        extproc_args=("--config", str(cfg)),
+    )
+    with Stack(opts) as stack, httpx.Client(timeout=120) as http:
+        admin = [stack.picker_admin_port] + [a for _, _, a in stack.replica_ports]
+        url = f"{stack.url}{CHAT}"
+
+        def placed_by(body: dict) -> int:
+            before = [metric(http, p, "extproc_decisions_total") for p in admin]
+            _stream_in_background(http, url, body)
+            grew: list[float] = []
+
+            def one_grew() -> bool:
+                grew[:] = [
+                    metric(http, p, "extproc_decisions_total") - b
+                    for p, b in zip(admin, before, strict=True)
+                ]
+                return sum(grew) >= 1
+
+            wait_until(one_grew, timeout_s=15, what="a replica placed the request")
+            assert sorted(grew) == [0, 0, 1], grew
+            return grew.index(1)
+
+        # A: ~20,000 tokens (bytes), 10 s for a lane at the prior speed; B: ~400, 0.2 s.
+        a = placed_by(chat(text(rng, 2700), text(rng, 5), max_tokens=1000, stream=True))
+        home = stack.upstream_addresses[0]
+        only_a = metric(http, admin[a], "extproc_inflight_tokens", home)
+        b = placed_by(chat(text(rng, 50), text(rng, 5), max_tokens=1000, stream=True))
+        wait_until(
+            lambda: all(metric(http, p, "extproc_inflight_tokens", home) > only_a for p in admin),
+            timeout_s=15,
+            what="every replica counts both answers in flight",
+        )
+        time.sleep(1.0)  # a lane for B alone has computed it; one behind A has not
+        terms = []
+        for p in admin:
+            e = http.post(
+                f"http://127.0.0.1:{p}/debug/explain",
+                json=chat(text(rng, 30)),
+                headers={"x-extproc-path": CHAT},
+            )
+            assert e.status_code == 200, e.text
+            terms.append(e.json()["terms"][SCORER][home])
+        drained = [
+            metric(http, p, "extproc_predicted_ttft_peer_tokens_drained_total") for p in admin
+        ]
+    return a, b, drained, terms
+
+
+@pytest.mark.parametrize("mode", ["drained", "sharedLane"])
+def test_shared_lane_drains_a_peers_answer_behind_the_replicas_own(tmp_path, redis_server, mode):
+    # The replica that placed A sees B, a peer's, arrive behind its own A on the one server.
+    # `drained` drains B in a lane of its own (its 1 s since is five times B's prefill);
+    # `sharedLane` leaves B ahead while the lane is still computing A (10 s of it). The
+    # third replica, with nothing of its own there, drains alike in both.
+    a, b, drained, terms = run_lane(tmp_path, redis_server, mode)
+    c = ({0, 1, 2} - {a, b}).pop()
+    why = (a, b, drained, terms)
+    assert terms[a]["tps"] < 5000, why  # the lane is still on A (20,000 tokens) in either mode
+    if mode == "drained":
+        assert drained[a] > 200, why
+    else:
+        assert drained[a] == 0, why
+        # A counted whole (its own) and B not drained: every in-flight token is ahead.
+        floor = terms[a]["inflight_floor_s"] * terms[a]["tps"]
+        assert floor == pytest.approx(terms[a]["inflight_tokens"]), why
+    assert drained[c] > 1000, why

@@ -57,3 +57,54 @@ def test_clear_forgets_and_many_arrivals_stay_bounded():
     assert len(p._arrivals[A]) <= 4
     p.clear()
     assert p.total(A) == p.total(B) == 0 and p.pending(A, 10.0, tps=1.0) == 0.0
+
+
+def test_shared_lane_without_own_tokens_drains_as_the_peers_lane():
+    p = PeerArrivals()
+    p.update({A: 1000}, now=0.0, own={})
+    p.update({A: 2000}, now=0.5, own={B: 800})  # own work elsewhere is not in A's lane
+    for now in (0.5, 0.8, 1.0, 1.7, 3.0):
+        assert p.pending_shared(A, now, tps=1000.0) == p.pending(A, now, tps=1000.0)
+    assert p.pending_shared(B, 0.5, tps=1000.0) == 0.0  # no peers there
+
+
+def test_own_tokens_ahead_delay_the_peers_drain():
+    p = PeerArrivals()
+    # This replica placed 2,000 tokens on A, then the peers 1,000 (the next exchange).
+    p.update({}, now=0.0, own={A: 2000})
+    p.update({A: 1000}, now=0.5, own={A: 2000})
+    # A peers-only lane has computed 500 of theirs by 1.0 s; the shared one is still on the
+    # own 2,000 (done at 2.0 s), so all 1,000 of the peers' are ahead.
+    assert p.pending(A, 1.0, tps=1000.0) == pytest.approx(500.0)
+    assert p.pending_shared(A, 1.0, tps=1000.0) == pytest.approx(1000.0)
+    assert p.pending_shared(A, 2.5, tps=1000.0) == pytest.approx(500.0)
+    assert p.pending_shared(A, 3.0, tps=1000.0) == 0.0
+    # Own tokens arriving after the peers' are behind them: they delay nothing.
+    q = PeerArrivals()
+    q.update({A: 1000}, now=0.0, own={})
+    q.update({A: 1000}, now=0.5, own={A: 5000})
+    assert q.pending_shared(A, 0.6, tps=1000.0) == pytest.approx(q.pending(A, 0.6, tps=1000.0))
+    # Own growth at the same exchange goes ahead of the peers'.
+    r = PeerArrivals()
+    r.update({A: 1000}, now=0.0, own={A: 1000})
+    assert r.pending(A, 0.5, tps=1000.0) == pytest.approx(500.0)
+    assert r.pending_shared(A, 0.5, tps=1000.0) == pytest.approx(1000.0)
+    assert r.pending_shared(A, 1.5, tps=1000.0) == pytest.approx(500.0)
+
+
+def test_own_tokens_that_end_leave_the_shared_lane():
+    p = PeerArrivals()
+    p.update({}, now=0.0, own={A: 2000})
+    p.update({A: 1000}, now=0.5, own={})  # the own request ended: nothing of it ahead
+    assert p.pending_shared(A, 1.0, tps=1000.0) == pytest.approx(p.pending(A, 1.0, tps=1000.0))
+    # Without `own` the own arrivals stay as they were; `clear` drops only the peers'.
+    q = PeerArrivals()
+    q.update({}, now=0.0, own={A: 3000})
+    q.update({A: 1000}, now=1.0)
+    assert q.pending(A, 2.0, tps=1000.0) == 0.0
+    assert q.pending_shared(A, 2.0, tps=1000.0) == pytest.approx(1000.0)  # own until 3.0 s
+    q.clear()
+    assert q.pending_shared(A, 2.0, tps=1000.0) == 0.0
+    q.update({A: 100}, now=2.0)
+    assert q.pending_shared(A, 2.5, tps=1000.0) == pytest.approx(100.0)  # own until 3.0 s
+    assert q.pending_shared(A, 3.1, tps=1000.0) == 0.0

@@ -189,6 +189,13 @@ async def test_peers_tokens_arrive_dated_and_are_forgotten_with_their_counts(
         assert a.tokens(X) == 3700
         assert 2900 < a.arrivals.pending(X, now, tps=1000.0) <= 3000  # seen ~an interval ago
         assert a.arrivals.pending(X, now + 3.5, tps=1000.0) == 0.0  # computed by then
+        # `sharedLane`: a's own 700, published no later than b's 3,000 reached a, are ahead
+        # of them in the lane: at 3 s past, a peers-only lane is done, the shared one not.
+        assert a.arrivals.pending(X, now + 3.0, tps=1000.0) == 0.0
+        assert 500 < a.arrivals.pending_shared(X, now + 3.0, tps=1000.0) <= 700
+        # b's own 3,000 were published before a's 700 reached b: those wait behind them.
+        assert b.arrivals.pending(X, now + 1.0, tps=1000.0) == 0.0
+        assert b.arrivals.pending_shared(X, now + 1.0, tps=1000.0) == 700.0
         b.release(placed)
         await until(lambda: a.arrivals.total(X) == 0)
         assert a.arrivals.pending(X, now, tps=1.0) == 0.0

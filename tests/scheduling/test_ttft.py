@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.core import Decision
+from extproc.endpoints.peer_arrivals import PeerArrivals
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
 from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
 from tests.scheduling.helpers import cand, req
@@ -337,6 +338,9 @@ class Peers:
         self.asked.append((address, now, tps))
         return min(self.ahead, self.total(address))
 
+    def pending_shared(self, address: str, now: float, tps: float) -> float:
+        raise AssertionError("only peerInflight: sharedLane asks for the shared lane")
+
 
 def peer_scorer(mode: str, clock: Clock) -> PredictedTTFTScorer:
     return PredictedTTFTScorer(PredictedTTFTScorer.Params(peer_inflight=mode), clock=clock)
@@ -457,3 +461,53 @@ def test_explain_gives_each_term_of_the_prediction_scored():
     for t in (a, b):  # the terms add up to what was scored
         assert t["predicted_s"] == pytest.approx(t["queue_s"] + t["uncached_s"] + 0.005)
     assert scores[1] / scores[0] == pytest.approx(a["predicted_s"] / b["predicted_s"])
+
+
+def test_shared_lane_drains_the_peers_tokens_behind_this_replicas_own():
+    # One exchange brought b 1,600 tokens this replica placed and 6,400 of the peers' (own
+    # ahead); 1 s later a lane at 6,400 tokens/s computed 6,400 of the 8,000: the 1,600 left
+    # are the peers'. `drained` runs a lane for the peers alone: all theirs done, b's queue
+    # reads 0.25 s (its own, whole) and the request leaves its holder a (1.4 s of own work
+    # ahead) for b's 1 s recompute. The shared lane counts 0.25 + 0.25 s there: a keeps it.
+    r = req(blocks=10, tokens=6400)
+    a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=8960)
+    b = cand("b", prefill_tps=6400.0, inflight_tokens=8000)
+    clock = Clock()
+    arrivals = PeerArrivals()
+    arrivals.update({"b": 6400}, now=clock.t - 1.0, own={"a": 8960, "b": 1600})
+    scores = {}
+    for mode in ("drained", "sharedLane"):
+        sc = peer_scorer(mode, clock)
+        sc.peer_arrivals = arrivals
+        scores[mode] = sc.score(r, [a, b])
+        assert sc.peer_tokens_drained == pytest.approx(6400 if mode == "drained" else 4800)
+        terms = sc.explain(r, [a, b])
+        assert terms[1]["inflight_floor_s"] == pytest.approx(0.25 if mode == "drained" else 0.5)
+        assert terms[1]["peer_inflight_tokens"] == 6400  # the peers' share, explained
+    assert scores["drained"][1] == 1.0 and scores["drained"][0] < 0.95
+    assert scores["sharedLane"][0] == 1.0 and scores["sharedLane"][1] < 0.95
+    # Without own arrivals on b the two drain alike.
+    bare = PeerArrivals()
+    bare.update({"b": 6400}, now=clock.t - 1.0, own={"a": 8960})
+    alike = []
+    for mode in ("drained", "sharedLane"):
+        sc = peer_scorer(mode, clock)
+        sc.peer_arrivals = bare
+        alike.append(sc.score(r, [a, b]))
+    assert alike[0] == alike[1]
+
+
+def test_shared_lane_leaves_one_replica_unchanged():
+    # No peers (one replica, or counts not shared): every in-flight token counts whole.
+    r = req(blocks=10, tokens=6400)
+    a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=8960)
+    b = cand("b", prefill_tps=6400.0, inflight_tokens=1600)
+    alone = PeerArrivals()
+    alone.update({}, now=Clock.t - 1.0, own={"a": 8960, "b": 1600})
+    for arrivals in (None, alone):
+        got = []
+        for mode in ("whole", "drained", "sharedLane"):
+            sc = peer_scorer(mode, Clock())
+            sc.peer_arrivals = arrivals
+            got.append(sc.score(r, [a, b]))
+        assert got[0] == got[1] == got[2]

@@ -76,6 +76,7 @@ class PeerTokens(Protocol):
 
     def total(self, address: str) -> int: ...
     def pending(self, address: str, now: float, tps: float) -> float: ...
+    def pending_shared(self, address: str, now: float, tps: float) -> float: ...
 
 
 def uncached_tokens(req: InferenceRequest, c: Candidate) -> float:
@@ -104,8 +105,13 @@ class PredictedTTFTScorer:
     (endpoints/peer_arrivals.py); `whole` counts it until the requests end, which on several
     replicas made a busy holder look deeper than on one and moved tenants off it (drained
     won every interleaved tenants pair on a quiet machine, bench/RESULTS.md, issue 14,
-    tenth session). A replica's own in-flight tokens count whole either way, so one replica
-    decides the same with both.
+    tenth session). `sharedLane`: as `drained`, but the lane also computes this replica's
+    own in-flight tokens, in order of arrival with the peers' (both dated by the exchange),
+    so the peers' drain waits behind the own work ahead of it (`PeerArrivals.pending_shared`):
+    `drained` drained the peers' tokens on a server this replica was loading too, and three
+    replicas spilled onto it as if it were empty (bench/RESULTS.md, issue 14, eleventh
+    session). Opt-in. A replica's own in-flight tokens count whole in every mode, so one
+    replica decides the same with all three.
 
     `waitingFloor`: what each of the endpoint's scraped waiting requests counts as queued
     prefill: `fleetMean` (default) the mean uncached tokens of every placement this picker
@@ -130,7 +136,7 @@ class PredictedTTFTScorer:
         # Used only before any endpoint's speed has been measured.
         prior_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
         inflight_floor: Literal["untilEnd", "untilFirstToken", "drained"] = "untilEnd"
-        peer_inflight: Literal["whole", "drained"] = "drained"
+        peer_inflight: Literal["whole", "drained", "sharedLane"] = "drained"
         waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
 
     def __init__(
@@ -140,7 +146,8 @@ class PredictedTTFTScorer:
         self._prior = p.prior_prefill_tokens_per_second
         self._until_first_token = p.inflight_floor == "untilFirstToken"
         self._floor_drained = p.inflight_floor == "drained"
-        self._drain_peers = p.peer_inflight == "drained"
+        self._drain_peers = p.peer_inflight != "whole"
+        self._shared_lane = p.peer_inflight == "sharedLane"
         self._endpoint_mean = p.waiting_floor == "endpointMean"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
@@ -232,8 +239,15 @@ class PredictedTTFTScorer:
                 # decoding, in the gateway and the access log's flush read as queue
                 # (bench/RESULTS.md, issue 14, tenth session).
                 peers = min(float(arrivals.total(address)), tokens)
+                if terms is not None:
+                    terms["peer_inflight_tokens"] = peers
                 if peers:
-                    drained = max(0.0, peers - arrivals.pending(address, now, tps))
+                    pending = (
+                        arrivals.pending_shared(address, now, tps)
+                        if self._shared_lane
+                        else arrivals.pending(address, now, tps)
+                    )
+                    drained = max(0.0, peers - pending)
                     tokens -= drained
                     self.peer_tokens_drained += drained
             floor = self._inflight_prefill(st, address, tokens) / tps
