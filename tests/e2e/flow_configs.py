@@ -1,14 +1,19 @@
 """Picker configs the flow-control tests share: the reserve tests' two bands (interactive 10,
 batch 0, named in an objectives file), a token concurrency detector, one scorer and
-per-endpoint admission with a reserve for one higher-band request; and a plain scheduling
-section whose saturation signal is the in-flight request count."""
+per-endpoint admission with a reserve for one higher-band request; one band under a token
+ceiling that counts output (the max_tokens tests); and a plain scheduling section whose
+saturation signal is the in-flight request count. Also the picker's queue length."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
+
+from extproc.stack import Stack
 
 
 def two_band_reserve_config(
@@ -69,3 +74,31 @@ def in_flight_scheduling(max_concurrency: int = 100) -> dict[str, Any]:
             }
         ],
     }
+
+
+def output_ceiling_config(
+    tmp: Path, max_tokens_in_flight: int, output_per_request: int, expected_output: int
+) -> Path:
+    """One band under a token ceiling that counts `output_per_request` output tokens per
+    in-flight request besides its prompt (`outputTokens`), the queue scorer, per-endpoint
+    admission, requests in flight until their access-log entry. Returns the config's path."""
+    detector = {"concurrencyMode": "tokens", "maxTokenConcurrency": max_tokens_in_flight,
+                "outputTokens": output_per_request}  # fmt: skip
+    scheduling = in_flight_scheduling()
+    scheduling["plugins"][2]["parameters"] = detector
+    scheduling["flowControl"]["defaultRequestTTL"] = "60s"
+    cfg = {
+        "parse": {"calibrate": False},
+        "state": {"request_end": {"mode": "access-log"}},  # in flight until the request ends
+        "scheduling": scheduling,
+        "flow_control": {"admit_per_endpoint": True, "expected_output_tokens": expected_output},
+    }
+    path = tmp / "picker.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def queued(stack: Stack) -> float:
+    """Requests waiting in the picker's flow-control queues now (every band and flow)."""
+    text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
+    return sum(float(m) for m in re.findall(r"^extproc_flow_queue_requests{.*} (\S+)$", text, re.M))

@@ -13,15 +13,14 @@ generous cap is not KV taken): the control here, held while the first streams.""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import yaml
 
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
+from tests.e2e.flow_configs import output_ceiling_config, queued
 
 OUTPUT = 256  # expected output tokens, and the detector's per-request constant
 LONG = 600  # output tokens at 100 tokens/s: the first request streams for ~6 s
@@ -37,40 +36,10 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     # One request in flight (prompt + 256) plus one asking for 4 (prompt + 4) fit; plus
     # one counted at 256 (the old estimate) do not: the ceiling halfway between.
     ceiling = 2 * prompt + OUTPUT + 4 + (OUTPUT - 4) // 2
-    detector = {"concurrencyMode": "tokens", "maxTokenConcurrency": ceiling,
-                "outputTokens": OUTPUT}  # fmt: skip
-    cfg = {
-        "parse": {"calibrate": False},
-        "state": {"request_end": {"mode": "access-log"}},  # in flight until the stream ends
-        "scheduling": {
-            "plugins": [
-                {"type": "queue-scorer"},
-                {"type": "max-score-picker"},
-                {"type": "concurrency-detector", "parameters": detector},
-            ],
-            "flowControl": {
-                "defaultRequestTTL": "60s",
-                "saturationDetector": {"pluginRef": "concurrency-detector"},
-            },
-            "schedulingProfiles": [
-                {
-                    "name": "default",
-                    "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}],
-                }
-            ],
-        },
-        "flow_control": {"admit_per_endpoint": True, "expected_output_tokens": OUTPUT},
-    }
-    path = tmp_path_factory.mktemp("flowcap") / "picker.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path = output_ceiling_config(tmp_path_factory.mktemp("flowcap"), ceiling, OUTPUT, OUTPUT)
     sim = ("--decode-tps", "100")
     with Stack(StackOptions(upstreams=1, sim_args=sim, extproc_args=("--config", str(path)))) as s:
         yield s
-
-
-def queued(stack: Stack) -> float:
-    text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
-    return sum(float(m) for m in re.findall(r"^extproc_flow_queue_requests{.*} (\S+)$", text, re.M))
 
 
 async def test_a_short_answer_fits_beside_a_long_one_a_generous_cap_does_not(stack: Stack):

@@ -13,15 +13,14 @@ now it waits in the picker until the first ends."""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import yaml
 
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
+from tests.e2e.flow_configs import output_ceiling_config, queued
 
 BASE = 16  # the detector's output per in-flight request
 OUTPUT = 600  # each request's max_tokens (and expected_output_tokens): ~6 s at 100 tokens/s
@@ -37,40 +36,10 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     # Two requests counted with their own output do not fit; one of them with the
     # constant in place of its output does (the ceiling halfway between).
     ceiling = 2 * prompt + OUTPUT + BASE + (OUTPUT - BASE) // 2
-    detector = {"concurrencyMode": "tokens", "maxTokenConcurrency": ceiling,
-                "outputTokens": BASE}  # fmt: skip
-    cfg = {
-        "parse": {"calibrate": False},
-        "state": {"request_end": {"mode": "access-log"}},  # in flight until the request ends
-        "scheduling": {
-            "plugins": [
-                {"type": "queue-scorer"},
-                {"type": "max-score-picker"},
-                {"type": "concurrency-detector", "parameters": detector},
-            ],
-            "flowControl": {
-                "defaultRequestTTL": "60s",
-                "saturationDetector": {"pluginRef": "concurrency-detector"},
-            },
-            "schedulingProfiles": [
-                {
-                    "name": "default",
-                    "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}],
-                }
-            ],
-        },
-        "flow_control": {"admit_per_endpoint": True, "expected_output_tokens": OUTPUT},
-    }
-    path = tmp_path_factory.mktemp("flowheld") / "picker.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path = output_ceiling_config(tmp_path_factory.mktemp("flowheld"), ceiling, BASE, OUTPUT)
     sim = ("--decode-tps", "100")
     with Stack(StackOptions(upstreams=1, sim_args=sim, extproc_args=("--config", str(path)))) as s:
         yield s
-
-
-def queued(stack: Stack) -> float:
-    text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
-    return sum(float(m) for m in re.findall(r"^extproc_flow_queue_requests{.*} (\S+)$", text, re.M))
 
 
 async def test_a_running_requests_own_output_counts_past_its_stream(stack: Stack):
