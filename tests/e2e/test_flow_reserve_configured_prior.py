@@ -14,7 +14,6 @@ is answered on the server kept free while both batch requests still stream."""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Iterator
 
 import httpx
@@ -23,7 +22,7 @@ import pytest
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import two_band_reserve_config
+from tests.e2e.flow_configs import metric_sum, two_band_reserve_config
 
 SMALL, BIG = 150, 500  # words of 7 letters: ~300 and ~1000 estimated tokens
 LONG = 500  # output tokens at 100 tokens/s: ~5 s of streaming
@@ -59,13 +58,6 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         yield s
 
 
-def metric(stack: Stack, pattern: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
-    found = re.findall(pattern, text, re.M)
-    assert found, pattern
-    return sum(float(m) for m in found)
-
-
 async def test_a_fresh_picker_keeps_a_server_for_the_configured_interactive_size(stack: Stack):
     model = stack.fleet.model
     loop = asyncio.get_running_loop()
@@ -86,8 +78,8 @@ async def test_a_fresh_picker_keeps_a_server_for_the_configured_interactive_size
         second = asyncio.create_task(long_batch(2, second_at))
         # Before: on the idle server (the reserve was one small batch request's room).
         assert await asyncio.wait_for(second_at, 30) == busy, "batch took the server kept free"
-        assert metric(stack, r'^extproc_flow_reserve_on_prior{priority="10"} (\S+)$') == 1
-        assert metric(stack, r"^extproc_flow_reserved_tokens (\S+)$") >= estimate(BIG)
+        assert metric_sum(stack, r'^extproc_flow_reserve_on_prior{priority="10"} (\S+)$') == 1
+        assert metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$") >= estimate(BIG)
         hi = await c.post("/v1/chat/completions", json=body(model, 3, BIG, 4), headers=HI)
         assert hi.status_code == 200
         assert hi.headers[SERVED_BY_HEADER] != busy
@@ -95,4 +87,4 @@ async def test_a_fresh_picker_keeps_a_server_for_the_configured_interactive_size
         assert not first.done() and not second.done(), "a batch request ended before"
         assert await first == 200 and await second == 200
     hist = r'^extproc_flow_reserve_history_requests{priority="10"} (\S+)$'
-    assert metric(stack, hist) == 1
+    assert metric_sum(stack, hist) == 1

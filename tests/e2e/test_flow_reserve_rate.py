@@ -13,7 +13,6 @@ what arrives meanwhile: it is held (before: released at once)."""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Iterator
 
 import httpx
@@ -22,7 +21,7 @@ import pytest
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import two_band_reserve_config
+from tests.e2e.flow_configs import metric_sum, queued, two_band_reserve_config
 
 SMALL, MEDIUM, BIG = 150, 250, 500  # words of 7 letters: ~300, ~500, ~1000 tokens
 LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
@@ -58,15 +57,6 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         yield s
 
 
-def metric(stack: Stack, pattern: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
-    return sum(float(m) for m in re.findall(pattern, text, re.M))
-
-
-def queued_batch(stack: Stack) -> float:
-    return metric(stack, r'^extproc_flow_queue_requests{[^}]*priority="0"[^}]*} (\S+)$')
-
-
 async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(stack: Stack):
     model = stack.fleet.model
     loop = asyncio.get_running_loop()
@@ -84,7 +74,9 @@ async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(sta
         big = await c.post("/v1/chat/completions", json=big_body, headers=HI)
         assert big.status_code == 200
         for _ in range(100):  # their in-flight counts end with their access-log entries
-            if not await asyncio.to_thread(metric, stack, r"^extproc_inflight_tokens{.*} (\S+)$"):
+            if not await asyncio.to_thread(
+                metric_sum, stack, r"^extproc_inflight_tokens{.*} (\S+)$", present=False
+            ):
                 break
             await asyncio.sleep(0.05)
 
@@ -107,16 +99,16 @@ async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(sta
             c.post("/v1/chat/completions", json=body(model, 300, SMALL, 4), headers=LO)
         )
         for _ in range(100):
-            if short.done() or await asyncio.to_thread(queued_batch, stack) == 1:
+            if short.done() or await asyncio.to_thread(queued, stack, 0) == 1:
                 break
             await asyncio.sleep(0.05)
         # Before: released beside the batch request (the interactive server kept room for
         # the largest interactive request). Now: that room is not enough.
         assert not short.done(), "the short batch request was released"
         assert not batch.done() and not interactive.done(), "a long request ended too soon"
-        held = metric(stack, r"^extproc_flow_reserved_tokens (\S+)$")
+        held = metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$")
         assert held > estimate(BIG) + MARGIN
-        assert metric(stack, r"^extproc_flow_reserve_rate_unsized_total (\S+)$") == 0
+        assert metric_sum(stack, r"^extproc_flow_reserve_rate_unsized_total (\S+)$") == 0
         assert await batch == 200 and await interactive == 200
         assert (await short).status_code == 200  # released once room came back
-        assert queued_batch(stack) == 0
+        assert queued(stack, priority=0) == 0

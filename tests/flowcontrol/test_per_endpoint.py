@@ -8,8 +8,8 @@ import asyncio
 from collections.abc import Sequence
 
 from extproc.core import EndpointState
-from extproc.flowcontrol.config import FlowConfig, build_flow_config
 from extproc.flowcontrol.controller import FlowController, FlowRequest
+from tests.flowcontrol.controllers import controller, settle, tokens_detector
 
 CAP = 1000  # tokens per endpoint (concurrency-detector, tokens mode)
 
@@ -31,33 +31,12 @@ class Fleet:
 
 
 def make(fleet: Fleet, *, per_endpoint: bool = True, reserve: int = 0) -> FlowController:
-    plugins = [
-        {
-            "type": "concurrency-detector",
-            "parameters": {"concurrencyMode": "tokens", "maxTokenConcurrency": CAP},
-        }
-    ]
-    fc = {"saturationDetector": {"pluginRef": "concurrency-detector"}}
-    cfg: FlowConfig = build_flow_config(fc, None, plugins)
-    return FlowController(
-        detector=cfg.detector,
-        states=fleet.states,
-        band=cfg.band,
-        ttl_s=cfg.ttl_s,
-        usage_limit=cfg.usage_limit,
-        priorities=(10, 0),
-        endpoints=fleet.endpoints if per_endpoint else None,
-        reserve=reserve,
-    )
+    endpoints = fleet.endpoints if per_endpoint else None
+    return controller(fleet, [tokens_detector(CAP)], endpoints=endpoints, reserve=reserve)
 
 
 def req(tokens: int, priority: int = 0) -> FlowRequest:
     return FlowRequest("t", priority, tokens, 10)
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 def place(ctl: FlowController, fleet: Fleet, ticket) -> None:

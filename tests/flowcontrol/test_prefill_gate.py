@@ -12,8 +12,9 @@ import pytest
 
 from extproc.core import EndpointState
 from extproc.errors import ConfigError
-from extproc.flowcontrol.config import FlowConfig, build_flow_config
+from extproc.flowcontrol.config import build_flow_config
 from extproc.flowcontrol.controller import FlowController, FlowRequest, Ticket
+from tests.flowcontrol.controllers import controller, settle, tokens_detector
 
 CAP = 100_000  # KV room is never what holds a request here
 
@@ -64,36 +65,14 @@ class Fleet:
 def make(
     fleet: Fleet, clock: Clock, params: dict | None = None, *, gate: bool = True
 ) -> FlowController:
-    plugins: list[dict] = [
-        {
-            "type": "concurrency-detector",
-            "parameters": {"concurrencyMode": "tokens", "maxTokenConcurrency": CAP},
-        }
-    ]
+    plugins = [tokens_detector(CAP)]
     if gate:
         plugins.append({"type": "prefill-gate", "parameters": params or {}})
-    fc = {"saturationDetector": {"pluginRef": "concurrency-detector"}}
-    cfg: FlowConfig = build_flow_config(fc, None, plugins)
-    return FlowController(
-        detector=cfg.detector,
-        states=fleet.states,
-        band=cfg.band,
-        ttl_s=cfg.ttl_s,
-        usage_limit=cfg.usage_limit,
-        priorities=(10, 0),
-        endpoints=fleet.endpoints,
-        gate=cfg.gate,
-        clock=clock,
-    )
+    return controller(fleet, plugins, clock=clock)
 
 
 def req(prompt: int, priority: int = 0) -> FlowRequest:
     return FlowRequest("t", priority, prompt + 10, 10, output_tokens=10)
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 def place(ctl: FlowController, fleet: Fleet, ticket: Ticket, where: str = "") -> str:

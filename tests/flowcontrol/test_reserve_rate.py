@@ -9,8 +9,8 @@ import asyncio
 from collections.abc import Sequence
 
 from extproc.core import EndpointState
-from extproc.flowcontrol.config import FlowConfig, build_flow_config
 from extproc.flowcontrol.controller import FlowController, FlowRequest
+from tests.flowcontrol.controllers import controller, settle, tokens_detector
 
 
 class Clock:
@@ -41,27 +41,13 @@ class Fleet:
 
 
 def make(fleet: Fleet, cap: int, output: int, reserve: int = 0, clock=None) -> FlowController:
-    params = {"concurrencyMode": "tokens", "maxTokenConcurrency": cap, "outputTokens": output}
-    plugins = [{"type": "concurrency-detector", "parameters": params}]
-    fc = {"saturationDetector": {"pluginRef": "concurrency-detector"}}
-    cfg: FlowConfig = build_flow_config(fc, None, plugins)
-    return FlowController(
-        detector=cfg.detector,
-        states=fleet.states,
-        band=cfg.band,
-        ttl_s=cfg.ttl_s,
-        usage_limit=cfg.usage_limit,
-        priorities=(10, 0),
-        endpoints=fleet.endpoints,
+    return controller(
+        fleet,
+        [tokens_detector(cap, outputTokens=output)],
         reserve=reserve,
         prefill_speed=lambda: fleet.tps,
         clock=clock or Clock(),
     )
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 async def test_a_placed_request_counts_its_own_output_not_the_detectors_constant():

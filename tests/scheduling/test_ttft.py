@@ -511,3 +511,30 @@ def test_shared_lane_leaves_one_replica_unchanged():
             sc.peer_arrivals = arrivals
             got.append(sc.score(r, [a, b]))
         assert got[0] == got[1] == got[2]
+
+
+def test_explaining_a_scored_decision_counts_nothing_again():
+    # `explain` re-runs `predict` for its terms after `score`: the drained-tokens and
+    # floor-fallback counters must move with scoring only, or every explained decision
+    # (and every /debug/explain probe) counted twice.
+    r = req(blocks=10, tokens=6400)
+    a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)
+    b = cand("b", prefill_tps=6400.0)
+    sc = peer_scorer("drained", Clock())
+    sc.peer_arrivals = Peers(12_800, 0.0)
+    sc.explain(r, [a, b])
+    assert sc.peer_tokens_drained == 0
+    sc.score(r, [a, b])
+    assert sc.peer_tokens_drained == 12_800
+    terms = sc.explain(r, [a, b])
+    assert sc.peer_tokens_drained == 12_800
+    assert terms[0]["peer_inflight_tokens"] == 12_800  # the explanation still has the term
+    # The first-token floor without the engine's count: one fallback per scored prediction.
+    fb = PredictedTTFTScorer(FIRST_TOKEN, clock=Clock())
+    busy = cand("a", prefix=10, prefill_tps=6400.0, inflight_requests=4, inflight_tokens=12_800)
+    fb.explain(r, [busy, b])
+    assert fb.floor_fallbacks == 0
+    fb.score(r, [busy, b])
+    assert fb.floor_fallbacks == 1
+    fb.explain(r, [busy, b])
+    assert fb.floor_fallbacks == 1

@@ -20,12 +20,14 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from extproc.stack import free_port
 
 DEFAULT_VENV = Path(os.environ.get("EXTPROC_VLLM_VENV", Path.home() / ".cache/extproc/vllm-venv"))
 DEFAULT_MODEL_DIR = Path(
@@ -264,3 +266,19 @@ class VllmFleet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def one_server(log_prefix: str, *extra_args: str) -> Iterator[VllmServer]:
+    """One vLLM of its own with a test module's engine flags (a step budget, scheduling
+    policy, logging...), on free ports, stopped at the end. Its log is kept in a directory
+    named `log_prefix`... under the temp dir (pytest rotates its own away): a failed start,
+    or an engine that behaved unexpectedly, says why there."""
+    logs = Path(tempfile.mkdtemp(prefix=log_prefix))
+    fleet = VllmFleet.start(
+        1, ports=[free_port()], kv_events_port=free_port(), extra_args=extra_args, log_dir=logs
+    )
+    try:
+        yield fleet.servers[0]
+    finally:
+        fleet.close()

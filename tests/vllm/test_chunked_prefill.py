@@ -24,12 +24,10 @@ import asyncio
 import math
 import random
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -37,8 +35,7 @@ import pytest
 from extproc.sim.engine import Engine, EngineSettings, Job
 from extproc.sim.timing import TimingSettings
 from extproc.sim.tokens import PromptTokens, SimTokenizer
-from extproc.stack import free_port
-from tests.vllm.fleet import MODEL_NAME, VllmFleet
+from tests.vllm.fleet import MODEL_NAME, one_server
 
 BUDGET, SEQS, MAX_LEN = 16, 4, 2048
 LONG, SHORT = 1900, 40
@@ -115,35 +112,17 @@ def chunking_engine(request) -> Iterator[tuple[int, str, float, float]]:
     """(threshold, url, seconds per step, an idle engine's queue wait) of a one-server vLLM
     with a 16-token step budget."""
     threshold = request.param
-    logs = Path(tempfile.mkdtemp(prefix="extproc-vllm-chunked-"))
-    fleet = VllmFleet.start(
-        1,
-        ports=[free_port()],
-        kv_events_port=free_port(),
-        extra_args=(
-            "--max-model-len",
-            str(MAX_LEN),
-            "--max-num-batched-tokens",
-            str(BUDGET),
-            "--max-num-seqs",
-            str(SEQS),
-            "--long-prefill-token-threshold",
-            str(threshold),
-            "--scheduling-policy",
-            "priority",
-            "--num-gpu-blocks-override",
-            "400",
-        ),
-        log_dir=logs,
-    )
-    try:
-        url = fleet.servers[0].url
+    with one_server(
+        "extproc-vllm-chunked-",
+        *("--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", str(BUDGET)),
+        *("--max-num-seqs", str(SEQS), "--long-prefill-token-threshold", str(threshold)),
+        *("--scheduling-policy", "priority", "--num-gpu-blocks-override", "400"),
+    ) as server:
+        url = server.url
         first_token(url, ids(SHORT, 1), 0)  # the first request warms the engine up
         alone = [timed_alone(url, ids(LONG, seed)) for seed in (11, 12, 13)]  # none cached
         step_s = statistics.median(t for t, _ in alone) / math.ceil(LONG / BUDGET)
         yield threshold, url, step_s, statistics.median(q for _, q in alone)
-    finally:
-        fleet.close()
 
 
 async def sim_pair(threshold: int, step_s: float, offset: float, seed: int) -> Pair:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import random
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,8 +33,7 @@ import pytest
 
 from extproc.endpoints.exposition import parse_metrics
 from extproc.endpoints.prefill_speed import PrefillSpeeds
-from extproc.stack import free_port
-from tests.vllm.fleet import MODEL_NAME, VllmFleet
+from tests.vllm.fleet import MODEL_NAME, one_server
 
 MAX_LEN = 2048
 PROMPT = 1800  # tokens, none cached (distinct random ids): one step alone, ~1-2 shared
@@ -51,28 +49,13 @@ TOLERANCE = 0.3
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[tuple[str, Path]]:
-    logs = Path(tempfile.mkdtemp(prefix="extproc-vllm-prefill-"))
-    fleet = VllmFleet.start(
-        1,
-        ports=[free_port()],
-        kv_events_port=free_port(),
-        extra_args=(
-            "--max-model-len",
-            str(MAX_LEN),
-            "--max-num-batched-tokens",
-            "2048",
-            "--num-gpu-blocks-override",
-            "1200",
-            "--enable-logging-iteration-details",
-        ),
-        log_dir=logs,
-    )
-    try:
-        url = fleet.servers[0].url
-        complete(url, 1)  # the first request warms the engine up
-        yield url, fleet.servers[0].log_path
-    finally:
-        fleet.close()
+    with one_server(
+        "extproc-vllm-prefill-",
+        *("--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", "2048"),
+        *("--num-gpu-blocks-override", "1200", "--enable-logging-iteration-details"),
+    ) as server:
+        complete(server.url, 1)  # the first request warms the engine up
+        yield server.url, server.log_path
 
 
 def complete(url: str, seed: int) -> None:

@@ -249,8 +249,9 @@ class PredictedTTFTScorer:
                     )
                     drained = max(0.0, peers - pending)
                     tokens -= drained
-                    self.peer_tokens_drained += drained
-            floor = self._inflight_prefill(st, address, tokens) / tps
+                    if terms is None:  # explain re-runs a scored prediction: counted once
+                        self.peer_tokens_drained += drained
+            floor = self._inflight_prefill(st, address, tokens, count=terms is None) / tps
             if terms is not None:
                 terms["inflight_floor_s"] = floor
             wait = max(wait, floor)
@@ -274,7 +275,9 @@ class PredictedTTFTScorer:
             terms["uncached_s"] = uncached
         return max(0.0, wait) + uncached + _FLOOR_S
 
-    def _inflight_prefill(self, st: EndpointState, address: str, tokens: float) -> float:
+    def _inflight_prefill(
+        self, st: EndpointState, address: str, tokens: float, *, count: bool = True
+    ) -> float:
         """The in-flight tokens that can still be in prefill on the endpoint. In-flight
         counts last until a request ends, decoding included: counted whole, a server
         streaming long answers looked seconds deep and sessions left the server holding
@@ -286,12 +289,14 @@ class PredictedTTFTScorer:
         picker's own are in its virtual queue, a peer's show at the next scrape. Without
         that count (not exported, or the scrape is stale) every in-flight token counts, as
         with `untilEnd`, and `floor_fallbacks` says so. `tokens`: the in-flight tokens to
-        count (the peers' share drained or not)."""
+        count (the peers' share drained or not). `count`: False for an explanation, which
+        re-runs a prediction already scored (and counted)."""
         n = st.inflight_requests
         if not self._until_first_token:
             return tokens
         if st.prefilling is None or st.is_stale:
-            self.floor_fallbacks += 1
+            if count:
+                self.floor_fallbacks += 1
             if address not in self._fallen_back and len(self._fallen_back) < 1024:
                 self._fallen_back.add(address)
                 log.warning(

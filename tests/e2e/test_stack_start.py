@@ -1,0 +1,49 @@
+"""A child of `Stack` that does not start says why in the exception: its log lives in the
+stack's temporary directory, removed as the failed start cleans up, so the exception carries
+the log's last lines (a replica that exited 1 in about one CI run in five left nothing else
+to read)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from extproc.stack import Stack, StackOptions, wait_until
+
+
+def test_a_process_that_exits_before_ready_leaves_its_last_log_lines(tmp_path):
+    log = tmp_path / "child.log"
+    lines = "; ".join(f"print('line {i}')" for i in range(60))
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", f"{lines}; raise SystemExit(3)"], stdout=out, stderr=out
+        )
+    with pytest.raises(RuntimeError) as err:
+        wait_until(lambda: False, timeout_s=30, what="child", proc=proc, log=log)
+    text = str(err.value)
+    assert text.startswith("child: process exited with 3")
+    assert "line 59" in text and "line 20" in text and "line 19\n" not in text  # the last 40
+
+
+def test_a_wait_that_times_out_leaves_the_log_too(tmp_path):
+    log = tmp_path / "child.log"
+    log.write_text("binding ports\nstill importing\n")
+    with pytest.raises(TimeoutError) as err:
+        wait_until(lambda: False, timeout_s=0.1, what="child", log=log)
+    assert "still importing" in str(err.value)
+    with pytest.raises(TimeoutError) as err:
+        wait_until(lambda: False, timeout_s=0.1, what="child", log=tmp_path / "none.log")
+    assert "no log at" in str(err.value)
+
+
+def test_a_picker_that_does_not_start_says_why(tmp_path):
+    cfg = tmp_path / "picker.yaml"
+    cfg.write_text("scheduling:\n  plugins:\n  - type: no-such-plugin\n")
+    opts = StackOptions(upstreams=1, extproc_args=("--config", str(cfg)))
+    with pytest.raises(RuntimeError) as err, Stack(opts):
+        pass
+    text = str(err.value)
+    assert text.startswith("extproc: process exited with 2"), text
+    assert "unknown plugin type 'no-such-plugin'" in text, text
