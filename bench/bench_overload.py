@@ -37,7 +37,8 @@ A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), `-ep` 
 writes the band into each body as the engine's `priority`, `flow_control.engine_priority`;
 with any `-ep` run the sims run `--scheduling-policy priority`, which orders requests of
 equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (the
-`prefill-gate` plugin, maxPrefillTokens N or `--gate-tokens`), `-noprior` (no
+`prefill-gate` plugin, maxPrefillTokens N or `--gate-tokens`; `-fleet`: with its
+`fleetView`), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), `-out<N>` (expected_output_tokens N; the
 two-replica path had 96 and no prior before the twelfth session: `-noprior-out96`), and
@@ -147,6 +148,7 @@ def picker_config(
     engine_priority: bool = False,
     gate_tokens: int = 0,
     gate_steers: bool = True,
+    gate_fleet_view: bool = False,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -223,6 +225,7 @@ def picker_config(
                     "parameters": {
                         "maxPrefillTokens": gate_tokens,
                         "steerHigherBands": gate_steers,
+                        "fleetView": gate_fleet_view,
                     },
                 }
             )
@@ -900,6 +903,8 @@ def main() -> int:
             out_m = re.search(r"-out(\d+)", run_name)
             out_n = int(out_m.group(1)) if out_m else 0
             run_name = re.sub(r"-out\d+", "", run_name)
+            run_name, fleet_view, after = run_name.partition("-fleet")  # gate's fleetView
+            run_name += after
             run_name, gate, gate_n = run_name.partition("-gate")  # prefill-gate (`-gate[N]`)
             gate_n, _, rest = gate_n.partition("@")
             run_name += "@" + rest if rest else ""
@@ -946,6 +951,7 @@ def main() -> int:
                     engine_priority=bool(ep),
                     gate_tokens=gate_tokens,
                     gate_steers=not args.gate_no_steer,
+                    gate_fleet_view=bool(fleet_view),
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
@@ -963,6 +969,7 @@ def main() -> int:
                     engine_priority=bool(ep),
                     gate_tokens=gate_tokens,
                     gate_steers=not args.gate_no_steer,
+                    gate_fleet_view=bool(fleet_view),
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)
