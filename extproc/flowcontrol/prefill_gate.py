@@ -76,6 +76,11 @@ _TRANSIT_S = 0.5
 # Placements published per server (the youngest): the ones that can still be unfinished.
 # A server's engine runs far fewer prefills than this at once.
 _PUBLISHED_MAX = 64
+# Placements kept per server. Only a judgement retires them, and none happens while no
+# higher band is active and nothing is steered (a batch-only pool): without a bound they
+# grew with every placement. The oldest beyond this are long done, or if not, counted
+# by the engine's figure at the mean size of the known ones.
+_KEPT_MAX = 256
 
 
 @dataclass(slots=True)
@@ -148,7 +153,9 @@ class PrefillGate:
         entry = _Placed(self._clock(), max(0, prompt_tokens), address)
         self._unplaced[ticket] = entry
         if address:
-            self._own.setdefault(address, collections.deque()).append(entry)
+            q = self._own.setdefault(address, collections.deque())
+            q.append(entry)
+            _bound(q)
 
     def placed(self, ticket: object, address: str) -> None:
         """The router placed it on `address` (possibly another endpoint than its target)."""
@@ -166,6 +173,7 @@ class PrefillGate:
         while i > 0 and q[i - 1].at > entry.at:
             i -= 1
         q.insert(i, entry)
+        _bound(q)
 
     def forget(self, ticket: object) -> None:
         """The ticket ended without the router placing it."""
@@ -297,3 +305,8 @@ class PrefillGate:
                 priority,
                 self.max_tokens,
             )
+
+
+def _bound(q: collections.deque[_Placed]) -> None:
+    while len(q) > _KEPT_MAX:
+        q.popleft()

@@ -350,3 +350,14 @@ def test_fleet_view_lost_falls_back_to_this_replica_and_says_so_once(caplog):
     assert caplog.text.count("other replicas' placements are unknown") == 1
     gate.peers_placed({})
     assert gate.peer_view is True and "known again" in caplog.text
+
+
+def test_placements_are_bounded_without_judgements():
+    # A batch-only pool: no higher band active, nothing steered, so nothing retires them.
+    from extproc.flowcontrol.prefill_gate import _KEPT_MAX, PrefillGate
+
+    gate = PrefillGate(clock=lambda: 1.0)
+    for i in range(_KEPT_MAX + 50):
+        gate.released(i, "A", 100)
+        gate.placed(i, "B")
+    assert len(gate._own["B"]) == _KEPT_MAX and not gate._own["A"]
