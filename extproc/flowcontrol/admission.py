@@ -279,6 +279,14 @@ class Admission:
             )
             ru.add_metric([], fc.reserve.rate_unsized)
             yield ru
+            rh = counter(
+                "extproc_flow_reserve_held",
+                "Dispatch opportunities where an endpoint had room for a lower band's request "
+                "but the reserve for higher bands kept it there (part of "
+                "extproc_flow_no_endpoint_room_total).",
+            )
+            rh.add_metric([], fc.reserve_held)
+            yield rh
             op = gauge(
                 "extproc_flow_reserve_on_prior",
                 "1 while a band's reserve counts its configured reserve_prior (its own "
