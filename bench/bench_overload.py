@@ -37,12 +37,15 @@ A run name may carry `@<minCeiling>` and `r<reserve>` (e.g. `on@0.99r1`), `-ep` 
 writes the band into each body as the engine's `priority`, `flow_control.engine_priority`;
 with any `-ep` run the sims run `--scheduling-policy priority`, which orders requests of
 equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (the
-`prefill-gate` plugin, maxPrefillTokens N or `--gate-tokens`), `-noprior` (no
+`prefill-gate` plugin, maxPrefillTokens N or `--gate-tokens`; `-fleet`: with its
+`fleetView`), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
-offered interactive load: `interactive_prior`), and `~base` to run its pickers from
-`--baseline-src` (old code against new in one run; `~base` runs also keep the old
-`expected_output_tokens` of 96 unless `--base-expected-output` says otherwise, and get no
-prior; the others count each request's max_tokens, see `picker_config`). Unloaded:
+offered interactive load: `interactive_prior`), `-out<N>` (expected_output_tokens N; the
+two-replica path had 96 and no prior before the twelfth session: `-noprior-out96`), and
+`~base` to run its pickers from `--baseline-src` (old code against new in one run; `~base`
+runs also keep the old `expected_output_tokens` of 96 unless `--base-expected-output` says
+otherwise, and get no prior; the others, one picker or two, count each request's
+max_tokens, see `picker_config`). Unloaded:
 `--unloaded-n` requests a pass, `--unloaded-repeats` more passes, pooled into the
 baseline; each run's interactive TTFTs are printed (`hi_ttfts`) so
 `bench/overload_pool.py` can pool runs of one configuration. `--servers` sizes the fleet
@@ -58,6 +61,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -144,6 +148,7 @@ def picker_config(
     engine_priority: bool = False,
     gate_tokens: int = 0,
     gate_steers: bool = True,
+    gate_fleet_view: bool = False,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -220,6 +225,7 @@ def picker_config(
                     "parameters": {
                         "maxPrefillTokens": gate_tokens,
                         "steerHigherBands": gate_steers,
+                        "fleetView": gate_fleet_view,
                     },
                 }
             )
@@ -890,7 +896,15 @@ def main() -> int:
             run_name, tilde, _ = run.partition("~")
             run_name, ep, after = run_name.partition("-ep")  # engine priority (`-ep`)
             run_name += after
-            run_name, noprior, _ = run_name.partition("-noprior")
+            run_name, noprior, after = run_name.partition("-noprior")
+            run_name += after
+            # `-out<N>`: expected_output_tokens N (e.g. `-out96`, the 2-replica path's
+            # config before the twelfth session, with `-noprior`).
+            out_m = re.search(r"-out(\d+)", run_name)
+            out_n = int(out_m.group(1)) if out_m else 0
+            run_name = re.sub(r"-out\d+", "", run_name)
+            run_name, fleet_view, after = run_name.partition("-fleet")  # gate's fleetView
+            run_name += after
             run_name, gate, gate_n = run_name.partition("-gate")  # prefill-gate (`-gate[N]`)
             gate_n, _, rest = gate_n.partition("@")
             run_name += "@" + rest if rest else ""
@@ -905,6 +919,16 @@ def main() -> int:
             reqs = burst(offered, 0.25 * cap_tps, per_req, args.burst_s, args.seed,
                          stratified=not args.poisson_interactive,
                          spread=args.output_spread)  # fmt: skip
+            # Every run's pickers, one or two, count each request's max_tokens and get the
+            # interactive prior, unless `~base` (the old behaviour) or told otherwise. The
+            # two-replica path used to count 96 and no prior while the sims held up to 160
+            # per request (bench/RESULTS.md, twelfth session).
+            expected_output = out_n or (
+                args.base_expected_output if tilde else OUTPUT_TOKENS + args.output_spread
+            )
+            run_prior = (
+                None if (tilde and not args.base_prior) or args.no_prior or noprior else prior
+            )
             if base == "on-2-replicas":
                 if redis is None:
                     port = free_port()
@@ -922,8 +946,12 @@ def main() -> int:
                     kind=args.detector,
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
+                    expected_output=expected_output,
+                    prior=run_prior,
+                    engine_priority=bool(ep),
                     gate_tokens=gate_tokens,
                     gate_steers=not args.gate_no_steer,
+                    gate_fleet_view=bool(fleet_view),
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
@@ -936,15 +964,12 @@ def main() -> int:
                     kind=args.detector,
                     ttl_s=args.ttl_s,
                     kv_ratio=kv_ratio,
-                    expected_output=(
-                        args.base_expected_output if tilde else OUTPUT_TOKENS + args.output_spread
-                    ),
-                    prior=None
-                    if (tilde and not args.base_prior) or args.no_prior or noprior
-                    else prior,
+                    expected_output=expected_output,
+                    prior=run_prior,
                     engine_priority=bool(ep),
                     gate_tokens=gate_tokens,
                     gate_steers=not args.gate_no_steer,
+                    gate_fleet_view=bool(fleet_view),
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)

@@ -104,6 +104,13 @@ class Timeline:
         no_room = sum(summed(p, "extproc_flow_no_endpoint_room_total") for p in pages)
         row["no_room"] = int(no_room - last.get("no_room", 0.0))
         last["no_room"] = no_room
+        # ... of which the reserve kept (an endpoint had room but not with the reserve) or
+        # the prefill gate held; the rest: no endpoint under the ceiling with the request.
+        for key, name in (("reserve_held", "extproc_flow_reserve_held_total"),
+                          ("gate_held", "extproc_flow_prefill_gate_held_total")):  # fmt: skip
+            total = sum(summed(p, name) for p in pages)
+            row[key] = int(total - last.get(key, 0.0))
+            last[key] = total
         row["reserved"] = int(max((summed(p, "extproc_flow_reserved_tokens") for p in pages),
                                   default=0.0))  # fmt: skip
         for i, url in enumerate(self.sim_urls):
@@ -131,6 +138,12 @@ def summary(rows: list[dict], start_s: float, end_s: float, servers: int) -> dic
         "tl_saturation_mean": round(sum(r["saturation"] for r in win) / n, 3),
         "tl_queued_lo_mean": round(sum(r["queued_lo"] for r in win) / n, 1),
         "tl_queued_hi_mean": round(sum(r["queued_hi"] for r in win) / n, 2),
+        # Why queued work stayed queued, per second of the window: no endpoint had room
+        # (all causes), of which the reserve kept it, or the prefill gate held it.
+        **{
+            f"tl_{k}_per_s": round(sum(r.get(k, 0) for r in win) / max(1e-9, end_s - start_s), 1)
+            for k in ("no_room", "reserve_held", "gate_held")
+        },
         # Capacity unused while work waited in the picker.
         "tl_idle_while_queued": round(
             sum(1 for r, k in zip(win, kv, strict=True) if r["queued_lo"] and k < 0.9) / n, 3

@@ -279,6 +279,14 @@ class Admission:
             )
             ru.add_metric([], fc.reserve.rate_unsized)
             yield ru
+            rh = counter(
+                "extproc_flow_reserve_held",
+                "Dispatch opportunities where an endpoint had room for a lower band's request "
+                "but the reserve for higher bands kept it there (part of "
+                "extproc_flow_no_endpoint_room_total).",
+            )
+            rh.add_metric([], fc.reserve_held)
+            yield rh
             op = gauge(
                 "extproc_flow_reserve_on_prior",
                 "1 while a band's reserve counts its configured reserve_prior (its own "
@@ -321,6 +329,23 @@ class Admission:
             for addr, toks in gate.last_unfinished.items():
                 gu.add_metric([addr], toks)
             yield gu
+            if gate.fleet_view and gate.peer_view is not None:
+                fv = gauge(
+                    "extproc_flow_prefill_gate_fleet_view",
+                    "1 while the prefill-gate counts the other replicas' placements (fleetView, "
+                    "shared flow state working), 0 while Redis fails: this replica's own only.",
+                )
+                fv.add_metric([], 1.0 if gate.peer_view else 0.0)
+                yield fv
+                pp = gauge(
+                    "extproc_flow_prefill_gate_peer_placements",
+                    "The other replicas' placements not yet seen to finish their prefill, per "
+                    "server, at the last exchange (prefill-gate fleetView).",
+                    ["endpoint"],
+                )
+                for addr, n in gate.peer_counts().items():
+                    pp.add_metric([addr], n)
+                yield pp
         if self.shared is not None:
             # Exchange counts are SharedFlowStats fields: server/families.py exports them.
             d = gauge(

@@ -191,6 +191,9 @@ class FlowController:
         # Dispatch opportunities where the pool was under the ceiling but no endpoint had
         # room for the next request (it stayed queued).
         self.no_room = 0
+        # ... of which some endpoint had room for the request but the reserve for higher
+        # bands kept it (where goodput goes: bench/RESULTS.md, twelfth session).
+        self.reserve_held = 0
         self.reserve_count = reserve
         self.reserve = Reserve(reserve, clock, reserve_priors)
         self._prefill_speed = prefill_speed
@@ -324,9 +327,10 @@ class FlowController:
                     det.endpoint_saturation(state, reqs + 2, toks + request.tokens + held)
                     <= top_ceiling
                 )
-        if held:
+        if held and fits:
             # On `a` the reserve holds if `a` keeps room for it, or another endpoint has it.
             fits = [(x, a) for x, a in fits if keeps[a] or spare - has[a] > 0]
+            self.reserve_held += not fits
         if fits and self.gate is not None:
             fits = self._gated(request, fits, dict(eps))
         if not fits:

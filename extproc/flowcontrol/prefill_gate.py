@@ -27,6 +27,19 @@ whole); a server whose count is missing, or older than 2 s, is judged by all its
 prompt tokens (decoding ones too: it holds back more, never less), counted in `blind` and
 logged once.
 
+Fleet view (`fleetView`, with replicas sharing flow state through Redis,
+flowcontrol/shared.py): each replica publishes, per server, its placements it has not yet
+seen finish their prefill (each one's age and uncached prompt tokens), and counts the
+peers' with its own, in one arrival order, against the engine's count. Without it a
+replica sees only the engine's count beyond its own placements, at the mean size of its
+own: a peer's long prompt counted as one of this replica's short ones, and both replicas
+steered interactive work to the same server by their own counts (bench/RESULTS.md,
+eleventh session, m6). A peer's placement is dated by its age when the peer published it
+(up to one exchange interval before this replica read it: dated late, it counts whole a
+little longer, holding back more, never less). Redis failing: the peers' placements are
+dropped (per-replica view, as without the fleet view), logged once per outage, and
+`peer_view` says so (the `extproc_flow_prefill_gate_fleet_view` gauge).
+
 "Sending work": a higher band is active for `activeWindow` after its last arrival here.
 Outside that window the gate does not hold (a batch-only pool runs at full speed).
 
@@ -37,9 +50,10 @@ dispatch opportunities where some server had KV room for the request but the gat
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -59,6 +73,14 @@ _BLIND_AFTER_S = 2.0
 # Older than the scrape by more than this, a placement has surely reached the engine
 # (well over the way there even on a loaded machine); only then may the count retire it.
 _TRANSIT_S = 0.5
+# Placements published per server (the youngest): the ones that can still be unfinished.
+# A server's engine runs far fewer prefills than this at once.
+_PUBLISHED_MAX = 64
+# Placements kept per server. Only a judgement retires them, and none happens while no
+# higher band is active and nothing is steered (a batch-only pool): without a bound they
+# grew with every placement. The oldest beyond this are long done, or if not, counted
+# by the engine's figure at the mean size of the known ones.
+_KEPT_MAX = 256
 
 
 @dataclass(slots=True)
@@ -83,6 +105,9 @@ class PrefillGate:
         # A higher band's request goes to the servers with the least unfinished prefill
         # (among those with KV room); this overrides prefix affinity for that band.
         steerHigherBands: bool = True
+        # With flow state shared through Redis: count the other replicas' placements not
+        # yet seen to finish their prefill with their own sizes and times (module docstring).
+        fleetView: bool = False
 
     def __init__(
         self, params: Params | None = None, clock: Callable[[], float] = time.monotonic
@@ -93,6 +118,7 @@ class PrefillGate:
         self.window_s = parse_duration(self.params.activeWindow)
         self.max_tokens = self.params.maxPrefillTokens
         self.steers = self.params.steerHigherBands
+        self.fleet_view = self.params.fleetView
         self._clock = clock
         self._last: dict[int, float] = {}  # band -> its last arrival
         self._own: dict[str, collections.deque[_Placed]] = {}
@@ -102,6 +128,10 @@ class PrefillGate:
         self.last_unfinished: dict[str, float] = {}  # address -> tokens, last evaluation
         self._warned_blind = False
         self._told_held = False
+        # The peers' placements per server (at, tokens), oldest first, from the last
+        # exchange; `peer_view`: that exchange worked (None: no exchange yet).
+        self._peers: dict[str, list[tuple[float, int]]] = {}
+        self.peer_view: bool | None = None
 
     def use_clock(self, clock: Callable[[], float]) -> None:
         """The controller's clock (tests drive it by hand)."""
@@ -123,7 +153,9 @@ class PrefillGate:
         entry = _Placed(self._clock(), max(0, prompt_tokens), address)
         self._unplaced[ticket] = entry
         if address:
-            self._own.setdefault(address, collections.deque()).append(entry)
+            q = self._own.setdefault(address, collections.deque())
+            q.append(entry)
+            _bound(q)
 
     def placed(self, ticket: object, address: str) -> None:
         """The router placed it on `address` (possibly another endpoint than its target)."""
@@ -141,6 +173,7 @@ class PrefillGate:
         while i > 0 and q[i - 1].at > entry.at:
             i -= 1
         q.insert(i, entry)
+        _bound(q)
 
     def forget(self, ticket: object) -> None:
         """The ticket ended without the router placing it."""
@@ -150,12 +183,52 @@ class PrefillGate:
             if q is not None and entry in q:
                 q.remove(entry)
 
+    # -- the fleet view (flowcontrol/shared.py carries it) ----------------------------------
+
+    def published(self) -> dict[str, list[list[int]]]:
+        """This replica's placements not yet seen to finish their prefill, per server:
+        [age ms, uncached prompt tokens], the youngest `_PUBLISHED_MAX`, oldest first."""
+        now = self._clock()
+        out: dict[str, list[list[int]]] = {}
+        for address, q in self._own.items():
+            if q:
+                young = list(q)[-_PUBLISHED_MAX:]
+                out[address] = [[max(0, round((now - e.at) * 1000)), e.tokens] for e in young]
+        return out
+
+    def peers_placed(self, placements: Mapping[str, Iterable[tuple[float, int]]]) -> None:
+        """The peers' published placements per server, as (age s, tokens), now."""
+        now = self._clock()
+        self._peers = {
+            a: sorted((now - max(0.0, age), max(0, int(t))) for age, t in items)
+            for a, items in placements.items()
+        }
+        if self.peer_view is False:
+            log.info("prefill-gate: the other replicas' placements are known again")
+        self.peer_view = True
+
+    def peer_counts(self) -> dict[str, int]:
+        """The peers' placements known per server (last exchange)."""
+        return {a: len(items) for a, items in self._peers.items()}
+
+    def peers_lost(self) -> None:
+        """The exchange failed: per-replica view until it works again (said once)."""
+        self._peers = {}
+        if self.peer_view is not False:
+            log.warning(
+                "prefill-gate: the other replicas' placements are unknown (shared flow state "
+                "failing); counting the engine's figure beyond this replica's own at their "
+                "mean size until it returns"
+            )
+        self.peer_view = False
+
     # -- the judgement ---------------------------------------------------------------------
 
     def unfinished(self, address: str, state: EndpointState) -> float:
         """Prefill tokens `address` has not finished, as the picker can tell now."""
         now = self._clock()
         q = self._own.get(address)
+        peers = self._peers.get(address, ())
         n = state.prefilling
         # A scrape older than the detectors' staleness bound still counts: everything
         # placed since shortly before it counts whole, so an old count only holds back
@@ -172,43 +245,48 @@ class PrefillGate:
                     address,
                 )
             unplaced = sum(e.tokens for e in q or () if e.at > now - _TRANSIT_S)
+            unplaced += sum(t for at, t in peers if at > now - _TRANSIT_S)
             total = float(state.inflight_tokens + unplaced)
             self.last_unfinished[address] = total
             return total
         scraped_at = now - state.age_s
+        # The placements known there, ours (with their entries, to retire) and the peers',
+        # in one arrival order: the engine starts prefills in arrival order, whoever placed
+        # them.
+        known: Iterable[tuple[float, int, _Placed | None]] = ((e.at, e.tokens, e) for e in q or ())
+        if peers:
+            known = heapq.merge(known, ((at, t, None) for at, t in peers), key=lambda k: k[0])
         total = 0.0
-        older = 0  # own placements the engine surely had when it was scraped
-        if q:
-            for e in q:
-                if e.at > scraped_at - _SEEN_AFTER_S:
-                    # Maybe not in the engine's count yet: unfinished, counted whole.
-                    total += e.tokens
-                else:
-                    older += 1
-            # The engine starts prefills in arrival order: of the older ones its `n`
-            # unfinished are the youngest (`n` may include some of the recent ones too:
-            # counted twice then, for at most _SEEN_AFTER_S; holding back, never less).
-            # The rest are done, and retired once surely arrived, so a late arrival is not
-            # retired in place of an earlier one.
-            done = max(0, older - n)
-            for i, e in enumerate(q):
-                if i >= older:
-                    break
-                if i >= done:
-                    total += e.tokens
-            while done and q[0].at < scraped_at - _TRANSIT_S:
-                q.popleft()
-                done -= 1
-        if n > older:
-            # Not this picker's (another replica's): at the mean size of ours, else of what
-            # is in flight there.
-            if q:
-                mean = sum(e.tokens for e in q) / len(q)
+        older: list[tuple[float, int, _Placed | None]] = []  # surely in the engine's count
+        for k in known:
+            if k[0] > scraped_at - _SEEN_AFTER_S:
+                # Maybe not in the engine's count yet: unfinished, counted whole.
+                total += k[1]
+            else:
+                older.append(k)
+        # Of the older ones the engine's `n` unfinished are the youngest (`n` may include
+        # some of the recent ones too: counted twice then, for at most _SEEN_AFTER_S;
+        # holding back, never less). The rest are done; ours among them are retired once
+        # surely arrived, so a late arrival is not retired in place of an earlier one.
+        done = max(0, len(older) - n)
+        total += sum(t for _, t, _ in older[done:])
+        for at, _, e in older[:done]:
+            if e is None:
+                continue  # a peer's: it retires its own
+            if q is None or at >= scraped_at - _TRANSIT_S or q[0] is not e:
+                break
+            q.popleft()
+        if n > len(older):
+            # Nobody's this picker knows of (another replica's, without the fleet view): at
+            # the mean size of the known ones, else of what is in flight there.
+            left = len(q or ()) + len(peers)
+            if left:
+                mean = (sum(e.tokens for e in q or ()) + sum(t for _, t in peers)) / left
             elif state.inflight_requests:
                 mean = state.inflight_tokens / state.inflight_requests
             else:
                 mean = float(self.max_tokens)
-            total += (n - older) * mean
+            total += (n - len(older)) * mean
         self.last_unfinished[address] = total
         return total
 
@@ -227,3 +305,8 @@ class PrefillGate:
                 priority,
                 self.max_tokens,
             )
+
+
+def _bound(q: collections.deque[_Placed]) -> None:
+    while len(q) > _KEPT_MAX:
+        q.popleft()

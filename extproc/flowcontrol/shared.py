@@ -8,6 +8,9 @@ tokens it served per flow (decayed), and reads everyone else's. With that, each 
   shares hold across replicas;
 - counts the work other replicas released but the detector cannot see yet (their pending
   figures), so replicas do not each fill the same free capacity;
+- with the prefill gate's fleet view (`prefill-gate` `fleetView`), counts the peers'
+  placements not yet seen to finish their prefill with their own sizes and ages
+  (flowcontrol/prefill_gate.py);
 - knows which flows are queued where, per band: when the flow next by fleet-wide usage is
   queued only at another replica, free capacity is left to that replica (for at most two
   exchange intervals, so stale state never idles capacity for long). Token shares then hold
@@ -17,7 +20,8 @@ Saturation is fleet-wide by construction when in-flight counts are shared
 
 Layout (one hash slot, Cluster-safe): `{<ns>}:flow` hash, field = process id, value =
 msgpack `[expiry_ms, top_band | false, {flow: tokens}, pending_requests, pending_tokens,
-{band: [queued flow, ...]}]` (the last element absent from older replicas);
+{band: [queued flow, ...]}, {address: [[age_ms, prompt_tokens], ...]}]` (the last two
+absent from older replicas, the last one without the gate's fleet view);
 one script refreshes our field, drops expired ones (Redis server time, so no clock agreement
 needed) and returns the rest.
 Redis failing -> per-replica flow control: peers' state is forgotten, a warning is logged,
@@ -114,10 +118,12 @@ class SharedFlowState:
         # No queued band is `false`, not nil: a nil inside the array would cut it short when
         # the Lua script re-packs it (and peers would drop the entry as corrupt).
         own_top = fc.top_band()
-        own = msgpack.encode(
-            [0, False if own_top is None else own_top, mine, fc.pending_requests, fc.pending_tokens,
-             fc.top_flows()]
-        )  # fmt: skip
+        fields = [0, False if own_top is None else own_top, mine, fc.pending_requests,
+                  fc.pending_tokens, fc.top_flows()]  # fmt: skip
+        gate = fc.gate if fc.gate is not None and fc.gate.fleet_view else None
+        if gate is not None:
+            fields.append(gate.published())
+        own = msgpack.encode(fields)
         try:
             blobs = await command(self._eval(own), self._timeout_s, self._abandoned)
         except (RedisError, OSError, TimeoutError) as exc:
@@ -127,6 +133,8 @@ class SharedFlowState:
             fc.peer_served = {}
             fc.peer_pending = (0, 0)
             fc.peer_flows = {}
+            if gate is not None:
+                gate.peers_lost()
             return
         self._outage.healed()
         self.stats.exchanges += 1
@@ -135,6 +143,7 @@ class SharedFlowState:
         peers = 0
         pend_reqs = pend_toks = 0
         queued: dict[int, set[str]] = {}
+        placed: dict[str, list[tuple[float, int]]] = {}  # address -> (age s, tokens)
         for blob in blobs:
             try:
                 _, band, flows, p_reqs, p_toks, *rest = msgpack.decode(blob)
@@ -145,6 +154,12 @@ class SharedFlowState:
                 pend_toks += max(0, int(p_toks))
                 for b, names in _mapping(rest[0] if rest else {}).items():
                     queued.setdefault(int(b), set()).update(str(n) for n in names)
+                theirs = {
+                    str(a): [(int(age) / 1000, int(t)) for age, t in items]
+                    for a, items in _mapping(rest[1] if gate and len(rest) > 1 else {}).items()
+                }
+                for a, items in theirs.items():
+                    placed.setdefault(a, []).extend(items)
             except (ValueError, TypeError, AttributeError):  # msgspec.DecodeError is a ValueError
                 continue  # a foreign or corrupt entry must not stop flow control
             peers += 1
@@ -155,6 +170,8 @@ class SharedFlowState:
         fc.peer_served = served
         fc.peer_pending = (pend_reqs, pend_toks)
         fc.peer_flows = {b: frozenset(names) for b, names in queued.items()}
+        if gate is not None:
+            gate.peers_placed(placed)
         # A peer's higher band may have drained: whatever we hold may now go.
         fc.dispatch()
 

@@ -120,3 +120,6 @@ async def test_batch_leaves_a_server_for_interactive_before_any_interactive_came
     text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
     held = re.search(r"^extproc_flow_reserved_tokens (\S+)$", text, re.M)
     assert held is not None and float(held.group(1)) >= 500
+    # ... and why the second request waited: the reserve, not a lack of room.
+    by_reserve = re.search(r"^extproc_flow_reserve_held_total (\S+)$", text, re.M)
+    assert by_reserve is not None and float(by_reserve.group(1)) >= 1

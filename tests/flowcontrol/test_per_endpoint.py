@@ -112,6 +112,8 @@ async def test_lower_band_leaves_room_for_the_largest_recent_higher_request():
     low = asyncio.create_task(ctl.admit(req(200)))
     await settle()
     assert not low.done()  # either placement would take the interactive reserve
+    assert ctl.reserve_held >= 1 and ctl.reserve_held <= ctl.no_room  # counted as such
+    assert ctl2.reserve_held == 0
     hi = await ctl.admit(req(400, priority=10))  # the higher band is not held back
     assert hi.endpoints == {"B"}
     place(ctl, fleet, hi)  # B: 1000
@@ -127,9 +129,11 @@ async def test_a_reserve_of_two_keeps_room_for_the_two_largest_together():
     for size in (300, 200, 100):
         ctl.release(await ctl.admit(req(size, priority=10)))
     fleet.tokens.update(A=900, B=400)
+    held = ctl.reserve_held
     low = asyncio.create_task(ctl.admit(req(200)))
     await settle()
     assert not low.done()  # on B: 600 + 500 reserved > 1000; on A it does not fit at all
+    assert ctl.reserve_held > held
     fleet.tokens.update(B=300)
     ctl.tick()
     await settle()

@@ -6,6 +6,7 @@ placements), and a higher band's request goes where the least prefill is unfinis
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import pytest
@@ -253,3 +254,89 @@ async def test_a_late_scrape_still_counts_and_what_came_since_counts_whole():
     clock.now += 2.0  # too old to use at all
     assert ctl.gate.unfinished("A", dict(fleet.endpoints())["A"]) == 5000
     assert ctl.gate.blind == 1
+
+
+async def test_fleet_view_counts_a_peers_placement_at_its_own_size():
+    # Replica b placed a short prompt on A, then replica a a long one; the engine shows
+    # one unfinished: the younger, a's long one. Without the fleet view b takes it for its
+    # own short one (all it knows of): room for a batch request. With it, a's placement
+    # counts at its own size and time: held.
+    def replica(fleet_view: bool) -> tuple[FlowController, Clock, Fleet]:
+        clock = Clock()
+        fleet = Fleet(clock)
+        ctl = make(fleet, clock, {"maxPrefillTokens": 1000, "fleetView": fleet_view})
+        return ctl, clock, fleet
+
+    held = {}
+    for fleet_view in (False, True):
+        ctl, clock, fleet = replica(fleet_view)
+        assert ctl.gate is not None and ctl.gate.fleet_view is fleet_view
+        place(ctl, fleet, await ctl.admit(req(100)), "A")  # b's short one
+        clock.now += 0.1
+        a = replica(True)[0]  # the peer (its own clock: ages travel, not times)
+        assert a.gate is not None
+        a.placed(await a.admit(req(900)), "A")
+        a.gate.use_clock(lambda: 1000.0 + 1.0)  # a publishes one second later
+        clock.now += 1.0
+        fleet.scrape(A=1, B=1)  # one unfinished on A: a's long one; B busy with another
+        if fleet_view:
+            ctl.gate.peers_placed(
+                {addr: [(age / 1000, t) for age, t in items]
+                 for addr, items in a.gate.published().items()}
+            )  # fmt: skip
+        state = dict(fleet.endpoints())["A"]
+        unfinished = ctl.gate.unfinished("A", state)
+        assert unfinished == (900 if fleet_view else 100)
+        ctl.release(await ctl.admit(req(100, priority=10)))  # interactive active
+        fleet.scrape(A=1, B=1)
+        fleet.prefilling["B"] = 0
+        fleet.requests["B"] = 0
+        # B has nothing unfinished: a batch request goes there either way; on A only
+        # without the fleet view.
+        ticket = await ctl.admit(req(300))
+        held[fleet_view] = ticket.endpoints
+    assert held == {False: {"A", "B"}, True: {"B"}}
+
+
+def test_fleet_view_publishes_the_youngest_placements_with_their_ages():
+    from extproc.flowcontrol.prefill_gate import _PUBLISHED_MAX, PrefillGate
+
+    now = [50.0]
+    gate = PrefillGate(PrefillGate.Params(fleetView=True), clock=lambda: now[0])
+    for i in range(_PUBLISHED_MAX + 3):
+        gate.released(object(), "A", 10 + i)
+        now[0] += 0.01
+    pub = gate.published()
+    assert list(pub) == ["A"] and len(pub["A"]) == _PUBLISHED_MAX
+    assert pub["A"][-1] == [10, 10 + _PUBLISHED_MAX + 2]  # the youngest, 10 ms old
+    assert pub["A"][0][1] == 13  # the three oldest left out
+    # Read back: dated by their ages at the reader's now, oldest first.
+    other = PrefillGate(PrefillGate.Params(fleetView=True), clock=lambda: 7.0)
+    other.peers_placed({"A": [(0.5, 300), (0.1, 200)]})
+    assert other._peers == {"A": [(6.5, 300), (6.9, 200)]}
+    assert other.peer_counts() == {"A": 2} and other.peer_view is True
+
+
+def test_fleet_view_lost_falls_back_to_this_replica_and_says_so_once(caplog):
+    from extproc.flowcontrol.prefill_gate import PrefillGate
+
+    caplog.set_level(logging.INFO, logger="extproc.flowcontrol")
+    gate = PrefillGate(PrefillGate.Params(fleetView=True), clock=lambda: 7.0)
+    gate.peers_placed({"A": [(0.5, 300)]})
+    gate.peers_lost()
+    gate.peers_lost()
+    assert gate.peer_counts() == {} and gate.peer_view is False
+    assert caplog.text.count("other replicas' placements are unknown") == 1
+    gate.peers_placed({})
+    assert gate.peer_view is True and "known again" in caplog.text
+
+
+def test_placements_are_bounded_without_judgements():
+    # A batch-only pool: no higher band active, nothing steered, so nothing retires them.
+    from extproc.flowcontrol.prefill_gate import _KEPT_MAX, PrefillGate
+
+    gate = PrefillGate(clock=lambda: 1.0)
+    for i in range(_KEPT_MAX + 50):
+        gate.released(i, "A", 100)
+        gate.placed(i, "B")
+    assert len(gate._own["B"]) == _KEPT_MAX and not gate._own["A"]

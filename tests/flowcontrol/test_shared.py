@@ -152,3 +152,56 @@ async def test_an_idle_replica_is_still_a_peer(redis_server: RedisServer):
     finally:
         await sa.aclose()
         await sb.aclose()
+
+
+async def test_the_prefill_gates_fleet_view_travels_and_degrades(redis_server: RedisServer, caplog):
+    """Replica a's placement on A reaches replica b's prefill gate through the shared flow
+    state with its size and age (Lua's msgpack re-packing included); with Redis gone b
+    counts its own placements only, logs it once and its gauge says so."""
+    from prometheus_client import CollectorRegistry
+
+    from extproc.flowcontrol.admission import Admission
+    from extproc.flowcontrol.config import build_flow_config
+    from tests.flowcontrol import test_prefill_gate as pg
+
+    clock = pg.Clock()
+    fleet = pg.Fleet(clock)
+    a = pg.make(fleet, clock, {"fleetView": True})
+    plugins = [
+        {"type": "concurrency-detector", "parameters": {"concurrencyMode": "tokens"}},
+        {"type": "prefill-gate", "parameters": {"fleetView": True}},
+    ]
+    fc = {"saturationDetector": {"pluginRef": "concurrency-detector"}}
+    adm = Admission(build_flow_config(fc, None, plugins), list, registry=CollectorRegistry())
+    b = adm.controller
+    assert a.gate is not None and b.gate is not None
+    sa = SharedFlowState.from_url(redis_server.url, a, namespace="t6", process_id="a")
+    adm.shared = sb = SharedFlowState.from_url(redis_server.url, b, namespace="t6", process_id="b")
+
+    def gauge(name: str) -> list[tuple[dict, float]]:
+        fam = [f for f in adm.collect() if f.name == name]
+        return [(s.labels, s.value) for f in fam for s in f.samples]
+
+    b.gate.use_clock(lambda: clock.now)  # (Admission's controller runs on the real clock)
+    try:
+        pg.place(a, fleet, await a.admit(pg.req(900)), "A")
+        clock.now += 0.25
+        await sa.exchange()
+        await sb.exchange()
+        assert b.gate._peers["A"][0][1] == 900
+        assert gauge("extproc_flow_prefill_gate_fleet_view") == [({}, 1.0)]
+        assert gauge("extproc_flow_prefill_gate_peer_placements") == [({"endpoint": "A"}, 1.0)]
+        # b judges A with the engine's one unfinished request: a's, at its own size.
+        fleet.scrape(A=1)
+        state = dict(fleet.endpoints())["A"]
+        assert b.gate.unfinished("A", state) == 900
+        redis_server.kill()
+        with caplog.at_level(logging.WARNING, logger="extproc.flowcontrol"):
+            await sb.exchange()
+            await sb.exchange()
+        assert gauge("extproc_flow_prefill_gate_fleet_view") == [({}, 0.0)]
+        assert b.gate.peer_counts() == {}
+        assert sum("placements are unknown" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        await asyncio.wait_for(sa.aclose(), 5)
+        await asyncio.wait_for(adm.aclose(), 5)
