@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         "+ '-wq': its waitingFloor: endpointMean; + '-kv': kv-cache-utilization-scorer's "
         "countRequest: true; + '-wqkv': "
         "both; any mode + '-request': state.prefill_speed: request (the per-request prefill "
-        "speed, the default before)",
+        "speed, the default before); + '-capfirst' (before '-request'): "
+        "index.capacity_first_tokens: 4000",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -347,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                 mode = named.removesuffix("-request")
                 if named != mode:
                     cfg["state"] = {"prefill_speed": "request"}
+                if mode.endswith("-capfirst"):  # the KV-capacity ratio measured early
+                    mode = mode.removesuffix("-capfirst")
+                    cfg["index"] = {"capacity_first_tokens": 4000}
                 if mode.startswith("precise"):
                     cfg |= fleet.precise_settings(f"tcp://127.0.0.1:{fleet.kv_events_port}")
                 if mode == "precise-events-only":

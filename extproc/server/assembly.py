@@ -146,6 +146,7 @@ class Parts:
             ends=self.ends,
             speeds=self.speeds,
             lookup_budget_follows_prefill=settings.index.lookup_budget == "prefill",
+            capacity_first_tokens=settings.index.capacity_first_tokens,
             placed=self._placed_blocks(record),
         )
         self.calibration.on_units.append(self.router.estimate_units_changed)
