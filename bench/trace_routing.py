@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         "+ '-wq': its waitingFloor: endpointMean; + '-kv': kv-cache-utilization-scorer's "
         "countRequest: true; + '-wqkv': "
         "both; any mode + '-request': state.prefill_speed: request (the per-request prefill "
-        "speed, the default before); + '-capfirst' (before '-request'): "
+        "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
+        "(after the others, before '-request'): "
         "index.capacity_first_tokens: 4000",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
@@ -358,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                 ttft, kv = "predicted-ttft-scorer", "kv-cache-utilization-scorer"
                 suffixes: dict[str, dict[str, dict]] = {
                     "-sharedlane": {ttft: {"peerInflight": "sharedLane"}},
+                    "-units": {ttft: {"speedUnits": "estimates"}},
                     "-drained": {ttft: {"peerInflight": "drained"}},
                     "-whole": {ttft: {"peerInflight": "whole"}},
                     "-lane": {ttft: {"inflightFloor": "drained"}},
