@@ -5,6 +5,7 @@ against what it really had, and how the logged decisions re-score under other op
     uv run python bench/spill_terms.py --phases 4.6 trace/tenants-redis3-0.jsonl [...]
     uv run python bench/spill_terms.py --sides trace/tenants-redis3-0.jsonl [...]
     uv run python bench/spill_terms.py --rescore trace/tenants-redis3-0.jsonl [...]
+    uv run python bench/spill_terms.py --replayed rows/ trace/tenants-redis3-0.jsonl [...]
 
 `--phases S`: hit ratio, spills and false credit before and after S seconds (the
 replicas' uncalibrated start). `--sides`: per spill ("holder lost on score",
@@ -13,7 +14,9 @@ engine tokens by the request's own uncached prefill (an uncalibrated picker pred
 token estimate's scale), against the real backlog (`trace_causes.real_backlog`), and the
 destination's in-flight floor as used against its in-flight tokens counted whole (and of
 those, the deciding replica's own and the peers', when the terms give the peers').
-`--rescore`: every decision with a strong holder (10+ blocks beyond the shared header)
+`--replayed DIR`: per spill, the queue predicted on each side against the backlog the same
+decisions left on a quiet replay (`replay_decisions.py --rows DIR`), uncalibrated decisions
+apart. `--rescore`: every decision with a strong holder (10+ blocks beyond the shared header)
 re-scored from its logged terms and scores with the default profile's weights (no
 feedback on later requests): how many keep the holder as run, with
 `kv-cache-utilization-scorer` `countRequest`, `waitingFloor: endpointMean`, without the
@@ -100,6 +103,45 @@ def sides(rows: list[dict]) -> str:
     )
 
 
+def replayed(rows: list[dict], rrows: list[dict]) -> list[str]:
+    """Per spill, the queue predicted on each side against the backlog the same decisions
+    left on a quiet replay (`replay_decisions.py --rows`: the simulators' lanes on time),
+    uncalibrated decisions apart; and how often the holder would have been faster there."""
+    cause = cause_of_each(rows)
+    again = {r["index"]: r for r in rrows}
+    # The replay's server for each of the trace's (the same request went to both).
+    name = {r["served_by"]: again[r["index"]]["served_by"] for r in rows
+            if r.get("served_by") and again.get(r["index"], {}).get("served_by")}  # fmt: skip
+    out: dict[str, list[tuple[float, ...]]] = {}
+    for r in _ok(rows):
+        d = r["decision"]
+        if cause[r["index"]] != CAUSES[2] or TTFT not in d.get("terms", {}):
+            continue
+        terms, held, new = d["terms"][TTFT], d["prefix_blocks"], r["served_by"]
+        holder = _holder(d)
+        if holder is None or holder not in terms or new not in terms or r["index"] not in again:
+            continue
+        t = terms[new]
+        real_prefill = r["prompt_tokens"] * (1 - held.get(new, 0) / d["request_blocks"])
+        scale = real_prefill / ENGINE_TPS / t["uncached_s"] if t["uncached_s"] > 0 else 1.0
+        h_back = real_backlog(rrows, name[holder], r["sent_s"])
+        h_own = r["prompt_tokens"] * (1 - held.get(holder, 0) / d["request_blocks"]) / ENGINE_TPS
+        uncal = d.get("prompt_tokens", 0) < 0.6 * r["prompt_tokens"]
+        out.setdefault("uncalibrated" if uncal else "calibrated", []).append((
+            t["queue_s"] * scale, real_backlog(rrows, name[new], r["sent_s"]),
+            terms[holder]["queue_s"] * scale, h_back,
+            float(h_back + h_own + 0.03 < again[r["index"]].get("ttft_s", float("inf"))),
+        ))  # fmt: skip
+    m = statistics.mean
+    return [
+        f"{k}: {len(v)} spills, means: destination's queue predicted {m(x[0] for x in v):.3f} s, "
+        f"replayed {m(x[1] for x in v):.3f} | holder's predicted {m(x[2] for x in v):.3f}, "
+        f"replayed {m(x[3] for x in v):.3f} | holder faster on the replay "
+        f"{sum(x[4] for x in v):.0f}"
+        for k, v in sorted(out.items())
+    ] or ["no spills with terms"]
+
+
 def _rescore(d: dict, option: str) -> str:
     terms, scores = d["terms"][TTFT], d["scores"]
     pred, kv = {}, {}
@@ -164,8 +206,9 @@ def rescore(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     cut = float(argv[argv.index("--phases") + 1]) if "--phases" in argv else None
-    paths = [a for i, a in enumerate(argv)
-             if not a.startswith("--") and (i == 0 or argv[i - 1] != "--phases")]  # fmt: skip
+    rep = Path(argv[argv.index("--replayed") + 1]) if "--replayed" in argv else None
+    paths = [a for i, a in enumerate(argv) if not a.startswith("--")
+             and (i == 0 or argv[i - 1] not in ("--phases", "--replayed"))]  # fmt: skip
     for path in paths:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
         print(f"{path}:")
@@ -176,6 +219,11 @@ def main(argv: list[str]) -> int:
             print(f"  {sides(rows)}")
         if "--rescore" in argv:
             print(f"  {rescore(rows)}")
+        if rep is not None:
+            for k in sorted(rep.glob(f"{Path(path).stem}-replay*.jsonl")):
+                rrows = [json.loads(line) for line in k.read_text().splitlines()]
+                for line in replayed(rows, rrows):
+                    print(f"  {k.name} {line}")
     return 0
 
 
