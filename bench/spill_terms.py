@@ -16,7 +16,9 @@ destination's in-flight floor as used against its in-flight tokens counted whole
 those, the deciding replica's own and the peers', when the terms give the peers').
 `--replayed DIR`: per spill, the queue predicted on each side against the backlog the same
 decisions left on a quiet replay (`replay_decisions.py --rows DIR`), uncalibrated decisions
-apart. `--rescore`: every decision with a strong holder (10+ blocks beyond the shared header)
+apart. `--exchange S`: how much of the peers' arrived tokens the net change of their in-flight
+totals, exchanged every S s, shows as arrivals (the rest is dated as the tokens it replaced).
+`--rescore`: every decision with a strong holder (10+ blocks beyond the shared header)
 re-scored from its logged terms and scores with the default profile's weights (no
 feedback on later requests): how many keep the holder as run, with
 `kv-cache-utilization-scorer` `countRequest`, `waitingFloor: endpointMean`, without the
@@ -142,6 +144,35 @@ def replayed(rows: list[dict], rrows: list[dict]) -> list[str]:
     ] or ["no spills with terms"]
 
 
+def exchange_shows(rows: list[dict], interval_s: float) -> str:
+    """How much of the peers' prompt tokens the exchange's net change shows as arrivals
+    (endpoints/peer_arrivals.py): for each deciding replica and server, the other replicas'
+    requests counted from their send to their end (sent_s + total_s, in engine tokens),
+    sampled every `interval_s`; a growth of the total is an arrival, and what arrived while
+    as much ended in the same interval is hidden (dated as the old tokens it replaced)."""
+    ok = [r for r in _ok(rows) if r.get("prompt_tokens") and "total_s" in r]
+    pickers = sorted({r["decision"].get("picker", 0) for r in ok})
+    end = max((r["sent_s"] + r["total_s"] for r in ok), default=0.0)
+    arrived = shown = 0.0
+    for p in pickers:
+        for a in sorted({r["served_by"] for r in ok}):
+            peers = [r for r in ok if r["served_by"] == a and r["decision"].get("picker", 0) != p]
+            prev, k = 0, 0
+            while (t := k * interval_s) < end + interval_s:
+                total = sum(r["prompt_tokens"] for r in peers
+                            if r["sent_s"] <= t < r["sent_s"] + r["total_s"])  # fmt: skip
+                new = sum(r["prompt_tokens"] for r in peers if t - interval_s < r["sent_s"] <= t)
+                arrived += new
+                shown += min(new, max(0, total - prev))
+                prev, k = total, k + 1
+    if not arrived:
+        return "no peers"
+    return (
+        f"exchange every {interval_s:g} s: the net change shows {shown / arrived:.1%} of the "
+        f"peers' {arrived:.0f} arrived tokens (summed over deciding replicas)"
+    )
+
+
 def _rescore(d: dict, option: str) -> str:
     terms, scores = d["terms"][TTFT], d["scores"]
     pred, kv = {}, {}
@@ -207,8 +238,10 @@ def rescore(rows: list[dict]) -> str:
 def main(argv: list[str]) -> int:
     cut = float(argv[argv.index("--phases") + 1]) if "--phases" in argv else None
     rep = Path(argv[argv.index("--replayed") + 1]) if "--replayed" in argv else None
-    paths = [a for i, a in enumerate(argv) if not a.startswith("--")
-             and (i == 0 or argv[i - 1] not in ("--phases", "--replayed"))]  # fmt: skip
+    every = float(argv[argv.index("--exchange") + 1]) if "--exchange" in argv else None
+    valued = ("--phases", "--replayed", "--exchange")
+    paths = [a for i, a in enumerate(argv)
+             if not a.startswith("--") and (i == 0 or argv[i - 1] not in valued)]  # fmt: skip
     for path in paths:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
         print(f"{path}:")
@@ -219,6 +252,8 @@ def main(argv: list[str]) -> int:
             print(f"  {sides(rows)}")
         if "--rescore" in argv:
             print(f"  {rescore(rows)}")
+        if every is not None:
+            print(f"  {exchange_shows(rows, every)}")
         if rep is not None:
             for k in sorted(rep.glob(f"{Path(path).stem}-replay*.jsonl")):
                 rrows = [json.loads(line) for line in k.read_text().splitlines()]
