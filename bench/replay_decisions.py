@@ -36,7 +36,7 @@ import aiohttp
 import httpx
 from bench_routing import AGENTIC, PRESSURE_SHAPE, tenants_spec
 from trace_causes import cause_of_each
-from trace_routing import _send, cpu_seconds
+from trace_routing import _send, cpu_seconds, lane_clock, lane_delta, lane_line
 
 from extproc.sim.sessions import build_sessions
 from extproc.sim.workload import WorkItem, build_workload
@@ -184,6 +184,7 @@ def replay(
     with SimFleet(servers, sim_args, log_dir=log_dir) as fleet:
         urls = [s.url for s in fleet.servers]
         h0, q0 = prefix_counters(urls)
+        lanes0 = lane_clock(urls)
         cpu0 = cpu_seconds()
 
         async def run() -> list[dict]:
@@ -204,10 +205,12 @@ def replay(
         wall = time.perf_counter() - wall0
         cpu1 = cpu_seconds()
         h1, q1 = prefix_counters(urls)
+        lanes = lane_delta(lanes0, lane_clock(urls))
     f = figures(out)
     f["metrics_hit"] = (h1 - h0) / max(q1 - q0, 1.0)
     f["wall_s"] = round(wall, 2)
     f["cpu_s"] = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
+    f["lanes"] = lanes
     return f, out
 
 
@@ -226,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="traces interleaved, this many times")
     p.add_argument("--out", type=Path, help="write every replay's figures here as JSON lines")
     p.add_argument(
+        "--rows", type=Path,
+        help="write each replay's per-request rows here (<trace stem>-replay<round>.jsonl)",
+    )  # fmt: skip
+    p.add_argument(
         "--causes", action="store_true",
         help="tenants: uncached tokens and slow requests per miss cause (trace_causes.py)",
     )  # fmt: skip
@@ -241,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{k} {v:.1f}" for k, v in sorted(c["cpu_s"].items())
             )
         print(_line(f"original {t.name}", figures(rows), extra), flush=True)
+        if cpu.exists() and "lanes" in c:
+            print(f"    {lane_line(c['lanes'])}", flush=True)
         if args.causes:
             _print_causes(rows, cause_of_each(rows))
     results = []
@@ -256,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
                     + f" | CPU s over {f['wall_s']:.1f} s: {cpu}",
                     flush=True,
                 )
+                print(f"    {lane_line(f['lanes'])}", flush=True)
+                if args.rows:
+                    args.rows.mkdir(parents=True, exist_ok=True)
+                    dest = args.rows / f"{t.stem}-replay{rnd}.jsonl"
+                    dest.write_text("".join(json.dumps(r) + "\n" for r in out))
                 if args.causes:
                     _print_causes(out, cause_of_each(rows))
     if args.out:

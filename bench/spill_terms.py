@@ -5,6 +5,7 @@ against what it really had, and how the logged decisions re-score under other op
     uv run python bench/spill_terms.py --phases 4.6 trace/tenants-redis3-0.jsonl [...]
     uv run python bench/spill_terms.py --sides trace/tenants-redis3-0.jsonl [...]
     uv run python bench/spill_terms.py --rescore trace/tenants-redis3-0.jsonl [...]
+    uv run python bench/spill_terms.py --replayed rows/ trace/tenants-redis3-0.jsonl [...]
 
 `--phases S`: hit ratio, spills and false credit before and after S seconds (the
 replicas' uncalibrated start). `--sides`: per spill ("holder lost on score",
@@ -13,6 +14,10 @@ engine tokens by the request's own uncached prefill (an uncalibrated picker pred
 token estimate's scale), against the real backlog (`trace_causes.real_backlog`), and the
 destination's in-flight floor as used against its in-flight tokens counted whole (and of
 those, the deciding replica's own and the peers', when the terms give the peers').
+`--replayed DIR`: per spill, the queue predicted on each side against the backlog the same
+decisions left on a quiet replay (`replay_decisions.py --rows DIR`), uncalibrated decisions
+apart. `--exchange S`: how much of the peers' arrived tokens the net change of their in-flight
+totals, exchanged every S s, shows as arrivals (the rest is dated as the tokens it replaced).
 `--rescore`: every decision with a strong holder (10+ blocks beyond the shared header)
 re-scored from its logged terms and scores with the default profile's weights (no
 feedback on later requests): how many keep the holder as run, with
@@ -100,6 +105,74 @@ def sides(rows: list[dict]) -> str:
     )
 
 
+def replayed(rows: list[dict], rrows: list[dict]) -> list[str]:
+    """Per spill, the queue predicted on each side against the backlog the same decisions
+    left on a quiet replay (`replay_decisions.py --rows`: the simulators' lanes on time),
+    uncalibrated decisions apart; and how often the holder would have been faster there."""
+    cause = cause_of_each(rows)
+    again = {r["index"]: r for r in rrows}
+    # The replay's server for each of the trace's (the same request went to both).
+    name = {r["served_by"]: again[r["index"]]["served_by"] for r in rows
+            if r.get("served_by") and again.get(r["index"], {}).get("served_by")}  # fmt: skip
+    out: dict[str, list[tuple[float, ...]]] = {}
+    for r in _ok(rows):
+        d = r["decision"]
+        if cause[r["index"]] != CAUSES[2] or TTFT not in d.get("terms", {}):
+            continue
+        terms, held, new = d["terms"][TTFT], d["prefix_blocks"], r["served_by"]
+        holder = _holder(d)
+        if holder is None or holder not in terms or new not in terms or r["index"] not in again:
+            continue
+        t = terms[new]
+        real_prefill = r["prompt_tokens"] * (1 - held.get(new, 0) / d["request_blocks"])
+        scale = real_prefill / ENGINE_TPS / t["uncached_s"] if t["uncached_s"] > 0 else 1.0
+        h_back = real_backlog(rrows, name[holder], r["sent_s"])
+        h_own = r["prompt_tokens"] * (1 - held.get(holder, 0) / d["request_blocks"]) / ENGINE_TPS
+        uncal = d.get("prompt_tokens", 0) < 0.6 * r["prompt_tokens"]
+        out.setdefault("uncalibrated" if uncal else "calibrated", []).append((
+            t["queue_s"] * scale, real_backlog(rrows, name[new], r["sent_s"]),
+            terms[holder]["queue_s"] * scale, h_back,
+            float(h_back + h_own + 0.03 < again[r["index"]].get("ttft_s", float("inf"))),
+        ))  # fmt: skip
+    m = statistics.mean
+    return [
+        f"{k}: {len(v)} spills, means: destination's queue predicted {m(x[0] for x in v):.3f} s, "
+        f"replayed {m(x[1] for x in v):.3f} | holder's predicted {m(x[2] for x in v):.3f}, "
+        f"replayed {m(x[3] for x in v):.3f} | holder faster on the replay "
+        f"{sum(x[4] for x in v):.0f}"
+        for k, v in sorted(out.items())
+    ] or ["no spills with terms"]
+
+
+def exchange_shows(rows: list[dict], interval_s: float) -> str:
+    """How much of the peers' prompt tokens the exchange's net change shows as arrivals
+    (endpoints/peer_arrivals.py): for each deciding replica and server, the other replicas'
+    requests counted from their send to their end (sent_s + total_s, in engine tokens),
+    sampled every `interval_s`; a growth of the total is an arrival, and what arrived while
+    as much ended in the same interval is hidden (dated as the old tokens it replaced)."""
+    ok = [r for r in _ok(rows) if r.get("prompt_tokens") and "total_s" in r]
+    pickers = sorted({r["decision"].get("picker", 0) for r in ok})
+    end = max((r["sent_s"] + r["total_s"] for r in ok), default=0.0)
+    arrived = shown = 0.0
+    for p in pickers:
+        for a in sorted({r["served_by"] for r in ok}):
+            peers = [r for r in ok if r["served_by"] == a and r["decision"].get("picker", 0) != p]
+            prev, k = 0, 0
+            while (t := k * interval_s) < end + interval_s:
+                total = sum(r["prompt_tokens"] for r in peers
+                            if r["sent_s"] <= t < r["sent_s"] + r["total_s"])  # fmt: skip
+                new = sum(r["prompt_tokens"] for r in peers if t - interval_s < r["sent_s"] <= t)
+                arrived += new
+                shown += min(new, max(0, total - prev))
+                prev, k = total, k + 1
+    if not arrived:
+        return "no peers"
+    return (
+        f"exchange every {interval_s:g} s: the net change shows {shown / arrived:.1%} of the "
+        f"peers' {arrived:.0f} arrived tokens (summed over deciding replicas)"
+    )
+
+
 def _rescore(d: dict, option: str) -> str:
     terms, scores = d["terms"][TTFT], d["scores"]
     pred, kv = {}, {}
@@ -164,8 +237,11 @@ def rescore(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     cut = float(argv[argv.index("--phases") + 1]) if "--phases" in argv else None
+    rep = Path(argv[argv.index("--replayed") + 1]) if "--replayed" in argv else None
+    every = float(argv[argv.index("--exchange") + 1]) if "--exchange" in argv else None
+    valued = ("--phases", "--replayed", "--exchange")
     paths = [a for i, a in enumerate(argv)
-             if not a.startswith("--") and (i == 0 or argv[i - 1] != "--phases")]  # fmt: skip
+             if not a.startswith("--") and (i == 0 or argv[i - 1] not in valued)]  # fmt: skip
     for path in paths:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
         print(f"{path}:")
@@ -176,6 +252,13 @@ def main(argv: list[str]) -> int:
             print(f"  {sides(rows)}")
         if "--rescore" in argv:
             print(f"  {rescore(rows)}")
+        if every is not None:
+            print(f"  {exchange_shows(rows, every)}")
+        if rep is not None:
+            for k in sorted(rep.glob(f"{Path(path).stem}-replay*.jsonl")):
+                rrows = [json.loads(line) for line in k.read_text().splitlines()]
+                for line in replayed(rows, rrows):
+                    print(f"  {k.name} {line}")
     return 0
 
 

@@ -224,6 +224,40 @@ def cpu_seconds() -> dict[str, float]:
     return out
 
 
+def lane_clock(urls: list[str]) -> dict[str, dict[str, float]]:
+    """Each simulated server's prefill lane clock so far (`/sim/steps`: steps, tokens,
+    scheduled and wall seconds), by URL."""
+    return {u: httpx.get(f"{u}/sim/steps", timeout=10).json() for u in urls}
+
+
+def lane_delta(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """What each server's lane did between two `lane_clock` readings, plus the fleet's sum
+    under "all"."""
+    out = {
+        u: {k: round(v - before.get(u, {}).get(k, 0), 4) for k, v in a.items()}
+        for u, a in after.items()
+    }
+    out["all"] = {k: round(sum(d[k] for d in out.values()), 4) for k in next(iter(after.values()))}
+    return out
+
+
+def lane_line(delta: dict[str, dict[str, float]]) -> str:
+    """The simulators' lanes: how much slower than scheduled they ran (the machine), overall
+    and per server (1.00: on time; the picker learns the scheduled speed)."""
+    d = delta["all"]
+    per = " ".join(
+        f"{v['wall_s'] / v['scheduled_s']:.2f}" for u, v in sorted(delta.items())
+        if u != "all" and v["scheduled_s"] > 0
+    )  # fmt: skip
+    ratio = d["wall_s"] / d["scheduled_s"] if d["scheduled_s"] > 0 else float("nan")
+    return (
+        f"sim lanes: wall / scheduled {ratio:.2f} ({d['tokens']:.0f} tokens, scheduled "
+        f"{d['scheduled_s']:.2f} s, wall {d['wall_s']:.2f} s; per server {per})"
+    )
+
+
 def _size(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
 
@@ -291,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         "+ '-wq': its waitingFloor: endpointMean; + '-kv': kv-cache-utilization-scorer's "
         "countRequest: true; + '-wqkv': "
         "both; any mode + '-request': state.prefill_speed: request (the per-request prefill "
-        "speed, the default before)",
+        "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
+        "(after the others, before '-request'): "
+        "index.capacity_first_tokens: 4000",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -313,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                 mode = named.removesuffix("-request")
                 if named != mode:
                     cfg["state"] = {"prefill_speed": "request"}
+                if mode.endswith("-capfirst"):  # the KV-capacity ratio measured early
+                    mode = mode.removesuffix("-capfirst")
+                    cfg["index"] = {"capacity_first_tokens": 4000}
                 if mode.startswith("precise"):
                     cfg |= fleet.precise_settings(f"tcp://127.0.0.1:{fleet.kv_events_port}")
                 if mode == "precise-events-only":
@@ -320,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                 ttft, kv = "predicted-ttft-scorer", "kv-cache-utilization-scorer"
                 suffixes: dict[str, dict[str, dict]] = {
                     "-sharedlane": {ttft: {"peerInflight": "sharedLane"}},
+                    "-units": {ttft: {"speedUnits": "estimates"}},
                     "-drained": {ttft: {"peerInflight": "drained"}},
                     "-whole": {ttft: {"peerInflight": "whole"}},
                     "-lane": {ttft: {"inflightFloor": "drained"}},
@@ -350,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                 )  # fmt: skip
                 with ex, Stack(opts) as stack:
                     time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's socket
+                    urls = [srv.url for srv in fleet.servers]
+                    lanes0 = lane_clock(urls)
                     cpu0, wall0, epoch0 = cpu_seconds(), time.perf_counter(), time.time()
                     if args.workload == "agentic":
                         rows = asyncio.run(_agentic(stack.url, int(load), args.seed))
@@ -357,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                         rows = asyncio.run(_tenants(stack.url, load, args.seed))
                     cpu1, wall = cpu_seconds(), time.perf_counter() - wall0
                     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
+                    lanes = lane_delta(lanes0, lane_clock(urls))
                     admin = f"http://127.0.0.1:{stack.picker_admin_port}/metrics"
                     corrections = [
                         line for line in httpx.get(admin, timeout=10).text.splitlines()
@@ -367,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = args.out / f"{args.workload}-{named}-{rnd}.jsonl"
                 out.write_text("".join(json.dumps(r) + "\n" for r in rows))
                 (args.out / f"{args.workload}-{named}-{rnd}.cpu.json").write_text(
-                    json.dumps({"wall_s": round(wall, 2), "cpu_s": cpu})
+                    json.dumps({"wall_s": round(wall, 2), "cpu_s": cpu, "lanes": lanes})
                 )
                 changes = {
                     n: recalibrations(log_dir / f"{n}.log", log_at[n], epoch0) for n in names
@@ -376,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                     json.dumps(changes)
                 )
                 corrections.append(_calibration_line(rows, changes))
+                corrections.append(lane_line(lanes))
                 corrections.append(
                     f"CPU s over {wall:.1f} s: "
                     + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items()))

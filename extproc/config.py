@@ -186,6 +186,11 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `lookup_budget`: `fixed` keeps `lookup_budget_s` for every request; `prefill` lets a
     lookup run up to the request's prompt prefill time at the fleet's measured speed when
     that is longer (what a lookup can save at most; opt-in until measured faster).
+    `capacity_first_tokens` (approximate mode; None: off): until the KV-capacity ratio (real
+    tokens per estimated token, which sizes what the index credits each server with) is
+    first measured, measure it at every decision and trust it from this many estimated
+    tokens placed (and 4 requests finished and placed) instead of 20,000 every 32
+    decisions (`index/capacity.py`); opt-in (bench/RESULTS.md, issue 14, twelfth session).
     """
 
     backend: Literal["memory", "redis"] = "memory"
@@ -200,6 +205,7 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lookup_budget_s: _PositiveS = DEFAULT_LOOKUP_BUDGET_S
     lookup_budget_max_s: _PositiveS = DEFAULT_LOOKUP_BUDGET_MAX_S
     lookup_budget: Literal["prefill", "fixed"] = "fixed"
+    capacity_first_tokens: Annotated[int, msgspec.Meta(gt=0)] | None = None
     kv_events: KVEventSettings | None = None
 
 

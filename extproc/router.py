@@ -129,6 +129,7 @@ class Router:
         admission: Admission | None = None,
         placed: PlacedBlocks | None = None,
         lookup_budget_follows_prefill: bool = False,
+        capacity_first_tokens: int | None = None,
     ) -> None:
         """`on_lookup` receives each index lookup's duration in seconds (the metrics
         histogram); it runs on the hot path, so it must be cheap and must not raise.
@@ -137,7 +138,9 @@ class Router:
         `placed` (precise mode, where decisions are not recorded in the index) corrects
         the index's answers by this picker's own placements (index/placed.py).
         `lookup_budget_follows_prefill`: an index lookup may take as long as this request's
-        prompt would take to prefill at the fleet's measured speed (see `_lookup_budget`)."""
+        prompt would take to prefill at the fleet's measured speed (see `_lookup_budget`).
+        `capacity_first_tokens`: the KV-capacity model's first measurement early
+        (index/capacity.py `CapacityModel`; None: off)."""
         self.pool = pool
         self.scheduler = scheduler
         self.inflight: InFlightCounter = inflight if inflight is not None else InFlight()
@@ -162,7 +165,11 @@ class Router:
         if self.placed is not None:
             set_capacity = self.placed.set_capacity
         self._capacity = (
-            CapacityModel(set_capacity, getattr(self.states, "scraped", None))
+            CapacityModel(
+                set_capacity,
+                getattr(self.states, "scraped", None),
+                first_min_tokens=capacity_first_tokens,
+            )
             if set_capacity is not None and (self._record or self.placed is not None)
             else None
         )

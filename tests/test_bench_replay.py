@@ -120,3 +120,17 @@ def test_causes_sum_uncached_tokens_and_count_the_slow_tail(rd):
     assert work == {"spill: index holder lost on score": 500, "hit": 0}
     # p90 of ten TTFTs 0.1..1.0 is the tenth (index 9, a hit): only it is at or above.
     assert slow == {"spill: index holder lost on score": 0, "hit": 1}
+
+
+def test_lane_delta_and_line_read_the_starved_lanes(rd):
+    tr = sys.modules["trace_routing"]
+    before = {"a": {"steps": 1, "tokens": 100, "scheduled_s": 0.1, "wall_s": 0.1}}
+    after = {
+        "a": {"steps": 5, "tokens": 10_100, "scheduled_s": 1.1, "wall_s": 2.1},
+        "b": {"steps": 2, "tokens": 5_000, "scheduled_s": 0.5, "wall_s": 0.5},
+    }
+    d = tr.lane_delta(before, after)
+    assert d["a"] == {"steps": 4, "tokens": 10_000, "scheduled_s": 1.0, "wall_s": 2.0}
+    assert d["all"] == {"steps": 6, "tokens": 15_000, "scheduled_s": 1.5, "wall_s": 2.5}
+    line = tr.lane_line(d)
+    assert "wall / scheduled 1.67" in line and "per server 2.00 1.00" in line

@@ -40,6 +40,9 @@ log = logging.getLogger("extproc.index.capacity")
 
 # Estimated tokens placed before the measured ratio is trusted over 1.0.
 _MIN_TOKENS = 20_000
+# With `first_min_tokens`: requests the engines finished, and requests placed, in the first
+# per-request measurement (a mean over fewer is one prompt's size).
+_FIRST_MIN_REQUESTS = 4
 # Recompute capacities every this many decisions (cheap, but not per request).
 _EVERY = 32
 
@@ -62,9 +65,18 @@ class CapacityModel:
         self,
         set_capacity: Callable[[str, int], None],
         scraped: Callable[[str], Any] | None = None,
+        *,
+        first_min_tokens: int | None = None,
     ) -> None:
+        """`first_min_tokens` (None: off): until the first measurement, measure at every
+        decision and trust the per-request ratio from this many estimated tokens placed (and
+        4 requests finished and placed) instead of 20,000 every 32 decisions: three replicas
+        each reached 20,000 of their own only after 3-4 s, and meanwhile the 1.0 prior
+        credited each server with ~3x its cache while the estimates were uncalibrated
+        (bench/RESULTS.md, issue 14, twelfth session)."""
         self._set = set_capacity
         self._scraped = scraped
+        self._first_min = first_min_tokens
         self._sent: dict[str, int] = {}
         self._placed: dict[str, int] = {}  # estimated prompt tokens placed, per endpoint
         self._requests: dict[str, int] = {}  # requests placed, per endpoint
@@ -123,7 +135,8 @@ class CapacityModel:
         log.info("capacity ratio carried over to new token estimates: %.3f", self.ratio)
 
     def update(self, request: InferenceRequest, cands: Sequence[Candidate]) -> None:
-        if self._since is not None:
+        early = self._first_min is not None and not self.stats.measured
+        if self._since is not None and not early:
             self._since += 1
             if self._since < _EVERY:
                 return
@@ -172,7 +185,18 @@ class CapacityModel:
                 est_pr += placed - base[1]
                 served += engine_n - base[2]
                 ours += n - base[4]
-        if est_pr >= _MIN_TOKENS and real_pr > 0:
+        first = self._first_min is not None and not self.stats.measured
+        if (
+            first
+            and self._first_min is not None
+            and est_pr >= self._first_min
+            and real_pr > 0
+            and min(served, ours) >= _FIRST_MIN_REQUESTS
+        ):
+            self.ratio = (real_pr / served) / (est_pr / ours)
+            self._count("per_request")
+            log.info("capacity ratio first measured early: %.3f", self.ratio)
+        elif est_pr >= _MIN_TOKENS and real_pr > 0:
             self.ratio = (real_pr / served) / (est_pr / ours)
             self._count("per_request")
         elif est >= _MIN_TOKENS and real > 0:

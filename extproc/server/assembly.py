@@ -146,9 +146,17 @@ class Parts:
             ends=self.ends,
             speeds=self.speeds,
             lookup_budget_follows_prefill=settings.index.lookup_budget == "prefill",
+            capacity_first_tokens=settings.index.capacity_first_tokens,
             placed=self._placed_blocks(record),
         )
         self.calibration.on_units.append(self.router.estimate_units_changed)
+        capacity = self.router.capacity_stats
+        if capacity is not None:
+            # Predicted TTFT's `speedUnits: estimates` converts the engines' speeds into the
+            # estimates' unit with the KV-capacity model's measured ratio.
+            for plugin in self.router.scheduler.plugins:
+                if isinstance(plugin, PredictedTTFTScorer):
+                    plugin.token_ratio = lambda stats=capacity: stats.ratio
         if isinstance(self.inflight, SharedInFlight):
             # Predicted TTFT's floor may count the peers' in-flight tokens drained by time
             # (its `peerInflight`); the exchange dates them.

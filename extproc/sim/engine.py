@@ -469,6 +469,10 @@ class Engine:
             # The step's scheduled end, not this wake-up: on a loaded machine the wake-up
             # comes late, and the histograms would charge the delay to the step's prefills.
             end = self._step_end
+            st = self.stats
+            st.steps += 1
+            st.step_tokens += tokens
+            st.step_scheduled_s += end - now
             for w in plan:
                 seq = w.item
                 if seq.state is _State.DONE:
@@ -481,6 +485,8 @@ class Engine:
             # The woken requests run first: one that ends frees its batch slot (and admits
             # the next) before the next step is planned.
             await asyncio.sleep(0)
+            # The lane's real time for the step: its wake-up's lateness and this turn too.
+            st.step_wall_s += loop.time() - now
 
     def _wake(self) -> None:
         if self._moved is not None and not self._moved.done():

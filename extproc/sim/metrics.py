@@ -80,6 +80,16 @@ class EngineStats:
     prompt_hist: Histogram = field(init=False)
     generation_hist: Histogram = field(init=False)
     prefill_computed: Histogram = field(init=False)
+    # The prefill lane's own clock (not in vLLM's exposition; `/sim/steps`): steps run,
+    # tokens they computed, the seconds they were scheduled to take and the wall seconds
+    # they took, wake-up and the woken requests' turn included. On a starved machine the
+    # wall clock runs ahead of the schedule, while the histograms (scheduled ends) show the
+    # nominal speed: the ratio is how much slower the lane really was than the speed a
+    # picker learns.
+    steps: int = 0
+    step_tokens: int = 0
+    step_scheduled_s: float = 0.0
+    step_wall_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.prompt_hist = Histogram(token_buckets(self.max_model_len))

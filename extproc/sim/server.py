@@ -165,6 +165,7 @@ class SimServer:
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/sim/cache", self._cache)
         app.router.add_get("/sim/speed", self._speed)
+        app.router.add_get("/sim/steps", self._steps)
         app.router.add_post("/sim/speed", self._set_speed)
         return app
 
@@ -322,6 +323,18 @@ class SimServer:
 
     async def _speed(self, request: web.Request) -> web.Response:
         return web.json_response({"relative_speed": self.engine.relative_speed})
+
+    async def _steps(self, request: web.Request) -> web.Response:
+        """The prefill lane's clock so far (metrics.py `EngineStats.steps`): how much slower
+        than scheduled the steps really ran (a benchmark's machine starving the simulator)."""
+        st = self.engine.stats
+        body = {
+            "steps": st.steps,
+            "tokens": st.step_tokens,
+            "scheduled_s": st.step_scheduled_s,
+            "wall_s": st.step_wall_s,
+        }
+        return web.json_response(body, headers=self._headers())
 
     async def _set_speed(self, request: web.Request) -> web.Response:
         try:

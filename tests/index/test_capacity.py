@@ -159,3 +159,47 @@ def test_peers_placements_make_the_measurement_as_early_as_one_replicas():
     assert abs(model.ratio - 3.0) < 1e-9 and model.stats.measured == {"per_request": 1}
     assert sent["a"] == int(1000 * 16 / (64 * 3.0))
     assert alone.ratio == 1.0 and not alone.stats.measured
+
+
+def test_first_min_tokens_measures_a_replicas_share_at_its_first_requests():
+    # One of three replicas, uncalibrated: 5 of its placements (800 estimated tokens each,
+    # 2,400 real) and 15 requests the engine finished. By default nothing is measured (4,000
+    # estimated tokens, under 20,000; and only at every 32nd decision): the 1.0 prior credits
+    # the server with 3x its cache. With `first_min_tokens` the next decision measures 3.0.
+    def run(first: int | None) -> tuple[CapacityModel, dict[str, int]]:
+        sent: dict[str, int] = {}
+        state = {"a": Scrape(0, LatencyTotals())}
+        model = CapacityModel(sent.__setitem__, lambda addr: state[addr], first_min_tokens=first)
+        cands = [Candidate(Endpoint("a"), EndpointState(kv_blocks=400, kv_block_size=16))]
+        model.update(req(100), cands)  # the base
+        for _ in range(5):
+            model.placed("a", req(800))
+        state["a"] = Scrape(15 * 2400, LatencyTotals(prompt_sum=15 * 2400.0, prompt_count=15))
+        model.update(req(100), cands)
+        return model, sent
+
+    default, sent = run(None)
+    assert default.ratio == 1.0 and not default.stats.measured
+    assert sent["a"] == 400 * 16 // 64
+    early, sent = run(4000)
+    assert abs(early.ratio - 3.0) < 1e-9 and early.stats.measured == {"per_request": 1}
+    assert sent["a"] == int(400 * 16 / (64 * 3.0))
+    # Fewer than 4,000 estimated tokens, or under 4 requests placed: not yet.
+    assert run(5000)[0].ratio == 1.0
+
+
+def test_first_min_tokens_waits_for_four_finished_requests():
+    sent: dict[str, int] = {}
+    state = {"a": Scrape(0, LatencyTotals())}
+    model = CapacityModel(sent.__setitem__, lambda addr: state[addr], first_min_tokens=1000)
+    cands = [Candidate(Endpoint("a"), EndpointState(kv_blocks=400, kv_block_size=16))]
+    model.update(req(100), cands)
+    for _ in range(6):
+        model.placed("a", req(800))
+    # Three finished: one prompt's size is not a mean yet.
+    state["a"] = Scrape(3 * 2400, LatencyTotals(prompt_sum=3 * 2400.0, prompt_count=3))
+    model.update(req(100), cands)
+    assert model.ratio == 1.0
+    state["a"] = Scrape(4 * 2400, LatencyTotals(prompt_sum=4 * 2400.0, prompt_count=4))
+    model.update(req(100), cands)
+    assert abs(model.ratio - 3.0) < 1e-9

@@ -538,3 +538,39 @@ def test_explaining_a_scored_decision_counts_nothing_again():
     assert fb.floor_fallbacks == 1
     fb.explain(r, [busy, b])
     assert fb.floor_fallbacks == 1
+
+
+def test_speed_units_estimates_drains_estimated_queues_at_their_real_speed():
+    # Uncalibrated: 3 engine tokens per estimated token. A 6,400-token (estimated) prompt
+    # placed on a is 19,200 engine tokens, 3 s at the engine's 6,400 tok/s; taken in the
+    # engine's unit the virtual queue said 1 s, and 0.5 s later 0.5 s (drained 3x too fast).
+    r = req(blocks=10, tokens=6400)
+    clock = Clock()
+
+    def queue(units: str, ratio: float | None) -> float:
+        sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(speed_units=units), clock=clock)
+        if ratio is not None:
+            sc.token_ratio = lambda: ratio
+        cands = [cand("a", prefill_tps=6400.0), cand("b", prefill_tps=6400.0)]
+        t0 = clock.t
+        place(sc, r, cands, "a")
+        clock.t = t0 + 0.5
+        terms: dict[str, float] = {}
+        sc.predict(req(blocks=10, tokens=640), cands[0], clock.t, terms)
+        clock.t = t0
+        return terms["virtual_queue_s"]
+
+    assert queue("engine", 3.0) == pytest.approx(0.5)  # the default: the ratio is not read
+    assert queue("estimates", 3.0) == pytest.approx(2.5)
+    assert queue("estimates", None) == pytest.approx(0.5)  # no approximate index: as engine
+    assert queue("estimates", 0.0) == pytest.approx(0.5)  # nonsense ratio: ignored
+    # The peers' lane too: 6,400 estimated tokens arrived 0.5 s ago are 2.5 s still ahead.
+    sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(speed_units="estimates"), clock=clock)
+    sc.token_ratio = lambda: 3.0
+    peers = Peers(6400, 6400.0)
+    sc.peer_arrivals = peers
+    sc.predict(r, cand("a", prefill_tps=6400.0, inflight_tokens=6400), clock.t)
+    assert peers.asked[-1] == ("a", clock.t, pytest.approx(6400.0 / 3))
+    # An endpoint not measured yet keeps the prior (in no unit in particular).
+    assert sc._tps(cand("c")) == 10_000.0
+    assert PredictedTTFTScorer.Params().speed_units == "engine"

@@ -4,6 +4,7 @@ learns from (exported as vLLM exports them, read back with the picker's own pars
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 
@@ -125,3 +126,44 @@ async def _slowed_while_admitted(start_sim: StartSim, names: tuple[str, ...]) ->
     return after.prefill_count - before.prefill_count, (
         (after.prefill_sum - before.prefill_sum) / tokens / fast
     )
+
+
+async def _steps(http: aiohttp.ClientSession, url: str) -> dict:
+    async with http.get(f"{url}/sim/steps") as resp:
+        assert resp.status == 200
+        return await resp.json()
+
+
+async def test_the_lane_clock_shows_a_starved_engine_slower_than_its_histograms(
+    start_sim: StartSim,
+):
+    """`/sim/steps`: the steps' scheduled seconds match the prefill histogram (the speed a
+    picker learns), their wall seconds show the event loop starved past a step's end."""
+    timing = TimingSettings(prefill_tps=2000.0, speed=2.0)  # ~600 tokens: ~150 ms wall
+    async with start_sim(events=False, timing=timing) as srv, aiohttp.ClientSession() as http:
+        assert await _steps(http, srv.url) == {
+            "steps": 0, "tokens": 0, "scheduled_s": 0.0, "wall_s": 0.0,
+        }  # fmt: skip
+        await ttft(http, srv.url, TEXT + " calm")
+        calm = await _steps(http, srv.url)
+        hist = (await scrape(http, srv.url)).latency
+        assert hist is not None and hist.prefill_tokens is not None
+
+        async def starve() -> None:
+            await asyncio.sleep(0.03)  # the step is under way
+            time.sleep(0.4)  # the whole loop blocked past the step's scheduled end
+
+        blocker = asyncio.create_task(starve())
+        await ttft(http, srv.url, "Something else entirely. " + TEXT)
+        await blocker
+        starved = await _steps(http, srv.url)
+        after = (await scrape(http, srv.url)).latency
+    assert after is not None and after.prefill_tokens is not None
+    assert calm["steps"] >= 1 and calm["tokens"] == hist.prefill_tokens
+    assert abs(calm["scheduled_s"] - hist.prefill_sum) < 0.01
+    assert calm["wall_s"] >= calm["scheduled_s"]
+    scheduled = starved["scheduled_s"] - calm["scheduled_s"]
+    wall = starved["wall_s"] - calm["wall_s"]
+    # The histogram charges the schedule (~150 ms), the lane took the blocked 400 ms and more.
+    assert abs(scheduled - (after.prefill_sum - hist.prefill_sum)) < 0.01
+    assert 0.1 < scheduled < 0.3 and wall > 0.4 and wall > 1.5 * scheduled

@@ -113,6 +113,14 @@ class PredictedTTFTScorer:
     session). Opt-in. A replica's own in-flight tokens count whole in every mode, so one
     replica decides the same with all three.
 
+    `speedUnits`: `engine` (default) takes each measured prefill speed as the engine gives
+    it, in its tokens; `estimates` divides it by the engine tokens per estimated token that
+    the KV-capacity model measured (index/capacity.py; with no approximate index, as
+    `engine`), so queues of estimated tokens drain at the speed they really do. Uncalibrated
+    (4 bytes per token for the simulator's ~1.3 characters) the virtual queue and the
+    peers' lane drained ~3x too fast; calibrated (1 byte per token) ~1.3x too slow. Opt-in
+    (bench/RESULTS.md, issue 14, twelfth session).
+
     `waitingFloor`: what each of the endpoint's scraped waiting requests counts as queued
     prefill: `fleetMean` (default) the mean uncached tokens of every placement this picker
     made or folded; `endpointMean` the mean of the requests in flight on that endpoint
@@ -126,7 +134,7 @@ class PredictedTTFTScorer:
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: untilEnd,
-                   peerInflight: drained, waitingFloor: fleetMean}
+                   peerInflight: drained, waitingFloor: fleetMean, speedUnits: engine}
     ```
     """
 
@@ -138,6 +146,7 @@ class PredictedTTFTScorer:
         inflight_floor: Literal["untilEnd", "untilFirstToken", "drained"] = "untilEnd"
         peer_inflight: Literal["whole", "drained", "sharedLane"] = "drained"
         waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
+        speed_units: Literal["engine", "estimates"] = "engine"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -149,6 +158,7 @@ class PredictedTTFTScorer:
         self._drain_peers = p.peer_inflight != "whole"
         self._shared_lane = p.peer_inflight == "sharedLane"
         self._endpoint_mean = p.waiting_floor == "endpointMean"
+        self._speed_in_estimates = p.speed_units == "estimates"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -178,6 +188,10 @@ class PredictedTTFTScorer:
         self.peer_arrivals: PeerTokens | None = None
         # Peers' in-flight tokens left out of floors as already computed (`drained`), summed.
         self.peer_tokens_drained = 0.0
+        # Engine tokens per estimated token (the KV-capacity model's measured ratio; the
+        # server's assembly sets it): `speedUnits: estimates` divides measured speeds by it.
+        # None: not known (no approximate index), speeds taken as they are.
+        self.token_ratio: Callable[[], float] | None = None
 
     def units_changed(self, factor: float) -> None:
         """Estimates grew `factor`-fold: the mean placed prefill follows (the prior speed is a
@@ -195,7 +209,18 @@ class PredictedTTFTScorer:
 
     def _tps(self, c: Candidate) -> float:
         tps = c.state.prefill_tps
-        return tps if tps else self._prior
+        if not tps:
+            return self._prior
+        if self._speed_in_estimates and self.token_ratio is not None:
+            # The engine's speed is in its tokens; queues and prompts here are estimates.
+            # A common factor leaves static comparisons alone, but not a drain in real
+            # time: with 4 bytes per token for ~1.3 characters (uncalibrated), a queue of
+            # estimates at the engine's speed drained 3x too fast (issue 14, twelfth
+            # session).
+            ratio = self.token_ratio()
+            if ratio > 0 and math.isfinite(ratio):
+                return tps / ratio
+        return tps
 
     def predict(
         self,
