@@ -46,21 +46,27 @@ _BASELINE_POLICIES: dict[str, tuple[str, str]] = {
 SIM_TOKENIZER_DIR = Path(__file__).resolve().parent / "sim" / "data" / "tokenizer"
 
 
-def free_port() -> int:
+def free_port(*, paired: int = 0) -> int:
     """A port free now, for a process started next to listen on. Drawn below the kernel's
     ephemeral range: a port from bind(0) is free again once returned here, and the kernel
     may hand it to an outgoing connection's source port before the child binds it (every
     test makes many connections), which fails the child's bind. Below that range only
-    another caller of this function could take it, and draws are random."""
+    another caller of this function could take it, and draws are random. `paired`: the
+    port that far above it is free too, and below that range as well (a Redis Cluster
+    node's bus listens at +10000)."""
     low, high = _LISTEN_PORTS
-    for _ in range(64):
-        port = low + secrets.randbelow(high - low + 1)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+    top = high - paired
+    for _ in range(64 if top >= low else 0):
+        port = low + secrets.randbelow(top - low + 1)
+        try:
+            with contextlib.ExitStack() as held:
+                for p in {port, port + paired}:
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    if paired:
+        raise RuntimeError(f"no free port p with p + {paired} free too")
     with socket.socket() as s:  # the range is crowded: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -16,27 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from extproc.stack import free_port as stack_free_port
+
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
 needs_redis = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed")
 
 
 def free_port(*, with_bus: bool = False) -> int:
-    """A free loopback port (and, for Cluster, a free bus port at +10000)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not with_bus:
-            return port
-        if port + 10000 < 65536:
-            try:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + 10000))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
+    """A free loopback port below the ephemeral range (extproc.stack.free_port says why)
+    and, for Cluster, a free bus port at +10000."""
+    return stack_free_port(paired=10_000 if with_bus else 0)
 
 
 def _wait_ping(port: int, timeout_s: float = 5.0) -> None:

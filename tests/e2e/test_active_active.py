@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import orjson
 import pytest
@@ -31,37 +32,45 @@ def chat(conversation: int, turns: int) -> bytes:
 
 
 class Picker:
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, log: Path) -> None:
         self.port, self.health = free_port(), free_port()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "extproc",
-                "serve",
-                "--plaintext",
-                "--endpoints",
-                ENDPOINTS,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--health-port",
-                str(self.health),
-                "--admin-port",
-                "0",
-                "--redis-url",
-                redis_url,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_until(
-            lambda: grpc_health_status(self.health, "readiness") == 1,
-            timeout_s=20,
-            what="picker",
-            proc=self.proc,
-        )
+        # Its log, whose last lines a failed start puts in the exception (a start in CI
+        # exited 1 once with nothing to read).
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "extproc",
+                    "serve",
+                    "--plaintext",
+                    "--endpoints",
+                    ENDPOINTS,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--health-port",
+                    str(self.health),
+                    "--admin-port",
+                    "0",
+                    "--redis-url",
+                    redis_url,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            wait_until(
+                lambda: grpc_health_status(self.health, "readiness") == 1,
+                timeout_s=20,
+                what="picker",
+                proc=self.proc,
+                log=log,
+            )
+        except BaseException:
+            self.stop()  # not ready in time: not left running
+            raise
 
     async def route(self, body: bytes) -> str:
         async with ExtProcClient(f"127.0.0.1:{self.port}") as c:
@@ -78,13 +87,15 @@ class Picker:
 
 
 @pytest.fixture
-def pickers(redis_server: RedisServer) -> Iterator[tuple[Picker, Picker]]:
-    a, b = Picker(redis_server.url), Picker(redis_server.url)
+def pickers(redis_server: RedisServer, tmp_path: Path) -> Iterator[tuple[Picker, Picker]]:
+    started: list[Picker] = []
     try:
-        yield a, b
+        for name in ("a", "b"):
+            started.append(Picker(redis_server.url, tmp_path / f"picker-{name}.log"))
+        yield started[0], started[1]
     finally:
-        a.stop()
-        b.stop()
+        for p in started:  # a, even when b did not start
+            p.stop()
 
 
 async def test_next_turn_routed_by_the_other_replica_lands_on_the_same_endpoint(pickers):

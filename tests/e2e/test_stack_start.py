@@ -5,12 +5,14 @@ to read)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from extproc.stack import Stack, StackOptions, wait_until
+from extproc.stack import Stack, StackOptions, free_port, wait_until
 
 
 def test_a_process_that_exits_before_ready_leaves_its_last_log_lines(tmp_path):
@@ -47,3 +49,17 @@ def test_a_picker_that_does_not_start_says_why(tmp_path):
     text = str(err.value)
     assert text.startswith("extproc: process exited with 2"), text
     assert "unknown plugin type 'no-such-plugin'" in text, text
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range_pairs_included():
+    # A port from bind(0) can be handed to an outgoing connection before the child binds
+    # it; Redis Cluster's bus (+10000) must stay below that range too.
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if low <= 22_000:
+        pytest.skip("an ephemeral range this low leaves no room below it for a +10000 pair")
+    for _ in range(50):
+        assert free_port() < low
+        port = free_port(paired=10_000)
+        assert port + 10_000 < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port + 10_000))  # free when drawn
