@@ -29,9 +29,9 @@ import aiohttp
 import httpx
 import pytest
 
-from extproc.sim.workload import WorkItem, send_one
+from extproc.sim.workload import send_one
 from extproc.stack import Stack, StackOptions, free_port
-from tests.e2e.calibration_workload import SIM, gauge, syllable_text
+from tests.e2e.calibration_workload import SIM, chat_item, gauge, syllable_text
 from tests.redis_servers import RedisServer
 
 # From 3 bytes per token the simulator's ~1.3 characters per token is a ratio of ~2.3 per
@@ -41,17 +41,6 @@ PARSE = "parse: {bytes_per_token: 3}\n"
 # Each replica needs two windows of >= 8 of its own requests: ~48 requests in all with
 # three replicas. The bound leaves room for windows lost to misalignment.
 MAX_REQUESTS = 360
-
-
-def _item(index: int, text: str) -> WorkItem:
-    body = {
-        "model": "tiny",
-        "max_tokens": 2,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": text}],
-    }
-    return WorkItem(index, 0, index, 0, 0, body)
 
 
 NAMES = (
@@ -97,7 +86,9 @@ async def _scenario(stack: Stack) -> tuple[int, list[dict[str, float | None]]]:
         while any(g["approx_bytes_per_token"] == 3 for g in await gauges()):
             if n >= MAX_REQUESTS:
                 break
-            batch = [_item(n + i, f"filler {n + i}: " + syllable_text(rng, 500)) for i in range(6)]
+            batch = [
+                chat_item(n + i, f"filler {n + i}: " + syllable_text(rng, 500)) for i in range(6)
+            ]
             n += len(batch)
             done = await asyncio.gather(*(send_one(s, stack.url, b, 30) for b in batch))
             assert all(r.status == 200 for r in done), [r.error for r in done]

@@ -20,9 +20,9 @@ import aiohttp
 import httpx
 import pytest
 
-from extproc.sim.workload import WorkItem, send_one
+from extproc.sim.workload import send_one
 from extproc.stack import Stack, StackOptions
-from tests.e2e.calibration_workload import SIM, gauge, syllable_text
+from tests.e2e.calibration_workload import SIM, chat_item, gauge, syllable_text
 from tests.redis_servers import RedisServer
 
 # 8 batches of 6 requests of ~500 words (~700 estimated tokens each at 4 bytes per token):
@@ -30,23 +30,12 @@ from tests.redis_servers import RedisServer
 BATCHES = 8
 
 
-def _item(index: int, text: str) -> WorkItem:
-    body = {
-        "model": "tiny",
-        "max_tokens": 2,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": text}],
-    }
-    return WorkItem(index, 0, index, 0, 0, body)
-
-
 async def _scenario(stack: Stack) -> list[dict[str, float | None]]:
     admins = [stack.picker_admin_port, *(a for _, _, a in stack.replica_ports)]
     rng = random.Random(7)
     async with aiohttp.ClientSession() as s, httpx.AsyncClient(timeout=10) as h:
         for k in range(BATCHES):
-            batch = [_item(6 * k + i, f"filler {6 * k + i}: " + syllable_text(rng, 500))
+            batch = [chat_item(6 * k + i, f"filler {6 * k + i}: " + syllable_text(rng, 500))
                      for i in range(6)]  # fmt: skip
             done = await asyncio.gather(*(send_one(s, stack.url, b, 30) for b in batch))
             assert all(r.status == 200 for r in done), [r.error for r in done]
