@@ -32,6 +32,7 @@ import collections
 import json
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from trace_causes import CAUSES, cause_of_each, real_backlog
@@ -70,10 +71,11 @@ def phases(rows: list[dict], cut: float) -> list[str]:
     return out
 
 
-def sides(rows: list[dict]) -> str:
+def _spills(rows: list[dict]) -> Iterator[tuple[dict, dict, str, float]]:
+    """Each "holder lost on score" spill with predicted-ttft terms for both sides: the row,
+    the terms per address, the holder, and the scale from the terms' uncached seconds to
+    the destination's real prefill at the engine's speed."""
     cause = cause_of_each(rows)
-    h_pred, h_real, d_pred, d_real, used, whole = [], [], [], [], [], []
-    own, peers = [], []  # the destination's in-flight tokens whole: this replica's, the peers'
     for r in _ok(rows):
         d = r["decision"]
         if cause[r["index"]] != CAUSES[2] or TTFT not in d.get("terms", {}):
@@ -85,6 +87,15 @@ def sides(rows: list[dict]) -> str:
         t = terms[new]
         real_prefill = r["prompt_tokens"] * (1 - held.get(new, 0) / d["request_blocks"])
         scale = real_prefill / ENGINE_TPS / t["uncached_s"] if t["uncached_s"] > 0 else 1.0
+        yield r, terms, holder, scale
+
+
+def sides(rows: list[dict]) -> str:
+    h_pred, h_real, d_pred, d_real, used, whole = [], [], [], [], [], []
+    own, peers = [], []  # the destination's in-flight tokens whole: this replica's, the peers'
+    for r, terms, holder, scale in _spills(rows):
+        new = r["served_by"]
+        t = terms[new]
         h_pred.append(terms[holder]["queue_s"] * scale)
         h_real.append(real_backlog(rows, holder, r["sent_s"]))
         d_pred.append(t["queue_s"] * scale)
@@ -109,23 +120,16 @@ def replayed(rows: list[dict], rrows: list[dict]) -> list[str]:
     """Per spill, the queue predicted on each side against the backlog the same decisions
     left on a quiet replay (`replay_decisions.py --rows`: the simulators' lanes on time),
     uncalibrated decisions apart; and how often the holder would have been faster there."""
-    cause = cause_of_each(rows)
     again = {r["index"]: r for r in rrows}
     # The replay's server for each of the trace's (the same request went to both).
     name = {r["served_by"]: again[r["index"]]["served_by"] for r in rows
             if r.get("served_by") and again.get(r["index"], {}).get("served_by")}  # fmt: skip
     out: dict[str, list[tuple[float, ...]]] = {}
-    for r in _ok(rows):
-        d = r["decision"]
-        if cause[r["index"]] != CAUSES[2] or TTFT not in d.get("terms", {}):
+    for r, terms, holder, scale in _spills(rows):
+        if r["index"] not in again:
             continue
-        terms, held, new = d["terms"][TTFT], d["prefix_blocks"], r["served_by"]
-        holder = _holder(d)
-        if holder is None or holder not in terms or new not in terms or r["index"] not in again:
-            continue
-        t = terms[new]
-        real_prefill = r["prompt_tokens"] * (1 - held.get(new, 0) / d["request_blocks"])
-        scale = real_prefill / ENGINE_TPS / t["uncached_s"] if t["uncached_s"] > 0 else 1.0
+        d, new = r["decision"], r["served_by"]
+        held, t = d["prefix_blocks"], terms[new]
         h_back = real_backlog(rrows, name[holder], r["sent_s"])
         h_own = r["prompt_tokens"] * (1 - held.get(holder, 0) / d["request_blocks"]) / ENGINE_TPS
         uncal = d.get("prompt_tokens", 0) < 0.6 * r["prompt_tokens"]
