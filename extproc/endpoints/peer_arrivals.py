@@ -9,19 +9,24 @@ queue ahead (`predicted-ttft-scorer`'s floor), that time reads as prefill still 
 three replicas on a busy machine requests stay in flight longer, a busy holder looked
 deeper than it was and tenants left it for a cold server (bench/RESULTS.md, issue 14, tenth
 session). A replica's own placements are in its virtual queue with their times; the peers'
-are only totals. Here each exchange's growth of the peers' total on an endpoint is an
-arrival at that moment (a lower bound on what they placed: a release in the same interval
-hides as much), and a fall releases the oldest arrivals first (requests end roughly in the
-order they started). `pending` is the work a single prefill lane at `tps` would still have
-from those arrivals: the largest "tokens arrived since t, minus what the lane could compute
-since t" over the arrivals' times, the workload of a work-conserving queue. Arrivals are
+are only totals. Here what the peers placed on an endpoint since the last exchange is an
+arrival at that moment, and what ended releases the oldest arrivals first (requests end
+roughly in the order they started). The exchange gives the placed tokens exactly from the
+peers' cumulative counters (`arrived`); without them (a peer of an older version, which
+publishes totals only) the growth of the total stands in: a lower bound, since a release in
+the same interval hides as much (4-8% of the peers' tokens at the 50 ms default,
+bench/RESULTS.md, issue 14, twelfth session), dating them as the older tokens they replaced.
+`pending` is the work a single prefill lane at `tps` would still have from those arrivals:
+the largest "tokens arrived since t, minus what the lane could compute since t" over the
+arrivals' times, the workload of a work-conserving queue. Arrivals are
 seen up to two exchange intervals late, which only makes them look less drained.
 
 The engine has one lane, though, and it also computes this replica's own placements: a lane
 serving the peers alone at full speed drained their tokens on a server this replica was
 loading too (bench/RESULTS.md, issue 14, eleventh session: the destination's queue read
 0.00-0.03 s against 0.06-0.21 s real). So `update` takes this replica's own in-flight tokens
-as well, dated the same way (the exchange that published them), and `pending_shared` runs
+as well, dated the same way (the exchange that published them, from its own placed
+tokens), and `pending_shared` runs
 one first-come-first-served lane over both: what is left is the youngest work, and the
 peers' part of it is what still counts. At one exchange this replica's growth is put ahead
 of the peers' (their order inside the interval is unknown; ahead, it delays theirs).
@@ -52,13 +57,23 @@ class PeerArrivals:
         self._own_totals: dict[str, int] = {}
 
     def update(
-        self, totals: Mapping[str, int], now: float, own: Mapping[str, int] | None = None
+        self,
+        totals: Mapping[str, int],
+        now: float,
+        own: Mapping[str, int] | None = None,
+        *,
+        arrived: Mapping[str, int] | None = None,
+        own_arrived: Mapping[str, int] | None = None,
     ) -> None:
         """The peers' in-flight tokens per endpoint as of `now` (endpoints absent: none), and
-        this replica's own (`own`; None leaves them as they were)."""
+        this replica's own (`own`; None leaves them as they were). `arrived` / `own_arrived`:
+        the tokens placed per endpoint since the last update, when known (absent endpoints:
+        none); None dates arrivals by the totals' growth alone."""
         if own is not None:
-            self._own_totals = _advance(self._own_arrivals, self._own_totals, own, now, self._max)
-        self._totals = _advance(self._arrivals, self._totals, totals, now, self._max)
+            self._own_totals = _advance(
+                self._own_arrivals, self._own_totals, own, now, self._max, own_arrived
+            )
+        self._totals = _advance(self._arrivals, self._totals, totals, now, self._max, arrived)
 
     def clear(self) -> None:
         """The peers' counts were dropped (Redis gone past their TTL)."""
@@ -120,21 +135,29 @@ def _advance(
     totals: Mapping[str, int],
     now: float,
     cap: int,
+    arrived: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
-    """Brings `arrivals` from the `known` totals to `totals` at `now`: growth arrives, a fall
-    releases the oldest first. Returns the new totals (positive only)."""
-    for address, total in totals.items():
-        total = max(0, int(total))
-        change = total - known.get(address, 0)
-        if change > 0:
+    """Brings `arrivals` from the `known` totals to `totals` at `now`: what `arrived` (or,
+    without it, the growth) arrives, then what ended releases the oldest first. Returns the
+    new totals (positive only)."""
+    kept = {a: max(0, int(t)) for a, t in totals.items() if t > 0}
+    addresses = set(kept) | set(known) | (set(arrived) if arrived is not None else set())
+    for address in addresses:
+        total, before = kept.get(address, 0), known.get(address, 0)
+        came = max(0, int(arrived.get(address, 0))) if arrived is not None else 0
+        # Never less than the growth: an arrival the counters missed (a peer without them)
+        # still shows as much as the totals say.
+        came = max(came, total - before)
+        if came > 0:
             q = arrivals.setdefault(address, deque())
-            q.append([now, float(change)])
+            q.append([now, float(came)])
             if len(q) > cap:
                 first = q.popleft()
                 q[0][1] += first[1]
-        elif change < 0:
-            _release(arrivals.get(address), -change)
-    kept = {a: max(0, int(t)) for a, t in totals.items() if t > 0}
+        # Appended first: what ended in this interval may be the arrival itself.
+        ended = before + came - total
+        if ended > 0:
+            _release(arrivals.get(address), ended)
     for address in [a for a in arrivals if a not in kept]:
         del arrivals[address]
     return kept

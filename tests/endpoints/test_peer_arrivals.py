@@ -108,3 +108,47 @@ def test_own_tokens_that_end_leave_the_shared_lane():
     q.update({A: 100}, now=2.0)
     assert q.pending_shared(A, 2.5, tps=1000.0) == pytest.approx(100.0)  # own until 3.0 s
     assert q.pending_shared(A, 3.1, tps=1000.0) == 0.0
+
+
+def test_an_arrival_and_an_end_in_one_interval_are_dated_from_the_placed_tokens():
+    # A peer's 1,000-token request from 0 s ends while another 1,000 arrive before the next
+    # exchange: the total does not move. Dated by its growth, the new tokens would pass for
+    # the old ones, computed long ago; the placed tokens date them now.
+    p = PeerArrivals()
+    p.update({A: 1000}, now=0.0, arrived={A: 1000})
+    p.update({A: 1000}, now=5.0, arrived={A: 1000})
+    assert p.total(A) == 1000
+    assert p.pending(A, 5.0, tps=1000.0) == pytest.approx(1000.0)
+    assert p.pending(A, 5.5, tps=1000.0) == pytest.approx(500.0)
+    # The growth alone (a peer of an older version) hides it, as before.
+    old = PeerArrivals()
+    old.update({A: 1000}, now=0.0)
+    old.update({A: 1000}, now=5.0)
+    assert old.pending(A, 5.0, tps=1000.0) == 0.0
+
+
+def test_placed_tokens_that_also_ended_in_the_interval_leave_nothing_behind():
+    p = PeerArrivals()
+    p.update({A: 300}, now=0.0, arrived={A: 300})
+    # 500 placed and 800 ended (the 300 and all 500) by 1 s; 200 more placed on B.
+    p.update({B: 200}, now=1.0, arrived={A: 500, B: 200})
+    assert p.total(A) == 0 and p.pending(A, 1.0, tps=1.0) == 0.0
+    assert p.pending(B, 1.0, tps=1000.0) == pytest.approx(200.0)
+    # Fewer placed than the growth (part of the fleet without counters): the growth counts.
+    p.update({B: 700}, now=2.0, arrived={B: 100})
+    assert p.pending(B, 2.0, tps=0.0) == pytest.approx(700.0)
+    assert p.pending(B, 2.0, tps=1000.0) == pytest.approx(500.0)  # 500 dated 2.0 s
+
+
+def test_own_placed_tokens_date_the_own_arrivals_in_the_shared_lane():
+    p = PeerArrivals()
+    p.update({}, now=0.0, own={A: 2000}, own_arrived={A: 2000})
+    # At 3 s the own request ended and another 2,000 were placed; the peers' 1,000 too.
+    p.update({A: 1000}, now=3.0, own={A: 2000}, own_arrived={A: 2000}, arrived={A: 1000})
+    # The own 2,000 are young (ahead of the peers' at one exchange): at 3.5 s all 1,000 of
+    # the peers' still wait.
+    assert p.pending_shared(A, 3.5, tps=1000.0) == pytest.approx(1000.0)
+    old = PeerArrivals()
+    old.update({}, now=0.0, own={A: 2000})
+    old.update({A: 1000}, now=3.0, own={A: 2000})
+    assert old.pending_shared(A, 3.5, tps=1000.0) == pytest.approx(500.0)
