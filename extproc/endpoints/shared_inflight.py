@@ -5,11 +5,23 @@ process's counts are exact and local; a background loop publishes them and bring
 other processes' last-known counts. Redis bytes for this feature stop here.
 
 Layout (one hash slot, so it works unchanged on Redis/Valkey Cluster):
-- `{<ns>}:load`: hash, field = process id, value = msgpack `{address: [requests, tokens]}`.
+- `{<ns>}:load`: hash, field = process id, value = msgpack `{address: [requests, tokens]}`
+  in flight ("" when idle).
+- `{<ns>}:placed`: hash, field = process id, value = msgpack `{address: [requests, tokens]}`
+  ever placed by that process (cumulative counters since it started).
 - `{<ns>}:live`: sorted set of process ids scored by their expiry (Redis server time, ms).
-One script per pass refreshes our entry, purges expired ones and returns the others, so a
+One script per pass refreshes our entries, purges expired ones and returns the others, so a
 crashed process's load vanishes by itself `ttl_s` after its last publish, with no clock
 agreement needed between hosts.
+
+The cumulative counters date the peers' arrivals exactly (peer_arrivals.py): what a peer
+placed between two exchanges is the growth of its counters, even when as much of its work
+ended meanwhile and its in-flight total did not move. They sit in a key of their own so a
+process of an older version (which reads `:load` only, and whose entries have no counters)
+and this one share a namespace during a rolling upgrade: each counts the other's load, and
+an older peer's arrivals are dated by the growth of its total, as before. Counters that go
+backwards (a process restarted under the same id, a stray writer) restart that peer's
+dating from its in-flight total, counted and logged (`counter_resets`).
 """
 
 from __future__ import annotations
@@ -40,7 +52,9 @@ from extproc.redis_loop import Outage, close, command
 
 log = logging.getLogger(__name__)
 
-# KEYS = load hash, live zset. ARGV = own id, ttl ms, own blob ("" when idle).
+# KEYS = load hash, live zset, placed hash. ARGV = own id, ttl ms, own blob ("" when idle),
+# own counters. Returns [id, load blob, counters blob ("": an older version's entry)] per
+# other process with either.
 _EXCHANGE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -48,23 +62,41 @@ local ttl = tonumber(ARGV[2])
 local dead = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
 for i = 1, #dead, 1000 do
   redis.call('HDEL', KEYS[1], unpack(dead, i, math.min(i + 999, #dead)))
+  redis.call('HDEL', KEYS[3], unpack(dead, i, math.min(i + 999, #dead)))
 end
 if #dead > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now) end
 redis.call('ZADD', KEYS[2], now + ttl, ARGV[1])
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ttl)
 redis.call('PEXPIRE', KEYS[2], ttl)
+redis.call('PEXPIRE', KEYS[3], ttl)
 local all = redis.call('HGETALL', KEYS[1])
 local out = {}
+local present = {}
 for i = 1, #all, 2 do
-  if all[i] ~= ARGV[1] and all[i + 1] ~= '' then out[#out + 1] = all[i + 1] end
+  present[all[i]] = true
+  if all[i] ~= ARGV[1] then
+    local counters = redis.call('HGET', KEYS[3], all[i]) or ''
+    if all[i + 1] ~= '' or counters ~= '' then
+      out[#out + 1] = all[i]
+      out[#out + 1] = all[i + 1]
+      out[#out + 1] = counters
+    end
+  end
+end
+-- An older version's exchange purges expired ids from the load hash and the live set only.
+local placed = redis.call('HKEYS', KEYS[3])
+for i = 1, #placed do
+  if not present[placed[i]] then redis.call('HDEL', KEYS[3], placed[i]) end
 end
 return out
 """
 
-# KEYS = load hash, live zset. ARGV = own id.
+# KEYS = load hash, live zset, placed hash. ARGV = own id.
 _WITHDRAW = """
 redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 return 0
 """
@@ -94,12 +126,25 @@ class SharedInFlightSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=
 
 @dataclass(slots=True)
 class SharedInFlightStats:
-    """Counters since start. `peers`: other live processes seen at the last exchange."""
+    """Counters since start. `peers`: other live processes seen at the last exchange, of
+    which `legacy_peers` publish no cumulative counters (an older version). `placed` /
+    `placed_tokens`: this process's placements. `peer_arrivals` / `peer_arrived_tokens`:
+    the peers' placements as this process dated them (tokens of legacy peers: their totals'
+    growth); `peer_growth_tokens`: what the growth of the peers' totals alone would have
+    dated (the dating before the counters; the difference is what it hid).
+    `counter_resets`: a peer's counters went backwards (restarted under the same id)."""
 
     exchanges: int = 0
     errors: int = 0
     bad_entries: int = 0
     peers: int = 0
+    legacy_peers: int = 0
+    placed: int = 0
+    placed_tokens: int = 0
+    peer_arrivals: int = 0
+    peer_arrived_tokens: int = 0
+    peer_growth_tokens: int = 0
+    counter_resets: int = 0
 
 
 def default_process_id() -> str:
@@ -141,13 +186,22 @@ class SharedInFlight:
         self._sleep = sleep
         self._rng = rng or random.Random()
         ns = settings.namespace
-        self._keys = (f"{{{ns}}}:load", f"{{{ns}}}:live")
+        self._keys = (f"{{{ns}}}:load", f"{{{ns}}}:live", f"{{{ns}}}:placed")
         self._requests: Counter[str] = Counter()
         self._tokens: Counter[str] = Counter()
         self._local_total = 0
         self._others_requests: dict[str, int] = {}
         self._others_tokens: dict[str, int] = {}
         self._others_total = 0
+        # Cumulative counters of this process's placements (published), and their values
+        # at the last update of the arrivals (this process's own arrivals since).
+        self._placed: dict[str, list[int]] = {}
+        self._own_dated: dict[str, int] = {}
+        # Per peer id at the last exchange: in flight and counters per address (None: an
+        # older version's entry, no counters).
+        self._peer_load: dict[str, dict[str, tuple[int, int]]] = {}
+        self._peer_counters: dict[str, dict[str, tuple[int, int]] | None] = {}
+        self._resets_logged: set[str] = set()
         self._last_ok = -float("inf")
         # The peers' tokens dated by when each exchange brought them (peer_arrivals.py): how
         # much of them can still be prefill ahead of a new request.
@@ -179,6 +233,13 @@ class SharedInFlight:
         self._requests[address] += 1
         self._tokens[address] += tokens
         self._local_total += 1
+        placed = self._placed.get(address)
+        if placed is None:
+            placed = self._placed[address] = [0, 0]
+        placed[0] += 1
+        placed[1] += tokens
+        self.stats.placed += 1
+        self.stats.placed_tokens += tokens
         return Placement(address, tokens)
 
     def release(self, placement: Placement) -> None:
@@ -215,13 +276,15 @@ class SharedInFlight:
         interval = self._s.interval_s
         while True:
             started = self._clock()
-            exchange = self._eval(_EXCHANGE, self.process_id, self._ttl_ms, self._blob())
+            exchange = self._eval(
+                _EXCHANGE, self.process_id, self._ttl_ms, self._blob(), self._counters()
+            )
             try:
-                blobs = await command(exchange, self._s.timeout_s, self._abandoned)
+                entries = await command(exchange, self._s.timeout_s, self._abandoned)
             except (RedisError, OSError, TimeoutError) as exc:
                 delay = self._failed(exc)
             else:
-                self._merge(blobs)
+                self._merge(entries)
                 delay = max(0.0, interval - (self._clock() - started))
             await self._sleep(delay)
 
@@ -244,25 +307,102 @@ class SharedInFlight:
         toks = self._tokens
         return msgpack.encode({a: (n, toks.get(a, 0)) for a, n in self._requests.items()})
 
-    def _merge(self, blobs: list[bytes]) -> None:
+    def _counters(self) -> bytes:
+        return msgpack.encode(self._placed)
+
+    def _merge(self, entries: list[bytes]) -> None:
         reqs: Counter[str] = Counter()
         toks: Counter[str] = Counter()
-        for blob in blobs:
-            try:
-                for address, (n, t) in msgpack.decode(blob).items():
-                    reqs[address] += int(n)
-                    toks[address] += int(t)
-            except (ValueError, TypeError, AttributeError, msgspec.DecodeError):
+        arrived: Counter[str] = Counter()
+        loads: dict[str, dict[str, tuple[int, int]]] = {}
+        counters: dict[str, dict[str, tuple[int, int]] | None] = {}
+        for i in range(0, len(entries) - 2, 3):
+            peer = entries[i].decode(errors="replace")
+            load = _decode(entries[i + 1]) if entries[i + 1] else {}
+            if load is None:
                 # Another version or a stray writer under our namespace: skip, never fail.
                 self.stats.bad_entries += 1
+                continue
+            placed = _decode(entries[i + 2]) if entries[i + 2] else None
+            if placed is None and entries[i + 2]:
+                self.stats.bad_entries += 1  # its load counts; dated by its growth
+            loads[peer], counters[peer] = load, placed
+            for address, (n, t) in load.items():
+                reqs[address] += n
+                toks[address] += t
+            self._date(peer, load, placed, arrived)
+        known = {a: self.arrivals.total(a) for a in set(toks) | set(self._others_tokens)}
+        self._peer_load, self._peer_counters = loads, counters
+        self._resets_logged &= set(loads)
         self._others_requests = dict(reqs)
         self._others_tokens = dict(toks)
         self._others_total = sum(reqs.values())
-        self.arrivals.update(self._others_tokens, self._clock(), own=self._tokens)
+        self.stats.peer_arrived_tokens += sum(arrived.values())
+        self.stats.peer_growth_tokens += sum(max(0, toks.get(a, 0) - k) for a, k in known.items())
+        own_arrived = {a: c[1] - self._own_dated.get(a, 0) for a, c in self._placed.items()}
+        self._own_dated = {a: c[1] for a, c in self._placed.items()}
+        self.arrivals.update(
+            self._others_tokens,
+            self._clock(),
+            own=self._tokens,
+            arrived=arrived,
+            own_arrived=own_arrived,
+        )
         self.stats.exchanges += 1
-        self.stats.peers = len(blobs)
+        self.stats.peers = len(loads)
+        self.stats.legacy_peers = sum(c is None for c in counters.values())
         self._last_ok = self._clock()
         self._outage.healed()
+
+    def _date(
+        self,
+        peer: str,
+        load: dict[str, tuple[int, int]],
+        placed: dict[str, tuple[int, int]] | None,
+        arrived: Counter[str],
+    ) -> None:
+        """Adds to `arrived` the tokens `peer` placed per address since the last exchange:
+        the growth of its counters, or without them (an older version) of its totals."""
+        before = self._peer_load.get(peer)
+        if before is None:
+            # First seen (or again after it expired): what it has in flight arrives now.
+            for address, (n, t) in load.items():
+                arrived[address] += t
+                self.stats.peer_arrivals += n
+            return
+        counted = self._peer_counters.get(peer)
+        if placed is None or counted is None:
+            # No counters now or last time (an older version, or undecodable): the growth.
+            for address, (_, t) in load.items():
+                arrived[address] += max(0, t - before.get(address, (0, 0))[1])
+            return
+        came: dict[str, tuple[int, int]] = {}
+        for address in set(load) | set(placed) | set(counted) | set(before):
+            n, t = load.get(address, (0, 0))
+            n0, t0 = before.get(address, (0, 0))
+            c_n, c_t = placed.get(address, (0, 0))
+            c_n0, c_t0 = counted.get(address, (0, 0))
+            d_n, d_t = c_n - c_n0, c_t - c_t0
+            # Ended since: counters minus in flight, now and then; none may go back.
+            if min(d_n, d_t, c_n - n, c_t - t, (c_n - n) - (c_n0 - n0),
+                   (c_t - t) - (c_t0 - t0)) < 0:  # fmt: skip
+                self._reset(peer)
+                came = {a: load.get(a, (0, 0)) for a in load}
+                break
+            came[address] = (d_n, d_t)
+        for address, (n, t) in came.items():
+            arrived[address] += t
+            self.stats.peer_arrivals += n
+
+    def _reset(self, peer: str) -> None:
+        self.stats.counter_resets += 1
+        if peer not in self._resets_logged:
+            self._resets_logged.add(peer)
+            log.warning(
+                "shared in-flight: %s's placement counters went backwards (restarted under "
+                "the same id?); its in-flight tokens count as arriving now",
+                peer,
+            )
 
     def _failed(self, exc: BaseException) -> float:
         self.stats.errors += 1
@@ -272,12 +412,25 @@ class SharedInFlight:
             self._others_requests = {}
             self._others_tokens = {}
             self._others_total = 0
+            self._peer_load, self._peer_counters = {}, {}
             self.arrivals.clear()
         return delay
 
     async def _eval(self, script: str, *args: bytes | str) -> Any:
         try:
-            return await self._client.evalsha(_SHA[script], 2, *self._keys, *args)
+            return await self._client.evalsha(_SHA[script], 3, *self._keys, *args)
         except NoScriptError:
             # EVAL runs and caches it (after a Redis restart the cache is empty).
-            return await self._client.eval(script, 2, *self._keys, *args)
+            return await self._client.eval(script, 3, *self._keys, *args)
+
+
+def _decode(blob: bytes) -> dict[str, tuple[int, int]] | None:
+    """`{address: [requests, tokens]}` with non-negative integers, or None."""
+    try:
+        raw = msgpack.decode(blob)
+        out = {str(a): (int(n), int(t)) for a, (n, t) in raw.items()}
+    except (ValueError, TypeError, AttributeError, msgspec.DecodeError):
+        return None
+    if any(n < 0 or t < 0 for n, t in out.values()):
+        return None
+    return out

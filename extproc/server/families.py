@@ -308,6 +308,39 @@ SHARED_INFLIGHT = StatsFamilies(
             "Other picker processes seen at the last exchange.",
             "gauge",
         ),
+        "legacy_peers": Stat(
+            "extproc_shared_inflight_legacy_peers",
+            "Of those, processes publishing no placement counters (an older version): their "
+            "arrivals are dated by the growth of their in-flight totals.",
+            "gauge",
+        ),
+        "placed": Stat(
+            "extproc_shared_inflight_placed",
+            "Requests this process placed (its published cumulative counter).",
+        ),
+        "placed_tokens": Stat(
+            "extproc_shared_inflight_placed_tokens",
+            "Prompt tokens this process placed (its published cumulative counter).",
+        ),
+        "peer_arrivals": Stat(
+            "extproc_shared_inflight_peer_arrivals",
+            "Requests the other processes placed, from their placement counters.",
+        ),
+        "peer_arrived_tokens": Stat(
+            "extproc_shared_inflight_peer_arrived_tokens",
+            "Prompt tokens the other processes placed, as dated arrivals (from their "
+            "placement counters; older versions' from their totals' growth).",
+        ),
+        "peer_growth_tokens": Stat(
+            "extproc_shared_inflight_peer_growth_tokens",
+            "Growth of the other processes' in-flight tokens between exchanges: what dating "
+            "by the totals alone would see of their arrivals.",
+        ),
+        "counter_resets": Stat(
+            "extproc_shared_inflight_counter_resets",
+            "Other processes' placement counters seen going backwards (restarted under the "
+            "same id): their dating restarted from their in-flight totals.",
+        ),
     },
 )
 
