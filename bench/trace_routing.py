@@ -201,6 +201,27 @@ def _lookup_health(admin_port: int) -> str:
     return "lookups: " + ", ".join(f"{k} {got[k]:g}" for k in _HEALTH.values() if k in got)
 
 
+def _exchange_line(admin_port: int) -> str:
+    """One replica's view of the peers' placements through the in-flight exchange: the
+    tokens dated as arrivals (from the peers' placement counters) against what the growth
+    of their totals alone showed (the dating before the counters)."""
+    text = httpx.get(f"http://127.0.0.1:{admin_port}/metrics", timeout=10).text
+    got: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("extproc_shared_inflight_"):
+            got[name.removeprefix("extproc_shared_inflight_").removesuffix("_total")] = float(value)
+    arrived, growth = got.get("peer_arrived_tokens", 0.0), got.get("peer_growth_tokens", 0.0)
+    if not arrived:
+        return "exchange: no peers' arrivals counted"
+    return (
+        f"exchange: peers' arrived tokens {arrived:.0f} ({got.get('peer_arrivals', 0):.0f} "
+        f"requests), their totals' growth {growth:.0f} ({growth / arrived:.1%} shown), "
+        f"counter resets {got.get('counter_resets', 0):.0f}, legacy peers "
+        f"{got.get('legacy_peers', 0):.0f}"
+    )
+
+
 def _role(proc: psutil.Process) -> str:
     cmd = " ".join(proc.cmdline())
     if "extproc.sim" in cmd:
@@ -407,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                     ]  # fmt: skip
                     admins = [stack.picker_admin_port, *(a for _, _, a in stack.replica_ports)]
                     corrections += [_lookup_health(a) for a in admins] if replicas else []
+                    if (replicas or 1) > 1:
+                        corrections += [_exchange_line(a) for a in admins]
                 out = args.out / f"{args.workload}-{named}-{rnd}.jsonl"
                 out.write_text("".join(json.dumps(r) + "\n" for r in rows))
                 (args.out / f"{args.workload}-{named}-{rnd}.cpu.json").write_text(
