@@ -99,12 +99,16 @@ def output_ceiling_config(
     return path
 
 
-def metric_sum(stack: Stack, pattern: str, *, present: bool = True) -> float:
+def metric_sum(
+    stack: Stack, pattern: str, *, present: bool = True, admin_port: int | None = None
+) -> float:
     """The sum of the picker's metric values `pattern` matches (a regular expression over
     each line of its /metrics, its one group the value). `present`: at least one line must
     match (a misspelt name then fails the test instead of reading 0); False for series that
-    appear only once used (a band's queue)."""
-    text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
+    appear only once used (a band's queue). `admin_port`: another replica's (default: the
+    first picker's)."""
+    port = stack.picker_admin_port if admin_port is None else admin_port
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     found = re.findall(pattern, text, re.M)
     assert found or not present, f"no metric matches {pattern}"
     return sum(float(m) for m in found)
