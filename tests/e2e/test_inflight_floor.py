@@ -22,6 +22,7 @@ from extproc.stack import Stack, StackOptions, wait_until
 from tests.e2e.chat_bodies import chat, text
 from tests.e2e.chat_turns import ChatTurns
 from tests.e2e.profiles import default_profile_with
+from tests.e2e.scraped import scrape_since
 from tests.e2e.test_request_end import picker_metric
 
 # Slow decode (the long answer lasts ~60 s unless cut), fast prefill: the answer's prompt
@@ -81,16 +82,8 @@ def test_a_request_decoding_on_the_home_server_does_not_push_the_next_turn_off_i
             lines = (line for line in s.iter_lines() if line.startswith("data: "))
             next(lines)
             next(lines)
-            first_at = time.monotonic()
-            deadline = first_at + 30
-            while True:
-                st = state(home)
-                age = st["age_s"]
-                # A scrape taken since the first token, and the request still in flight.
-                if age is not None and time.monotonic() - age > first_at + 0.01:
-                    break
-                assert time.monotonic() < deadline, st
-                time.sleep(0.02)
+            # A scrape taken since the first token, the request still in flight.
+            st = scrape_since(lambda: state(home), time.monotonic())
             assert st["inflight_requests"] == 1 and st["inflight_tokens"] > 1500, st
             # The picker's own virtual queue drains at its estimate of the prefill, which
             # may run past the engine's (token estimates differ): let it drain, so only

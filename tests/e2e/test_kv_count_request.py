@@ -26,6 +26,7 @@ from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import chat, text
 from tests.e2e.chat_turns import ChatTurns
+from tests.e2e.scraped import scrape_since
 
 # A small cache (200 blocks of 16 tokens) and a slow decode: the long answer keeps its
 # blocks (the shared prompt's) in use while the next turn is explained.
@@ -80,15 +81,8 @@ def test_the_home_servers_kv_for_the_shared_prompt_does_not_push_the_next_turn_o
             lines = (line for line in s.iter_lines() if line.startswith("data: "))
             next(lines)  # the role-only chunk
             next(lines)  # the first token: the request runs, its blocks in use
-            first_at = time.monotonic()
-            deadline = first_at + 30
-            while True:
-                st = state(home)
-                age = st["age_s"]
-                if age is not None and time.monotonic() - age > first_at + 0.01:
-                    break
-                assert time.monotonic() < deadline, st
-                time.sleep(0.02)
+            # A scrape taken since the first token, the request still in flight.
+            st = scrape_since(lambda: state(home), time.monotonic())
             # Most of the home server's cache is the shared prompt, in use by the answer.
             assert 0.45 < st["kv_usage"] < 0.95, st
             got = turns.explain(chat(system, "question two. " + text(rng, 8)))
