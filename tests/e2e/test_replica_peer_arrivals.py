@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import random
 
-import httpx
-
-from extproc.stack import Stack, StackOptions, wait_until
+from extproc.stack import wait_until
 from tests.e2e.chat_bodies import chat, text
-from tests.e2e.flow_configs import metric_sum
+from tests.e2e.replicas import replicas
 from tests.redis_servers import RedisServer
 
 PICKER = """
@@ -30,17 +28,11 @@ REQUESTS = 12
 
 def test_replicas_count_their_peers_placements_exactly(tmp_path, redis_server: RedisServer):
     rng = random.Random(14)
-    cfg = tmp_path / "picker.yaml"
-    cfg.write_text(PICKER)
-    opts = StackOptions(
-        upstreams=2, replicas=3, redis_url=redis_server.url, extproc_args=("--config", str(cfg))
-    )
-    with Stack(opts) as stack, httpx.Client(timeout=60) as http:
-        admin = [stack.picker_admin_port] + [a for _, _, a in stack.replica_ports]
+    with replicas(tmp_path, redis_server, PICKER) as fleet:
+        http, stack = fleet.http, fleet.stack
 
         def read(name: str) -> list[float]:
-            pattern = rf"^extproc_{name}(?:_total)?(?:{{[^}}]*}})? (\S+)$"
-            return [metric_sum(stack, pattern, admin_port=p) for p in admin]
+            return fleet.metric(f"extproc_{name}", present=True)
 
         wait_until(
             lambda: read("shared_inflight_peers") == [2, 2, 2],
@@ -52,26 +44,28 @@ def test_replicas_count_their_peers_placements_exactly(tmp_path, redis_server: R
             r = http.post(f"{stack.url}/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             wait_until(
-                lambda: sum(metric_sum(stack, r"^extproc_inflight_requests{[^}]*} (\S+)$",
-                                       present=False, admin_port=p) for p in admin) == 0,
+                lambda: fleet.metric("extproc_inflight_requests") == [0, 0, 0],
                 timeout_s=15,
                 what="the request ended in every replica's books",
-            )  # fmt: skip
-        placed, tokens = read("shared_inflight_placed"), read("shared_inflight_placed_tokens")
-        assert placed == read("decisions"), placed
+            )
+        placed, tokens = (
+            read("shared_inflight_placed_total"),
+            read("shared_inflight_placed_tokens_total"),
+        )
+        assert placed == read("decisions_total"), placed
         assert sum(placed) == REQUESTS and sum(1 for n in placed if n) >= 2, placed
         peers = [sum(placed) - n for n in placed]
         peer_tokens = [sum(tokens) - t for t in tokens]
         got: list[list[float]] = []
 
         def counted() -> bool:
-            got[:] = [read("shared_inflight_peer_arrivals"),
-                      read("shared_inflight_peer_arrived_tokens")]  # fmt: skip
+            got[:] = [read("shared_inflight_peer_arrivals_total"),
+                      read("shared_inflight_peer_arrived_tokens_total")]  # fmt: skip
             return got == [peers, peer_tokens]
 
         wait_until(counted, timeout_s=10, what=f"every replica counts {peers}, {peer_tokens}")
-        growth = read("shared_inflight_peer_growth_tokens")
+        growth = read("shared_inflight_peer_growth_tokens_total")
         assert all(g < t for g, t in zip(growth, peer_tokens, strict=True)), (growth, tokens)
-        assert read("shared_inflight_counter_resets") == [0, 0, 0]
+        assert read("shared_inflight_counter_resets_total") == [0, 0, 0]
         assert read("shared_inflight_legacy_peers") == [0, 0, 0]
-        assert read("shared_inflight_bad_entries") == [0, 0, 0]
+        assert read("shared_inflight_bad_entries_total") == [0, 0, 0]

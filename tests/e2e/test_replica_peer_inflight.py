@@ -31,8 +31,9 @@ import httpx
 import pytest
 
 from extproc.sim import SERVED_BY_HEADER
-from extproc.stack import Stack, StackOptions, wait_until
+from extproc.stack import wait_until
 from tests.e2e.chat_bodies import chat, text
+from tests.e2e.replicas import replicas
 from tests.redis_servers import RedisServer
 
 # Slow decode: the long answer streams for a minute unless cut. Prefill at 2,000 tokens/s.
@@ -62,69 +63,46 @@ SCORER = "default/predicted-ttft-scorer"
 CHAT = "/v1/chat/completions"
 
 
-def metric(http: httpx.Client, port: int, name: str, endpoint: str | None = None) -> float:
-    total = 0.0
-    for line in http.get(f"http://127.0.0.1:{port}/metrics").text.splitlines():
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and (
-            endpoint is None or f'endpoint="{endpoint}"' in line
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def run(tmp_path, redis: RedisServer, floor: str) -> tuple[str, int, list[dict], list[float]]:
     """The holder, which replica placed the long answer, every replica's explanation of the
     tenant's next request, and every replica's drained-tokens counter."""
     rng = random.Random(11)
-    cfg = tmp_path / "picker.yaml"
-    cfg.write_text(PICKER % floor)
-    opts = StackOptions(
-        upstreams=2,
-        sim_args=SIM,
-        replicas=3,
-        redis_url=redis.url,
-        extproc_args=("--config", str(cfg)),
-    )
-    with Stack(opts) as stack, httpx.Client(timeout=60) as http:
-        admin = [stack.picker_admin_port] + [a for _, _, a in stack.replica_ports]
+    with replicas(tmp_path, redis, PICKER % floor, sim_args=SIM) as fleet:
+        stack, http, admin = fleet.stack, fleet.http, fleet.admin
         system = "tenant prompt. " + text(rng, 150)  # ~1,000 tokens: 0.5 s to recompute
         first = text(rng, 12)
         r = http.post(f"{stack.url}{CHAT}", json=chat(system, first))
         assert r.status_code == 200, r.text
         home = r.headers[SERVED_BY_HEADER]
         wait_until(
-            lambda: all(metric(http, p, "extproc_inflight_requests") == 0 for p in admin),
+            lambda: fleet.metric("extproc_inflight_requests") == [0, 0, 0],
             timeout_s=15,
             what="the first request ended in every replica's books",
         )
-        before = [metric(http, p, "extproc_decisions_total") for p in admin]
+        before = fleet.metric("extproc_decisions_total")
         # The tenant's conversation goes on: ~2,100 new prompt tokens (1 s of prefill) and
         # a long answer, on the holder (its prompt is cached there).
         long = chat(system, first, text(rng, 12), text(rng, 300), max_tokens=3000, stream=True)
         with http.stream("POST", f"{stack.url}{CHAT}", json=long) as s:
             assert s.status_code == 200
-            degraded = [metric(http, p, "extproc_index_lookups_degraded_total") for p in admin]
+            degraded = fleet.metric("extproc_index_lookups_degraded_total")
             assert s.headers[SERVED_BY_HEADER] == home, degraded
             lines = (line for line in s.iter_lines() if line.startswith("data: "))
             next(lines)
             next(lines)  # the first token: the prompt is prefilled
             grew = [
-                metric(http, p, "extproc_decisions_total") - b
-                for p, b in zip(admin, before, strict=True)
+                n - b for n, b in zip(fleet.metric("extproc_decisions_total"), before, strict=True)
             ]
             assert sorted(grew) == [0, 0, 1], grew
             placer = grew.index(1)
             wait_until(
-                lambda: all(metric(http, p, "extproc_inflight_tokens", home) > 1500 for p in admin),
+                lambda: all(n > 1500 for n in fleet.metric("extproc_inflight_tokens", home)),
                 timeout_s=15,
                 what="every replica counts the long answer in flight",
             )
             time.sleep(2.5)  # a lane at 2,000 tokens/s computes its prompt twice over
             wait_until(
-                lambda: all(
-                    metric(http, p, "extproc_predicted_prefill_queue_seconds", home) == 0.0
-                    for p in admin
-                ),
+                lambda: fleet.metric("extproc_predicted_prefill_queue_seconds", home) == [0, 0, 0],
                 timeout_s=15,
                 what="every virtual queue drained",
             )
@@ -138,11 +116,9 @@ def run(tmp_path, redis: RedisServer, floor: str) -> tuple[str, int, list[dict],
                 )
                 assert e.status_code == 200, e.text
                 explained.append(e.json())
-            assert metric(http, admin[placer], "extproc_inflight_tokens", home) > 1500
+            assert fleet.metric("extproc_inflight_tokens", home)[placer] > 1500
             assert not s.is_closed  # still decoding
-            drained = [
-                metric(http, p, "extproc_predicted_ttft_peer_tokens_drained_total") for p in admin
-            ]
+            drained = fleet.metric("extproc_predicted_ttft_peer_tokens_drained_total")
     return home, placer, explained, drained
 
 
@@ -215,29 +191,21 @@ def run_lane(tmp_path, redis: RedisServer, mode: str) -> tuple[int, int, list[fl
     by the next. Returns A's placer, B's placer, every replica's drained-tokens counter after
     explaining a probe, and every replica's terms for the server."""
     rng = random.Random(12)
-    cfg = tmp_path / "picker.yaml"
-    cfg.write_text(PICKER % f"peerInflight: {mode}")
-    opts = StackOptions(
-        upstreams=1,
-        sim_args=SLOW_PREFILL,
-        replicas=3,
-        redis_url=redis.url,
-        extproc_args=("--config", str(cfg)),
-    )
-    with Stack(opts) as stack, httpx.Client(timeout=120) as http:
-        admin = [stack.picker_admin_port] + [a for _, _, a in stack.replica_ports]
+    picker = PICKER % f"peerInflight: {mode}"
+    with replicas(
+        tmp_path, redis, picker, upstreams=1, sim_args=SLOW_PREFILL, timeout_s=120
+    ) as fleet:
+        stack, http, admin = fleet.stack, fleet.http, fleet.admin
         url = f"{stack.url}{CHAT}"
 
         def placed_by(body: dict) -> int:
-            before = [metric(http, p, "extproc_decisions_total") for p in admin]
+            before = fleet.metric("extproc_decisions_total")
             _stream_in_background(http, url, body)
             grew: list[float] = []
 
             def one_grew() -> bool:
-                grew[:] = [
-                    metric(http, p, "extproc_decisions_total") - b
-                    for p, b in zip(admin, before, strict=True)
-                ]
+                now = fleet.metric("extproc_decisions_total")
+                grew[:] = [n - b for n, b in zip(now, before, strict=True)]
                 return sum(grew) >= 1
 
             wait_until(one_grew, timeout_s=15, what="a replica placed the request")
@@ -247,10 +215,10 @@ def run_lane(tmp_path, redis: RedisServer, mode: str) -> tuple[int, int, list[fl
         # A: ~20,000 tokens (bytes), 10 s for a lane at the prior speed; B: ~400, 0.2 s.
         a = placed_by(chat(text(rng, 2700), text(rng, 5), max_tokens=1000, stream=True))
         home = stack.upstream_addresses[0]
-        only_a = metric(http, admin[a], "extproc_inflight_tokens", home)
+        only_a = fleet.metric("extproc_inflight_tokens", home)[a]
         b = placed_by(chat(text(rng, 50), text(rng, 5), max_tokens=1000, stream=True))
         wait_until(
-            lambda: all(metric(http, p, "extproc_inflight_tokens", home) > only_a for p in admin),
+            lambda: all(n > only_a for n in fleet.metric("extproc_inflight_tokens", home)),
             timeout_s=15,
             what="every replica counts both answers in flight",
         )
@@ -264,9 +232,7 @@ def run_lane(tmp_path, redis: RedisServer, mode: str) -> tuple[int, int, list[fl
             )
             assert e.status_code == 200, e.text
             terms.append(e.json()["terms"][SCORER][home])
-        drained = [
-            metric(http, p, "extproc_predicted_ttft_peer_tokens_drained_total") for p in admin
-        ]
+        drained = fleet.metric("extproc_predicted_ttft_peer_tokens_drained_total")
     return a, b, drained, terms
 
 

@@ -21,7 +21,7 @@ import time
 import httpx
 
 from extproc.sim import SERVED_BY_HEADER
-from extproc.stack import Stack, StackOptions
+from tests.e2e.replicas import replicas
 from tests.redis_servers import RedisServer
 
 # 64 blocks x 16 tokens: 1,024 tokens of cache per server. Prefill at the scorer's prior.
@@ -94,17 +94,8 @@ def run(tmp_path, redis: RedisServer, share: bool):
     """Six turns extending one ~300-byte prompt by ~200 new bytes each, then every replica's
     view and its explanation of a new ~200-byte prompt."""
     rng = random.Random(3)
-    cfg = tmp_path / "picker.yaml"
-    cfg.write_text(PICKER % ("true" if share else "false"))
-    opts = StackOptions(
-        upstreams=2,
-        sim_args=SIM,
-        replicas=3,
-        redis_url=redis.url,
-        extproc_args=("--config", str(cfg)),
-    )
-    with Stack(opts) as stack, httpx.Client(timeout=60) as http:
-        admin = [stack.picker_admin_port] + [a for _, _, a in stack.replica_ports]
+    with replicas(tmp_path, redis, PICKER % ("true" if share else "false"), sim_args=SIM) as fleet:
+        stack, http, admin = fleet.stack, fleet.http, fleet.admin
         system = "shared agent prompt. " + text(rng, 38)
         served = []
         for _ in range(TURNS):
@@ -114,7 +105,7 @@ def run(tmp_path, redis: RedisServer, share: bool):
             settled(http, admin)
         deadline = time.monotonic() + 15
         while True:
-            texts = [http.get(f"http://127.0.0.1:{p}/metrics").text for p in admin]
+            texts = fleet.metrics_text()
             views = [written(t) for t in texts]
             if all(alike(v, views[0]) for v in views) or time.monotonic() > deadline or not share:
                 break
