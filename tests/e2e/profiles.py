@@ -35,3 +35,26 @@ def default_profile_with(parameters: Mapping[str, Mapping[str, Any]]) -> str:
     ]
     scheduling = _no_nulls(msgspec.to_builtins(msgspec.structs.replace(cfg, plugins=plugins)))
     return yaml.safe_dump({"scheduling": scheduling}, sort_keys=False)
+
+
+def profile_of(
+    weights: Mapping[str, float], parameters: Mapping[str, Mapping[str, Any]] | None = None
+) -> str:
+    """YAML for `scheduling:`: one profile, `default`, of the scorers in `weights` (by type,
+    at those weights, with `parameters` by type where given) and `max-score-picker`: for
+    tests of one plugin on its own, outside the profile users get."""
+    parameters = parameters or {}
+    unknown = set(parameters) - set(weights)
+    assert not unknown, f"parameters for plugins not in the profile: {sorted(unknown)}"
+    plugins: list[dict[str, Any]] = [
+        {"type": t, "parameters": dict(parameters[t])} if t in parameters else {"type": t}
+        for t in weights
+    ]
+    refs: list[dict[str, Any]] = [{"pluginRef": t, "weight": w} for t, w in weights.items()]
+    scheduling = {
+        "plugins": [*plugins, {"type": "max-score-picker"}],
+        "schedulingProfiles": [
+            {"name": "default", "plugins": [*refs, {"pluginRef": "max-score-picker"}]}
+        ],
+    }
+    return yaml.safe_dump({"scheduling": scheduling}, sort_keys=False)

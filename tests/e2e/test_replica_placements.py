@@ -21,25 +21,18 @@ import time
 import httpx
 
 from extproc.sim import SERVED_BY_HEADER
+from tests.e2e.profiles import profile_of
 from tests.e2e.replicas import replicas
 from tests.redis_servers import RedisServer
 
 # 64 blocks x 16 tokens: 1,024 tokens of cache per server. Prefill at the scorer's prior.
 SIM = ("--num-gpu-blocks", "64", "--prefill-tps", "2000")
 # Estimated tokens are bytes (as in tests/e2e/test_spill_eviction.py).
+TTFT = "predicted-ttft-scorer"
 PICKER = """
 parse: {block_tokens: 16, bytes_per_token: 1}
 state: {shared_placements: %s}
-scheduling:
-  plugins:
-  - {type: predicted-ttft-scorer, parameters: {priorPrefillTokensPerSecond: 2000}}
-  - {type: max-score-picker}
-  schedulingProfiles:
-  - name: default
-    plugins:
-    - {pluginRef: predicted-ttft-scorer, weight: 1}
-    - {pluginRef: max-score-picker}
-"""
+""" + profile_of({TTFT: 1}, {TTFT: {"priorPrefillTokensPerSecond": 2000}})
 SCORER = "default/predicted-ttft-scorer"
 CAPACITY = 64 * 16
 WORDS = ("tenant", "policy", "invoice", "refund", "order", "ticket", "account", "shipping")

@@ -23,23 +23,21 @@ import pytest
 
 from extproc.stack import Stack, StackOptions, wait_until
 from tests.e2e.calibration_workload import gauge, syllable_text
+from tests.e2e.profiles import profile_of
 
 PREFILL_TPS = 2000.0
 SIM = ("--prefill-tps", str(PREFILL_TPS), "--num-gpu-blocks", "4000", "--max-model-len", "16384")
-PICKER = """
+SETTINGS = """
 parse: {calibrate: false}
 index: {capacity_first_tokens: 500}
-scheduling:
-  plugins:
-  - type: predicted-ttft-scorer
-    parameters: {speedUnits: %s}
-  - {type: max-score-picker}
-  schedulingProfiles:
-  - name: default
-    plugins:
-    - {pluginRef: predicted-ttft-scorer, weight: 1}
-    - {pluginRef: max-score-picker}
 """
+
+
+def picker(units: str) -> str:
+    ttft = "predicted-ttft-scorer"
+    return SETTINGS + profile_of({ttft: 1}, {ttft: {"speedUnits": units}})
+
+
 SCORER = "default/predicted-ttft-scorer"
 CHAT = "/v1/chat/completions"
 
@@ -61,7 +59,7 @@ def _metrics(http: httpx.Client, port: int) -> str:
 def test_a_long_prompts_queue_says_its_real_prefill_with_estimates(tmp_path, units: str):
     rng = random.Random(21)
     cfg = tmp_path / "picker.yaml"
-    cfg.write_text(PICKER % units)
+    cfg.write_text(picker(units))
     opts = StackOptions(upstreams=1, sim_args=SIM, extproc_args=("--config", str(cfg)))
     with Stack(opts) as stack, httpx.Client(timeout=60) as http:
         admin = stack.picker_admin_port
