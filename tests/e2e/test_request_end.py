@@ -4,6 +4,7 @@ says it ended."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -11,15 +12,12 @@ import httpx
 import pytest
 
 from extproc.stack import Stack, StackOptions, wait_until
+from tests.e2e.flow_configs import metric_sum
 
 
 def picker_metric(stack: Stack, name: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=2).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    """The sum of the picker's series of metric `name` (0 when it has none)."""
+    return metric_sum(stack, rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", present=False)
 
 
 @pytest.fixture(scope="module")
