@@ -9,7 +9,10 @@ Per run: interactive requests per picker, and each picker's split over the serve
 pairs of consecutive interactive arrivals less than `--window` s apart, how many went to
 the same server, when one picker placed both and when two different pickers did; and the
 engine part (KV wait + step wait + prefill) of the second request of a pair, same server
-against different, which is what a collision costs.
+against different, which is what a collision costs; and per request that arrived while
+earlier interactive requests were short of their first token, whether it joined a server
+where one of those was (placed by the same picker, `own`, or another, `peer`) while some
+server had none (a collision the steering could have avoided).
 """
 
 from __future__ import annotations
@@ -46,7 +49,35 @@ def steer_summary(trace: list[dict], window: float) -> dict:
         e = _engine(b)
         if who == "two pickers" and e is not None:
             eng[where].append(e)
+    # Each request against the interactive ones before it still short of their first
+    # token (arrived, TTFT not reached) when it arrived: did it join a server where one of
+    # those was, placed by the same picker or by another, while a server had none?
+    joined: dict[str, int] = {}
+    joined_eng: dict[str, list[float]] = {}
+    servers = {t["endpoint"] for t in reqs}
+    for i, b in enumerate(reqs):
+        busy: dict[str, set[str]] = {}
+        for a in reqs[:i]:
+            if a.get("ttft") is not None and a["at"] + a["ttft"] > b["at"]:
+                who = "own" if a["picker"] == b["picker"] else "peer"
+                busy.setdefault(a["endpoint"], set()).add(who)
+        if not busy:
+            continue
+        there = busy.get(b["endpoint"], set())
+        if not there:
+            key = "went to a server with none"
+        else:
+            free = "a server had none" if servers - busy.keys() else "none free"
+            key = f"joined {'+'.join(sorted(there))}'s, {free}"
+        joined[key] = joined.get(key, 0) + 1
+        e = _engine(b)
+        if e is not None:
+            joined_eng.setdefault(key, []).append(e)
     out: dict = {"interactive": len(reqs), "split": split, "pairs": pairs}
+    out["beside_unfinished"] = {
+        k: {"n": n, "engine_mean": round(sum(joined_eng.get(k, [0])) / max(1, n), 3)}
+        for k, n in sorted(joined.items())
+    }
     for where, es in eng.items():
         if es:
             out[f"two_pickers_{where}_server_engine"] = {
