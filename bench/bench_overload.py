@@ -41,7 +41,7 @@ equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (th
 `fleetView`), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.NN),
-`-out<N>` (expected_output_tokens N; the
+`-rq<NN>` (`reserve_rate_quantile` 0.NN), `-out<N>` (expected_output_tokens N; the
 two-replica path had 96 and no prior before the twelfth session: `-noprior-out96`), and
 `~base` to run its pickers from `--baseline-src` (old code against new in one run; `~base`
 runs also keep the old `expected_output_tokens` of 96 unless `--base-expected-output` says
@@ -151,6 +151,7 @@ def picker_config(
     gate_steers: bool = True,
     gate_fleet_view: bool = False,
     reserve_quantile: float = 0.0,
+    reserve_rate_quantile: float = 0.0,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -218,6 +219,9 @@ def picker_config(
         if reserve_quantile:
             # The reserve from a quantile of interactive's recent sizes (`-q<NN>` runs).
             doc["flow_control"]["reserve_quantile"] = reserve_quantile
+        if reserve_rate_quantile:
+            # The rate term over that quantile of the prompts' prefill (`-rq<NN>` runs).
+            doc["flow_control"]["reserve_rate_quantile"] = reserve_rate_quantile
         if engine_priority:
             # The band as the engine's `priority` (the sims run the priority policy).
             doc["flow_control"]["engine_priority"] = True
@@ -922,6 +926,9 @@ def main() -> int:
             run_name = re.sub(r"-out\d+", "", run_name)
             # `-q<NN>`: reserve_quantile 0.NN (the reserve from that quantile of
             # interactive's recent sizes instead of the largest).
+            rq_m = re.search(r"-rq(\d+)", run_name)  # `-rq<NN>`: reserve_rate_quantile
+            rate_quantile = int(rq_m.group(1)) / 100 if rq_m else 0.0
+            run_name = re.sub(r"-rq\d+", "", run_name)
             q_m = re.search(r"-q(\d+)", run_name)
             quantile = int(q_m.group(1)) / 100 if q_m else 0.0
             run_name = re.sub(r"-q\d+", "", run_name)
@@ -975,6 +982,7 @@ def main() -> int:
                     gate_steers=not args.gate_no_steer,
                     gate_fleet_view=bool(fleet_view),
                     reserve_quantile=quantile,
+                    reserve_rate_quantile=rate_quantile,
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
@@ -994,6 +1002,7 @@ def main() -> int:
                     gate_steers=not args.gate_no_steer,
                     gate_fleet_view=bool(fleet_view),
                     reserve_quantile=quantile,
+                    reserve_rate_quantile=rate_quantile,
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)

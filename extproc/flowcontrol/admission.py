@@ -81,10 +81,12 @@ class Admission:
                 "flow_control.reserve_prior has no effect without admit_per_endpoint and "
                 "reserve_for_higher_bands"
             )
-        if s.reserve_quantile and not (s.admit_per_endpoint and s.reserve_for_higher_bands):
+        if (s.reserve_quantile or s.reserve_rate_quantile) and not (
+            s.admit_per_endpoint and s.reserve_for_higher_bands
+        ):
             log.warning(
-                "flow_control.reserve_quantile has no effect without admit_per_endpoint and "
-                "reserve_for_higher_bands"
+                "flow_control.reserve_quantile / reserve_rate_quantile have no effect without "
+                "admit_per_endpoint and reserve_for_higher_bands"
             )
         # The prior's prompt (what a server prefills) is its request less the output
         # counted per request.
@@ -114,6 +116,7 @@ class Admission:
             prefill_speed=prefill_speed,
             reserve_priors=priors,
             reserve_quantile=s.reserve_quantile,
+            reserve_rate_quantile=s.reserve_rate_quantile,
             gate=config.gate,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured

@@ -32,6 +32,12 @@ the band's recent request sizes (times the count) and the rate term uses the
 `q`-quantile prompt: a request above it waits for room like any other. A quantile of a
 handful of requests says little, so the history is trusted from `QUANTILE_TRUSTED`
 requests on (not `HISTORY`): until then the prior (a largest request) counts as before.
+
+`flow_control.reserve_rate_quantile` (opt-in) changes only the rate term: the work that
+arrives while a request prefills is counted over the prefill time of that quantile of
+the band's recent prompts (from `QUANTILE_TRUSTED` requests on; before, the largest's or
+the prior's), while the size term stays the largest request. The window the rate term
+covers is a typical prefill, not the rarest one; the largest request still finds room.
 """
 
 from __future__ import annotations
@@ -68,6 +74,12 @@ class BandPrior:
     rate: float = 0.0
 
 
+def _rank(quantile: float, n: int) -> int:
+    """Nearest rank: the index of the smallest of `n` sorted values at or above the
+    quantile."""
+    return max(0, math.ceil(quantile * n) - 1)
+
+
 class Reserve:
     """Per band, the recent requests' sizes and arrival times (`note`), and the room a band
     below must leave free for them (`held`)."""
@@ -78,12 +90,17 @@ class Reserve:
         clock: Callable[[], float],
         priors: Mapping[int, BandPrior] | None = None,
         quantile: float = 0.0,
+        rate_quantile: float = 0.0,
     ) -> None:
         """`count`: how many of a band's requests the room is for; `quantile`: 0 for the
-        largest ones, else in (0, 1): that quantile of the band's recent sizes (see the
-        module docstring)."""
-        if not 0.0 <= quantile < 1.0:
-            raise ValueError(f"reserve quantile {quantile} not in [0, 1)")
+        largest ones, else in (0, 1): that quantile of the band's recent sizes;
+        `rate_quantile`: 0 for the rate term over the size term's prefill time, else over
+        that quantile of the recent prompts' (see the module docstring)."""
+        for q in (quantile, rate_quantile):
+            if not 0.0 <= q < 1.0:
+                raise ValueError(f"reserve quantile {q} not in [0, 1)")
+        self._rate_quantile = rate_quantile
+        self._rate_prompt: dict[int, int] = {}  # per band: its rate_quantile prompt
         self._count = count
         self._quantile = quantile
         # Requests of history from which a band's own history alone sizes its reserve.
@@ -110,6 +127,9 @@ class Reserve:
         seen.append(_Seen(self._clock(), tokens, max(0, tokens - output_tokens)))
         self._sum[priority] = self._sum.get(priority, 0) + tokens
         self._largest[priority] = self._top(seen)
+        if self._rate_quantile:
+            prompts = sorted(s.prompt for s in seen)
+            self._rate_prompt[priority] = prompts[_rank(self._rate_quantile, len(prompts))]
         self._largest_any = self._top(itertools.chain.from_iterable(self._seen.values()))
 
     def _top(self, seen: Iterable[_Seen]) -> tuple[int, int]:
@@ -117,8 +137,7 @@ class Reserve:
             items = list(seen)
             if not items:
                 return 0, 0
-            # Nearest rank: the smallest size at or above the quantile of the requests.
-            rank = max(0, math.ceil(self._quantile * len(items)) - 1)
+            rank = _rank(self._quantile, len(items))
             size = sorted(s.tokens for s in items)[rank]
             prompt = sorted(s.prompt for s in items)[rank]
             return self._count * size, prompt
@@ -181,6 +200,8 @@ class Reserve:
                     self.history(p),
                     self.trusted_at,
                 )
+            if self._rate_quantile and self.history(p) >= QUANTILE_TRUSTED:
+                prompt = self._rate_prompt[p]
             if prefill_tps:
                 tokens += int(rate * prompt / prefill_tps)
             elif rate:

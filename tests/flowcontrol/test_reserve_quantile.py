@@ -98,3 +98,24 @@ async def test_a_lower_band_request_fits_beside_the_quantile_not_the_largest():
         else:
             task.cancel()
             assert ctl.reserve_held >= 1
+
+
+def test_the_rate_quantile_shortens_only_the_rate_terms_window():
+    # 18 requests of 500 (400 prompt), 2 of 3000 (2900 prompt); prefill 1000 tokens/s.
+    sizes = [(500, 100)] * 18 + [(3000, 100)] * 2
+    clock = Clock()
+    r = Reserve(1, clock, rate_quantile=0.5)
+    _feed(r, clock, sizes)
+    rate = r.rate(10)
+    # The largest still sets the size term; the rate term counts a median prompt's prefill.
+    assert r.held(0, (10, 0), 1000.0)[0] == 3000 + int(rate * 400 / 1000.0)
+    # Before QUANTILE_TRUSTED requests: the largest's (here the prior's) prompt.
+    clock = Clock()
+    prior = {10: BandPrior(tokens=3000, prompt=2900, rate=100.0)}
+    r = Reserve(1, clock, prior, rate_quantile=0.5)
+    _feed(r, clock, sizes[: QUANTILE_TRUSTED - 1])
+    assert r.held(0, (10, 0), 1000.0)[0] == 3000 + int(max(r.rate(10), 100.0) * 2900 / 1000.0)
+    with pytest.raises(ValueError):
+        Reserve(1, Clock(), rate_quantile=-0.1)
+    cfg = decode_settings({"flow_control": {"reserve_rate_quantile": 0.5}})
+    assert cfg.flow_control is not None and cfg.flow_control.reserve_rate_quantile == 0.5
