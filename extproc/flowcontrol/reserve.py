@@ -39,7 +39,7 @@ the band's recent prompts (from `QUANTILE_TRUSTED` requests on; before, the larg
 the prior's), while the size term stays the largest request. The window the rate term
 covers is a typical prefill, not the rarest one; the largest request still finds room.
 Both are opt-in because both trade the higher band's tail for goodput rather than win
-both (bench/RESULTS.md, thirteenth session: q80 +0.07 goodput, TTFT p99 2.5x against 1.8x).
+both (bench/RESULTS.md, thirteenth session: q80 +0.05..+0.08 goodput, TTFT p99 3.0x against 1.8x).
 """
 
 from __future__ import annotations
