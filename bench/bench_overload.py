@@ -40,7 +40,8 @@ equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (th
 `prefill-gate` plugin, maxPrefillTokens N or `--gate-tokens`; `-fleet`: with its
 `fleetView`), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
-offered interactive load: `interactive_prior`), `-out<N>` (expected_output_tokens N; the
+offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.NN),
+`-rq<NN>` (`reserve_rate_quantile` 0.NN), `-out<N>` (expected_output_tokens N; the
 two-replica path had 96 and no prior before the twelfth session: `-noprior-out96`), and
 `~base` to run its pickers from `--baseline-src` (old code against new in one run; `~base`
 runs also keep the old `expected_output_tokens` of 96 unless `--base-expected-output` says
@@ -149,6 +150,8 @@ def picker_config(
     gate_tokens: int = 0,
     gate_steers: bool = True,
     gate_fleet_view: bool = False,
+    reserve_quantile: float = 0.0,
+    reserve_rate_quantile: float = 0.0,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -213,6 +216,12 @@ def picker_config(
             "admit_per_endpoint": per_endpoint,
             "reserve_for_higher_bands": reserve if per_endpoint else 0,
         }
+        if reserve_quantile:
+            # The reserve from a quantile of interactive's recent sizes (`-q<NN>` runs).
+            doc["flow_control"]["reserve_quantile"] = reserve_quantile
+        if reserve_rate_quantile:
+            # The rate term over that quantile of the prompts' prefill (`-rq<NN>` runs).
+            doc["flow_control"]["reserve_rate_quantile"] = reserve_rate_quantile
         if engine_priority:
             # The band as the engine's `priority` (the sims run the priority policy).
             doc["flow_control"]["engine_priority"] = True
@@ -690,6 +699,18 @@ def engine_times(rs: list[Req]) -> list[float]:
     return [round(sum(r.engine), 4) for r in rs if r.engine is not None and not r.error]
 
 
+def placement(r: Req) -> dict:
+    """One admitted interactive request: when it arrived, the picker that decided (its
+    pid, from the decision; None without --trace), where it went, and its timings."""
+    d = json.loads(r.decision) if r.decision else {}
+    eps = d.get("endpoints") or [r.served_by]
+    engine = [round(x, 4) for x in r.engine] if r.engine else None
+    ttft = round(r.ttft_s, 4) if r.ttft_s is not None else None
+    return {"at": round(r.at, 3), "tenant": r.tenant, "picker": d.get("picker"),
+            "endpoint": eps[0], "est": r.est_tokens, "ttft": ttft, "wait": r.picker_wait,
+            "engine": engine}  # fmt: skip
+
+
 def lost_detail(r: Req) -> dict:
     """What one lost request saw, to be matched with Envoy's access log by `id`."""
     d = {"id": r.bench_id, "tenant": r.tenant, "objective": r.objective, "at": round(r.at, 3),
@@ -903,6 +924,14 @@ def main() -> int:
             out_m = re.search(r"-out(\d+)", run_name)
             out_n = int(out_m.group(1)) if out_m else 0
             run_name = re.sub(r"-out\d+", "", run_name)
+            # `-q<NN>`: reserve_quantile 0.NN (the reserve from that quantile of
+            # interactive's recent sizes instead of the largest).
+            rq_m = re.search(r"-rq(\d+)", run_name)  # `-rq<NN>`: reserve_rate_quantile
+            rate_quantile = int(rq_m.group(1)) / 100 if rq_m else 0.0
+            run_name = re.sub(r"-rq\d+", "", run_name)
+            q_m = re.search(r"-q(\d+)", run_name)
+            quantile = int(q_m.group(1)) / 100 if q_m else 0.0
+            run_name = re.sub(r"-q\d+", "", run_name)
             run_name, fleet_view, after = run_name.partition("-fleet")  # gate's fleetView
             run_name += after
             run_name, gate, gate_n = run_name.partition("-gate")  # prefill-gate (`-gate[N]`)
@@ -952,6 +981,8 @@ def main() -> int:
                     gate_tokens=gate_tokens,
                     gate_steers=not args.gate_no_steer,
                     gate_fleet_view=bool(fleet_view),
+                    reserve_quantile=quantile,
+                    reserve_rate_quantile=rate_quantile,
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
@@ -970,6 +1001,8 @@ def main() -> int:
                     gate_tokens=gate_tokens,
                     gate_steers=not args.gate_no_steer,
                     gate_fleet_view=bool(fleet_view),
+                    reserve_quantile=quantile,
+                    reserve_rate_quantile=rate_quantile,
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)
@@ -1009,6 +1042,10 @@ def main() -> int:
             # what the picker's admission decides, without the machine's stalls outside
             # the engine (on a loaded 2-core machine those made most slow TTFTs).
             row["hi_engine_s"] = engine_times(hi_ok)
+            # Per admitted interactive request, which picker placed it where (with --trace):
+            # whether replicas steer their interactive work to the same server
+            # (bench/overload_steer.py reads it).
+            row["hi_trace"] = [placement(r) for r in hi_ok if not r.error]
             print(json.dumps(row), flush=True)
             rows.append(row)
             settle(dep)

@@ -81,6 +81,13 @@ class Admission:
                 "flow_control.reserve_prior has no effect without admit_per_endpoint and "
                 "reserve_for_higher_bands"
             )
+        if (s.reserve_quantile or s.reserve_rate_quantile) and not (
+            s.admit_per_endpoint and s.reserve_for_higher_bands
+        ):
+            log.warning(
+                "flow_control.reserve_quantile / reserve_rate_quantile have no effect without "
+                "admit_per_endpoint and reserve_for_higher_bands"
+            )
         # The prior's prompt (what a server prefills) is its request less the output
         # counted per request.
         priors = {
@@ -108,6 +115,8 @@ class Admission:
             reserve=s.reserve_for_higher_bands,
             prefill_speed=prefill_speed,
             reserve_priors=priors,
+            reserve_quantile=s.reserve_quantile,
+            reserve_rate_quantile=s.reserve_rate_quantile,
             gate=config.gate,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
@@ -298,7 +307,8 @@ class Admission:
             yield op
             hist = gauge(
                 "extproc_flow_reserve_history_requests",
-                "Requests of each band's own history sizing the reserve (trusted alone at 100).",
+                "Requests of each band's own history sizing the reserve (trusted alone at 100, "
+                "or at 20 with reserve_quantile).",
                 ["priority"],
             )
             for p in fc.reserve.bands():

@@ -155,6 +155,12 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     per higher band, its expected largest request and arrival rate, which size the reserve
     (at least) until the band has 100 requests of history: a freshly started picker keeps
     room from its first request instead of from what it happened to see first.
+    `reserve_quantile` (0, the default: the largest requests): size the reserve from this
+    quantile of a higher band's recent request sizes and prompts instead of the largest
+    (e.g. 0.9), with the band's own history trusted alone from 20 requests on
+    (flowcontrol/reserve.py). `reserve_rate_quantile` (0, the default: the size term's
+    prompt): count the arrival-rate term over the prefill time of this quantile of the
+    band's recent prompts (from 20 requests on), the size term unchanged.
     `engine_priority` (off by default): send the request's band to the model server as its
     priority (`-band`: vLLM's priority scheduling serves lower values first), replacing any
     the client sent (`flowcontrol/engine_priority.py`): `body` (or `true`) writes it into
@@ -175,6 +181,8 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     admit_per_endpoint: bool = False
     reserve_for_higher_bands: Annotated[int, msgspec.Meta(ge=0, le=_SIZES_KEPT)] = 0
     reserve_prior: dict[int, ReservePrior] = msgspec.field(default_factory=dict)
+    reserve_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
+    reserve_rate_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     engine_priority: bool | Literal["body", "header"] = False
 
 

@@ -119,6 +119,8 @@ class FlowController:
         reserve: int = 0,
         prefill_speed: Callable[[], float | None] | None = None,
         reserve_priors: Mapping[int, BandPrior] | None = None,
+        reserve_quantile: float = 0.0,
+        reserve_rate_quantile: float = 0.0,
         gate: PrefillGate | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -136,7 +138,10 @@ class FlowController:
         that band's arrival rate times their prefill time at `prefill_speed` (tokens/s, the
         fastest recently measured; None: unknown, the rate is left out). `reserve_priors`:
         per band, its expected largest request and arrival rate, counted until the band
-        has a history of its own (flowcontrol/reserve.py). `gate`: with per-endpoint
+        has a history of its own (flowcontrol/reserve.py). `reserve_quantile`: 0 for the
+        largest recent requests, else that quantile of their sizes; `reserve_rate_quantile`:
+        the rate term over that quantile of their prompts' prefill time (0: the size
+        term's). `gate`: with per-endpoint
         admission, a lower band's request starts only where the server's unfinished prefill
         stays short while a higher band is active (flowcontrol/prefill_gate.py)."""
         self._detector = detector
@@ -195,7 +200,9 @@ class FlowController:
         # bands kept it (where goodput goes: bench/RESULTS.md, twelfth session).
         self.reserve_held = 0
         self.reserve_count = reserve
-        self.reserve = Reserve(reserve, clock, reserve_priors)
+        self.reserve = Reserve(
+            reserve, clock, reserve_priors, reserve_quantile, reserve_rate_quantile
+        )
         self._prefill_speed = prefill_speed
         # A detector that counts a constant output per in-flight request (the concurrency
         # detector's `outputTokens`) is told, per endpoint, how far the requests placed

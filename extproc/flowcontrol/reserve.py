@@ -21,6 +21,25 @@ picker. The prior states the band's largest request and arrival rate up front; u
 band has `HISTORY` requests of its own the reserve is the larger of the prior's and the
 measured one. Which one a band runs on is logged at each change and exported
 (`on_prior`, `history`).
+
+Why a quantile (`flow_control.reserve_quantile`, opt-in): the largest request is the
+reserve's size term only because a band's largest is what must fit somewhere; it is also
+the rarest. In the overload bench the interactive band's largest (tenant C's, ~2.7k picker
+tokens) plus the rate term held 3.5-3.7k tokens free on one server, and that room was
+78-96% of the dispatch chances where batch work stayed queued (bench/RESULTS.md, twelfth
+session, "where goodput goes"). With a quantile `q` the size term is the `q`-quantile of
+the band's recent request sizes (times the count) and the rate term uses the
+`q`-quantile prompt: a request above it waits for room like any other. A quantile of a
+handful of requests says little, so the history is trusted from `QUANTILE_TRUSTED`
+requests on (not `HISTORY`): until then the prior (a largest request) counts as before.
+
+`flow_control.reserve_rate_quantile` (opt-in) changes only the rate term: the work that
+arrives while a request prefills is counted over the prefill time of that quantile of
+the band's recent prompts (from `QUANTILE_TRUSTED` requests on; before, the largest's or
+the prior's), while the size term stays the largest request. The window the rate term
+covers is a typical prefill, not the rarest one; the largest request still finds room.
+Both are opt-in because both trade the higher band's tail for goodput rather than win
+both (bench/RESULTS.md, thirteenth session: q80 +0.05..+0.08 goodput, TTFT p99 3.0x against 1.8x).
 """
 
 from __future__ import annotations
@@ -29,12 +48,15 @@ import collections
 import heapq
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 log = logging.getLogger("extproc.flowcontrol")
 
 HISTORY = 100  # recent requests per band whose sizes and arrival rate set the reserve
+# With a quantile: the band's own history sizes the reserve from this many requests on.
+QUANTILE_TRUSTED = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +76,12 @@ class BandPrior:
     rate: float = 0.0
 
 
+def _rank(quantile: float, n: int) -> int:
+    """Nearest rank: the index of the smallest of `n` sorted values at or above the
+    quantile."""
+    return max(0, math.ceil(quantile * n) - 1)
+
+
 class Reserve:
     """Per band, the recent requests' sizes and arrival times (`note`), and the room a band
     below must leave free for them (`held`)."""
@@ -63,8 +91,22 @@ class Reserve:
         count: int,
         clock: Callable[[], float],
         priors: Mapping[int, BandPrior] | None = None,
+        quantile: float = 0.0,
+        rate_quantile: float = 0.0,
     ) -> None:
+        """`count`: how many of a band's requests the room is for; `quantile`: 0 for the
+        largest ones, else in (0, 1): that quantile of the band's recent sizes;
+        `rate_quantile`: 0 for the rate term over the size term's prefill time, else over
+        that quantile of the recent prompts' (see the module docstring)."""
+        for q in (quantile, rate_quantile):
+            if not 0.0 <= q < 1.0:
+                raise ValueError(f"reserve quantile {q} not in [0, 1)")
+        self._rate_quantile = rate_quantile
+        self._rate_prompt: dict[int, int] = {}  # per band: its rate_quantile prompt
         self._count = count
+        self._quantile = quantile
+        # Requests of history from which a band's own history alone sizes its reserve.
+        self.trusted_at = QUANTILE_TRUSTED if quantile else HISTORY
         self._clock = clock
         self._priors = dict(priors or {})
         # Per band with a prior: whether its last sizing used it (None: not sized yet).
@@ -87,9 +129,20 @@ class Reserve:
         seen.append(_Seen(self._clock(), tokens, max(0, tokens - output_tokens)))
         self._sum[priority] = self._sum.get(priority, 0) + tokens
         self._largest[priority] = self._top(seen)
+        if self._rate_quantile:
+            prompts = sorted(s.prompt for s in seen)
+            self._rate_prompt[priority] = prompts[_rank(self._rate_quantile, len(prompts))]
         self._largest_any = self._top(itertools.chain.from_iterable(self._seen.values()))
 
     def _top(self, seen: Iterable[_Seen]) -> tuple[int, int]:
+        if self._quantile:
+            items = list(seen)
+            if not items:
+                return 0, 0
+            rank = _rank(self._quantile, len(items))
+            size = sorted(s.tokens for s in items)[rank]
+            prompt = sorted(s.prompt for s in items)[rank]
+            return self._count * size, prompt
         top = heapq.nlargest(self._count, seen, key=lambda s: s.tokens)
         return sum(s.tokens for s in top), max((s.prompt for s in top), default=0)
 
@@ -98,7 +151,8 @@ class Reserve:
         return sorted(self._seen.keys() | self._priors.keys())
 
     def history(self, priority: int) -> int:
-        """Requests of the band's own history (the reserve trusts it at `HISTORY`)."""
+        """Requests of the band's own history (the reserve trusts it alone at
+        `trusted_at`: `HISTORY`, or `QUANTILE_TRUSTED` with a quantile)."""
         return len(self._seen.get(priority, ()))
 
     def rate(self, priority: int) -> float:
@@ -130,7 +184,7 @@ class Reserve:
             above = True
             tokens, prompt = self._largest.get(p, (0, 0))
             rate = self.rate(p)
-            short = self.history(p) < HISTORY
+            short = self.history(p) < self.trusted_at
             prior = self._priors.get(p)
             if prior is not None:
                 self._source(p, short)
@@ -146,8 +200,10 @@ class Reserve:
                     "any band until it has them",
                     p,
                     self.history(p),
-                    HISTORY,
+                    self.trusted_at,
                 )
+            if self._rate_quantile and self.history(p) >= QUANTILE_TRUSTED:
+                prompt = self._rate_prompt[p]
             if prefill_tps:
                 tokens += int(rate * prompt / prefill_tps)
             elif rate:
@@ -182,7 +238,7 @@ class Reserve:
                 prior.tokens,
                 prior.rate,
                 self.history(priority),
-                HISTORY,
+                self.trusted_at,
             )
         else:
             log.info(

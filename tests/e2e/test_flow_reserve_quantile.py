@@ -1,0 +1,97 @@
+"""The reserve sized from a quantile of the higher band's recent requests
+(`flow_control.reserve_quantile: 0.9`), behind a real Envoy: `extproc serve` with
+per-endpoint admission, `reserve_for_higher_bands: 1`, a token-mode concurrency detector,
+two simulated vLLM servers.
+
+Interactive (10) has sent 18 small requests and 2 large ones. Sized by the largest, the
+reserve is a large request's room, which no server holds beside a batch request: the
+second batch request must go beside the first so the idle server stays free. Sized by the
+p90 (a small request) the idle server keeps that room with a batch request on it, so the
+second batch request goes there (the scorer's choice, the less loaded server), and a small
+interactive request is still answered at once while both batch requests stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from extproc.flowcontrol.reserve import QUANTILE_TRUSTED
+from extproc.sim import SERVED_BY_HEADER
+from extproc.stack import Stack, StackOptions
+from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
+from tests.e2e.flow_configs import metric_sum, two_band_reserve_config
+
+TINY, SMALL, BIG = 20, 150, 500  # words of 7 letters: ~40, ~300 and ~1000 estimated tokens
+LONG = 500  # output tokens at 100 tokens/s: ~5 s of streaming
+HI = {"x-llm-d-inference-objective": "interactive"}
+LO = {"x-llm-d-inference-objective": "batch"}
+
+
+def body(model: str, seed: int, words: int, max_tokens: int) -> dict:
+    return distinct_chat(model, seed, max_tokens, words=words)
+
+
+def estimate(words: int) -> int:
+    return estimated_prompt_tokens(body("m", 0, words, 1))
+
+
+# Two batch requests fit on one server; a batch and a large interactive request do not; a
+# batch and a small interactive one do.
+CAP = 2 * estimate(SMALL) + 100
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    assert estimate(SMALL) + estimate(BIG) > CAP >= estimate(SMALL) + estimate(TINY)
+    tmp = tmp_path_factory.mktemp("flowquantile")
+    path = two_band_reserve_config(
+        tmp,
+        "token-load-scorer",
+        CAP,
+        expected_output_tokens=0,  # sizes are prompts alone: exact thresholds
+        reserve_quantile=0.9,
+    )
+    sim = ("--decode-tps", "100")
+    with Stack(StackOptions(upstreams=2, sim_args=sim, extproc_args=("--config", str(path)))) as s:
+        yield s
+
+
+async def test_batch_work_keeps_only_the_interactive_p90s_room(stack: Stack):
+    model = stack.fleet.model
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
+        # Interactive's history: 2 large requests among 18 small ones (one at a time).
+        for i in range(QUANTILE_TRUSTED):
+            words = BIG if i in (4, 12) else TINY
+            req = body(model, 100 + i, words, 1)
+            r = await c.post("/v1/chat/completions", json=req, headers=HI)
+            assert r.status_code == 200
+
+        async def long_batch(seed: int, at: asyncio.Future[str]) -> int:
+            req = body(model, seed, SMALL, LONG)
+            async with c.stream("POST", "/v1/chat/completions", json=req, headers=LO) as r:
+                at.set_result(r.headers[SERVED_BY_HEADER])
+                async for _ in r.aiter_lines():
+                    pass
+                return r.status_code
+
+        first_at: asyncio.Future[str] = loop.create_future()
+        second_at: asyncio.Future[str] = loop.create_future()
+        first = asyncio.create_task(long_batch(1, first_at))
+        busy = await asyncio.wait_for(first_at, 30)
+        second = asyncio.create_task(long_batch(2, second_at))
+        # Sized by the largest (1,000 tokens) it would have gone beside the first.
+        assert await asyncio.wait_for(second_at, 30) != busy, "kept room for the largest"
+        reserved = metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$")
+        assert estimate(TINY) <= reserved < estimate(BIG)
+        hist = r'^extproc_flow_reserve_history_requests{priority="10"} (\S+)$'
+        assert metric_sum(stack, hist) == QUANTILE_TRUSTED
+        # A small interactive request finds the room kept: answered while both stream.
+        hi = await c.post("/v1/chat/completions", json=body(model, 3, TINY, 4), headers=HI)
+        assert hi.status_code == 200
+        assert not first.done() and not second.done(), "a batch request ended before"
+        assert await first == 200 and await second == 200
+    assert metric_sum(stack, r"^extproc_flow_reserve_held_total (\S+)$") == 0

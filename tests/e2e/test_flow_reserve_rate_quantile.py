@@ -1,0 +1,108 @@
+"""The reserve's arrival-rate term over a typical prompt's prefill
+(`flow_control.reserve_rate_quantile: 0.5`), behind a real Envoy: `extproc serve` with
+per-endpoint admission and `reserve_for_higher_bands: 1`, two bands (interactive 10,
+batch 0), a token-mode concurrency detector, two simulated vLLM servers.
+
+The setup of tests/e2e/test_flow_reserve_rate.py: interactive traffic arrives fast (a
+burst of tiny and medium requests, then a large one), a long batch request on one server
+and a long interactive one on the other, then a short batch request that fits beside
+either only if the other server need keep no more than the largest interactive request
+plus a little. Counted over the largest request's prefill, the rate term is more than
+that little and the short request is held (as in that test); counted over the median
+prompt's prefill (a tiny one) it is not, and the short request is answered while both
+long ones still stream. The largest request's own room is still kept."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from extproc.flowcontrol.reserve import QUANTILE_TRUSTED
+from extproc.sim import SERVED_BY_HEADER
+from extproc.stack import Stack, StackOptions
+from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
+from tests.e2e.flow_configs import metric_sum, two_band_reserve_config
+
+TINY, SMALL, MEDIUM, BIG = 20, 150, 250, 500  # words of 7 letters: ~40 ... ~1000 tokens
+LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
+MARGIN = 60  # the rate term adds ~200 over the largest's prefill here, ~10 over a tiny one's
+HI = {"x-llm-d-inference-objective": "interactive"}
+LO = {"x-llm-d-inference-objective": "batch"}
+
+
+def body(model: str, seed: int, words: int, max_tokens: int) -> dict:
+    return distinct_chat(model, seed, max_tokens, words=words, stream=True)
+
+
+def estimate(words: int) -> int:
+    return estimated_prompt_tokens(body("m", 0, words, 1))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    cap = estimate(MEDIUM) + estimate(BIG) + MARGIN
+    tmp = tmp_path_factory.mktemp("flowratequantile")
+    path = two_band_reserve_config(
+        tmp,
+        "token-load-scorer",
+        cap,
+        expected_output_tokens=0,  # sizes are prompts alone: exact thresholds
+        reserve_rate_quantile=0.5,
+    )
+    sim = ("--decode-tps", "100", "--prefill-tps", "4000")
+    with Stack(StackOptions(upstreams=2, sim_args=sim, extproc_args=("--config", str(path)))) as s:
+        yield s
+
+
+async def test_the_rate_term_counts_a_median_prefill_not_the_largest(stack: Stack):
+    model = stack.fleet.model
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
+        # Interactive history: 11 tiny and 8 medium requests at once, then the large one:
+        # the median prompt is a tiny one (with the long interactive request below too),
+        # while the medium ones make the arrival rate.
+        n = QUANTILE_TRUSTED // 2 + 1
+        burst = [
+            c.post(
+                "/v1/chat/completions",
+                json=body(model, i, TINY if i < n else MEDIUM, 1),
+                headers=HI,
+            )
+            for i in range(QUANTILE_TRUSTED - 1)
+        ]
+        assert all(r.status_code == 200 for r in await asyncio.gather(*burst))
+        big = await c.post("/v1/chat/completions", json=body(model, 100, BIG, 1), headers=HI)
+        assert big.status_code == 200
+        for _ in range(100):  # their in-flight counts end with their access-log entries
+            if not await asyncio.to_thread(
+                metric_sum, stack, r"^extproc_inflight_tokens{.*} (\S+)$", present=False
+            ):
+                break
+            await asyncio.sleep(0.05)
+
+        async def long_one(seed: int, headers: dict, at: asyncio.Future[str]) -> int:
+            req = body(model, seed, MEDIUM, LONG)
+            async with c.stream("POST", "/v1/chat/completions", json=req, headers=headers) as r:
+                at.set_result(r.headers[SERVED_BY_HEADER])
+                async for _ in r.aiter_lines():
+                    pass
+                return r.status_code
+
+        lo_at: asyncio.Future[str] = loop.create_future()
+        hi_at: asyncio.Future[str] = loop.create_future()
+        batch = asyncio.create_task(long_one(200, LO, lo_at))
+        lo_server = await asyncio.wait_for(lo_at, 30)
+        interactive = asyncio.create_task(long_one(201, HI, hi_at))
+        assert await asyncio.wait_for(hi_at, 30) != lo_server
+
+        short = await c.post("/v1/chat/completions", json=body(model, 300, SMALL, 4), headers=LO)
+        assert short.status_code == 200
+        # Answered while both long requests stream: it was not held for the rate term.
+        assert not batch.done() and not interactive.done(), "a long request ended too soon"
+        held = metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$")
+        assert estimate(BIG) <= held <= estimate(BIG) + MARGIN
+        assert metric_sum(stack, r"^extproc_flow_reserve_rate_unsized_total (\S+)$") == 0
+        assert await batch == 200 and await interactive == 200
