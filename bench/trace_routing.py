@@ -37,6 +37,7 @@ from bench_routing import (
     redis_server,
     tenants_spec,
 )
+from lanes import lane_clock, lane_delta, lane_line  # bench/lanes.py
 
 from extproc.protocol import DECISION_HEADER, EXPLAIN_HEADER
 from extproc.sim import SERVED_BY_HEADER, TIMING_HEADER
@@ -222,40 +223,6 @@ def cpu_seconds() -> dict[str, float]:
             role = _role(child)
             out[role] = out.get(role, 0.0) + sum(child.cpu_times()[:2])
     return out
-
-
-def lane_clock(urls: list[str]) -> dict[str, dict[str, float]]:
-    """Each simulated server's prefill lane clock so far (`/sim/steps`: steps, tokens,
-    scheduled and wall seconds), by URL."""
-    return {u: httpx.get(f"{u}/sim/steps", timeout=10).json() for u in urls}
-
-
-def lane_delta(
-    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
-) -> dict[str, dict[str, float]]:
-    """What each server's lane did between two `lane_clock` readings, plus the fleet's sum
-    under "all"."""
-    out = {
-        u: {k: round(v - before.get(u, {}).get(k, 0), 4) for k, v in a.items()}
-        for u, a in after.items()
-    }
-    out["all"] = {k: round(sum(d[k] for d in out.values()), 4) for k in next(iter(after.values()))}
-    return out
-
-
-def lane_line(delta: dict[str, dict[str, float]]) -> str:
-    """The simulators' lanes: how much slower than scheduled they ran (the machine), overall
-    and per server (1.00: on time; the picker learns the scheduled speed)."""
-    d = delta["all"]
-    per = " ".join(
-        f"{v['wall_s'] / v['scheduled_s']:.2f}" for u, v in sorted(delta.items())
-        if u != "all" and v["scheduled_s"] > 0
-    )  # fmt: skip
-    ratio = d["wall_s"] / d["scheduled_s"] if d["scheduled_s"] > 0 else float("nan")
-    return (
-        f"sim lanes: wall / scheduled {ratio:.2f} ({d['tokens']:.0f} tokens, scheduled "
-        f"{d['scheduled_s']:.2f} s, wall {d['wall_s']:.2f} s; per server {per})"
-    )
 
 
 def _size(path: Path) -> int:
