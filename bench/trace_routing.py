@@ -35,6 +35,7 @@ from bench_routing import (
     PRESSURE_SHAPE,
     _default_profile_with_all,
     redis_server,
+    stretched,
     tenants_spec,
 )
 from lanes import lane_clock, lane_delta, lane_line  # bench/lanes.py
@@ -96,26 +97,26 @@ async def _send(http: aiohttp.ClientSession, url: str, item: WorkItem, t0: float
     return row
 
 
-async def _agentic(url: str, sessions: int, seed: int) -> list[dict]:
+async def _agentic(url: str, sessions: int, seed: int, time_scale: float = 1.0) -> list[dict]:
     turns = build_sessions(replace(AGENTIC, sessions=sessions, seed=seed))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         t0 = time.perf_counter()
 
         async def one(k: int, items: list[WorkItem]) -> list[dict]:
-            await asyncio.sleep(k * AGENTIC.stagger_s)
+            await asyncio.sleep(k * AGENTIC.stagger_s / time_scale)
             out = []
             for item in items:
                 out.append(await _send(http, url, item, t0))
-                await asyncio.sleep(AGENTIC.think_s)
+                await asyncio.sleep(AGENTIC.think_s / time_scale)
             return out
 
         per = await asyncio.gather(*(one(k, s) for k, s in enumerate(turns)))
     return sorted((r for rs in per for r in rs), key=lambda r: r["sent_s"])
 
 
-async def _tenants(url: str, rate: float, seed: int) -> list[dict]:
+async def _tenants(url: str, rate: float, seed: int, time_scale: float = 1.0) -> list[dict]:
     items = build_workload(tenants_spec(seed))
-    offsets = arrival_offsets(len(items), rate, seed)
+    offsets = arrival_offsets(len(items), rate * time_scale, seed)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         t0 = time.perf_counter()
 
@@ -301,9 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("trace"))
     p.add_argument("--extra", default="", help="YAML merged into every picker config")
     p.add_argument("--logs", type=Path, help="keep the stacks' logs here (default: discarded)")
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, metavar="T",
+        help="as bench_routing.py's: simulators x T as fast, arrivals x T the rate, think "
+        "times / T; the traces and TTFTs stay in wall seconds",
+    )  # fmt: skip
     args = p.parse_args(argv)
     load = args.load or (8 if args.workload == "agentic" else 24)
     servers, sim_args = PRESSURE_SHAPE[args.workload]
+    sim_args = stretched(sim_args, args.time_scale)
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
     with tempfile.TemporaryDirectory(prefix="trace-routing-") as tmp:
@@ -361,9 +368,11 @@ def main(argv: list[str] | None = None) -> int:
                     lanes0 = lane_clock(urls)
                     cpu0, wall0, epoch0 = cpu_seconds(), time.perf_counter(), time.time()
                     if args.workload == "agentic":
-                        rows = asyncio.run(_agentic(stack.url, int(load), args.seed))
+                        rows = asyncio.run(
+                            _agentic(stack.url, int(load), args.seed, args.time_scale)
+                        )
                     else:
-                        rows = asyncio.run(_tenants(stack.url, load, args.seed))
+                        rows = asyncio.run(_tenants(stack.url, load, args.seed, args.time_scale))
                     cpu1, wall = cpu_seconds(), time.perf_counter() - wall0
                     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
                     lanes = lane_delta(lanes0, lane_clock(urls))
