@@ -30,6 +30,14 @@ picker's code and its blind spots.
 
 Each (workload, policy) gets a fresh fleet; every rate step starts with empty prefix caches and
 its own seed (fresh system prompts and images, so encoder caches carry nothing over).
+
+`--time-scale T` stretches wall time for every policy alike: the simulators run T times as
+fast as the shape says (`--fast` x T), requests arrive at T x the rate, think times and
+staggers are divided by T: the same workload in simulated time, with less to do per wall
+second, for a machine too busy to keep the simulators on schedule (three pickers on 2 cores
+do). TTFT and throughput are reported in the shape's time (wall TTFT x T, wall tok/s / T), so
+runs at different T compare. Each step also reports how much slower than scheduled the
+simulators' prefill lanes ran (`lanes`, `bench/lanes.py`): read TTFT only from steps near 1.0.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import yaml
+from lanes import lane_clock, lane_delta, lane_ratio  # bench/lanes.py
 from results import (  # bench/results.py (run as a script: bench/ is on the path)
     table,
     write_section,
@@ -228,7 +237,33 @@ class Row:
     policy: str
     rate: float
     ideal: float
-    summary: Summary
+    summary: Summary  # in the shape's time (see `in_shape_time`)
+    lanes: float = float("nan")  # the simulators' lanes: wall / scheduled seconds
+
+
+def stretched(sim_args: Sequence[str], time_scale: float) -> tuple[str, ...]:
+    """`sim_args` with `--fast` multiplied by `time_scale` (< 1: slower simulators)."""
+    out = list(sim_args)
+    if "--fast" in out:
+        i = out.index("--fast") + 1
+        out[i] = f"{float(out[i]) * time_scale:g}"
+    else:
+        out += ["--fast", f"{time_scale:g}"]
+    return tuple(out)
+
+
+def in_shape_time(s: Summary, time_scale: float) -> Summary:
+    """A stretched run's summary in the shape's time: every wall second is `time_scale`
+    shape seconds (TTFT and duration x T, rates / T)."""
+    return replace(
+        s,
+        ttft_p50_s=s.ttft_p50_s * time_scale,
+        ttft_p90_s=s.ttft_p90_s * time_scale,
+        ttft_p99_s=s.ttft_p99_s * time_scale,
+        req_per_s=s.req_per_s / time_scale,
+        output_tok_per_s=s.output_tok_per_s / time_scale,
+        duration_s=s.duration_s * time_scale,
+    )
 
 
 # Pressure workloads: caches smaller than the working set, simulated time compressed 4x
@@ -334,18 +369,26 @@ def ideal_items(wl: str, load: float, groups: int, seed: int) -> list[WorkItem]:
     return build_workload(workload(wl, groups, seed))
 
 
-def run_step(wl: str, load: float, groups: int, seed: int, url: str) -> Summary:
+def run_step(
+    wl: str, load: float, groups: int, seed: int, url: str, time_scale: float = 1.0
+) -> Summary:
+    """One load step, its summary in wall time (`time_scale` stretches the arrivals)."""
+    timeout_s = 120.0 / time_scale
     if wl == "agentic":
         sessions = build_sessions(replace(AGENTIC, sessions=int(load), seed=seed))
         results, duration = asyncio.run(
-            run_closed_loop(sessions, url, think_s=AGENTIC.think_s, stagger_s=AGENTIC.stagger_s)
-        )
+            run_closed_loop(
+                sessions, url, think_s=AGENTIC.think_s / time_scale,
+                stagger_s=AGENTIC.stagger_s / time_scale, timeout_s=timeout_s,
+            )
+        )  # fmt: skip
         s = summarize(results, duration)
         # Turns an agent never sent (an earlier one failed) count as not ok.
         return replace(s, requests=sum(len(x) for x in sessions))
     items = ideal_items(wl, load, groups, seed)
-    offsets = arrival_offsets(len(items), load, seed)
-    results, duration = asyncio.run(run_open_loop(items, offsets, url))
+    # The same seeded arrivals, every gap divided by the rate: stretched by 1 / time_scale.
+    offsets = arrival_offsets(len(items), load * time_scale, seed)
+    results, duration = asyncio.run(run_open_loop(items, offsets, url, timeout_s=timeout_s))
     return summarize(results, duration)
 
 
@@ -388,7 +431,15 @@ def picker_tree(tree: Path | None):
 
 
 def run_policy(
-    policy: str, wl: str, rates, groups, seed, venv, log_dir, tree: Path | None = None
+    policy: str,
+    wl: str,
+    rates,
+    groups,
+    seed,
+    venv,
+    log_dir,
+    tree: Path | None = None,
+    time_scale: float = 1.0,
 ) -> list[Row]:
     opts = dict(POLICIES[policy])
     if opts.pop("tree", False):
@@ -402,6 +453,7 @@ def run_policy(
         cfg.write_text(CONFIGS[args[1]])
         opts["extproc_args"] = ("--config", str(cfg))
     servers, sim_args = PRESSURE_SHAPE.get(wl, (SERVERS, SIM_ARGS))
+    sim_args = stretched(sim_args, time_scale)
     rows = []
     stack: Stack | None = None
     with SimFleet(servers, sim_args, log_dir=log_dir) as fleet, contextlib.ExitStack() as ex:
@@ -428,16 +480,21 @@ def run_policy(
         for step, rate in enumerate(rates):
             fleet.reset()
             before = lookup_counts(stack)
-            s = run_step(wl, rate, groups, seed + step, url)
+            urls = [srv.url for srv in fleet.servers]
+            lanes0 = lane_clock(urls)
+            wall = run_step(wl, rate, groups, seed + step, url, time_scale)
+            lanes = lane_ratio(lane_delta(lanes0, lane_clock(urls)))
             after = lookup_counts(stack)
             degraded = f" degraded lookups {after[0] - before[0]:.0f}/{after[1] - before[1]:.0f}"
-            rows.append(Row(wl, policy, rate, 0.0, s))
+            s = in_shape_time(wall, time_scale)
+            rows.append(Row(wl, policy, rate, 0.0, s, lanes))
             spread = "/".join(str(n) for n in sorted(s.per_endpoint.values(), reverse=True))
             print(
                 f"  {wl:<10} {policy:<38} {rate:>5g} hit {s.hit_ratio:6.1%} "
                 f"TTFT p50 {s.ttft_p50_s:7.3f}s p90 {s.ttft_p90_s:7.3f}s "
                 f"p99 {s.ttft_p99_s:7.3f}s {s.output_tok_per_s:6.0f} tok/s "
-                f"ok {s.ok}/{s.requests} spread {spread}{degraded if stack else ''}",
+                f"ok {s.ok}/{s.requests} spread {spread} lanes {lanes:.2f} "
+                f"(wall p90 {wall.ttft_p90_s:.3f}s){degraded if stack else ''}",
                 flush=True,
             )
     return rows
@@ -449,7 +506,7 @@ def _routing_cells(r: Row, ideal: float) -> tuple[str, ...]:
     return (
         f"{r.rate:g}", r.policy, f"{s.hit_ratio:.1%}", f"{s.hit_ratio / ideal if ideal else 0:.0%}",
         f"{s.ttft_p50_s:.3f}", f"{s.ttft_p90_s:.3f}", f"{s.ttft_p99_s:.3f}",
-        f"{s.output_tok_per_s:.0f}", f"{s.ok}/{s.requests}", spread,
+        f"{s.output_tok_per_s:.0f}", f"{s.ok}/{s.requests}", spread, f"{r.lanes:.2f}",
     )  # fmt: skip
 
 
@@ -489,8 +546,10 @@ def markdown(
         "Hit ratio = cached / prompt tokens from each response's "
         "`usage.prompt_tokens_details.cached_tokens`; *vs ideal* divides by the unbounded-cache "
         "oracle (longest block prefix any earlier request computed, exact sim keys), which no "
-        "router can exceed. TTFT is wall time to the first token chunk through the router; "
-        "spread is requests per server, most loaded first.",
+        "router can exceed. TTFT is the time to the first token chunk through the router; "
+        "spread is requests per server, most loaded first; lanes: the simulators' prefill "
+        "lanes' wall / scheduled seconds in that step (1.00 on schedule; above ~1.1 the "
+        "machine, not the policy, set part of the TTFT).",
         "",
     ]
     out += [f"- {n}" for n in notes]
@@ -501,7 +560,7 @@ def markdown(
         out += table(
             [(unit, "r"), ("policy", "l"), ("hit ratio", "r"), ("vs ideal", "r"),
              ("TTFT p50 s", "r"), ("TTFT p90 s", "r"), ("TTFT p99 s", "r"),
-             ("out tok/s", "r"), ("ok", "r"), ("spread", "l")],
+             ("out tok/s", "r"), ("ok", "r"), ("spread", "l"), ("lanes", "r")],
             (_routing_cells(r, ideals[(wl, r.rate)]) for r in here),
         )  # fmt: skip
         ideal_line = ", ".join(
@@ -529,11 +588,14 @@ def medians(rows: list[Row], ideals: dict) -> list[str]:
             " / ".join(f"{v:.3f}" for v in p90),
             f"{statistics.median(s.ttft_p50_s for s in runs):.3f}",
             f"{hit:.1%}", f"{hit / ideal if ideal else 0:.0%}",
+            " / ".join(f"{r.lanes:.2f}" for r in rows
+                       if (r.workload, r.rate, r.policy) == (wl, load, pol)),
         ))  # fmt: skip
     out += table(
         [("workload", "l"), ("load", "r"), ("policy", "l"), ("runs", "r"),
          ("TTFT p90 s, median", "r"), ("TTFT p90 s, each run", "l"),
-         ("TTFT p50 s, median", "r"), ("hit ratio, median", "r"), ("vs ideal", "r")],
+         ("TTFT p50 s, median", "r"), ("hit ratio, median", "r"), ("vs ideal", "r"),
+         ("lanes, each run", "l")],
         cells,
     )  # fmt: skip
     return out
@@ -557,7 +619,15 @@ def main(argv: list[str] | None = None) -> int:
         help="run the policies interleaved (A, B, A, B, ...) this many times; medians shown",
     )  # fmt: skip
     p.add_argument("--baseline-tree", type=Path, help="source tree of the baseline-tree policy")
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, metavar="T",
+        help="stretch wall time for every policy: simulators x T as fast, arrivals at x T "
+        "the rate, think times / T (0.5: half the work per wall second); figures in the "
+        "shape's time",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if not args.time_scale > 0:
+        p.error("--time-scale must be positive")
     rates = args.rates or ([12.0] if args.quick else [6.0, 16.0])
     sessions = args.sessions or ([8] if args.quick else [8, 12])
     pressure = all(wl in PRESSURE_SHAPE for wl in args.workloads)
@@ -566,7 +636,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv
     )
     t0 = time.monotonic()
+    load0 = os.getloadavg()
     notes: list[str] = []
+    if args.time_scale != 1:
+        notes.append(
+            f"time stretched: --time-scale {args.time_scale:g} (simulators x "
+            f"{args.time_scale:g} as fast, arrivals x {args.time_scale:g} the rate, think "
+            "times / the same); TTFT and tok/s in the shape's time (wall TTFT x "
+            f"{args.time_scale:g})"
+        )
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
         policies = [pol for pol in args.policies if pol in POLICIES]
@@ -590,9 +668,17 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for pol in policies:
                     rows += run_policy(
-                        pol, wl, loads, groups, args.seed, venv, Path(tmp), args.baseline_tree
-                    )
+                        pol, wl, loads, groups, args.seed, venv, Path(tmp), args.baseline_tree,
+                        args.time_scale,
+                    )  # fmt: skip
     wall = time.monotonic() - t0
+    load1 = os.getloadavg()
+    notes.append(
+        "load average (1, 5, 15 min) at start "
+        + " / ".join(f"{v:.2f}" for v in load0)
+        + ", at end "
+        + " / ".join(f"{v:.2f}" for v in load1)
+    )
     section = markdown(
         rows, ideals, command, notes, wall, groups, pressure=pressure, sessions=sessions
     )

@@ -35,8 +35,10 @@ from bench_routing import (
     PRESSURE_SHAPE,
     _default_profile_with_all,
     redis_server,
+    stretched,
     tenants_spec,
 )
+from lanes import lane_clock, lane_delta, lane_line  # bench/lanes.py
 
 from extproc.protocol import DECISION_HEADER, EXPLAIN_HEADER
 from extproc.sim import SERVED_BY_HEADER, TIMING_HEADER
@@ -95,26 +97,26 @@ async def _send(http: aiohttp.ClientSession, url: str, item: WorkItem, t0: float
     return row
 
 
-async def _agentic(url: str, sessions: int, seed: int) -> list[dict]:
+async def _agentic(url: str, sessions: int, seed: int, time_scale: float = 1.0) -> list[dict]:
     turns = build_sessions(replace(AGENTIC, sessions=sessions, seed=seed))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         t0 = time.perf_counter()
 
         async def one(k: int, items: list[WorkItem]) -> list[dict]:
-            await asyncio.sleep(k * AGENTIC.stagger_s)
+            await asyncio.sleep(k * AGENTIC.stagger_s / time_scale)
             out = []
             for item in items:
                 out.append(await _send(http, url, item, t0))
-                await asyncio.sleep(AGENTIC.think_s)
+                await asyncio.sleep(AGENTIC.think_s / time_scale)
             return out
 
         per = await asyncio.gather(*(one(k, s) for k, s in enumerate(turns)))
     return sorted((r for rs in per for r in rs), key=lambda r: r["sent_s"])
 
 
-async def _tenants(url: str, rate: float, seed: int) -> list[dict]:
+async def _tenants(url: str, rate: float, seed: int, time_scale: float = 1.0) -> list[dict]:
     items = build_workload(tenants_spec(seed))
-    offsets = arrival_offsets(len(items), rate, seed)
+    offsets = arrival_offsets(len(items), rate * time_scale, seed)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         t0 = time.perf_counter()
 
@@ -245,40 +247,6 @@ def cpu_seconds() -> dict[str, float]:
     return out
 
 
-def lane_clock(urls: list[str]) -> dict[str, dict[str, float]]:
-    """Each simulated server's prefill lane clock so far (`/sim/steps`: steps, tokens,
-    scheduled and wall seconds), by URL."""
-    return {u: httpx.get(f"{u}/sim/steps", timeout=10).json() for u in urls}
-
-
-def lane_delta(
-    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
-) -> dict[str, dict[str, float]]:
-    """What each server's lane did between two `lane_clock` readings, plus the fleet's sum
-    under "all"."""
-    out = {
-        u: {k: round(v - before.get(u, {}).get(k, 0), 4) for k, v in a.items()}
-        for u, a in after.items()
-    }
-    out["all"] = {k: round(sum(d[k] for d in out.values()), 4) for k in next(iter(after.values()))}
-    return out
-
-
-def lane_line(delta: dict[str, dict[str, float]]) -> str:
-    """The simulators' lanes: how much slower than scheduled they ran (the machine), overall
-    and per server (1.00: on time; the picker learns the scheduled speed)."""
-    d = delta["all"]
-    per = " ".join(
-        f"{v['wall_s'] / v['scheduled_s']:.2f}" for u, v in sorted(delta.items())
-        if u != "all" and v["scheduled_s"] > 0
-    )  # fmt: skip
-    ratio = d["wall_s"] / d["scheduled_s"] if d["scheduled_s"] > 0 else float("nan")
-    return (
-        f"sim lanes: wall / scheduled {ratio:.2f} ({d['tokens']:.0f} tokens, scheduled "
-        f"{d['scheduled_s']:.2f} s, wall {d['wall_s']:.2f} s; per server {per})"
-    )
-
-
 def _size(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
 
@@ -355,9 +323,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("trace"))
     p.add_argument("--extra", default="", help="YAML merged into every picker config")
     p.add_argument("--logs", type=Path, help="keep the stacks' logs here (default: discarded)")
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, metavar="T",
+        help="as bench_routing.py's: simulators x T as fast, arrivals x T the rate, think "
+        "times / T; the traces and TTFTs stay in wall seconds",
+    )  # fmt: skip
     args = p.parse_args(argv)
     load = args.load or (8 if args.workload == "agentic" else 24)
     servers, sim_args = PRESSURE_SHAPE[args.workload]
+    sim_args = stretched(sim_args, args.time_scale)
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
     with tempfile.TemporaryDirectory(prefix="trace-routing-") as tmp:
@@ -415,9 +389,11 @@ def main(argv: list[str] | None = None) -> int:
                     lanes0 = lane_clock(urls)
                     cpu0, wall0, epoch0 = cpu_seconds(), time.perf_counter(), time.time()
                     if args.workload == "agentic":
-                        rows = asyncio.run(_agentic(stack.url, int(load), args.seed))
+                        rows = asyncio.run(
+                            _agentic(stack.url, int(load), args.seed, args.time_scale)
+                        )
                     else:
-                        rows = asyncio.run(_tenants(stack.url, load, args.seed))
+                        rows = asyncio.run(_tenants(stack.url, load, args.seed, args.time_scale))
                     cpu1, wall = cpu_seconds(), time.perf_counter() - wall0
                     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
                     lanes = lane_delta(lanes0, lane_clock(urls))
