@@ -7,6 +7,7 @@ read: any by pattern, and its queue length."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,17 @@ def metric_sum(
     found = re.findall(pattern, text, re.M)
     assert found or not present, f"no metric matches {pattern}"
     return sum(float(m) for m in found)
+
+
+async def inflight_ended(stack: Stack, tries: int = 100) -> None:
+    """Waits (up to `tries` x 50 ms) until the picker holds no request in flight: in-flight
+    counts end with each request's access-log entry, after the client has its answer."""
+    for _ in range(tries):
+        if not await asyncio.to_thread(
+            metric_sum, stack, r"^extproc_inflight_tokens{.*} (\S+)$", present=False
+        ):
+            return
+        await asyncio.sleep(0.05)
 
 
 def queued(stack: Stack, priority: int | None = None) -> float:

@@ -21,7 +21,7 @@ import pytest
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import metric_sum, queued, two_band_reserve_config
+from tests.e2e.flow_configs import inflight_ended, metric_sum, queued, two_band_reserve_config
 
 SMALL, MEDIUM, BIG = 150, 250, 500  # words of 7 letters: ~300, ~500, ~1000 tokens
 LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
@@ -73,12 +73,7 @@ async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(sta
         big_body = body(model, 100, BIG, 1)
         big = await c.post("/v1/chat/completions", json=big_body, headers=HI)
         assert big.status_code == 200
-        for _ in range(100):  # their in-flight counts end with their access-log entries
-            if not await asyncio.to_thread(
-                metric_sum, stack, r"^extproc_inflight_tokens{.*} (\S+)$", present=False
-            ):
-                break
-            await asyncio.sleep(0.05)
+        await inflight_ended(stack)  # their in-flight counts end with their access-log entries
 
         async def long_one(seed: int, headers: dict, at: asyncio.Future[str]) -> int:
             req = body(model, seed, MEDIUM, LONG)

@@ -24,7 +24,7 @@ from extproc.flowcontrol.reserve import QUANTILE_TRUSTED
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import metric_sum, two_band_reserve_config
+from tests.e2e.flow_configs import inflight_ended, metric_sum, two_band_reserve_config
 
 TINY, SMALL, MEDIUM, BIG = 20, 150, 250, 500  # words of 7 letters: ~40 ... ~1000 tokens
 LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
@@ -76,12 +76,7 @@ async def test_the_rate_term_counts_a_median_prefill_not_the_largest(stack: Stac
         assert all(r.status_code == 200 for r in await asyncio.gather(*burst))
         big = await c.post("/v1/chat/completions", json=body(model, 100, BIG, 1), headers=HI)
         assert big.status_code == 200
-        for _ in range(100):  # their in-flight counts end with their access-log entries
-            if not await asyncio.to_thread(
-                metric_sum, stack, r"^extproc_inflight_tokens{.*} (\S+)$", present=False
-            ):
-                break
-            await asyncio.sleep(0.05)
+        await inflight_ended(stack)  # their in-flight counts end with their access-log entries
 
         async def long_one(seed: int, headers: dict, at: asyncio.Future[str]) -> int:
             req = body(model, seed, MEDIUM, LONG)
