@@ -22,6 +22,13 @@ and this one share a namespace during a rolling upgrade: each counts the other's
 an older peer's arrivals are dated by the growth of its total, as before. Counters that go
 backwards (a process restarted under the same id, a stray writer) restart that peer's
 dating from its in-flight total, counted and logged (`counter_resets`).
+
+A process forgets its counters for a server it has had nothing in flight on and placed
+nothing on for `counters_idle_s` (a pod replaced under Kubernetes leaves its address behind
+for good: kept, every exchange would carry every address the pool ever had). A reader takes a
+server gone from a peer's counters and its load as pruned, not as counters going back; if the
+server comes back, its counters start again from zero. A reader of the previous version
+(counters, no pruning) reads the first pruning as a restart: one logged reset per peer.
 """
 
 from __future__ import annotations
@@ -110,13 +117,16 @@ class SharedInFlightSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=
     `interval_s`: how often counts are exchanged. `ttl_s`: how long a process's published
     load outlives its last publish (default 3 x interval + 0.5 s, so a GC pause does not
     drop a live process). `timeout_s`: per exchange. `max_backoff_s`: retry ceiling while
-    Redis is down. `namespace`: key prefix; pickers of one pool must share it.
+    Redis is down. `counters_idle_s`: a server's placement counters are forgotten after
+    this long with nothing placed there and nothing in flight. `namespace`: key prefix;
+    pickers of one pool must share it.
     """
 
     interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.05
     ttl_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.5
     max_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    counters_idle_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     namespace: Annotated[str, msgspec.Meta(min_length=1, pattern=r"^[^{}]+$")] = "extproc:inflight"
 
     @property
@@ -132,7 +142,9 @@ class SharedInFlightStats:
     the peers' placements as this process dated them (tokens of legacy peers: their totals'
     growth); `peer_growth_tokens`: what the growth of the peers' totals alone would have
     dated (the dating before the counters; the difference is what it hid).
-    `counter_resets`: a peer's counters went backwards (restarted under the same id)."""
+    `counter_resets`: a peer's counters went backwards (restarted under the same id).
+    `counters_pruned`: servers whose counters this process forgot (idle for
+    `counters_idle_s`)."""
 
     exchanges: int = 0
     errors: int = 0
@@ -145,6 +157,7 @@ class SharedInFlightStats:
     peer_arrived_tokens: int = 0
     peer_growth_tokens: int = 0
     counter_resets: int = 0
+    counters_pruned: int = 0
 
 
 def default_process_id() -> str:
@@ -197,6 +210,9 @@ class SharedInFlight:
         # at the last update of the arrivals (this process's own arrivals since).
         self._placed: dict[str, list[int]] = {}
         self._own_dated: dict[str, int] = {}
+        # Per server with nothing in flight here: its placed count and when it was first
+        # seen at that count (idle since then; see `_prune`).
+        self._idle: dict[str, tuple[int, float]] = {}
         # Per peer id at the last exchange: in flight and counters per address (None: an
         # older version's entry, no counters).
         self._peer_load: dict[str, dict[str, tuple[int, int]]] = {}
@@ -276,6 +292,7 @@ class SharedInFlight:
         interval = self._s.interval_s
         while True:
             started = self._clock()
+            self._prune(started)
             exchange = self._eval(
                 _EXCHANGE, self.process_id, self._ttl_ms, self._blob(), self._counters()
             )
@@ -300,6 +317,22 @@ class SharedInFlight:
         finally:
             if self._owns_client:
                 await close(self._client, "shared in-flight", self._abandoned)
+
+    def _prune(self, now: float) -> None:
+        """Forgets the counters of servers idle here for `counters_idle_s`. At exchange time,
+        not in `acquire`: the hot path stays a few dict updates."""
+        idle_s = self._s.counters_idle_s
+        for address, (n, _) in list(self._placed.items()):
+            if address in self._requests:
+                self._idle.pop(address, None)
+                continue
+            seen = self._idle.get(address)
+            if seen is None or seen[0] != n:
+                self._idle[address] = (n, now)
+            elif now - seen[1] >= idle_s:
+                del self._placed[address], self._idle[address]
+                self._own_dated.pop(address, None)
+                self.stats.counters_pruned += 1
 
     def _blob(self) -> bytes:
         if not self._requests:
@@ -378,6 +411,8 @@ class SharedInFlight:
             return
         came: dict[str, tuple[int, int]] = {}
         for address in set(load) | set(placed) | set(counted) | set(before):
+            if address not in placed and address not in load:
+                continue  # pruned by the peer (idle there): nothing arrived
             n, t = load.get(address, (0, 0))
             n0, t0 = before.get(address, (0, 0))
             c_n, c_t = placed.get(address, (0, 0))

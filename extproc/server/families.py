@@ -341,6 +341,11 @@ SHARED_INFLIGHT = StatsFamilies(
             "Other processes' placement counters seen going backwards (restarted under the "
             "same id): their dating restarted from their in-flight totals.",
         ),
+        "counters_pruned": Stat(
+            "extproc_shared_inflight_counters_pruned",
+            "Servers whose placement counters this process forgot (nothing placed or in "
+            "flight there for counters_idle_s).",
+        ),
     },
 )
 

@@ -429,3 +429,38 @@ async def test_counters_of_a_process_an_older_one_purged_are_dropped(
         assert not await raw.hexists("{extproc:inflight}:load", "crashed")
         await steps.step(a)
         assert not await raw.hexists(placed, "crashed") and await raw.hexists(placed, a.process_id)
+
+
+async def test_counters_of_a_server_idle_for_long_are_pruned_and_restart_from_zero(
+    redis_server: RedisServer,
+) -> None:
+    """b forgets its counters for a server it has had nothing on for `counters_idle_s` (a
+    replaced pod's address would otherwise ride every exchange forever); a reads that as
+    pruned, not as counters going back, and counts b's next placement there as usual. A
+    server with a request in flight keeps its counters however long."""
+    raw_placed = "{extproc:inflight}:placed"
+    steps = Steps()
+    async with (
+        Redis.from_url(redis_server.url) as raw,
+        stepped(redis_server.url, steps) as a,
+        stepped(redis_server.url, steps) as b,
+    ):
+        b.release(b.acquire(X, 500))
+        held = b.acquire(Y, 700)
+        await steps.step(b, a)  # X seen idle from here
+        steps.now += FAST.counters_idle_s - 1
+        await steps.step(b, a)
+        assert b.stats.counters_pruned == 0
+        steps.now += 2
+        await steps.step(b, a)
+        assert b.stats.counters_pruned == 1
+        published = msgpack.unpackb(await raw.hget(raw_placed, b.process_id))
+        assert set(published) == {Y}  # Y's request is still in flight
+        # a first saw b with Y's request in flight (X's had ended): that one arrival only.
+        assert a.stats.counter_resets == 0 and a.stats.peer_arrivals == 1
+        b.acquire(X, 300)
+        await steps.step(b, a)
+        assert a.stats.counter_resets == 0
+        assert (a.stats.peer_arrivals, a.stats.peer_arrived_tokens) == (2, 1000)
+        assert a.arrivals.total(X) == 300
+        b.release(held)
