@@ -161,6 +161,11 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     (flowcontrol/reserve.py). `reserve_rate_quantile` (0, the default: the size term's
     prompt): count the arrival-rate term over the prefill time of this quantile of the
     band's recent prompts (from 20 requests on), the size term unchanged.
+    `reserve_refill_s` (0, the default: off): an endpoint may keep that much less of the
+    reserve as it is expected to free within this many seconds (the tokens of the requests
+    that ended there over the last 3 s, per second, times this), so a higher-band request
+    as large as the reserve waits at most about this long for room, and the room is not
+    kept idle meanwhile (flowcontrol/refill.py).
     `engine_priority` (off by default): send the request's band to the model server as its
     priority (`-band`: vLLM's priority scheduling serves lower values first), replacing any
     the client sent (`flowcontrol/engine_priority.py`): `body` (or `true`) writes it into
@@ -183,6 +188,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_prior: dict[int, ReservePrior] = msgspec.field(default_factory=dict)
     reserve_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_rate_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
+    reserve_refill_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
     engine_priority: bool | Literal["body", "header"] = False
 
 
