@@ -17,9 +17,12 @@ reserve then waits at most about the horizon for room, at the worst moment; smal
 not at all.
 
 Counted from this replica's own placements' ends (`freed`, at each request's end, when its
-in-flight count ends): with replicas sharing a pool, each sees its own share of the ends,
-so the credit is smaller than the server's (it holds back more, never less). A server
-where nothing ended recently gets no credit (the reserve as before).
+in-flight count ends), plus, with replicas sharing flow state (flowcontrol/shared.py), the
+rates the peers publish for their own (`peer_rates`, one exchange interval old): each
+replica sees only its own ends, and the credit from them alone was its share of the
+server's. Redis failing: the peers' rates are dropped (the credit is then from this
+replica's own ends: smaller, it holds back more, never less). A server where nothing ended
+recently gets no credit (the reserve as before).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Refill:
         self._ends: dict[str, collections.deque[tuple[float, int]]] = {}
         self._sum: dict[str, int] = {}
         self.last_credit = 0  # the largest credit at the last sizing (exported as a gauge)
+        self.peer_rates: dict[str, float] = {}  # address -> tokens/s the peers' requests freed
 
     def freed(self, address: str, tokens: int) -> None:
         """A request of `tokens` (prompt + expected output) ended on `address`."""
@@ -52,13 +56,23 @@ class Refill:
         self._sum[address] = self._sum.get(address, 0) + tokens
         self._prune(address, ends)
 
-    def credit(self, address: str) -> int:
-        """Tokens `address` is expected to free within the horizon (0 when none ended)."""
+    def rate(self, address: str) -> float:
+        """Tokens per second this replica's requests freed on `address` lately."""
         ends = self._ends.get(address)
         if not ends:
-            return 0
+            return 0.0
         self._prune(address, ends)
-        return int(self._sum.get(address, 0) / WINDOW_S * self.horizon_s)
+        return self._sum.get(address, 0) / WINDOW_S
+
+    def rates(self) -> dict[str, float]:
+        """Per server with recent ends, this replica's rate (what it publishes to peers)."""
+        return {a: r for a in list(self._ends) if (r := self.rate(a)) > 0}
+
+    def credit(self, address: str) -> int:
+        """Tokens `address` is expected to free within the horizon: this replica's requests
+        and the peers' (0 when none ended)."""
+        rate = self.rate(address) + self.peer_rates.get(address, 0.0)
+        return int(rate * self.horizon_s)
 
     def _prune(self, address: str, ends: collections.deque[tuple[float, int]]) -> None:
         since = self._clock() - WINDOW_S

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from extproc.config import decode_settings
+from extproc.errors import ConfigError
 from extproc.flowcontrol.controller import FlowController, FlowRequest
 from extproc.flowcontrol.refill import WINDOW_S, Refill
 from tests.flowcontrol.controllers import controller, settle, tokens_detector
@@ -115,5 +116,5 @@ async def test_a_request_ending_twice_counts_once():
 def test_the_setting_is_read_and_bounded():
     s = decode_settings({"flow_control": {"reserve_refill_s": 0.3}})
     assert s.flow_control.reserve_refill_s == 0.3
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigError):
         decode_settings({"flow_control": {"reserve_refill_s": -1}})
