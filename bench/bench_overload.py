@@ -41,7 +41,8 @@ equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (th
 `fleetView`), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.NN),
-`-rq<NN>` (`reserve_rate_quantile` 0.NN), `-refill<ms>` (`reserve_refill_s`), `-out<N>`
+`-rq<NN>` (`reserve_rate_quantile` 0.NN), `-refill<ms>` (`reserve_refill_s`), `-pf`
+(the prior's `prefill_s`: the unloaded p99), `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
 session: `-noprior-out96`), and
 `~base` to run its pickers from `--baseline-src` (old code against new in one run; `~base`
@@ -938,6 +939,8 @@ def main() -> int:
             rf_m = re.search(r"-refill(\d+)", run_name)  # `-refill<ms>`: reserve_refill_s
             refill_s = int(rf_m.group(1)) / 1000 if rf_m else 0.0
             run_name = re.sub(r"-refill\d+", "", run_name)
+            run_name, pf, after = run_name.partition("-pf")  # the prior's prefill_s
+            run_name += after
             q_m = re.search(r"-q(\d+)", run_name)
             quantile = int(q_m.group(1)) / 100 if q_m else 0.0
             run_name = re.sub(r"-q\d+", "", run_name)
@@ -967,6 +970,10 @@ def main() -> int:
             run_prior = (
                 None if (tilde and not args.base_prior) or args.no_prior or noprior else prior
             )
+            # `-pf`: the prior also states its largest request's prefill time (the unloaded
+            # interactive p99, a C request's TTFT), for the rate term before a speed is known.
+            if pf and run_prior is not None:
+                run_prior = {**run_prior, "prefill_s": round(unloaded_p99, 3)}
             if base == "on-2-replicas":
                 if redis is None:
                     port = free_port()

@@ -96,6 +96,7 @@ class Admission:
                 tokens=rp.request_tokens,
                 prompt=max(0, rp.request_tokens - s.expected_output_tokens),
                 rate=rp.tokens_per_s,
+                prefill_s=rp.prefill_s,
             )
             for p, rp in s.reserve_prior.items()
         }

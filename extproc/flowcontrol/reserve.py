@@ -10,7 +10,8 @@ token arrival rate (over its last `HISTORY` requests, so a band that went quiet 
 its own) times the prefill time of the largest request at the fastest server's prefill
 speed (the engines' own where scraped, else time to first byte from the access log).
 Without a measured speed (neither yet) only the largest requests are kept, and
-`rate_unsized` says so.
+`rate_unsized` says so, unless the band's prior states its largest request's prefill time
+(`prefill_s`), which then prices the rate term.
 
 Why a prior (`BandPrior`, from `flow_control.reserve_prior`): a freshly started picker has
 seen nothing of the higher band when a burst starts, and lower work arrives first. Sized
@@ -90,11 +91,13 @@ class _Sorted:
 @dataclass(frozen=True, slots=True)
 class BandPrior:
     """What a band is expected to send before its history says: its largest request
-    (`tokens`, of which `prompt` is prefilled) and its arrival rate (tokens/s)."""
+    (`tokens`, of which `prompt` is prefilled), its arrival rate (tokens/s) and the largest
+    request's prefill time (seconds; the rate term's window until a speed is measured)."""
 
     tokens: int
     prompt: int
     rate: float = 0.0
+    prefill_s: float = 0.0
 
 
 def _rank(quantile: float, n: int) -> int:
@@ -248,6 +251,12 @@ class Reserve:
                 prompt = self._rate_prompt[p]
             if prefill_tps:
                 tokens += int(rate * prompt / prefill_tps)
+            elif rate and short and prior is not None and prior.prefill_s:
+                # No speed measured yet (a fresh picker: the first seconds of a burst, when
+                # the band's first requests arrive together): the prior's prefill time.
+                # Without it the reserve was the largest request alone there, and the next
+                # large one waited 0.9-1.4 s (bench/RESULTS.md, fourteenth session).
+                tokens += int(rate * prior.prefill_s)
             elif rate:
                 if not self.rate_unsized:
                     log.warning(

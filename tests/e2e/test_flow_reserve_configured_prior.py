@@ -73,3 +73,26 @@ async def test_a_fresh_picker_keeps_a_server_for_the_configured_interactive_size
         assert await first == 200 and await second == 200
     hist = r'^extproc_flow_reserve_history_requests{priority="10"} (\S+)$'
     assert metric_sum(stack, hist) == 1
+
+
+RATE, PREFILL_S = 2000.0, 0.25  # the prior's arrival rate and its largest prefill's time
+
+
+@pytest.fixture(scope="module")
+def stack_pf(tmp_path_factory) -> Iterator[Stack]:
+    prior = {10: {"request_tokens": estimate(BIG), "tokens_per_s": RATE, "prefill_s": PREFILL_S}}
+    with reserve_stack(tmp_path_factory.mktemp("flowconfpriorpf"), CAP, reserve_prior=prior) as s:
+        yield s
+
+
+async def test_the_priors_prefill_time_prices_the_rate_term_before_any_speed(stack_pf: Stack):
+    # A fresh picker has measured no prefill speed (nothing has been prefilled): the
+    # prior's prefill time prices the rate term. Before: the largest request alone, and
+    # the rate counted as unsized.
+    model = stack_pf.fleet.model
+    async with httpx.AsyncClient(base_url=stack_pf.url, timeout=60) as c:
+        r = await c.post("/v1/chat/completions", json=body(model, 9, SMALL, 1), headers=LO)
+        assert r.status_code == 200
+    reserved = metric_sum(stack_pf, r"^extproc_flow_reserved_tokens (\S+)$")
+    assert reserved == estimate(BIG) + int(RATE * PREFILL_S)
+    assert metric_sum(stack_pf, r"^extproc_flow_reserve_rate_unsized_total (\S+)$") == 0
