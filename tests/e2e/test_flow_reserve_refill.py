@@ -67,13 +67,22 @@ async def test_a_server_freeing_room_keeps_less_of_the_reserve(stack: Stack):
         lo_at: asyncio.Future[str] = loop.create_future()
         batch = asyncio.create_task(long_one(c, medium, 200, LO, lo_at))
         lo_server = await asyncio.wait_for(lo_at, 30)
-        # Short batch requests, one at a time, on the other (less loaded) server.
+        # Short batch requests, one at a time, on the other (less loaded) server; each
+        # once the last has ended there (its in-flight count ends with its access-log
+        # entry: until then the reserve keeps the next one off that server).
         for i in range(ENDS):
-            r = await c.post(
-                "/v1/chat/completions", json=body(model, 300 + i, SMALL, 1), headers=LO
-            )
+            req = body(model, 300 + i, SMALL, 1)
+            r = await c.post("/v1/chat/completions", json=req, headers=LO)
             assert r.status_code == 200 and r.headers[SERVED_BY_HEADER] != lo_server
-        await asyncio.sleep(0.3)  # their ends (access-log entries) count as room freed
+            other = r.headers[SERVED_BY_HEADER]
+            for _ in range(100):
+                left = await asyncio.to_thread(
+                    metric_sum, stack, rf'^extproc_inflight_tokens{{endpoint="{other}"}} (\S+)$',
+                    present=False,
+                )  # fmt: skip
+                if not left:
+                    break
+                await asyncio.sleep(0.02)
         hi_at: asyncio.Future[str] = loop.create_future()
         interactive = asyncio.create_task(long_one(c, medium, 201, HI, hi_at))
         assert await asyncio.wait_for(hi_at, 30) != lo_server
