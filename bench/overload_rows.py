@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -20,7 +21,7 @@ def percentile(xs: list[float], p: float) -> float:
 
 def main() -> None:
     rows, base = [], {}
-    for line in open(sys.argv[1]):
+    for line in Path(sys.argv[1]).read_text().splitlines():
         if line.startswith('{"run"'):
             rows.append(json.loads(line))
         elif line.startswith('{"capacity'):
