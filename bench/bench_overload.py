@@ -41,8 +41,10 @@ equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (th
 `fleetView`), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.NN),
-`-rq<NN>` (`reserve_rate_quantile` 0.NN), `-out<N>` (expected_output_tokens N; the
-two-replica path had 96 and no prior before the twelfth session: `-noprior-out96`), and
+`-rq<NN>` (`reserve_rate_quantile` 0.NN), `-refill<ms>` (`reserve_refill_s`), `-pf`
+(the prior's `prefill_s`: the unloaded p99), `-out<N>`
+(expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
+session: `-noprior-out96`), and
 `~base` to run its pickers from `--baseline-src` (old code against new in one run; `~base`
 runs also keep the old `expected_output_tokens` of 96 unless `--base-expected-output` says
 otherwise, and get no prior; the others, one picker or two, count each request's
@@ -152,6 +154,7 @@ def picker_config(
     gate_fleet_view: bool = False,
     reserve_quantile: float = 0.0,
     reserve_rate_quantile: float = 0.0,
+    reserve_refill_s: float = 0.0,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -222,6 +225,10 @@ def picker_config(
         if reserve_rate_quantile:
             # The rate term over that quantile of the prompts' prefill (`-rq<NN>` runs).
             doc["flow_control"]["reserve_rate_quantile"] = reserve_rate_quantile
+        if reserve_refill_s:
+            # The room a server frees within this horizon counts toward the reserve
+            # (`-refill<ms>` runs).
+            doc["flow_control"]["reserve_refill_s"] = reserve_refill_s
         if engine_priority:
             # The band as the engine's `priority` (the sims run the priority policy).
             doc["flow_control"]["engine_priority"] = True
@@ -929,6 +936,11 @@ def main() -> int:
             rq_m = re.search(r"-rq(\d+)", run_name)  # `-rq<NN>`: reserve_rate_quantile
             rate_quantile = int(rq_m.group(1)) / 100 if rq_m else 0.0
             run_name = re.sub(r"-rq\d+", "", run_name)
+            rf_m = re.search(r"-refill(\d+)", run_name)  # `-refill<ms>`: reserve_refill_s
+            refill_s = int(rf_m.group(1)) / 1000 if rf_m else 0.0
+            run_name = re.sub(r"-refill\d+", "", run_name)
+            run_name, pf, after = run_name.partition("-pf")  # the prior's prefill_s
+            run_name += after
             q_m = re.search(r"-q(\d+)", run_name)
             quantile = int(q_m.group(1)) / 100 if q_m else 0.0
             run_name = re.sub(r"-q\d+", "", run_name)
@@ -958,6 +970,10 @@ def main() -> int:
             run_prior = (
                 None if (tilde and not args.base_prior) or args.no_prior or noprior else prior
             )
+            # `-pf`: the prior also states its largest request's prefill time (the unloaded
+            # interactive p99, a C request's TTFT), for the rate term before a speed is known.
+            if pf and run_prior is not None:
+                run_prior = {**run_prior, "prefill_s": round(unloaded_p99, 3)}
             if base == "on-2-replicas":
                 if redis is None:
                     port = free_port()
@@ -983,6 +999,7 @@ def main() -> int:
                     gate_fleet_view=bool(fleet_view),
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
+                    reserve_refill_s=refill_s,
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
@@ -1003,6 +1020,7 @@ def main() -> int:
                     gate_fleet_view=bool(fleet_view),
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
+                    reserve_refill_s=refill_s,
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)

@@ -113,6 +113,9 @@ class Timeline:
             last[key] = total
         row["reserved"] = int(max((summed(p, "extproc_flow_reserved_tokens") for p in pages),
                                   default=0.0))  # fmt: skip
+        # ... of which an endpoint was let keep less: room it frees soon (reserve_refill_s).
+        row["refill"] = int(max((summed(p, "extproc_flow_reserve_refill_tokens") for p in pages),
+                                default=0.0))  # fmt: skip
         for i, url in enumerate(self.sim_urls):
             s = scrape(url, client, 2.0)
             row[f"run{i}"] = int(summed(s, "vllm:num_requests_running"))
@@ -138,6 +141,9 @@ def summary(rows: list[dict], start_s: float, end_s: float, servers: int) -> dic
         "tl_saturation_mean": round(sum(r["saturation"] for r in win) / n, 3),
         "tl_queued_lo_mean": round(sum(r["queued_lo"] for r in win) / n, 1),
         "tl_queued_hi_mean": round(sum(r["queued_hi"] for r in win) / n, 2),
+        # The room kept for higher bands, and how much less a server soon to free it kept.
+        "tl_reserved_mean": round(sum(r.get("reserved", 0) for r in win) / n),
+        "tl_refill_mean": round(sum(r.get("refill", 0) for r in win) / n),
         # Why queued work stayed queued, per second of the window: no endpoint had room
         # (all causes), of which the reserve kept it, or the prefill gate held it.
         **{

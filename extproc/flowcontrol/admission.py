@@ -81,11 +81,12 @@ class Admission:
                 "flow_control.reserve_prior has no effect without admit_per_endpoint and "
                 "reserve_for_higher_bands"
             )
-        if (s.reserve_quantile or s.reserve_rate_quantile) and not (
+        if (s.reserve_quantile or s.reserve_rate_quantile or s.reserve_refill_s) and not (
             s.admit_per_endpoint and s.reserve_for_higher_bands
         ):
             log.warning(
-                "flow_control.reserve_quantile / reserve_rate_quantile have no effect without "
+                "flow_control.reserve_quantile / reserve_rate_quantile / reserve_refill_s have "
+                "no effect without "
                 "admit_per_endpoint and reserve_for_higher_bands"
             )
         # The prior's prompt (what a server prefills) is its request less the output
@@ -95,6 +96,7 @@ class Admission:
                 tokens=rp.request_tokens,
                 prompt=max(0, rp.request_tokens - s.expected_output_tokens),
                 rate=rp.tokens_per_s,
+                prefill_s=rp.prefill_s,
             )
             for p, rp in s.reserve_prior.items()
         }
@@ -117,6 +119,7 @@ class Admission:
             reserve_priors=priors,
             reserve_quantile=s.reserve_quantile,
             reserve_rate_quantile=s.reserve_rate_quantile,
+            reserve_refill_s=s.reserve_refill_s,
             gate=config.gate,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
@@ -281,6 +284,15 @@ class Admission:
             )
             rt.add_metric([], fc.reserve.last_held)
             yield rt
+            if fc.refill is not None:
+                rc = gauge(
+                    "extproc_flow_reserve_refill_tokens",
+                    "Of the reserve, the most any endpoint was let keep less at the last "
+                    "sizing: the room it is expected to free within reserve_refill_s "
+                    "(tokens of the requests that ended there recently).",
+                )
+                rc.add_metric([], fc.refill.last_credit)
+                yield rc
             ru = counter(
                 "extproc_flow_reserve_rate_unsized",
                 "Reserve sizings without the arrival-rate term: no prefill speed measured yet "

@@ -121,10 +121,13 @@ class ReservePrior(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a higher band is expected to send, for the reserve before its own history can
     say (`reserve_prior`): the largest request, prompt + output in the picker's tokens
     (uncached prompt estimate + expected output), and the band's arrival rate in those
-    tokens per second (0: no rate term from the prior)."""
+    tokens per second (0: no rate term from the prior); `prefill_s`, the largest request's
+    prefill time, prices the rate term while no prefill speed is measured yet (a fresh
+    picker at a burst's start; 0: the rate term waits for a measured speed)."""
 
     request_tokens: Annotated[int, msgspec.Meta(gt=0)]
     tokens_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    prefill_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -161,6 +164,11 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     (flowcontrol/reserve.py). `reserve_rate_quantile` (0, the default: the size term's
     prompt): count the arrival-rate term over the prefill time of this quantile of the
     band's recent prompts (from 20 requests on), the size term unchanged.
+    `reserve_refill_s` (0, the default: off): an endpoint may keep that much less of the
+    reserve as it is expected to free within this many seconds (the tokens of the requests
+    that ended there over the last 3 s, per second, times this), so a higher-band request
+    as large as the reserve waits at most about this long for room, and the room is not
+    kept idle meanwhile (flowcontrol/refill.py).
     `engine_priority` (off by default): send the request's band to the model server as its
     priority (`-band`: vLLM's priority scheduling serves lower values first), replacing any
     the client sent (`flowcontrol/engine_priority.py`): `body` (or `true`) writes it into
@@ -183,6 +191,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_prior: dict[int, ReservePrior] = msgspec.field(default_factory=dict)
     reserve_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_rate_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
+    reserve_refill_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
     engine_priority: bool | Literal["body", "header"] = False
 
 

@@ -44,6 +44,7 @@ from extproc.flowcontrol.policies import (
     UsageLimitPolicy,
 )
 from extproc.flowcontrol.prefill_gate import PrefillGate
+from extproc.flowcontrol.refill import Refill
 from extproc.flowcontrol.reserve import BandPrior, Reserve
 from extproc.flowcontrol.tickets import (
     EVICTED_PRESSURE,
@@ -121,6 +122,7 @@ class FlowController:
         reserve_priors: Mapping[int, BandPrior] | None = None,
         reserve_quantile: float = 0.0,
         reserve_rate_quantile: float = 0.0,
+        reserve_refill_s: float = 0.0,
         gate: PrefillGate | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -141,7 +143,9 @@ class FlowController:
         has a history of its own (flowcontrol/reserve.py). `reserve_quantile`: 0 for the
         largest recent requests, else that quantile of their sizes; `reserve_rate_quantile`:
         the rate term over that quantile of their prompts' prefill time (0: the size
-        term's). `gate`: with per-endpoint
+        term's). `reserve_refill_s`: an endpoint may keep that much less of the reserve
+        as it is expected to free within this many seconds, from the requests that ended
+        there recently (0: none; flowcontrol/refill.py). `gate`: with per-endpoint
         admission, a lower band's request starts only where the server's unfinished prefill
         stays short while a higher band is active (flowcontrol/prefill_gate.py)."""
         self._detector = detector
@@ -204,6 +208,7 @@ class FlowController:
             reserve, clock, reserve_priors, reserve_quantile, reserve_rate_quantile
         )
         self._prefill_speed = prefill_speed
+        self.refill = Refill(reserve_refill_s, clock) if reserve_refill_s else None
         # A detector that counts a constant output per in-flight request (the concurrency
         # detector's `outputTokens`) is told, per endpoint, how far the requests placed
         # there from this process differ from it: each counts its own expected output
@@ -318,6 +323,7 @@ class FlowController:
         spare = 0  # endpoints with room for the reserved request as they are
         keeps: dict[str, bool] = {}  # ... with this request on it too
         has: dict[str, bool] = {}
+        credits = 0
         for addr, state in eps:
             reqs, toks = self._pending_at.get(addr, _NONE)
             idle = det.endpoint_saturation(state, reqs, toks) == 0
@@ -326,14 +332,20 @@ class FlowController:
             if after <= ceiling or idle:
                 fits.append((after, addr))
             if held:
+                # Room about to free there counts toward the reserve (reserve_refill_s).
+                credit = self.refill.credit(addr) if self.refill is not None else 0
+                credits = max(credits, credit)
+                kept = max(0, held - credit)
                 has[addr] = idle or (
-                    det.endpoint_saturation(state, reqs + 1, toks + held) <= top_ceiling
+                    det.endpoint_saturation(state, reqs + 1, toks + kept) <= top_ceiling
                 )
                 spare += has[addr]
                 keeps[addr] = (
-                    det.endpoint_saturation(state, reqs + 2, toks + request.tokens + held)
+                    det.endpoint_saturation(state, reqs + 2, toks + request.tokens + kept)
                     <= top_ceiling
                 )
+        if held and self.refill is not None:
+            self.refill.last_credit = credits
         if held and fits:
             # On `a` the reserve holds if `a` keeps room for it, or another endpoint has it.
             fits = [(x, a) for x, a in fits if keeps[a] or spare - has[a] > 0]
@@ -599,6 +611,8 @@ class FlowController:
         ticket.placed = True
         if self.gate is not None:
             self.gate.placed(ticket, address)
+        if self.refill is not None:
+            ticket.freed_at = address
         if self._base_out and address:
             ticket.placed_at = address
             at = self._out_at.setdefault(address, [0, 0])
@@ -632,7 +646,11 @@ class FlowController:
         ticket's release instead, the correction lasted only until the ext_proc stream
         ended, at the response headers (before the prefill, for a streamed reply): for the
         rest of the request its output counted as the detector's constant while the engine
-        held its own max_tokens (eleventh session, bench/RESULTS.md). Idempotent."""
+        held its own max_tokens (eleventh session, bench/RESULTS.md). Its tokens count as
+        room its endpoint freed (`reserve_refill_s`). Idempotent."""
+        if ticket.freed_at and self.refill is not None:
+            self.refill.freed(ticket.freed_at, ticket.request.tokens)
+        ticket.freed_at = ""
         address, ticket.placed_at = ticket.placed_at, ""
         at = self._out_at.get(address) if address else None
         if at is not None:

@@ -10,7 +10,8 @@ token arrival rate (over its last `HISTORY` requests, so a band that went quiet 
 its own) times the prefill time of the largest request at the fastest server's prefill
 speed (the engines' own where scraped, else time to first byte from the access log).
 Without a measured speed (neither yet) only the largest requests are kept, and
-`rate_unsized` says so.
+`rate_unsized` says so, unless the band's prior states its largest request's prefill time
+(`prefill_s`), which then prices the rate term.
 
 Why a prior (`BandPrior`, from `flow_control.reserve_prior`): a freshly started picker has
 seen nothing of the higher band when a burst starts, and lower work arrives first. Sized
@@ -44,6 +45,7 @@ both (bench/RESULTS.md, thirteenth session: q80 +0.05..+0.08 goodput, TTFT p99 3
 
 from __future__ import annotations
 
+import bisect
 import collections
 import heapq
 import itertools
@@ -66,14 +68,36 @@ class _Seen:
     prompt: int  # the part a server prefills
 
 
+class _Sorted:
+    """A band's recent sizes and prompts, each kept in order as requests come and go, so a
+    quantile is read by index: before, every noted request sorted the band's history once
+    per quantile (and every band's once more)."""
+
+    __slots__ = ("prompts", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.prompts: list[int] = []
+
+    def add(self, seen: _Seen) -> None:
+        bisect.insort(self.tokens, seen.tokens)
+        bisect.insort(self.prompts, seen.prompt)
+
+    def drop(self, seen: _Seen) -> None:
+        del self.tokens[bisect.bisect_left(self.tokens, seen.tokens)]
+        del self.prompts[bisect.bisect_left(self.prompts, seen.prompt)]
+
+
 @dataclass(frozen=True, slots=True)
 class BandPrior:
     """What a band is expected to send before its history says: its largest request
-    (`tokens`, of which `prompt` is prefilled) and its arrival rate (tokens/s)."""
+    (`tokens`, of which `prompt` is prefilled), its arrival rate (tokens/s) and the largest
+    request's prefill time (seconds; the rate term's window until a speed is measured)."""
 
     tokens: int
     prompt: int
     rate: float = 0.0
+    prefill_s: float = 0.0
 
 
 def _rank(quantile: float, n: int) -> int:
@@ -113,6 +137,8 @@ class Reserve:
         self.on_prior: dict[int, bool] = {}
         self._warned_short: set[int] = set()
         self._seen: dict[int, collections.deque[_Seen]] = {}
+        # With a quantile (either): each band's history in order (quantiles by index).
+        self._sorted: dict[int, _Sorted] = {}
         self._sum: dict[int, int] = {}  # tokens in each band's history (its arrival rate)
         self._largest: dict[int, tuple[int, int]] = {}  # (tokens, prompt) of the largest
         self._largest_any = (0, 0)  # the same over every band
@@ -124,25 +150,44 @@ class Reserve:
         seen = self._seen.get(priority)
         if seen is None:
             seen = self._seen[priority] = collections.deque(maxlen=HISTORY)
+        ordered = None
+        if self._quantile or self._rate_quantile:
+            ordered = self._sorted.setdefault(priority, _Sorted())
         if len(seen) == HISTORY:
             self._sum[priority] -= seen[0].tokens
-        seen.append(_Seen(self._clock(), tokens, max(0, tokens - output_tokens)))
+            if ordered is not None:
+                ordered.drop(seen[0])
+        new = _Seen(self._clock(), tokens, max(0, tokens - output_tokens))
+        seen.append(new)
         self._sum[priority] = self._sum.get(priority, 0) + tokens
-        self._largest[priority] = self._top(seen)
+        if ordered is not None:
+            ordered.add(new)
         if self._rate_quantile:
-            prompts = sorted(s.prompt for s in seen)
+            assert ordered is not None
+            prompts = ordered.prompts
             self._rate_prompt[priority] = prompts[_rank(self._rate_quantile, len(prompts))]
-        self._largest_any = self._top(itertools.chain.from_iterable(self._seen.values()))
+        if self._quantile:
+            band = self._sorted[priority]
+            self._largest[priority] = self._at_quantile(band.tokens, band.prompts)
+            # Every band's together: one merge of the ordered lists, no sort.
+            every = self._sorted.values()
+            self._largest_any = self._at_quantile(
+                list(heapq.merge(*(b.tokens for b in every))),
+                list(heapq.merge(*(b.prompts for b in every))),
+            )
+        else:
+            self._largest[priority] = self._top(seen)
+            self._largest_any = self._top(itertools.chain.from_iterable(self._seen.values()))
+
+    def _at_quantile(self, tokens: list[int], prompts: list[int]) -> tuple[int, int]:
+        """(count x the quantile size, the quantile prompt) of sorted sizes and prompts."""
+        if not tokens:
+            return 0, 0
+        rank = _rank(self._quantile, len(tokens))
+        return self._count * tokens[rank], prompts[rank]
 
     def _top(self, seen: Iterable[_Seen]) -> tuple[int, int]:
-        if self._quantile:
-            items = list(seen)
-            if not items:
-                return 0, 0
-            rank = _rank(self._quantile, len(items))
-            size = sorted(s.tokens for s in items)[rank]
-            prompt = sorted(s.prompt for s in items)[rank]
-            return self._count * size, prompt
+        """The largest `count` requests: their tokens together, the largest prompt of them."""
         top = heapq.nlargest(self._count, seen, key=lambda s: s.tokens)
         return sum(s.tokens for s in top), max((s.prompt for s in top), default=0)
 
@@ -206,6 +251,12 @@ class Reserve:
                 prompt = self._rate_prompt[p]
             if prefill_tps:
                 tokens += int(rate * prompt / prefill_tps)
+            elif rate and short and prior is not None and prior.prefill_s:
+                # No speed measured yet (a fresh picker: the first seconds of a burst, when
+                # the band's first requests arrive together): the prior's prefill time.
+                # Without it the reserve was the largest request alone there, and the next
+                # large one waited 0.9-1.4 s (bench/RESULTS.md, fourteenth session).
+                tokens += int(rate * prior.prefill_s)
             elif rate:
                 if not self.rate_unsized:
                     log.warning(

@@ -11,6 +11,8 @@ tokens it served per flow (decayed), and reads everyone else's. With that, each 
 - with the prefill gate's fleet view (`prefill-gate` `fleetView`), counts the peers'
   placements not yet seen to finish their prefill with their own sizes and ages
   (flowcontrol/prefill_gate.py);
+- with `reserve_refill_s`, counts the room the peers' requests free per server with its
+  own (flowcontrol/refill.py);
 - knows which flows are queued where, per band: when the flow next by fleet-wide usage is
   queued only at another replica, free capacity is left to that replica (for at most two
   exchange intervals, so stale state never idles capacity for long). Token shares then hold
@@ -20,8 +22,9 @@ Saturation is fleet-wide by construction when in-flight counts are shared
 
 Layout (one hash slot, Cluster-safe): `{<ns>}:flow` hash, field = process id, value =
 msgpack `[expiry_ms, top_band | false, {flow: tokens}, pending_requests, pending_tokens,
-{band: [queued flow, ...]}, {address: [[age_ms, prompt_tokens], ...]}]` (the last two
-absent from older replicas, the last one without the gate's fleet view);
+{band: [queued flow, ...]}, {address: [[age_ms, prompt_tokens], ...]}, {address:
+freed_tokens_per_s}]` (the last three absent from older replicas; the placements empty
+without the gate's fleet view, the freed rates absent without `reserve_refill_s`);
 one script refreshes our field, drops expired ones (Redis server time, so no clock agreement
 needed) and returns the rest.
 Redis failing -> per-replica flow control: peers' state is forgotten, a warning is logged,
@@ -121,8 +124,11 @@ class SharedFlowState:
         fields = [0, False if own_top is None else own_top, mine, fc.pending_requests,
                   fc.pending_tokens, fc.top_flows()]  # fmt: skip
         gate = fc.gate if fc.gate is not None and fc.gate.fleet_view else None
-        if gate is not None:
-            fields.append(gate.published())
+        refill = fc.refill
+        if gate is not None or refill is not None:
+            fields.append(gate.published() if gate is not None else {})
+        if refill is not None:
+            fields.append({a: round(r, 1) for a, r in refill.rates().items()})
         own = msgpack.encode(fields)
         try:
             blobs = await command(self._eval(own), self._timeout_s, self._abandoned)
@@ -135,6 +141,8 @@ class SharedFlowState:
             fc.peer_flows = {}
             if gate is not None:
                 gate.peers_lost()
+            if refill is not None:
+                refill.peer_rates = {}
             return
         self._outage.healed()
         self.stats.exchanges += 1
@@ -144,6 +152,7 @@ class SharedFlowState:
         pend_reqs = pend_toks = 0
         queued: dict[int, set[str]] = {}
         placed: dict[str, list[tuple[float, int]]] = {}  # address -> (age s, tokens)
+        freed: dict[str, float] = {}  # address -> tokens/s the peers' requests freed
         for blob in blobs:
             try:
                 _, band, flows, p_reqs, p_toks, *rest = msgpack.decode(blob)
@@ -160,6 +169,9 @@ class SharedFlowState:
                 }
                 for a, items in theirs.items():
                     placed.setdefault(a, []).extend(items)
+                rates = _mapping(rest[2] if refill is not None and len(rest) > 2 else {})
+                for a, r in rates.items():
+                    freed[str(a)] = freed.get(str(a), 0.0) + max(0.0, float(r))
             except (ValueError, TypeError, AttributeError):  # msgspec.DecodeError is a ValueError
                 continue  # a foreign or corrupt entry must not stop flow control
             peers += 1
@@ -172,6 +184,8 @@ class SharedFlowState:
         fc.peer_flows = {b: frozenset(names) for b, names in queued.items()}
         if gate is not None:
             gate.peers_placed(placed)
+        if refill is not None:
+            refill.peer_rates = freed
         # A peer's higher band may have drained: whatever we hold may now go.
         fc.dispatch()
 

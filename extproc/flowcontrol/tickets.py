@@ -64,6 +64,9 @@ class Ticket:
     target: str = ""
     # Where the router placed it, when the controller counts its own output there.
     placed_at: str = ""
+    # Where the router placed it, while its end is still to be counted as room that
+    # server freed (flowcontrol/refill.py).
+    freed_at: str = ""
     # In-flight eviction (flowcontrol/eviction.py): whether this one may be cut, when it
     # started, whether it was cut, and who cuts it (the ext_proc stream, once routed).
     evictable: bool = False

@@ -8,14 +8,21 @@ read: any by pattern, and its queue length."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
-from extproc.stack import Stack
+from extproc.sim import SERVED_BY_HEADER
+from extproc.stack import Stack, StackOptions
+
+# The two bands of `two_band_reserve_config`, as request headers.
+HI = {"x-llm-d-inference-objective": "interactive"}
+LO = {"x-llm-d-inference-objective": "batch"}
 
 
 def two_band_reserve_config(
@@ -57,6 +64,45 @@ def two_band_reserve_config(
     path = tmp / "picker.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+@contextlib.contextmanager
+def reserve_stack(
+    tmp: Path, cap: int, sim_args: Sequence[str] = ("--decode-tps", "100"), **flow_control: Any
+) -> Iterator[Stack]:
+    """Envoy, `extproc serve` on `two_band_reserve_config` (the token-load scorer, `cap`
+    tokens per server, sizes counted as prompts alone: exact thresholds, plus
+    `flow_control`) and two simulated servers (`sim_args`)."""
+    flow_control = {"expected_output_tokens": 0, **flow_control}
+    path = two_band_reserve_config(tmp, "token-load-scorer", cap, **flow_control)
+    opts = StackOptions(upstreams=2, sim_args=tuple(sim_args), extproc_args=("--config", str(path)))
+    with Stack(opts) as s:
+        yield s
+
+
+async def long_one(
+    c: httpx.AsyncClient, body: Callable[[int], dict], seed: int, headers: dict,
+    at: asyncio.Future[str],
+) -> int:  # fmt: skip
+    """Streams `body(seed)` to its end; `at` gets the server that took it as soon as its
+    headers arrive (while it still streams). Returns the status."""
+    async with c.stream("POST", "/v1/chat/completions", json=body(seed), headers=headers) as r:
+        at.set_result(r.headers[SERVED_BY_HEADER])
+        async for _ in r.aiter_lines():
+            pass
+        return r.status_code
+
+
+async def burst_then_large(
+    stack: Stack, c: httpx.AsyncClient, burst: Sequence[dict], large: dict
+) -> None:
+    """Interactive history: `burst` sent at once, then `large` alone; returns once the
+    picker holds none of them in flight (their counts end with their access-log entries)."""
+    sent = [c.post("/v1/chat/completions", json=b, headers=HI) for b in burst]
+    assert all(r.status_code == 200 for r in await asyncio.gather(*sent))
+    r = await c.post("/v1/chat/completions", json=large, headers=HI)
+    assert r.status_code == 200
+    await inflight_ended(stack)
 
 
 def in_flight_scheduling(max_concurrency: int = 100) -> dict[str, Any]:

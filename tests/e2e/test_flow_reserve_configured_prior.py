@@ -20,14 +20,12 @@ import httpx
 import pytest
 
 from extproc.sim import SERVED_BY_HEADER
-from extproc.stack import Stack, StackOptions
+from extproc.stack import Stack
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import metric_sum, two_band_reserve_config
+from tests.e2e.flow_configs import HI, LO, long_one, metric_sum, reserve_stack
 
 SMALL, BIG = 150, 500  # words of 7 letters: ~300 and ~1000 estimated tokens
 LONG = 500  # output tokens at 100 tokens/s: ~5 s of streaming
-HI = {"x-llm-d-inference-objective": "interactive"}
-LO = {"x-llm-d-inference-objective": "batch"}
 
 
 def body(model: str, seed: int, words: int, max_tokens: int) -> dict:
@@ -45,16 +43,8 @@ CAP = 2 * estimate(SMALL) + 100
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     assert estimate(SMALL) + estimate(BIG) > CAP
-    tmp = tmp_path_factory.mktemp("flowconfprior")
-    path = two_band_reserve_config(
-        tmp,
-        "token-load-scorer",
-        CAP,
-        expected_output_tokens=0,  # sizes are prompts alone: exact thresholds
-        reserve_prior={10: {"request_tokens": estimate(BIG)}},
-    )
-    sim = ("--decode-tps", "100")
-    with Stack(StackOptions(upstreams=2, sim_args=sim, extproc_args=("--config", str(path)))) as s:
+    prior = {10: {"request_tokens": estimate(BIG)}}
+    with reserve_stack(tmp_path_factory.mktemp("flowconfprior"), CAP, reserve_prior=prior) as s:
         yield s
 
 
@@ -63,19 +53,14 @@ async def test_a_fresh_picker_keeps_a_server_for_the_configured_interactive_size
     loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
 
-        async def long_batch(seed: int, at: asyncio.Future[str]) -> int:
-            req = body(model, seed, SMALL, LONG)
-            async with c.stream("POST", "/v1/chat/completions", json=req, headers=LO) as r:
-                at.set_result(r.headers[SERVED_BY_HEADER])
-                async for _ in r.aiter_lines():
-                    pass
-                return r.status_code
+        def small(seed: int) -> dict:
+            return body(model, seed, SMALL, LONG)
 
         first_at: asyncio.Future[str] = loop.create_future()
         second_at: asyncio.Future[str] = loop.create_future()
-        first = asyncio.create_task(long_batch(1, first_at))
+        first = asyncio.create_task(long_one(c, small, 1, LO, first_at))
         busy = await asyncio.wait_for(first_at, 30)
-        second = asyncio.create_task(long_batch(2, second_at))
+        second = asyncio.create_task(long_one(c, small, 2, LO, second_at))
         # Before: on the idle server (the reserve was one small batch request's room).
         assert await asyncio.wait_for(second_at, 30) == busy, "batch took the server kept free"
         assert metric_sum(stack, r'^extproc_flow_reserve_on_prior{priority="10"} (\S+)$') == 1
@@ -88,3 +73,26 @@ async def test_a_fresh_picker_keeps_a_server_for_the_configured_interactive_size
         assert await first == 200 and await second == 200
     hist = r'^extproc_flow_reserve_history_requests{priority="10"} (\S+)$'
     assert metric_sum(stack, hist) == 1
+
+
+RATE, PREFILL_S = 2000.0, 0.25  # the prior's arrival rate and its largest prefill's time
+
+
+@pytest.fixture(scope="module")
+def stack_pf(tmp_path_factory) -> Iterator[Stack]:
+    prior = {10: {"request_tokens": estimate(BIG), "tokens_per_s": RATE, "prefill_s": PREFILL_S}}
+    with reserve_stack(tmp_path_factory.mktemp("flowconfpriorpf"), CAP, reserve_prior=prior) as s:
+        yield s
+
+
+async def test_the_priors_prefill_time_prices_the_rate_term_before_any_speed(stack_pf: Stack):
+    # A fresh picker has measured no prefill speed (nothing has been prefilled): the
+    # prior's prefill time prices the rate term. Before: the largest request alone, and
+    # the rate counted as unsized.
+    model = stack_pf.fleet.model
+    async with httpx.AsyncClient(base_url=stack_pf.url, timeout=60) as c:
+        r = await c.post("/v1/chat/completions", json=body(model, 9, SMALL, 1), headers=LO)
+        assert r.status_code == 200
+    reserved = metric_sum(stack_pf, r"^extproc_flow_reserved_tokens (\S+)$")
+    assert reserved == estimate(BIG) + int(RATE * PREFILL_S)
+    assert metric_sum(stack_pf, r"^extproc_flow_reserve_rate_unsized_total (\S+)$") == 0

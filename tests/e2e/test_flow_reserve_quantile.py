@@ -19,15 +19,12 @@ import httpx
 import pytest
 
 from extproc.flowcontrol.reserve import QUANTILE_TRUSTED
-from extproc.sim import SERVED_BY_HEADER
-from extproc.stack import Stack, StackOptions
+from extproc.stack import Stack
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import metric_sum, two_band_reserve_config
+from tests.e2e.flow_configs import HI, LO, long_one, metric_sum, reserve_stack
 
 TINY, SMALL, BIG = 20, 150, 500  # words of 7 letters: ~40, ~300 and ~1000 estimated tokens
 LONG = 500  # output tokens at 100 tokens/s: ~5 s of streaming
-HI = {"x-llm-d-inference-objective": "interactive"}
-LO = {"x-llm-d-inference-objective": "batch"}
 
 
 def body(model: str, seed: int, words: int, max_tokens: int) -> dict:
@@ -46,16 +43,7 @@ CAP = 2 * estimate(SMALL) + 100
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     assert estimate(SMALL) + estimate(BIG) > CAP >= estimate(SMALL) + estimate(TINY)
-    tmp = tmp_path_factory.mktemp("flowquantile")
-    path = two_band_reserve_config(
-        tmp,
-        "token-load-scorer",
-        CAP,
-        expected_output_tokens=0,  # sizes are prompts alone: exact thresholds
-        reserve_quantile=0.9,
-    )
-    sim = ("--decode-tps", "100")
-    with Stack(StackOptions(upstreams=2, sim_args=sim, extproc_args=("--config", str(path)))) as s:
+    with reserve_stack(tmp_path_factory.mktemp("flowquantile"), CAP, reserve_quantile=0.9) as s:
         yield s
 
 
@@ -70,19 +58,14 @@ async def test_batch_work_keeps_only_the_interactive_p90s_room(stack: Stack):
             r = await c.post("/v1/chat/completions", json=req, headers=HI)
             assert r.status_code == 200
 
-        async def long_batch(seed: int, at: asyncio.Future[str]) -> int:
-            req = body(model, seed, SMALL, LONG)
-            async with c.stream("POST", "/v1/chat/completions", json=req, headers=LO) as r:
-                at.set_result(r.headers[SERVED_BY_HEADER])
-                async for _ in r.aiter_lines():
-                    pass
-                return r.status_code
+        def small(seed: int) -> dict:
+            return body(model, seed, SMALL, LONG)
 
         first_at: asyncio.Future[str] = loop.create_future()
         second_at: asyncio.Future[str] = loop.create_future()
-        first = asyncio.create_task(long_batch(1, first_at))
+        first = asyncio.create_task(long_one(c, small, 1, LO, first_at))
         busy = await asyncio.wait_for(first_at, 30)
-        second = asyncio.create_task(long_batch(2, second_at))
+        second = asyncio.create_task(long_one(c, small, 2, LO, second_at))
         # Sized by the largest (1,000 tokens) it would have gone beside the first.
         assert await asyncio.wait_for(second_at, 30) != busy, "kept room for the largest"
         reserved = metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$")

@@ -18,16 +18,21 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from extproc.sim import SERVED_BY_HEADER
-from extproc.stack import Stack, StackOptions
+from extproc.stack import Stack
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import inflight_ended, metric_sum, queued, two_band_reserve_config
+from tests.e2e.flow_configs import (
+    HI,
+    LO,
+    burst_then_large,
+    long_one,
+    metric_sum,
+    queued,
+    reserve_stack,
+)
 
 SMALL, MEDIUM, BIG = 150, 250, 500  # words of 7 letters: ~300, ~500, ~1000 tokens
 LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
 MARGIN = 150  # the rate term must add more than this (it adds ~300-1500 here)
-HI = {"x-llm-d-inference-objective": "interactive"}
-LO = {"x-llm-d-inference-objective": "batch"}
 
 
 def body(model: str, seed: int, words: int, max_tokens: int, stream: bool = True) -> dict:
@@ -43,17 +48,10 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     # The interactive server holds MEDIUM; beside it the old reserve (the largest
     # interactive request, BIG) fits with MARGIN to spare, the new one does not.
     cap = estimate(MEDIUM) + estimate(BIG) + MARGIN
-    tmp = tmp_path_factory.mktemp("flowrate")
-    path = two_band_reserve_config(
-        tmp,
-        "token-load-scorer",
-        cap,
-        expected_output_tokens=0,  # sizes are prompts alone: exact thresholds
-    )
     # A slower prefill than the default, so a prefill time is long next to the client's
     # own overheads (the rate term is arrival rate x prefill time).
     sim = ("--decode-tps", "100", "--prefill-tps", "4000")
-    with Stack(StackOptions(upstreams=2, sim_args=sim, extproc_args=("--config", str(path)))) as s:
+    with reserve_stack(tmp_path_factory.mktemp("flowrate"), cap, sim) as s:
         yield s
 
 
@@ -65,29 +63,17 @@ async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(sta
         # interactive traffic is: the sim (as vLLM) sends its headers before the prefill, so
         # time to first byte says nothing of the prefill; the speed must be the engines' own
         # (from their histograms). Sized by time to first byte, the rate term was ~0 here.
-        smalls = [
-            c.post("/v1/chat/completions", json=body(model, i, SMALL, 1), headers=HI)
-            for i in range(8)
-        ]
-        assert all(r.status_code == 200 for r in await asyncio.gather(*smalls))
-        big_body = body(model, 100, BIG, 1)
-        big = await c.post("/v1/chat/completions", json=big_body, headers=HI)
-        assert big.status_code == 200
-        await inflight_ended(stack)  # their in-flight counts end with their access-log entries
+        smalls = [body(model, i, SMALL, 1) for i in range(8)]
+        await burst_then_large(stack, c, smalls, body(model, 100, BIG, 1))
 
-        async def long_one(seed: int, headers: dict, at: asyncio.Future[str]) -> int:
-            req = body(model, seed, MEDIUM, LONG)
-            async with c.stream("POST", "/v1/chat/completions", json=req, headers=headers) as r:
-                at.set_result(r.headers[SERVED_BY_HEADER])
-                async for _ in r.aiter_lines():
-                    pass
-                return r.status_code
+        def medium(seed: int) -> dict:
+            return body(model, seed, MEDIUM, LONG)
 
         lo_at: asyncio.Future[str] = loop.create_future()
         hi_at: asyncio.Future[str] = loop.create_future()
-        batch = asyncio.create_task(long_one(200, LO, lo_at))
+        batch = asyncio.create_task(long_one(c, medium, 200, LO, lo_at))
         lo_server = await asyncio.wait_for(lo_at, 30)
-        interactive = asyncio.create_task(long_one(201, HI, hi_at))
+        interactive = asyncio.create_task(long_one(c, medium, 201, HI, hi_at))
         assert await asyncio.wait_for(hi_at, 30) != lo_server  # the less loaded one
 
         short = asyncio.create_task(

@@ -21,16 +21,13 @@ import httpx
 import pytest
 
 from extproc.flowcontrol.reserve import QUANTILE_TRUSTED
-from extproc.sim import SERVED_BY_HEADER
-from extproc.stack import Stack, StackOptions
+from extproc.stack import Stack
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import inflight_ended, metric_sum, two_band_reserve_config
+from tests.e2e.flow_configs import HI, LO, burst_then_large, long_one, metric_sum, reserve_stack
 
 TINY, SMALL, MEDIUM, BIG = 20, 150, 250, 500  # words of 7 letters: ~40 ... ~1000 tokens
 LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
 MARGIN = 60  # the rate term adds ~200 over the largest's prefill here, ~10 over a tiny one's
-HI = {"x-llm-d-inference-objective": "interactive"}
-LO = {"x-llm-d-inference-objective": "batch"}
 
 
 def body(model: str, seed: int, words: int, max_tokens: int) -> dict:
@@ -44,16 +41,9 @@ def estimate(words: int) -> int:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     cap = estimate(MEDIUM) + estimate(BIG) + MARGIN
-    tmp = tmp_path_factory.mktemp("flowratequantile")
-    path = two_band_reserve_config(
-        tmp,
-        "token-load-scorer",
-        cap,
-        expected_output_tokens=0,  # sizes are prompts alone: exact thresholds
-        reserve_rate_quantile=0.5,
-    )
     sim = ("--decode-tps", "100", "--prefill-tps", "4000")
-    with Stack(StackOptions(upstreams=2, sim_args=sim, extproc_args=("--config", str(path)))) as s:
+    tmp = tmp_path_factory.mktemp("flowratequantile")
+    with reserve_stack(tmp, cap, sim, reserve_rate_quantile=0.5) as s:
         yield s
 
 
@@ -65,32 +55,17 @@ async def test_the_rate_term_counts_a_median_prefill_not_the_largest(stack: Stac
         # the median prompt is a tiny one (with the long interactive request below too),
         # while the medium ones make the arrival rate.
         n = QUANTILE_TRUSTED // 2 + 1
-        burst = [
-            c.post(
-                "/v1/chat/completions",
-                json=body(model, i, TINY if i < n else MEDIUM, 1),
-                headers=HI,
-            )
-            for i in range(QUANTILE_TRUSTED - 1)
-        ]
-        assert all(r.status_code == 200 for r in await asyncio.gather(*burst))
-        big = await c.post("/v1/chat/completions", json=body(model, 100, BIG, 1), headers=HI)
-        assert big.status_code == 200
-        await inflight_ended(stack)  # their in-flight counts end with their access-log entries
+        burst = [body(model, i, TINY if i < n else MEDIUM, 1) for i in range(QUANTILE_TRUSTED - 1)]
+        await burst_then_large(stack, c, burst, body(model, 100, BIG, 1))
 
-        async def long_one(seed: int, headers: dict, at: asyncio.Future[str]) -> int:
-            req = body(model, seed, MEDIUM, LONG)
-            async with c.stream("POST", "/v1/chat/completions", json=req, headers=headers) as r:
-                at.set_result(r.headers[SERVED_BY_HEADER])
-                async for _ in r.aiter_lines():
-                    pass
-                return r.status_code
+        def medium(seed: int) -> dict:
+            return body(model, seed, MEDIUM, LONG)
 
         lo_at: asyncio.Future[str] = loop.create_future()
         hi_at: asyncio.Future[str] = loop.create_future()
-        batch = asyncio.create_task(long_one(200, LO, lo_at))
+        batch = asyncio.create_task(long_one(c, medium, 200, LO, lo_at))
         lo_server = await asyncio.wait_for(lo_at, 30)
-        interactive = asyncio.create_task(long_one(201, HI, hi_at))
+        interactive = asyncio.create_task(long_one(c, medium, 201, HI, hi_at))
         assert await asyncio.wait_for(hi_at, 30) != lo_server
 
         short = await c.post("/v1/chat/completions", json=body(model, 300, SMALL, 4), headers=LO)

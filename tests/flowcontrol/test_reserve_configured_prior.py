@@ -103,3 +103,24 @@ def test_the_prior_is_read_from_the_flow_control_section():
     assert (prior.request_tokens, prior.tokens_per_s) == (2700, 1400.0)
     with pytest.raises(ConfigError, match="request_tokens"):
         decode_settings({"flow_control": {"reserve_prior": {10: {"request_tokens": 0}}}})
+
+
+def test_the_priors_prefill_time_prices_the_rate_until_a_speed_is_measured():
+    # A fresh picker at a burst's start has no prefill speed yet: with the prior's
+    # prefill_s the rate term is 1000 tokens/s x 0.4 s, not left out.
+    clock = Clock()
+    r = Reserve(1, clock, {10: BandPrior(tokens=2000, prompt=1800, rate=1000.0, prefill_s=0.4)})
+    assert r.held(0, (10, 0), None) == (2400, 10)
+    assert r.rate_unsized == 0
+    # A measured speed prices it as before: 1000 x 1800 / 3600.
+    assert r.held(0, (10, 0), 3600.0) == (2500, 10)
+    # Once the band's own history is full, the prior no longer counts at all.
+    for _ in range(HISTORY):
+        clock.now += 1.0
+        r.note(10, 500, 100)
+    assert r.held(0, (10, 0), None)[0] == 500
+    assert r.rate_unsized == 1
+    s = decode_settings(
+        {"flow_control": {"reserve_prior": {10: {"request_tokens": 2000, "prefill_s": 0.4}}}}
+    )
+    assert s.flow_control.reserve_prior[10].prefill_s == 0.4

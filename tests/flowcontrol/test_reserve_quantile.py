@@ -119,3 +119,37 @@ def test_the_rate_quantile_shortens_only_the_rate_terms_window():
         Reserve(1, Clock(), rate_quantile=-0.1)
     cfg = decode_settings({"flow_control": {"reserve_rate_quantile": 0.5}})
     assert cfg.flow_control is not None and cfg.flow_control.reserve_rate_quantile == 0.5
+
+
+def test_the_ordered_history_reads_the_quantiles_a_sort_would():
+    # The band's history is kept in order as requests come and go (past HISTORY the oldest
+    # leave); its quantiles and every band's together are the ones sorting gives.
+    import random
+
+    from extproc.flowcontrol.reserve import HISTORY, _rank
+
+    rng = random.Random(3)
+    clock = Clock()
+    r = Reserve(2, clock, quantile=0.8, rate_quantile=0.5)
+    noted: dict[int, list[tuple[int, int]]] = {5: [], 10: []}
+    for _ in range(3 * HISTORY):
+        band = rng.choice((5, 10))
+        tokens = rng.randrange(50, 3000)
+        output = rng.randrange(0, 200)
+        clock.now += 0.1
+        r.note(band, tokens, output)
+        noted[band] = (noted[band] + [(tokens, max(0, tokens - output))])[-HISTORY:]
+        for b, hist in noted.items():
+            if not hist:
+                continue
+            sizes = sorted(t for t, _ in hist)
+            prompts = sorted(p for _, p in hist)
+            if b == band:
+                assert r._largest[b] == (2 * sizes[_rank(0.8, len(sizes))],
+                                         prompts[_rank(0.8, len(prompts))])  # fmt: skip
+                assert r._rate_prompt[b] == prompts[_rank(0.5, len(prompts))]
+        every = [h for hist in noted.values() for h in hist]
+        sizes = sorted(t for t, _ in every)
+        prompts = sorted(p for _, p in every)
+        rank = _rank(0.8, len(every))
+        assert r._largest_any == (2 * sizes[rank], prompts[rank])

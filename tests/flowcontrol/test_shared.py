@@ -205,3 +205,45 @@ async def test_the_prefill_gates_fleet_view_travels_and_degrades(redis_server: R
     finally:
         await asyncio.wait_for(sa.aclose(), 5)
         await asyncio.wait_for(adm.aclose(), 5)
+
+
+async def test_the_room_peers_free_counts_toward_the_reserve_and_degrades(
+    redis_server: RedisServer,
+):
+    """With `reserve_refill_s`, replica a's ends on B reach replica b as a rate of room
+    freed there (Lua's msgpack re-packing included): b's credit on B is a's plus its own.
+    With Redis gone b forgets a's rate and counts its own ends only."""
+    from extproc.flowcontrol.controller import FlowRequest
+    from extproc.flowcontrol.refill import WINDOW_S
+    from tests.flowcontrol.test_reserve_rate import Clock, Fleet
+    from tests.flowcontrol.test_reserve_refill import make as refill_make
+
+    clock = Clock()
+    a = refill_make(Fleet(), clock, 1.0)
+    b = refill_make(Fleet(), clock, 1.0)
+    # b without the setting publishes and reads no rates (an older or plain replica).
+    c = refill_make(Fleet(), clock, 0.0)
+    sa = SharedFlowState.from_url(redis_server.url, a, namespace="t7", process_id="a")
+    sb = SharedFlowState.from_url(redis_server.url, b, namespace="t7", process_id="b")
+    sc = SharedFlowState.from_url(redis_server.url, c, namespace="t7", process_id="c")
+    try:
+        t = await a.admit(FlowRequest("t", 0, 900, 10))
+        a.placed(t, "B")
+        a.release(t)
+        t = await b.admit(FlowRequest("t", 0, 300, 10))
+        b.placed(t, "B")
+        b.release(t)
+        for s in (sa, sb, sc, sa, sb):  # each reads the others' last entries
+            await s.exchange()
+        assert a.refill is not None and b.refill is not None and c.refill is None
+        assert b.refill.peer_rates == {"B": 900 / WINDOW_S}
+        assert b.refill.credit("B") == int((900 + 300) / WINDOW_S)
+        assert a.refill.credit("B") == int((900 + 300) / WINDOW_S)
+        assert b.refill.credit("A") == 0
+        redis_server.kill()
+        await sb.exchange()
+        assert sb.degraded and b.refill.peer_rates == {}
+        assert b.refill.credit("B") == int(300 / WINDOW_S)
+    finally:
+        for s in (sa, sb, sc):
+            await s.aclose()

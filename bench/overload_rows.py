@@ -1,0 +1,50 @@
+"""One markdown row per run of bench/bench_overload.py output (the fourteenth session's
+tables): steady goodput, interactive TTFT p50 / p99, p99 over the invocation's unloaded
+p99 (requests above 2x), engine part p99 (over the unloaded engine p99), the engines' mean
+KV use, the reserve kept and the refill credit (means, picker tokens), the slowest
+interactive request (arrival s, tenant, TTFT, picker wait), worst share error, lost.
+
+    python bench/overload_rows.py <bench_overload.py output>
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def percentile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def main() -> None:
+    rows, base = [], {}
+    for line in Path(sys.argv[1]).read_text().splitlines():
+        if line.startswith('{"run"'):
+            rows.append(json.loads(line))
+        elif line.startswith('{"capacity'):
+            base = json.loads(line)
+    un = base.get("unloaded_ttft_p99", float("nan"))
+    print(f"capacity {base.get('capacity_tok_s', 0):.0f} tok/s, unloaded p99 {un:.3f} s")
+    for r in rows:
+        ttfts = r.get("hi_ttfts", [])
+        above = sum(1 for t in ttfts if t > 2 * un)
+        eng = r.get("hi_engine_s", [])
+        worst = max(r.get("hi_trace", []), key=lambda t: t["ttft"], default=None)
+        slow = (f"{worst['at']:.2f} s {worst['tenant']}: {worst['ttft']:.2f} s "
+                f"(picker {worst.get('wait', 0):.2f})") if worst else "-"  # fmt: skip
+        share = max(abs(v) for v in r["share_error_vs_weight"].values())
+        print(
+            f"| {r['run'].removeprefix('flow control ')} | {r['steady_goodput_vs_capacity']:.3f} "
+            f"| {r['hi_ttft_p50']:.3f} / {r['hi_ttft_p99']:.3f} "
+            f"| {r['hi_ttft_p99'] / un:.2f}x ({above} of {len(ttfts)}) "
+            f"| {percentile(eng, 99):.3f} | {r.get('tl_kv_mean')} "
+            f"| {r.get('tl_reserved_mean')} / {r.get('tl_refill_mean')} | {slow} "
+            f"| {share:.1%} | {r['lost']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

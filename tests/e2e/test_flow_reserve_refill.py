@@ -1,0 +1,107 @@
+"""The reserve for higher bands less the room a server is about to free
+(`flow_control.reserve_refill_s`), behind a real Envoy: `extproc serve` with per-endpoint
+admission and `reserve_for_higher_bands: 1`, two bands (interactive 10, batch 0), a
+token-mode concurrency detector, two simulated vLLM servers.
+
+Interactive's largest request sets the reserve. A long batch request streams on one server
+and short batch requests come and go on the other; then a long interactive request streams
+there. Neither server has the reserve's room free now (each is short of it by a little), but
+the second has been freeing room at a rate that makes up for it within the horizon: a short
+batch request is answered while both long ones still stream (before: held until one ended).
+Once the short ones' ends are out of the window, the next short batch request is held."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from extproc.flowcontrol.refill import WINDOW_S
+from extproc.sim import SERVED_BY_HEADER
+from extproc.stack import Stack
+from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
+from tests.e2e.flow_configs import (
+    HI,
+    LO,
+    long_one,
+    metric_sum,
+    queued,
+    reserve_stack,
+)
+
+SMALL, MEDIUM, BIG = 150, 250, 500  # words of 7 letters: ~300, ~500, ~1000 tokens
+LONG = 2000  # output tokens at 100 tokens/s: ~20 s of streaming
+SHORT = 100  # each server is short of the reserve by this much
+REFILL_S = 1.0
+ENDS = 6  # short requests ended on the second server: ~1,800 tokens, a credit of ~600
+
+
+def body(model: str, seed: int, words: int, max_tokens: int) -> dict:
+    return distinct_chat(model, seed, max_tokens, words=words, stream=True)
+
+
+def estimate(words: int) -> int:
+    return estimated_prompt_tokens(body("m", 0, words, 1))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    cap = estimate(MEDIUM) + estimate(BIG) - SHORT
+    tmp = tmp_path_factory.mktemp("flowrefill")
+    with reserve_stack(tmp, cap, reserve_refill_s=REFILL_S) as s:
+        yield s
+
+
+async def test_a_server_freeing_room_keeps_less_of_the_reserve(stack: Stack):
+    model = stack.fleet.model
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
+        big = await c.post("/v1/chat/completions", json=body(model, 100, BIG, 1), headers=HI)
+        assert big.status_code == 200
+
+        def medium(seed: int) -> dict:
+            return body(model, seed, MEDIUM, LONG)
+
+        lo_at: asyncio.Future[str] = loop.create_future()
+        batch = asyncio.create_task(long_one(c, medium, 200, LO, lo_at))
+        lo_server = await asyncio.wait_for(lo_at, 30)
+        # Short batch requests, one at a time, on the other (less loaded) server; each
+        # once the last has ended there (its in-flight count ends with its access-log
+        # entry: until then the reserve keeps the next one off that server).
+        for i in range(ENDS):
+            req = body(model, 300 + i, SMALL, 1)
+            r = await c.post("/v1/chat/completions", json=req, headers=LO)
+            assert r.status_code == 200 and r.headers[SERVED_BY_HEADER] != lo_server
+            other = r.headers[SERVED_BY_HEADER]
+            for _ in range(100):
+                left = await asyncio.to_thread(
+                    metric_sum, stack, rf'^extproc_inflight_tokens{{endpoint="{other}"}} (\S+)$',
+                    present=False,
+                )  # fmt: skip
+                if not left:
+                    break
+                await asyncio.sleep(0.02)
+        hi_at: asyncio.Future[str] = loop.create_future()
+        interactive = asyncio.create_task(long_one(c, medium, 201, HI, hi_at))
+        assert await asyncio.wait_for(hi_at, 30) != lo_server
+        # Each server has the reserve less SHORT free; the second frees room soon.
+        short = await c.post("/v1/chat/completions", json=body(model, 400, SMALL, 4), headers=LO)
+        assert short.status_code == 200
+        assert not batch.done() and not interactive.done(), "a long request ended too soon"
+        assert metric_sum(stack, r"^extproc_flow_reserve_refill_tokens (\S+)$") > SHORT
+        assert metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$") >= estimate(BIG)
+        # Out of the window, nothing ended there recently: held again.
+        await asyncio.sleep(WINDOW_S + 0.5)
+        late = asyncio.create_task(
+            c.post("/v1/chat/completions", json=body(model, 401, SMALL, 4), headers=LO)
+        )
+        for _ in range(100):
+            if late.done() or await asyncio.to_thread(queued, stack, 0) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert not late.done(), "released with no room freed recently"
+        assert not batch.done() and not interactive.done(), "a long request ended too soon"
+        assert await batch == 200 and await interactive == 200
+        assert (await late).status_code == 200  # released once room came back
