@@ -315,3 +315,34 @@ def test_a_misread_value_does_not_stick() -> None:
     for _ in range(2):
         at = window(cal, at, round(16 * 4000 / 1.3))  # 4,000 characters at 1.3 a token
     assert cal.settings.bytes_per_token == 1
+
+
+def test_a_window_closes_on_eight_counted_requests_not_on_the_totals() -> None:
+    # Calibrated at 1 (the engine's ~1.3 characters a token), under load: 16 requests placed,
+    # the engine admitted 6 (18,462 tokens, past 16,000). Closed there, the window fell back
+    # to the totals (18,462 against our 64,000: 3.5 characters a token) and two such windows
+    # changed the value (seen as 0.54x in a pooled run). It waits for 8 counted.
+    cal = Calibration(ParseSettings(bytes_per_token=1))
+    req = cal("/v1/completions", {}, BODY)
+    cal.observe("a:1", None, 0, (0.0, 0.0))
+    for _ in range(16):
+        cal.placed("a:1", req)
+    cal.observe("a:1", None, round(6 * 4000 / 1.3), (6 * 4000 / 1.3, 6.0))
+    assert "a:1" not in cal.stats.ratios
+    # 10 counted: it closes, the engine's 10 against the first 10 placed.
+    cal.observe("a:1", None, round(10 * 4000 / 1.3), (10 * 4000 / 1.3, 10.0))
+    assert abs(cal.stats.ratios["a:1"] - 1 / 1.3) < 0.01 and cal.settings.bytes_per_token == 1
+
+
+def test_a_peers_placement_counted_before_it_arrived_is_paired_when_it_does() -> None:
+    # The engine counted 9 requests; 8 placements are here, the peer's 9th is still on the
+    # batched channel. The window waits for it rather than compare 9 with 8.
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    cal.observe("a:1", None, 0, (0.0, 0.0))
+    for _ in range(8):
+        cal.peer_placed("a:1", 1000, 4)
+    cal.observe("a:1", None, 18_000, (18_000.0, 9.0))
+    assert "a:1" not in cal.stats.ratios
+    cal.peer_placed("a:1", 1000, 4)
+    cal.observe("a:1", None, 18_000, (18_000.0, 9.0))
+    assert cal.stats.ratios["a:1"] == 2.0
