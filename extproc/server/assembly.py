@@ -166,6 +166,9 @@ class Parts:
         self.shared_sessions = self._share_sessions()
         self.shared_observations = self._share_observations()
         self.shared_placements = self._share_placements()
+        # What `state.shared_calibration: auto` decided, logged once the ports are bound
+        # (a picker that cannot start says one line).
+        self.calibration_pooling: str | None = None
         self.shared_calibration = self._share_calibration()
         self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
@@ -306,12 +309,12 @@ class Parts:
         elif url is None:
             why = "Redis Cluster" if idx.cluster else "no Redis index"
         else:
-            log.info(
+            self.calibration_pooling = (
                 "state.shared_calibration auto: on (Redis index): replicas pool approximate "
                 "mode's calibration"
             )
             return self._pool_calibration(url)
-        log.info("state.shared_calibration auto: off (%s)", why)
+        self.calibration_pooling = f"state.shared_calibration auto: off ({why})"
         return None
 
     def _pool_calibration(self, url: str):
