@@ -307,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         help="approximate, precise, precise-events-only (no placement corrections); "
         "approximate on a fresh Redis: redis1 (1 replica), redis3 (3 replicas), "
         "redis3-shared (3 replicas, state.shared_placements), redis3-cal (3 replicas, "
-        "state.shared_calibration); a redis mode + '-drained': predicted-ttft-scorer's "
+        "state.shared_calibration: true), redis3-unpooled (3 replicas, "
+        "state.shared_calibration: false: the default before the fourteenth session, auto "
+        "now pools with a Redis index); a redis mode + '-drained': predicted-ttft-scorer's "
         "peerInflight: drained (the default); + '-whole': its peerInflight: whole (the "
         "default before); + '-sharedlane': its peerInflight: sharedLane (the peers' drain "
         "behind the replica's own in-flight tokens); + '-lane': its inflightFloor: drained; "
@@ -370,12 +372,17 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["state"] = {**cfg.get("state", {}), "shared_placements": True}
                 if base == "redis3-cal":
                     cfg["state"] = {**cfg.get("state", {}), "shared_calibration": True}
+                if base == "redis3-unpooled":
+                    cfg["state"] = {**cfg.get("state", {}), "shared_calibration": False}
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
                     cfg[k] = {**cfg.get(k, {}), **v}
                 path = log_dir / f"{named}.yaml"
                 path.write_text(yaml.safe_dump(cfg))
                 ex = contextlib.ExitStack()
-                replicas = {"redis1": 1, "redis3": 3, "redis3-shared": 3, "redis3-cal": 3}.get(base)
+                replicas = {
+                    "redis1": 1, "redis3": 3, "redis3-shared": 3, "redis3-cal": 3,
+                    "redis3-unpooled": 3,
+                }.get(base)  # fmt: skip
                 names = ["extproc", *(f"extproc-{i}" for i in range(1, replicas or 1))]
                 log_at = {n: _size(log_dir / f"{n}.log") for n in names}
                 redis_url = ex.enter_context(redis_server(log_dir)) if replicas else None

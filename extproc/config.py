@@ -190,7 +190,10 @@ class IndexSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokens per estimated token, which sizes what the index credits each server with) is
     first measured, measure it at every decision and trust it from this many estimated
     tokens placed (and 4 requests finished and placed) instead of 20,000 every 32
-    decisions (`index/capacity.py`); opt-in (bench/RESULTS.md, issue 14, twelfth session).
+    decisions (`index/capacity.py`); opt-in on one replica (bench/RESULTS.md, issue 14,
+    twelfth and thirteenth sessions). With `state.shared_calibration` pooling peers'
+    placements the first measurement comes early from 4,000 tokens anyway (this setting, when
+    set, gives the threshold).
     """
 
     backend: Literal["memory", "redis"] = "memory"
@@ -227,7 +230,11 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     runs it made the replicas agree but TTFT p90 was not better (bench/RESULTS.md, issue 14).
     `shared_calibration`: with a Redis index, replicas pool approximate mode's calibration
     (every replica's placements in every replica's windows, confirmed bytes-per-token adopted
-    by the peers, a starting replica reads the fleet's value: `server/shared_calibration.py`).
+    by the peers, a starting replica reads the fleet's value: `server/shared_calibration.py`;
+    the KV-capacity model then measures its first ratio early, as `index.capacity_first_tokens`
+    4,000 would). `auto` (default): on whenever the index is a non-Cluster Redis index and
+    calibration is on, off otherwise, said in a log line at start; `true` / `false` force it
+    (bench/RESULTS.md, issue 14, fourteenth session).
     `prefill_speed`: how the engines' prefill histograms become each endpoint's prefill
     speed (`endpoints/prefill_speed.py`): `busy` (tokens per second the engine was busy
     prefilling) or `request` (per second of each request's prefill, where prefills sharing
@@ -239,7 +246,7 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
     shared_observations: bool = False
     shared_placements: bool = False
-    shared_calibration: bool = False
+    shared_calibration: bool | Literal["auto"] = "auto"
     exclude_failing: bool = True
     request_end: RequestEndSettings = msgspec.field(default_factory=RequestEndSettings)
     # GPU utilization from each endpoint host's DCGM exporter (None: not polled); turned on

@@ -43,6 +43,9 @@ _MIN_TOKENS = 20_000
 # With `first_min_tokens`: requests the engines finished, and requests placed, in the first
 # per-request measurement (a mean over fewer is one prompt's size).
 _FIRST_MIN_REQUESTS = 4
+# Estimated tokens of the early first measurement once peers' placements are pooled here
+# (`peer_placed`), when `first_min_tokens` is not set.
+_POOLED_FIRST_TOKENS = 4_000
 # Recompute capacities every this many decisions (cheap, but not per request).
 _EVERY = 32
 
@@ -73,10 +76,15 @@ class CapacityModel:
         4 requests finished and placed) instead of 20,000 every 32 decisions: three replicas
         each reached 20,000 of their own only after 3-4 s, and meanwhile the 1.0 prior
         credited each server with ~3x its cache while the estimates were uncalibrated
-        (bench/RESULTS.md, issue 14, twelfth session)."""
+        (bench/RESULTS.md, issue 14, twelfth session). Once a peer replica's placement has
+        been pooled here (`peer_placed`) the first measurement is early anyway, from
+        `first_min_tokens` or 4,000: with three replicas the 1.0 prior held for 3-4 s, a
+        lone replica's first measurement stays where it was (early on one replica lost
+        in the thirteenth session)."""
         self._set = set_capacity
         self._scraped = scraped
         self._first_min = first_min_tokens
+        self._pooled = False  # a peer's placement was counted here
         self._sent: dict[str, int] = {}
         self._placed: dict[str, int] = {}  # estimated prompt tokens placed, per endpoint
         self._requests: dict[str, int] = {}  # requests placed, per endpoint
@@ -109,8 +117,22 @@ class CapacityModel:
         next recompute (every 32 of one replica's own decisions took 4 s at a third of 24
         req/s: the first measurement came after calibration even when pooled)."""
         self.placed_tokens(address, tokens)
+        if not self._pooled:
+            self._pooled = True
+            log.info(
+                "capacity: peers' placements pooled; the first ratio is measured from %d "
+                "estimated tokens",
+                self._early_tokens,
+            )
         if self._since is not None:
             self._since += 1
+
+    @property
+    def _early_tokens(self) -> int | None:
+        """Estimated tokens the first measurement needs when early (None: not early)."""
+        if self._first_min is not None:
+            return self._first_min
+        return _POOLED_FIRST_TOKENS if self._pooled else None
 
     def units_changed(self, factor: float) -> None:
         """Every token estimate from now on is `factor` times what it was for the same prompt
@@ -135,7 +157,7 @@ class CapacityModel:
         log.info("capacity ratio carried over to new token estimates: %.3f", self.ratio)
 
     def update(self, request: InferenceRequest, cands: Sequence[Candidate]) -> None:
-        early = self._first_min is not None and not self.stats.measured
+        early = self._early_tokens is not None and not self.stats.measured
         if self._since is not None and not early:
             self._since += 1
             if self._since < _EVERY:
@@ -185,11 +207,10 @@ class CapacityModel:
                 est_pr += placed - base[1]
                 served += engine_n - base[2]
                 ours += n - base[4]
-        first = self._first_min is not None and not self.stats.measured
+        first_min = self._early_tokens if not self.stats.measured else None
         if (
-            first
-            and self._first_min is not None
-            and est_pr >= self._first_min
+            first_min is not None
+            and est_pr >= first_min
             and real_pr > 0
             and min(served, ours) >= _FIRST_MIN_REQUESTS
         ):

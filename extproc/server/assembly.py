@@ -166,6 +166,9 @@ class Parts:
         self.shared_sessions = self._share_sessions()
         self.shared_observations = self._share_observations()
         self.shared_placements = self._share_placements()
+        # What `state.shared_calibration: auto` decided, logged once the ports are bound
+        # (a picker that cannot start says one line).
+        self.calibration_pooling: str | None = None
         self.shared_calibration = self._share_calibration()
         self.admission = self._build_admission()
         self.subscriber = self._build_subscriber()
@@ -279,7 +282,10 @@ class Parts:
 
     def _share_calibration(self):
         """Replicas sharing a Redis index pool approximate mode's calibration (Redis pub/sub
-        and one key)."""
+        and one key). `auto` (the default): on where it can be, said in a log line either
+        way."""
+        if self.settings.state.shared_calibration == "auto":
+            return self._share_calibration_auto()
         url = self._shared_redis(
             "shared_calibration",
             "calibration is not shared on Redis Cluster: each replica calibrates from "
@@ -293,6 +299,25 @@ class Parts:
                 "precise keys): nothing is shared"
             )
             return None
+        return self._pool_calibration(url)
+
+    def _share_calibration_auto(self):
+        idx = self.settings.index
+        url = idx.redis_url if idx.backend == "redis" and not idx.cluster else None
+        if not self.calibration.enabled:
+            why = "calibration is off (parse.calibrate false or precise keys)"
+        elif url is None:
+            why = "Redis Cluster" if idx.cluster else "no Redis index"
+        else:
+            self.calibration_pooling = (
+                "state.shared_calibration auto: on (Redis index): replicas pool approximate "
+                "mode's calibration"
+            )
+            return self._pool_calibration(url)
+        self.calibration_pooling = f"state.shared_calibration auto: off ({why})"
+        return None
+
+    def _pool_calibration(self, url: str):
         from extproc.server.shared_calibration import SharedCalibration
 
         self.calibration.on_peer_placed.append(self.router.peer_placed)

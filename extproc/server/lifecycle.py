@@ -294,6 +294,8 @@ class Lifecycle(Parts):
         self._bound = True
         await self.health.set_ready(self.ready())
         self.signals.announce()
+        if self.calibration_pooling is not None:
+            log.info(self.calibration_pooling)
         for what in self.settings.degraded:
             log.warning("degraded: %s", what, extra={"degraded": what})
         log.info(

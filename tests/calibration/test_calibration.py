@@ -271,3 +271,78 @@ def test_a_change_puts_the_open_windows_in_the_new_unit() -> None:
     assert cal.settings.bytes_per_token == 1
     cal.observe("b:1", None, 16 * 4000)
     assert cal.stats.windows_skipped == 0 and cal.stats.ratios["b:1"] == 1.0
+
+
+def lagging_engine(cal: Calibration, *, lag: int, windows: int, chars_per_token: float) -> None:
+    """The misreading case (issue 14, fourteenth session), constructed: three replicas pool
+    their placements on a:1 (peer_placed, 8 a window), prompts grow by 400 characters each
+    (conversations getting longer), and the engine under load counts each request `lag`
+    placements after it was placed (it counts at admission, behind a queue)."""
+    chars = [4000 + 400 * i for i in range(8 * windows)]
+    counted = 0
+    sums = (0.0, 0.0)
+    cal.observe("a:1", None, 0, sums)
+    for k in range(windows):
+        for c in chars[8 * k : 8 * k + 8]:
+            cal.peer_placed("a:1", round(c / 4), 4)  # the peers estimate at 4 bytes a token
+        upto = max(0, 8 * k + 8 - lag)
+        tokens = sum(round(c / chars_per_token) for c in chars[counted:upto])
+        counted, sums = upto, (sums[0] + tokens, float(upto))
+        cal.observe("a:1", None, int(sums[0]), sums)
+
+
+def test_a_window_pairs_the_engines_counted_requests_with_the_same_placements() -> None:
+    # The simulator's ~1.3 characters a token, the engine 8 requests behind. Comparing the
+    # window's means (the 8 counted against the 8 placed, the placed ones longer) read ~2
+    # characters a token twice: 2 was confirmed, the fleet adopted it and the hysteresis of
+    # 0.75 kept it (|1.3 - 2| < 0.75). Paired, each window compares the same requests: 1.
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    lagging_engine(cal, lag=8, windows=4, chars_per_token=1.3)
+    assert cal.stats.windows_skipped == 0 and cal.settings.bytes_per_token == 1
+    assert abs(cal.stats.ratios["a:1"] - 1.0 / 1.3) < 0.01  # measured again at 1
+    # Without a lag both ways agree.
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    lagging_engine(cal, lag=0, windows=4, chars_per_token=1.3)
+    assert cal.settings.bytes_per_token == 1
+
+
+def test_a_misread_value_does_not_stick() -> None:
+    # Learned 2 where the engine's tokenizer is ~1.3: the old hysteresis (0.75) kept 2 for
+    # good; the new one (0.6) proposes 1 and two windows confirm it.
+    cal = Calibration(ParseSettings(bytes_per_token=2))
+    cal.observe("a:1", None, 0)
+    at = 0
+    for _ in range(2):
+        at = window(cal, at, round(16 * 4000 / 1.3))  # 4,000 characters at 1.3 a token
+    assert cal.settings.bytes_per_token == 1
+
+
+def test_a_window_closes_on_eight_counted_requests_not_on_the_totals() -> None:
+    # Calibrated at 1 (the engine's ~1.3 characters a token), under load: 16 requests placed,
+    # the engine admitted 6 (18,462 tokens, past 16,000). Closed there, the window fell back
+    # to the totals (18,462 against our 64,000: 3.5 characters a token) and two such windows
+    # changed the value (seen as 0.54x in a pooled run). It waits for 8 counted.
+    cal = Calibration(ParseSettings(bytes_per_token=1))
+    req = cal("/v1/completions", {}, BODY)
+    cal.observe("a:1", None, 0, (0.0, 0.0))
+    for _ in range(16):
+        cal.placed("a:1", req)
+    cal.observe("a:1", None, round(6 * 4000 / 1.3), (6 * 4000 / 1.3, 6.0))
+    assert "a:1" not in cal.stats.ratios
+    # 10 counted: it closes, the engine's 10 against the first 10 placed.
+    cal.observe("a:1", None, round(10 * 4000 / 1.3), (10 * 4000 / 1.3, 10.0))
+    assert abs(cal.stats.ratios["a:1"] - 1 / 1.3) < 0.01 and cal.settings.bytes_per_token == 1
+
+
+def test_a_peers_placement_counted_before_it_arrived_is_paired_when_it_does() -> None:
+    # The engine counted 9 requests; 8 placements are here, the peer's 9th is still on the
+    # batched channel. The window waits for it rather than compare 9 with 8.
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    cal.observe("a:1", None, 0, (0.0, 0.0))
+    for _ in range(8):
+        cal.peer_placed("a:1", 1000, 4)
+    cal.observe("a:1", None, 18_000, (18_000.0, 9.0))
+    assert "a:1" not in cal.stats.ratios
+    cal.peer_placed("a:1", 1000, 4)
+    cal.observe("a:1", None, 18_000, (18_000.0, 9.0))
+    assert cal.stats.ratios["a:1"] == 2.0

@@ -14,10 +14,10 @@ One server, so every replica places on the same engine; the filler goes in small
 until every replica has changed, or fails after a bound far above what one replica needs.
 
 A fourth replica runs beside them, sharing the Redis but not behind Envoy: it places
-nothing. With `state.shared_calibration` (server/shared_calibration.py) the others'
-placements fill its windows and their confirmed value reaches it, and a fifth started after
-the fleet calibrated reads the fleet's value from Redis; without, the idle one keeps its
-configured value."""
+nothing. With `state.shared_calibration` (server/shared_calibration.py; on by default with
+a Redis index: `auto`) the others' placements fill its windows and their confirmed value
+reaches it, and a fifth started after the fleet calibrated reads the fleet's value from
+Redis; with `shared_calibration: false`, the idle one keeps its configured value."""
 
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ def test_every_replica_learns_characters_per_token_from_its_share_of_requests(
     tmp_path, redis_server: RedisServer, shared: bool
 ):
     cfg = tmp_path / "picker.yaml"
-    cfg.write_text(PARSE + ("state: {shared_calibration: true}\n" if shared else ""))
+    # Shared: the default (auto, with this Redis index); own: turned off.
+    cfg.write_text(PARSE + ("" if shared else "state: {shared_calibration: false}\n"))
     opts = StackOptions(
         upstreams=1,
         sim_args=SIM,
@@ -128,6 +129,7 @@ def test_every_replica_learns_characters_per_token_from_its_share_of_requests(
     assert not idle["decisions_total"], why  # placed nothing itself
     if not shared:
         assert idle["approx_bytes_per_token"] == 3, why
+        assert idle["shared_calibration_applied_total"] is None, why  # not pooling at all
         return
     # The idle replica calibrated from the others' placements (or adopted their value).
     assert (

@@ -203,3 +203,29 @@ def test_first_min_tokens_waits_for_four_finished_requests():
     state["a"] = Scrape(4 * 2400, LatencyTotals(prompt_sum=4 * 2400.0, prompt_count=4))
     model.update(req(100), cands)
     assert abs(model.ratio - 3.0) < 1e-9
+
+
+def test_a_peers_pooled_placement_makes_the_first_measurement_early():
+    # Three replicas pooling calibration (the default with a Redis index): 2 of this
+    # replica's placements and 3 of its peers' (800 estimated tokens each, 2,400 real), 5
+    # requests the engine counted. At 4,000 estimated tokens the next decision measures 3.0
+    # (without first_min_tokens); a lone replica with the same placements of its own keeps
+    # the 1.0 prior until 20,000 (early on one replica lost: thirteenth session).
+    def run(peers: int) -> CapacityModel:
+        state = {"a": Scrape(0, LatencyTotals())}
+        model = CapacityModel({}.__setitem__, lambda addr: state[addr])
+        cands = [Candidate(Endpoint("a"), EndpointState(kv_blocks=400, kv_block_size=16))]
+        model.update(req(100), cands)  # the base
+        for _ in range(5 - peers):
+            model.placed("a", req(800))
+            model.update(req(800), cands)
+        for _ in range(peers):
+            model.peer_placed("a", 800)
+        state["a"] = Scrape(5 * 2400, LatencyTotals(prompt_sum=5 * 2400.0, prompt_count=5))
+        model.update(req(100), cands)
+        return model
+
+    pooled = run(3)
+    assert abs(pooled.ratio - 3.0) < 1e-9 and pooled.stats.measured == {"per_request": 1}
+    alone = run(0)
+    assert alone.ratio == 1.0 and not alone.stats.measured

@@ -76,3 +76,18 @@ async def test_sharing_asked_for_without_a_redis_index_is_said(
     assert any("shared_placements needs a Redis index" in m for m in warned), warned
     assert any("shared_observations needs a Redis index" in m for m in warned), warned
     assert any("shared_calibration needs a Redis index" in m for m in warned), warned
+
+
+async def test_calibration_pooling_by_default_says_why_it_is_off_without_a_redis_index(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+):
+    # `state.shared_calibration: auto` (the default): on with a Redis index (tests/e2e
+    # test_replica_calibration.py), off here, said at INFO, no warning.
+    caplog.set_level(logging.INFO, logger="extproc.server")
+    assert settings.state.shared_calibration == "auto"
+    async with App(settings, parse_endpoints(",".join(settings.endpoints))) as app:
+        assert app.shared_calibration is None
+    said = [r for r in caplog.records if "shared_calibration" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in said] == [
+        (logging.INFO, "state.shared_calibration auto: off (no Redis index)")
+    ]
