@@ -37,6 +37,7 @@ from extproc.scheduling.plugins.latency import (
     SloHeadroomTierFilter,
 )
 from extproc.scheduling.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
+from extproc.scheduling.plugins.placements import PlacementMemoryScorer
 from extproc.scheduling.plugins.prefix import (
     NoHitLRUScorer,
     PrefixCacheAffinityFilter,
@@ -66,6 +67,7 @@ BUILTINS: tuple[type, ...] = (
     PrefixCacheScorer,
     PrefixCacheAffinityFilter,
     NoHitLRUScorer,
+    PlacementMemoryScorer,
     PredictedTTFTScorer,
     BoundedLoadFilter,
     BoundedSessionsFilter,
