@@ -134,15 +134,9 @@ POLICIES: dict[str, dict] = {
         "redis": True,
         "extproc_args": ("--config", "@FIRST"),
     },
-    # Issue 14, fourteenth session: tenants kept home (placement-memory-scorer, chats not
-    # bounded as new sessions), and with it the floor until first token.
-    "extproc approximate, placement memory": {"extproc_args": ("--config", "@MEMORY")},
-    "extproc approximate, placement memory, floor until first token": {
-        "extproc_args": ("--config", "@MEMORY_FIRST")
-    },
-    # ... and the holder's queue without the in-flight floor (its virtual queue alone): the
-    # spills off a tenant's holder were decided on the floor (0.4-0.6 s against a real
-    # backlog of 0-0.4 s).
+    # Issue 14, fourteenth session: the holder's queue without the in-flight floor (its
+    # virtual queue alone): the spills off a tenant's holder at the knee were decided on the
+    # floor (0.4-0.6 s against a real backlog of 0-0.4 s).
     "extproc approximate, floor drained": {"extproc_args": ("--config", "@DRAINED")},
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
@@ -337,21 +331,6 @@ def _default_profile_with_all(parameters: dict[str, dict]) -> str:
     return yaml.safe_dump({"scheduling": strip(doc)}, sort_keys=False)
 
 
-def _default_profile_plus(plugin: str, weight: float, parameters: dict[str, dict]) -> str:
-    """`_default_profile_with_all(parameters)` with scorer `plugin` added at `weight`."""
-    doc = yaml.safe_load(_default_profile_with_all(parameters))
-    sched = doc["scheduling"]
-    sched["plugins"].insert(-1, {"type": plugin})
-    sched["schedulingProfiles"][0]["plugins"].insert(-1, {"pluginRef": plugin, "weight": weight})
-    return yaml.safe_dump(doc, sort_keys=False)
-
-
-# Issue 14, fourteenth session: tenants kept on one server, as sglang-router keeps them (a
-# tenant the index forgot everywhere goes back where it lived; chat conversations on a
-# tenant prompt not bounded as new sessions).
-_KEEP = {"bounded-sessions-filter": {"keepTogetherGrowth": 0.5}}
-_FLOOR = {"predicted-ttft-scorer": {"inflightFloor": "untilFirstToken"}}
-
 CONFIGS = {
     "@PREVIOUS": PREVIOUS_DEFAULT,
     "@FIRST": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "untilFirstToken"}),
@@ -359,8 +338,6 @@ CONFIGS = {
     "@SHARED_PREFILL": "state: {shared_observations: true}\nindex: {lookup_budget: prefill}\n",
     "@PLACEMENTS": "state: {shared_placements: true}\n",
     "@DRAINED": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "drained"}),
-    "@MEMORY": _default_profile_plus("placement-memory-scorer", 4.0, _KEEP),
-    "@MEMORY_FIRST": _default_profile_plus("placement-memory-scorer", 4.0, _KEEP | _FLOOR),
 }
 
 

@@ -37,7 +37,6 @@ from extproc.scheduling.plugins.latency import (
     SloHeadroomTierFilter,
 )
 from extproc.scheduling.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
-from extproc.scheduling.plugins.placements import PlacementMemoryScorer
 from extproc.scheduling.plugins.prefix import (
     NoHitLRUScorer,
     PrefixCacheAffinityFilter,
@@ -67,7 +66,6 @@ BUILTINS: tuple[type, ...] = (
     PrefixCacheScorer,
     PrefixCacheAffinityFilter,
     NoHitLRUScorer,
-    PlacementMemoryScorer,
     PredictedTTFTScorer,
     BoundedLoadFilter,
     BoundedSessionsFilter,

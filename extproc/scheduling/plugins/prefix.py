@@ -7,7 +7,7 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -17,28 +17,6 @@ if TYPE_CHECKING:
     from extproc.scheduling.plugins.latency import PredictedLatencyProducer
 
 _Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-
-
-def is_new(cands: Sequence[Candidate]) -> bool:
-    """A request is new when no endpoint holds more of it than most endpoints do: a prefix
-    every server holds (a chat-template header, a shared first block) says nothing about
-    where this request belongs; the part that distinguishes it decides. "Most" is a strict
-    majority: with two endpoints, one holder of two is this request's own prefix (`>=` made
-    it new, and the LRU pull sent about half the warm requests of a two-server fleet to the
-    server without their prefix)."""
-    best = max((c.prefix_blocks for c in cands), default=0.0)
-    if best <= 0:
-        return True
-    holders = sum(1 for c in cands if c.prefix_blocks >= best)
-    return len(cands) > 1 and holders * 2 > len(cands)
-
-
-@runtime_checkable
-class SendsBack(Protocol):
-    """A plugin that knows where a request the index sees as new lived before
-    (`placement-memory-scorer`): such a request is not a new prefix to spread."""
-
-    def sends_back(self, req: InferenceRequest, cands: Sequence[Candidate]) -> bool: ...
 
 
 def prefix_fraction(req: InferenceRequest, c: Candidate) -> float:
@@ -210,19 +188,23 @@ class NoHitLRUScorer:
         # Told of each cold pick made here (replicas publish it: with an LRU of its own, each
         # replica spread only its third of the new prefixes, and their first picks collided).
         self.on_pick: Callable[[str], None] | None = None
-        self._memory: SendsBack | None = None
 
-    def bind(self, plugins: Mapping[str, object]) -> None:
-        self._memory = next((p for p in plugins.values() if isinstance(p, SendsBack)), None)
-
-    def _is_cold(self, req: InferenceRequest, cands: Sequence[Candidate]) -> bool:
-        """New (`is_new`), and not sent back where it lived by a placement memory."""
-        if not is_new(cands):
-            return False
-        return self._memory is None or not self._memory.sends_back(req, cands)
+    @staticmethod
+    def _is_cold(cands: Sequence[Candidate]) -> bool:
+        """A request is new when no endpoint holds more of it than most endpoints do: a
+        prefix every server holds (a chat-template header, a shared first block) says
+        nothing about where this request belongs; the part that distinguishes it decides.
+        "Most" is a strict majority: with two endpoints, one holder of two is this
+        request's own prefix (`>=` made it cold, and the LRU pull sent about half the warm
+        requests of a two-server fleet to the server without their prefix)."""
+        best = max((c.prefix_blocks for c in cands), default=0.0)
+        if best <= 0:
+            return True
+        holders = sum(1 for c in cands if c.prefix_blocks >= best)
+        return len(cands) > 1 and holders * 2 > len(cands)
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
-        if not self._is_cold(req, cands):
+        if not self._is_cold(cands):
             return [1.0] * len(cands)
         recent = self._recent
         never = [c.endpoint.address not in recent for c in cands]
@@ -243,7 +225,7 @@ class NoHitLRUScorer:
     def observe(
         self, req: InferenceRequest, cands: Sequence[Candidate], decision: Decision
     ) -> None:
-        if not decision.endpoints or not self._is_cold(req, cands):
+        if not decision.endpoints or not self._is_cold(cands):
             return
         addr = decision.primary.address
         self.picked(addr)
