@@ -35,10 +35,12 @@ from bench_routing import (
     PRESSURE_SHAPE,
     _default_profile_with_all,
     redis_server,
+    sglang_router,
     stretched,
     tenants_spec,
 )
 from lanes import lane_clock, lane_delta, lane_line  # bench/lanes.py
+from sglang_peer import install_sglang  # bench/sglang_peer.py
 
 from extproc.protocol import DECISION_HEADER, EXPLAIN_HEADER
 from extproc.sim import SERVED_BY_HEADER, TIMING_HEADER
@@ -298,6 +300,34 @@ def _calibration_line(rows: list[dict], changes: dict[str, list[dict]]) -> str:
     return f"decided uncalibrated: {len(late)}{last} | bytes per token changed: {per}"
 
 
+def _trace_sglang(fleet: SimFleet, venv: Path, log_dir: Path, args, load: float, rnd: int) -> str:
+    """One run through sglang-router cache_aware on the same fleet: the same rows, without
+    a decision (the engine's served endpoint and cached tokens are what it is judged by)."""
+    with sglang_router(fleet, venv, log_dir) as url:
+        urls = [srv.url for srv in fleet.servers]
+        lanes0 = lane_clock(urls)
+        if args.workload == "agentic":
+            rows = asyncio.run(_agentic(url, int(load), args.seed, args.time_scale))
+        else:
+            rows = asyncio.run(_tenants(url, load, args.seed, args.time_scale))
+        lanes = lane_delta(lanes0, lane_clock(urls))
+    out = args.out / f"{args.workload}-sglang-{rnd}.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ok = [r for r in rows if r.get("status") == 200]
+    ttft = sorted(r["ttft_s"] for r in ok if "ttft_s" in r)
+    prompt = sum(r.get("prompt_tokens", 0) for r in ok)
+    cached = sum(r.get("cached_tokens", 0) for r in ok)
+    spread: dict[str, int] = {}
+    for r in ok:
+        spread[r["served_by"]] = spread.get(r["served_by"], 0) + 1
+    p90 = ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else float("nan")
+    return (
+        f"{'sglang':<12} ok {len(ok)}/{len(rows)} hit {cached / max(prompt, 1):.1%} "
+        f"TTFT p90 {p90:.3f} | spread "
+        f"{'/'.join(str(n) for n in sorted(spread.values(), reverse=True))}\n  {lane_line(lanes)}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=("agentic", "tenants"), default="agentic")
@@ -318,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         "both; any mode + '-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
-        "index.capacity_first_tokens: 4000",
+        "index.capacity_first_tokens: 4000; 'sglang': sglang-router cache_aware on the same "
+        "fleet (no decisions: where each request went and what it hit)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -340,8 +371,18 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = args.logs or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         with SimFleet(servers, sim_args, log_dir=log_dir) as fleet:
+            sglang_venv = None
             for rnd, named in ((r, m) for r in range(args.rounds) for m in args.modes):
                 fleet.reset()
+                if named == "sglang":
+                    if sglang_venv is None:
+                        sglang_venv, version = install_sglang(Path(tmp))
+                        print(f"sglang-router {version}", flush=True)
+                        if sglang_venv is None:
+                            continue
+                    lines.append(_trace_sglang(fleet, sglang_venv, log_dir, args, load, rnd))
+                    print(lines[-1], flush=True)
+                    continue
                 cfg: dict = {"server": {"explain_tokens": [TOKEN]}}
                 mode = named.removesuffix("-request")
                 if named != mode:
