@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,12 @@ from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
 
 log = logging.getLogger("extproc.flowcontrol")
+
+# A peer's rate of room freed on one server above this (tokens per second) is not a server's
+# (a forged or corrupt entry): its rates are dropped and it is not counted as a peer, as an
+# undecodable entry. Unbounded, one such rate would let every replica's reserve be credited
+# away.
+_MAX_FREED_RATE = 10_000_000.0
 
 _EXCHANGE = """
 local t = redis.call('TIME')
@@ -171,7 +178,7 @@ class SharedFlowState:
                     placed.setdefault(a, []).extend(items)
                 rates = _mapping(rest[2] if refill is not None and len(rest) > 2 else {})
                 for a, r in rates.items():
-                    freed[str(a)] = freed.get(str(a), 0.0) + max(0.0, float(r))
+                    freed[str(a)] = freed.get(str(a), 0.0) + _freed_rate(r)
             except (ValueError, TypeError, AttributeError):  # msgspec.DecodeError is a ValueError
                 continue  # a foreign or corrupt entry must not stop flow control
             peers += 1
@@ -211,6 +218,13 @@ class SharedFlowState:
         except (RedisError, OSError, TimeoutError) as exc:
             log.info("flow control: could not withdraw shared state (%r); its TTL will", exc)
         await close(self._client, "flow control", self._abandoned)
+
+
+def _freed_rate(value: Any) -> float:
+    rate = float(value)
+    if not (math.isfinite(rate) and 0.0 <= rate <= _MAX_FREED_RATE):
+        raise ValueError(f"implausible freed rate {value!r}")
+    return rate
 
 
 def _mapping(value: Any) -> dict:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from msgspec import msgpack
+from redis.asyncio import Redis
+
 from extproc.flowcontrol.shared import SharedFlowState
 from tests.flowcontrol.test_controller import make, place, req, settle, start
 from tests.redis_servers import RedisServer
@@ -240,6 +243,17 @@ async def test_the_room_peers_free_counts_toward_the_reserve_and_degrades(
         assert b.refill.credit("B") == int((900 + 300) / WINDOW_S)
         assert a.refill.credit("B") == int((900 + 300) / WINDOW_S)
         assert b.refill.credit("A") == 0
+        # A forged entry (a rate no server frees, or not a number): its rates are dropped,
+        # they must not credit the reserve away.
+        raw = Redis.from_url(redis_server.url)
+        far = 2**52
+        for bad in (1e30, float("inf"), float("nan"), -5.0, "x"):
+            forged = msgpack.encode([far, False, {}, 0, 0, {}, {}, {"B": bad}])
+            await raw.hset("{t7}:flow", "forged", forged)
+            await sb.exchange()
+            assert b.refill.peer_rates == {"B": 900 / WINDOW_S}, bad
+        await raw.hdel("{t7}:flow", "forged")
+        await raw.aclose()
         redis_server.kill()
         await sb.exchange()
         assert sb.degraded and b.refill.peer_rates == {}
