@@ -5,7 +5,7 @@ when a short interactive request arrives:
 
 - the simulator's default (vLLM's: `--long-prefill-token-threshold 0`): the long prompt's
   chunks take every step until its last, so the interactive request's first token comes
-  after the batch one's, its priority notwithstanding;
+  no earlier than that last step (which it shares), its priority notwithstanding;
 - `--long-prefill-token-threshold 256`: the step after the one under way has room for it,
   so its first token comes first (and well before the long prompt's would have alone).
 """
@@ -72,7 +72,9 @@ def test_an_interactive_request_during_a_long_batch_prefill(stack):
     done["interactive"] = first_token(s, "What is the answer?", "interactive", t0)
     batch.join()
     if threshold == 0:
-        assert done["batch"] <= done["interactive"], done
+        # Not before the long prompt's last step, which both share: the client may read
+        # either first token first (CI: batch 2.3318 s, interactive 2.3307 s).
+        assert done["batch"] <= done["interactive"] + 0.25 * STEP_S, done
         assert done["interactive"] > 0.8 * ALONE_S, done  # it waited out the long prefill
     else:
         assert done["interactive"] < done["batch"], done
