@@ -172,6 +172,17 @@ async def inflight_ended(stack: Stack, tries: int = 100) -> None:
         await asyncio.sleep(0.05)
 
 
+async def held_or_done(
+    stack: Stack, task: asyncio.Task[Any], tries: int = 100, every_s: float = 0.05
+) -> None:
+    """Returns once `task` (a lower-band request) has ended or the picker holds one band-0
+    request, polling `tries` times `every_s` apart; the caller asserts which."""
+    for _ in range(tries):
+        if task.done() or await asyncio.to_thread(queued, stack, 0) == 1:
+            return
+        await asyncio.sleep(every_s)
+
+
 def queued(stack: Stack, priority: int | None = None) -> float:
     """Requests waiting in the picker's flow-control queues now: every band's and flow's, or
     only band `priority`'s."""

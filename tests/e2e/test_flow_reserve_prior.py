@@ -23,6 +23,7 @@ import yaml
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat
+from tests.e2e.flow_configs import held_or_done, queued
 
 CONFIG = {
     "parse": {"block_tokens": 16, "bytes_per_token": 4, "calibrate": False},
@@ -68,12 +69,6 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         yield s
 
 
-def queued(stack: Stack, priority: int) -> float:
-    text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
-    pat = rf'^extproc_flow_queue_requests{{[^}}]*priority="{priority}"[^}}]*}} (\S+)$'
-    return sum(float(m) for m in re.findall(pat, text, re.M))
-
-
 def body(model: str, seed: int, max_tokens: int) -> dict:
     return distinct_chat(model, seed, max_tokens)
 
@@ -99,10 +94,7 @@ async def test_batch_leaves_a_server_for_interactive_before_any_interactive_came
         )
         # Before: placed on the idle server at once (nothing reserved for a band that had
         # sent nothing) and answered. Now: held in the picker while the first streams.
-        for _ in range(200):
-            if second.done() or await asyncio.to_thread(queued, stack, 0) == 1:
-                break
-            await asyncio.sleep(0.1)
+        await held_or_done(stack, second, tries=200, every_s=0.1)
         assert not second.done(), "the second batch request took the server kept free"
         assert not first.done(), "the first request ended before the check"
         hi = await c.post(

@@ -24,6 +24,7 @@ from tests.e2e.flow_configs import (
     HI,
     LO,
     burst_then_large,
+    held_or_done,
     long_one,
     metric_sum,
     queued,
@@ -79,10 +80,7 @@ async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(sta
         short = asyncio.create_task(
             c.post("/v1/chat/completions", json=body(model, 300, SMALL, 4), headers=LO)
         )
-        for _ in range(100):
-            if short.done() or await asyncio.to_thread(queued, stack, 0) == 1:
-                break
-            await asyncio.sleep(0.05)
+        await held_or_done(stack, short)
         # Before: released beside the batch request (the interactive server kept room for
         # the largest interactive request). Now: that room is not enough.
         assert not short.done(), "the short batch request was released"

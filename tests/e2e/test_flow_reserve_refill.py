@@ -25,9 +25,9 @@ from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
 from tests.e2e.flow_configs import (
     HI,
     LO,
+    held_or_done,
     long_one,
     metric_sum,
-    queued,
     reserve_stack,
 )
 
@@ -97,10 +97,7 @@ async def test_a_server_freeing_room_keeps_less_of_the_reserve(stack: Stack):
         late = asyncio.create_task(
             c.post("/v1/chat/completions", json=body(model, 401, SMALL, 4), headers=LO)
         )
-        for _ in range(100):
-            if late.done() or await asyncio.to_thread(queued, stack, 0) == 1:
-                break
-            await asyncio.sleep(0.05)
+        await held_or_done(stack, late)
         assert not late.done(), "released with no room freed recently"
         assert not batch.done() and not interactive.done(), "a long request ended too soon"
         assert await batch == 200 and await interactive == 200
