@@ -33,6 +33,12 @@ DEFAULT_VENV = Path(os.environ.get("EXTPROC_VLLM_VENV", Path.home() / ".cache/ex
 DEFAULT_MODEL_DIR = Path(
     os.environ.get("EXTPROC_VLLM_MODEL", Path.home() / ".cache/extproc/vllm-tiny-model")
 )
+# vLLM's own cache, kept across starts: in it the model class's inspection, which vLLM
+# otherwise runs in a fresh interpreter (~16 s on these machines) at every start; it is
+# written atomically and checked against the model code's hash, so starts may share it.
+VLLM_CACHE_ROOT = Path(
+    os.environ.get("EXTPROC_VLLM_CACHE", Path.home() / ".cache/extproc/vllm-cache")
+)
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32  # the only block size the CPU backend accepts
 
@@ -113,7 +119,7 @@ class VllmServer:
         env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CACHE_ROOT": str(self.tmpdir / "cache"),
+            "VLLM_CACHE_ROOT": str(VLLM_CACHE_ROOT),
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1",
@@ -189,7 +195,10 @@ class VllmFleet:
         venv: Path = DEFAULT_VENV,
         model_dir: Path = DEFAULT_MODEL_DIR,
         log_dir: Path | None = None,
+        wait: bool = True,
     ) -> VllmFleet:
+        """Starts the servers together; with `wait` false the caller waits (`wait_ready`), so
+        several fleets with different flags can start side by side."""
         tmp = tempfile.TemporaryDirectory(prefix="extproc-vllm-")
         root = Path(tmp.name)
         logs = log_dir or root
@@ -218,12 +227,16 @@ class VllmFleet:
         try:
             for srv in fleet.servers:
                 srv.start()
-            for srv in fleet.servers:
-                srv.wait_ready()
+            if wait:
+                fleet.wait_ready()
         except BaseException:
             fleet.close()
             raise
         return fleet
+
+    def wait_ready(self) -> None:
+        for srv in self.servers:
+            srv.wait_ready()
 
     @property
     def addresses(self) -> list[str]:
@@ -274,11 +287,32 @@ def one_server(log_prefix: str, *extra_args: str) -> Iterator[VllmServer]:
     policy, logging...), on free ports, stopped at the end. Its log is kept in a directory
     named `log_prefix`... under the temp dir (pytest rotates its own away): a failed start,
     or an engine that behaved unexpectedly, says why there."""
-    logs = Path(tempfile.mkdtemp(prefix=log_prefix))
-    fleet = VllmFleet.start(
-        1, ports=[free_port()], kv_events_port=free_port(), extra_args=extra_args, log_dir=logs
-    )
+    with own_servers(log_prefix, extra_args) as servers:
+        yield servers[0]
+
+
+@contextlib.contextmanager
+def own_servers(log_prefix: str, *flag_sets: Sequence[str]) -> Iterator[list[VllmServer]]:
+    """One vLLM of its own per set of flags, as `one_server`, all started at once: a start is
+    most of a minute of imports in one process, so on two cores two starts side by side take
+    about the wall time of one (an idle engine beside a measured one costs it nothing)."""
+    fleets: list[VllmFleet] = []
     try:
-        yield fleet.servers[0]
+        for flags in flag_sets:
+            logs = Path(tempfile.mkdtemp(prefix=log_prefix))
+            fleets.append(
+                VllmFleet.start(
+                    1,
+                    ports=[free_port()],
+                    kv_events_port=free_port(),
+                    extra_args=flags,
+                    log_dir=logs,
+                    wait=False,
+                )
+            )
+        for fleet in fleets:
+            fleet.wait_ready()
+        yield [fleet.servers[0] for fleet in fleets]
     finally:
-        fleet.close()
+        for fleet in fleets:
+            fleet.close()

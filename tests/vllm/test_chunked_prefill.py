@@ -35,7 +35,7 @@ import pytest
 from extproc.sim.engine import Engine, EngineSettings, Job
 from extproc.sim.timing import TimingSettings
 from extproc.sim.tokens import PromptTokens, SimTokenizer
-from tests.vllm.fleet import MODEL_NAME, one_server
+from tests.vllm.fleet import MODEL_NAME, own_servers
 
 BUDGET, SEQS, MAX_LEN = 16, 4, 2048
 LONG, SHORT = 1900, 40
@@ -107,22 +107,34 @@ def real_pair(url: str, seed: int, long_queued: float) -> Pair:
     return Pair(done["long"] - t0, short_done, queued_seconds(url) - before - long_queued)
 
 
-@pytest.fixture(scope="module", params=[0, 8], ids=lambda t: f"threshold{t}")
-def chunking_engine(request) -> Iterator[tuple[int, str, float, float]]:
-    """(threshold, url, seconds per step, an idle engine's queue wait) of a one-server vLLM
-    with a 16-token step budget."""
-    threshold = request.param
-    with one_server(
-        "extproc-vllm-chunked-",
+THRESHOLDS = (0, 8)
+
+
+def engine_flags(threshold: int) -> tuple[str, ...]:
+    return (
         *("--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", str(BUDGET)),
         *("--max-num-seqs", str(SEQS), "--long-prefill-token-threshold", str(threshold)),
         *("--scheduling-policy", "priority", "--num-gpu-blocks-override", "400"),
-    ) as server:
-        url = server.url
-        first_token(url, ids(SHORT, 1), 0)  # the first request warms the engine up
-        alone = [timed_alone(url, ids(LONG, seed)) for seed in (11, 12, 13)]  # none cached
-        step_s = statistics.median(t for t, _ in alone) / math.ceil(LONG / BUDGET)
-        yield threshold, url, step_s, statistics.median(q for _, q in alone)
+    )
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[int, str]]:
+    """Each threshold's one-server vLLM with a 16-token step budget (url by threshold),
+    started side by side."""
+    with own_servers("extproc-vllm-chunked-", *map(engine_flags, THRESHOLDS)) as servers:
+        yield {t: srv.url for t, srv in zip(THRESHOLDS, servers, strict=True)}
+
+
+@pytest.fixture(scope="module", params=THRESHOLDS, ids=lambda t: f"threshold{t}")
+def chunking_engine(request, engines: dict[int, str]) -> tuple[int, str, float, float]:
+    """(threshold, url, seconds per step, an idle engine's queue wait)."""
+    threshold = request.param
+    url = engines[threshold]
+    first_token(url, ids(SHORT, 1), 0)  # the first request warms the engine up
+    alone = [timed_alone(url, ids(LONG, seed)) for seed in (11, 12, 13)]  # none cached
+    step_s = statistics.median(t for t, _ in alone) / math.ceil(LONG / BUDGET)
+    return threshold, url, step_s, statistics.median(q for _, q in alone)
 
 
 async def sim_pair(threshold: int, step_s: float, offset: float, seed: int) -> Pair:
