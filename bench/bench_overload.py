@@ -42,7 +42,7 @@ equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (th
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.NN),
 `-rq<NN>` (`reserve_rate_quantile` 0.NN), `-refill<ms>` (`reserve_refill_s`), `-pf`
-(the prior's `prefill_s`: the unloaded p99), `-out<N>`
+(the prior's `prefill_s`: the unloaded p99), `-claim` (`waiting_claims_room`), `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
 session: `-noprior-out96`), and
 `~base` to run its pickers from `--baseline-src` (old code against new in one run; `~base`
@@ -155,6 +155,7 @@ def picker_config(
     reserve_quantile: float = 0.0,
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
+    claim: bool = False,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -229,6 +230,10 @@ def picker_config(
             # The room a server frees within this horizon counts toward the reserve
             # (`-refill<ms>` runs).
             doc["flow_control"]["reserve_refill_s"] = reserve_refill_s
+        if claim:
+            # An interactive request waiting for room keeps the server it waits for from
+            # the band's newer requests (`-claim` runs).
+            doc["flow_control"]["waiting_claims_room"] = True
         if engine_priority:
             # The band as the engine's `priority` (the sims run the priority policy).
             doc["flow_control"]["engine_priority"] = True
@@ -941,6 +946,8 @@ def main() -> int:
             run_name = re.sub(r"-refill\d+", "", run_name)
             run_name, pf, after = run_name.partition("-pf")  # the prior's prefill_s
             run_name += after
+            run_name, claim, after = run_name.partition("-claim")  # waiting_claims_room
+            run_name += after
             q_m = re.search(r"-q(\d+)", run_name)
             quantile = int(q_m.group(1)) / 100 if q_m else 0.0
             run_name = re.sub(r"-q\d+", "", run_name)
@@ -1000,6 +1007,7 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
+                    claim=bool(claim),
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
@@ -1021,6 +1029,7 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
+                    claim=bool(claim),
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)
