@@ -4,7 +4,10 @@ p99 (requests above 2x), engine part p99 (over the unloaded engine p99), the eng
 KV use, the reserve kept and the refill credit (means, picker tokens), the slowest
 interactive request (arrival s, tenant, TTFT, picker wait), worst share error, lost.
 
-    python bench/overload_rows.py <bench_overload.py output>
+    python bench/overload_rows.py <bench_overload.py output> [--slowest N]
+
+`--slowest N`: after the rows, each run's N slowest interactive requests (arrival s,
+tenant, TTFT, picker wait, engine KV wait / step wait / prefill, the server).
 """
 
 from __future__ import annotations
@@ -19,8 +22,19 @@ def percentile(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
+def slowest(rows: list[dict], n: int) -> None:
+    for r in rows:
+        print(f"{r['run'].removeprefix('flow control ')}, slowest {n}:")
+        for t in sorted(r.get("hi_trace", []), key=lambda t: t["ttft"] or 0.0)[-n:][::-1]:
+            kv, lane, pre = t.get("engine") or (0.0, 0.0, 0.0)
+            print(f"  {t['at']:6.2f} s {t['tenant']}: {t['ttft']:.2f} s, picker "
+                  f"{t.get('wait') or 0:.2f}, kv {kv:.2f}, step {lane:.2f}, prefill {pre:.2f} "
+                  f"({t['endpoint']})")  # fmt: skip
+
+
 def main() -> None:
     rows, base = [], {}
+    n = int(sys.argv[sys.argv.index("--slowest") + 1]) if "--slowest" in sys.argv else 0
     for line in Path(sys.argv[1]).read_text().splitlines():
         if line.startswith('{"run"'):
             rows.append(json.loads(line))
@@ -44,6 +58,8 @@ def main() -> None:
             f"| {r.get('tl_reserved_mean')} / {r.get('tl_refill_mean')} | {slow} "
             f"| {share:.1%} | {r['lost']} |"
         )
+    if n:
+        slowest(rows, n)
 
 
 if __name__ == "__main__":
