@@ -24,7 +24,15 @@ import pytest
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import HI, LO, inflight_ended, long_one, queued, reserve_stack
+from tests.e2e.flow_configs import (
+    HI,
+    LO,
+    inflight_ended,
+    long_one,
+    metric_sum,
+    queued,
+    reserve_stack,
+)
 
 FAIRNESS = "x-llm-d-inference-fairness-id"
 # Words of 7 letters (~2 tokens each): long batch on the first server (L1) and on the
@@ -119,12 +127,15 @@ async def test_the_waiting_request_keeps_its_turn(stack: tuple[Stack, bool]):
         assert rc.status_code == 200 and ra.status_code == 200
         assert await medium == 200
         assert not long1.done() and not long2.done(), "a long request ended too soon"
+        claims = metric_sum(s, r"^extproc_flow_room_claims_total (\S+)$", present=on)
         if on:
             # c's took the room M2 freed; a's went once c's had ended.
             assert rc.headers[SERVED_BY_HEADER] == s2
             assert done["c"] < done["a"]
+            assert claims >= 2  # c's, then c's and a's as each waited
         else:
             assert done["a"] < done["c"]
+            assert claims == 0
         long1.cancel()
         long2.cancel()
         await asyncio.gather(long1, long2, return_exceptions=True)
