@@ -86,6 +86,7 @@ from extproc.sim.workload import percentile
 from extproc.stack import SimFleet, envoy_binary, free_port, grpc_health_status, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lanes import lane_clock, lane_delta, lane_ratio  # bench/lanes.py
 from overload_timeline import Timeline, scrape, summary, summed
 
 TENANTS = {"A": 3.0, "B": 2.0, "C": 1.0}
@@ -1044,7 +1045,12 @@ def main() -> int:
                     pids.append(dep.procs[-1].pid)
                 stall = threading.Timer(args.stall_at, freeze, (pids, args.stall_s))
                 stall.start()
+            sim_urls = [f"http://{a}" for a in fleet.addresses]
+            lanes0 = lane_clock(sim_urls)
             duration = asyncio.run(open_loop(dep.url, reqs, args.trace))
+            # How much slower than scheduled the sims' steps ran: above ~1.1 the machine,
+            # not only the policy, was measured.
+            lanes = lane_ratio(lane_delta(lanes0, lane_clock(sim_urls)))
             if stall is not None:
                 stall.join()
             rows_tl = tl.stop()
@@ -1055,6 +1061,8 @@ def main() -> int:
                 f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99, window
             )
             row.update(diag)
+            row["lanes"] = round(lanes, 3)
+            row["load_avg"] = [round(x, 2) for x in os.getloadavg()]
             row["lost_envoy"] = envoy_lines(dep.access_path, {d["id"] for d in row["lost_detail"]})
             row.update(summary(rows_tl, args.warm_s, args.burst_s, args.servers))
             row["timeline"] = str(tl.path)

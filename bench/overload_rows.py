@@ -2,7 +2,9 @@
 tables): steady goodput, interactive TTFT p50 / p99, p99 over the invocation's unloaded
 p99 (requests above 2x), engine part p99 (over the unloaded engine p99), the engines' mean
 KV use, the reserve kept and the refill credit (means, picker tokens), the slowest
-interactive request (arrival s, tenant, TTFT, picker wait), worst share error, lost.
+interactive request (arrival s, tenant, TTFT, picker wait), worst share error, lost, the
+sims' lanes (wall / scheduled step time over the burst; above ~1.1: a perturbed run) and
+the 1-minute load average at the run's end.
 
     python bench/overload_rows.py <bench_overload.py output> [--slowest N]
 
@@ -56,7 +58,8 @@ def main() -> None:
             f"| {r['hi_ttft_p99'] / un:.2f}x ({above} of {len(ttfts)}) "
             f"| {percentile(eng, 99):.3f} | {r.get('tl_kv_mean')} "
             f"| {r.get('tl_reserved_mean')} / {r.get('tl_refill_mean')} | {slow} "
-            f"| {share:.1%} | {r['lost']} |"
+            f"| {share:.1%} | {r['lost']} | {r.get('lanes', float('nan')):.2f} "
+            f"| {r.get('load_avg', ['-'])[0]} |"
         )
     if n:
         slowest(rows, n)
