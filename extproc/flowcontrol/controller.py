@@ -532,7 +532,7 @@ class FlowController:
         now = self._clock()
         # Flows of the top band whose head found no room at this opportunity, each holding
         # its claim (waiting_claims_room); the band's other flows may still go.
-        stuck: set[str] = set()
+        stuck: set[tuple[int, str]] = set()
         while self.count:
             top = max(p for p, b in self._bands.items() if b.count)
             if self.peer_top_band is not None and self.peer_top_band > top:
@@ -546,7 +546,7 @@ class FlowController:
             flows = band.flows
             claiming = claims is not None and self._claims_for(top)
             if stuck:
-                flows = {f: q for f, q in flows.items() if f not in stuck}
+                flows = {f: q for f, q in flows.items() if (top, f) not in stuck}
                 if not flows:
                     break
             item = _oldest_waiting(flows) if claiming else None
@@ -576,7 +576,7 @@ class FlowController:
                     assert claims is not None
                     item.waiting = True
                     claims.claim(self._closest(item.request), item.request.tokens)
-                    stuck.add(item.request.fairness_id)
+                    stuck.add((top, item.request.fairness_id))
                     continue
                 room = found
             self._remove(band, item)
