@@ -27,7 +27,11 @@ arrival.
 With replicas sharing flow state (flowcontrol/shared.py) each publishes its last
 opportunity's claims, and a peer counts them as placed for its requests of the claiming
 replica's top band and below (one exchange interval old: the claim of a request released
-meanwhile is counted twice for at most that long, on the safe side).
+meanwhile is counted twice for at most that long, on the safe side), except for its own
+waiting requests: the replicas' arrival order is unknown, and two waiting requests each
+counting the other's claim on one server would both wait for room for two. Waiting requests
+at different replicas take room as it frees, as without the setting; newer ones keep off
+everyone's claims.
 """
 
 from __future__ import annotations
@@ -58,11 +62,12 @@ class Claims:
     def end(self) -> None:
         self.last, self.claimed = self.claimed, {}
 
-    def against(self, priority: int) -> dict[str, int]:
+    def against(self, priority: int, peers: bool = True) -> dict[str, int]:
         """Tokens per server kept from a request of `priority`: this opportunity's claims
-        (its band's waiting requests) and the peers' of bands at or above it."""
+        (its band's waiting requests, older) and, with `peers`, the peers' of bands at or
+        above it."""
         out = dict(self.claimed)
-        for band, theirs in self.peers:
+        for band, theirs in self.peers if peers else ():
             if priority <= band:
                 for a, t in theirs.items():
                     out[a] = out.get(a, 0) + t

@@ -307,7 +307,9 @@ class FlowController:
         sat = self.saturation()
         return sat < self.ceiling(priority, sat)
 
-    def _room(self, request: FlowRequest) -> tuple[str, frozenset[str]] | None:
+    def _room(
+        self, request: FlowRequest, waiting: bool = False
+    ) -> tuple[str, frozenset[str]] | None:
         """Where the request may go: (the endpoint with the most room, every endpoint with
         room), or None when none has room for it under its band's ceiling. An endpoint with
         nothing on it always has room (else a request larger than the headroom would wait
@@ -315,8 +317,8 @@ class FlowController:
         afterwards some endpoint (it or another) still has room for the largest recent
         request of a higher band: higher work finds a server free, not the head of a
         queue of lower work. Without per-endpoint admission: anywhere. With
-        `waiting_claims_room`, room claimed by waiting requests counts as placed
-        (flowcontrol/claims.py)."""
+        `waiting_claims_room`, room claimed by waiting requests counts as placed; the
+        peers' claims not for a request `waiting` itself (flowcontrol/claims.py)."""
         if self._endpoints is None:
             return _ANYWHERE
         eps = self._endpoints()
@@ -330,7 +332,9 @@ class FlowController:
             tps = self._prefill_speed() if self._prefill_speed is not None else None
             held, top = self.reserve.held(request.priority, self._priorities, tps)
         top_ceiling = self.ceiling(top, sat) if held else 0.0
-        claimed = self.claims.against(request.priority) if self.claims is not None else None
+        claimed = None
+        if self.claims is not None:
+            claimed = self.claims.against(request.priority, peers=not waiting)
         fits: list[tuple[float, str]] = []
         spare = 0  # endpoints with room for the reserved request as they are
         keeps: dict[str, bool] = {}  # ... with this request on it too
@@ -564,7 +568,7 @@ class FlowController:
             self._deferring_since = None
             room = _ANYWHERE
             if not item.future.done():
-                found = self._room(item.request)
+                found = self._room(item.request, item.waiting)
                 if found is None:
                     # The pool has room on average, but no server for this request: it
                     # waits here, not at the head of a full server's queue.
@@ -602,7 +606,7 @@ class FlowController:
         with it (and what is claimed there already) on it."""
         assert self._endpoints is not None and self.claims is not None
         det = cast(EndpointDetector, self._detector)
-        claimed = self.claims.against(request.priority)
+        claimed = self.claims.against(request.priority, peers=False)
         best: tuple[float, str] = (math.inf, "")
         for addr, state in self._endpoints():
             reqs, toks = self._pending_at.get(addr, _NONE)

@@ -135,3 +135,20 @@ def test_the_setting_is_read():
     s = decode_settings({"flow_control": {"waiting_claims_room": True}})
     assert s.flow_control.waiting_claims_room
     assert not decode_settings({"flow_control": {}}).flow_control.waiting_claims_room
+
+
+async def test_a_waiting_request_does_not_count_the_peers_claims():
+    """Two replicas' waiting requests claiming one server must not each wait for room for
+    both: a waiting request ignores the peers' claims (a newer one does not)."""
+    fleet = Fleet()
+    ctl = make(fleet, claims=True)
+    assert ctl.claims is not None
+    fleet.tokens.update(A=1500, B=1700)  # A 500 free, B 300
+    large = asyncio.create_task(ctl.admit(FlowRequest("c", 10, 800, 10)))
+    await settle()
+    assert not large.done()
+    ctl.claims.peers_seen([(10, {"A": 800})])  # a peer's waiting request, also on A
+    fleet.tokens["A"] = 1200  # room for one 800 on A
+    ctl.tick()
+    await settle()
+    assert large.done() and large.result().target == "A"
