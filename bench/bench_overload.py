@@ -42,7 +42,9 @@ equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (th
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.NN),
 `-rq<NN>` (`reserve_rate_quantile` 0.NN), `-refill<ms>` (`reserve_refill_s`), `-pf`
-(the prior's `prefill_s`: the unloaded p99), `-out<N>`
+(the prior's `prefill_s`: the unloaded p99), `-claim` (`waiting_claims_room`), `-os`
+(`output_token_scale`: outputs counted in the prompt estimate's unit, `output_scaled`),
+`-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
 session: `-noprior-out96`), and
 `~base` to run its pickers from `--baseline-src` (old code against new in one run; `~base`
@@ -86,6 +88,7 @@ from extproc.sim.workload import percentile
 from extproc.stack import SimFleet, envoy_binary, free_port, grpc_health_status, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lanes import lane_clock, lane_delta, lane_ratio  # bench/lanes.py
 from overload_timeline import Timeline, scrape, summary, summed
 
 TENANTS = {"A": 3.0, "B": 2.0, "C": 1.0}
@@ -112,12 +115,12 @@ KV_BLOCK = 16
 EXPLAIN_TOKEN = "bench-overload-explain"
 
 
-def detector(kind: str, kv_ratio: float = 1.0) -> dict:
+def detector(kind: str, kv_ratio: float = 1.0, output_tokens: int = OUTPUT_TOKENS) -> dict:
     if kind == "utilization":
         params = {"queueDepthThreshold": 1, "kvCacheUtilThreshold": 0.95,
                   "metricsStalenessThreshold": "500ms"}  # fmt: skip
         return {"type": "utilization-detector", "parameters": params}
-    params = {"concurrencyMode": "tokens", "outputTokens": OUTPUT_TOKENS,
+    params = {"concurrencyMode": "tokens", "outputTokens": output_tokens,
               "kvCacheFraction": round(kv_ratio, 3)}  # fmt: skip
     return {"type": "concurrency-detector", "parameters": params}
 
@@ -134,6 +137,18 @@ def estimate_ratio(done: list[Req]) -> float:
     est = sum(r.est_tokens + OUTPUT_TOKENS for r in done)
     kv = sum(-(-(r.prompt_tokens + r.max_tokens) // KV_BLOCK) * KV_BLOCK for r in done)
     return est / kv
+
+
+def output_scaled(done: list[Req]) -> tuple[float, float]:
+    """For `-os` runs (`output_token_scale`): the picker's prompt estimate per engine prompt
+    token (what outputs are scaled by, so both count in the estimate's unit), and the
+    estimate per engine KV token with each request's output so scaled (the detector's
+    `kvCacheFraction` then). Unscaled, outputs counted 1:1 beside prompts estimated 1.27-1.29x
+    over: per engine KV token A's requests counted 1.19, C's 1.27, against one ratio."""
+    scale = sum(r.est_tokens for r in done) / sum(r.prompt_tokens for r in done)
+    est = sum(r.est_tokens + round(scale * r.max_tokens) for r in done)
+    kv = sum(-(-(r.prompt_tokens + r.max_tokens) // KV_BLOCK) * KV_BLOCK for r in done)
+    return scale, est / kv
 
 
 def picker_config(
@@ -155,6 +170,8 @@ def picker_config(
     reserve_quantile: float = 0.0,
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
+    claim: bool = False,
+    output_scale: float = 0.0,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -188,7 +205,7 @@ def picker_config(
     doc["server"] = {"explain_tokens": [EXPLAIN_TOKEN]}
     if flow:
         plugins += [
-            detector(kind, kv_ratio),
+            detector(kind, kv_ratio, round(OUTPUT_TOKENS * (output_scale or 1.0))),
             {"type": "weighted-token-fairness-policy"},
             # Batch stops at 85% of the detector's ceiling; interactive may use the rest.
             {"type": "priority-holdback-policy", "parameters": {"minCeiling": min_ceiling}},
@@ -229,6 +246,14 @@ def picker_config(
             # The room a server frees within this horizon counts toward the reserve
             # (`-refill<ms>` runs).
             doc["flow_control"]["reserve_refill_s"] = reserve_refill_s
+        if output_scale:
+            # Outputs counted in the prompt estimate's unit (`-os` runs; `kv_ratio` is then
+            # `output_scaled`'s).
+            doc["flow_control"]["output_token_scale"] = round(output_scale, 3)
+        if claim:
+            # An interactive request waiting for room keeps the server it waits for from
+            # the band's newer requests (`-claim` runs).
+            doc["flow_control"]["waiting_claims_room"] = True
         if engine_priority:
             # The band as the engine's `priority` (the sims run the priority policy).
             doc["flow_control"]["engine_priority"] = True
@@ -252,7 +277,9 @@ def picker_config(
     return doc
 
 
-def interactive_prior(cap_tps: float, kv_ratio: float, spread: int) -> dict:
+def interactive_prior(
+    cap_tps: float, kv_ratio: float, spread: int, output_scale: float = 1.0
+) -> dict:
     """`reserve_prior` for the interactive band, as an operator would state it from the
     traffic they expect: its largest request (tenant C's prompt as the picker estimates
     it, plus the largest max_tokens) and its arrival rate (a quarter of capacity, see
@@ -262,7 +289,7 @@ def interactive_prior(cap_tps: float, kv_ratio: float, spread: int) -> dict:
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": text}]}  # fmt: skip
     return {
-        "request_tokens": estimate_tokens(body) + OUTPUT_TOKENS + spread,
+        "request_tokens": estimate_tokens(body) + round((OUTPUT_TOKENS + spread) * output_scale),
         "tokens_per_s": round(0.25 * cap_tps * kv_ratio),
     }
 
@@ -580,9 +607,9 @@ async def open_loop(url: str, reqs: list[Req], trace: bool = False) -> float:
 
 async def closed_loop(
     url: str, concurrency: int, seconds: float, spread: int
-) -> tuple[float, float, dict[str, float], float]:
+) -> tuple[float, float, dict[str, float], float, list[Req]]:
     """Keep `concurrency` requests outstanding; served (req/s, tokens/s, mean tokens per
-    request of each tenant) once warmed up."""
+    request of each tenant, the estimate per KV token, the requests) once warmed up."""
     done: list[Req] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         loop = asyncio.get_running_loop()
@@ -609,7 +636,7 @@ async def closed_loop(
     for t in TENANTS:
         mine = [r.prompt_tokens + r.completion_tokens for r in done if r.tenant == t]
         per[t] = sum(mine) / len(mine)
-    return len(done) / seconds, tokens / seconds, per, estimate_ratio(done)
+    return len(done) / seconds, tokens / seconds, per, estimate_ratio(done), done
 
 
 def output_tokens(rng: random.Random, spread: int) -> int:
@@ -886,11 +913,13 @@ def main() -> int:
         # Capacity: enough outstanding requests to keep both KV caches full, flow control
         # off (with it on, the holdback would keep them below full: a lower bar).
         dep.start(picker_config(objectives, flow=False))
-        req_s, cap_tps, per_req, kv_ratio = asyncio.run(
+        req_s, cap_tps, per_req, kv_ratio, cap_done = asyncio.run(
             closed_loop(dep.url, 64, 12.0, args.output_spread)
         )
+        out_scale, kv_ratio_os = output_scaled(cap_done)
         print(f"capacity: {req_s:.2f} req/s, {cap_tps:.0f} tok/s; tokens/request {per_req}; "
-              f"picker estimate / engine KV tokens {kv_ratio:.3f}")  # fmt: skip
+              f"picker estimate / engine KV tokens {kv_ratio:.3f}; prompt estimate / engine "
+              f"prompt tokens {out_scale:.3f}, outputs so scaled {kv_ratio_os:.3f}")  # fmt: skip
         # Unloaded: interactive alone at ~0.2x capacity (the first pass is the baseline;
         # `--unloaded-repeats` more passes show how far CPU noise alone moves its p99).
         # `--unloaded-n` requests a pass; every pass's p99 is printed (its spread is the
@@ -916,7 +945,9 @@ def main() -> int:
         dep.stop()
         offered = args.overload * cap_tps
         prior = interactive_prior(cap_tps, kv_ratio, args.output_spread)
-        print(f"interactive reserve_prior (runs without ~base): {prior}", flush=True)
+        prior_os = interactive_prior(cap_tps, kv_ratio_os, args.output_spread, out_scale)
+        print(f"interactive reserve_prior (runs without ~base): {prior}; `-os` runs: "
+              f"{prior_os}", flush=True)  # fmt: skip
         for i_run, run in enumerate(args.runs.split(",")):
             # A run is on | off | on-pool | on-2-replicas, optionally `@<minCeiling>` and
             # `r<reserve_for_higher_bands>` (e.g. on@0.99r2).
@@ -940,6 +971,10 @@ def main() -> int:
             refill_s = int(rf_m.group(1)) / 1000 if rf_m else 0.0
             run_name = re.sub(r"-refill\d+", "", run_name)
             run_name, pf, after = run_name.partition("-pf")  # the prior's prefill_s
+            run_name += after
+            run_name, claim, after = run_name.partition("-claim")  # waiting_claims_room
+            run_name += after
+            run_name, os_, after = run_name.partition("-os")  # output_token_scale
             run_name += after
             q_m = re.search(r"-q(\d+)", run_name)
             quantile = int(q_m.group(1)) / 100 if q_m else 0.0
@@ -968,7 +1003,9 @@ def main() -> int:
                 args.base_expected_output if tilde else OUTPUT_TOKENS + args.output_spread
             )
             run_prior = (
-                None if (tilde and not args.base_prior) or args.no_prior or noprior else prior
+                None
+                if (tilde and not args.base_prior) or args.no_prior or noprior
+                else (prior_os if os_ else prior)
             )
             # `-pf`: the prior also states its largest request's prefill time (the unloaded
             # interactive p99, a C request's TTFT), for the rate term before a speed is known.
@@ -990,7 +1027,7 @@ def main() -> int:
                     min_ceiling=ceiling,
                     kind=args.detector,
                     ttl_s=args.ttl_s,
-                    kv_ratio=kv_ratio,
+                    kv_ratio=kv_ratio_os if os_ else kv_ratio,
                     expected_output=expected_output,
                     prior=run_prior,
                     engine_priority=bool(ep),
@@ -1000,6 +1037,8 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
+                    claim=bool(claim),
+                    output_scale=out_scale if os_ else 0.0,
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
@@ -1011,7 +1050,7 @@ def main() -> int:
                     min_ceiling=ceiling,
                     kind=args.detector,
                     ttl_s=args.ttl_s,
-                    kv_ratio=kv_ratio,
+                    kv_ratio=kv_ratio_os if os_ else kv_ratio,
                     expected_output=expected_output,
                     prior=run_prior,
                     engine_priority=bool(ep),
@@ -1021,6 +1060,8 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
+                    claim=bool(claim),
+                    output_scale=out_scale if os_ else 0.0,
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)
@@ -1035,7 +1076,12 @@ def main() -> int:
                     pids.append(dep.procs[-1].pid)
                 stall = threading.Timer(args.stall_at, freeze, (pids, args.stall_s))
                 stall.start()
+            sim_urls = [f"http://{a}" for a in fleet.addresses]
+            lanes0 = lane_clock(sim_urls)
             duration = asyncio.run(open_loop(dep.url, reqs, args.trace))
+            # How much slower than scheduled the sims' steps ran: above ~1.1 the machine,
+            # not only the policy, was measured.
+            lanes = lane_ratio(lane_delta(lanes0, lane_clock(sim_urls)))
             if stall is not None:
                 stall.join()
             rows_tl = tl.stop()
@@ -1046,6 +1092,8 @@ def main() -> int:
                 f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99, window
             )
             row.update(diag)
+            row["lanes"] = round(lanes, 3)
+            row["load_avg"] = [round(x, 2) for x in os.getloadavg()]
             row["lost_envoy"] = envoy_lines(dep.access_path, {d["id"] for d in row["lost_detail"]})
             row.update(summary(rows_tl, args.warm_s, args.burst_s, args.servers))
             row["timeline"] = str(tl.path)

@@ -2,9 +2,14 @@
 tables): steady goodput, interactive TTFT p50 / p99, p99 over the invocation's unloaded
 p99 (requests above 2x), engine part p99 (over the unloaded engine p99), the engines' mean
 KV use, the reserve kept and the refill credit (means, picker tokens), the slowest
-interactive request (arrival s, tenant, TTFT, picker wait), worst share error, lost.
+interactive request (arrival s, tenant, TTFT, picker wait), worst share error, lost, the
+sims' lanes (wall / scheduled step time over the burst; above ~1.1: a perturbed run) and
+the 1-minute load average at the run's end.
 
-    python bench/overload_rows.py <bench_overload.py output>
+    python bench/overload_rows.py <bench_overload.py output> [--slowest N]
+
+`--slowest N`: after the rows, each run's N slowest interactive requests (arrival s,
+tenant, TTFT, picker wait, engine KV wait / step wait / prefill, the server).
 """
 
 from __future__ import annotations
@@ -19,8 +24,19 @@ def percentile(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
+def slowest(rows: list[dict], n: int) -> None:
+    for r in rows:
+        print(f"{r['run'].removeprefix('flow control ')}, slowest {n}:")
+        for t in sorted(r.get("hi_trace", []), key=lambda t: t["ttft"] or 0.0)[-n:][::-1]:
+            kv, lane, pre = t.get("engine") or (0.0, 0.0, 0.0)
+            print(f"  {t['at']:6.2f} s {t['tenant']}: {t['ttft']:.2f} s, picker "
+                  f"{t.get('wait') or 0:.2f}, kv {kv:.2f}, step {lane:.2f}, prefill {pre:.2f} "
+                  f"({t['endpoint']})")  # fmt: skip
+
+
 def main() -> None:
     rows, base = [], {}
+    n = int(sys.argv[sys.argv.index("--slowest") + 1]) if "--slowest" in sys.argv else 0
     for line in Path(sys.argv[1]).read_text().splitlines():
         if line.startswith('{"run"'):
             rows.append(json.loads(line))
@@ -42,8 +58,11 @@ def main() -> None:
             f"| {r['hi_ttft_p99'] / un:.2f}x ({above} of {len(ttfts)}) "
             f"| {percentile(eng, 99):.3f} | {r.get('tl_kv_mean')} "
             f"| {r.get('tl_reserved_mean')} / {r.get('tl_refill_mean')} | {slow} "
-            f"| {share:.1%} | {r['lost']} |"
+            f"| {share:.1%} | {r['lost']} | {r.get('lanes', float('nan')):.2f} "
+            f"| {r.get('load_avg', ['-'])[0]} |"
         )
+    if n:
+        slowest(rows, n)
 
 
 if __name__ == "__main__":

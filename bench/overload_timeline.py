@@ -106,8 +106,10 @@ class Timeline:
         last["no_room"] = no_room
         # ... of which the reserve kept (an endpoint had room but not with the reserve) or
         # the prefill gate held; the rest: no endpoint under the ceiling with the request.
+        # `claims`: a waiting interactive request kept its server (waiting_claims_room).
         for key, name in (("reserve_held", "extproc_flow_reserve_held_total"),
-                          ("gate_held", "extproc_flow_prefill_gate_held_total")):  # fmt: skip
+                          ("gate_held", "extproc_flow_prefill_gate_held_total"),
+                          ("claims", "extproc_flow_room_claims_total")):  # fmt: skip
             total = sum(summed(p, name) for p in pages)
             row[key] = int(total - last.get(key, 0.0))
             last[key] = total
@@ -148,7 +150,7 @@ def summary(rows: list[dict], start_s: float, end_s: float, servers: int) -> dic
         # (all causes), of which the reserve kept it, or the prefill gate held it.
         **{
             f"tl_{k}_per_s": round(sum(r.get(k, 0) for r in win) / max(1e-9, end_s - start_s), 1)
-            for k in ("no_room", "reserve_held", "gate_held")
+            for k in ("no_room", "reserve_held", "gate_held", "claims")
         },
         # Capacity unused while work waited in the picker.
         "tl_idle_while_queued": round(

@@ -81,6 +81,8 @@ class Admission:
                 "flow_control.reserve_prior has no effect without admit_per_endpoint and "
                 "reserve_for_higher_bands"
             )
+        if s.waiting_claims_room and not s.admit_per_endpoint:
+            log.warning("flow_control.waiting_claims_room has no effect without admit_per_endpoint")
         if (s.reserve_quantile or s.reserve_rate_quantile or s.reserve_refill_s) and not (
             s.admit_per_endpoint and s.reserve_for_higher_bands
         ):
@@ -121,6 +123,7 @@ class Admission:
             reserve_rate_quantile=s.reserve_rate_quantile,
             reserve_refill_s=s.reserve_refill_s,
             gate=config.gate,
+            waiting_claims_room=s.waiting_claims_room,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         # The band sent to the engine as its priority (None: off); `true` is the body form
@@ -156,6 +159,10 @@ class Admission:
         out = self.settings.expected_output_tokens
         if request.max_output_tokens is not None:
             out = min(out, request.max_output_tokens)
+        # In the prompt estimate's units (output_token_scale): a count of real tokens added
+        # to an estimate that runs 1.28x over them made a server of short prompts, whose
+        # output is a larger part of their KV, fuller than counted (bench/RESULTS.md).
+        out = round(out * self.settings.output_token_scale)
         uncached = max(0, uncached_tokens)
         return FlowRequest(
             fairness_id=fairness,
@@ -275,6 +282,15 @@ class Admission:
         )
         nr.add_metric([], fc.no_room)
         yield nr
+        if fc.claims is not None:
+            cl = counter(
+                "extproc_flow_room_claims",
+                "Dispatch opportunities at which a higher-band request waiting for room kept "
+                "the endpoint where it comes closest to fitting from its band's newer requests "
+                "(waiting_claims_room; one per waiting request).",
+            )
+            cl.add_metric([], fc.claims.made)
+            yield cl
         if fc.reserve_count:
             rt = gauge(
                 "extproc_flow_reserved_tokens",

@@ -169,6 +169,15 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     that ended there over the last 3 s, per second, times this), so a higher-band request
     as large as the reserve waits at most about this long for room, and the room is not
     kept idle meanwhile (flowcontrol/refill.py).
+    `output_token_scale` (1.0, the default: none): each request's counted output (above)
+    times this, so it adds up with the prompt estimate in one unit: the picker's estimated
+    prompt tokens per real token where that estimate runs over or under the engine's count
+    (a bytes-per-token off the tokenizer's); set the concurrency detector's `outputTokens`
+    in the same units.
+    `waiting_claims_room` (off by default; with `admit_per_endpoint`): in a band above the
+    lowest, a request that found no endpoint with room is tried before the band's newer
+    requests at every dispatch opportunity, and the endpoint where it comes closest to
+    fitting is kept for it from them (flowcontrol/claims.py).
     `engine_priority` (off by default): send the request's band to the model server as its
     priority (`-band`: vLLM's priority scheduling serves lower values first), replacing any
     the client sent (`flowcontrol/engine_priority.py`): `body` (or `true`) writes it into
@@ -192,6 +201,8 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_rate_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_refill_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
+    output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] = 1.0
+    waiting_claims_room: bool = False
     engine_priority: bool | Literal["body", "header"] = False
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from extproc.core import EndpointState
+from extproc.flowcontrol.claims import Claims
 from extproc.flowcontrol.detectors import EndpointDetector, SaturationDetector
 from extproc.flowcontrol.eviction import EvictionSettings, Evictor
 from extproc.flowcontrol.policies import (
@@ -83,6 +84,8 @@ class _Item:
     key: tuple[float, ...]
     future: asyncio.Future[Ticket]
     queued: bool = True
+    # Found no endpoint with room at a dispatch opportunity (waiting_claims_room).
+    waiting: bool = False
 
     def __lt__(self, other: _Item) -> bool:
         return self.key < other.key
@@ -124,6 +127,7 @@ class FlowController:
         reserve_rate_quantile: float = 0.0,
         reserve_refill_s: float = 0.0,
         gate: PrefillGate | None = None,
+        waiting_claims_room: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -147,7 +151,11 @@ class FlowController:
         as it is expected to free within this many seconds, from the requests that ended
         there recently (0: none; flowcontrol/refill.py). `gate`: with per-endpoint
         admission, a lower band's request starts only where the server's unfinished prefill
-        stays short while a higher band is active (flowcontrol/prefill_gate.py)."""
+        stays short while a higher band is active (flowcontrol/prefill_gate.py).
+        `waiting_claims_room`: with per-endpoint admission, in a band above the lowest, a
+        request that found no room is tried before its band's newer requests, and the
+        endpoint where it comes closest to fitting is kept for it from them
+        (flowcontrol/claims.py)."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -216,6 +224,7 @@ class FlowController:
         self._base_out = int(getattr(detector, "output_per_request", 0))
         self._out_at: dict[str, list[int]] = {}  # address -> [requests, output difference]
         self.gate = gate
+        self.claims = Claims() if waiting_claims_room else None
         if gate is not None:
             gate.use_clock(clock)
         if gate is not None and self._endpoints is None:
@@ -298,14 +307,18 @@ class FlowController:
         sat = self.saturation()
         return sat < self.ceiling(priority, sat)
 
-    def _room(self, request: FlowRequest) -> tuple[str, frozenset[str]] | None:
+    def _room(
+        self, request: FlowRequest, waiting: bool = False
+    ) -> tuple[str, frozenset[str]] | None:
         """Where the request may go: (the endpoint with the most room, every endpoint with
         room), or None when none has room for it under its band's ceiling. An endpoint with
         nothing on it always has room (else a request larger than the headroom would wait
         forever). With `reserve`, an endpoint has room for a lower band's request only if
         afterwards some endpoint (it or another) still has room for the largest recent
         request of a higher band: higher work finds a server free, not the head of a
-        queue of lower work. Without per-endpoint admission: anywhere."""
+        queue of lower work. Without per-endpoint admission: anywhere. With
+        `waiting_claims_room`, room claimed by waiting requests counts as placed; the
+        peers' claims not for a request `waiting` itself (flowcontrol/claims.py)."""
         if self._endpoints is None:
             return _ANYWHERE
         eps = self._endpoints()
@@ -319,6 +332,9 @@ class FlowController:
             tps = self._prefill_speed() if self._prefill_speed is not None else None
             held, top = self.reserve.held(request.priority, self._priorities, tps)
         top_ceiling = self.ceiling(top, sat) if held else 0.0
+        claimed = None
+        if self.claims is not None:
+            claimed = self.claims.against(request.priority, peers=not waiting)
         fits: list[tuple[float, str]] = []
         spare = 0  # endpoints with room for the reserved request as they are
         keeps: dict[str, bool] = {}  # ... with this request on it too
@@ -328,6 +344,10 @@ class FlowController:
             reqs, toks = self._pending_at.get(addr, _NONE)
             idle = det.endpoint_saturation(state, reqs, toks) == 0
             toks += self._out_at.get(addr, _NONE)[1]
+            kept_for = claimed.get(addr, 0) if claimed else 0
+            if kept_for:
+                idle = False  # a waiting request's room: not free for this one
+                toks += kept_for
             after = det.endpoint_saturation(state, reqs + 1, toks + request.tokens)
             if after <= ceiling or idle:
                 fits.append((after, addr))
@@ -502,8 +522,21 @@ class FlowController:
 
     def dispatch(self) -> int:
         """Release queued requests while the pool has capacity; returns how many."""
+        claims = self.claims
+        if claims is None:
+            return self._dispatch(None)
+        claims.begin()
+        try:
+            return self._dispatch(claims)
+        finally:
+            claims.end()
+
+    def _dispatch(self, claims: Claims | None) -> int:
         released = 0
         now = self._clock()
+        # Flows of the top band whose head found no room at this opportunity, each holding
+        # its claim (waiting_claims_room); the band's other flows may still go.
+        stuck: set[tuple[int, str]] = set()
         while self.count:
             top = max(p for p, b in self._bands.items() if b.count)
             if self.peer_top_band is not None and self.peer_top_band > top:
@@ -514,27 +547,41 @@ class FlowController:
                     self._reclaim(top)
                 break
             band = self._bands[top]
-            served = self._fleet_served()
-            heads = {f: q[0].key for f, q in band.flows.items()}
-            if getattr(band.fairness, "timed", False):
-                arrivals = {f: q[0].arrival for f, q in band.flows.items()}
-                flow = cast(TimedFairness, band.fairness).pick_at(arrivals, now)
-            else:
-                if self._defer_to_peer(top, band, heads, served, now):
+            flows = band.flows
+            claiming = claims is not None and self._claims_for(top)
+            if stuck:
+                flows = {f: q for f, q in flows.items() if (top, f) not in stuck}
+                if not flows:
                     break
-                flow = band.fairness.pick(heads, served, self.weights)
+            item = _oldest_waiting(flows) if claiming else None
+            if item is None:
+                served = self._fleet_served()
+                heads = {f: q[0].key for f, q in flows.items()}
+                if getattr(band.fairness, "timed", False):
+                    arrivals = {f: q[0].arrival for f, q in flows.items()}
+                    flow = cast(TimedFairness, band.fairness).pick_at(arrivals, now)
+                else:
+                    if self._defer_to_peer(top, band, heads, served, now):
+                        break
+                    flow = band.fairness.pick(heads, served, self.weights)
+                item = flows[flow][0]
             self._deferring_since = None
-            item = band.flows[flow][0]
             room = _ANYWHERE
             if not item.future.done():
-                found = self._room(item.request)
+                found = self._room(item.request, item.waiting)
                 if found is None:
                     # The pool has room on average, but no server for this request: it
                     # waits here, not at the head of a full server's queue.
                     self.no_room += 1
-                    if self.evictor is not None:
+                    if self.evictor is not None and not stuck:
                         self._reclaim(top)
-                    break
+                    if not claiming:
+                        break
+                    assert claims is not None
+                    item.waiting = True
+                    claims.claim(self._closest(item.request), item.request.tokens)
+                    stuck.add((top, item.request.fairness_id))
+                    continue
                 room = found
             self._remove(band, item)
             if item.future.done():
@@ -548,6 +595,25 @@ class FlowController:
             item.future.set_result(ticket)
             released += 1
         return released
+
+    def _claims_for(self, priority: int) -> bool:
+        """Whether a band's waiting requests claim room: a band above the lowest (what a
+        reserve is kept for), with per-endpoint admission."""
+        return self._endpoints is not None and priority > min(self._priorities, default=priority)
+
+    def _closest(self, request: FlowRequest) -> str:
+        """The endpoint where the request comes closest to fitting: the least saturated
+        with it (and what is claimed there already) on it."""
+        assert self._endpoints is not None and self.claims is not None
+        det = cast(EndpointDetector, self._detector)
+        claimed = self.claims.against(request.priority, peers=False)
+        best: tuple[float, str] = (math.inf, "")
+        for addr, state in self._endpoints():
+            reqs, toks = self._pending_at.get(addr, _NONE)
+            toks += self._out_at.get(addr, _NONE)[1] + claimed.get(addr, 0)
+            after = det.endpoint_saturation(state, reqs + 1, toks + request.tokens)
+            best = min(best, (after, addr))
+        return best[1]
 
     def _defer_to_peer(
         self,
@@ -738,6 +804,14 @@ class FlowController:
 
 
 _ANYWHERE: tuple[str, frozenset[str]] = ("", frozenset())
+
+
+def _oldest_waiting(flows: Mapping[str, list[_Item]]) -> _Item | None:
+    """The oldest of the flows' heads that found no room before (waiting_claims_room)."""
+    waiting = [q[0] for q in flows.values() if q[0].waiting]
+    return min(waiting, key=lambda i: i.arrival.seq) if waiting else None
+
+
 _NONE = (0, 0)
 
 

@@ -13,6 +13,8 @@ tokens it served per flow (decayed), and reads everyone else's. With that, each 
   (flowcontrol/prefill_gate.py);
 - with `reserve_refill_s`, counts the room the peers' requests free per server with its
   own (flowcontrol/refill.py);
+- with `waiting_claims_room`, counts the room the peers' waiting higher-band requests
+  claim as placed (flowcontrol/claims.py);
 - knows which flows are queued where, per band: when the flow next by fleet-wide usage is
   queued only at another replica, free capacity is left to that replica (for at most two
   exchange intervals, so stale state never idles capacity for long). Token shares then hold
@@ -23,8 +25,9 @@ Saturation is fleet-wide by construction when in-flight counts are shared
 Layout (one hash slot, Cluster-safe): `{<ns>}:flow` hash, field = process id, value =
 msgpack `[expiry_ms, top_band | false, {flow: tokens}, pending_requests, pending_tokens,
 {band: [queued flow, ...]}, {address: [[age_ms, prompt_tokens], ...]}, {address:
-freed_tokens_per_s}]` (the last three absent from older replicas; the placements empty
-without the gate's fleet view, the freed rates absent without `reserve_refill_s`);
+freed_tokens_per_s}, {address: claimed_tokens}]` (the last four absent from older
+replicas; the placements empty without the gate's fleet view, the freed rates empty or
+absent without `reserve_refill_s`, the claims absent without `waiting_claims_room`);
 one script refreshes our field, drops expired ones (Redis server time, so no clock agreement
 needed) and returns the rest.
 Redis failing -> per-replica flow control: peers' state is forgotten, a warning is logged,
@@ -54,6 +57,10 @@ log = logging.getLogger("extproc.flowcontrol")
 # undecodable entry. Unbounded, one such rate would let every replica's reserve be credited
 # away.
 _MAX_FREED_RATE = 10_000_000.0
+
+# A peer's claim on one server above this many tokens is no waiting request's (forged or
+# corrupt): its entry is dropped, as one with an implausible freed rate.
+_MAX_CLAIM = 10_000_000
 
 _EXCHANGE = """
 local t = redis.call('TIME')
@@ -132,10 +139,14 @@ class SharedFlowState:
                   fc.pending_tokens, fc.top_flows()]  # fmt: skip
         gate = fc.gate if fc.gate is not None and fc.gate.fleet_view else None
         refill = fc.refill
-        if gate is not None or refill is not None:
+        claims = fc.claims
+        if gate is not None or refill is not None or claims is not None:
             fields.append(gate.published() if gate is not None else {})
-        if refill is not None:
-            fields.append({a: round(r, 1) for a, r in refill.rates().items()})
+        if refill is not None or claims is not None:
+            rates = refill.rates() if refill is not None else {}
+            fields.append({a: round(r, 1) for a, r in rates.items()})
+        if claims is not None:
+            fields.append(claims.published())
         own = msgpack.encode(fields)
         try:
             blobs = await command(self._eval(own), self._timeout_s, self._abandoned)
@@ -150,6 +161,8 @@ class SharedFlowState:
                 gate.peers_lost()
             if refill is not None:
                 refill.peer_rates = {}
+            if claims is not None:
+                claims.peers_seen([])
             return
         self._outage.healed()
         self.stats.exchanges += 1
@@ -160,6 +173,7 @@ class SharedFlowState:
         queued: dict[int, set[str]] = {}
         placed: dict[str, list[tuple[float, int]]] = {}  # address -> (age s, tokens)
         freed: dict[str, float] = {}  # address -> tokens/s the peers' requests freed
+        claimed: list[tuple[int, dict[str, int]]] = []  # per peer: (its top band, its claims)
         for blob in blobs:
             try:
                 _, band, flows, p_reqs, p_toks, *rest = msgpack.decode(blob)
@@ -179,6 +193,9 @@ class SharedFlowState:
                 rates = _mapping(rest[2] if refill is not None and len(rest) > 2 else {})
                 for a, r in rates.items():
                     freed[str(a)] = freed.get(str(a), 0.0) + _freed_rate(r)
+                if claims is not None and len(rest) > 3 and type(band) is int:
+                    theirs_claimed = {str(a): _claimed(t) for a, t in _mapping(rest[3]).items()}
+                    claimed.append((band, theirs_claimed))
             except (ValueError, TypeError, AttributeError):  # msgspec.DecodeError is a ValueError
                 continue  # a foreign or corrupt entry must not stop flow control
             peers += 1
@@ -193,6 +210,8 @@ class SharedFlowState:
             gate.peers_placed(placed)
         if refill is not None:
             refill.peer_rates = freed
+        if claims is not None:
+            claims.peers_seen(claimed)
         # A peer's higher band may have drained: whatever we hold may now go.
         fc.dispatch()
 
@@ -225,6 +244,13 @@ def _freed_rate(value: Any) -> float:
     if not (math.isfinite(rate) and 0.0 <= rate <= _MAX_FREED_RATE):
         raise ValueError(f"implausible freed rate {value!r}")
     return rate
+
+
+def _claimed(value: Any) -> int:
+    tokens = int(value)
+    if not 0 < tokens <= _MAX_CLAIM:
+        raise ValueError(f"implausible claim {value!r}")
+    return tokens
 
 
 def _mapping(value: Any) -> dict:

@@ -26,9 +26,14 @@ LO = {"x-llm-d-inference-objective": "batch"}
 
 
 def two_band_reserve_config(
-    tmp: Path, scorer: str, max_tokens_in_flight: int, **flow_control: Any
+    tmp: Path,
+    scorer: str,
+    max_tokens_in_flight: int,
+    fairness: str | None = None,
+    **flow_control: Any,
 ) -> Path:
     """Writes the config (and its objectives file) into `tmp`; returns the config's path.
+    `fairness`: the interactive band's fairness policy (default: llm-d's global strict).
     `flow_control` adds to or overrides extproc's own `flow_control` section."""
     objectives = tmp / "objectives.yaml"
     objectives.write_text(yaml.safe_dump({"interactive": 10, "batch": 0}))
@@ -41,10 +46,14 @@ def two_band_reserve_config(
                 {"type": scorer},
                 {"type": "max-score-picker"},
                 {"type": "concurrency-detector", "parameters": detector},
+                *([{"type": fairness}] if fairness else []),
             ],
             "flowControl": {
                 "defaultRequestTTL": "60s",
-                "priorityBands": [{"priority": 10}, {"priority": 0}],
+                "priorityBands": [
+                    {"priority": 10, **({"fairnessPolicyRef": fairness} if fairness else {})},
+                    {"priority": 0},
+                ],
                 "saturationDetector": {"pluginRef": "concurrency-detector"},
             },
             "schedulingProfiles": [
@@ -68,13 +77,17 @@ def two_band_reserve_config(
 
 @contextlib.contextmanager
 def reserve_stack(
-    tmp: Path, cap: int, sim_args: Sequence[str] = ("--decode-tps", "100"), **flow_control: Any
+    tmp: Path,
+    cap: int,
+    sim_args: Sequence[str] = ("--decode-tps", "100"),
+    fairness: str | None = None,
+    **flow_control: Any,
 ) -> Iterator[Stack]:
     """Envoy, `extproc serve` on `two_band_reserve_config` (the token-load scorer, `cap`
-    tokens per server, sizes counted as prompts alone: exact thresholds, plus
-    `flow_control`) and two simulated servers (`sim_args`)."""
+    tokens per server, sizes counted as prompts alone: exact thresholds, the interactive
+    band's `fairness` policy, plus `flow_control`) and two simulated servers (`sim_args`)."""
     flow_control = {"expected_output_tokens": 0, **flow_control}
-    path = two_band_reserve_config(tmp, "token-load-scorer", cap, **flow_control)
+    path = two_band_reserve_config(tmp, "token-load-scorer", cap, fairness, **flow_control)
     opts = StackOptions(upstreams=2, sim_args=tuple(sim_args), extproc_args=("--config", str(path)))
     with Stack(opts) as s:
         yield s

@@ -261,3 +261,45 @@ async def test_the_room_peers_free_counts_toward_the_reserve_and_degrades(
     finally:
         for s in (sa, sb, sc):
             await s.aclose()
+
+
+async def test_waiting_requests_claims_reach_the_peers_and_degrade(redis_server: RedisServer):
+    """With `waiting_claims_room`, replica a's interactive request waiting for server A
+    reaches replica b as a claim (Lua's msgpack re-packing included): b's newer interactive
+    request goes to B, not into the room a's waits for. A forged claim is dropped; with
+    Redis gone b forgets a's claims."""
+    from extproc.flowcontrol.controller import FlowRequest
+    from tests.flowcontrol.test_claims import make as claims_make
+    from tests.flowcontrol.test_reserve_rate import Fleet
+
+    fleet = Fleet()
+    a, b = claims_make(fleet, claims=True), claims_make(fleet, claims=True)
+    assert a.claims is not None and b.claims is not None
+    sa = SharedFlowState.from_url(redis_server.url, a, namespace="t8", process_id="a")
+    sb = SharedFlowState.from_url(redis_server.url, b, namespace="t8", process_id="b")
+    try:
+        fleet.tokens.update(A=1300, B=1500)  # A 700 free, B 500
+        large = asyncio.create_task(a.admit(FlowRequest("c", 10, 800, 10)))
+        await asyncio.sleep(0)
+        assert not large.done() and a.claims.published() == {"A": 800}
+        for s in (sa, sb):
+            await s.exchange()
+        assert b.claims.peers == [(10, {"A": 800})]
+        t = await b.admit(FlowRequest("a", 10, 400, 10))
+        assert t.target == "B"
+        b.release(t)
+        raw = Redis.from_url(redis_server.url)
+        for bad in (-5, 0, 2**40, "x"):
+            forged = msgpack.encode([2**52, 10, {}, 0, 0, {}, {}, {}, {"B": bad}])
+            await raw.hset("{t8}:flow", "forged", forged)
+            await sb.exchange()
+            assert b.claims.peers == [(10, {"A": 800})], bad
+        await raw.hdel("{t8}:flow", "forged")
+        await raw.aclose()
+        redis_server.kill()
+        await sb.exchange()
+        assert sb.degraded and b.claims.peers == []
+        large.cancel()
+    finally:
+        for s in (sa, sb):
+            await s.aclose()
