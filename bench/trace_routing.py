@@ -454,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
                     corrections += [_lookup_health(a) for a in admins] if replicas else []
                     if (replicas or 1) > 1:
                         corrections += [_exchange_line(a) for a in admins]
+                    # Each picker's /metrics at the run's end (scrapes, exchanges, CPU...).
+                    for k, a in enumerate(admins):
+                        dest = args.out / f"{args.workload}-{named}-{rnd}.metrics-{k}.txt"
+                        dest.write_text(httpx.get(f"http://127.0.0.1:{a}/metrics", timeout=10).text)
                 out = args.out / f"{args.workload}-{named}-{rnd}.jsonl"
                 out.write_text("".join(json.dumps(r) + "\n" for r in rows))
                 (args.out / f"{args.workload}-{named}-{rnd}.cpu.json").write_text(
