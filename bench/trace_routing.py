@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         "redis3-shared (3 replicas, state.shared_placements), redis3-cal (3 replicas, "
         "state.shared_calibration: true), redis3-unpooled (3 replicas, "
         "state.shared_calibration: false: the default before the fourteenth session, auto "
-        "now pools with a Redis index); a redis mode + '-drained': predicted-ttft-scorer's "
+        "now pools with a Redis index), redis3-scrapes (3 replicas, state.shared_scrapes: "
+        "the replicas divide the scrapes); a redis mode + '-drained': predicted-ttft-scorer's "
         "peerInflight: drained (the default); + '-whole': its peerInflight: whole (the "
         "default before); + '-sharedlane': its peerInflight: sharedLane (the peers' drain "
         "behind the replica's own in-flight tokens); + '-lane': its inflightFloor: drained; "
@@ -413,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["state"] = {**cfg.get("state", {}), "shared_placements": True}
                 if base == "redis3-cal":
                     cfg["state"] = {**cfg.get("state", {}), "shared_calibration": True}
+                if base == "redis3-scrapes":
+                    cfg["state"] = {**cfg.get("state", {}), "shared_scrapes": True}
                 if base == "redis3-unpooled":
                     cfg["state"] = {**cfg.get("state", {}), "shared_calibration": False}
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
@@ -422,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                 ex = contextlib.ExitStack()
                 replicas = {
                     "redis1": 1, "redis3": 3, "redis3-shared": 3, "redis3-cal": 3,
-                    "redis3-unpooled": 3,
+                    "redis3-unpooled": 3, "redis3-scrapes": 3,
                 }.get(base)  # fmt: skip
                 names = ["extproc", *(f"extproc-{i}" for i in range(1, replicas or 1))]
                 log_at = {n: _size(log_dir / f"{n}.log") for n in names}
