@@ -299,6 +299,8 @@ class Lifecycle(Parts):
         self.signals.announce()
         if self.calibration_pooling is not None:
             log.info(self.calibration_pooling)
+        if self.scrape_sharing is not None:
+            log.info(self.scrape_sharing)
         for what in self.settings.degraded:
             log.warning("degraded: %s", what, extra={"degraded": what})
         log.info(

@@ -1,10 +1,11 @@
 """Three `extproc serve` replicas sharing one redis-server behind one Envoy divide the
-simulated servers' scrapes among themselves (`state.shared_scrapes`,
+simulated servers' scrapes among themselves (`state.shared_scrapes`, `auto` by default,
 server/shared_scrapes.py): together they scrape each server about as often as one replica
 would, every replica still holds fresh figures of every server, and requests route. With
-the replicas not sharing (the default), every replica scrapes every server: three times the
-scrapes. With Redis killed, the sharing replicas say so (`extproc_shared_scrapes_degraded`)
-and each scrapes every server again, its figures staying fresh.
+the replicas not sharing (`false`, the default before), every replica scrapes every
+server: three times the scrapes. With Redis killed, the sharing replicas say so
+(`extproc_shared_scrapes_degraded`) and each scrapes every server again, its figures
+staying fresh.
 
 On the tenants workload three replicas' scrapes doubled the simulated engines' CPU and
 slowed their prefill lanes (bench/RESULTS.md, issue 14, fifteenth session)."""
@@ -20,7 +21,7 @@ from tests.redis_servers import RedisServer
 SIM = ("--fast", "4", "--prefill-tps", "5000")
 SERVERS = 3
 WINDOW_S = 2.0
-SHARED = "state: {shared_scrapes: true}\n"
+SHARED = "{}\n"  # the default, `state.shared_scrapes: auto`
 UNSHARED = "state: {shared_scrapes: false}\n"
 
 
