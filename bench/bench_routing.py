@@ -126,6 +126,19 @@ POLICIES: dict[str, dict] = {
         "redis": True,
         "extproc_args": ("--config", "@PLACEMENTS"),
     },
+    # Issue 14, fifteenth session: the replicas divide the servers' scrapes among them (the
+    # default since, `state.shared_scrapes: auto`); every replica scraping every server is
+    # the default before.
+    "extproc approximate, 3 replicas (Redis), shared scrapes": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@SCRAPES"),
+    },
+    "extproc approximate, 3 replicas (Redis), scrapes unshared": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@UNSCRAPED"),
+    },
     "extproc approximate, previous default": {"extproc_args": ("--config", "@PREVIOUS")},
     # Issue 14, eighth session: the in-flight floor counts requests before their first token.
     "extproc approximate, floor until first token": {"extproc_args": ("--config", "@FIRST")},
@@ -337,6 +350,8 @@ CONFIGS = {
     "@SHARED": "state: {shared_observations: true}\n",
     "@SHARED_PREFILL": "state: {shared_observations: true}\nindex: {lookup_budget: prefill}\n",
     "@PLACEMENTS": "state: {shared_placements: true}\n",
+    "@SCRAPES": "state: {shared_scrapes: true}\n",
+    "@UNSCRAPED": "state: {shared_scrapes: false}\n",
     "@DRAINED": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "drained"}),
 }
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
-from bench_routing import AGENTIC, PRESSURE_SHAPE, tenants_spec
+from bench_routing import AGENTIC, PRESSURE_SHAPE, stretched, tenants_spec
 from trace_causes import cause_of_each
 from trace_routing import _send, cpu_seconds, lane_clock, lane_delta, lane_line
 
@@ -178,9 +178,14 @@ def by_cause(rows: Sequence[dict], cause: dict[int, str]) -> tuple[dict, dict]:
 
 
 def replay(
-    workload: str, load: float, seed: int, rows: list[dict], log_dir: Path
-) -> tuple[dict, list[dict]]:
+    workload: str, load: float, seed: int, rows: list[dict], log_dir: Path,
+    time_scale: float = 1.0,
+) -> tuple[dict, list[dict]]:  # fmt: skip
+    """`time_scale`: the trace's (`trace_routing.py --time-scale`): the simulators run x T
+    as fast; a tenants trace's send times are already in its wall seconds, an agentic
+    session's stagger and think times are divided by T as the trace's were."""
     servers, sim_args = PRESSURE_SHAPE[workload]
+    sim_args = stretched(sim_args, time_scale)
     with SimFleet(servers, sim_args, log_dir=log_dir) as fleet:
         urls = [s.url for s in fleet.servers]
         h0, q0 = prefix_counters(urls)
@@ -196,7 +201,10 @@ def replay(
                 if workload == "agentic":
                     sessions = build_sessions(replace(AGENTIC, sessions=int(load), seed=seed))
                     plan = closed_loop_plan(rows, sessions, servers)
-                    return await replay_closed(plan, urls, send, AGENTIC.stagger_s, AGENTIC.think_s)
+                    return await replay_closed(
+                        plan, urls, send, AGENTIC.stagger_s / time_scale,
+                        AGENTIC.think_s / time_scale,
+                    )  # fmt: skip
                 items = build_workload(tenants_spec(seed))
                 return await replay_open(open_loop_plan(rows, items, servers), urls, send)
 
@@ -236,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         "--causes", action="store_true",
         help="tenants: uncached tokens and slow requests per miss cause (trace_causes.py)",
     )  # fmt: skip
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, metavar="T",
+        help="the traces' trace_routing.py --time-scale (simulators x T as fast; TTFTs stay "
+        "in wall seconds)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     load = args.load or (8 if args.workload == "agentic" else 24)
     traces = {t: [json.loads(x) for x in t.read_text().splitlines()] for t in args.traces}
@@ -256,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="replay-decisions-") as tmp:
         for rnd in range(args.rounds):
             for t, rows in traces.items():
-                f, out = replay(args.workload, load, args.seed, rows, Path(tmp))
+                f, out = replay(args.workload, load, args.seed, rows, Path(tmp), args.time_scale)
                 f |= {"trace": str(t), "round": rnd}
                 results.append(f)
                 cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(f["cpu_s"].items()))

@@ -339,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         "redis3-shared (3 replicas, state.shared_placements), redis3-cal (3 replicas, "
         "state.shared_calibration: true), redis3-unpooled (3 replicas, "
         "state.shared_calibration: false: the default before the fourteenth session, auto "
-        "now pools with a Redis index); a redis mode + '-drained': predicted-ttft-scorer's "
+        "now pools with a Redis index), redis3-scrapes (3 replicas, state.shared_scrapes: "
+        "true: the replicas divide the scrapes, as auto does now), redis3-unshared (its "
+        "false: every replica scrapes every server, the default before the fifteenth "
+        "session); a redis mode + '-drained': predicted-ttft-scorer's "
         "peerInflight: drained (the default); + '-whole': its peerInflight: whole (the "
         "default before); + '-sharedlane': its peerInflight: sharedLane (the peers' drain "
         "behind the replica's own in-flight tokens); + '-lane': its inflightFloor: drained; "
@@ -413,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["state"] = {**cfg.get("state", {}), "shared_placements": True}
                 if base == "redis3-cal":
                     cfg["state"] = {**cfg.get("state", {}), "shared_calibration": True}
+                if base == "redis3-scrapes":
+                    cfg["state"] = {**cfg.get("state", {}), "shared_scrapes": True}
+                if base == "redis3-unshared":
+                    cfg["state"] = {**cfg.get("state", {}), "shared_scrapes": False}
                 if base == "redis3-unpooled":
                     cfg["state"] = {**cfg.get("state", {}), "shared_calibration": False}
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
@@ -422,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                 ex = contextlib.ExitStack()
                 replicas = {
                     "redis1": 1, "redis3": 3, "redis3-shared": 3, "redis3-cal": 3,
-                    "redis3-unpooled": 3,
+                    "redis3-unpooled": 3, "redis3-scrapes": 3, "redis3-unshared": 3,
                 }.get(base)  # fmt: skip
                 names = ["extproc", *(f"extproc-{i}" for i in range(1, replicas or 1))]
                 log_at = {n: _size(log_dir / f"{n}.log") for n in names}
@@ -454,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
                     corrections += [_lookup_health(a) for a in admins] if replicas else []
                     if (replicas or 1) > 1:
                         corrections += [_exchange_line(a) for a in admins]
+                    # Each picker's /metrics at the run's end (scrapes, exchanges, CPU...).
+                    for k, a in enumerate(admins):
+                        dest = args.out / f"{args.workload}-{named}-{rnd}.metrics-{k}.txt"
+                        dest.write_text(httpx.get(f"http://127.0.0.1:{a}/metrics", timeout=10).text)
                 out = args.out / f"{args.workload}-{named}-{rnd}.jsonl"
                 out.write_text("".join(json.dumps(r) + "\n" for r in rows))
                 (args.out / f"{args.workload}-{named}-{rnd}.cpu.json").write_text(

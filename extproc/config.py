@@ -235,6 +235,13 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     4,000 would). `auto` (default): on whenever the index is a non-Cluster Redis index and
     calibration is on, off otherwise, said in a log line at start; `true` / `false` force it
     (bench/RESULTS.md, issue 14, fourteenth session).
+    `shared_scrapes`: with a non-Cluster Redis index and shared in-flight counts, the
+    replicas alive in the in-flight exchange divide the servers' scrapes among themselves,
+    each scraping its share and passing the figures to the others; a server whose figures
+    stop coming for `scrape.stale_after_s` is scraped by each replica itself, as with Redis
+    down (`server/shared_scrapes.py`). `auto` (default): on wherever it can be, said in a
+    log line at start; one replica alone scrapes everything as before; `true` / `false`
+    force it (bench/RESULTS.md, issue 14, fifteenth session).
     `prefill_speed`: how the engines' prefill histograms become each endpoint's prefill
     speed (`endpoints/prefill_speed.py`): `busy` (tokens per second the engine was busy
     prefilling) or `request` (per second of each request's prefill, where prefills sharing
@@ -247,6 +254,7 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shared_observations: bool = False
     shared_placements: bool = False
     shared_calibration: bool | Literal["auto"] = "auto"
+    shared_scrapes: bool | Literal["auto"] = "auto"
     exclude_failing: bool = True
     request_end: RequestEndSettings = msgspec.field(default_factory=RequestEndSettings)
     # GPU utilization from each endpoint host's DCGM exporter (None: not polled); turned on

@@ -130,8 +130,10 @@ class PrefillSpeeds:
         self.samples += 1
         self._tps[address] = statistics.median(window)
 
-    def scraped(self, address: str, totals: LatencyTotals | None) -> None:
-        """A scrape of `address` (its latency histograms' totals; None: none exported)."""
+    def scraped(self, address: str, totals: LatencyTotals | None, *, age_s: float = 0.0) -> None:
+        """A scrape of `address` (its latency histograms' totals; None: none exported),
+        taken `age_s` seconds ago (a peer replica's: the intervals between scrapes are
+        timed from when each was taken)."""
         if totals is None or totals.prefill_tokens is None:
             if address not in self._no_histograms:
                 self._no_histograms.add(address)
@@ -142,11 +144,13 @@ class PrefillSpeeds:
                 )
             return
         self._no_histograms.discard(address)
-        now = self._clock()
+        now = self._clock() - max(0.0, age_s)
         e = self._engine.get(address)
         if e is None:
             self._engine[address] = _Engine(totals, now)
             return
+        if now < e.at:
+            return  # older than the last one kept (shared scrapes arriving out of order)
         last, interval_s = e.totals, now - e.at
         e.totals, e.at = totals, now
         assert last.prefill_tokens is not None  # only totals with tokens are kept

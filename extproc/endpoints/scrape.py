@@ -10,7 +10,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol
 
 import msgspec
 from xxhash import xxh3_64_intdigest
@@ -91,6 +91,15 @@ class _Health:
 _SLOW_FAILURES = 3
 
 
+class ScrapeShare(Protocol):
+    """Replicas dividing the scrapes among themselves (server/shared_scrapes.py): whether
+    this replica scrapes `address` at this tick, and what it scraped, to pass on."""
+
+    def wants(self, address: str) -> bool: ...
+
+    def scraped(self, address: str, scraped: Scraped) -> None: ...
+
+
 class MetricsScraper:
     """Scrapes every endpoint of `pool` each `interval_s` into `states`, until cancelled.
 
@@ -112,7 +121,7 @@ class MetricsScraper:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
         on_invalidate: Callable[[str, str], Awaitable[None]] | None = None,
-        on_scrape: Callable[[str, Scraped], None] | None = None,
+        on_scrape: Callable[[str, Scraped, float], None] | None = None,
     ) -> None:
         """`on_invalidate(address, reason)` is awaited when what the index believes about
         an endpoint's cache can no longer be true: its process restarted (empty cache), or
@@ -120,7 +129,9 @@ class MetricsScraper:
         refused connection. Timeouts alone take a server out of routing after three in a row
         (`is_failing`) but keep its cache, unless its start time is unknown (`_cache_lost`)."""
         self._on_invalidate = on_invalidate
-        self._on_scrape = on_scrape  # each successful scrape (approximate-mode calibration)
+        # Each successful scrape (address, figures, seconds since taken): approximate-mode
+        # calibration, prefill speeds.
+        self._on_scrape = on_scrape
         self._pool = pool
         self._states = states
         self._s = settings if settings is not None else ScrapeSettings()
@@ -130,6 +141,13 @@ class MetricsScraper:
         self._health: dict[str, _Health] = {}
         self._pending: set[str] = set()
         self._snapshot: object = None
+        # When the figures last stored per endpoint were taken (this clock): a peer's scrape
+        # older than them is dropped.
+        self._taken: dict[str, float] = {}
+        self._invalidations: set[asyncio.Task[None]] = set()
+        # Set when replicas share scrapes: endpoints a peer scrapes are skipped here while
+        # its figures arrive (`wants`), and this replica's scrapes are passed on.
+        self.share: ScrapeShare | None = None
         self.stats = ScrapeStats()
 
     def failures(self, address: str) -> int:
@@ -161,8 +179,11 @@ class MetricsScraper:
             self._snapshot = endpoints
             self._follow_pool({e.address for e in endpoints})
         now = self._clock()
+        share = self.share
         for address, h in self._health.items():
             if address not in self._pending and now >= h.retry_at:
+                if share is not None and not share.wants(address):
+                    continue
                 self._pending.add(address)
                 tasks.create_task(self._scrape(address, h), name=f"scrape {address}")
 
@@ -170,6 +191,7 @@ class MetricsScraper:
         s = self._s
         for gone in self._health.keys() - addresses:
             self._health.pop(gone).fetcher.close()
+            self._taken.pop(gone, None)
         for new in addresses - self._health.keys():
             fetcher = MetricsFetcher(
                 new,
@@ -198,22 +220,48 @@ class MetricsScraper:
                 await self._invalidate(address, "unreachable")
         else:
             if self._health.get(address) is h:  # still in the pool
-                self._states.update(address, scraped)
                 self.stats.scrapes += 1
-                if self._on_scrape is not None:
-                    self._on_scrape(address, scraped)
-                started, h.started = h.started, scraped.process_start_s
-                if started is not None and scraped.process_start_s not in (None, started):
-                    log.warning("endpoint %s restarted: its cached blocks are forgotten", address)
+                restarted = self._store(address, h, scraped, 0.0)
+                if self.share is not None:
+                    self.share.scraped(address, scraped)
+                if restarted:
                     await self._invalidate(address, "restart")
-                if h.failing:
-                    log.info("endpoint %s: metrics back after %d failures", address, h.failing)
-                    h.failing = 0
-                    h.slow = False
-                    h.forgotten = False
-                    h.retry_at = 0.0
         finally:
             self._pending.discard(address)
+
+    def _store(self, address: str, h: _Health, scraped: Scraped, age_s: float) -> bool:
+        """Stores what a scrape taken `age_s` ago says (this replica's or a peer's); True
+        when it shows the engine restarted."""
+        self._taken[address] = self._clock() - age_s
+        self._states.update(address, scraped, age_s=age_s)
+        if self._on_scrape is not None:
+            self._on_scrape(address, scraped, age_s)
+        if h.failing:
+            log.info("endpoint %s: metrics back after %d failures", address, h.failing)
+            h.failing = 0
+            h.slow = False
+            h.forgotten = False
+            h.retry_at = 0.0
+        started, h.started = h.started, scraped.process_start_s
+        if started is not None and scraped.process_start_s not in (None, started):
+            log.warning("endpoint %s restarted: its cached blocks are forgotten", address)
+            return True
+        return False
+
+    def apply(self, address: str, scraped: Scraped, age_s: float) -> bool:
+        """A peer replica's scrape of `address`, taken `age_s` seconds ago: stored as this
+        replica's own would be (figures, calibration, prefill speed, a restart's
+        invalidation). False, and nothing stored, for an endpoint not in the pool, or
+        figures older than those stored (a peer's batch late behind this replica's own
+        scrape), which would read as counters going back."""
+        h = self._health.get(address)
+        if h is None or self._clock() - age_s < self._taken.get(address, -float("inf")):
+            return False
+        if self._store(address, h, scraped, age_s):
+            task = asyncio.get_running_loop().create_task(self._invalidate(address, "restart"))
+            self._invalidations.add(task)
+            task.add_done_callback(self._invalidations.discard)
+        return True
 
     def _cache_lost(self, address: str, h: _Health) -> bool:
         """Whether this failure means the endpoint's cache must be taken as gone (once per

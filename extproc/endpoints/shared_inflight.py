@@ -281,6 +281,11 @@ class SharedInFlight:
         """In-flight requests placed by this process (exact)."""
         return self._local_total
 
+    def peers(self) -> frozenset[str]:
+        """The other processes alive at the last exchange (none once Redis has failed for
+        longer than their TTL)."""
+        return frozenset(self._peer_load)
+
     @property
     def is_degraded(self) -> bool:
         """The last exchange with Redis failed: others' counts are old or dropped."""

@@ -63,8 +63,10 @@ class EndpointStates:
         if attrs is not None:
             attrs.pop(key, None)
 
-    def update(self, address: str, scraped: Scraped) -> None:
-        self._latest[address] = (scraped, self._clock())
+    def update(self, address: str, scraped: Scraped, *, age_s: float = 0.0) -> None:
+        """Stores `scraped`, taken `age_s` seconds ago (a peer replica's scrape reaches
+        this one a publish interval after it was taken; its age counts from then)."""
+        self._latest[address] = (scraped, self._clock() - max(0.0, age_s))
         lat = scraped.latency
         if lat is None or scraped.finished is None:
             # Not exported (sglang, an older vLLM): unknown. (No first-token histogram with

@@ -166,6 +166,9 @@ class Parts:
         self.shared_sessions = self._share_sessions()
         self.shared_observations = self._share_observations()
         self.shared_placements = self._share_placements()
+        # What `state.shared_scrapes: auto` decided, logged once the ports are bound.
+        self.scrape_sharing: str | None = None
+        self.shared_scrapes = self._share_scrapes()
         # What `state.shared_calibration: auto` decided, logged once the ports are bound
         # (a picker that cannot start says one line).
         self.calibration_pooling: str | None = None
@@ -251,6 +254,55 @@ class Parts:
             lru,
             process_id=pid,
             known=lambda address: self.pool.get(address) is not None,
+        )
+
+    def _share_scrapes(self):
+        """Replicas sharing a Redis index divide the servers' scrapes among themselves
+        (Redis pub/sub; who is alive: the shared in-flight exchange). `auto` (the default):
+        on where it can be, said in a log line either way."""
+        inflight = self.inflight
+        if self.settings.state.shared_scrapes == "auto":
+            idx = self.settings.index
+            url = idx.redis_url if idx.backend == "redis" and not idx.cluster else None
+            why = (
+                "no scraping" if self.scraper is None
+                else "Redis Cluster" if idx.backend == "redis" and idx.cluster
+                else "no Redis index" if url is None
+                else "no shared in-flight counts" if not isinstance(inflight, SharedInFlight)
+                else None
+            )  # fmt: skip
+            self.scrape_sharing = (
+                f"state.shared_scrapes auto: off ({why})" if why else
+                "state.shared_scrapes auto: on (Redis index): replicas divide the servers' "
+                "scrapes; alone, this one scrapes them all"
+            )  # fmt: skip
+            if why:
+                return None
+        else:
+            url = self._shared_redis(
+                "shared_scrapes",
+                "scrapes are not shared on Redis Cluster: every replica scrapes every server",
+            )
+            if url is None or self.scraper is None:
+                return None
+            if not isinstance(inflight, SharedInFlight):
+                log.warning(
+                    "state.shared_scrapes needs state.shared_inflight (who is alive): every "
+                    "replica scrapes every server"
+                )
+                return None
+        assert url is not None and self.scraper is not None
+        assert isinstance(inflight, SharedInFlight)
+        from extproc.server.shared_scrapes import SharedScrapes
+
+        scrape = self.settings.state.scrape
+        assert scrape is not None  # a scraper exists
+        return SharedScrapes.from_url(
+            url,
+            self.scraper,
+            inflight.peers,
+            process_id=self._process_id(),
+            takeover_s=scrape.stale_after_s,
         )
 
     def _share_placements(self):
@@ -422,12 +474,12 @@ class Parts:
                 sub.watch(self.event_source(e))
         return sub
 
-    def _scraped(self, address: str, scraped) -> None:
+    def _scraped(self, address: str, scraped, age_s: float = 0.0) -> None:
         lat = scraped.latency
         finished = (lat.prompt_sum, lat.prompt_count) if lat is not None else None
         self.calibration.observe(address, scraped.kv_block_size, scraped.prompt_tokens, finished)
         # The engine's own prefill timing, queueing excluded (endpoints/prefill_speed.py).
-        self.speeds.scraped(address, scraped.latency)
+        self.speeds.scraped(address, scraped.latency, age_s=age_s)
 
     async def _invalidate_endpoint(self, address: str, reason: str) -> None:
         """The scraper saw `address` restart or stop answering: its cache is not what the

@@ -152,6 +152,14 @@ class Exporter:
                 "1 while prefill-speed samples and new-prefix picks are not shared (Redis "
                 "failing): this replica learns from its own placements only.",
             )
+        if p.shared_scrapes is not None:
+            yield from _shared(
+                fam.SHARED_SCRAPES,
+                p.shared_scrapes,
+                "extproc_shared_scrapes_degraded",
+                "1 while scrapes are not shared (Redis failing): this replica scrapes every "
+                "server itself.",
+            )
         if p.shared_calibration is not None:
             yield from _shared(
                 fam.SHARED_CALIBRATION,

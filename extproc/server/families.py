@@ -403,6 +403,43 @@ SHARED_OBSERVATIONS = StatsFamilies(
     },
 )
 
+SHARED_SCRAPES = StatsFamilies(
+    "extproc.server.shared_scrapes.SharedScrapesStats",
+    {
+        "published": Stat(
+            "extproc_shared_scrapes_published",
+            "Scrapes of the servers this replica owns, published to the other replicas.",
+        ),
+        "applied": Stat(
+            "extproc_shared_scrapes_applied",
+            "Peers' scrapes stored here as this replica's own would be.",
+        ),
+        "dropped": Stat(
+            "extproc_shared_scrapes_dropped",
+            "Scrapes never published (Redis failing or backlog full).",
+        ),
+        "errors": Stat(
+            "extproc_shared_scrapes_errors",
+            "Failed publishes or subscriptions of shared scrapes.",
+        ),
+        "bad_entries": Stat(
+            "extproc_shared_scrapes_bad_entries",
+            "Peers' scrapes that did not decode or held figures out of range (skipped).",
+        ),
+        "stale": Stat(
+            "extproc_shared_scrapes_stale",
+            "Peers' scrapes not applied: older than the figures stored, or of a server "
+            "not in the pool.",
+        ),
+        "takeovers": Stat(
+            "extproc_shared_scrapes_takeovers",
+            "Times this replica began scraping a server a peer owns, its figures not "
+            "having come within the scrape's stale_after_s (Redis failing, the owner slow "
+            "or gone, or at start).",
+        ),
+    },
+)
+
 SHARED_CALIBRATION = StatsFamilies(
     "extproc.server.shared_calibration.SharedCalibrationStats",
     {
@@ -655,7 +692,8 @@ LATENCY_MODEL = StatsFamilies(
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
-    SHARED_SESSIONS, SHARED_OBSERVATIONS, SHARED_PLACEMENTS, SHARED_CALIBRATION, CALIBRATION,
+    SHARED_SESSIONS, SHARED_OBSERVATIONS, SHARED_PLACEMENTS, SHARED_SCRAPES, SHARED_CALIBRATION,
+    CALIBRATION,
     CAPACITY, PLACED, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
 )  # fmt: skip
 

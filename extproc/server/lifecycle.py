@@ -232,6 +232,9 @@ class Lifecycle(Parts):
         if self.shared_placements is not None:
             self.spawn("shared-placements", self.shared_placements.run)
             self._exits.push_async_callback(self.shared_placements.aclose)
+        if self.shared_scrapes is not None:
+            self.spawn("shared-scrapes", self.shared_scrapes.run)
+            self._exits.push_async_callback(self.shared_scrapes.aclose)
         if self.shared_calibration is not None:
             self.spawn("shared-calibration", self.shared_calibration.run)
             self._exits.push_async_callback(self.shared_calibration.aclose)
@@ -296,6 +299,8 @@ class Lifecycle(Parts):
         self.signals.announce()
         if self.calibration_pooling is not None:
             log.info(self.calibration_pooling)
+        if self.scrape_sharing is not None:
+            log.info(self.scrape_sharing)
         for what in self.settings.degraded:
             log.warning("degraded: %s", what, extra={"degraded": what})
         log.info(

@@ -231,3 +231,13 @@ def test_nan_samples_are_ignored_and_kv_usage_is_clamped() -> None:
 def test_unusable_bodies_raise_metrics_error(body: bytes) -> None:
     with pytest.raises(MetricsError):
         parse_metrics(body)
+
+
+def test_process_start_time_on_the_first_line_or_later_and_not_inside_another_name() -> None:
+    load = b"vllm:num_requests_waiting 1\n"
+    first = b"process_start_time_seconds 1.5e+09\n" + load
+    later = load + b"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 2.5e+09\n"
+    other = load + b"my_process_start_time_seconds 3.5e+09\n"
+    assert parse_metrics(first).process_start_s == 1.5e09
+    assert parse_metrics(later).process_start_s == 2.5e09
+    assert parse_metrics(other).process_start_s is None

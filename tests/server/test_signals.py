@@ -66,16 +66,20 @@ async def test_sharing_asked_for_without_a_redis_index_is_said(
     s = msgspec.structs.replace(
         settings,
         state=StateSettings(
-            shared_observations=True, shared_placements=True, shared_calibration=True
+            shared_observations=True,
+            shared_placements=True,
+            shared_calibration=True,
+            shared_scrapes=True,
         ),
     )
     async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
         assert app.shared_placements is None and app.shared_observations is None
-        assert app.shared_calibration is None
+        assert app.shared_calibration is None and app.shared_scrapes is None
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("shared_placements needs a Redis index" in m for m in warned), warned
     assert any("shared_observations needs a Redis index" in m for m in warned), warned
     assert any("shared_calibration needs a Redis index" in m for m in warned), warned
+    assert any("shared_scrapes needs a Redis index" in m for m in warned), warned
 
 
 async def test_calibration_pooling_by_default_says_why_it_is_off_without_a_redis_index(
@@ -90,4 +94,19 @@ async def test_calibration_pooling_by_default_says_why_it_is_off_without_a_redis
     said = [r for r in caplog.records if "shared_calibration" in r.getMessage()]
     assert [(r.levelno, r.getMessage()) for r in said] == [
         (logging.INFO, "state.shared_calibration auto: off (no Redis index)")
+    ]
+
+
+async def test_scrape_sharing_by_default_says_why_it_is_off_without_a_redis_index(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+):
+    # `state.shared_scrapes: auto` (the default): on with a Redis index
+    # (tests/e2e/test_replica_scrapes.py), off here, said at INFO, no warning.
+    caplog.set_level(logging.INFO, logger="extproc.server")
+    assert settings.state.shared_scrapes == "auto"
+    async with App(settings, parse_endpoints(",".join(settings.endpoints))) as app:
+        assert app.shared_scrapes is None
+    said = [r for r in caplog.records if "shared_scrapes" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in said] == [
+        (logging.INFO, "state.shared_scrapes auto: off (no Redis index)")
     ]
