@@ -138,6 +138,9 @@ POLICIES: dict[str, dict] = {
     # virtual queue alone): the spills off a tenant's holder at the knee were decided on the
     # floor (0.4-0.6 s against a real backlog of 0-0.4 s).
     "extproc approximate, floor drained": {"extproc_args": ("--config", "@DRAINED")},
+    # Issue 14, fifteenth session: `drained` became the default; the floor as it was before
+    # (each in-flight request's uncached prompt counted until it ends), to measure against.
+    "extproc approximate, floor until end": {"extproc_args": ("--config", "@UNTIL_END")},
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
@@ -338,6 +341,7 @@ CONFIGS = {
     "@SHARED_PREFILL": "state: {shared_observations: true}\nindex: {lookup_budget: prefill}\n",
     "@PLACEMENTS": "state: {shared_placements: true}\n",
     "@DRAINED": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "drained"}),
+    "@UNTIL_END": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "untilEnd"}),
 }
 
 
