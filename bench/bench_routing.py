@@ -141,6 +141,11 @@ POLICIES: dict[str, dict] = {
     # Issue 14, fifteenth session: `drained` became the default; the floor as it was before
     # (each in-flight request's uncached prompt counted until it ends), to measure against.
     "extproc approximate, floor until end": {"extproc_args": ("--config", "@UNTIL_END")},
+    "extproc approximate, 3 replicas (Redis), floor until end": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@UNTIL_END"),
+    },
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
