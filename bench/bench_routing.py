@@ -151,6 +151,14 @@ POLICIES: dict[str, dict] = {
     # virtual queue alone): the spills off a tenant's holder at the knee were decided on the
     # floor (0.4-0.6 s against a real backlog of 0-0.4 s).
     "extproc approximate, floor drained": {"extproc_args": ("--config", "@DRAINED")},
+    # Issue 14, fifteenth session: `drained` became the default; the floor as it was before
+    # (each in-flight request's uncached prompt counted until it ends), to measure against.
+    "extproc approximate, floor until end": {"extproc_args": ("--config", "@UNTIL_END")},
+    "extproc approximate, 3 replicas (Redis), floor until end": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@UNTIL_END"),
+    },
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
@@ -353,6 +361,7 @@ CONFIGS = {
     "@SCRAPES": "state: {shared_scrapes: true}\n",
     "@UNSCRAPED": "state: {shared_scrapes: false}\n",
     "@DRAINED": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "drained"}),
+    "@UNTIL_END": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "untilEnd"}),
 }
 
 

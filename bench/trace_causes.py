@@ -236,6 +236,60 @@ def spills(rows: list[dict], weights: dict[str, float]) -> tuple[list[str], coll
     return lines, tally
 
 
+def tenant_moves(rows: list[dict], weights: dict[str, float]) -> collections.Counter:
+    """Every known tenant's request sent elsewhere than the tenant's previous request, by what
+    moved it: the previous server ("home") removed by a filter (which one); home credited
+    with no more than the shared header (the index took the tenant for new, no-hit spreading
+    placed it); another server credited with as much as home (a second holder); or home
+    credited and outscored, by the scorer that tipped it (for predicted TTFT, the term that
+    set home's predicted queue). Each class counted with its misses (the engine served under
+    half the prompt from cache) and its requests at or above the run's TTFT p90."""
+    ok = sorted((r for r in rows if r.get("decision") and "ttft_s" in r),
+                key=lambda r: r["sent_s"])  # fmt: skip
+    minima = [min(r["decision"]["prefix_blocks"].values(), default=0) for r in ok]
+    header = statistics.median_low(minima) if minima else 0
+    ttfts = sorted(r["ttft_s"] for r in ok)
+    p90 = ttfts[int(0.9 * len(ttfts))] if ttfts else float("nan")
+    last: dict[int, str] = {}
+    out: collections.Counter = collections.Counter()
+    for r in ok:
+        d, new, home = r["decision"], r["served_by"], last.get(r["tenant"])
+        last[r["tenant"]] = new
+        if home is None:
+            continue
+        out["known tenant requests"] += 1
+        if new == home:
+            continue
+        held, total = d["prefix_blocks"], d["scores"].get("default/total", {})
+        if home not in total:
+            why = next((x.split(" ")[0] for x in d["reasons"] if home in x), "excluded")
+            kind = f"home filtered out ({why.split('/')[-1]})"
+        elif held.get(home, 0) <= header:
+            kind = "home not credited beyond the header (dealt as new)"
+        elif held.get(new, 0) >= held[home]:
+            kind = "another holder credited with as much"
+        else:
+            diffs = {
+                k.split("/")[-1]: weights.get(k.split("/")[-1], 1.0)
+                * (v.get(new, 0.0) - v.get(home, 0.0))
+                for k, v in d["scores"].items() if k != "default/total"
+            }  # fmt: skip
+            margin = total[new] - total[home]
+            tipped = [k for k, x in diffs.items() if x > 0 and margin - x <= 0]
+            kind = "home outscored, tipped by " + ("+".join(tipped) or "several")
+            terms = d.get("terms", {}).get("default/predicted-ttft-scorer", {})
+            if "predicted-ttft-scorer" in tipped and home in terms:
+                queue = {k: terms[home].get(k, 0.0) for k in _QUEUE_TERMS}
+                top = max(queue, key=lambda k: queue[k])
+                kind += f" (home's queue set by {top if queue[top] > 0 else 'nothing'})"
+        missed = r.get("cached_tokens", 0) < 0.5 * r.get("prompt_tokens", 1)
+        out["moved"] += 1
+        out[kind] += 1
+        out[f"{kind}: missed"] += missed
+        out[f"{kind}: at/above p90"] += r["ttft_s"] >= p90
+    return out
+
+
 def by_time(rows: list[dict], first_s: float = 5.0) -> list[str]:
     """Requests and their uncached prompt tokens per cause, all of the run and those sent in
     its first `first_s` seconds (where a replica's calibration transient falls)."""
@@ -263,6 +317,16 @@ def main(argv: list[str]) -> int:
             print(f"{path}: {len(found)} turns left their session's server")
             for line in found:
                 print(f"  {line}")
+        return 0
+    if "--tenant-moves" in argv:
+        weights = _weights(argv)
+        paths = [a for i, a in enumerate(argv) if not a.startswith("--")
+                 and (i == 0 or argv[i - 1] != "--weights")]  # fmt: skip
+        for path in paths:
+            rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+            print(path)
+            for k, n in sorted(tenant_moves(rows, weights).items()):
+                print(f"  {n:4d}  {k}")
         return 0
     if "--spills" in argv:
         weights = _weights(argv)

@@ -80,6 +80,11 @@ async def _send(http: aiohttp.ClientSession, url: str, item: WorkItem, t0: float
                     row["engine_s"] = sum(
                         float(parts[k]) for k in (b"kv_wait_s", b"lane_wait_s", b"prefill_s")
                     )
+                    # Each part too: a slower request waited for KV room (a running request
+                    # must end) or for the prefill lane (a prefill ahead of it).
+                    row["engine_parts"] = {
+                        k.decode(): float(v) for k, v in parts.items() if k.endswith(b"_s")
+                    }
                     continue
                 if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                     continue
@@ -346,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         "peerInflight: drained (the default); + '-whole': its peerInflight: whole (the "
         "default before); + '-sharedlane': its peerInflight: sharedLane (the peers' drain "
         "behind the replica's own in-flight tokens); + '-lane': its inflightFloor: drained; "
-        "+ '-wq': its waitingFloor: endpointMean; + '-kv': kv-cache-utilization-scorer's "
-        "countRequest: true; + '-wqkv': "
+        "+ '-first': its inflightFloor: untilFirstToken; + '-wq': its waitingFloor: "
+        "endpointMean; + '-kv': kv-cache-utilization-scorer's countRequest: true; + '-wqkv': "
         "both; any mode + '-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -404,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                     "-drained": {ttft: {"peerInflight": "drained"}},
                     "-whole": {ttft: {"peerInflight": "whole"}},
                     "-lane": {ttft: {"inflightFloor": "drained"}},
+                    "-first": {ttft: {"inflightFloor": "untilFirstToken"}},
                     "-wqkv": {ttft: {"waitingFloor": "endpointMean"}, kv: {"countRequest": True}},
                     "-wq": {ttft: {"waitingFloor": "endpointMean"}},
                     "-kv": {kv: {"countRequest": True}},

@@ -1,9 +1,11 @@
 """A chat's next turn through Envoy and `extproc serve` while its home server streams a long
-answer: with `inflightFloor: untilFirstToken`, predicted TTFT's in-flight floor counts only
-the requests the engine reports before their first token, so a request decoding there is
-not taken for queued prefill and the turn stays home (issue 14, eighth session: counted
-until it ended, a long answer's prompt made the holder look seconds deep and sessions left
-the server holding their prefix; that stays the default, and the test fails with it).
+answer: a request decoding there is not taken for queued prefill and the turn stays home.
+By default (`inflightFloor: drained`, since issue 14's fifteenth session) predicted TTFT
+takes no in-flight floor beyond its own virtual queue; with `inflightFloor:
+untilFirstToken` the floor counts only the requests the engine reports before their first
+token. Counted until it ended (`untilEnd`, the default before), a long answer's prompt made
+the holder look seconds deep and sessions left the server holding their prefix (eighth
+session; at the tenants knee, fourteenth and fifteenth): the test fails with it.
 
 Deterministic: the long request is streamed, its first token read, and the picker's own
 state polled until a scrape taken after that token is in it; the next turn is then
@@ -16,6 +18,7 @@ import random
 import time
 
 import httpx
+import pytest
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions, wait_until
@@ -33,12 +36,16 @@ PARSE = "parse: {block_tokens: 16, bytes_per_token: 1}\n"
 SCORER = "default/predicted-ttft-scorer"
 
 
-def test_a_request_decoding_on_the_home_server_does_not_push_the_next_turn_off_it(tmp_path):
+@pytest.mark.parametrize("floor", ["default", "untilFirstToken"])
+def test_a_request_decoding_on_the_home_server_does_not_push_the_next_turn_off_it(tmp_path, floor):
     rng = random.Random(7)
     system = "agent prompt. " + text(rng, 80)
     cfg = tmp_path / "picker.yaml"
-    floor = {"predicted-ttft-scorer": {"inflightFloor": "untilFirstToken"}}
-    cfg.write_text(PARSE + default_profile_with(floor))
+    if floor == "default":  # no scheduling section: the profile users get
+        cfg.write_text(PARSE)
+    else:
+        params = {"predicted-ttft-scorer": {"inflightFloor": floor}}
+        cfg.write_text(PARSE + default_profile_with(params))
     opts = StackOptions(upstreams=2, sim_args=SIM, extproc_args=("--config", str(cfg)))
     with Stack(opts) as stack, httpx.Client(timeout=60) as http:
         admin = f"http://127.0.0.1:{stack.picker_admin_port}"

@@ -7,7 +7,9 @@ session: counted until the answer ends, they made the holder look a second deep 
 tenants to a cold server; `whole`, the default until then, still does, and the test checks
 it). `drained` is the default since the second part of that session. The
 replica that placed the answer counts its own in-flight tokens whole either way, as one
-replica does.
+replica does. `peerInflight` shapes the floor `inflightFloor: untilEnd` takes, so those
+cases ask for it by name: under `inflightFloor: drained`, the default since the fifteenth
+session, no replica takes an in-flight floor (the third test).
 
 Deterministic: requests go one at a time through Envoy; the tenant's next request is only
 explained (never sent) by each replica's admin port, after every replica counts the long
@@ -122,12 +124,17 @@ def run(tmp_path, redis: RedisServer, floor: str) -> tuple[str, int, list[dict],
     return home, placer, explained, drained
 
 
-# The default (the other parameter given at its default only), `drained` spelled out, and
-# `sharedLane` (the replicas that did not place the answer have nothing of their own there).
+# `peerInflight` shapes the in-flight floor that `inflightFloor: untilEnd` takes (the default
+# before the fifteenth session; `drained`, the default now, has none, tested below): its
+# default (given alone), `drained` spelled out, and `sharedLane` (the replicas that did not
+# place the answer have nothing of their own there).
+UNTIL_END = "inflightFloor: untilEnd"
+
+
 @pytest.mark.parametrize(
     "params",
-    ["inflightFloor: untilEnd", "peerInflight: drained", "peerInflight: sharedLane"],
-    ids=["default", "drained", "sharedLane"],
+    [UNTIL_END, f"{UNTIL_END}, peerInflight: drained", f"{UNTIL_END}, peerInflight: sharedLane"],
+    ids=["untilEnd", "drained", "sharedLane"],
 )
 def test_replicas_keep_a_tenant_on_its_holder_while_a_peers_answer_decodes_there(
     tmp_path, redis_server, params
@@ -149,7 +156,9 @@ def test_replicas_keep_a_tenant_on_its_holder_while_a_peers_answer_decodes_there
 
 
 def test_counted_whole_a_peers_answer_moves_the_tenant_to_a_cold_server(tmp_path, redis_server):
-    home, placer, explained, drained = run(tmp_path, redis_server, "peerInflight: whole")
+    home, placer, explained, drained = run(
+        tmp_path, redis_server, f"{UNTIL_END}, peerInflight: whole"
+    )
     why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained], drained)
     assert all(e["endpoints"][0] != home for e in explained), why
     assert drained == [0, 0, 0], why
@@ -158,8 +167,9 @@ def test_counted_whole_a_peers_answer_moves_the_tenant_to_a_cold_server(tmp_path
 def test_with_the_drained_floor_the_placer_keeps_the_tenant_on_its_holder_too(
     tmp_path, redis_server
 ):
-    # `inflightFloor: drained`: no replica floors by in-flight tokens; its own placements
-    # are its virtual queue (drained by now), the peers' count as far as not computed.
+    # `inflightFloor: drained` (the default): no replica floors by in-flight tokens; its own
+    # placements are its virtual queue (drained by now), the peers' count as far as not
+    # computed.
     home, placer, explained, _ = run(tmp_path, redis_server, "inflightFloor: drained")
     why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained])
     assert all(e["endpoints"][0] == home for e in explained), why
@@ -191,7 +201,7 @@ def run_lane(tmp_path, redis: RedisServer, mode: str) -> tuple[int, int, list[fl
     by the next. Returns A's placer, B's placer, every replica's drained-tokens counter after
     explaining a probe, and every replica's terms for the server."""
     rng = random.Random(12)
-    picker = PICKER % f"peerInflight: {mode}"
+    picker = PICKER % f"{UNTIL_END}, peerInflight: {mode}"
     with replicas(
         tmp_path, redis, picker, upstreams=1, sim_args=SLOW_PREFILL, timeout_s=120
     ) as fleet:

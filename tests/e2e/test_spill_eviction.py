@@ -26,8 +26,10 @@ SIM = ("--num-gpu-blocks", "64", "--decode-tps", "40")
 # uncached part stays under 256 of them, the prefill-speed sampler's minimum, so both servers
 # keep the scorer's prior speed, set low so the prompts dwarf the fixed 5 ms per request.
 # The default profile otherwise.
+# The queue is the in-flight floor `inflightFloor: untilEnd` takes (the default before the
+# fifteenth session; `drained` has none): a request held open counts until it ends.
 PICKER = "parse: {block_tokens: 16, bytes_per_token: 1}\n" + default_profile_with(
-    {"predicted-ttft-scorer": {"priorPrefillTokensPerSecond": 1000}}
+    {"predicted-ttft-scorer": {"priorPrefillTokensPerSecond": 1000, "inflightFloor": "untilEnd"}}
 )
 SCORER = "default/predicted-ttft-scorer"
 WORDS = ("tenant", "policy", "invoice", "refund", "order", "ticket", "account", "shipping")

@@ -19,6 +19,12 @@ class Clock:
         return self.t
 
 
+# The in-flight floor the default had before the fifteenth session: each in-flight request's
+# uncached prompt counted until it ends. The tests of that floor (and of the peers' share of
+# it, `peerInflight`) ask for it by name.
+UNTIL_END = PredictedTTFTScorer.Params(inflight_floor="untilEnd")
+
+
 def place(scorer: PredictedTTFTScorer, r, cands, addr: str) -> None:
     chosen = next(c for c in cands if c.endpoint.address == addr)
     scorer.observe(r, cands, Decision(endpoints=(chosen.endpoint,)))
@@ -146,7 +152,7 @@ def test_bounded_load_spills_a_hot_prefix_group_to_a_second_server():
 
 
 def test_other_replicas_inflight_prefill_counts_as_a_queue():
-    sc = PredictedTTFTScorer(clock=Clock())
+    sc = PredictedTTFTScorer(UNTIL_END, clock=Clock())
     r = req(blocks=10, tokens=6400)
     # Nothing this replica placed on a, but 12,800 tokens of prefill other replicas placed.
     a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)  # 2 s queued
@@ -158,7 +164,7 @@ def test_other_replicas_inflight_prefill_counts_as_a_queue():
 def test_with_the_fleets_placements_folded_the_inflight_floor_is_not_taken():
     # The in-flight tokens count requests until they end (decoding ones too); a queue that
     # folds every replica's placements already holds the prefill still ahead.
-    sc = PredictedTTFTScorer(clock=Clock())
+    sc = PredictedTTFTScorer(UNTIL_END, clock=Clock())
     r = req(blocks=10, tokens=6400)
     a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)
     b = cand("b", prefill_tps=6400.0)
@@ -300,8 +306,8 @@ def test_inflight_requests_past_their_first_token_are_not_counted_as_queued_pref
     # Other clients' prefills on the engine count only up to ours (waiting has its floor).
     s = sc.score(r, [cand("a", prefix=10, prefilling=9, **busy), b])
     assert s[1] == 1.0 and s[0] < 0.6
-    # The default counts each in-flight request until it ends, whatever the engine says.
-    sc = PredictedTTFTScorer(clock=Clock())
+    # `untilEnd` counts each in-flight request until it ends, whatever the engine says.
+    sc = PredictedTTFTScorer(UNTIL_END, clock=Clock())
     s = sc.score(r, [cand("a", prefix=10, prefilling=0, **busy), b])
     assert s[1] == 1.0 and s[0] < 0.6
     assert sc.floor_fallbacks == 0
@@ -343,7 +349,10 @@ class Peers:
 
 
 def peer_scorer(mode: str, clock: Clock) -> PredictedTTFTScorer:
-    return PredictedTTFTScorer(PredictedTTFTScorer.Params(peer_inflight=mode), clock=clock)
+    # `peerInflight` shapes the in-flight floor, which `inflightFloor: drained` (the default)
+    # does not take: asked for with the floor counted until the requests end.
+    params = PredictedTTFTScorer.Params(peer_inflight=mode, inflight_floor="untilEnd")
+    return PredictedTTFTScorer(params, clock=clock)
 
 
 def test_drained_peers_inflight_keeps_the_holder_once_their_prefill_is_done():
@@ -377,7 +386,7 @@ def test_the_default_drains_the_peers_inflight_tokens():
     r = req(blocks=10, tokens=6400)
     a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)
     b = cand("b", prefill_tps=6400.0)
-    default = PredictedTTFTScorer(clock=Clock())
+    default = PredictedTTFTScorer(UNTIL_END, clock=Clock())
     default.peer_arrivals = Peers(12_800, 0.0)
     s = default.score(r, [a, b])
     assert s[0] == 1.0 and s[1] < 0.2  # the peers' prefill is done: the holder keeps it
@@ -437,9 +446,37 @@ def test_drained_floor_is_the_virtual_queue_plus_the_peers_undrained_tokens():
     assert s[0] == 1.0 and s[1] < 0.6 and not peers.asked
 
 
+def test_by_default_requests_in_flight_are_no_floor_beyond_the_virtual_queue():
+    # A tenant's holder at the knee: 12,800 uncached tokens this picker placed are still in
+    # flight there (decoding their answers), their prefill long done. Counted until they
+    # end (`untilEnd`, the default before the fifteenth session) they were 2 s of queue and
+    # the request left for a cold server (1 s to recompute); by default the queue ahead is
+    # what the picker's own virtual queue still holds.
+    assert PredictedTTFTScorer.Params().inflight_floor == "drained"
+    clock = Clock()
+    r = req(blocks=10, tokens=6400)
+    a = cand("a", prefix=10, prefill_tps=6400.0, inflight_requests=4, inflight_tokens=12_800)
+    b = cand("b", prefill_tps=6400.0)
+    default = PredictedTTFTScorer(clock=clock)
+    s = default.score(r, [a, b])
+    assert s[0] == 1.0 and s[1] < 0.2
+    s = PredictedTTFTScorer(UNTIL_END, clock=clock).score(r, [a, b])
+    assert s[1] == 1.0 and s[0] < 0.6
+    # What the picker placed is still queued while its prefill runs: 1.5 s on a now.
+    place(default, req(blocks=10, tokens=9600), [cand("a", prefill_tps=6400.0)], "a")
+    s = default.score(r, [a, b])
+    assert s[1] == 1.0 and s[0] < 0.7
+    assert default.explain(r, [a, b])[0]["queue_s"] == pytest.approx(1.5)
+    # Scraped waiting requests still floor it (another client's work, say).
+    clock.t += 10.0
+    busy = cand("a", prefix=10, prefill_tps=6400.0, waiting=3, inflight_tokens=12_800)
+    s = default.score(r, [busy, b])
+    assert s[1] == 1.0 and s[0] < 0.6
+
+
 def test_explain_gives_each_term_of_the_prediction_scored():
     clock = Clock()
-    sc = PredictedTTFTScorer(clock=clock)
+    sc = PredictedTTFTScorer(UNTIL_END, clock=clock)
     for _ in range(40):  # a mean placed prefill near 1,000 tokens
         place(sc, req(blocks=10, tokens=1000), [cand("z", prefill_tps=1e9)], "z")
     place(sc, req(blocks=10, tokens=2000), [cand("a", prefill_tps=1000.0)], "a")  # 2 s queued

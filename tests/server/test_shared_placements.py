@@ -124,7 +124,10 @@ async def test_forged_placements_are_refused_or_clamped(redis_server):
 
 async def test_redis_gone_is_said_and_the_replica_keeps_its_own_view(redis_server):
     clock = Clock()
-    sc = PredictedTTFTScorer(clock=clock)
+    # The in-flight floor that is left out while the fleet's placements arrive is taken
+    # with `inflightFloor: untilEnd` (the default, `drained`, takes none either way).
+    until_end = PredictedTTFTScorer.Params(inflight_floor="untilEnd")
+    sc = PredictedTTFTScorer(until_end, clock=clock)
     shared = SharedPlacements.from_url(
         redis_server.url, SharedPlacements.scorers([sc]), process_id="a"
     )

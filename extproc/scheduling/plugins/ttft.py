@@ -8,17 +8,17 @@ prefix is replicated on a second endpoint while each session's longer tail keeps
 back to where it grew. No weight between "affinity" and "load" needs calibrating.
 
 The queue ahead is this picker's own virtual prefill queue per endpoint (each placement adds
-its uncached tokens / speed; it drains in real time), floored by the in-flight prefill
-tokens every replica placed there and by the endpoint's scraped waiting requests at the
-mean placed prefill (both shared: replicas see the same floor). In-flight requests count
-until they end, or (`inflightFloor: untilFirstToken`) only as many as the engine reports
-before their first token, not through their decode (`_inflight_prefill`). With
-`inflightFloor: drained` there is no in-flight floor: the picker's own placements are its
-virtual queue, and the other replicas' in-flight tokens add what a prefill lane at the
-endpoint's speed would not have computed since the exchange brought them
-(endpoints/peer_arrivals.py); counted until they end, time spent decoding, in the gateway
-and waiting for the access log read as queued prefill, more so on a loaded machine, and
-tenants left busy holders (bench/RESULTS.md, issue 14, tenth session). With the peers'
+its uncached tokens / speed; it drains in real time), floored by the endpoint's scraped
+waiting requests at the mean placed prefill. By default (`inflightFloor: drained`) the
+in-flight requests are no floor of their own: this picker's are in its virtual queue, and
+the other replicas' in-flight tokens add what a prefill lane at the endpoint's speed would
+not have computed since the exchange brought them (endpoints/peer_arrivals.py). Counted
+until they end (`inflightFloor: untilEnd`, the default before the fifteenth session), time
+spent decoding, in the gateway and waiting for the access log read as queued prefill: at the
+tenants knee a tenant's holder looked 0.3-0.9 s deep with no prefill queued, and tenants
+left it for a cold server, writing their prompt into a full cache (bench/RESULTS.md, issue
+14, fourteenth and fifteenth sessions). `inflightFloor: untilFirstToken` counts only as many
+as the engine reports before their first token (`_inflight_prefill`). With the peers'
 placements folded in (below), the queue is the fleet's and the in-flight floor is left out.
 Speeds are measured online
 (`EndpointState.prefill_tps`: from the engines' prefill histograms, else the access log,
@@ -92,16 +92,21 @@ class PredictedTTFTScorer:
     max-score picker sends the request where its first token comes soonest.
 
     `inflightFloor`: how the in-flight requests floor the queue ahead (without shared
-    placements): `untilEnd` (default) counts each one's prompt until it ends, decoding
-    included; `untilFirstToken` counts only as many as the engine reports before their
-    first token (`_inflight_prefill`). Opt-in: interleaved runs did not show it better on
-    every workload (bench/RESULTS.md, issue 14, eighth session). `drained`: no in-flight
-    floor; the virtual queue plus the peers' in-flight tokens a lane at the endpoint's speed
-    would not have computed since they arrived (one replica: the virtual queue alone).
+    placements): `drained` (default) no in-flight floor; the virtual queue plus the peers'
+    in-flight tokens a lane at the endpoint's speed would not have computed since they
+    arrived (one replica: the virtual queue alone). Default since the fifteenth session: at
+    the tenants knee better on hit ratio in every interleaved pair, and on agentic the same
+    sessions on the same servers as `untilEnd` (bench/RESULTS.md, issue 14). `untilEnd`
+    counts each one's prompt until it ends, decoding included (the default before);
+    `untilFirstToken` counts only as many as the engine reports before their first token
+    (`_inflight_prefill`). Opt-in: interleaved runs did not show it better on every
+    workload (bench/RESULTS.md, issue 14, eighth session).
 
-    `peerInflight`: how the other replicas' share of those in-flight tokens counts (shared
-    in-flight counts, no shared placements): `drained` (default) only what a prefill lane at
-    the endpoint's speed would not have computed since each exchange brought it
+    `peerInflight`: with `inflightFloor: untilEnd` or `untilFirstToken`, how the other
+    replicas' share of those in-flight tokens counts (shared in-flight counts, no shared
+    placements; `inflightFloor: drained` always drains them): `drained` (default) only
+    what a prefill lane at the endpoint's speed would not have computed since each exchange
+    brought it
     (endpoints/peer_arrivals.py); `whole` counts it until the requests end, which on several
     replicas made a busy holder look deeper than on one and moved tenants off it (drained
     won every interleaved tenants pair on a quiet machine, bench/RESULTS.md, issue 14,
@@ -133,7 +138,7 @@ class PredictedTTFTScorer:
 
     ```yaml
     - type: predicted-ttft-scorer
-      parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: untilEnd,
+      parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
                    peerInflight: drained, waitingFloor: fleetMean, speedUnits: engine}
     ```
     """
@@ -143,7 +148,7 @@ class PredictedTTFTScorer:
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
         # Used only before any endpoint's speed has been measured.
         prior_prefill_tokens_per_second: Annotated[float, msgspec.Meta(gt=0.0)] = 10000.0
-        inflight_floor: Literal["untilEnd", "untilFirstToken", "drained"] = "untilEnd"
+        inflight_floor: Literal["untilEnd", "untilFirstToken", "drained"] = "drained"
         peer_inflight: Literal["whole", "drained", "sharedLane"] = "drained"
         waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
         speed_units: Literal["engine", "estimates"] = "engine"
