@@ -247,10 +247,11 @@ def _freed_rate(value: Any) -> float:
 
 
 def _claimed(value: Any) -> int:
-    tokens = int(value)
-    if not 0 < tokens <= _MAX_CLAIM:
+    # Claims are published as whole tokens: anything else (a float, inf, a bool) is no
+    # replica's; `int()` of it could also raise past the caller's except (OverflowError).
+    if type(value) is not int or not 0 < value <= _MAX_CLAIM:
         raise ValueError(f"implausible claim {value!r}")
-    return tokens
+    return value
 
 
 def _mapping(value: Any) -> dict:
