@@ -262,20 +262,16 @@ class Parts:
         on where it can be, said in a log line either way."""
         inflight = self.inflight
         if self.settings.state.shared_scrapes == "auto":
-            idx = self.settings.index
-            url = idx.redis_url if idx.backend == "redis" and not idx.cluster else None
-            why = (
-                "no scraping" if self.scraper is None
-                else "Redis Cluster" if idx.backend == "redis" and idx.cluster
-                else "no Redis index" if url is None
-                else "no shared in-flight counts" if not isinstance(inflight, SharedInFlight)
-                else None
-            )  # fmt: skip
-            self.scrape_sharing = (
-                f"state.shared_scrapes auto: off ({why})" if why else
-                "state.shared_scrapes auto: on (Redis index): replicas divide the servers' "
-                "scrapes; alone, this one scrapes them all"
-            )  # fmt: skip
+            url, why = self._auto_index_url()
+            if self.scraper is None:
+                why = "no scraping"
+            elif why is None and not isinstance(inflight, SharedInFlight):
+                why = "no shared in-flight counts"
+            self.scrape_sharing = _auto_line(
+                "shared_scrapes",
+                why,
+                "replicas divide the servers' scrapes; alone, this one scrapes them all",
+            )
             if why:
                 return None
         else:
@@ -354,20 +350,23 @@ class Parts:
         return self._pool_calibration(url)
 
     def _share_calibration_auto(self):
-        idx = self.settings.index
-        url = idx.redis_url if idx.backend == "redis" and not idx.cluster else None
+        url, why = self._auto_index_url()
         if not self.calibration.enabled:
             why = "calibration is off (parse.calibrate false or precise keys)"
-        elif url is None:
-            why = "Redis Cluster" if idx.cluster else "no Redis index"
-        else:
-            self.calibration_pooling = (
-                "state.shared_calibration auto: on (Redis index): replicas pool approximate "
-                "mode's calibration"
-            )
-            return self._pool_calibration(url)
-        self.calibration_pooling = f"state.shared_calibration auto: off ({why})"
-        return None
+        self.calibration_pooling = _auto_line(
+            "shared_calibration", why, "replicas pool approximate mode's calibration"
+        )
+        if why or url is None:
+            return None
+        return self._pool_calibration(url)
+
+    def _auto_index_url(self) -> tuple[str | None, str | None]:
+        """For a `state.<option>: auto`: the URL of the non-Cluster Redis index it shares
+        through, or None and why not."""
+        idx = self.settings.index
+        if idx.backend == "redis" and idx.redis_url and not idx.cluster:
+            return idx.redis_url, None
+        return None, "Redis Cluster" if idx.backend == "redis" and idx.cluster else "no Redis index"
 
     def _pool_calibration(self, url: str):
         from extproc.server.shared_calibration import SharedCalibration
@@ -499,3 +498,13 @@ class Parts:
         host = e.address.rpartition(":")[0]
         replay = f"tcp://{host}:{ev.replay_port}" if ev.replay_port else None
         return EventSource(e.address, f"tcp://{host}:{ev.port}", replay_url=replay)
+
+
+def _auto_line(option: str, why: str | None, on: str) -> str:
+    """The line a `state.<option>: auto` logs once the ports are bound: off and why, or on
+    and what that does."""
+    return (
+        f"state.{option} auto: off ({why})"
+        if why
+        else f"state.{option} auto: on (Redis index): {on}"
+    )
