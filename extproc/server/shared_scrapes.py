@@ -114,6 +114,9 @@ class SharedScrapes:
         self._clock = clock
         # Per server: when the last peer's scrape of it was applied (this clock).
         self._heard: dict[str, float] = {}
+        # A replica just started has heard nobody yet: its peers get one takeover_s to be
+        # heard before their servers count as taken over (else every start counted some).
+        self._started = clock()
         # Servers this replica scrapes though a peer owns them (no figures came in time).
         self._taken_over: set[str] = set()
         self._applied = self._stale = self._bad = self._takeovers = 0
@@ -175,8 +178,8 @@ class SharedScrapes:
         if self._owner(address) == self._id:
             self._taken_over.discard(address)
             return True
-        heard = self._heard.get(address)
-        if heard is not None and self._clock() - heard <= self._takeover_s:
+        heard = self._heard.get(address, self._started)
+        if self._clock() - heard <= self._takeover_s:
             self._taken_over.discard(address)
             return False
         if address not in self._taken_over:

@@ -104,7 +104,10 @@ def test_replicas_divide_the_scrapes_and_scrape_everything_with_redis_gone(
         time.sleep(1.0)  # past stale_after_s: each takes over what its peers scraped
         alone = _rate(r)
         assert _all_fresh(r), r.metrics_text()
-        assert all(x > 0 for x in r.metric("extproc_shared_scrapes_takeovers_total"))
+        # (Not counted as takeovers for certain: once Redis has failed for longer than the
+        # in-flight exchange's TTL a replica knows no peers and scrapes everything as a lone
+        # one would; which comes first is a race. tests/server/test_shared_scrapes.py counts
+        # takeovers with a clock of its own.)
 
     why = (unshared, shared, alone, published)
     # One scrape per server per interval for the fleet, not one per replica.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from redis.asyncio import Redis
 
 from extproc.index.base import IndexOptions
@@ -17,6 +18,8 @@ from extproc.index.lookup_health import LookupHealth
 from extproc.index.redis import RedisKVIndex
 from tests.redis_servers import RedisServer
 from tests.reliability.harness import DelayProxy
+
+pytestmark = pytest.mark.timing  # lookups read against wall-clock budgets
 
 A = "10.0.0.1:8000"
 KEYS = [101, 102, 103]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from extproc.testing import ExtProcClient
 from tests.redis_servers import RedisServer
 from tests.reliability.conftest import figure
@@ -18,6 +20,8 @@ from tests.reliability.harness import (
     quantile,
     route,
 )
+
+pytestmark = pytest.mark.timing  # decisions read against wall-clock budgets
 
 
 async def sticky(client: ExtProcClient, conversation: int) -> bool:

@@ -23,6 +23,8 @@ from tests.endpoints.test_scrape import ModelServer
 from tests.endpoints.test_scrape import running as scraping
 from tests.server.broadcasting import running, until
 
+pytestmark = pytest.mark.timing  # scrape rates over wall-clock windows
+
 SERVERS = 6
 IDS = ("a", "b", "c")
 SETTINGS = ScrapeSettings(interval_s=0.02, timeout_s=0.5, max_backoff_s=0.04)
@@ -194,3 +196,34 @@ async def test_a_peers_scrape_older_than_the_stored_one_is_dropped(servers):
     got = states.scraped(a)
     assert got is not None and got.waiting == 3
     assert states.age_s(a) == 0.0
+
+
+async def test_takeovers_count_peers_unheard_for_takeover_s_from_the_start_once_per_spell(
+    redis_server,
+):
+    # Owners by rendezvous hash among a (this replica) and b: the servers b owns are left to
+    # b for takeover_s from the start (nobody heard yet is not a takeover), then scraped
+    # here and counted once per spell, until b's figures come in again.
+    clock = ManualClock(100.0)
+    addresses = [f"10.0.0.{i}:8000" for i in range(1, 9)]
+    pool = EndpointPool([Endpoint(a) for a in addresses])
+    scraper = MetricsScraper(pool, EndpointStates(stale_after_s=10.0, clock=clock), SETTINGS)
+    scraper._follow_pool(set(addresses))
+    shared = SharedScrapes(
+        redis.asyncio.Redis.from_url(redis_server.url), scraper, lambda: {"b"},
+        process_id="a", takeover_s=1.0, clock=clock,
+    )  # fmt: skip
+    bs = [a for a in addresses if owner(a, {"a", "b"}) == "b"]
+    mine = [a for a in addresses if a not in bs]
+    assert bs and mine
+    assert all(shared.wants(a) for a in mine)
+    clock.advance(0.9)
+    assert not any(shared.wants(a) for a in bs) and shared.stats.takeovers == 0
+    clock.advance(0.2)
+    assert all(shared.wants(a) for a in bs) and all(shared.wants(a) for a in bs)
+    assert shared.stats.takeovers == len(bs)
+    shared._apply((0.0, (bs[0], msgspec.to_builtins(Scraped(waiting=1)))))
+    assert not shared.wants(bs[0])
+    clock.advance(1.1)
+    assert shared.wants(bs[0]) and shared.stats.takeovers == len(bs) + 1
+    await shared.aclose()

@@ -45,6 +45,7 @@ SCRAPE_S = 0.05
 # inside it, not where; on this machine the API server answers /metrics in 50-300 ms while
 # it serves 4 streams.
 TOLERANCE = 0.3
+STARVED_S = 1.0  # a gap between scrapes past which a phase is run again
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +137,20 @@ def test_idle_and_busy_engine_read_the_same_prefill_speed(engine, capsys):
         with ThreadPoolExecutor(CLIENTS) as pool:
             list(pool.map(client, [next(seeds) * 100 for _ in range(CLIENTS)]))
 
-    idle = learn(engine_url, log_path, alone)
-    busy = learn(engine_url, log_path, busy_engine)
-    idle2 = learn(engine_url, log_path, alone)
+    def phase(run: Callable[[], None]) -> dict[str, float]:
+        # The estimator's resolution is the scrape interval. A phase in which the engine's
+        # API server left a scrape unanswered for over a second (CI saw 4.6 s while it served
+        # the burst) measured the machine, not the estimator: it runs once more.
+        r = learn(engine_url, log_path, run)
+        if r["interval_max"] > STARVED_S:
+            with capsys.disabled():
+                print(f"\nscrapes starved ({r['interval_max']:.1f} s without one): again", end="")
+            r = learn(engine_url, log_path, run)
+        return r
+
+    idle = phase(alone)
+    busy = phase(busy_engine)
+    idle2 = phase(alone)
     with capsys.disabled():
         for name, r in (("idle", idle), ("busy", busy), ("idle again", idle2)):
             print(f"\n{name}: engine's steps {r['true']:.0f} tok/s; busy estimator "
