@@ -18,7 +18,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -244,6 +246,24 @@ def _role(proc: psutil.Process) -> str:
     return "pickers" if "serve" in cmd else proc.name()
 
 
+def _profile_env(out: Path) -> None:
+    """The pickers started from now on profile themselves into `out` once signalled."""
+    site = str(Path(__file__).resolve().parent / "cprofile_site")
+    path = os.environ.get("PYTHONPATH", "")
+    if site not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (site, path) if x)
+    os.environ["EXTPROC_CPROFILE_DIR"] = str(out.resolve())
+    os.environ["EXTPROC_CPROFILE_ON_SIGNAL"] = "1"
+
+
+def _toggle_profiles() -> None:
+    """Turns every picker's profiler on or off (SIGUSR2, bench/cprofile_site)."""
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if _role(child) == "pickers":
+                child.send_signal(signal.SIGUSR2)
+
+
 def cpu_seconds() -> dict[str, float]:
     """CPU seconds (user + system) so far of this process (the load generator) and of each
     child by role (simulators, pickers, envoy, redis): what the machine spent on whom."""
@@ -369,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", default="", help="YAML merged into every picker config")
     p.add_argument("--logs", type=Path, help="keep the stacks' logs here (default: discarded)")
     p.add_argument(
+        "--profile", type=Path, metavar="DIR",
+        help="cProfile the pickers while the workload runs (bench/cprofile_site): one "
+        "directory of profiles per run under DIR, read with bench/profile_read.py",
+    )  # fmt: skip
+    p.add_argument(
         "--time-scale", type=float, default=1.0, metavar="T",
         help="as bench_routing.py's: simulators x T as fast, arrivals x T the rate, think "
         "times / T; the traces and TTFTs stay in wall seconds",
@@ -451,8 +476,12 @@ def main(argv: list[str] | None = None) -> int:
                     fleet=fleet, log_dir=log_dir, extproc_args=("--config", str(path)),
                     allow_explain=True, replicas=replicas or 1, redis_url=redis_url,
                 )  # fmt: skip
+                if args.profile:
+                    _profile_env(args.profile / f"{args.workload}-{named}-{rnd}")
                 with ex, Stack(opts) as stack:
                     time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's socket
+                    if args.profile:
+                        _toggle_profiles()
                     urls = [srv.url for srv in fleet.servers]
                     lanes0 = lane_clock(urls)
                     cpu0, wall0, epoch0 = cpu_seconds(), time.perf_counter(), time.time()
@@ -463,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         rows = asyncio.run(_tenants(stack.url, load, args.seed, args.time_scale))
                     cpu1, wall = cpu_seconds(), time.perf_counter() - wall0
+                    if args.profile:
+                        _toggle_profiles()
                     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
                     lanes = lane_delta(lanes0, lane_clock(urls))
                     admin = f"http://127.0.0.1:{stack.picker_admin_port}/metrics"

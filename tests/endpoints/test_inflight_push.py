@@ -11,12 +11,16 @@ import time
 from collections.abc import AsyncIterator
 
 import msgpack
+import msgspec
 import pytest
 from redis.asyncio import Redis
 
+from extproc.config import IndexSettings, Settings, StateSettings
+from extproc.endpoints import parse_endpoints
 from extproc.endpoints.inflight_push import InFlightPush
 from extproc.endpoints.shared_inflight import SharedInFlight, SharedInFlightSettings
 from extproc.redis_broadcast import Broadcast
+from extproc.server.app import App
 from tests.redis_servers import RedisServer, free_port
 from tests.server.broadcasting import until
 
@@ -214,3 +218,18 @@ async def test_redis_down_is_logged_shown_and_counted(
             await task
         await pusher.aclose()
     assert any("in-flight push: Redis failing" in r.getMessage() for r in caplog.records)
+
+
+async def test_the_server_pushes_by_default_and_not_when_told(
+    settings: Settings, redis_server: RedisServer
+) -> None:
+    index = IndexSettings(backend="redis", redis_url=redis_server.url)
+    s = msgspec.structs.replace(settings, index=index)
+    async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
+        assert app.inflight_push is not None
+        assert isinstance(app.inflight, SharedInFlight) and app.inflight.on_placed is not None
+    off = StateSettings(shared_inflight=SharedInFlightSettings(push=False))
+    s = msgspec.structs.replace(s, state=off)
+    async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
+        assert app.inflight_push is None
+        assert isinstance(app.inflight, SharedInFlight) and app.inflight.on_placed is None
