@@ -2,9 +2,9 @@
 their CPU went: by area (the module a function lives in, extproc's by sub-module, the rest by
 top-level package) and the functions with the most own time, summed over every profile given.
 
-    .venv/bin/python bench/profile_read.py /tmp/prof/one/*.prof -- /tmp/prof/three/*.prof
+    .venv/bin/python bench/profile_read.py /tmp/prof/one/*.prof :: /tmp/prof/three/*.prof
 
-Profiles separated by `--` are read as groups side by side (e.g. one replica's against three
+Profiles separated by `::` are read as groups side by side (e.g. one replica's against three
 replicas'), each summed; seconds are the profiler's (inflated by its own cost alike).
 """
 
@@ -66,7 +66,7 @@ def _cumulative(stats: pstats.Stats, needles: list[str]) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("profiles", nargs="+", help="profiles; '--' separates groups")
+    p.add_argument("profiles", nargs="+", help="profiles; '::' separates groups")
     p.add_argument("--top", type=int, default=25)
     p.add_argument(
         "--cumulative", nargs="*", default=[
@@ -82,7 +82,7 @@ def main() -> int:
     args = p.parse_args()
     groups: list[list[Path]] = [[]]
     for a in args.profiles:
-        if a == "--":
+        if a == "::":
             groups.append([])
         else:
             groups[-1].append(Path(a))
