@@ -18,7 +18,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -227,7 +229,9 @@ def _exchange_line(admin_port: int) -> str:
         f"exchange: peers' arrived tokens {arrived:.0f} ({got.get('peer_arrivals', 0):.0f} "
         f"requests), their totals' growth {growth:.0f} ({growth / arrived:.1%} shown), "
         f"counter resets {got.get('counter_resets', 0):.0f}, legacy peers "
-        f"{got.get('legacy_peers', 0):.0f}"
+        f"{got.get('legacy_peers', 0):.0f}, pushed {got.get('pushed_arrivals', 0):.0f} "
+        f"(late {got.get('push_late', 0):.0f}, refused {got.get('push_refused', 0):.0f}, "
+        f"unconfirmed {got.get('push_unconfirmed', 0):.0f})"
     )
 
 
@@ -240,6 +244,24 @@ def _role(proc: psutil.Process) -> str:
     if "envoy" in proc.name():
         return "envoy"
     return "pickers" if "serve" in cmd else proc.name()
+
+
+def _profile_env(out: Path) -> None:
+    """The pickers started from now on profile themselves into `out` once signalled."""
+    site = str(Path(__file__).resolve().parent / "cprofile_site")
+    path = os.environ.get("PYTHONPATH", "")
+    if site not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (site, path) if x)
+    os.environ["EXTPROC_CPROFILE_DIR"] = str(out.resolve())
+    os.environ["EXTPROC_CPROFILE_ON_SIGNAL"] = "1"
+
+
+def _toggle_profiles() -> None:
+    """Turns every picker's profiler on or off (SIGUSR2, bench/cprofile_site)."""
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if _role(child) == "pickers":
+                child.send_signal(signal.SIGUSR2)
 
 
 def cpu_seconds() -> dict[str, float]:
@@ -347,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         "now pools with a Redis index), redis3-scrapes (3 replicas, state.shared_scrapes: "
         "true: the replicas divide the scrapes, as auto does now), redis3-unshared (its "
         "false: every replica scrapes every server, the default before the fifteenth "
+        "session), redis3-unpushed (3 replicas, state.shared_inflight.push: false: the "
+        "peers' placements come with the exchange alone, the default before the sixteenth "
         "session); a redis mode + '-drained': predicted-ttft-scorer's "
         "peerInflight: drained (the default); + '-whole': its peerInflight: whole (the "
         "default before); + '-sharedlane': its peerInflight: sharedLane (the peers' drain "
@@ -364,6 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("trace"))
     p.add_argument("--extra", default="", help="YAML merged into every picker config")
     p.add_argument("--logs", type=Path, help="keep the stacks' logs here (default: discarded)")
+    p.add_argument(
+        "--profile", type=Path, metavar="DIR",
+        help="cProfile the pickers while the workload runs (bench/cprofile_site): one "
+        "directory of profiles per run under DIR, read with bench/profile_read.py",
+    )  # fmt: skip
     p.add_argument(
         "--time-scale", type=float, default=1.0, metavar="T",
         help="as bench_routing.py's: simulators x T as fast, arrivals x T the rate, think "
@@ -426,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["state"] = {**cfg.get("state", {}), "shared_scrapes": True}
                 if base == "redis3-unshared":
                     cfg["state"] = {**cfg.get("state", {}), "shared_scrapes": False}
+                if base == "redis3-unpushed":
+                    cfg["state"] = {**cfg.get("state", {}), "shared_inflight": {"push": False}}
                 if base == "redis3-unpooled":
                     cfg["state"] = {**cfg.get("state", {}), "shared_calibration": False}
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
@@ -436,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                 replicas = {
                     "redis1": 1, "redis3": 3, "redis3-shared": 3, "redis3-cal": 3,
                     "redis3-unpooled": 3, "redis3-scrapes": 3, "redis3-unshared": 3,
+                    "redis3-unpushed": 3,
                 }.get(base)  # fmt: skip
                 names = ["extproc", *(f"extproc-{i}" for i in range(1, replicas or 1))]
                 log_at = {n: _size(log_dir / f"{n}.log") for n in names}
@@ -444,8 +476,12 @@ def main(argv: list[str] | None = None) -> int:
                     fleet=fleet, log_dir=log_dir, extproc_args=("--config", str(path)),
                     allow_explain=True, replicas=replicas or 1, redis_url=redis_url,
                 )  # fmt: skip
+                if args.profile:
+                    _profile_env(args.profile / f"{args.workload}-{named}-{rnd}")
                 with ex, Stack(opts) as stack:
                     time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's socket
+                    if args.profile:
+                        _toggle_profiles()
                     urls = [srv.url for srv in fleet.servers]
                     lanes0 = lane_clock(urls)
                     cpu0, wall0, epoch0 = cpu_seconds(), time.perf_counter(), time.time()
@@ -456,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         rows = asyncio.run(_tenants(stack.url, load, args.seed, args.time_scale))
                     cpu1, wall = cpu_seconds(), time.perf_counter() - wall0
+                    if args.profile:
+                        _toggle_profiles()
                     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
                     lanes = lane_delta(lanes0, lane_clock(urls))
                     admin = f"http://127.0.0.1:{stack.picker_admin_port}/metrics"

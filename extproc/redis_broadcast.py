@@ -12,6 +12,13 @@ once Redis is back. With `timed`, each item reaches the peers as `[age_s, item]`
 it waited in this replica's queue before its batch was published (the peer can date what it
 describes without comparing clocks across hosts). A peer's message that does not decode, or
 an item `apply` rejects with ValueError/TypeError, is counted as malformed and skipped.
+
+`interval_s=0` publishes as soon as something is queued instead of on a clock: one publish
+at a time, what is queued while one is under way goes out in the next (so a burst of items
+in one event-loop pass is one message). For what a peer must see at once (the in-flight
+push, endpoints/inflight_push.py); the cost is one PUBLISH per batch, not per interval.
+With `with_sender`, `apply` gets `(sender, item)`: the sending replica's id as it named
+itself (a peer's word, like the item).
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class Broadcast:
         interval_s: float = 0.05,
         max_pending: int = 50_000,
         timed: bool = False,
+        with_sender: bool = False,
     ) -> None:
         self._client = client
         self._channel = channel
@@ -77,7 +85,8 @@ class Broadcast:
             logger,
             failed_msg=failed_msg,
             healed_msg=healed_msg,
-            base_s=interval_s,
+            # Immediate publishing still backs off from a failure at the usual pace.
+            base_s=interval_s or 0.05,
             cap_s=_MAX_BACKOFF_S,
         )
         self._name = name
@@ -85,6 +94,9 @@ class Broadcast:
         self._max_pending = max_pending
         self._pending: list[Any] = []
         self._timed = timed
+        self._with_sender = with_sender
+        # Immediate publishing (interval 0): set by `send`, waited on by the publish loop.
+        self._wake = asyncio.Event() if interval_s == 0 else None
         self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         self.stats = BroadcastStats()
 
@@ -104,6 +116,8 @@ class Broadcast:
             self.stats.dropped += 1
             return
         self._pending.append((time.monotonic(), item) if self._timed else item)
+        if self._wake is not None:
+            self._wake.set()
 
     async def run(self) -> None:
         await asyncio.gather(self._publish_loop(), self._subscribe_loop())
@@ -113,8 +127,14 @@ class Broadcast:
 
     async def _publish_loop(self) -> None:
         delay = self._interval
+        wake = self._wake
         while True:
-            await asyncio.sleep(delay)
+            if delay > 0 or wake is None:
+                await asyncio.sleep(delay)
+            elif not self._pending and not self._outage.failures("publish"):
+                await wake.wait()
+            if wake is not None:
+                wake.clear()
             if self._pending:
                 batch, self._pending = self._pending, []
                 if self._timed:
@@ -166,6 +186,8 @@ class Broadcast:
             sender, items = msgspec.msgpack.decode(data)
             if sender == self._id:
                 return
+            if self._with_sender and not isinstance(sender, str):
+                raise TypeError("sender")
             items = iter(items)
         except (ValueError, TypeError):  # msgspec.DecodeError is a ValueError
             self.stats.malformed += 1
@@ -174,7 +196,10 @@ class Broadcast:
         bad = 0
         for item in items:  # one bad item costs itself, not the rest of its batch
             try:
-                self._apply(item)
+                if self._with_sender:
+                    self._apply((sender, item))
+                else:
+                    self._apply(item)
             except (ValueError, TypeError):
                 bad += 1
         if bad:

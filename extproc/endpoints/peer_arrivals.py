@@ -75,6 +75,22 @@ class PeerArrivals:
             )
         self._totals = _advance(self._arrivals, self._totals, totals, now, self._max, arrived)
 
+    def arrive(self, address: str, tokens: int, at: float) -> None:
+        """A peer's placement of `tokens` on `address` seen at `at` between exchanges (pushed
+        at decision time, shared_inflight.py): its total grows by as much, so the next
+        `update` dates only what came past it and releases what ended, oldest first. Never
+        dated before the youngest arrival already there (the queue stays in order)."""
+        if tokens <= 0:
+            return
+        q = self._arrivals.setdefault(address, deque())
+        if q and q[-1][0] > at:
+            at = q[-1][0]
+        q.append([at, float(tokens)])
+        if len(q) > self._max:
+            first = q.popleft()
+            q[0][1] += first[1]
+        self._totals[address] = self._totals.get(address, 0) + int(tokens)
+
     def clear(self) -> None:
         """The peers' counts were dropped (Redis gone past their TTL)."""
         self._arrivals.clear()

@@ -29,6 +29,22 @@ for good: kept, every exchange would carry every address the pool ever had). A r
 server gone from a peer's counters and its load as pruned, not as counters going back; if the
 server comes back, its counters start again from zero. A reader of the previous version
 (counters, no pruning) reads the first pruning as a restart: one logged reset per peer.
+
+Pushed placements (endpoints/inflight_push.py): the exchange alone shows a peer's placement
+0-2 intervals after it was made (its next write, then this process's next read), and at the
+tenants knee three replicas decided 30-56 of 242 requests with a server's queue under its
+real backlog because a peer had placed there in the last ~100 ms (bench/RESULTS.md, issue
+14, fifteenth session). So each placement's new counters for its server also go to the
+peers at decision time (`on_placed`), and `pushed` takes them in at once: what they grew
+past everything seen of that peer is in flight and arrives now. The counters are
+cumulative, so a push is idempotent and order-free against the exchange: the exchange dates
+only growth past the pushed counters, a push the exchange already showed adds nothing
+(`push_late`), and pushed growth the peer's exchange has not published yet counts in flight
+on top of its entry until it does. Pushed growth no exchange confirms within `ttl_s` (a
+forged push, or a peer gone) stops counting (`push_unconfirmed`); pushes are bounded per
+message and taken only from peers the exchange knows, so Redis content can skew a count for
+at most `ttl_s`. Ends are not pushed: a release is seen at the next exchange, as before
+(late, it errs towards a busier server, not an idler one).
 """
 
 from __future__ import annotations
@@ -58,6 +74,12 @@ from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
 
 log = logging.getLogger(__name__)
+
+# Bounds on one pushed placement's growth past what was seen of its peer (`pushed`): a peer
+# pushes after each placement, so honest growth is a request or a few (pushes lost while
+# Redis failed and the exchange had not caught up); a prompt is never longer than this.
+_MAX_PUSHED_REQUESTS = 64
+_MAX_PUSHED_PROMPT = 1 << 23
 
 # KEYS = load hash, live zset, placed hash. ARGV = own id, ttl ms, own blob ("" when idle),
 # own counters. Returns [id, load blob, counters blob ("": an older version's entry)] per
@@ -118,8 +140,10 @@ class SharedInFlightSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=
     load outlives its last publish (default 3 x interval + 0.5 s, so a GC pause does not
     drop a live process). `timeout_s`: per exchange. `max_backoff_s`: retry ceiling while
     Redis is down. `counters_idle_s`: a server's placement counters are forgotten after
-    this long with nothing placed there and nothing in flight. `namespace`: key prefix;
-    pickers of one pool must share it.
+    this long with nothing placed there and nothing in flight. `push`: each placement is
+    also sent to the peers at once on a Redis pub/sub channel, so they count it within a
+    round trip instead of 0-2 intervals (endpoints/inflight_push.py; not on Redis Cluster).
+    `namespace`: key prefix; pickers of one pool must share it.
     """
 
     interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.05
@@ -127,6 +151,7 @@ class SharedInFlightSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 0.5
     max_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     counters_idle_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    push: bool = True
     namespace: Annotated[str, msgspec.Meta(min_length=1, pattern=r"^[^{}]+$")] = "extproc:inflight"
 
     @property
@@ -144,7 +169,11 @@ class SharedInFlightStats:
     dated (the dating before the counters; the difference is what it hid).
     `counter_resets`: a peer's counters went backwards (restarted under the same id).
     `counters_pruned`: servers whose counters this process forgot (idle for
-    `counters_idle_s`)."""
+    `counters_idle_s`). `pushed_arrivals` / `pushed_tokens`: peers' placements counted at
+    once from their pushes (within `peer_arrivals` / `peer_arrived_tokens`); `push_late`:
+    pushes the exchange had already shown; `push_refused`: pushes from a peer the exchange
+    does not know (yet) or growing past the bounds; `push_unconfirmed`: pushed growth no
+    exchange confirmed within `ttl_s`, no longer counted."""
 
     exchanges: int = 0
     errors: int = 0
@@ -158,6 +187,11 @@ class SharedInFlightStats:
     peer_growth_tokens: int = 0
     counter_resets: int = 0
     counters_pruned: int = 0
+    pushed_arrivals: int = 0
+    pushed_tokens: int = 0
+    push_late: int = 0
+    push_refused: int = 0
+    push_unconfirmed: int = 0
 
 
 def default_process_id() -> str:
@@ -194,6 +228,7 @@ class SharedInFlight:
         self._ttl_s = settings.effective_ttl_s
         self._ttl_ms = str(max(1, round(self._ttl_s * 1000)))
         self.process_id = process_id or default_process_id()
+        self.namespace = settings.namespace
         self._owns_client = owns_client
         self._clock = clock
         self._sleep = sleep
@@ -218,6 +253,12 @@ class SharedInFlight:
         self._peer_load: dict[str, dict[str, tuple[int, int]]] = {}
         self._peer_counters: dict[str, dict[str, tuple[int, int]] | None] = {}
         self._resets_logged: set[str] = set()
+        # Per peer and address, its latest pushed counters past its last exchange's, with
+        # when they came: (requests, tokens, seen_at).
+        self._pushed: dict[str, dict[str, tuple[int, int, float]]] = {}
+        # Called after each placement with its server and this process's counters there
+        # (endpoints/inflight_push.py sends them); None: not pushed.
+        self.on_placed: Callable[[str, int, int], None] | None = None
         self._last_ok = -float("inf")
         # The peers' tokens dated by when each exchange brought them (peer_arrivals.py): how
         # much of them can still be prefill ahead of a new request.
@@ -256,6 +297,8 @@ class SharedInFlight:
         placed[1] += tokens
         self.stats.placed += 1
         self.stats.placed_tokens += tokens
+        if self.on_placed is not None:
+            self.on_placed(address, placed[0], placed[1])
         return Placement(address, tokens)
 
     def release(self, placement: Placement) -> None:
@@ -290,6 +333,45 @@ class SharedInFlight:
     def is_degraded(self) -> bool:
         """The last exchange with Redis failed: others' counts are old or dropped."""
         return self._outage.degraded
+
+    def pushed(self, peer: str, address: str, requests: int, tokens: int, age_s: float) -> None:
+        """`peer`'s placement counters on `address` right after a placement there, pushed at
+        decision time and `age_s` old when sent. What they grew past everything seen of the
+        peer (its last exchange's counters, its earlier pushes) is in flight from now and
+        arrives `age_s` ago; the exchange confirms it later without counting it twice."""
+        counted = self._peer_counters.get(peer)
+        if counted is None:
+            # Unknown to the exchange (not yet seen, gone, an older version): its
+            # placements come with its first exchange; a forged id grows nothing.
+            self.stats.push_refused += 1
+            return
+        c_n, c_t = counted.get(address, (0, 0))
+        mine = self._pushed.get(peer)
+        before = mine.get(address) if mine else None
+        if before is not None:
+            c_n, c_t = max(c_n, before[0]), max(c_t, before[1])
+        d_n, d_t = requests - c_n, tokens - c_t
+        if d_n <= 0:
+            # Already seen: the exchange (or an earlier push) came first.
+            self.stats.push_late += 1
+            return
+        if d_t < 0 or d_n > _MAX_PUSHED_REQUESTS or d_t > d_n * _MAX_PUSHED_PROMPT:
+            self.stats.push_refused += 1
+            return
+        now = self._clock()
+        if mine is None:
+            mine = self._pushed[peer] = {}
+        mine[address] = (requests, tokens, now)
+        self._others_requests[address] = self._others_requests.get(address, 0) + d_n
+        self._others_tokens[address] = self._others_tokens.get(address, 0) + d_t
+        self._others_total += d_n
+        # Its wait in the sender's queue, within one interval (a peer's word, bounded).
+        at = now - min(max(0.0, age_s), self._s.interval_s)
+        self.arrivals.arrive(address, d_t, at)
+        self.stats.peer_arrivals += d_n
+        self.stats.peer_arrived_tokens += d_t
+        self.stats.pushed_arrivals += d_n
+        self.stats.pushed_tokens += d_t
 
     # -- the exchange loop -------------------------------------------------------------------
 
@@ -369,6 +451,10 @@ class SharedInFlight:
                 reqs[address] += n
                 toks[address] += t
             self._date(peer, load, placed, arrived)
+            if peer in self._pushed:
+                self._unconfirmed(peer, placed, reqs, toks)
+        for gone in [p for p in self._pushed if p not in loads]:
+            del self._pushed[gone]
         known = {a: self.arrivals.total(a) for a in set(toks) | set(self._others_tokens)}
         self._peer_load, self._peer_counters = loads, counters
         self._resets_logged &= set(loads)
@@ -392,6 +478,32 @@ class SharedInFlight:
         self._last_ok = self._clock()
         self._outage.healed()
 
+    def _unconfirmed(
+        self,
+        peer: str,
+        placed: dict[str, tuple[int, int]] | None,
+        reqs: Counter[str],
+        toks: Counter[str],
+    ) -> None:
+        """Adds to `reqs` / `toks` `peer`'s pushed placements its exchange entry does not
+        show yet (it wrote the entry before them); forgets pushes it shows, and those no
+        entry showed within `ttl_s` (counted: a forged push, or pushes of a peer whose
+        exchange stalled)."""
+        mine = self._pushed[peer]
+        now = self._clock()
+        for address, (p_n, p_t, at) in list(mine.items()):
+            c_n, c_t = placed.get(address, (0, 0)) if placed is not None else (0, 0)
+            if placed is None or c_n >= p_n:
+                del mine[address]
+            elif now - at > self._ttl_s:
+                del mine[address]
+                self.stats.push_unconfirmed += 1
+            else:
+                reqs[address] += p_n - c_n
+                toks[address] += max(0, p_t - c_t)
+        if not mine:
+            del self._pushed[peer]
+
     def _date(
         self,
         peer: str,
@@ -409,6 +521,7 @@ class SharedInFlight:
                 self.stats.peer_arrivals += n
             return
         counted = self._peer_counters.get(peer)
+        pushed = self._pushed.get(peer, {})
         if placed is None or counted is None:
             # No counters now or last time (an older version, or undecodable): the growth.
             for address, (_, t) in load.items():
@@ -427,9 +540,15 @@ class SharedInFlight:
             if min(d_n, d_t, c_n - n, c_t - t, (c_n - n) - (c_n0 - n0),
                    (c_t - t) - (c_t0 - t0)) < 0:  # fmt: skip
                 self._reset(peer)
+                self._pushed.pop(peer, None)
                 came = {a: load.get(a, (0, 0)) for a in load}
                 break
-            came[address] = (d_n, d_t)
+            p = pushed.get(address)
+            if p is not None:
+                # Counted already as far as it was pushed past the last exchange.
+                d_n -= max(0, p[0] - c_n0)
+                d_t -= max(0, p[1] - c_t0)
+            came[address] = (max(0, d_n), max(0, d_t))
         for address, (n, t) in came.items():
             arrived[address] += t
             self.stats.peer_arrivals += n
@@ -453,6 +572,7 @@ class SharedInFlight:
             self._others_tokens = {}
             self._others_total = 0
             self._peer_load, self._peer_counters = {}, {}
+            self._pushed.clear()
             self.arrivals.clear()
         return delay
 

@@ -115,6 +115,7 @@ class Parts:
                 cluster=settings.index.cluster,
                 settings=state.shared_inflight,
             )
+        self.inflight_push = self._push_placements()
         self.speeds = PrefillSpeeds(state.prefill_speed)
         self.ends = RequestEnds(
             self.inflight.release,
@@ -205,6 +206,26 @@ class Parts:
         from extproc.endpoints.shared_inflight import default_process_id
 
         return getattr(self.inflight, "process_id", None) or default_process_id()
+
+    def _push_placements(self):
+        """Replicas sharing in-flight counts push each placement to the others at decision
+        time (Redis pub/sub; `state.shared_inflight.push`), not only in the exchange."""
+        inflight, shared = self.inflight, self.settings.state.shared_inflight
+        if not isinstance(inflight, SharedInFlight) or shared is None or not shared.push:
+            return None
+        if self.settings.index.cluster:
+            log.warning(
+                "placements are not pushed on Redis Cluster: the replicas see each other's "
+                "placements through the shared in-flight exchange alone"
+            )
+            return None
+        from extproc.endpoints.inflight_push import InFlightPush
+
+        url = self.settings.index.redis_url
+        assert url is not None  # a SharedInFlight was built on it
+        return InFlightPush.from_url(
+            url, inflight, known=lambda address: self.pool.get(address) is not None
+        )
 
     def _share_request_ends(self, url: str):
         """Replicas behind one gateway get each other's access-log entries (Redis pub/sub)."""

@@ -131,6 +131,14 @@ class Exporter:
                 "extproc_shared_inflight_degraded",
                 "1 while peers' in-flight counts are unknown (Redis failing): local counts only.",
             )
+        if p.inflight_push is not None:
+            yield from _shared(
+                fam.INFLIGHT_PUSH,
+                p.inflight_push,
+                "extproc_inflight_push_degraded",
+                "1 while placements are not pushed (Redis failing): the peers' placements "
+                "come with the shared in-flight exchange alone.",
+            )
         if p.shared_sessions is not None:
             yield from _shared(
                 fam.SHARED_SESSIONS,

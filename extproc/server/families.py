@@ -346,6 +346,54 @@ SHARED_INFLIGHT = StatsFamilies(
             "Servers whose placement counters this process forgot (nothing placed or in "
             "flight there for counters_idle_s).",
         ),
+        "pushed_arrivals": Stat(
+            "extproc_shared_inflight_pushed_arrivals",
+            "Other processes' placements counted at once from their pushes, before the "
+            "exchange showed them.",
+        ),
+        "pushed_tokens": Stat(
+            "extproc_shared_inflight_pushed_tokens",
+            "Prompt tokens of the other processes' placements counted from their pushes.",
+        ),
+        "push_late": Stat(
+            "extproc_shared_inflight_push_late",
+            "Pushed placements the exchange had shown already (nothing added).",
+        ),
+        "push_refused": Stat(
+            "extproc_shared_inflight_push_refused",
+            "Pushed placements refused: from a process the exchange does not know, or "
+            "growing its counters past the bounds.",
+        ),
+        "push_unconfirmed": Stat(
+            "extproc_shared_inflight_push_unconfirmed",
+            "Pushed placements no exchange confirmed within the TTL (no longer counted).",
+        ),
+    },
+)
+
+INFLIGHT_PUSH = StatsFamilies(
+    "extproc.endpoints.inflight_push.InFlightPushStats",
+    {
+        "published": Stat(
+            "extproc_inflight_push_published",
+            "Placements pushed to the other replicas at decision time.",
+        ),
+        "received": Stat(
+            "extproc_inflight_push_received",
+            "Peers' pushed placements handed to the in-flight counts.",
+        ),
+        "dropped": Stat(
+            "extproc_inflight_push_dropped",
+            "Placements never pushed (Redis failing or backlog full).",
+        ),
+        "errors": Stat(
+            "extproc_inflight_push_errors",
+            "Failed publishes or subscriptions of pushed placements.",
+        ),
+        "bad_entries": Stat(
+            "extproc_inflight_push_bad_entries",
+            "Peers' pushed items refused for their shape (undecodable, unknown server).",
+        ),
     },
 )
 
@@ -692,6 +740,7 @@ LATENCY_MODEL = StatsFamilies(
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
+    INFLIGHT_PUSH,
     SHARED_SESSIONS, SHARED_OBSERVATIONS, SHARED_PLACEMENTS, SHARED_SCRAPES, SHARED_CALIBRATION,
     CALIBRATION,
     CAPACITY, PLACED, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,

@@ -210,6 +210,9 @@ class Lifecycle(Parts):
             self.spawn("shared-inflight", self.inflight.run)
             # Closed after the loops stop: withdraws this process's load from Redis at once.
             self._exits.push_async_callback(self.inflight.aclose)
+        if self.inflight_push is not None:
+            self.spawn("inflight-push", self.inflight_push.run)
+            self._exits.push_async_callback(self.inflight_push.aclose)
         if self.subscriber is not None:
             self.spawn("kv-events", self.subscriber.run)
         for i, learner in enumerate(self.latency):

@@ -5,7 +5,8 @@ would, every replica still holds fresh figures of every server, and requests rou
 the replicas not sharing (`false`, the default before), every replica scrapes every
 server: three times the scrapes. With Redis killed, the sharing replicas say so
 (`extproc_shared_scrapes_degraded`) and each scrapes every server again, its figures
-staying fresh.
+staying fresh. The same run checks that placements are pushed to the peers at decision
+time (`state.shared_inflight.push`) and that the push says it is degraded with Redis gone.
 
 On the tenants workload three replicas' scrapes doubled the simulated engines' CPU and
 slowed their prefill lanes (bench/RESULTS.md, issue 14, fifteenth session)."""
@@ -94,6 +95,12 @@ def test_replicas_divide_the_scrapes_and_scrape_everything_with_redis_gone(
         assert _route(r), "requests route"
         published = r.metric("extproc_shared_scrapes_published_total")
         assert r.metric("extproc_shared_scrapes_degraded", present=True) == [0, 0, 0]
+        # Each placement went to the peers at decision time (endpoints/inflight_push.py),
+        # and they counted it before their exchange showed it.
+        pushes = r.metric("extproc_inflight_push_published_total")
+        pushed = r.metric("extproc_shared_inflight_pushed_arrivals_total")
+        assert sum(pushes) >= 6 and sum(pushed) > 0, (pushes, pushed)
+        assert r.metric("extproc_inflight_push_degraded", present=True) == [0, 0, 0]
 
         redis_server.kill()
         _wait(
@@ -108,6 +115,7 @@ def test_replicas_divide_the_scrapes_and_scrape_everything_with_redis_gone(
         # in-flight exchange's TTL a replica knows no peers and scrapes everything as a lone
         # one would; which comes first is a race. tests/server/test_shared_scrapes.py counts
         # takeovers with a clock of its own.)
+        assert r.metric("extproc_inflight_push_degraded", present=True) == [1, 1, 1]
 
     why = (unshared, shared, alone, published)
     # One scrape per server per interval for the fleet, not one per replica.
