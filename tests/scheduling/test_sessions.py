@@ -291,6 +291,9 @@ def test_keep_together_off_bounds_every_group():
     placed = run_group(f, 8, "abcd", per_turn=2)
     assert sorted(placed) == ["a", "a", "b", "b", "c", "c", "d", "d"], placed
     assert f.stats.kept_together == 0 and f.stats.growth_unknown == 0
+    # Sessions 2-8 were bounded (the first found nothing held); the second found its only
+    # holder over the bound, and its prompt went to a server without it.
+    assert f.stats.bounded == 7 and f.stats.holders_removed >= 1, f.stats
 
 
 HEADER = tuple(range(1, 9))  # a chat template's first block(s), the same for every tenant
