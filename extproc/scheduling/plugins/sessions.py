@@ -41,10 +41,13 @@ Growth is kept in blocks, not as a fraction of the prefix it was recorded under,
 carries from a shorter prefix to a longer one: a big tenant's next conversations arrive
 before its first one's second turn (24 req/s: the biggest tenant's first 20-30 of them),
 and read what conversations of other tenants, on the header every tenant shares, have
-shown. Recorded as a fraction of each prefix (before issue 14's sixteenth session), it was
-read only under the tenant's own prompt, learned from the tenant's own conversations, and
-the big tenants' early conversations were bounded: the holder was still filtered out
-12-15 times a run with the option on. The learning is per replica (replicas share
+shown, where that header reaches a recorded prefix (8 blocks or more: the bench's tenants
+share 6 approximate blocks, so there most of them still find nothing until one of their
+own comes back; bench/RESULTS.md, sixteenth session). Recorded as a fraction of each
+prefix (before issue 14's sixteenth session), it was read only under the tenant's own
+prompt, learned from the tenant's own conversations, and the big tenants' early
+conversations were bounded: the holder was still filtered out 12-15 times a run with the
+option on. The learning is per replica (replicas share
 placements, not block keys).
 
 With a Redis index, replicas share the record (server/shared_sessions.py): each publishes
