@@ -159,6 +159,15 @@ POLICIES: dict[str, dict] = {
         "redis": True,
         "extproc_args": ("--config", "@UNTIL_END"),
     },
+    # Issue 14, sixteenth session: `bounded-sessions-filter` leaves new sessions that are
+    # expected to stay small to the scorers (`keepTogetherGrowth: 0.5`, default since); the
+    # bound for every new session, as before.
+    "extproc approximate, sessions always bounded": {"extproc_args": ("--config", "@BOUNDED")},
+    # The option as it was before the sixteenth session (growth learned per exact prefix).
+    "extproc approximate, keep together, baseline tree": {
+        "tree": True,
+        "extproc_args": ("--config", "@TOGETHER"),
+    },
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
@@ -362,6 +371,8 @@ CONFIGS = {
     "@UNSCRAPED": "state: {shared_scrapes: false}\n",
     "@DRAINED": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "drained"}),
     "@UNTIL_END": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "untilEnd"}),
+    "@BOUNDED": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0}),
+    "@TOGETHER": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0.5}),
 }
 
 

@@ -377,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         "behind the replica's own in-flight tokens); + '-lane': its inflightFloor: drained; "
         "+ '-first': its inflightFloor: untilFirstToken; + '-wq': its waitingFloor: "
         "endpointMean; + '-kv': kv-cache-utilization-scorer's countRequest: true; + '-wqkv': "
-        "both; any mode + '-request': state.prefill_speed: request (the per-request prefill "
+        "both; + '-bounded': bounded-sessions-filter's keepTogetherGrowth: 0 (every new "
+        "session bounded, the default before the sixteenth session); any mode + "
+        "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
         "index.capacity_first_tokens: 4000; 'sglang': sglang-router cache_aware on the same "
@@ -442,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                     "-wqkv": {ttft: {"waitingFloor": "endpointMean"}, kv: {"countRequest": True}},
                     "-wq": {ttft: {"waitingFloor": "endpointMean"}},
                     "-kv": {kv: {"countRequest": True}},
+                    "-bounded": {"bounded-sessions-filter": {"keepTogetherGrowth": 0}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:

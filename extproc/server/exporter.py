@@ -14,6 +14,7 @@ from typing import Protocol
 from prometheus_client.core import Metric
 
 from extproc.endpoints.shared_inflight import SharedInFlight
+from extproc.scheduling.plugins.sessions import BoundedSessionsFilter
 from extproc.server import families as fam
 from extproc.server import latency as latency_wiring
 from extproc.server.assembly import Parts
@@ -185,6 +186,11 @@ class Exporter:
                 "queues and written tokens count this replica's placements only.",
             )
         yield from self._ttft_views()
+        # Named by their order among the scheduler's plugins, as predicted-TTFT's views are.
+        bounds = [x for x in p.router.scheduler.plugins if isinstance(x, BoundedSessionsFilter)]
+        if bounds:
+            names = [str(i) for i in range(len(bounds))]
+            yield from fam.SESSION_BOUND.families_of([b.stats for b in bounds], "filter", names)
         if p.subscriber is not None:
             yield from self._kv_events()
         if self._kube:

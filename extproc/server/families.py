@@ -425,6 +425,32 @@ SHARED_SESSIONS = StatsFamilies(
     },
 )
 
+SESSION_BOUND = StatsFamilies(
+    "extproc.scheduling.plugins.sessions.SessionBoundStats",
+    {
+        "bounded": Stat(
+            "extproc_session_bound_bounded",
+            "Requests starting a session on a known prefix that bounded-sessions-filter "
+            "bounded (live sessions per endpoint against its share).",
+        ),
+        "kept_together": Stat(
+            "extproc_session_bound_kept_together",
+            "Requests starting a session left to the scorers: sessions on the same prefix "
+            "were seen to grow little past it (keepTogetherGrowth).",
+        ),
+        "growth_unknown": Stat(
+            "extproc_session_bound_growth_unknown",
+            "Requests starting a session bounded because no session on their prefix had "
+            "been seen continued (keepTogetherGrowth had nothing to go on).",
+        ),
+        "holders_removed": Stat(
+            "extproc_session_bound_holders_removed",
+            "Bounded requests whose every endpoint holding the most of the prefix was "
+            "removed (the prompt is written on another server).",
+        ),
+    },
+)
+
 SHARED_OBSERVATIONS = StatsFamilies(
     "extproc.server.shared_observations.SharedObservationsStats",
     {
@@ -740,9 +766,8 @@ LATENCY_MODEL = StatsFamilies(
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
-    INFLIGHT_PUSH,
-    SHARED_SESSIONS, SHARED_OBSERVATIONS, SHARED_PLACEMENTS, SHARED_SCRAPES, SHARED_CALIBRATION,
-    CALIBRATION,
+    INFLIGHT_PUSH, SHARED_SESSIONS, SESSION_BOUND, SHARED_OBSERVATIONS, SHARED_PLACEMENTS,
+    SHARED_SCRAPES, SHARED_CALIBRATION, CALIBRATION,
     CAPACITY, PLACED, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
 )  # fmt: skip
 

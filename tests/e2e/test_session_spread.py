@@ -8,11 +8,11 @@ on that server costs far less than the sessions' tails crowding the others.
 Sessions start one after another (each first turn answered before the next is sent), so
 the placements do not depend on the machine's speed: only the bound decides.
 
-With the opt-in `keepTogetherGrowth`, the bound is for sessions that grow: chat
-conversations on a tenant's prompt, each ending after two short turns, stay with the
-prompt's holders once one of them has shown it stays small (issue 14, tenants: the bound
-wrote big tenants' prompts onto five or six servers), while agent sessions that grow by a
-tool result per turn are still bounded."""
+With `keepTogetherGrowth` (0.5, the default since issue 14's sixteenth session), the bound
+is for sessions that grow: chat conversations on a tenant's prompt, each ending after two
+short turns, stay with the prompt's holders once one of them has shown it stays small
+(issue 14, tenants: the bound wrote big tenants' prompts onto five or six servers), while
+agent sessions that grow by a tool result per turn are still bounded."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import httpx
 from extproc.protocol import DECISION_HEADER, EXPLAIN_HEADER
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
-from tests.e2e.profiles import default_profile_with
 
 SIM = ("--fast", "4", "--prefill-tps", "5000", "--num-gpu-blocks", "2000")
 # Told, as calibration would find: a change of keys mid-test would forget every prefix.
@@ -68,19 +67,17 @@ def test_new_sessions_fill_every_server_before_any_takes_a_second(tmp_path):
 
 
 TOKEN = "session-spread-token"
-# The default profile with the opt-in `keepTogetherGrowth` (off by default).
-TOGETHER = default_profile_with({"bounded-sessions-filter": {"keepTogetherGrowth": 0.5}})
 
 
 def run_sessions(
     tmp_path, prefix: str, first: list[str], second: list[str]
-) -> tuple[list[str], list[list[str]]]:
-    """With `keepTogetherGrowth: 0.5`, sessions one after another, each a first turn then a
+) -> tuple[list[str], list[list[str]], dict[str, float]]:
+    """With the default profile, sessions one after another, each a first turn then a
     second turn carrying the first whole (`first[s]`, then its answer and `second[s]`);
-    where each first turn was served, and the picker's reasons for it (which filter removed
-    which endpoint)."""
+    where each first turn was served, the picker's reasons for it (which filter removed
+    which endpoint), and its session-bound counters at the end (by metric name)."""
     cfg = tmp_path / "picker.yaml"
-    cfg.write_text(PARSE + f"server: {{explain_tokens: [{TOKEN}]}}\n" + TOGETHER)
+    cfg.write_text(PARSE + f"server: {{explain_tokens: [{TOKEN}]}}\n")
     opts = StackOptions(
         upstreams=SERVERS, sim_args=SIM, extproc_args=("--config", str(cfg)), allow_explain=True
     )
@@ -103,7 +100,14 @@ def run_sessions(
                 if content is None:
                     served.append(r.headers[SERVED_BY_HEADER])
                     reasons.append(json.loads(r.headers[DECISION_HEADER])["reasons"])
-    return served, reasons
+        text = http.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics").text
+    bound = {
+        name.removeprefix("extproc_session_bound_").removesuffix("_total"): float(value)
+        for line in text.splitlines()
+        if line.startswith("extproc_session_bound_") and "_total{" in line
+        for name, value in [(line.split("{")[0], line.rsplit(" ", 1)[1])]
+    }
+    return served, reasons, bound
 
 
 def test_chat_conversations_that_stay_small_stay_with_their_prompt(tmp_path):
@@ -113,13 +117,15 @@ def test_chat_conversations_that_stay_small_stay_with_their_prompt(tmp_path):
     # sixth of the tenant prompt it shares.
     first = [f"question {s}: " + text(rng, 25) for s in range(SESSIONS)]
     second = [f"follow-up {s}: " + text(rng, 25) for s in range(SESSIONS)]
-    served, reasons = run_sessions(tmp_path, tenant, first, second)
+    served, reasons, bound = run_sessions(tmp_path, tenant, first, second)
     # The first conversation, continued, taught that conversations on this prompt stay
     # small: the session bound removes no holder of the prompt for the later ones (before
     # issue 14's seventh session it removed one from the second conversation on, writing
     # the prompt on all four servers). In-flight load may still move one (its own filter).
     bounded = [r for rs in reasons for r in rs if r.startswith("default/bounded-sessions-filter")]
     assert bounded == [], (served, reasons)
+    # Conversations 2-8 were left to the scorers, and the picker says so.
+    assert bound["kept_together"] == SESSIONS - 1, bound
 
 
 def test_agent_sessions_that_grow_still_start_two_per_server(tmp_path):
@@ -128,7 +134,7 @@ def test_agent_sessions_that_grow_still_start_two_per_server(tmp_path):
     # Each session's next turn adds a tool result over half the agent prompt's length.
     first = [f"task {s}: " + text(rng, 80) for s in range(SESSIONS)]
     second = [f"tool result {s}: " + text(rng, 450) for s in range(SESSIONS)]
-    served, reasons = run_sessions(tmp_path, agent, first, second)
+    served, reasons, bound = run_sessions(tmp_path, agent, first, second)
     # Sessions 1-3 each find every server carrying a session over the bound (a fair share
     # under one): the bound removes the prompt's holders though the first session, continued,
     # has been seen to grow. (Whether a later turn stays home is the scorers' call, timing
@@ -138,3 +144,4 @@ def test_agent_sessions_that_grow_still_start_two_per_server(tmp_path):
             served,
             reasons,
         )
+    assert bound["kept_together"] == 0 and bound["bounded"] >= 3, bound

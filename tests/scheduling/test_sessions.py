@@ -261,7 +261,7 @@ def test_chat_sessions_that_stay_small_are_not_spread_off_their_prompts_holder()
     conversations are left to the scorers (here: the holder of the prompt)."""
     f = BoundedSessionsFilter(TOGETHER)
     placed = run_group(f, 8, "abcd", per_turn=2)  # 4 blocks past 29 shared
-    growth = f.sessions.growth(SHARED, len(SHARED))
+    growth = f.sessions.growth(grown(8, 0, 2).block_keys, len(SHARED))
     assert growth is not None and growth < 0.5
     # The first conversation (nothing held) taught, once continued, that conversations on
     # this prompt stay small: every later one joins the prompt's holder, where the bound
@@ -274,11 +274,65 @@ def test_agent_sessions_that_grow_still_spread_evenly():
     bounded whatever has been learned about it, 2/2/2/2 on four servers."""
     f = BoundedSessionsFilter(TOGETHER)
     placed = run_group(f, 8, "abcd", per_turn=10)  # 20 blocks past 29 shared: 0.69
-    assert (f.sessions.growth(SHARED, len(SHARED)) or 0.0) > 0.5
+    assert (f.sessions.growth(grown(8, 0, 10).block_keys, len(SHARED)) or 0.0) > 0.5
     assert sorted(placed) == ["a", "a", "b", "b", "c", "c", "d", "d"], placed
 
 
-def test_by_default_every_group_is_bounded():
-    f = BoundedSessionsFilter()
+def test_by_default_sessions_that_grow_are_bounded_and_chats_are_not():
+    assert BoundedSessionsFilter.Params().keep_together_growth == 0.5
+    chat = run_group(BoundedSessionsFilter(), 8, "abcd", per_turn=2)
+    assert chat == [chat[0]] * 8, chat
+    agent = run_group(BoundedSessionsFilter(), 8, "abcd", per_turn=10)
+    assert sorted(agent) == ["a", "a", "b", "b", "c", "c", "d", "d"], agent
+
+
+def test_keep_together_off_bounds_every_group():
+    f = BoundedSessionsFilter(BoundedSessionsFilter.Params(keep_together_growth=0.0))
     placed = run_group(f, 8, "abcd", per_turn=2)
     assert sorted(placed) == ["a", "a", "b", "b", "c", "c", "d", "d"], placed
+    assert f.stats.kept_together == 0 and f.stats.growth_unknown == 0
+    # Sessions 2-8 were bounded (the first found nothing held); the second found its only
+    # holder over the bound, and its prompt went to a server without it.
+    assert f.stats.bounded == 7 and f.stats.holders_removed >= 1, f.stats
+
+
+HEADER = tuple(range(1, 9))  # a chat template's first block(s), the same for every tenant
+
+
+def conversation(tenant: int, conv: int, turn: int) -> InferenceRequest:
+    """Turn `turn` of conversation `conv` of `tenant`: the shared header, the tenant's own
+    24-block prompt, then 2 blocks of the conversation's own per turn."""
+    prompt = HEADER + tuple(100_000 * (tenant + 1) + i for i in range(24))
+    own = tuple(100_000 * (tenant + 1) + 1000 * (conv + 1) + i for i in range(2 * (turn + 1)))
+    return dataclasses.replace(req(tokens=64 * (len(prompt) + len(own))), block_keys=prompt + own)
+
+
+def test_a_big_tenants_early_conversations_stay_with_its_prompt_before_any_came_back():
+    """Issue 14, tenants at 24 req/s: the biggest tenant's next conversations arrive before
+    its first one's second turn, so nothing learned under the tenant's own prompt says they
+    stay small. Growth is kept in blocks and read at the longest recorded prefix: what other
+    tenants' conversations on the shared header showed (two blocks past their first turn)
+    applies to this tenant's prompt too, and its conversations stay with its holder. Kept
+    as a fraction of the exact prefix (before the sixteenth session), nothing was known
+    under the tenant's prompt and the bound dealt them out 2/2/2/2."""
+    f = BoundedSessionsFilter(TOGETHER)
+    servers = "abcd"
+    held: dict[str, float] = {}  # server -> blocks of tenant 1's conversations it holds
+    for conv in range(4):  # tenant 0's conversations, each continued (they teach growth)
+        first = conversation(0, conv, 0)
+        at = place(f, first, [cand(a, prefix=len(HEADER)) for a in servers])
+        nxt = conversation(0, conv, 1)
+        cands = [cand(a, prefix=len(first.block_keys) if a == at else 0) for a in servers]
+        f.observe(nxt, cands, Decision(endpoints=(cand(at).endpoint,)))
+    before = dataclasses.replace(f.stats)
+    placed = []
+    for conv in range(8):  # tenant 1: eight conversations, none continued yet
+        r = conversation(1, conv, 0)
+        cands = [cand(a, prefix=held.get(a, len(HEADER))) for a in servers]
+        placed.append(place(f, r, cands))
+        held[placed[-1]] = 32  # its prompt (header and tenant blocks) is cached there
+    assert placed[1:] == [placed[1]] * 7, placed
+    # The first found nothing of the tenant's prompt (bounded on the header); the other
+    # seven were left to the scorers on what tenant 0's conversations showed.
+    assert f.stats.kept_together - before.kept_together == 7
+    assert f.stats.growth_unknown == before.growth_unknown

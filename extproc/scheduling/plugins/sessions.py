@@ -23,20 +23,32 @@ recorded, or cached, up to its end, so its tail sits at the longest match or a f
 before it), then in the request's last few hundred blocks: a bounded number of dict probes,
 not a scan of the whole request (2,048 blocks and more for a long context).
 
-Optionally (`keepTogetherGrowth`, off by default: measured no clear gain, bench/RESULTS.md,
-issue 14 seventh session second part), the bound is only for sessions that grow. A chat
+Optionally (`keepTogetherGrowth`), the bound is only for sessions that grow. A chat
 tenant's new conversation is also a new session on a known prefix (the tenant's prompt),
 but it ends after a turn or two having added a fraction of what it shares: bounding it
 only wrote big tenants' prompts onto five or six servers (issue 14, tenants: the holder
-filtered out in 14-20 requests a run). So each new
-prefix is looked up in what continued sessions have taught: when a session is continued,
-how far it has grown past each prefix of its first turn (every `_GROUP_STRIDE`-th block,
-as a fraction of that prefix) is kept under that block's key; a new session sharing that
-prefix with what the index holds reads it back. A prefix whose continued sessions stayed
-within `keepTogetherGrowth` of it is left to the scorers; one no session has been seen
-continued on is bounded (an agentic first fill shows nothing before the bound must act).
-A tenant's first conversation teaches its later ones, though it shared only the header.
-The learning is per replica (replicas share placements, not block keys).
+filtered out in 13-28 requests a run). So a new session is looked up in what continued
+sessions have taught: when a session is continued, how many blocks it has grown past its
+first turn is kept under every `_GROUP_STRIDE`-th block key of that first turn (the most
+seen); a new session reads it back at the longest recorded prefix within what the index
+holds of it, and expects to end that far past its own first turn. One whose expected part
+of its own (its first turn past the shared prefix, plus that growth) stays within
+`keepTogetherGrowth` of the shared prefix is left to the scorers; one on a prefix no session
+has been seen continued on is bounded (an agentic first fill shows nothing before the bound
+must act).
+
+Growth is kept in blocks, not as a fraction of the prefix it was recorded under, so it
+carries from a shorter prefix to a longer one: a big tenant's next conversations arrive
+before its first one's second turn (24 req/s: the biggest tenant's first 20-30 of them),
+and read what conversations of other tenants, on the header every tenant shares, have
+shown, where that header reaches a recorded prefix (8 blocks or more: the bench's tenants
+share 6 approximate blocks, so there most of them still find nothing until one of their
+own comes back; bench/RESULTS.md, sixteenth session). Recorded as a fraction of each
+prefix (before issue 14's sixteenth session), it was read only under the tenant's own
+prompt, learned from the tenant's own conversations, and the big tenants' early
+conversations were bounded: the holder was still filtered out 12-15 times a run with the
+option on. The learning is per replica (replicas share
+placements, not block keys).
 
 With a Redis index, replicas share the record (server/shared_sessions.py): each publishes
 its placements and applies the others', so every replica counts every server's sessions and
@@ -68,8 +80,11 @@ _PROBE_BACK = 64
 _SCAN_TAIL = 256
 
 # Blocks between two prefixes whose growth a continued session records: a new session looks
-# up the longest recorded prefix within what it shares, at most this many blocks short.
+# up the longest recorded prefix within what it shares.
 _GROUP_STRIDE = 8
+# Recorded prefixes probed back from what a new session shares: a bounded number of dict
+# lookups (2,048 shared blocks would be 256), the longest first.
+_GROWTH_PROBES = 64
 
 # (previous tail keys or (), endpoint, new tail keys): one placement, as replicas share it.
 Touch = tuple[tuple[int, ...], str, tuple[int, ...]]
@@ -103,9 +118,10 @@ class LiveSessions:
         self._chains: OrderedDict[int, _Chain] = OrderedDict()  # least recently active first
         self._by_key: dict[int, int] = {}  # tail key -> chain id
         self._counts: dict[str, int] = {}
-        # prefix's last block key -> the most sessions continued on it grew past it, as a
-        # fraction of its length; least recently grown first, at most `max_sessions` kept.
-        self._growth: OrderedDict[int, float] = OrderedDict()
+        # prefix's last block key -> the most blocks a session that started on it (its first
+        # turn held the prefix) grew past that first turn; least recently grown first, at
+        # most `max_sessions` kept.
+        self._growth: OrderedDict[int, int] = OrderedDict()
         self._next_id = 0
         # Called with each placement made here (replicas publish it, see shared_sessions).
         self.on_touch: Callable[[Touch], None] | None = None
@@ -147,11 +163,20 @@ class LiveSessions:
         return chain.endpoint if chain is not None else None
 
     def growth(self, block_keys: Sequence[int], shared: int) -> float | None:
-        """How far sessions continued on the first `shared` blocks of `block_keys` grew past
-        them (a fraction of their length, the largest seen; looked up at the longest
-        recorded prefix within them), or None while none has been continued here."""
-        j = shared // _GROUP_STRIDE * _GROUP_STRIDE - 1
-        return self._growth.get(block_keys[j]) if 0 <= j < len(block_keys) else None
+        """How far a new session whose first turn is `block_keys`, sharing its first `shared`
+        blocks, is expected to grow past them, as a fraction of `shared`: its own part of
+        the first turn plus the most blocks sessions that started on the same prefix grew
+        past their first turns (read at the longest recorded prefix within `shared`).
+        None while no session on any of those prefixes has been continued here."""
+        shared = min(shared, len(block_keys))
+        top = shared // _GROUP_STRIDE * _GROUP_STRIDE - 1
+        stop = max(-1, top - _GROWTH_PROBES * _GROUP_STRIDE)
+        growth = self._growth
+        for j in range(top, stop, -_GROUP_STRIDE):
+            grew = growth.get(block_keys[j])
+            if grew is not None:
+                return (len(block_keys) - shared + grew) / shared
+        return None
 
     def counts(self) -> Mapping[str, int]:
         """Live sessions per endpoint (endpoints without any are absent)."""
@@ -188,9 +213,10 @@ class LiveSessions:
         # One record per `_GROUP_STRIDE` blocks of the first turn: a turn costs
         # first / _GROUP_STRIDE dict writes, not one per block.
         growth, n = self._growth, len(block_keys)
+        grew = max(0, n - first)
         for j in range(_GROUP_STRIDE - 1, min(first, n), _GROUP_STRIDE):
             key = block_keys[j]
-            growth[key] = max((n - j - 1) / (j + 1), growth.pop(key, 0.0))
+            growth[key] = max(grew, growth.pop(key, 0))
         while len(growth) > self._max:
             growth.popitem(last=False)
 
@@ -254,6 +280,21 @@ def session_bound(fair: float, epsilon: float) -> int:
     return max(math.ceil(fair - 1e-9), math.floor((1.0 + epsilon) * fair + 1e-9))
 
 
+@dataclass(slots=True)
+class SessionBoundStats:
+    """What `bounded-sessions-filter` did with requests that start a session on a known
+    prefix: `bounded` (the bound applied), `kept_together` (left to the scorers: sessions
+    on the prefix were seen to stay small), `growth_unknown` (bounded because no session on
+    the prefix had been seen continued: the learned signal missing, with
+    `keepTogetherGrowth` on), `holders_removed` (bounded, and every endpoint holding the
+    most of the prefix was removed: the session's prompt is written elsewhere)."""
+
+    bounded: int = 0
+    kept_together: int = 0
+    growth_unknown: int = 0
+    holders_removed: int = 0
+
+
 def _capacity(c: Candidate) -> float | None:
     st = c.state
     if st.kv_blocks and st.kv_block_size:
@@ -270,19 +311,20 @@ class BoundedSessionsFilter:
     rounded up (`session_bound`). A session's later turns pass unfiltered. Never removes
     every candidate.
 
-    With `keepTogetherGrowth` above 0, unbounded: a new session on a prefix (what the index
-    holds of it) that sessions continued here all grew past by at most that many times its
-    length. Measured on bench/bench_routing.py's workloads (sim tokenizer, 16-token blocks):
-    a chat tenant's conversation ends 0.18-0.20 past its ~139 shared blocks; an agent
-    session is 0.64 past its 182 after one tool turn, 1.2 after two: 0.5 sits between. Off
-    (0) by default: on the tenants workload it gained 0.2-4.2 hit-ratio points in four
-    interleaved runs at 12 req/s but lost 7 points in one of three at 24 req/s and 4.7 in one
-    of two traced pairs (issue 14, bench/RESULTS.md); agentic was unchanged.
+    With `keepTogetherGrowth` above 0 (0.5 by default), unbounded: a new session expected
+    to end at most that many times the shared prefix's length past it (what the index holds
+    of it): its first turn's own part, plus the most blocks sessions that started on the
+    same prefix, or the longest recorded part of it, grew past their first turns. Measured
+    on bench/bench_routing.py's workloads (sim tokenizer, 16-token blocks): a chat tenant's
+    conversation ends 0.18-0.20 past its ~139 shared blocks; an agent session is 0.64 past
+    its 182 after one tool turn, 1.2 after two: 0.5 sits between. 0 bounds every new
+    session on a known prefix (the default before issue 14's sixteenth session; see
+    bench/RESULTS.md for both).
 
     ```yaml
     - type: bounded-sessions-filter
       parameters: {epsilon: 0.25, windowSeconds: 120, maxSessions: 50000,
-                   keepTogetherGrowth: 0}
+                   keepTogetherGrowth: 0.5}
     ```
     """
 
@@ -293,9 +335,9 @@ class BoundedSessionsFilter:
         # A session idle for longer is no longer counted (its cache is fair game).
         window_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
         max_sessions: Annotated[int, msgspec.Meta(gt=0)] = 50_000
-        # Sessions on a prefix that continued sessions grew at most this past (a fraction of
+        # New sessions expected to grow at most this past their shared prefix (a fraction of
         # its length) are not bounded; 0: every new session is (and nothing is learned).
-        keep_together_growth: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+        keep_together_growth: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -309,6 +351,7 @@ class BoundedSessionsFilter:
         # The continuation found while filtering and the blocks some endpoint held, reused
         # by `observe` for the same request.
         self._last: tuple[InferenceRequest, int | None, int] | None = None
+        self.stats = SessionBoundStats()
 
     def _lookup(self, req: InferenceRequest, cands: Sequence[Candidate]) -> tuple[int | None, int]:
         # Looked up once per request, by the first plugin to ask (this filter comes first,
@@ -347,12 +390,16 @@ class BoundedSessionsFilter:
             # bounding it keeps sessions spread while the index is away, as when it answers.
             return cands
         shared = self._lookup(req, cands)[1]
+        stats = self.stats
         if self._together > 0 and shared > 0 and all(c.prefix_known for c in cands):
             growth = self.sessions.growth(req.block_keys, shared)
             if growth is not None and growth <= self._together:
                 # Its group's sessions stay small beside what they share: keeping them
                 # together costs less cache than writing the prefix on another server.
+                stats.kept_together += 1
                 return cands
+            stats.growth_unknown += growth is None
+        stats.bounded += 1
         counts = self.sessions.counts()
         live = [counts.get(c.endpoint.address, 0) for c in cands]
         caps = [_capacity(c) for c in cands]
@@ -367,6 +414,9 @@ class BoundedSessionsFilter:
             for c, n, share in zip(cands, live, shares, strict=True)
             if n + 1 <= session_bound(total * share, self._eps)
         ]
+        most = max(c.prefix_blocks for c in cands)
+        if most > 0 and keep and all(c.prefix_blocks < most for c in keep):
+            stats.holders_removed += 1
         return keep or cands
 
     def observe(
