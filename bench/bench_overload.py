@@ -44,6 +44,8 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 `-rq<NN>` (`reserve_rate_quantile` 0.NN), `-refill<ms>` (`reserve_refill_s`), `-pf`
 (the prior's `prefill_s`: the unloaded p99), `-claim` (`waiting_claims_room`), `-os`
 (`output_token_scale`: outputs counted in the prompt estimate's unit, `output_scaled`),
+`-osm` (the same, but `output_token_scale: auto`: the picker measures the scale from
+calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
 `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
 session: `-noprior-out96`), and
@@ -172,6 +174,7 @@ def picker_config(
     reserve_refill_s: float = 0.0,
     claim: bool = False,
     output_scale: float = 0.0,
+    output_scale_auto: bool = False,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -249,7 +252,9 @@ def picker_config(
         if output_scale:
             # Outputs counted in the prompt estimate's unit (`-os` runs; `kv_ratio` is then
             # `output_scaled`'s).
-            doc["flow_control"]["output_token_scale"] = round(output_scale, 3)
+            doc["flow_control"]["output_token_scale"] = (
+                "auto" if output_scale_auto else round(output_scale, 3)
+            )
         if claim:
             # An interactive request waiting for room keeps the server it waits for from
             # the band's newer requests (`-claim` runs).
@@ -974,8 +979,11 @@ def main() -> int:
             run_name += after
             run_name, claim, after = run_name.partition("-claim")  # waiting_claims_room
             run_name += after
+            run_name, osm, after = run_name.partition("-osm")  # output_token_scale: auto
+            run_name += after
             run_name, os_, after = run_name.partition("-os")  # output_token_scale
             run_name += after
+            os_ = os_ or osm
             q_m = re.search(r"-q(\d+)", run_name)
             quantile = int(q_m.group(1)) / 100 if q_m else 0.0
             run_name = re.sub(r"-q\d+", "", run_name)
@@ -1039,6 +1047,7 @@ def main() -> int:
                     reserve_refill_s=refill_s,
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
+                    output_scale_auto=bool(osm),
                 )
                 dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
             else:
@@ -1062,6 +1071,7 @@ def main() -> int:
                     reserve_refill_s=refill_s,
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
+                    output_scale_auto=bool(osm),
                 )
                 dep.start(cfg, src=src)
             sims_before = sims_now(dep)

@@ -118,6 +118,16 @@ class Timeline:
         # ... of which an endpoint was let keep less: room it frees soon (reserve_refill_s).
         row["refill"] = int(max((summed(p, "extproc_flow_reserve_refill_tokens") for p in pages),
                                 default=0.0))  # fmt: skip
+        # The unit outputs are counted in (output_token_scale), and how many pickers have
+        # not measured it (`auto`: calibration's first window not closed; or configured).
+        row["out_scale"] = round(
+            max((summed(p, "extproc_flow_output_token_scale") for p in pages), default=0.0), 3
+        )
+        row["out_scale_unmeasured"] = sum(
+            1
+            for p in pages
+            if not summed(p, "extproc_flow_output_token_scale", 'source="measured"')
+        )
         for i, url in enumerate(self.sim_urls):
             s = scrape(url, client, 2.0)
             row[f"run{i}"] = int(summed(s, "vllm:num_requests_running"))
@@ -152,6 +162,13 @@ def summary(rows: list[dict], start_s: float, end_s: float, servers: int) -> dic
             f"tl_{k}_per_s": round(sum(r.get(k, 0) for r in win) / max(1e-9, end_s - start_s), 1)
             for k in ("no_room", "reserve_held", "gate_held", "claims")
         },
+        # output_token_scale at the window's end, and when every picker had measured it,
+        # in seconds from the window's start (`auto`; None: never, or configured).
+        "tl_out_scale": win[-1].get("out_scale"),
+        "tl_out_scale_measured_t": next(
+            (round(r["t"] - start_s, 1) for r in rows if r.get("out_scale_unmeasured", -1) == 0),
+            None,
+        ),
         # Capacity unused while work waited in the picker.
         "tl_idle_while_queued": round(
             sum(1 for r, k in zip(win, kv, strict=True) if r["queued_lo"] and k < 0.9) / n, 3

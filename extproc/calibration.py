@@ -307,6 +307,9 @@ class Calibration:
                 w.paired_estimated = round(w.paired_estimated * factor)
                 if w.pending is not None:
                     w.pending = deque(round(t * factor) for t in w.pending)
+            # The last ratios too (engine tokens per estimate: the estimates grew by the
+            # factor): flow control's measured output scale reads them until the next window.
+            self.stats.ratios = {a: r / factor for a, r in self.stats.ratios.items()}
             for listener in self.on_units:
                 listener(factor)
             if announce and self.on_change is not None:

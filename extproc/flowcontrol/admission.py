@@ -35,6 +35,7 @@ from extproc.flowcontrol.objectives import (
     Objectives,
     first_header,
 )
+from extproc.flowcontrol.output_scale import OutputScale
 from extproc.flowcontrol.reserve import BandPrior
 from extproc.protocol import FAIRNESS_HEADERS, TTFT_SLO_HEADERS
 
@@ -126,6 +127,9 @@ class Admission:
             waiting_claims_room=s.waiting_claims_room,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
+        # The unit outputs are counted in: configured, or measured by calibration (the app
+        # feeds it at every scrape: `output_scale.measured(ratios)`).
+        self.output_scale = OutputScale(s.output_token_scale)
         # The band sent to the engine as its priority (None: off); `true` is the body form
         # (the setting's original, boolean spelling).
         via = s.engine_priority
@@ -162,7 +166,7 @@ class Admission:
         # In the prompt estimate's units (output_token_scale): a count of real tokens added
         # to an estimate that runs 1.28x over them made a server of short prompts, whose
         # output is a larger part of their KV, fuller than counted (bench/RESULTS.md).
-        out = round(out * self.settings.output_token_scale)
+        out = round(out * self.output_scale.value)
         uncached = max(0, uncached_tokens)
         return FlowRequest(
             fairness_id=fairness,
@@ -275,6 +279,15 @@ class Admission:
             )
             u.add_metric([], unknown)
             yield u
+        os_ = gauge(
+            "extproc_flow_output_token_scale",
+            "Estimated tokens counted per output token (flow_control.output_token_scale), by "
+            "source: configured, measured (auto, from calibration), unmeasured (auto, nothing "
+            "measured yet or calibration off: 1.0), exact (precise keys count real tokens).",
+            ["source"],
+        )
+        os_.add_metric([self.output_scale.source], self.output_scale.value)
+        yield os_
         nr = counter(
             "extproc_flow_no_endpoint_room",
             "Dispatch opportunities where the pool was under its ceiling but no endpoint had "

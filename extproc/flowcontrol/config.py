@@ -173,7 +173,8 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     times this, so it adds up with the prompt estimate in one unit: the picker's estimated
     prompt tokens per real token where that estimate runs over or under the engine's count
     (a bytes-per-token off the tokenizer's); set the concurrency detector's `outputTokens`
-    in the same units.
+    in the same units. `auto`: measured, from calibration's engine prompt tokens per
+    estimated token (1.0 until measured; flowcontrol/output_scale.py).
     `waiting_claims_room` (off by default; with `admit_per_endpoint`): in a band above the
     lowest, a request that found no endpoint with room is tried before the band's newer
     requests at every dispatch opportunity, and the endpoint where it comes closest to
@@ -201,7 +202,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_rate_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_refill_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
-    output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] = 1.0
+    output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] | Literal["auto"] = 1.0
     waiting_claims_room: bool = False
     engine_priority: bool | Literal["body", "header"] = False
 

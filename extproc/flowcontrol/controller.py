@@ -343,11 +343,10 @@ class FlowController:
         for addr, state in eps:
             reqs, toks = self._pending_at.get(addr, _NONE)
             idle = det.endpoint_saturation(state, reqs, toks) == 0
-            toks += self._out_at.get(addr, _NONE)[1]
             kept_for = claimed.get(addr, 0) if claimed else 0
             if kept_for:
                 idle = False  # a waiting request's room: not free for this one
-                toks += kept_for
+            toks = self._counted_at(addr, kept_for)
             after = det.endpoint_saturation(state, reqs + 1, toks + request.tokens)
             if after <= ceiling or idle:
                 fits.append((after, addr))
@@ -602,18 +601,33 @@ class FlowController:
         return self._endpoints is not None and priority > min(self._priorities, default=priority)
 
     def _closest(self, request: FlowRequest) -> str:
-        """The endpoint where the request comes closest to fitting: the least saturated
-        with it (and what is claimed there already) on it."""
+        """The endpoint where the waiting request comes closest to fitting: the least
+        saturated with it (and what is claimed there already) on it. Counted as `_room`
+        counts for a waiting request (the one it gets at every later opportunity): the
+        peers' claims left out. Its first `_room` call, before it was waiting, counted them
+        (a newer request keeps off everyone's claims), so the server it claims may be one a
+        peer claims too: from now on the two take room as it frees, as without claims
+        (flowcontrol/claims.py)."""
         assert self._endpoints is not None and self.claims is not None
         det = cast(EndpointDetector, self._detector)
         claimed = self.claims.against(request.priority, peers=False)
         best: tuple[float, str] = (math.inf, "")
         for addr, state in self._endpoints():
-            reqs, toks = self._pending_at.get(addr, _NONE)
-            toks += self._out_at.get(addr, _NONE)[1] + claimed.get(addr, 0)
+            reqs = self._pending_at.get(addr, _NONE)[0]
+            toks = self._counted_at(addr, claimed.get(addr, 0))
             after = det.endpoint_saturation(state, reqs + 1, toks + request.tokens)
             best = min(best, (after, addr))
         return best[1]
+
+    def _counted_at(self, address: str, claimed: int) -> int:
+        """Tokens counted on an endpoint besides its in-flight figures, for `_room` and
+        `_closest` alike: released to it and not placed yet, this process's placed
+        requests' own outputs against the detector's constant, and `claimed` (room kept
+        there for waiting requests; tokens only: a claim is not a request on the server,
+        it is the room one will take)."""
+        return (
+            self._pending_at.get(address, _NONE)[1] + self._out_at.get(address, _NONE)[1] + claimed
+        )
 
     def _defer_to_peer(
         self,

@@ -463,6 +463,13 @@ class Parts:
                 interval_s=flow.settings.share_interval_s,
             )
         router.admission = admission
+        # `output_token_scale: auto` follows calibration (`_scraped`); without it, said once.
+        if self.precise is not None:
+            admission.output_scale.exact()
+        elif not self.calibration.enabled:
+            admission.output_scale.unmeasurable("calibration is off (parse.calibrate false)")
+        elif self.scraper is None:
+            admission.output_scale.unmeasurable("endpoints are not scraped (state.scrape)")
         return admission
 
     def _placed_blocks(self, record: bool) -> PlacedBlocks | None:
@@ -498,6 +505,8 @@ class Parts:
         lat = scraped.latency
         finished = (lat.prompt_sum, lat.prompt_count) if lat is not None else None
         self.calibration.observe(address, scraped.kv_block_size, scraped.prompt_tokens, finished)
+        if self.admission is not None:
+            self.admission.output_scale.measured(self.calibration.stats.ratios)
         # The engine's own prefill timing, queueing excluded (endpoints/prefill_speed.py).
         self.speeds.scraped(address, scraped.latency, age_s=age_s)
 

@@ -604,7 +604,8 @@ CALIBRATION = StatsFamilies(
         ),
         "ratios": Stat(
             "extproc_approx_token_ratio",
-            "Engine prompt tokens per estimated token in the endpoint's last window.",
+            "Engine prompt tokens per estimated token in the endpoint's last window (carried "
+            "into the current unit when characters per token change).",
             "gauge",
             labels=("endpoint",),
         ),

@@ -59,6 +59,19 @@ def test_a_change_of_characters_per_token_tells_the_listeners_by_how_much_estima
     assert factors == [2.0]
 
 
+def test_the_last_ratios_are_carried_into_the_new_unit():
+    """Flow control's measured output scale reads the last ratios (flowcontrol/
+    output_scale.py): after a change they are the engine's tokens per estimate of the new
+    unit, not the old one's until the next window closes."""
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    cal.observe("a:1", None, 0)
+    at = window(cal, 0, 68_000, requests=34)  # 2.0 engine tokens per estimated token
+    assert cal.stats.ratios == {"a:1": 2.0}
+    window(cal, at, 68_000, requests=34)  # confirmed: 2 characters per token
+    assert cal.settings.bytes_per_token == 2
+    assert cal.stats.ratios == {"a:1": 1.0}
+
+
 def test_a_change_of_characters_per_token_keeps_every_block_key() -> None:
     # Keys made before the change must match after it (else the index forgets every recorded
     # prefix); only the tokens a block stands for follow the new estimate.
@@ -141,7 +154,9 @@ def test_a_replica_placing_a_third_of_an_engines_requests_learns_its_tokens_per_
             cal.placed("a:1", req)
         at, done = at + 96_000, (done[0] + 96_000, done[1] + 48)
         cal.observe("a:1", None, at, done)
-    assert cal.stats.windows_skipped == 0 and cal.stats.ratios["a:1"] == 2.0
+    # The windows read 2.0; the change to 2 characters per token carried it into the new
+    # unit (estimates doubled): 1.0.
+    assert cal.stats.windows_skipped == 0 and cal.stats.ratios["a:1"] == 1.0
     assert cal.settings.bytes_per_token == 2
     # The same windows without the histogram (an engine that does not export it): the
     # totals' ratio, and the share reads as foreign traffic.
