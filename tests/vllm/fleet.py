@@ -74,6 +74,9 @@ class VllmServer:
     extra_args: Sequence[str] = ()
     host: str = "127.0.0.1"
     replay_port: int | None = None
+    # Started under SCHED_IDLE (`EarlyStarts`) until `promote()`: it runs only on a core
+    # nothing else wants.
+    idle: bool = False
     proc: subprocess.Popen | None = None
 
     @property
@@ -94,6 +97,7 @@ class VllmServer:
         if self.replay_port is not None:
             events["replay_endpoint"] = f"tcp://{self.host}:{self.replay_port}"
         return [
+            *(("chrt", "--idle", "0") if self.idle else ()),
             str(vllm_python(self.venv)),
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -125,6 +129,9 @@ class VllmServer:
             "HF_HUB_OFFLINE": "1",
             "TMPDIR": str(self.tmpdir),
             "PYTHONUNBUFFERED": "1",
+            # The API server gives its engine core 600 s to come up by default; an engine
+            # started early on an idle core (`EarlyStarts`) may take longer, as it should.
+            "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
         }
         env.pop("VIRTUAL_ENV", None)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
@@ -167,10 +174,82 @@ class VllmServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
+    def promote(self) -> None:
+        """Every thread of its process group back to the normal scheduling class (threads
+        inherit the class of the one that starts them, and vLLM's API server, engine core
+        and torch threads are already running): from here it is measured as any engine."""
+        self.idle = False
+        if self.proc is None:
+            return
+        group = self.proc.pid  # start_new_session: the group's leader
+        for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
+            try:
+                if os.getpgid(int(task.parent.parent.name)) != group:
+                    continue
+                os.sched_setscheduler(int(task.name), os.SCHED_OTHER, os.sched_param(0))
+            except ProcessLookupError:
+                pass  # gone meanwhile
+
     def restart(self, timeout_s: float = 420.0) -> None:
         self.stop()
         self.start()
         self.wait_ready(timeout_s)
+
+
+@dataclass(frozen=True)
+class Engines:
+    """What a test module asks of the tier: `n` servers started with `flags`, their KV
+    events to one port, with a replay port or not. A module lists its own in a
+    `VLLM_ENGINES` tuple so that `EarlyStarts` can start them before it runs."""
+
+    n: int
+    flags: tuple[str, ...]
+    replay: bool = False
+
+
+class EarlyStarts:
+    """The engines the session's real-vLLM tests will ask for, started as the session
+    begins under SCHED_IDLE, and handed over (`take`) when a module asks for the same
+    `Engines`, back in the normal scheduling class.
+
+    A start is ~1-2 minutes of imports and compilation on two cores, and the tier started
+    five engines one module after another (CI: ~250 s of its ~500). The e2e tests before it
+    keep about one core busy: on the other, idle-class engines start without taking CPU
+    from them (their timings are as if alone). Only as root: an unprivileged process may not
+    take a thread out of SCHED_IDLE (then the tier starts its engines as before)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self._log_dir = log_dir
+        self._waiting: dict[Engines, list[VllmFleet]] = {}
+
+    @staticmethod
+    def possible() -> bool:
+        return os.geteuid() == 0
+
+    def start(self, engines: Engines) -> None:
+        logs = Path(tempfile.mkdtemp(prefix="early-", dir=self._log_dir))
+        self._waiting.setdefault(engines, []).append(VllmFleet.of(engines, logs, idle=True))
+
+    def take(self, engines: Engines) -> VllmFleet | None:
+        """A fleet started early for `engines`, ready and promoted; None if none was."""
+        waiting = self._waiting.get(engines)
+        if not waiting:
+            return None
+        fleet = waiting.pop(0)
+        try:
+            for srv in fleet.servers:
+                srv.promote()
+            fleet.wait_ready()
+        except BaseException:
+            fleet.close()
+            raise
+        return fleet
+
+    def close(self) -> None:
+        for fleets in self._waiting.values():
+            for fleet in fleets:
+                fleet.close()
+        self._waiting.clear()
 
 
 @dataclass
@@ -196,6 +275,7 @@ class VllmFleet:
         model_dir: Path = DEFAULT_MODEL_DIR,
         log_dir: Path | None = None,
         wait: bool = True,
+        idle: bool = False,
     ) -> VllmFleet:
         """Starts the servers together; with `wait` false the caller waits (`wait_ready`), so
         several fleets with different flags can start side by side."""
@@ -222,6 +302,7 @@ class VllmFleet:
                 # port, as pods do, so the picker finds it at <endpoint host>:replay_port.
                 host=host,
                 replay_port=replay_port,
+                idle=idle,
             )
             fleet.servers.append(srv)
         try:
@@ -237,6 +318,20 @@ class VllmFleet:
     def wait_ready(self) -> None:
         for srv in self.servers:
             srv.wait_ready()
+
+    @classmethod
+    def of(cls, engines: Engines, log_dir: Path, *, idle: bool = False) -> VllmFleet:
+        """`engines` on free ports, not waited for."""
+        return cls.start(
+            engines.n,
+            ports=[free_port() for _ in range(engines.n)],
+            kv_events_port=free_port(),
+            replay_port=free_port() if engines.replay else None,
+            extra_args=engines.flags,
+            log_dir=log_dir,
+            wait=False,
+            idle=idle,
+        )
 
     @property
     def addresses(self) -> list[str]:
@@ -282,34 +377,33 @@ class VllmFleet:
 
 
 @contextlib.contextmanager
-def one_server(log_prefix: str, *extra_args: str) -> Iterator[VllmServer]:
+def one_server(
+    log_prefix: str, *extra_args: str, early: EarlyStarts | None = None
+) -> Iterator[VllmServer]:
     """One vLLM of its own with a test module's engine flags (a step budget, scheduling
     policy, logging...), on free ports, stopped at the end. Its log is kept in a directory
     named `log_prefix`... under the temp dir (pytest rotates its own away): a failed start,
     or an engine that behaved unexpectedly, says why there."""
-    with own_servers(log_prefix, extra_args) as servers:
+    with own_servers(log_prefix, extra_args, early=early) as servers:
         yield servers[0]
 
 
 @contextlib.contextmanager
-def own_servers(log_prefix: str, *flag_sets: Sequence[str]) -> Iterator[list[VllmServer]]:
+def own_servers(
+    log_prefix: str, *flag_sets: Sequence[str], early: EarlyStarts | None = None
+) -> Iterator[list[VllmServer]]:
     """One vLLM of its own per set of flags, as `one_server`, all started at once: a start is
     most of a minute of imports in one process, so on two cores two starts side by side take
-    about the wall time of one (an idle engine beside a measured one costs it nothing)."""
+    about the wall time of one (an idle engine beside a measured one costs it nothing).
+    Engines `early` started for the same flags are taken instead."""
     fleets: list[VllmFleet] = []
     try:
         for flags in flag_sets:
-            logs = Path(tempfile.mkdtemp(prefix=log_prefix))
-            fleets.append(
-                VllmFleet.start(
-                    1,
-                    ports=[free_port()],
-                    kv_events_port=free_port(),
-                    extra_args=flags,
-                    log_dir=logs,
-                    wait=False,
-                )
-            )
+            engines = Engines(1, tuple(flags))
+            fleet = early.take(engines) if early is not None else None
+            if fleet is None:
+                fleet = VllmFleet.of(engines, Path(tempfile.mkdtemp(prefix=log_prefix)))
+            fleets.append(fleet)
         for fleet in fleets:
             fleet.wait_ready()
         yield [fleet.servers[0] for fleet in fleets]
