@@ -23,9 +23,13 @@ from tests.e2e.chat_bodies import chat, text
 from tests.e2e.replicas import replicas
 from tests.redis_servers import RedisServer
 
+# The exchange alone (`push: false`): pushed placements reach the peers at once, but their
+# ends only at the next exchange, so every request here would wait a second or two to end in
+# every replica's books (35 s against 16 s); tests/endpoints/test_inflight_push.py checks
+# that a push and the exchange count a placement once.
 PICKER = """
 parse: {block_tokens: 16, bytes_per_token: 1}
-state: {shared_inflight: {interval_s: 1.0, counters_idle_s: 3.0}}
+state: {shared_inflight: {interval_s: 1.0, counters_idle_s: 3.0, push: false}}
 """
 REQUESTS, AFTER_PRUNING = 12, 4
 

@@ -2,7 +2,9 @@
 over ZMQ) behind `extproc serve` and a real Envoy. Skipped, with the reason, where the vLLM
 venv or the model is missing (`scripts/vllm-env.sh` provides both; `scripts/test.sh` runs it).
 
-The servers start once per session (~30-90 s each on two cores) and are stopped at the end.
+The servers start once per session (~30-90 s each on two cores, several minutes on a slower
+CI machine) and are stopped at the end; as root, every engine the selected tests will ask for
+starts as the session begins, on the core the e2e tests leave idle (`pytest_collection_finish`).
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ _EARLY = pytest.StashKey[EarlyStarts]()
 
 
 def pytest_collection_finish(session):
-    """The engines the selected real-vLLM tests will ask for start now, on an idle core
-    (tests/vllm/fleet.py `EarlyStarts`): the session fleet, and what each module lists in
-    `VLLM_ENGINES`."""
+    """The engines the selected real-vLLM tests will ask for start now, one at a time, on
+    an idle core (tests/vllm/fleet.py `EarlyStarts`): the session fleet, and what each
+    module lists in `VLLM_ENGINES`."""
     items = [i for i in session.items if "tests/vllm/" in str(i.fspath)]
     if not items or vllm_unavailable() is not None or not EarlyStarts.possible():
         return
@@ -62,10 +64,8 @@ def pytest_collection_finish(session):
         wanted.append(FLEET)
     for module in dict.fromkeys(i.module for i in items):
         wanted.extend(getattr(module, "VLLM_ENGINES", ()))
-    early = EarlyStarts(Path(tempfile.mkdtemp(prefix="extproc-vllm-logs-")))
-    session.config.stash[_EARLY] = early
-    for engines in wanted:
-        early.start(engines)
+    logs = Path(tempfile.mkdtemp(prefix="extproc-vllm-logs-"))
+    session.config.stash[_EARLY] = EarlyStarts(wanted, logs)
 
 
 def pytest_sessionfinish(session):

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -209,33 +210,54 @@ class Engines:
 
 class EarlyStarts:
     """The engines the session's real-vLLM tests will ask for, started as the session
-    begins under SCHED_IDLE, and handed over (`take`) when a module asks for the same
-    `Engines`, back in the normal scheduling class.
+    begins under SCHED_IDLE, one after another, and handed over (`take`) when a module asks
+    for the same `Engines`, back in the normal scheduling class.
 
     A start is ~1-2 minutes of imports and compilation on two cores, and the tier started
     five engines one module after another (CI: ~250 s of its ~500). The e2e tests before it
     keep about one core busy: on the other, idle-class engines start without taking CPU
-    from them (their timings are as if alone). Only as root: an unprivileged process may not
-    take a thread out of SCHED_IDLE (then the tier starts its engines as before)."""
+    from them. One at a time: five engines starting together (imports, page faults, memory
+    traffic) is a burst beside the first e2e tests that one start is not. Only as root: an
+    unprivileged process may not take a thread out of SCHED_IDLE (then the tier starts its
+    engines as before)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, wanted: Sequence[Engines], log_dir: Path) -> None:
         self._log_dir = log_dir
+        self._queue = list(wanted)
         self._waiting: dict[Engines, list[VllmFleet]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._start_each, name="vllm-early", daemon=True)
+        self._thread.start()
 
     @staticmethod
     def possible() -> bool:
         return os.geteuid() == 0
 
-    def start(self, engines: Engines) -> None:
-        logs = Path(tempfile.mkdtemp(prefix="early-", dir=self._log_dir))
-        self._waiting.setdefault(engines, []).append(VllmFleet.of(engines, logs, idle=True))
+    def _start_each(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._queue:
+                    return
+                engines = self._queue.pop(0)
+                logs = Path(tempfile.mkdtemp(prefix="early-", dir=self._log_dir))
+                fleet = VllmFleet.of(engines, logs, idle=True)
+                self._waiting.setdefault(engines, []).append(fleet)
+            try:
+                fleet.wait_ready(timeout_s=3600.0)
+            except Exception:
+                return  # closed, taken and stopped, or failed: `take` says why, or starts anew
 
     def take(self, engines: Engines) -> VllmFleet | None:
-        """A fleet started early for `engines`, ready and promoted; None if none was."""
-        waiting = self._waiting.get(engines)
-        if not waiting:
-            return None
-        fleet = waiting.pop(0)
+        """A fleet started early for `engines`, ready and promoted; None if none was (the
+        caller starts its own, and this one is not started any more)."""
+        with self._lock:
+            waiting = self._waiting.get(engines)
+            if not waiting:
+                if engines in self._queue:
+                    self._queue.remove(engines)
+                return None
+            fleet = waiting.pop(0)
         try:
             for srv in fleet.servers:
                 srv.promote()
@@ -246,10 +268,13 @@ class EarlyStarts:
         return fleet
 
     def close(self) -> None:
-        for fleets in self._waiting.values():
-            for fleet in fleets:
-                fleet.close()
-        self._waiting.clear()
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            fleets = [f for waiting in self._waiting.values() for f in waiting]
+            self._waiting.clear()
+        for fleet in fleets:
+            fleet.close()
 
 
 @dataclass
@@ -315,9 +340,9 @@ class VllmFleet:
             raise
         return fleet
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, timeout_s: float = 420.0) -> None:
         for srv in self.servers:
-            srv.wait_ready()
+            srv.wait_ready(timeout_s)
 
     @classmethod
     def of(cls, engines: Engines, log_dir: Path, *, idle: bool = False) -> VllmFleet:
