@@ -2,9 +2,7 @@
 over ZMQ) behind `extproc serve` and a real Envoy. Skipped, with the reason, where the vLLM
 venv or the model is missing (`scripts/vllm-env.sh` provides both; `scripts/test.sh` runs it).
 
-The servers start once per session (~30-90 s each on two cores, several minutes on a slower
-CI machine) and are stopped at the end; as root, every engine the selected tests will ask for
-starts as the session begins, on the core the e2e tests leave idle (`pytest_collection_finish`).
+The servers start once per session (~30-90 s each on two cores) and are stopped at the end.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.stack import Stack, StackOptions
-from tests.vllm.fleet import EarlyStarts, Engines, VllmFleet, vllm_unavailable
+from extproc.stack import Stack, StackOptions, free_port
+from tests.vllm.fleet import VllmFleet, vllm_unavailable
 
 # A small KV cache (blocks of 32 tokens) so the trace evicts; prompts stay under 512 tokens.
 GPU_BLOCKS = 40
@@ -37,62 +35,29 @@ def pytest_collection_modifyitems(items):
                 item.add_marker(pytest.mark.skip(reason=f"real-vLLM tier skipped: {reason}"))
 
 
-# The session's fleet (test_agreement, test_engine_priority): prefix caching on a small KV
-# cache, and priority scheduling (lower `priority` first): with every request at the
-# default 0 it orders by arrival like FCFS; tests/vllm/test_engine_priority.py sends the
-# bands flow control writes into bodies.
-FLEET = Engines(
-    2,
-    (
-        *("--num-gpu-blocks-override", str(GPU_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN)),
-        *("--scheduling-policy", "priority"),
-    ),
-    replay=True,
-)
-_EARLY = pytest.StashKey[EarlyStarts]()
-
-
-def pytest_collection_finish(session):
-    """The engines the selected real-vLLM tests will ask for start now, one at a time, on
-    an idle core (tests/vllm/fleet.py `EarlyStarts`): the session fleet, and what each
-    module lists in `VLLM_ENGINES`."""
-    items = [i for i in session.items if "tests/vllm/" in str(i.fspath)]
-    if not items or vllm_unavailable() is not None or not EarlyStarts.possible():
-        return
-    wanted: list[Engines] = []
-    if any("vllm_fleet" in i.fixturenames for i in items):
-        wanted.append(FLEET)
-    for module in dict.fromkeys(i.module for i in items):
-        wanted.extend(getattr(module, "VLLM_ENGINES", ()))
+@pytest.fixture(scope="session")
+def vllm_fleet() -> Iterator[VllmFleet]:
+    # Kept after the run (pytest rotates its own temp dirs away): a failed start says why here.
     logs = Path(tempfile.mkdtemp(prefix="extproc-vllm-logs-"))
-    session.config.stash[_EARLY] = EarlyStarts(wanted, logs)
-
-
-def pytest_sessionfinish(session):
-    early = session.config.stash.get(_EARLY, None)
-    if early is not None:
-        early.close()  # any not taken (a module deselected or failed before asking)
-
-
-@pytest.fixture(scope="session")
-def vllm_early(request) -> EarlyStarts | None:
-    return request.config.stash.get(_EARLY, None)
-
-
-@pytest.fixture(scope="session")
-def vllm_fleet(vllm_early: EarlyStarts | None) -> Iterator[VllmFleet]:
     start = time.monotonic()
-    fleet = vllm_early.take(FLEET) if vllm_early is not None else None
-    if fleet is None:
-        # Kept after the run (pytest rotates its own temp dirs away): a failed start says
-        # why here.
-        fleet = VllmFleet.of(FLEET, Path(tempfile.mkdtemp(prefix="extproc-vllm-logs-")))
-        try:
-            fleet.wait_ready()
-        except BaseException:
-            fleet.close()
-            raise
-    logs = fleet.servers[0].log_path.parent
+    fleet = VllmFleet.start(
+        2,
+        ports=[free_port(), free_port()],
+        kv_events_port=free_port(),
+        replay_port=free_port(),
+        extra_args=(
+            "--num-gpu-blocks-override",
+            str(GPU_BLOCKS),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            # Priority scheduling (lower `priority` first): with every request at the default
+            # 0 it orders by arrival like FCFS; tests/vllm/test_engine_priority.py sends the
+            # bands flow control writes into bodies.
+            "--scheduling-policy",
+            "priority",
+        ),
+        log_dir=logs,
+    )
     print(f"\nvLLM fleet ready in {time.monotonic() - start:.1f}s: {fleet.addresses}, logs {logs}")
     try:
         yield fleet

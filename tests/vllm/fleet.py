@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -75,9 +74,6 @@ class VllmServer:
     extra_args: Sequence[str] = ()
     host: str = "127.0.0.1"
     replay_port: int | None = None
-    # Started under SCHED_IDLE (`EarlyStarts`) until `promote()`: it runs only on a core
-    # nothing else wants.
-    idle: bool = False
     proc: subprocess.Popen | None = None
 
     @property
@@ -98,7 +94,6 @@ class VllmServer:
         if self.replay_port is not None:
             events["replay_endpoint"] = f"tcp://{self.host}:{self.replay_port}"
         return [
-            *(("chrt", "--idle", "0") if self.idle else ()),
             str(vllm_python(self.venv)),
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -130,9 +125,6 @@ class VllmServer:
             "HF_HUB_OFFLINE": "1",
             "TMPDIR": str(self.tmpdir),
             "PYTHONUNBUFFERED": "1",
-            # The API server gives its engine core 600 s to come up by default; an engine
-            # started early on an idle core (`EarlyStarts`) may take longer, as it should.
-            "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
         }
         env.pop("VIRTUAL_ENV", None)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
@@ -175,106 +167,10 @@ class VllmServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
-    def promote(self) -> None:
-        """Every thread of its process group back to the normal scheduling class (threads
-        inherit the class of the one that starts them, and vLLM's API server, engine core
-        and torch threads are already running): from here it is measured as any engine."""
-        self.idle = False
-        if self.proc is None:
-            return
-        group = self.proc.pid  # start_new_session: the group's leader
-        for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
-            try:
-                if os.getpgid(int(task.parent.parent.name)) != group:
-                    continue
-                os.sched_setscheduler(int(task.name), os.SCHED_OTHER, os.sched_param(0))
-            except ProcessLookupError:
-                pass  # gone meanwhile
-
     def restart(self, timeout_s: float = 420.0) -> None:
         self.stop()
         self.start()
         self.wait_ready(timeout_s)
-
-
-@dataclass(frozen=True)
-class Engines:
-    """What a test module asks of the tier: `n` servers started with `flags`, their KV
-    events to one port, with a replay port or not. A module lists its own in a
-    `VLLM_ENGINES` tuple so that `EarlyStarts` can start them before it runs."""
-
-    n: int
-    flags: tuple[str, ...]
-    replay: bool = False
-
-
-class EarlyStarts:
-    """The engines the session's real-vLLM tests will ask for, started as the session
-    begins under SCHED_IDLE, one after another, and handed over (`take`) when a module asks
-    for the same `Engines`, back in the normal scheduling class.
-
-    A start is ~1-2 minutes of imports and compilation on two cores, and the tier started
-    five engines one module after another (CI: ~250 s of its ~500). The e2e tests before it
-    keep about one core busy: on the other, idle-class engines start without taking CPU
-    from them. One at a time: five engines starting together (imports, page faults, memory
-    traffic) is a burst beside the first e2e tests that one start is not. Only as root: an
-    unprivileged process may not take a thread out of SCHED_IDLE (then the tier starts its
-    engines as before)."""
-
-    def __init__(self, wanted: Sequence[Engines], log_dir: Path) -> None:
-        self._log_dir = log_dir
-        self._queue = list(wanted)
-        self._waiting: dict[Engines, list[VllmFleet]] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._start_each, name="vllm-early", daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def possible() -> bool:
-        return os.geteuid() == 0
-
-    def _start_each(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed or not self._queue:
-                    return
-                engines = self._queue.pop(0)
-                logs = Path(tempfile.mkdtemp(prefix="early-", dir=self._log_dir))
-                fleet = VllmFleet.of(engines, logs, idle=True)
-                self._waiting.setdefault(engines, []).append(fleet)
-            try:
-                fleet.wait_ready(timeout_s=3600.0)
-            except Exception:
-                return  # closed, taken and stopped, or failed: `take` says why, or starts anew
-
-    def take(self, engines: Engines) -> VllmFleet | None:
-        """A fleet started early for `engines`, ready and promoted; None if none was (the
-        caller starts its own, and this one is not started any more)."""
-        with self._lock:
-            waiting = self._waiting.get(engines)
-            if not waiting:
-                if engines in self._queue:
-                    self._queue.remove(engines)
-                return None
-            fleet = waiting.pop(0)
-        try:
-            for srv in fleet.servers:
-                srv.promote()
-            fleet.wait_ready()
-        except BaseException:
-            fleet.close()
-            raise
-        return fleet
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._queue.clear()
-            fleets = [f for waiting in self._waiting.values() for f in waiting]
-            self._waiting.clear()
-        for fleet in fleets:
-            fleet.close()
 
 
 @dataclass
@@ -300,7 +196,6 @@ class VllmFleet:
         model_dir: Path = DEFAULT_MODEL_DIR,
         log_dir: Path | None = None,
         wait: bool = True,
-        idle: bool = False,
     ) -> VllmFleet:
         """Starts the servers together; with `wait` false the caller waits (`wait_ready`), so
         several fleets with different flags can start side by side."""
@@ -327,7 +222,6 @@ class VllmFleet:
                 # port, as pods do, so the picker finds it at <endpoint host>:replay_port.
                 host=host,
                 replay_port=replay_port,
-                idle=idle,
             )
             fleet.servers.append(srv)
         try:
@@ -340,23 +234,9 @@ class VllmFleet:
             raise
         return fleet
 
-    def wait_ready(self, timeout_s: float = 420.0) -> None:
+    def wait_ready(self) -> None:
         for srv in self.servers:
-            srv.wait_ready(timeout_s)
-
-    @classmethod
-    def of(cls, engines: Engines, log_dir: Path, *, idle: bool = False) -> VllmFleet:
-        """`engines` on free ports, not waited for."""
-        return cls.start(
-            engines.n,
-            ports=[free_port() for _ in range(engines.n)],
-            kv_events_port=free_port(),
-            replay_port=free_port() if engines.replay else None,
-            extra_args=engines.flags,
-            log_dir=log_dir,
-            wait=False,
-            idle=idle,
-        )
+            srv.wait_ready()
 
     @property
     def addresses(self) -> list[str]:
@@ -402,33 +282,34 @@ class VllmFleet:
 
 
 @contextlib.contextmanager
-def one_server(
-    log_prefix: str, *extra_args: str, early: EarlyStarts | None = None
-) -> Iterator[VllmServer]:
+def one_server(log_prefix: str, *extra_args: str) -> Iterator[VllmServer]:
     """One vLLM of its own with a test module's engine flags (a step budget, scheduling
     policy, logging...), on free ports, stopped at the end. Its log is kept in a directory
     named `log_prefix`... under the temp dir (pytest rotates its own away): a failed start,
     or an engine that behaved unexpectedly, says why there."""
-    with own_servers(log_prefix, extra_args, early=early) as servers:
+    with own_servers(log_prefix, extra_args) as servers:
         yield servers[0]
 
 
 @contextlib.contextmanager
-def own_servers(
-    log_prefix: str, *flag_sets: Sequence[str], early: EarlyStarts | None = None
-) -> Iterator[list[VllmServer]]:
+def own_servers(log_prefix: str, *flag_sets: Sequence[str]) -> Iterator[list[VllmServer]]:
     """One vLLM of its own per set of flags, as `one_server`, all started at once: a start is
     most of a minute of imports in one process, so on two cores two starts side by side take
-    about the wall time of one (an idle engine beside a measured one costs it nothing).
-    Engines `early` started for the same flags are taken instead."""
+    about the wall time of one (an idle engine beside a measured one costs it nothing)."""
     fleets: list[VllmFleet] = []
     try:
         for flags in flag_sets:
-            engines = Engines(1, tuple(flags))
-            fleet = early.take(engines) if early is not None else None
-            if fleet is None:
-                fleet = VllmFleet.of(engines, Path(tempfile.mkdtemp(prefix=log_prefix)))
-            fleets.append(fleet)
+            logs = Path(tempfile.mkdtemp(prefix=log_prefix))
+            fleets.append(
+                VllmFleet.start(
+                    1,
+                    ports=[free_port()],
+                    kv_events_port=free_port(),
+                    extra_args=flags,
+                    log_dir=logs,
+                    wait=False,
+                )
+            )
         for fleet in fleets:
             fleet.wait_ready()
         yield [fleet.servers[0] for fleet in fleets]

@@ -35,7 +35,7 @@ import pytest
 from extproc.sim.engine import Engine, EngineSettings, Job
 from extproc.sim.timing import TimingSettings
 from extproc.sim.tokens import PromptTokens, SimTokenizer
-from tests.vllm.fleet import MODEL_NAME, Engines, own_servers
+from tests.vllm.fleet import MODEL_NAME, own_servers
 
 BUDGET, SEQS, MAX_LEN = 16, 4, 2048
 LONG, SHORT = 1900, 40
@@ -118,16 +118,11 @@ def engine_flags(threshold: int) -> tuple[str, ...]:
     )
 
 
-# Started as the session begins (tests/vllm/conftest.py), taken by `engines`.
-VLLM_ENGINES = tuple(Engines(1, tuple(engine_flags(t))) for t in THRESHOLDS)
-
-
 @pytest.fixture(scope="module")
-def engines(vllm_early) -> Iterator[dict[int, str]]:
+def engines() -> Iterator[dict[int, str]]:
     """Each threshold's one-server vLLM with a 16-token step budget (url by threshold),
     started side by side."""
-    flag_sets = map(engine_flags, THRESHOLDS)
-    with own_servers("extproc-vllm-chunked-", *flag_sets, early=vllm_early) as servers:
+    with own_servers("extproc-vllm-chunked-", *map(engine_flags, THRESHOLDS)) as servers:
         yield {t: srv.url for t, srv in zip(THRESHOLDS, servers, strict=True)}
 
 

@@ -33,7 +33,7 @@ import pytest
 
 from extproc.endpoints.exposition import parse_metrics
 from extproc.endpoints.prefill_speed import PrefillSpeeds
-from tests.vllm.fleet import MODEL_NAME, Engines, one_server
+from tests.vllm.fleet import MODEL_NAME, one_server
 
 MAX_LEN = 2048
 PROMPT = 1800  # tokens, none cached (distinct random ids): one step alone, ~1-2 shared
@@ -48,17 +48,13 @@ TOLERANCE = 0.3
 STARVED_S = 1.0  # a gap between scrapes past which a phase is run again
 
 
-FLAGS = (
-    *("--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", "2048"),
-    *("--num-gpu-blocks-override", "1200", "--enable-logging-iteration-details"),
-)
-# Started as the session begins (tests/vllm/conftest.py), taken by `engine`.
-VLLM_ENGINES = (Engines(1, FLAGS),)
-
-
 @pytest.fixture(scope="module")
-def engine(vllm_early) -> Iterator[tuple[str, Path]]:
-    with one_server("extproc-vllm-prefill-", *FLAGS, early=vllm_early) as server:
+def engine() -> Iterator[tuple[str, Path]]:
+    with one_server(
+        "extproc-vllm-prefill-",
+        *("--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", "2048"),
+        *("--num-gpu-blocks-override", "1200", "--enable-logging-iteration-details"),
+    ) as server:
         complete(server.url, 1)  # the first request warms the engine up
         yield server.url, server.log_path
 
