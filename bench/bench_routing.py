@@ -415,22 +415,34 @@ def run_step(
     return summarize(results, duration)
 
 
-def lookup_counts(stack: Stack | None) -> tuple[float, float]:
-    """(index lookups answered degraded, all lookups) so far, summed over the picker
-    replicas. A lookup slower than the budget (Redis under CPU load) degrades and the request
-    is routed on load alone: this separates "Redis" from "replicas disagree"."""
+# Counters summed over the picker replicas (and labels) for each step's line: index lookups
+# (a lookup slower than the budget, Redis under CPU load, degrades and the request is routed
+# on load alone: this separates "Redis" from "replicas disagree"), and what
+# bounded-sessions-filter did with new sessions.
+_COUNTERS = (
+    "extproc_index_lookups_degraded_total",
+    "extproc_index_lookups_total",
+    "extproc_session_bound_bounded_total",
+    "extproc_session_bound_kept_together_total",
+    "extproc_session_bound_growth_unknown_total",
+    "extproc_session_bound_header_growth_total",
+)
+
+
+def picker_counters(stack: Stack | None) -> dict[str, float]:
+    """`_COUNTERS` so far, summed over the picker replicas (absent ones read 0: an older
+    baseline tree may not export them)."""
+    sums = dict.fromkeys(_COUNTERS, 0.0)
     if stack is None or not stack.options.picker:
-        return (0.0, 0.0)
+        return sums
     admin = [stack.picker_admin_port, *(a for _, _, a in stack.replica_ports)]
-    degraded = lookups = 0.0
     for port in admin:
         for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text.splitlines():
             name, _, value = line.partition(" ")
-            if name == "extproc_index_lookups_degraded_total":
-                degraded += float(value)
-            elif name == "extproc_index_lookups_total":
-                lookups += float(value)
-    return degraded, lookups
+            name = name.partition("{")[0]
+            if name in sums:
+                sums[name] += float(value)
+    return sums
 
 
 @contextlib.contextmanager
@@ -502,13 +514,21 @@ def run_policy(
             time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's new socket
         for step, rate in enumerate(rates):
             fleet.reset()
-            before = lookup_counts(stack)
+            before = picker_counters(stack)
             urls = [srv.url for srv in fleet.servers]
             lanes0 = lane_clock(urls)
             wall = run_step(wl, rate, groups, seed + step, url, time_scale)
             lanes = lane_ratio(lane_delta(lanes0, lane_clock(urls)))
-            after = lookup_counts(stack)
-            degraded = f" degraded lookups {after[0] - before[0]:.0f}/{after[1] - before[1]:.0f}"
+            after = picker_counters(stack)
+            d = {k: after[k] - before[k] for k in after}
+            degraded = (
+                f" degraded lookups {d['extproc_index_lookups_degraded_total']:.0f}"
+                f"/{d['extproc_index_lookups_total']:.0f}"
+                f" sessions bounded {d['extproc_session_bound_bounded_total']:.0f}"
+                f" (growth unknown {d['extproc_session_bound_growth_unknown_total']:.0f})"
+                f" kept {d['extproc_session_bound_kept_together_total']:.0f}"
+                f" header-read {d['extproc_session_bound_header_growth_total']:.0f}"
+            )
             s = in_shape_time(wall, time_scale)
             rows.append(Row(wl, policy, rate, s, lanes))
             spread = "/".join(str(n) for n in sorted(s.per_endpoint.values(), reverse=True))

@@ -448,6 +448,11 @@ SESSION_BOUND = StatsFamilies(
             "Bounded requests whose every endpoint holding the most of the prefix was "
             "removed (the prompt is written on another server).",
         ),
+        "header_growth": Stat(
+            "extproc_session_bound_header_growth",
+            "Requests starting a session whose expected growth was read under the prefix's "
+            "first 7 blocks only (a header other prompts share: the coarsest fallback).",
+        ),
     },
 )
 

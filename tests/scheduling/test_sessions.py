@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import msgspec
+
 from extproc.core import Candidate, Decision, InferenceRequest
 from extproc.scheduling.config import build_scheduler, default_config
 from extproc.scheduling.plugins.sessions import (
@@ -336,3 +338,98 @@ def test_a_big_tenants_early_conversations_stay_with_its_prompt_before_any_came_
     # seven were left to the scorers on what tenant 0's conversations showed.
     assert f.stats.kept_together - before.kept_together == 7
     assert f.stats.growth_unknown == before.growth_unknown
+
+
+SHORT_HEADER = tuple(range(1, 7))  # 6 blocks: the bench's tenants' header, under the stride
+
+
+def short_header_conversation(tenant: int, conv: int, turn: int) -> InferenceRequest:
+    """As `conversation`, on a 6-block header (shorter than the 8-block stride)."""
+    prompt = SHORT_HEADER + tuple(100_000 * (tenant + 1) + i for i in range(24))
+    own = tuple(100_000 * (tenant + 1) + 1000 * (conv + 1) + i for i in range(2 * (turn + 1)))
+    return dataclasses.replace(req(tokens=64 * (len(prompt) + len(own))), block_keys=prompt + own)
+
+
+def test_growth_learned_on_a_header_shorter_than_the_stride_reaches_other_tenants():
+    """Issue 14, tenants: the header every tenant shares is 6 approximate blocks, and growth
+    recorded only under every 8th block was filed under keys inside each tenant's own
+    prompt, where another tenant never looks: 59-68 of 66-69 bounded sessions a run had no
+    growth to read (sixteenth session). Recorded under each of the first blocks too, tenant
+    0's continued conversations teach tenant 1's first ones, read at the header (counted)."""
+    f = BoundedSessionsFilter(TOGETHER)
+    servers = "abcd"
+    for conv in range(2):  # tenant 0's conversations, each continued
+        first = short_header_conversation(0, conv, 0)
+        at = place(f, first, [cand(a, prefix=len(SHORT_HEADER)) for a in servers])
+        nxt = short_header_conversation(0, conv, 1)
+        cands = [cand(a, prefix=len(first.block_keys) if a == at else 0) for a in servers]
+        f.observe(nxt, cands, Decision(endpoints=(cand(at).endpoint,)))
+    learned = f.sessions.learned(short_header_conversation(1, 0, 0).block_keys, 30)
+    assert learned == (2, len(SHORT_HEADER))  # 2 blocks past the first turn, under the header
+    before = dataclasses.replace(f.stats)
+    held: dict[str, float] = {}
+    placed = []
+    for conv in range(6):  # tenant 1: none continued yet
+        r = short_header_conversation(1, conv, 0)
+        cands = [cand(a, prefix=held.get(a, len(SHORT_HEADER))) for a in servers]
+        placed.append(place(f, r, cands))
+        held[placed[-1]] = 30
+    assert placed[1:] == [placed[1]] * 5, placed
+    # The first found only the header held (its own part is 4x it: bounded, as it should
+    # be); the other five, holding the tenant's prompt, stayed small beside it.
+    assert f.stats.kept_together - before.kept_together == 5
+    assert f.stats.header_growth - before.header_growth == 6
+    assert f.stats.growth_unknown == before.growth_unknown
+    # The tenant's own prompt, once one of its conversations is continued, is read first.
+    f.observe(
+        short_header_conversation(1, 0, 1),
+        [cand(placed[0], prefix=32)],
+        Decision(endpoints=(cand(placed[0]).endpoint,)),
+    )
+    assert f.sessions.learned(short_header_conversation(1, 9, 0).block_keys, 30) == (2, 24)
+
+
+def test_a_header_record_does_not_keep_together_sessions_that_grow():
+    """The header-level record is the most any session on the header grew: an agent session
+    that grew past half its prompt bounds the next ones on that header, whatever chats
+    showed there before."""
+    sessions = LiveSessions(120.0, 100, ManualClock(), learn_growth=True)
+    chat, agent = short_header_conversation(0, 0, 0), short_header_conversation(1, 0, 0)
+    sessions.touch(None, "a", chat.block_keys)
+    sessions.touch(
+        sessions.find(chat.block_keys), "a", short_header_conversation(0, 0, 1).block_keys
+    )
+    sessions.touch(None, "b", agent.block_keys)
+    sessions.touch(sessions.find(agent.block_keys), "b", agent.block_keys + tuple(range(-40, 0)))
+    assert sessions.learned(short_header_conversation(2, 0, 0).block_keys, 30) == (40, 6)
+    assert (sessions.growth(short_header_conversation(2, 0, 0).block_keys, 30) or 0.0) > 0.5
+
+
+def test_learned_growth_survives_a_bytes_per_token_recalibration():
+    """Calibration's change of bytes per token (4 -> 1 in the bench, 1.5-2.2 s into a run)
+    pins the key geometry: the same text keeps its block keys, so growth learned before the
+    change is read after it (the sixteenth session thought it dropped)."""
+    from extproc.calibration import Calibration
+    from extproc.requests.settings import ParseSettings
+
+    cal = Calibration(ParseSettings(block_tokens=16, bytes_per_token=4))
+
+    def chat(*turns: str) -> InferenceRequest:
+        messages = [{"role": "system", "content": "header " * 40 + "tenant prompt " * 60}]
+        for i, text in enumerate(turns):
+            messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+        body = msgspec.json.encode({"model": "m", "messages": messages})
+        return cal("/v1/chat/completions", {}, body)
+
+    sessions = LiveSessions(120.0, 100, ManualClock(), learn_growth=True)
+    first = chat("question one " * 10)
+    sessions.touch(None, "a", first.block_keys)
+    second = chat("question one " * 10, "answer " * 30, "more " * 10)
+    sessions.touch(sessions.find(second.block_keys), "a", second.block_keys)
+    new = chat("question two " * 10)
+    before = sessions.learned(new.block_keys, len(first.block_keys) - 3)
+    assert before is not None
+    assert cal.adopt(1, 4, source="test") and cal.settings.bytes_per_token == 1
+    after = chat("question two " * 10)
+    assert after.block_keys == new.block_keys
+    assert sessions.learned(after.block_keys, len(first.block_keys) - 3) == before

@@ -29,9 +29,10 @@ but it ends after a turn or two having added a fraction of what it shares: bound
 only wrote big tenants' prompts onto five or six servers (issue 14, tenants: the holder
 filtered out in 13-28 requests a run). So a new session is looked up in what continued
 sessions have taught: when a session is continued, how many blocks it has grown past its
-first turn is kept under every `_GROUP_STRIDE`-th block key of that first turn (the most
-seen); a new session reads it back at the longest recorded prefix within what the index
-holds of it, and expects to end that far past its own first turn. One whose expected part
+first turn is kept under every `_GROUP_STRIDE`-th block key of that first turn and under
+each of its first blocks (the most seen); a new session reads it back at the longest
+recorded prefix within what the index holds of it, and expects to end that far past its own
+first turn. One whose expected part
 of its own (its first turn past the shared prefix, plus that growth) stays within
 `keepTogetherGrowth` of the shared prefix is left to the scorers; one on a prefix no session
 has been seen continued on is bounded (an agentic first fill shows nothing before the bound
@@ -41,14 +42,18 @@ Growth is kept in blocks, not as a fraction of the prefix it was recorded under,
 carries from a shorter prefix to a longer one: a big tenant's next conversations arrive
 before its first one's second turn (24 req/s: the biggest tenant's first 20-30 of them),
 and read what conversations of other tenants, on the header every tenant shares, have
-shown, where that header reaches a recorded prefix (8 blocks or more: the bench's tenants
-share 6 approximate blocks, so there most of them still find nothing until one of their
-own comes back; bench/RESULTS.md, sixteenth session). Recorded as a fraction of each
+shown. Recorded under stride keys only (the sixteenth session), a header shorter than the
+stride was never found: the bench's tenants share 6 approximate blocks, and 59-68 of 66-69
+bounded sessions a run were bounded for want of any learned growth; hence the first blocks'
+records (bench/RESULTS.md, seventeenth session). Recorded as a fraction of each
 prefix (before issue 14's sixteenth session), it was read only under the tenant's own
 prompt, learned from the tenant's own conversations, and the big tenants' early
 conversations were bounded: the holder was still filtered out 12-15 times a run with the
 option on. The learning is per replica (replicas share
-placements, not block keys).
+placements, not block keys). It survives approximate calibration: a change of bytes per
+token keeps the key geometry (calibration pins it), so the recorded keys stay the keys of
+the same prefixes; only a change of block size re-keys everything (the index too), and it
+comes from the first scrape, before traffic (0.85-0.96 s before it in the bench's traces).
 
 With a Redis index, replicas share the record (server/shared_sessions.py): each publishes
 its placements and applies the others', so every replica counts every server's sessions and
@@ -85,6 +90,11 @@ _GROUP_STRIDE = 8
 # Recorded prefixes probed back from what a new session shares: a bounded number of dict
 # lookups (2,048 shared blocks would be 256), the longest first.
 _GROWTH_PROBES = 64
+# Every one of a first turn's first blocks is recorded too, and probed after the stride keys:
+# a header all tenants share may be shorter than the stride (the bench's tenants share 6
+# approximate blocks), and under stride keys alone it was never found (bench/RESULTS.md,
+# sixteenth session: 59-68 of 66-69 bounded sessions had no growth to read).
+_HEAD_BLOCKS = _GROUP_STRIDE - 1
 
 # (previous tail keys or (), endpoint, new tail keys): one placement, as replicas share it.
 Touch = tuple[tuple[int, ...], str, tuple[int, ...]]
@@ -168,6 +178,17 @@ class LiveSessions:
         the first turn plus the most blocks sessions that started on the same prefix grew
         past their first turns (read at the longest recorded prefix within `shared`).
         None while no session on any of those prefixes has been continued here."""
+        found = self.learned(block_keys, shared)
+        if found is None:
+            return None
+        shared = min(shared, len(block_keys))
+        return (len(block_keys) - shared + found[0]) / shared
+
+    def learned(self, block_keys: Sequence[int], shared: int) -> tuple[int, int] | None:
+        """(blocks grown past their first turn, blocks of the prefix it was read under) at
+        the longest recorded prefix within the first `shared` of `block_keys`: stride keys
+        from the longest down (at most `_GROWTH_PROBES`), then each of the first
+        `_HEAD_BLOCKS` blocks. None: nothing recorded under any of them."""
         shared = min(shared, len(block_keys))
         top = shared // _GROUP_STRIDE * _GROUP_STRIDE - 1
         stop = max(-1, top - _GROWTH_PROBES * _GROUP_STRIDE)
@@ -175,7 +196,11 @@ class LiveSessions:
         for j in range(top, stop, -_GROUP_STRIDE):
             grew = growth.get(block_keys[j])
             if grew is not None:
-                return (len(block_keys) - shared + grew) / shared
+                return grew, j + 1
+        for j in range(min(shared, _HEAD_BLOCKS) - 1, -1, -1):
+            grew = growth.get(block_keys[j])
+            if grew is not None:
+                return grew, j + 1
         return None
 
     def counts(self) -> Mapping[str, int]:
@@ -210,11 +235,14 @@ class LiveSessions:
         self._place(chain_id, endpoint, tail, self._clock() - max(0.0, age_s), first)
 
     def _grew(self, block_keys: Sequence[int], first: int) -> None:
-        # One record per `_GROUP_STRIDE` blocks of the first turn: a turn costs
-        # first / _GROUP_STRIDE dict writes, not one per block.
+        # One record per `_GROUP_STRIDE` blocks of the first turn, and one under each of its
+        # first `_HEAD_BLOCKS`: a turn costs first / _GROUP_STRIDE + 7 dict writes, not one
+        # per block. Not also at the first turn's own length: growth is in blocks, and the
+        # longest stride key within a shared prefix is at most 7 blocks short of it.
         growth, n = self._growth, len(block_keys)
         grew = max(0, n - first)
-        for j in range(_GROUP_STRIDE - 1, min(first, n), _GROUP_STRIDE):
+        end = min(first, n)
+        for j in (*range(min(end, _HEAD_BLOCKS)), *range(_GROUP_STRIDE - 1, end, _GROUP_STRIDE)):
             key = block_keys[j]
             growth[key] = max(grew, growth.pop(key, 0))
         while len(growth) > self._max:
@@ -287,12 +315,16 @@ class SessionBoundStats:
     on the prefix were seen to stay small), `growth_unknown` (bounded because no session on
     the prefix had been seen continued: the learned signal missing, with
     `keepTogetherGrowth` on), `holders_removed` (bounded, and every endpoint holding the
-    most of the prefix was removed: the session's prompt is written elsewhere)."""
+    most of the prefix was removed: the session's prompt is written elsewhere),
+    `header_growth` (kept together or bounded on growth read under one of the prefix's first
+    `_HEAD_BLOCKS` blocks: a header wider than the session's own prompt, the coarsest
+    fallback)."""
 
     bounded: int = 0
     kept_together: int = 0
     growth_unknown: int = 0
     holders_removed: int = 0
+    header_growth: int = 0
 
 
 def _capacity(c: Candidate) -> float | None:
@@ -392,7 +424,13 @@ class BoundedSessionsFilter:
         shared = self._lookup(req, cands)[1]
         stats = self.stats
         if self._together > 0 and shared > 0 and all(c.prefix_known for c in cands):
-            growth = self.sessions.growth(req.block_keys, shared)
+            learned = self.sessions.learned(req.block_keys, shared)
+            growth = None
+            if learned is not None:
+                growth = (len(req.block_keys) - shared + learned[0]) / shared
+                # Read under the first blocks only: what sessions on a header shared more
+                # widely (every tenant's) showed, not this prompt's own.
+                stats.header_growth += learned[1] <= _HEAD_BLOCKS
             if growth is not None and growth <= self._together:
                 # Its group's sessions stay small beside what they share: keeping them
                 # together costs less cache than writing the prefix on another server.
