@@ -32,11 +32,10 @@ sessions have taught: when a session is continued, how many blocks it has grown 
 first turn is kept under every `_GROUP_STRIDE`-th block key of that first turn and under
 each of its first blocks (the most seen); a new session reads it back at the longest
 recorded prefix within what the index holds of it, and expects to end that far past its own
-first turn. One whose expected part
-of its own (its first turn past the shared prefix, plus that growth) stays within
-`keepTogetherGrowth` of the shared prefix is left to the scorers; one on a prefix no session
-has been seen continued on is bounded (an agentic first fill shows nothing before the bound
-must act).
+first turn. One whose expected part of its own (its first turn past the shared prefix, plus
+that growth) stays within `keepTogetherGrowth` of the shared prefix is left to the scorers;
+one on a prefix no session has been seen continued on is bounded (an agentic first fill
+shows nothing before the bound must act).
 
 Growth is kept in blocks, not as a fraction of the prefix it was recorded under, so it
 carries from a shorter prefix to a longer one: a big tenant's next conversations arrive
@@ -45,15 +44,15 @@ and read what conversations of other tenants, on the header every tenant shares,
 shown. Recorded under stride keys only (the sixteenth session), a header shorter than the
 stride was never found: the bench's tenants share 6 approximate blocks, and 59-68 of 66-69
 bounded sessions a run were bounded for want of any learned growth; hence the first blocks'
-records (bench/RESULTS.md, seventeenth session). Recorded as a fraction of each
-prefix (before issue 14's sixteenth session), it was read only under the tenant's own
-prompt, learned from the tenant's own conversations, and the big tenants' early
-conversations were bounded: the holder was still filtered out 12-15 times a run with the
-option on. The learning is per replica (replicas share
-placements, not block keys). It survives approximate calibration: a change of bytes per
-token keeps the key geometry (calibration pins it), so the recorded keys stay the keys of
-the same prefixes; only a change of block size re-keys everything (the index too), and it
-comes from the first scrape, before traffic (0.85-0.96 s before it in the bench's traces).
+records (bench/RESULTS.md, seventeenth session). Recorded as a fraction of each prefix
+(before issue 14's sixteenth session), it was read only under the tenant's own prompt,
+learned from the tenant's own conversations, and the big tenants' early conversations were
+bounded: the holder was still filtered out 12-15 times a run with the option on. The
+learning is per replica (replicas share placements, not block keys). It survives
+approximate calibration: a change of bytes per token keeps the key geometry (calibration
+pins it), so the recorded keys stay the keys of the same prefixes; only a change of block
+size re-keys everything (the index too), and it comes from the first scrape, before traffic
+(0.85-0.96 s before it in the bench's traces).
 
 With a Redis index, replicas share the record (server/shared_sessions.py): each publishes
 its placements and applies the others', so every replica counts every server's sessions and
