@@ -32,27 +32,22 @@ from typing import Any
 from redis.asyncio import Redis
 
 from extproc.endpoints.shared_inflight import SharedInFlight
-from extproc.redis_broadcast import Broadcast
+from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class InFlightPushStats:
-    """Counters since start: placements `published` to the peers, peers' pushes `received`
-    and handed to the in-flight counts (which count what they add: `SharedInFlightStats`),
-    pushes `dropped` (Redis failing or backlog full), failed Redis calls (`errors`), and
-    peers' items refused for their shape (`bad_entries`: undecodable, a server not in the
-    pool, counters not integers)."""
+class InFlightPushStats(ChannelCounts):
+    """Counters since start: the channel's (items are placements; `bad_entries`: peers'
+    items refused for their shape, undecodable, a server not in the pool, counters not
+    integers) and peers' pushes `received` and handed to the in-flight counts (which
+    count what they add: `SharedInFlightStats`)."""
 
-    published: int = 0
     received: int = 0
-    dropped: int = 0
-    errors: int = 0
-    bad_entries: int = 0
 
 
-class InFlightPush:
+class InFlightPush(SharedOverBroadcast[InFlightPushStats]):
     """Publishes this replica's placements as they are made; hands the peers' to `inflight`.
     `known`: whether an address is a server of the pool."""
 
@@ -66,9 +61,7 @@ class InFlightPush:
     ) -> None:
         self._inflight = inflight
         self._known = known
-        self._received = 0
-        self._refused = 0
-        self._channel = Broadcast(
+        broadcast = Broadcast(
             client,
             channel or f"{inflight.namespace}:push",
             self._apply,
@@ -82,39 +75,12 @@ class InFlightPush:
             timed=True,
             with_sender=True,
         )
+        super().__init__(InFlightPushStats(), broadcast)
         inflight.on_placed = self._send
-
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        inflight: SharedInFlight,
-        *,
-        known: Callable[[str], bool] = lambda address: True,
-    ) -> InFlightPush:
-        return cls(Broadcast.client(url), inflight, known=known)
-
-    @property
-    def stats(self) -> InFlightPushStats:
-        c = self._channel.stats
-        return InFlightPushStats(
-            published=c.published,
-            received=self._received,
-            dropped=c.dropped,
-            errors=c.errors,
-            bad_entries=c.malformed + self._refused,
-        )
-
-    @property
-    def is_degraded(self) -> bool:
-        return self._channel.is_degraded
-
-    async def run(self) -> None:
-        await self._channel.run()
 
     async def aclose(self) -> None:
         self._inflight.on_placed = None
-        await self._channel.aclose()
+        await super().aclose()
 
     def _send(self, address: str, requests: int, tokens: int) -> None:
         self._channel.send((address, requests, tokens))
@@ -131,7 +97,7 @@ class InFlightPush:
             and math.isfinite(age)
             and self._known(address)
         ):
-            self._received += 1
+            self._counts.received += 1
             self._inflight.pushed(sender, address, requests, tokens, float(age))
         else:
-            self._refused += 1
+            self._counts.bad_entries += 1

@@ -287,6 +287,14 @@ SHARED_REQUEST_ENDS = StatsFamilies(
             "Entries that could not be published (Redis failing or backlog full).",
         ),
     },
+    {
+        # Counted since the channel's base counts them for every feature; not on /metrics
+        # here, where the request-end families kept their first form: a failing channel
+        # shows in extproc_shared_request_ends_degraded and its log line, a malformed
+        # peer's entry in a warning.
+        "errors": "failed Redis calls: the degraded gauge and log line show the outage",
+        "bad_entries": "peers' undecodable entries: a warning line each batch",
+    },
 )
 
 SHARED_INFLIGHT = StatsFamilies(
