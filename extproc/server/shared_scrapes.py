@@ -130,16 +130,15 @@ class SharedScrapes(SharedOverBroadcast[SharedScrapesStats]):
         super().__init__(SharedScrapesStats(), broadcast)
         scraper.share = self
 
-    def _owner(self, address: str) -> str:
-        members = self._members()
-        if not members:
-            return self._id
-        return owner(address, {self._id, *members})
+    def _owns(self, address: str, members: Collection[str]) -> bool:
+        """Whether this replica scrapes `address` among `members` (asked once per scrape:
+        each `members()` copies the set of live peers)."""
+        return not members or owner(address, {self._id, *members}) == self._id
 
     # -- the scraper's seam (ScrapeShare) --------------------------------------------------
 
     def wants(self, address: str) -> bool:
-        if self._owner(address) == self._id:
+        if self._owns(address, self._members()):
             self._taken_over.discard(address)
             return True
         heard = self._heard.get(address, self._started)
@@ -155,7 +154,8 @@ class SharedScrapes(SharedOverBroadcast[SharedScrapesStats]):
     def scraped(self, address: str, scraped: Scraped) -> None:
         # Only the owner's scrapes go out (a takeover's would make the others take its
         # figures for the owner's, and stop scraping a server nobody scrapes well).
-        if self._members() and self._owner(address) == self._id:
+        members = self._members()
+        if members and self._owns(address, members):
             self._channel.send((address, scraped))
 
     # -- the channel -----------------------------------------------------------------------
