@@ -19,16 +19,22 @@ in one event-loop pass is one message). For what a peer must see at once (the in
 push, endpoints/inflight_push.py); the cost is one PUBLISH per batch, not per interval.
 With `with_sender`, `apply` gets `(sender, item)`: the sending replica's id as it named
 itself (a peer's word, like the item).
+
+`SharedOverBroadcast` is the base of the features that ride on one channel (shared request
+ends, observations, placements, scrapes, calibration, the in-flight push): it owns the
+channel and gives each feature `from_url`, `run`, `aclose`, `is_degraded` and `stats`, so a
+feature says only what its items are and what it counts beyond the channel.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import msgspec
 from redis.asyncio import Redis
@@ -205,3 +211,68 @@ class Broadcast:
         if bad:
             self.stats.malformed += bad
             log.warning("%s: %d malformed items on the channel", self._name, bad)
+
+
+@dataclass(slots=True)
+class ChannelCounts:
+    """The counters every feature on a channel has (the first fields of its stats class):
+    items `published` to the peers, items `dropped` (Redis failing or the backlog full),
+    failed Redis calls (`errors`), peers' messages or items refused (`bad_entries`). In a
+    feature's own counts, `errors` and `bad_entries` hold what it counts beyond the
+    channel's (a key of its own, items it refuses after decoding); `stats` adds both."""
+
+    published: int = 0
+    dropped: int = 0
+    errors: int = 0
+    bad_entries: int = 0
+
+
+S = TypeVar("S", bound=ChannelCounts)
+P = ParamSpec("P")
+F = TypeVar("F")
+
+
+class SharedOverBroadcast(Generic[S]):
+    """A feature shared with the peer replicas over one `Broadcast` channel. A subclass builds
+    its channel with `self._apply` as the callback (its item format), hands it and its own
+    counts (a `ChannelCounts` subclass, zeroed) to this `__init__`, and counts in
+    `self._counts` what the channel does not see."""
+
+    def __init__(self, counts: S, channel: Broadcast) -> None:
+        self._counts = counts
+        self._channel = channel
+
+    @classmethod
+    def from_url(
+        cls: Callable[Concatenate[Redis, P], F], url: str, *args: P.args, **kwargs: P.kwargs
+    ) -> F:
+        """The feature on a channel client of its own at `url` (the constructor's first
+        argument; the others are passed as given)."""
+        return cls(Broadcast.client(url), *args, **kwargs)
+
+    @property
+    def stats(self) -> S:
+        """The feature's counters with the channel's (a copy: safe to keep)."""
+        c, own = self._channel.stats, self._counts
+        return dataclasses.replace(
+            own,
+            published=c.published,
+            dropped=c.dropped,
+            errors=c.errors + own.errors,
+            bad_entries=c.malformed + own.bad_entries,
+        )
+
+    @property
+    def is_degraded(self) -> bool:
+        """True while the last publish or read failed: nothing is shared."""
+        return self._channel.is_degraded
+
+    async def run(self) -> None:
+        await self._channel.run()
+
+    async def aclose(self) -> None:
+        await self._channel.aclose()
+
+    def _apply(self, item: Any) -> None:
+        """One peer item (a ValueError/TypeError: counted as malformed, skipped)."""
+        raise NotImplementedError

@@ -108,7 +108,7 @@ def _flow(url: str, client: Any) -> SharedFlowState:
 
 def _request_ends(url: str, client: Any) -> SharedRequestEnds:
     ends = RequestEnds(InFlight().release, RequestEndSettings(mode="access-log"))
-    return SharedRequestEnds(ends, client, process_id="p", interval_s=0.02)
+    return SharedRequestEnds(client, ends, process_id="p", interval_s=0.02)
 
 
 LOOPS: dict[str, Callable[[str, Any], Any]] = {

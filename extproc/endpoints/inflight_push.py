@@ -19,6 +19,15 @@ the TTL and grow no state. Redis down: the exchange's own outage handling holds,
 dropped (counted), the channel says so once in a log line and shows
 `extproc_inflight_push_degraded` 1 until it answers; the peers' placements then come with
 the exchange alone, as without pushing. Not on Redis Cluster (pub/sub is per node there).
+
+With `ends` (`state.shared_inflight.push_ends`; off by default: at the tenants knee it lost,
+bench/RESULTS.md, issue 14, seventeenth session), ends go on the same channel: after each
+release, the server and this replica's cumulative ends there (placed less in flight), as the item
+`(address, -requests, -tokens)`. Negated, because a placement's counters are never below
+one request: the sign tells the two apart, and a replica of the version before, which
+knows placements only, takes an end for a placement push it has already seen
+(`push_late`) and skips it, quietly, through a rolling upgrade. The peers apply them with
+`SharedInFlight.ended`, on the same terms as placements.
 """
 
 from __future__ import annotations
@@ -32,29 +41,26 @@ from typing import Any
 from redis.asyncio import Redis
 
 from extproc.endpoints.shared_inflight import SharedInFlight
-from extproc.redis_broadcast import Broadcast
+from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class InFlightPushStats:
-    """Counters since start: placements `published` to the peers, peers' pushes `received`
-    and handed to the in-flight counts (which count what they add: `SharedInFlightStats`),
-    pushes `dropped` (Redis failing or backlog full), failed Redis calls (`errors`), and
-    peers' items refused for their shape (`bad_entries`: undecodable, a server not in the
-    pool, counters not integers)."""
+class InFlightPushStats(ChannelCounts):
+    """Counters since start: the channel's (items are placements; `bad_entries`: peers'
+    items refused for their shape, undecodable, a server not in the pool, counters not
+    integers) and peers' pushes `received` and handed to the in-flight counts (which
+    count what they add: `SharedInFlightStats`), placements and ends (`received_ends`)."""
 
-    published: int = 0
     received: int = 0
-    dropped: int = 0
-    errors: int = 0
-    bad_entries: int = 0
+    received_ends: int = 0
 
 
-class InFlightPush:
-    """Publishes this replica's placements as they are made; hands the peers' to `inflight`.
-    `known`: whether an address is a server of the pool."""
+class InFlightPush(SharedOverBroadcast[InFlightPushStats]):
+    """Publishes this replica's placements (and, with `ends`, its releases) as they are
+    made; hands the peers' to `inflight`. `known`: whether an address is a server of the
+    pool."""
 
     def __init__(
         self,
@@ -63,12 +69,11 @@ class InFlightPush:
         *,
         known: Callable[[str], bool] = lambda address: True,
         channel: str | None = None,
+        ends: bool = False,
     ) -> None:
         self._inflight = inflight
         self._known = known
-        self._received = 0
-        self._refused = 0
-        self._channel = Broadcast(
+        broadcast = Broadcast(
             client,
             channel or f"{inflight.namespace}:push",
             self._apply,
@@ -82,42 +87,21 @@ class InFlightPush:
             timed=True,
             with_sender=True,
         )
+        super().__init__(InFlightPushStats(), broadcast)
         inflight.on_placed = self._send
-
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        inflight: SharedInFlight,
-        *,
-        known: Callable[[str], bool] = lambda address: True,
-    ) -> InFlightPush:
-        return cls(Broadcast.client(url), inflight, known=known)
-
-    @property
-    def stats(self) -> InFlightPushStats:
-        c = self._channel.stats
-        return InFlightPushStats(
-            published=c.published,
-            received=self._received,
-            dropped=c.dropped,
-            errors=c.errors,
-            bad_entries=c.malformed + self._refused,
-        )
-
-    @property
-    def is_degraded(self) -> bool:
-        return self._channel.is_degraded
-
-    async def run(self) -> None:
-        await self._channel.run()
+        if ends:
+            inflight.on_ended = self._send_end
 
     async def aclose(self) -> None:
-        self._inflight.on_placed = None
-        await self._channel.aclose()
+        self._inflight.on_placed = self._inflight.on_ended = None
+        await super().aclose()
 
     def _send(self, address: str, requests: int, tokens: int) -> None:
         self._channel.send((address, requests, tokens))
+
+    def _send_end(self, address: str, requests: int, tokens: int) -> None:
+        if requests > 0:  # never otherwise after a release; 0 would read as a placement
+            self._channel.send((address, -requests, -tokens))
 
     def _apply(self, item: Any) -> None:
         # A wrong shape raises ValueError/TypeError: the channel counts it and skips it.
@@ -131,7 +115,11 @@ class InFlightPush:
             and math.isfinite(age)
             and self._known(address)
         ):
-            self._received += 1
-            self._inflight.pushed(sender, address, requests, tokens, float(age))
+            self._counts.received += 1
+            if requests < 0:
+                self._counts.received_ends += 1
+                self._inflight.ended(sender, address, -requests, -tokens)
+            else:
+                self._inflight.pushed(sender, address, requests, tokens, float(age))
         else:
-            self._refused += 1
+            self._counts.bad_entries += 1

@@ -18,36 +18,33 @@ from typing import Any
 from redis.asyncio import Redis
 
 from extproc.endpoints.request_end import Ended, RequestEnds
-from extproc.redis_broadcast import Broadcast
+from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast
 
 log = logging.getLogger("extproc.request_end")
 
 
 @dataclass(slots=True)
-class SharedEndStats:
-    """Counters since start: entries published to the other replicas, holds released by an
-    entry another replica received, entries dropped (Redis failing or backlog full)."""
+class SharedEndStats(ChannelCounts):
+    """Counters since start: the channel's (items are unmatched access-log entries) and
+    holds released by an entry another replica received (`applied`)."""
 
-    published: int = 0
     applied: int = 0
-    dropped: int = 0
 
 
-class SharedRequestEnds:
+class SharedRequestEnds(SharedOverBroadcast[SharedEndStats]):
     """Forwards this replica's unmatched access-log entries and applies the others'."""
 
     def __init__(
         self,
-        ends: RequestEnds,
         client: Redis,
+        ends: RequestEnds,
         *,
         process_id: str,
         channel: str = "extproc:request-ends",
         interval_s: float = 0.05,
     ) -> None:
         self._ends = ends
-        self._applied = 0
-        self._channel = Broadcast(
+        broadcast = Broadcast(
             client,
             channel,
             self._apply,
@@ -59,33 +56,13 @@ class SharedRequestEnds:
             healed_msg="request ends: Redis back after %d failed exchanges",
             interval_s=interval_s,
         )
+        super().__init__(SharedEndStats(), broadcast)
         ends.on_unmatched = self.forward
-
-    @classmethod
-    def from_url(cls, url: str, ends: RequestEnds, *, process_id: str) -> SharedRequestEnds:
-        client = Broadcast.client(url)
-        return cls(ends, client, process_id=process_id)
-
-    @property
-    def stats(self) -> SharedEndStats:
-        sent = self._channel.stats
-        return SharedEndStats(published=sent.published, applied=self._applied, dropped=sent.dropped)
-
-    @property
-    def is_degraded(self) -> bool:
-        """True while the last publish or read failed: ends are not shared."""
-        return self._channel.is_degraded
 
     def forward(self, entry: Ended) -> None:
         self._channel.send((entry.request_id, entry.ttfb_s, entry.upstream))
 
-    async def run(self) -> None:
-        await self._channel.run()
-
     def _apply(self, item: Any) -> None:
         rid, ttfb, upstream = item
         if self._ends.ended(Ended(str(rid), ttfb, str(upstream)), forwarded=True):
-            self._applied += 1
-
-    async def aclose(self) -> None:
-        await self._channel.aclose()
+            self._counts.applied += 1

@@ -287,6 +287,14 @@ SHARED_REQUEST_ENDS = StatsFamilies(
             "Entries that could not be published (Redis failing or backlog full).",
         ),
     },
+    {
+        # Counted since the channel's base counts them for every feature; not on /metrics
+        # here, where the request-end families kept their first form: a failing channel
+        # shows in extproc_shared_request_ends_degraded and its log line, a malformed
+        # peer's entry in a warning.
+        "errors": "failed Redis calls: the degraded gauge and log line show the outage",
+        "bad_entries": "peers' undecodable entries: a warning line each batch",
+    },
 )
 
 SHARED_INFLIGHT = StatsFamilies(
@@ -368,6 +376,28 @@ SHARED_INFLIGHT = StatsFamilies(
             "extproc_shared_inflight_push_unconfirmed",
             "Pushed placements no exchange confirmed within the TTL (no longer counted).",
         ),
+        "pushed_ends": Stat(
+            "extproc_shared_inflight_pushed_ends",
+            "Other processes' requests out of flight at once from their pushed ends, before "
+            "the exchange showed them ended.",
+        ),
+        "pushed_end_tokens": Stat(
+            "extproc_shared_inflight_pushed_end_tokens",
+            "Prompt tokens of the other processes' requests out of flight from pushed ends.",
+        ),
+        "ends_late": Stat(
+            "extproc_shared_inflight_ends_late",
+            "Pushed ends the exchange had shown already (nothing released).",
+        ),
+        "ends_refused": Stat(
+            "extproc_shared_inflight_ends_refused",
+            "Pushed ends refused: from a process the exchange does not know, or growing its "
+            "end counters past the bounds.",
+        ),
+        "ends_unconfirmed": Stat(
+            "extproc_shared_inflight_ends_unconfirmed",
+            "Pushed ends no exchange confirmed within the TTL (their requests count again).",
+        ),
     },
 )
 
@@ -380,7 +410,11 @@ INFLIGHT_PUSH = StatsFamilies(
         ),
         "received": Stat(
             "extproc_inflight_push_received",
-            "Peers' pushed placements handed to the in-flight counts.",
+            "Peers' pushed placements and ends handed to the in-flight counts.",
+        ),
+        "received_ends": Stat(
+            "extproc_inflight_push_received_ends",
+            "Of those, ends (releases).",
         ),
         "dropped": Stat(
             "extproc_inflight_push_dropped",

@@ -41,7 +41,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from extproc.calibration import Calibration
-from extproc.redis_broadcast import Broadcast
+from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast
 from extproc.redis_loop import Outage, close, command
 
 log = logging.getLogger(__name__)
@@ -57,19 +57,15 @@ _MAX_BACKOFF_S = 2.0
 
 
 @dataclass(slots=True)
-class SharedCalibrationStats:
-    """Counters since start: items (placements, changes) `published` to the peers, peers'
+class SharedCalibrationStats(ChannelCounts):
+    """Counters since start: the channel's (items are placements and changes; `errors`
+    include the fleet's value key's, `bad_entries` undecodable or implausible items), peers'
     placements `applied` to the windows here, peers' changes `adopted` here (current value
-    read at start included; equal values count too), items `dropped` (Redis failing or
-    backlog full), failed Redis calls (`errors`), undecodable or implausible items
-    (`bad_entries`). Refused values are in the calibration's own `refused`."""
+    read at start included; equal values count too). Refused values are in the
+    calibration's own `refused`."""
 
-    published: int = 0
     applied: int = 0
     adopted: int = 0
-    dropped: int = 0
-    errors: int = 0
-    bad_entries: int = 0
 
 
 def _count(value: Any, lo: int, hi: int) -> int:
@@ -78,7 +74,7 @@ def _count(value: Any, lo: int, hi: int) -> int:
     return value
 
 
-class SharedCalibration:
+class SharedCalibration(SharedOverBroadcast[SharedCalibrationStats]):
     """Shares `calibration`'s placements and confirmed changes with the peer replicas and
     applies theirs. `known` tells servers of the pool (a peer's item naming another one is
     refused: it must not grow the windows here without bound)."""
@@ -99,14 +95,11 @@ class SharedCalibration:
         self._known = known
         self._key = key
         self._id = process_id
-        self._applied = 0
-        self._adopted = 0
-        self._errors = 0
         # This replica's last confirmed change, not yet written to the key.
         self._unwritten: tuple[int, int] | None = None
         self._wake = asyncio.Event()
         self._abandoned: set[asyncio.Task[Any]] = set()  # key calls left to end (stop)
-        self._channel = Broadcast(
+        broadcast = Broadcast(
             client,
             channel,
             self._apply,
@@ -118,6 +111,7 @@ class SharedCalibration:
             healed_msg="shared calibration: Redis answers again after %d failed exchanges",
             interval_s=interval_s,
         )
+        super().__init__(SharedCalibrationStats(), broadcast)
         self._outage = Outage(
             log,
             failed_msg="shared calibration: the fleet's value is not read or written (%r); "
@@ -130,38 +124,15 @@ class SharedCalibration:
         calibration.on_placed = self._placed
         calibration.on_change = self._changed
 
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        calibration: Calibration,
-        *,
-        process_id: str,
-        known: Callable[[str], bool] = lambda address: True,
-    ) -> SharedCalibration:
-        return cls(Broadcast.client(url), calibration, process_id=process_id, known=known)
-
-    @property
-    def stats(self) -> SharedCalibrationStats:
-        c = self._channel.stats
-        return SharedCalibrationStats(
-            published=c.published,
-            applied=self._applied,
-            adopted=self._adopted,
-            dropped=c.dropped,
-            errors=c.errors + self._errors,
-            bad_entries=c.malformed,
-        )
-
     @property
     def is_degraded(self) -> bool:
-        return self._channel.is_degraded or self._outage.degraded
+        return super().is_degraded or self._outage.degraded
 
     async def run(self) -> None:
-        await asyncio.gather(self._channel.run(), self._key_loop())
+        await asyncio.gather(super().run(), self._key_loop())
 
     async def aclose(self) -> None:
-        await self._channel.aclose()
+        await super().aclose()
         await close(self._client, "shared calibration", self._abandoned)
 
     def _placed(self, endpoint: str, tokens: int, bytes_per_token: int) -> None:
@@ -180,7 +151,7 @@ class SharedCalibration:
             if not isinstance(endpoint, str) or not self._known(endpoint):
                 raise ValueError(f"not a server of the pool: {endpoint!r}")
             self._cal.peer_placed(endpoint, _count(tokens, 0, _MAX_TOKENS), _count(bpt, 1, 64))
-            self._applied += 1
+            self._counts.applied += 1
         elif kind == _CHANGED:
             bpt, key = rest
             self._adopt(_count(bpt, 0, 2**31), _count(key, 0, 2**31), "a peer replica")
@@ -189,7 +160,7 @@ class SharedCalibration:
 
     def _adopt(self, bpt: int, key: int, source: str) -> None:
         if self._cal.adopt(bpt, key, source=source):
-            self._adopted += 1
+            self._counts.adopted += 1
 
     async def _key_loop(self) -> None:
         """Reads the fleet's value once at start (until Redis answers), then writes each of
@@ -220,7 +191,7 @@ class SharedCalibration:
             bpt, key = msgspec.msgpack.decode(raw)
             bpt, key = _count(bpt, 0, 2**31), _count(key, 0, 2**31)
         except (ValueError, TypeError):
-            self._channel.stats.malformed += 1
+            self._counts.bad_entries += 1
             log.warning("shared calibration: the fleet's value in %s does not decode", self._key)
             return
         log.info("shared calibration: the fleet's value at start: %d bytes per token", bpt)
@@ -231,7 +202,7 @@ class SharedCalibration:
         try:
             await command(call, _TIMEOUT_S, self._abandoned)
         except (RedisError, OSError, TimeoutError) as exc:
-            self._errors += 1
+            self._counts.errors += 1
             return self._outage.failed(exc, "key")
         self._outage.healed("key")
         return None

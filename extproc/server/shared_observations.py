@@ -31,7 +31,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from extproc.endpoints.prefill_speed import PrefillSpeeds
-from extproc.redis_broadcast import Broadcast
+from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
 
 log = logging.getLogger(__name__)
@@ -42,19 +42,14 @@ _SAMPLE, _PICK = "s", "p"
 
 
 @dataclass(slots=True)
-class SharedObservationsStats:
-    """Counters since start: items (samples and picks) `published` to the peers and
-    `applied` from them, items `dropped` (Redis failing or backlog full), failed Redis calls
-    (`errors`) and undecodable messages (`bad_entries`)."""
+class SharedObservationsStats(ChannelCounts):
+    """Counters since start: the channel's (items are samples and picks; `bad_entries`:
+    undecodable messages) and items `applied` from the peers."""
 
-    published: int = 0
     applied: int = 0
-    dropped: int = 0
-    errors: int = 0
-    bad_entries: int = 0
 
 
-class SharedObservations:
+class SharedObservations(SharedOverBroadcast[SharedObservationsStats]):
     """Publishes this replica's speed samples and cold picks; applies the peers'. `lru` maps
     plugin names to the `no-hit-lru-scorer`s of the scheduler (a peer's pick is applied to
     the plugin of the same name)."""
@@ -75,8 +70,7 @@ class SharedObservations:
         # Peers' items name servers of the pool only: a bad message must not grow the
         # per-server state here without bound.
         self._known = known
-        self._applied = 0
-        self._channel = Broadcast(
+        broadcast = Broadcast(
             client,
             channel,
             self._apply,
@@ -88,22 +82,10 @@ class SharedObservations:
             healed_msg="shared observations: Redis answers again after %d failed exchanges",
             interval_s=interval_s,
         )
-        speeds.on_sample = lambda address, tps: self._channel.send((_SAMPLE, address, tps))
+        super().__init__(SharedObservationsStats(), broadcast)
+        speeds.on_sample = lambda address, tps: broadcast.send((_SAMPLE, address, tps))
         for name, plugin in self._lru.items():
-            plugin.on_pick = lambda addr, name=name: self._channel.send((_PICK, name, addr))
-
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        speeds: PrefillSpeeds,
-        lru: Mapping[str, NoHitLRUScorer],
-        *,
-        process_id: str,
-        known: Callable[[str], bool] = lambda address: True,
-    ) -> SharedObservations:
-        client = Broadcast.client(url)
-        return cls(client, speeds, lru, process_id=process_id, known=known)
+            plugin.on_pick = lambda addr, name=name: broadcast.send((_PICK, name, addr))
 
     @staticmethod
     def lru_scorers(plugins: Iterable[object]) -> dict[str, NoHitLRUScorer]:
@@ -112,35 +94,14 @@ class SharedObservations:
         found = [p for p in plugins if isinstance(p, NoHitLRUScorer)]
         return {str(i): p for i, p in enumerate(found)}
 
-    @property
-    def stats(self) -> SharedObservationsStats:
-        c = self._channel.stats
-        return SharedObservationsStats(
-            published=c.published,
-            applied=self._applied,
-            dropped=c.dropped,
-            errors=c.errors,
-            bad_entries=c.malformed,
-        )
-
-    @property
-    def is_degraded(self) -> bool:
-        return self._channel.is_degraded
-
-    async def run(self) -> None:
-        await self._channel.run()
-
     def _apply(self, item: Any) -> None:
         kind, first, second = item
         if kind == _SAMPLE:
             if self._known(str(first)):
                 self._speeds.add(str(first), float(second))
-                self._applied += 1
+                self._counts.applied += 1
         elif kind == _PICK:
             lru = self._lru.get(str(first))
             if lru is not None and self._known(str(second)):
                 lru.picked(str(second))
-                self._applied += 1
-
-    async def aclose(self) -> None:
-        await self._channel.aclose()
+                self._counts.applied += 1

@@ -33,27 +33,22 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from extproc.redis_broadcast import Broadcast
+from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast
 from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class SharedPlacementsStats:
-    """Counters since start: placements `published` to the peers and `applied` from them,
-    placements `dropped` (Redis failing or backlog full), failed Redis calls (`errors`) and
-    messages or items refused (`bad_entries`: undecodable, unknown scorer or server, values
-    no placement has)."""
+class SharedPlacementsStats(ChannelCounts):
+    """Counters since start: the channel's (`bad_entries`: messages or items refused,
+    undecodable, unknown scorer or server, values no placement has) and placements
+    `applied` from the peers."""
 
-    published: int = 0
     applied: int = 0
-    dropped: int = 0
-    errors: int = 0
-    bad_entries: int = 0
 
 
-class SharedPlacements:
+class SharedPlacements(SharedOverBroadcast[SharedPlacementsStats]):
     """Publishes this replica's `predicted-ttft-scorer` placements; folds the peers'. `scorers`
     maps names to the scheduler's scorers (a peer's placement goes to the scorer of the same
     name: replicas run the same config)."""
@@ -70,9 +65,7 @@ class SharedPlacements:
     ) -> None:
         self._scorers = dict(scorers)
         self._known = known
-        self._applied = 0
-        self._refused = 0
-        self._channel = Broadcast(
+        broadcast = Broadcast(
             client,
             channel,
             self._apply,
@@ -85,24 +78,14 @@ class SharedPlacements:
             interval_s=interval_s,
             timed=True,
         )
+        super().__init__(SharedPlacementsStats(), broadcast)
         for name, scorer in self._scorers.items():
-            scorer.on_placed = lambda addr, work, prompt, secs, name=name: self._channel.send(
+            scorer.on_placed = lambda addr, work, prompt, secs, name=name: broadcast.send(
                 (name, addr, work, prompt, secs)
             )
             # While Redis answers, the scorer's queue is the fleet's: it drops its in-flight
             # floor; while Redis fails, it takes it again (its queue sees its own share).
-            scorer.fleet_folded = lambda: not self._channel.is_degraded
-
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        scorers: Mapping[str, PredictedTTFTScorer],
-        *,
-        process_id: str,
-        known: Callable[[str], bool] = lambda address: True,
-    ) -> SharedPlacements:
-        return cls(Broadcast.client(url), scorers, process_id=process_id, known=known)
+            scorer.fleet_folded = lambda: not broadcast.is_degraded
 
     @staticmethod
     def scorers(plugins: Iterable[object]) -> dict[str, PredictedTTFTScorer]:
@@ -110,24 +93,6 @@ class SharedPlacements:
         them (replicas run the same config)."""
         found = [p for p in plugins if isinstance(p, PredictedTTFTScorer)]
         return {str(i): p for i, p in enumerate(found)}
-
-    @property
-    def stats(self) -> SharedPlacementsStats:
-        c = self._channel.stats
-        return SharedPlacementsStats(
-            published=c.published,
-            applied=self._applied,
-            dropped=c.dropped,
-            errors=c.errors,
-            bad_entries=c.malformed + self._refused,
-        )
-
-    @property
-    def is_degraded(self) -> bool:
-        return self._channel.is_degraded
-
-    async def run(self) -> None:
-        await self._channel.run()
 
     def _apply(self, timed: Any) -> None:
         # Shapes are checked here; a wrong one raises ValueError/TypeError, which the channel
@@ -140,9 +105,6 @@ class SharedPlacements:
             and self._known(address)
             and scorer.fold(address, work, prompt, seconds, age)
         ):
-            self._applied += 1
+            self._counts.applied += 1
         else:
-            self._refused += 1
-
-    async def aclose(self) -> None:
-        await self._channel.aclose()
+            self._counts.bad_entries += 1

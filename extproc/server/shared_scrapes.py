@@ -44,25 +44,20 @@ from xxhash import xxh3_64_intdigest
 
 from extproc.endpoints.exposition import Scraped
 from extproc.endpoints.scrape import MetricsScraper
-from extproc.redis_broadcast import Broadcast
+from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class SharedScrapesStats:
-    """Counters since start: scrapes `published` to the peers and `applied` from them,
-    `dropped` (Redis failing or backlog full), failed Redis calls (`errors`), peers' items
-    that did not decode or were out of range (`bad_entries`), peers' scrapes not applied
-    (`stale`: older than what was stored, or of a server not in the pool), and `takeovers`:
-    servers another replica owns that this one scraped because no peer's figures came
-    within `takeover_s`."""
+class SharedScrapesStats(ChannelCounts):
+    """Counters since start: the channel's (items are scrapes; `bad_entries`: peers' items
+    that did not decode or were out of range), scrapes `applied` from the peers, peers'
+    scrapes not applied (`stale`: older than what was stored, or of a server not in the
+    pool), and `takeovers`: servers another replica owns that this one scraped because no
+    peer's figures came within `takeover_s`."""
 
-    published: int = 0
     applied: int = 0
-    dropped: int = 0
-    errors: int = 0
-    bad_entries: int = 0
     stale: int = 0
     takeovers: int = 0
 
@@ -90,7 +85,7 @@ def _plausible(s: Scraped) -> bool:
     return True
 
 
-class SharedScrapes:
+class SharedScrapes(SharedOverBroadcast[SharedScrapesStats]):
     """Divides `scraper`'s servers among the replicas in `members()` (ids, this one's
     `process_id` included or not) and applies the peers' scrapes to it. Set as the
     scraper's `share`."""
@@ -119,8 +114,7 @@ class SharedScrapes:
         self._started = clock()
         # Servers this replica scrapes though a peer owns them (no figures came in time).
         self._taken_over: set[str] = set()
-        self._applied = self._stale = self._bad = self._takeovers = 0
-        self._channel = Broadcast(
+        broadcast = Broadcast(
             client,
             channel,
             self._apply,
@@ -133,49 +127,18 @@ class SharedScrapes:
             interval_s=interval_s,
             timed=True,
         )
+        super().__init__(SharedScrapesStats(), broadcast)
         scraper.share = self
 
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        scraper: MetricsScraper,
-        members: Callable[[], Collection[str]],
-        *,
-        process_id: str,
-        takeover_s: float,
-    ) -> SharedScrapes:
-        return cls(
-            Broadcast.client(url), scraper, members, process_id=process_id, takeover_s=takeover_s
-        )
-
-    @property
-    def stats(self) -> SharedScrapesStats:
-        c = self._channel.stats
-        return SharedScrapesStats(
-            published=c.published,
-            applied=self._applied,
-            dropped=c.dropped,
-            errors=c.errors,
-            bad_entries=c.malformed + self._bad,
-            stale=self._stale,
-            takeovers=self._takeovers,
-        )
-
-    @property
-    def is_degraded(self) -> bool:
-        return self._channel.is_degraded
-
-    def _owner(self, address: str) -> str:
-        members = self._members()
-        if not members:
-            return self._id
-        return owner(address, {self._id, *members})
+    def _owns(self, address: str, members: Collection[str]) -> bool:
+        """Whether this replica scrapes `address` among `members` (asked once per scrape:
+        each `members()` copies the set of live peers)."""
+        return not members or owner(address, {self._id, *members}) == self._id
 
     # -- the scraper's seam (ScrapeShare) --------------------------------------------------
 
     def wants(self, address: str) -> bool:
-        if self._owner(address) == self._id:
+        if self._owns(address, self._members()):
             self._taken_over.discard(address)
             return True
         heard = self._heard.get(address, self._started)
@@ -185,13 +148,14 @@ class SharedScrapes:
         if address not in self._taken_over:
             # Counted once per spell: a peer's figures stopped coming (or never came).
             self._taken_over.add(address)
-            self._takeovers += 1
+            self._counts.takeovers += 1
         return True
 
     def scraped(self, address: str, scraped: Scraped) -> None:
         # Only the owner's scrapes go out (a takeover's would make the others take its
         # figures for the owner's, and stop scraping a server nobody scrapes well).
-        if self._members() and self._owner(address) == self._id:
+        members = self._members()
+        if members and self._owns(address, members):
             self._channel.send((address, scraped))
 
     # -- the channel -----------------------------------------------------------------------
@@ -204,16 +168,10 @@ class SharedScrapes:
         except msgspec.ValidationError as exc:
             raise ValueError(str(exc)) from None
         if not (math.isfinite(age_s) and 0.0 <= age_s <= 60.0) or not _plausible(scraped):
-            self._bad += 1
+            self._counts.bad_entries += 1
             return
         if not self._scraper.apply(address, scraped, age_s):
-            self._stale += 1
+            self._counts.stale += 1
             return
         self._heard[address] = self._clock() - age_s
-        self._applied += 1
-
-    async def run(self) -> None:
-        await self._channel.run()
-
-    async def aclose(self) -> None:
-        await self._channel.aclose()
+        self._counts.applied += 1

@@ -3,7 +3,8 @@ batch 0, named in an objectives file), a token concurrency detector, one scorer 
 per-endpoint admission with a reserve for one higher-band request; one band under a token
 ceiling that counts output (the max_tokens tests); and a plain scheduling section whose
 saturation signal is the in-flight request count. Also the picker's metrics the flow tests
-read: any by pattern, and its queue length."""
+read: any by pattern, and its queue length; and the reserve tests' requests and their size as
+the picker estimates it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,19 @@ import yaml
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
+from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
+
+
+def reserve_body(model: str, seed: int, words: int, max_tokens: int) -> dict:
+    """A streamed chat request of `words` words from `seed` (two seeds share no block: every
+    token is uncached work, which the reserve tests size their servers by)."""
+    return distinct_chat(model, seed, max_tokens, words=words)
+
+
+def reserve_estimate(words: int) -> int:
+    """The prompt tokens the picker counts for a `reserve_body` of `words` words."""
+    return estimated_prompt_tokens(reserve_body("m", 0, words, 1))
+
 
 # The two bands of `two_band_reserve_config`, as request headers.
 HI = {"x-llm-d-inference-objective": "interactive"}

@@ -21,29 +21,28 @@ import pytest
 
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack
-from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import HI, LO, long_one, metric_sum, reserve_stack
+from tests.e2e.flow_configs import (
+    HI,
+    LO,
+    long_one,
+    metric_sum,
+    reserve_body,
+    reserve_estimate,
+    reserve_stack,
+)
 
 SMALL, BIG = 150, 500  # words of 7 letters: ~300 and ~1000 estimated tokens
 LONG = 500  # output tokens at 100 tokens/s: ~5 s of streaming
 
 
-def body(model: str, seed: int, words: int, max_tokens: int) -> dict:
-    return distinct_chat(model, seed, max_tokens, words=words)
-
-
-def estimate(words: int) -> int:
-    return estimated_prompt_tokens(body("m", 0, words, 1))
-
-
 # Two batch requests fit on one server; one batch and one interactive request do not.
-CAP = 2 * estimate(SMALL) + 100
+CAP = 2 * reserve_estimate(SMALL) + 100
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
-    assert estimate(SMALL) + estimate(BIG) > CAP
-    prior = {10: {"request_tokens": estimate(BIG)}}
+    assert reserve_estimate(SMALL) + reserve_estimate(BIG) > CAP
+    prior = {10: {"request_tokens": reserve_estimate(BIG)}}
     with reserve_stack(tmp_path_factory.mktemp("flowconfprior"), CAP, reserve_prior=prior) as s:
         yield s
 
@@ -54,7 +53,7 @@ async def test_a_fresh_picker_keeps_a_server_for_the_configured_interactive_size
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
 
         def small(seed: int) -> dict:
-            return body(model, seed, SMALL, LONG)
+            return reserve_body(model, seed, SMALL, LONG)
 
         first_at: asyncio.Future[str] = loop.create_future()
         second_at: asyncio.Future[str] = loop.create_future()
@@ -64,8 +63,8 @@ async def test_a_fresh_picker_keeps_a_server_for_the_configured_interactive_size
         # Before: on the idle server (the reserve was one small batch request's room).
         assert await asyncio.wait_for(second_at, 30) == busy, "batch took the server kept free"
         assert metric_sum(stack, r'^extproc_flow_reserve_on_prior{priority="10"} (\S+)$') == 1
-        assert metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$") >= estimate(BIG)
-        hi = await c.post("/v1/chat/completions", json=body(model, 3, BIG, 4), headers=HI)
+        assert metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$") >= reserve_estimate(BIG)
+        hi = await c.post("/v1/chat/completions", json=reserve_body(model, 3, BIG, 4), headers=HI)
         assert hi.status_code == 200
         assert hi.headers[SERVED_BY_HEADER] != busy
         # Answered while both batch requests still stream: it did not wait for one to end.
@@ -80,7 +79,9 @@ RATE, PREFILL_S = 2000.0, 0.25  # the prior's arrival rate and its largest prefi
 
 @pytest.fixture(scope="module")
 def stack_pf(tmp_path_factory) -> Iterator[Stack]:
-    prior = {10: {"request_tokens": estimate(BIG), "tokens_per_s": RATE, "prefill_s": PREFILL_S}}
+    prior = {
+        10: {"request_tokens": reserve_estimate(BIG), "tokens_per_s": RATE, "prefill_s": PREFILL_S}
+    }
     with reserve_stack(tmp_path_factory.mktemp("flowconfpriorpf"), CAP, reserve_prior=prior) as s:
         yield s
 
@@ -91,8 +92,8 @@ async def test_the_priors_prefill_time_prices_the_rate_term_before_any_speed(sta
     # the rate counted as unsized.
     model = stack_pf.fleet.model
     async with httpx.AsyncClient(base_url=stack_pf.url, timeout=60) as c:
-        r = await c.post("/v1/chat/completions", json=body(model, 9, SMALL, 1), headers=LO)
+        r = await c.post("/v1/chat/completions", json=reserve_body(model, 9, SMALL, 1), headers=LO)
         assert r.status_code == 200
     reserved = metric_sum(stack_pf, r"^extproc_flow_reserved_tokens (\S+)$")
-    assert reserved == estimate(BIG) + int(RATE * PREFILL_S)
+    assert reserved == reserve_estimate(BIG) + int(RATE * PREFILL_S)
     assert metric_sum(stack_pf, r"^extproc_flow_reserve_rate_unsized_total (\S+)$") == 0

@@ -20,29 +20,32 @@ import pytest
 
 from extproc.flowcontrol.reserve import QUANTILE_TRUSTED
 from extproc.stack import Stack
-from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import HI, LO, long_one, metric_sum, reserve_stack
+from tests.e2e.flow_configs import (
+    HI,
+    LO,
+    long_one,
+    metric_sum,
+    reserve_body,
+    reserve_estimate,
+    reserve_stack,
+)
 
 TINY, SMALL, BIG = 20, 150, 500  # words of 7 letters: ~40, ~300 and ~1000 estimated tokens
 LONG = 500  # output tokens at 100 tokens/s: ~5 s of streaming
 
 
-def body(model: str, seed: int, words: int, max_tokens: int) -> dict:
-    return distinct_chat(model, seed, max_tokens, words=words)
-
-
-def estimate(words: int) -> int:
-    return estimated_prompt_tokens(body("m", 0, words, 1))
-
-
 # Two batch requests fit on one server; a batch and a large interactive request do not; a
 # batch and a small interactive one do.
-CAP = 2 * estimate(SMALL) + 100
+CAP = 2 * reserve_estimate(SMALL) + 100
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
-    assert estimate(SMALL) + estimate(BIG) > CAP >= estimate(SMALL) + estimate(TINY)
+    assert (
+        reserve_estimate(SMALL) + reserve_estimate(BIG)
+        > CAP
+        >= reserve_estimate(SMALL) + reserve_estimate(TINY)
+    )
     with reserve_stack(tmp_path_factory.mktemp("flowquantile"), CAP, reserve_quantile=0.9) as s:
         yield s
 
@@ -54,12 +57,12 @@ async def test_batch_work_keeps_only_the_interactive_p90s_room(stack: Stack):
         # Interactive's history: 2 large requests among 18 small ones (one at a time).
         for i in range(QUANTILE_TRUSTED):
             words = BIG if i in (4, 12) else TINY
-            req = body(model, 100 + i, words, 1)
+            req = reserve_body(model, 100 + i, words, 1)
             r = await c.post("/v1/chat/completions", json=req, headers=HI)
             assert r.status_code == 200
 
         def small(seed: int) -> dict:
-            return body(model, seed, SMALL, LONG)
+            return reserve_body(model, seed, SMALL, LONG)
 
         first_at: asyncio.Future[str] = loop.create_future()
         second_at: asyncio.Future[str] = loop.create_future()
@@ -69,11 +72,11 @@ async def test_batch_work_keeps_only_the_interactive_p90s_room(stack: Stack):
         # Sized by the largest (1,000 tokens) it would have gone beside the first.
         assert await asyncio.wait_for(second_at, 30) != busy, "kept room for the largest"
         reserved = metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$")
-        assert estimate(TINY) <= reserved < estimate(BIG)
+        assert reserve_estimate(TINY) <= reserved < reserve_estimate(BIG)
         hist = r'^extproc_flow_reserve_history_requests{priority="10"} (\S+)$'
         assert metric_sum(stack, hist) == QUANTILE_TRUSTED
         # A small interactive request finds the room kept: answered while both stream.
-        hi = await c.post("/v1/chat/completions", json=body(model, 3, TINY, 4), headers=HI)
+        hi = await c.post("/v1/chat/completions", json=reserve_body(model, 3, TINY, 4), headers=HI)
         assert hi.status_code == 200
         assert not first.done() and not second.done(), "a batch request ended before"
         assert await first == 200 and await second == 200

@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from extproc.stack import Stack
-from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
 from tests.e2e.flow_configs import (
     HI,
     LO,
@@ -28,6 +27,8 @@ from tests.e2e.flow_configs import (
     long_one,
     metric_sum,
     queued,
+    reserve_body,
+    reserve_estimate,
     reserve_stack,
 )
 
@@ -36,19 +37,11 @@ LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
 MARGIN = 150  # the rate term must add more than this (it adds ~300-1500 here)
 
 
-def body(model: str, seed: int, words: int, max_tokens: int, stream: bool = True) -> dict:
-    return distinct_chat(model, seed, max_tokens, words=words, stream=stream)
-
-
-def estimate(words: int) -> int:
-    return estimated_prompt_tokens(body("m", 0, words, 1))
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     # The interactive server holds MEDIUM; beside it the old reserve (the largest
     # interactive request, BIG) fits with MARGIN to spare, the new one does not.
-    cap = estimate(MEDIUM) + estimate(BIG) + MARGIN
+    cap = reserve_estimate(MEDIUM) + reserve_estimate(BIG) + MARGIN
     # A slower prefill than the default, so a prefill time is long next to the client's
     # own overheads (the rate term is arrival rate x prefill time).
     sim = ("--decode-tps", "100", "--prefill-tps", "4000")
@@ -64,11 +57,11 @@ async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(sta
         # interactive traffic is: the sim (as vLLM) sends its headers before the prefill, so
         # time to first byte says nothing of the prefill; the speed must be the engines' own
         # (from their histograms). Sized by time to first byte, the rate term was ~0 here.
-        smalls = [body(model, i, SMALL, 1) for i in range(8)]
-        await burst_then_large(stack, c, smalls, body(model, 100, BIG, 1))
+        smalls = [reserve_body(model, i, SMALL, 1) for i in range(8)]
+        await burst_then_large(stack, c, smalls, reserve_body(model, 100, BIG, 1))
 
         def medium(seed: int) -> dict:
-            return body(model, seed, MEDIUM, LONG)
+            return reserve_body(model, seed, MEDIUM, LONG)
 
         lo_at: asyncio.Future[str] = loop.create_future()
         hi_at: asyncio.Future[str] = loop.create_future()
@@ -78,7 +71,7 @@ async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(sta
         assert await asyncio.wait_for(hi_at, 30) != lo_server  # the less loaded one
 
         short = asyncio.create_task(
-            c.post("/v1/chat/completions", json=body(model, 300, SMALL, 4), headers=LO)
+            c.post("/v1/chat/completions", json=reserve_body(model, 300, SMALL, 4), headers=LO)
         )
         await held_or_done(stack, short)
         # Before: released beside the batch request (the interactive server kept room for
@@ -86,7 +79,7 @@ async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(sta
         assert not short.done(), "the short batch request was released"
         assert not batch.done() and not interactive.done(), "a long request ended too soon"
         held = metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$")
-        assert held > estimate(BIG) + MARGIN
+        assert held > reserve_estimate(BIG) + MARGIN
         assert metric_sum(stack, r"^extproc_flow_reserve_rate_unsized_total (\S+)$") == 0
         assert await batch == 200 and await interactive == 200
         assert (await short).status_code == 200  # released once room came back

@@ -22,25 +22,25 @@ import pytest
 
 from extproc.flowcontrol.reserve import QUANTILE_TRUSTED
 from extproc.stack import Stack
-from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import HI, LO, burst_then_large, long_one, metric_sum, reserve_stack
+from tests.e2e.flow_configs import (
+    HI,
+    LO,
+    burst_then_large,
+    long_one,
+    metric_sum,
+    reserve_body,
+    reserve_estimate,
+    reserve_stack,
+)
 
 TINY, SMALL, MEDIUM, BIG = 20, 150, 250, 500  # words of 7 letters: ~40 ... ~1000 tokens
 LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
 MARGIN = 60  # the rate term adds ~200 over the largest's prefill here, ~10 over a tiny one's
 
 
-def body(model: str, seed: int, words: int, max_tokens: int) -> dict:
-    return distinct_chat(model, seed, max_tokens, words=words, stream=True)
-
-
-def estimate(words: int) -> int:
-    return estimated_prompt_tokens(body("m", 0, words, 1))
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
-    cap = estimate(MEDIUM) + estimate(BIG) + MARGIN
+    cap = reserve_estimate(MEDIUM) + reserve_estimate(BIG) + MARGIN
     sim = ("--decode-tps", "100", "--prefill-tps", "4000")
     tmp = tmp_path_factory.mktemp("flowratequantile")
     with reserve_stack(tmp, cap, sim, reserve_rate_quantile=0.5) as s:
@@ -55,11 +55,14 @@ async def test_the_rate_term_counts_a_median_prefill_not_the_largest(stack: Stac
         # the median prompt is a tiny one (with the long interactive request below too),
         # while the medium ones make the arrival rate.
         n = QUANTILE_TRUSTED // 2 + 1
-        burst = [body(model, i, TINY if i < n else MEDIUM, 1) for i in range(QUANTILE_TRUSTED - 1)]
-        await burst_then_large(stack, c, burst, body(model, 100, BIG, 1))
+        burst = [
+            reserve_body(model, i, TINY if i < n else MEDIUM, 1)
+            for i in range(QUANTILE_TRUSTED - 1)
+        ]
+        await burst_then_large(stack, c, burst, reserve_body(model, 100, BIG, 1))
 
         def medium(seed: int) -> dict:
-            return body(model, seed, MEDIUM, LONG)
+            return reserve_body(model, seed, MEDIUM, LONG)
 
         lo_at: asyncio.Future[str] = loop.create_future()
         hi_at: asyncio.Future[str] = loop.create_future()
@@ -68,11 +71,13 @@ async def test_the_rate_term_counts_a_median_prefill_not_the_largest(stack: Stac
         interactive = asyncio.create_task(long_one(c, medium, 201, HI, hi_at))
         assert await asyncio.wait_for(hi_at, 30) != lo_server
 
-        short = await c.post("/v1/chat/completions", json=body(model, 300, SMALL, 4), headers=LO)
+        short = await c.post(
+            "/v1/chat/completions", json=reserve_body(model, 300, SMALL, 4), headers=LO
+        )
         assert short.status_code == 200
         # Answered while both long requests stream: it was not held for the rate term.
         assert not batch.done() and not interactive.done(), "a long request ended too soon"
         held = metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$")
-        assert estimate(BIG) <= held <= estimate(BIG) + MARGIN
+        assert reserve_estimate(BIG) <= held <= reserve_estimate(BIG) + MARGIN
         assert metric_sum(stack, r"^extproc_flow_reserve_rate_unsized_total (\S+)$") == 0
         assert await batch == 200 and await interactive == 200

@@ -21,13 +21,14 @@ import pytest
 from extproc.flowcontrol.refill import WINDOW_S
 from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack
-from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
 from tests.e2e.flow_configs import (
     HI,
     LO,
     held_or_done,
     long_one,
     metric_sum,
+    reserve_body,
+    reserve_estimate,
     reserve_stack,
 )
 
@@ -38,17 +39,9 @@ REFILL_S = 1.0
 ENDS = 6  # short requests ended on the second server: ~1,800 tokens, a credit of ~600
 
 
-def body(model: str, seed: int, words: int, max_tokens: int) -> dict:
-    return distinct_chat(model, seed, max_tokens, words=words, stream=True)
-
-
-def estimate(words: int) -> int:
-    return estimated_prompt_tokens(body("m", 0, words, 1))
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
-    cap = estimate(MEDIUM) + estimate(BIG) - SHORT
+    cap = reserve_estimate(MEDIUM) + reserve_estimate(BIG) - SHORT
     tmp = tmp_path_factory.mktemp("flowrefill")
     with reserve_stack(tmp, cap, reserve_refill_s=REFILL_S) as s:
         yield s
@@ -58,11 +51,13 @@ async def test_a_server_freeing_room_keeps_less_of_the_reserve(stack: Stack):
     model = stack.fleet.model
     loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
-        big = await c.post("/v1/chat/completions", json=body(model, 100, BIG, 1), headers=HI)
+        big = await c.post(
+            "/v1/chat/completions", json=reserve_body(model, 100, BIG, 1), headers=HI
+        )
         assert big.status_code == 200
 
         def medium(seed: int) -> dict:
-            return body(model, seed, MEDIUM, LONG)
+            return reserve_body(model, seed, MEDIUM, LONG)
 
         lo_at: asyncio.Future[str] = loop.create_future()
         batch = asyncio.create_task(long_one(c, medium, 200, LO, lo_at))
@@ -71,7 +66,7 @@ async def test_a_server_freeing_room_keeps_less_of_the_reserve(stack: Stack):
         # once the last has ended there (its in-flight count ends with its access-log
         # entry: until then the reserve keeps the next one off that server).
         for i in range(ENDS):
-            req = body(model, 300 + i, SMALL, 1)
+            req = reserve_body(model, 300 + i, SMALL, 1)
             r = await c.post("/v1/chat/completions", json=req, headers=LO)
             assert r.status_code == 200 and r.headers[SERVED_BY_HEADER] != lo_server
             other = r.headers[SERVED_BY_HEADER]
@@ -87,15 +82,17 @@ async def test_a_server_freeing_room_keeps_less_of_the_reserve(stack: Stack):
         interactive = asyncio.create_task(long_one(c, medium, 201, HI, hi_at))
         assert await asyncio.wait_for(hi_at, 30) != lo_server
         # Each server has the reserve less SHORT free; the second frees room soon.
-        short = await c.post("/v1/chat/completions", json=body(model, 400, SMALL, 4), headers=LO)
+        short = await c.post(
+            "/v1/chat/completions", json=reserve_body(model, 400, SMALL, 4), headers=LO
+        )
         assert short.status_code == 200
         assert not batch.done() and not interactive.done(), "a long request ended too soon"
         assert metric_sum(stack, r"^extproc_flow_reserve_refill_tokens (\S+)$") > SHORT
-        assert metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$") >= estimate(BIG)
+        assert metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$") >= reserve_estimate(BIG)
         # Out of the window, nothing ended there recently: held again.
         await asyncio.sleep(WINDOW_S + 0.5)
         late = asyncio.create_task(
-            c.post("/v1/chat/completions", json=body(model, 401, SMALL, 4), headers=LO)
+            c.post("/v1/chat/completions", json=reserve_body(model, 401, SMALL, 4), headers=LO)
         )
         await held_or_done(stack, late)
         assert not late.done(), "released with no room freed recently"

@@ -33,11 +33,12 @@ FAST = SharedInFlightSettings(interval_s=0.05, ttl_s=TTL, timeout_s=0.2, max_bac
 
 @contextlib.asynccontextmanager
 async def replica(
-    url: str, settings: SharedInFlightSettings, *, push: bool = True
+    url: str, settings: SharedInFlightSettings, *, push: bool = True, ends: bool = False
 ) -> AsyncIterator[tuple[SharedInFlight, InFlightPush | None]]:
     """One replica's shared counts with its exchange (and push) loops running."""
     shared = SharedInFlight.from_url(url, settings=settings)
-    pusher = InFlightPush.from_url(url, shared, known=lambda a: a in (X, Y)) if push else None
+    known = lambda a: a in (X, Y)  # noqa: E731
+    pusher = InFlightPush.from_url(url, shared, known=known, ends=ends) if push else None
     tasks = [asyncio.create_task(shared.run())]
     if pusher is not None:
         tasks.append(asyncio.create_task(pusher.run()))
@@ -178,6 +179,114 @@ def test_forged_pushes_are_refused_or_expire() -> None:
     assert me.stats.push_refused == 5 and me.total() == 0 and not me._pushed
 
 
+async def test_a_peer_stops_counting_a_release_at_once(redis_server: RedisServer) -> None:
+    async with (
+        replica(redis_server.url, SLOW, ends=True) as (a, _),
+        replica(redis_server.url, SLOW, ends=True) as (b, pusher),
+    ):
+        assert pusher is not None
+        await until(lambda: a.peers() and b.peers(), "the replicas know each other")
+        await _subscribed(redis_server.url, f"{b.namespace}:push", 2)
+        first, second = a.acquire(X, 300), a.acquire(X, 200)
+        await until(lambda: b.tokens(X) == 500, "both placements pushed")
+        exchanges = b.stats.exchanges
+        await until(lambda: b.stats.exchanges > exchanges, "an exchange")
+        a.release(first)
+        async with asyncio.timeout(0.15):  # the exchange is 0.4 s away
+            while b.tokens(X) != 200:
+                await asyncio.sleep(0.005)
+        assert (b.requests(X), b.arrivals.total(X), b.stats.pushed_ends) == (1, 200, 1)
+        assert pusher.stats.received_ends == 1
+        # The exchanges that show it release nothing more; the last end empties the server.
+        await until(lambda: b.stats.exchanges >= exchanges + 3, "two more exchanges")
+        assert (b.requests(X), b.tokens(X), b.arrivals.total(X)) == (1, 200, 200)
+        a.release(second)
+        await until(lambda: b.total() == 0 and b.tokens(X) == 0, "the last end")
+        assert b.stats.ends_unconfirmed == 0 and b.stats.pushed_ends == 2
+
+
+def test_pushed_ends_and_exchanges_in_any_order_release_each_request_once() -> None:
+    clock = Clock()
+    me = _alone(clock)
+    me._merge(_entry("p", {X: [3, 300]}, {X: [5, 500]}))  # 2 ended (200 tokens)
+    assert (me.requests(X), me.tokens(X), me.arrivals.total(X)) == (3, 300, 300)
+
+    me.ended("p", X, 3, 300)  # one more ended: 100 tokens
+    assert (me.requests(X), me.tokens(X), me.arrivals.total(X)) == (2, 200, 200)
+    me.ended("p", X, 3, 300)  # a duplicate
+    me.ended("p", X, 2, 200)  # what the exchange showed already
+    assert me.tokens(X) == 200 and me.stats.ends_late == 2
+
+    # Its entry, written before that end: the end still holds.
+    clock.t += 0.05
+    me._merge(_entry("p", {X: [3, 300]}, {X: [5, 500]}))
+    assert (me.requests(X), me.tokens(X), me.arrivals.total(X)) == (2, 200, 200)
+
+    # A placement and an end pushed between exchanges, in that order: the end takes the
+    # older request (the peer's own count), never the total below what is in flight.
+    me.pushed("p", X, 6, 650, 0.0)
+    assert (me.requests(X), me.tokens(X)) == (3, 350)
+    me.ended("p", X, 4, 400)
+    assert (me.requests(X), me.tokens(X)) == (2, 250)
+
+    # The entry that shows all of it (6 placed, 4 ended) changes nothing; pushes forgotten.
+    clock.t += 0.05
+    me._merge(_entry("p", {X: [2, 250]}, {X: [6, 650]}))
+    assert (me.requests(X), me.tokens(X), me.arrivals.total(X)) == (2, 250, 250)
+    assert not me._pushed and not me._ended
+    assert (me.stats.pushed_ends, me.stats.pushed_end_tokens) == (2, 200)
+    assert me.stats.ends_unconfirmed == me.stats.push_unconfirmed == 0
+
+
+def test_forged_ends_are_refused_hide_one_peer_at_most_and_expire() -> None:
+    clock = Clock()
+    me = _alone(clock)
+    me._merge(_entry("p", {X: [1, 100]}, {X: [2, 200]}) + _entry("q", {X: [2, 80]}, {X: [2, 80]}))
+    assert (me.requests(X), me.tokens(X)) == (3, 180)
+    me.ended("stranger", X, 1, 100)  # not in the exchange
+    me.ended("p", X, 1 + 65, 100)  # more ends at once than a push can hold
+    me.ended("p", X, 2, 50)  # tokens going back
+    me.ended("p", X, 2, 100 + (1 << 24))  # a prompt past any context window
+    assert me.stats.ends_refused == 4 and (me.requests(X), me.tokens(X)) == (3, 180)
+
+    # Plausible, more than p has in flight: p's count goes to none, q's stays.
+    me.ended("p", X, 9, 900)
+    assert (me.requests(X), me.tokens(X), me.arrivals.total(X)) == (2, 80, 80)
+    assert me.stats.pushed_ends == 1  # what it took out, not what it claimed
+    clock.t += TTL / 2
+    me._merge(_entry("p", {X: [1, 100]}, {X: [2, 200]}) + _entry("q", {X: [2, 80]}, {X: [2, 80]}))
+    assert (me.requests(X), me.tokens(X)) == (2, 80)
+    clock.t += TTL  # never confirmed: p's request counts again
+    me._merge(_entry("p", {X: [1, 100]}, {X: [2, 200]}) + _entry("q", {X: [2, 80]}, {X: [2, 80]}))
+    assert (me.requests(X), me.tokens(X)) == (3, 180) and me.stats.ends_unconfirmed == 1
+    me._merge([])  # gone: nothing of it is kept
+    assert me.total() == 0 and not me._ended
+
+
+def test_a_release_hands_out_the_cumulative_ends_and_the_previous_version_skips_them() -> None:
+    clock = Clock()
+    sender = _alone(clock)
+    sent: list[tuple[str, int, int]] = []
+    sender.on_ended = lambda a, n, t: sent.append((a, n, t))
+    first, second = sender.acquire(X, 100), sender.acquire(X, 30)
+    sender.release(second)
+    sender.release(first)
+    assert sent == [(X, 1, 30), (X, 2, 130)]
+
+    pusher = InFlightPush(Redis(port=free_port()), sender, ends=True)
+    items: list[object] = []
+    pusher._channel.send = items.append  # type: ignore[method-assign]
+    third = sender.acquire(Y, 7)
+    sender.release(third)
+    assert items == [(Y, 1, 7), (Y, -1, -7)]
+    # A receiver that knows placements only (the version before) reads an end as a
+    # placement push it has seen already: late, nothing counted.
+    me = _alone(clock)
+    me._merge(_entry("p", {}, {Y: [1, 7]}))
+    me.pushed("p", Y, -1, -7, 0.0)
+    assert me.stats.push_late == 1 and me.total() == 0 and me.stats.push_refused == 0
+
+
 async def test_bad_items_on_the_channel_are_counted_and_skipped(
     redis_server: RedisServer,
 ) -> None:
@@ -228,6 +337,12 @@ async def test_the_server_pushes_by_default_and_not_when_told(
     async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
         assert app.inflight_push is not None
         assert isinstance(app.inflight, SharedInFlight) and app.inflight.on_placed is not None
+        assert app.inflight.on_ended is None  # ends: opt-in
+    ends = StateSettings(shared_inflight=SharedInFlightSettings(push_ends=True))
+    async with App(
+        msgspec.structs.replace(s, state=ends), parse_endpoints(",".join(s.endpoints))
+    ) as app:
+        assert isinstance(app.inflight, SharedInFlight) and app.inflight.on_ended is not None
     off = StateSettings(shared_inflight=SharedInFlightSettings(push=False))
     s = msgspec.structs.replace(s, state=off)
     async with App(s, parse_endpoints(",".join(s.endpoints))) as app:

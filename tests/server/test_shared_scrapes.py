@@ -227,3 +227,27 @@ async def test_takeovers_count_peers_unheard_for_takeover_s_from_the_start_once_
     clock.advance(1.1)
     assert shared.wants(bs[0]) and shared.stats.takeovers == len(bs) + 1
     await shared.aclose()
+
+
+async def test_a_scrape_asks_for_the_members_once():
+    # `members()` copies the shared in-flight record's peers: once per scrape, not per
+    # question (a publish asked twice before).
+    addresses = [f"10.0.0.{i}:8000" for i in range(1, 9)]
+    pool = EndpointPool([Endpoint(a) for a in addresses])
+    scraper = MetricsScraper(pool, EndpointStates(stale_after_s=10.0), SETTINGS)
+    calls = 0
+
+    def members() -> frozenset[str]:
+        nonlocal calls
+        calls += 1
+        return frozenset({"b"})
+
+    client = redis.asyncio.Redis.from_url("redis://127.0.0.1:1")  # never reached
+    shared = SharedScrapes(client, scraper, members, process_id="a", takeover_s=1.0)
+    sent: list[object] = []
+    shared._channel.send = sent.append  # type: ignore[method-assign]
+    for a in addresses:
+        shared.scraped(a, Scraped(waiting=1))
+    assert calls == len(addresses)
+    assert len(sent) == sum(owner(a, {"a", "b"}) == "a" for a in addresses) > 0
+    await shared.aclose()
