@@ -128,14 +128,6 @@ class Timeline:
             for p in pages
             if not summed(p, "extproc_flow_output_token_scale", 'source="measured"')
         )
-        # ... and how many have neither a closed window nor an early ratio (`early`:
-        # calibration's first window, still open).
-        row["out_scale_none"] = sum(
-            1
-            for p in pages
-            if not summed(p, "extproc_flow_output_token_scale", 'source="measured"')
-            and not summed(p, "extproc_flow_output_token_scale", 'source="early"')
-        )
         for i, url in enumerate(self.sim_urls):
             s = scrape(url, client, 2.0)
             row[f"run{i}"] = int(summed(s, "vllm:num_requests_running"))
@@ -175,11 +167,6 @@ def summary(rows: list[dict], start_s: float, end_s: float, servers: int) -> dic
         "tl_out_scale": win[-1].get("out_scale"),
         "tl_out_scale_measured_t": next(
             (round(r["t"] - start_s, 1) for r in rows if r.get("out_scale_unmeasured", -1) == 0),
-            None,
-        ),
-        # When every picker had a scale, early (an open first window) or measured.
-        "tl_out_scale_early_t": next(
-            (round(r["t"] - start_s, 1) for r in rows if r.get("out_scale_none", -1) == 0),
             None,
         ),
         # Capacity unused while work waited in the picker.
