@@ -96,10 +96,6 @@ _MAX_DEBT = 8
 # characters per token from the default 4 (ratio ~3.1) in about half the runs, and from a
 # wrong value a ratio bound can refuse the way back.
 _CHARS_PER_TOKEN = (1.0, 12.0)
-# An endpoint's first window, while it is still open, gives an early ratio from this many
-# engine prompt tokens on (and _MIN_REQUESTS placements): for flow control's output scale
-# only, until the window closes (`CalibrationStats.early`).
-_EARLY_TOKENS = 4_000
 
 
 @dataclass(slots=True)
@@ -129,9 +125,6 @@ class CalibrationStats:
     adopted: int = 0  # of `changes`: bytes-per-token values adopted from peer replicas
     refused: int = 0  # peers' values refused (out of bounds, or another key geometry)
     ratios: dict[str, float] = field(default_factory=dict)  # endpoint -> last engine/estimate
-    # endpoint -> engine/estimate so far in its first window (none closed yet): flow
-    # control's output scale reads it until `ratios` has one (flowcontrol/output_scale.py).
-    early: dict[str, float] = field(default_factory=dict)
 
 
 class Calibration:
@@ -219,7 +212,6 @@ class Calibration:
         is gone reads as a live one)."""
         self._windows.pop(endpoint, None)
         self.stats.ratios.pop(endpoint, None)
-        self.stats.early.pop(endpoint, None)
 
     def observe(
         self,
@@ -251,7 +243,6 @@ class Calibration:
         _pair(w, finished)
         engine = prompt_tokens - w.engine_start
         if engine < _MIN_TOKENS or w.requests < _MIN_REQUESTS:
-            self._early(endpoint, engine, w)
             return
         estimated, requests, start = w.estimated, w.requests, w.finished_start
         # An engine that counts its requests: the window closes on 8 counted (and, when
@@ -287,7 +278,6 @@ class Calibration:
             self.stats.windows_skipped += 1
             return
         self.stats.ratios[endpoint] = ratio
-        self.stats.early.pop(endpoint, None)
         if abs(measured - current) < _HYSTERESIS:
             self._proposal = None
             return
@@ -297,24 +287,6 @@ class Calibration:
         if seen >= _CONFIRMATIONS and bpt != current:
             self._proposal = None
             self._set(bytes_per_token=bpt, why=f"{endpoint} counted {ratio:.2f}x our estimate")
-
-    def _early(self, endpoint: str, engine: int, w: _Window) -> None:
-        """An endpoint without a closed window yet: its engine tokens per estimate so far,
-        from `_EARLY_TOKENS` on. Why: the first window closes on 16,000 engine prompt tokens
-        (and 8 requests the engine finished), about 6 s into the overload bench's burst,
-        and until then flow control counted outputs 1:1 in a unit 1.27x smaller (an
-        interactive request 6.45 s in waited 1.01 s for KV: bench/RESULTS.md, sixteenth
-        session). The totals, not paired requests: a placement the engine has not counted
-        yet makes the ratio lower, the output scale higher (more counted, the safe side);
-        only the output scale reads it, never the bytes per token."""
-        if endpoint in self.stats.ratios or engine < _EARLY_TOKENS:
-            return
-        if w.requests < _MIN_REQUESTS or w.estimated <= 0:
-            return
-        ratio = engine / w.estimated
-        measured = self.settings.bytes_per_token / ratio
-        if _CHARS_PER_TOKEN[0] <= measured <= _CHARS_PER_TOKEN[1]:
-            self.stats.early[endpoint] = ratio
 
     def _set(self, *, why: str, announce: bool = True, **changes: int) -> None:
         old_bpt = self.settings.bytes_per_token
@@ -338,7 +310,6 @@ class Calibration:
             # The last ratios too (engine tokens per estimate: the estimates grew by the
             # factor): flow control's measured output scale reads them until the next window.
             self.stats.ratios = {a: r / factor for a, r in self.stats.ratios.items()}
-            self.stats.early = {a: r / factor for a, r in self.stats.early.items()}
             for listener in self.on_units:
                 listener(factor)
             if announce and self.on_change is not None:

@@ -283,8 +283,7 @@ class Admission:
         os_ = gauge(
             "extproc_flow_output_token_scale",
             "Estimated tokens counted per output token (flow_control.output_token_scale), by "
-            "source: configured, measured (auto, from calibration), early (auto, from "
-            "calibration's first window before it closed), unmeasured (auto, nothing "
+            "source: configured, measured (auto, from calibration), unmeasured (auto, nothing "
             "measured yet or calibration off: 1.0), exact (precise keys count real tokens).",
             ["source"],
         )

@@ -14,12 +14,9 @@ The scale is configured (a number), or `auto`: measured. Approximate mode's cali
 estimates of the same requests, per endpoint and window; the scale is the inverse of the
 median of the endpoints' last ratios, re-read at every scrape, so it follows calibration
 (and its change of unit: calibration carries the ratios over). Precise mode counts the
-tokenizer's tokens: its estimate is the engine's count, the scale exactly 1. Before any
-window closes (16,000 engine prompt tokens: about 6 s into the overload bench's burst)
-an endpoint's open first window gives an early ratio from 4,000 tokens on (calibration's
-`early`: totals, not paired requests), and the scale follows it (`source` `early`) until
-the first window closes. With neither (or calibration off) nothing is measured: outputs
-count 1:1, said in a log line and in the metric's `source` (`unmeasured`), never silently.
+tokenizer's tokens: its estimate is the engine's count, the scale exactly 1. Until a window
+closes (or with calibration off) nothing is measured: outputs count 1:1, said in a log line
+and in the metric's `source` (`unmeasured`), never silently.
 
 Only the requests admitted from then on are counted in the new unit; each ticket keeps the
 counts it was admitted with, so what it took is what it gives back.
@@ -40,14 +37,13 @@ SCALE_BOUNDS = (0.25, 4.0)
 # (windows jitter by a percent or two; a new unit every scrape helps nobody).
 _STEP = 0.01
 
-Source = Literal["configured", "measured", "early", "unmeasured", "exact"]
+Source = Literal["configured", "measured", "unmeasured", "exact"]
 
 
 class OutputScale:
     """Estimated tokens per real token for outputs, and where that figure comes from
-    (`source`): `configured`, `measured` (calibration), `early` (calibration's first
-    window, still open), `unmeasured` (auto, nothing measured yet: 1.0), `exact` (precise
-    keys: estimates are the engine's counts)."""
+    (`source`): `configured`, `measured` (calibration), `unmeasured` (auto, nothing
+    measured yet: 1.0), `exact` (precise keys: estimates are the engine's counts)."""
 
     __slots__ = ("auto", "source", "value")
 
@@ -66,34 +62,16 @@ class OutputScale:
         if self.auto and self.source == "unmeasured":
             log.warning("flow_control.output_token_scale auto: %s; outputs count 1:1", why)
 
-    def measured(
-        self, ratios: Mapping[str, float], early: Mapping[str, float] | None = None
-    ) -> None:
-        """Calibration's last engine-tokens-per-estimate ratio per endpoint (its stats), and
-        `early`: the ratios so far of endpoints whose first window is still open, read only
-        while no window has closed anywhere."""
+    def measured(self, ratios: Mapping[str, float]) -> None:
+        """Calibration's last engine-tokens-per-estimate ratio per endpoint (its stats)."""
         if not self.auto or self.source == "exact":
             return
         seen = [r for r in ratios.values() if r > 0]
-        source: Source = "measured"
         if not seen:
-            seen = [r for r in (early or {}).values() if r > 0]
-            if not seen or self.source == "measured":
-                return
-            source = "early"
+            return
         lo, hi = SCALE_BOUNDS
         scale = min(hi, max(lo, 1.0 / statistics.median(seen)))
-        if self.source == source and abs(scale - self.value) <= _STEP * self.value:
-            return
-        if source == "early":
-            if self.source != "early":
-                log.info(
-                    "flow_control.output_token_scale auto: %.3f estimated tokens per engine "
-                    "token so far (%d endpoints, no calibration window closed yet)",
-                    scale,
-                    len(seen),
-                )
-            self.value, self.source = scale, "early"
+        if self.source == "measured" and abs(scale - self.value) <= _STEP * self.value:
             return
         if self.source != "measured":
             log.info(

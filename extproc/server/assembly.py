@@ -506,8 +506,7 @@ class Parts:
         finished = (lat.prompt_sum, lat.prompt_count) if lat is not None else None
         self.calibration.observe(address, scraped.kv_block_size, scraped.prompt_tokens, finished)
         if self.admission is not None:
-            stats = self.calibration.stats
-            self.admission.output_scale.measured(stats.ratios, stats.early)
+            self.admission.output_scale.measured(self.calibration.stats.ratios)
         # The engine's own prefill timing, queueing excluded (endpoints/prefill_speed.py).
         self.speeds.scraped(address, scraped.latency, age_s=age_s)
 

@@ -609,13 +609,6 @@ CALIBRATION = StatsFamilies(
             "gauge",
             labels=("endpoint",),
         ),
-        "early": Stat(
-            "extproc_approx_token_ratio_early",
-            "Engine prompt tokens per estimated token so far in the endpoint's first window, "
-            "before any closed (read by flow control's output_token_scale auto only).",
-            "gauge",
-            labels=("endpoint",),
-        ),
     },
 )
 

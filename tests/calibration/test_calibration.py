@@ -72,21 +72,6 @@ def test_the_last_ratios_are_carried_into_the_new_unit():
     assert cal.stats.ratios == {"a:1": 1.0}
 
 
-def test_the_first_window_gives_an_early_ratio_until_it_closes():
-    """Flow control's output scale reads `early` before any window closes (16,000 engine
-    tokens): from 4,000 engine tokens and 8 placements of the open first window, its
-    totals' ratio; gone once the window closes and `ratios` has the endpoint."""
-    cal = Calibration(ParseSettings(bytes_per_token=4))
-    cal.observe("a:1", None, 0)  # opens the window
-    at = window(cal, 0, 3_000, requests=8)  # 8,000 estimated, 3,000 counted: too few yet
-    assert cal.stats.early == {}
-    at = window(cal, at, 3_000, requests=4)  # 12,000 estimated, 6,000 counted
-    assert cal.stats.early == {"a:1": 0.5} and cal.stats.ratios == {}
-    window(cal, at, 18_000, requests=20)  # 32,000 / 24,000: closes; early gives way
-    assert cal.stats.ratios == {"a:1": 0.75} and cal.stats.early == {}
-    assert cal.stats.changes == 0
-
-
 def test_a_change_of_characters_per_token_keeps_every_block_key() -> None:
     # Keys made before the change must match after it (else the index forgets every recorded
     # prefix); only the tokens a block stands for follow the new estimate.

@@ -59,20 +59,6 @@ def test_auto_counts_outputs_one_to_one_until_measured_and_says_so():
     assert scale.value == SCALE_BOUNDS[0]
 
 
-def test_auto_follows_the_early_ratio_until_a_window_closes():
-    """Before any calibration window closes the open first windows' ratios set the scale
-    (`early`); a closed window's ratio then replaces it, and early ones are not read again."""
-    scale = OutputScale("auto")
-    scale.measured({}, {"a": 0.8, "b": 0.76})
-    assert scale.source == "early" and abs(scale.value - 1 / 0.78) < 1e-9
-    scale.measured({}, {"a": 0.5})
-    assert abs(scale.value - 2.0) < 1e-9
-    scale.measured({"a": 0.78}, {"b": 0.5})
-    assert scale.source == "measured" and abs(scale.value - 1 / 0.78) < 1e-9
-    scale.measured({}, {"b": 0.5})  # an endpoint that left: the measured scale stays
-    assert scale.source == "measured" and abs(scale.value - 1 / 0.78) < 1e-9
-
-
 def test_precise_keys_count_real_tokens():
     scale = OutputScale("auto")
     scale.exact()
