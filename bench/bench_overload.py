@@ -46,6 +46,8 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 (`output_token_scale`: outputs counted in the prompt estimate's unit, `output_scaled`),
 `-osm` (the same, but `output_token_scale: auto`: the picker measures the scale from
 calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
+`-ends<ms>` (`dispatch_on_end`, off in every other run, and Envoy's access log flushed
+every <ms> instead of 100 ms),
 `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
 session: `-noprior-out96`), and
@@ -175,6 +177,7 @@ def picker_config(
     claim: bool = False,
     output_scale: float = 0.0,
     output_scale_auto: bool = False,
+    dispatch_on_end: bool = False,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -255,6 +258,9 @@ def picker_config(
             doc["flow_control"]["output_token_scale"] = (
                 "auto" if output_scale_auto else round(output_scale, 3)
             )
+        # A request's end is a dispatch opportunity at once (`-ends<ms>` runs; off in the
+        # others, as before the seventeenth session: the next tick).
+        doc["flow_control"]["dispatch_on_end"] = dispatch_on_end
         if claim:
             # An interactive request waiting for room keeps the server it waits for from
             # the band's newer requests (`-claim` runs).
@@ -352,9 +358,16 @@ class Deployment:
     access_path: Path | None = None  # the running Envoy's access log
 
     def start(
-        self, cfg: dict, *, pickers: int = 1, redis_url: str | None = None, src: str = ""
+        self,
+        cfg: dict,
+        *,
+        pickers: int = 1,
+        redis_url: str | None = None,
+        src: str = "",
+        flush_s: float = 0.1,
     ) -> None:
-        """`src`: run the pickers from that source tree (a baseline checkout) instead."""
+        """`src`: run the pickers from that source tree (a baseline checkout) instead;
+        `flush_s`: Envoy's access-log flush interval (the picker hears of ends that late)."""
         path = self.log_dir / f"picker-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         ports = []
@@ -390,6 +403,7 @@ class Deployment:
             BootstrapOptions(
                 listen_port=listen, listen_address="127.0.0.1",
                 extproc=f"127.0.0.1:{ports[0]}", admin_port=admin, allow_explain=self.trace,
+                access_log_flush_s=flush_s,
             )
         )  # fmt: skip
         # Two replicas behind one Envoy: both in the picker cluster, round robin per stream.
@@ -972,6 +986,10 @@ def main() -> int:
             rq_m = re.search(r"-rq(\d+)", run_name)  # `-rq<NN>`: reserve_rate_quantile
             rate_quantile = int(rq_m.group(1)) / 100 if rq_m else 0.0
             run_name = re.sub(r"-rq\d+", "", run_name)
+            # `-ends<ms>`: dispatch_on_end, and Envoy's access log flushed every <ms>.
+            ends_m = re.search(r"-ends(\d+)", run_name)
+            flush_s = int(ends_m.group(1)) / 1000 if ends_m else 0.1
+            run_name = re.sub(r"-ends\d+", "", run_name)
             rf_m = re.search(r"-refill(\d+)", run_name)  # `-refill<ms>`: reserve_refill_s
             refill_s = int(rf_m.group(1)) / 1000 if rf_m else 0.0
             run_name = re.sub(r"-refill\d+", "", run_name)
@@ -1048,8 +1066,15 @@ def main() -> int:
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),
+                    dispatch_on_end=bool(ends_m),
                 )
-                dep.start(cfg, pickers=2, redis_url=f"redis://127.0.0.1:{port}/0", src=src)
+                dep.start(
+                    cfg,
+                    pickers=2,
+                    redis_url=f"redis://127.0.0.1:{port}/0",
+                    src=src,
+                    flush_s=flush_s,
+                )
             else:
                 cfg = picker_config(
                     objectives,
@@ -1072,8 +1097,9 @@ def main() -> int:
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),
+                    dispatch_on_end=bool(ends_m),
                 )
-                dep.start(cfg, src=src)
+                dep.start(cfg, src=src, flush_s=flush_s)
             sims_before = sims_now(dep)
             tl_path = tmp / f"timeline-{i_run}-{run}.jsonl"  # one per run, same names too
             tl = Timeline(dep.admin_ports, fleet.addresses, tl_path).start()

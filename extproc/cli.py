@@ -186,6 +186,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         allow_explain=args.allow_explain,
         extproc_workers=args.extproc_workers,
         response_headers=args.response_headers,
+        access_log_flush_s=args.access_log_flush_s,
     )
     try:
         sys.stdout.write(render_bootstrap(opts))
@@ -397,6 +398,15 @@ def build_parser() -> argparse.ArgumentParser:
         "access log reports request ends, explanations are off and a request has one "
         "address (-14 to -18%% picker CPU; not with flow control or profiles that add "
         "response headers: docs/gateways.md)",
+    )
+    e.add_argument(
+        "--access-log-flush-s",
+        type=float,
+        default=BootstrapOptions().access_log_flush_s,
+        help="how often Envoy flushes its access log to the picker (seconds; default "
+        "%(default)s): the picker hears of a request's end that much late at most, and "
+        "queued work waits that long for the room it freed (bench/RESULTS.md, seventeenth "
+        "session)",
     )
     e.set_defaults(func=cmd_envoy_config)
 

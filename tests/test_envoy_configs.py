@@ -64,3 +64,10 @@ def test_fail_open_with_original_dst_is_refused(capsys):
     """Without a picker header ORIGINAL_DST would send the request back to Envoy itself."""
     assert main(["envoy-config", "--fail-open"]) == 2
     assert "override-host" in capsys.readouterr().err
+
+
+def test_access_log_flush_interval_is_a_flag(capsys):
+    """`--access-log-flush-s`: how late the picker may hear of a request's end (queued work
+    waits that long for the room it freed); 0.1 s unless told."""
+    assert "buffer_flush_interval: 0.1s" in emitted("", capsys)
+    assert "buffer_flush_interval: 0.02s" in emitted("--access-log-flush-s 0.02", capsys)

@@ -125,6 +125,7 @@ class Admission:
             reserve_refill_s=s.reserve_refill_s,
             gate=config.gate,
             waiting_claims_room=s.waiting_claims_room,
+            dispatch_on_end=s.dispatch_on_end,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         # The unit outputs are counted in: configured, or measured by calibration (the app
@@ -295,6 +296,13 @@ class Admission:
         )
         nr.add_metric([], fc.no_room)
         yield nr
+        ed = counter(
+            "extproc_flow_end_dispatches",
+            "Requests' ends (access-log entries) taken as a dispatch opportunity at once while "
+            "requests were queued (dispatch_on_end).",
+        )
+        ed.add_metric([], fc.end_dispatches)
+        yield ed
         if fc.claims is not None:
             cl = counter(
                 "extproc_flow_room_claims",

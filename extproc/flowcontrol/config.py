@@ -179,6 +179,10 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     lowest, a request that found no endpoint with room is tried before the band's newer
     requests at every dispatch opportunity, and the endpoint where it comes closest to
     fitting is kept for it from them (flowcontrol/claims.py).
+    `dispatch_on_end` (on by default): a request's end (its access-log entry, when
+    in-flight counts are held to the end) is a dispatch opportunity at once; off: the room it
+    frees is used at the next tick or arrival (up to `tick_s` later; the behaviour before,
+    kept to measure against).
     `engine_priority` (off by default): send the request's band to the model server as its
     priority (`-band`: vLLM's priority scheduling serves lower values first), replacing any
     the client sent (`flowcontrol/engine_priority.py`): `body` (or `true`) writes it into
@@ -204,6 +208,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_refill_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
     output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] | Literal["auto"] = 1.0
     waiting_claims_room: bool = False
+    dispatch_on_end: bool = True
     engine_priority: bool | Literal["body", "header"] = False
 
 

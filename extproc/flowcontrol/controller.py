@@ -128,6 +128,7 @@ class FlowController:
         reserve_refill_s: float = 0.0,
         gate: PrefillGate | None = None,
         waiting_claims_room: bool = False,
+        dispatch_on_end: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -155,7 +156,8 @@ class FlowController:
         `waiting_claims_room`: with per-endpoint admission, in a band above the lowest, a
         request that found no room is tried before its band's newer requests, and the
         endpoint where it comes closest to fitting is kept for it from them
-        (flowcontrol/claims.py)."""
+        (flowcontrol/claims.py). `dispatch_on_end`: a request's end (`ended`) is a
+        dispatch opportunity at once, not at the next tick."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -225,6 +227,9 @@ class FlowController:
         self._out_at: dict[str, list[int]] = {}  # address -> [requests, output difference]
         self.gate = gate
         self.claims = Claims() if waiting_claims_room else None
+        self._dispatch_on_end = dispatch_on_end
+        # Dispatch opportunities taken at a request's end (dispatch_on_end).
+        self.end_dispatches = 0
         if gate is not None:
             gate.use_clock(clock)
         if gate is not None and self._endpoints is None:
@@ -715,12 +720,24 @@ class FlowController:
         if self.gate is not None:
             self.gate.forget(ticket)
         if not output_held:
-            self.ended(ticket)
+            self._ended(ticket)
         if self.evictor is not None:
             self.evictor.untrack(ticket)
         self.dispatch()
 
     def ended(self, ticket: Ticket) -> None:
+        """The request is over on its endpoint (its in-flight count was just released):
+        see `_ended`. With `dispatch_on_end` the room it freed is offered to the queue at
+        once. Before, the next tick did (`tick_s`, 20 ms by default) unless an arrival came
+        first: traced in the overload bench, a waiting interactive request was released
+        a median 70-90 ms after the engine had freed its room, of which the gateway's
+        access-log flush is most (bench/RESULTS.md, seventeenth session)."""
+        self._ended(ticket)
+        if self._dispatch_on_end and self.count:
+            self.end_dispatches += 1
+            self.dispatch()
+
+    def _ended(self, ticket: Ticket) -> None:
         """The request is over on its endpoint: its own output stops counting there, as
         its in-flight count (and the detector's constant with it) does. Undone at the
         ticket's release instead, the correction lasted only until the ext_proc stream
