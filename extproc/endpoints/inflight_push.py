@@ -20,9 +20,8 @@ dropped (counted), the channel says so once in a log line and shows
 `extproc_inflight_push_degraded` 1 until it answers; the peers' placements then come with
 the exchange alone, as without pushing. Not on Redis Cluster (pub/sub is per node there).
 
-With `ends` (`state.shared_inflight.push_ends`; off by default: at the tenants knee it lost,
-bench/RESULTS.md, issue 14, seventeenth session), ends go on the same channel: after each
-release, the server and this replica's cumulative ends there (placed less in flight), as the item
+Ends go on the same channel (`ends`, `state.shared_inflight.push_ends`): after each release,
+the server and this replica's cumulative ends there (placed less in flight), as the item
 `(address, -requests, -tokens)`. Negated, because a placement's counters are never below
 one request: the sign tells the two apart, and a replica of the version before, which
 knows placements only, takes an end for a placement push it has already seen
@@ -69,7 +68,7 @@ class InFlightPush(SharedOverBroadcast[InFlightPushStats]):
         *,
         known: Callable[[str], bool] = lambda address: True,
         channel: str | None = None,
-        ends: bool = False,
+        ends: bool = True,
     ) -> None:
         self._inflight = inflight
         self._known = known

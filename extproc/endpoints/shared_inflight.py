@@ -45,11 +45,9 @@ forged push, or a peer gone) stops counting (`push_unconfirmed`); pushes are bou
 message and taken only from peers the exchange knows, so Redis content can skew a count for
 at most `ttl_s`.
 
-Ends can be pushed the same way (`push_ends`, off by default; `on_ended`, `ended`): after
-each release, this process's cumulative ends on the server (placed less in flight, requests
-and tokens). Without them a release reaches the peers 0-2 intervals late, the request
-counted in flight there meanwhile; at the tenants knee, though, three replicas' TTFT p90
-was worse with them in 5 of 6 pairs (bench/RESULTS.md, issue 14, seventeenth session).
+Ends are pushed the same way (`on_ended`, `ended`): after each release, this process's
+cumulative ends on the server (placed less in flight, requests and tokens). Without them a
+release reached the peers 0-2 intervals late, the request counted in flight there meanwhile.
 A peer's in flight on a server is then, from every counter seen of it, the most it placed
 less the most it ended (the exchange gives both as placed and placed less in flight): both
 cumulative, so an end pushed before, after or twice against the exchange is released once.
@@ -155,9 +153,7 @@ class SharedInFlightSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=
     also sent to the peers at once on a Redis pub/sub channel, so they count it within a
     round trip instead of 0-2 intervals (endpoints/inflight_push.py; not on Redis Cluster).
     `push_ends`: with `push`, each release too, so the peers stop counting it within a
-    round trip (off by default: at the tenants knee three replicas' TTFT p90 was worse with
-    it in 5 of 6 pairs, bench/RESULTS.md, issue 14, seventeenth session). `namespace`: key
-    prefix; pickers of one pool must share it.
+    round trip. `namespace`: key prefix; pickers of one pool must share it.
     """
 
     interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.05
@@ -166,7 +162,7 @@ class SharedInFlightSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=
     max_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     counters_idle_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     push: bool = True
-    push_ends: bool = False
+    push_ends: bool = True
     namespace: Annotated[str, msgspec.Meta(min_length=1, pattern=r"^[^{}]+$")] = "extproc:inflight"
 
     @property

@@ -33,12 +33,11 @@ FAST = SharedInFlightSettings(interval_s=0.05, ttl_s=TTL, timeout_s=0.2, max_bac
 
 @contextlib.asynccontextmanager
 async def replica(
-    url: str, settings: SharedInFlightSettings, *, push: bool = True, ends: bool = False
+    url: str, settings: SharedInFlightSettings, *, push: bool = True
 ) -> AsyncIterator[tuple[SharedInFlight, InFlightPush | None]]:
     """One replica's shared counts with its exchange (and push) loops running."""
     shared = SharedInFlight.from_url(url, settings=settings)
-    known = lambda a: a in (X, Y)  # noqa: E731
-    pusher = InFlightPush.from_url(url, shared, known=known, ends=ends) if push else None
+    pusher = InFlightPush.from_url(url, shared, known=lambda a: a in (X, Y)) if push else None
     tasks = [asyncio.create_task(shared.run())]
     if pusher is not None:
         tasks.append(asyncio.create_task(pusher.run()))
@@ -181,8 +180,8 @@ def test_forged_pushes_are_refused_or_expire() -> None:
 
 async def test_a_peer_stops_counting_a_release_at_once(redis_server: RedisServer) -> None:
     async with (
-        replica(redis_server.url, SLOW, ends=True) as (a, _),
-        replica(redis_server.url, SLOW, ends=True) as (b, pusher),
+        replica(redis_server.url, SLOW) as (a, _),
+        replica(redis_server.url, SLOW) as (b, pusher),
     ):
         assert pusher is not None
         await until(lambda: a.peers() and b.peers(), "the replicas know each other")
@@ -273,7 +272,7 @@ def test_a_release_hands_out_the_cumulative_ends_and_the_previous_version_skips_
     sender.release(first)
     assert sent == [(X, 1, 30), (X, 2, 130)]
 
-    pusher = InFlightPush(Redis(port=free_port()), sender, ends=True)
+    pusher = InFlightPush(Redis(port=free_port()), sender)
     items: list[object] = []
     pusher._channel.send = items.append  # type: ignore[method-assign]
     third = sender.acquire(Y, 7)
@@ -337,12 +336,6 @@ async def test_the_server_pushes_by_default_and_not_when_told(
     async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
         assert app.inflight_push is not None
         assert isinstance(app.inflight, SharedInFlight) and app.inflight.on_placed is not None
-        assert app.inflight.on_ended is None  # ends: opt-in
-    ends = StateSettings(shared_inflight=SharedInFlightSettings(push_ends=True))
-    async with App(
-        msgspec.structs.replace(s, state=ends), parse_endpoints(",".join(s.endpoints))
-    ) as app:
-        assert isinstance(app.inflight, SharedInFlight) and app.inflight.on_ended is not None
     off = StateSettings(shared_inflight=SharedInFlightSettings(push=False))
     s = msgspec.structs.replace(s, state=off)
     async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
