@@ -231,9 +231,7 @@ def _exchange_line(admin_port: int) -> str:
         f"counter resets {got.get('counter_resets', 0):.0f}, legacy peers "
         f"{got.get('legacy_peers', 0):.0f}, pushed {got.get('pushed_arrivals', 0):.0f} "
         f"(late {got.get('push_late', 0):.0f}, refused {got.get('push_refused', 0):.0f}, "
-        f"unconfirmed {got.get('push_unconfirmed', 0):.0f}), ends pushed "
-        f"{got.get('pushed_ends', 0):.0f} (late {got.get('ends_late', 0):.0f}, refused "
-        f"{got.get('ends_refused', 0):.0f}, unconfirmed {got.get('ends_unconfirmed', 0):.0f})"
+        f"unconfirmed {got.get('push_unconfirmed', 0):.0f})"
     )
 
 
@@ -373,8 +371,6 @@ def main(argv: list[str] | None = None) -> int:
         "false: every replica scrapes every server, the default before the fifteenth "
         "session), redis3-unpushed (3 replicas, state.shared_inflight.push: false: the "
         "peers' placements come with the exchange alone, the default before the sixteenth "
-        "session), redis3-endsunpushed (3 replicas, state.shared_inflight.push_ends: false: "
-        "placements pushed, ends with the exchange alone, the default before the seventeenth "
         "session); a redis mode + '-drained': predicted-ttft-scorer's "
         "peerInflight: drained (the default); + '-whole': its peerInflight: whole (the "
         "default before); + '-sharedlane': its peerInflight: sharedLane (the peers' drain "
@@ -464,9 +460,6 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["state"] = {**cfg.get("state", {}), "shared_scrapes": False}
                 if base == "redis3-unpushed":
                     cfg["state"] = {**cfg.get("state", {}), "shared_inflight": {"push": False}}
-                if base == "redis3-endsunpushed":
-                    unpushed = {"push_ends": False}
-                    cfg["state"] = {**cfg.get("state", {}), "shared_inflight": unpushed}
                 if base == "redis3-unpooled":
                     cfg["state"] = {**cfg.get("state", {}), "shared_calibration": False}
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
@@ -477,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                 replicas = {
                     "redis1": 1, "redis3": 3, "redis3-shared": 3, "redis3-cal": 3,
                     "redis3-unpooled": 3, "redis3-scrapes": 3, "redis3-unshared": 3,
-                    "redis3-unpushed": 3, "redis3-endsunpushed": 3,
+                    "redis3-unpushed": 3,
                 }.get(base)  # fmt: skip
                 names = ["extproc", *(f"extproc-{i}" for i in range(1, replicas or 1))]
                 log_at = {n: _size(log_dir / f"{n}.log") for n in names}

@@ -19,14 +19,6 @@ the TTL and grow no state. Redis down: the exchange's own outage handling holds,
 dropped (counted), the channel says so once in a log line and shows
 `extproc_inflight_push_degraded` 1 until it answers; the peers' placements then come with
 the exchange alone, as without pushing. Not on Redis Cluster (pub/sub is per node there).
-
-Ends go on the same channel (`ends`, `state.shared_inflight.push_ends`): after each release,
-the server and this replica's cumulative ends there (placed less in flight), as the item
-`(address, -requests, -tokens)`. Negated, because a placement's counters are never below
-one request: the sign tells the two apart, and a replica of the version before, which
-knows placements only, takes an end for a placement push it has already seen
-(`push_late`) and skips it, quietly, through a rolling upgrade. The peers apply them with
-`SharedInFlight.ended`, on the same terms as placements.
 """
 
 from __future__ import annotations
@@ -50,16 +42,14 @@ class InFlightPushStats(ChannelCounts):
     """Counters since start: the channel's (items are placements; `bad_entries`: peers'
     items refused for their shape, undecodable, a server not in the pool, counters not
     integers) and peers' pushes `received` and handed to the in-flight counts (which
-    count what they add: `SharedInFlightStats`), placements and ends (`received_ends`)."""
+    count what they add: `SharedInFlightStats`)."""
 
     received: int = 0
-    received_ends: int = 0
 
 
 class InFlightPush(SharedOverBroadcast[InFlightPushStats]):
-    """Publishes this replica's placements (and, with `ends`, its releases) as they are
-    made; hands the peers' to `inflight`. `known`: whether an address is a server of the
-    pool."""
+    """Publishes this replica's placements as they are made; hands the peers' to `inflight`.
+    `known`: whether an address is a server of the pool."""
 
     def __init__(
         self,
@@ -68,7 +58,6 @@ class InFlightPush(SharedOverBroadcast[InFlightPushStats]):
         *,
         known: Callable[[str], bool] = lambda address: True,
         channel: str | None = None,
-        ends: bool = True,
     ) -> None:
         self._inflight = inflight
         self._known = known
@@ -88,19 +77,13 @@ class InFlightPush(SharedOverBroadcast[InFlightPushStats]):
         )
         super().__init__(InFlightPushStats(), broadcast)
         inflight.on_placed = self._send
-        if ends:
-            inflight.on_ended = self._send_end
 
     async def aclose(self) -> None:
-        self._inflight.on_placed = self._inflight.on_ended = None
+        self._inflight.on_placed = None
         await super().aclose()
 
     def _send(self, address: str, requests: int, tokens: int) -> None:
         self._channel.send((address, requests, tokens))
-
-    def _send_end(self, address: str, requests: int, tokens: int) -> None:
-        if requests > 0:  # never otherwise after a release; 0 would read as a placement
-            self._channel.send((address, -requests, -tokens))
 
     def _apply(self, item: Any) -> None:
         # A wrong shape raises ValueError/TypeError: the channel counts it and skips it.
@@ -115,10 +98,6 @@ class InFlightPush(SharedOverBroadcast[InFlightPushStats]):
             and self._known(address)
         ):
             self._counts.received += 1
-            if requests < 0:
-                self._counts.received_ends += 1
-                self._inflight.ended(sender, address, -requests, -tokens)
-            else:
-                self._inflight.pushed(sender, address, requests, tokens, float(age))
+            self._inflight.pushed(sender, address, requests, tokens, float(age))
         else:
             self._counts.bad_entries += 1

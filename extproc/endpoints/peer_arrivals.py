@@ -91,19 +91,6 @@ class PeerArrivals:
             q[0][1] += first[1]
         self._totals[address] = self._totals.get(address, 0) + int(tokens)
 
-    def end(self, address: str, tokens: int) -> None:
-        """A peer's request of `tokens` on `address` ended between exchanges (its end pushed,
-        shared_inflight.py): released oldest first, as an exchange releases what ended, and
-        its total falls by as much, so the next `update` releases only what else ended."""
-        if tokens <= 0:
-            return
-        _release(self._arrivals.get(address), tokens)
-        left = self._totals.get(address, 0) - int(tokens)
-        if left > 0:
-            self._totals[address] = left
-        else:
-            self._totals.pop(address, None)
-
     def clear(self) -> None:
         """The peers' counts were dropped (Redis gone past their TTL)."""
         self._arrivals.clear()

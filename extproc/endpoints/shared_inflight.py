@@ -43,17 +43,8 @@ only growth past the pushed counters, a push the exchange already showed adds no
 on top of its entry until it does. Pushed growth no exchange confirms within `ttl_s` (a
 forged push, or a peer gone) stops counting (`push_unconfirmed`); pushes are bounded per
 message and taken only from peers the exchange knows, so Redis content can skew a count for
-at most `ttl_s`.
-
-Ends are pushed the same way (`on_ended`, `ended`): after each release, this process's
-cumulative ends on the server (placed less in flight, requests and tokens). Without them a
-release reached the peers 0-2 intervals late, the request counted in flight there meanwhile.
-A peer's in flight on a server is then, from every counter seen of it, the most it placed
-less the most it ended (the exchange gives both as placed and placed less in flight): both
-cumulative, so an end pushed before, after or twice against the exchange is released once.
-Pushed ends no exchange confirms within `ttl_s` stop counting (`ends_unconfirmed`); a peer's
-count never goes below nothing, so a forged end can hide at most that peer's own load, for
-at most `ttl_s`.
+at most `ttl_s`. Ends are not pushed: a release is seen at the next exchange, as before
+(late, it errs towards a busier server, not an idler one).
 """
 
 from __future__ import annotations
@@ -152,8 +143,7 @@ class SharedInFlightSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=
     this long with nothing placed there and nothing in flight. `push`: each placement is
     also sent to the peers at once on a Redis pub/sub channel, so they count it within a
     round trip instead of 0-2 intervals (endpoints/inflight_push.py; not on Redis Cluster).
-    `push_ends`: with `push`, each release too, so the peers stop counting it within a
-    round trip. `namespace`: key prefix; pickers of one pool must share it.
+    `namespace`: key prefix; pickers of one pool must share it.
     """
 
     interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.05
@@ -162,7 +152,6 @@ class SharedInFlightSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=
     max_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     counters_idle_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     push: bool = True
-    push_ends: bool = True
     namespace: Annotated[str, msgspec.Meta(min_length=1, pattern=r"^[^{}]+$")] = "extproc:inflight"
 
     @property
@@ -184,9 +173,7 @@ class SharedInFlightStats:
     once from their pushes (within `peer_arrivals` / `peer_arrived_tokens`); `push_late`:
     pushes the exchange had already shown; `push_refused`: pushes from a peer the exchange
     does not know (yet) or growing past the bounds; `push_unconfirmed`: pushed growth no
-    exchange confirmed within `ttl_s`, no longer counted. `pushed_ends` /
-    `pushed_end_tokens`: peers' requests (tokens) out of flight at once from their pushed
-    ends; `ends_late`, `ends_refused`, `ends_unconfirmed`: as for placements."""
+    exchange confirmed within `ttl_s`, no longer counted."""
 
     exchanges: int = 0
     errors: int = 0
@@ -205,11 +192,6 @@ class SharedInFlightStats:
     push_late: int = 0
     push_refused: int = 0
     push_unconfirmed: int = 0
-    pushed_ends: int = 0
-    pushed_end_tokens: int = 0
-    ends_late: int = 0
-    ends_refused: int = 0
-    ends_unconfirmed: int = 0
 
 
 def default_process_id() -> str:
@@ -272,14 +254,11 @@ class SharedInFlight:
         self._peer_counters: dict[str, dict[str, tuple[int, int]] | None] = {}
         self._resets_logged: set[str] = set()
         # Per peer and address, its latest pushed counters past its last exchange's, with
-        # when they came: (requests, tokens, seen_at); placements and ends.
+        # when they came: (requests, tokens, seen_at).
         self._pushed: dict[str, dict[str, tuple[int, int, float]]] = {}
-        self._ended: dict[str, dict[str, tuple[int, int, float]]] = {}
-        # Called after each placement with its server and this process's counters there,
-        # and after each release with its ends there (endpoints/inflight_push.py sends
-        # them); None: not pushed.
+        # Called after each placement with its server and this process's counters there
+        # (endpoints/inflight_push.py sends them); None: not pushed.
         self.on_placed: Callable[[str, int, int], None] | None = None
-        self.on_ended: Callable[[str, int, int], None] | None = None
         self._last_ok = -float("inf")
         # The peers' tokens dated by when each exchange brought them (peer_arrivals.py): how
         # much of them can still be prefill ahead of a new request.
@@ -330,12 +309,6 @@ class SharedInFlight:
         if self._requests[a] <= 0:
             del self._requests[a]
             self._tokens.pop(a, None)
-        if self.on_ended is not None:
-            # The counters stay while anything is in flight (`_prune`): present here.
-            placed = self._placed.get(a)
-            if placed is not None:
-                n, t = self._requests.get(a, 0), self._tokens.get(a, 0)
-                self.on_ended(a, placed[0] - n, placed[1] - t)
 
     def requests(self, address: str) -> int:
         return self._requests.get(address, 0) + self._others_requests.get(address, 0)
@@ -388,7 +361,10 @@ class SharedInFlight:
         now = self._clock()
         if mine is None:
             mine = self._pushed[peer] = {}
-        d_n, d_t = self._recount(peer, address, mine, (requests, tokens, now))
+        mine[address] = (requests, tokens, now)
+        self._others_requests[address] = self._others_requests.get(address, 0) + d_n
+        self._others_tokens[address] = self._others_tokens.get(address, 0) + d_t
+        self._others_total += d_n
         # Its wait in the sender's queue, within one interval (a peer's word, bounded).
         at = now - min(max(0.0, age_s), self._s.interval_s)
         self.arrivals.arrive(address, d_t, at)
@@ -396,79 +372,6 @@ class SharedInFlight:
         self.stats.peer_arrived_tokens += d_t
         self.stats.pushed_arrivals += d_n
         self.stats.pushed_tokens += d_t
-
-    def ended(self, peer: str, address: str, requests: int, tokens: int) -> None:
-        """`peer`'s end counters on `address` (its placements there that ended: placed less
-        in flight) right after a release there, pushed at once. What they grew past
-        everything seen of the peer (its last exchange's, its earlier end pushes) is out of
-        flight from now; the exchange confirms it later without releasing it twice."""
-        counted = self._peer_counters.get(peer)
-        if counted is None:
-            self.stats.ends_refused += 1  # as for placements: a peer the exchange knows
-            return
-        c_n, c_t = counted.get(address, (0, 0))
-        n0, t0 = self._peer_load.get(peer, {}).get(address, (0, 0))
-        e_n, e_t = c_n - n0, c_t - t0
-        mine = self._ended.get(peer)
-        before = mine.get(address) if mine else None
-        if before is not None:
-            e_n, e_t = max(e_n, before[0]), max(e_t, before[1])
-        d_n, d_t = requests - e_n, tokens - e_t
-        if d_n <= 0:
-            self.stats.ends_late += 1
-            return
-        if d_t < 0 or d_n > _MAX_PUSHED_REQUESTS or d_t > d_n * _MAX_PUSHED_PROMPT:
-            self.stats.ends_refused += 1
-            return
-        if mine is None:
-            mine = self._ended[peer] = {}
-        d_n, d_t = self._recount(peer, address, mine, (requests, tokens, self._clock()))
-        # What ended releases the oldest of its arrivals, as at an exchange.
-        self.arrivals.end(address, -d_t)
-        self.stats.pushed_ends += -d_n
-        self.stats.pushed_end_tokens += -d_t
-
-    def _recount(
-        self,
-        peer: str,
-        address: str,
-        into: dict[str, tuple[int, int, float]],
-        counters: tuple[int, int, float],
-    ) -> tuple[int, int]:
-        """Records pushed `counters` of `peer` on `address` `into` its placements or ends
-        and moves the peers' counts there by what that changes of its in flight."""
-        b_n, b_t = self._in_flight(peer, address)
-        into[address] = counters
-        a_n, a_t = self._in_flight(peer, address)
-        d_n, d_t = a_n - b_n, a_t - b_t
-        self._others_requests[address] = self._others_requests.get(address, 0) + d_n
-        self._others_tokens[address] = self._others_tokens.get(address, 0) + d_t
-        self._others_total += d_n
-        return d_n, d_t
-
-    def _in_flight(
-        self,
-        peer: str,
-        address: str,
-        load: dict[str, tuple[int, int]] | None = None,
-        placed: dict[str, tuple[int, int]] | None = None,
-    ) -> tuple[int, int]:
-        """`peer`'s requests and tokens in flight on `address` from every counter seen of
-        it: the most it placed less the most it ended (its exchange entry, `load` and
-        `placed`, the last one unless given; its pushes), never below none."""
-        if load is None:
-            load = self._peer_load.get(peer, {})
-            placed = self._peer_counters.get(peer)
-        n, t = load.get(address, (0, 0))
-        c_n, c_t = placed.get(address, (0, 0)) if placed is not None else (n, t)
-        p_n, p_t, e_n, e_t = c_n, c_t, c_n - n, c_t - t
-        p = self._pushed.get(peer, {}).get(address)
-        if p is not None:
-            p_n, p_t = max(p_n, p[0]), max(p_t, p[1])
-        e = self._ended.get(peer, {}).get(address)
-        if e is not None:
-            e_n, e_t = max(e_n, e[0]), max(e_t, e[1])
-        return max(0, p_n - e_n), max(0, p_t - e_t)
 
     # -- the exchange loop -------------------------------------------------------------------
 
@@ -548,11 +451,10 @@ class SharedInFlight:
                 reqs[address] += n
                 toks[address] += t
             self._date(peer, load, placed, arrived)
-            if peer in self._pushed or peer in self._ended:
-                self._unconfirmed(peer, load, placed, reqs, toks)
-        for pushes in (self._pushed, self._ended):
-            for gone in [p for p in pushes if p not in loads]:
-                del pushes[gone]
+            if peer in self._pushed:
+                self._unconfirmed(peer, placed, reqs, toks)
+        for gone in [p for p in self._pushed if p not in loads]:
+            del self._pushed[gone]
         known = {a: self.arrivals.total(a) for a in set(toks) | set(self._others_tokens)}
         self._peer_load, self._peer_counters = loads, counters
         self._resets_logged &= set(loads)
@@ -579,39 +481,28 @@ class SharedInFlight:
     def _unconfirmed(
         self,
         peer: str,
-        load: dict[str, tuple[int, int]],
         placed: dict[str, tuple[int, int]] | None,
         reqs: Counter[str],
         toks: Counter[str],
     ) -> None:
-        """Moves `reqs` / `toks` (holding `peer`'s entry, `load`) by its pushed placements
-        and ends its entry does not show yet (it wrote the entry before them); forgets
-        pushes it shows, and those no entry showed within `ttl_s` (counted: forged pushes,
-        or pushes of a peer whose exchange stalled)."""
+        """Adds to `reqs` / `toks` `peer`'s pushed placements its exchange entry does not
+        show yet (it wrote the entry before them); forgets pushes it shows, and those no
+        entry showed within `ttl_s` (counted: a forged push, or pushes of a peer whose
+        exchange stalled)."""
+        mine = self._pushed[peer]
         now = self._clock()
-        pushed, ended = self._pushed.get(peer, {}), self._ended.get(peer, {})
-        for address in set(pushed) | set(ended):
-            n, t = load.get(address, (0, 0))
-            c_n, _ = placed.get(address, (0, 0)) if placed is not None else (0, 0)
-            p = pushed.get(address)
-            if p is not None and (placed is None or c_n >= p[0]):
-                del pushed[address]
-            elif p is not None and now - p[2] > self._ttl_s:
-                del pushed[address]
+        for address, (p_n, p_t, at) in list(mine.items()):
+            c_n, c_t = placed.get(address, (0, 0)) if placed is not None else (0, 0)
+            if placed is None or c_n >= p_n:
+                del mine[address]
+            elif now - at > self._ttl_s:
+                del mine[address]
                 self.stats.push_unconfirmed += 1
-            e = ended.get(address)
-            if e is not None and (placed is None or c_n - n >= e[0]):
-                del ended[address]
-            elif e is not None and now - e[2] > self._ttl_s:
-                del ended[address]
-                self.stats.ends_unconfirmed += 1
-            here_n, here_t = self._in_flight(peer, address, load, placed)
-            reqs[address] += here_n - n
-            toks[address] += here_t - t
-        if not pushed:
-            self._pushed.pop(peer, None)
-        if not ended:
-            self._ended.pop(peer, None)
+            else:
+                reqs[address] += p_n - c_n
+                toks[address] += max(0, p_t - c_t)
+        if not mine:
+            del self._pushed[peer]
 
     def _date(
         self,
@@ -650,7 +541,6 @@ class SharedInFlight:
                    (c_t - t) - (c_t0 - t0)) < 0:  # fmt: skip
                 self._reset(peer)
                 self._pushed.pop(peer, None)
-                self._ended.pop(peer, None)
                 came = {a: load.get(a, (0, 0)) for a in load}
                 break
             p = pushed.get(address)
@@ -683,7 +573,6 @@ class SharedInFlight:
             self._others_total = 0
             self._peer_load, self._peer_counters = {}, {}
             self._pushed.clear()
-            self._ended.clear()
             self.arrivals.clear()
         return delay
 

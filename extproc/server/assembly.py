@@ -224,10 +224,7 @@ class Parts:
         url = self.settings.index.redis_url
         assert url is not None  # a SharedInFlight was built on it
         return InFlightPush.from_url(
-            url,
-            inflight,
-            known=lambda address: self.pool.get(address) is not None,
-            ends=shared.push_ends,
+            url, inflight, known=lambda address: self.pool.get(address) is not None
         )
 
     def _share_request_ends(self, url: str):

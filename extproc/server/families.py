@@ -376,28 +376,6 @@ SHARED_INFLIGHT = StatsFamilies(
             "extproc_shared_inflight_push_unconfirmed",
             "Pushed placements no exchange confirmed within the TTL (no longer counted).",
         ),
-        "pushed_ends": Stat(
-            "extproc_shared_inflight_pushed_ends",
-            "Other processes' requests out of flight at once from their pushed ends, before "
-            "the exchange showed them ended.",
-        ),
-        "pushed_end_tokens": Stat(
-            "extproc_shared_inflight_pushed_end_tokens",
-            "Prompt tokens of the other processes' requests out of flight from pushed ends.",
-        ),
-        "ends_late": Stat(
-            "extproc_shared_inflight_ends_late",
-            "Pushed ends the exchange had shown already (nothing released).",
-        ),
-        "ends_refused": Stat(
-            "extproc_shared_inflight_ends_refused",
-            "Pushed ends refused: from a process the exchange does not know, or growing its "
-            "end counters past the bounds.",
-        ),
-        "ends_unconfirmed": Stat(
-            "extproc_shared_inflight_ends_unconfirmed",
-            "Pushed ends no exchange confirmed within the TTL (their requests count again).",
-        ),
     },
 )
 
@@ -410,11 +388,7 @@ INFLIGHT_PUSH = StatsFamilies(
         ),
         "received": Stat(
             "extproc_inflight_push_received",
-            "Peers' pushed placements and ends handed to the in-flight counts.",
-        ),
-        "received_ends": Stat(
-            "extproc_inflight_push_received_ends",
-            "Of those, ends (releases).",
+            "Peers' pushed placements handed to the in-flight counts.",
         ),
         "dropped": Stat(
             "extproc_inflight_push_dropped",
