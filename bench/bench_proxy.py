@@ -9,7 +9,10 @@ the defaults of `extproc envoy-config`: TLS to the picker and the access-log str
 
 `wrk` drives each configuration in turn, round after round (A, B, C, A, B, C, ...: load from
 other processes hits all alike), and the table gives medians over rounds: p50/p99 latency and
-the CPU of the picker (or router) per request (user+system from /proc / requests served).
+the CPU of the picker (or router) per request (user+system from /proc / requests served),
+and of the Envoy in front of it. `--only 'extproc FD,extproc FD-flush20'`: the access log
+flushed every 20 ms against `envoy-config`'s default, alternating (what hearing of ends
+sooner costs).
 
     apt-get install wrk   # once
     uv run python bench/bench_proxy.py [--seconds 5] [--rounds 3] [--sizes 1,100] [--conns 1,16]
@@ -166,12 +169,25 @@ def baseline_doc(upstream: str) -> dict:
     return doc
 
 
-def measure(url: str, body: Path, conns: int, seconds: int, pid: int | None, think_ms: float = 0):
+def measure(
+    url: str,
+    body: Path,
+    conns: int,
+    seconds: int,
+    pid: int | None,
+    think_ms: float = 0,
+    envoy_pid: int | None = None,
+) -> tuple[WrkResult, float, float]:
+    """The run, and CPU ms per request of the charged process and of its Envoy."""
     run_wrk(url, body, conns, 1, think_ms)  # warm up connections and caches
-    cpu0 = cpu_seconds(pid) if pid else 0.0
+    pids = (pid, envoy_pid)
+    cpu0 = [cpu_seconds(p) if p else 0.0 for p in pids]
     res = run_wrk(url, body, conns, seconds, think_ms)
-    cpu_ms = (cpu_seconds(pid) - cpu0) / max(res.requests, 1) * 1e3 if pid else 0.0
-    return res, cpu_ms
+    n = max(res.requests, 1)
+    cpu_ms, envoy_ms = (
+        (cpu_seconds(p) - c0) / n * 1e3 if p else 0.0 for p, c0 in zip(pids, cpu0, strict=True)
+    )
+    return res, cpu_ms, envoy_ms
 
 
 @dataclass
@@ -179,6 +195,7 @@ class Target:
     name: str
     url: str
     pid: int | None  # the process whose CPU is charged (picker, floor, router); None: Envoy
+    envoy_pid: int | None = None  # its Envoy (none for a router that is not behind one)
 
 
 def start_sglang(venv: Path, upstream: str, work: Path) -> tuple[subprocess.Popen, str]:
@@ -198,13 +215,21 @@ def start_sglang(venv: Path, upstream: str, work: Path) -> tuple[subprocess.Pope
     return proc, f"http://127.0.0.1:{port}"
 
 
-def picker_doc(port: int, mode: str, *, tls: bool, response_headers: str = "auto") -> dict:
+def picker_doc(
+    port: int,
+    mode: str,
+    *,
+    tls: bool,
+    response_headers: str = "auto",
+    access_log_flush_s: float = BootstrapOptions().access_log_flush_s,
+) -> dict:
     return bootstrap(
         extproc=f"127.0.0.1:{port}",
         request_body_mode=mode,
         extproc_tls=tls,
         extproc_sni="localhost",
         response_headers=response_headers,
+        access_log_flush_s=access_log_flush_s,
     )
 
 
@@ -227,6 +252,10 @@ def start_baseline_picker(src: Path, upstream: str, work: Path) -> tuple[subproc
     )  # fmt: skip
     return proc, port
 
+
+# `<who> <FD|BUF>-flush<ms>`: the picker's access log flushed every <ms> instead of
+# `envoy-config`'s default (what hearing of ends sooner costs Envoy and the picker).
+_FLUSH = re.compile(r"(extproc) (FD|BUF)-flush(\d+)")
 
 # Both keep the response-header phase (`envoy-config`'s default, the gateways' exchange);
 # `-skip` / `-send` variants, when named, set `--response-headers` explicitly.
@@ -288,7 +317,7 @@ def main() -> None:
         if want("envoy"):
             p, url = start_envoy(baseline_doc(upstream), work, "baseline")
             procs.append(p)
-            targets.append(Target("envoy", url, None))
+            targets.append(Target("envoy", url, None, p.pid))
         floor_port = free_port()
         floor = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("floor_processor.py")),
@@ -309,14 +338,24 @@ def main() -> None:
                     doc = picker_doc(port, mode, tls=True, response_headers=rh)
                     p, url = start_envoy(doc, work, name)
                     procs.append(p)
-                    targets.append(Target(name, url, pid))
+                    targets.append(Target(name, url, pid, p.pid))
+                for variant in sorted(only):
+                    m = _FLUSH.fullmatch(variant)
+                    if m and (m[1], m[2]) == (who, short):
+                        doc = picker_doc(
+                            port, mode, tls=True, response_headers=_RESPONSE_HEADERS[who],
+                            access_log_flush_s=int(m[3]) / 1000,
+                        )  # fmt: skip
+                        p, url = start_envoy(doc, work, variant)
+                        procs.append(p)
+                        targets.append(Target(variant, url, pid, p.pid))
                 for suffix, rh in _VARIANTS.items():
                     variant = f"{name}-{suffix}"
                     if variant in only:
                         doc = picker_doc(port, mode, tls=True, response_headers=rh)
                         p, url = start_envoy(doc, work, variant)
                         procs.append(p)
-                        targets.append(Target(variant, url, pid))
+                        targets.append(Target(variant, url, pid, p.pid))
         if only and "floor BUF-noresp" in only:
             # What skipping the response-header phase would save (4 messages, not 6).
             doc = picker_doc(floor_port, "BUFFERED", tls=True)
@@ -326,7 +365,7 @@ def main() -> None:
                     f["typed_config"]["processing_mode"]["response_header_mode"] = "SKIP"
             p, url = start_envoy(doc, work, "floor-noresp")
             procs.append(p)
-            targets.append(Target("floor BUF-noresp", url, floor.pid))
+            targets.append(Target("floor BUF-noresp", url, floor.pid, p.pid))
         for who, port, pid in pickers:
             name = f"{who} llm-d"
             if only and name in only:
@@ -342,7 +381,7 @@ def main() -> None:
                 )
                 p, url = start_envoy(gateway_bootstrap(LLM_D, opts), work, name)
                 procs.append(p)
-                targets.append(Target(name, url, pid))
+                targets.append(Target(name, url, pid, p.pid))
         if not args.no_sglang and want("sglang-router"):
             venv, version = install_sglang(work)
             if venv is None:
@@ -357,12 +396,15 @@ def main() -> None:
             for conns in conns_list:
                 for r in range(args.rounds):
                     for t in targets:
-                        res, cpu = measure(t.url, body, conns, args.seconds, t.pid, args.think_ms)
-                        results.setdefault((size, conns, t.name), []).append((res, cpu))
+                        res, cpu, envoy_cpu = measure(
+                            t.url, body, conns, args.seconds, t.pid, args.think_ms, t.envoy_pid
+                        )
+                        results.setdefault((size, conns, t.name), []).append((res, cpu, envoy_cpu))
                         print(
                             f"round {r} {size // 1024:>4} KB c={conns:<3} {t.name:<22} "
                             f"p50 {res.p50_ms:7.3f} p99 {res.p99_ms:7.3f} ms "
-                            f"cpu {cpu:.3f} ms/req rps {res.rps:8.0f} non-2xx {res.non_2xx}",
+                            f"cpu {cpu:.3f} envoy {envoy_cpu:.3f} ms/req "
+                            f"rps {res.rps:8.0f} non-2xx {res.non_2xx}",
                             flush=True,
                         )
     report(results, [t.name for t in targets], sizes, conns_list)
@@ -375,9 +417,10 @@ def report(results, names: list[str], sizes: list[int], conns_list: list[int]) -
 
     print(
         "\n| body | conc | configuration | p50 ms | p99 ms | added p50 ms vs Envoy "
-        "| CPU ms/req | CPU vs floor FD | CPU vs own-mode floor | req/s | non-2xx |"
+        "| CPU ms/req | CPU vs floor FD | CPU vs own-mode floor | Envoy CPU ms/req | req/s "
+        "| non-2xx |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in sizes:
         for conns in conns_list:
             base = med((size, conns, "envoy"), lambda r: r[0].p50_ms)
@@ -398,7 +441,8 @@ def report(results, names: list[str], sizes: list[int], conns_list: list[int]) -
                 print(
                     f"| {size // 1024} KB | {conns} | {name} | {p50:.3f} "
                     f"| {med(key, lambda r: r[0].p99_ms):.3f} | {p50 - base:+.3f} "
-                    f"| {cpu:.3f} | {ratio} | {own_ratio} | {med(key, lambda r: r[0].rps):.0f} "
+                    f"| {cpu:.3f} | {ratio} | {own_ratio} | {med(key, lambda r: r[2]):.3f} "
+                    f"| {med(key, lambda r: r[0].rps):.0f} "
                     f"| {sum(r[0].non_2xx for r in results.get(key, []))} |"
                 )
 

@@ -406,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how often Envoy flushes its access log to the picker (seconds; default "
         "%(default)s): the picker hears of a request's end that much late at most, and "
         "queued work waits that long for the room it freed (bench/RESULTS.md, seventeenth "
-        "session)",
+        "and eighteenth sessions)",
     )
     e.set_defaults(func=cmd_envoy_config)
 

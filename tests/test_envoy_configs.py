@@ -68,6 +68,6 @@ def test_fail_open_with_original_dst_is_refused(capsys):
 
 def test_access_log_flush_interval_is_a_flag(capsys):
     """`--access-log-flush-s`: how late the picker may hear of a request's end (queued work
-    waits that long for the room it freed); 0.1 s unless told."""
-    assert "buffer_flush_interval: 0.1s" in emitted("", capsys)
-    assert "buffer_flush_interval: 0.02s" in emitted("--access-log-flush-s 0.02", capsys)
+    waits that long for the room it freed); 20 ms unless told."""
+    assert "buffer_flush_interval: 0.02s" in emitted("", capsys)
+    assert "buffer_flush_interval: 0.1s" in emitted("--access-log-flush-s 0.1", capsys)
