@@ -286,14 +286,17 @@ SHARED_REQUEST_ENDS = StatsFamilies(
             "extproc_request_end_forward_dropped",
             "Entries that could not be published (Redis failing or backlog full).",
         ),
-    },
-    {
-        # Counted since the channel's base counts them for every feature; not on /metrics
-        # here, where the request-end families kept their first form: a failing channel
-        # shows in extproc_shared_request_ends_degraded and its log line, a malformed
-        # peer's entry in a warning.
-        "errors": "failed Redis calls: the degraded gauge and log line show the outage",
-        "bad_entries": "peers' undecodable entries: a warning line each batch",
+        # Named after the request-end families' first form (forwarded, forward_*), not
+        # extproc_shared_*: the degraded gauge alone says an outage is on, not how long.
+        "errors": Stat(
+            "extproc_request_end_forward_errors",
+            "Failed publishes or subscriptions of forwarded request ends.",
+        ),
+        "bad_entries": Stat(
+            "extproc_request_end_forward_bad_entries",
+            "Peers' forwarded entries refused (undecodable message or entry): skipped, "
+            "their holds expire at max_hold_s.",
+        ),
     },
 )
 
