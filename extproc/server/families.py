@@ -727,6 +727,11 @@ SHARED_FLOW = StatsFamilies(
         "peers": Stat(
             "extproc_flow_shared_peers", "Other replicas seen at the last exchange.", "gauge"
         ),
+        "bad_entries": Stat(
+            "extproc_flow_shared_bad_entries",
+            "Peers' flow-state entries skipped: undecodable or implausible figures (another "
+            "version, a forged writer); that peer is not counted.",
+        ),
     },
 )
 
