@@ -784,13 +784,36 @@ LATENCY_MODEL = StatsFamilies(
     },
 )
 
+FILE_WATCH = StatsFamilies(
+    "extproc.endpoints.filewatch.FileWatchStats",
+    {
+        "failures": Stat(
+            "extproc_endpoints_file_failures",
+            "Passes that found the endpoints file (--endpoints-file) missing, unreadable or "
+            "invalid: the last good set of endpoints stays (logged).",
+        ),
+    },
+)
+
+LOOPS = StatsFamilies(
+    "extproc.server.lifecycle.LoopStats",
+    {
+        "crashes": Stat(
+            "extproc_background_loop_crashes",
+            "Background loops (scrapes, KV events, sharing, discovery, ...) that ended in an "
+            "exception: logged with the traceback, down until the process restarts.",
+            labels=("loop",),
+        ),
+    },
+)
+
 # Every stats class of the package and its table; tests/server/test_families.py checks
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
     INFLIGHT_PUSH, SHARED_SESSIONS, SESSION_BOUND, SHARED_OBSERVATIONS, SHARED_PLACEMENTS,
     SHARED_SCRAPES, SHARED_CALIBRATION, CALIBRATION,
-    CAPACITY, PLACED, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
+    CAPACITY, PLACED, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL, FILE_WATCH, LOOPS,
 )  # fmt: skip
 
 
