@@ -365,7 +365,7 @@ class EventIngest:
             parent, root = entry[0], entry[1]
         keys = token_block_keys(ev.token_ids, bs, parent, ev.extra_keys)
         if len(keys) != len(hashes):
-            self.stats.malformed += 1  # token_ids missing or not block-aligned
+            self._malformed(1, "token ids do not match the block hashes", None)
             if not keys:
                 return
         if root is None:
