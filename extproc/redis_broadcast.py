@@ -11,7 +11,10 @@ nothing to publish, a failed publish side is probed with PING, so the degraded f
 once Redis is back. With `timed`, each item reaches the peers as `[age_s, item]`: how long
 it waited in this replica's queue before its batch was published (the peer can date what it
 describes without comparing clocks across hosts). A peer's message that does not decode, or
-an item `apply` rejects with ValueError/TypeError, is counted as malformed and skipped.
+an item `apply` rejects with ValueError/TypeError, is counted as malformed and skipped. What a
+peer (or a stray publisher) can repeat at will, and a full backlog, is said in a rate-limited
+warning (`Throttle`: one line per reason per 10 s, with how many were suppressed), never a
+line per message.
 
 `interval_s=0` publishes as soon as something is queued instead of on a clock: one publish
 at a time, what is queued while one is under way goes out in the next (so a burst of items
@@ -42,8 +45,7 @@ from redis.exceptions import RedisError
 
 from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
-
-log = logging.getLogger(__name__)
+from extproc.throttle import Throttle
 
 _TIMEOUT_S = 2.0  # per Redis call
 _POLL_S = 1.0  # the longest wait for one message before asking again
@@ -96,6 +98,8 @@ class Broadcast:
             cap_s=_MAX_BACKOFF_S,
         )
         self._name = name
+        self._log = logger
+        self._throttle = Throttle()
         self._interval = interval_s
         self._max_pending = max_pending
         self._pending: list[Any] = []
@@ -120,6 +124,7 @@ class Broadcast:
         """Queue `item` (msgpack-encodable) for the next batch."""
         if len(self._pending) >= self._max_pending:
             self.stats.dropped += 1
+            self.warn("backlog full: items dropped", "the backlog is full")
             return
         self._pending.append((time.monotonic(), item) if self._timed else item)
         if self._wake is not None:
@@ -197,7 +202,7 @@ class Broadcast:
             items = iter(items)
         except (ValueError, TypeError):  # msgspec.DecodeError is a ValueError
             self.stats.malformed += 1
-            log.warning("%s: malformed message on the channel", self._name)
+            self.warn("malformed message", "a message on the channel does not decode")
             return
         bad = 0
         for item in items:  # one bad item costs itself, not the rest of its batch
@@ -210,7 +215,19 @@ class Broadcast:
                 bad += 1
         if bad:
             self.stats.malformed += bad
-            log.warning("%s: %d malformed items on the channel", self._name, bad)
+            self.warn("malformed items", f"{bad} malformed items in a peer's batch")
+
+    def warn(self, reason: str, detail: str) -> None:
+        """A rate-limited warning on the feature's logger: at most one line per `reason` per
+        10 s (a peer can repeat a bad message at will), carrying how many were suppressed."""
+        suppressed = self._throttle.allow(reason)
+        if suppressed is not None:
+            self._log.warning(
+                "%s: %s",
+                self._name,
+                detail,
+                extra={"reason": reason, "suppressed_since_last": suppressed},
+            )
 
 
 @dataclass(slots=True)
@@ -276,3 +293,9 @@ class SharedOverBroadcast(Generic[S]):
     def _apply(self, item: Any) -> None:
         """One peer item (a ValueError/TypeError: counted as malformed, skipped)."""
         raise NotImplementedError
+
+    def _refused(self, reason: str) -> None:
+        """A peer item that decoded but is refused (unknown server, out of bounds): counted in
+        `bad_entries` and said in the channel's rate-limited warning."""
+        self._counts.bad_entries += 1
+        self._channel.warn(reason, f"a peer's item refused ({reason})")

@@ -11,8 +11,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "extproc"
 
-# Pure helpers any layer may use: no extproc imports of their own.
-_BASE = {"core", "errors", "protocol", "backoff"}
+# Pure helpers any layer may use: no extproc imports of their own (throttle: rate-limited
+# logging, which every layer that meets a peer's or a file's garbage needs).
+_BASE = {"core", "errors", "protocol", "backoff", "throttle"}
 # package or top-level module -> the extproc packages/modules it may import
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
@@ -23,7 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     "throttle": set(),  # rate-limited logging for what hostile peers can repeat
     "redis_client": {"errors"},
     "redis_loop": {"backoff"},  # how long-lived loops wait for, and stop around, Redis
-    "redis_broadcast": {"redis_client", "redis_loop"},  # a batched pub/sub channel between replicas
+    # a batched pub/sub channel between replicas
+    "redis_broadcast": {"redis_client", "redis_loop", "throttle"},
     "hashing": _BASE,
     "requests": _BASE | {"hashing"},
     "latency": _BASE,

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -90,13 +91,22 @@ def _identity(endpoints: tuple[Endpoint, ...]) -> tuple[tuple[Any, ...], ...]:
     return tuple((e.address, e.name, tuple(sorted(e.labels.items()))) for e in endpoints)
 
 
+@dataclass(slots=True)
+class FileWatchStats:
+    """Counters since start: passes that found the endpoints file missing, unreadable or
+    invalid (`failures`; the last good set stays)."""
+
+    failures: int = 0
+
+
 class EndpointFileWatch:
     """Background loop: polls `path` every `interval_s` and calls `on_change` with the new
     set when the file's identity (inode, size, mtime) changed and its endpoints differ.
 
     Polling (not inotify) also sees a Kubernetes ConfigMap update, which swaps a symlink
     rather than writing the file. The first pass delivers the current set; a missing or bad
-    file is logged, counted in `failures`, and the last good set stays. Runs until cancelled.
+    file is logged, counted in `stats.failures` (on /metrics), and the last good set stays.
+    Runs until cancelled.
     """
 
     def __init__(
@@ -109,7 +119,7 @@ class EndpointFileWatch:
     ) -> None:
         self.path = Path(path)
         self.interval_s = interval_s
-        self.failures = 0
+        self.stats = FileWatchStats()
         self.synced = asyncio.Event()
         self._on_change = on_change
         self._sleep = sleep
@@ -127,7 +137,7 @@ class EndpointFileWatch:
             st = os.stat(self.path)
         except OSError as exc:
             if self._stamp != (0, 0, 0, 0):
-                self.failures += 1
+                self.stats.failures += 1
                 log.warning("endpoints file %s: %s; keeping the last set", self.path, exc)
             self._stamp = (0, 0, 0, 0)
             return
@@ -138,7 +148,7 @@ class EndpointFileWatch:
         try:
             endpoints = load_endpoint_file(self.path)
         except ConfigError as exc:
-            self.failures += 1
+            self.stats.failures += 1
             log.warning("endpoints file rejected, keeping the last set: %s", exc)
             return
         key = _identity(endpoints)

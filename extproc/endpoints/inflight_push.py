@@ -100,4 +100,4 @@ class InFlightPush(SharedOverBroadcast[InFlightPushStats]):
             self._counts.received += 1
             self._inflight.pushed(sender, address, requests, tokens, float(age))
         else:
-            self._counts.bad_entries += 1
+            self._refused("wrong types, or not a server of the pool")

@@ -72,6 +72,7 @@ from extproc.endpoints.inflight import Placement
 from extproc.endpoints.peer_arrivals import PeerArrivals
 from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
+from extproc.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +275,7 @@ class SharedInFlight:
             rng=self._rng,
         )
         self.stats = SharedInFlightStats()
+        self._throttle = Throttle()  # a bad entry is met at every exchange until it expires
 
     @classmethod
     def from_url(cls, url: str, *, cluster: bool = False, **kwargs: Any) -> SharedInFlight:
@@ -430,6 +432,19 @@ class SharedInFlight:
     def _counters(self) -> bytes:
         return msgpack.encode(self._placed)
 
+    def _bad_entry(self, peer: str, part: str) -> None:
+        """A peer's entry (or part of it) that does not decode: counted, and said at most once
+        per 10 s per part."""
+        self.stats.bad_entries += 1
+        suppressed = self._throttle.allow(part)
+        if suppressed is not None:
+            log.warning(
+                "shared in-flight: %s of peer %r do not decode; skipped",
+                part,
+                peer[:64],
+                extra={"suppressed_since_last": suppressed},
+            )
+
     def _merge(self, entries: list[bytes]) -> None:
         reqs: Counter[str] = Counter()
         toks: Counter[str] = Counter()
@@ -441,11 +456,11 @@ class SharedInFlight:
             load = _decode(entries[i + 1]) if entries[i + 1] else {}
             if load is None:
                 # Another version or a stray writer under our namespace: skip, never fail.
-                self.stats.bad_entries += 1
+                self._bad_entry(peer, "in-flight counts")
                 continue
             placed = _decode(entries[i + 2]) if entries[i + 2] else None
             if placed is None and entries[i + 2]:
-                self.stats.bad_entries += 1  # its load counts; dated by its growth
+                self._bad_entry(peer, "placement counters")  # its load counts; dated by growth
             loads[peer], counters[peer] = load, placed
             for address, (n, t) in load.items():
                 reqs[address] += n

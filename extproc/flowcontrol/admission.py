@@ -289,6 +289,13 @@ class Admission:
         )
         os_.add_metric([self.output_scale.source], self.output_scale.value)
         yield os_
+        ol = counter(
+            "extproc_flow_objectives_load_errors",
+            "Versions of flow_control.objectives_file that could not be read or parsed (or "
+            "its going missing): the last good table stays (logged).",
+        )
+        ol.add_metric([], self.objectives.load_errors)
+        yield ol
         nr = counter(
             "extproc_flow_no_endpoint_room",
             "Dispatch opportunities where the pool was under its ceiling but no endpoint had "

@@ -50,6 +50,9 @@ def parse_objectives(docs: list[Any]) -> dict[str, int]:
     return out
 
 
+_NEVER = object()  # no failed version yet
+
+
 class Objectives:
     """The objective table, reloaded from `path` when it changes (`refresh()`)."""
 
@@ -58,12 +61,16 @@ class Objectives:
         self.table: dict[str, int] = dict(table or {})
         self.load_errors = 0
         self._mtime: float | None = None
+        # The file version (mtime; None: missing) that last failed to load, so the reload
+        # tick (once a second) says and counts a bad version once, not every second.
+        self._failed: float | object | None = _NEVER
         if path is not None:
             self.refresh(strict=True)
 
     def refresh(self, *, strict: bool = False) -> None:
         if self.path is None:
             return
+        mtime: float | None = None
         try:
             mtime = os.stat(self.path).st_mtime
             if mtime == self._mtime:
@@ -73,9 +80,12 @@ class Objectives:
         except (OSError, ValueError, yaml.YAMLError) as exc:
             if strict:
                 raise ValueError(f"{self.path}: {exc}") from None
-            self.load_errors += 1
-            log.warning("objectives file unreadable, keeping the last table: %s", exc)
+            if mtime != self._failed:
+                self._failed = mtime
+                self.load_errors += 1
+                log.warning("objectives file unreadable, keeping the last table: %s", exc)
             return
+        self._failed = _NEVER
         self._mtime = mtime
         self.table = table
         log.info("objectives loaded", extra={"objectives": len(table)})

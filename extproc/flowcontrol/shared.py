@@ -31,7 +31,9 @@ absent without `reserve_refill_s`, the claims absent without `waiting_claims_roo
 one script refreshes our field, drops expired ones (Redis server time, so no clock agreement
 needed) and returns the rest.
 Redis failing -> per-replica flow control: peers' state is forgotten, a warning is logged,
-`errors` counts and `degraded` says so (the `extproc_flow_shared_degraded` gauge).
+`errors` counts and `degraded` says so (the `extproc_flow_shared_degraded` gauge). A peer's
+entry that does not decode or holds implausible figures (another version, a stray or forged
+writer) is skipped: `bad_entries` counts it and a rate-limited warning says so.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from extproc.endpoints.shared_inflight import default_process_id
 from extproc.flowcontrol.controller import FlowController
 from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
+from extproc.throttle import Throttle
 
 log = logging.getLogger("extproc.flowcontrol")
 
@@ -83,9 +86,13 @@ return out
 
 @dataclass(slots=True)
 class SharedFlowStats:
+    """Counters since start: successful and failed exchanges, peers' entries skipped as
+    undecodable or implausible (`bad_entries`); `peers` seen at the last exchange."""
+
     exchanges: int = 0
     errors: int = 0
     peers: int = 0
+    bad_entries: int = 0
 
 
 class SharedFlowState:
@@ -106,6 +113,7 @@ class SharedFlowState:
         self._ttl_ms = int((ttl_s or max(1.0, 10 * interval_s)) * 1000)
         self.process_id = process_id or default_process_id()
         self.stats = SharedFlowStats()
+        self._throttle = Throttle()  # a corrupt entry is met at every exchange until it expires
         self._outage = Outage(
             log,
             failed_msg="flow control: Redis unreachable, per replica until it returns: %r",
@@ -196,8 +204,17 @@ class SharedFlowState:
                 if claims is not None and len(rest) > 3 and type(band) is int:
                     theirs_claimed = {str(a): _claimed(t) for a, t in _mapping(rest[3]).items()}
                     claimed.append((band, theirs_claimed))
-            except (ValueError, TypeError, AttributeError):  # msgspec.DecodeError is a ValueError
-                continue  # a foreign or corrupt entry must not stop flow control
+            except (ValueError, TypeError, AttributeError) as exc:  # DecodeError: a ValueError
+                # A foreign or corrupt entry must not stop flow control: skipped, said.
+                self.stats.bad_entries += 1
+                suppressed = self._throttle.allow("bad entry")
+                if suppressed is not None:
+                    log.warning(
+                        "flow control: a peer's shared entry skipped (%r)",
+                        exc,
+                        extra={"suppressed_since_last": suppressed},
+                    )
+                continue
             peers += 1
             if type(band) is int and (top is None or band > top):
                 top = band

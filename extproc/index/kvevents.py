@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import msgspec
 
 from extproc.hashing.precise import chain_seed, token_block_keys
 from extproc.index.base import FULL_GROUP, GPU, GroupKind, GroupSpec, KVIndex
+from extproc.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +164,12 @@ class EventIngest:
         stats: IngestStats | None = None,
         block_size: int = 16,
         replay: Replay | None = None,
+        throttle: Throttle | None = None,
     ) -> None:
         self._index = index
+        # Malformed input is said at most once per reason per 10 s; the subscriber passes its
+        # own, so every endpoint's ingest shares one budget of lines.
+        self._throttle = throttle if throttle is not None else Throttle()
         self.endpoint = endpoint
         self._model = model
         self._block_size = block_size
@@ -292,10 +298,11 @@ class EventIngest:
         self._last_payload = payload  # a reference: timestamps are only read when needed
         try:
             events, skipped = decode_batch(payload)
-        except (msgspec.DecodeError, ValueError):
-            self.stats.malformed += 1
+        except (msgspec.DecodeError, ValueError) as exc:
+            self._malformed(1, "batch does not decode", exc)
             return
-        self.stats.malformed += skipped
+        if skipped:
+            self._malformed(skipped, "events do not decode (or are of an unknown kind)", None)
         self.stats.events += len(events)
         ts = batch_ts(payload)
         if ts is not None and math.isfinite(ts):
@@ -309,10 +316,27 @@ class EventIngest:
                 else:
                     self.stats.clears += 1
                     await self.reset()
-            except (TypeError, ValueError, OverflowError) as exc:
-                # Well-typed but nonsensical (e.g. token ids out of range): skip the event.
-                self.stats.malformed += 1
-                log.debug("kv events: skipped event from %s: %r", self.endpoint, exc)
+            except (TypeError, ValueError, OverflowError, struct.error) as exc:
+                # Well-typed but nonsensical (e.g. token ids out of range, which packing
+                # refuses with struct.error): skip the event. Raised past here it aborted the
+                # batch before its sequence number was taken, so the next one looked like a
+                # gap and the endpoint was resynced.
+                self._malformed(1, "event makes no sense", exc)
+
+    def _malformed(self, n: int, reason: str, exc: BaseException | None) -> None:
+        """`n` frames or events skipped: counted in `malformed`, said at most once per reason
+        per 10 s (a broken or hostile publisher repeats at will)."""
+        self.stats.malformed += n
+        suppressed = self._throttle.allow(reason)
+        if suppressed is not None:
+            log.warning(
+                "kv events: %s from %s: %d skipped%s",
+                reason,
+                self.endpoint,
+                n,
+                f" ({exc!r})" if exc is not None else "",
+                extra={"suppressed_since_last": suppressed},
+            )
 
     def _stored(self, ev: BlockStored) -> None:
         medium = (ev.medium or GPU).upper()
@@ -341,7 +365,7 @@ class EventIngest:
             parent, root = entry[0], entry[1]
         keys = token_block_keys(ev.token_ids, bs, parent, ev.extra_keys)
         if len(keys) != len(hashes):
-            self.stats.malformed += 1  # token_ids missing or not block-aligned
+            self._malformed(1, "token ids do not match the block hashes", None)
             if not keys:
                 return
         if root is None:

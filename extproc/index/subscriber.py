@@ -227,14 +227,14 @@ class KVEventSubscriber:
         self, frames: Sequence[bytes], endpoint: str | None, peer: str | None = None
     ) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
-            self.stats.malformed += 1
+            self._malformed("message is not [topic, 8-byte seq, payload]", endpoint or peer)
             return
         topic, seq, payload = frames
         model = ""
         if endpoint is None:
             found = self._topic_endpoint(topic)
             if found is None:
-                self.stats.malformed += 1
+                self._malformed("topic names no endpoint", peer)
                 return
             endpoint, model = found
             if not self._admits(endpoint, peer):
@@ -259,6 +259,7 @@ class KVEventSubscriber:
                 stats=self.stats,
                 block_size=self._block_size,
                 replay=replay,
+                throttle=self._throttle,
             )
         await ingest.handle(int.from_bytes(seq, "big"), payload)
 
@@ -281,6 +282,18 @@ class KVEventSubscriber:
                 extra={"endpoint": endpoint, "peer": peer, "suppressed_since_last": suppressed},
             )
         return False
+
+    def _malformed(self, reason: str, source: str | None) -> None:
+        """A message skipped before it reaches an endpoint's ingest: counted in `malformed`,
+        said at most once per reason per 10 s."""
+        self.stats.malformed += 1
+        suppressed = self._throttle.allow(reason)
+        if suppressed is not None:
+            log.warning(
+                "kv events: message skipped (%s)",
+                reason,
+                extra={"source": source, "suppressed_since_last": suppressed},
+            )
 
     async def _replay(self, url: str, start: int) -> list[tuple[int, bytes]] | None:
         """Ask a vLLM ROUTER replay socket for batches from `start` (FACTS 6)."""
@@ -307,7 +320,7 @@ class KVEventSubscriber:
                 if len(frames) == 3:  # vLLM 0.32 includes the topic frame
                     frames = frames[1:]
                 if len(frames) != 2 or len(frames[0]) != 8:
-                    self.stats.malformed += 1
+                    self._malformed("replay answer is not [8-byte seq, payload]", url)
                     return None
                 if frames[0] == _REPLAY_END:
                     return out

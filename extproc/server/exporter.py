@@ -8,8 +8,8 @@ silence clock) is written out here. docs/operations.md lists every metric.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 from prometheus_client.core import Metric
 
@@ -18,7 +18,7 @@ from extproc.scheduling.plugins.sessions import BoundedSessionsFilter
 from extproc.server import families as fam
 from extproc.server import latency as latency_wiring
 from extproc.server.assembly import Parts
-from extproc.server.families import one
+from extproc.server.families import chain, one
 from extproc.server.metrics import counter, gauge
 from extproc.server.shared_placements import SharedPlacements
 
@@ -41,10 +41,18 @@ def _shared(
     yield one(degraded, why, 1.0 if channel.is_degraded else 0.0)
 
 
-def register(parts: Parts, ready: Callable[[], bool], kube_watches: dict[str, object]) -> None:
-    """Add every component's collector to the process's registry."""
+def register(
+    parts: Parts,
+    ready: Callable[[], bool],
+    kube_watches: dict[str, object],
+    running: Sequence[tuple[fam.StatsFamilies, Any]] = (),
+) -> None:
+    """Add every component's collector to the process's registry. `running`: the stats of
+    what the process starts beside the parts (its loops, a file watch), each with its table;
+    read at every scrape, so entries appended later show too."""
     m = parts.metrics
     m.add_collector(Exporter(parts, ready, kube_watches).collect)
+    m.add_collector(lambda: chain(*(table.families(stats) for table, stats in running)))
     if parts.latency:
         plugins = parts.router.scheduler.plugins
         m.add_collector(lambda: latency_wiring.collect(parts.latency, plugins))

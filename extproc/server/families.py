@@ -286,14 +286,17 @@ SHARED_REQUEST_ENDS = StatsFamilies(
             "extproc_request_end_forward_dropped",
             "Entries that could not be published (Redis failing or backlog full).",
         ),
-    },
-    {
-        # Counted since the channel's base counts them for every feature; not on /metrics
-        # here, where the request-end families kept their first form: a failing channel
-        # shows in extproc_shared_request_ends_degraded and its log line, a malformed
-        # peer's entry in a warning.
-        "errors": "failed Redis calls: the degraded gauge and log line show the outage",
-        "bad_entries": "peers' undecodable entries: a warning line each batch",
+        # Named after the request-end families' first form (forwarded, forward_*), not
+        # extproc_shared_*: the degraded gauge alone says an outage is on, not how long.
+        "errors": Stat(
+            "extproc_request_end_forward_errors",
+            "Failed publishes or subscriptions of forwarded request ends.",
+        ),
+        "bad_entries": Stat(
+            "extproc_request_end_forward_bad_entries",
+            "Peers' forwarded entries refused (undecodable message or entry): skipped, "
+            "their holds expire at max_hold_s.",
+        ),
     },
 )
 
@@ -724,6 +727,11 @@ SHARED_FLOW = StatsFamilies(
         "peers": Stat(
             "extproc_flow_shared_peers", "Other replicas seen at the last exchange.", "gauge"
         ),
+        "bad_entries": Stat(
+            "extproc_flow_shared_bad_entries",
+            "Peers' flow-state entries skipped: undecodable or implausible figures (another "
+            "version, a forged writer); that peer is not counted.",
+        ),
     },
 )
 
@@ -776,13 +784,36 @@ LATENCY_MODEL = StatsFamilies(
     },
 )
 
+FILE_WATCH = StatsFamilies(
+    "extproc.endpoints.filewatch.FileWatchStats",
+    {
+        "failures": Stat(
+            "extproc_endpoints_file_failures",
+            "Passes that found the endpoints file (--endpoints-file) missing, unreadable or "
+            "invalid: the last good set of endpoints stays (logged).",
+        ),
+    },
+)
+
+LOOPS = StatsFamilies(
+    "extproc.server.lifecycle.LoopStats",
+    {
+        "crashes": Stat(
+            "extproc_background_loop_crashes",
+            "Background loops (scrapes, KV events, sharing, discovery, ...) that ended in an "
+            "exception: logged with the traceback, down until the process restarts.",
+            labels=("loop",),
+        ),
+    },
+)
+
 # Every stats class of the package and its table; tests/server/test_families.py checks
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
     INFLIGHT_PUSH, SHARED_SESSIONS, SESSION_BOUND, SHARED_OBSERVATIONS, SHARED_PLACEMENTS,
     SHARED_SCRAPES, SHARED_CALIBRATION, CALIBRATION,
-    CAPACITY, PLACED, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL,
+    CAPACITY, PLACED, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL, FILE_WATCH, LOOPS,
 )  # fmt: skip
 
 

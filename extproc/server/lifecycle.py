@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Self
+from dataclasses import dataclass, field
+from typing import Any, Self
 
 import grpc
 from aiohttp import web
@@ -24,6 +25,7 @@ from extproc.endpoints.shared_inflight import SharedInFlight
 from extproc.errors import ConfigError
 from extproc.redis_loop import stop
 from extproc.server import exporter, wire
+from extproc.server import families as fam
 from extproc.server.admin import make_admin_app
 from extproc.server.assembly import Parts
 from extproc.server.guard import lenient_deserializer
@@ -40,6 +42,14 @@ _SERVER_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 8 * 1024 * 1024),
 )
+
+
+@dataclass(slots=True)
+class LoopStats:
+    """Background loops that ended in an exception, by name (`crashes`): each is logged with
+    its traceback and stays down until the process restarts, so what it fed goes stale."""
+
+    crashes: dict[str, int] = field(default_factory=dict)
 
 
 class Lifecycle(Parts):
@@ -70,6 +80,10 @@ class Lifecycle(Parts):
         self._exits = contextlib.AsyncExitStack()
         # Kubernetes watches by resource, for their stats (server/exporter.py).
         self.kube_watches: dict[str, object] = {}
+        self.loop_stats = LoopStats()
+        # Stats of what starts with the process, by export table (server/exporter.py reads
+        # this list at each scrape, so parts added at start show from then on).
+        self.running_stats: list[tuple[fam.StatsFamilies, Any]] = [(fam.LOOPS, self.loop_stats)]
         self._endpoints_changed = asyncio.Event()
         self._stopped = asyncio.Event()
         self._stopping = False
@@ -80,7 +94,7 @@ class Lifecycle(Parts):
         self.health_port = 0
         self.admin_port = 0
         # Every component's stats on /metrics, with this process's readiness and watches.
-        exporter.register(self, self.ready, self.kube_watches)
+        exporter.register(self, self.ready, self.kube_watches, self.running_stats)
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         """Discovery's callback: swap the pool now (the next request sees it); follow-up work
@@ -129,6 +143,7 @@ class Lifecycle(Parts):
             self.pool.replace(load_endpoint_file(d.endpoints_file))
             watch = EndpointFileWatch(d.endpoints_file, self.set_endpoints)
             self.watches.append(watch)
+            self.running_stats.append((fam.FILE_WATCH, watch.stats))
             watch.synced.set()  # loaded above
             self.spawn("endpoints-file", watch.run)
         if d.inference_pool:
@@ -172,8 +187,11 @@ class Lifecycle(Parts):
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("background loop %s crashed", name)
+                crashes = self.loop_stats.crashes
+                crashes[name] = crashes.get(name, 0) + 1
+                log.exception("background loop %s crashed", name, extra={"loop": name})
 
+        self.loop_stats.crashes.setdefault(name, 0)  # a series from the start, for alerts
         self._tasks.append(asyncio.create_task(guarded(), name=name))
 
     async def __aenter__(self) -> Self:

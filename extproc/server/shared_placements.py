@@ -99,12 +99,11 @@ class SharedPlacements(SharedOverBroadcast[SharedPlacementsStats]):
         # counts as malformed and skips.
         age, (name, address, work, prompt, seconds) = timed
         scorer = self._scorers.get(str(name))
-        if (
-            scorer is not None
-            and isinstance(address, str)
-            and self._known(address)
-            and scorer.fold(address, work, prompt, seconds, age)
-        ):
-            self._counts.applied += 1
+        if scorer is None:
+            self._refused("no such scorer")
+        elif not isinstance(address, str) or not self._known(address):
+            self._refused("not a server of the pool")
+        elif not scorer.fold(address, work, prompt, seconds, age):
+            self._refused("figures out of bounds")
         else:
-            self._counts.bad_entries += 1
+            self._counts.applied += 1

@@ -168,7 +168,7 @@ class SharedScrapes(SharedOverBroadcast[SharedScrapesStats]):
         except msgspec.ValidationError as exc:
             raise ValueError(str(exc)) from None
         if not (math.isfinite(age_s) and 0.0 <= age_s <= 60.0) or not _plausible(scraped):
-            self._counts.bad_entries += 1
+            self._refused("implausible figures or age")
             return
         if not self._scraper.apply(address, scraped, age_s):
             self._counts.stale += 1

@@ -38,6 +38,7 @@ from redis.exceptions import RedisError
 from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter, LiveSessions, Touch
+from extproc.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class SharedSessions:
         self._wake = asyncio.Event()
         self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         self.stats = SharedSessionsStats()
+        self._throttle = Throttle()  # a stray writer can fill the stream: one line per 10 s
         for name, record in self._sessions.items():
             record.on_touch = lambda touch, name=name: self._queue(name, touch)
 
@@ -202,9 +204,16 @@ class SharedSessions:
                     if record is not None:
                         record.apply((tuple(prev), str(endpoint), tuple(tail)), age_s)
                         self.stats.applied += 1
-            except (ValueError, TypeError, msgspec.DecodeError):
-                # Another version or a stray writer on our key: skip, never fail.
+            except (ValueError, TypeError, msgspec.DecodeError) as exc:
+                # Another version or a stray writer on our key: skip, never fail; say so.
                 self.stats.bad_entries += 1
+                suppressed = self._throttle.allow("bad entry")
+                if suppressed is not None:
+                    log.warning(
+                        "shared sessions: a stream entry skipped (%r)",
+                        exc,
+                        extra={"suppressed_since_last": suppressed},
+                    )
 
     async def aclose(self) -> None:
         if self._owns_client:

@@ -76,7 +76,7 @@ def test_reloads_on_change_and_keeps_the_last_good_set(tmp_path: Path) -> None:
     path.unlink()
     watch.check()
     watch.check()
-    assert len(sets) == 2 and watch.failures == 2
+    assert len(sets) == 2 and watch.stats.failures == 2
 
     _write(path, "- 10.0.0.1:8000\n- 10.0.0.2:8000\n")  # same set again: no callback
     watch.check()

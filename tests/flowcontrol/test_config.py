@@ -135,6 +135,39 @@ def test_objectives_file(tmp_path):
     os.utime(p, (1, 1))
     o.refresh()
     assert o.load_errors == 1 and o.table["critical"] == 10
+    o.refresh()  # the reload tick, a second later: the same bad version is not said again
+    assert o.load_errors == 1
+    p.unlink()  # a new fault: missing
+    o.refresh()
+    o.refresh()
+    assert o.load_errors == 2 and o.table["critical"] == 10
+
+
+async def test_an_unreadable_objectives_file_shows_on_metrics(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from extproc.flowcontrol.admission import Admission
+    from extproc.flowcontrol.config import build_flow_config
+    from extproc.flowcontrol.objectives import Objectives
+
+    p = tmp_path / "obj.yaml"
+    p.write_text("critical: 10\n")
+    adm = Admission(
+        build_flow_config({}, None, []), list, objectives=Objectives(str(p)),
+        registry=CollectorRegistry(),
+    )  # fmt: skip
+
+    def errors() -> float:
+        fam = next(f for f in adm.collect() if f.name == "extproc_flow_objectives_load_errors")
+        return fam.samples[0].value
+
+    try:
+        assert errors() == 0
+        p.unlink()
+        adm.objectives.refresh()
+        assert errors() == 1 and adm.objectives.table == {"critical": 10}
+    finally:
+        await adm.aclose()
 
 
 def test_a_profile_cannot_use_a_flow_control_plugin(tmp_path):

@@ -97,6 +97,31 @@ async def test_degraded_shared_state_shows_in_metrics(redis_server: RedisServer)
         await asyncio.wait_for(adm.aclose(), 5)
 
 
+async def test_a_corrupt_peer_entry_is_counted_on_metrics_and_said_once(
+    redis_server: RedisServer, caplog
+):
+    """An entry the Lua script passes (a msgpack array with a live expiry) that is no
+    replica's: skipped at every exchange, counted in extproc_flow_shared_bad_entries, one
+    warning line (rate-limited), and not counted as a peer."""
+    from extproc.server.families import SHARED_FLOW
+
+    a, _, _ = make(capacity=1)
+    sa = SharedFlowState.from_url(redis_server.url, a, namespace="t9", process_id="a")
+    raw = Redis.from_url(redis_server.url)
+    try:
+        await raw.hset("{t9}:flow", "forged", msgpack.encode([2**52, "too short"]))
+        with caplog.at_level(logging.WARNING, logger="extproc.flowcontrol"):
+            for _ in range(3):
+                await sa.exchange()
+        fam = next(f for f in SHARED_FLOW.families(sa.stats) if f.name.endswith("bad_entries"))
+        assert fam.samples[0].value == 3 and sa.stats.peers == 0 and not sa.degraded
+        lines = [r.getMessage() for r in caplog.records if "shared entry skipped" in r.getMessage()]
+        assert len(lines) == 1, lines
+    finally:
+        await raw.aclose()
+        await sa.aclose()
+
+
 async def test_shares_hold_fleet_wide_when_each_tenant_reaches_one_replica(
     redis_server: RedisServer,
 ):

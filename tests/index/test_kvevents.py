@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from extproc.index.base import IndexOptions, KVIndex
 from extproc.index.kvevents import decode_batch
 from extproc.index.memory import MemoryKVIndex
 from extproc.index.subscriber import EventSource, KVEventSubscriber, endpoint_from_topic
+from extproc.server.families import KV_EVENTS
 
 from .conftest import IndexFactory
 
@@ -370,7 +372,10 @@ async def test_sequence_restart_drops_the_endpoint(zctx: zmq.Context[Any]) -> No
     assert await match(index, keys_of(toks(20, 1))) == 1.0
 
 
-async def test_malformed_frames_are_counted_and_skipped(zctx: zmq.Context[Any]) -> None:
+async def test_malformed_frames_are_counted_and_skipped(
+    zctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="extproc.index")
     index = MemoryKVIndex()
     async with dialing(index, zctx) as (sub, pub):
         pub.sock.send_multipart([b"kv-events", b"short"])  # two frames
@@ -379,7 +384,17 @@ async def test_malformed_frames_are_counted_and_skipped(zctx: zmq.Context[Any]) 
         pub.send(batch(stored([2], [10**12] * BS)))  # token id out of range
         await until(lambda: sub.stats.messages == 3)
         assert sub.stats.malformed == 5
+        for _ in range(10):  # a publisher that keeps sending garbage
+            pub.send(b"\xc1 not msgpack")
+        await until(lambda: sub.stats.messages == 13)
+        fam = next(f for f in KV_EVENTS.families(sub.stats) if f.name.endswith("malformed"))
+        assert fam.samples[0].value == 15
+        # The nonsensical event cost itself: its batch's sequence was taken, no false gap.
+        assert sub.stats.gaps == 0 and sub.stats.resyncs == 0
     assert await match(index, keys_of(toks(0, 1))) == 1.0
+    # Said, one line per reason (frames, batch, events, nonsense) however often it repeats.
+    lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(lines) == 4, lines
 
 
 async def test_orphan_blocks_are_counted_not_guessed(zctx: zmq.Context[Any]) -> None:

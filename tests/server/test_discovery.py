@@ -95,6 +95,33 @@ async def test_endpoints_file_is_followed(settings, tmp_path: Path):
         await eventually(lambda: _has(app, "127.0.2.9:8000"), timeout_s=10)
         assert await destinations(app) == {"127.0.2.9:8000"}
         await eventually(lambda: _lacks_ratio(app, "127.0.2.1:8000"), timeout_s=10)
+        # A bad file keeps the last set, and says so on /metrics (and in a log line).
+        series = "extproc_endpoints_file_failures_total"
+        assert _sample(app.metrics.exposition().decode(), series) == 0
+        path.write_text("- not-an-address\n")
+        app.watches[0].check()  # the watch's next pass, now (its loop polls once a second)
+        assert _sample(app.metrics.exposition().decode(), series) == 1
+        assert await destinations(app, 3) == {"127.0.2.9:8000"}
+
+
+async def test_a_crashed_background_loop_shows_on_metrics(settings, caplog):
+    """A loop that dies stays dead (what it fed goes stale): counted per loop, every loop's
+    series present from the start, the traceback logged."""
+
+    async def boom() -> None:
+        raise RuntimeError("boom")
+
+    async with App(settings, []) as app:
+        text = app.metrics.exposition().decode()
+        assert _sample(text, 'extproc_background_loop_crashes_total{loop="endpoints"}') == 0
+        app.spawn("boom", boom)
+        series = 'extproc_background_loop_crashes_total{loop="boom"}'
+        await eventually(lambda: _metric(app, series, 1.0))
+    assert any("background loop boom crashed" in r.getMessage() for r in caplog.records)
+
+
+async def _metric(app: App, series: str, value: float) -> bool:
+    return _sample(app.metrics.exposition().decode(), series) == value
 
 
 async def _is(status, expected: int) -> bool:

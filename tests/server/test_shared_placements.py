@@ -6,6 +6,7 @@ gone says so (metric, counters) and keeps its own view."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import msgspec
 import pytest
@@ -84,7 +85,8 @@ async def test_written_tokens_shared_make_the_eviction_cost_start_on_every_repli
     assert b_sc.eviction_cost(r, full[1]) == 0
 
 
-async def test_forged_placements_are_refused_or_clamped(redis_server):
+async def test_forged_placements_are_refused_or_clamped(redis_server, caplog):
+    caplog.set_level(logging.WARNING, logger="extproc.server.shared_placements")
     clock = Clock()
     sc = PredictedTTFTScorer(clock=clock)
     shared = SharedPlacements.from_url(
@@ -116,6 +118,11 @@ async def test_forged_placements_are_refused_or_clamped(redis_server):
             await client.aclose()
         await until(lambda: shared.stats.applied == 3, "the valid placements")
     assert shared.stats.bad_entries == 1 + len(bad)
+    # Said, rate-limited: one line per reason (undecodable message, malformed item, and the
+    # three refusals after decoding), not one per forged item.
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith("shared_placements")]
+    assert len(lines) == 5, lines
+    assert sum("refused (figures out of bounds)" in m for m in lines) == 1
     view = sc.view()
     assert view.keys() == {"s1"}  # nothing refused left state
     queue, written = view["s1"]

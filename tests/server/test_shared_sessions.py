@@ -128,3 +128,27 @@ async def test_redis_outage_degrades_to_own_record_says_so_and_heals(
     messages = [r.getMessage() for r in caplog.records]
     assert sum("exchange failed" in m for m in messages) == 2  # once per replica
     assert sum("back after" in m for m in messages) == 2
+
+
+async def test_stray_stream_entries_are_counted_on_metrics_and_said_once(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Entries on the sessions stream that are no replica's (garbage, a wrong shape): skipped,
+    counted in extproc_shared_sessions_bad_entries, one warning line (rate-limited)."""
+    from extproc.server.families import SHARED_SESSIONS
+
+    caplog.set_level(logging.WARNING, logger="extproc.server.shared_sessions")
+    async with (
+        replica(redis_server.url, "a") as (_f, shared),
+        Redis.from_url(redis_server.url) as raw,
+    ):
+        await asyncio.sleep(0.3)  # reading from the stream's end
+        for blob in (b"\xc1 not msgpack", b"\x92\xa1b\x01", b"\x92\xa1b\x91\x01"):
+            await raw.xadd("extproc:sessions", {"d": blob})
+        await until(lambda: shared.stats.bad_entries == 3)
+        fam = next(
+            f for f in SHARED_SESSIONS.families(shared.stats) if f.name.endswith("bad_entries")
+        )
+        assert fam.samples[0].value == 3
+    lines = [r.getMessage() for r in caplog.records if "stream entry skipped" in r.getMessage()]
+    assert len(lines) == 1, lines
