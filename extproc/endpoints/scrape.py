@@ -72,6 +72,9 @@ class ScrapeStats:
     # CPU seconds spent hashing, parsing and storing bodies (this thread's clock).
     parse_cpu_s: float = 0.0
     connects: int = 0  # connections opened to endpoints (kept alive across scrapes)
+    # Invalidations whose index call raised: the endpoint's old blocks may still be credited
+    # to it (a bug or an index outage), so routing can follow a cache that is gone.
+    invalidate_failures: int = 0
 
 
 @dataclass(slots=True)
@@ -299,6 +302,7 @@ class MetricsScraper:
             try:
                 await self._on_invalidate(address, reason)
             except Exception:  # the scrape loop must outlive a failing index
+                self.stats.invalidate_failures += 1
                 log.exception("endpoint %s: invalidating its cached blocks failed", address)
 
     def _failed(self, address: str, h: _Health, exc: BaseException) -> None:

@@ -233,6 +233,11 @@ SCRAPE = StatsFamilies(
             labels=("reason",),
             keys=("restart", "unreachable"),
         ),
+        "invalidate_failures": Stat(
+            "extproc_endpoint_cache_invalidation_failures",
+            "Invalidations whose index call raised (logged with the traceback): the "
+            "endpoint's old blocks may still be credited to it.",
+        ),
     },
 )
 

@@ -295,3 +295,28 @@ async def test_a_busy_server_timing_out_twice_is_neither_excluded_nor_forgotten(
         server.release.set()
         await until(lambda: bool(calls))
         assert calls == [(address, "unreachable")]
+
+
+async def test_a_failing_invalidation_shows_on_metrics(caplog: pytest.LogCaptureFixture) -> None:
+    """The scrape loop outlives an index that raises while dropping an endpoint's blocks,
+    but the miss is counted (the index may still credit a cache that is gone), not only
+    logged."""
+    from extproc.server.families import SCRAPE
+
+    async def invalidate(address: str, reason: str) -> None:
+        raise RuntimeError("index down")
+
+    scraper = MetricsScraper(
+        EndpointPool([Endpoint("10.0.0.1:8000")]),
+        EndpointStates(stale_after_s=FAST.stale_after_s),
+        FAST,
+        on_invalidate=invalidate,
+    )
+    await scraper._invalidate("10.0.0.1:8000", "restart")
+    fam = next(
+        f for f in SCRAPE.families(scraper.stats)
+        if f.name == "extproc_endpoint_cache_invalidation_failures"
+    )  # fmt: skip
+    assert [s.value for s in fam.samples] == [1]
+    assert scraper.stats.invalidations == {"restart": 1}
+    assert any("invalidating its cached blocks failed" in r.getMessage() for r in caplog.records)
