@@ -28,6 +28,7 @@ from extproc.backoff import backoff_s
 from extproc.core import Endpoint
 from extproc.endpoints.pool import normalize_address
 from extproc.errors import ConfigError
+from extproc.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,15 @@ def endpoint_identity(endpoints: Iterable[Endpoint]) -> tuple[tuple[Any, ...], .
 # --- credentials ------------------------------------------------------------------------------
 
 
+@dataclass(slots=True)
+class ApiServerStats:
+    """Counters since start. `token_read_failures`: connections that found the in-cluster
+    service-account token unreadable and sent the last one read (it may have expired: 401s
+    follow once it does)."""
+
+    token_read_failures: int = 0
+
+
 class ApiServer:
     """How to reach one Kubernetes API server: base URL, TLS, and the Authorization header,
     asked for on every (re)connection because projected service-account tokens rotate."""
@@ -211,10 +221,12 @@ class ApiServer:
         *,
         ssl_context: ssl.SSLContext | None = None,
         authorization: Callable[[], Awaitable[str | None]] | None = None,
+        stats: ApiServerStats | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.ssl_context = ssl_context
         self._authorization = authorization
+        self.stats = stats if stats is not None else ApiServerStats()
 
     async def headers(self) -> dict[str, str]:
         h = {"Accept": "application/json"}
@@ -270,14 +282,27 @@ class ApiServer:
         if not token:
             raise ConfigError(f"kubernetes in-cluster config: {token_path} is empty")
 
+        stats = ApiServerStats()
+        # Every list and watch (re)connection reads the token: an unreadable file would
+        # otherwise repeat its line on each of them, and on every backoff retry.
+        throttle = Throttle(every_s=60.0)
+
         async def authorization() -> str | None:
             try:
                 return f"Bearer {_read_token(token_path)}"
             except OSError as exc:
-                log.warning("service-account token unreadable, using the last one: %s", exc)
+                stats.token_read_failures += 1
+                if (suppressed := throttle.allow("token")) is not None:
+                    log.warning(
+                        "service-account token unreadable, using the last one: %s "
+                        "(%d more such reads since the last line)",
+                        exc,
+                        suppressed,
+                    )
                 return f"Bearer {token}"
 
-        return cls(f"https://{_bracket(host)}:{port}", ssl_context=ctx, authorization=authorization)
+        url = f"https://{_bracket(host)}:{port}"
+        return cls(url, ssl_context=ctx, authorization=authorization, stats=stats)
 
     @classmethod
     async def from_kubeconfig(

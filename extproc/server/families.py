@@ -690,6 +690,17 @@ WATCH = StatsFamilies(
     },
 )
 
+API_SERVER = StatsFamilies(
+    "extproc.endpoints.kubernetes.ApiServerStats",
+    {
+        "token_read_failures": Stat(
+            "extproc_discovery_token_read_failures",
+            "Kubernetes API connections that found the service-account token file "
+            "unreadable and sent the last token read (401s follow once it expires).",
+        ),
+    },
+)
+
 FLOW = StatsFamilies(
     "extproc.flowcontrol.tickets.FlowStats",
     {
@@ -818,7 +829,7 @@ TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
     INFLIGHT_PUSH, SHARED_SESSIONS, SESSION_BOUND, SHARED_OBSERVATIONS, SHARED_PLACEMENTS,
     SHARED_SCRAPES, SHARED_CALIBRATION, CALIBRATION,
-    CAPACITY, PLACED, WATCH, FLOW, SHARED_FLOW, LATENCY_MODEL, FILE_WATCH, LOOPS,
+    CAPACITY, PLACED, WATCH, API_SERVER, FLOW, SHARED_FLOW, LATENCY_MODEL, FILE_WATCH, LOOPS,
 )  # fmt: skip
 
 

@@ -159,6 +159,7 @@ class Lifecycle(Parts):
                     "needed outside a cluster (--namespace)", path=("discovery", "namespace")
                 )
             api = await ApiServer.load(self._environ, kubeconfig=d.kubeconfig)
+            self.running_stats.append((fam.API_SERVER, api.stats))
             k8s = InferencePoolWatch(api, namespace, d.inference_pool, self.set_endpoints)
             self.watches.append(k8s)
             self.kube_watches["inferencepool"] = k8s

@@ -326,6 +326,34 @@ def test_in_cluster_reads_service_account_files(tmp_path: Path) -> None:
     assert in_cluster_namespace(str(tmp_path / "namespace")) == "llm"
 
 
+def test_an_unreadable_token_shows_on_metrics_and_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A token file gone unreadable falls back to the last token, counted per connection
+    on /metrics; the warning is rate-limited, not repeated at every list and watch."""
+    from extproc.server.families import API_SERVER
+
+    token = tmp_path / "token"
+    token.write_text("tok")
+    ca = tmp_path / "ca.crt"
+    ca.write_text(_SELF_SIGNED_PEM)
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    api = ApiServer.in_cluster(env, token_path=str(token), ca_path=str(ca))
+    token.unlink()
+
+    async def connect_thrice() -> list[str]:
+        return [(await api.headers())["Authorization"] for _ in range(3)]
+
+    assert asyncio.run(connect_thrice()) == ["Bearer tok"] * 3
+    fam = next(
+        f for f in API_SERVER.families(api.stats)
+        if f.name == "extproc_discovery_token_read_failures"
+    )  # fmt: skip
+    assert [s.value for s in fam.samples] == [3]
+    said = [r for r in caplog.records if "token unreadable" in r.getMessage()]
+    assert len(said) == 1
+
+
 def _pod(name: str, ip: str, labels: dict[str, str]) -> Pod:
     return Pod(
         ObjectMeta(name=name, labels=labels),
