@@ -159,19 +159,35 @@ class _Owner(Protocol):
     def _publish(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class PoolSelection:
+    """What an InferencePool selects: its endpoints, and the names of the Ready matching
+    pods left out because their podIP makes no address (a bad or odd CNI value)."""
+
+    endpoints: tuple[Endpoint, ...]
+    unusable: tuple[str, ...] = ()
+
+
 def pool_endpoints(pool: InferencePool | None, pods: Iterable[Pod]) -> tuple[Endpoint, ...]:
-    """The endpoints an InferencePool selects: one per Ready matching pod and target port,
-    `podIP:port`, named `pod:port`, with the pod's labels (roles come from `llm-d.ai/role`).
-    Sorted by name so equal sets compare equal."""
+    """The endpoints an InferencePool selects (see `select_pool`)."""
+    return select_pool(pool, pods).endpoints
+
+
+def select_pool(pool: InferencePool | None, pods: Iterable[Pod]) -> PoolSelection:
+    """One endpoint per Ready matching pod and target port, `podIP:port`, named `pod:port`,
+    with the pod's labels (roles come from `llm-d.ai/role`), sorted by name so equal sets
+    compare equal; and the pods skipped for an unusable podIP. Pure: the caller says and
+    counts what was skipped."""
     if pool is None:
-        return ()
+        return PoolSelection(())
     selector = pool.spec.selector.matchLabels
     if not selector:
         # The CRD requires 1-64 labels; an empty selector would otherwise match the whole
         # namespace, so it selects nothing instead.
-        return ()
+        return PoolSelection(())
     ports = [p.number for p in pool.spec.targetPorts]
     out: dict[str, Endpoint] = {}
+    unusable: list[str] = []
     for pod in sorted(pods, key=lambda p: p.metadata.name):
         labels = pod.metadata.labels
         if not pod.is_ready or any(labels.get(k) != v for k, v in selector.items()):
@@ -181,12 +197,12 @@ def pool_endpoints(pool: InferencePool | None, pods: Iterable[Pod]) -> tuple[End
             try:
                 address = normalize_address(f"{_bracket(pod.status.podIP)}:{port}")
             except ConfigError:
-                log.warning("pod %s: unusable podIP %r", pod.metadata.name, pod.status.podIP)
+                unusable.append(pod.metadata.name)
                 break
             # Two hostNetwork pods on one node share an IP: keep the first, Envoy can only
             # be told an address.
             out.setdefault(address, Endpoint(address, f"{pod.metadata.name}:{port}", frozen_labels))
-    return tuple(out.values())
+    return PoolSelection(tuple(out.values()), tuple(unusable))
 
 
 def _bracket(ip: str) -> str:
@@ -375,6 +391,9 @@ class WatchStats:
     failures: int = 0
     bookmarks: int = 0
     changes: int = 0
+    # InferencePool watch only: Ready matching pods left out at the last recompute for an
+    # unusable podIP (a gauge; see InferencePoolWatch._say_unusable).
+    unusable_pods: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -576,6 +595,7 @@ class InferencePoolWatch:
         self._on_change = on_change
         self._last: tuple[tuple[Any, ...], ...] | None = None
         self._had_pool: bool | None = None
+        self._unusable: frozenset[str] = frozenset()
         self._pools = _Reflector(
             self,
             "InferencePool",
@@ -598,6 +618,17 @@ class InferencePoolWatch:
             tg.create_task(self._pools.run(session), name="inferencepool-watch")
             tg.create_task(self._pods.run(session), name="pod-watch")
 
+    def _say_unusable(self, unusable: tuple[str, ...], pods: Mapping[str, Pod]) -> None:
+        # A gauge of the pods skipped at the last recompute, not a counter of skips: the
+        # same pod is skipped again at every pod event until it changes, so a counter would
+        # count events, not pods. Said once per pod, when it starts being skipped.
+        self.stats.unusable_pods = len(unusable)
+        for name in sorted(set(unusable) - self._unusable):
+            pod = pods.get(name)
+            ip = pod.status.podIP if pod is not None else None
+            log.warning("pod %s: unusable podIP %r; left out of the pool", name, ip)
+        self._unusable = frozenset(unusable)
+
     def _publish(self) -> None:
         if not (self._pools.synced and self._pods.synced):
             return
@@ -605,7 +636,9 @@ class InferencePoolWatch:
         if pool is None and self._had_pool is not False:
             log.warning("InferencePool %s/%s not found: no endpoints", self.namespace, self.name)
         self._had_pool = pool is not None
-        endpoints = pool_endpoints(pool, self._pods.items.values())
+        selected = select_pool(pool, self._pods.items.values())
+        self._say_unusable(selected.unusable, self._pods.items)
+        endpoints = selected.endpoints
         key = endpoint_identity(endpoints)
         if key == self._last:
             return

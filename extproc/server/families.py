@@ -687,6 +687,12 @@ WATCH = StatsFamilies(
         ),
         "bookmarks": Stat("extproc_discovery_bookmarks", "Watch bookmarks received."),
         "changes": Stat("extproc_discovery_changes", "Changes applied from the watched resource."),
+        "unusable_pods": Stat(
+            "extproc_discovery_unusable_pods",
+            "Ready pods the InferencePool selects that were left out of the pool at the last "
+            "recompute because their podIP makes no address (0 for other resources).",
+            kind="gauge",
+        ),
     },
 )
 

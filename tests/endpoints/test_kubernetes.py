@@ -354,6 +354,33 @@ def test_an_unreadable_token_shows_on_metrics_and_is_said_once(
     assert len(said) == 1
 
 
+async def test_pods_with_an_unusable_ip_show_on_metrics_and_are_said_once(
+    kube: FakeKube, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Ready pod whose podIP makes no address is left out: the gauge says how many at
+    the last recompute, the warning comes once per pod, not at every pod event."""
+    from extproc.server.families import WATCH
+
+    def gauge(watch: InferencePoolWatch) -> float:
+        fam = next(
+            f for f in WATCH.families(watch.stats)
+            if f.name == "extproc_discovery_unusable_pods"
+        )  # fmt: skip
+        return fam.samples[0].value
+
+    kube.put(PODS, pod("bad", "10.0.0.300"))
+    async with watching(kube) as (watch, rec, _):
+        assert await rec.until(lambda a: len(a) == 2) == ["10.0.0.1:8000", "10.0.0.2:8000"]
+        assert gauge(watch) == 1
+        kube.put(PODS, pod("c", "10.0.0.3"))
+        await rec.until(lambda a: len(a) == 3)
+        assert gauge(watch) == 1
+        kube.delete(PODS, "bad")
+        await until(lambda: gauge(watch) == 0)
+    said = [r for r in caplog.records if "unusable podIP" in r.getMessage()]
+    assert len(said) == 1 and "bad" in said[0].getMessage()
+
+
 def _pod(name: str, ip: str, labels: dict[str, str]) -> Pod:
     return Pod(
         ObjectMeta(name=name, labels=labels),
