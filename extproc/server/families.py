@@ -495,6 +495,11 @@ SHARED_OBSERVATIONS = StatsFamilies(
             "extproc_shared_observations_bad_entries",
             "Messages on the observations channel that could not be decoded (skipped).",
         ),
+        "unknown_endpoint": Stat(
+            "extproc_shared_observations_unknown_endpoint",
+            "Peers' samples and picks naming a server not in this replica's pool (skipped; "
+            "routine while replicas briefly disagree on the pool).",
+        ),
     },
 )
 

@@ -44,9 +44,13 @@ _SAMPLE, _PICK = "s", "p"
 @dataclass(slots=True)
 class SharedObservationsStats(ChannelCounts):
     """Counters since start: the channel's (items are samples and picks; `bad_entries`:
-    undecodable messages) and items `applied` from the peers."""
+    undecodable messages), items `applied` from the peers, and peers' items naming a server
+    not in this replica's pool (`unknown_endpoint`, skipped)."""
 
     applied: int = 0
+    # Routine while replicas briefly disagree on the pool (one saw a pod come or go first),
+    # so counted without a log line; a steady rate means replicas watch different pools.
+    unknown_endpoint: int = 0
 
 
 class SharedObservations(SharedOverBroadcast[SharedObservationsStats]):
@@ -97,11 +101,17 @@ class SharedObservations(SharedOverBroadcast[SharedObservationsStats]):
     def _apply(self, item: Any) -> None:
         kind, first, second = item
         if kind == _SAMPLE:
-            if self._known(str(first)):
-                self._speeds.add(str(first), float(second))
-                self._counts.applied += 1
+            if not self._known(str(first)):
+                self._counts.unknown_endpoint += 1
+                return
+            self._speeds.add(str(first), float(second))
+            self._counts.applied += 1
         elif kind == _PICK:
             lru = self._lru.get(str(first))
-            if lru is not None and self._known(str(second)):
-                lru.picked(str(second))
-                self._counts.applied += 1
+            if lru is None:
+                return
+            if not self._known(str(second)):
+                self._counts.unknown_endpoint += 1
+                return
+            lru.picked(str(second))
+            self._counts.applied += 1

@@ -12,6 +12,7 @@ import redis.asyncio
 from extproc.core import Candidate, Decision, Endpoint, EndpointState, InferenceRequest
 from extproc.endpoints.prefill_speed import PrefillSpeeds
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
+from extproc.server.families import SHARED_OBSERVATIONS
 from extproc.server.shared_observations import SharedObservations
 from tests.server.broadcasting import running, until
 
@@ -62,7 +63,7 @@ async def test_a_cold_pick_on_one_replica_steers_the_others_next_cold_pick(redis
         assert a_lru.score(req, cands) == [0.9, 0.0, 1.0]
 
 
-async def test_a_bad_message_or_an_unknown_server_is_skipped(redis_server):
+async def test_a_bad_message_or_an_unknown_server_is_skipped(redis_server, caplog):
     speeds, lru = PrefillSpeeds(), NoHitLRUScorer()
     shared = SharedObservations.from_url(
         redis_server.url, speeds, SharedObservations.lru_scorers([lru]), process_id="a",
@@ -85,6 +86,13 @@ async def test_a_bad_message_or_an_unknown_server_is_skipped(redis_server):
         await until(lambda: speeds.get("s1") == 5000.0, "the known server's sample")
     assert shared.stats.bad_entries == 2
     assert shared.stats.applied == 1
+    # Both items naming s9 (a sample and a pick) counted on /metrics, without a line.
+    fam = next(
+        f for f in SHARED_OBSERVATIONS.families(shared.stats)
+        if f.name == "extproc_shared_observations_unknown_endpoint"
+    )  # fmt: skip
+    assert [s.value for s in fam.samples] == [2]
+    assert not [r for r in caplog.records if "s9" in r.getMessage()]
     assert speeds.snapshot().keys() == {"s1"}  # the unknown server left no state
     assert lru.score(InferenceRequest("r", "/"), _cands(["s1", "s9"])) == [1.0, 1.0]
 
