@@ -220,14 +220,9 @@ class Broadcast:
     def warn(self, reason: str, detail: str) -> None:
         """A rate-limited warning on the feature's logger: at most one line per `reason` per
         10 s (a peer can repeat a bad message at will), carrying how many were suppressed."""
-        suppressed = self._throttle.allow(reason)
-        if suppressed is not None:
-            self._log.warning(
-                "%s: %s",
-                self._name,
-                detail,
-                extra={"reason": reason, "suppressed_since_last": suppressed},
-            )
+        self._throttle.warn(
+            self._log, reason, "%s: %s", self._name, detail, extra={"reason": reason}
+        )
 
 
 @dataclass(slots=True)

@@ -3,8 +3,10 @@ refused peers, spoofed events): one line per reason per interval, never one per 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -28,3 +30,18 @@ class Throttle:
             self._suppressed.clear()
         self._last[key] = now
         return self._suppressed.pop(key, 0)
+
+    def warn(
+        self,
+        logger: logging.Logger,
+        key: str,
+        msg: str,
+        *args: object,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """`logger.warning(msg, *args)` unless `key` was said within `every_s`; the line's
+        `suppressed_since_last` says how many were left out before it."""
+        suppressed = self.allow(key)
+        if suppressed is not None:
+            log_extra = {**(extra or {}), "suppressed_since_last": suppressed}
+            logger.warning(msg, *args, extra=log_extra)

@@ -436,14 +436,9 @@ class SharedInFlight:
         """A peer's entry (or part of it) that does not decode: counted, and said at most once
         per 10 s per part."""
         self.stats.bad_entries += 1
-        suppressed = self._throttle.allow(part)
-        if suppressed is not None:
-            log.warning(
-                "shared in-flight: %s of peer %r do not decode; skipped",
-                part,
-                peer[:64],
-                extra={"suppressed_since_last": suppressed},
-            )
+        self._throttle.warn(
+            log, part, "shared in-flight: %s of peer %r do not decode; skipped", part, peer[:64]
+        )
 
     def _merge(self, entries: list[bytes]) -> None:
         reqs: Counter[str] = Counter()

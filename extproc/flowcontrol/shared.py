@@ -207,13 +207,9 @@ class SharedFlowState:
             except (ValueError, TypeError, AttributeError) as exc:  # DecodeError: a ValueError
                 # A foreign or corrupt entry must not stop flow control: skipped, said.
                 self.stats.bad_entries += 1
-                suppressed = self._throttle.allow("bad entry")
-                if suppressed is not None:
-                    log.warning(
-                        "flow control: a peer's shared entry skipped (%r)",
-                        exc,
-                        extra={"suppressed_since_last": suppressed},
-                    )
+                self._throttle.warn(
+                    log, "bad entry", "flow control: a peer's shared entry skipped (%r)", exc
+                )
                 continue
             peers += 1
             if type(band) is int and (top is None or band > top):

@@ -327,16 +327,10 @@ class EventIngest:
         """`n` frames or events skipped: counted in `malformed`, said at most once per reason
         per 10 s (a broken or hostile publisher repeats at will)."""
         self.stats.malformed += n
-        suppressed = self._throttle.allow(reason)
-        if suppressed is not None:
-            log.warning(
-                "kv events: %s from %s: %d skipped%s",
-                reason,
-                self.endpoint,
-                n,
-                f" ({exc!r})" if exc is not None else "",
-                extra={"suppressed_since_last": suppressed},
-            )
+        detail = f" ({exc!r})" if exc is not None else ""
+        self._throttle.warn(
+            log, reason, "kv events: %s from %s: %d skipped%s", reason, self.endpoint, n, detail
+        )
 
     def _stored(self, ev: BlockStored) -> None:
         medium = (ev.medium or GPU).upper()

@@ -274,26 +274,22 @@ class KVEventSubscriber:
         if reason is None:
             return True
         self.stats.rejected += 1
-        suppressed = self._throttle.allow(reason)
-        if suppressed is not None:
-            log.warning(
-                "kv events: message refused (%s)",
-                reason,
-                extra={"endpoint": endpoint, "peer": peer, "suppressed_since_last": suppressed},
-            )
+        self._throttle.warn(
+            log,
+            reason,
+            "kv events: message refused (%s)",
+            reason,
+            extra={"endpoint": endpoint, "peer": peer},
+        )
         return False
 
     def _malformed(self, reason: str, source: str | None) -> None:
         """A message skipped before it reaches an endpoint's ingest: counted in `malformed`,
         said at most once per reason per 10 s."""
         self.stats.malformed += 1
-        suppressed = self._throttle.allow(reason)
-        if suppressed is not None:
-            log.warning(
-                "kv events: message skipped (%s)",
-                reason,
-                extra={"source": source, "suppressed_since_last": suppressed},
-            )
+        self._throttle.warn(
+            log, reason, "kv events: message skipped (%s)", reason, extra={"source": source}
+        )
 
     async def _replay(self, url: str, start: int) -> list[tuple[int, bytes]] | None:
         """Ask a vLLM ROUTER replay socket for batches from `start` (FACTS 6)."""

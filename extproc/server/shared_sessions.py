@@ -207,13 +207,9 @@ class SharedSessions:
             except (ValueError, TypeError, msgspec.DecodeError) as exc:
                 # Another version or a stray writer on our key: skip, never fail; say so.
                 self.stats.bad_entries += 1
-                suppressed = self._throttle.allow("bad entry")
-                if suppressed is not None:
-                    log.warning(
-                        "shared sessions: a stream entry skipped (%r)",
-                        exc,
-                        extra={"suppressed_since_last": suppressed},
-                    )
+                self._throttle.warn(
+                    log, "bad entry", "shared sessions: a stream entry skipped (%r)", exc
+                )
 
     async def aclose(self) -> None:
         if self._owns_client:

@@ -231,9 +231,7 @@ class StreamHandler:
             state.close()
 
     def _warn(self, key: str, message: str) -> None:
-        suppressed = self._throttle.allow(key)
-        if suppressed is not None:
-            log.warning(message, extra={"suppressed_since_last": suppressed})
+        self._throttle.warn(log, key, message)
 
 
 async def _next_or_evicted(
