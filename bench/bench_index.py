@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -25,14 +24,9 @@ from extproc.index.base import IndexOptions
 from extproc.index.memory import MemoryKVIndex
 from extproc.index.redis import RedisKVIndex
 from extproc.index.subscriber import EventSource, KVEventSubscriber
+from extproc.stack import free_port
 
 ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(1, 9)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _lookup_latency(index, keys: list[int], iterations: int) -> list[float]:
@@ -166,7 +160,7 @@ async def main() -> None:
     proc = None
     url = args.redis_url
     if url is None:
-        port = _free_port()
+        port = free_port()
         workdir = tempfile.mkdtemp()
         proc = subprocess.Popen(
             [

@@ -12,6 +12,7 @@ its child and is stopped on exit, whatever happened.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import shutil
@@ -51,25 +52,73 @@ def free_port(*, paired: int = 0) -> int:
     ephemeral range: a port from bind(0) is free again once returned here, and the kernel
     may hand it to an outgoing connection's source port before the child binds it (every
     test makes many connections), which fails the child's bind. Below that range only
-    another caller of this function could take it, and draws are random. `paired`: the
-    port that far above it is free too, and below that range as well (a Redis Cluster
-    node's bus listens at +10000)."""
-    low, high = _LISTEN_PORTS
-    top = high - paired
-    for _ in range(64 if top >= low else 0):
-        port = low + secrets.randbelow(top - low + 1)
-        try:
-            with contextlib.ExitStack() as held:
-                for p in {port, port + paired}:
-                    held.enter_context(socket.socket()).bind(("127.0.0.1", p))
-        except OSError:
-            continue
+    another caller of this function could take it, and the claims file keeps callers apart.
+    `paired`: the port that far above it is free and claimed too (a Redis Cluster node's
+    bus listens at +10000)."""
+    port = _draw((0, paired))
+    if port is not None:
         return port
     if paired:
         raise RuntimeError(f"no free port p with p + {paired} free too")
     with socket.socket() as s:  # the range is crowded: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(n: int) -> int:
+    """The first of n consecutive free ports (per-worker ports are base + i)."""
+    base = _draw(range(n))
+    if base is None:
+        raise RuntimeError(f"no {n} consecutive free ports")
+    return base
+
+
+def _draw(offsets: Sequence[int]) -> int | None:
+    """A random port p with every p + offset bindable now and claimed for this caller."""
+    low, high = _LISTEN_PORTS
+    top = high - max(offsets)
+    for _ in range(64 if top >= low else 0):
+        port = low + secrets.randbelow(top - low + 1)
+        wanted = {port + o for o in offsets}
+        try:
+            with contextlib.ExitStack() as held:
+                for p in wanted:
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        if _claim(wanted):
+            return port
+    return None
+
+
+# Ports handed out in the last _CLAIM_S seconds, shared by every process of this user (pytest
+# workers, benchmarks, their children). A drawn port is free but not yet bound until its child
+# starts (a Python server: about a second; vLLM: a minute), and two callers drawing the same
+# port in that window both pass the bind check; one child then fails with "address already in
+# use" (it failed CI). Past the window a port in use fails the bind check itself.
+_CLAIMS = Path(tempfile.gettempdir()) / f"extproc-port-claims-{os.getuid()}"
+_CLAIM_S = 300.0
+
+
+def _claim(ports: set[int]) -> bool:
+    """Claims `ports` unless another caller claimed one of them within _CLAIM_S seconds."""
+    with open(_CLAIMS, "a+", encoding="ascii") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        f.seek(0)
+        now = time.time()
+        claims: dict[int, float] = {}
+        for line in f.read().splitlines():
+            port, _, at = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                if now - float(at) < _CLAIM_S:
+                    claims[int(port)] = float(at)
+        taken = not ports.isdisjoint(claims)
+        if not taken:
+            claims.update(dict.fromkeys(ports, now))
+        f.seek(0)
+        f.truncate()
+        f.write("".join(f"{p} {at}\n" for p, at in claims.items()))
+    return not taken
 
 
 def _listen_ports() -> tuple[int, int]:
@@ -82,23 +131,6 @@ def _listen_ports() -> tuple[int, int]:
 
 
 _LISTEN_PORTS = _listen_ports()
-
-
-def free_port_run(n: int) -> int:
-    """The first of n consecutive free ports (per-worker ports are base + i)."""
-    for _ in range(100):
-        base = free_port()
-        if base + n > 65536:
-            continue
-        try:
-            with contextlib.ExitStack() as held:
-                for p in range(base, base + n):
-                    s = held.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def envoy_binary() -> str:

@@ -63,3 +63,28 @@ def test_free_ports_are_drawn_below_the_ephemeral_range_pairs_included():
         assert port + 10_000 < low
         with socket.socket() as s:
             s.bind(("127.0.0.1", port + 10_000))  # free when drawn
+
+
+def test_a_drawn_port_is_not_drawn_again_by_this_or_another_process(tmp_path, monkeypatch):
+    # Two pytest workers drawing the same port before either child bound it failed CI
+    # ("address already in use"): the claims file keeps every caller of free_port apart.
+    from extproc import stack
+
+    base = stack.free_port_run(4)  # four ports free now, claimed in the real file
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the child's claims file too
+    monkeypatch.setattr(stack, "_CLAIMS", tmp_path / Path(stack._CLAIMS).name)
+    monkeypatch.setattr(stack, "_LISTEN_PORTS", (base, base + 3))
+    drawn = {stack.free_port() for _ in range(4)}
+    assert drawn == set(range(base, base + 4))  # nothing bound them: only claims tell
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from extproc import stack; "
+            f"stack._LISTEN_PORTS = ({base}, {base + 3}); print(stack.free_port())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert int(other.stdout) not in drawn  # the range is claimed: the kernel's choice

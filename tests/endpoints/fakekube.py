@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import yaml
 from aiohttp import web
 
 from extproc.config import DiscoverySettings
+from extproc.stack import free_port
 
 NS = "ns"
 POOLS = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
@@ -114,7 +114,7 @@ class FakeKube:
         self.requests: list[tuple[str, dict[str, str]]] = []
         self.watchers: list[_Watcher] = []
         self.auth: list[str | None] = []
-        self.port = _free_port()
+        self.port = free_port()
         self._runner: web.AppRunner | None = None
 
     # --- state changes ---------------------------------------------------------------------
@@ -257,9 +257,3 @@ class FakeKube:
         finally:
             self.watchers.remove(watcher)
         return resp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
