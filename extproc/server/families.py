@@ -500,6 +500,11 @@ SHARED_OBSERVATIONS = StatsFamilies(
             "Peers' samples and picks naming a server not in this replica's pool (skipped; "
             "routine while replicas briefly disagree on the pool).",
         ),
+        "unknown_scorer": Stat(
+            "extproc_shared_observations_unknown_scorer",
+            "Peers' new-prefix picks for a no-hit-lru-scorer this replica's scheduler lacks "
+            "(skipped; the replicas run different scheduler configs).",
+        ),
     },
 )
 

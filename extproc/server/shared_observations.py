@@ -44,13 +44,17 @@ _SAMPLE, _PICK = "s", "p"
 @dataclass(slots=True)
 class SharedObservationsStats(ChannelCounts):
     """Counters since start: the channel's (items are samples and picks; `bad_entries`:
-    undecodable messages), items `applied` from the peers, and peers' items naming a server
-    not in this replica's pool (`unknown_endpoint`, skipped)."""
+    undecodable messages), items `applied` from the peers, peers' items naming a server
+    not in this replica's pool (`unknown_endpoint`, skipped), and peers' picks for a
+    `no-hit-lru-scorer` this replica's scheduler lacks (`unknown_scorer`, skipped)."""
 
     applied: int = 0
     # Routine while replicas briefly disagree on the pool (one saw a pod come or go first),
     # so counted without a log line; a steady rate means replicas watch different pools.
     unknown_endpoint: int = 0
+    # Never routine: the replicas run different scheduler configs (an operator mistake), so
+    # counted and said in the channel's rate-limited warning.
+    unknown_scorer: int = 0
 
 
 class SharedObservations(SharedOverBroadcast[SharedObservationsStats]):
@@ -94,7 +98,8 @@ class SharedObservations(SharedOverBroadcast[SharedObservationsStats]):
     @staticmethod
     def lru_scorers(plugins: Iterable[object]) -> dict[str, NoHitLRUScorer]:
         """The `no-hit-lru-scorer`s of a scheduler's plugins, named by their order among
-        them (replicas run the same config)."""
+        them (replicas run the same config; a peer's pick for an order this replica lacks
+        is counted in `unknown_scorer` and said)."""
         found = [p for p in plugins if isinstance(p, NoHitLRUScorer)]
         return {str(i): p for i, p in enumerate(found)}
 
@@ -109,6 +114,13 @@ class SharedObservations(SharedOverBroadcast[SharedObservationsStats]):
         elif kind == _PICK:
             lru = self._lru.get(str(first))
             if lru is None:
+                self._counts.unknown_scorer += 1
+                self._channel.warn(
+                    "unknown scorer",
+                    f"a peer's new-prefix pick is for no-hit-lru-scorer #{str(first)[:16]}, "
+                    f"and this replica's scheduler has {len(self._lru)} of them (replicas "
+                    "on different configs?); skipped",
+                )
                 return
             if not self._known(str(second)):
                 self._counts.unknown_endpoint += 1
