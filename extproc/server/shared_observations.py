@@ -31,7 +31,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from extproc.endpoints.prefill_speed import PrefillSpeeds
-from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast
+from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast, by_order
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
 
 log = logging.getLogger(__name__)
@@ -98,10 +98,9 @@ class SharedObservations(SharedOverBroadcast[SharedObservationsStats]):
     @staticmethod
     def lru_scorers(plugins: Iterable[object]) -> dict[str, NoHitLRUScorer]:
         """The `no-hit-lru-scorer`s of a scheduler's plugins, named by their order among
-        them (replicas run the same config; a peer's pick for an order this replica lacks
-        is counted in `unknown_scorer` and said)."""
-        found = [p for p in plugins if isinstance(p, NoHitLRUScorer)]
-        return {str(i): p for i, p in enumerate(found)}
+        them (`by_order`; a peer's pick for a name this replica lacks is counted in
+        `unknown_scorer` and said)."""
+        return by_order(plugins, NoHitLRUScorer)
 
     def _apply(self, item: Any) -> None:
         kind, first, second = item
