@@ -493,7 +493,7 @@ SHARED_OBSERVATIONS = StatsFamilies(
         ),
         "bad_entries": Stat(
             "extproc_shared_observations_bad_entries",
-            "Messages on the observations channel that could not be decoded (skipped).",
+            "Messages or items on the observations channel that could not be decoded (skipped).",
         ),
         "unknown_endpoint": Stat(
             "extproc_shared_observations_unknown_endpoint",

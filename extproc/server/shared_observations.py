@@ -44,7 +44,7 @@ _SAMPLE, _PICK = "s", "p"
 @dataclass(slots=True)
 class SharedObservationsStats(ChannelCounts):
     """Counters since start: the channel's (items are samples and picks; `bad_entries`:
-    undecodable messages), items `applied` from the peers, peers' items naming a server
+    undecodable messages and items), items `applied` from the peers, peers' items naming a server
     not in this replica's pool (`unknown_endpoint`, skipped), and peers' picks for a
     `no-hit-lru-scorer` this replica's scheduler lacks (`unknown_scorer`, skipped)."""
 
@@ -103,6 +103,8 @@ class SharedObservations(SharedOverBroadcast[SharedObservationsStats]):
         return by_order(plugins, NoHitLRUScorer)
 
     def _apply(self, item: Any) -> None:
+        # A wrong shape or kind raises ValueError/TypeError: the channel counts it as
+        # malformed (`bad_entries`) and says so, rate-limited.
         kind, first, second = item
         if kind == _SAMPLE:
             if not self._known(str(first)):
@@ -126,3 +128,5 @@ class SharedObservations(SharedOverBroadcast[SharedObservationsStats]):
                 return
             lru.picked(str(second))
             self._counts.applied += 1
+        else:  # not silently: a peer on another version (or a stray publisher) sent it
+            raise ValueError(f"unknown item kind {str(kind)[:16]!r}")

@@ -81,16 +81,17 @@ async def test_a_bad_message_an_unknown_server_or_scorer_is_skipped(redis_server
                     ["b", [["s", "s9", 100.0], ["s", "s1", 5000.0], ["p", "0", "s9"]]]
                 ),
             )
-            # A peer with a second no-hit-lru-scorer (another config): its picks for it.
+            # A peer with a second no-hit-lru-scorer (another config): its picks for it; and
+            # an item of a kind this version does not know.
             await client.publish(
                 "extproc:observations",
-                msgspec.msgpack.encode(["c", [["p", "1", "s1"], ["p", "1", "s1"]]]),
+                msgspec.msgpack.encode(["c", [["p", "1", "s1"], ["p", "1", "s1"], ["x", 1, 2]]]),
             )
         finally:
             await client.aclose()
         await until(lambda: speeds.get("s1") == 5000.0, "the known server's sample")
         await until(lambda: shared.stats.unknown_scorer == 2, "the other config's picks")
-    assert shared.stats.bad_entries == 2
+    assert shared.stats.bad_entries == 3  # two messages, and the item of no known kind
     assert shared.stats.applied == 1
     # Picks for a scorer this replica lacks: on /metrics and said once (rate-limited).
     fam = next(
