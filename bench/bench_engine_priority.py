@@ -25,7 +25,7 @@ from pathlib import Path
 
 import orjson
 import yaml
-from bench_proxy import chat_body, measure  # bench/ is on the path
+from bench_proxy import chat_body, measure, require_wrk  # bench/ is on the path
 
 from extproc.bootstrap import build_bootstrap
 from extproc.stack import Stack, StackOptions
@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--conns", type=int, default=4)
     ap.add_argument("--forms", default="off,body,header", help="engine_priority settings")
     args = ap.parse_args()
+    require_wrk()
     forms = args.forms.split(",")
     setting = {"off": False, "body": "body", "header": "header"}
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stacks:

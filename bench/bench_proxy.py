@@ -14,7 +14,7 @@ and of the Envoy in front of it. `--only 'extproc FD,extproc FD-flush20'`: the a
 flushed every 20 ms against `envoy-config`'s default, alternating (what hearing of ends
 sooner costs).
 
-    apt-get install wrk   # once
+    apt-get install wrk   # once (no install step of the repo provides it: bench/README.md)
     uv run python bench/bench_proxy.py [--seconds 5] [--rounds 3] [--sizes 1,100] [--conns 1,16]
     uv run python bench/bench_proxy.py --big   # 220 KB prompts, 150 connections, errors counted
     # old vs new in one run, at the same offered load (each connection pauses 50 ms):
@@ -84,12 +84,29 @@ def _ms(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
+_NO_WRK = (
+    "{script} drives its load with wrk, which is not on PATH: install the wrk package "
+    "(Debian/Ubuntu: apt-get install wrk) and run it again. No install step of this repo "
+    "provides it (see bench/README.md)."
+)
+
+
+def require_wrk() -> None:
+    """Exit at once with a line naming the package when `wrk` is missing: every bench that
+    calls `run_wrk` starts with this, before it starts Envoy, pickers and upstreams, rather
+    than failing in the middle of its first round."""
+    if shutil.which("wrk") is None:
+        raise SystemExit(_NO_WRK.format(script=Path(sys.argv[0]).name or "this bench"))
+
+
 def run_wrk(
     url: str, body_file: Path, conns: int, seconds: float, think_ms: float = 0
 ) -> WrkResult:
     """`think_ms` > 0: each connection waits that long before its next request, so every
     configuration gets about the same offered load (conns / (think + latency)) instead of
-    as much as it can take (closed loop)."""
+    as much as it can take (closed loop). A caller that did not start with `require_wrk`
+    still gets its line, not a traceback, if `wrk` is missing."""
+    require_wrk()
     script = body_file.with_suffix(".lua")
     script.write_text(
         f'local f = io.open("{body_file}", "rb"); wrk.body = f:read("*all"); f:close()\n'
@@ -294,8 +311,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.big:
         args.sizes, args.conns = "220", "150"
-    if shutil.which("wrk") is None:
-        raise SystemExit("needs wrk: apt-get install wrk")
+    require_wrk()
     sizes = [int(x) * 1024 for x in args.sizes.split(",")]
     conns_list = [int(x) for x in args.conns.split(",")]
     only = {x.strip() for x in args.only.split(",") if x.strip()}

@@ -32,6 +32,7 @@ from bench_proxy import (
     chat_body,
     cpu_seconds,
     picker_doc,
+    require_wrk,
     run_wrk,
     start_envoy,
 )
@@ -193,6 +194,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="", help="keep the processes' logs here")
     ap.add_argument("--picker", action="store_true", help="the picker too (FD only)")
     args = ap.parse_args()
+    require_wrk()
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     variants = [
         v

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_proxy import chat_body, cpu_seconds, run_wrk
+from bench_proxy import chat_body, cpu_seconds, require_wrk, run_wrk
 
 from extproc.stack import Stack, StackOptions, wait_until
 
@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--conns", type=int, default=32)
     args = ap.parse_args()
+    require_wrk()
     out: dict[str, list[tuple[float, float]]] = {n: [] for n in SETUPS}
     with tempfile.TemporaryDirectory() as tmp:
         body = Path(tmp) / "body.json"

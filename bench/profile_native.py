@@ -19,7 +19,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_proxy import chat_body, cpu_seconds, picker_doc, run_wrk, start_envoy
+from bench_proxy import (
+    chat_body,
+    cpu_seconds,
+    picker_doc,
+    require_wrk,
+    run_wrk,
+    start_envoy,
+)
 
 from extproc.stack import Stack, StackOptions, free_port
 
@@ -67,6 +74,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--conns", type=int, default=1)
     args = ap.parse_args()
+    require_wrk()
     per_req: dict[str, dict[str, list[float]]] = {"extproc": {}, "floor": {}}
     cpu: dict[str, list[float]] = {"extproc": [], "floor": []}
     with tempfile.TemporaryDirectory() as tmp, Stack(StackOptions(upstreams=1)) as stack:

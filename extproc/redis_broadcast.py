@@ -35,7 +35,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
@@ -242,6 +242,15 @@ class ChannelCounts:
 S = TypeVar("S", bound=ChannelCounts)
 P = ParamSpec("P")
 F = TypeVar("F")
+T = TypeVar("T")
+
+
+def by_order(plugins: Iterable[object], kind: type[T]) -> dict[str, T]:
+    """The plugins of `kind` among a scheduler's, named by their order among them ("0",
+    "1", ...): how a feature names a plugin on its channel, so that a peer's item reaches
+    the plugin in the same place of the peer's config. Replicas are meant to run one config;
+    an item for a name this replica lacks is the feature's to count and say."""
+    return {str(i): p for i, p in enumerate(p for p in plugins if isinstance(p, kind))}
 
 
 class SharedOverBroadcast(Generic[S]):

@@ -308,13 +308,9 @@ class ApiServer:
                 return f"Bearer {_read_token(token_path)}"
             except OSError as exc:
                 stats.token_read_failures += 1
-                if (suppressed := throttle.allow("token")) is not None:
-                    log.warning(
-                        "service-account token unreadable, using the last one: %s "
-                        "(%d more such reads since the last line)",
-                        exc,
-                        suppressed,
-                    )
+                throttle.warn(
+                    log, "token", "service-account token unreadable, using the last one: %s", exc
+                )
                 return f"Bearer {token}"
 
         url = f"https://{_bracket(host)}:{port}"

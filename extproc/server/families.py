@@ -493,12 +493,17 @@ SHARED_OBSERVATIONS = StatsFamilies(
         ),
         "bad_entries": Stat(
             "extproc_shared_observations_bad_entries",
-            "Messages on the observations channel that could not be decoded (skipped).",
+            "Messages or items on the observations channel that could not be decoded (skipped).",
         ),
         "unknown_endpoint": Stat(
             "extproc_shared_observations_unknown_endpoint",
             "Peers' samples and picks naming a server not in this replica's pool (skipped; "
             "routine while replicas briefly disagree on the pool).",
+        ),
+        "unknown_scorer": Stat(
+            "extproc_shared_observations_unknown_scorer",
+            "Peers' new-prefix picks for a no-hit-lru-scorer this replica's scheduler lacks "
+            "(skipped; the replicas run different scheduler configs).",
         ),
     },
 )

@@ -31,7 +31,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from extproc.endpoints.prefill_speed import PrefillSpeeds
-from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast
+from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast, by_order
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
 
 log = logging.getLogger(__name__)
@@ -44,13 +44,17 @@ _SAMPLE, _PICK = "s", "p"
 @dataclass(slots=True)
 class SharedObservationsStats(ChannelCounts):
     """Counters since start: the channel's (items are samples and picks; `bad_entries`:
-    undecodable messages), items `applied` from the peers, and peers' items naming a server
-    not in this replica's pool (`unknown_endpoint`, skipped)."""
+    undecodable messages and items), items `applied` from the peers, peers' items naming a server
+    not in this replica's pool (`unknown_endpoint`, skipped), and peers' picks for a
+    `no-hit-lru-scorer` this replica's scheduler lacks (`unknown_scorer`, skipped)."""
 
     applied: int = 0
     # Routine while replicas briefly disagree on the pool (one saw a pod come or go first),
     # so counted without a log line; a steady rate means replicas watch different pools.
     unknown_endpoint: int = 0
+    # Never routine: the replicas run different scheduler configs (an operator mistake), so
+    # counted and said in the channel's rate-limited warning.
+    unknown_scorer: int = 0
 
 
 class SharedObservations(SharedOverBroadcast[SharedObservationsStats]):
@@ -94,11 +98,13 @@ class SharedObservations(SharedOverBroadcast[SharedObservationsStats]):
     @staticmethod
     def lru_scorers(plugins: Iterable[object]) -> dict[str, NoHitLRUScorer]:
         """The `no-hit-lru-scorer`s of a scheduler's plugins, named by their order among
-        them (replicas run the same config)."""
-        found = [p for p in plugins if isinstance(p, NoHitLRUScorer)]
-        return {str(i): p for i, p in enumerate(found)}
+        them (`by_order`; a peer's pick for a name this replica lacks is counted in
+        `unknown_scorer` and said)."""
+        return by_order(plugins, NoHitLRUScorer)
 
     def _apply(self, item: Any) -> None:
+        # A wrong shape or kind raises ValueError/TypeError: the channel counts it as
+        # malformed (`bad_entries`) and says so, rate-limited.
         kind, first, second = item
         if kind == _SAMPLE:
             if not self._known(str(first)):
@@ -109,9 +115,18 @@ class SharedObservations(SharedOverBroadcast[SharedObservationsStats]):
         elif kind == _PICK:
             lru = self._lru.get(str(first))
             if lru is None:
+                self._counts.unknown_scorer += 1
+                self._channel.warn(
+                    "unknown scorer",
+                    f"a peer's new-prefix pick is for no-hit-lru-scorer #{str(first)[:16]}, "
+                    f"and this replica's scheduler has {len(self._lru)} of them (replicas "
+                    "on different configs?); skipped",
+                )
                 return
             if not self._known(str(second)):
                 self._counts.unknown_endpoint += 1
                 return
             lru.picked(str(second))
             self._counts.applied += 1
+        else:  # not silently: a peer on another version (or a stray publisher) sent it
+            raise ValueError(f"unknown item kind {str(kind)[:16]!r}")

@@ -33,7 +33,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast
+from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast, by_order
 from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
 
 log = logging.getLogger(__name__)
@@ -90,9 +90,8 @@ class SharedPlacements(SharedOverBroadcast[SharedPlacementsStats]):
     @staticmethod
     def scorers(plugins: Iterable[object]) -> dict[str, PredictedTTFTScorer]:
         """The `predicted-ttft-scorer`s of a scheduler's plugins, named by their order among
-        them (replicas run the same config)."""
-        found = [p for p in plugins if isinstance(p, PredictedTTFTScorer)]
-        return {str(i): p for i, p in enumerate(found)}
+        them (`by_order`; a peer's placement for a name this replica lacks is refused)."""
+        return by_order(plugins, PredictedTTFTScorer)
 
     def _apply(self, timed: Any) -> None:
         # Shapes are checked here; a wrong one raises ValueError/TypeError, which the channel

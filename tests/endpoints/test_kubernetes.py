@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -326,12 +327,17 @@ def test_in_cluster_reads_service_account_files(tmp_path: Path) -> None:
     assert in_cluster_namespace(str(tmp_path / "namespace")) == "llm"
 
 
-def test_an_unreadable_token_shows_on_metrics_and_is_said_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_an_unreadable_token_shows_on_metrics_and_is_said_once_a_minute(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A token file gone unreadable falls back to the last token, counted per connection
-    on /metrics; the warning is rate-limited, not repeated at every list and watch."""
+    on /metrics; the warning is rate-limited (once a minute), not repeated at every list
+    and watch, and the next line carries how many it left out in `suppressed_since_last`."""
+    import extproc.throttle
     from extproc.server.families import API_SERVER
+
+    now = [1000.0]  # the throttle's clock only (asyncio keeps the real one)
+    monkeypatch.setattr(extproc.throttle, "time", SimpleNamespace(monotonic=lambda: now[0]))
 
     token = tmp_path / "token"
     token.write_text("tok")
@@ -344,14 +350,27 @@ def test_an_unreadable_token_shows_on_metrics_and_is_said_once(
     async def connect_thrice() -> list[str]:
         return [(await api.headers())["Authorization"] for _ in range(3)]
 
+    def failures() -> list[float]:
+        fam = next(
+            f for f in API_SERVER.families(api.stats)
+            if f.name == "extproc_discovery_token_read_failures"
+        )  # fmt: skip
+        return [s.value for s in fam.samples]
+
     assert asyncio.run(connect_thrice()) == ["Bearer tok"] * 3
-    fam = next(
-        f for f in API_SERVER.families(api.stats)
-        if f.name == "extproc_discovery_token_read_failures"
-    )  # fmt: skip
-    assert [s.value for s in fam.samples] == [3]
+    assert failures() == [3]
+    said = [r for r in caplog.records if "token unreadable" in r.getMessage()]
+    assert [r.__dict__["suppressed_since_last"] for r in said] == [0]
+
+    now[0] += 59.0  # within the minute: counted, not said
+    assert asyncio.run(connect_thrice()) == ["Bearer tok"] * 3
     said = [r for r in caplog.records if "token unreadable" in r.getMessage()]
     assert len(said) == 1
+    now[0] += 2.0  # past it: one line, saying the five left out since the first
+    assert asyncio.run(api.headers())["Authorization"] == "Bearer tok"
+    said = [r for r in caplog.records if "token unreadable" in r.getMessage()]
+    assert [r.__dict__["suppressed_since_last"] for r in said] == [0, 5]
+    assert failures() == [7]
 
 
 async def test_pods_with_an_unusable_ip_show_on_metrics_and_are_said_once(

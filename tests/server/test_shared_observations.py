@@ -63,7 +63,7 @@ async def test_a_cold_pick_on_one_replica_steers_the_others_next_cold_pick(redis
         assert a_lru.score(req, cands) == [0.9, 0.0, 1.0]
 
 
-async def test_a_bad_message_or_an_unknown_server_is_skipped(redis_server, caplog):
+async def test_a_bad_message_an_unknown_server_or_scorer_is_skipped(redis_server, caplog):
     speeds, lru = PrefillSpeeds(), NoHitLRUScorer()
     shared = SharedObservations.from_url(
         redis_server.url, speeds, SharedObservations.lru_scorers([lru]), process_id="a",
@@ -81,11 +81,26 @@ async def test_a_bad_message_or_an_unknown_server_is_skipped(redis_server, caplo
                     ["b", [["s", "s9", 100.0], ["s", "s1", 5000.0], ["p", "0", "s9"]]]
                 ),
             )
+            # A peer with a second no-hit-lru-scorer (another config): its picks for it; and
+            # an item of a kind this version does not know.
+            await client.publish(
+                "extproc:observations",
+                msgspec.msgpack.encode(["c", [["p", "1", "s1"], ["p", "1", "s1"], ["x", 1, 2]]]),
+            )
         finally:
             await client.aclose()
         await until(lambda: speeds.get("s1") == 5000.0, "the known server's sample")
-    assert shared.stats.bad_entries == 2
+        await until(lambda: shared.stats.unknown_scorer == 2, "the other config's picks")
+    assert shared.stats.bad_entries == 3  # two messages, and the item of no known kind
     assert shared.stats.applied == 1
+    # Picks for a scorer this replica lacks: on /metrics and said once (rate-limited).
+    fam = next(
+        f for f in SHARED_OBSERVATIONS.families(shared.stats)
+        if f.name == "extproc_shared_observations_unknown_scorer"
+    )  # fmt: skip
+    assert [s.value for s in fam.samples] == [2]
+    said = [r for r in caplog.records if "no-hit-lru-scorer #1" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING"
     # Both items naming s9 (a sample and a pick) counted on /metrics, without a line.
     fam = next(
         f for f in SHARED_OBSERVATIONS.families(shared.stats)
@@ -94,6 +109,7 @@ async def test_a_bad_message_or_an_unknown_server_is_skipped(redis_server, caplo
     assert [s.value for s in fam.samples] == [2]
     assert not [r for r in caplog.records if "s9" in r.getMessage()]
     assert speeds.snapshot().keys() == {"s1"}  # the unknown server left no state
+    # Neither the unknown server nor the other config's picks moved this replica's LRU.
     assert lru.score(InferenceRequest("r", "/"), _cands(["s1", "s9"])) == [1.0, 1.0]
 
 
