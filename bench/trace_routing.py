@@ -53,7 +53,9 @@ from extproc.stack import SimFleet, Stack, StackOptions
 TOKEN = "trace-routing-token"
 
 
-async def _send(http: aiohttp.ClientSession, url: str, item: WorkItem, t0: float) -> dict:
+async def _send(
+    http: aiohttp.ClientSession, url: str, item: WorkItem, t0: float, explain: bool = True
+) -> dict:
     # "group" names an agentic session (their items all have group 0); "tenant" is the
     # tenants workload's group, 0 included (its biggest tenant).
     row: dict = {
@@ -66,7 +68,7 @@ async def _send(http: aiohttp.ClientSession, url: str, item: WorkItem, t0: float
         async with http.post(
             f"{url}/v1/chat/completions",
             json=item.body,
-            headers={EXPLAIN_HEADER: TOKEN, TIMING_HEADER: "1"},
+            headers={TIMING_HEADER: "1", **({EXPLAIN_HEADER: TOKEN} if explain else {})},
             timeout=aiohttp.ClientTimeout(total=120),
         ) as resp:
             row["status"] = resp.status
@@ -106,7 +108,9 @@ async def _send(http: aiohttp.ClientSession, url: str, item: WorkItem, t0: float
     return row
 
 
-async def _agentic(url: str, sessions: int, seed: int, time_scale: float = 1.0) -> list[dict]:
+async def _agentic(
+    url: str, sessions: int, seed: int, time_scale: float = 1.0, explain: bool = True
+) -> list[dict]:
     turns = build_sessions(replace(AGENTIC, sessions=sessions, seed=seed))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         t0 = time.perf_counter()
@@ -115,7 +119,7 @@ async def _agentic(url: str, sessions: int, seed: int, time_scale: float = 1.0) 
             await asyncio.sleep(k * AGENTIC.stagger_s / time_scale)
             out = []
             for item in items:
-                out.append(await _send(http, url, item, t0))
+                out.append(await _send(http, url, item, t0, explain))
                 await asyncio.sleep(AGENTIC.think_s / time_scale)
             return out
 
@@ -123,7 +127,9 @@ async def _agentic(url: str, sessions: int, seed: int, time_scale: float = 1.0) 
     return sorted((r for rs in per for r in rs), key=lambda r: r["sent_s"])
 
 
-async def _tenants(url: str, rate: float, seed: int, time_scale: float = 1.0) -> list[dict]:
+async def _tenants(
+    url: str, rate: float, seed: int, time_scale: float = 1.0, explain: bool = True
+) -> list[dict]:
     items = build_workload(tenants_spec(seed))
     offsets = arrival_offsets(len(items), rate * time_scale, seed)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
@@ -131,7 +137,7 @@ async def _tenants(url: str, rate: float, seed: int, time_scale: float = 1.0) ->
 
         async def at(item: WorkItem, off: float) -> dict:
             await asyncio.sleep(off)
-            return await _send(http, url, item, t0)
+            return await _send(http, url, item, t0, explain)
 
         rows = await asyncio.gather(*(at(i, o) for i, o in zip(items, offsets, strict=True)))
     return sorted(rows, key=lambda r: r["sent_s"])
@@ -327,32 +333,66 @@ def _calibration_line(rows: list[dict], changes: dict[str, list[dict]]) -> str:
     return f"decided uncalibrated: {len(late)}{last} | bytes per token changed: {per}"
 
 
-def _trace_sglang(fleet: SimFleet, venv: Path, log_dir: Path, args, load: float, rnd: int) -> str:
-    """One run through sglang-router cache_aware on the same fleet: the same rows, without
-    a decision (the engine's served endpoint and cached tokens are what it is judged by)."""
-    with sglang_router(fleet, venv, log_dir) as url:
+def _trace_plain(
+    name: str,
+    router: contextlib.AbstractContextManager[str],
+    fleet: SimFleet,
+    args,
+    load: float,
+    rnd: int,
+    explain: bool = True,
+) -> str:
+    """One run through a router that gives no decision (sglang-router, Envoy alone, or the
+    picker without the explain token) on the same fleet: where each request went, what it
+    hit, and the time outside the engine (router, proxy, HTTP, the engine's tokenizer), so
+    the picker's hop can be held against Envoy alone's on the same workload."""
+    with router as url:
         urls = [srv.url for srv in fleet.servers]
         lanes0 = lane_clock(urls)
         if args.workload == "agentic":
-            rows = asyncio.run(_agentic(url, int(load), args.seed, args.time_scale))
+            rows = asyncio.run(_agentic(url, int(load), args.seed, args.time_scale, explain))
         else:
-            rows = asyncio.run(_tenants(url, load, args.seed, args.time_scale))
+            rows = asyncio.run(_tenants(url, load, args.seed, args.time_scale, explain))
         lanes = lane_delta(lanes0, lane_clock(urls))
-    out = args.out / f"{args.workload}-sglang-{rnd}.jsonl"
+    out = args.out / f"{args.workload}-{name}-{rnd}.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ok = [r for r in rows if r.get("status") == 200]
-    ttft = sorted(r["ttft_s"] for r in ok if "ttft_s" in r)
     prompt = sum(r.get("prompt_tokens", 0) for r in ok)
     cached = sum(r.get("cached_tokens", 0) for r in ok)
     spread: dict[str, int] = {}
     for r in ok:
         spread[r["served_by"]] = spread.get(r["served_by"], 0) + 1
-    p90 = ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else float("nan")
+
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+    ttft = [r["ttft_s"] for r in ok if "ttft_s" in r]
+    outside = [r["ttft_s"] - r["engine_s"] for r in ok if "ttft_s" in r and "engine_s" in r]
+    hop = (
+        f" | outside the engine p50 {pct(outside, 0.5) * 1e3:.1f} ms p90 "
+        f"{pct(outside, 0.9) * 1e3:.1f} ms ({len(outside)} timed)"
+        if outside else ""
+    )  # fmt: skip
     return (
-        f"{'sglang':<12} ok {len(ok)}/{len(rows)} hit {cached / max(prompt, 1):.1%} "
-        f"TTFT p90 {p90:.3f} | spread "
+        f"{name:<12} ok {len(ok)}/{len(rows)} hit {cached / max(prompt, 1):.1%} "
+        f"TTFT p50 {pct(ttft, 0.5):.3f} p90 {pct(ttft, 0.9):.3f}{hop} | spread "
         f"{'/'.join(str(n) for n in sorted(spread.values(), reverse=True))}\n  {lane_line(lanes)}"
     )
+
+
+@contextlib.contextmanager
+def _envoy_alone(fleet: SimFleet, log_dir: Path):
+    """Envoy balancing the fleet round-robin, no picker: the routing bench's baseline."""
+    with Stack(StackOptions(fleet=fleet, log_dir=log_dir, picker=False)) as stack:
+        yield stack.url
+
+
+@contextlib.contextmanager
+def _quiet_picker(opts: StackOptions):
+    with Stack(opts) as stack:
+        time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's socket
+        yield stack.url
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,7 +423,13 @@ def main(argv: list[str] | None = None) -> int:
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
         "index.capacity_first_tokens: 4000; 'sglang': sglang-router cache_aware on the same "
-        "fleet (no decisions: where each request went and what it hit)",
+        "fleet (no decisions: where each request went and what it hit); 'round-robin': "
+        "Envoy alone on the same fleet (the routing bench's baseline)",
+    )  # fmt: skip
+    p.add_argument(
+        "--quiet", action="store_true",
+        help="picker modes without the explain token (no decision header to build and "
+        "send): the hop as bench_routing.py sees it; rows and summary as sglang's",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
@@ -419,7 +465,13 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"sglang-router {version}", flush=True)
                         if sglang_venv is None:
                             continue
-                    lines.append(_trace_sglang(fleet, sglang_venv, log_dir, args, load, rnd))
+                    router = sglang_router(fleet, sglang_venv, log_dir)
+                    lines.append(_trace_plain("sglang", router, fleet, args, load, rnd))
+                    print(lines[-1], flush=True)
+                    continue
+                if named == "round-robin":
+                    router = _envoy_alone(fleet, log_dir)
+                    lines.append(_trace_plain(named, router, fleet, args, load, rnd))
                     print(lines[-1], flush=True)
                     continue
                 cfg: dict = {"server": {"explain_tokens": [TOKEN]}}
@@ -479,6 +531,12 @@ def main(argv: list[str] | None = None) -> int:
                     fleet=fleet, log_dir=log_dir, extproc_args=("--config", str(path)),
                     allow_explain=True, replicas=replicas or 1, redis_url=redis_url,
                 )  # fmt: skip
+                if args.quiet:
+                    quiet = _quiet_picker(opts)
+                    with ex:
+                        lines.append(_trace_plain(named, quiet, fleet, args, load, rnd, False))
+                    print(lines[-1], flush=True)
+                    continue
                 if args.profile:
                     _profile_env(args.profile / f"{args.workload}-{named}-{rnd}")
                 with ex, Stack(opts) as stack:
