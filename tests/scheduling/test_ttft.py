@@ -632,9 +632,10 @@ def test_kv_fit_waits_for_the_earliest_running_end_where_the_prompt_does_not_fit
     assert terms["queue_s"] == pytest.approx(0.1)
     assert sc.predict(r, full, clock.t) == pytest.approx(0.1 + 256 / 10_000 + 0.005)
     # With room (0.5 + 0.4 <= 1) no wait; `ignore` (the default) never waits.
-    assert sc.explain(r, [cand("a", prefix=36, kv_usage=0.5, running=2, **KV)])[0][
-        "kv_fit_wait_s"
-    ] == 0.0
+    assert (
+        sc.explain(r, [cand("a", prefix=36, kv_usage=0.5, running=2, **KV)])[0]["kv_fit_wait_s"]
+        == 0.0
+    )
     assert "kv_fit_wait_s" not in PredictedTTFTScorer(clock=clock).explain(r, [full])[0]
     assert sc.kv_fit_waits == 1 and sc.kv_fit_untimed == 0  # explanations are not counted
 
