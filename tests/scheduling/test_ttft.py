@@ -624,18 +624,20 @@ def test_kv_fit_waits_for_the_earliest_running_end_where_the_prompt_does_not_fit
     sc = PredictedTTFTScorer(KV_FIT, clock=clock)
     sc.decode_s = lambda address: 0.3
     r = req(blocks=40, tokens=2560)
-    # a holds 90% of the prompt but its running requests hold 70% of its cache: 0.7 + 0.4 > 1.
-    full = cand("a", prefix=36, kv_usage=0.7, running=2, **KV)
+    # a holds half the prompt, and its running requests 85% of its cache: the other half
+    # (1,280 tokens, 20%) does not fit.
+    full = cand("a", prefix=20, kv_usage=0.85, running=2, **KV)
     terms = sc.explain(r, [full])[0]
     # No placement of this scorer's runs there: the sooner of 2 running decodes, 0.3 / 3.
     assert terms["kv_fit_wait_s"] == pytest.approx(0.1)
     assert terms["queue_s"] == pytest.approx(0.1)
-    assert sc.predict(r, full, clock.t) == pytest.approx(0.1 + 256 / 10_000 + 0.005)
-    # With room (0.5 + 0.4 <= 1) no wait; `ignore` (the default) never waits.
-    assert (
-        sc.explain(r, [cand("a", prefix=36, kv_usage=0.5, running=2, **KV)])[0]["kv_fit_wait_s"]
-        == 0.0
-    )
+    assert sc.predict(r, full, clock.t) == pytest.approx(0.1 + 1280 / 10_000 + 0.005)
+    # With room (0.75 + 0.2 <= 1) no wait; `ignore` (the default) never waits.
+    room = cand("a", prefix=20, kv_usage=0.75, running=2, **KV)
+    assert sc.explain(r, [room])[0]["kv_fit_wait_s"] == 0.0
+    # The cached part costs no block: held 90%, the 256 tokens left fit beside 85%.
+    held = cand("a", prefix=36, kv_usage=0.85, running=2, **KV)
+    assert sc.explain(r, [held])[0]["kv_fit_wait_s"] == 0.0
     assert "kv_fit_wait_s" not in PredictedTTFTScorer(clock=clock).explain(r, [full])[0]
     assert sc.kv_fit_waits == 1 and sc.kv_fit_untimed == 0  # explanations are not counted
 
@@ -645,7 +647,7 @@ def test_kv_fit_counts_placements_since_the_scrape_and_times_the_wait_by_their_e
     sc = PredictedTTFTScorer(KV_FIT, clock=clock)
     sc.decode_s = lambda address: 0.3
     r = req(blocks=40, tokens=2560)
-    # Scraped 40 ms ago at 30%: two 2,560-token prompts placed since fill it (0.3 + 0.8).
+    # Scraped 40 ms ago at 30%: two cold 2,560-token prompts placed since fill it (0.3 + 0.8).
     place(sc, r, [cand("a", **KV)], "a")  # prefill 0.256 s, ends at +0.556 s
     clock.t += 0.01
     place(sc, r, [cand("a", **KV)], "a")  # behind it: prefill ends at +0.512, ends +0.812
@@ -670,10 +672,10 @@ def test_kv_fit_changes_the_pick_to_a_server_with_room_and_counts_it():
     sc = PredictedTTFTScorer(KV_FIT, clock=clock)
     sc.decode_s = lambda address: 0.6
     r = req(blocks=40, tokens=2560)
-    # a holds 60% of the prompt but is full (wait 0.6 / 2 = 0.3 s + 0.102 s prefill); b is
-    # cold with room (0.256 s).
+    # a holds 60% of the prompt but is full (0.9 + 0.16; wait 0.6 / 2 = 0.3 s + 0.102 s
+    # prefill); b is cold with room (0.3 + 0.4; 0.256 s).
     cands = [
-        cand("a", prefix=24, kv_usage=0.8, running=1, **KV),
+        cand("a", prefix=24, kv_usage=0.9, running=1, **KV),
         cand("b", kv_usage=0.3, running=1, **KV),
     ]
     s = sc.score(r, cands)

@@ -143,13 +143,13 @@ class PredictedTTFTScorer:
 
     `kvFit`: whether a request that does not fit in the endpoint's free KV cache waits for
     it. `wait`: when the blocks its running requests hold (scraped `kv_usage`), plus the
-    prompts placed there since that scrape, plus this request's prompt exceed the endpoint's
-    KV capacity (`kv_blocks` x `kv_block_size`, in estimated tokens by the KV-capacity
-    model's ratio), the queue ahead is at least the wait until the earliest running request
-    ends (`_kv_wait`). At the tenants knee a tenant's ~2,560 tokens are 40% of a 6,400-token
-    cache: a server runs about two at once and the third waits for blocks, hit or not, which
-    the prefill queue alone does not see (bench/RESULTS.md, issue 14, eighteenth session).
-    `ignore` leaves the cache's room out of the prediction.
+    uncached tokens placed there since that scrape, plus this request's uncached tokens
+    exceed the endpoint's KV capacity (`kv_blocks` x `kv_block_size`; estimates converted by
+    the KV-capacity model's ratio), the queue ahead is at least the wait until the earliest
+    running request ends (`_kv_wait`). At the tenants knee a tenant's ~2,560 tokens are 40%
+    of a 6,400-token cache: a server runs about two at once and the third waits for blocks,
+    hit or not, which the prefill queue alone does not see (bench/RESULTS.md, issue 14,
+    eighteenth session). `ignore` leaves the cache's room out of the prediction.
 
     ```yaml
     - type: predicted-ttft-scorer
@@ -216,7 +216,7 @@ class PredictedTTFTScorer:
         # None: not known (no approximate index), speeds taken as they are.
         self.token_ratio: Callable[[], float] | None = None
         # Per endpoint, recent placements (own and folded) for `kvFit: wait`: (placed at,
-        # prompt tokens, predicted end of its prefill), oldest first.
+        # uncached tokens, predicted end of its prefill), oldest first.
         self._live: dict[str, deque[tuple[float, float, float]]] = {}
         # Mean decode seconds of a request on an endpoint (endpoints/decode_time.py; the
         # server's assembly sets it). None: not measured, and `kvFit: wait` then times a
@@ -373,26 +373,32 @@ class PredictedTTFTScorer:
     ) -> float:
         """Seconds until `c` has room in its KV cache for this request (0: room now, or not
         known). Room: the scraped `kv_usage` (blocks its running and admitted requests hold)
-        plus the prompts placed there since that scrape (own and folded placements; the
-        engine had not seen them) plus this prompt, against `kv_blocks` x `kv_block_size`.
-        The whole prompt counts, not its uncached part: a cached block no running request
-        holds is free space in the engine's count, and reusing it takes it out of the free
-        pool. Over capacity, the wait is until the earliest running request ends: a
-        placement of this scorer's still expected to run ends a decode after its predicted
-        prefill; without one, the soonest of the `running` requests, each somewhere in its
-        decode, ends in about decode / (running + 1).
+        plus the uncached tokens placed there since that scrape (own and folded placements;
+        the engine had not seen them) plus this request's uncached tokens, against
+        `kv_blocks` x `kv_block_size`. Over capacity, the wait is until the earliest running
+        request ends: a placement of this scorer's still expected to run ends a decode after
+        its predicted prefill; without one, the soonest of the `running` requests, each
+        somewhere in its decode, ends in about decode / (running + 1).
 
-        What this ignores: one request's end may free too little (then it waits for more),
-        requests already queued for blocks ahead of it (the engine admits first come first
-        served), the output's blocks (vLLM allocates them as it decodes), a prefix a running
-        request holds (shared, so counted twice here), and a peer's placements since the
-        scrape when placements are not shared (they show at the next scrape)."""
+        Uncached tokens, not the whole prompt: a cached prefix a running request holds costs
+        no block (at the tenants knee a tenant's holder mostly runs the same tenant's
+        requests), one no request holds is free in the engine's count and reusing it takes it
+        out of the free pool. Counting whole prompts waited in 48% of the predictions at the
+        knee and moved 35-40 requests a run off their holders: hit ratio 61% / 59% against
+        65% / 65%, p90 +30% / +21% (bench/RESULTS.md, issue 14, nineteenth session). So an
+        idle cached prefix is not counted here.
+
+        What else this ignores: one request's end may free too little (then it waits for
+        more), requests already queued for blocks ahead of it (the engine admits first come
+        first served), the output's blocks (vLLM allocates them as it decodes), and a peer's
+        placements since the scrape when placements are not shared (they show at the next
+        scrape)."""
         st = c.state
         if not (st.kv_blocks and st.kv_block_size) or st.is_stale:
             return 0.0
         ratio = self._ratio()
         cap = float(st.kv_blocks * st.kv_block_size)
-        need = req.prompt_tokens * ratio
+        need = uncached_tokens(req, c) * ratio
         if need >= cap:
             return 0.0  # fits beside nothing: the engine runs it alone or refuses it
         address = c.endpoint.address
@@ -541,7 +547,7 @@ class PredictedTTFTScorer:
             live = self._live.get(addr)
             if live is None:
                 live = self._live[addr] = deque(maxlen=_MAX_LIVE)
-            live.append((at, float(prompt_tokens), end))
+            live.append((at, work, end))
         mean = self._mean_prefill
         self._mean_prefill = work if mean is None else mean + 0.05 * (work - mean)
         self._written[addr] = self._written.get(addr, 0.0) + work
