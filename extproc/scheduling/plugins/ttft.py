@@ -70,8 +70,8 @@ _FLOOR_S = 0.005
 _MAX_PROMPT_TOKENS = 1 << 23
 _MAX_QUEUE_S = 600.0
 # Placements kept per endpoint for the KV-fit term (those since the last scrape, and the
-# ones still expected to run): a server takes a few per scrape interval, so this bounds
-# memory and the per-candidate scan, never what is counted.
+# ones still expected to run): a server takes a few per scrape interval and runs a few
+# dozen at most, so this bounds memory and the per-candidate scan, not what is counted.
 _MAX_LIVE = 128
 
 
