@@ -168,6 +168,10 @@ POLICIES: dict[str, dict] = {
         "tree": True,
         "extproc_args": ("--config", "@TOGETHER"),
     },
+    # Issue 14, nineteenth session: predicted TTFT waits for KV blocks when the request does
+    # not fit beside the running ones (`kvFit`), against the scorer without that wait.
+    "extproc approximate, kv fit": {"extproc_args": ("--config", "@KVFIT")},
+    "extproc approximate, kv fit ignored": {"extproc_args": ("--config", "@KVIGNORE")},
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
@@ -373,6 +377,8 @@ CONFIGS = {
     "@UNTIL_END": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "untilEnd"}),
     "@BOUNDED": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0}),
     "@TOGETHER": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0.5}),
+    "@KVFIT": _default_profile_with("predicted-ttft-scorer", {"kvFit": "wait"}),
+    "@KVIGNORE": _default_profile_with("predicted-ttft-scorer", {"kvFit": "ignore"}),
 }
 
 
@@ -420,6 +426,9 @@ def run_step(
 # on load alone: this separates "Redis" from "replicas disagree"), and what
 # bounded-sessions-filter did with new sessions.
 _COUNTERS = (
+    "kv_fit waited",
+    "kv_fit untimed",
+    "kv_fit changed",
     "extproc_index_lookups_degraded_total",
     "extproc_index_lookups_total",
     "extproc_session_bound_bounded_total",
@@ -439,7 +448,9 @@ def picker_counters(stack: Stack | None) -> dict[str, float]:
     for port in admin:
         for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text.splitlines():
             name, _, value = line.partition(" ")
-            name = name.partition("{")[0]
+            name, _, labels = name.partition("{")
+            if name == "extproc_predicted_ttft_kv_fit_total":
+                name = "kv_fit " + labels.partition('outcome="')[2].partition('"')[0]
             if name in sums:
                 sums[name] += float(value)
     return sums
@@ -528,6 +539,8 @@ def run_policy(
                 f" (growth unknown {d['extproc_session_bound_growth_unknown_total']:.0f})"
                 f" kept {d['extproc_session_bound_kept_together_total']:.0f}"
                 f" header-read {d['extproc_session_bound_header_growth_total']:.0f}"
+                f" kv-fit waited {d['kv_fit waited']:.0f} (untimed {d['kv_fit untimed']:.0f})"
+                f" changed {d['kv_fit changed']:.0f}"
             )
             s = in_shape_time(wall, time_scale)
             rows.append(Row(wl, policy, rate, s, lanes))

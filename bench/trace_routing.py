@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         "+ '-first': its inflightFloor: untilFirstToken; + '-wq': its waitingFloor: "
         "endpointMean; + '-kv': kv-cache-utilization-scorer's countRequest: true; + '-wqkv': "
         "both; + '-bounded': bounded-sessions-filter's keepTogetherGrowth: 0 (every new "
-        "session bounded, the default before the sixteenth session); any mode + "
+        "session bounded, the default before the sixteenth session); + '-kvfit': "
+        "predicted-ttft-scorer's kvFit: wait; any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -497,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                     "-wq": {ttft: {"waitingFloor": "endpointMean"}},
                     "-kv": {kv: {"countRequest": True}},
                     "-bounded": {"bounded-sessions-filter": {"keepTogetherGrowth": 0}},
+                    "-kvfit": {ttft: {"kvFit": "wait"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:

@@ -15,6 +15,7 @@ from extproc.config import Settings, build_configured_flow_control, build_config
 from extproc.core import Endpoint
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.dcgm import DCGMScraper
+from extproc.endpoints.decode_time import DecodeTimes
 from extproc.endpoints.prefill_speed import PrefillSpeeds
 from extproc.endpoints.request_end import RequestEnds
 from extproc.endpoints.scrape import MetricsScraper
@@ -117,6 +118,7 @@ class Parts:
             )
         self.inflight_push = self._push_placements()
         self.speeds = PrefillSpeeds(state.prefill_speed)
+        self.decode_times = DecodeTimes()
         self.ends = RequestEnds(
             self.inflight.release,
             state.request_end,
@@ -158,6 +160,10 @@ class Parts:
             for plugin in self.router.scheduler.plugins:
                 if isinstance(plugin, PredictedTTFTScorer):
                     plugin.token_ratio = lambda stats=capacity: stats.ratio
+        for plugin in self.router.scheduler.plugins:
+            if isinstance(plugin, PredictedTTFTScorer):
+                # `kvFit: wait` times a wait for KV blocks by the engines' decode times.
+                plugin.decode_s = self.decode_times.get
         if isinstance(self.inflight, SharedInFlight):
             # Predicted TTFT's floor may count the peers' in-flight tokens drained by time
             # (its `peerInflight`); the exchange dates them.
@@ -509,6 +515,7 @@ class Parts:
             self.admission.output_scale.measured(self.calibration.stats.ratios)
         # The engine's own prefill timing, queueing excluded (endpoints/prefill_speed.py).
         self.speeds.scraped(address, scraped.latency, age_s=age_s)
+        self.decode_times.scraped(address, scraped.latency)
 
     async def _invalidate_endpoint(self, address: str, reason: str) -> None:
         """The scraper saw `address` restart or stop answering: its cache is not what the

@@ -237,7 +237,19 @@ class Exporter:
             "floor as already prefilled (peerInflight: drained), summed over predictions.",
             ["scorer"],
         )
+        kv_fit = counter(
+            "extproc_predicted_ttft_kv_fit",
+            "predicted-ttft-scorer's kvFit: wait, by outcome: waited (predictions where the "
+            "request did not fit in the endpoint's free KV cache and waited for a running "
+            "request to end), untimed (of those, timed without a decode-time measurement: "
+            "the running prefills' ends alone), changed (scored requests whose fastest "
+            "endpoint the wait changed).",
+            ["scorer", "outcome"],
+        )
         for name, scorer in scorers.items():
+            kv_fit.add_metric([name, "waited"], scorer.kv_fit_waits)
+            kv_fit.add_metric([name, "untimed"], scorer.kv_fit_untimed)
+            kv_fit.add_metric([name, "changed"], scorer.kv_fit_changed)
             for address, (q, w) in scorer.view().items():
                 queue.add_metric([name, address], q)
                 written.add_metric([name, address], w)
@@ -247,6 +259,7 @@ class Exporter:
         yield written
         yield fallbacks
         yield drained
+        yield kv_fit
 
     def _kv_events(self) -> Iterator[Metric]:
         assert self._p.subscriber is not None

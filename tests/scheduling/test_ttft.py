@@ -611,3 +611,107 @@ def test_speed_units_estimates_drains_estimated_queues_at_their_real_speed():
     # An endpoint not measured yet keeps the prior (in no unit in particular).
     assert sc._tps(cand("c")) == 10_000.0
     assert PredictedTTFTScorer.Params().speed_units == "engine"
+
+
+# `kvFit: wait`: a 6,400-token cache (400 blocks x 16), 2,560-token prompts (40% of it), the
+# tenants knee's shape (bench/RESULTS.md, issue 14, eighteenth session).
+KV = {"kv_blocks": 400, "kv_block_size": 16, "prefill_tps": 10_000.0}
+KV_FIT = PredictedTTFTScorer.Params(kv_fit="wait")
+
+
+def test_kv_fit_waits_for_the_earliest_running_end_where_the_prompt_does_not_fit():
+    clock = Clock()
+    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc.decode_s = lambda address: 0.3
+    r = req(blocks=40, tokens=2560)
+    # a holds half the prompt, and its running requests 85% of its cache: the other half
+    # (1,280 tokens, 20%) does not fit.
+    full = cand("a", prefix=20, kv_usage=0.85, running=2, **KV)
+    terms = sc.explain(r, [full])[0]
+    # No placement of this scorer's runs there: the sooner of 2 running decodes, 0.3 / 3.
+    assert terms["kv_fit_wait_s"] == pytest.approx(0.1)
+    assert terms["queue_s"] == pytest.approx(0.1)
+    assert sc.predict(r, full, clock.t) == pytest.approx(0.1 + 1280 / 10_000 + 0.005)
+    # With room (0.75 + 0.2 <= 1) no wait; `ignore` (the default) never waits.
+    room = cand("a", prefix=20, kv_usage=0.75, running=2, **KV)
+    assert sc.explain(r, [room])[0]["kv_fit_wait_s"] == 0.0
+    # The cached part costs no block: held 90%, the 256 tokens left fit beside 85%.
+    held = cand("a", prefix=36, kv_usage=0.85, running=2, **KV)
+    assert sc.explain(r, [held])[0]["kv_fit_wait_s"] == 0.0
+    assert "kv_fit_wait_s" not in PredictedTTFTScorer(clock=clock).explain(r, [full])[0]
+    assert sc.kv_fit_waits == 1 and sc.kv_fit_untimed == 0  # explanations are not counted
+
+
+def test_kv_fit_counts_placements_since_the_scrape_and_times_the_wait_by_their_ends():
+    clock = Clock()
+    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc.decode_s = lambda address: 0.3
+    r = req(blocks=40, tokens=2560)
+    # Scraped 40 ms ago at 30%: two cold 2,560-token prompts placed since fill it (0.3 + 0.8).
+    place(sc, r, [cand("a", **KV)], "a")  # prefill 0.256 s, ends at +0.556 s
+    clock.t += 0.01
+    place(sc, r, [cand("a", **KV)], "a")  # behind it: prefill ends at +0.512, ends +0.812
+    clock.t += 0.002
+    scraped = cand("a", kv_usage=0.3, age_s=0.04, **KV)
+    # The earliest of them to end: the first, 0.556 - 0.012 s from now; the prefill queue
+    # ahead is 0.5 s, so the wait adds 0.044 s to it.
+    terms = sc.explain(r, [scraped])[0]
+    assert terms["kv_fit_wait_s"] == pytest.approx(0.544)
+    assert terms["virtual_queue_s"] == pytest.approx(0.5)
+    assert terms["queue_s"] == pytest.approx(0.544)
+    # Scraped after both were placed: its usage holds them, not counted again (0.3 + 0.4).
+    assert sc.explain(r, [cand("a", kv_usage=0.3, age_s=0.001, **KV)])[0]["kv_fit_wait_s"] == 0
+    # Once both are expected to have ended, a full scrape waits for the running requests.
+    clock.t += 1.0
+    late = cand("a", kv_usage=0.7, running=1, **KV)
+    assert sc.explain(r, [late])[0]["kv_fit_wait_s"] == pytest.approx(0.15)
+
+
+def test_kv_fit_changes_the_pick_to_a_server_with_room_and_counts_it():
+    clock = Clock()
+    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc.decode_s = lambda address: 0.6
+    r = req(blocks=40, tokens=2560)
+    # a holds 60% of the prompt but is full (0.9 + 0.16; wait 0.6 / 2 = 0.3 s + 0.102 s
+    # prefill); b is cold with room (0.3 + 0.4; 0.256 s).
+    cands = [
+        cand("a", prefix=24, kv_usage=0.9, running=1, **KV),
+        cand("b", kv_usage=0.3, running=1, **KV),
+    ]
+    s = sc.score(r, cands)
+    assert s[1] == 1.0 and s[0] < 1.0
+    assert sc.kv_fit_changed == 1 and sc.kv_fit_waits == 1
+    # Without the term a wins, as before.
+    assert PredictedTTFTScorer(clock=clock).score(r, cands)[0] == 1.0
+    # A short wait (decodes of 0.1 s) keeps the request on its holder: nothing changed.
+    sc.decode_s = lambda address: 0.1
+    assert sc.score(r, cands)[0] == 1.0
+    assert sc.kv_fit_changed == 1
+
+
+def test_kv_fit_without_a_decode_time_counts_untimed_and_skips_unknown_caches(caplog):
+    clock = Clock()
+    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    r = req(blocks=40, tokens=2560)
+    full = cand("a", kv_usage=0.9, running=2, **KV)
+    sc.score(r, [full])
+    assert sc.kv_fit_untimed == 1 and sc.kv_fit_waits == 1
+    assert "no engine's decode time measured" in caplog.text
+    # Capacity unknown, a stale scrape, or a prompt bigger than the cache: no wait.
+    sc.decode_s = lambda address: 0.3
+    assert sc.explain(r, [cand("a", kv_usage=0.9, running=2)])[0]["kv_fit_wait_s"] == 0
+    stale = cand("a", kv_usage=0.9, running=2, age_s=5.0, **KV)
+    assert sc.explain(r, [stale])[0]["kv_fit_wait_s"] == 0
+    huge = req(blocks=40, tokens=7000)
+    assert sc.explain(huge, [full])[0]["kv_fit_wait_s"] == 0
+
+
+def test_kv_fit_converts_estimated_tokens_by_the_capacity_ratio():
+    clock = Clock()
+    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc.decode_s = lambda address: 0.3
+    r = req(blocks=40, tokens=1280)  # 1,280 estimated tokens, 20% of the cache as estimated
+    half = cand("a", kv_usage=0.7, running=2, **KV)
+    assert sc.explain(r, [half])[0]["kv_fit_wait_s"] == 0
+    sc.token_ratio = lambda: 2.0  # each estimate is 2 engine tokens: 40%, does not fit
+    assert sc.explain(r, [half])[0]["kv_fit_wait_s"] == pytest.approx(0.1)

@@ -50,6 +50,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, ClassVar, Literal, Protocol
 
@@ -68,6 +69,10 @@ _FLOOR_S = 0.005
 # (a real one that long means the request times out anyway; a forged one stops here).
 _MAX_PROMPT_TOKENS = 1 << 23
 _MAX_QUEUE_S = 600.0
+# Placements kept per endpoint for the KV-fit term (those since the last scrape, and the
+# ones still expected to run): a server takes a few per scrape interval and runs a few
+# dozen at most, so this bounds memory and the per-candidate scan, not what is counted.
+_MAX_LIVE = 128
 
 
 class PeerTokens(Protocol):
@@ -136,10 +141,21 @@ class PredictedTTFTScorer:
     servers' floors as much as the holder's, and on three replicas it lost tenants' holders
     more often on the quietest set measured (bench/RESULTS.md, issue 14, eleventh session).
 
+    `kvFit`: whether a request that does not fit in the endpoint's free KV cache waits for
+    it. `wait`: when the blocks its running requests hold (scraped `kv_usage`), plus the
+    uncached tokens placed there since that scrape, plus this request's uncached tokens
+    exceed the endpoint's KV capacity (`kv_blocks` x `kv_block_size`; estimates converted by
+    the KV-capacity model's ratio), the queue ahead is at least the wait until the earliest
+    running request ends (`_kv_wait`). At the tenants knee a tenant's ~2,560 tokens are 40%
+    of a 6,400-token cache: a server runs about two at once and the third waits for blocks,
+    hit or not, which the prefill queue alone does not see (bench/RESULTS.md, issue 14,
+    eighteenth session). `ignore` leaves the cache's room out of the prediction.
+
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
-                   peerInflight: drained, waitingFloor: fleetMean, speedUnits: engine}
+                   peerInflight: drained, waitingFloor: fleetMean, speedUnits: engine,
+                   kvFit: ignore}
     ```
     """
 
@@ -152,6 +168,7 @@ class PredictedTTFTScorer:
         peer_inflight: Literal["whole", "drained", "sharedLane"] = "drained"
         waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
         speed_units: Literal["engine", "estimates"] = "engine"
+        kv_fit: Literal["ignore", "wait"] = "ignore"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -164,6 +181,7 @@ class PredictedTTFTScorer:
         self._shared_lane = p.peer_inflight == "sharedLane"
         self._endpoint_mean = p.waiting_floor == "endpointMean"
         self._speed_in_estimates = p.speed_units == "estimates"
+        self._kv_fit = p.kv_fit == "wait"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -197,6 +215,20 @@ class PredictedTTFTScorer:
         # server's assembly sets it): `speedUnits: estimates` divides measured speeds by it.
         # None: not known (no approximate index), speeds taken as they are.
         self.token_ratio: Callable[[], float] | None = None
+        # Per endpoint, recent placements (own and folded) for `kvFit: wait`: (placed at,
+        # uncached tokens, predicted end of its prefill), oldest first.
+        self._live: dict[str, deque[tuple[float, float, float]]] = {}
+        # Mean decode seconds of a request on an endpoint (endpoints/decode_time.py; the
+        # server's assembly sets it). None: not measured, and `kvFit: wait` then times a
+        # wait by the running prefills' ends alone, counted in `kv_fit_untimed`.
+        self.decode_s: Callable[[str], float | None] | None = None
+        # `kvFit: wait`: predictions that waited for KV blocks; of those, the ones timed
+        # without a decode measurement; scored requests whose fastest endpoint the wait
+        # changed (this scorer's pick; the profile's sum of scorers decides the request).
+        self.kv_fit_waits = 0
+        self.kv_fit_untimed = 0
+        self.kv_fit_changed = 0
+        self._untimed_said = False
 
     def units_changed(self, factor: float) -> None:
         """Estimates grew `factor`-fold: the mean placed prefill follows (the prior speed is a
@@ -205,12 +237,17 @@ class PredictedTTFTScorer:
             self._mean_prefill *= factor
         if factor > 0:
             self._written = {a: n * factor for a, n in self._written.items()}
+            for live in self._live.values():
+                scaled = [(at, n * factor, end) for at, n, end in live]
+                live.clear()
+                live.extend(scaled)
 
     def endpoint_reset(self, address: str) -> None:
         """`address` restarted or left: its cache is empty (nothing written, so no eviction
         charged until it fills again) and the prefill queued there is gone."""
         self._written.pop(address, None)
         self._busy_until.pop(address, None)
+        self._live.pop(address, None)
 
     def _tps(self, c: Candidate) -> float:
         tps = c.state.prefill_tps
@@ -237,6 +274,16 @@ class PredictedTTFTScorer:
         """Seconds until `c` would return this request's first token. `terms`, when given,
         gets each term of the prediction (`explain`): one code path, so an explanation
         cannot drift from what was scored."""
+        return self._predict(req, c, now, terms)[0]
+
+    def _predict(
+        self,
+        req: InferenceRequest,
+        c: Candidate,
+        now: float,
+        terms: dict[str, float] | None = None,
+    ) -> tuple[float, float]:
+        """The prediction, and the seconds the KV-fit wait added to it."""
         tps = self._tps(c)
         wait = self._busy_until.get(c.endpoint.address, now) - now
         st = c.state
@@ -299,11 +346,85 @@ class PredictedTTFTScorer:
             if terms is not None:
                 terms["waiting_floor_s"] = queued / tps
             wait = max(wait, queued / tps)
+        added = 0.0
+        if self._kv_fit:
+            # A floor, not a sum: while it waits for blocks the prefills ahead go on, and once
+            # admitted it queues behind what is left of them.
+            kv = self._kv_wait(req, c, now, count=terms is None)
+            if terms is not None:
+                terms["kv_fit_wait_s"] = kv
+            added = max(0.0, kv - max(0.0, wait))
+            wait = max(wait, kv)
         uncached = uncached_tokens(req, c) / tps
         if terms is not None:
             terms["queue_s"] = max(0.0, wait)
             terms["uncached_s"] = uncached
-        return max(0.0, wait) + uncached + _FLOOR_S
+        return max(0.0, wait) + uncached + _FLOOR_S, added
+
+    def _ratio(self) -> float:
+        """Engine tokens per estimated token (1.0 when not measured)."""
+        if self.token_ratio is None:
+            return 1.0
+        ratio = self.token_ratio()
+        return ratio if ratio > 0 and math.isfinite(ratio) else 1.0
+
+    def _kv_wait(
+        self, req: InferenceRequest, c: Candidate, now: float, *, count: bool = True
+    ) -> float:
+        """Seconds until `c` has room in its KV cache for this request (0: room now, or not
+        known). Room: the scraped `kv_usage` (blocks its running and admitted requests hold)
+        plus the uncached tokens placed there since that scrape (own and folded placements;
+        the engine had not seen them) plus this request's uncached tokens, against
+        `kv_blocks` x `kv_block_size`. Over capacity, the wait is until the earliest running
+        request ends: a placement of this scorer's still expected to run ends a decode after
+        its predicted prefill; without one, the soonest of the `running` requests, each
+        somewhere in its decode, ends in about decode / (running + 1).
+
+        Uncached tokens, not the whole prompt: a cached prefix a running request holds costs
+        no block (at the tenants knee a tenant's holder mostly runs the same tenant's
+        requests), one no request holds is free in the engine's count and reusing it takes it
+        out of the free pool. Counting whole prompts waited in 48% of the predictions at the
+        knee and moved 35-40 requests a run off their holders: hit ratio 61% / 59% against
+        65% / 65%, p90 +30% / +21% (bench/RESULTS.md, issue 14, nineteenth session). So an
+        idle cached prefix is not counted here.
+
+        What else this ignores: one request's end may free too little (then it waits for
+        more), requests already queued for blocks ahead of it (the engine admits first come
+        first served), the output's blocks (vLLM allocates them as it decodes), and a peer's
+        placements since the scrape when placements are not shared (they show at the next
+        scrape)."""
+        st = c.state
+        if not (st.kv_blocks and st.kv_block_size) or st.is_stale:
+            return 0.0
+        ratio = self._ratio()
+        cap = float(st.kv_blocks * st.kv_block_size)
+        need = uncached_tokens(req, c) * ratio
+        if need >= cap:
+            return 0.0  # fits beside nothing: the engine runs it alone or refuses it
+        address = c.endpoint.address
+        live = self._live.get(address)
+        since = now - (st.age_s or 0.0)
+        recent = sum(n for at, n, _ in live if at > since) if live else 0.0
+        if st.kv_usage * cap + recent * ratio + need <= cap:
+            return 0.0
+        decode = self.decode_s(address) if self.decode_s is not None else None
+        if decode is None:
+            if count:
+                self.kv_fit_untimed += 1
+            if not self._untimed_said:
+                self._untimed_said = True
+                log.warning(
+                    "predicted-ttft-scorer: no engine's decode time measured "
+                    "(vllm:request_decode_time_seconds): a wait for KV blocks is timed by "
+                    "the running prefills' ends alone "
+                    "(extproc_predicted_ttft_kv_fit_total{outcome='untimed'})"
+                )
+            decode = 0.0
+        ends = [end + decode for _, _, end in live if end + decode > now] if live else []
+        wait = min(ends) - now if ends else decode / (max(st.running, 1) + 1)
+        if count:
+            self.kv_fit_waits += 1
+        return wait
 
     def _inflight_prefill(
         self, st: EndpointState, address: str, tokens: float, *, count: bool = True
@@ -354,8 +475,17 @@ class PredictedTTFTScorer:
 
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
         now = self._clock()
-        cost = [self.predict(req, c, now) + self.eviction_cost(req, c) for c in cands]
+        cost = []
+        added = []
+        for c in cands:
+            t, kv = self._predict(req, c, now)
+            cost.append(t + self.eviction_cost(req, c))
+            added.append(kv)
         best = min(cost)
+        if any(added):
+            without = [t - kv for t, kv in zip(cost, added, strict=True)]
+            if cost.index(best) != without.index(min(without)):
+                self.kv_fit_changed += 1
         return [best / t for t in cost]
 
     def explain(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[dict[str, float]]:
@@ -404,6 +534,7 @@ class PredictedTTFTScorer:
             self._busy_until = {a: t for a, t in self._busy_until.items() if t > now}
             live = self._busy_until.keys() | {c.endpoint.address for c in cands}
             self._written = {a: n for a, n in self._written.items() if a in live}
+            self._live = {a: q for a, q in self._live.items() if a in live}
 
     def _record(
         self, addr: str, work: float, prompt_tokens: int, seconds: float, at: float, now: float
@@ -411,7 +542,12 @@ class PredictedTTFTScorer:
         """A placement of `work` uncached tokens (of `prompt_tokens`) on `addr` made at `at`,
         taking `seconds` of prefill there: it queues behind what `addr` had, fills its cache."""
         start = max(at, self._busy_until.get(addr, at))
-        self._busy_until[addr] = min(start + seconds, now + _MAX_QUEUE_S)
+        end = self._busy_until[addr] = min(start + seconds, now + _MAX_QUEUE_S)
+        if self._kv_fit:
+            live = self._live.get(addr)
+            if live is None:
+                live = self._live[addr] = deque(maxlen=_MAX_LIVE)
+            live.append((at, work, end))
         mean = self._mean_prefill
         self._mean_prefill = work if mean is None else mean + 0.05 * (work - mean)
         self._written[addr] = self._written.get(addr, 0.0) + work
