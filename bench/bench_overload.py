@@ -46,8 +46,8 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 (`output_token_scale`: outputs counted in the prompt estimate's unit, `output_scaled`),
 `-osm` (the same, but `output_token_scale: auto`: the picker measures the scale from
 calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
-`-ends<ms>` (`dispatch_on_end`, off in every other run, and Envoy's access log flushed
-every <ms> instead of 100 ms),
+`-spare` (`reserve_refill_spares_largest`), `-ends<ms>` (`dispatch_on_end`, off in every
+other run, and Envoy's access log flushed every <ms> instead of 100 ms),
 `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
 session: `-noprior-out96`), and
@@ -174,6 +174,7 @@ def picker_config(
     reserve_quantile: float = 0.0,
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
+    refill_spares_largest: bool = False,
     claim: bool = False,
     output_scale: float = 0.0,
     output_scale_auto: bool = False,
@@ -252,6 +253,9 @@ def picker_config(
             # The room a server frees within this horizon counts toward the reserve
             # (`-refill<ms>` runs).
             doc["flow_control"]["reserve_refill_s"] = reserve_refill_s
+        if refill_spares_largest:
+            # ... but never against the largest interactive request (`-spare` runs).
+            doc["flow_control"]["reserve_refill_spares_largest"] = True
         if output_scale:
             # Outputs counted in the prompt estimate's unit (`-os` runs; `kv_ratio` is then
             # `output_scaled`'s).
@@ -993,6 +997,10 @@ def main() -> int:
             rf_m = re.search(r"-refill(\d+)", run_name)  # `-refill<ms>`: reserve_refill_s
             refill_s = int(rf_m.group(1)) / 1000 if rf_m else 0.0
             run_name = re.sub(r"-refill\d+", "", run_name)
+            # `-spare`: reserve_refill_spares_largest (the refill credit never counts
+            # against the reserve's largest request).
+            run_name, spare, after = run_name.partition("-spare")
+            run_name += after
             run_name, pf, after = run_name.partition("-pf")  # the prior's prefill_s
             run_name += after
             run_name, claim, after = run_name.partition("-claim")  # waiting_claims_room
@@ -1063,6 +1071,7 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
+                    refill_spares_largest=bool(spare),
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),
@@ -1094,6 +1103,7 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
+                    refill_spares_largest=bool(spare),
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),

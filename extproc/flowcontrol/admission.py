@@ -92,6 +92,10 @@ class Admission:
                 "no effect without "
                 "admit_per_endpoint and reserve_for_higher_bands"
             )
+        if s.reserve_refill_spares_largest and not s.reserve_refill_s:
+            log.warning(
+                "flow_control.reserve_refill_spares_largest has no effect without reserve_refill_s"
+            )
         # The prior's prompt (what a server prefills) is its request less the output
         # counted per request.
         priors = {
@@ -123,6 +127,7 @@ class Admission:
             reserve_quantile=s.reserve_quantile,
             reserve_rate_quantile=s.reserve_rate_quantile,
             reserve_refill_s=s.reserve_refill_s,
+            reserve_refill_spares_largest=s.reserve_refill_spares_largest,
             gate=config.gate,
             waiting_claims_room=s.waiting_claims_room,
             dispatch_on_end=s.dispatch_on_end,

@@ -168,7 +168,10 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve as it is expected to free within this many seconds (the tokens of the requests
     that ended there over the last 3 s, per second, times this), so a higher-band request
     as large as the reserve waits at most about this long for room, and the room is not
-    kept idle meanwhile (flowcontrol/refill.py).
+    kept idle meanwhile (flowcontrol/refill.py). `reserve_refill_spares_largest` (off by
+    default): that credit counts against the reserve's arrival-rate term only, so a server
+    keeps at least the room of the band's largest requests (a large request arriving at
+    the worst moment finds room instead of waiting for ends).
     `output_token_scale` (1.0, the default: none): each request's counted output (above)
     times this, so it adds up with the prompt estimate in one unit: the picker's estimated
     prompt tokens per real token where that estimate runs over or under the engine's count
@@ -206,6 +209,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_rate_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_refill_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
+    reserve_refill_spares_largest: bool = False
     output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] | Literal["auto"] = 1.0
     waiting_claims_room: bool = False
     dispatch_on_end: bool = True

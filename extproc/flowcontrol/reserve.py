@@ -211,9 +211,11 @@ class Reserve:
 
     def held(
         self, priority: int, configured: Iterable[int], prefill_tps: float | None
-    ) -> tuple[int, int]:
-        """(tokens, priority): the room kept for the bands above `priority` and the highest
-        such band (whose ceiling it must fit under); (0, priority) when none.
+    ) -> tuple[int, int, int]:
+        """(tokens, priority, size): the room kept for the bands above `priority`, the
+        highest such band (whose ceiling it must fit under), and of those tokens the size
+        term (the largest requests, without the arrival-rate term) of the band that set
+        them; (0, priority, 0) when none.
 
         Per band above: its largest recent requests plus its arrival rate times the
         largest one's prefill time. Until a band above (configured, with a prior, or seen)
@@ -222,7 +224,7 @@ class Reserve:
         requests of any band: at a burst's start lower work arrives first, and reserving
         only for what the higher band had sent (nothing, or one small request) let lower
         work fill every server (`tests/e2e/test_flow_reserve_prior.py`)."""
-        best, top, above = 0, priority, False
+        best, top, size, above = 0, priority, 0, False
         for p in set(configured) | self._seen.keys() | self._priors.keys():
             if p <= priority:
                 continue
@@ -249,6 +251,7 @@ class Reserve:
                 )
             if self._rate_quantile and self.history(p) >= QUANTILE_TRUSTED:
                 prompt = self._rate_prompt[p]
+            whole = max(tokens, self._largest_any[0]) if short else tokens
             if prefill_tps:
                 tokens += int(rate * prompt / prefill_tps)
             elif rate and short and prior is not None and prior.prefill_s:
@@ -268,12 +271,14 @@ class Reserve:
             if short:
                 tokens = max(tokens, self._largest_any[0])
             if tokens:
-                best, top = max(best, tokens), max(top, p)
+                if (tokens, whole) > (best, size):
+                    best, size = tokens, whole
+                top = max(top, p)
         if above:
             # Only a band below another sizes it: the top band's own requests (nothing
             # above them) read 0 and made the gauge flicker to 0 in the overload bench.
             self.last_held = best
-        return best, top
+        return best, top, size
 
     def _source(self, priority: int, on_prior: bool) -> None:
         """Say when a band's reserve starts or stops counting its configured prior."""
