@@ -46,7 +46,8 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 (`output_token_scale`: outputs counted in the prompt estimate's unit, `output_scaled`),
 `-osm` (the same, but `output_token_scale: auto`: the picker measures the scale from
 calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
-`-spare` (`reserve_refill_spares_largest`), `-ends<ms>` (`dispatch_on_end`, off in every
+`-spare` (`reserve_refill_spares_largest`), `-spike<ms>` (`reserve_spike_s`; `-sq<NN>`:
+`reserve_spike_quantile` 0.NN), `-ends<ms>` (`dispatch_on_end`, off in every
 other run, and Envoy's access log flushed every <ms> instead of 100 ms),
 `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
@@ -175,6 +176,8 @@ def picker_config(
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
     refill_spares_largest: bool = False,
+    spike_s: float = 0.0,
+    spike_quantile: float = 0.0,
     claim: bool = False,
     output_scale: float = 0.0,
     output_scale_auto: bool = False,
@@ -256,6 +259,11 @@ def picker_config(
         if refill_spares_largest:
             # ... but never against the largest interactive request (`-spare` runs).
             doc["flow_control"]["reserve_refill_spares_largest"] = True
+        if spike_s:
+            # The rate term from interactive's clumps (`-spike<ms>[-sq<NN>]` runs).
+            doc["flow_control"]["reserve_spike_s"] = spike_s
+            if spike_quantile:
+                doc["flow_control"]["reserve_spike_quantile"] = spike_quantile
         if output_scale:
             # Outputs counted in the prompt estimate's unit (`-os` runs; `kv_ratio` is then
             # `output_scaled`'s).
@@ -1001,6 +1009,14 @@ def main() -> int:
             # against the reserve's largest request).
             run_name, spare, after = run_name.partition("-spare")
             run_name += after
+            # `-spike<ms>`: reserve_spike_s (the rate term from the band's clumps), at
+            # `-sq<NN>`: reserve_spike_quantile 0.NN (default 0.9).
+            sp_m = re.search(r"-spike(\d+)", run_name)
+            spike_s = int(sp_m.group(1)) / 1000 if sp_m else 0.0
+            run_name = re.sub(r"-spike\d+", "", run_name)
+            sq_m = re.search(r"-sq(\d+)", run_name)
+            spike_q = int(sq_m.group(1)) / 100 if sq_m else 0.0
+            run_name = re.sub(r"-sq\d+", "", run_name)
             run_name, pf, after = run_name.partition("-pf")  # the prior's prefill_s
             run_name += after
             run_name, claim, after = run_name.partition("-claim")  # waiting_claims_room
@@ -1072,6 +1088,8 @@ def main() -> int:
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
                     refill_spares_largest=bool(spare),
+                    spike_s=spike_s,
+                    spike_quantile=spike_q,
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),
@@ -1104,6 +1122,8 @@ def main() -> int:
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
                     refill_spares_largest=bool(spare),
+                    spike_s=spike_s,
+                    spike_quantile=spike_q,
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),

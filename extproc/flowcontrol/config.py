@@ -172,6 +172,11 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     default): that credit counts against the reserve's arrival-rate term only, so a server
     keeps at least the room of the band's largest requests (a large request arriving at
     the worst moment finds room instead of waiting for ends).
+    `reserve_spike_s` (0, the default: off): the reserve's arrival-rate term is instead the
+    `reserve_spike_quantile` (0.9 by default) of the tokens a higher band sent within this
+    many seconds before each of its recent requests (from 20 requests of history on): room
+    for the work that arrives close behind another, not the mean rate's
+    (flowcontrol/reserve.py).
     `output_token_scale` (1.0, the default: none): each request's counted output (above)
     times this, so it adds up with the prompt estimate in one unit: the picker's estimated
     prompt tokens per real token where that estimate runs over or under the engine's count
@@ -210,6 +215,8 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_rate_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_refill_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
     reserve_refill_spares_largest: bool = False
+    reserve_spike_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
+    reserve_spike_quantile: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] | Literal["auto"] = 1.0
     waiting_claims_room: bool = False
     dispatch_on_end: bool = True
