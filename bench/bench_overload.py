@@ -46,7 +46,7 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 (`output_token_scale`: outputs counted in the prompt estimate's unit, `output_scaled`),
 `-osm` (the same, but `output_token_scale: auto`: the picker measures the scale from
 calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
-`-spare` (`reserve_refill_spares_largest`), `-spike<ms>` (`reserve_spike_s`; `-sq<NN>`:
+`-spike<ms>` (`reserve_spike_s`; `-sq<NN>`:
 `reserve_spike_quantile` 0.NN), `-ends<ms>` (`dispatch_on_end`, off in every
 other run, and Envoy's access log flushed every <ms> instead of 100 ms),
 `-out<N>`
@@ -175,7 +175,6 @@ def picker_config(
     reserve_quantile: float = 0.0,
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
-    refill_spares_largest: bool = False,
     spike_s: float = 0.0,
     spike_quantile: float = 0.0,
     claim: bool = False,
@@ -256,9 +255,6 @@ def picker_config(
             # The room a server frees within this horizon counts toward the reserve
             # (`-refill<ms>` runs).
             doc["flow_control"]["reserve_refill_s"] = reserve_refill_s
-        if refill_spares_largest:
-            # ... but never against the largest interactive request (`-spare` runs).
-            doc["flow_control"]["reserve_refill_spares_largest"] = True
         if spike_s:
             # The rate term from interactive's clumps (`-spike<ms>[-sq<NN>]` runs).
             doc["flow_control"]["reserve_spike_s"] = spike_s
@@ -1005,10 +1001,6 @@ def main() -> int:
             rf_m = re.search(r"-refill(\d+)", run_name)  # `-refill<ms>`: reserve_refill_s
             refill_s = int(rf_m.group(1)) / 1000 if rf_m else 0.0
             run_name = re.sub(r"-refill\d+", "", run_name)
-            # `-spare`: reserve_refill_spares_largest (the refill credit never counts
-            # against the reserve's largest request).
-            run_name, spare, after = run_name.partition("-spare")
-            run_name += after
             # `-spike<ms>`: reserve_spike_s (the rate term from the band's clumps), at
             # `-sq<NN>`: reserve_spike_quantile 0.NN (default 0.9).
             sp_m = re.search(r"-spike(\d+)", run_name)
@@ -1087,7 +1079,6 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
-                    refill_spares_largest=bool(spare),
                     spike_s=spike_s,
                     spike_quantile=spike_q,
                     claim=bool(claim),
@@ -1121,7 +1112,6 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
-                    refill_spares_largest=bool(spare),
                     spike_s=spike_s,
                     spike_quantile=spike_q,
                     claim=bool(claim),

@@ -93,10 +93,6 @@ class Admission:
                 "no effect without "
                 "admit_per_endpoint and reserve_for_higher_bands"
             )
-        if s.reserve_refill_spares_largest and not s.reserve_refill_s:
-            log.warning(
-                "flow_control.reserve_refill_spares_largest has no effect without reserve_refill_s"
-            )
         # The prior's prompt (what a server prefills) is its request less the output
         # counted per request.
         priors = {
@@ -128,7 +124,6 @@ class Admission:
             reserve_quantile=s.reserve_quantile,
             reserve_rate_quantile=s.reserve_rate_quantile,
             reserve_refill_s=s.reserve_refill_s,
-            reserve_refill_spares_largest=s.reserve_refill_spares_largest,
             reserve_spike_s=s.reserve_spike_s,
             reserve_spike_quantile=s.reserve_spike_quantile,
             gate=config.gate,

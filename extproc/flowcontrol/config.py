@@ -168,10 +168,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve as it is expected to free within this many seconds (the tokens of the requests
     that ended there over the last 3 s, per second, times this), so a higher-band request
     as large as the reserve waits at most about this long for room, and the room is not
-    kept idle meanwhile (flowcontrol/refill.py). `reserve_refill_spares_largest` (off by
-    default): that credit counts against the reserve's arrival-rate term only, so a server
-    keeps at least the room of the band's largest requests (a large request arriving at
-    the worst moment finds room instead of waiting for ends).
+    kept idle meanwhile (flowcontrol/refill.py).
     `reserve_spike_s` (0, the default: off): the reserve's arrival-rate term is instead the
     `reserve_spike_quantile` (0.9 by default) of the tokens a higher band sent within this
     many seconds before each of its recent requests (from 20 requests of history on): room
@@ -214,7 +211,6 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_rate_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_refill_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
-    reserve_refill_spares_largest: bool = False
     reserve_spike_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
     reserve_spike_quantile: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] | Literal["auto"] = 1.0

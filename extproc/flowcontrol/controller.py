@@ -126,7 +126,6 @@ class FlowController:
         reserve_quantile: float = 0.0,
         reserve_rate_quantile: float = 0.0,
         reserve_refill_s: float = 0.0,
-        reserve_refill_spares_largest: bool = False,
         reserve_spike_s: float = 0.0,
         reserve_spike_quantile: float = 0.9,
         gate: PrefillGate | None = None,
@@ -153,11 +152,9 @@ class FlowController:
         the rate term over that quantile of their prompts' prefill time (0: the size
         term's). `reserve_refill_s`: an endpoint may keep that much less of the reserve
         as it is expected to free within this many seconds, from the requests that ended
-        there recently (0: none; flowcontrol/refill.py); `reserve_refill_spares_largest`:
-        never less than the reserve's size term (the credit counts against its rate term
-        only). `reserve_spike_s`: the rate term is instead the `reserve_spike_quantile` of
-        the tokens a higher band sent within that many seconds before each of its recent
-        requests (0: off). `gate`: with per-endpoint
+        there recently (0: none; flowcontrol/refill.py). `reserve_spike_s`: the rate term
+        is instead the `reserve_spike_quantile` of the tokens a higher band sent within that
+        many seconds before each of its recent requests (0: off). `gate`: with per-endpoint
         admission, a lower band's request starts only where the server's unfinished prefill
         stays short while a higher band is active (flowcontrol/prefill_gate.py).
         `waiting_claims_room`: with per-endpoint admission, in a band above the lowest, a
@@ -231,11 +228,7 @@ class FlowController:
             reserve_spike_quantile,
         )
         self._prefill_speed = prefill_speed
-        self.refill = (
-            Refill(reserve_refill_s, clock, reserve_refill_spares_largest)
-            if reserve_refill_s
-            else None
-        )
+        self.refill = Refill(reserve_refill_s, clock) if reserve_refill_s else None
         # A detector that counts a constant output per in-flight request (the concurrency
         # detector's `outputTokens`) is told, per endpoint, how far the requests placed
         # there from this process differ from it: each counts its own expected output
@@ -349,10 +342,10 @@ class FlowController:
         det = cast(EndpointDetector, self._detector)
         sat = self.saturation()
         ceiling = self.ceiling(request.priority, sat)
-        held, top, size = (0, 0, 0)
+        held, top = (0, 0)
         if self.reserve_count:
             tps = self._prefill_speed() if self._prefill_speed is not None else None
-            held, top, size = self.reserve.held(request.priority, self._priorities, tps)
+            held, top = self.reserve.held(request.priority, self._priorities, tps)
         top_ceiling = self.ceiling(top, sat) if held else 0.0
         claimed = None
         if self.claims is not None:
@@ -374,10 +367,9 @@ class FlowController:
                 fits.append((after, addr))
             if held:
                 # Room about to free there counts toward the reserve (reserve_refill_s).
-                kept, credit = held, 0
-                if self.refill is not None:
-                    kept, credit = self.refill.kept(addr, held, size)
+                credit = self.refill.credit(addr) if self.refill is not None else 0
                 credits = max(credits, credit)
+                kept = max(0, held - credit)
                 has[addr] = idle or (
                     det.endpoint_saturation(state, reqs + 1, toks + kept) <= top_ceiling
                 )

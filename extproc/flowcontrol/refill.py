@@ -23,18 +23,6 @@ replica sees only its own ends, and the credit from them alone was its share of 
 server's. Redis failing: the peers' rates are dropped (the credit is then from this
 replica's own ends: smaller, it holds back more, never less). A server where nothing ended
 recently gets no credit (the reserve as before).
-
-Why the credit may spare the largest request (`flow_control.reserve_refill_spares_largest`):
-counted against the whole reserve, the credit (~1,000 tokens a server in the overload
-bench) left less free than the higher band's largest request (~2,600): lower work filled
-both servers to the reserve less the credit, and a large request arriving then waited for
-ends there, 0.2-0.6 s each, which set the band's TTFT p99 in most runs (bench/RESULTS.md,
-eighteenth session: of 3.8 s of traced picker waits, 2.9 s with the engine truly full).
-The bet "room frees within the horizon" is sound for the work expected to arrive while
-the largest prefills (the rate term) but not for the largest itself, which arrives whole:
-sparing it, the credit counts against the rate term only, and a server keeps at least the
-largest request's room (`kept`). It costs the difference (~100-200 tokens there) in room
-kept idle.
 """
 
 from __future__ import annotations
@@ -49,15 +37,10 @@ class Refill:
     """Per server, tokens of the requests that ended there recently (`freed`), and the room
     it is expected to free within the horizon (`credit`). Event loop only."""
 
-    def __init__(
-        self, horizon_s: float, clock: Callable[[], float], spares_largest: bool = False
-    ) -> None:
-        """`spares_largest`: the credit counts against the reserve's rate term only, never
-        against its size term (the largest requests; see the module docstring)."""
+    def __init__(self, horizon_s: float, clock: Callable[[], float]) -> None:
         if horizon_s < 0:
             raise ValueError(f"reserve_refill_s {horizon_s} is negative")
         self.horizon_s = horizon_s
-        self.spares_largest = spares_largest
         self._clock = clock
         self._ends: dict[str, collections.deque[tuple[float, int]]] = {}
         self._sum: dict[str, int] = {}
@@ -90,14 +73,6 @@ class Refill:
         and the peers' (0 when none ended)."""
         rate = self.rate(address) + self.peer_rates.get(address, 0.0)
         return int(rate * self.horizon_s)
-
-    def kept(self, address: str, held: int, size: int) -> tuple[int, int]:
-        """(the room `address` must keep of a reserve of `held` tokens whose size term is
-        `size`, the credit counted there): the reserve less the credit, and with
-        `spares_largest` never less than the size term."""
-        credit = self.credit(address)
-        floor = size if self.spares_largest else 0
-        return max(floor, held - credit), credit
 
     def _prune(self, address: str, ends: collections.deque[tuple[float, int]]) -> None:
         since = self._clock() - WINDOW_S

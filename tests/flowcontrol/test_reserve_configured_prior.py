@@ -23,13 +23,13 @@ def test_the_prior_sizes_the_reserve_before_any_history():
     clock = Clock()
     r = Reserve(1, clock, {10: BandPrior(tokens=2000, prompt=1800, rate=1000.0)})
     # Nothing seen at all: 2000 + 1000 tokens/s x 1800 / 3600 tokens/s = 2500.
-    assert r.held(0, (10, 0), 3600.0) == (2500, 10, 2000)
+    assert r.held(0, (10, 0), 3600.0) == (2500, 10)
     assert r.on_prior == {10: True}
     # Without a prefill speed: the request alone (the rate is left out, and counted).
-    assert r.held(0, (10, 0), None) == (2000, 10, 2000)
+    assert r.held(0, (10, 0), None) == (2000, 10)
     assert r.rate_unsized == 1
     # Nothing above the top band; the room a lower band keeps is still what is exported.
-    assert r.held(10, (10, 0), 3600.0) == (0, 10, 0)
+    assert r.held(10, (10, 0), 3600.0) == (0, 10)
     assert r.last_held == 2000
 
 
@@ -110,10 +110,10 @@ def test_the_priors_prefill_time_prices_the_rate_until_a_speed_is_measured():
     # prefill_s the rate term is 1000 tokens/s x 0.4 s, not left out.
     clock = Clock()
     r = Reserve(1, clock, {10: BandPrior(tokens=2000, prompt=1800, rate=1000.0, prefill_s=0.4)})
-    assert r.held(0, (10, 0), None) == (2400, 10, 2000)
+    assert r.held(0, (10, 0), None) == (2400, 10)
     assert r.rate_unsized == 0
     # A measured speed prices it as before: 1000 x 1800 / 3600.
-    assert r.held(0, (10, 0), 3600.0) == (2500, 10, 2000)
+    assert r.held(0, (10, 0), 3600.0) == (2500, 10)
     # Once the band's own history is full, the prior no longer counts at all.
     for _ in range(HISTORY):
         clock.now += 1.0

@@ -13,21 +13,16 @@ from extproc.config import decode_settings
 from extproc.errors import ConfigError
 from extproc.flowcontrol.controller import FlowController, FlowRequest
 from extproc.flowcontrol.refill import WINDOW_S, Refill
-from extproc.flowcontrol.reserve import Reserve
 from tests.flowcontrol.controllers import controller, settle, tokens_detector
 from tests.flowcontrol.test_reserve_rate import Clock, Fleet
 
 
-def make(
-    fleet: Fleet, clock: Clock, refill_s: float, spares_largest: bool = False
-) -> FlowController:
+def make(fleet: Fleet, clock: Clock, refill_s: float) -> FlowController:
     return controller(
         fleet,
         [tokens_detector(2000, outputTokens=0)],
         reserve=1,
         reserve_refill_s=refill_s,
-        reserve_refill_spares_largest=spares_largest,
-        prefill_speed=lambda: fleet.tps,
         clock=clock,
     )
 
@@ -123,73 +118,3 @@ def test_the_setting_is_read_and_bounded():
     assert s.flow_control.reserve_refill_s == 0.3
     with pytest.raises(ConfigError):
         decode_settings({"flow_control": {"reserve_refill_s": -1}})
-
-
-def test_sparing_the_largest_the_credit_counts_against_the_rate_term_only():
-    r = Refill(0.3, Clock(), spares_largest=True)
-    r.freed("A", 3000)  # 1,000/s over the window: 300 within the horizon
-    assert r.kept("A", 1200, 1000) == (1000, 300)  # 200 of rate term: all of it credited
-    assert r.kept("A", 1500, 1000) == (1200, 300)  # 500 of rate term: 300 of it
-    assert r.kept("B", 1500, 1000) == (1500, 0)  # nothing ended on B
-    plain = Refill(0.3, Clock())
-    plain.freed("A", 3000)
-    assert plain.kept("A", 1200, 1000) == (900, 300)  # against the whole reserve
-
-
-async def test_sparing_the_largest_a_server_keeps_room_for_it():
-    # The reserve is the largest interactive request (1,000; no prefill speed, so no rate
-    # term). B frees 400 within the horizon and has 600 free with the batch request on it:
-    # enough against the reserve less the credit, not against the largest request whole.
-    clock = Clock()
-    fleet = Fleet()
-    ctl = make(fleet, clock, 0.4, spares_largest=True)
-    await ended_on(ctl, fleet, clock, "B")
-    assert ctl.refill is not None and ctl.refill.credit("B") == 400
-    assert not await lower_released(ctl, fleet)
-    assert ctl.refill.last_credit == 400  # the credit is still counted (and exported)
-
-
-async def test_sparing_the_largest_the_rate_term_is_still_credited():
-    # With a prefill speed the reserve is the largest request plus the rate term: 2,000
-    # tokens over the 0.9 s since the first of three requests (2,222/s) times the
-    # largest's prefill (1,000 tokens at 5,000 tokens/s: 0.2 s), 444 tokens. B frees 400
-    # within the horizon: B keeps 1,000 + 44. With 850 in flight and the batch request of
-    # 100 on it, 1,050 are free: enough; without the credit (1,444) not.
-    clock = Clock()
-    fleet = Fleet(tps=5000.0)
-    ctl = make(fleet, clock, 0.4, spares_largest=True)
-    await ended_on(ctl, fleet, clock, "B")
-    fleet.tokens.update(A=1900, B=850)
-    low = asyncio.create_task(ctl.admit(FlowRequest("t", 0, 100, 10)))
-    await settle()
-    assert low.done()
-    assert ctl.reserve.last_held == 1444
-    # The same with the ends on A (full): B frees nothing soon and keeps all 1,444.
-    clock = Clock()
-    fleet = Fleet(tps=5000.0)
-    elsewhere = make(fleet, clock, 0.4, spares_largest=True)
-    await ended_on(elsewhere, fleet, clock, "A")
-    fleet.tokens.update(A=1900, B=850)
-    blocked = asyncio.create_task(elsewhere.admit(FlowRequest("t", 0, 100, 10)))
-    await settle()
-    assert not blocked.done()
-    blocked.cancel()
-
-
-def test_the_size_term_is_returned_with_the_reserve():
-    clock = Clock()
-    r = Reserve(1, clock)
-    r.note(10, 1000, 0)
-    clock.now += 1.0
-    r.note(10, 1000, 0)  # 1,000 tokens/s after the first
-    tokens, top, size = r.held(0, (10, 0), 5000.0)
-    assert (tokens, top, size) == (1200, 10, 1000)
-    assert r.held(10, (10, 0), 5000.0) == (0, 10, 0)  # nothing above the top band
-
-
-def test_the_spare_setting_is_read():
-    s = decode_settings(
-        {"flow_control": {"reserve_refill_s": 0.3, "reserve_refill_spares_largest": True}}
-    )
-    assert s.flow_control is not None and s.flow_control.reserve_refill_spares_largest
-    assert not decode_settings({"flow_control": {}}).flow_control.reserve_refill_spares_largest

@@ -45,11 +45,10 @@ def test_the_spike_replaces_the_rate_term_once_the_history_is_trusted():
     pairs(r, clock, QUANTILE_TRUSTED // 2 - 1)
     # Short of 20 requests: the mean rate's term, at 5,000 tokens/s over the largest's
     # 1,000-token prefill (0.2 s).
-    tokens, _, size = r.held(0, (10, 0), 5000.0)
-    assert size == 1000 and tokens == 1000 + int(r.rate(10) * 1000 / 5000.0)
+    assert r.held(0, (10, 0), 5000.0)[0] == 1000 + int(r.rate(10) * 1000 / 5000.0)
     pairs(r, clock, 1)
-    assert r.held(0, (10, 0), 5000.0) == (2000, 10, 1000)  # the largest + the spike
-    assert r.held(0, (10, 0), None) == (2000, 10, 1000)  # no speed needed
+    assert r.held(0, (10, 0), 5000.0) == (2000, 10)  # the largest + the spike
+    assert r.held(0, (10, 0), None) == (2000, 10)  # no speed needed
 
 
 def test_the_spike_figures_leave_with_their_requests():
