@@ -46,8 +46,9 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 (`output_token_scale`: outputs counted in the prompt estimate's unit, `output_scaled`),
 `-osm` (the same, but `output_token_scale: auto`: the picker measures the scale from
 calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
-`-ends<ms>` (`dispatch_on_end`, off in every other run, and Envoy's access log flushed
-every <ms> instead of 100 ms),
+`-spike<ms>` (`reserve_spike_s`; `-sq<NN>`:
+`reserve_spike_quantile` 0.NN), `-ends<ms>` (`dispatch_on_end`, off in every
+other run, and Envoy's access log flushed every <ms> instead of 100 ms),
 `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
 session: `-noprior-out96`), and
@@ -174,6 +175,8 @@ def picker_config(
     reserve_quantile: float = 0.0,
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
+    spike_s: float = 0.0,
+    spike_quantile: float = 0.0,
     claim: bool = False,
     output_scale: float = 0.0,
     output_scale_auto: bool = False,
@@ -252,6 +255,11 @@ def picker_config(
             # The room a server frees within this horizon counts toward the reserve
             # (`-refill<ms>` runs).
             doc["flow_control"]["reserve_refill_s"] = reserve_refill_s
+        if spike_s:
+            # The rate term from interactive's clumps (`-spike<ms>[-sq<NN>]` runs).
+            doc["flow_control"]["reserve_spike_s"] = spike_s
+            if spike_quantile:
+                doc["flow_control"]["reserve_spike_quantile"] = spike_quantile
         if output_scale:
             # Outputs counted in the prompt estimate's unit (`-os` runs; `kv_ratio` is then
             # `output_scaled`'s).
@@ -993,6 +1001,14 @@ def main() -> int:
             rf_m = re.search(r"-refill(\d+)", run_name)  # `-refill<ms>`: reserve_refill_s
             refill_s = int(rf_m.group(1)) / 1000 if rf_m else 0.0
             run_name = re.sub(r"-refill\d+", "", run_name)
+            # `-spike<ms>`: reserve_spike_s (the rate term from the band's clumps), at
+            # `-sq<NN>`: reserve_spike_quantile 0.NN (default 0.9).
+            sp_m = re.search(r"-spike(\d+)", run_name)
+            spike_s = int(sp_m.group(1)) / 1000 if sp_m else 0.0
+            run_name = re.sub(r"-spike\d+", "", run_name)
+            sq_m = re.search(r"-sq(\d+)", run_name)
+            spike_q = int(sq_m.group(1)) / 100 if sq_m else 0.0
+            run_name = re.sub(r"-sq\d+", "", run_name)
             run_name, pf, after = run_name.partition("-pf")  # the prior's prefill_s
             run_name += after
             run_name, claim, after = run_name.partition("-claim")  # waiting_claims_room
@@ -1063,6 +1079,8 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
+                    spike_s=spike_s,
+                    spike_quantile=spike_q,
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),
@@ -1094,6 +1112,8 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
+                    spike_s=spike_s,
+                    spike_quantile=spike_q,
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),

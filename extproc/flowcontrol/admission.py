@@ -84,11 +84,12 @@ class Admission:
             )
         if s.waiting_claims_room and not s.admit_per_endpoint:
             log.warning("flow_control.waiting_claims_room has no effect without admit_per_endpoint")
-        if (s.reserve_quantile or s.reserve_rate_quantile or s.reserve_refill_s) and not (
-            s.admit_per_endpoint and s.reserve_for_higher_bands
-        ):
+        if (
+            s.reserve_quantile or s.reserve_rate_quantile or s.reserve_refill_s or s.reserve_spike_s
+        ) and not (s.admit_per_endpoint and s.reserve_for_higher_bands):
             log.warning(
-                "flow_control.reserve_quantile / reserve_rate_quantile / reserve_refill_s have "
+                "flow_control.reserve_quantile / reserve_rate_quantile / reserve_refill_s / "
+                "reserve_spike_s have "
                 "no effect without "
                 "admit_per_endpoint and reserve_for_higher_bands"
             )
@@ -123,6 +124,8 @@ class Admission:
             reserve_quantile=s.reserve_quantile,
             reserve_rate_quantile=s.reserve_rate_quantile,
             reserve_refill_s=s.reserve_refill_s,
+            reserve_spike_s=s.reserve_spike_s,
+            reserve_spike_quantile=s.reserve_spike_quantile,
             gate=config.gate,
             waiting_claims_room=s.waiting_claims_room,
             dispatch_on_end=s.dispatch_on_end,

@@ -169,6 +169,11 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     that ended there over the last 3 s, per second, times this), so a higher-band request
     as large as the reserve waits at most about this long for room, and the room is not
     kept idle meanwhile (flowcontrol/refill.py).
+    `reserve_spike_s` (0, the default: off): the reserve's arrival-rate term is instead the
+    `reserve_spike_quantile` (0.9 by default) of the tokens a higher band sent within this
+    many seconds before each of its recent requests (from 20 requests of history on): room
+    for the work that arrives close behind another, not the mean rate's
+    (flowcontrol/reserve.py).
     `output_token_scale` (1.0, the default: none): each request's counted output (above)
     times this, so it adds up with the prompt estimate in one unit: the picker's estimated
     prompt tokens per real token where that estimate runs over or under the engine's count
@@ -206,6 +211,8 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_rate_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_refill_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
+    reserve_spike_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
+    reserve_spike_quantile: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] | Literal["auto"] = 1.0
     waiting_claims_room: bool = False
     dispatch_on_end: bool = True

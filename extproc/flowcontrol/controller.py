@@ -126,6 +126,8 @@ class FlowController:
         reserve_quantile: float = 0.0,
         reserve_rate_quantile: float = 0.0,
         reserve_refill_s: float = 0.0,
+        reserve_spike_s: float = 0.0,
+        reserve_spike_quantile: float = 0.9,
         gate: PrefillGate | None = None,
         waiting_claims_room: bool = False,
         dispatch_on_end: bool = False,
@@ -150,7 +152,9 @@ class FlowController:
         the rate term over that quantile of their prompts' prefill time (0: the size
         term's). `reserve_refill_s`: an endpoint may keep that much less of the reserve
         as it is expected to free within this many seconds, from the requests that ended
-        there recently (0: none; flowcontrol/refill.py). `gate`: with per-endpoint
+        there recently (0: none; flowcontrol/refill.py). `reserve_spike_s`: the rate term
+        is instead the `reserve_spike_quantile` of the tokens a higher band sent within that
+        many seconds before each of its recent requests (0: off). `gate`: with per-endpoint
         admission, a lower band's request starts only where the server's unfinished prefill
         stays short while a higher band is active (flowcontrol/prefill_gate.py).
         `waiting_claims_room`: with per-endpoint admission, in a band above the lowest, a
@@ -215,7 +219,13 @@ class FlowController:
         self.reserve_held = 0
         self.reserve_count = reserve
         self.reserve = Reserve(
-            reserve, clock, reserve_priors, reserve_quantile, reserve_rate_quantile
+            reserve,
+            clock,
+            reserve_priors,
+            reserve_quantile,
+            reserve_rate_quantile,
+            reserve_spike_s,
+            reserve_spike_quantile,
         )
         self._prefill_speed = prefill_speed
         self.refill = Refill(reserve_refill_s, clock) if reserve_refill_s else None

@@ -41,6 +41,19 @@ the prior's), while the size term stays the largest request. The window the rate
 covers is a typical prefill, not the rarest one; the largest request still finds room.
 Both are opt-in because both trade the higher band's tail for goodput rather than win
 both (bench/RESULTS.md, thirteenth session: q80 +0.05..+0.08 goodput, TTFT p99 3.0x against 1.8x).
+
+Why a spike term (`flow_control.reserve_spike_s`, opt-in): the rate term is the band's mean
+arrival rate times a prefill time, but the band's work comes in clumps. In the overload
+bench 11 of the 16 interactive requests that waited over 0.1 s in one picker had another
+arrive within 0.2 s before them (bench/RESULTS.md, nineteenth session): that one took part
+of the reserve, and room came back only as lower work ended. With `reserve_spike_s` the
+rate term is instead the `reserve_spike_quantile` (0.9 by default) of the tokens the band
+sent within `reserve_spike_s` before each of its recent requests (from `QUANTILE_TRUSTED`
+requests on; before, the rate term as above): the room for the largest request plus what,
+nine times in ten, arrives close behind another. Like the size term it is the band's last
+`HISTORY` requests', so it does not shrink while the band is quiet. Each replica counts
+the arrivals it sees (its share of the band's, as for the rate term). Opt-in: it is room
+kept idle (0.5 s at 0.9: 1,000-1,900 more tokens on one picker, goodput -0.013..-0.065).
 """
 
 from __future__ import annotations
@@ -66,6 +79,8 @@ class _Seen:
     at: float
     tokens: int  # prompt + expected output (what the request takes on a server)
     prompt: int  # the part a server prefills
+    # With a spike window: the band's tokens that arrived within it before this request.
+    ahead: int = 0
 
 
 class _Sorted:
@@ -117,14 +132,23 @@ class Reserve:
         priors: Mapping[int, BandPrior] | None = None,
         quantile: float = 0.0,
         rate_quantile: float = 0.0,
+        spike_s: float = 0.0,
+        spike_quantile: float = 0.9,
     ) -> None:
         """`count`: how many of a band's requests the room is for; `quantile`: 0 for the
         largest ones, else in (0, 1): that quantile of the band's recent sizes;
         `rate_quantile`: 0 for the rate term over the size term's prefill time, else over
-        that quantile of the recent prompts' (see the module docstring)."""
+        that quantile of the recent prompts'; `spike_s`: 0 for the rate term, else the
+        `spike_quantile` of the tokens sent within that many seconds before each recent
+        request instead (see the module docstring)."""
         for q in (quantile, rate_quantile):
             if not 0.0 <= q < 1.0:
                 raise ValueError(f"reserve quantile {q} not in [0, 1)")
+        if spike_s < 0 or not 0.0 < spike_quantile <= 1.0:
+            raise ValueError(f"reserve spike {spike_s} s at {spike_quantile} out of range")
+        self._spike_s = spike_s
+        self._spike_quantile = spike_quantile
+        self._spikes: dict[int, list[int]] = {}  # per band: its `ahead` figures, in order
         self._rate_quantile = rate_quantile
         self._rate_prompt: dict[int, int] = {}  # per band: its rate_quantile prompt
         self._count = count
@@ -153,12 +177,24 @@ class Reserve:
         ordered = None
         if self._quantile or self._rate_quantile:
             ordered = self._sorted.setdefault(priority, _Sorted())
+        now = self._clock()
+        ahead = 0
+        if self._spike_s:
+            for past in reversed(seen):
+                if now - past.at >= self._spike_s:
+                    break
+                ahead += past.tokens
+        spikes = self._spikes.setdefault(priority, []) if self._spike_s else None
         if len(seen) == HISTORY:
             self._sum[priority] -= seen[0].tokens
             if ordered is not None:
                 ordered.drop(seen[0])
-        new = _Seen(self._clock(), tokens, max(0, tokens - output_tokens))
+            if spikes is not None:
+                del spikes[bisect.bisect_left(spikes, seen[0].ahead)]
+        new = _Seen(now, tokens, max(0, tokens - output_tokens), ahead)
         seen.append(new)
+        if spikes is not None:
+            bisect.insort(spikes, ahead)
         self._sum[priority] = self._sum.get(priority, 0) + tokens
         if ordered is not None:
             ordered.add(new)
@@ -199,6 +235,14 @@ class Reserve:
         """Requests of the band's own history (the reserve trusts it alone at
         `trusted_at`: `HISTORY`, or `QUANTILE_TRUSTED` with a quantile)."""
         return len(self._seen.get(priority, ()))
+
+    def spike(self, priority: int) -> int:
+        """The `spike_quantile` of the tokens the band sent within `spike_s` before each of
+        its recent requests (0 without a spike window or history)."""
+        spikes = self._spikes.get(priority)
+        if not spikes:
+            return 0
+        return spikes[_rank(self._spike_quantile, len(spikes))]
 
     def rate(self, priority: int) -> float:
         """Tokens per second the band sent over its history (0 with fewer than two)."""
@@ -249,7 +293,10 @@ class Reserve:
                 )
             if self._rate_quantile and self.history(p) >= QUANTILE_TRUSTED:
                 prompt = self._rate_prompt[p]
-            if prefill_tps:
+            if self._spike_s and self.history(p) >= QUANTILE_TRUSTED:
+                # The band's own clumps (`reserve_spike_s`) instead of its mean rate.
+                tokens += self.spike(p)
+            elif prefill_tps:
                 tokens += int(rate * prompt / prefill_tps)
             elif rate and short and prior is not None and prior.prefill_s:
                 # No speed measured yet (a fresh picker: the first seconds of a burst, when
