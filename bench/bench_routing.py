@@ -172,6 +172,19 @@ POLICIES: dict[str, dict] = {
     # not fit beside the running ones (`kvFit`), against the scorer without that wait.
     "extproc approximate, kv fit": {"extproc_args": ("--config", "@KVFIT")},
     "extproc approximate, kv fit ignored": {"extproc_args": ("--config", "@KVIGNORE")},
+    # Issue 14, nineteenth session: replicas share learned session growth
+    # (bounded-sessions-filter `shareGrowth`, server/shared_growth.py), and learned per
+    # replica as before, to measure against.
+    "extproc approximate, 3 replicas (Redis), growth shared": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@GROWTH_SHARED"),
+    },
+    "extproc approximate, 3 replicas (Redis), growth per replica": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@GROWTH_UNSHARED"),
+    },
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
@@ -379,6 +392,8 @@ CONFIGS = {
     "@TOGETHER": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0.5}),
     "@KVFIT": _default_profile_with("predicted-ttft-scorer", {"kvFit": "wait"}),
     "@KVIGNORE": _default_profile_with("predicted-ttft-scorer", {"kvFit": "ignore"}),
+    "@GROWTH_SHARED": _default_profile_with("bounded-sessions-filter", {"shareGrowth": True}),
+    "@GROWTH_UNSHARED": _default_profile_with("bounded-sessions-filter", {"shareGrowth": False}),
 }
 
 
@@ -435,6 +450,7 @@ _COUNTERS = (
     "extproc_session_bound_kept_together_total",
     "extproc_session_bound_growth_unknown_total",
     "extproc_session_bound_header_growth_total",
+    "extproc_shared_growth_applied_total",
 )
 
 
@@ -541,6 +557,7 @@ def run_policy(
                 f" header-read {d['extproc_session_bound_header_growth_total']:.0f}"
                 f" kv-fit waited {d['kv_fit waited']:.0f} (untimed {d['kv_fit untimed']:.0f})"
                 f" changed {d['kv_fit changed']:.0f}"
+                f" growth merged {d['extproc_shared_growth_applied_total']:.0f}"
             )
             s = in_shape_time(wall, time_scale)
             rows.append(Row(wl, policy, rate, s, lanes))

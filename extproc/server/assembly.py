@@ -171,6 +171,7 @@ class Parts:
                 if isinstance(plugin, PredictedTTFTScorer):
                     plugin.peer_arrivals = self.inflight.arrivals
         self.shared_sessions = self._share_sessions()
+        self.shared_growth = self._share_growth()
         self.shared_observations = self._share_observations()
         self.shared_placements = self._share_placements()
         # What `state.shared_scrapes: auto` decided, logged once the ports are bound.
@@ -421,6 +422,26 @@ class Parts:
         return SharedSessions.from_url(
             idx.redis_url, records, cluster=idx.cluster, process_id=pid, window_s=window
         )
+
+    def _share_growth(self):
+        """Replicas sharing a Redis index share what `bounded-sessions-filter`s with
+        `shareGrowth` learn of session growth (Redis pub/sub). Without a Redis index there
+        are no peers to share with (the session record is not shared either)."""
+        idx = self.settings.index
+        if idx.backend != "redis" or not idx.redis_url:
+            return None
+        from extproc.server.shared_growth import SharedGrowth
+
+        records = SharedGrowth.records(self.router.scheduler.plugins)
+        if not records:
+            return None
+        if idx.cluster:
+            log.warning(
+                "bounded-sessions-filter shareGrowth: session growth is not shared on Redis "
+                "Cluster: each replica learns from the later turns it places"
+            )
+            return None
+        return SharedGrowth.from_url(idx.redis_url, records, process_id=self._process_id())
 
     def _build_admission(self):
         """Flow control (docs/flow-control.md), when configured: the router's admission hook."""

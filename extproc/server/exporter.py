@@ -161,6 +161,14 @@ class Exporter:
                 "Live sessions in this replica's record (every replica's placements).",
                 p.shared_sessions.live,
             )
+        if p.shared_growth is not None:
+            yield from _shared(
+                fam.SHARED_GROWTH,
+                p.shared_growth,
+                "extproc_shared_growth_degraded",
+                "1 while learned session growth is not shared (Redis failing): "
+                "bounded-sessions-filter learns from this replica's placements only.",
+            )
         if p.shared_observations is not None:
             yield from _shared(
                 fam.SHARED_OBSERVATIONS,

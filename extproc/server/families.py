@@ -576,6 +576,34 @@ SHARED_CALIBRATION = StatsFamilies(
     },
 )
 
+SHARED_GROWTH = StatsFamilies(
+    "extproc.server.shared_growth.SharedGrowthStats",
+    {
+        "published": Stat(
+            "extproc_shared_growth_published",
+            "Session growth records published to the other replicas (bounded-sessions-filter "
+            "shareGrowth).",
+        ),
+        "applied": Stat(
+            "extproc_shared_growth_applied",
+            "Peers' session growth records merged into this replica's.",
+        ),
+        "dropped": Stat(
+            "extproc_shared_growth_dropped",
+            "Growth records never published (Redis failing or backlog full).",
+        ),
+        "errors": Stat(
+            "extproc_shared_growth_errors",
+            "Failed publishes or subscriptions of shared growth.",
+        ),
+        "bad_entries": Stat(
+            "extproc_shared_growth_bad_entries",
+            "Messages or growth records from peers refused (undecodable, unknown filter, "
+            "figures out of bounds).",
+        ),
+    },
+)
+
 SHARED_PLACEMENTS = StatsFamilies(
     "extproc.server.shared_placements.SharedPlacementsStats",
     {
@@ -843,8 +871,8 @@ LOOPS = StatsFamilies(
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
-    INFLIGHT_PUSH, SHARED_SESSIONS, SESSION_BOUND, SHARED_OBSERVATIONS, SHARED_PLACEMENTS,
-    SHARED_SCRAPES, SHARED_CALIBRATION, CALIBRATION,
+    INFLIGHT_PUSH, SHARED_SESSIONS, SESSION_BOUND, SHARED_GROWTH, SHARED_OBSERVATIONS,
+    SHARED_PLACEMENTS, SHARED_SCRAPES, SHARED_CALIBRATION, CALIBRATION,
     CAPACITY, PLACED, WATCH, API_SERVER, FLOW, SHARED_FLOW, LATENCY_MODEL, FILE_WATCH, LOOPS,
 )  # fmt: skip
 

@@ -248,6 +248,9 @@ class Lifecycle(Parts):
         if self.shared_sessions is not None:
             self.spawn("shared-sessions", self.shared_sessions.run)
             self._exits.push_async_callback(self.shared_sessions.aclose)
+        if self.shared_growth is not None:
+            self.spawn("shared-growth", self.shared_growth.run)
+            self._exits.push_async_callback(self.shared_growth.aclose)
         if self.shared_observations is not None:
             self.spawn("shared-observations", self.shared_observations.run)
             self._exits.push_async_callback(self.shared_observations.aclose)

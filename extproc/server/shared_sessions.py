@@ -12,7 +12,8 @@ stream (a blocking read) and applies the peers' placements as they arrive, a few
 they were made (a session's next turn comes after its answer, plus a tool or a person: on
 a shared index its lookup must find both the blocks and the session of the last turn, so a
 periodic exchange of tens of ms would not do). Layout: one stream `<ns>`, an entry per
-batch (`d`: msgpack `[process id, [[plugin, previous tail, endpoint, tail], ...]]`),
+batch (`d`: msgpack `[process id, [[plugin, previous tail, endpoint, tail, first-turn
+blocks], ...]]`; the last is 0 when not known, and absent from older replicas),
 trimmed to about `max_entries` entries, so Redis memory is bounded whatever the load; a
 replica that starts (or comes back) reads the entries of the last session window.
 
@@ -41,6 +42,10 @@ from extproc.scheduling.plugins.sessions import BoundedSessionsFilter, LiveSessi
 from extproc.throttle import Throttle
 
 log = logging.getLogger(__name__)
+
+# The longest first turn a placement may claim, in blocks (2**20 blocks of 16 tokens: 16M
+# tokens, past any context window); a forged length beyond is refused.
+_MAX_FIRST_BLOCKS = 1 << 20
 
 
 @dataclass(slots=True)
@@ -144,7 +149,9 @@ class SharedSessions:
             if not self._pending:
                 continue
             batch, self._pending = self._pending, []
-            blob = msgpack.encode([self._id, [(n, list(p), e, list(t)) for n, (p, e, t) in batch]])
+            blob = msgpack.encode(
+                [self._id, [(n, list(p), e, list(t), f) for n, (p, e, t, f) in batch]]
+            )
             add = self._client.xadd(
                 self._key, {"d": blob}, maxlen=self._max_entries, approximate=True
             )
@@ -199,10 +206,10 @@ class SharedSessions:
                 if sender == self._id:
                     continue
                 age_s = max(0, newest - _ms(entry_id)) / 1000.0
-                for name, prev, endpoint, tail in touches:
+                for name, prev, endpoint, tail, *rest in touches:
                     record = self._sessions.get(name)
                     if record is not None:
-                        record.apply((tuple(prev), str(endpoint), tuple(tail)), age_s)
+                        record.apply((tuple(prev), str(endpoint), tuple(tail), _first(rest)), age_s)
                         self.stats.applied += 1
             except (ValueError, TypeError, msgspec.DecodeError) as exc:
                 # Another version or a stray writer on our key: skip, never fail; say so.
@@ -214,6 +221,17 @@ class SharedSessions:
     async def aclose(self) -> None:
         if self._owns_client:
             await close(self._client, "shared sessions", self._abandoned)
+
+
+def _first(rest: list[Any]) -> int:
+    """A placement's first-turn length (blocks): 0 (not known) from a replica that does not
+    send it; a forged one is refused (the entry is skipped, counted)."""
+    if not rest:
+        return 0
+    first = rest[0]
+    if type(first) is not int or not 0 <= first <= _MAX_FIRST_BLOCKS:
+        raise ValueError("first-turn length")
+    return first
 
 
 def _ms(entry_id: Any) -> int:

@@ -433,3 +433,33 @@ def test_learned_growth_survives_a_bytes_per_token_recalibration():
     after = chat("question two " * 10)
     assert after.block_keys == new.block_keys
     assert sessions.learned(after.block_keys, len(first.block_keys) - 3) == before
+
+
+def test_a_later_turn_placed_on_another_replica_teaches_growth_there_when_shared():
+    """Issue 14, three replicas: a session's first-turn length rides on the shared placement,
+    so the replica placing its next turn learns how far it grew (and, with `shareGrowth`,
+    publishes the records that rose); without it only the replica that placed the first turn
+    learns (as before the nineteenth session)."""
+    for share in (True, False):
+        a, b = (
+            LiveSessions(10.0, 100, ManualClock(), learn_growth=True, share_growth=share)
+            for _ in "ab"
+        )
+        published: list = []
+        grown_b: list = []
+        a.on_touch = published.append
+        b.on_grown = grown_b.append
+        a.touch(None, "x", turn(0, 0).block_keys)  # replica a places the first turn
+        assert published[-1][3] == len(turn(0, 0).block_keys)
+        b.apply(published.pop())
+        nxt = turn(0, 1).block_keys
+        b.touch(b.find(nxt, [held(0, 0)]), "x", nxt)  # replica b places the next turn
+        learned = b.learned(turn(1, 0).block_keys, len(SHARED))
+        if share:
+            assert learned is not None and learned[0] == 5  # 5 blocks past its first turn
+            # Published once, under the first 7 blocks and every 8th of the first turn.
+            assert grown_b == [(5, (*SHARED[:7], SHARED[7], SHARED[15], SHARED[23], 1002))]
+            b.touch(b.find(turn(0, 1).block_keys, [held(0, 1)]), "x", nxt)
+            assert len(grown_b) == 1  # the same growth again: nothing rose, nothing sent
+        else:
+            assert learned is None and grown_b == []

@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+from msgspec import msgpack
 from redis.asyncio import Redis
 
 from extproc.core import Decision
@@ -143,12 +144,17 @@ async def test_stray_stream_entries_are_counted_on_metrics_and_said_once(
         Redis.from_url(redis_server.url) as raw,
     ):
         await asyncio.sleep(0.3)  # reading from the stream's end
-        for blob in (b"\xc1 not msgpack", b"\x92\xa1b\x01", b"\x92\xa1b\x91\x01"):
+        # Garbage, wrong shapes, and placements whose first-turn length no turn has.
+        forged = [
+            msgpack.encode(["b", [["0", [], "s", [1], first]]]) for first in (-1, 1 << 40, "3")
+        ]
+        for blob in (b"\xc1 not msgpack", b"\x92\xa1b\x01", b"\x92\xa1b\x91\x01", *forged):
             await raw.xadd("extproc:sessions", {"d": blob})
-        await until(lambda: shared.stats.bad_entries == 3)
+        await until(lambda: shared.stats.bad_entries == 6)
+        assert len(_f.sessions) == 0
         fam = next(
             f for f in SHARED_SESSIONS.families(shared.stats) if f.name.endswith("bad_entries")
         )
-        assert fam.samples[0].value == 3
+        assert fam.samples[0].value == 6
     lines = [r.getMessage() for r in caplog.records if "stream entry skipped" in r.getMessage()]
     assert len(lines) == 1, lines

@@ -47,8 +47,13 @@ bounded sessions a run were bounded for want of any learned growth; hence the fi
 records (bench/RESULTS.md, seventeenth session). Recorded as a fraction of each prefix
 (before issue 14's sixteenth session), it was read only under the tenant's own prompt,
 learned from the tenant's own conversations, and the big tenants' early conversations were
-bounded: the holder was still filtered out 12-15 times a run with the option on. The
-learning is per replica (replicas share placements, not block keys). It survives
+bounded: the holder was still filtered out 12-15 times a run with the option on. Learned
+per replica, three replicas behind one gateway each learn from the later turns they place
+of sessions they started: a ninth of all, a third between them, and 45-69 of ~120 new
+sessions a bench run were bounded for want of growth against 0-18 on one replica
+(bench/RESULTS.md, eighteenth session). With `shareGrowth` (server/shared_growth.py) a
+record that rises is published to the peers, and the shared placements carry each
+session's first-turn length, so any replica placing a later turn learns from it. It survives
 approximate calibration: a change of bytes per token keeps the key geometry (calibration
 pins it), so the recorded keys stay the keys of the same prefixes; only a change of block
 size re-keys everything (the index too), and it comes from the first scrape, before traffic
@@ -95,8 +100,12 @@ _GROWTH_PROBES = 64
 # sixteenth session: 59-68 of 66-69 bounded sessions had no growth to read).
 _HEAD_BLOCKS = _GROUP_STRIDE - 1
 
-# (previous tail keys or (), endpoint, new tail keys): one placement, as replicas share it.
-Touch = tuple[tuple[int, ...], str, tuple[int, ...]]
+# (previous tail keys or (), endpoint, new tail keys, blocks of the session's first turn or
+# 0 if not known): one placement, as replicas share it.
+Touch = tuple[tuple[int, ...], str, tuple[int, ...], int]
+# (blocks grown past a first turn, the block keys it is now the most seen under): what one
+# continued session taught, as replicas share it (server/shared_growth.py).
+Grown = tuple[int, tuple[int, ...]]
 
 
 @dataclass(slots=True)
@@ -119,9 +128,11 @@ class LiveSessions:
         clock: Callable[[], float] = time.monotonic,
         *,
         learn_growth: bool = False,
+        share_growth: bool = False,
     ) -> None:
         self._window = window_s
         self._learn = learn_growth
+        self._share = learn_growth and share_growth
         self._max = max_sessions
         self._clock = clock
         self._chains: OrderedDict[int, _Chain] = OrderedDict()  # least recently active first
@@ -134,6 +145,9 @@ class LiveSessions:
         self._next_id = 0
         # Called with each placement made here (replicas publish it, see shared_sessions).
         self.on_touch: Callable[[Touch], None] | None = None
+        # Called with each growth record that rose here (replicas publish it with
+        # `share_growth`, see shared_growth).
+        self.on_grown: Callable[[Grown], None] | None = None
 
     def __len__(self) -> int:
         return len(self._chains)
@@ -141,6 +155,12 @@ class LiveSessions:
     @property
     def window_s(self) -> float:
         return self._window
+
+    @property
+    def shares_growth(self) -> bool:
+        """Whether learned growth is shared with the peer replicas (and peers' placements
+        carry their sessions' first-turn lengths into this record)."""
+        return self._share
 
     def find(self, block_keys: Sequence[int], matched: Iterable[float] = ()) -> int | None:
         """The live chain this request continues, or None (a new session). `matched`: the
@@ -220,18 +240,34 @@ class LiveSessions:
                 self._grew(block_keys, first)
         self._place(chain_id, endpoint, tail, self._clock(), first)
         if self.on_touch is not None:
-            self.on_touch((old.keys if old is not None else (), endpoint, tail))
+            self.on_touch((old.keys if old is not None else (), endpoint, tail, first))
 
     def apply(self, touch: Touch, age_s: float = 0.0) -> None:
         """A placement another replica made `age_s` ago: continues the chain ending on its
-        previous tail keys (if still live here), as `touch` does."""
-        prev, endpoint, tail = touch
+        previous tail keys (if still live here), as `touch` does. With `share_growth`, the
+        session's first-turn length comes along when this record does not know it, so a
+        later turn placed here learns growth (else only the replica that placed the first
+        turn learns, from the third of the later turns it places with three replicas)."""
+        prev, endpoint, tail, peer_first = touch
         if not tail:
             return
         chain_id = next((c for k in prev if (c := self._by_key.get(k)) is not None), None)
         old = self._chains.get(chain_id) if chain_id is not None else None
         first = old.first if old is not None else 0
+        if not first and self._share:
+            first = peer_first
         self._place(chain_id, endpoint, tail, self._clock() - max(0.0, age_s), first)
+
+    def merge_growth(self, grown: Grown) -> None:
+        """A growth record a peer replica learned: each key's record becomes the larger of
+        the two (as its own continued sessions would have made it). The caller checks the
+        figures (server/shared_growth.py); the record stays within `max_sessions` keys."""
+        grew, keys = grown
+        growth = self._growth
+        for key in keys:
+            growth[key] = max(grew, growth.pop(key, 0))
+        while len(growth) > self._max:
+            growth.popitem(last=False)
 
     def _grew(self, block_keys: Sequence[int], first: int) -> None:
         # One record per `_GROUP_STRIDE` blocks of the first turn, and one under each of its
@@ -241,11 +277,19 @@ class LiveSessions:
         growth, n = self._growth, len(block_keys)
         grew = max(0, n - first)
         end = min(first, n)
+        rose: list[int] = []
         for j in (*range(min(end, _HEAD_BLOCKS)), *range(_GROUP_STRIDE - 1, end, _GROUP_STRIDE)):
             key = block_keys[j]
-            growth[key] = max(grew, growth.pop(key, 0))
+            was = growth.pop(key, -1)
+            growth[key] = max(grew, was)
+            if grew > was:
+                rose.append(key)
         while len(growth) > self._max:
             growth.popitem(last=False)
+        # Only what rose goes to the peers: a record already at its most costs no traffic
+        # (a big tenant's header records stop changing after its first few sessions).
+        if rose and self._share and self.on_grown is not None:
+            self.on_grown((grew, tuple(rose)))
 
     def _place(
         self,
@@ -352,10 +396,13 @@ class BoundedSessionsFilter:
     session on a known prefix (the default before issue 14's sixteenth session; see
     bench/RESULTS.md for both).
 
+    With `shareGrowth` and a Redis index, replicas share what they learn (see the module's
+    docstring).
+
     ```yaml
     - type: bounded-sessions-filter
       parameters: {epsilon: 0.25, windowSeconds: 120, maxSessions: 50000,
-                   keepTogetherGrowth: 0.5}
+                   keepTogetherGrowth: 0.5, shareGrowth: false}
     ```
     """
 
@@ -369,6 +416,8 @@ class BoundedSessionsFilter:
         # New sessions expected to grow at most this past their shared prefix (a fraction of
         # its length) are not bounded; 0: every new session is (and nothing is learned).
         keep_together_growth: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
+        # Replicas sharing a Redis index share learned growth (server/shared_growth.py).
+        share_growth: bool = False
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -377,7 +426,11 @@ class BoundedSessionsFilter:
         self._eps = p.epsilon
         self._together = p.keep_together_growth
         self.sessions = LiveSessions(
-            p.window_seconds, p.max_sessions, clock, learn_growth=self._together > 0
+            p.window_seconds,
+            p.max_sessions,
+            clock,
+            learn_growth=self._together > 0,
+            share_growth=p.share_growth,
         )
         # The continuation found while filtering and the blocks some endpoint held, reused
         # by `observe` for the same request.

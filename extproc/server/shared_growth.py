@@ -1,0 +1,119 @@
+"""Session growth learned by one picker replica, shared with the others.
+
+`bounded-sessions-filter` with `keepTogetherGrowth` leaves a new session to the scorers when
+sessions on its prefix were seen to grow little past it, and bounds it while none was seen
+continued (sessions.py). Each replica learns that from the later turns it places; behind one
+gateway with three replicas each sees a third of them, and 45-69 of ~120 new sessions a bench
+run (tenants at the knee) were bounded for want of growth, against 0-18 with one replica
+(bench/RESULTS.md, eighteenth session). With `shareGrowth: true` on the filter, each record
+that rises on one replica (`LiveSessions.on_grown`: how many blocks a session grew past its
+first turn, and the prefix keys it is now the most seen under) is published on a batched
+Redis pub/sub channel (redis_broadcast.py) and merged by every peer as the larger of the two,
+as if it had seen that session itself.
+
+Bounded: a record carries at most `_MAX_KEYS` keys (a longer first turn's records go out in
+several items), each merged record stays within the filter's `maxSessions` keys (the least
+recently grown forgotten first), pub/sub keeps nothing in Redis, and the channel's backlog is
+bounded. A peer's item is checked before it touches the record: a known filter, a whole
+growth within `_MAX_GROWTH` blocks, at most `_MAX_KEYS` keys each a 64-bit block key; anything
+else is refused and counted (`bad_entries`, a rate-limited warning), never raised. A forged
+record can only make new sessions on a prefix look bigger (bounded, the filter's behaviour
+without the option) or be outgrown by the real ones (records keep the most seen).
+
+Redis down: each replica goes on learning from its own placements, says so in one log line,
+shows `extproc_shared_growth_degraded` 1 and counts the dropped records; it reconnects by
+itself, and records learned meanwhile by peers are missed until those prefixes grow again (a
+replica that starts late likewise learns only what rises after it subscribed). Redis Cluster:
+not shared (pub/sub is per node there), said once in a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast
+from extproc.scheduling.plugins.sessions import BoundedSessionsFilter, Grown, LiveSessions
+
+log = logging.getLogger(__name__)
+
+# Keys per published record: a first turn of 2,048 blocks has 263 records (one per 8 blocks
+# and its first 7), so one item almost always; 256 x 9 bytes of msgpack keeps an item small.
+_MAX_KEYS = 256
+# The most blocks a session may be said to have grown (2**20 blocks of 16 tokens: 16M tokens,
+# past any context window).
+_MAX_GROWTH = 1 << 20
+
+
+@dataclass(slots=True)
+class SharedGrowthStats(ChannelCounts):
+    """Counters since start: the channel's (`bad_entries`: messages or records refused,
+    undecodable, unknown filter, figures no session has) and peers' records `applied`."""
+
+    applied: int = 0
+
+
+class SharedGrowth(SharedOverBroadcast[SharedGrowthStats]):
+    """Publishes the growth records of `sessions` (filter name -> its live-session record)
+    that rise here; merges the peers'. A peer's record goes to the filter of the same name
+    (replicas run the same config)."""
+
+    def __init__(
+        self,
+        client: Redis,
+        sessions: Mapping[str, LiveSessions],
+        *,
+        process_id: str,
+        channel: str = "extproc:growth",
+        interval_s: float = 0.05,
+    ) -> None:
+        self._sessions = dict(sessions)
+        broadcast = Broadcast(
+            client,
+            channel,
+            self._apply,
+            process_id=process_id,
+            name="shared growth",
+            logger=log,
+            failed_msg="shared growth: Redis failing (%r); bounded-sessions-filter learns "
+            "session growth from this replica's placements only until Redis answers",
+            healed_msg="shared growth: Redis answers again after %d failed exchanges",
+            interval_s=interval_s,
+        )
+        super().__init__(SharedGrowthStats(), broadcast)
+        for name, record in self._sessions.items():
+            record.on_grown = lambda grown, name=name: self._send(name, grown)
+
+    @staticmethod
+    def records(plugins: Iterable[object]) -> dict[str, LiveSessions]:
+        """The records of a scheduler's `bounded-sessions-filter`s that share growth, named by
+        the filters' order among the plugins (as shared sessions name them)."""
+        found = [p for p in plugins if isinstance(p, BoundedSessionsFilter)]
+        return {str(i): p.sessions for i, p in enumerate(found) if p.sessions.shares_growth}
+
+    def _send(self, name: str, grown: Grown) -> None:
+        grew, keys = grown
+        for i in range(0, len(keys), _MAX_KEYS):
+            self._channel.send((name, grew, keys[i : i + _MAX_KEYS]))
+
+    def _apply(self, item: Any) -> None:
+        # A wrong shape raises ValueError/TypeError: the channel counts it malformed, skips it.
+        name, grew, keys = item
+        record = self._sessions.get(name) if isinstance(name, str) else None
+        if record is None:
+            self._refused("no such filter")
+        elif type(grew) is not int or not 0 <= grew <= _MAX_GROWTH:
+            self._refused("growth out of bounds")
+        elif (
+            not isinstance(keys, list)
+            or not 0 < len(keys) <= _MAX_KEYS
+            or not all(type(k) is int and 0 <= k < 1 << 64 for k in keys)
+        ):
+            self._refused("not block keys")
+        else:
+            record.merge_growth((grew, tuple(keys)))
+            self._counts.applied += 1
