@@ -130,3 +130,31 @@ async def test_every_dashboard_query_uses_exported_metrics(full_app: App):
     # The dashboard covers the issue's list, not a subset of it.
     for needed in ("extproc_index_lookup_seconds_bucket", "extproc_endpoint_state_age_seconds"):
         assert needed in used
+
+
+async def test_shared_growth_runs_and_is_exported_when_a_filter_asks_for_it(
+    settings: Settings, redis_server: RedisServer
+):
+    """`shareGrowth: true` on bounded-sessions-filter with a Redis index: the exchange runs
+    and its counters and degraded gauge are exported; without the option it is not built."""
+    from extproc.scheduling.config import default_config
+
+    cfg = default_config()
+    plugins = [
+        msgspec.structs.replace(p, parameters={"shareGrowth": True})
+        if p.type == "bounded-sessions-filter"
+        else p
+        for p in cfg.plugins
+    ]
+    index = IndexSettings(backend="redis", redis_url=redis_server.url)
+    s = msgspec.structs.replace(
+        settings, index=index, scheduling=msgspec.structs.replace(cfg, plugins=plugins)
+    )
+    async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
+        assert app.shared_growth is not None
+        names = exported_names(await scrape(app))
+        assert "extproc_shared_growth_applied_total" in names
+        assert "extproc_shared_growth_degraded" in names
+    plain = msgspec.structs.replace(settings, index=index)
+    async with App(plain, parse_endpoints(",".join(plain.endpoints))) as app:
+        assert app.shared_growth is None
