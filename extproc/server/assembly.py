@@ -436,9 +436,10 @@ class Parts:
         if not records:
             return None
         if idx.cluster:
-            log.warning(
-                "bounded-sessions-filter shareGrowth: session growth is not shared on Redis "
-                "Cluster: each replica learns from the later turns it places"
+            # On by default, so said as the other defaults that cannot be on there are.
+            log.info(
+                "bounded-sessions-filter shareGrowth: off on Redis Cluster (pub/sub is per "
+                "node): each replica learns session growth from the later turns it places"
             )
             return None
         return SharedGrowth.from_url(idx.redis_url, records, process_id=self._process_id())

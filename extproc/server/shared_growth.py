@@ -36,7 +36,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast
+from extproc.redis_broadcast import Broadcast, ChannelCounts, SharedOverBroadcast, by_order
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter, Grown, LiveSessions
 
 log = logging.getLogger(__name__)
@@ -92,8 +92,8 @@ class SharedGrowth(SharedOverBroadcast[SharedGrowthStats]):
     def records(plugins: Iterable[object]) -> dict[str, LiveSessions]:
         """The records of a scheduler's `bounded-sessions-filter`s that share growth, named by
         the filters' order among the plugins (as shared sessions name them)."""
-        found = [p for p in plugins if isinstance(p, BoundedSessionsFilter)]
-        return {str(i): p.sessions for i, p in enumerate(found) if p.sessions.shares_growth}
+        found = by_order(plugins, BoundedSessionsFilter)
+        return {name: p.sessions for name, p in found.items() if p.sessions.shares_growth}
 
     def _send(self, name: str, grown: Grown) -> None:
         grew, keys = grown

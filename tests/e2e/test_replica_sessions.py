@@ -102,3 +102,7 @@ def test_three_replicas_place_sessions_as_one_does(tmp_path, redis_server: Redis
         assert sample(m, "extproc_shared_sessions_applied_total") > 0, m
         assert sample(m, "extproc_shared_sessions_degraded") == 0
         assert sample(m, "extproc_shared_request_ends_degraded") == 0
+        assert sample(m, "extproc_shared_growth_degraded") == 0
+    # Learned session growth reached the peers (bounded-sessions-filter `shareGrowth`, on by
+    # default): some replica merged another's records.
+    assert sum(sample(m, "extproc_shared_growth_applied_total") for m in metrics) > 0

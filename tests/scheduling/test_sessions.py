@@ -282,6 +282,7 @@ def test_agent_sessions_that_grow_still_spread_evenly():
 
 def test_by_default_sessions_that_grow_are_bounded_and_chats_are_not():
     assert BoundedSessionsFilter.Params().keep_together_growth == 0.5
+    assert BoundedSessionsFilter.Params().share_growth  # with a Redis index (shared_growth)
     chat = run_group(BoundedSessionsFilter(), 8, "abcd", per_turn=2)
     assert chat == [chat[0]] * 8, chat
     agent = run_group(BoundedSessionsFilter(), 8, "abcd", per_turn=10)

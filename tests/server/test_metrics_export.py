@@ -132,16 +132,16 @@ async def test_every_dashboard_query_uses_exported_metrics(full_app: App):
         assert needed in used
 
 
-async def test_shared_growth_runs_and_is_exported_when_a_filter_asks_for_it(
+async def test_shared_growth_runs_and_is_exported_unless_a_filter_turns_it_off(
     settings: Settings, redis_server: RedisServer
 ):
-    """`shareGrowth: true` on bounded-sessions-filter with a Redis index: the exchange runs
-    and its counters and degraded gauge are exported; without the option it is not built."""
+    """With a Redis index, bounded-sessions-filter's growth is shared by default: the exchange
+    runs and its counters and degraded gauge are exported; `shareGrowth: false` builds none."""
     from extproc.scheduling.config import default_config
 
     cfg = default_config()
     plugins = [
-        msgspec.structs.replace(p, parameters={"shareGrowth": True})
+        msgspec.structs.replace(p, parameters={"shareGrowth": False})
         if p.type == "bounded-sessions-filter"
         else p
         for p in cfg.plugins
@@ -150,11 +150,11 @@ async def test_shared_growth_runs_and_is_exported_when_a_filter_asks_for_it(
     s = msgspec.structs.replace(
         settings, index=index, scheduling=msgspec.structs.replace(cfg, plugins=plugins)
     )
-    async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
+    plain = msgspec.structs.replace(settings, index=index)
+    async with App(plain, parse_endpoints(",".join(plain.endpoints))) as app:
         assert app.shared_growth is not None
         names = exported_names(await scrape(app))
         assert "extproc_shared_growth_applied_total" in names
         assert "extproc_shared_growth_degraded" in names
-    plain = msgspec.structs.replace(settings, index=index)
-    async with App(plain, parse_endpoints(",".join(plain.endpoints))) as app:
+    async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
         assert app.shared_growth is None

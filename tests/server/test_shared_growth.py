@@ -82,8 +82,10 @@ async def test_growth_learned_on_one_replica_keeps_the_others_new_sessions_toget
         assert fb.sessions.learned(first, len(first)) == (2, len(first) // 8 * 8)
     assert a.stats.published == 3 and b.stats.published == 0
     assert a.stats.bad_entries == b.stats.bad_entries == 0
-    # Without the option there is nothing to share: no record is handed to a channel.
-    assert SharedGrowth.records([BoundedSessionsFilter()]) == {}
+    # On by default; without the option no record is handed to a channel.
+    assert SharedGrowth.records([BoundedSessionsFilter()]).keys() == {"0"}
+    off = BoundedSessionsFilter.Params(share_growth=False)
+    assert SharedGrowth.records([BoundedSessionsFilter(off)]) == {}
 
 
 async def test_forged_growth_records_are_refused_and_counted(

@@ -51,7 +51,8 @@ bounded: the holder was still filtered out 12-15 times a run with the option on.
 per replica, three replicas behind one gateway each learn from the later turns they place
 of sessions they started: a ninth of all, a third between them, and 45-69 of ~120 new
 sessions a bench run were bounded for want of growth against 0-18 on one replica
-(bench/RESULTS.md, eighteenth session). With `shareGrowth` (server/shared_growth.py) a
+(bench/RESULTS.md, eighteenth session). With `shareGrowth` (server/shared_growth.py, on
+by default since the nineteenth session) a
 record that rises is published to the peers, and the shared placements carry each
 session's first-turn length, so any replica placing a later turn learns from it. It survives
 approximate calibration: a change of bytes per token keeps the key geometry (calibration
@@ -396,13 +397,13 @@ class BoundedSessionsFilter:
     session on a known prefix (the default before issue 14's sixteenth session; see
     bench/RESULTS.md for both).
 
-    With `shareGrowth` and a Redis index, replicas share what they learn (see the module's
-    docstring).
+    With `shareGrowth` (the default) and a Redis index, replicas share what they learn (see
+    the module's docstring); false: each replica learns alone.
 
     ```yaml
     - type: bounded-sessions-filter
       parameters: {epsilon: 0.25, windowSeconds: 120, maxSessions: 50000,
-                   keepTogetherGrowth: 0.5, shareGrowth: false}
+                   keepTogetherGrowth: 0.5, shareGrowth: true}
     ```
     """
 
@@ -416,8 +417,11 @@ class BoundedSessionsFilter:
         # New sessions expected to grow at most this past their shared prefix (a fraction of
         # its length) are not bounded; 0: every new session is (and nothing is learned).
         keep_together_growth: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
-        # Replicas sharing a Redis index share learned growth (server/shared_growth.py).
-        share_growth: bool = False
+        # Replicas sharing a Redis index share learned growth (server/shared_growth.py). On
+        # by default since the nineteenth session: three replicas at the knee (tenants, seeds
+        # 2-4, 9 pairs) bounded 1-18 new sessions for want of growth instead of 37-56, hit
+        # ratio higher in 8 of 9 pairs, TTFT p90 lower in 6 (bench/RESULTS.md).
+        share_growth: bool = True
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
