@@ -51,10 +51,10 @@ bounded: the holder was still filtered out 12-15 times a run with the option on.
 per replica, three replicas behind one gateway each learn from the later turns they place
 of sessions they started: a ninth of all, a third between them, and 45-69 of ~120 new
 sessions a bench run were bounded for want of growth against 0-18 on one replica
-(bench/RESULTS.md, eighteenth session). With `shareGrowth` (server/shared_growth.py, on
-by default since the nineteenth session) a
-record that rises is published to the peers, and the shared placements carry each
-session's first-turn length, so any replica placing a later turn learns from it. It survives
+(bench/RESULTS.md, eighteenth session). With `shareGrowth` (server/shared_growth.py, on by
+default since the nineteenth session) a record that rises is published to the peers, and
+the shared placements carry each session's first-turn length, so any replica placing a
+later turn learns from it. It survives
 approximate calibration: a change of bytes per token keeps the key geometry (calibration
 pins it), so the recorded keys stay the keys of the same prefixes; only a change of block
 size re-keys everything (the index too), and it comes from the first scrape, before traffic
