@@ -419,8 +419,8 @@ class BoundedSessionsFilter:
         keep_together_growth: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
         # Replicas sharing a Redis index share learned growth (server/shared_growth.py). On
         # by default since the nineteenth session: three replicas at the knee (tenants, seeds
-        # 2-4, 9 pairs) bounded 1-18 new sessions for want of growth instead of 37-56, hit
-        # ratio higher in 8 of 9 pairs, TTFT p90 lower in 6 (bench/RESULTS.md).
+        # 2-4, 11 pairs) bounded 1-18 new sessions for want of growth instead of 37-56, hit
+        # ratio higher in 9 of 11 pairs, TTFT p90 lower in 8, median -5% (bench/RESULTS.md).
         share_growth: bool = True
 
     def __init__(
