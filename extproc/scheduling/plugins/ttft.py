@@ -253,15 +253,13 @@ class PredictedTTFTScorer:
         tps = c.state.prefill_tps
         if not tps:
             return self._prior
-        if self._speed_in_estimates and self.token_ratio is not None:
+        if self._speed_in_estimates:
             # The engine's speed is in its tokens; queues and prompts here are estimates.
             # A common factor leaves static comparisons alone, but not a drain in real
             # time: with 4 bytes per token for ~1.3 characters (uncalibrated), a queue of
             # estimates at the engine's speed drained 3x too fast (issue 14, twelfth
             # session).
-            ratio = self.token_ratio()
-            if ratio > 0 and math.isfinite(ratio):
-                return tps / ratio
+            return tps / self._ratio()
         return tps
 
     def predict(
