@@ -36,6 +36,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from extproc.redis_broadcast import by_order
 from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter, LiveSessions, Touch
@@ -115,10 +116,9 @@ class SharedSessions:
 
     @staticmethod
     def records(plugins: Iterable[object]) -> dict[str, LiveSessions]:
-        """The session records of a scheduler's plugins (by plugin name)."""
-        # Named by their order among the plugins: replicas run the same config.
-        found = [p for p in plugins if isinstance(p, BoundedSessionsFilter)]
-        return {str(i): p.sessions for i, p in enumerate(found)}
+        """The session records of a scheduler's plugins, named by the filters' order among
+        them (`by_order`, as shared growth names the same records)."""
+        return {name: p.sessions for name, p in by_order(plugins, BoundedSessionsFilter).items()}
 
     @property
     def is_degraded(self) -> bool:
