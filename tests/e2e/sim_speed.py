@@ -21,7 +21,8 @@ FAST = 1000.0
 
 def finish_fast(fleet: SimFleet) -> None:
     """Speeds every server of `fleet` up by `FAST`: what they run ends almost at once. Call
-    it only after the last check that needs their speed."""
+    it only after the last check that needs their speed, and only on a fleet no later test
+    shares (the servers stay fast)."""
     for srv in fleet.servers:
         r = httpx.post(f"{srv.url}/sim/speed", json={"relative_speed": FAST}, timeout=5)
         r.raise_for_status()
