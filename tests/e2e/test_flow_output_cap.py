@@ -21,6 +21,7 @@ import pytest
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
 from tests.e2e.flow_configs import output_ceiling_config, queued
+from tests.e2e.sim_speed import finish_fast
 
 OUTPUT = 256  # expected output tokens, and the detector's per-request constant
 LONG = 600  # output tokens at 100 tokens/s: the first request streams for ~6 s
@@ -68,6 +69,9 @@ async def test_a_short_answer_fits_beside_a_long_one_a_generous_cap_does_not(sta
             await asyncio.sleep(0.1)
         assert not generous.done(), "a request counted at 256 was placed beside the first"
         assert not first.done(), "the long request ended before the check"
+        # Checked: the first one ends now, not ~4 s of decoding later; the generous one
+        # is released then and runs as fast.
+        finish_fast(stack.fleet)
         assert await first == 200
         assert (await generous).status_code == 200  # released once the first ended
         assert queued(stack) == 0

@@ -21,6 +21,7 @@ import pytest
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
 from tests.e2e.flow_configs import output_ceiling_config, queued
+from tests.e2e.sim_speed import finish_fast
 
 BASE = 16  # the detector's output per in-flight request
 OUTPUT = 600  # each request's max_tokens (and expected_output_tokens): ~6 s at 100 tokens/s
@@ -66,6 +67,8 @@ async def test_a_running_requests_own_output_counts_past_its_stream(stack: Stack
             await asyncio.sleep(0.1)
         assert held and not second.done(), "placed beside the first: its output counted as 16"
         assert not first.done(), "the first request ended before the check"
+        # The first one ends now (not ~5 s of decoding later), the second then runs fast.
+        finish_fast(stack.fleet)
         assert await first == 200
         assert (await second).status_code == 200  # released once the first ended
         assert queued(stack) == 0

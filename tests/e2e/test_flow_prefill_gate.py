@@ -24,8 +24,12 @@ from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
 from tests.e2e.flow_configs import metric_sum, queued, two_band_reserve_config
 
-SHORT, LONG = 100, 500  # words of 7 letters: ~200 and ~1,000 tokens
-PREFILL_TPS = 500  # the long prompt prefills for ~2 s
+# Words of 7 letters: ~200 and ~1,000 tokens by the picker's estimate (4 bytes each), what
+# the gate's budget counts; the simulator's tokenizer makes ~4,000 of the long prompt.
+SHORT, LONG = 100, 500
+# The long prompt prefills for ~2 s (measured at 500 tokens/s, the rate before: 7-8 s, for
+# no check's sake: the checks need it over 1 s).
+PREFILL_TPS = 2000
 HI = {"x-llm-d-inference-objective": "interactive"}
 LO = {"x-llm-d-inference-objective": "batch"}
 

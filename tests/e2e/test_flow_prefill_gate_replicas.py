@@ -77,6 +77,10 @@ async def test_a_replica_holds_batch_behind_the_other_replicas_prefill(
     fleet: SimFleet, redis_server: RedisServer, tmp_path, fleet_view: bool
 ):
     path = config(tmp_path, fleet_view)
+    # The engine is shared: without this, the second case's prompts (the same seeds) were
+    # cached from the first's, the long one had its first token before the short one was
+    # sent, and the per-replica case proved nothing (measured).
+    fleet.reset()
     # One Redis and one engine for both parametrisations: the first one's replicas withdraw
     # their shared entries at stop, and its requests have ended.
     opts = {"fleet": fleet, "redis_url": redis_server.url, "extproc_args": ("--config", str(path))}
@@ -96,16 +100,16 @@ async def test_a_replica_holds_batch_behind_the_other_replicas_prefill(
 
             loop = asyncio.get_running_loop()
             engine_has_it: asyncio.Future[None] = loop.create_future()
-            sent_short = 0.0
 
             async def long_at_x() -> float:
+                """When its first token came."""
                 req = body(model, 2, LONG)
                 async with cx.stream("POST", "/v1/chat/completions", json=req, headers=LO) as r:
                     assert r.status_code == 200
                     engine_has_it.set_result(None)  # the sim answers headers before prefill
                     async for line in r.aiter_lines():
                         if first_token(line):
-                            return time.perf_counter() - sent_short
+                            return time.perf_counter()
                 raise AssertionError("no first token")
 
             async def short_at_y() -> float:
@@ -126,7 +130,8 @@ async def test_a_replica_holds_batch_behind_the_other_replicas_prefill(
                 assert metric(y.picker_admin_port, peers) >= 1, "X's placement not seen at Y"
             sent_short = time.perf_counter()
             short_s = await short_at_y()
-            long_ttft = await long_task
+            # From sending the short one (before it, when the long prompt was cached: < 0).
+            long_ttft = await long_task - sent_short
         held_at_y = metric(y.picker_admin_port, HELD)
     assert long_ttft > 1.0, "the long prefill was too short to tell"
     if fleet_view:

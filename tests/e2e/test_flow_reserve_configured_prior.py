@@ -30,6 +30,7 @@ from tests.e2e.flow_configs import (
     reserve_estimate,
     reserve_stack,
 )
+from tests.e2e.sim_speed import finish_fast
 
 SMALL, BIG = 150, 500  # words of 7 letters: ~300 and ~1000 estimated tokens
 LONG = 500  # output tokens at 100 tokens/s: ~5 s of streaming
@@ -69,6 +70,7 @@ async def test_a_fresh_picker_keeps_a_server_for_the_configured_interactive_size
         assert hi.headers[SERVED_BY_HEADER] != busy
         # Answered while both batch requests still stream: it did not wait for one to end.
         assert not first.done() and not second.done(), "a batch request ended before"
+        finish_fast(stack.fleet)  # checked: they end now, not seconds later
         assert await first == 200 and await second == 200
     hist = r'^extproc_flow_reserve_history_requests{priority="10"} (\S+)$'
     assert metric_sum(stack, hist) == 1

@@ -24,6 +24,7 @@ from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat
 from tests.e2e.flow_configs import held_or_done, queued
+from tests.e2e.sim_speed import finish_fast
 
 CONFIG = {
     "parse": {"block_tokens": 16, "bytes_per_token": 4, "calibrate": False},
@@ -104,6 +105,7 @@ async def test_batch_leaves_a_server_for_interactive_before_any_interactive_came
         )
         assert hi.status_code == 200
         assert hi.headers[SERVED_BY_HEADER] != busy  # the server the reserve kept free
+        finish_fast(stack.fleet)  # checked: the first ends now, not seconds later
         assert await first == 200
         # The first ended: the batch request is released, nothing is lost.
         assert (await second).status_code == 200

@@ -29,6 +29,7 @@ from tests.e2e.flow_configs import (
     reserve_estimate,
     reserve_stack,
 )
+from tests.e2e.sim_speed import finish_fast
 
 TINY, SMALL, BIG = 20, 150, 500  # words of 7 letters: ~40, ~300 and ~1000 estimated tokens
 LONG = 500  # output tokens at 100 tokens/s: ~5 s of streaming
@@ -79,5 +80,6 @@ async def test_batch_work_keeps_only_the_interactive_p90s_room(stack: Stack):
         hi = await c.post("/v1/chat/completions", json=reserve_body(model, 3, TINY, 4), headers=HI)
         assert hi.status_code == 200
         assert not first.done() and not second.done(), "a batch request ended before"
+        finish_fast(stack.fleet)  # checked: they end now, not seconds later
         assert await first == 200 and await second == 200
     assert metric_sum(stack, r"^extproc_flow_reserve_held_total (\S+)$") == 0

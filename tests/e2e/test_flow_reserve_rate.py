@@ -31,6 +31,7 @@ from tests.e2e.flow_configs import (
     reserve_estimate,
     reserve_stack,
 )
+from tests.e2e.sim_speed import finish_fast
 
 SMALL, MEDIUM, BIG = 150, 250, 500  # words of 7 letters: ~300, ~500, ~1000 tokens
 LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
@@ -81,6 +82,7 @@ async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(sta
         held = metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$")
         assert held > reserve_estimate(BIG) + MARGIN
         assert metric_sum(stack, r"^extproc_flow_reserve_rate_unsized_total (\S+)$") == 0
+        finish_fast(stack.fleet)  # checked: the long ones end now, not seconds later
         assert await batch == 200 and await interactive == 200
         assert (await short).status_code == 200  # released once room came back
         assert queued(stack, priority=0) == 0

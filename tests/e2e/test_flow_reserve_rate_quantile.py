@@ -32,6 +32,7 @@ from tests.e2e.flow_configs import (
     reserve_estimate,
     reserve_stack,
 )
+from tests.e2e.sim_speed import finish_fast
 
 TINY, SMALL, MEDIUM, BIG = 20, 150, 250, 500  # words of 7 letters: ~40 ... ~1000 tokens
 LONG = 600  # output tokens at 100 tokens/s: ~6 s of streaming
@@ -80,4 +81,5 @@ async def test_the_rate_term_counts_a_median_prefill_not_the_largest(stack: Stac
         held = metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$")
         assert reserve_estimate(BIG) <= held <= reserve_estimate(BIG) + MARGIN
         assert metric_sum(stack, r"^extproc_flow_reserve_rate_unsized_total (\S+)$") == 0
+        finish_fast(stack.fleet)  # checked: the long ones end now, not seconds later
         assert await batch == 200 and await interactive == 200

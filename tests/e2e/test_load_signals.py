@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from extproc.stack import Stack, StackOptions, wait_until
+from tests.e2e.sim_speed import finish_fast
 
 # Two running at a time and a small KV cache: the load shows as waiting requests and KV use.
 SIM = ("--max-num-seqs", "2", "--num-gpu-blocks", "64", "--decode-tps", "20")
@@ -102,6 +103,9 @@ def moves_off_a_busy_server(sim_stack: Stack) -> None:
                 served[r.headers["x-served-by"]] += 1  # the simulated server's own name
                 if r.headers["x-served-by"] == busy:
                     seen_before_busy.append(before)
+        # The load has done its part: ended now, not 16 s of decoding later (the pool's
+        # exit waits for it).
+        finish_fast(sim_stack.fleet)
         for f in pending:
             f.cancel()
     # Without scraped load the two tie on every in-flight figure and split the fresh prefixes.

@@ -36,6 +36,7 @@ from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import wait_until
 from tests.e2e.chat_bodies import chat, text
 from tests.e2e.replicas import replicas
+from tests.e2e.sim_speed import finish_fast
 from tests.redis_servers import RedisServer
 
 # Slow decode: the long answer streams for a minute unless cut. Prefill at 2,000 tokens/s.
@@ -243,6 +244,9 @@ def run_lane(tmp_path, redis: RedisServer, mode: str) -> tuple[int, int, list[fl
             assert e.status_code == 200, e.text
             terms.append(e.json()["terms"][SCORER][home])
         drained = fleet.metric("extproc_predicted_ttft_peer_tokens_drained_total")
+        # A's prefill alone has ~35 s to run, which the stack's stop would wait out (10 s,
+        # then a kill): both answers end now instead.
+        finish_fast(stack.fleet)
     return a, b, drained, terms
 
 
