@@ -5,6 +5,8 @@ arrivals); the peers' arrivals, exchanged through Redis, make it the fleet's."""
 
 from __future__ import annotations
 
+import random
+
 from extproc.flowcontrol.reserve import OWN_KEPT, QUANTILE_TRUSTED, Reserve
 from extproc.flowcontrol.shared import SharedFlowState
 from tests.flowcontrol.test_controller import make
@@ -88,3 +90,30 @@ async def test_replicas_exchange_their_arrivals_through_redis(redis_server: Redi
     finally:
         await sa.aclose()
         await sb.aclose()
+
+
+def test_the_term_is_the_quantile_over_the_last_history_whatever_order_they_came_in():
+    """Against a plain count: random arrivals, a third of them heard late from a peer."""
+    rng = random.Random(7)
+    clock = Clock()
+    r = Reserve(1, clock, spike_s=0.3, spike_quantile=0.8)
+    arrivals, late = [], []
+    at = 100.0
+    for _ in range(250):
+        at += rng.expovariate(5.0)
+        tokens = rng.choice((500, 1300, 2600))
+        arrivals.append((at, tokens))
+        if rng.random() < 1 / 3:
+            late.append((at, tokens))
+        else:
+            clock.now = at
+            r.note(10, tokens, 0)
+        if len(late) > 3:  # heard a few arrivals later
+            for a, t in late:
+                r.peer_arrived(10, a, t)
+            late = []
+    for a, t in late:
+        r.peer_arrived(10, a, t)
+    recent = arrivals[-100:]
+    aheads = sorted(sum(t for b, t in arrivals if a - 0.3 < b < a) for a, _ in recent)
+    assert r.spike(10) == aheads[79]
