@@ -51,9 +51,17 @@ rate term is instead the `reserve_spike_quantile` (0.9 by default) of the tokens
 sent within `reserve_spike_s` before each of its recent requests (from `QUANTILE_TRUSTED`
 requests on; before, the rate term as above): the room for the largest request plus what,
 nine times in ten, arrives close behind another. Like the size term it is the band's last
-`HISTORY` requests', so it does not shrink while the band is quiet. Each replica counts
-the arrivals it sees (its share of the band's, as for the rate term). Opt-in: it is room
-kept idle (0.5 s at 0.9: 1,000-1,900 more tokens on one picker, goodput -0.013..-0.065).
+`HISTORY` requests', so it does not shrink while the band is quiet. Opt-in: it is room
+kept idle (0.5 s at 0.9: 1,000-1,900 more tokens on one picker, goodput -0.013..-0.065; 0.3 s
+at 0.9: 130-950 more, goodput -0.047..+0.009 on one picker or two replicas, bench/RESULTS.md,
+twentieth session).
+
+Why the fleet's arrivals (`peer_arrived`, fed by flowcontrol/shared.py): active-active
+replicas each see only their share of the band's arrivals. Sized from its own share, a
+replica's spike term was a third to two thirds of the fleet's on the overload bench's
+arrivals (0.3-1.9k tokens against 1.2-2.6k at 0.5 s), and each replica let lower work into
+room the other replica's share of the band then needed. With the peers' arrivals the term
+is the fleet's on every replica (the size and mean-rate terms stay each replica's own).
 """
 
 from __future__ import annotations
