@@ -279,6 +279,8 @@ class SharedFlowState:
         taken: dict[str, int] = {}
         for peer, items in arrived.items():
             last = self._arrivals_taken.get(peer, 0)
+            if items and max(seq for seq, *_ in items) < last:
+                last = 0  # numbered from 1 again: the peer restarted under the same id
             for seq, band, at_ms, tokens in items:
                 if seq > last:
                     reserve.peer_arrived(band, (at_ms - self._offset_ms) / 1000, tokens)

@@ -87,6 +87,13 @@ async def test_replicas_exchange_their_arrivals_through_redis(redis_server: Redi
         assert a.reserve.spike_history(10) == b.reserve.spike_history(10) == len(ARRIVALS)
         assert a.reserve.spike(10) == b.reserve.spike(10) == one.spike(10) == 1500
         assert sa.stats.bad_entries == sb.stats.bad_entries == 0
+        # a restarts under the same id (its arrivals numbered from 1 again): still counted
+        a.reserve = Reserve(1, clock_a, spike_s=0.3)
+        a.reserve.note(0, 100, 0)
+        a.reserve.note(10, 700, 0)
+        await sa.exchange()
+        await sb.exchange()
+        assert b.reserve.spike_history(10) == len(ARRIVALS) + 1
     finally:
         await sa.aclose()
         await sb.aclose()
