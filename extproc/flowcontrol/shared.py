@@ -15,6 +15,10 @@ tokens it served per flow (decayed), and reads everyone else's. With that, each 
   own (flowcontrol/refill.py);
 - with `waiting_claims_room`, counts the room the peers' waiting higher-band requests
   claim as placed (flowcontrol/claims.py);
+- with `reserve_spike_s`, sizes the reserve's spike term from the fleet's arrivals: each
+  publishes its own of the bands above the lowest (the last three intervals', times on
+  Redis's clock, which the exchange script returns) and counts the peers' as its own
+  (flowcontrol/reserve.py);
 - knows which flows are queued where, per band: when the flow next by fleet-wide usage is
   queued only at another replica, free capacity is left to that replica (for at most two
   exchange intervals, so stale state never idles capacity for long). Token shares then hold
@@ -25,11 +29,13 @@ Saturation is fleet-wide by construction when in-flight counts are shared
 Layout (one hash slot, Cluster-safe): `{<ns>}:flow` hash, field = process id, value =
 msgpack `[expiry_ms, top_band | false, {flow: tokens}, pending_requests, pending_tokens,
 {band: [queued flow, ...]}, {address: [[age_ms, prompt_tokens], ...]}, {address:
-freed_tokens_per_s}, {address: claimed_tokens}]` (the last four absent from older
-replicas; the placements empty without the gate's fleet view, the freed rates empty or
-absent without `reserve_refill_s`, the claims absent without `waiting_claims_room`);
+freed_tokens_per_s}, {address: claimed_tokens}, [process id, [[sequence, band,
+redis_ms, tokens], ...]]]` (the last five absent from older replicas; the placements empty
+without the gate's fleet view, the freed rates empty or absent without `reserve_refill_s`,
+the claims absent or empty without `waiting_claims_room`, the arrivals absent without
+`reserve_spike_s`);
 one script refreshes our field, drops expired ones (Redis server time, so no clock agreement
-needed) and returns the rest.
+needed) and returns Redis's time (ms) and the rest.
 Redis failing -> per-replica flow control: peers' state is forgotten, a warning is logged,
 `errors` counts and `degraded` says so (the `extproc_flow_shared_degraded` gauge). A peer's
 entry that does not decode or holds implausible figures (another version, a stray or forged
