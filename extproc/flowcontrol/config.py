@@ -172,8 +172,8 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     `reserve_spike_s` (0, the default: off): the reserve's arrival-rate term is instead the
     `reserve_spike_quantile` (0.9 by default) of the tokens a higher band sent within this
     many seconds before each of its recent requests (from 20 requests of history on): room
-    for the work that arrives close behind another, not the mean rate's
-    (flowcontrol/reserve.py).
+    for the work that arrives close behind another, not the mean rate's; with shared flow
+    state, over the fleet's arrivals (flowcontrol/reserve.py).
     `output_token_scale` (1.0, the default: none): each request's counted output (above)
     times this, so it adds up with the prompt estimate in one unit: the picker's estimated
     prompt tokens per real token where that estimate runs over or under the engine's count

@@ -835,6 +835,10 @@ class FlowController:
         bands = [p for p, b in self._bands.items() if b.count]
         return max(bands) if bands else None
 
+    def lowest_band(self) -> int | None:
+        """The lowest band configured or seen (nothing is reserved for it)."""
+        return min(self._priorities | set(self.reserve.bands()), default=None)
+
     def close(self, reason: str = "rejected-shutting-down") -> None:
         """Shed everything queued (on stop)."""
         for band in list(self._bands.values()):

@@ -51,9 +51,17 @@ rate term is instead the `reserve_spike_quantile` (0.9 by default) of the tokens
 sent within `reserve_spike_s` before each of its recent requests (from `QUANTILE_TRUSTED`
 requests on; before, the rate term as above): the room for the largest request plus what,
 nine times in ten, arrives close behind another. Like the size term it is the band's last
-`HISTORY` requests', so it does not shrink while the band is quiet. Each replica counts
-the arrivals it sees (its share of the band's, as for the rate term). Opt-in: it is room
-kept idle (0.5 s at 0.9: 1,000-1,900 more tokens on one picker, goodput -0.013..-0.065).
+`HISTORY` requests', so it does not shrink while the band is quiet. Opt-in: it is room
+kept idle (0.5 s at 0.9: 1,000-1,900 more tokens on one picker, goodput -0.013..-0.065; 0.3 s
+at 0.9: 130-950 more, goodput -0.047..+0.009 on one picker or two replicas, bench/RESULTS.md,
+twentieth session).
+
+Why the fleet's arrivals (`peer_arrived`, fed by flowcontrol/shared.py): active-active
+replicas each see only their share of the band's arrivals. Sized from its own share, a
+replica's spike term was a third to two thirds of the fleet's on the overload bench's
+arrivals (0.3-1.9k tokens against 1.2-2.6k at 0.5 s), and each replica let lower work into
+room the other replica's share of the band then needed. With the peers' arrivals the term
+is the fleet's on every replica (the size and mean-rate terms stay each replica's own).
 """
 
 from __future__ import annotations
@@ -72,6 +80,9 @@ log = logging.getLogger("extproc.flowcontrol")
 HISTORY = 100  # recent requests per band whose sizes and arrival rate set the reserve
 # With a quantile: the band's own history sizes the reserve from this many requests on.
 QUANTILE_TRUSTED = 20
+# With a spike window: our own arrivals kept per band for the peers (shared.py publishes
+# the recent ones; a band past this many within one publish window is counted short there).
+OWN_KEPT = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +90,6 @@ class _Seen:
     at: float
     tokens: int  # prompt + expected output (what the request takes on a server)
     prompt: int  # the part a server prefills
-    # With a spike window: the band's tokens that arrived within it before this request.
-    ahead: int = 0
 
 
 class _Sorted:
@@ -148,7 +157,13 @@ class Reserve:
             raise ValueError(f"reserve spike {spike_s} s at {spike_quantile} out of range")
         self._spike_s = spike_s
         self._spike_quantile = spike_quantile
-        self._spikes: dict[int, list[int]] = {}  # per band: its `ahead` figures, in order
+        # With a spike window, per band: the arrivals (time, tokens) the spike term is sized
+        # from, in time order: ours and, with shared state, the peers' (`peer_arrived`).
+        self._arrivals: dict[int, list[tuple[float, int]]] = {}
+        self._spike_at: dict[int, int] = {}  # per band: its spike term, until an arrival
+        # Per band, our own recent arrivals for the peers: (sequence number, time, tokens).
+        self._own: dict[int, collections.deque[tuple[int, float, int]]] = {}
+        self._own_seq = itertools.count(1)
         self._rate_quantile = rate_quantile
         self._rate_prompt: dict[int, int] = {}  # per band: its rate_quantile prompt
         self._count = count
@@ -178,23 +193,18 @@ class Reserve:
         if self._quantile or self._rate_quantile:
             ordered = self._sorted.setdefault(priority, _Sorted())
         now = self._clock()
-        ahead = 0
-        if self._spike_s:
-            for past in reversed(seen):
-                if now - past.at >= self._spike_s:
-                    break
-                ahead += past.tokens
-        spikes = self._spikes.setdefault(priority, []) if self._spike_s else None
         if len(seen) == HISTORY:
             self._sum[priority] -= seen[0].tokens
             if ordered is not None:
                 ordered.drop(seen[0])
-            if spikes is not None:
-                del spikes[bisect.bisect_left(spikes, seen[0].ahead)]
-        new = _Seen(now, tokens, max(0, tokens - output_tokens), ahead)
+        new = _Seen(now, tokens, max(0, tokens - output_tokens))
         seen.append(new)
-        if spikes is not None:
-            bisect.insort(spikes, ahead)
+        if self._spike_s:
+            self._arrived(priority, now, tokens)
+            own = self._own.get(priority)
+            if own is None:
+                own = self._own[priority] = collections.deque(maxlen=OWN_KEPT)
+            own.append((next(self._own_seq), now, tokens))
         self._sum[priority] = self._sum.get(priority, 0) + tokens
         if ordered is not None:
             ordered.add(new)
@@ -238,11 +248,78 @@ class Reserve:
 
     def spike(self, priority: int) -> int:
         """The `spike_quantile` of the tokens the band sent within `spike_s` before each of
-        its recent requests (0 without a spike window or history)."""
-        spikes = self._spikes.get(priority)
-        if not spikes:
+        its last `HISTORY` arrivals, the peers' included (0 without a spike window or
+        history)."""
+        known = self._spike_at.get(priority)
+        if known is not None:
+            return known
+        arrivals = self._arrivals.get(priority)
+        if not arrivals:
             return 0
-        return spikes[_rank(self._spike_quantile, len(spikes))]
+        aheads = []
+        start = max(0, len(arrivals) - HISTORY)
+        lo, inside = 0, 0  # the window before arrival i holds arrivals lo..i-1: `inside` tokens
+        for i, (at, tokens) in enumerate(arrivals):
+            while lo < i and at - arrivals[lo][0] >= self._spike_s:
+                inside -= arrivals[lo][1]
+                lo += 1
+            if i >= start:
+                aheads.append(inside)
+            inside += tokens
+        aheads.sort()
+        known = self._spike_at[priority] = aheads[_rank(self._spike_quantile, len(aheads))]
+        return known
+
+    @property
+    def spike_s(self) -> float:
+        return self._spike_s
+
+    def now(self) -> float:
+        """The reserve's clock (the controller's): arrival times are on it."""
+        return self._clock()
+
+    def spike_history(self, priority: int) -> int:
+        """Arrivals the spike term is sized from (the fleet's, with peers), up to `HISTORY`."""
+        return min(HISTORY, len(self._arrivals.get(priority, ())))
+
+    def peer_arrived(self, priority: int, at: float, tokens: int) -> None:
+        """A peer replica's request of the band arrived at `at` (our clock): the band's
+        spike term counts it as its own (with a spike window; else ignored)."""
+        if self._spike_s:
+            self._arrived(priority, at, tokens)
+
+    def own_arrivals(
+        self, since: float, above: int
+    ) -> tuple[list[tuple[int, int, float, int]], bool]:
+        """Our own arrivals of the bands above `above` at or after `since`: (sequence
+        number, band, time, tokens) each, and whether some band had more than `OWN_KEPT`
+        since then (its oldest are missing); for the peers' spike terms."""
+        out: list[tuple[int, int, float, int]] = []
+        short = False
+        for band, own in self._own.items():
+            if band <= above:
+                continue
+            for seq, at, tokens in reversed(own):
+                if at < since:
+                    break
+                out.append((seq, band, at, tokens))
+            else:
+                short = short or len(own) == OWN_KEPT
+        out.sort()
+        return out, short
+
+    def _arrived(self, priority: int, at: float, tokens: int) -> None:
+        arrivals = self._arrivals.setdefault(priority, [])
+        if not arrivals or at >= arrivals[-1][0]:
+            arrivals.append((at, tokens))
+        else:  # a peer's, heard one exchange late
+            bisect.insort(arrivals, (at, tokens))
+        # Every kept arrival's window needs the arrivals up to `spike_s` before it; past
+        # twice the history the oldest are dropped (a window holding more than `HISTORY`
+        # arrivals is counted short, and is far above any reserve then anyway).
+        if len(arrivals) > 2 * HISTORY:
+            del arrivals[: len(arrivals) - 2 * HISTORY]
+        self._spike_at.pop(priority, None)
 
     def rate(self, priority: int) -> float:
         """Tokens per second the band sent over its history (0 with fewer than two)."""
@@ -293,7 +370,7 @@ class Reserve:
                 )
             if self._rate_quantile and self.history(p) >= QUANTILE_TRUSTED:
                 prompt = self._rate_prompt[p]
-            if self._spike_s and self.history(p) >= QUANTILE_TRUSTED:
+            if self._spike_s and self.spike_history(p) >= QUANTILE_TRUSTED:
                 # The band's own clumps (`reserve_spike_s`) instead of its mean rate.
                 tokens += self.spike(p)
             elif prefill_tps:

@@ -15,6 +15,10 @@ tokens it served per flow (decayed), and reads everyone else's. With that, each 
   own (flowcontrol/refill.py);
 - with `waiting_claims_room`, counts the room the peers' waiting higher-band requests
   claim as placed (flowcontrol/claims.py);
+- with `reserve_spike_s`, sizes the reserve's spike term from the fleet's arrivals: each
+  publishes its own of the bands above the lowest (the last three intervals', times on
+  Redis's clock, which the exchange script returns) and counts the peers' as its own
+  (flowcontrol/reserve.py);
 - knows which flows are queued where, per band: when the flow next by fleet-wide usage is
   queued only at another replica, free capacity is left to that replica (for at most two
   exchange intervals, so stale state never idles capacity for long). Token shares then hold
@@ -25,11 +29,13 @@ Saturation is fleet-wide by construction when in-flight counts are shared
 Layout (one hash slot, Cluster-safe): `{<ns>}:flow` hash, field = process id, value =
 msgpack `[expiry_ms, top_band | false, {flow: tokens}, pending_requests, pending_tokens,
 {band: [queued flow, ...]}, {address: [[age_ms, prompt_tokens], ...]}, {address:
-freed_tokens_per_s}, {address: claimed_tokens}]` (the last four absent from older
-replicas; the placements empty without the gate's fleet view, the freed rates empty or
-absent without `reserve_refill_s`, the claims absent without `waiting_claims_room`);
+freed_tokens_per_s}, {address: claimed_tokens}, [process id, [[sequence, band,
+redis_ms, tokens], ...]]]` (the last five absent from older replicas; the placements empty
+without the gate's fleet view, the freed rates empty or absent without `reserve_refill_s`,
+the claims absent or empty without `waiting_claims_room`, the arrivals absent without
+`reserve_spike_s`);
 one script refreshes our field, drops expired ones (Redis server time, so no clock agreement
-needed) and returns the rest.
+needed) and returns Redis's time (ms) and the rest.
 Redis failing -> per-replica flow control: peers' state is forgotten, a warning is logged,
 `errors` counts and `degraded` says so (the `extproc_flow_shared_degraded` gauge). A peer's
 entry that does not decode or holds implausible figures (another version, a stray or forged
@@ -49,6 +55,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from extproc.endpoints.shared_inflight import default_process_id
 from extproc.flowcontrol.controller import FlowController
+from extproc.flowcontrol.reserve import OWN_KEPT, Reserve
 from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
 from extproc.throttle import Throttle
@@ -73,7 +80,7 @@ own[1] = now + tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], ARGV[1], cmsgpack.pack(own))
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) * 4)
 local all = redis.call('HGETALL', KEYS[1])
-local out = {}
+local out = {now}
 for i = 1, #all, 2 do
   if all[i] ~= ARGV[1] then
     local v = cmsgpack.unpack(all[i + 1])
@@ -87,12 +94,14 @@ return out
 @dataclass(slots=True)
 class SharedFlowStats:
     """Counters since start: successful and failed exchanges, peers' entries skipped as
-    undecodable or implausible (`bad_entries`); `peers` seen at the last exchange."""
+    undecodable or implausible (`bad_entries`); `peers` seen at the last exchange;
+    exchanges that published fewer of our arrivals than there were (`arrivals_short`)."""
 
     exchanges: int = 0
     errors: int = 0
     peers: int = 0
     bad_entries: int = 0
+    arrivals_short: int = 0
 
 
 class SharedFlowState:
@@ -124,6 +133,10 @@ class SharedFlowState:
         self._timeout_s = max(2.0, 10 * interval_s)
         self._sha: str | None = None
         self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
+        # With the reserve's spike term: Redis's clock less ours (ms) at the last exchange
+        # (arrival times travel on Redis's clock), and each peer's last arrival taken.
+        self._offset_ms: float | None = None
+        self._arrivals_taken: dict[str, int] = {}
         controller.defer_limit_s = 2 * interval_s
 
     @classmethod
@@ -155,9 +168,16 @@ class SharedFlowState:
             fields.append({a: round(r, 1) for a, r in rates.items()})
         if claims is not None:
             fields.append(claims.published())
+        spike = fc.reserve if fc.reserve_count and fc.reserve.spike_s else None
+        if spike is not None:
+            fields.extend({} for _ in range(9 - len(fields)))  # the fields before, if absent
+            fields.append([self.process_id, self._own_arrivals(spike, fc)])
         own = msgpack.encode(fields)
         try:
-            blobs = await command(self._eval(own), self._timeout_s, self._abandoned)
+            sent = spike.now() if spike is not None else 0.0
+            now_ms, *blobs = await command(self._eval(own), self._timeout_s, self._abandoned)
+            if spike is not None:
+                self._offset_ms = int(now_ms) - (sent + spike.now()) / 2 * 1000
         except (RedisError, OSError, TimeoutError) as exc:
             self.stats.errors += 1
             self._outage.failed(exc)  # no backoff: the exchange keeps its interval
@@ -182,6 +202,7 @@ class SharedFlowState:
         placed: dict[str, list[tuple[float, int]]] = {}  # address -> (age s, tokens)
         freed: dict[str, float] = {}  # address -> tokens/s the peers' requests freed
         claimed: list[tuple[int, dict[str, int]]] = []  # per peer: (its top band, its claims)
+        arrived: dict[str, list[tuple[int, int, int, int]]] = {}  # peer -> its arrivals
         for blob in blobs:
             try:
                 _, band, flows, p_reqs, p_toks, *rest = msgpack.decode(blob)
@@ -204,6 +225,9 @@ class SharedFlowState:
                 if claims is not None and len(rest) > 3 and type(band) is int:
                     theirs_claimed = {str(a): _claimed(t) for a, t in _mapping(rest[3]).items()}
                     claimed.append((band, theirs_claimed))
+                if spike is not None and len(rest) > 4:
+                    peer, items = rest[4]
+                    arrived[str(peer)] = [_arrival(a) for a in items]
             except (ValueError, TypeError, AttributeError) as exc:  # DecodeError: a ValueError
                 # A foreign or corrupt entry must not stop flow control: skipped, said.
                 self.stats.bad_entries += 1
@@ -225,8 +249,49 @@ class SharedFlowState:
             refill.peer_rates = freed
         if claims is not None:
             claims.peers_seen(claimed)
+        if spike is not None:
+            self._peers_arrived(spike, arrived)
         # A peer's higher band may have drained: whatever we hold may now go.
         fc.dispatch()
+
+    def _own_arrivals(self, reserve: Reserve, fc: FlowController) -> list[list[int]]:
+        """Our arrivals of the last three exchange intervals (each peer reads at least one
+        exchange of ours in that time), bands above the lowest only (nothing is reserved
+        for it), times on Redis's clock: `[sequence number, band, ms, tokens]`."""
+        if self._offset_ms is None:  # Redis's clock not read yet: next time
+            return []
+        lowest = fc.lowest_band()
+        if lowest is None:
+            return []
+        mine, short = reserve.own_arrivals(reserve.now() - 3 * self.interval_s, lowest)
+        if short:
+            self.stats.arrivals_short += 1
+            self._throttle.warn(
+                log,
+                "arrivals short",
+                "flow control: more arrivals of a band than %d in %.1f s; the peers' reserve "
+                "spike terms count fewer of ours",
+                OWN_KEPT,
+                3 * self.interval_s,
+            )
+        offset = self._offset_ms
+        return [[seq, band, round(at * 1000 + offset), tokens] for seq, band, at, tokens in mine]
+
+    def _peers_arrived(
+        self, reserve: Reserve, arrived: dict[str, list[tuple[int, int, int, int]]]
+    ) -> None:
+        """The peers' arrivals not taken yet go into the reserve's spike terms."""
+        assert self._offset_ms is not None
+        taken: dict[str, int] = {}
+        for peer, items in arrived.items():
+            last = self._arrivals_taken.get(peer, 0)
+            if items and max(seq for seq, *_ in items) < last:
+                last = 0  # numbered from 1 again: the peer restarted under the same id
+            for seq, band, at_ms, tokens in items:
+                if seq > last:
+                    reserve.peer_arrived(band, (at_ms - self._offset_ms) / 1000, tokens)
+            taken[peer] = max([last, *(seq for seq, *_ in items)])
+        self._arrivals_taken = taken  # peers gone are forgotten
 
     async def _eval(self, own: bytes) -> list[bytes]:
         args = (self._key, self.process_id, own, str(self._ttl_ms))
@@ -265,6 +330,14 @@ def _claimed(value: Any) -> int:
     if type(value) is not int or not 0 < value <= _MAX_CLAIM:
         raise ValueError(f"implausible claim {value!r}")
     return value
+
+
+def _arrival(value: Any) -> tuple[int, int, int, int]:
+    """A peer's arrival: whole numbers, a plausible size (as a claim's)."""
+    seq, band, at_ms, tokens = value
+    if not all(type(v) is int for v in value) or not 0 < tokens <= _MAX_CLAIM or seq <= 0:
+        raise ValueError(f"implausible arrival {value!r}")
+    return seq, band, at_ms, tokens
 
 
 def _mapping(value: Any) -> dict:

@@ -792,6 +792,11 @@ SHARED_FLOW = StatsFamilies(
             "Peers' flow-state entries skipped: undecodable or implausible figures (another "
             "version, a forged writer); that peer is not counted.",
         ),
+        "arrivals_short": Stat(
+            "extproc_flow_shared_arrivals_short",
+            "Exchanges that published fewer of this replica's higher-band arrivals than there "
+            "were (the peers' reserve spike terms count fewer of them).",
+        ),
     },
 )
 
