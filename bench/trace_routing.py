@@ -419,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         "endpointMean; + '-kv': kv-cache-utilization-scorer's countRequest: true; + '-wqkv': "
         "both; + '-bounded': bounded-sessions-filter's keepTogetherGrowth: 0 (every new "
         "session bounded, the default before the sixteenth session); + '-kvfit': "
-        "predicted-ttft-scorer's kvFit: wait; any mode + "
+        "predicted-ttft-scorer's kvFit: wait; + '-kvfitfolded': kvFit: wait with kvFitPeers: "
+        "folded (the peers' placements since the scrape left out unless folded, as before "
+        "the twentieth session); any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -499,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                     "-kv": {kv: {"countRequest": True}},
                     "-bounded": {"bounded-sessions-filter": {"keepTogetherGrowth": 0}},
                     "-kvfit": {ttft: {"kvFit": "wait"}},
+                    "-kvfitfolded": {ttft: {"kvFit": "wait", "kvFitPeers": "folded"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:
