@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "session bounded, the default before the sixteenth session); + '-kvfit': "
         "predicted-ttft-scorer's kvFit: wait; + '-kvfitfolded': kvFit: wait with kvFitPeers: "
         "folded (the peers' placements since the scrape left out unless folded, as before "
-        "the twentieth session); any mode + "
+        "the twentieth session); + '-kvfitq': kvFit: wait with kvFitQueue: mean; any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -502,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                     "-bounded": {"bounded-sessions-filter": {"keepTogetherGrowth": 0}},
                     "-kvfit": {ttft: {"kvFit": "wait"}},
                     "-kvfitfolded": {ttft: {"kvFit": "wait", "kvFitPeers": "folded"}},
+                    "-kvfitq": {ttft: {"kvFit": "wait", "kvFitQueue": "mean"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:

@@ -161,11 +161,19 @@ class PredictedTTFTScorer:
     after a different replica placed on the same server, before any scrape showed it
     (bench/RESULTS.md, issue 14, twentieth session).
 
+    `kvFitQueue`: with `kvFit: wait`, `mean` also counts each of the endpoint's scraped
+    waiting requests at the mean placed uncached tokens as blocks the scraped `kv_usage` does
+    not hold (queued for blocks, admitted before this request); `ignore` (default) does not.
+    Where the racing KV waits the exchange did not show came from: the peers' requests
+    placed before the scrape and still queued for blocks (bench/RESULTS.md, issue 14,
+    twentieth session). Opt-in and experimental.
+
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
                    peerInflight: drained, waitingFloor: fleetMean, speedUnits: engine,
-                   kvFit: ignore, kvFitPeers: arrivals}
+                   kvFit: ignore, kvFitPeers: arrivals,
+                   kvFitQueue: ignore}
     ```
     """
 
@@ -180,6 +188,7 @@ class PredictedTTFTScorer:
         speed_units: Literal["engine", "estimates"] = "engine"
         kv_fit: Literal["ignore", "wait"] = "ignore"
         kv_fit_peers: Literal["arrivals", "folded"] = "arrivals"
+        kv_fit_queue: Literal["ignore", "mean"] = "ignore"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -194,6 +203,7 @@ class PredictedTTFTScorer:
         self._speed_in_estimates = p.speed_units == "estimates"
         self._kv_fit = p.kv_fit == "wait"
         self._kv_fit_peers = p.kv_fit_peers == "arrivals"
+        self._kv_fit_queue = p.kv_fit_queue == "mean"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -443,12 +453,18 @@ class PredictedTTFTScorer:
         return wait
 
     def _placed_since(self, c: Candidate, now: float) -> tuple[float, float]:
-        """Uncached tokens (estimates) placed on `c` since its last scrape, which the
-        scraped `kv_usage` does not hold yet: this scorer's own and folded placements, and
-        the other replicas' (`_peers_since`)."""
+        """Uncached tokens (estimates) placed on `c` that the scraped `kv_usage` does not
+        hold yet: this scorer's own and folded placements since the scrape (with
+        `kvFitQueue: mean`, also the scraped waiting requests at the mean placed uncached
+        tokens: placed before the scrape but queued for blocks, ahead of this request in
+        the engine's first-come-first-served admission), and the other replicas' since the
+        scrape (`_peers_since`), separately."""
+        st = c.state
         live = self._live.get(c.endpoint.address)
-        since = now - (c.state.age_s or 0.0)
+        since = now - (st.age_s or 0.0)
         own = sum(n for at, n, _ in live if at > since) if live else 0.0
+        if self._kv_fit_queue and st.waiting and self._mean_prefill is not None:
+            own += st.waiting * self._mean_prefill
         return own, self._peers_since(c, now)
 
     def _peers_since(self, c: Candidate, now: float) -> float:
