@@ -419,9 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         "endpointMean; + '-kv': kv-cache-utilization-scorer's countRequest: true; + '-wqkv': "
         "both; + '-bounded': bounded-sessions-filter's keepTogetherGrowth: 0 (every new "
         "session bounded, the default before the sixteenth session); + '-kvfit': "
-        "predicted-ttft-scorer's kvFit: wait; + '-kvfitfolded': kvFit: wait with kvFitPeers: "
-        "folded (the peers' placements since the scrape left out unless folded, as before "
-        "the twentieth session); + '-kvfitq': kvFit: wait with kvFitQueue: mean; any mode + "
+        "predicted-ttft-scorer's kvFit: wait; + '-kvfitarr': kvFit: wait with kvFitPeers: "
+        "arrivals (the peers' placements since the scrape from the in-flight exchange); + "
+        "'-kvfitq': kvFit: wait, kvFitPeers: arrivals, kvFitQueue: mean; any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -501,8 +501,10 @@ def main(argv: list[str] | None = None) -> int:
                     "-kv": {kv: {"countRequest": True}},
                     "-bounded": {"bounded-sessions-filter": {"keepTogetherGrowth": 0}},
                     "-kvfit": {ttft: {"kvFit": "wait"}},
-                    "-kvfitfolded": {ttft: {"kvFit": "wait", "kvFitPeers": "folded"}},
-                    "-kvfitq": {ttft: {"kvFit": "wait", "kvFitQueue": "mean"}},
+                    "-kvfitarr": {ttft: {"kvFit": "wait", "kvFitPeers": "arrivals"}},
+                    "-kvfitq": {
+                        ttft: {"kvFit": "wait", "kvFitPeers": "arrivals", "kvFitQueue": "mean"}
+                    },
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:

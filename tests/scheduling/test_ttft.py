@@ -617,6 +617,7 @@ def test_speed_units_estimates_drains_estimated_queues_at_their_real_speed():
 # tenants knee's shape (bench/RESULTS.md, issue 14, eighteenth session).
 KV = {"kv_blocks": 400, "kv_block_size": 16, "prefill_tps": 10_000.0}
 KV_FIT = PredictedTTFTScorer.Params(kv_fit="wait")
+ARRIVALS = PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_peers="arrivals")
 
 
 def test_kv_fit_waits_for_the_earliest_running_end_where_the_prompt_does_not_fit():
@@ -723,7 +724,7 @@ def test_kv_fit_counts_the_peers_placements_since_the_scrape_from_the_exchange()
     # twentieth session). The in-flight exchange's arrivals (pushed at decision time) are
     # counted as placed since the scrape.
     clock = Clock()
-    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc = PredictedTTFTScorer(ARRIVALS, clock=clock)
     sc.decode_s = lambda address: 0.3
     arrivals = PeerArrivals()
     sc.peer_arrivals = arrivals
@@ -759,7 +760,7 @@ def test_kv_fit_peers_are_not_counted_twice_when_folded_or_when_told_not_to():
     scraped = cand("a", kv_usage=0.4, running=1, age_s=0.05, **KV)
     # The peers' placements folded in (shared placements): already in this scorer's own
     # record of placements, so the exchange's arrivals are left out.
-    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc = PredictedTTFTScorer(ARRIVALS, clock=clock)
     sc.decode_s = lambda address: 0.3
     sc.peer_arrivals = arrivals
     sc.fleet_folded = lambda: True
@@ -767,20 +768,18 @@ def test_kv_fit_peers_are_not_counted_twice_when_folded_or_when_told_not_to():
     assert sc.fold("a", 2560, 2560, 0.256, 0.02)  # the same placement, folded: counted once
     assert sc.explain(r, [scraped])[0]["kv_fit_wait_s"] > 0
     # While Redis fails the fold stops, and the exchange's arrivals count again.
-    sc2 = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc2 = PredictedTTFTScorer(ARRIVALS, clock=clock)
     sc2.decode_s = lambda address: 0.3
     sc2.peer_arrivals = arrivals
     sc2.fleet_folded = lambda: False
     assert sc2.explain(r, [scraped])[0]["kv_fit_wait_s"] > 0
-    # `kvFitPeers: folded`: the behaviour before, the peers' arrivals ignored.
-    before = PredictedTTFTScorer(
-        PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_peers="folded"), clock=clock
-    )
+    # `kvFitPeers: folded` (the default, the behaviour before): the peers' arrivals ignored.
+    before = PredictedTTFTScorer(KV_FIT, clock=clock)
     before.decode_s = lambda address: 0.3
     before.peer_arrivals = arrivals
     terms = before.explain(r, [scraped])[0]
     assert terms["kv_fit_wait_s"] == 0 and terms["kv_peer_tokens"] == 0
-    assert PredictedTTFTScorer.Params().kv_fit_peers == "arrivals"
+    assert PredictedTTFTScorer.Params().kv_fit_peers == "folded"
 
 
 def test_kv_fit_queue_counts_the_scraped_waiting_requests_as_blocks_not_held_yet():

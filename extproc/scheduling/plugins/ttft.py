@@ -153,13 +153,14 @@ class PredictedTTFTScorer:
     eighteenth session). `ignore` leaves the cache's room out of the prediction.
 
     `kvFitPeers`: with `kvFit: wait` on several replicas, whose placements since the scrape
-    take room: `arrivals` (default) this scorer's own and folded ones plus the other
-    replicas' placements there from the shared in-flight exchange (pushed at decision time,
-    endpoints/peer_arrivals.py), unless the peers' placements are folded in already;
-    `folded` only this scorer's own and folded placements (the behaviour before). Three
-    replicas raced for the same free KV: 28-43 of a knee run's KV waits came within 0.1 s
-    after a different replica placed on the same server, before any scrape showed it
-    (bench/RESULTS.md, issue 14, twentieth session).
+    take room: `folded` (default) only this scorer's own and folded placements; `arrivals`
+    also the other replicas' placements there from the shared in-flight exchange (pushed
+    at decision time, endpoints/peer_arrivals.py), unless the peers' placements are folded
+    in already. Three replicas raced for the same free KV: 28-43 of a knee run's KV waits
+    came within 0.1 s after a different replica placed on the same server, before any
+    scrape showed it. `arrivals` sees about half of those placements but did not reduce
+    the races, and was not better than `folded` pair for pair (seed 2 worse in 4 of 6 pairs,
+    seed 4 better in 3 of 4), so opt-in (bench/RESULTS.md, issue 14, twentieth session).
 
     `kvFitQueue`: with `kvFit: wait`, `mean` also counts each of the endpoint's scraped
     waiting requests at the mean placed uncached tokens as blocks the scraped `kv_usage` does
@@ -172,7 +173,7 @@ class PredictedTTFTScorer:
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
                    peerInflight: drained, waitingFloor: fleetMean, speedUnits: engine,
-                   kvFit: ignore, kvFitPeers: arrivals,
+                   kvFit: ignore, kvFitPeers: folded,
                    kvFitQueue: ignore}
     ```
     """
@@ -187,7 +188,7 @@ class PredictedTTFTScorer:
         waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
         speed_units: Literal["engine", "estimates"] = "engine"
         kv_fit: Literal["ignore", "wait"] = "ignore"
-        kv_fit_peers: Literal["arrivals", "folded"] = "arrivals"
+        kv_fit_peers: Literal["arrivals", "folded"] = "folded"
         kv_fit_queue: Literal["ignore", "mean"] = "ignore"
 
     def __init__(
