@@ -780,28 +780,3 @@ def test_kv_fit_peers_are_not_counted_twice_when_folded_or_when_told_not_to():
     terms = before.explain(r, [scraped])[0]
     assert terms["kv_fit_wait_s"] == 0 and terms["kv_peer_tokens"] == 0
     assert PredictedTTFTScorer.Params().kv_fit_peers == "folded"
-
-
-def test_kv_fit_queue_counts_the_scraped_waiting_requests_as_blocks_not_held_yet():
-    # `kvFitQueue: mean`: requests queued for blocks at the scrape hold none (not in
-    # kv_usage) and are admitted first; each counts the mean placed uncached tokens.
-    clock = Clock()
-    sc = PredictedTTFTScorer(
-        PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_queue="mean"), clock=clock
-    )
-    sc.decode_s = lambda address: 0.3
-    r = req(blocks=40, tokens=640)  # 10% of the cache
-    queued = cand("a", kv_usage=0.5, running=1, waiting=2, age_s=0.01, **KV)
-    # No placement yet: no mean to count them at.
-    assert sc.explain(r, [queued])[0]["kv_fit_wait_s"] == 0
-    place(sc, req(blocks=40, tokens=1280), [cand("z", **KV)], "z")  # mean 1,280 (20%)
-    # 0.5 + 2 x 0.2 + 0.1 = 1.0 fits; a third waiting request does not.
-    assert sc.explain(r, [queued])[0]["kv_fit_wait_s"] == 0
-    three = cand("a", kv_usage=0.5, running=1, waiting=3, age_s=0.01, **KV)
-    assert sc.explain(r, [three])[0]["kv_fit_wait_s"] == pytest.approx(0.15)
-    # `ignore` (the default): the queue is not counted.
-    plain = PredictedTTFTScorer(KV_FIT, clock=clock)
-    plain.decode_s = lambda address: 0.3
-    place(plain, req(blocks=40, tokens=1280), [cand("z", **KV)], "z")
-    assert plain.explain(r, [three])[0]["kv_fit_wait_s"] == 0
-    assert PredictedTTFTScorer.Params().kv_fit_queue == "ignore"

@@ -162,19 +162,11 @@ class PredictedTTFTScorer:
     the races, and was not better than `folded` pair for pair (seed 2 worse in 4 of 6 pairs,
     seed 4 better in 3 of 4), so opt-in (bench/RESULTS.md, issue 14, twentieth session).
 
-    `kvFitQueue`: with `kvFit: wait`, `mean` also counts each of the endpoint's scraped
-    waiting requests at the mean placed uncached tokens as blocks the scraped `kv_usage` does
-    not hold (queued for blocks, admitted before this request); `ignore` (default) does not.
-    Where the racing KV waits the exchange did not show came from: the peers' requests
-    placed before the scrape and still queued for blocks (bench/RESULTS.md, issue 14,
-    twentieth session). Opt-in and experimental.
-
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
                    peerInflight: drained, waitingFloor: fleetMean, speedUnits: engine,
-                   kvFit: ignore, kvFitPeers: folded,
-                   kvFitQueue: ignore}
+                   kvFit: ignore, kvFitPeers: folded}
     ```
     """
 
@@ -189,7 +181,6 @@ class PredictedTTFTScorer:
         speed_units: Literal["engine", "estimates"] = "engine"
         kv_fit: Literal["ignore", "wait"] = "ignore"
         kv_fit_peers: Literal["arrivals", "folded"] = "folded"
-        kv_fit_queue: Literal["ignore", "mean"] = "ignore"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -204,7 +195,6 @@ class PredictedTTFTScorer:
         self._speed_in_estimates = p.speed_units == "estimates"
         self._kv_fit = p.kv_fit == "wait"
         self._kv_fit_peers = p.kv_fit_peers == "arrivals"
-        self._kv_fit_queue = p.kv_fit_queue == "mean"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -455,17 +445,15 @@ class PredictedTTFTScorer:
 
     def _placed_since(self, c: Candidate, now: float) -> tuple[float, float]:
         """Uncached tokens (estimates) placed on `c` that the scraped `kv_usage` does not
-        hold yet: this scorer's own and folded placements since the scrape (with
-        `kvFitQueue: mean`, also the scraped waiting requests at the mean placed uncached
-        tokens: placed before the scrape but queued for blocks, ahead of this request in
-        the engine's first-come-first-served admission), and the other replicas' since the
-        scrape (`_peers_since`), separately."""
+        hold yet: this scorer's own and folded placements since the scrape, and the other
+        replicas' since the scrape (`_peers_since`), separately. Requests placed before the
+        scrape and still queued for blocks are not counted (they hold none yet): counting
+        the scraped waiting requests at the mean placed tokens showed no effect in four
+        runs and was withdrawn (bench/RESULTS.md, issue 14, twentieth session)."""
         st = c.state
         live = self._live.get(c.endpoint.address)
         since = now - (st.age_s or 0.0)
         own = sum(n for at, n, _ in live if at > since) if live else 0.0
-        if self._kv_fit_queue and st.waiting and self._mean_prefill is not None:
-            own += st.waiting * self._mean_prefill
         return own, self._peers_since(c, now)
 
     def _peers_since(self, c: Candidate, now: float) -> float:
