@@ -419,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         "endpointMean; + '-kv': kv-cache-utilization-scorer's countRequest: true; + '-wqkv': "
         "both; + '-bounded': bounded-sessions-filter's keepTogetherGrowth: 0 (every new "
         "session bounded, the default before the sixteenth session); + '-kvfit': "
-        "predicted-ttft-scorer's kvFit: wait; any mode + "
+        "predicted-ttft-scorer's kvFit: wait; + '-kvfitarr': kvFit: wait with kvFitPeers: "
+        "arrivals (the peers' placements since the scrape from the in-flight exchange); any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -499,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                     "-kv": {kv: {"countRequest": True}},
                     "-bounded": {"bounded-sessions-filter": {"keepTogetherGrowth": 0}},
                     "-kvfit": {ttft: {"kvFit": "wait"}},
+                    "-kvfitarr": {ttft: {"kvFit": "wait", "kvFitPeers": "arrivals"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:

@@ -101,6 +101,20 @@ class PeerArrivals:
         """The peers' in-flight tokens on `address` at the last update."""
         return self._totals.get(address, 0)
 
+    def since(self, address: str, t: float) -> float:
+        """Tokens of the peers' arrivals on `address` dated after `t` and not yet released:
+        what they placed there since then, as far as this process has seen it (a pushed
+        placement at its decision time, one only the exchange brought at that exchange)."""
+        q = self._arrivals.get(address)
+        if not q:
+            return 0.0
+        placed = 0.0
+        for at, tokens in reversed(q):
+            if at <= t:
+                break
+            placed += tokens
+        return placed
+
     def pending(self, address: str, now: float, tps: float) -> float:
         """Tokens of the peers' arrivals on `address` a lane computing `tps` tokens a second
         since each arrived would not have done by `now`; at most `total(address)`."""

@@ -251,13 +251,15 @@ class Exporter:
             "request did not fit in the endpoint's free KV cache and waited for a running "
             "request to end), untimed (of those, timed without a decode-time measurement: "
             "the running prefills' ends alone), changed (scored requests whose fastest "
-            "endpoint the wait changed).",
+            "endpoint the wait changed), peers (of the waits, those the other replicas' "
+            "placements since the scrape alone caused: kvFitPeers: arrivals).",
             ["scorer", "outcome"],
         )
         for name, scorer in scorers.items():
             kv_fit.add_metric([name, "waited"], scorer.kv_fit_waits)
             kv_fit.add_metric([name, "untimed"], scorer.kv_fit_untimed)
             kv_fit.add_metric([name, "changed"], scorer.kv_fit_changed)
+            kv_fit.add_metric([name, "peers"], scorer.kv_fit_peers)
             for address, (q, w) in scorer.view().items():
                 queue.add_metric([name, address], q)
                 written.add_metric([name, address], w)

@@ -152,3 +152,19 @@ def test_own_placed_tokens_date_the_own_arrivals_in_the_shared_lane():
     old.update({}, now=0.0, own={A: 2000})
     old.update({A: 1000}, now=3.0, own={A: 2000})
     assert old.pending_shared(A, 3.5, tps=1000.0) == pytest.approx(500.0)
+
+
+def test_since_sums_the_arrivals_after_a_time_until_they_are_released():
+    p = PeerArrivals()
+    p.update({A: 1000}, now=10.0)  # the exchange brought 1,000
+    p.arrive(A, 300, at=10.2)  # a pushed placement, dated by its decision
+    p.arrive(A, 200, at=10.3)
+    assert p.since(A, 10.25) == 200.0  # placed after a scrape at 10.25
+    assert p.since(A, 10.1) == 500.0
+    assert p.since(A, 9.0) == 1500.0 and p.since(B, 9.0) == 0.0
+    # An arrival dated before the youngest one there queues at its time, not earlier.
+    p.arrive(A, 50, at=10.0)
+    assert p.since(A, 10.25) == 250.0
+    # Ends release the oldest first: what the exchange brought at 10.0 goes, the recent stay.
+    p.update({A: 550}, now=10.4)
+    assert p.since(A, 9.0) == 550.0 and p.since(A, 10.25) == 250.0

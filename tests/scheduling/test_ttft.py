@@ -617,6 +617,7 @@ def test_speed_units_estimates_drains_estimated_queues_at_their_real_speed():
 # tenants knee's shape (bench/RESULTS.md, issue 14, eighteenth session).
 KV = {"kv_blocks": 400, "kv_block_size": 16, "prefill_tps": 10_000.0}
 KV_FIT = PredictedTTFTScorer.Params(kv_fit="wait")
+ARRIVALS = PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_peers="arrivals")
 
 
 def test_kv_fit_waits_for_the_earliest_running_end_where_the_prompt_does_not_fit():
@@ -715,3 +716,67 @@ def test_kv_fit_converts_estimated_tokens_by_the_capacity_ratio():
     assert sc.explain(r, [half])[0]["kv_fit_wait_s"] == 0
     sc.token_ratio = lambda: 2.0  # each estimate is 2 engine tokens: 40%, does not fit
     assert sc.explain(r, [half])[0]["kv_fit_wait_s"] == pytest.approx(0.1)
+
+
+def test_kv_fit_counts_the_peers_placements_since_the_scrape_from_the_exchange():
+    # Three replicas raced for the same free KV: one placed a cold prompt on `a` and, before
+    # any scrape showed it, another replica placed there too (bench/RESULTS.md, issue 14,
+    # twentieth session). The in-flight exchange's arrivals (pushed at decision time) are
+    # counted as placed since the scrape.
+    clock = Clock()
+    sc = PredictedTTFTScorer(ARRIVALS, clock=clock)
+    sc.decode_s = lambda address: 0.3
+    arrivals = PeerArrivals()
+    sc.peer_arrivals = arrivals
+    r = req(blocks=40, tokens=2560)
+    # Scraped 50 ms ago at 40%: this request (40%) fits, alone.
+    scraped = cand("a", kv_usage=0.4, running=1, age_s=0.05, **KV)
+    assert sc.explain(r, [scraped])[0]["kv_fit_wait_s"] == 0
+    # A peer placed 2,560 uncached tokens there 20 ms ago: 0.4 + 0.4 + 0.4 > 1, it waits
+    # for the running request (0.3 / 2), and the peers alone made it wait.
+    arrivals.arrive("a", 2560, clock.t - 0.02)
+    terms = sc.explain(r, [scraped])[0]
+    assert terms["kv_fit_wait_s"] == pytest.approx(0.15)
+    assert terms["kv_peer_tokens"] == 2560
+    # Scored: counted as a wait, and one the peers alone caused. (The peer's tokens also
+    # queue ahead as far as a lane has not computed them: 0.236 s, the larger floor here.)
+    sc.score(r, [scraped])
+    assert (sc.kv_fit_waits, sc.kv_fit_peers) == (1, 1)
+    # Placed before the scrape: its usage holds them already, not counted again.
+    fresh = sc.explain(r, [cand("a", kv_usage=0.4, running=1, age_s=0.01, **KV)])[0]
+    assert fresh["kv_fit_wait_s"] == 0 and fresh["kv_peer_tokens"] == 0
+    # Estimates: the peers' counts are in them too, converted by the same ratio.
+    small = req(blocks=40, tokens=1280)
+    assert sc.explain(small, [scraped])[0]["kv_fit_wait_s"] == 0  # 0.4 + 0.4 + 0.2
+    sc.token_ratio = lambda: 1.2  # 0.4 + 0.48 + 0.24 > 1
+    assert sc.explain(small, [scraped])[0]["kv_fit_wait_s"] == pytest.approx(0.15)
+
+
+def test_kv_fit_peers_are_not_counted_twice_when_folded_or_when_told_not_to():
+    clock = Clock()
+    arrivals = PeerArrivals()
+    arrivals.arrive("a", 2560, clock.t - 0.02)
+    r = req(blocks=40, tokens=2560)
+    scraped = cand("a", kv_usage=0.4, running=1, age_s=0.05, **KV)
+    # The peers' placements folded in (shared placements): already in this scorer's own
+    # record of placements, so the exchange's arrivals are left out.
+    sc = PredictedTTFTScorer(ARRIVALS, clock=clock)
+    sc.decode_s = lambda address: 0.3
+    sc.peer_arrivals = arrivals
+    sc.fleet_folded = lambda: True
+    assert sc.explain(r, [scraped])[0]["kv_fit_wait_s"] == 0
+    assert sc.fold("a", 2560, 2560, 0.256, 0.02)  # the same placement, folded: counted once
+    assert sc.explain(r, [scraped])[0]["kv_fit_wait_s"] > 0
+    # While Redis fails the fold stops, and the exchange's arrivals count again.
+    sc2 = PredictedTTFTScorer(ARRIVALS, clock=clock)
+    sc2.decode_s = lambda address: 0.3
+    sc2.peer_arrivals = arrivals
+    sc2.fleet_folded = lambda: False
+    assert sc2.explain(r, [scraped])[0]["kv_fit_wait_s"] > 0
+    # `kvFitPeers: folded` (the default, the behaviour before): the peers' arrivals ignored.
+    before = PredictedTTFTScorer(KV_FIT, clock=clock)
+    before.decode_s = lambda address: 0.3
+    before.peer_arrivals = arrivals
+    terms = before.explain(r, [scraped])[0]
+    assert terms["kv_fit_wait_s"] == 0 and terms["kv_peer_tokens"] == 0
+    assert PredictedTTFTScorer.Params().kv_fit_peers == "folded"

@@ -82,6 +82,7 @@ class PeerTokens(Protocol):
     def total(self, address: str) -> int: ...
     def pending(self, address: str, now: float, tps: float) -> float: ...
     def pending_shared(self, address: str, now: float, tps: float) -> float: ...
+    def since(self, address: str, t: float) -> float: ...
 
 
 def uncached_tokens(req: InferenceRequest, c: Candidate) -> float:
@@ -151,11 +152,21 @@ class PredictedTTFTScorer:
     hit or not, which the prefill queue alone does not see (bench/RESULTS.md, issue 14,
     eighteenth session). `ignore` leaves the cache's room out of the prediction.
 
+    `kvFitPeers`: with `kvFit: wait` on several replicas, whose placements since the scrape
+    take room: `folded` (default) only this scorer's own and folded placements; `arrivals`
+    also the other replicas' placements there from the shared in-flight exchange (pushed
+    at decision time, endpoints/peer_arrivals.py), unless the peers' placements are folded
+    in already. Three replicas raced for the same free KV: 28-43 of a knee run's KV waits
+    came within 0.1 s after a different replica placed on the same server, before any
+    scrape showed it. `arrivals` sees about half of those placements but did not reduce
+    the races, and was not better than `folded` pair for pair (seed 2 worse in 4 of 6 pairs,
+    seed 4 better in 3 of 4), so opt-in (bench/RESULTS.md, issue 14, twentieth session).
+
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
                    peerInflight: drained, waitingFloor: fleetMean, speedUnits: engine,
-                   kvFit: ignore}
+                   kvFit: ignore, kvFitPeers: folded}
     ```
     """
 
@@ -169,6 +180,7 @@ class PredictedTTFTScorer:
         waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
         speed_units: Literal["engine", "estimates"] = "engine"
         kv_fit: Literal["ignore", "wait"] = "ignore"
+        kv_fit_peers: Literal["arrivals", "folded"] = "folded"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -182,6 +194,7 @@ class PredictedTTFTScorer:
         self._endpoint_mean = p.waiting_floor == "endpointMean"
         self._speed_in_estimates = p.speed_units == "estimates"
         self._kv_fit = p.kv_fit == "wait"
+        self._kv_fit_peers = p.kv_fit_peers == "arrivals"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -228,6 +241,9 @@ class PredictedTTFTScorer:
         self.kv_fit_waits = 0
         self.kv_fit_untimed = 0
         self.kv_fit_changed = 0
+        # Of `kv_fit_waits`, those the peers' placements since the scrape alone made wait
+        # (`kvFitPeers: arrivals`: without them the request fit).
+        self.kv_fit_peers = 0
         self._untimed_said = False
 
     def units_changed(self, factor: float) -> None:
@@ -351,6 +367,7 @@ class PredictedTTFTScorer:
             kv = self._kv_wait(req, c, now, count=terms is None)
             if terms is not None:
                 terms["kv_fit_wait_s"] = kv
+                terms["kv_peer_tokens"] = self._peers_since(c, now)
             added = max(0.0, kv - max(0.0, wait))
             wait = max(wait, kv)
         uncached = uncached_tokens(req, c) / tps
@@ -371,8 +388,9 @@ class PredictedTTFTScorer:
     ) -> float:
         """Seconds until `c` has room in its KV cache for this request (0: room now, or not
         known). Room: the scraped `kv_usage` (blocks its running and admitted requests hold)
-        plus the uncached tokens placed there since that scrape (own and folded placements;
-        the engine had not seen them) plus this request's uncached tokens, against
+        plus the uncached tokens placed there since that scrape (`_placed_since`: own,
+        folded and the other replicas'; the engine had not seen them) plus this request's
+        uncached tokens, against
         `kv_blocks` x `kv_block_size`. Over capacity, the wait is until the earliest running
         request ends: a placement of this scorer's still expected to run ends a decode after
         its predicted prefill; without one, the soonest of the `running` requests, each
@@ -389,8 +407,8 @@ class PredictedTTFTScorer:
         What else this ignores: one request's end may free too little (then it waits for
         more), requests already queued for blocks ahead of it (the engine admits first come
         first served), the output's blocks (vLLM allocates them as it decodes), and a peer's
-        placements since the scrape when placements are not shared (they show at the next
-        scrape)."""
+        placements since the scrape when neither placements nor in-flight counts are shared
+        (they show at the next scrape)."""
         st = c.state
         if not (st.kv_blocks and st.kv_block_size) or st.is_stale:
             return 0.0
@@ -401,10 +419,11 @@ class PredictedTTFTScorer:
             return 0.0  # fits beside nothing: the engine runs it alone or refuses it
         address = c.endpoint.address
         live = self._live.get(address)
-        since = now - (st.age_s or 0.0)
-        recent = sum(n for at, n, _ in live if at > since) if live else 0.0
-        if st.kv_usage * cap + recent * ratio + need <= cap:
+        own, peers = self._placed_since(c, now)
+        if st.kv_usage * cap + (own + peers) * ratio + need <= cap:
             return 0.0
+        if count and peers and st.kv_usage * cap + own * ratio + need <= cap:
+            self.kv_fit_peers += 1
         decode = self.decode_s(address) if self.decode_s is not None else None
         if decode is None:
             if count:
@@ -423,6 +442,37 @@ class PredictedTTFTScorer:
         if count:
             self.kv_fit_waits += 1
         return wait
+
+    def _placed_since(self, c: Candidate, now: float) -> tuple[float, float]:
+        """Uncached tokens (estimates) placed on `c` that the scraped `kv_usage` does not
+        hold yet: this scorer's own and folded placements since the scrape, and the other
+        replicas' since the scrape (`_peers_since`), separately. Requests placed before the
+        scrape and still queued for blocks are not counted (they hold none yet): counting
+        the scraped waiting requests at the mean placed tokens showed no effect in four
+        runs and was withdrawn (bench/RESULTS.md, issue 14, twentieth session)."""
+        st = c.state
+        live = self._live.get(c.endpoint.address)
+        since = now - (st.age_s or 0.0)
+        own = sum(n for at, n, _ in live if at > since) if live else 0.0
+        return own, self._peers_since(c, now)
+
+    def _peers_since(self, c: Candidate, now: float) -> float:
+        """The other replicas' uncached tokens placed on `c` since its last scrape, from the
+        shared in-flight exchange (0 with `kvFitPeers: folded`, without shared counts, or
+        while their placements are folded into `_live`, which would count them twice).
+
+        Units: the in-flight counts are the uncached tokens the deciding replica's index
+        predicted (router.py: prompt less its matched blocks), the same estimate
+        `uncached_tokens` gives here, so they are added as they are; not whole prompts,
+        which counted a tenant's shared prefix again at its holder (nineteenth session).
+        A peer's count is in its units at the time: placements made before a recalibration
+        of the estimates count in the old ones until the next scrape."""
+        arrivals = self.peer_arrivals
+        if not self._kv_fit_peers or arrivals is None:
+            return 0.0
+        if self.fleet_folded is not None and self.fleet_folded():
+            return 0.0
+        return arrivals.since(c.endpoint.address, now - (c.state.age_s or 0.0))
 
     def _inflight_prefill(
         self, st: EndpointState, address: str, tokens: float, *, count: bool = True
