@@ -23,6 +23,13 @@ push, endpoints/inflight_push.py); the cost is one PUBLISH per batch, not per in
 With `with_sender`, `apply` gets `(sender, item)`: the sending replica's id as it named
 itself (a peer's word, like the item).
 
+With `retention` (retained.py), the channel also keeps each published item in a bounded
+snapshot in Redis and reads it after each successful subscribe (on start and after every
+reconnect), handing its entries to `apply` like pushed items: a replica that starts late, or
+was cut off, learns the long-lived records its peers published meanwhile. A failed snapshot
+write or read is said (rate-limited) and shows degraded like a failed publish; a failed read
+is retried with the subscription.
+
 `SharedOverBroadcast` is the base of the features that ride on one channel (shared request
 ends, observations, placements, scrapes, calibration, the in-flight push): it owns the
 channel and gives each feature `from_url`, `run`, `aclose`, `is_degraded` and `stats`, so a
@@ -45,6 +52,7 @@ from redis.exceptions import RedisError
 
 from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
+from extproc.retained import Retained, Retention
 from extproc.throttle import Throttle
 
 _TIMEOUT_S = 2.0  # per Redis call
@@ -56,12 +64,16 @@ _MAX_BACKOFF_S = 2.0
 class BroadcastStats:
     """Counters since start: items `published` to the peers, items `dropped` (Redis failing
     or the backlog full), failed Redis calls (`errors`), peers' messages or items that did
-    not decode (`malformed`)."""
+    not decode (`malformed`). With a snapshot: successful `snapshot_reads`, the entries they
+    handed to `apply` (`snapshot_entries`), items too large to keep (`unretained`)."""
 
     published: int = 0
     dropped: int = 0
     errors: int = 0
     malformed: int = 0
+    snapshot_reads: int = 0
+    snapshot_entries: int = 0
+    unretained: int = 0
 
 
 class Broadcast:
@@ -84,7 +96,12 @@ class Broadcast:
         max_pending: int = 50_000,
         timed: bool = False,
         with_sender: bool = False,
+        retention: Retention | None = None,
     ) -> None:
+        if retention is not None and timed:
+            # A snapshot entry has no age a peer could date it by.
+            raise ValueError("a timed channel cannot retain a snapshot")
+        self._retained = Retained(channel, retention) if retention is not None else None
         self._client = client
         self._channel = channel
         self._apply = apply
@@ -155,13 +172,52 @@ class Broadcast:
                 backoff = await self._exchange("publish", self._client.publish(self._channel, blob))
                 if backoff is None:
                     self.stats.published += len(batch)
+                    if self._retained is not None:
+                        backoff = await self._retain(self._retained, batch)
                 else:
                     self.stats.dropped += len(batch)
-            elif self._outage.failures("publish"):
+            elif self._outage.failures("publish") or self._outage.failures("retain"):
                 backoff = await self._exchange("publish", self._client.ping())
+                if backoff is None:
+                    self._outage.healed("retain")
             else:
                 backoff = None
             delay = self._interval if backoff is None else backoff
+
+    async def _retain(self, retained: Retained, batch: list[Any]) -> float | None:
+        """Keeps a published batch in the snapshot: None when it went through, else how
+        long to back off (the peers subscribed got it; late joiners will not)."""
+        try:
+            too_big = await command(
+                retained.write(self._client, self._id, batch), _TIMEOUT_S, self._abandoned
+            )
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.stats.errors += 1
+            self.warn("snapshot write failed", f"the snapshot was not written ({exc!r})")
+            return self._outage.failed(exc, "retain")
+        self._outage.healed("retain")
+        if too_big:
+            self.stats.unretained += too_big
+            self.warn("items too large to retain", f"{too_big} items too large for the snapshot")
+        return None
+
+    async def _read_snapshot(self, retained: Retained) -> None:
+        """Hands the snapshot's entries to `apply` as pushed items (their checks, their
+        counts); a failure raises, and the caller retries with the subscription."""
+        try:
+            entries, too_big = await command(
+                retained.read(self._client), 2 * _TIMEOUT_S, self._abandoned
+            )
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.warn("snapshot read failed", f"the snapshot was not read ({exc!r})")
+            raise
+        self.stats.snapshot_reads += 1
+        self.stats.snapshot_entries += len(entries)
+        if too_big:
+            self.stats.malformed += too_big
+            self.warn("snapshot entries too large", f"{too_big} snapshot entries too large")
+        for entry in entries:
+            self._received(entry, batch=False)
 
     async def _exchange(self, part: str, call: Any) -> float | None:
         """One Redis call of `part`: None when it went through, else how long to back off."""
@@ -178,6 +234,9 @@ class Broadcast:
             pubsub = self._client.pubsub()
             try:
                 await command(pubsub.subscribe(self._channel), _TIMEOUT_S, self._abandoned)
+                if self._retained is not None:
+                    # After subscribing: a record published meanwhile comes twice at worst.
+                    await self._read_snapshot(self._retained)
                 self._outage.healed("subscribe")
                 while True:
                     # A bounded wait per message, never `listen()`: see extproc/redis_loop.py.
@@ -192,9 +251,13 @@ class Broadcast:
                 await close(pubsub, self._name, self._abandoned)
             await asyncio.sleep(delay)
 
-    def _received(self, data: bytes) -> None:
+    def _received(self, data: bytes, *, batch: bool = True) -> None:
+        """A peer's message `[sender, items]`, or with `batch=False` one snapshot entry
+        `[sender, item]`; this replica's own are skipped."""
         try:
             sender, items = msgspec.msgpack.decode(data)
+            if not batch:
+                items = [items]
             if sender == self._id:
                 return
             if self._with_sender and not isinstance(sender, str):
