@@ -27,8 +27,9 @@ With `retention` (retained.py), the channel also keeps each published item in a 
 snapshot in Redis and reads it after each successful subscribe (on start and after every
 reconnect), handing its entries to `apply` like pushed items: a replica that starts late, or
 was cut off, learns the long-lived records its peers published meanwhile. A failed snapshot
-write or read is said (rate-limited) and shows degraded like a failed publish; a failed read
-is retried with the subscription.
+write or read is said (rate-limited) and shows degraded like a failed publish, but neither
+slows publishing nor drops the subscription (a stray writer breaking the snapshot's key must
+not break pub/sub); a failed read is retried with backoff while pushed items go on arriving.
 
 `SharedOverBroadcast` is the base of the features that ride on one channel (shared request
 ends, observations, placements, scrapes, calibration, the in-flight push): it owns the
@@ -159,7 +160,7 @@ class Broadcast:
         while True:
             if delay > 0 or wake is None:
                 await asyncio.sleep(delay)
-            elif not self._pending and not self._outage.failures("publish"):
+            elif not self._pending and not self._probing():
                 await wake.wait()
             if wake is not None:
                 wake.clear()
@@ -173,10 +174,10 @@ class Broadcast:
                 if backoff is None:
                     self.stats.published += len(batch)
                     if self._retained is not None:
-                        backoff = await self._retain(self._retained, batch)
+                        await self._retain(self._retained, batch)
                 else:
                     self.stats.dropped += len(batch)
-            elif self._outage.failures("publish") or self._outage.failures("retain"):
+            elif self._probing():
                 backoff = await self._exchange("publish", self._client.ping())
                 if backoff is None:
                     self._outage.healed("retain")
@@ -184,9 +185,15 @@ class Broadcast:
                 backoff = None
             delay = self._interval if backoff is None else backoff
 
-    async def _retain(self, retained: Retained, batch: list[Any]) -> float | None:
-        """Keeps a published batch in the snapshot: None when it went through, else how
-        long to back off (the peers subscribed got it; late joiners will not)."""
+    def _probing(self) -> bool:
+        """Whether the publish side failed last: probed with PING while nothing is queued,
+        so the degraded flag falls once Redis answers."""
+        return bool(self._outage.failures("publish") or self._outage.failures("retain"))
+
+    async def _retain(self, retained: Retained, batch: list[Any]) -> None:
+        """Keeps a published batch in the snapshot. A failure is said and shows degraded
+        (the peers subscribed got the batch; late joiners will not) but does not slow the
+        publishing down: a stray writer breaking the snapshot key must not break pub/sub."""
         try:
             too_big = await command(
                 retained.write(self._client, self._id, batch), _TIMEOUT_S, self._abandoned
@@ -194,30 +201,37 @@ class Broadcast:
         except (RedisError, OSError, TimeoutError) as exc:
             self.stats.errors += 1
             self.warn("snapshot write failed", f"the snapshot was not written ({exc!r})")
-            return self._outage.failed(exc, "retain")
+            self._outage.failed(exc, "retain")
+            return
         self._outage.healed("retain")
         if too_big:
             self.stats.unretained += too_big
             self.warn("items too large to retain", f"{too_big} items too large for the snapshot")
-        return None
 
-    async def _read_snapshot(self, retained: Retained) -> None:
+    async def _read_snapshot(self, retained: Retained) -> float | None:
         """Hands the snapshot's entries to `apply` as pushed items (their checks, their
-        counts); a failure raises, and the caller retries with the subscription."""
+        counts): None when read, else how long to wait before reading it again (the
+        subscription goes on meanwhile: a snapshot a stray writer broke must not stop
+        pushed items)."""
         try:
             entries, too_big = await command(
                 retained.read(self._client), 2 * _TIMEOUT_S, self._abandoned
             )
         except (RedisError, OSError, TimeoutError) as exc:
+            self.stats.errors += 1
             self.warn("snapshot read failed", f"the snapshot was not read ({exc!r})")
-            raise
+            return self._outage.failed(exc, "snapshot")
+        self._outage.healed("snapshot")
         self.stats.snapshot_reads += 1
         self.stats.snapshot_entries += len(entries)
         if too_big:
             self.stats.malformed += too_big
             self.warn("snapshot entries too large", f"{too_big} snapshot entries too large")
-        for entry in entries:
+        for i, entry in enumerate(entries, 1):
             self._received(entry, batch=False)
+            if i % 256 == 0:  # thousands of records on start: let requests through meanwhile
+                await asyncio.sleep(0)
+        return None
 
     async def _exchange(self, part: str, call: Any) -> float | None:
         """One Redis call of `part`: None when it went through, else how long to back off."""
@@ -234,11 +248,15 @@ class Broadcast:
             pubsub = self._client.pubsub()
             try:
                 await command(pubsub.subscribe(self._channel), _TIMEOUT_S, self._abandoned)
-                if self._retained is not None:
-                    # After subscribing: a record published meanwhile comes twice at worst.
-                    await self._read_snapshot(self._retained)
                 self._outage.healed("subscribe")
+                # Read after subscribing (a record published in between comes twice at
+                # worst), after each (re)subscribe: what was said meanwhile is there.
+                read_at: float | None = 0.0 if self._retained is not None else None
                 while True:
+                    if read_at is not None and time.monotonic() >= read_at:
+                        assert self._retained is not None
+                        wait = await self._read_snapshot(self._retained)
+                        read_at = None if wait is None else time.monotonic() + wait
                     # A bounded wait per message, never `listen()`: see extproc/redis_loop.py.
                     get = pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
                     msg = await command(get, _POLL_S + _TIMEOUT_S, self._abandoned)

@@ -123,21 +123,27 @@ async def test_forged_snapshot_entries_are_refused_and_counted(
     assert 1 <= len(lines) <= 6, lines  # one line per reason, not per entry
 
 
-async def test_a_snapshot_that_cannot_be_read_is_said_and_shows_degraded(
+async def test_a_broken_snapshot_is_said_shows_degraded_and_spares_pushed_records(
     redis_server: RedisServer, caplog
 ) -> None:
     caplog.set_level(logging.WARNING, logger="extproc.server.shared_growth")
-    _, shared = replica(redis_server.url, "a")
+    fa, a = replica(redis_server.url, "a")
+    _, b = replica(redis_server.url, "b")
     client = redis.asyncio.Redis.from_url(redis_server.url)
     try:
-        await client.set(KEY, b"not a hash")  # every HSCAN fails (WRONGTYPE)
-        async with running(shared):
-            await until(lambda: shared.is_degraded, "degraded")
-            assert shared.stats.snapshot_reads == 0 and shared.stats.errors >= 1
-            assert any("snapshot was not read" in r.getMessage() for r in caplog.records)
+        await client.set(KEY, b"not a hash")  # a stray writer: every read and write fails
+        async with running(a, b):
+            await until(lambda: a.is_degraded and b.is_degraded, "degraded")
+            assert a.stats.snapshot_reads == b.stats.snapshot_reads == 0
+            # Pub/sub goes on: a's record reaches b though it cannot be kept.
+            converse(fa, 0, 0)
+            await until(lambda: b.stats.applied == 1, "pushed despite the broken snapshot")
+            await until(lambda: a.stats.errors >= 2, "a's failed write counted")
+            said = " ".join(r.getMessage() for r in caplog.records)
+            assert "snapshot was not read" in said and "snapshot was not written" in said
             await client.delete(KEY)
-            await until(lambda: shared.stats.snapshot_reads == 1, "read once readable")
-            await until(lambda: not shared.is_degraded, "recovered")
+            await until(lambda: b.stats.snapshot_reads == 1, "read once readable")
+            await until(lambda: not a.is_degraded and not b.is_degraded, "recovered")
     finally:
         await client.aclose()
 
