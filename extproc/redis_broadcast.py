@@ -160,7 +160,7 @@ class Broadcast:
         while True:
             if delay > 0 or wake is None:
                 await asyncio.sleep(delay)
-            elif not self._pending and not self._probing():
+            elif not self._pending and not self._outage.failures("publish"):
                 await wake.wait()
             if wake is not None:
                 wake.clear()
@@ -177,23 +177,18 @@ class Broadcast:
                         await self._retain(self._retained, batch)
                 else:
                     self.stats.dropped += len(batch)
-            elif self._probing():
+            elif self._outage.failures("publish"):
                 backoff = await self._exchange("publish", self._client.ping())
-                if backoff is None:
-                    self._outage.healed("retain")
             else:
                 backoff = None
             delay = self._interval if backoff is None else backoff
 
-    def _probing(self) -> bool:
-        """Whether the publish side failed last: probed with PING while nothing is queued,
-        so the degraded flag falls once Redis answers."""
-        return bool(self._outage.failures("publish") or self._outage.failures("retain"))
-
     async def _retain(self, retained: Retained, batch: list[Any]) -> None:
         """Keeps a published batch in the snapshot. A failure is said and shows degraded
-        (the peers subscribed got the batch; late joiners will not) but does not slow the
-        publishing down: a stray writer breaking the snapshot key must not break pub/sub."""
+        until a later batch is kept (the peers subscribed got this one; late joiners will
+        not: a PING going through would not say the snapshot is whole again) but does not
+        slow publishing down: a stray writer breaking the snapshot key must not break
+        pub/sub."""
         try:
             too_big = await command(
                 retained.write(self._client, self._id, batch), _TIMEOUT_S, self._abandoned
@@ -251,11 +246,11 @@ class Broadcast:
                 self._outage.healed("subscribe")
                 # Read after subscribing (a record published in between comes twice at
                 # worst), after each (re)subscribe: what was said meanwhile is there.
-                read_at: float | None = 0.0 if self._retained is not None else None
+                retained = self._retained
+                read_at: float | None = 0.0 if retained is not None else None
                 while True:
-                    if read_at is not None and time.monotonic() >= read_at:
-                        assert self._retained is not None
-                        wait = await self._read_snapshot(self._retained)
+                    if retained and read_at is not None and time.monotonic() >= read_at:
+                        wait = await self._read_snapshot(retained)
                         read_at = None if wait is None else time.monotonic() + wait
                     # A bounded wait per message, never `listen()`: see extproc/redis_loop.py.
                     get = pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
