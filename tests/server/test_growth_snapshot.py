@@ -9,8 +9,11 @@ import asyncio
 import logging
 
 import msgspec
+import pytest
 import redis.asyncio
 
+from extproc.redis_broadcast import Broadcast
+from extproc.retained import Retention
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter
 from extproc.server.shared_growth import SharedGrowth
 from tests.redis_servers import RedisServer
@@ -173,3 +176,21 @@ async def test_the_snapshot_and_its_read_stay_bounded(redis_server: RedisServer)
             assert b.stats.snapshot_entries == 5
     finally:
         await client.aclose()
+
+
+def test_a_timed_channel_cannot_retain() -> None:
+    # A snapshot entry carries no wait in its sender's batch: a peer could not date it.
+    client = Broadcast.client("redis://127.0.0.1:1")
+    with pytest.raises(ValueError, match="timed"):
+        Broadcast(
+            client,
+            "c",
+            lambda _: None,
+            process_id="a",
+            name="t",
+            logger=logging.getLogger(__name__),
+            failed_msg="%r",
+            healed_msg="%d",
+            timed=True,
+            retention=Retention(lambda item: b""),
+        )
