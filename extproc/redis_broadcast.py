@@ -30,6 +30,8 @@ was cut off, learns the long-lived records its peers published meanwhile. A fail
 write or read is said (rate-limited) and shows degraded like a failed publish, but neither
 slows publishing nor drops the subscription (a stray writer breaking the snapshot's key must
 not break pub/sub); a failed read is retried with backoff while pushed items go on arriving.
+With `reseed`, a snapshot read empty (a Redis restarted without persistence, or expired) is
+written again from what this replica holds: `reseed()` gives the items, sent as new ones.
 
 `SharedOverBroadcast` is the base of the features that ride on one channel (shared request
 ends, observations, placements, scrapes, calibration, the in-flight push): it owns the
@@ -66,7 +68,8 @@ class BroadcastStats:
     """Counters since start: items `published` to the peers, items `dropped` (Redis failing
     or the backlog full), failed Redis calls (`errors`), peers' messages or items that did
     not decode (`malformed`). With a snapshot: successful `snapshot_reads`, the entries they
-    handed to `apply` (`snapshot_entries`), items too large to keep (`unretained`)."""
+    handed to `apply` (`snapshot_entries`), items too large to keep (`unretained`), items
+    sent again into a snapshot read empty (`reseeded`)."""
 
     published: int = 0
     dropped: int = 0
@@ -75,6 +78,7 @@ class BroadcastStats:
     snapshot_reads: int = 0
     snapshot_entries: int = 0
     unretained: int = 0
+    reseeded: int = 0
 
 
 class Broadcast:
@@ -98,11 +102,13 @@ class Broadcast:
         timed: bool = False,
         with_sender: bool = False,
         retention: Retention | None = None,
+        reseed: Callable[[], Iterable[Any]] | None = None,
     ) -> None:
         if retention is not None and timed:
             # A snapshot entry has no age a peer could date it by.
             raise ValueError("a timed channel cannot retain a snapshot")
         self._retained = Retained(channel, retention) if retention is not None else None
+        self._reseed = reseed
         self._client = client
         self._channel = channel
         self._apply = apply
@@ -226,6 +232,19 @@ class Broadcast:
             self._received(entry, batch=False)
             if i % 256 == 0:  # thousands of records on start: let requests through meanwhile
                 await asyncio.sleep(0)
+        if not entries and not too_big and self._reseed is not None:
+            # Every replica that reads it empty writes its own back: the peers merge them
+            # as any pushed item, the snapshot's bound holds whatever their number.
+            items = list(self._reseed())
+            for item in items:
+                self.send(item)
+            self.stats.reseeded += len(items)
+            if items:
+                self._log.info(
+                    "%s: the snapshot was empty; %d items learned here sent again",
+                    self._name,
+                    len(items),
+                )
         return None
 
     async def _exchange(self, part: str, call: Any) -> float | None:

@@ -611,6 +611,11 @@ SHARED_GROWTH = StatsFamilies(
             "Snapshot entries read and checked as pushed records are (accepted ones also "
             "count in applied, refused ones in bad_entries).",
         ),
+        "reseeded": Stat(
+            "extproc_shared_growth_reseeded",
+            "Growth records sent again because the snapshot was read empty (Redis restarted "
+            "without persistence, or expired): whoever starts next learns them.",
+        ),
         "unretained": Stat(
             "extproc_shared_growth_unretained",
             "Growth records published but too large to keep in the snapshot (late joiners "

@@ -17,7 +17,10 @@ kept in a bounded snapshot in Redis (retained.py: a hash `{extproc:growth}:retai
 entry per filter and key list, a later rise of the same session replacing it; the oldest
 trimmed past `_RETAINED` entries, expiring an hour after the fleet's last publish), which
 every replica reads after each subscribe, on start and after each reconnect, through the same
-checks as pushed records (`extproc_shared_growth_snapshot_{reads,entries}_total`).
+checks as pushed records (`extproc_shared_growth_snapshot_{reads,entries}_total`). A
+replica that reads it empty (a Redis restarted without persistence, an hour without any
+record rising) publishes its whole record again, one item per figure (`reseeded`), so the
+snapshot holds what the fleet knows again for whoever starts next.
 
 Bounded: a record carries at most `_MAX_KEYS` keys (a longer first turn's records go out in
 several items), each merged record stays within the filter's `maxSessions` keys (the least
@@ -73,12 +76,13 @@ class SharedGrowthStats(ChannelCounts):
     undecodable, unknown filter, figures no session has), peers' records `applied` (pushed
     or from the snapshot), successful `snapshot_reads` (on start and after each reconnect)
     and the `snapshot_entries` they handed to the checks, records too large to keep in the
-    snapshot (`unretained`)."""
+    snapshot (`unretained`), records sent again into a snapshot read empty (`reseeded`)."""
 
     applied: int = 0
     snapshot_reads: int = 0
     snapshot_entries: int = 0
     unretained: int = 0
+    reseeded: int = 0
 
 
 class SharedGrowth(SharedOverBroadcast[SharedGrowthStats]):
@@ -109,6 +113,7 @@ class SharedGrowth(SharedOverBroadcast[SharedGrowthStats]):
             healed_msg="shared growth: Redis answers again after %d failed exchanges",
             interval_s=interval_s,
             retention=Retention(_identity, max_entries=retained),
+            reseed=self._reseed,
         )
         super().__init__(SharedGrowthStats(), broadcast)
         for name, record in self._sessions.items():
@@ -122,6 +127,7 @@ class SharedGrowth(SharedOverBroadcast[SharedGrowthStats]):
             snapshot_reads=c.snapshot_reads,
             snapshot_entries=c.snapshot_entries,
             unretained=c.unretained,
+            reseeded=c.reseeded,
         )
 
     @staticmethod
@@ -135,6 +141,14 @@ class SharedGrowth(SharedOverBroadcast[SharedGrowthStats]):
         grew, keys = grown
         for i in range(0, len(keys), _MAX_KEYS):
             self._channel.send((name, grew, keys[i : i + _MAX_KEYS]))
+
+    def _reseed(self) -> list[tuple[str, int, tuple[int, ...]]]:
+        return [
+            (name, grew, keys[i : i + _MAX_KEYS])
+            for name, record in self._sessions.items()
+            for grew, keys in record.growth_records()
+            for i in range(0, len(keys), _MAX_KEYS)
+        ]
 
     def _apply(self, item: Any) -> None:
         # A wrong shape raises ValueError/TypeError: the channel counts it malformed, skips it.
