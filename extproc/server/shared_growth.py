@@ -34,9 +34,10 @@ without the option) or be outgrown by the real ones (records keep the most seen)
 
 Redis down: each replica goes on learning from its own placements, says so in one log line,
 shows `extproc_shared_growth_degraded` 1 and counts the dropped records; it reconnects by
-itself and reads the snapshot again (records its peers published meanwhile are there; records
-published while Redis itself was down are lost with the batch, counted as dropped, and a
-restarted Redis starts with an empty snapshot that fills as records rise again). A failed
+itself and reads the snapshot again (records its peers published meanwhile are there).
+Records whose batch failed while Redis was unreachable are counted as dropped and reach the
+peers only when they rise again, unless Redis came back empty (restarted without
+persistence): then every replica reading the empty snapshot sends its whole record. A failed
 snapshot read or write is said in a rate-limited warning and shows degraded too. Redis
 Cluster: not shared (pub/sub is per node there), said once in a log line.
 """
