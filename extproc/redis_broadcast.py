@@ -23,6 +23,16 @@ push, endpoints/inflight_push.py); the cost is one PUBLISH per batch, not per in
 With `with_sender`, `apply` gets `(sender, item)`: the sending replica's id as it named
 itself (a peer's word, like the item).
 
+With `retention` (retained.py), the channel also keeps each published item in a bounded
+snapshot in Redis and reads it after each successful subscribe (on start and after every
+reconnect), handing its entries to `apply` like pushed items: a replica that starts late, or
+was cut off, learns the long-lived records its peers published meanwhile. A failed snapshot
+write or read is said (rate-limited) and shows degraded like a failed publish, but neither
+slows publishing nor drops the subscription (a stray writer breaking the snapshot's key must
+not break pub/sub); a failed read is retried with backoff while pushed items go on arriving.
+With `reseed`, a snapshot read empty (a Redis restarted without persistence, or expired) is
+written again from what this replica holds: `reseed()` gives the items, sent as new ones.
+
 `SharedOverBroadcast` is the base of the features that ride on one channel (shared request
 ends, observations, placements, scrapes, calibration, the in-flight push): it owns the
 channel and gives each feature `from_url`, `run`, `aclose`, `is_degraded` and `stats`, so a
@@ -45,6 +55,7 @@ from redis.exceptions import RedisError
 
 from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
+from extproc.retained import Retained, Retention
 from extproc.throttle import Throttle
 
 _TIMEOUT_S = 2.0  # per Redis call
@@ -56,12 +67,18 @@ _MAX_BACKOFF_S = 2.0
 class BroadcastStats:
     """Counters since start: items `published` to the peers, items `dropped` (Redis failing
     or the backlog full), failed Redis calls (`errors`), peers' messages or items that did
-    not decode (`malformed`)."""
+    not decode (`malformed`). With a snapshot: successful `snapshot_reads`, the entries they
+    handed to `apply` (`snapshot_entries`), items too large to keep (`unretained`), items
+    sent again into a snapshot read empty (`reseeded`)."""
 
     published: int = 0
     dropped: int = 0
     errors: int = 0
     malformed: int = 0
+    snapshot_reads: int = 0
+    snapshot_entries: int = 0
+    unretained: int = 0
+    reseeded: int = 0
 
 
 class Broadcast:
@@ -84,7 +101,14 @@ class Broadcast:
         max_pending: int = 50_000,
         timed: bool = False,
         with_sender: bool = False,
+        retention: Retention | None = None,
+        reseed: Callable[[], Iterable[Any]] | None = None,
     ) -> None:
+        if retention is not None and timed:
+            # A snapshot entry has no age a peer could date it by.
+            raise ValueError("a timed channel cannot retain a snapshot")
+        self._retained = Retained(channel, retention) if retention is not None else None
+        self._reseed = reseed
         self._client = client
         self._channel = channel
         self._apply = apply
@@ -155,6 +179,8 @@ class Broadcast:
                 backoff = await self._exchange("publish", self._client.publish(self._channel, blob))
                 if backoff is None:
                     self.stats.published += len(batch)
+                    if self._retained is not None:
+                        await self._retain(self._retained, batch)
                 else:
                     self.stats.dropped += len(batch)
             elif self._outage.failures("publish"):
@@ -162,6 +188,64 @@ class Broadcast:
             else:
                 backoff = None
             delay = self._interval if backoff is None else backoff
+
+    async def _retain(self, retained: Retained, batch: list[Any]) -> None:
+        """Keeps a published batch in the snapshot. A failure is said and shows degraded
+        until a later batch is kept (the peers subscribed got this one; late joiners will
+        not: a PING going through would not say the snapshot is whole again) but does not
+        slow publishing down: a stray writer breaking the snapshot key must not break
+        pub/sub."""
+        try:
+            too_big = await command(
+                retained.write(self._client, self._id, batch), _TIMEOUT_S, self._abandoned
+            )
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.stats.errors += 1
+            self.warn("snapshot write failed", f"the snapshot was not written ({exc!r})")
+            self._outage.failed(exc, "retain")
+            return
+        self._outage.healed("retain")
+        if too_big:
+            self.stats.unretained += too_big
+            self.warn("items too large to retain", f"{too_big} items too large for the snapshot")
+
+    async def _read_snapshot(self, retained: Retained) -> float | None:
+        """Hands the snapshot's entries to `apply` as pushed items (their checks, their
+        counts): None when read, else how long to wait before reading it again (the
+        subscription goes on meanwhile: a snapshot a stray writer broke must not stop
+        pushed items)."""
+        try:
+            entries, too_big = await command(
+                retained.read(self._client), 2 * _TIMEOUT_S, self._abandoned
+            )
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.stats.errors += 1
+            self.warn("snapshot read failed", f"the snapshot was not read ({exc!r})")
+            return self._outage.failed(exc, "snapshot")
+        self._outage.healed("snapshot")
+        self.stats.snapshot_reads += 1
+        self.stats.snapshot_entries += len(entries)
+        if too_big:
+            self.stats.malformed += too_big
+            self.warn("snapshot entries too large", f"{too_big} snapshot entries too large")
+        for i, entry in enumerate(entries, 1):
+            self._received(entry, batch=False)
+            if i % 256 == 0:  # thousands of records on start: let requests through meanwhile
+                await asyncio.sleep(0)
+        if not entries and not too_big and self._reseed is not None:
+            # Every replica that reads it empty writes its own back: the peers merge them
+            # as any pushed item, the snapshot's bound holds whatever their number.
+            items = list(self._reseed())
+            for item in items:
+                self.send(item)
+            self.stats.reseeded += len(items)
+            if items:
+                self._log.info(
+                    "%s: the snapshot was empty; %d items learned here sent again",
+                    self._name,
+                    len(items),
+                )
+        return None
 
     async def _exchange(self, part: str, call: Any) -> float | None:
         """One Redis call of `part`: None when it went through, else how long to back off."""
@@ -179,7 +263,14 @@ class Broadcast:
             try:
                 await command(pubsub.subscribe(self._channel), _TIMEOUT_S, self._abandoned)
                 self._outage.healed("subscribe")
+                # Read after subscribing (a record published in between comes twice at
+                # worst), after each (re)subscribe: what was said meanwhile is there.
+                retained = self._retained
+                read_at: float | None = 0.0 if retained is not None else None
                 while True:
+                    if retained and read_at is not None and time.monotonic() >= read_at:
+                        wait = await self._read_snapshot(retained)
+                        read_at = None if wait is None else time.monotonic() + wait
                     # A bounded wait per message, never `listen()`: see extproc/redis_loop.py.
                     get = pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
                     msg = await command(get, _POLL_S + _TIMEOUT_S, self._abandoned)
@@ -192,9 +283,13 @@ class Broadcast:
                 await close(pubsub, self._name, self._abandoned)
             await asyncio.sleep(delay)
 
-    def _received(self, data: bytes) -> None:
+    def _received(self, data: bytes, *, batch: bool = True) -> None:
+        """A peer's message `[sender, items]`, or with `batch=False` one snapshot entry
+        `[sender, item]`; this replica's own are skipped."""
         try:
             sender, items = msgspec.msgpack.decode(data)
+            if not batch:
+                items = [items]
             if sender == self._id:
                 return
             if self._with_sender and not isinstance(sender, str):

@@ -24,8 +24,10 @@ ALLOWED: dict[str, set[str]] = {
     "throttle": set(),  # rate-limited logging for what hostile peers can repeat
     "redis_client": {"errors"},
     "redis_loop": {"backoff"},  # how long-lived loops wait for, and stop around, Redis
+    # a bounded snapshot of a channel's long-lived records, for replicas that start late
+    "retained": set(),
     # a batched pub/sub channel between replicas
-    "redis_broadcast": {"redis_client", "redis_loop", "throttle"},
+    "redis_broadcast": {"redis_client", "redis_loop", "retained", "throttle"},
     "hashing": _BASE,
     "requests": _BASE | {"hashing"},
     "latency": _BASE,
@@ -43,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     "server": _BASE
     | {"_proto", "config", "endpoints", "hashing", "index", "requests", "router", "scheduling"}
     | {"logs", "redis_broadcast", "redis_client", "redis_loop", "flowcontrol", "latency"}
-    | {"throttle"}
+    | {"throttle", "retained"}
     | {"calibration", "signals"},
     "sim": _BASE | {"hashing", "requests"},
     "bootstrap": _BASE,

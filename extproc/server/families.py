@@ -601,6 +601,26 @@ SHARED_GROWTH = StatsFamilies(
             "Messages or growth records from peers refused (undecodable, unknown filter, "
             "figures out of bounds).",
         ),
+        "snapshot_reads": Stat(
+            "extproc_shared_growth_snapshot_reads",
+            "Reads of the retained growth snapshot in Redis (on start and after each "
+            "reconnect: what peers learned before this replica listened).",
+        ),
+        "snapshot_entries": Stat(
+            "extproc_shared_growth_snapshot_entries",
+            "Snapshot entries read and checked as pushed records are (accepted ones also "
+            "count in applied, refused ones in bad_entries).",
+        ),
+        "reseeded": Stat(
+            "extproc_shared_growth_reseeded",
+            "Growth records sent again because the snapshot was read empty (Redis restarted "
+            "without persistence, or expired): whoever starts next learns them.",
+        ),
+        "unretained": Stat(
+            "extproc_shared_growth_unretained",
+            "Growth records published but too large to keep in the snapshot (late joiners "
+            "miss them).",
+        ),
     },
 )
 

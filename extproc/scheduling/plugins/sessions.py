@@ -270,6 +270,15 @@ class LiveSessions:
         while len(growth) > self._max:
             growth.popitem(last=False)
 
+    def growth_records(self) -> list[Grown]:
+        """The growth learned here (own and merged), one record per figure, least recently
+        grown first: to publish again where the shared copy was lost (an emptied snapshot,
+        server/shared_growth.py)."""
+        by_figure: dict[int, list[int]] = {}
+        for key, grew in self._growth.items():
+            by_figure.setdefault(grew, []).append(key)
+        return [(grew, tuple(keys)) for grew, keys in by_figure.items()]
+
     def _grew(self, block_keys: Sequence[int], first: int) -> None:
         # One record per `_GROUP_STRIDE` blocks of the first turn, and one under each of its
         # first `_HEAD_BLOCKS`: a turn costs first / _GROUP_STRIDE + 7 dict writes, not one
