@@ -419,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         "endpointMean; + '-kv': kv-cache-utilization-scorer's countRequest: true; + '-wqkv': "
         "both; + '-bounded': bounded-sessions-filter's keepTogetherGrowth: 0 (every new "
         "session bounded, the default before the sixteenth session); + '-kvfit': "
-        "predicted-ttft-scorer's kvFit: wait; any mode + "
+        "predicted-ttft-scorer's kvFit: wait; + '-kvfitheld': kvFit: wait, kvFitPrefix: "
+        "held (the cached prefix costs no KV block, the nineteenth session's count); any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -499,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                     "-kv": {kv: {"countRequest": True}},
                     "-bounded": {"bounded-sessions-filter": {"keepTogetherGrowth": 0}},
                     "-kvfit": {ttft: {"kvFit": "wait"}},
+                    "-kvfitheld": {ttft: {"kvFit": "wait", "kvFitPrefix": "held"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:

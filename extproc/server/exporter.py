@@ -251,13 +251,18 @@ class Exporter:
             "request did not fit in the endpoint's free KV cache and waited for a running "
             "request to end), untimed (of those, timed without a decode-time measurement: "
             "the running prefills' ends alone), changed (scored requests whose fastest "
-            "endpoint the wait changed).",
+            "endpoint the wait changed), idle_prefix (waits only because the request's "
+            "cached prefix, shared by no running placement, was counted: kvFitPrefix: "
+            "running), prefix_unknown (predictions that took the cached prefix as held "
+            "because other replicas have requests in flight there).",
             ["scorer", "outcome"],
         )
         for name, scorer in scorers.items():
             kv_fit.add_metric([name, "waited"], scorer.kv_fit_waits)
             kv_fit.add_metric([name, "untimed"], scorer.kv_fit_untimed)
             kv_fit.add_metric([name, "changed"], scorer.kv_fit_changed)
+            kv_fit.add_metric([name, "idle_prefix"], scorer.kv_fit_idle_prefix)
+            kv_fit.add_metric([name, "prefix_unknown"], scorer.kv_fit_prefix_unknown)
             for address, (q, w) in scorer.view().items():
                 queue.add_metric([name, address], q)
                 written.add_metric([name, address], w)

@@ -3,12 +3,14 @@ the sticky endpoint costs more than recomputing elsewhere, with no hand-set weig
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from extproc.core import Decision
 from extproc.endpoints.peer_arrivals import PeerArrivals
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
-from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
+from extproc.scheduling.plugins.ttft import PredictedTTFTScorer, _common_blocks
 from tests.scheduling.helpers import cand, req
 
 
@@ -617,11 +619,13 @@ def test_speed_units_estimates_drains_estimated_queues_at_their_real_speed():
 # tenants knee's shape (bench/RESULTS.md, issue 14, eighteenth session).
 KV = {"kv_blocks": 400, "kv_block_size": 16, "prefill_tps": 10_000.0}
 KV_FIT = PredictedTTFTScorer.Params(kv_fit="wait")
+# The nineteenth session's count: the cached prefix costs no block anywhere.
+KV_HELD = PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_prefix="held")
 
 
 def test_kv_fit_waits_for_the_earliest_running_end_where_the_prompt_does_not_fit():
     clock = Clock()
-    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc = PredictedTTFTScorer(KV_HELD, clock=clock)
     sc.decode_s = lambda address: 0.3
     r = req(blocks=40, tokens=2560)
     # a holds half the prompt, and its running requests 85% of its cache: the other half
@@ -715,3 +719,67 @@ def test_kv_fit_converts_estimated_tokens_by_the_capacity_ratio():
     assert sc.explain(r, [half])[0]["kv_fit_wait_s"] == 0
     sc.token_ratio = lambda: 2.0  # each estimate is 2 engine tokens: 40%, does not fit
     assert sc.explain(r, [half])[0]["kv_fit_wait_s"] == pytest.approx(0.1)
+
+
+def keyed(r, keys):
+    """`r` with other block keys (another request of the same tenant, or another tenant)."""
+    return dataclasses.replace(r, block_keys=tuple(keys))
+
+
+def test_kv_fit_counts_a_cached_prefix_no_running_placement_shares():
+    clock = Clock()
+    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc.decode_s = lambda address: 0.3
+    r = req(blocks=40, tokens=2560)
+    # a holds 90% of the prompt and its running requests 70% of its cache. Taken as held,
+    # the 256 uncached tokens (4%) fit; but no placement running there shares the prefix,
+    # so its 2,304 cached tokens leave the free pool too (0.7 + 0.4 > 1): the wait.
+    a = cand("a", prefix=36, kv_usage=0.7, running=2, **KV)
+    assert PredictedTTFTScorer(KV_HELD, clock=clock).explain(r, [a])[0]["kv_fit_wait_s"] == 0
+    assert sc.explain(r, [a])[0]["kv_fit_wait_s"] == pytest.approx(0.1)
+    sc.score(r, [a])
+    assert sc.kv_fit_waits == 1 and sc.kv_fit_idle_prefix == 1
+    # Another turn of the same conversation (its first 36 blocks) placed there and running:
+    # the prefix is shared, only the uncached part counts.
+    place(sc, keyed(r, [*range(1, 37), 90, 91]), [cand("a", prefix=36, **KV)], "a")
+    assert sc.explain(r, [a])[0]["kv_fit_wait_s"] == 0
+    # Another tenant running there shares the header (4 blocks): the other 32 count, and
+    # the wait is until that placement ends (853 uncached tokens' prefill, 0.3 s decode).
+    other = PredictedTTFTScorer(KV_FIT, clock=clock)
+    other.decode_s = lambda address: 0.3
+    place(other, keyed(r, [1, 2, 3, 4, 50, 51]), [cand("a", prefix=4, **KV)], "a")
+    assert other.explain(r, [a])[0]["kv_fit_wait_s"] == pytest.approx(2560 / 3 / 10_000 + 0.3)
+    # Once the sharing placement has ended (prefill + 0.3 s decode), the prefix counts again.
+    clock.t += 1.0
+    assert sc.explain(r, [a])[0]["kv_fit_wait_s"] == pytest.approx(0.1)
+    # A cold candidate holds nothing cached: its whole prompt is uncached either way.
+    cold = cand("b", kv_usage=0.7, running=2, **KV)
+    assert sc.explain(r, [cold])[0]["kv_fit_wait_s"] == pytest.approx(0.1)
+
+
+def test_kv_fit_takes_the_prefix_as_held_where_peers_have_requests_in_flight(caplog):
+    clock = Clock()
+    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc.decode_s = lambda address: 0.3
+    arrivals = PeerArrivals()
+    arrivals.update({"a": 2560}, now=clock.t - 0.1, own={})
+    sc.peer_arrivals = arrivals
+    r = req(blocks=40, tokens=2560)
+    # A peer's request on a may share the prefix (its keys are not known here): as held.
+    a = cand("a", prefix=36, kv_usage=0.7, running=2, **KV)
+    sc.score(r, [a])
+    assert sc.kv_fit_waits == 0 and sc.kv_fit_prefix_unknown == 1
+    assert "other replicas have requests in flight" in caplog.text
+    # No peer request on b: its cached prefix counts.
+    b = cand("b", prefix=36, kv_usage=0.7, running=2, **KV)
+    sc.score(r, [b])
+    assert sc.kv_fit_waits == 1 and sc.kv_fit_idle_prefix == 1
+
+
+def test_common_blocks_of_chained_keys():
+    assert _common_blocks((1, 2, 3, 4), (1, 2, 3, 4), 4) == 4
+    assert _common_blocks((1, 2, 3, 4), (1, 2, 9, 9, 9), 4) == 2
+    assert _common_blocks((1, 2, 3, 4), (1, 2, 3, 4), 3) == 3  # up to the limit
+    assert _common_blocks((1, 2, 3, 4), (5,), 4) == 0
+    assert _common_blocks((1, 2), (1, 2, 3), 4) == 2
+    assert _common_blocks((), (1,), 4) == 0

@@ -151,11 +151,20 @@ class PredictedTTFTScorer:
     hit or not, which the prefill queue alone does not see (bench/RESULTS.md, issue 14,
     eighteenth session). `ignore` leaves the cache's room out of the prediction.
 
+    `kvFitPrefix`: what this request's cached prefix costs in that count. `running`
+    (default): nothing where a placement of this scorer's still running there shares it,
+    its blocks elsewhere (a cached block no running request references is free in the
+    engine's count, and a hit takes it out of the free pool); where other replicas have
+    requests in flight on the endpoint, nothing (their prefixes are not known here).
+    `held`: nothing anywhere (the uncached part alone, as in the nineteenth session): it
+    missed half the real KV waits at the tenants knee (bench/RESULTS.md, issue 14,
+    twentieth session).
+
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
                    peerInflight: drained, waitingFloor: fleetMean, speedUnits: engine,
-                   kvFit: ignore}
+                   kvFit: ignore, kvFitPrefix: running}
     ```
     """
 
@@ -169,6 +178,7 @@ class PredictedTTFTScorer:
         waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
         speed_units: Literal["engine", "estimates"] = "engine"
         kv_fit: Literal["ignore", "wait"] = "ignore"
+        kv_fit_prefix: Literal["running", "held"] = "running"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -182,6 +192,7 @@ class PredictedTTFTScorer:
         self._endpoint_mean = p.waiting_floor == "endpointMean"
         self._speed_in_estimates = p.speed_units == "estimates"
         self._kv_fit = p.kv_fit == "wait"
+        self._prefix_held = p.kv_fit_prefix == "held"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -229,6 +240,17 @@ class PredictedTTFTScorer:
         self.kv_fit_untimed = 0
         self.kv_fit_changed = 0
         self._untimed_said = False
+        # Per endpoint, this scorer's own recent placements for `kvFitPrefix: running`: (end
+        # of its predicted prefill, the request's block keys), oldest first. The keys say
+        # which cached prefix a still-running request holds; folded peers' placements carry
+        # none.
+        self._running_keys: dict[str, deque[tuple[float, tuple[int, ...]]]] = {}
+        # `kvFit: wait`: waits only because the request's cached prefix, held by no running
+        # placement, was counted (it would have fit without); predictions that took the
+        # prefix as held because a peer has requests in flight there (their keys unknown).
+        self.kv_fit_idle_prefix = 0
+        self.kv_fit_prefix_unknown = 0
+        self._unknown_said = False
 
     def units_changed(self, factor: float) -> None:
         """Estimates grew `factor`-fold: the mean placed prefill follows (the prior speed is a
@@ -248,6 +270,7 @@ class PredictedTTFTScorer:
         self._written.pop(address, None)
         self._busy_until.pop(address, None)
         self._live.pop(address, None)
+        self._running_keys.pop(address, None)
 
     def _tps(self, c: Candidate) -> float:
         tps = c.state.prefill_tps
@@ -378,13 +401,15 @@ class PredictedTTFTScorer:
         its predicted prefill; without one, the soonest of the `running` requests, each
         somewhere in its decode, ends in about decode / (running + 1).
 
-        Uncached tokens, not the whole prompt: a cached prefix a running request holds costs
-        no block (at the tenants knee a tenant's holder mostly runs the same tenant's
-        requests), one no request holds is free in the engine's count and reusing it takes it
-        out of the free pool. Counting whole prompts waited in 48% of the predictions at the
-        knee and moved 35-40 requests a run off their holders: hit ratio 61% / 59% against
-        65% / 65%, p90 +30% / +21% (bench/RESULTS.md, issue 14, nineteenth session). So an
-        idle cached prefix is not counted here.
+        This request's tokens: its uncached part, plus its cached prefix where no running
+        placement holds it (`_kv_need`; with `kvFitPrefix: held` the uncached part alone).
+        A cached prefix a running request holds costs no block (at the tenants knee a
+        tenant's holder mostly runs the same tenant's requests); one no request holds is
+        free in the engine's count and reusing it takes it out of the free pool. Counting
+        whole prompts everywhere waited in 48% of the predictions at the knee and moved 35-40
+        requests a run off their holders: hit ratio 61% / 59% against 65% / 65%, p90 +30% /
+        +21% (bench/RESULTS.md, issue 14, nineteenth session); counting uncached parts only
+        missed half the real waits (twentieth session).
 
         What else this ignores: one request's end may free too little (then it waits for
         more), requests already queued for blocks ahead of it (the engine admits first come
@@ -396,7 +421,8 @@ class PredictedTTFTScorer:
             return 0.0
         ratio = self._ratio()
         cap = float(st.kv_blocks * st.kv_block_size)
-        need = uncached_tokens(req, c) * ratio
+        tokens, idle = self._kv_need(req, c, now, count=count)
+        need = tokens * ratio
         if need >= cap:
             return 0.0  # fits beside nothing: the engine runs it alone or refuses it
         address = c.endpoint.address
@@ -405,6 +431,8 @@ class PredictedTTFTScorer:
         recent = sum(n for at, n, _ in live if at > since) if live else 0.0
         if st.kv_usage * cap + recent * ratio + need <= cap:
             return 0.0
+        if count and st.kv_usage * cap + recent * ratio + need - idle * ratio <= cap:
+            self.kv_fit_idle_prefix += 1
         decode = self.decode_s(address) if self.decode_s is not None else None
         if decode is None:
             if count:
@@ -423,6 +451,59 @@ class PredictedTTFTScorer:
         if count:
             self.kv_fit_waits += 1
         return wait
+
+    def _kv_need(
+        self, req: InferenceRequest, c: Candidate, now: float, *, count: bool = True
+    ) -> tuple[float, float]:
+        """Tokens (estimates) this request takes out of `c`'s free KV blocks, and how many of
+        them are its cached prefix. The uncached part always; the cached part too unless a
+        request still running there holds it. A cached block no running request references
+        is free in the engine's count (`kv_usage`), and a hit on it takes it out of the free
+        pool (vLLM's free block queue; the sim's `can_allocate` counts such idle hits): a
+        tenant's hit on a holder where none of its requests runs needs its whole prompt.
+        Counting only the uncached part missed half the real KV waits at the tenants knee,
+        most of them such hits (seed 4: 25 of 49 and 25 of 37 waits > 20 ms unpredicted,
+        bench/RESULTS.md, issue 14, twentieth session). Counting the whole prompt everywhere
+        (nineteenth session) over-counted where the same tenant runs: there the prefix is
+        shared, so the part a running placement of this scorer's shares (the longest common
+        run of chained block keys, up to what `c` holds) stays free of charge.
+
+        A running placement: this scorer's own, until its predicted prefill end plus the
+        engine's mean decode time (no decode measured: its prefill end). A peer's placements
+        carry no keys; where the peers have requests in flight on `c` the prefix is taken as
+        held, as with `kvFitPrefix: held` (counted in `kv_fit_prefix_unknown`, logged once):
+        counting it there would charge a shared prefix whenever a peer's request shares it.
+        What this leaves out: a prefix held by a request sent behind the pickers' back, and
+        the output's blocks (vLLM allocates them as it decodes)."""
+        uncached = uncached_tokens(req, c)
+        keys = req.block_keys
+        n = len(keys)
+        held = min(c.prefix_blocks, n)
+        if self._prefix_held or not held:
+            return uncached, 0.0
+        address = c.endpoint.address
+        arrivals = self.peer_arrivals
+        if arrivals is not None and arrivals.total(address):
+            if count:
+                self.kv_fit_prefix_unknown += 1
+            if not self._unknown_said:
+                self._unknown_said = True
+                log.warning(
+                    "predicted-ttft-scorer: kvFit takes a request's cached prefix as held "
+                    "where other replicas have requests in flight (which prefix they hold "
+                    "is not shared; extproc_predicted_ttft_kv_fit_total"
+                    "{outcome='prefix_unknown'})"
+                )
+            return uncached, 0.0
+        shared = 0
+        running = self._running_keys.get(address)
+        if running:
+            decode = (self.decode_s(address) if self.decode_s is not None else None) or 0.0
+            for end, other in running:
+                if end + decode > now and shared < held:
+                    shared = max(shared, _common_blocks(keys, other, int(held)))
+        idle = req.prompt_tokens * (held - shared) / n
+        return uncached + idle, idle
 
     def _inflight_prefill(
         self, st: EndpointState, address: str, tokens: float, *, count: bool = True
@@ -525,6 +606,11 @@ class PredictedTTFTScorer:
         work = uncached_tokens(req, chosen)
         seconds = work / self._tps(chosen)
         self._record(addr, work, req.prompt_tokens, seconds, now, now)
+        if self._kv_fit and not self._prefix_held and req.block_keys:
+            running = self._running_keys.get(addr)
+            if running is None:
+                running = self._running_keys[addr] = deque(maxlen=_MAX_LIVE)
+            running.append((self._busy_until[addr], req.block_keys))
         if self.on_placed is not None:
             self.on_placed(addr, work, req.prompt_tokens, seconds)
         if len(self._busy_until) > 4 * len(cands) + 64:
@@ -533,6 +619,7 @@ class PredictedTTFTScorer:
             live = self._busy_until.keys() | {c.endpoint.address for c in cands}
             self._written = {a: n for a, n in self._written.items() if a in live}
             self._live = {a: q for a, q in self._live.items() if a in live}
+            self._running_keys = {a: q for a, q in self._running_keys.items() if a in live}
 
     def _record(
         self, addr: str, work: float, prompt_tokens: int, seconds: float, at: float, now: float
@@ -581,6 +668,19 @@ class PredictedTTFTScorer:
             a: (max(0.0, self._busy_until.get(a, now) - now), self._written.get(a, 0.0))
             for a in self._busy_until.keys() | self._written.keys()
         }
+
+
+def _common_blocks(keys: Sequence[int], other: Sequence[int], limit: int) -> int:
+    """Blocks two chained key sequences share from the start, up to `limit`. Chained: equal
+    keys at one position mean equal prefixes up to it, so a binary search finds the end."""
+    lo, hi = 0, min(limit, len(keys), len(other))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if keys[mid - 1] == other[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _load(c: Candidate) -> int:
