@@ -499,9 +499,12 @@ class PredictedTTFTScorer:
         running = self._running_keys.get(address)
         if running:
             decode = (self.decode_s(address) if self.decode_s is not None else None) or 0.0
-            for end, other in running:
-                if end + decode > now and shared < held:
-                    shared = max(shared, _common_blocks(keys, other, int(held)))
+            # Newest first: the prefill ends of one endpoint's placements never decrease (each
+            # queues behind the one before), so the first that has ended ends the scan.
+            for end, other in reversed(running):
+                if end + decode <= now or shared >= held:
+                    break
+                shared = max(shared, _common_blocks(keys, other, int(held)))
         idle = req.prompt_tokens * (held - shared) / n
         return uncached + idle, idle
 
