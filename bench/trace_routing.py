@@ -420,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         "both; + '-bounded': bounded-sessions-filter's keepTogetherGrowth: 0 (every new "
         "session bounded, the default before the sixteenth session); + '-kvfit': "
         "predicted-ttft-scorer's kvFit: wait; + '-kvfitheld': kvFit: wait, kvFitPrefix: "
-        "held (the cached prefix costs no KV block, the nineteenth session's count); any mode + "
+        "held, kvFitMargin: 0 (the nineteenth session's kvFit); + '-kvfitnomargin': kvFit: "
+        "wait, kvFitMargin: 0; any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -500,7 +501,10 @@ def main(argv: list[str] | None = None) -> int:
                     "-kv": {kv: {"countRequest": True}},
                     "-bounded": {"bounded-sessions-filter": {"keepTogetherGrowth": 0}},
                     "-kvfit": {ttft: {"kvFit": "wait"}},
-                    "-kvfitheld": {ttft: {"kvFit": "wait", "kvFitPrefix": "held"}},
+                    "-kvfitheld": {
+                        ttft: {"kvFit": "wait", "kvFitPrefix": "held", "kvFitMargin": 0}
+                    },
+                    "-kvfitnomargin": {ttft: {"kvFit": "wait", "kvFitMargin": 0}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:

@@ -783,3 +783,36 @@ def test_common_blocks_of_chained_keys():
     assert _common_blocks((1, 2, 3, 4), (5,), 4) == 0
     assert _common_blocks((1, 2), (1, 2, 3), 4) == 2
     assert _common_blocks((), (1,), 4) == 0
+
+
+def test_kv_fit_margin_keeps_a_request_on_its_holder_unless_the_wait_exceeds_it():
+    clock = Clock()
+    r = req(blocks=40, tokens=2560)
+    # a holds 60% of the prompt but is full: 0.3 s until its running request ends, then
+    # 0.102 s of prefill; b is cold with room: 0.256 s.
+    cands = [
+        cand("a", prefix=24, kv_usage=0.9, running=1, **KV),
+        cand("b", kv_usage=0.3, running=1, **KV),
+    ]
+    picks = {}
+    for margin in (0.0, 0.1, 0.2):
+        sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_margin=margin))
+        sc.decode_s = lambda address: 0.6
+        s = sc.score(r, cands)
+        picks[margin] = "a" if s[0] == 1.0 else "b"
+        terms = sc.explain(r, cands)
+        assert terms[0]["kv_fit_margin_s"] == pytest.approx(margin)
+        assert terms[0]["predicted_s"] == pytest.approx(0.3 + 0.1024 + 0.005)  # unchanged
+        assert terms[1]["kv_fit_margin_s"] == 0.0  # b holds nothing: no margin
+        assert sc.kv_fit_changed == (1 if picks[margin] == "b" else 0)
+    # The wait exceeds the 0.154 s recompute elsewhere by more than 0.1 s, not by 0.2 s.
+    assert picks == {0.0: "b", 0.1: "b", 0.2: "a"}
+    # Where both hold the same part (a header), neither gets a margin.
+    sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_margin=0.2))
+    sc.decode_s = lambda address: 0.6
+    even = [
+        cand("a", prefix=4, kv_usage=0.9, running=1, **KV),
+        cand("b", prefix=4, kv_usage=0.3, running=1, **KV),
+    ]
+    assert sc.score(r, even)[1] == 1.0
+    assert [t["kv_fit_margin_s"] for t in sc.explain(r, even)] == [0.0, 0.0]
