@@ -796,7 +796,9 @@ def test_kv_fit_margin_keeps_a_request_on_its_holder_unless_the_wait_exceeds_it(
     ]
     picks = {}
     for margin in (0.0, 0.1, 0.2):
-        sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_margin=margin))
+        sc = PredictedTTFTScorer(
+            PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_margin=margin), clock=clock
+        )
         sc.decode_s = lambda address: 0.6
         s = sc.score(r, cands)
         picks[margin] = "a" if s[0] == 1.0 else "b"
@@ -808,7 +810,9 @@ def test_kv_fit_margin_keeps_a_request_on_its_holder_unless_the_wait_exceeds_it(
     # The wait exceeds the 0.154 s recompute elsewhere by more than 0.1 s, not by 0.2 s.
     assert picks == {0.0: "b", 0.1: "b", 0.2: "a"}
     # Where both hold the same part (a header), neither gets a margin.
-    sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_margin=0.2))
+    sc = PredictedTTFTScorer(
+        PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_margin=0.2), clock=clock
+    )
     sc.decode_s = lambda address: 0.6
     even = [
         cand("a", prefix=4, kv_usage=0.9, running=1, **KV),
