@@ -444,6 +444,8 @@ _COUNTERS = (
     "kv_fit waited",
     "kv_fit untimed",
     "kv_fit changed",
+    "kv_fit idle_prefix",
+    "kv_fit prefix_unknown",
     "extproc_index_lookups_degraded_total",
     "extproc_index_lookups_total",
     "extproc_session_bound_bounded_total",
@@ -557,6 +559,8 @@ def run_policy(
                 f" header-read {d['extproc_session_bound_header_growth_total']:.0f}"
                 f" kv-fit waited {d['kv_fit waited']:.0f} (untimed {d['kv_fit untimed']:.0f})"
                 f" changed {d['kv_fit changed']:.0f}"
+                f" idle prefix {d['kv_fit idle_prefix']:.0f}"
+                f" prefix unknown {d['kv_fit prefix_unknown']:.0f}"
                 f" growth merged {d['extproc_shared_growth_applied_total']:.0f}"
             )
             s = in_shape_time(wall, time_scale)

@@ -420,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         "both; + '-bounded': bounded-sessions-filter's keepTogetherGrowth: 0 (every new "
         "session bounded, the default before the sixteenth session); + '-kvfit': "
         "predicted-ttft-scorer's kvFit: wait; + '-kvfitarr': kvFit: wait with kvFitPeers: "
-        "arrivals (the peers' placements since the scrape from the in-flight exchange); any mode + "
+        "arrivals (the peers' placements since the scrape from the in-flight exchange); + "
+        "'-kvfitheld': kvFit: wait, kvFitPrefix: held, kvFitMargin: 0 (the nineteenth "
+        "session's kvFit); + '-kvfitnomargin': kvFit: wait, kvFitMargin: 0; any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -501,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
                     "-bounded": {"bounded-sessions-filter": {"keepTogetherGrowth": 0}},
                     "-kvfit": {ttft: {"kvFit": "wait"}},
                     "-kvfitarr": {ttft: {"kvFit": "wait", "kvFitPeers": "arrivals"}},
+                    "-kvfitheld": {
+                        ttft: {"kvFit": "wait", "kvFitPrefix": "held", "kvFitMargin": 0}
+                    },
+                    "-kvfitnomargin": {ttft: {"kvFit": "wait", "kvFitMargin": 0}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:

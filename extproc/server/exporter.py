@@ -252,7 +252,11 @@ class Exporter:
             "request to end), untimed (of those, timed without a decode-time measurement: "
             "the running prefills' ends alone), changed (scored requests whose fastest "
             "endpoint the wait changed), peers (of the waits, those the other replicas' "
-            "placements since the scrape alone caused: kvFitPeers: arrivals).",
+            "placements since the scrape alone caused: kvFitPeers: arrivals), idle_prefix "
+            "(waits only because the request's cached prefix, shared by no running "
+            "placement, was counted: kvFitPrefix: running), prefix_unknown (predictions "
+            "that took the cached prefix as held because other replicas have requests in "
+            "flight there).",
             ["scorer", "outcome"],
         )
         for name, scorer in scorers.items():
@@ -260,6 +264,8 @@ class Exporter:
             kv_fit.add_metric([name, "untimed"], scorer.kv_fit_untimed)
             kv_fit.add_metric([name, "changed"], scorer.kv_fit_changed)
             kv_fit.add_metric([name, "peers"], scorer.kv_fit_peers)
+            kv_fit.add_metric([name, "idle_prefix"], scorer.kv_fit_idle_prefix)
+            kv_fit.add_metric([name, "prefix_unknown"], scorer.kv_fit_prefix_unknown)
             for address, (q, w) in scorer.view().items():
                 queue.add_metric([name, address], q)
                 written.add_metric([name, address], w)

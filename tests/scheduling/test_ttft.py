@@ -3,12 +3,14 @@ the sticky endpoint costs more than recomputing elsewhere, with no hand-set weig
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from extproc.core import Decision
 from extproc.endpoints.peer_arrivals import PeerArrivals
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
-from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
+from extproc.scheduling.plugins.ttft import PredictedTTFTScorer, _common_blocks
 from tests.scheduling.helpers import cand, req
 
 
@@ -618,11 +620,13 @@ def test_speed_units_estimates_drains_estimated_queues_at_their_real_speed():
 KV = {"kv_blocks": 400, "kv_block_size": 16, "prefill_tps": 10_000.0}
 KV_FIT = PredictedTTFTScorer.Params(kv_fit="wait")
 ARRIVALS = PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_peers="arrivals")
+# The nineteenth session's count: the cached prefix costs no block anywhere.
+KV_HELD = PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_prefix="held")
 
 
 def test_kv_fit_waits_for_the_earliest_running_end_where_the_prompt_does_not_fit():
     clock = Clock()
-    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc = PredictedTTFTScorer(KV_HELD, clock=clock)
     sc.decode_s = lambda address: 0.3
     r = req(blocks=40, tokens=2560)
     # a holds half the prompt, and its running requests 85% of its cache: the other half
@@ -780,3 +784,104 @@ def test_kv_fit_peers_are_not_counted_twice_when_folded_or_when_told_not_to():
     terms = before.explain(r, [scraped])[0]
     assert terms["kv_fit_wait_s"] == 0 and terms["kv_peer_tokens"] == 0
     assert PredictedTTFTScorer.Params().kv_fit_peers == "folded"
+
+
+def keyed(r, keys):
+    """`r` with other block keys (another request of the same tenant, or another tenant)."""
+    return dataclasses.replace(r, block_keys=tuple(keys))
+
+
+def test_kv_fit_counts_a_cached_prefix_no_running_placement_shares():
+    clock = Clock()
+    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc.decode_s = lambda address: 0.3
+    r = req(blocks=40, tokens=2560)
+    # a holds 90% of the prompt and its running requests 70% of its cache. Taken as held,
+    # the 256 uncached tokens (4%) fit; but no placement running there shares the prefix,
+    # so its 2,304 cached tokens leave the free pool too (0.7 + 0.4 > 1): the wait.
+    a = cand("a", prefix=36, kv_usage=0.7, running=2, **KV)
+    assert PredictedTTFTScorer(KV_HELD, clock=clock).explain(r, [a])[0]["kv_fit_wait_s"] == 0
+    assert sc.explain(r, [a])[0]["kv_fit_wait_s"] == pytest.approx(0.1)
+    sc.score(r, [a])
+    assert sc.kv_fit_waits == 1 and sc.kv_fit_idle_prefix == 1
+    # Another turn of the same conversation (its first 36 blocks) placed there and running:
+    # the prefix is shared, only the uncached part counts.
+    place(sc, keyed(r, [*range(1, 37), 90, 91]), [cand("a", prefix=36, **KV)], "a")
+    assert sc.explain(r, [a])[0]["kv_fit_wait_s"] == 0
+    # Another tenant running there shares the header (4 blocks): the other 32 count, and
+    # the wait is until that placement ends (853 uncached tokens' prefill, 0.3 s decode).
+    other = PredictedTTFTScorer(KV_FIT, clock=clock)
+    other.decode_s = lambda address: 0.3
+    place(other, keyed(r, [1, 2, 3, 4, 50, 51]), [cand("a", prefix=4, **KV)], "a")
+    assert other.explain(r, [a])[0]["kv_fit_wait_s"] == pytest.approx(2560 / 3 / 10_000 + 0.3)
+    # Once the sharing placement has ended (prefill + 0.3 s decode), the prefix counts again.
+    clock.t += 1.0
+    assert sc.explain(r, [a])[0]["kv_fit_wait_s"] == pytest.approx(0.1)
+    # A cold candidate holds nothing cached: its whole prompt is uncached either way.
+    cold = cand("b", kv_usage=0.7, running=2, **KV)
+    assert sc.explain(r, [cold])[0]["kv_fit_wait_s"] == pytest.approx(0.1)
+
+
+def test_kv_fit_takes_the_prefix_as_held_where_peers_have_requests_in_flight(caplog):
+    clock = Clock()
+    sc = PredictedTTFTScorer(KV_FIT, clock=clock)
+    sc.decode_s = lambda address: 0.3
+    arrivals = PeerArrivals()
+    arrivals.update({"a": 2560}, now=clock.t - 0.1, own={})
+    sc.peer_arrivals = arrivals
+    r = req(blocks=40, tokens=2560)
+    # A peer's request on a may share the prefix (its keys are not known here): as held.
+    a = cand("a", prefix=36, kv_usage=0.7, running=2, **KV)
+    sc.score(r, [a])
+    assert sc.kv_fit_waits == 0 and sc.kv_fit_prefix_unknown == 1
+    assert "other replicas have requests in flight" in caplog.text
+    # No peer request on b: its cached prefix counts.
+    b = cand("b", prefix=36, kv_usage=0.7, running=2, **KV)
+    sc.score(r, [b])
+    assert sc.kv_fit_waits == 1 and sc.kv_fit_idle_prefix == 1
+
+
+def test_common_blocks_of_chained_keys():
+    assert _common_blocks((1, 2, 3, 4), (1, 2, 3, 4), 4) == 4
+    assert _common_blocks((1, 2, 3, 4), (1, 2, 9, 9, 9), 4) == 2
+    assert _common_blocks((1, 2, 3, 4), (1, 2, 3, 4), 3) == 3  # up to the limit
+    assert _common_blocks((1, 2, 3, 4), (5,), 4) == 0
+    assert _common_blocks((1, 2), (1, 2, 3), 4) == 2
+    assert _common_blocks((), (1,), 4) == 0
+
+
+def test_kv_fit_margin_keeps_a_request_on_its_holder_unless_the_wait_exceeds_it():
+    clock = Clock()
+    r = req(blocks=40, tokens=2560)
+    # a holds 60% of the prompt but is full: 0.3 s until its running request ends, then
+    # 0.102 s of prefill; b is cold with room: 0.256 s.
+    cands = [
+        cand("a", prefix=24, kv_usage=0.9, running=1, **KV),
+        cand("b", kv_usage=0.3, running=1, **KV),
+    ]
+    picks = {}
+    for margin in (0.0, 0.1, 0.2):
+        sc = PredictedTTFTScorer(
+            PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_margin=margin), clock=clock
+        )
+        sc.decode_s = lambda address: 0.6
+        s = sc.score(r, cands)
+        picks[margin] = "a" if s[0] == 1.0 else "b"
+        terms = sc.explain(r, cands)
+        assert terms[0]["kv_fit_margin_s"] == pytest.approx(margin)
+        assert terms[0]["predicted_s"] == pytest.approx(0.3 + 0.1024 + 0.005)  # unchanged
+        assert terms[1]["kv_fit_margin_s"] == 0.0  # b holds nothing: no margin
+        assert sc.kv_fit_changed == (1 if picks[margin] == "b" else 0)
+    # The wait exceeds the 0.154 s recompute elsewhere by more than 0.1 s, not by 0.2 s.
+    assert picks == {0.0: "b", 0.1: "b", 0.2: "a"}
+    # Where both hold the same part (a header), neither gets a margin.
+    sc = PredictedTTFTScorer(
+        PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_margin=0.2), clock=clock
+    )
+    sc.decode_s = lambda address: 0.6
+    even = [
+        cand("a", prefix=4, kv_usage=0.9, running=1, **KV),
+        cand("b", prefix=4, kv_usage=0.3, running=1, **KV),
+    ]
+    assert sc.score(r, even)[1] == 1.0
+    assert [t["kv_fit_margin_s"] for t in sc.explain(r, even)] == [0.0, 0.0]

@@ -162,11 +162,26 @@ class PredictedTTFTScorer:
     the races, and was not better than `folded` pair for pair (seed 2 worse in 4 of 6 pairs,
     seed 4 better in 3 of 4), so opt-in (bench/RESULTS.md, issue 14, twentieth session).
 
+    `kvFitPrefix`: what this request's cached prefix costs in that count. `running`
+    (default): nothing where a placement of this scorer's still running there shares it,
+    its blocks elsewhere (a cached block no running request references is free in the
+    engine's count, and a hit takes it out of the free pool); where other replicas have
+    requests in flight on the endpoint, nothing (their prefixes are not known here).
+    `held`: nothing anywhere (the uncached part alone, as in the nineteenth session): it
+    missed half the real KV waits at the tenants knee (bench/RESULTS.md, issue 14,
+    twentieth session).
+
+    `kvFitMargin` (seconds, default 0.1): at a candidate holding more of the prompt than
+    the candidate holding least, this much of the KV-fit wait is not counted
+    (`holder_margin`), so a request leaves its prefix holder for a KV wait only when the
+    wait exceeds the recompute elsewhere by the margin; 0 counts the wait whole.
+
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
                    peerInflight: drained, waitingFloor: fleetMean, speedUnits: engine,
-                   kvFit: ignore, kvFitPeers: folded}
+                   kvFit: ignore, kvFitPeers: folded, kvFitPrefix: running,
+                   kvFitMargin: 0.1}
     ```
     """
 
@@ -181,6 +196,8 @@ class PredictedTTFTScorer:
         speed_units: Literal["engine", "estimates"] = "engine"
         kv_fit: Literal["ignore", "wait"] = "ignore"
         kv_fit_peers: Literal["arrivals", "folded"] = "folded"
+        kv_fit_prefix: Literal["running", "held"] = "running"
+        kv_fit_margin: Annotated[float, msgspec.Meta(ge=0.0, le=_MAX_QUEUE_S)] = 0.1
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -195,6 +212,8 @@ class PredictedTTFTScorer:
         self._speed_in_estimates = p.speed_units == "estimates"
         self._kv_fit = p.kv_fit == "wait"
         self._kv_fit_peers = p.kv_fit_peers == "arrivals"
+        self._prefix_held = p.kv_fit_prefix == "held"
+        self._kv_margin = p.kv_fit_margin
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -245,6 +264,17 @@ class PredictedTTFTScorer:
         # (`kvFitPeers: arrivals`: without them the request fit).
         self.kv_fit_peers = 0
         self._untimed_said = False
+        # Per endpoint, this scorer's own recent placements for `kvFitPrefix: running`: (end
+        # of its predicted prefill, the request's block keys), oldest first. The keys say
+        # which cached prefix a still-running request holds; folded peers' placements carry
+        # none.
+        self._running_keys: dict[str, deque[tuple[float, tuple[int, ...]]]] = {}
+        # `kvFit: wait`: waits only because the request's cached prefix, held by no running
+        # placement, was counted (it would have fit without); predictions that took the
+        # prefix as held because a peer has requests in flight there (their keys unknown).
+        self.kv_fit_idle_prefix = 0
+        self.kv_fit_prefix_unknown = 0
+        self._unknown_said = False
 
     def units_changed(self, factor: float) -> None:
         """Estimates grew `factor`-fold: the mean placed prefill follows (the prior speed is a
@@ -264,6 +294,7 @@ class PredictedTTFTScorer:
         self._written.pop(address, None)
         self._busy_until.pop(address, None)
         self._live.pop(address, None)
+        self._running_keys.pop(address, None)
 
     def _tps(self, c: Candidate) -> float:
         tps = c.state.prefill_tps
@@ -390,19 +421,21 @@ class PredictedTTFTScorer:
         known). Room: the scraped `kv_usage` (blocks its running and admitted requests hold)
         plus the uncached tokens placed there since that scrape (`_placed_since`: own,
         folded and the other replicas'; the engine had not seen them) plus this request's
-        uncached tokens, against
-        `kv_blocks` x `kv_block_size`. Over capacity, the wait is until the earliest running
-        request ends: a placement of this scorer's still expected to run ends a decode after
-        its predicted prefill; without one, the soonest of the `running` requests, each
+        tokens (below), against `kv_blocks` x `kv_block_size`. Over capacity, the wait is
+        until the earliest running request ends: a placement of this scorer's still expected
+        to run ends a decode after its predicted prefill; without one, the soonest of the
+        `running` requests, each
         somewhere in its decode, ends in about decode / (running + 1).
 
-        Uncached tokens, not the whole prompt: a cached prefix a running request holds costs
-        no block (at the tenants knee a tenant's holder mostly runs the same tenant's
-        requests), one no request holds is free in the engine's count and reusing it takes it
-        out of the free pool. Counting whole prompts waited in 48% of the predictions at the
-        knee and moved 35-40 requests a run off their holders: hit ratio 61% / 59% against
-        65% / 65%, p90 +30% / +21% (bench/RESULTS.md, issue 14, nineteenth session). So an
-        idle cached prefix is not counted here.
+        This request's tokens: its uncached part, plus its cached prefix where no running
+        placement holds it (`_kv_need`; with `kvFitPrefix: held` the uncached part alone).
+        A cached prefix a running request holds costs no block (at the tenants knee a
+        tenant's holder mostly runs the same tenant's requests); one no request holds is
+        free in the engine's count and reusing it takes it out of the free pool. Counting
+        whole prompts everywhere waited in 48% of the predictions at the knee and moved 35-40
+        requests a run off their holders: hit ratio 61% / 59% against 65% / 65%, p90 +30% /
+        +21% (bench/RESULTS.md, issue 14, nineteenth session); counting uncached parts only
+        missed half the real waits (twentieth session).
 
         What else this ignores: one request's end may free too little (then it waits for
         more), requests already queued for blocks ahead of it (the engine admits first come
@@ -414,7 +447,8 @@ class PredictedTTFTScorer:
             return 0.0
         ratio = self._ratio()
         cap = float(st.kv_blocks * st.kv_block_size)
-        need = uncached_tokens(req, c) * ratio
+        tokens, idle = self._kv_need(req, c, now, count=count)
+        need = tokens * ratio
         if need >= cap:
             return 0.0  # fits beside nothing: the engine runs it alone or refuses it
         address = c.endpoint.address
@@ -424,6 +458,8 @@ class PredictedTTFTScorer:
             return 0.0
         if count and peers and st.kv_usage * cap + own * ratio + need <= cap:
             self.kv_fit_peers += 1
+        if count and st.kv_usage * cap + (own + peers) * ratio + need - idle * ratio <= cap:
+            self.kv_fit_idle_prefix += 1
         decode = self.decode_s(address) if self.decode_s is not None else None
         if decode is None:
             if count:
@@ -474,6 +510,62 @@ class PredictedTTFTScorer:
             return 0.0
         return arrivals.since(c.endpoint.address, now - (c.state.age_s or 0.0))
 
+    def _kv_need(
+        self, req: InferenceRequest, c: Candidate, now: float, *, count: bool = True
+    ) -> tuple[float, float]:
+        """Tokens (estimates) this request takes out of `c`'s free KV blocks, and how many of
+        them are its cached prefix. The uncached part always; the cached part too unless a
+        request still running there holds it. A cached block no running request references
+        is free in the engine's count (`kv_usage`), and a hit on it takes it out of the free
+        pool (vLLM's free block queue; the sim's `can_allocate` counts such idle hits): a
+        tenant's hit on a holder where none of its requests runs needs its whole prompt.
+        Counting only the uncached part missed half the real KV waits at the tenants knee,
+        most of them such hits (seed 4: 25 of 49 and 25 of 37 waits > 20 ms unpredicted,
+        bench/RESULTS.md, issue 14, twentieth session). Counting the whole prompt everywhere
+        (nineteenth session) over-counted where the same tenant runs: there the prefix is
+        shared, so the part a running placement of this scorer's shares (the longest common
+        run of chained block keys, up to what `c` holds) stays free of charge.
+
+        A running placement: this scorer's own, until its predicted prefill end plus the
+        engine's mean decode time (no decode measured: its prefill end). A peer's placements
+        carry no keys; where the peers have requests in flight on `c` the prefix is taken as
+        held, as with `kvFitPrefix: held` (counted in `kv_fit_prefix_unknown`, logged once):
+        counting it there would charge a shared prefix whenever a peer's request shares it.
+        What this leaves out: a prefix held by a request sent behind the pickers' back, and
+        the output's blocks (vLLM allocates them as it decodes)."""
+        uncached = uncached_tokens(req, c)
+        keys = req.block_keys
+        n = len(keys)
+        held = min(c.prefix_blocks, n)
+        if self._prefix_held or not held:
+            return uncached, 0.0
+        address = c.endpoint.address
+        arrivals = self.peer_arrivals
+        if arrivals is not None and arrivals.total(address):
+            if count:
+                self.kv_fit_prefix_unknown += 1
+            if not self._unknown_said:
+                self._unknown_said = True
+                log.warning(
+                    "predicted-ttft-scorer: kvFit takes a request's cached prefix as held "
+                    "where other replicas have requests in flight (which prefix they hold "
+                    "is not shared; extproc_predicted_ttft_kv_fit_total"
+                    "{outcome='prefix_unknown'})"
+                )
+            return uncached, 0.0
+        shared = 0
+        running = self._running_keys.get(address)
+        if running:
+            decode = (self.decode_s(address) if self.decode_s is not None else None) or 0.0
+            # Newest first: the prefill ends of one endpoint's placements never decrease (each
+            # queues behind the one before), so the first that has ended ends the scan.
+            for end, other in reversed(running):
+                if end + decode <= now or shared >= held:
+                    break
+                shared = max(shared, _common_blocks(keys, other, int(held)))
+        idle = req.prompt_tokens * (held - shared) / n
+        return uncached + idle, idle
+
     def _inflight_prefill(
         self, st: EndpointState, address: str, tokens: float, *, count: bool = True
     ) -> float:
@@ -521,6 +613,28 @@ class PredictedTTFTScorer:
         evicted = min(work, max(0.0, work - room))
         return self._reuse * evicted / self._tps(c)
 
+    def holder_margin(
+        self, req: InferenceRequest, cands: Sequence[Candidate], added: Sequence[float]
+    ) -> list[float]:
+        """Seconds of each candidate's KV-fit wait (`added`: what it added to the prediction)
+        not counted: up to `kvFitMargin` at a candidate that holds more of the prompt than
+        the one holding least (the part that distinguishes this request, not a header every
+        server has), none elsewhere. A request then leaves its prefix holder for the KV
+        wait only when that wait exceeds the recompute elsewhere by the margin. Why one: the
+        wait at the holder is predicted, the wait where it goes often is not (a candidate
+        predicted to have room still made a request wait > 20 ms in 14-27% of the requests
+        at seed 2 of the tenants knee, 0.34-0.37 s median: 0.05-0.09 s a request on
+        average), and the move writes the prompt a second time. Counted whole, the wait
+        moved 3-4 requests a run off their holders there, and seed 2 lost hit ratio
+        (bench/RESULTS.md, issue 14, twentieth session)."""
+        if not (self._kv_margin and any(added)):
+            return [0.0] * len(cands)
+        least = min(c.prefix_blocks for c in cands)
+        return [
+            min(kv, self._kv_margin) if c.prefix_blocks > least else 0.0
+            for c, kv in zip(cands, added, strict=True)
+        ]
+
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
         now = self._clock()
         cost = []
@@ -529,6 +643,10 @@ class PredictedTTFTScorer:
             t, kv = self._predict(req, c, now)
             cost.append(t + self.eviction_cost(req, c))
             added.append(kv)
+        margin = self.holder_margin(req, cands, added)
+        if any(margin):
+            cost = [t - m for t, m in zip(cost, margin, strict=True)]
+            added = [kv - m for kv, m in zip(added, margin, strict=True)]
         best = min(cost)
         if any(added):
             without = [t - kv for t, kv in zip(cost, added, strict=True)]
@@ -539,14 +657,21 @@ class PredictedTTFTScorer:
     def explain(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[dict[str, float]]:
         """Per candidate, the prediction's terms (seconds: the virtual queue, the in-flight
         and scraped-waiting floors that applied, the queue they made, the uncached prefill,
-        the eviction cost, the total) and the inputs they came from (scraped waiting and
+        the eviction cost, the total; with `kvFit: wait`, the KV wait and the part of it a
+        holder's margin left out of the score) and the inputs they came from (scraped waiting and
         running, KV usage, in-flight requests and tokens, speed, the mean placed prefill)."""
         now = self._clock()
         out = []
+        predictions = []
         for c in cands:
             terms: dict[str, float] = {}
-            predicted = self.predict(req, c, now, terms)
+            predicted, kv = self._predict(req, c, now, terms)
+            predictions.append((terms, predicted, kv))
+        margin = self.holder_margin(req, cands, [kv for _, _, kv in predictions])
+        for c, (terms, predicted, _), m in zip(cands, predictions, margin, strict=True):
             st = c.state
+            if self._kv_fit:
+                terms["kv_fit_margin_s"] = m
             terms |= {
                 "eviction_s": self.eviction_cost(req, c),
                 "predicted_s": predicted,
@@ -575,6 +700,11 @@ class PredictedTTFTScorer:
         work = uncached_tokens(req, chosen)
         seconds = work / self._tps(chosen)
         self._record(addr, work, req.prompt_tokens, seconds, now, now)
+        if self._kv_fit and not self._prefix_held and req.block_keys:
+            running = self._running_keys.get(addr)
+            if running is None:
+                running = self._running_keys[addr] = deque(maxlen=_MAX_LIVE)
+            running.append((self._busy_until[addr], req.block_keys))
         if self.on_placed is not None:
             self.on_placed(addr, work, req.prompt_tokens, seconds)
         if len(self._busy_until) > 4 * len(cands) + 64:
@@ -583,6 +713,7 @@ class PredictedTTFTScorer:
             live = self._busy_until.keys() | {c.endpoint.address for c in cands}
             self._written = {a: n for a, n in self._written.items() if a in live}
             self._live = {a: q for a, q in self._live.items() if a in live}
+            self._running_keys = {a: q for a, q in self._running_keys.items() if a in live}
 
     def _record(
         self, addr: str, work: float, prompt_tokens: int, seconds: float, at: float, now: float
@@ -631,6 +762,19 @@ class PredictedTTFTScorer:
             a: (max(0.0, self._busy_until.get(a, now) - now), self._written.get(a, 0.0))
             for a in self._busy_until.keys() | self._written.keys()
         }
+
+
+def _common_blocks(keys: Sequence[int], other: Sequence[int], limit: int) -> int:
+    """Blocks two chained key sequences share from the start, up to `limit`. Chained: equal
+    keys at one position mean equal prefixes up to it, so a binary search finds the end."""
+    lo, hi = 0, min(limit, len(keys), len(other))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if keys[mid - 1] == other[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _load(c: Candidate) -> int:
