@@ -8,7 +8,7 @@ These types are the hand-offs between those stages; nothing here does I/O.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -138,6 +138,24 @@ class InferenceRequest:
     @property
     def has_media(self) -> bool:
         return bool(self.media)
+
+
+def common_prefix_blocks(
+    keys: Sequence[int], other: Sequence[int], limit: int | None = None
+) -> int:
+    """Leading blocks two `block_keys` sequences share, up to `limit`. The keys are chained
+    (each covers its prefix), so two sequences agree up to some block and differ from there
+    on, and a bisection finds it."""
+    lo, hi = 0, min(len(keys), len(other))
+    if limit is not None:
+        hi = min(hi, limit)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if keys[mid - 1] == other[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from extproc.core import common_prefix_blocks
 from extproc.index.base import IndexOptions, Lookup
 from extproc.index.memory import MemoryKVIndex
 
@@ -114,7 +115,7 @@ class _InFlight:
         covering = sum(
             1
             for addr, held, _ in self._by_root.get(keys[0], ())
-            if addr == endpoint and _common(keys, held) >= n
+            if addr == endpoint and common_prefix_blocks(keys, held) >= n
         )
         return total > covering
 
@@ -131,7 +132,7 @@ class _InFlight:
         self._prune(keys[0], self._clock())
         out: dict[str, float] = {}
         for addr, held, _ in self._by_root.get(keys[0], ()):
-            n = _common(keys, held)
+            n = common_prefix_blocks(keys, held)
             if n > out.get(addr, 0.0):
                 out[addr] = float(n)
         return out
@@ -145,19 +146,6 @@ class _InFlight:
             entries[:] = [e for e in entries if e[2] > now]
             if not entries:
                 del self._by_root[root]
-
-
-def _common(keys: Sequence[int], held: Sequence[int]) -> int:
-    """Leading blocks two chains with the same block 0 share (chained keys: they agree up
-    to some block and differ from there on, so bisection finds it)."""
-    lo, hi = 1, min(len(keys), len(held))  # keys[:lo] agree; past hi they cannot
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if keys[mid - 1] == held[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class PlacedBlocks:

@@ -10,7 +10,7 @@ import pytest
 from extproc.core import Decision
 from extproc.endpoints.peer_arrivals import PeerArrivals
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
-from extproc.scheduling.plugins.ttft import PredictedTTFTScorer, _common_blocks
+from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
 from tests.scheduling.helpers import cand, req
 
 
@@ -839,15 +839,6 @@ def test_kv_fit_takes_the_prefix_as_held_where_peers_have_requests_in_flight(cap
     b = cand("b", prefix=36, kv_usage=0.7, running=2, **KV)
     sc.score(r, [b])
     assert sc.kv_fit_waits == 1 and sc.kv_fit_idle_prefix == 1
-
-
-def test_common_blocks_of_chained_keys():
-    assert _common_blocks((1, 2, 3, 4), (1, 2, 3, 4), 4) == 4
-    assert _common_blocks((1, 2, 3, 4), (1, 2, 9, 9, 9), 4) == 2
-    assert _common_blocks((1, 2, 3, 4), (1, 2, 3, 4), 3) == 3  # up to the limit
-    assert _common_blocks((1, 2, 3, 4), (5,), 4) == 0
-    assert _common_blocks((1, 2), (1, 2, 3), 4) == 2
-    assert _common_blocks((), (1,), 4) == 0
 
 
 def test_kv_fit_margin_keeps_a_request_on_its_holder_unless_the_wait_exceeds_it():

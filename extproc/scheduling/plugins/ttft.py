@@ -56,7 +56,13 @@ from typing import Annotated, ClassVar, Literal, Protocol
 
 import msgspec
 
-from extproc.core import Candidate, Decision, EndpointState, InferenceRequest
+from extproc.core import (
+    Candidate,
+    Decision,
+    EndpointState,
+    InferenceRequest,
+    common_prefix_blocks,
+)
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter
 
 log = logging.getLogger(__name__)
@@ -562,7 +568,7 @@ class PredictedTTFTScorer:
             for end, other in reversed(running):
                 if end + decode <= now or shared >= held:
                     break
-                shared = max(shared, _common_blocks(keys, other, int(held)))
+                shared = max(shared, common_prefix_blocks(keys, other, int(held)))
         idle = req.prompt_tokens * (held - shared) / n
         return uncached + idle, idle
 
@@ -762,19 +768,6 @@ class PredictedTTFTScorer:
             a: (max(0.0, self._busy_until.get(a, now) - now), self._written.get(a, 0.0))
             for a in self._busy_until.keys() | self._written.keys()
         }
-
-
-def _common_blocks(keys: Sequence[int], other: Sequence[int], limit: int) -> int:
-    """Blocks two chained key sequences share from the start, up to `limit`. Chained: equal
-    keys at one position mean equal prefixes up to it, so a binary search finds the end."""
-    lo, hi = 0, min(limit, len(keys), len(other))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if keys[mid - 1] == other[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _load(c: Candidate) -> int:
