@@ -83,6 +83,9 @@ QUANTILE_TRUSTED = 20
 # With a spike window: our own arrivals kept per band for the peers (shared.py publishes
 # the recent ones; a band past this many within one publish window is counted short there).
 OWN_KEPT = 256
+# With a spike window: the most bands whose arrivals are kept (a deployment has a handful of
+# priority bands; a peer's entries naming more are refused).
+PEER_BANDS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,11 +285,17 @@ class Reserve:
         """Arrivals the spike term is sized from (the fleet's, with peers), up to `HISTORY`."""
         return min(HISTORY, len(self._arrivals.get(priority, ())))
 
-    def peer_arrived(self, priority: int, at: float, tokens: int) -> None:
+    def peer_arrived(self, priority: int, at: float, tokens: int) -> bool:
         """A peer replica's request of the band arrived at `at` (our clock): the band's
-        spike term counts it as its own (with a spike window; else ignored)."""
-        if self._spike_s:
-            self._arrived(priority, at, tokens)
+        spike term counts it as its own (with a spike window; else ignored). False (not
+        taken) for a band new here past `PEER_BANDS` bands: each band keeps its arrivals,
+        and a peer's word must not grow that without bound."""
+        if not self._spike_s:
+            return True
+        if priority not in self._arrivals and len(self._arrivals) >= PEER_BANDS:
+            return False
+        self._arrived(priority, at, tokens)
+        return True
 
     def own_arrivals(
         self, since: float, above: int

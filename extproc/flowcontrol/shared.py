@@ -288,8 +288,10 @@ class SharedFlowState:
             if items and max(seq for seq, *_ in items) < last:
                 last = 0  # numbered from 1 again: the peer restarted under the same id
             for seq, band, at_ms, tokens in items:
-                if seq > last:
-                    reserve.peer_arrived(band, (at_ms - self._offset_ms) / 1000, tokens)
+                if seq > last and not reserve.peer_arrived(
+                    band, (at_ms - self._offset_ms) / 1000, tokens
+                ):
+                    self.stats.bad_entries += 1  # a band past any deployment's count
             taken[peer] = max([last, *(seq for seq, *_ in items)])
         self._arrivals_taken = taken  # peers gone are forgotten
 

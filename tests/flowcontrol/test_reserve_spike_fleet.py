@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from extproc.flowcontrol.reserve import OWN_KEPT, QUANTILE_TRUSTED, Reserve
+from extproc.flowcontrol.reserve import OWN_KEPT, PEER_BANDS, QUANTILE_TRUSTED, Reserve
 from extproc.flowcontrol.shared import SharedFlowState
 from tests.flowcontrol.test_controller import make
 from tests.flowcontrol.test_reserve_rate import Clock
@@ -40,6 +40,16 @@ def test_a_peers_arrivals_count_as_the_replicas_own():
             mine.peer_arrived(band, at, tokens)
     assert [r.spike(10) for r in pair] == [1500, 1500]
     assert pair[0].spike_history(10) == min(100, len(ARRIVALS))
+
+
+def test_a_peers_arrivals_of_endless_bands_are_refused_past_a_bound():
+    # A forged or broken peer naming a new band in every arrival must not grow the
+    # per-band arrivals without bound; the bands already kept go on taking them.
+    r = Reserve(1, Clock(), spike_s=0.3)
+    taken = [r.peer_arrived(band, 1.0, 100) for band in range(PEER_BANDS + 10)]
+    assert taken == [True] * PEER_BANDS + [False] * 10
+    assert r.peer_arrived(0, 1.1, 100)
+    assert r.spike_history(0) == 2
 
 
 def test_only_the_bands_above_the_lowest_and_the_window_are_published():
