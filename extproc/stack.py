@@ -477,11 +477,16 @@ class Stack:
             if self.options.picker:
                 self.extproc_port, self.health_port = free_port(), free_port()
                 self.picker_admin_port = free_port_run(self.options.workers)  # admin + i
-                self.start_extproc()
+                # Every replica is spawned before any is awaited: each spends seconds in
+                # imports and start-up, and started one after another three replicas took
+                # 15-20 s of every multi-replica test.
+                starting = [self._spawn_extproc()]
                 for i in range(1, self.options.replicas):
                     ports = (free_port(), free_port(), free_port())
                     self.replica_ports.append(ports)
-                    self.start_extproc(ports, name=f"extproc-{i}")
+                    starting.append(self._spawn_extproc(ports, name=f"extproc-{i}"))
+                for ready in starting:
+                    ready()
             self.start_envoy()
         except BaseException:
             self.close()
@@ -524,6 +529,13 @@ class Stack:
     def start_extproc(
         self, ports: tuple[int, int, int] | None = None, *, name: str = "extproc"
     ) -> None:
+        """Start a picker (the first one's ports unless `ports`) and wait until it is ready."""
+        self._spawn_extproc(ports, name=name)()
+
+    def _spawn_extproc(
+        self, ports: tuple[int, int, int] | None = None, *, name: str = "extproc"
+    ) -> Callable[[], None]:
+        """Spawn a picker; the returned call waits until it reports ready."""
         port, health, admin = ports or (
             self.extproc_port,
             self.health_port,
@@ -557,7 +569,7 @@ class Stack:
             *self.options.extproc_args,
         ]
         proc = self._spawn(name, argv)
-        wait_until(
+        return lambda: wait_until(
             lambda: (
                 grpc_health_status(health, "readiness") == health_pb2.HealthCheckResponse.SERVING
             ),
