@@ -446,6 +446,7 @@ _COUNTERS = (
     "kv_fit changed",
     "kv_fit idle_prefix",
     "kv_fit prefix_unknown",
+    "kv_fit peers",
     "extproc_index_lookups_degraded_total",
     "extproc_index_lookups_total",
     "extproc_session_bound_bounded_total",
@@ -561,6 +562,7 @@ def run_policy(
                 f" changed {d['kv_fit changed']:.0f}"
                 f" idle prefix {d['kv_fit idle_prefix']:.0f}"
                 f" prefix unknown {d['kv_fit prefix_unknown']:.0f}"
+                f" peers {d['kv_fit peers']:.0f}"
                 f" growth merged {d['extproc_shared_growth_applied_total']:.0f}"
             )
             s = in_shape_time(wall, time_scale)
