@@ -12,7 +12,7 @@ trims the oldest past `max_entries`; a record whose encoding exceeds `max_entry_
 not kept (counted). Redis memory is so bounded by about `max_entries x max_entry_bytes` per
 channel, whatever the load. Both keys carry the channel's name as a hash tag
 (`{<channel>}:retained`, `{<channel>}:retained:order`), so on Redis Cluster they share one
-hash slot and one pipeline reaches both.
+hash slot and one script reaches both.
 
 A subscriber reads the snapshot after each successful subscribe (on start, and after every
 reconnect: what was published while it was away is there), by HSCAN and never more than
@@ -38,6 +38,31 @@ from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
+
+# One script, so that the records, their order and the trim land together (and atomically):
+# trimmed by a second call, a publisher that died (or lost Redis) between the two left the
+# snapshot over its bound until the next publish. The caller's clock orders the records
+# (only the trim's choice of "oldest" depends on it).
+# KEYS: hash, order; ARGV: ttl ms, max entries, now, then field, entry pairs.
+_WRITE = """
+local ttl, most, now = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+for i = 4, #ARGV, 2 do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  redis.call('ZADD', KEYS[2], now, ARGV[i])
+end
+redis.call('PEXPIRE', KEYS[1], ttl)
+redis.call('PEXPIRE', KEYS[2], ttl)
+local over = redis.call('ZCARD', KEYS[2]) - most
+if over > 0 then
+  local popped = redis.call('ZPOPMIN', KEYS[2], over)
+  for i = 1, #popped, 2 do
+    redis.call('HDEL', KEYS[1], popped[i])
+  end
+end
+return 0
+"""
+_WRITE_SHA = hashlib.sha1(_WRITE.encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +88,8 @@ class Retained:
 
     async def write(self, client: Redis, sender: str, items: list[Any]) -> int:
         """Keeps the records of `items` (published by `sender`), refreshes the expiry and
-        trims the oldest past the bound; returns how many items were too large to keep. A
-        few Redis calls: the caller bounds the whole in time."""
+        trims the oldest past the bound, in one script; returns how many items were too
+        large to keep. The caller bounds the call in time."""
         fields: dict[bytes, bytes] = {}
         too_big = 0
         for item in items:
@@ -75,21 +100,14 @@ class Retained:
             fields[hashlib.blake2b(self._r.identity(item), digest_size=16).digest()] = entry
         if not fields:
             return too_big
-        ttl_ms = int(self._r.ttl_s * 1000)
-        pipe = client.pipeline(transaction=False)
-        pipe.hset(self.key, mapping=fields)  # type: ignore[arg-type]
-        pipe.zadd(self.order_key, dict.fromkeys(fields, time.time()))
-        pipe.pexpire(self.key, ttl_ms)
-        pipe.pexpire(self.order_key, ttl_ms)
-        pipe.zcard(self.order_key)
-        size = (await pipe.execute())[-1]
-        over = int(size) - self._r.max_entries
-        if over > 0:
-            # Publishers trimming at once each pop their own oldest: the snapshot may fall a
-            # little under the bound, never stay over it.
-            popped: Any = await client.zpopmin(self.order_key, over)
-            if popped:
-                await client.hdel(self.key, *(f for f, _ in popped))
+        args: list[Any] = [int(self._r.ttl_s * 1000), self._r.max_entries, time.time()]
+        for name, entry in fields.items():
+            args += (name, entry)
+        keys = (self.key, self.order_key)
+        try:
+            await client.evalsha(_WRITE_SHA, 2, *keys, *args)
+        except NoScriptError:
+            await client.eval(_WRITE, 2, *keys, *args)
         return too_big
 
     async def read(self, client: Redis) -> tuple[list[bytes], int]:
