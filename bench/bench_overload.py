@@ -341,6 +341,9 @@ class Req:
     lines: int = 0
     decision: str = ""
     bench_id: str = ""  # sent as x-bench-id, logged by Envoy's access log (envoy-access.log)
+    # The engine's KV on the request's arrival, in blocks (the sim's timing comment: free,
+    # need, held, ahead, ahead_blocks; engine.ArrivalKV), to set against the picker's books.
+    kv_arrival: dict[str, int] | None = None
 
 
 ACCESS_FORMAT = (
@@ -600,6 +603,10 @@ async def send(
                         r.engine = (float(parts["kv_wait_s"]), float(parts["lane_wait_s"]),
                                     float(parts["prefill_s"]))  # fmt: skip
                         r.to_server = float(parts["recv_at"]) - sent
+                        if "free_blocks" in parts:
+                            r.kv_arrival = {k: int(parts[k]) for k in (
+                                "free_blocks", "need_blocks", "held_blocks", "ahead",
+                                "ahead_blocks")}  # fmt: skip
                         continue
                     if not line.startswith(b"data:") or line == b"data: [DONE]":
                         continue
@@ -767,9 +774,30 @@ def placement(r: Req) -> dict:
     eps = d.get("endpoints") or [r.served_by]
     engine = [round(x, 4) for x in r.engine] if r.engine else None
     ttft = round(r.ttft_s, 4) if r.ttft_s is not None else None
-    return {"at": round(r.at, 3), "tenant": r.tenant, "picker": d.get("picker"),
-            "endpoint": eps[0], "est": r.est_tokens, "ttft": ttft, "wait": r.picker_wait,
-            "engine": engine}  # fmt: skip
+    row = {"at": round(r.at, 3), "tenant": r.tenant, "picker": d.get("picker"),
+           "endpoint": eps[0], "est": r.est_tokens, "ttft": ttft, "wait": r.picker_wait,
+           "engine": engine}  # fmt: skip
+    # The picker's books at the decision (token-load-scorer's explained inputs per server:
+    # in-flight requests and tokens, scraped KV use and its age) and what flow control
+    # counted for the request, against the engine's KV on its arrival (bench/trace_kvwait.py).
+    books = {}
+    for name, per in (d.get("terms") or {}).items():
+        if name.endswith("token-load-scorer"):
+            books = per
+    if books or r.kv_arrival:
+        row.update(books=books, flow_tokens=d.get("flow_tokens"), max_tokens=r.max_tokens,
+                   prompt_tokens=r.prompt_tokens, kv_arrival=r.kv_arrival)  # fmt: skip
+    return row
+
+
+def brief(r: Req) -> list:
+    """One served request as `all_trace` lists it (see there)."""
+    d = json.loads(r.decision) if r.decision else {}
+    ep = (d.get("endpoints") or [r.served_by])[0]
+    return [round(r.at, 3), 1 if r.objective == "interactive" else 0, ep, r.est_tokens,
+            r.max_tokens, r.prompt_tokens, round(r.picker_wait or 0.0, 4),
+            round(r.to_server, 4) if r.to_server is not None else -1,
+            round(r.engine[0], 4) if r.engine else -1, round(r.done_at, 3)]  # fmt: skip
 
 
 def lost_detail(r: Req) -> dict:
@@ -1168,6 +1196,12 @@ def main() -> int:
             # whether replicas steer their interactive work to the same server
             # (bench/overload_steer.py reads it).
             row["hi_trace"] = [placement(r) for r in hi_ok if not r.error]
+            if args.trace:
+                # Every served request in brief, to rebuild each server's books and KV over
+                # time (bench/trace_kvwait.py): [at, band, endpoint, picker estimate,
+                # max_tokens, engine prompt tokens, picker wait, send to engine arrival,
+                # KV wait, done] (seconds from the run's start; -1: not known).
+                row["all_trace"] = [brief(r) for r in reqs if r.status == 200 and not r.error]
             print(json.dumps(row), flush=True)
             rows.append(row)
             settle(dep)

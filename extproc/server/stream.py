@@ -97,6 +97,8 @@ def explanation(routed: Routed) -> dict:
         "predicted_cached_tokens": predicted_cached_tokens(routed),
         # Seconds flow control held it in the picker's queue (None: flow control off).
         "queue_wait_s": routed.ticket.waited_s if routed.ticket is not None else None,
+        # The tokens flow control counted for it (uncached prompt estimate + output).
+        "flow_tokens": routed.ticket.request.tokens if routed.ticket is not None else None,
     }
 
 

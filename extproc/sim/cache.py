@@ -88,6 +88,17 @@ class KVCache:
         as in vLLM's `kv_cache_usage_perc`)."""
         return 1.0 - len(self._free) / self.usable_blocks
 
+    @property
+    def free_blocks(self) -> int:
+        """Blocks an allocation may take now (cached but unreferenced ones included)."""
+        return len(self._free)
+
+    def cost(self, chain: Sequence[BlockInfo], hit: Hit, total_blocks: int) -> int:
+        """Free blocks `acquire` would take: `total_blocks` less the GPU hit, plus the hit
+        blocks nobody holds (they leave the free queue)."""
+        idle_hits = sum(1 for info in chain[: hit.gpu] if self._pick(info.hash).ref == 0)
+        return total_blocks - hit.gpu + idle_hits
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
@@ -105,8 +116,7 @@ class KVCache:
     def can_allocate(self, chain: Sequence[BlockInfo], hit: Hit, total_blocks: int) -> bool:
         """Whether `acquire` would find enough free blocks (a hit on an unreferenced block
         takes it out of the free queue, so it counts too)."""
-        idle_hits = sum(1 for info in chain[: hit.gpu] if self._pick(info.hash).ref == 0)
-        return total_blocks - hit.gpu + idle_hits <= len(self._free)
+        return self.cost(chain, hit, total_blocks) <= len(self._free)
 
     def acquire(
         self, chain: Sequence[BlockInfo], hit: Hit, total_blocks: int

@@ -139,6 +139,24 @@ class Chunk:
     # KV blocks (FCFS admission), waiting for its first prefill step, and the prefill itself
     # (from its first step's start to its last step's end).
     timing: tuple[float, float, float] | None = None
+    # On the first chunk only: the engine's KV as the request found it on arrival (a
+    # benchmark compares it with what the picker's books held for the server then).
+    arrival: ArrivalKV | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalKV:
+    """The engine's KV when a request arrived, in blocks: `free` (allocatable, cached but
+    unreferenced included), `need` (what its admission takes then: prompt + max_tokens less
+    its GPU prefix hit), `held` (by admitted requests), `ahead` / `ahead_need`: requests
+    not admitted yet before it in the admission queue (FCFS: it waits behind them) and the
+    blocks they take (their hits not counted)."""
+
+    free: int
+    need: int
+    held: int
+    ahead: int
+    ahead_need: int
 
 
 class _State(enum.Enum):
@@ -172,6 +190,7 @@ class _Seq:
     computed: int = 0
     encode_tokens: int = 0
     load_tokens: int = 0
+    on_arrival: ArrivalKV | None = None
 
 
 class Engine:
@@ -281,6 +300,7 @@ class Engine:
         )
         self._move(seq, _State.QUEUED)
         self._enqueue(seq)
+        seq.on_arrival = self._arrival_kv(seq)
         try:
             self._admit()
             await seq.admitted
@@ -295,7 +315,7 @@ class Engine:
                 seq.prefill_start - seq.admitted_at,
                 seq.prefill_end - seq.prefill_start,
             )
-            yield Chunk(first, cached, timing)
+            yield Chunk(first, cached, timing, seq.on_arrival)
             async for tokens in self._decode(seq, rng):
                 yield Chunk(tokens, cached)
             self.stats.finished["length"] += 1
@@ -391,6 +411,26 @@ class Engine:
             seq.admitted.set_result(None)
         self._flush()
         self._kick()
+
+    def _arrival_kv(self, seq: _Seq) -> ArrivalKV:
+        """The KV a request finds on arrival (queued, before `_admit` runs)."""
+        cache = self.cache
+        prompt_len = len(seq.job.tokens.ids)
+        hit = cache.lookup(seq.chain, (prompt_len - 1) // self.settings.block_size)
+        ahead = []
+        for other in self._queue:
+            if other is seq:
+                break
+            if not other.admitted.cancelled():
+                ahead.append(other.total_blocks)
+        free = cache.free_blocks
+        return ArrivalKV(
+            free=free,
+            need=cache.cost(seq.chain, hit, seq.total_blocks),
+            held=cache.usable_blocks - free,
+            ahead=len(ahead),
+            ahead_need=sum(ahead),
+        )
 
     def _enqueue(self, seq: _Seq) -> None:
         """Into the admission queue: at the end (FCFS), or behind every request of its

@@ -273,10 +273,18 @@ class SimServer:
                     # where the first token's time went, for benchmarks that break TTFT
                     # down per request.
                     kv, lane, prefill = chunk.timing
-                    out += (
+                    line = (
                         f": timing kv_wait_s={kv:.4f} lane_wait_s={lane:.4f} "
-                        f"prefill_s={prefill:.4f} recv_at={received:.4f}\n\n"
-                    ).encode()
+                        f"prefill_s={prefill:.4f} recv_at={received:.4f}"
+                    )
+                    a = chunk.arrival
+                    if a is not None:
+                        # The engine's KV on arrival, in blocks (engine.ArrivalKV).
+                        line += (
+                            f" free_blocks={a.free} need_blocks={a.need} held_blocks={a.held}"
+                            f" ahead={a.ahead} ahead_blocks={a.ahead_need}"
+                        )
+                    out += (line + "\n\n").encode()
                 for tid in chunk.token_ids:
                     produced += 1
                     done = "length" if produced == job.max_tokens else None

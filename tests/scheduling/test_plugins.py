@@ -83,6 +83,17 @@ def test_active_request_and_token_load_scorers_prefer_less_placed_work():
     assert ActiveRequestScorer().score(req(), cands) == [0.0, 1.0]
     assert TokenLoadScorer().score(req(), cands) == [1.0, 0.0]
 
+def test_token_load_scorer_explains_the_books_it_scored_on():
+    # What a trace sets against the engine's own KV (bench/trace_kvwait.py).
+    cands = [
+        cand("a", inflight_requests=2, inflight_tokens=100, kv_usage=0.5, age_s=0.2),
+        cand("b", age_s=None),
+    ]
+    a, b = TokenLoadScorer().explain(req(), cands)
+    assert a["inflight_tokens"] == 100 and a["inflight_requests"] == 2
+    assert a["kv_usage"] == 0.5 and a["age_s"] == 0.2
+    assert b["age_s"] == -1.0  # never scraped
+
 
 def test_load_aware_scorer_is_absolute():
     s = LoadAwareScorer(LoadAwareScorer.Params(threshold=10))

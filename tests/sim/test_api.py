@@ -95,8 +95,13 @@ async def test_timing_header_adds_the_first_tokens_breakdown_as_an_sse_comment(
     comments = [e for e in raw.split("\n\n") if e.startswith(":")]
     assert len(comments) == 1
     parts = dict(kv.split("=") for kv in comments[0].removeprefix(": timing ").split())
-    assert set(parts) == {"kv_wait_s", "lane_wait_s", "prefill_s", "recv_at"}
+    assert set(parts) == {
+        "kv_wait_s", "lane_wait_s", "prefill_s", "recv_at",
+        # The engine's KV on arrival, in blocks (engine.ArrivalKV).
+        "free_blocks", "need_blocks", "held_blocks", "ahead", "ahead_blocks",
+    }  # fmt: skip
     assert all(float(v) >= 0 for v in parts.values()) and float(parts["prefill_s"]) > 0
+    assert int(parts["need_blocks"]) >= 1 and int(parts["ahead"]) == 0
     # The arrival, on the wall clock: a bench on the same host subtracts its send time.
     assert abs(float(parts["recv_at"]) - time.time()) < 60
 

@@ -141,6 +141,26 @@ class TokenLoadScorer:
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
         return lower_is_better([c.state.inflight_tokens for c in cands])
 
+    def explain(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[dict[str, float]]:
+        """Per candidate, the load it was scored on and what the engine last reported: the
+        in-flight requests and prompt tokens placed there (what flow control's concurrency
+        detector counts too), the scraped KV use, waiting and running requests and their
+        age (-1: never scraped). A trace compares these books with the engine's own KV."""
+        out = []
+        for c in cands:
+            st = c.state
+            out.append(
+                {
+                    "inflight_tokens": st.inflight_tokens,
+                    "inflight_requests": st.inflight_requests,
+                    "kv_usage": st.kv_usage,
+                    "waiting": st.waiting,
+                    "running": st.running,
+                    "age_s": -1.0 if st.age_s is None else st.age_s,
+                }
+            )
+        return out
+
 
 class LoadAwareScorer:
     """An absolute load score: 1.0 for an idle endpoint, falling linearly to 0.0 when
