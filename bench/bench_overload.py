@@ -46,7 +46,7 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 (`output_token_scale`: outputs counted in the prompt estimate's unit, `output_scaled`),
 `-osm` (the same, but `output_token_scale: auto`: the picker measures the scale from
 calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
-`-spike<ms>` (`reserve_spike_s`; `-sq<NN>`:
+`-blocks` (`count_engine_blocks`), `-spike<ms>` (`reserve_spike_s`; `-sq<NN>`:
 `reserve_spike_quantile` 0.NN), `-ends<ms>` (`dispatch_on_end`, off in every
 other run, and Envoy's access log flushed every <ms> instead of 100 ms),
 `-out<N>`
@@ -181,6 +181,7 @@ def picker_config(
     output_scale: float = 0.0,
     output_scale_auto: bool = False,
     dispatch_on_end: bool = False,
+    engine_blocks: bool = False,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -269,6 +270,10 @@ def picker_config(
         # A request's end is a dispatch opportunity at once (`-ends<ms>` runs; off in the
         # others, as before the seventeenth session: the next tick).
         doc["flow_control"]["dispatch_on_end"] = dispatch_on_end
+        if engine_blocks:
+            # Each request counted as its engine holds it in the room checks (`-blocks`
+            # runs; bench/trace_kvwait.py).
+            doc["flow_control"]["count_engine_blocks"] = True
         if claim:
             # An interactive request waiting for room keeps the server it waits for from
             # the band's newer requests (`-claim` runs).
@@ -1037,6 +1042,9 @@ def main() -> int:
             sq_m = re.search(r"-sq(\d+)", run_name)
             spike_q = int(sq_m.group(1)) / 100 if sq_m else 0.0
             run_name = re.sub(r"-sq\d+", "", run_name)
+            # `-blocks`: count_engine_blocks (each request as its engine holds it).
+            run_name, blocks_m, after = run_name.partition("-blocks")
+            run_name += after
             run_name, pf, after = run_name.partition("-pf")  # the prior's prefill_s
             run_name += after
             run_name, claim, after = run_name.partition("-claim")  # waiting_claims_room
@@ -1113,6 +1121,7 @@ def main() -> int:
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),
                     dispatch_on_end=bool(ends_m),
+                    engine_blocks=bool(blocks_m),
                 )
                 dep.start(
                     cfg,
@@ -1146,6 +1155,7 @@ def main() -> int:
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),
                     dispatch_on_end=bool(ends_m),
+                    engine_blocks=bool(blocks_m),
                 )
                 dep.start(cfg, src=src, flush_s=flush_s)
             sims_before = sims_now(dep)

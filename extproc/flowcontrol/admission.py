@@ -28,6 +28,7 @@ from extproc.flowcontrol.controller import (
     FlowRequest,
     Ticket,
 )
+from extproc.flowcontrol.engine_blocks import EngineBlocks
 from extproc.flowcontrol.engine_priority import EnginePriority
 from extproc.flowcontrol.eviction import EVICTED
 from extproc.flowcontrol.objectives import (
@@ -129,11 +130,18 @@ class Admission:
             gate=config.gate,
             waiting_claims_room=s.waiting_claims_room,
             dispatch_on_end=s.dispatch_on_end,
+            engine_blocks=s.count_engine_blocks,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         # The unit outputs are counted in: configured, or measured by calibration (the app
         # feeds it at every scrape: `output_scale.measured(ratios)`).
         self.output_scale = OutputScale(s.output_token_scale)
+        # Each request as its engine holds it, for the room checks (count_engine_blocks; fed
+        # at every scrape like the output scale: `engine_blocks.measured(ratios, block)`).
+        fraction = float(getattr(config.detector, "kv_fraction", 0.0))
+        self.engine_blocks = EngineBlocks(s.count_engine_blocks, fraction)
+        if s.count_engine_blocks and not s.admit_per_endpoint:
+            log.warning("flow_control.count_engine_blocks has no effect without admit_per_endpoint")
         # The band sent to the engine as its priority (None: off); `true` is the body form
         # (the setting's original, boolean spelling).
         via = s.engine_priority
@@ -170,7 +178,8 @@ class Admission:
         # In the prompt estimate's units (output_token_scale): a count of real tokens added
         # to an estimate that runs 1.28x over them made a server of short prompts, whose
         # output is a larger part of their KV, fuller than counted (bench/RESULTS.md).
-        out = round(out * self.output_scale.value)
+        scale = self.output_scale.value
+        out = round(out * scale)
         uncached = max(0, uncached_tokens)
         return FlowRequest(
             fairness_id=fairness,
@@ -179,6 +188,7 @@ class Admission:
             body_bytes=request.body_bytes,
             slo_ttft_s=slo,
             output_tokens=out,
+            engine_tokens=self.engine_blocks.tokens(uncached, out, scale),
         )
 
     async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket:
@@ -283,6 +293,22 @@ class Admission:
             )
             u.add_metric([], unknown)
             yield u
+        eb = self.engine_blocks
+        if eb.enabled:
+            ebu = counter(
+                "extproc_flow_engine_blocks_unmeasured",
+                "Requests counted by their tokens, not as their engine holds them "
+                "(count_engine_blocks), for want of calibration's ratio or a block size.",
+            )
+            ebu.add_metric([], eb.unmeasured)
+            yield ebu
+            ebr = gauge(
+                "extproc_flow_engine_blocks_ratio",
+                "Engine prompt tokens per estimated token the room checks convert with "
+                "(count_engine_blocks; 0 until calibration measured one).",
+            )
+            ebr.add_metric([], eb.per_estimate or 0.0)
+            yield ebr
         os_ = gauge(
             "extproc_flow_output_token_scale",
             "Estimated tokens counted per output token (flow_control.output_token_scale), by "

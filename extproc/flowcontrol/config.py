@@ -180,6 +180,11 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     (a bytes-per-token off the tokenizer's); set the concurrency detector's `outputTokens`
     in the same units. `auto`: measured, from calibration's engine prompt tokens per
     estimated token (1.0 until measured; flowcontrol/output_scale.py).
+    `count_engine_blocks` (off by default; with `admit_per_endpoint` and the concurrency
+    detector's `kvCacheFraction`): the room checks count each request as its engine holds
+    it, its prompt in engine tokens (calibration's measured ratio) plus its output, rounded
+    up to whole KV blocks, times the fraction; until measured, as before (logged, counted:
+    flowcontrol/engine_blocks.py).
     `waiting_claims_room` (off by default; with `admit_per_endpoint`): in a band above the
     lowest, a request that found no endpoint with room is tried before the band's newer
     requests at every dispatch opportunity, and the endpoint where it comes closest to
@@ -214,6 +219,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_spike_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
     reserve_spike_quantile: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] | Literal["auto"] = 1.0
+    count_engine_blocks: bool = False
     waiting_claims_room: bool = False
     dispatch_on_end: bool = True
     engine_priority: bool | Literal["body", "header"] = False

@@ -131,6 +131,7 @@ class FlowController:
         gate: PrefillGate | None = None,
         waiting_claims_room: bool = False,
         dispatch_on_end: bool = False,
+        engine_blocks: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -161,7 +162,9 @@ class FlowController:
         request that found no room is tried before its band's newer requests, and the
         endpoint where it comes closest to fitting is kept for it from them
         (flowcontrol/claims.py). `dispatch_on_end`: a request's end (`ended`) is a
-        dispatch opportunity at once, not at the next tick."""
+        dispatch opportunity at once, not at the next tick. `engine_blocks`: requests carry
+        `engine_tokens` (what their engine holds for them, flowcontrol/engine_blocks.py) and
+        the room checks count those."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -235,6 +238,11 @@ class FlowController:
         # (capped by its max_tokens), so a server of short answers is not judged full.
         self._base_out = int(getattr(detector, "output_per_request", 0))
         self._out_at: dict[str, list[int]] = {}  # address -> [requests, output difference]
+        # With count_engine_blocks (flowcontrol/engine_blocks.py) each placed request counts
+        # what its engine holds for it: the difference joins its output's in `_out_at`, and
+        # the other replicas' requests there (which only their own pickers can size) count
+        # the mean difference of this replica's (`_peer_extra`).
+        self._engine_blocks = engine_blocks
         self.gate = gate
         self.claims = Claims() if waiting_claims_room else None
         self._dispatch_on_end = dispatch_on_end
@@ -361,8 +369,8 @@ class FlowController:
             kept_for = claimed.get(addr, 0) if claimed else 0
             if kept_for:
                 idle = False  # a waiting request's room: not free for this one
-            toks = self._counted_at(addr, kept_for)
-            after = det.endpoint_saturation(state, reqs + 1, toks + request.tokens)
+            toks = self._counted_at(addr, kept_for, state)
+            after = det.endpoint_saturation(state, reqs + 1, toks + request.room_tokens)
             if after <= ceiling or idle:
                 fits.append((after, addr))
             if held:
@@ -375,7 +383,7 @@ class FlowController:
                 )
                 spare += has[addr]
                 keeps[addr] = (
-                    det.endpoint_saturation(state, reqs + 2, toks + request.tokens + kept)
+                    det.endpoint_saturation(state, reqs + 2, toks + request.room_tokens + kept)
                     <= top_ceiling
                 )
         if held and self.refill is not None:
@@ -509,12 +517,12 @@ class FlowController:
         self, request: FlowRequest, waited: float, room: tuple[str, frozenset[str]]
     ) -> Ticket:
         self.pending_requests += 1
-        self.pending_tokens += request.tokens
+        self.pending_tokens += request.room_tokens
         target, where = room
         if target:
             at = self._pending_at.setdefault(target, [0, 0])
             at[0] += 1
-            at[1] += request.tokens
+            at[1] += request.room_tokens
         f = request.fairness_id
         self.served[f] = self.served.get(f, 0.0) + request.tokens
         fairness = self._band(request.priority).fairness
@@ -593,7 +601,7 @@ class FlowController:
                         break
                     assert claims is not None
                     item.waiting = True
-                    claims.claim(self._closest(item.request), item.request.tokens)
+                    claims.claim(self._closest(item.request), item.request.room_tokens)
                     stuck.add((top, item.request.fairness_id))
                     continue
                 room = found
@@ -629,20 +637,34 @@ class FlowController:
         best: tuple[float, str] = (math.inf, "")
         for addr, state in self._endpoints():
             reqs = self._pending_at.get(addr, _NONE)[0]
-            toks = self._counted_at(addr, claimed.get(addr, 0))
-            after = det.endpoint_saturation(state, reqs + 1, toks + request.tokens)
+            toks = self._counted_at(addr, claimed.get(addr, 0), state)
+            after = det.endpoint_saturation(state, reqs + 1, toks + request.room_tokens)
             best = min(best, (after, addr))
         return best[1]
 
-    def _counted_at(self, address: str, claimed: int) -> int:
+    def _counted_at(self, address: str, claimed: int, state: EndpointState) -> int:
         """Tokens counted on an endpoint besides its in-flight figures, for `_room` and
         `_closest` alike: released to it and not placed yet, this process's placed
-        requests' own outputs against the detector's constant, and `claimed` (room kept
-        there for waiting requests; tokens only: a claim is not a request on the server,
-        it is the room one will take)."""
-        return (
-            self._pending_at.get(address, _NONE)[1] + self._out_at.get(address, _NONE)[1] + claimed
-        )
+        requests' own outputs against the detector's constant (and, counting engine blocks,
+        what their engine holds beyond that; the other replicas' requests there the mean of
+        it), and `claimed` (room kept there for waiting requests; tokens only: a claim is
+        not a request on the server, it is the room one will take)."""
+        own = self._out_at.get(address, _NONE)
+        peers = 0
+        if self._engine_blocks:
+            peers = round(max(0, state.inflight_requests - own[0]) * self._peer_extra())
+        return self._pending_at.get(address, _NONE)[1] + own[1] + claimed + peers
+
+    def _peer_extra(self) -> float:
+        """The mean of what this replica's in-flight requests count beyond the detector's
+        figures (count_engine_blocks): the other replicas' requests are counted by the
+        detector alone (their prompt estimate and its output constant); the replicas get
+        the same mix, so theirs are taken to differ as this one's do."""
+        n = total = 0
+        for reqs, extra in self._out_at.values():
+            n += reqs
+            total += extra
+        return total / n if n else 0.0
 
     def _defer_to_peer(
         self,
@@ -708,11 +730,19 @@ class FlowController:
             self.gate.placed(ticket, address)
         if self.refill is not None:
             ticket.freed_at = address
-        if self._base_out and address:
+        req = ticket.request
+        if address and (self._base_out or req.engine_tokens):
             ticket.placed_at = address
+            if req.engine_tokens:
+                # The detector counts its prompt estimate and the output constant; the
+                # engine holds `engine_tokens` (in the detector's unit).
+                extra = req.engine_tokens - (req.tokens - req.output_tokens) - self._base_out
+            else:
+                extra = req.output_tokens - self._base_out
+            ticket.counted_extra = extra
             at = self._out_at.setdefault(address, [0, 0])
             at[0] += 1
-            at[1] += ticket.request.output_tokens - self._base_out
+            at[1] += extra
         if self._sees_placement:
             self._unpend(ticket)
         else:
@@ -762,7 +792,7 @@ class FlowController:
         at = self._out_at.get(address) if address else None
         if at is not None:
             at[0] -= 1
-            at[1] -= ticket.request.output_tokens - self._base_out
+            at[1] -= ticket.counted_extra
             if at[0] <= 0:
                 del self._out_at[address]
 
@@ -770,11 +800,11 @@ class FlowController:
         if ticket.pending:
             ticket.pending = False
             self.pending_requests -= 1
-            self.pending_tokens -= ticket.request.tokens
+            self.pending_tokens -= ticket.request.room_tokens
             at = self._pending_at.get(ticket.target)
             if at is not None:
                 at[0] -= 1
-                at[1] -= ticket.request.tokens
+                at[1] -= ticket.request.room_tokens
                 if at[0] <= 0:
                     del self._pending_at[ticket.target]
 

@@ -151,6 +151,13 @@ class ConcurrencyDetector:
         self._warned = False
 
     @property
+    def kv_fraction(self) -> float:
+        """Estimated tokens per engine KV token when the ceiling is each server's KV size
+        (tokens or hybrid mode with `kvCacheFraction`), else 0."""
+        p = self.params
+        return p.kvCacheFraction if p.concurrencyMode != "requests" else 0.0
+
+    @property
     def output_per_request(self) -> int:
         """The output tokens counted per in-flight request (0: output not counted)."""
         return 0 if self.params.concurrencyMode == "requests" else self.params.outputTokens

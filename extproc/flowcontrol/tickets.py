@@ -45,6 +45,14 @@ class FlowRequest:
     body_bytes: int
     slo_ttft_s: float | None = None
     output_tokens: int = 0  # the expected output part of `tokens`
+    # What the engine will hold for it, in the detector's unit (count_engine_blocks,
+    # flowcontrol/engine_blocks.py); 0: not counted so, `tokens` stand for it.
+    engine_tokens: int = 0
+
+    @property
+    def room_tokens(self) -> int:
+        """What it takes on a server, for the room checks."""
+        return self.engine_tokens or self.tokens
 
 
 @dataclass(eq=False, slots=True)
@@ -62,8 +70,10 @@ class Ticket:
     # against until placed (the one with the most room).
     endpoints: frozenset[str] = frozenset()
     target: str = ""
-    # Where the router placed it, when the controller counts its own output there.
+    # Where the router placed it, when the controller counts its own output there, and what
+    # it added to that server's count beyond the detector's figures (given back at its end).
     placed_at: str = ""
+    counted_extra: int = 0
     # Where the router placed it, while its end is still to be counted as room that
     # server freed (flowcontrol/refill.py).
     freed_at: str = ""

@@ -494,6 +494,7 @@ class Parts:
         # `output_token_scale: auto` follows calibration (`_scraped`); without it, said once.
         if self.precise is not None:
             admission.output_scale.exact()
+            admission.engine_blocks.exact(self.precise.block_size)
         elif not self.calibration.enabled:
             admission.output_scale.unmeasurable("calibration is off (parse.calibrate false)")
         elif self.scraper is None:
@@ -535,6 +536,9 @@ class Parts:
         self.calibration.observe(address, scraped.kv_block_size, scraped.prompt_tokens, finished)
         if self.admission is not None:
             self.admission.output_scale.measured(self.calibration.stats.ratios)
+            self.admission.engine_blocks.measured(
+                self.calibration.stats.ratios, scraped.kv_block_size
+            )
         # The engine's own prefill timing, queueing excluded (endpoints/prefill_speed.py).
         self.speeds.scraped(address, scraped.latency, age_s=age_s)
         self.decode_times.scraped(address, scraped.latency)

@@ -83,6 +83,7 @@ def test_active_request_and_token_load_scorers_prefer_less_placed_work():
     assert ActiveRequestScorer().score(req(), cands) == [0.0, 1.0]
     assert TokenLoadScorer().score(req(), cands) == [1.0, 0.0]
 
+
 def test_token_load_scorer_explains_the_books_it_scored_on():
     # What a trace sets against the engine's own KV (bench/trace_kvwait.py).
     cands = [

@@ -15,9 +15,7 @@ TEXT = "The router sends the prefix to the server today. " * 8
 
 async def test_arrival_reports_free_held_and_the_queue_ahead(tokenizer: SimTokenizer):
     # 16 usable blocks of 16 tokens; each job holds prompt + max_tokens from admission.
-    engine = Engine(
-        EngineSettings(num_gpu_blocks=17, timing=TimingSettings(speed=20.0)), tokenizer
-    )
+    engine = Engine(EngineSettings(num_gpu_blocks=17, timing=TimingSettings(speed=20.0)), tokenizer)
     firsts: dict[str, Chunk] = {}
 
     async def run(name: str, max_tokens: int) -> None:

@@ -1,0 +1,95 @@
+"""A request counted as the engine will hold it (`flow_control.count_engine_blocks`, opt-in).
+
+Why: the concurrency detector counts each in-flight request as its prompt estimate plus its
+output, against the server's KV size times one `kvCacheFraction` (estimated tokens per engine
+KV token, measured over a mix). Per request the ratio is not one number: the prompt estimate
+runs ~1.28 estimated tokens per engine token while outputs are counted in real tokens, and
+the engine holds whole blocks (prompt + max_tokens rounded up to its block size), which is
+a larger part of a short request. Traced on the overload bench (bench/trace_kvwait.py,
+twenty-first session), every interactive request that waited for the engine's KV with no
+wait in the picker was placed on a server whose requests the books counted at 1.205-1.233
+estimated tokens per engine KV token against the fraction's 1.246: 7-22 blocks (1-3% of the
+server) more held than counted, on a server the lower band had filled to its 0.99 ceiling.
+Not another replica's placements, not requests queued ahead in the engine, not a stale
+scrape: the rebuilt sets matched the engine's held blocks exactly.
+
+So each request is counted as `kvCacheFraction` x the engine's KV for it: its prompt in
+engine tokens (the estimate times calibration's measured engine tokens per estimated token)
+plus its output in real tokens, rounded up to whole blocks of the server's block size. A
+server's count is then the fraction times its engine's blocks, whatever its mix, up to the
+estimate's own per-request error. The flow request keeps its tokens for fairness and the
+reserve; only the room checks (what a server holds, what a request will take) use this.
+
+Until calibration has measured a ratio, or while no block size is known, requests are
+counted as before (their tokens): said once in a log line, and counted in
+`extproc_flow_engine_blocks_unmeasured_total` (never silently).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Mapping
+
+log = logging.getLogger("extproc.flowcontrol")
+
+
+class EngineBlocks:
+    """Converts a request's counted tokens to the detector's unit for what the engine holds.
+    Fed at every scrape (`measured`); event loop only."""
+
+    __slots__ = ("_warned", "block_size", "enabled", "fraction", "per_estimate", "unmeasured")
+
+    def __init__(self, enabled: bool, fraction: float) -> None:
+        """`fraction`: the detector's estimated tokens per engine KV token (its
+        `kvCacheFraction`; 0 when its ceiling is not the KV size: nothing to convert to)."""
+        self.enabled = enabled and fraction > 0
+        self.fraction = fraction
+        self.per_estimate: float | None = None  # engine prompt tokens per estimated token
+        self.block_size: int | None = None
+        self.unmeasured = 0  # requests counted by their tokens for want of a measurement
+        self._warned = False
+        if enabled and not fraction:
+            log.warning(
+                "flow_control.count_engine_blocks has no effect: the saturation detector's "
+                "ceiling is not the servers' KV size (concurrency-detector in tokens mode with "
+                "kvCacheFraction)"
+            )
+
+    def measured(self, ratios: Mapping[str, float], block_size: int | None) -> None:
+        """Calibration's engine-tokens-per-estimate ratio per endpoint and a scraped block
+        size; the median ratio is taken (one unit for the pool, as output_token_scale)."""
+        seen = [r for r in ratios.values() if r > 0]
+        if seen:
+            self.per_estimate = statistics.median(seen)
+        if block_size:
+            self.block_size = block_size
+
+    def exact(self, block_size: int | None = None) -> None:
+        """Precise mode: estimates are the engine's token counts."""
+        self.per_estimate = 1.0
+        if block_size:
+            self.block_size = block_size
+
+    def tokens(self, prompt: int, output: int, output_scale: float = 1.0) -> int:
+        """What a request of `prompt` estimated (uncached) prompt tokens and `output` counted
+        output tokens (real tokens times `output_scale`) takes, in the detector's unit; 0
+        when off or not measured yet (the caller counts its tokens)."""
+        if not self.enabled:
+            return 0
+        per, bs = self.per_estimate, self.block_size
+        if per is None or not bs:
+            self.unmeasured += 1
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "flow_control.count_engine_blocks: no calibration ratio or block size "
+                    "measured yet; requests count their tokens until then"
+                )
+            return 0
+        real = prompt * per + output / output_scale
+        # vLLM allocates blocks for prompt + max_tokens - 1 (the last token's KV is never
+        # written), at least one.
+        blocks = max(1, math.ceil((real - 1) / bs))
+        return max(1, round(self.fraction * blocks * bs))
