@@ -786,7 +786,7 @@ class FlowController:
         held its own max_tokens (eleventh session, bench/RESULTS.md). Its tokens count as
         room its endpoint freed (`reserve_refill_s`). Idempotent."""
         if ticket.freed_at and self.refill is not None:
-            self.refill.freed(ticket.freed_at, ticket.request.tokens)
+            self.refill.freed(ticket.freed_at, ticket.request.room_tokens)
         ticket.freed_at = ""
         address, ticket.placed_at = ticket.placed_at, ""
         at = self._out_at.get(address) if address else None
