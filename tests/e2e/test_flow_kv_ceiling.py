@@ -4,7 +4,8 @@ simulated vLLM's `vllm:cache_config_info`, no hand-set `maxTokenConcurrency`) an
 `outputTokens` (each in-flight request's output counts besides its prompt, as the engine
 holds KV for both). Until the KV size is scraped the endpoint counts as saturated and the
 picker says so in a metric; then exactly as many requests start as the KV holds by that
-count, the rest wait in the picker and are served as the first ones end."""
+count, the rest wait in the picker and are served as the first ones end. With
+`count_engine_blocks` the picker says it counts tokens until calibration measures."""
 
 from __future__ import annotations
 
@@ -129,3 +130,51 @@ async def test_admits_what_the_engines_kv_holds_and_queues_the_rest(kv_stack: St
         statuses = await asyncio.gather(*tasks)
     assert statuses == [200] * n
     assert metric(stack, "extproc_flow_queue_requests") in (0.0, None)
+
+
+def test_counts_engine_blocks_once_calibration_measures_and_says_so_until_then(tmp_path):
+    """`count_engine_blocks` in the assembled server: the first requests are counted by their
+    tokens and the picker says so (the unmeasured counter), until calibration's ratio and the
+    scraped block size reach flow control (the ratio gauge)."""
+    cfg = json.loads(json.dumps(CONFIG))
+    cfg["parse"] = {"bytes_per_token": 4}  # calibrated: the ratio the blocks are counted by
+    cfg["flow_control"]["count_engine_blocks"] = True
+    path = tmp_path / "picker.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    opts = StackOptions(upstreams=1, sim_args=(), extproc_args=("--config", str(path)))
+    with Stack(opts) as stack, httpx.Client(base_url=stack.url, timeout=30) as c:
+        wait_until(
+            lambda: metric(stack, "extproc_flow_detector_unknown_capacity_endpoints") == 0,
+            timeout_s=20,
+            what="the engine's KV size scraped",
+        )
+
+        def send(i: int) -> None:
+            # Long, distinct prompts: calibration's window wants 16k engine tokens.
+            text = f"{i:04d} " + "the quick brown fox jumps over a lazy dog, " * 80
+            r = c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": stack.fleet.model,
+                    "messages": [{"role": "user", "content": text}],
+                    "max_tokens": 1,
+                },
+            )
+            assert r.status_code == 200
+
+        send(0)
+        assert (metric(stack, "extproc_flow_engine_blocks_unmeasured_total") or 0) >= 1
+        assert metric(stack, "extproc_flow_engine_blocks_ratio") == 0
+        i = 1
+
+        def measured() -> bool:
+            nonlocal i
+            send(i)
+            i += 1
+            return (metric(stack, "extproc_flow_engine_blocks_ratio") or 0) > 0
+
+        wait_until(measured, timeout_s=20, what="calibration's ratio reaching flow control")
+        # Counted by blocks from then on: no more requests counted by their tokens.
+        before = metric(stack, "extproc_flow_engine_blocks_unmeasured_total")
+        send(i)
+        assert metric(stack, "extproc_flow_engine_blocks_unmeasured_total") == before
