@@ -422,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         "predicted-ttft-scorer's kvFit: wait; + '-kvfitarr': kvFit: wait with kvFitPeers: "
         "arrivals (the peers' placements since the scrape from the in-flight exchange); + "
         "'-kvfitheld': kvFit: wait, kvFitPrefix: held, kvFitMargin: 0 (the nineteenth "
-        "session's kvFit); + '-kvfitnomargin': kvFit: wait, kvFitMargin: 0; any mode + "
+        "session's kvFit); + '-kvfitnomargin': kvFit: wait, kvFitMargin: 0; + '-fleetmean': "
+        "its meanPlacements: fleet (the waiting floor's mean over every replica's "
+        "placements); any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -507,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                         ttft: {"kvFit": "wait", "kvFitPrefix": "held", "kvFitMargin": 0}
                     },
                     "-kvfitnomargin": {ttft: {"kvFit": "wait", "kvFitMargin": 0}},
+                    "-fleetmean": {ttft: {"meanPlacements": "fleet"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:
