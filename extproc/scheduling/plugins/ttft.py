@@ -147,8 +147,8 @@ class PredictedTTFTScorer:
     placed before a recalibration and seen after it counts in the old unit). Not while the
     peers' placements are folded in (they are in the mean already). Without shared in-flight
     counts, or while the exchange fails (logged and counted there), the mean is `own`'s.
-    Opt-in: in six interleaved seed-2 pairs it won five (three replicas' p90 over one's,
-    median 1.31x against main's 1.58x; runs that cascaded 1 of 6 against 4 of 6), seed 4
+    Opt-in: in seven interleaved seed-2 pairs it won six (three replicas' p90 over one's,
+    median 1.14x against main's 1.42x; runs that cascaded 1 of 7 against 4 of 7), seed 4
     within noise; a default for the lead's quiet-machine run to decide.
 
     `speedUnits`: `engine` (default) takes each measured prefill speed as the engine gives
