@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         "false: every replica scrapes every server, the default before the fifteenth "
         "session), redis3-unpushed (3 replicas, state.shared_inflight.push: false: the "
         "peers' placements come with the exchange alone, the default before the sixteenth "
-        "session); a redis mode + '-drained': predicted-ttft-scorer's "
+        "session), redis3-obs (3 replicas, state.shared_observations: true: prefill-speed "
+        "samples and new-prefix picks shared); a redis mode + '-drained': predicted-ttft-scorer's "
         "peerInflight: drained (the default); + '-whole': its peerInflight: whole (the "
         "default before); + '-sharedlane': its peerInflight: sharedLane (the peers' drain "
         "behind the replica's own in-flight tokens); + '-lane': its inflightFloor: drained; "
@@ -422,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         "predicted-ttft-scorer's kvFit: wait; + '-kvfitarr': kvFit: wait with kvFitPeers: "
         "arrivals (the peers' placements since the scrape from the in-flight exchange); + "
         "'-kvfitheld': kvFit: wait, kvFitPrefix: held, kvFitMargin: 0 (the nineteenth "
-        "session's kvFit); + '-kvfitnomargin': kvFit: wait, kvFitMargin: 0; any mode + "
+        "session's kvFit); + '-kvfitnomargin': kvFit: wait, kvFitMargin: 0; + '-fleetmean': "
+        "its meanPlacements: fleet (the waiting floor's mean over every replica's "
+        "placements); any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -507,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                         ttft: {"kvFit": "wait", "kvFitPrefix": "held", "kvFitMargin": 0}
                     },
                     "-kvfitnomargin": {ttft: {"kvFit": "wait", "kvFitMargin": 0}},
+                    "-fleetmean": {ttft: {"meanPlacements": "fleet"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:
@@ -522,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["state"] = {**cfg.get("state", {}), "shared_scrapes": False}
                 if base == "redis3-unpushed":
                     cfg["state"] = {**cfg.get("state", {}), "shared_inflight": {"push": False}}
+                if base == "redis3-obs":
+                    cfg["state"] = {**cfg.get("state", {}), "shared_observations": True}
                 if base == "redis3-unpooled":
                     cfg["state"] = {**cfg.get("state", {}), "shared_calibration": False}
                 for k, v in (yaml.safe_load(args.extra) or {}).items():
@@ -532,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                 replicas = {
                     "redis1": 1, "redis3": 3, "redis3-shared": 3, "redis3-cal": 3,
                     "redis3-unpooled": 3, "redis3-scrapes": 3, "redis3-unshared": 3,
-                    "redis3-unpushed": 3,
+                    "redis3-unpushed": 3, "redis3-obs": 3,
                 }.get(base)  # fmt: skip
                 names = ["extproc", *(f"extproc-{i}" for i in range(1, replicas or 1))]
                 log_at = {n: _size(log_dir / f"{n}.log") for n in names}

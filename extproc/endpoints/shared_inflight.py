@@ -264,6 +264,10 @@ class SharedInFlight:
         # The peers' tokens dated by when each exchange brought them (peer_arrivals.py): how
         # much of them can still be prefill ahead of a new request.
         self.arrivals = PeerArrivals()
+        # The peers' placements seen here, cumulative: (requests, their uncached tokens), in
+        # pairs only (an older peer's growth of totals has no request count and is left out).
+        # `peer_placements` gives them to predicted TTFT's `meanPlacements: fleet`.
+        self._peer_placed = (0, 0)
         self._abandoned: set[asyncio.Task[Any]] = set()  # Redis calls left to end (stop)
         self._outage = Outage(
             log,
@@ -370,6 +374,7 @@ class SharedInFlight:
         # Its wait in the sender's queue, within one interval (a peer's word, bounded).
         at = now - min(max(0.0, age_s), self._s.interval_s)
         self.arrivals.arrive(address, d_t, at)
+        self._placed_by_peers(d_n, d_t)
         self.stats.peer_arrivals += d_n
         self.stats.peer_arrived_tokens += d_t
         self.stats.pushed_arrivals += d_n
@@ -528,6 +533,7 @@ class SharedInFlight:
             # First seen (or again after it expired): what it has in flight arrives now.
             for address, (n, t) in load.items():
                 arrived[address] += t
+                self._placed_by_peers(n, t)
                 self.stats.peer_arrivals += n
             return
         counted = self._peer_counters.get(peer)
@@ -561,7 +567,18 @@ class SharedInFlight:
             came[address] = (max(0, d_n), max(0, d_t))
         for address, (n, t) in came.items():
             arrived[address] += t
+            self._placed_by_peers(n, t)
             self.stats.peer_arrivals += n
+
+    def _placed_by_peers(self, requests: int, tokens: int) -> None:
+        if requests > 0:
+            n, t = self._peer_placed
+            self._peer_placed = (n + requests, t + max(0, tokens))
+
+    def peer_placements(self) -> tuple[int, int]:
+        """The peers' placements this process has seen (pushed or exchanged), cumulative:
+        requests and their uncached tokens (in each peer's estimate units)."""
+        return self._peer_placed
 
     def _reset(self, peer: str) -> None:
         self.stats.counter_resets += 1

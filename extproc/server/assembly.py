@@ -170,6 +170,8 @@ class Parts:
             for plugin in self.router.scheduler.plugins:
                 if isinstance(plugin, PredictedTTFTScorer):
                     plugin.peer_arrivals = self.inflight.arrivals
+                    # `meanPlacements: fleet` averages the peers' placements too.
+                    plugin.peer_placements = self.inflight.peer_placements
         self.shared_sessions = self._share_sessions()
         self.shared_growth = self._share_growth()
         self.shared_observations = self._share_observations()

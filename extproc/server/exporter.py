@@ -259,7 +259,21 @@ class Exporter:
             "flight there).",
             ["scorer", "outcome"],
         )
+        mean = gauge(
+            "extproc_predicted_mean_prefill_tokens",
+            "The mean placed prefill (estimated uncached tokens) predicted-ttft-scorer counts "
+            "each scraped waiting request as (0 before the first placement).",
+            ["scorer"],
+        )
+        pooled = counter(
+            "extproc_predicted_ttft_mean_pooled",
+            "Other replicas' placements predicted-ttft-scorer averaged into its mean placed "
+            "prefill (meanPlacements: fleet).",
+            ["scorer"],
+        )
         for name, scorer in scorers.items():
+            mean.add_metric([name], scorer.mean_prefill or 0.0)
+            pooled.add_metric([name], scorer.mean_pooled)
             kv_fit.add_metric([name, "waited"], scorer.kv_fit_waits)
             kv_fit.add_metric([name, "untimed"], scorer.kv_fit_untimed)
             kv_fit.add_metric([name, "changed"], scorer.kv_fit_changed)
@@ -276,6 +290,8 @@ class Exporter:
         yield fallbacks
         yield drained
         yield kv_fit
+        yield mean
+        yield pooled
 
     def _kv_events(self) -> Iterator[Metric]:
         assert self._p.subscriber is not None

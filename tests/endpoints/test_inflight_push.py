@@ -233,3 +233,29 @@ async def test_the_server_pushes_by_default_and_not_when_told(
     async with App(s, parse_endpoints(",".join(s.endpoints))) as app:
         assert app.inflight_push is None
         assert isinstance(app.inflight, SharedInFlight) and app.inflight.on_placed is None
+
+
+def test_the_peers_placements_are_counted_once_in_requests_and_tokens() -> None:
+    """`peer_placements` (predicted TTFT's `meanPlacements: fleet`): each peer placement once,
+    pushed or exchanged, as a (requests, tokens) pair."""
+    clock = Clock()
+    me = _alone(clock)
+    assert me.peer_placements() == (0, 0)
+    me._merge(_entry("p", {X: [1, 100]}, {X: [2, 200]}))  # first seen: its one in flight
+    assert me.peer_placements() == (1, 100)
+    me.pushed("p", X, 3, 350, 0.0)  # its third placement, 150 tokens
+    me.pushed("p", X, 3, 350, 0.0)  # a duplicate
+    assert me.peer_placements() == (2, 250)
+    clock.t += 0.05
+    me._merge(_entry("p", {X: [2, 200]}, {X: [4, 400]}))  # the push, and one more of 50
+    assert me.peer_placements() == (3, 300)
+    me.pushed("stranger", X, 1, 100, 0.0)  # refused: not counted
+    # An older peer publishes totals only: its growth has no request count, left out.
+    me._merge(
+        [*_entry("p", {X: [2, 200]}, {X: [4, 400]}), b"old", msgpack.packb({X: [1, 90]}), b""]
+    )
+    clock.t += 0.05
+    me._merge(
+        [*_entry("p", {X: [2, 200]}, {X: [4, 400]}), b"old", msgpack.packb({X: [2, 190]}), b""]
+    )
+    assert me.peer_placements() == (4, 390)  # the old one's first sighting (1, 90) only

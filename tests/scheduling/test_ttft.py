@@ -876,3 +876,70 @@ def test_kv_fit_margin_keeps_a_request_on_its_holder_unless_the_wait_exceeds_it(
     ]
     assert sc.score(r, even)[1] == 1.0
     assert [t["kv_fit_margin_s"] for t in sc.explain(r, even)] == [0.0, 0.0]
+
+
+class Placements:
+    """The peers' placements as the shared in-flight exchange counts them, cumulative."""
+
+    def __init__(self) -> None:
+        self.n, self.tokens = 0, 0
+
+    def add(self, n: int, tokens: int) -> None:
+        self.n, self.tokens = self.n + n, self.tokens + tokens
+
+    def __call__(self) -> tuple[int, int]:
+        return self.n, self.tokens
+
+
+def test_fleet_mean_placements_average_the_peers_placements_as_one_replica_would():
+    # A fleet's placements: a cold prompt first (6,400 uncached), then hits of 640. One
+    # replica sees 30; each of three sees its cold one and 9 hits, the peers place 20 more.
+    fleet = PredictedTTFTScorer.Params(mean_placements="fleet")
+    one, own, pooled = (PredictedTTFTScorer(p, clock=Clock()) for p in (None, None, fleet))
+    peers = Placements()
+    own.peer_placements = pooled.peer_placements = peers
+    z = [cand("z", prefill_tps=1e9)]
+    place(one, req(blocks=100, tokens=6400), z, "z")
+    for sc in (own, pooled):
+        place(sc, req(blocks=100, tokens=6400), z, "z")
+    r = req(blocks=100, tokens=6400)
+    for _ in range(29):
+        place(one, req(blocks=100, tokens=640), z, "z")
+    for i in range(9):
+        for sc in (own, pooled):
+            place(sc, req(blocks=100, tokens=640), z, "z")
+        k = 3 if i < 2 else 2  # the peers' arrivals between two decisions here
+        peers.add(k, k * 640)
+        for sc in (own, pooled):
+            sc.score(r, z)
+    # One replica: ~640 + 5,760 x 0.95^29 = ~2,000; pooled the same; its own a third as fast.
+    assert pooled.mean_prefill == pytest.approx(one.mean_prefill, rel=0.02)
+    assert own.mean_prefill > 1.5 * one.mean_prefill
+    assert pooled.mean_pooled == 20 and own.mean_pooled == 0
+    # What it is for: each scraped waiting request counts at that mean.
+    holder = cand("a", prefix=95, prefill_tps=6400.0, waiting=3)
+    (t_pooled,) = pooled.explain(r, [holder])
+    (t_one,) = one.explain(r, [holder])
+    assert t_pooled["waiting_floor_s"] == pytest.approx(t_one["waiting_floor_s"], rel=0.02)
+
+
+def test_fleet_mean_placements_skip_the_peers_while_folded_and_odd_counts():
+    sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(mean_placements="fleet"), clock=Clock())
+    z = [cand("z", prefill_tps=1e9)]
+    r = req(blocks=100, tokens=640)
+    sc.score(r, z)  # nothing wired: a lone replica, nothing to pool
+    peers = Placements()
+    sc.peer_placements = peers
+    place(sc, req(blocks=100, tokens=6400), z, "z")
+    folded = [True]
+    sc.fleet_folded = lambda: folded[0]
+    peers.add(50, 50 * 640)  # folded: `fold` put these in the mean already
+    sc.score(r, z)
+    assert sc.mean_prefill == 6400 and sc.mean_pooled == 0
+    folded[0] = False  # unfolded (Redis failing, say): only what comes after pools
+    peers.add(1, 640)
+    sc.score(r, z)
+    assert sc.mean_prefill == pytest.approx(640 + 5760 * 0.95) and sc.mean_pooled == 1
+    peers.add(1, -10_000)  # tokens going back: not a placement
+    sc.score(r, z)
+    assert sc.mean_pooled == 1

@@ -79,6 +79,8 @@ _MAX_QUEUE_S = 600.0
 # ones still expected to run): a server takes a few per scrape interval and runs a few
 # dozen at most, so this bounds memory and the per-candidate scan, not what is counted.
 _MAX_LIVE = 128
+# The mean placed prefill's moving average: what of it each placement keeps.
+_KEEP = 0.95
 
 
 class PeerTokens(Protocol):
@@ -129,6 +131,25 @@ class PredictedTTFTScorer:
     replicas spilled onto it as if it were empty (bench/RESULTS.md, issue 14, eleventh
     session). Opt-in. A replica's own in-flight tokens count whole in every mode, so one
     replica decides the same with all three.
+
+    `meanPlacements`: whose placements the mean placed prefill (what each scraped waiting
+    request counts as, above) averages. `own` (default): this replica's own and folded
+    placements. `fleet`: also the other replicas' placements the shared in-flight exchange
+    brings (their requests and uncached tokens, pushed or exchanged), so every replica
+    averages the same stream one replica would. The mean is a moving average per placement
+    seeded with the first one (a cold prompt); each of three replicas gets a third of the
+    placements, so it forgot the cold start three times slower: at the tenants knee (seed 2)
+    every replica's mean was ~2x one replica's for the first 4-5 s, a holder's 2-4 waiting
+    requests counted twice the prefill, and three replicas left visible holders for cold
+    servers 9-10 times in the second second against one replica's 2-3, the start of the runs
+    that tipped into a cascade (bench/RESULTS.md, issue 14, twenty-first session). A peer's
+    tokens are in its estimate units; pooled calibration keeps them the replicas' own (one
+    placed before a recalibration and seen after it counts in the old unit). Not while the
+    peers' placements are folded in (they are in the mean already). Without shared in-flight
+    counts, or while the exchange fails (logged and counted there), the mean is `own`'s.
+    Opt-in: in seven interleaved seed-2 pairs it won six (three replicas' p90 over one's,
+    median 1.14x against main's 1.42x; runs that cascaded 1 of 7 against 4 of 7), seed 4
+    within noise; a default for the lead's quiet-machine run to decide.
 
     `speedUnits`: `engine` (default) takes each measured prefill speed as the engine gives
     it, in its tokens; `estimates` divides it by the engine tokens per estimated token that
@@ -185,7 +206,8 @@ class PredictedTTFTScorer:
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
-                   peerInflight: drained, waitingFloor: fleetMean, speedUnits: engine,
+                   peerInflight: drained, waitingFloor: fleetMean, meanPlacements: own,
+                   speedUnits: engine,
                    kvFit: ignore, kvFitPeers: folded, kvFitPrefix: running,
                    kvFitMargin: 0.1}
     ```
@@ -199,6 +221,7 @@ class PredictedTTFTScorer:
         inflight_floor: Literal["untilEnd", "untilFirstToken", "drained"] = "drained"
         peer_inflight: Literal["whole", "drained", "sharedLane"] = "drained"
         waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
+        mean_placements: Literal["own", "fleet"] = "own"
         speed_units: Literal["engine", "estimates"] = "engine"
         kv_fit: Literal["ignore", "wait"] = "ignore"
         kv_fit_peers: Literal["arrivals", "folded"] = "folded"
@@ -215,6 +238,7 @@ class PredictedTTFTScorer:
         self._drain_peers = p.peer_inflight != "whole"
         self._shared_lane = p.peer_inflight == "sharedLane"
         self._endpoint_mean = p.waiting_floor == "endpointMean"
+        self._pool_mean = p.mean_placements == "fleet"
         self._speed_in_estimates = p.speed_units == "estimates"
         self._kv_fit = p.kv_fit == "wait"
         self._kv_fit_peers = p.kv_fit_peers == "arrivals"
@@ -226,6 +250,12 @@ class PredictedTTFTScorer:
         # (starting from 0 made scraped waiting requests weigh nothing for ~20 placements,
         # so a server loaded behind the picker's back kept its share of new prefixes).
         self._mean_prefill: float | None = None
+        # The peers' placements (requests, uncached tokens) seen so far, cumulative (the
+        # shared in-flight exchange sets it; None: not shared), for `meanPlacements: fleet`;
+        # the part already in the mean; the peers' placements pooled into it.
+        self.peer_placements: Callable[[], tuple[int, int]] | None = None
+        self._pooled_upto = (0, 0)
+        self.mean_pooled = 0
         # Per endpoint, (estimated) tokens this picker has had it compute: once over its KV
         # capacity, its cache is full and each new token evicts one.
         self._written: dict[str, float] = {}
@@ -641,7 +671,36 @@ class PredictedTTFTScorer:
             for c, kv in zip(cands, added, strict=True)
         ]
 
+    @property
+    def mean_prefill(self) -> float | None:
+        """The mean placed prefill (estimated uncached tokens; None before any placement)."""
+        return self._mean_prefill
+
+    def _pool_peers(self) -> None:
+        """`meanPlacements: fleet`: the peers' placements since the last decision into the
+        mean placed prefill, as that many placements of their mean size (their order among
+        this replica's own within the interval is not known; the moving average barely
+        cares)."""
+        source = self.peer_placements
+        if source is None:
+            return
+        n, t = source()
+        n0, t0 = self._pooled_upto
+        self._pooled_upto = (n, t)
+        k, tokens = n - n0, t - t0
+        if self.fleet_folded is not None and self.fleet_folded():
+            return  # folded: `fold` put them in the mean already
+        if k <= 0 or tokens < 0 or tokens > k * _MAX_PROMPT_TOKENS:
+            return
+        size = tokens / k
+        mean = self._mean_prefill
+        # k steps of the moving average towards the same value.
+        self._mean_prefill = size if mean is None else size + (mean - size) * _KEEP**k
+        self.mean_pooled += k
+
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
+        if self._pool_mean:
+            self._pool_peers()
         now = self._clock()
         cost = []
         added = []
@@ -734,7 +793,7 @@ class PredictedTTFTScorer:
                 live = self._live[addr] = deque(maxlen=_MAX_LIVE)
             live.append((at, work, end))
         mean = self._mean_prefill
-        self._mean_prefill = work if mean is None else mean + 0.05 * (work - mean)
+        self._mean_prefill = work if mean is None else mean + (1.0 - _KEEP) * (work - mean)
         self._written[addr] = self._written.get(addr, 0.0) + work
         if prompt_tokens > 0:
             reused = max(0.0, 1.0 - work / prompt_tokens)
