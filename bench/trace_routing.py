@@ -425,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         "'-kvfitheld': kvFit: wait, kvFitPrefix: held, kvFitMargin: 0 (the nineteenth "
         "session's kvFit); + '-kvfitnomargin': kvFit: wait, kvFitMargin: 0; + '-fleetmean': "
         "its meanPlacements: fleet (the waiting floor's mean over every replica's "
-        "placements); any mode + "
+        "placements; the default now); + '-ownmean': meanPlacements: own (the default "
+        "before the twenty-first session); any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -511,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                     },
                     "-kvfitnomargin": {ttft: {"kvFit": "wait", "kvFitMargin": 0}},
                     "-fleetmean": {ttft: {"meanPlacements": "fleet"}},
+                    "-ownmean": {ttft: {"meanPlacements": "own"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:

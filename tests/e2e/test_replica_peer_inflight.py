@@ -66,9 +66,11 @@ SCORER = "default/predicted-ttft-scorer"
 CHAT = "/v1/chat/completions"
 
 
-def run(tmp_path, redis: RedisServer, floor: str) -> tuple[str, int, list[dict], list[float]]:
+def run(
+    tmp_path, redis: RedisServer, floor: str
+) -> tuple[str, int, list[dict], list[float], list[float]]:
     """The holder, which replica placed the long answer, every replica's explanation of the
-    tenant's next request, and every replica's drained-tokens counter."""
+    tenant's next request, every replica's drained-tokens counter and mean placed prefill."""
     rng = random.Random(11)
     with replicas(tmp_path, redis, PICKER % floor, sim_args=SIM) as fleet:
         stack, http, admin = fleet.stack, fleet.http, fleet.admin
@@ -122,7 +124,8 @@ def run(tmp_path, redis: RedisServer, floor: str) -> tuple[str, int, list[dict],
             assert fleet.metric("extproc_inflight_tokens", home)[placer] > 1500
             assert not s.is_closed  # still decoding
             drained = fleet.metric("extproc_predicted_ttft_peer_tokens_drained_total")
-    return home, placer, explained, drained
+            means = fleet.metric("extproc_predicted_mean_prefill_tokens")
+    return home, placer, explained, drained, means
 
 
 # `peerInflight` shapes the in-flight floor that `inflightFloor: untilEnd` takes (the default
@@ -140,7 +143,7 @@ UNTIL_END = "inflightFloor: untilEnd"
 def test_replicas_keep_a_tenant_on_its_holder_while_a_peers_answer_decodes_there(
     tmp_path, redis_server, params
 ):
-    home, placer, explained, drained = run(tmp_path, redis_server, params)
+    home, placer, explained, drained, _ = run(tmp_path, redis_server, params)
     how = [(e["endpoints"], e["scores"][SCORER], e["index_degraded"]) for e in explained]
     why = (home, placer, how, drained)
     for i, e in enumerate(explained):
@@ -157,7 +160,7 @@ def test_replicas_keep_a_tenant_on_its_holder_while_a_peers_answer_decodes_there
 
 
 def test_counted_whole_a_peers_answer_moves_the_tenant_to_a_cold_server(tmp_path, redis_server):
-    home, placer, explained, drained = run(
+    home, placer, explained, drained, _ = run(
         tmp_path, redis_server, f"{UNTIL_END}, peerInflight: whole"
     )
     why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained], drained)
@@ -171,10 +174,14 @@ def test_with_the_drained_floor_the_placer_keeps_the_tenant_on_its_holder_too(
     # `inflightFloor: drained` (the default): no replica floors by in-flight tokens; its own
     # placements are its virtual queue (drained by now), the peers' count as far as not
     # computed.
-    home, placer, explained, _ = run(tmp_path, redis_server, "inflightFloor: drained")
-    why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained])
+    home, placer, explained, _, means = run(tmp_path, redis_server, "inflightFloor: drained")
+    why = (home, placer, [(e["endpoints"], e["scores"][SCORER]) for e in explained], means)
     assert all(e["endpoints"][0] == home for e in explained), why
     assert all(e["scores"][SCORER][home] == 1.0 for e in explained), why
+    # `meanPlacements: fleet` (the default): the two requests were placed by one or two
+    # replicas, yet every replica's mean placed prefill averages them (the peers' from the
+    # exchange); with `own` a replica that placed neither would have none.
+    assert all(m > 0 for m in means), why
 
 
 # Prefill slow enough that no first token (and no measured speed) comes before the probe.

@@ -894,8 +894,12 @@ class Placements:
 def test_fleet_mean_placements_average_the_peers_placements_as_one_replica_would():
     # A fleet's placements: a cold prompt first (6,400 uncached), then hits of 640. One
     # replica sees 30; each of three sees its cold one and 9 hits, the peers place 20 more.
-    fleet = PredictedTTFTScorer.Params(mean_placements="fleet")
-    one, own, pooled = (PredictedTTFTScorer(p, clock=Clock()) for p in (None, None, fleet))
+    params = (
+        PredictedTTFTScorer.Params(),  # one replica: no peers, whatever the setting
+        PredictedTTFTScorer.Params(mean_placements="own"),
+        PredictedTTFTScorer.Params(mean_placements="fleet"),  # the default
+    )
+    one, own, pooled = (PredictedTTFTScorer(p, clock=Clock()) for p in params)
     peers = Placements()
     own.peer_placements = pooled.peer_placements = peers
     z = [cand("z", prefill_tps=1e9)]

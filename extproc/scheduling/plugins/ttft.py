@@ -133,23 +133,24 @@ class PredictedTTFTScorer:
     replica decides the same with all three.
 
     `meanPlacements`: whose placements the mean placed prefill (what each scraped waiting
-    request counts as, above) averages. `own` (default): this replica's own and folded
-    placements. `fleet`: also the other replicas' placements the shared in-flight exchange
-    brings (their requests and uncached tokens, pushed or exchanged), so every replica
-    averages the same stream one replica would. The mean is a moving average per placement
-    seeded with the first one (a cold prompt); each of three replicas gets a third of the
-    placements, so it forgot the cold start three times slower: at the tenants knee (seed 2)
-    every replica's mean was ~2x one replica's for the first 4-5 s, a holder's 2-4 waiting
-    requests counted twice the prefill, and three replicas left visible holders for cold
-    servers 9-10 times in the second second against one replica's 2-3, the start of the runs
-    that tipped into a cascade (bench/RESULTS.md, issue 14, twenty-first session). A peer's
-    tokens are in its estimate units; pooled calibration keeps them the replicas' own (one
-    placed before a recalibration and seen after it counts in the old unit). Not while the
-    peers' placements are folded in (they are in the mean already). Without shared in-flight
-    counts, or while the exchange fails (logged and counted there), the mean is `own`'s.
-    Opt-in: in seven interleaved seed-2 pairs it won six (three replicas' p90 over one's,
-    median 1.14x against main's 1.42x; runs that cascaded 1 of 7 against 4 of 7), seed 4
-    within noise; a default for the lead's quiet-machine run to decide.
+    request counts as, above) averages. `fleet` (default since the twenty-first session): also
+    the other replicas' placements the shared in-flight exchange brings (their requests and
+    uncached tokens, pushed or exchanged), so every replica averages the same stream one replica
+    would. `own`: this replica's own and folded placements (the behaviour before). The mean is a
+    moving average per placement seeded with the first one (a cold prompt); each of three
+    replicas gets a third of the placements, so it forgot the cold start three times slower: at
+    the tenants knee (seed 2) every replica's mean was ~2x one replica's for the first 4-5 s, a
+    holder's 2-4 waiting requests counted twice the prefill, and three replicas left visible
+    holders for cold servers 9-10 times in the second second against one replica's 2-3, the
+    start of the runs that tipped into a cascade (bench/RESULTS.md, issue 14, twenty-first
+    session). A peer's tokens are in its estimate units; pooled calibration keeps them the
+    replicas' own (one placed before a recalibration and seen after it counts in the old unit).
+    Not while the peers' placements are folded in (they are in the mean already). Without shared
+    in-flight counts, or while the exchange fails (logged and counted there), the mean is
+    `own`'s. The default: in eleven interleaved seed-2 pairs (seven by the helper that built it,
+    four by the lead on a quiet machine) three replicas' p90 over one's had a median of 1.17x
+    against `own`'s 1.45x, and fewer runs cascaded; seed 4 within noise (0.91x / 1.03x against
+    0.88x / 1.03x). One replica decides the same with both: it has no peers.
 
     `speedUnits`: `engine` (default) takes each measured prefill speed as the engine gives
     it, in its tokens; `estimates` divides it by the engine tokens per estimated token that
@@ -206,7 +207,7 @@ class PredictedTTFTScorer:
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
-                   peerInflight: drained, waitingFloor: fleetMean, meanPlacements: own,
+                   peerInflight: drained, waitingFloor: fleetMean, meanPlacements: fleet,
                    speedUnits: engine,
                    kvFit: ignore, kvFitPeers: folded, kvFitPrefix: running,
                    kvFitMargin: 0.1}
@@ -221,7 +222,7 @@ class PredictedTTFTScorer:
         inflight_floor: Literal["untilEnd", "untilFirstToken", "drained"] = "drained"
         peer_inflight: Literal["whole", "drained", "sharedLane"] = "drained"
         waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
-        mean_placements: Literal["own", "fleet"] = "own"
+        mean_placements: Literal["own", "fleet"] = "fleet"
         speed_units: Literal["engine", "estimates"] = "engine"
         kv_fit: Literal["ignore", "wait"] = "ignore"
         kv_fit_peers: Literal["arrivals", "folded"] = "folded"
