@@ -363,13 +363,14 @@ class FlowController:
         keeps: dict[str, bool] = {}  # ... with this request on it too
         has: dict[str, bool] = {}
         credits = 0
+        peer_extra = self._peer_extra()
         for addr, state in eps:
             reqs, toks = self._pending_at.get(addr, _NONE)
             idle = det.endpoint_saturation(state, reqs, toks) == 0
             kept_for = claimed.get(addr, 0) if claimed else 0
             if kept_for:
                 idle = False  # a waiting request's room: not free for this one
-            toks = self._counted_at(addr, kept_for, state)
+            toks = self._counted_at(addr, kept_for, state, peer_extra)
             after = det.endpoint_saturation(state, reqs + 1, toks + request.room_tokens)
             if after <= ceiling or idle:
                 fits.append((after, addr))
@@ -635,31 +636,38 @@ class FlowController:
         det = cast(EndpointDetector, self._detector)
         claimed = self.claims.against(request.priority, peers=False)
         best: tuple[float, str] = (math.inf, "")
+        peer_extra = self._peer_extra()
         for addr, state in self._endpoints():
             reqs = self._pending_at.get(addr, _NONE)[0]
-            toks = self._counted_at(addr, claimed.get(addr, 0), state)
+            toks = self._counted_at(addr, claimed.get(addr, 0), state, peer_extra)
             after = det.endpoint_saturation(state, reqs + 1, toks + request.room_tokens)
             best = min(best, (after, addr))
         return best[1]
 
-    def _counted_at(self, address: str, claimed: int, state: EndpointState) -> int:
+    def _counted_at(
+        self, address: str, claimed: int, state: EndpointState, peer_extra: float
+    ) -> int:
         """Tokens counted on an endpoint besides its in-flight figures, for `_room` and
         `_closest` alike: released to it and not placed yet, this process's placed
         requests' own outputs against the detector's constant (and, counting engine blocks,
-        what their engine holds beyond that; the other replicas' requests there the mean of
-        it), and `claimed` (room kept there for waiting requests; tokens only: a claim is
-        not a request on the server, it is the room one will take)."""
+        what their engine holds beyond that; the other replicas' requests there
+        `peer_extra` each, `_peer_extra()` taken once per pass over the endpoints), and
+        `claimed` (room kept there for waiting requests; tokens only: a claim is not a
+        request on the server, it is the room one will take)."""
         own = self._out_at.get(address, _NONE)
         peers = 0
-        if self._engine_blocks:
-            peers = round(max(0, state.inflight_requests - own[0]) * self._peer_extra())
+        if peer_extra:
+            peers = round(max(0, state.inflight_requests - own[0]) * peer_extra)
         return self._pending_at.get(address, _NONE)[1] + own[1] + claimed + peers
 
     def _peer_extra(self) -> float:
         """The mean of what this replica's in-flight requests count beyond the detector's
         figures (count_engine_blocks): the other replicas' requests are counted by the
         detector alone (their prompt estimate and its output constant); the replicas get
-        the same mix, so theirs are taken to differ as this one's do."""
+        the same mix, so theirs are taken to differ as this one's do. 0 when not counting
+        engine blocks."""
+        if not self._engine_blocks:
+            return 0.0
         n = total = 0
         for reqs, extra in self._out_at.values():
             n += reqs

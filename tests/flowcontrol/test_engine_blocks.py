@@ -128,9 +128,9 @@ async def test_other_replicas_requests_count_this_replicas_mean_difference():
     fleet.inflight["B"][1] += 1000
     state = dict(fleet.endpoints())["B"]
     own_b = fleet.inflight["B"][0] - 10
-    counted_b = ctl._counted_at("B", 0, state)
+    counted_b = ctl._counted_at("B", 0, state, ctl._peer_extra())
     assert counted_b == own_b * 20 + 10 * 20
-    assert ctl._counted_at("A", 0, dict(fleet.endpoints())["A"]) == own_a * 20
+    assert ctl._counted_at("A", 0, dict(fleet.endpoints())["A"], ctl._peer_extra()) == own_a * 20
 
 
 async def test_what_a_request_added_is_given_back_at_its_end():
@@ -139,7 +139,7 @@ async def test_what_a_request_added_is_given_back_at_its_end():
     eb = EngineBlocks(True, FRACTION)
     eb.measured({"x": 0.8}, BLOCK)
     ticket, addr = await place(ctl, fleet, short(eb))
-    assert ctl._counted_at(addr, 0, dict(fleet.endpoints())[addr]) == 20
+    assert ctl._counted_at(addr, 0, dict(fleet.endpoints())[addr], ctl._peer_extra()) == 20
     eb.measured({"x": 0.5}, BLOCK)  # the ratio moved meanwhile: the ticket keeps its count
     ctl.release(ticket)
-    assert ctl._counted_at(addr, 0, dict(fleet.endpoints())[addr]) == 0
+    assert ctl._counted_at(addr, 0, dict(fleet.endpoints())[addr], ctl._peer_extra()) == 0
