@@ -4,11 +4,12 @@ entries tell the picker that a request has ended (see `endpoints/request_end.py`
 Envoy keeps one client stream open per worker and sends batches of HTTP entries on it; we
 read the request id, the time to the first upstream byte, the upstream address, the status
 and the response body size of each,
-and never answer until the stream ends (the protocol's response is empty).
+and answer (the protocol's response is empty) only when the stream ends or the picker drains.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -44,11 +45,16 @@ def entries(msg: pb.StreamAccessLogsMessage) -> list[Ended]:
 
 
 class AccessLogHandler:
-    """Serves `StreamAccessLogs`; `streams` counts the ones open now."""
+    """Serves `StreamAccessLogs`; `streams` counts the ones open now.
+
+    Envoy keeps one stream open per connection for as long as the connection lives, so a
+    draining server would wait its whole grace for it: `end()` has every open stream answer
+    and close (a draining picker calls it once its ext_proc streams are done)."""
 
     def __init__(self, ends: RequestEnds) -> None:
         self._ends = ends
         self.streams = 0
+        self._ending = asyncio.Event()
 
     async def stream(
         self, requests: AsyncIterator[pb.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
@@ -56,13 +62,32 @@ class AccessLogHandler:
         self.streams += 1
         if self.streams == 1:
             log.info("access-log stream open: in-flight counts last until requests end")
+        it = aiter(requests)
+        ending = asyncio.ensure_future(self._ending.wait())
         try:
-            async for msg in requests:
+            while not ending.done():
+                # One read at a time, raced against `end()`: Envoy sends a batch per flush
+                # interval, so the extra task per batch is noise.
+                read = asyncio.ensure_future(anext(it))
+                await asyncio.wait((read, ending), return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():
+                    read.cancel()
+                    break
+                try:
+                    msg = read.result()
+                except StopAsyncIteration:
+                    break
                 for entry in entries(msg):
                     self._ends.ended(entry)
         finally:
+            ending.cancel()
             self.streams -= 1
         return pb.StreamAccessLogsResponse()
+
+    def end(self) -> None:
+        """Answer and close every open stream, and any opened after (a proxy reconnecting to
+        a draining picker)."""
+        self._ending.set()
 
     def rpc_handler(self) -> grpc.GenericRpcHandler:
         method = grpc.stream_unary_rpc_method_handler(

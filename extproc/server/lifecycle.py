@@ -2,8 +2,9 @@
 
 Start order: index (warms Redis up), discovery, background loops, then every port is bound
 before any listens, and readiness turns SERVING once endpoints are known. `stop()` (what
-SIGTERM calls) marks health NOT_SERVING, lets open streams finish within `grace_s`, then
-tears down in reverse order: servers -> loops -> queued index writes -> clients.
+SIGTERM calls) marks health NOT_SERVING, lets open streams finish within `grace_s` (Envoy's
+access-log streams, which never finish by themselves, are closed once the ext_proc ones
+have), then tears down in reverse order: servers -> loops -> queued index writes -> clients.
 """
 
 from __future__ import annotations
@@ -376,7 +377,9 @@ class Lifecycle(Parts):
             # streams Envoy keeps sending until its health check notices.
             await asyncio.sleep(self.settings.server.drain_delay_s)
         if self._server is not None:
-            await self._server.stop(self.settings.server.grace_s)
+            stopping = asyncio.ensure_future(self._server.stop(self.settings.server.grace_s))
+            await self._end_access_logs_when_idle(stopping)
+            await stopping
         if self._health_server is not None:
             await self._health_server.stop(0)
         if self._admin is not None:
@@ -386,6 +389,15 @@ class Lifecycle(Parts):
         await stop(self._tasks)
         await self._exits.aclose()
         self._stopped.set()
+
+    async def _end_access_logs_when_idle(self, stopping: asyncio.Future[None]) -> None:
+        """Once no ext_proc stream is open, close Envoy's access-log streams: they last as
+        long as Envoy's connection, so grpc's stop would otherwise hold every drain for the
+        whole grace. The entries still owed end requests this process no longer routes."""
+        handler = self.stream_handler
+        while not stopping.done() and handler is not None and handler.open_streams:
+            await asyncio.sleep(0.05)
+        self.access_log.end()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()

@@ -143,6 +143,7 @@ class StreamHandler:
         self._warned: set[int] = set()  # body modes already logged as "routing on headers"
         self._replies = wire.DecisionReplies()
         self._sweeper = DeadlineSweeper(min(1.0, body_timeout_s / 4))
+        self.open_streams = 0  # a draining picker waits for these (server/lifecycle.py)
 
     @classmethod
     def from_settings(
@@ -182,6 +183,7 @@ class StreamHandler:
         )
         state.deadline = deadline
         it = aiter(requests)
+        self.open_streams += 1
         try:
             while True:
                 left = deadline.remaining()
@@ -230,6 +232,7 @@ class StreamHandler:
                 if state.done:
                     return
         finally:
+            self.open_streams -= 1
             state.close()
 
     def _warn(self, key: str, message: str) -> None:

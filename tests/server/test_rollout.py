@@ -1,5 +1,6 @@
 """Graceful rollout: readiness turns SERVING only once endpoints are known, and SIGTERM
-drains: NOT_SERVING at once, new streams refused, the open stream completes, exit 0."""
+drains: NOT_SERVING at once, new streams refused, the open stream completes, Envoy's
+access-log stream is answered once it has, exit 0 well within the grace."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc._proto.extproc.wire.v1 import access_log_pb2
+from extproc.server.access_log import SERVICE as ACCESS_LOG_SERVICE
 from extproc.server.app import App
 from extproc.server.health import NOT_SERVING, SERVING
 from extproc.stack import free_port, grpc_health_status, wait_until
@@ -78,7 +82,18 @@ def picker(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, int]]
 
 async def test_sigterm_lets_the_open_stream_finish_and_refuses_new_ones(picker):
     proc, port, health = picker
-    async with ExtProcClient(f"127.0.0.1:{port}") as client:
+    async with (
+        ExtProcClient(f"127.0.0.1:{port}") as client,
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        # Envoy's access-log stream: open for as long as its connection, it never ends by
+        # itself, so the drain must end it or wait the whole grace (20 s here).
+        access_log = channel.stream_unary(
+            f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs",
+            request_serializer=access_log_pb2.StreamAccessLogsMessage.SerializeToString,
+            response_deserializer=access_log_pb2.StreamAccessLogsResponse.FromString,
+        )()
+        await access_log.write(access_log_pb2.StreamAccessLogsMessage())
         call = client.open()
         # FULL_DUPLEX: the picker holds its header reply until the body ends, so the
         # stream stays open across the SIGTERM.
@@ -103,13 +118,19 @@ async def test_sigterm_lets_the_open_stream_finish_and_refuses_new_ones(picker):
 
         await _until(refused, grpc.StatusCode.UNAVAILABLE.value[0])
         assert proc.poll() is None  # still draining: the open stream holds it
+        # Entries still arrive while a request is being served.
+        await access_log.write(access_log_pb2.StreamAccessLogsMessage())
+        assert not access_log.done()
 
         for m in body_chunks(CHAT):
             await call.write(m)
         await call.done_writing()
         responses = [r async for r in call]
         assert destination(responses[0]) in ENDPOINTS
+        finished = time.monotonic()
+        await asyncio.wait_for(access_log, 10)  # answered, OK, without our half-close
     assert await asyncio.to_thread(proc.wait, 20) == 0
+    assert time.monotonic() - finished < 10, "the access-log stream held the drain"
 
 
 async def _until(check, want: int, timeout_s: float = 10.0) -> None:
