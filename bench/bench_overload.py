@@ -46,7 +46,8 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 (`output_token_scale`: outputs counted in the prompt estimate's unit, `output_scaled`),
 `-osm` (the same, but `output_token_scale: auto`: the picker measures the scale from
 calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
-`-blocks` (`count_engine_blocks`), `-spike<ms>` (`reserve_spike_s`; `-sq<NN>`:
+`-blocks` (`count_engine_blocks`; `-blocksall`: with `engine_blocks_lower_bands:
+blocks`), `-spike<ms>` (`reserve_spike_s`; `-sq<NN>`:
 `reserve_spike_quantile` 0.NN), `-ends<ms>` (`dispatch_on_end`, off in every
 other run, and Envoy's access log flushed every <ms> instead of 100 ms),
 `-out<N>`
@@ -182,6 +183,7 @@ def picker_config(
     output_scale_auto: bool = False,
     dispatch_on_end: bool = False,
     engine_blocks: bool = False,
+    engine_blocks_all: bool = False,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -274,6 +276,9 @@ def picker_config(
             # Each request counted as its engine holds it in the room checks (`-blocks`
             # runs; bench/trace_kvwait.py).
             doc["flow_control"]["count_engine_blocks"] = True
+            if engine_blocks_all:
+                # Lower bands fit by blocks too (`-blocksall`, the twenty-first session's).
+                doc["flow_control"]["engine_blocks_lower_bands"] = "blocks"
         if claim:
             # An interactive request waiting for room keeps the server it waits for from
             # the band's newer requests (`-claim` runs).
@@ -1044,7 +1049,8 @@ def main() -> int:
             run_name = re.sub(r"-sq\d+", "", run_name)
             # `-blocks`: count_engine_blocks (each request as its engine holds it).
             run_name, blocks_m, after = run_name.partition("-blocks")
-            run_name += after
+            blocks_all = after.startswith("all")  # `-blocksall`: lower bands by blocks too
+            run_name += after.removeprefix("all")
             run_name, pf, after = run_name.partition("-pf")  # the prior's prefill_s
             run_name += after
             run_name, claim, after = run_name.partition("-claim")  # waiting_claims_room
@@ -1122,6 +1128,7 @@ def main() -> int:
                     output_scale_auto=bool(osm),
                     dispatch_on_end=bool(ends_m),
                     engine_blocks=bool(blocks_m),
+                    engine_blocks_all=blocks_all,
                 )
                 dep.start(
                     cfg,
@@ -1156,6 +1163,7 @@ def main() -> int:
                     output_scale_auto=bool(osm),
                     dispatch_on_end=bool(ends_m),
                     engine_blocks=bool(blocks_m),
+                    engine_blocks_all=blocks_all,
                 )
                 dep.start(cfg, src=src, flush_s=flush_s)
             sims_before = sims_now(dep)

@@ -131,6 +131,7 @@ class Admission:
             waiting_claims_room=s.waiting_claims_room,
             dispatch_on_end=s.dispatch_on_end,
             engine_blocks=s.count_engine_blocks,
+            engine_blocks_lower_bands=s.engine_blocks_lower_bands == "blocks",
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         # The unit outputs are counted in: configured, or measured by calibration (the app
@@ -298,10 +299,17 @@ class Admission:
             ebu = counter(
                 "extproc_flow_engine_blocks_unmeasured",
                 "Requests counted by their tokens, not as their engine holds them "
-                "(count_engine_blocks), for want of calibration's ratio or a block size.",
+                "(count_engine_blocks), for want of a scraped block size.",
             )
             ebu.add_metric([], eb.unmeasured)
             yield ebu
+            ebp = counter(
+                "extproc_flow_engine_blocks_prior",
+                "Requests counted as their engine holds them at the prior ratio (1 / "
+                "kvCacheFraction), for want of calibration's measured one (count_engine_blocks).",
+            )
+            ebp.add_metric([], eb.prior_counted)
+            yield ebp
             ebr = gauge(
                 "extproc_flow_engine_blocks_ratio",
                 "Engine prompt tokens per estimated token the room checks convert with "

@@ -183,8 +183,12 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     `count_engine_blocks` (off by default; with `admit_per_endpoint` and the concurrency
     detector's `kvCacheFraction`): the room checks count each request as its engine holds
     it, its prompt in engine tokens (calibration's measured ratio) plus its output, rounded
-    up to whole KV blocks, times the fraction; until measured, as before (logged, counted:
-    flowcontrol/engine_blocks.py).
+    up to whole KV blocks, times the fraction; until calibration measures, at the inverse of
+    the fraction (logged, counted: flowcontrol/engine_blocks.py). So counted: the top band's
+    requests and the room every band must leave for the reserve; a lower band's request
+    itself fits by its tokens (it may over-commit a server the reserve is not kept on, the
+    engine queues it), unless `engine_blocks_lower_bands: blocks` (all of it by blocks, the
+    twenty-first session's form).
     `waiting_claims_room` (off by default; with `admit_per_endpoint`): in a band above the
     lowest, a request that found no endpoint with room is tried before the band's newer
     requests at every dispatch opportunity, and the endpoint where it comes closest to
@@ -220,6 +224,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_spike_quantile: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] | Literal["auto"] = 1.0
     count_engine_blocks: bool = False
+    engine_blocks_lower_bands: Literal["tokens", "blocks"] = "tokens"
     waiting_claims_room: bool = False
     dispatch_on_end: bool = True
     engine_priority: bool | Literal["body", "header"] = False

@@ -132,6 +132,7 @@ class FlowController:
         waiting_claims_room: bool = False,
         dispatch_on_end: bool = False,
         engine_blocks: bool = False,
+        engine_blocks_lower_bands: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -164,7 +165,10 @@ class FlowController:
         (flowcontrol/claims.py). `dispatch_on_end`: a request's end (`ended`) is a
         dispatch opportunity at once, not at the next tick. `engine_blocks`: requests carry
         `engine_tokens` (what their engine holds for them, flowcontrol/engine_blocks.py) and
-        the room checks count those."""
+        the room checks count those: for the top band's requests, and for every band's the
+        room the reserve keeps; a lower band's request itself fits by its tokens, as without
+        (it may over-commit a server the reserve is not kept on: the engine queues it), unless
+        `engine_blocks_lower_bands`."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -237,12 +241,20 @@ class FlowController:
         # there from this process differ from it: each counts its own expected output
         # (capped by its max_tokens), so a server of short answers is not judged full.
         self._base_out = int(getattr(detector, "output_per_request", 0))
-        self._out_at: dict[str, list[int]] = {}  # address -> [requests, output difference]
+        # address -> [requests, output difference, engine difference]
+        self._out_at: dict[str, list[int]] = {}
         # With count_engine_blocks (flowcontrol/engine_blocks.py) each placed request counts
-        # what its engine holds for it: the difference joins its output's in `_out_at`, and
-        # the other replicas' requests there (which only their own pickers can size) count
-        # the mean difference of this replica's (`_peer_extra`).
+        # what its engine holds for it: the difference beyond its output's is kept beside it
+        # in `_out_at`, and the other replicas' requests there (which only their own pickers
+        # can size) count the mean difference of this replica's (`_peer_extra`).
+        # Counted so, a lower band filling a server to its ceiling left it ~1% short of full
+        # where by tokens it over-committed it by ~2% and the engine kept a small queue of
+        # it: 0.014 goodput over five pairs (bench/RESULTS.md, twenty-first session). What
+        # must fit is the top band's work: so a lower band's request fits by its tokens, and
+        # only the room it must leave for the reserve (and the top band's own requests) is
+        # counted as the engine holds it (`engine_blocks_lower_bands`: every band by blocks).
         self._engine_blocks = engine_blocks
+        self._lower_by_blocks = engine_blocks_lower_bands
         self.gate = gate
         self.claims = Claims() if waiting_claims_room else None
         self._dispatch_on_end = dispatch_on_end
@@ -309,11 +321,13 @@ class FlowController:
     def detector(self) -> SaturationDetector:
         return self._detector
 
-    def saturation(self) -> float:
+    def saturation(self, blocks: bool = True) -> float:
+        """The pool's saturation; `blocks`: counting what the engines hold beyond the
+        requests' tokens (count_engine_blocks), else by their tokens."""
         peer_reqs, peer_toks = self.peer_pending
         # Own placed requests' own outputs in place of the detector's constant, spread as
         # pending work is (exact for the average over endpoints of one size).
-        out = sum(d for _, d in self._out_at.values())
+        out = sum(d + (e if blocks else 0) for _, d, e in self._out_at.values())
         return self._detector.saturation(
             self._states(),
             self.pending_requests + peer_reqs,
@@ -327,8 +341,15 @@ class FlowController:
 
     def _open(self, priority: int) -> bool:
         """One dispatch opportunity for the band: may one of its requests start now?"""
-        sat = self.saturation()
+        sat = self.saturation(self._by_blocks(priority))
         return sat < self.ceiling(priority, sat)
+
+    def _by_blocks(self, priority: int) -> bool:
+        """Whether a request of this band fits by what its engine holds (count_engine_blocks:
+        the top band, or every band with `engine_blocks_lower_bands`), else by its tokens."""
+        if not self._engine_blocks:
+            return False
+        return self._lower_by_blocks or priority >= max(self._priorities, default=priority)
 
     def _room(
         self, request: FlowRequest, waiting: bool = False
@@ -348,8 +369,12 @@ class FlowController:
         if not eps:
             return _ANYWHERE  # no endpoint at all: the router answers 503
         det = cast(EndpointDetector, self._detector)
-        sat = self.saturation()
+        by_blocks = self._by_blocks(request.priority)
+        sat = self.saturation(by_blocks)
         ceiling = self.ceiling(request.priority, sat)
+        # What the request takes, in the unit its fit is counted in (and, counting engine
+        # blocks, in the reserve's: what the engine will hold).
+        size = request.room_tokens if by_blocks else request.tokens
         held, top = (0, 0)
         if self.reserve_count:
             tps = self._prefill_speed() if self._prefill_speed is not None else None
@@ -370,11 +395,14 @@ class FlowController:
             kept_for = claimed.get(addr, 0) if claimed else 0
             if kept_for:
                 idle = False  # a waiting request's room: not free for this one
-            toks = self._counted_at(addr, kept_for, state, peer_extra)
-            after = det.endpoint_saturation(state, reqs + 1, toks + request.room_tokens)
+            toks = self._counted_at(addr, kept_for, state, peer_extra, by_blocks)
+            after = det.endpoint_saturation(state, reqs + 1, toks + size)
             if after <= ceiling or idle:
                 fits.append((after, addr))
             if held:
+                if not by_blocks and self._engine_blocks:
+                    # The room left for the higher band as its engine will hold it.
+                    toks = self._counted_at(addr, kept_for, state, peer_extra, True)
                 # Room about to free there counts toward the reserve (reserve_refill_s).
                 credit = self.refill.credit(addr) if self.refill is not None else 0
                 credits = max(credits, credit)
@@ -637,28 +665,38 @@ class FlowController:
         claimed = self.claims.against(request.priority, peers=False)
         best: tuple[float, str] = (math.inf, "")
         peer_extra = self._peer_extra()
+        by_blocks = self._by_blocks(request.priority)
+        size = request.room_tokens if by_blocks else request.tokens
         for addr, state in self._endpoints():
             reqs = self._pending_at.get(addr, _NONE)[0]
-            toks = self._counted_at(addr, claimed.get(addr, 0), state, peer_extra)
-            after = det.endpoint_saturation(state, reqs + 1, toks + request.room_tokens)
+            toks = self._counted_at(addr, claimed.get(addr, 0), state, peer_extra, by_blocks)
+            after = det.endpoint_saturation(state, reqs + 1, toks + size)
             best = min(best, (after, addr))
         return best[1]
 
     def _counted_at(
-        self, address: str, claimed: int, state: EndpointState, peer_extra: float
+        self,
+        address: str,
+        claimed: int,
+        state: EndpointState,
+        peer_extra: float,
+        blocks: bool = True,
     ) -> int:
         """Tokens counted on an endpoint besides its in-flight figures, for `_room` and
         `_closest` alike: released to it and not placed yet, this process's placed
-        requests' own outputs against the detector's constant (and, counting engine blocks,
-        what their engine holds beyond that; the other replicas' requests there
-        `peer_extra` each, `_peer_extra()` taken once per pass over the endpoints), and
-        `claimed` (room kept there for waiting requests; tokens only: a claim is not a
+        requests' own outputs against the detector's constant (and, counting engine blocks
+        with `blocks`, what their engine holds beyond that; the other replicas' requests
+        there `peer_extra` each, `_peer_extra()` taken once per pass over the endpoints),
+        and `claimed` (room kept there for waiting requests; tokens only: a claim is not a
         request on the server, it is the room one will take)."""
-        own = self._out_at.get(address, _NONE)
+        own = self._out_at.get(address, _NONE3)
+        extra = own[1]
         peers = 0
-        if peer_extra:
-            peers = round(max(0, state.inflight_requests - own[0]) * peer_extra)
-        return self._pending_at.get(address, _NONE)[1] + own[1] + claimed + peers
+        if blocks:
+            extra += own[2]
+            if peer_extra:
+                peers = round(max(0, state.inflight_requests - own[0]) * peer_extra)
+        return self._pending_at.get(address, _NONE)[1] + extra + claimed + peers
 
     def _peer_extra(self) -> float:
         """The mean of what this replica's in-flight requests count beyond the detector's
@@ -669,9 +707,9 @@ class FlowController:
         if not self._engine_blocks:
             return 0.0
         n = total = 0
-        for reqs, extra in self._out_at.values():
+        for reqs, out, engine in self._out_at.values():
             n += reqs
-            total += extra
+            total += out + engine
         return total / n if n else 0.0
 
     def _defer_to_peer(
@@ -741,16 +779,19 @@ class FlowController:
         req = ticket.request
         if address and (self._base_out or req.engine_tokens):
             ticket.placed_at = address
+            out = req.output_tokens - self._base_out if self._base_out else 0
+            engine = 0
             if req.engine_tokens:
                 # The detector counts its prompt estimate and the output constant; the
                 # engine holds `engine_tokens` (in the detector's unit).
-                extra = req.engine_tokens - (req.tokens - req.output_tokens) - self._base_out
-            else:
-                extra = req.output_tokens - self._base_out
-            ticket.counted_extra = extra
-            at = self._out_at.setdefault(address, [0, 0])
+                prompt = req.tokens - req.output_tokens
+                engine = req.engine_tokens - prompt - self._base_out - out
+            ticket.counted_extra = out
+            ticket.counted_blocks = engine
+            at = self._out_at.setdefault(address, [0, 0, 0])
             at[0] += 1
-            at[1] += extra
+            at[1] += out
+            at[2] += engine
         if self._sees_placement:
             self._unpend(ticket)
         else:
@@ -801,6 +842,7 @@ class FlowController:
         if at is not None:
             at[0] -= 1
             at[1] -= ticket.counted_extra
+            at[2] -= ticket.counted_blocks
             if at[0] <= 0:
                 del self._out_at[address]
 
@@ -896,6 +938,7 @@ def _oldest_waiting(flows: Mapping[str, list[_Item]]) -> _Item | None:
 
 
 _NONE = (0, 0)
+_NONE3 = (0, 0, 0)
 
 
 def _fail(item: _Item, exc: FlowRejected) -> None:

@@ -20,8 +20,16 @@ server's count is then the fraction times its engine's blocks, whatever its mix,
 estimate's own per-request error. The flow request keeps its tokens for fairness and the
 reserve; only the room checks (what a server holds, what a request will take) use this.
 
-Until calibration has measured a ratio, or while no block size is known, requests are
-counted as before (their tokens): said once in a log line, and counted in
+Until calibration has measured a ratio, requests are counted at a prior ratio, the inverse
+of the fraction: the fraction is estimated tokens per engine KV token over whole requests,
+whose outputs count one to one and whose blocks round up, so where the estimate runs over
+the engine's count (as it does from bytes) a prompt's own ratio is above it and the prior
+counts a prompt's engine tokens a little high, the safe side (the overload bench: 0.804
+against the measured 0.779). Before, those requests counted their tokens, ~6 s into each
+burst in the bench, and kept that count to their end; two of the five waits left in the
+twenty-first session's runs came then. Counting at the prior is a degraded state: said
+once in a log line and counted in `extproc_flow_engine_blocks_prior_total`. While no block
+size is known requests are counted by their tokens: said once and counted in
 `extproc_flow_engine_blocks_unmeasured_total` (never silently).
 """
 
@@ -39,7 +47,17 @@ class EngineBlocks:
     """Converts a request's counted tokens to the detector's unit for what the engine holds.
     Fed at every scrape (`measured`); event loop only."""
 
-    __slots__ = ("_warned", "block_size", "enabled", "fraction", "per_estimate", "unmeasured")
+    __slots__ = (
+        "_warned",
+        "_warned_prior",
+        "block_size",
+        "enabled",
+        "fraction",
+        "per_estimate",
+        "prior",
+        "prior_counted",
+        "unmeasured",
+    )
 
     def __init__(self, enabled: bool, fraction: float) -> None:
         """`fraction`: the detector's estimated tokens per engine KV token (its
@@ -48,8 +66,12 @@ class EngineBlocks:
         self.fraction = fraction
         self.per_estimate: float | None = None  # engine prompt tokens per estimated token
         self.block_size: int | None = None
-        self.unmeasured = 0  # requests counted by their tokens for want of a measurement
+        # Until calibration measures: the fraction's inverse (see the module's docstring).
+        self.prior = 1.0 / fraction if fraction > 0 else 0.0
+        self.unmeasured = 0  # requests counted by their tokens for want of a block size
+        self.prior_counted = 0  # requests counted at the prior ratio for want of a ratio
         self._warned = False
+        self._warned_prior = False
         if enabled and not fraction:
             log.warning(
                 "flow_control.count_engine_blocks has no effect: the saturation detector's "
@@ -75,19 +97,30 @@ class EngineBlocks:
     def tokens(self, prompt: int, output: int, output_scale: float = 1.0) -> int:
         """What a request of `prompt` estimated (uncached) prompt tokens and `output` counted
         output tokens (real tokens times `output_scale`) takes, in the detector's unit; 0
-        when off or not measured yet (the caller counts its tokens)."""
+        when off or no block size is known yet (the caller counts its tokens)."""
         if not self.enabled:
             return 0
         per, bs = self.per_estimate, self.block_size
-        if per is None or not bs:
+        if not bs:
             self.unmeasured += 1
             if not self._warned:
                 self._warned = True
                 log.warning(
-                    "flow_control.count_engine_blocks: no calibration ratio or block size "
-                    "measured yet; requests count their tokens until then"
+                    "flow_control.count_engine_blocks: no KV block size scraped yet; "
+                    "requests count their tokens until then"
                 )
             return 0
+        if per is None:
+            per = self.prior
+            self.prior_counted += 1
+            if not self._warned_prior:
+                self._warned_prior = True
+                log.warning(
+                    "flow_control.count_engine_blocks: no calibration ratio measured yet; "
+                    "prompts count %.3f engine tokens per estimated token (1 / "
+                    "kvCacheFraction) until then",
+                    per,
+                )
         real = prompt * per + output / output_scale
         # vLLM allocates blocks for prompt + max_tokens - 1 (the last token's KV is never
         # written), at least one.

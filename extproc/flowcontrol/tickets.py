@@ -71,9 +71,12 @@ class Ticket:
     endpoints: frozenset[str] = frozenset()
     target: str = ""
     # Where the router placed it, when the controller counts its own output there, and what
-    # it added to that server's count beyond the detector's figures (given back at its end).
+    # it added to that server's count beyond the detector's figures (given back at its end):
+    # its own output against the detector's constant, and (count_engine_blocks) what its
+    # engine holds beyond that.
     placed_at: str = ""
     counted_extra: int = 0
+    counted_blocks: int = 0
     # Where the router placed it, while its end is still to be counted as room that
     # server freed (flowcontrol/refill.py).
     freed_at: str = ""

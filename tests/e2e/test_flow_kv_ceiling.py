@@ -5,7 +5,8 @@ simulated vLLM's `vllm:cache_config_info`, no hand-set `maxTokenConcurrency`) an
 holds KV for both). Until the KV size is scraped the endpoint counts as saturated and the
 picker says so in a metric; then exactly as many requests start as the KV holds by that
 count, the rest wait in the picker and are served as the first ones end. With
-`count_engine_blocks` the picker says it counts tokens until calibration measures."""
+`count_engine_blocks` the picker says it counts prompts at its prior ratio (1 /
+kvCacheFraction) until calibration measures."""
 
 from __future__ import annotations
 
@@ -133,9 +134,10 @@ async def test_admits_what_the_engines_kv_holds_and_queues_the_rest(kv_stack: St
 
 
 def test_counts_engine_blocks_once_calibration_measures_and_says_so_until_then(tmp_path):
-    """`count_engine_blocks` in the assembled server: the first requests are counted by their
-    tokens and the picker says so (the unmeasured counter), until calibration's ratio and the
-    scraped block size reach flow control (the ratio gauge)."""
+    """`count_engine_blocks` in the assembled server: once the block size is scraped the
+    first requests are counted at the prior ratio and the picker says so (the prior
+    counter; none by their tokens), until calibration's ratio reaches flow control (the
+    ratio gauge)."""
     cfg = json.loads(json.dumps(CONFIG))
     cfg["parse"] = {"bytes_per_token": 4}  # calibrated: the ratio the blocks are counted by
     cfg["flow_control"]["count_engine_blocks"] = True
@@ -163,7 +165,8 @@ def test_counts_engine_blocks_once_calibration_measures_and_says_so_until_then(t
             assert r.status_code == 200
 
         send(0)
-        assert (metric(stack, "extproc_flow_engine_blocks_unmeasured_total") or 0) >= 1
+        assert (metric(stack, "extproc_flow_engine_blocks_prior_total") or 0) >= 1
+        assert metric(stack, "extproc_flow_engine_blocks_unmeasured_total") == 0
         assert metric(stack, "extproc_flow_engine_blocks_ratio") == 0
         i = 1
 
@@ -174,7 +177,7 @@ def test_counts_engine_blocks_once_calibration_measures_and_says_so_until_then(t
             return (metric(stack, "extproc_flow_engine_blocks_ratio") or 0) > 0
 
         wait_until(measured, timeout_s=20, what="calibration's ratio reaching flow control")
-        # Counted by blocks from then on: no more requests counted by their tokens.
-        before = metric(stack, "extproc_flow_engine_blocks_unmeasured_total")
+        # Counted at the measured ratio from then on: no more at the prior.
+        before = metric(stack, "extproc_flow_engine_blocks_prior_total")
         send(i)
-        assert metric(stack, "extproc_flow_engine_blocks_unmeasured_total") == before
+        assert metric(stack, "extproc_flow_engine_blocks_prior_total") == before

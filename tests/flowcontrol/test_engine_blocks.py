@@ -1,7 +1,9 @@
 """count_engine_blocks: a request counted as its engine holds it (prompt in engine tokens plus
 output, whole blocks, times the detector's kvCacheFraction), so a server of short requests,
 which holds more blocks than their token counts say, is not judged to have room it lacks
-(flowcontrol/engine_blocks.py; bench/trace_kvwait.py, twenty-first session)."""
+(flowcontrol/engine_blocks.py; bench/trace_kvwait.py, twenty-first session). Counted so: the
+top band's requests and the room every band leaves for the reserve; a lower band's request
+fits by its tokens (twenty-second session), unless `engine_blocks_lower_bands`."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 from extproc.core import EndpointState
 from extproc.flowcontrol.controller import FlowRequest
 from extproc.flowcontrol.engine_blocks import EngineBlocks
+from extproc.flowcontrol.reserve import BandPrior
 from tests.flowcontrol.controllers import controller, settle
 
 FRACTION = 1.25  # estimated tokens per engine KV token
@@ -33,14 +36,14 @@ def test_a_request_is_counted_in_whole_engine_blocks_times_the_fraction():
     assert eb.tokens(120, 20) == round(FRACTION * 8 * BLOCK)
 
 
-def test_unmeasured_counts_the_tokens_logged_once_and_counted(caplog):
+def test_no_block_size_counts_the_tokens_logged_once_and_counted(caplog):
     eb = EngineBlocks(True, FRACTION)
     with caplog.at_level(logging.WARNING, "extproc.flowcontrol"):
         assert eb.tokens(100, 20) == 0
         eb.measured({"a": 0.8}, None)  # a ratio but no block size yet
         assert eb.tokens(100, 20) == 0
-    assert eb.unmeasured == 2
-    assert sum("count_engine_blocks" in r.getMessage() for r in caplog.records) == 1
+    assert eb.unmeasured == 2 and eb.prior_counted == 0
+    assert sum("block size" in r.getMessage() for r in caplog.records) == 1
     eb.measured({}, BLOCK)
     assert eb.tokens(100, 20) == 140
     off = EngineBlocks(False, FRACTION)
@@ -48,6 +51,23 @@ def test_unmeasured_counts_the_tokens_logged_once_and_counted(caplog):
     assert off.tokens(100, 20) == 0 and off.unmeasured == 0
     # A detector whose ceiling is not the KV size: nothing to convert to.
     assert not EngineBlocks(True, 0.0).enabled
+
+
+def test_before_calibration_measures_prompts_count_at_the_fractions_inverse(caplog):
+    """At a burst's start a fresh picker has a block size (the first scrape) but no ratio
+    (the first window, ~6 s): prompts count 1 / kvCacheFraction engine tokens per estimated
+    token, not their tokens; said once and counted."""
+    eb = EngineBlocks(True, 1.6)  # prior: 0.625 engine tokens per estimated token
+    eb.measured({}, BLOCK)
+    with caplog.at_level(logging.WARNING, "extproc.flowcontrol"):
+        # 160 estimated = 100 engine + 20 output, less the last token: 119 -> 8 blocks.
+        assert eb.tokens(160, 20) == round(1.6 * 8 * BLOCK)
+        assert eb.tokens(160, 20) == round(1.6 * 8 * BLOCK)
+    assert eb.prior_counted == 2 and eb.unmeasured == 0
+    assert sum("no calibration ratio" in r.getMessage() for r in caplog.records) == 1
+    eb.measured({"a": 1.0}, BLOCK)  # measured: 160 + 20 - 1 -> 12 blocks
+    assert eb.tokens(160, 20) == round(1.6 * 12 * BLOCK)
+    assert eb.prior_counted == 2
 
 
 class Fleet:
@@ -87,16 +107,11 @@ async def place(ctl, fleet: Fleet, r: FlowRequest):
     return ticket, addr
 
 
-@pytest.mark.parametrize("on", [False, True])
-async def test_a_server_of_short_requests_is_full_by_its_blocks(on: bool):
-    fleet = Fleet()
-    ctl = controller(fleet, [detector()], engine_blocks=on)
-    eb = EngineBlocks(on, FRACTION)
-    eb.measured({"x": 0.8}, BLOCK)
-    # Fill both servers with short requests as far as the room check lets them.
+async def fill(ctl, fleet: Fleet, eb: EngineBlocks, priority: int) -> int:
+    """Short requests of one band placed as far as the room checks let them; how many."""
     placed = 0
     while placed < 40:
-        task = asyncio.create_task(ctl.admit(short(eb)))
+        task = asyncio.create_task(ctl.admit(short(eb, priority)))
         await settle()
         if not task.done():
             task.cancel()
@@ -106,11 +121,74 @@ async def test_a_server_of_short_requests_is_full_by_its_blocks(on: bool):
         fleet.inflight[ticket.target][1] += 100
         ctl.placed(ticket, ticket.target)
         placed += 1
-    # By tokens, 16 a server (1,920 of 2,000): 112 blocks of engine KV held on 100 blocks,
-    # the engine queues four of them. By blocks, 14 a server: 98 blocks, all admitted.
-    per_server = 14 if on else 16
+    return placed
+
+
+@pytest.mark.parametrize(
+    ("on", "priority", "lower_by_blocks", "per_server"),
+    [
+        # By tokens, 16 a server (1,920 of 2,000): 112 blocks of engine KV held on 100
+        # blocks, the engine queues four of them.
+        (False, 10, False, 16),
+        # The top band by blocks: 14 a server, 98 blocks, all admitted.
+        (True, 10, False, 14),
+        # A lower band fits by its tokens: it may over-commit (the engine queues it) ...
+        (True, 0, False, 16),
+        # ... unless every band is counted by blocks.
+        (True, 0, True, 14),
+    ],
+)
+async def test_a_server_of_short_requests_is_full_by_its_blocks(
+    on: bool, priority: int, lower_by_blocks: bool, per_server: int
+):
+    fleet = Fleet()
+    ctl = controller(
+        fleet, [detector()], engine_blocks=on, engine_blocks_lower_bands=lower_by_blocks
+    )
+    eb = EngineBlocks(on, FRACTION)
+    eb.measured({"x": 0.8}, BLOCK)
+    placed = await fill(ctl, fleet, eb, priority)
     assert placed == 2 * per_server
     assert fleet.inflight["A"][0] == fleet.inflight["B"][0] == per_server
+
+
+@pytest.mark.parametrize(
+    ("on", "lower_by_blocks", "placed", "reserve_room"),
+    [
+        # By tokens: 16 + 11 placed; the reserve server holds 11 x 7 = 77 blocks, room
+        # for 23 x 16 x 1.25 = 460 of the 600 kept: the higher band's request waits there.
+        (False, False, 27, 460),
+        # Lower by tokens, the reserve by blocks: 16 over-commit one server, the other
+        # takes 10 (70 blocks) and keeps 600 as its engine will hold it.
+        (True, False, 26, 600),
+        # Everything by blocks: 14 + 10.
+        (True, True, 24, 600),
+    ],
+)
+async def test_the_reserve_is_kept_as_the_engine_holds_it_while_lower_bands_fill_by_tokens(
+    on: bool, lower_by_blocks: bool, placed: int, reserve_room: int
+):
+    """The twenty-first session's count by blocks cost the lower band the ~2% a server it
+    filled by tokens over-committed (the engine queued it; 0.014 goodput over five pairs).
+    The higher band needs its reserve's room to be there in the engine, not the lower
+    band's requests to fit exactly: a lower band's request fits by its tokens, the room
+    the reserve keeps is counted by blocks."""
+    fleet = Fleet()
+    prior = {10: BandPrior(tokens=600, prompt=580)}
+    ctl = controller(
+        fleet,
+        [detector()],
+        engine_blocks=on,
+        engine_blocks_lower_bands=lower_by_blocks,
+        reserve=1,
+        reserve_priors=prior,
+    )
+    eb = EngineBlocks(on, FRACTION)
+    eb.measured({"x": 0.8}, BLOCK)
+    assert await fill(ctl, fleet, eb, 0) == placed
+    # The most room any server has left as the engines hold it (detector's unit).
+    held = {a: n * 7 * BLOCK * FRACTION for a, (n, _) in fleet.inflight.items()}
+    assert max(KV_BLOCKS * BLOCK * FRACTION - h for h in held.values()) == reserve_room
 
 
 async def test_other_replicas_requests_count_this_replicas_mean_difference():
