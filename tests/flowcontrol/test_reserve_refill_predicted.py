@@ -11,6 +11,8 @@ import pytest
 
 from extproc.config import decode_settings
 from extproc.errors import ConfigError
+from extproc.flowcontrol.admission import Admission
+from extproc.flowcontrol.config import build_flow_config
 from extproc.flowcontrol.controller import FlowController, FlowRequest
 from extproc.flowcontrol.refill import CREDITS, SPEED_TRUSTED, WINDOW_S, PredictedRefill, Refill
 from tests.flowcontrol.controllers import controller, settle, tokens_detector
@@ -135,3 +137,29 @@ def test_the_setting_is_read_and_checked():
     assert s.flow_control.reserve_refill_credit == "predicted"
     with pytest.raises(ConfigError):
         decode_settings({"flow_control": {"reserve_refill_credit": "guess"}})
+
+
+def test_configured_it_is_the_controllers_credit_and_its_fallback_is_counted():
+    s = decode_settings(
+        {
+            "flow_control": {
+                "admit_per_endpoint": True,
+                "reserve_for_higher_bands": 1,
+                "reserve_refill_s": 0.3,
+                "reserve_refill_credit": "predicted",
+            }
+        }
+    ).flow_control
+    assert s is not None
+    flow = Admission(
+        build_flow_config(None, None, [], s), lambda: (), registry=None, endpoints=list
+    )
+    refill = flow.controller.refill
+    assert isinstance(refill, PredictedRefill) and refill.horizon_s == 0.3
+    refill.credit("A")  # no per-token time yet: from the ends' rate, counted
+
+    def unpredicted() -> float:
+        names = {f.name: f for f in flow.collect()}
+        return names["extproc_flow_reserve_refill_unpredicted"].samples[0].value
+
+    assert unpredicted() == 1
