@@ -177,7 +177,9 @@ def analyse(row: dict, frac: float, min_wait: float) -> None:
                 f"than half in {half / k:.0%}; credited beyond what ended: {over / n:.0f} "
                 "tokens on the mean"
             )
-    # 2. The waits.
+    # 2. The waits, with the credit the run's picker used (`-rfp`: predicted).
+    predicted = row["run"].endswith("-rfp")
+    own_credit = b.predicted if predicted else b.credit
     rows = []
     for at, band, ep, tok, rel, _end in b.reqs:
         wait = rel - at
@@ -193,7 +195,7 @@ def analyse(row: dict, frac: float, min_wait: float) -> None:
         per = {}
         for e in eps:
             room0 = cap - b.books(e, t0 - 1e-6)
-            credit0 = b.credit(e, t0)
+            credit0 = own_credit(e, t0)
             room = cap - b.books(e, at)
             per[e] = (room0, credit0, room)
         # The server with most room at the clump's start (the one the reserve held on).
@@ -203,7 +205,7 @@ def analyse(row: dict, frac: float, min_wait: float) -> None:
         lack = tok - per[best][2]
         got0 = b.ended(holder, t0, t0 + HORIZON_S)
         freed_in = b.until_freed(best, at, max(0, int(lack)))
-        pred0 = b.predicted(holder, t0)
+        other = (b.credit if predicted else b.predicted)(holder, t0)
         rows.append((at, tok, wait, ahead, spike, size, credit0, room0, got0, lack, freed_in, ep))
         kept = size + spike - credit0
         print(
@@ -212,7 +214,8 @@ def analyse(row: dict, frac: float, min_wait: float) -> None:
             f"reserve {size}+{spike}={size + spike}, credit {credit0} -> kept {kept}; "
             f"holder {holder[-5:]} room at clump start {room0:.0f} "
             f"({'>=' if room0 >= kept else '<'} kept), ended there within {HORIZON_S} s {got0} "
-            f"({'>=' if got0 >= credit0 else '<'} credit; predicted {pred0}); on arrival best room "
+            f"({'>=' if got0 >= credit0 else '<'} credit; the other way {other}); "
+            f"on arrival best room "
             f"{per[best][2]:.0f}, lacked {lack:.0f}, freed in {freed_in:.2f} s"
         )
     inside = [r for r in rows if r[3] <= r[4]]
@@ -220,7 +223,8 @@ def analyse(row: dict, frac: float, min_wait: float) -> None:
     print(
         f"  waits > {min_wait} s after the 20th arrival: {len(rows)}; clump inside the spike "
         f"term {len(inside)}; of those, less than the credit ended within {HORIZON_S} s of "
-        f"the clump's start {len(over)}"
+        f"the clump's start {len(over)}; of all, less than the credit ended then "
+        f"{sum(r[8] < r[6] for r in rows)} (nothing {sum(r[8] == 0 < r[6] for r in rows)})"
     )
 
 
