@@ -26,24 +26,28 @@ recently gets no credit (the reserve as before).
 
 Why a predicted credit (`flow_control.reserve_refill_credit: predicted`, opt-in; `rate` is
 the above): the ends' rate is right on average but ends come in lumps. Traced in the
-overload bench (bench/trace_credit.py, twenty-second session), at the lower band's releases
-the tokens that really ended within the 0.3 s horizon were 1.35-1.84x the credit on the
-mean, yet less than the credit in 42-58% of them and less than half of it in 26-35%: the
-room a lower request was let into came back later than credited about half the time, and
-an interactive request arriving then waited for it. A request's end is foreseeable from
-its own progress: it runs about its output tokens times a per-token time (the simulator's
-spread +-5%), so the predicted credit counts the requests on the server whose predicted
-end falls within the horizon from now: their start (placement) plus their counted output
-times the median per-output-token time of the recent ends (measured here, from placement
-to end). On the same traces it credited 700-950 tokens on the mean against the rate's
-850-970, and more than then ended in 13-31% of the releases it credited (the rate:
-42-58%), by 60-200 tokens on the mean over all releases against 260-375. A request ending
+overload bench (bench/trace_credit.py; bench/RESULTS.md, twenty-second session, 13 runs),
+at the lower band's releases the tokens that really ended within the 0.3 s horizon were
+1.33-1.80x the credit on the mean, yet less than the credit in 42-57% of them and less than
+half of it in 25-34%: the room a lower request was let into came back later than credited
+about half the time, and an interactive request arriving then waited for it (19 of 25
+picker waits over 0.1 s had less than the credit end within 0.3 s of their clump's start).
+A request's end is foreseeable from its own progress: it runs about its output tokens
+times a per-token time (the simulator's spread +-5%), so the predicted credit counts the
+requests on the server whose predicted end falls within the horizon from now: their start
+(placement) plus their counted output times the median per-output-token time of the recent
+ends (measured here, from placement to end). On the same traces it credited 655-951 tokens
+on the mean against the rate's 847-966, and more than then ended in 13-31% of the releases
+it credited, by 62-203 tokens on the mean over all releases against 289-375. A request ending
 earlier than predicted (a model stopping before its max_tokens) frees room the credit did
 not count: on the safe side. One already past its predicted end is not counted (late: when
 it ends is unknown). Until `SPEED_TRUSTED` ends have measured the per-token time the credit
 is the ends' rate (logged once, counted: `unpredicted`). With peers, each publishes its
 predicted credit over the horizon as its rate (one exchange old), so the peers' part is
 their prediction. The per-token time is measured on this replica's own ends only.
+Opt-in: against the rate over six pairs (one picker and two replicas, seeds 1-3) it had
+goodput +0.016 on the mean and met both targets in 2 runs against 0, but the reserve it
+keeps is smaller, so the engines' KV ran fuller and engine KV waits rose (32 against 22).
 """
 
 from __future__ import annotations
