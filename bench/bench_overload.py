@@ -47,8 +47,8 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 `-osm` (the same, but `output_token_scale: auto`: the picker measures the scale from
 calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
 `-blocks` (`count_engine_blocks`; `-blocksall`: with `engine_blocks_lower_bands:
-blocks`), `-spike<ms>` (`reserve_spike_s`; `-sq<NN>`:
-`reserve_spike_quantile` 0.NN), `-ends<ms>` (`dispatch_on_end`, off in every
+blocks`), `-rfp` (`reserve_refill_credit: predicted`), `-spike<ms>` (`reserve_spike_s`;
+`-sq<NN>`: `reserve_spike_quantile` 0.NN), `-ends<ms>` (`dispatch_on_end`, off in every
 other run, and Envoy's access log flushed every <ms> instead of 100 ms),
 `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
@@ -176,6 +176,7 @@ def picker_config(
     reserve_quantile: float = 0.0,
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
+    refill_credit: str = "rate",
     spike_s: float = 0.0,
     spike_quantile: float = 0.0,
     claim: bool = False,
@@ -258,6 +259,9 @@ def picker_config(
             # The room a server frees within this horizon counts toward the reserve
             # (`-refill<ms>` runs).
             doc["flow_control"]["reserve_refill_s"] = reserve_refill_s
+            if refill_credit != "rate":
+                # The credit from predicted ends (`-rfp` runs).
+                doc["flow_control"]["reserve_refill_credit"] = refill_credit
         if spike_s:
             # The rate term from interactive's clumps (`-spike<ms>[-sq<NN>]` runs).
             doc["flow_control"]["reserve_spike_s"] = spike_s
@@ -1047,6 +1051,9 @@ def main() -> int:
             sq_m = re.search(r"-sq(\d+)", run_name)
             spike_q = int(sq_m.group(1)) / 100 if sq_m else 0.0
             run_name = re.sub(r"-sq\d+", "", run_name)
+            # `-rfp`: reserve_refill_credit: predicted (the credit from predicted ends).
+            run_name, rfp, after = run_name.partition("-rfp")
+            run_name += after
             # `-blocks`: count_engine_blocks (each request as its engine holds it).
             run_name, blocks_m, after = run_name.partition("-blocks")
             blocks_all = after.startswith("all")  # `-blocksall`: lower bands by blocks too
@@ -1121,6 +1128,7 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
+                    refill_credit="predicted" if rfp else "rate",
                     spike_s=spike_s,
                     spike_quantile=spike_q,
                     claim=bool(claim),
@@ -1156,6 +1164,7 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
+                    refill_credit="predicted" if rfp else "rate",
                     spike_s=spike_s,
                     spike_quantile=spike_q,
                     claim=bool(claim),

@@ -37,6 +37,7 @@ from extproc.flowcontrol.objectives import (
     first_header,
 )
 from extproc.flowcontrol.output_scale import OutputScale
+from extproc.flowcontrol.refill import PredictedRefill
 from extproc.flowcontrol.reserve import BandPrior
 from extproc.protocol import FAIRNESS_HEADERS, TTFT_SLO_HEADERS
 
@@ -125,6 +126,7 @@ class Admission:
             reserve_quantile=s.reserve_quantile,
             reserve_rate_quantile=s.reserve_rate_quantile,
             reserve_refill_s=s.reserve_refill_s,
+            reserve_refill_credit=s.reserve_refill_credit,
             reserve_spike_s=s.reserve_spike_s,
             reserve_spike_quantile=s.reserve_spike_quantile,
             gate=config.gate,
@@ -374,6 +376,14 @@ class Admission:
                 )
                 rc.add_metric([], fc.refill.last_credit)
                 yield rc
+                if isinstance(fc.refill, PredictedRefill):
+                    rp = counter(
+                        "extproc_flow_reserve_refill_unpredicted",
+                        "Refill credits (reserve_refill_credit: predicted) counted from the "
+                        "recent ends' rate: no per-output-token time measured yet.",
+                    )
+                    rp.add_metric([], fc.refill.unpredicted)
+                    yield rp
             ru = counter(
                 "extproc_flow_reserve_rate_unsized",
                 "Reserve sizings without the arrival-rate term: no prefill speed measured yet "

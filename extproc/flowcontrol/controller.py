@@ -45,7 +45,7 @@ from extproc.flowcontrol.policies import (
     UsageLimitPolicy,
 )
 from extproc.flowcontrol.prefill_gate import PrefillGate
-from extproc.flowcontrol.refill import Refill
+from extproc.flowcontrol.refill import CREDITS
 from extproc.flowcontrol.reserve import BandPrior, Reserve
 from extproc.flowcontrol.tickets import (
     EVICTED_PRESSURE,
@@ -126,6 +126,7 @@ class FlowController:
         reserve_quantile: float = 0.0,
         reserve_rate_quantile: float = 0.0,
         reserve_refill_s: float = 0.0,
+        reserve_refill_credit: str = "rate",
         reserve_spike_s: float = 0.0,
         reserve_spike_quantile: float = 0.9,
         gate: PrefillGate | None = None,
@@ -154,7 +155,9 @@ class FlowController:
         the rate term over that quantile of their prompts' prefill time (0: the size
         term's). `reserve_refill_s`: an endpoint may keep that much less of the reserve
         as it is expected to free within this many seconds, from the requests that ended
-        there recently (0: none; flowcontrol/refill.py). `reserve_spike_s`: the rate term
+        there recently (0: none; flowcontrol/refill.py); `reserve_refill_credit`: how
+        (`rate`: the recent ends' rate; `predicted`: the requests there predicted to end
+        within it). `reserve_spike_s`: the rate term
         is instead the `reserve_spike_quantile` of the tokens a higher band sent within that
         many seconds before each of its recent requests (0: off). `gate`: with per-endpoint
         admission, a lower band's request starts only where the server's unfinished prefill
@@ -235,7 +238,8 @@ class FlowController:
             reserve_spike_quantile,
         )
         self._prefill_speed = prefill_speed
-        self.refill = Refill(reserve_refill_s, clock) if reserve_refill_s else None
+        credit = CREDITS[reserve_refill_credit]  # how the room about to free is counted
+        self.refill = credit(reserve_refill_s, clock) if reserve_refill_s else None
         # A detector that counts a constant output per in-flight request (the concurrency
         # detector's `outputTokens`) is told, per endpoint, how far the requests placed
         # there from this process differ from it: each counts its own expected output
@@ -776,6 +780,8 @@ class FlowController:
             self.gate.placed(ticket, address)
         if self.refill is not None:
             ticket.freed_at = address
+            req = ticket.request
+            self.refill.placed(ticket, address, req.room_tokens, req.output_tokens)
         req = ticket.request
         if address and (self._base_out or req.engine_tokens):
             ticket.placed_at = address
@@ -835,7 +841,7 @@ class FlowController:
         held its own max_tokens (eleventh session, bench/RESULTS.md). Its tokens count as
         room its endpoint freed (`reserve_refill_s`). Idempotent."""
         if ticket.freed_at and self.refill is not None:
-            self.refill.freed(ticket.freed_at, ticket.request.room_tokens)
+            self.refill.freed(ticket.freed_at, ticket.request.room_tokens, ticket)
         ticket.freed_at = ""
         address, ticket.placed_at = ticket.placed_at, ""
         at = self._out_at.get(address) if address else None
