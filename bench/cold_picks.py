@@ -13,6 +13,8 @@ candidates and prefix matches) and it then records where the request went. For e
   (`unknown`: a peer's pick not yet arrived, or never shared), knew it and the other
   scorers outweighed it (`outweighed`), or the earlier pick was this replica's own
   (`own`, outweighed too);
+- how many cold decisions the LRU never records (new on the filtered candidates it scored,
+  not on every endpoint, which the router tells it of: a holder filtered out);
 - how late a peer's pick arrives: for each cold decision and each earlier cold pick by
   another replica on one of its candidates (and none by the deciding replica there), whether
   the deciding replica's LRU knew it, by the time between the two; beside the gap between
@@ -101,6 +103,8 @@ def analyse(rows: list[dict], windows: list[float]) -> dict:
                 first_by.setdefault(p["to"], p)
         res["windows"][w] = {
             "cold": len(cold),
+            # Deemed new on the candidates, not on every endpoint: the LRU never hears of it.
+            "unrecorded": sum(1 for p in cold if not p["recorded"]),
             "all": sum(1 for p in ps if p["t"] < w),
             "per_server": [per.get(a, 0) for a in servers],
             "per_server_all": [sum(1 for p in ps if p["t"] < w and p["to"] == a) for a in servers],
@@ -164,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path} ({res['replicas']} replica(s))")
         for w, x in res["windows"].items():
             print(
-                f"  < {w:g} s: {x['cold']} cold of {x['all']}, per server "
+                f"  < {w:g} s: {x['cold']} cold of {x['all']} ({x['unrecorded']} unrecorded), "
+                f"per server "
                 f"{'/'.join(map(str, x['per_server']))}, repeats {x['repeats'] or '{}'}"
                 + f"; every request {'/'.join(map(str, x['per_server_all']))}"
                 + (
