@@ -46,7 +46,7 @@ def is_cold(cands: list[str], prefix: dict[str, float]) -> bool:
     return len(cands) > 1 and holders * 2 > len(cands)
 
 
-def picks(rows: list[dict]) -> list[dict]:
+def picks(rows: list[dict], record_scored: bool = False) -> list[dict]:
     """Each decision: when, by which replica, where to, whether the scorer deemed it new on
     its candidates (`cold`: the LRU's scores decided) and on every endpoint (`recorded`: the
     router tells the scorer of a placement with every endpoint, pre-filter, so only such a
@@ -69,15 +69,17 @@ def picks(rows: list[dict]) -> list[dict]:
                 "replica": d.get("picker"),
                 "to": d["endpoints"][0],
                 "cold": is_cold(list(lru), prefix),
-                "recorded": is_cold(everyone, prefix),
+                "recorded": is_cold(everyone, prefix)
+                or (record_scored and is_cold(list(lru), prefix)),
                 "lru": lru,
             }
         )
     return sorted(out, key=lambda p: p["t"])
 
 
-def analyse(rows: list[dict], windows: list[float]) -> dict:
-    ps = picks(rows)
+def analyse(rows: list[dict], windows: list[float], record_scored: bool = False) -> dict:
+    """`record_scored`: the run's scorer had `recordCold: scored`."""
+    ps = picks(rows, record_scored)
     servers = sorted({a for p in ps for a in p["lru"]})
     res: dict = {"replicas": len({p["replica"] for p in ps}), "windows": {}}
     for w in windows:
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for path in args.traces:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line]
-        res = analyse(rows, args.window)
+        res = analyse(rows, args.window, record_scored="-coldscored" in path.name)
         if args.json:
             print(json.dumps({"trace": str(path), **res}))
             continue
