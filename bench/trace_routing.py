@@ -426,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         "session's kvFit); + '-kvfitnomargin': kvFit: wait, kvFitMargin: 0; + '-fleetmean': "
         "its meanPlacements: fleet (the waiting floor's mean over every replica's "
         "placements; the default now); + '-ownmean': meanPlacements: own (the default "
-        "before the twenty-first session); any mode + "
+        "before the twenty-first session); + '-coldscored': no-hit-lru-scorer's recordCold: "
+        "scored (picks new on the scored candidates move the LRU too); any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -513,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                     "-kvfitnomargin": {ttft: {"kvFit": "wait", "kvFitMargin": 0}},
                     "-fleetmean": {ttft: {"meanPlacements": "fleet"}},
                     "-ownmean": {ttft: {"meanPlacements": "own"}},
+                    "-coldscored": {"no-hit-lru-scorer": {"recordCold": "scored"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:

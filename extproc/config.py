@@ -222,8 +222,11 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     endpoint is healthy (a dead server stops receiving traffic within one scrape interval).
     `request_end`: when a placement stops counting in flight (the gateway's access log, see
     `endpoints/request_end.py`). `shared_observations`: with a Redis index, replicas share
-    prefill-speed samples and new-prefix picks (`server/shared_observations.py`); off by
-    default until a measurement shows it faster (bench/RESULTS.md, issue 14, fifth session).
+    prefill-speed samples and new-prefix picks (`server/shared_observations.py`). `auto`: on
+    whenever the index is a non-Cluster Redis index and the scheduler has something to share
+    (a `no-hit-lru-scorer`, or a reader of prefill speeds: `predicted-ttft-scorer`,
+    `index.lookup_budget: prefill`, flow control), off otherwise, said in a log line at start;
+    `true` / `false` force it. Its default is beside the field below.
     `shared_placements`: with a Redis index, replicas share `predicted-ttft-scorer`'s
     placements, so each one's prefill queues and written tokens cover every replica's
     (`server/shared_placements.py`); off by default: in the seventh session's interleaved
@@ -251,7 +254,9 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scrape: ScrapeSettings | None = ScrapeSettings()
     prefill_speed: Literal["busy", "request"] = "busy"
     shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
-    shared_observations: bool = False
+    # The default follows issue 14's measurements (bench/RESULTS.md, twenty-first and
+    # twenty-second sessions): `auto` is the candidate, `False` (opt-in) until they show it.
+    shared_observations: bool | Literal["auto"] = False
     shared_placements: bool = False
     shared_calibration: bool | Literal["auto"] = "auto"
     shared_scrapes: bool | Literal["auto"] = "auto"

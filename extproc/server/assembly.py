@@ -174,6 +174,8 @@ class Parts:
                     plugin.peer_placements = self.inflight.peer_placements
         self.shared_sessions = self._share_sessions()
         self.shared_growth = self._share_growth()
+        # What `state.shared_observations: auto` decided, logged once the ports are bound.
+        self.observation_sharing: str | None = None
         self.shared_observations = self._share_observations()
         self.shared_placements = self._share_placements()
         # What `state.shared_scrapes: auto` decided, logged once the ports are bound.
@@ -266,24 +268,49 @@ class Parts:
 
     def _share_observations(self):
         """Replicas sharing a Redis index learn prefill speeds and new-prefix spreading
-        from every replica's placements (Redis pub/sub)."""
-        url = self._shared_redis(
-            "shared_observations",
-            "prefill speeds and new-prefix picks are not shared on Redis Cluster: "
-            "each replica learns from its own placements",
-        )
-        if url is None:
-            return None
+        from every replica's placements (Redis pub/sub). `auto`: on where it can be and the
+        scheduler has something to share, said in a log line either way."""
         from extproc.server.shared_observations import SharedObservations
 
         lru = SharedObservations.lru_scorers(self.router.scheduler.plugins)
-        pid = self._process_id()
+        if self.settings.state.shared_observations == "auto":
+            url, why = self._auto_index_url()
+            if why is None and not lru and not self._speed_readers():
+                why = (
+                    "nothing to share: no no-hit-lru-scorer, and nothing reads prefill speeds "
+                    "(no predicted-ttft-scorer, index.lookup_budget fixed, no flow control)"
+                )
+            self.observation_sharing = _auto_line(
+                "shared_observations",
+                why,
+                "replicas share new-prefix picks and prefill-speed samples",
+            )
+            if why or url is None:
+                return None
+        else:
+            url = self._shared_redis(
+                "shared_observations",
+                "prefill speeds and new-prefix picks are not shared on Redis Cluster: "
+                "each replica learns from its own placements",
+            )
+            if url is None:
+                return None
         return SharedObservations.from_url(
             url,
             self.speeds,
             lru,
-            process_id=pid,
+            process_id=self._process_id(),
             known=lambda address: self.pool.get(address) is not None,
+        )
+
+    def _speed_readers(self) -> bool:
+        """Whether anything decides by the learned prefill speeds (what shared observations
+        share besides new-prefix picks): predicted TTFT, a lookup budget sized by prefill,
+        flow control's reserve."""
+        return (
+            any(isinstance(p, PredictedTTFTScorer) for p in self.router.scheduler.plugins)
+            or self.settings.index.lookup_budget == "prefill"
+            or build_configured_flow_control(self.settings) is not None
         )
 
     def _share_scrapes(self):

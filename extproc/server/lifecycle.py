@@ -327,6 +327,8 @@ class Lifecycle(Parts):
             log.info(self.calibration_pooling)
         if self.scrape_sharing is not None:
             log.info(self.scrape_sharing)
+        if self.observation_sharing is not None:
+            log.info(self.observation_sharing)
         for what in self.settings.degraded:
             log.warning("degraded: %s", what, extra={"degraded": what})
         log.info(

@@ -2,7 +2,9 @@
 replica's placements (`state.shared_observations`, server/shared_observations.py): after
 new prompts spread over the servers, every replica holds the same prefill speed for every
 server, though each placed only about a third of the requests; and the new prompts spread
-over the whole fleet.
+over the whole fleet. Configured `auto`, which turns sharing on with a Redis index (each
+replica says so at start; its unit tests: tests/server/test_observations_auto.py): with
+`auto` deciding off, the picks would collide and nothing would be applied.
 
 Requests go one at a time, 0.3 s apart (many 50 ms publish intervals), so what the test
 checks does not depend on how fast the machine is: a sample or a pick published after one
@@ -24,7 +26,7 @@ from tests.redis_servers import RedisServer
 # machine differ 4x between identical sims (980 against 3,888 tok/s in one run), which
 # would test the speed samples' noise, not the shared picks.
 CONFIG = """
-state: {shared_observations: true}
+state: {shared_observations: auto}
 scheduling:
   plugins:
     - {type: no-hit-lru-scorer}
@@ -101,7 +103,12 @@ def test_replicas_learn_speeds_and_spread_new_prompts_from_each_others_placement
             if all(alike(x, learned[0]) for x in learned) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
+        said = [stack.logs("extproc")] + [
+            stack.logs(f"extproc-{i}") for i in range(1, len(stack.replica_ports) + 1)
+        ]
     decisions = [sample(t, "extproc_decisions_total") for t in texts]
+    for log in said:
+        assert "state.shared_observations auto: on (Redis index)" in log, log[-2000:]
     why = (served, learned, decisions)
     # Every replica holds the same speed for the same servers (from the engines' histograms
     # each scrapes; before them, from access-log samples shared, each replica alone knowing

@@ -175,6 +175,21 @@ def test_no_hit_lru_spreads_cold_requests_and_ignores_warm_ones():
     assert s.score(r, warm) == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize(("record", "recorded"), [("endpoints", []), ("scored", ["c"])])
+def test_no_hit_lru_records_a_pick_new_only_on_the_scored_candidates_if_asked(record, recorded):
+    # "a" holds the tenants' shared header; a filter removed it, so the request is new on
+    # the candidates scored (b, c) but not on every endpoint, which the router observes with.
+    s = NoHitLRUScorer(NoHitLRUScorer.Params(record_cold=record))
+    every = [cand("a", prefix=1), cand("b"), cand("c")]
+    r = req(blocks=4)
+    assert s.score(r, every[1:]) == [1.0, 1.0]
+    s.observe(r, every, Decision(endpoints=(every[2].endpoint,)))
+    assert list(s._recent) == recorded
+    # Only the request just scored counts: another one placed after is judged on `every`.
+    s.observe(req(blocks=4), every, Decision(endpoints=(every[1].endpoint,)))
+    assert list(s._recent) == recorded
+
+
 def test_session_affinity_follows_the_token_it_issued():
     s = SessionAffinityScorer()
     headers = s.response_headers(Decision(endpoints=(Endpoint("10.0.0.2:8000"),)))

@@ -168,20 +168,34 @@ class NoHitLRUScorer:
 
         ```yaml
         - type: no-hit-lru-scorer
-          parameters: {lruSize: 1024}
+          parameters: {lruSize: 1024, recordCold: endpoints}
         ```
+
+    `recordCold`: which placements move the LRU. `endpoints`: a request new on every
+    endpoint (the router reports a placement with the unfiltered endpoints). `scored`: also
+    one this scorer scored as new on the candidates left to it, e.g. when
+    `bounded-sessions-filter` removed the holders of a header every tenant shares; with
+    `endpoints` such picks are spread by the LRU but never recorded, so the next one is
+    spread by the same order (bench/RESULTS.md, issue 14, twenty-second session: 5-8 of the
+    first second's 14-21 new-prefix decisions on tenants at 24 req/s).
     """
 
     type_name: ClassVar[str] = "no-hit-lru-scorer"
 
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
         lru_size: Annotated[int, msgspec.Meta(gt=0)] = 1024
+        record_cold: Literal["endpoints", "scored"] = "endpoints"
         prefix_plugin_type: str | None = None
         prefix_plugin_name: str | None = None
         prefix_match_info_producer_name: str | None = None
 
     def __init__(self, params: Params | None = None) -> None:
-        self._size = (params or self.Params()).lru_size
+        p = params or self.Params()
+        self._size = p.lru_size
+        self._record_scored = p.record_cold == "scored"
+        # `recordCold: scored`: the request last scored as new (scheduling is synchronous:
+        # its placement is observed before another request is scored).
+        self._scored_cold: InferenceRequest | None = None
         # address -> logical time of its last cold pick; oldest first.
         self._recent: OrderedDict[str, int] = OrderedDict()
         self._tick = 0
@@ -206,6 +220,8 @@ class NoHitLRUScorer:
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
         if not self._is_cold(cands):
             return [1.0] * len(cands)
+        if self._record_scored:
+            self._scored_cold = req
         recent = self._recent
         never = [c.endpoint.address not in recent for c in cands]
         if all(never):
@@ -225,7 +241,8 @@ class NoHitLRUScorer:
     def observe(
         self, req: InferenceRequest, cands: Sequence[Candidate], decision: Decision
     ) -> None:
-        if not decision.endpoints or not self._is_cold(cands):
+        scored, self._scored_cold = self._scored_cold is req, None
+        if not decision.endpoints or not (scored or self._is_cold(cands)):
             return
         addr = decision.primary.address
         self.picked(addr)
