@@ -226,7 +226,7 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     whenever the index is a non-Cluster Redis index and the scheduler has something to share
     (a `no-hit-lru-scorer`, or a reader of prefill speeds: `predicted-ttft-scorer`,
     `index.lookup_budget: prefill`, flow control), off otherwise, said in a log line at start;
-    `true` / `false` force it. Its default is beside the field below.
+    `true` / `false` force it. `auto` is the default (why: beside the field below).
     `shared_placements`: with a Redis index, replicas share `predicted-ttft-scorer`'s
     placements, so each one's prefill queues and written tokens cover every replica's
     (`server/shared_placements.py`); off by default: in the seventh session's interleaved
@@ -254,9 +254,12 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scrape: ScrapeSettings | None = ScrapeSettings()
     prefill_speed: Literal["busy", "request"] = "busy"
     shared_inflight: SharedInFlightSettings | None = SharedInFlightSettings()
-    # The default follows issue 14's measurements (bench/RESULTS.md, twenty-first and
-    # twenty-second sessions): `auto` is the candidate, `False` (opt-in) until they show it.
-    shared_observations: bool | Literal["auto"] = False
+    # `auto` since the twenty-second session (bench/RESULTS.md, issue 14): on the scorecard's
+    # three-replica policy, every workload, better than without in 18 of 32 pairs and worse
+    # in 8 (p90 median 0.99x), 0.94-1.19x of one replica where without it ran 1.29-1.60x; the
+    # first second's picks colliding for want of a peer's 2-7 a run -> 0-1. Not a fix for
+    # the tenants knee (seed 2's trace pairs even).
+    shared_observations: bool | Literal["auto"] = "auto"
     shared_placements: bool = False
     shared_calibration: bool | Literal["auto"] = "auto"
     shared_scrapes: bool | Literal["auto"] = "auto"

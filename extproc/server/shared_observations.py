@@ -12,9 +12,9 @@ estimates are drawn from every placement.
 
 On with `state.shared_observations: true`, or `auto` where the index is a non-Cluster Redis
 index and the scheduler has something to share (server/assembly.py decides and says so at
-start); the default is config.py's (opt-in: in the fifth session's interleaved runs it made
-the replicas agree, but TTFT p90 was not measurably better; the twenty-first's were better on
-tenants' knee).
+start), the default (config.py says why; in the fifth session's interleaved runs it made the
+replicas agree but TTFT p90 was not measurably better, which kept it opt-in until the
+twenty-second's runs over every scorecard workload).
 The hot path never touches Redis: a sample or a pick is applied locally at once and queued
 on a batched pub/sub channel (redis_broadcast.py); a replica that is disconnected misses what
 was said meanwhile, which costs it a few samples of a rolling window, no more. Redis down:

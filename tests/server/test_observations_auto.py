@@ -117,11 +117,11 @@ def test_true_and_false_force_it_without_the_auto_line(settings: Settings, force
         assert parts.observation_sharing is None
 
 
-def test_the_default_is_off_with_a_redis_index(settings: Settings):
-    # Kept opt-in (config.py says why beside the field); the flip to `auto` is that line.
+def test_the_default_is_auto_on_with_a_redis_index(settings: Settings):
+    # `auto` by default (config.py says why beside the field).
     parts = built(settings, {"index": redis()})
-    assert parts.settings.state.shared_observations is False
-    assert parts.shared_observations is None and parts.observation_sharing is None
+    assert parts.settings.state.shared_observations == "auto"
+    assert parts.shared_observations is not None and parts.observation_sharing == ON
 
 
 async def test_auto_says_why_it_is_off_once_the_ports_are_bound(
