@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import math
-import re
+
+from trace_kvwait import runs  # bench/ is on the path
 
 WINDOW_S = 3.0  # refill.py's window
 HORIZON_S = 0.3  # the runs' reserve_refill_s (`-refill300`)
@@ -46,18 +46,6 @@ SPEED_KEPT, SPEED_TRUSTED = 64, 8  # refill.py's, for the predicted credit
 
 def rank(q: float, n: int) -> int:
     return max(0, math.ceil(q * n) - 1)
-
-
-def runs(path: str):
-    frac = None
-    with open(path) as f:
-        lines = f.readlines()
-    for line in lines:
-        m = re.search(r"picker estimate / engine KV tokens ([0-9.]+)", line)
-        if m:
-            frac = float(m.group(1))
-        if line.startswith('{"run"') and '"all_trace"' in line:
-            yield json.loads(line), frac
 
 
 class Books:
@@ -234,7 +222,7 @@ def main() -> None:
     ap.add_argument("--min-wait", type=float, default=0.1)
     args = ap.parse_args()
     for path in args.paths:
-        for row, frac in runs(path):
+        for row, frac in runs(path, "all_trace"):
             print(f"# {path}")
             analyse(row, frac or 1.246, args.min_wait)
 

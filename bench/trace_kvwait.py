@@ -40,7 +40,9 @@ def blocks(tokens: int) -> int:
     return -(-tokens // BLOCK)
 
 
-def runs(path: str):
+def runs(path: str, trace: str = "hi_trace"):
+    """Each run's JSON row of an overload bench output that carries `trace`, with the
+    picker estimate / engine KV tokens fraction the bench printed before it."""
     frac = None
     with open(path) as f:
         lines = f.readlines()
@@ -48,7 +50,7 @@ def runs(path: str):
         m = re.search(r"picker estimate / engine KV tokens ([0-9.]+)", line)
         if m:
             frac = float(m.group(1))
-        if line.startswith("{") and '"hi_trace"' in line:
+        if line.startswith("{") and f'"{trace}"' in line:
             yield json.loads(line), frac
 
 

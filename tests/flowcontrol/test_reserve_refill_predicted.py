@@ -5,8 +5,6 @@ that time is measured."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from extproc.config import decode_settings
@@ -15,8 +13,9 @@ from extproc.flowcontrol.admission import Admission
 from extproc.flowcontrol.config import build_flow_config
 from extproc.flowcontrol.controller import FlowController, FlowRequest
 from extproc.flowcontrol.refill import CREDITS, SPEED_TRUSTED, WINDOW_S, PredictedRefill, Refill
-from tests.flowcontrol.controllers import controller, settle, tokens_detector
+from tests.flowcontrol.controllers import controller, tokens_detector
 from tests.flowcontrol.test_reserve_rate import Clock, Fleet
+from tests.flowcontrol.test_reserve_refill import lower_released
 
 
 def measured(clock: Clock, horizon_s: float = 0.5) -> PredictedRefill:
@@ -75,15 +74,6 @@ def test_lumpy_ends_the_rate_credits_room_nothing_is_about_to_free():
         clock.now += 0.9
     assert rate.credit("A") == 500
     assert predicted.credit("A") == 0
-
-
-async def lower_released(ctl: FlowController, fleet: Fleet) -> bool:
-    fleet.tokens.update(A=1900, B=1300)  # A full; B has 700 free: less than the 1,000
-    low = asyncio.create_task(ctl.admit(FlowRequest("t", 0, 100, 10)))
-    await settle()
-    done = low.done()
-    low.cancel()
-    return done
 
 
 async def on_b(ctl: FlowController, clock: Clock, output: int) -> None:
