@@ -163,6 +163,10 @@ POLICIES: dict[str, dict] = {
     # expected to stay small to the scorers (`keepTogetherGrowth: 0.5`, default since); the
     # bound for every new session, as before.
     "extproc approximate, sessions always bounded": {"extproc_args": ("--config", "@BOUNDED")},
+    # Issue 14, twenty-second session: the bound never binds (epsilon 1000), to measure what
+    # it costs one-shot prefix groups (multimodal, text: no request ever continues, so every
+    # repeat of a group is a new session of unknown growth and is bounded).
+    "extproc approximate, sessions unbounded": {"extproc_args": ("--config", "@UNBOUNDED")},
     # The option as it was before the sixteenth session (growth learned per exact prefix).
     "extproc approximate, keep together, baseline tree": {
         "tree": True,
@@ -389,6 +393,7 @@ CONFIGS = {
     "@DRAINED": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "drained"}),
     "@UNTIL_END": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "untilEnd"}),
     "@BOUNDED": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0}),
+    "@UNBOUNDED": _default_profile_with("bounded-sessions-filter", {"epsilon": 1000}),
     "@TOGETHER": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0.5}),
     "@KVFIT": _default_profile_with("predicted-ttft-scorer", {"kvFit": "wait"}),
     "@KVIGNORE": _default_profile_with("predicted-ttft-scorer", {"kvFit": "ignore"}),
@@ -453,6 +458,7 @@ _COUNTERS = (
     "extproc_session_bound_kept_together_total",
     "extproc_session_bound_growth_unknown_total",
     "extproc_session_bound_header_growth_total",
+    "extproc_session_bound_holders_removed_total",
     "extproc_shared_growth_applied_total",
 )
 
@@ -558,6 +564,7 @@ def run_policy(
                 f" (growth unknown {d['extproc_session_bound_growth_unknown_total']:.0f})"
                 f" kept {d['extproc_session_bound_kept_together_total']:.0f}"
                 f" header-read {d['extproc_session_bound_header_growth_total']:.0f}"
+                f" holders removed {d['extproc_session_bound_holders_removed_total']:.0f}"
                 f" kv-fit waited {d['kv_fit waited']:.0f} (untimed {d['kv_fit untimed']:.0f})"
                 f" changed {d['kv_fit changed']:.0f}"
                 f" idle prefix {d['kv_fit idle_prefix']:.0f}"

@@ -35,11 +35,14 @@ import yaml
 from bench_routing import (
     AGENTIC,
     PRESSURE_SHAPE,
+    SERVERS,
+    SIM_ARGS,
     _default_profile_with_all,
     redis_server,
     sglang_router,
     stretched,
     tenants_spec,
+    workload,
 )
 from lanes import lane_clock, lane_delta, lane_line  # bench/lanes.py
 from sglang_peer import install_sglang  # bench/sglang_peer.py
@@ -128,9 +131,17 @@ async def _agentic(
 
 
 async def _tenants(
-    url: str, rate: float, seed: int, time_scale: float = 1.0, explain: bool = True
+    url: str,
+    rate: float,
+    seed: int,
+    time_scale: float = 1.0,
+    explain: bool = True,
+    name: str = "tenants",
 ) -> list[dict]:
-    items = build_workload(tenants_spec(seed))
+    """An open-loop workload's requests at `rate`: tenants, or bench_routing's multimodal
+    (12 groups x 5 one-shot prompts sharing the group's images)."""
+    spec = tenants_spec(seed) if name == "tenants" else workload(name, 12, seed)
+    items = build_workload(spec)
     offsets = arrival_offsets(len(items), rate * time_scale, seed)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         t0 = time.perf_counter()
@@ -352,7 +363,9 @@ def _trace_plain(
         if args.workload == "agentic":
             rows = asyncio.run(_agentic(url, int(load), args.seed, args.time_scale, explain))
         else:
-            rows = asyncio.run(_tenants(url, load, args.seed, args.time_scale, explain))
+            rows = asyncio.run(
+                _tenants(url, load, args.seed, args.time_scale, explain, args.workload)
+            )
         lanes = lane_delta(lanes0, lane_clock(urls))
     out = args.out / f"{args.workload}-{name}-{rnd}.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -397,7 +410,7 @@ def _quiet_picker(opts: StackOptions):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workload", choices=("agentic", "tenants"), default="agentic")
+    p.add_argument("--workload", choices=("agentic", "tenants", "multimodal"), default="agentic")
     p.add_argument("--load", type=float, help="sessions (agentic) or req/s (tenants)")
     p.add_argument(
         "--modes", nargs="+", default=["approximate", "precise"],
@@ -457,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = p.parse_args(argv)
     load = args.load or (8 if args.workload == "agentic" else 24)
-    servers, sim_args = PRESSURE_SHAPE[args.workload]
+    servers, sim_args = PRESSURE_SHAPE.get(args.workload, (SERVERS, SIM_ARGS))
     sim_args = stretched(sim_args, args.time_scale)
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -506,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                     "-wq": {ttft: {"waitingFloor": "endpointMean"}},
                     "-kv": {kv: {"countRequest": True}},
                     "-bounded": {"bounded-sessions-filter": {"keepTogetherGrowth": 0}},
+                    "-unbounded": {"bounded-sessions-filter": {"epsilon": 1000}},
                     "-kvfit": {ttft: {"kvFit": "wait"}},
                     "-kvfitarr": {ttft: {"kvFit": "wait", "kvFitPeers": "arrivals"}},
                     "-kvfitheld": {
@@ -571,7 +585,11 @@ def main(argv: list[str] | None = None) -> int:
                             _agentic(stack.url, int(load), args.seed, args.time_scale)
                         )
                     else:
-                        rows = asyncio.run(_tenants(stack.url, load, args.seed, args.time_scale))
+                        rows = asyncio.run(
+                            _tenants(
+                                stack.url, load, args.seed, args.time_scale, name=args.workload
+                            )
+                        )
                     cpu1, wall = cpu_seconds(), time.perf_counter() - wall0
                     if args.profile:
                         _toggle_profiles()

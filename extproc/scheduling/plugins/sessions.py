@@ -37,6 +37,15 @@ that growth) stays within `keepTogetherGrowth` of the shared prefix is left to t
 one on a prefix no session has been seen continued on is bounded (an agentic first fill
 shows nothing before the bound must act).
 
+The price of that last rule falls on one-shot prefix groups: prompts that share a system
+prompt and images but are never continued (bench_routing's multimodal and text workloads).
+Every repeat of such a group is a new session of unknown growth, and nothing is ever learned
+for it, so each is bounded: on multimodal at 6 req/s, 12-15 of 48 repeats had every holder
+removed and wrote the group's prefix on another server (hit ratio 68-77% of the oracle
+against 88-93% with the bound off; bench/RESULTS.md, twenty-second session). No request tells such a
+repeat from an agent's second session on a new prompt (tests/e2e/test_session_spread.py
+sends exactly that); only what comes later does.
+
 Growth is kept in blocks, not as a fraction of the prefix it was recorded under, so it
 carries from a shorter prefix to a longer one: a big tenant's next conversations arrive
 before its first one's second turn (24 req/s: the biggest tenant's first 20-30 of them),
