@@ -3,26 +3,19 @@ whether the deciding replica's LRU knew the earlier pick, on hand-made trace row
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
 from extproc.core import Candidate, Endpoint, EndpointState
 from extproc.scheduling.plugins.prefix import NoHitLRUScorer
+from tests.bench_modules import bench_modules
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 LRU = "default/no-hit-lru-scorer"
 
 
 @pytest.fixture(scope="module")
 def cp():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("cold_picks")
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_modules("cold_picks") as (module,):
+        yield module
 
 
 @pytest.mark.parametrize(

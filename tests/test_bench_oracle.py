@@ -4,25 +4,18 @@ oracle and the best placement the servers' real cache sizes allow, on hand-made 
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
 from extproc.sim.workload import Summary, WorkItem
+from tests.bench_modules import bench_modules
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 BLOCK = 16
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("placement_oracle"), importlib.import_module("bench_routing")
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_modules("placement_oracle", "bench_routing") as modules:
+        yield modules
 
 
 def _rows(order: list[int], blocks: int = 4):

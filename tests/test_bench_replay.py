@@ -5,26 +5,20 @@ turns one after another), checked with a fake sender so no server is needed."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from extproc.sim.workload import WorkItem
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.bench_modules import bench_modules
 
 
 @pytest.fixture(scope="module")
 def rd():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("replay_decisions")
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_modules("replay_decisions") as (module,):
+        yield module
 
 
 def _item(index: int, conversation: int = 0, turn: int = 0) -> WorkItem:
