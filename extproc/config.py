@@ -509,17 +509,30 @@ def build_configured_scheduler(settings: Settings) -> Scheduler:
         raise exc.within("scheduling") if settings.scheduling else exc from None
 
 
+def flow_control_configured(settings: Settings) -> bool:
+    """Whether flow control is on: the scheduling config has a `flowControl` or
+    `saturationDetector` section or lists an admitter plugin, or the settings have a
+    `flow_control` section."""
+    sched = settings.scheduling
+    if settings.flow_control is not None:
+        return True
+    if sched is None:
+        return False
+    return (
+        sched.flowControl is not None
+        or sched.saturationDetector is not None
+        or any(msgspec.to_builtins(p)["type"] in ADMITTER_TYPES for p in sched.plugins)
+    )
+
+
 def build_configured_flow_control(settings: Settings) -> FlowConfig | None:
-    """Stage 2 for flow control: None (off) unless the scheduling config has a
-    `flowControl` or `saturationDetector` section or lists an admitter plugin, or the
-    settings have a `flow_control` section."""
+    """Stage 2 for flow control: None (off) unless `flow_control_configured`."""
+    if not flow_control_configured(settings):
+        return None
     sched = settings.scheduling
     fc = sched.flowControl if sched else None
     sd = sched.saturationDetector if sched else None
     plugins = [msgspec.to_builtins(p) for p in sched.plugins] if sched else []
-    admitter = any(p["type"] in ADMITTER_TYPES for p in plugins)
-    if fc is None and sd is None and settings.flow_control is None and not admitter:
-        return None
     try:
         return build_flow_config(fc, sd, plugins, settings.flow_control)
     except ConfigError as exc:

@@ -11,7 +11,12 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from extproc.calibration import Calibration
-from extproc.config import Settings, build_configured_flow_control, build_configured_scheduler
+from extproc.config import (
+    Settings,
+    build_configured_flow_control,
+    build_configured_scheduler,
+    flow_control_configured,
+)
 from extproc.core import Endpoint
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.dcgm import DCGMScraper
@@ -310,7 +315,7 @@ class Parts:
         return (
             any(isinstance(p, PredictedTTFTScorer) for p in self.router.scheduler.plugins)
             or self.settings.index.lookup_budget == "prefill"
-            or build_configured_flow_control(self.settings) is not None
+            or flow_control_configured(self.settings)
         )
 
     def _share_scrapes(self):
