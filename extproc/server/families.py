@@ -153,6 +153,21 @@ INDEX = StatsFamilies(
             "index.lookup_budget_s and lookup_budget_max_s (0: a local index).",
             kind="gauge",
         ),
+        "degraded": Stat(
+            "extproc_index_degraded",
+            "1 while the Redis index's lookups (answered degraded: routed on load) or writes "
+            "(queued and retried, dropped after write_retry_s) fail; 0 once one goes through.",
+            kind="gauge",
+            labels=("direction",),
+            keys=("lookups", "writes"),
+        ),
+        "outages": Stat(
+            "extproc_index_outages",
+            "Failing spells of the Redis index's lookups or writes (each logged when it "
+            "starts and when it ends, with how long and what was skipped).",
+            labels=("direction",),
+            keys=("lookups", "writes"),
+        ),
     },
     {
         # The router counts the same degraded answers (every lookup goes through it).

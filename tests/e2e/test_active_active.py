@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 
@@ -33,7 +34,8 @@ def chat(conversation: int, turns: int) -> bytes:
 
 class Picker:
     def __init__(self, redis_url: str, log: Path) -> None:
-        self.port, self.health = free_port(), free_port()
+        self.port, self.health, self.admin = free_port(), free_port(), free_port()
+        self.log = log
         # Its log, whose last lines a failed start puts in the exception (a start in CI
         # exited 1 once with nothing to read).
         with log.open("wb") as out:
@@ -53,7 +55,7 @@ class Picker:
                     "--health-port",
                     str(self.health),
                     "--admin-port",
-                    "0",
+                    str(self.admin),
                     "--redis-url",
                     redis_url,
                     # No request is in flight at the stop: the default 3 s of serving on
@@ -85,6 +87,14 @@ class Picker:
         dest = destination(out[0])
         assert dest is not None, out[0]
         return dest
+
+    def metric(self, sample: str) -> float:
+        """A sample's value on /metrics, by its name and labels as exported."""
+        text = httpx.get(f"http://127.0.0.1:{self.admin}/metrics", timeout=5).text
+        for line in text.splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+        raise AssertionError(f"{sample} not exported")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -122,6 +132,8 @@ async def test_routing_never_stops_while_redis_is_down(pickers, redis_server):
     for conv in range(10):
         assert await a.route(chat(conv, 1)) in ENDPOINTS.split(",")
         assert await b.route(chat(conv, 2)) in ENDPOINTS.split(",")
+    # Said and shown, once (not per request): lookups answered degraded, writes retried.
+    assert a.metric('extproc_index_degraded{direction="lookups"}') == 1
     redis_server.start()
 
     # Affinity returns by itself once Redis is back: for new conversations. Each attempt is
@@ -142,3 +154,11 @@ async def test_routing_never_stops_while_redis_is_down(pickers, redis_server):
         await asyncio.sleep(0.2)
     else:
         pytest.fail("affinity did not come back after Redis restarted")
+    # ... and its end: a line each way per failing spell (one, unless a loaded machine
+    # timed a few lookups out later), the gauges back to 0.
+    said = a.log.read_text()
+    for direction in ("lookups", "writes"):
+        spells = said.count(f"kv index: {direction} failing")
+        assert spells >= 1 and said.count(f"kv index: {direction} resume after") == spells
+        assert a.metric(f'extproc_index_outages_total{{direction="{direction}"}}') == spells
+        assert a.metric(f'extproc_index_degraded{{direction="{direction}"}}') == 0
