@@ -221,7 +221,15 @@ class KVEventSubscriber:
             await self._dispatch(frames, endpoint, peer)
         except Exception:  # one bad message must never stop ingestion for every endpoint
             self.stats.malformed += 1
-            log.exception("kv events: message from %s skipped", endpoint or "bound socket")
+            # With its traceback (a message that raised is a bug to fix), but once per 10 s:
+            # a publisher repeating it would otherwise write one per message.
+            suppressed = self._throttle.allow("dispatch raised")
+            if suppressed is not None:
+                log.exception(
+                    "kv events: message from %s skipped (%d more like it since the last line)",
+                    endpoint or "bound socket",
+                    suppressed,
+                )
 
     async def _dispatch(
         self, frames: Sequence[bytes], endpoint: str | None, peer: str | None = None

@@ -501,3 +501,21 @@ async def test_bound_socket_recovers_a_publishers_lost_head_by_replay(
     assert await match(index, keys_of(toks(0, 1))) == 0.0  # the old engine's blocks are gone
     assert await match(index, keys_of(toks(30, 1))) == 1.0
     assert await match(index, keys_of(toks(40, 1))) == 1.0
+
+
+async def test_a_message_that_raises_is_said_with_its_traceback_once_per_interval(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A bug a publisher's messages keep hitting wrote one traceback per message before.
+    sub = KVEventSubscriber(MemoryKVIndex(), model="m")
+
+    async def raises(*_: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(sub, "_dispatch", raises)
+    with caplog.at_level(logging.ERROR, logger="extproc.index.subscriber"):
+        for _ in range(50):
+            await sub._dispatch_safely([b"t", b"\0" * 8, b"x"], "10.0.0.1:8000")
+    assert sub.stats.malformed == 50
+    said = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is not None
