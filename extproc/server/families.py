@@ -696,6 +696,11 @@ CALIBRATION = StatsFamilies(
             "Calibration windows left out: engine / estimated tokens outside the plausible "
             "range (another client, a restart).",
         ),
+        "unmeasured": Stat(
+            "extproc_approx_unmeasured_scrapes",
+            "Scrapes of engines that export no prompt-token counter: characters per token "
+            "are not measured from them (each such endpoint logged once).",
+        ),
         "ratios": Stat(
             "extproc_approx_token_ratio",
             "Engine prompt tokens per estimated token in the endpoint's last window (carried "
