@@ -906,7 +906,8 @@ LOOPS = StatsFamilies(
         "crashes": Stat(
             "extproc_background_loop_crashes",
             "Background loops (scrapes, KV events, sharing, discovery, ...) that ended in an "
-            "exception: logged with the traceback, down until the process restarts.",
+            "exception: logged with the traceback, started again after a backoff (1 s "
+            "doubled per crash in a row, at most 60 s).",
             labels=("loop",),
         ),
     },
