@@ -213,6 +213,17 @@ KV_EVENTS = StatsFamilies(
         "replayed": _kv("replayed", "KV-event batches recovered by replay."),
         "resyncs": _kv("resyncs", "Endpoints rebuilt after an unrecoverable gap."),
         "restarts": _kv("restarts", "Publisher restarts seen (sequence went back)."),
+        "disconnects": _kv(
+            "disconnects",
+            "Connections to dialed KV-event publishers lost (each logged, and its return; "
+            "ZMQ reconnects by itself).",
+        ),
+        "publishers_down": _kv(
+            "publishers_disconnected",
+            "Dialed KV-event publishers disconnected now: their engines' cache changes are "
+            "not seen until they reconnect.",
+            "gauge",
+        ),
         "clears": _kv(
             "clears", "AllBlocksCleared events applied (the endpoint's entries dropped)."
         ),

@@ -519,3 +519,24 @@ async def test_a_message_that_raises_is_said_with_its_traceback_once_per_interva
     assert sub.stats.malformed == 50
     said = [r for r in caplog.records if "skipped" in r.getMessage()]
     assert len(said) == 1 and said[0].exc_info is not None
+
+
+async def test_a_publisher_that_goes_away_and_comes_back_is_said_each_way(
+    zctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, a publisher gone showed only as silence, which an idle engine's is too.
+    caplog.set_level(logging.INFO, logger="extproc.index.subscriber")
+    async with dialing(MemoryKVIndex(), zctx) as (sub, pub):
+        url = pub.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        assert sub.stats.publishers_down == 0 and sub.stats.disconnects == 0
+        pub.sock.close(linger=0)  # the engine's publisher goes away
+        await until(lambda: sub.stats.publishers_down == 1)
+        again = Publisher(zctx)
+        again.sock.bind(url)  # ... and comes back on its address
+        await again.subscribed()
+        await until(lambda: sub.stats.publishers_down == 0)
+        again.sock.close(linger=0)
+    assert sub.stats.disconnects >= 1
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"publisher of {EP} disconnected" in m for m in said), said
+    assert any(f"publisher of {EP} reconnected after" in m for m in said), said
