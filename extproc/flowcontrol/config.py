@@ -225,7 +225,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_rate_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_refill_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
-    reserve_refill_credit: Literal["rate", "predicted"] = "rate"
+    reserve_refill_credit: Literal["rate", "predicted", "started"] = "rate"
     reserve_spike_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
     reserve_spike_quantile: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] | Literal["auto"] = 1.0

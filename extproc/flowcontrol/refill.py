@@ -55,6 +55,10 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from extproc.core import EndpointState
 
 log = logging.getLogger("extproc.flowcontrol")
 
@@ -63,6 +67,10 @@ SPEED_KEPT = 64  # recent ends whose per-output-token time predicts the others' 
 SPEED_TRUSTED = 8  # ends measured before the prediction is used (the rate credit until then)
 # A request on the books this long is dropped from the prediction (its end was lost).
 LIVE_MAX_S = 600.0
+# `started`: a request placed this recently may not have reached its engine (not yet in the
+# engine's counts); and scrapes this far apart place a first token too loosely to time by.
+ARRIVAL_S = 0.05
+SCRAPE_GAP_S = 0.2
 
 
 class Refill:
@@ -103,6 +111,10 @@ class Refill:
     def rates(self) -> dict[str, float]:
         """Per server with recent ends, this replica's rate (what it publishes to peers)."""
         return {a: r for a in list(self._ends) if (r := self.rate(a)) > 0}
+
+    def observe(self, address: str, state: EndpointState | None) -> None:
+        """`address`'s endpoint state as the controller reads it at every room check
+        (scraped figures and their age); the rate and placement credits need none of it."""
 
     def credit(self, address: str) -> int:
         """Tokens `address` is expected to free within the horizon: this replica's requests
@@ -218,5 +230,127 @@ class PredictedRefill(Refill):
         return super().credit(address)
 
 
+class StartedRefill(PredictedRefill):
+    """The credit from each request's end predicted from its decode's start
+    (`reserve_refill_credit: started`; the module docstring's last part): a request counts
+    once a scrape of its server shows it past its first token, and is predicted to end its
+    counted output times the median per-output-token time of the recent decodes later. A
+    server whose scrapes carry no first-token count is credited as `predicted` does (logged,
+    counted: `unstarted`). Event loop only."""
+
+    def __init__(self, horizon_s: float, clock: Callable[[], float]) -> None:
+        super().__init__(horizon_s, clock)
+        # Per server, this replica's requests not yet seen past their first token, in
+        # placement order (the engine admits in arrival order): key -> placed at.
+        self._before: dict[str, dict[Hashable, float]] = {}
+        # Per server, the requests a scrape saw decoding: key -> (the scrape before, the
+        # scrape that saw it): the first token came between the two.
+        self._started: dict[str, dict[Hashable, tuple[float, float]]] = {}
+        self._seen: dict[str, float] = {}  # per server, the last scrape read (taken at)
+        self._decode: collections.deque[float] = collections.deque(maxlen=SPEED_KEPT)
+        self._decode_median: float | None = None
+        self._blind: set[str] = set()  # servers whose last scrape had no first-token count
+        self.unstarted = 0  # credits on such servers (from placement instead)
+
+    def placed(self, key: Hashable, address: str, tokens: int, output_tokens: int) -> None:
+        super().placed(key, address, tokens, output_tokens)
+        live = self._live.get(address, {})
+        before = self._before.setdefault(address, {})
+        if key in live:
+            before[key] = live[key][0]
+        # The parent drops requests on the books too long (their end was lost): so here.
+        for k in [k for k in before if k not in live]:
+            del before[k]
+        started = self._started.get(address, {})
+        for k in [k for k in started if k not in live]:
+            del started[k]
+
+    def freed(self, address: str, tokens: int, key: Hashable = None) -> None:
+        if key is not None:
+            self._before.get(address, {}).pop(key, None)
+            entry = self._live.get(address, {}).get(key)
+            seen = self._started.get(address, {}).pop(key, None)
+            if entry is not None and seen is not None and seen[1] - seen[0] <= SCRAPE_GAP_S:
+                # Timed only when the scrapes around its first token were close together
+                # (the start is then known to within a scrape interval).
+                self._decode.append((self._clock() - seen[1]) / entry[2])
+                self._decode_median = None
+        super().freed(address, tokens, key)
+
+    def decode_per_token_s(self) -> float | None:
+        """The median seconds per output token from the decode's start (the scrape that
+        first saw it past its first token) to the end, over the recent ends (None until
+        `SPEED_TRUSTED` were timed)."""
+        if len(self._decode) < SPEED_TRUSTED:
+            return None
+        if self._decode_median is None:
+            ordered = sorted(self._decode)
+            self._decode_median = ordered[len(ordered) // 2]
+        return self._decode_median
+
+    def observe(self, address: str, state: EndpointState | None) -> None:
+        """Reads `address`'s latest scrape: this replica's requests the engine is past the
+        first token of are marked started at the scrape's time."""
+        if state is None or state.prefilling is None or state.age_s is None:
+            if address not in self._blind:
+                self._blind.add(address)
+                log.warning(
+                    "reserve refill credit: no first-token count scraped from %s; its "
+                    "requests' ends are predicted from their placement until there is",
+                    address,
+                )
+            return
+        if address in self._blind:
+            self._blind.discard(address)
+            log.info("reserve refill credit: first-token counts scraped from %s again", address)
+        taken = self._clock() - state.age_s
+        last = self._seen.get(address)
+        if last is not None and taken <= last:
+            return  # read already
+        self._seen[address] = taken
+        before = self._before.get(address)
+        if not before:
+            return
+        # A request placed just before the scrape may not have reached the engine, which
+        # then counts it nowhere: judged only from `ARRIVAL_S` after its placement. The
+        # engine's count covers every replica's requests; taking them all as this
+        # replica's newest marks fewer started than are (the safe side: less credited).
+        judged = [k for k, at in before.items() if at <= taken - ARRIVAL_S]
+        started = self._started.setdefault(address, {})
+        for k in judged[: max(0, len(judged) - state.prefilling)]:
+            del before[k]
+            started[k] = (taken if last is None else last, taken)
+        self._cache_at = -1.0
+
+    def credit(self, address: str) -> int:
+        if address in self._blind:
+            self.unstarted += 1
+        return super().credit(address)
+
+    def predicted(self, address: str) -> int | None:
+        per_token = self.decode_per_token_s()
+        if per_token is None or address in self._blind:
+            return super().predicted(address)  # from placement
+        now = self._clock()
+        if now != self._cache_at:
+            self._cache, self._cache_at = {}, now
+        known = self._cache.get(address)
+        if known is None:
+            until = now + self.horizon_s
+            started = self._started.get(address, {})
+            known = 0
+            for key, (_, tokens, output) in self._live.get(address, {}).items():
+                seen = started.get(key)
+                # Not yet decoding: at least a prefill and its whole output away.
+                if seen is not None and now < seen[1] + output * per_token <= until:
+                    known += tokens
+            self._cache[address] = known
+        return known
+
+
 # `flow_control.reserve_refill_credit`: how the room a server is about to free is counted.
-CREDITS: dict[str, type[Refill]] = {"rate": Refill, "predicted": PredictedRefill}
+CREDITS: dict[str, type[Refill]] = {
+    "rate": Refill,
+    "predicted": PredictedRefill,
+    "started": StartedRefill,
+}
