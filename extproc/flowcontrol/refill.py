@@ -48,6 +48,33 @@ their prediction. The per-token time is measured on this replica's own ends only
 Opt-in: against the rate over six pairs (one picker and two replicas, seeds 1-3) it had
 goodput +0.016 on the mean and met both targets in 2 runs against 0, but the reserve it
 keeps is smaller, so the engines' KV ran fuller and engine KV waits rose (32 against 22).
+
+Why a credit from the decode's start (`reserve_refill_credit: started`, opt-in): predicted
+from placement, a request that queued in the engine (for KV, behind others) ends later than
+predicted by its queueing, and is credited while it has not even started: 1p seed 2's C at
+59.34 s (twenty-second session) had 2,626 tokens on its server predicted to end within 0.3 s
+and none did. On the same session's traces, requests that waited >= 0.1 s for the engine's
+KV ended a median 0.16-0.31 s after their placement prediction, about the horizon; and the
+time from placement to end is a prefill-and-queue part plus a per-token part (0.13-0.23 s +
+0.038 s per output token, least squares), which one per-token ratio folds together, so short
+requests were predicted early. The signal for the decode's start: not the response headers
+(for a streamed reply they leave the engine before its prefill; a non-streamed reply's come
+at its end) nor its body (not sent to ext_proc: `response_body_mode: NONE`), but the
+scraped count of the engine's requests before their first token (`EndpointState.prefilling`:
+waiting + running less decoding, from the first-token histogram's count and the finished
+requests, endpoints/state.py), which the controller reads at each room check (`observe`).
+The engine admits in arrival order, so of this replica's requests on the server judged by a
+scrape, all but the newest `prefilling` are past their first token: each is marked started
+at that scrape's time (its first token came between the scrape before and it), and predicted
+to end its counted output times the median per-output-token time from that mark to the end
+(the last 64 ends marked between scrapes at most `SCRAPE_GAP_S` apart). Not yet started, a
+request is not credited (a prefill and its whole output away). The engine's count covers
+every replica's requests, so with peers each replica marks fewer of its own than decode (the
+safe side: less credited); a request placed within `ARRIVAL_S` of a scrape is not judged by
+it (it may not have reached the engine, which then counts it nowhere). A server whose
+scrapes carry no first-token count (an engine that does not export it, or not scraped yet)
+is credited from placement as `predicted` does: logged per server, counted (`unstarted`).
+Until 8 decodes are timed the credit is `predicted`'s.
 """
 
 from __future__ import annotations
