@@ -321,15 +321,15 @@ class StartedRefill(PredictedRefill):
         if state is None or state.prefilling is None or state.age_s is None:
             if address not in self._blind:
                 self._blind.add(address)
-                log.warning(
-                    "reserve refill credit: no first-token count scraped from %s; its "
-                    "requests' ends are predicted from their placement until there is",
-                    address,
-                )
+                if state is not None and state.age_s is not None:
+                    # Not merely unscraped yet (the scraper says why it has no figures).
+                    log.warning(
+                        "reserve refill credit: no first-token count scraped from %s; its "
+                        "requests' ends are predicted from their placement until there is",
+                        address,
+                    )
             return
-        if address in self._blind:
-            self._blind.discard(address)
-            log.info("reserve refill credit: first-token counts scraped from %s again", address)
+        self._blind.discard(address)
         taken = self._clock() - state.age_s
         last = self._seen.get(address)
         if last is not None and taken <= last:

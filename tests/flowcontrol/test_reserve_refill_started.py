@@ -114,9 +114,11 @@ def test_without_first_token_counts_the_server_is_credited_from_placement(caplog
     r.placed("x", "A", 700, 5)  # 0.5 s from placement at the placement's 0.111 s/token
     clock.now += 0.2
     with caplog.at_level(logging.WARNING, logger="extproc.flowcontrol"):
-        r.observe("A", EndpointState())  # an engine without the counters (or never scraped)
-        r.observe("A", EndpointState())
+        r.observe("B", EndpointState())  # never scraped: the scraper says why, not this
+        r.observe("A", scrape(None))  # scraped, but the engine does not export the counts
+        r.observe("A", scrape(None))
     assert sum("no first-token count" in m for m in caplog.messages) == 1  # logged once
+    assert "from A" in caplog.messages[0]
     assert r.credit("A") == 700  # predicted from its placement
     assert r.unstarted == 1
     clock.now += 0.1
