@@ -302,6 +302,13 @@ class StartedRefill(PredictedRefill):
                 # (the start is then known to within a scrape interval).
                 self._decode.append((self._clock() - seen[1]) / entry[2])
                 self._decode_median = None
+                if len(self._decode) == SPEED_TRUSTED:
+                    log.info(
+                        "reserve refill credit: per-output-token decode time measured "
+                        "(%.4f s over %d ends); ends predicted from decode starts from now on",
+                        self.decode_per_token_s(),
+                        SPEED_TRUSTED,
+                    )
         super().freed(address, tokens, key)
 
     def decode_per_token_s(self) -> float | None:
