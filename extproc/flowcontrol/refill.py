@@ -65,9 +65,10 @@ waiting + running less decoding, from the first-token histogram's count and the 
 requests, endpoints/state.py), which the controller reads at each room check (`observe`).
 The engine admits in arrival order, so of this replica's requests on the server judged by a
 scrape, all but the newest `prefilling` are past their first token: each is marked started
-at that scrape's time (its first token came between the scrape before and it), and predicted
-to end its counted output times the median per-output-token time from that mark to the end
-(the last 64 ends marked between scrapes at most `SCRAPE_GAP_S` apart). Not yet started, a
+at that scrape's time (its first token came after its placement and the scrape before), and
+predicted to end its counted output times the median per-output-token time from that mark
+to the end (the last 64 ends whose first token was so bounded within `SCRAPE_GAP_S`). Not
+yet started, a
 request is not credited (a prefill and its whole output away). The engine's count covers
 every replica's requests, so with peers each replica marks fewer of its own than decode (the
 safe side: less credited); a request placed within `ARRIVAL_S` of a scrape is not judged by
@@ -270,8 +271,8 @@ class StartedRefill(PredictedRefill):
         # Per server, this replica's requests not yet seen past their first token, in
         # placement order (the engine admits in arrival order): key -> placed at.
         self._before: dict[str, dict[Hashable, float]] = {}
-        # Per server, the requests a scrape saw decoding: key -> (the scrape before, the
-        # scrape that saw it): the first token came between the two.
+        # Per server, the requests a scrape saw decoding: key -> (the later of its placement
+        # and the scrape before, the scrape that saw it): its first token came between.
         self._started: dict[str, dict[Hashable, tuple[float, float]]] = {}
         self._seen: dict[str, float] = {}  # per server, the last scrape read (taken at)
         self._decode: collections.deque[float] = collections.deque(maxlen=SPEED_KEPT)
@@ -352,8 +353,9 @@ class StartedRefill(PredictedRefill):
         judged = [k for k, at in before.items() if at <= taken - ARRIVAL_S]
         started = self._started.setdefault(address, {})
         for k in judged[: max(0, len(judged) - state.prefilling)]:
-            del before[k]
-            started[k] = (taken if last is None else last, taken)
+            # Its first token came after its placement and the scrape before, if any.
+            at = before.pop(k)
+            started[k] = (at if last is None else max(at, last), taken)
         self._cache_at = -1.0
 
     def credit(self, address: str) -> int:

@@ -212,3 +212,22 @@ def test_configured_it_is_the_controllers_credit_and_its_fallback_is_counted():
 
     assert collected("extproc_flow_reserve_refill_unstarted") == 1
     assert collected("extproc_flow_reserve_refill_unpredicted") == 1  # nothing ended yet
+
+
+def test_a_first_token_placed_loosely_is_not_timed():
+    # The first scrape read for a server (nothing before it) bounds a first token only by
+    # the request's placement: 0.5 s before, too loose to time the decode by.
+    clock = Clock()
+    r = StartedRefill(0.5, clock)
+    r.placed("loose", "A", 100, 10)
+    clock.now += 0.5
+    r.observe("A", scrape(0))
+    clock.now += 1.0
+    r.freed("A", 100, "loose")
+    assert len(r._decode) == 0
+    r.placed("tight", "A", 100, 10)
+    clock.now += 0.1
+    r.observe("A", scrape(0))  # placed 0.1 s before this scrape: within 0.2 s
+    clock.now += 1.0
+    r.freed("A", 100, "tight")
+    assert list(r._decode) == [pytest.approx(0.1)]
