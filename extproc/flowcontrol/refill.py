@@ -55,8 +55,8 @@ predicted by its queueing, and is credited while it has not even started: 1p see
 59.34 s (twenty-second session) had 2,626 tokens on its server predicted to end within 0.3 s
 and none did. On the same session's traces, requests that waited >= 0.1 s for the engine's
 KV ended a median 0.16-0.31 s after their placement prediction, about the horizon; and the
-time from placement to end is a prefill-and-queue part plus a per-token part (0.13-0.23 s +
-0.038 s per output token, least squares), which one per-token ratio folds together, so short
+time from placement to end is a prefill-and-queue part plus a per-token part (0.16-0.30 s +
+0.037-0.038 s per output token, least squares), which one per-token ratio folds together, so short
 requests were predicted early. The signal for the decode's start: not the response headers
 (for a streamed reply they leave the engine before its prefill; a non-streamed reply's come
 at its end) nor its body (not sent to ext_proc: `response_body_mode: NONE`), but the
