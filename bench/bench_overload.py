@@ -47,10 +47,10 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 `-osm` (the same, but `output_token_scale: auto`: the picker measures the scale from
 calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
 `-blocks` (`count_engine_blocks`; `-blocksall`: with `engine_blocks_lower_bands:
-blocks`), `-rfp` (`reserve_refill_credit: predicted`), `-spike<ms>` (`reserve_spike_s`;
-`-sq<NN>`: `reserve_spike_quantile` 0.NN), `-ends<ms>` (`dispatch_on_end`, off in every
-other run, and Envoy's access log flushed every <ms> instead of 100 ms),
-`-out<N>`
+blocks`), `-rfp` (`reserve_refill_credit: predicted`; `-rfs`: `started`), `-spike<ms>`
+(`reserve_spike_s`; `-sq<NN>`: `reserve_spike_quantile` 0.NN), `-ends<ms>`
+(`dispatch_on_end`, off in every other run, and Envoy's access log flushed every <ms>
+instead of 100 ms), `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
 session: `-noprior-out96`), and
 `~base` to run its pickers from `--baseline-src` (old code against new in one run; `~base`
@@ -260,7 +260,7 @@ def picker_config(
             # (`-refill<ms>` runs).
             doc["flow_control"]["reserve_refill_s"] = reserve_refill_s
             if refill_credit != "rate":
-                # The credit from predicted ends (`-rfp` runs).
+                # The credit from predicted ends (`-rfp`, `-rfs` runs).
                 doc["flow_control"]["reserve_refill_credit"] = refill_credit
         if spike_s:
             # The rate term from interactive's clumps (`-spike<ms>[-sq<NN>]` runs).
@@ -1054,6 +1054,10 @@ def main() -> int:
             # `-rfp`: reserve_refill_credit: predicted (the credit from predicted ends).
             run_name, rfp, after = run_name.partition("-rfp")
             run_name += after
+            # `-rfs`: reserve_refill_credit: started (ends predicted from the decode's start).
+            run_name, rfs, after = run_name.partition("-rfs")
+            run_name += after
+            credit = "started" if rfs else "predicted" if rfp else "rate"
             # `-blocks`: count_engine_blocks (each request as its engine holds it).
             run_name, blocks_m, after = run_name.partition("-blocks")
             blocks_all = after.startswith("all")  # `-blocksall`: lower bands by blocks too
@@ -1128,7 +1132,7 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
-                    refill_credit="predicted" if rfp else "rate",
+                    refill_credit=credit,
                     spike_s=spike_s,
                     spike_quantile=spike_q,
                     claim=bool(claim),
@@ -1164,7 +1168,7 @@ def main() -> int:
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
-                    refill_credit="predicted" if rfp else "rate",
+                    refill_credit=credit,
                     spike_s=spike_s,
                     spike_quantile=spike_q,
                     claim=bool(claim),

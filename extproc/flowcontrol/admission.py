@@ -37,7 +37,7 @@ from extproc.flowcontrol.objectives import (
     first_header,
 )
 from extproc.flowcontrol.output_scale import OutputScale
-from extproc.flowcontrol.refill import PredictedRefill
+from extproc.flowcontrol.refill import PredictedRefill, StartedRefill
 from extproc.flowcontrol.reserve import BandPrior
 from extproc.protocol import FAIRNESS_HEADERS, TTFT_SLO_HEADERS
 
@@ -384,6 +384,15 @@ class Admission:
                     )
                     rp.add_metric([], fc.refill.unpredicted)
                     yield rp
+                if isinstance(fc.refill, StartedRefill):
+                    ru = counter(
+                        "extproc_flow_reserve_refill_unstarted",
+                        "Refill credits (reserve_refill_credit: started) on an endpoint whose "
+                        "scrape had no first-token count: its requests' ends predicted from "
+                        "their placement instead of their decode's start.",
+                    )
+                    ru.add_metric([], fc.refill.unstarted)
+                    yield ru
             ru = counter(
                 "extproc_flow_reserve_rate_unsized",
                 "Reserve sizings without the arrival-rate term: no prefill speed measured yet "

@@ -173,7 +173,10 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     endpoint predicted to end within the horizon (start plus counted output times the
     measured per-output-token time of the recent ends; the rate until 8 ends measured it):
     the ends' rate is right on average but lumpy, and the room it credited came back later
-    about half the time (flowcontrol/refill.py).
+    about half the time (flowcontrol/refill.py); `started` predicts each request's end from
+    its decode's start instead, as the scraped count of the engine's requests before their
+    first token shows it (not credited before; from placement on an engine without that
+    count): a request that queued in the engine ended later than predicted from placement.
     `reserve_spike_s` (0, the default: off): the reserve's arrival-rate term is instead the
     `reserve_spike_quantile` (0.9 by default) of the tokens a higher band sent within this
     many seconds before each of its recent requests (from 20 requests of history on): room
@@ -225,7 +228,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_rate_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_refill_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
-    reserve_refill_credit: Literal["rate", "predicted"] = "rate"
+    reserve_refill_credit: Literal["rate", "predicted", "started"] = "rate"
     reserve_spike_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
     reserve_spike_quantile: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] | Literal["auto"] = 1.0

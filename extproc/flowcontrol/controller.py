@@ -399,6 +399,8 @@ class FlowController:
         credits = 0
         peer_extra = self._peer_extra()
         for addr, state in eps:
+            if self.refill is not None:
+                self.refill.observe(addr, state)  # `started`: which requests decode there
             reqs, toks = self._pending_at.get(addr, _NONE)
             idle = det.endpoint_saturation(state, reqs, toks) == 0
             kept_for = claimed.get(addr, 0) if claimed else 0

@@ -48,6 +48,34 @@ their prediction. The per-token time is measured on this replica's own ends only
 Opt-in: against the rate over six pairs (one picker and two replicas, seeds 1-3) it had
 goodput +0.016 on the mean and met both targets in 2 runs against 0, but the reserve it
 keeps is smaller, so the engines' KV ran fuller and engine KV waits rose (32 against 22).
+
+Why a credit from the decode's start (`reserve_refill_credit: started`, opt-in): predicted
+from placement, a request that queued in the engine (for KV, behind others) ends later than
+predicted by its queueing, and is credited while it has not even started: 1p seed 2's C at
+59.34 s (twenty-second session) had 2,626 tokens on its server predicted to end within 0.3 s
+and none did. On the same session's traces, requests that waited >= 0.1 s for the engine's
+KV ended a median 0.16-0.31 s after their placement prediction, about the horizon; and the
+time from placement to end is a prefill-and-queue part plus a per-token part (0.16-0.30 s +
+0.037-0.038 s per output token, least squares), which one per-token ratio folds together, so short
+requests were predicted early. The signal for the decode's start: not the response headers
+(for a streamed reply they leave the engine before its prefill; a non-streamed reply's come
+at its end) nor its body (not sent to ext_proc: `response_body_mode: NONE`), but the
+scraped count of the engine's requests before their first token (`EndpointState.prefilling`:
+waiting + running less decoding, from the first-token histogram's count and the finished
+requests, endpoints/state.py), which the controller reads at each room check (`observe`).
+The engine admits in arrival order, so of this replica's requests on the server judged by a
+scrape, all but the newest `prefilling` are past their first token: each is marked started
+at that scrape's time (its first token came after its placement and the scrape before), and
+predicted to end its counted output times the median per-output-token time from that mark
+to the end (the last 64 ends whose first token was so bounded within `SCRAPE_GAP_S`). Not
+yet started, a
+request is not credited (a prefill and its whole output away). The engine's count covers
+every replica's requests, so with peers each replica marks fewer of its own than decode (the
+safe side: less credited); a request placed within `ARRIVAL_S` of a scrape is not judged by
+it (it may not have reached the engine, which then counts it nowhere). A server whose
+scrapes carry no first-token count (an engine that does not export it, or not scraped yet)
+is credited from placement as `predicted` does: logged per server, counted (`unstarted`).
+Until 8 decodes are timed the credit is `predicted`'s.
 """
 
 from __future__ import annotations
@@ -55,6 +83,10 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from extproc.core import EndpointState
 
 log = logging.getLogger("extproc.flowcontrol")
 
@@ -63,6 +95,10 @@ SPEED_KEPT = 64  # recent ends whose per-output-token time predicts the others' 
 SPEED_TRUSTED = 8  # ends measured before the prediction is used (the rate credit until then)
 # A request on the books this long is dropped from the prediction (its end was lost).
 LIVE_MAX_S = 600.0
+# `started`: a request placed this recently may not have reached its engine (not yet in the
+# engine's counts); and scrapes this far apart place a first token too loosely to time by.
+ARRIVAL_S = 0.05
+SCRAPE_GAP_S = 0.2
 
 
 class Refill:
@@ -103,6 +139,10 @@ class Refill:
     def rates(self) -> dict[str, float]:
         """Per server with recent ends, this replica's rate (what it publishes to peers)."""
         return {a: r for a in list(self._ends) if (r := self.rate(a)) > 0}
+
+    def observe(self, address: str, state: EndpointState | None) -> None:
+        """`address`'s endpoint state as the controller reads it at every room check
+        (scraped figures and their age); the rate and placement credits need none of it."""
 
     def credit(self, address: str) -> int:
         """Tokens `address` is expected to free within the horizon: this replica's requests
@@ -218,5 +258,135 @@ class PredictedRefill(Refill):
         return super().credit(address)
 
 
+class StartedRefill(PredictedRefill):
+    """The credit from each request's end predicted from its decode's start
+    (`reserve_refill_credit: started`; the module docstring's last part): a request counts
+    once a scrape of its server shows it past its first token, and is predicted to end its
+    counted output times the median per-output-token time of the recent decodes later. A
+    server whose scrapes carry no first-token count is credited as `predicted` does (logged,
+    counted: `unstarted`). Event loop only."""
+
+    def __init__(self, horizon_s: float, clock: Callable[[], float]) -> None:
+        super().__init__(horizon_s, clock)
+        # Per server, this replica's requests not yet seen past their first token, in
+        # placement order (the engine admits in arrival order): key -> placed at.
+        self._before: dict[str, dict[Hashable, float]] = {}
+        # Per server, the requests a scrape saw decoding: key -> (the later of its placement
+        # and the scrape before, the scrape that saw it): its first token came between.
+        self._started: dict[str, dict[Hashable, tuple[float, float]]] = {}
+        self._seen: dict[str, float] = {}  # per server, the last scrape read (taken at)
+        self._decode: collections.deque[float] = collections.deque(maxlen=SPEED_KEPT)
+        self._decode_median: float | None = None
+        self._blind: set[str] = set()  # servers whose last scrape had no first-token count
+        self.unstarted = 0  # credits on such servers (from placement instead)
+
+    def placed(self, key: Hashable, address: str, tokens: int, output_tokens: int) -> None:
+        super().placed(key, address, tokens, output_tokens)
+        live = self._live.get(address, {})
+        before = self._before.setdefault(address, {})
+        if key in live:
+            before[key] = live[key][0]
+        # The parent drops requests on the books too long (their end was lost): so here.
+        for k in [k for k in before if k not in live]:
+            del before[k]
+        started = self._started.get(address, {})
+        for k in [k for k in started if k not in live]:
+            del started[k]
+
+    def freed(self, address: str, tokens: int, key: Hashable = None) -> None:
+        if key is not None:
+            self._before.get(address, {}).pop(key, None)
+            entry = self._live.get(address, {}).get(key)
+            seen = self._started.get(address, {}).pop(key, None)
+            if entry is not None and seen is not None and seen[1] - seen[0] <= SCRAPE_GAP_S:
+                # Timed only when the scrapes around its first token were close together
+                # (the start is then known to within a scrape interval).
+                self._decode.append((self._clock() - seen[1]) / entry[2])
+                self._decode_median = None
+                if len(self._decode) == SPEED_TRUSTED:
+                    log.info(
+                        "reserve refill credit: per-output-token decode time measured "
+                        "(%.4f s over %d ends); ends predicted from decode starts from now on",
+                        self.decode_per_token_s(),
+                        SPEED_TRUSTED,
+                    )
+        super().freed(address, tokens, key)
+
+    def decode_per_token_s(self) -> float | None:
+        """The median seconds per output token from the decode's start (the scrape that
+        first saw it past its first token) to the end, over the recent ends (None until
+        `SPEED_TRUSTED` were timed)."""
+        if len(self._decode) < SPEED_TRUSTED:
+            return None
+        if self._decode_median is None:
+            ordered = sorted(self._decode)
+            self._decode_median = ordered[len(ordered) // 2]
+        return self._decode_median
+
+    def observe(self, address: str, state: EndpointState | None) -> None:
+        """Reads `address`'s latest scrape: this replica's requests the engine is past the
+        first token of are marked started at the scrape's time."""
+        if state is None or state.prefilling is None or state.age_s is None:
+            if address not in self._blind:
+                self._blind.add(address)
+                if state is not None and state.age_s is not None:
+                    # Not merely unscraped yet (the scraper says why it has no figures).
+                    log.warning(
+                        "reserve refill credit: no first-token count scraped from %s; its "
+                        "requests' ends are predicted from their placement until there is",
+                        address,
+                    )
+            return
+        self._blind.discard(address)
+        taken = self._clock() - state.age_s
+        last = self._seen.get(address)
+        if last is not None and taken <= last:
+            return  # read already
+        self._seen[address] = taken
+        before = self._before.get(address)
+        if not before:
+            return
+        # A request placed just before the scrape may not have reached the engine, which
+        # then counts it nowhere: judged only from `ARRIVAL_S` after its placement. The
+        # engine's count covers every replica's requests; taking them all as this
+        # replica's newest marks fewer started than are (the safe side: less credited).
+        judged = [k for k, at in before.items() if at <= taken - ARRIVAL_S]
+        started = self._started.setdefault(address, {})
+        for k in judged[: max(0, len(judged) - state.prefilling)]:
+            # Its first token came after its placement and the scrape before, if any.
+            at = before.pop(k)
+            started[k] = (at if last is None else max(at, last), taken)
+        self._cache_at = -1.0
+
+    def credit(self, address: str) -> int:
+        if address in self._blind:
+            self.unstarted += 1
+        return super().credit(address)
+
+    def predicted(self, address: str) -> int | None:
+        per_token = self.decode_per_token_s()
+        if per_token is None or address in self._blind:
+            return super().predicted(address)  # from placement
+        now = self._clock()
+        if now != self._cache_at:
+            self._cache, self._cache_at = {}, now
+        known = self._cache.get(address)
+        if known is None:
+            until = now + self.horizon_s
+            started = self._started.get(address, {})
+            known = 0
+            for key, (_, tokens, output) in self._live.get(address, {}).items():
+                seen = started.get(key)
+                # Not yet decoding: at least a prefill and its whole output away.
+                if seen is not None and now < seen[1] + output * per_token <= until:
+                    known += tokens
+            self._cache[address] = known
+        return known
+
+
 # `flow_control.reserve_refill_credit`: how the room a server is about to free is counted.
-CREDITS: dict[str, type[Refill]] = {"rate": Refill, "predicted": PredictedRefill}
+CREDITS: dict[str, type[Refill]] = {
+    "rate": Refill,
+    "predicted": PredictedRefill,
+    "started": StartedRefill,
+}
