@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from extproc.config import decode_settings
 from extproc.core import EndpointState
+from extproc.flowcontrol.admission import Admission
+from extproc.flowcontrol.config import build_flow_config
 from extproc.flowcontrol.controller import FlowController, FlowRequest
 from extproc.flowcontrol.detectors import ConcurrencyDetector, UtilizationDetector
 from extproc.flowcontrol.refill import WINDOW_S
@@ -87,6 +90,30 @@ async def test_the_room_freed_and_reserved_is_the_prompt_without_output_tokens()
     assert ctl.refill.rate("A") == 600 / WINDOW_S  # not 800: the detector never counted it
     held, top = ctl.reserve.held(0, (10, 0), None)
     assert (held, top) == (600, 10)
+
+
+def test_a_configured_prior_is_taken_in_the_same_unit():
+    # request_tokens 2,000 with 256 of output expected: the detector without outputTokens
+    # counts its 1,744 prompt tokens, and the band's rate by the same share.
+    detector = {"saturationDetector": {"pluginRef": "concurrency-detector"}}
+    for params, size, rate in (({}, 1744, 872.0), ({"outputTokens": 64}, 2000, 1000.0)):
+        plugins = [tokens_detector(CAP, **params)]
+        s = decode_settings(
+            {
+                "flow_control": {
+                    "admit_per_endpoint": True,
+                    "reserve_for_higher_bands": 1,
+                    "reserve_prior": {10: {"request_tokens": 2000, "tokens_per_s": 1000.0}},
+                }
+            }
+        ).flow_control
+        assert s is not None
+        flow = Admission(
+            build_flow_config(detector, None, plugins, s), lambda: (), registry=None,
+            endpoints=list,
+        )  # fmt: skip
+        prior = flow.controller.reserve._priors[10]
+        assert (prior.tokens, prior.prompt, prior.rate) == (size, 1744, rate)
 
 
 def test_which_detectors_count_output():
