@@ -60,9 +60,12 @@ async def test_redis_outage_degrades_lookups_then_recovers(
 
 
 async def test_unreachable_redis_never_raises_from_lookup() -> None:
-    index = RedisKVIndex.from_url("redis://127.0.0.1:1", lookup_budget_s=0.005)
+    # A short write retry: the queued write is dropped at close within it, not waited for
+    # the 5 s the close gives a flush (the test took 5 s for that alone).
+    index = RedisKVIndex.from_url("redis://127.0.0.1:1", lookup_budget_s=0.005, write_retry_s=0.2)
     async with index:
         for _ in range(3):
             assert (await index.lookup(KEYS)).degraded
         index.record(A, KEYS)
     assert index.stats.lookups_degraded == 3
+    assert index.stats.writes_dropped == 3 and index.stats.degraded["writes"] == 1
