@@ -72,6 +72,7 @@ import msgspec
 from extproc.core import InferenceRequest
 from extproc.requests import parse_request
 from extproc.requests.settings import ParseSettings
+from extproc.throttle import Throttle
 
 log = logging.getLogger("extproc.calibration")
 
@@ -122,6 +123,9 @@ class CalibrationStats:
     bytes_per_token: int = 0
     changes: int = 0
     windows_skipped: int = 0
+    # Scrapes of engines that export no prompt-token counter: nothing to measure from them
+    # (each such endpoint said once).
+    unmeasured: int = 0
     adopted: int = 0  # of `changes`: bytes-per-token values adopted from peer replicas
     refused: int = 0  # peers' values refused (out of bounds, or another key geometry)
     ratios: dict[str, float] = field(default_factory=dict)  # endpoint -> last engine/estimate
@@ -143,6 +147,11 @@ class Calibration:
         # A proposed bytes-per-token and how many windows in a row proposed it.
         self._proposal: tuple[int, int] | None = None
         self.stats = CalibrationStats(settings.key_block_tokens, settings.bytes_per_token)
+        # Windows left out are said at most once a minute (with how many were left out in
+        # between); before, only a counter showed them, and a fleet whose every window was
+        # left out (another client on its engines) kept the default silently.
+        self._throttle = Throttle(every_s=60.0)
+        self._unmeasured: set[str] = set()  # endpoints said to export no prompt counter
         # Told the factor every token estimate grows by when bytes-per-token changes (the
         # capacity model measures in those estimates: see extproc/index/capacity.py).
         self.on_units: list[Callable[[float], None]] = []
@@ -212,6 +221,7 @@ class Calibration:
         is gone reads as a live one)."""
         self._windows.pop(endpoint, None)
         self.stats.ratios.pop(endpoint, None)
+        self._unmeasured.discard(endpoint)
 
     def observe(
         self,
@@ -228,7 +238,16 @@ class Calibration:
         if block_size and block_size != self.settings.block_tokens:
             self._set(block_tokens=block_size, why=f"{endpoint} reports KV blocks of that size")
         if prompt_tokens is None:
+            self.stats.unmeasured += 1
+            if endpoint not in self._unmeasured:
+                self._unmeasured.add(endpoint)
+                log.warning(
+                    "calibration: %s exports no prompt-token counter (vllm:prompt_tokens_total);"
+                    " characters per token are not measured from it",
+                    endpoint,
+                )
             return
+        self._unmeasured.discard(endpoint)
         w = self._windows.setdefault(endpoint, _Window())
         if w.engine_start is None or prompt_tokens < w.engine_start:  # first, or a restart
             w.engine_start, w.estimated, w.requests = prompt_tokens, 0, 0
@@ -276,6 +295,15 @@ class Calibration:
         measured = current / ratio if ratio > 0 else float("inf")
         if not _CHARS_PER_TOKEN[0] <= measured <= _CHARS_PER_TOKEN[1]:
             self.stats.windows_skipped += 1
+            suppressed = self._throttle.allow("window skipped")
+            if suppressed is not None:
+                log.warning(
+                    "calibration: a window of %s left out: %.2f engine tokens per estimated "
+                    "token, %.2f characters per token (outside %g-%g): another client on the "
+                    "engine, or prompts shorter than its chat template (%d more left out since "
+                    "the last line)",
+                    endpoint, ratio, measured, *_CHARS_PER_TOKEN, suppressed,
+                )  # fmt: skip
             return
         self.stats.ratios[endpoint] = ratio
         if abs(measured - current) < _HYSTERESIS:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
@@ -77,7 +78,8 @@ class Outage:
     `failed(exc, part)` counts the part's consecutive failures, logs `failed_msg % exc` at
     warning level when the feature turns degraded (once per outage, whichever part fails
     first) and returns how long to back off. `healed(part)` ends the part's failures and,
-    when that ends the outage, logs `healed_msg % failures` at info level."""
+    when that ends the outage, logs `healed_msg % failures` at info level with how long the
+    feature was degraded."""
 
     def __init__(
         self,
@@ -88,8 +90,11 @@ class Outage:
         base_s: float = 0.05,
         cap_s: float = 1.0,
         rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._log = logger
+        self._clock = clock
+        self._since = 0.0  # when the outage began
         self._failed_msg = failed_msg
         self._healed_msg = healed_msg
         self._base_s = base_s
@@ -107,6 +112,7 @@ class Outage:
 
     def failed(self, exc: BaseException, part: str = "") -> float:
         if not self.degraded:
+            self._since = self._clock()
             self._log.warning(self._failed_msg, exc)
         n = self._failing[part] = self._failing.get(part, 0) + 1
         return backoff_s(n, self._base_s, self._cap_s, self._rng.random())
@@ -115,7 +121,7 @@ class Outage:
         """True when this ended the outage (and said so)."""
         n = self._failing.pop(part, 0)
         if n and not self.degraded:
-            self._log.info(self._healed_msg, n)
+            self._log.info(self._healed_msg + ", %.1f s degraded", n, self._clock() - self._since)
             return True
         return False
 

@@ -256,13 +256,22 @@ async def test_stop_abandons_a_task_that_ignores_cancel_and_says_so(
 def test_outage_logs_once_per_outage_and_backs_off(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     log = logging.getLogger("tests.outage")
-    outage = Outage(log, failed_msg="down (%r)", healed_msg="back after %d", base_s=0.1, cap_s=0.4)
+    now = [10.0]
+    outage = Outage(
+        log,
+        failed_msg="down (%r)",
+        healed_msg="back after %d",
+        base_s=0.1,
+        cap_s=0.4,
+        clock=lambda: now[0],
+    )
     assert not outage.degraded
     delays = [outage.failed(OSError("x"), "read") for _ in range(4)]
     assert all(0.05 <= d <= 0.4 for d in delays) and delays[-1] >= 0.2  # doubled, capped
     outage.failed(OSError("y"), "publish")
     assert outage.degraded and outage.failures("read") == 4
     assert not outage.healed("read")  # publish still failing: the outage goes on
+    now[0] += 2.5
     assert outage.healed("publish") and not outage.degraded
     messages = [r.getMessage() for r in caplog.records if r.name == "tests.outage"]
-    assert messages == ["down (OSError('x'))", "back after 1"]
+    assert messages == ["down (OSError('x'))", "back after 1, 2.5 s degraded"]

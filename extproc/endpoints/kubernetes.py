@@ -439,8 +439,9 @@ class _Reflector(Generic[T]):
                 if self.resource_version is None:
                     async with asyncio.timeout(owner.timing.request_timeout_s):
                         await self._list(session)
+                    failures = self._back(failures)
                 if await self._watch(session):
-                    failures = 0
+                    failures = self._back(failures)
                 else:
                     # A watch that ends before saying anything would make this a busy loop.
                     failures += 1
@@ -458,6 +459,13 @@ class _Reflector(Generic[T]):
                 else:
                     log.exception("%s list/watch failed, retry in %.1fs", self._kind, delay)
                 await owner.sleep(delay)
+
+    def _back(self, failures: int) -> int:
+        """A list or watch went through: after failures (each said with its retry delay),
+        say that the endpoint set follows the API server again. Returns the new count, 0."""
+        if failures:
+            log.info("%s list/watch back after %d failed attempts", self._kind, failures)
+        return 0
 
     async def _get(
         self, session: aiohttp.ClientSession, params: Mapping[str, str]

@@ -81,6 +81,7 @@ class ScrapeStats:
 class _Health:
     fetcher: MetricsFetcher
     failing: int = 0  # consecutive failures
+    failing_since: float = 0.0  # the first of them (the scraper's clock)
     slow: bool = False  # every one of them a timeout
     failures: int = 0  # since the endpoint joined the pool
     retry_at: float = 0.0
@@ -240,7 +241,12 @@ class MetricsScraper:
         if self._on_scrape is not None:
             self._on_scrape(address, scraped, age_s)
         if h.failing:
-            log.info("endpoint %s: metrics back after %d failures", address, h.failing)
+            log.info(
+                "endpoint %s: metrics back after %d failures, %.1f s stale",
+                address,
+                h.failing,
+                self._clock() - h.failing_since,
+            )
             h.failing = 0
             h.slow = False
             h.forgotten = False
@@ -312,6 +318,7 @@ class MetricsScraper:
         # Slow only while every failure of this run is a timeout.
         h.slow = isinstance(exc, TimeoutError) and (h.slow or h.failing == 1)
         if h.failing == 1:
+            h.failing_since = self._clock()
             log.warning(
                 "endpoint %s: metrics scrape failing (%s); its figures will go stale",
                 address,

@@ -96,16 +96,20 @@ class Admission:
                 "admit_per_endpoint and reserve_for_higher_bands"
             )
         # The prior's prompt (what a server prefills) is its request less the output
-        # counted per request.
-        priors = {
-            p: BandPrior(
-                tokens=rp.request_tokens,
-                prompt=max(0, rp.request_tokens - s.expected_output_tokens),
-                rate=rp.tokens_per_s,
+        # counted per request. Its size and rate are taken in the unit the band's own
+        # history is noted in (FlowRequest.counted_tokens): without the detector counting
+        # output, the prompt alone, and the rate by the same share.
+        counts_output = bool(getattr(config.detector, "counts_output", True))
+        priors = {}
+        for p, rp in s.reserve_prior.items():
+            prompt = max(0, rp.request_tokens - s.expected_output_tokens)
+            share = 1.0 if counts_output else prompt / rp.request_tokens
+            priors[p] = BandPrior(
+                tokens=rp.request_tokens if counts_output else prompt,
+                prompt=prompt,
+                rate=rp.tokens_per_s * share,
                 prefill_s=rp.prefill_s,
             )
-            for p, rp in s.reserve_prior.items()
-        }
         self.controller = controller or FlowController(
             detector=config.detector,
             states=states,

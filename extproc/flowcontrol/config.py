@@ -120,7 +120,8 @@ _SIZES_KEPT = 100  # as flowcontrol/reserve.py keeps per band (HISTORY)
 class ReservePrior(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a higher band is expected to send, for the reserve before its own history can
     say (`reserve_prior`): the largest request, prompt + output in the picker's tokens
-    (uncached prompt estimate + expected output), and the band's arrival rate in those
+    (uncached prompt estimate + expected output; its prompt alone where the detector counts
+    no output, FlowRequest.counted_tokens), and the band's arrival rate in those
     tokens per second (0: no rate term from the prior); `prefill_s`, the largest request's
     prefill time, prices the rate term while no prefill speed is measured yet (a fresh
     picker at a burst's start; 0: the rate term waits for a measured speed)."""

@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 from extproc.core import EndpointState
@@ -245,6 +245,9 @@ class FlowController:
         # there from this process differ from it: each counts its own expected output
         # (capped by its max_tokens), so a server of short answers is not judged full.
         self._base_out = int(getattr(detector, "output_per_request", 0))
+        # Whether the detector counts a placed request's output at all: if not, a request's
+        # room is its prompt alone (FlowRequest.counted_tokens says why one unit).
+        self._counts_output = bool(getattr(detector, "counts_output", True))
         # address -> [requests, output difference, engine difference]
         self._out_at: dict[str, list[int]] = {}
         # With count_engine_blocks (flowcontrol/engine_blocks.py) each placed request counts
@@ -277,8 +280,10 @@ class FlowController:
     async def admit(self, request: FlowRequest) -> Ticket:
         now = self._clock()
         p = request.priority
+        if request.output_counted and not self._counts_output:
+            request = replace(request, output_counted=False)
         if self.reserve_count:
-            self.reserve.note(p, request.tokens, request.output_tokens)
+            self.reserve.note(p, request.counted_tokens, request.counted_output)
         if self.gate is not None:
             self.gate.arrived(p)
         if self.count == 0 and self._may_run(p) and self._open(p):
@@ -378,7 +383,7 @@ class FlowController:
         ceiling = self.ceiling(request.priority, sat)
         # What the request takes, in the unit its fit is counted in (and, counting engine
         # blocks, in the reserve's: what the engine will hold).
-        size = request.room_tokens if by_blocks else request.tokens
+        size = request.room_tokens if by_blocks else request.counted_tokens
         held, top = (0, 0)
         if self.reserve_count:
             tps = self._prefill_speed() if self._prefill_speed is not None else None
@@ -446,7 +451,7 @@ class FlowController:
         assert gate is not None
         p = request.priority
         if gate.active_above(p):
-            prompt = request.tokens - request.output_tokens
+            prompt = request.prompt_tokens
             kept = [(x, a) for x, a in fits if gate.admits(gate.unfinished(a, states[a]), prompt)]
             if not kept:
                 gate.note_held(p)
@@ -572,7 +577,7 @@ class FlowController:
             request, waited, dispatched_at=self._clock(), endpoints=where, target=target
         )
         if self.gate is not None:
-            self.gate.released(ticket, target, request.tokens - request.output_tokens)
+            self.gate.released(ticket, target, request.prompt_tokens)
         if self.evictor is not None:
             self.evictor.track(ticket)
         return ticket
@@ -672,7 +677,7 @@ class FlowController:
         best: tuple[float, str] = (math.inf, "")
         peer_extra = self._peer_extra()
         by_blocks = self._by_blocks(request.priority)
-        size = request.room_tokens if by_blocks else request.tokens
+        size = request.room_tokens if by_blocks else request.counted_tokens
         for addr, state in self._endpoints():
             reqs = self._pending_at.get(addr, _NONE)[0]
             toks = self._counted_at(addr, claimed.get(addr, 0), state, peer_extra, by_blocks)

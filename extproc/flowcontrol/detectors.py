@@ -55,6 +55,9 @@ class UtilizationDetector:
     # Scraped figures show a placed request only at a later scrape: the controller keeps
     # released work pending for a while after placement (see FlowController).
     sees_placement = False
+    # The scraped KV use grows by a request's output as it is generated: work released to
+    # an endpoint counts prompt + output (FlowRequest.counted_tokens).
+    counts_output = True
 
     class Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         queueDepthThreshold: _PosInt = 5
@@ -162,6 +165,12 @@ class ConcurrencyDetector:
         """The output tokens counted per in-flight request (0: output not counted)."""
         return 0 if self.params.concurrencyMode == "requests" else self.params.outputTokens
 
+    @property
+    def counts_output(self) -> bool:
+        """Whether a placed request's output is counted: without `outputTokens` a request
+        is its prompt alone, and so is the room it asks for (FlowRequest.counted_tokens)."""
+        return self.output_per_request > 0
+
     def _token_ceiling(self, s: EndpointState) -> float | None:
         p = self.params
         if not p.kvCacheFraction:
@@ -198,7 +207,7 @@ class ConcurrencyDetector:
         self, state: EndpointState, extra_requests: int, extra_tokens: int
     ) -> float:
         """One endpoint with extra work on it (`extra_tokens` already include their
-        expected output, as pending work does in `saturation`)."""
+        expected output where `counts_output`, as pending work does in `saturation`)."""
         p = self.params
         reqs = state.inflight_requests + extra_requests
         if p.concurrencyMode == "requests":

@@ -120,7 +120,8 @@ class Refill:
         credit needs only its end."""
 
     def freed(self, address: str, tokens: int, key: Hashable = None) -> None:
-        """A request of `tokens` (prompt + expected output) ended on `address`."""
+        """A request of `tokens` (what it took on the server, FlowRequest.room_tokens)
+        ended on `address`."""
         if not address or tokens <= 0:
             return
         ends = self._ends.setdefault(address, collections.deque())

@@ -46,13 +46,43 @@ class FlowRequest:
     slo_ttft_s: float | None = None
     output_tokens: int = 0  # the expected output part of `tokens`
     # What the engine will hold for it, in the detector's unit (count_engine_blocks,
-    # flowcontrol/engine_blocks.py); 0: not counted so, `tokens` stand for it.
+    # flowcontrol/engine_blocks.py); 0: not counted so, `counted_tokens` stand for it.
     engine_tokens: int = 0
+    # Whether what it takes on a server counts its output: as the saturation detector
+    # counts it once placed. The controller sets it at admission (`FlowController.admit`);
+    # see `counted_tokens`.
+    output_counted: bool = True
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.tokens - self.output_tokens
+
+    @property
+    def counted_output(self) -> int:
+        """The output part of `counted_tokens`."""
+        return self.output_tokens if self.output_counted else 0
+
+    @property
+    def counted_tokens(self) -> int:
+        """What it takes on a server by its tokens, in the detector's unit. Once placed a
+        request is counted by the detector (its in-flight prompt tokens, plus its output
+        where the detector counts one: the concurrency detector's `outputTokens`, the
+        utilization detector's scraped KV); until then the controller counts it as pending,
+        claimed, reserved and, at its end, freed. One unit for both: with a concurrency
+        detector without `outputTokens` a placed request counted its prompt alone while a
+        request asking for room (and the pending figures, the reserve, the refill credit)
+        counted prompt + output, so a request shrank by its output at placement and the
+        room freed at its end was credited its output too (twenty-third session). The
+        detector's unit is the one that is right: it is what the operator's ceiling
+        (`maxTokenConcurrency`) was set against, and what every placed request is counted
+        in; `tokens` stays prompt + output for fairness, which charges service."""
+        return self.prompt_tokens + self.counted_output
 
     @property
     def room_tokens(self) -> int:
-        """What it takes on a server, for the room checks."""
-        return self.engine_tokens or self.tokens
+        """What it takes on a server, for the room checks (what its engine holds, counting
+        engine blocks)."""
+        return self.engine_tokens or self.counted_tokens
 
 
 @dataclass(eq=False, slots=True)

@@ -116,6 +116,10 @@ class IndexStats:
     write_errors: int = 0
     batches: int = 0
     evicted_blocks: int = 0
+    # Remote backends, per direction ("lookups", "writes"; index/outage.py): 1 while it
+    # fails (Redis down or refusing), and how many failing spells began.
+    degraded: dict[str, int] = field(default_factory=dict)
+    outages: dict[str, int] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -130,6 +130,10 @@ class IngestStats:
     # Bound socket: messages refused because their topic named no pool endpoint, or came
     # from an address other than the endpoint the topic names (spoofing), or failed CURVE.
     rejected: int = 0
+    # Dialed publishers: connections lost (ZMQ reconnects by itself), and how many are down
+    # now (subscriber.py says each loss and each return).
+    disconnects: int = 0
+    publishers_down: int = 0
 
 
 Replay = Callable[[int], Awaitable[Sequence[tuple[int, bytes]] | None]]

@@ -41,6 +41,7 @@ from extproc.index.base import (
     filter_matches,
 )
 from extproc.index.lookup_health import LookupHealth
+from extproc.index.outage import LOOKUPS, WRITES, Spell
 from extproc.index.prefix import Records, Segment, prefix_matches
 from extproc.index.redis_scripts import LOOKUP, SHA, TRACK, WRITE
 from extproc.redis_client import redis_from_url
@@ -149,6 +150,10 @@ class RedisKVIndex:
         # replica scrapes the same servers, so they all trim to the same bound.
         self._caps: dict[str, int] = {}
         self.stats = IndexStats()
+        st = self.stats
+        # Each direction says when it starts failing and when it is back (index/outage.py).
+        self._lookups_down = Spell(LOOKUPS, st, log, lambda: (st.lookups_degraded,))
+        self._writes_down = Spell(WRITES, st, log, lambda: (st.write_errors, st.writes_dropped))
 
     @classmethod
     def from_url(cls, url: str, *, cluster: bool = False, **kwargs: Any) -> RedisKVIndex:
@@ -249,6 +254,8 @@ class RedisKVIndex:
             self._lookup_failed(exc)
             return DEGRADED
         health.answered(time.perf_counter() - started)
+        if self._lookups_down.since is not None:
+            self._lookups_down.back(_lookups_skipped)
         out = task.result()
         walked = int(out[-1])
         if walked == 0:
@@ -288,11 +295,10 @@ class RedisKVIndex:
             return  # a dead Redis: the lookups that meet it say so
         seconds = time.perf_counter() - started
         self.stats.lookups_late += 1
-        was_open = self._health.is_open()
         self._health.answered(seconds, late=True)
         self.stats.lookup_budget_s = self._health.budget_s
-        if was_open and not self._health.is_open():
-            log.info("kv index: a lookup answered after %.3fs: lookups resume", seconds)
+        if self._health.opens == 0:  # an answer within the cap: Redis is alive
+            self._lookups_down.back(_lookups_skipped)
 
     def _lookup_failed(self, exc: BaseException) -> None:
         self.stats.lookups_degraded += 1
@@ -300,9 +306,19 @@ class RedisKVIndex:
         self._opened(exc, self._health.failed())
 
     def _opened(self, exc: BaseException, backoff: float) -> None:
-        opens = self._health.opens
-        if opens in (1, 3) or opens % 100 == 0:
-            log.warning("kv index: lookup degraded (%r); retry in %.2fs", exc, backoff)
+        """The breaker opened: the first time since Redis last answered starts a failing
+        spell (said once); a long one is recalled every 100 openings (~100 s at the
+        backoff's 1 s cap), never per lookup."""
+        spell = self._lookups_down
+        if spell.failing(exc, "answered degraded (routed on load) until Redis answers"):
+            return
+        if self._health.opens % 100 == 0 and spell.since is not None:
+            log.warning(
+                "kv index: lookups still failing after %.0f s (%r); retry in %.2f s",
+                time.monotonic() - spell.since,
+                exc,
+                backoff,
+            )
 
     async def _eval(self, script: str, key: str, *args: bytes | str) -> Any:
         try:
@@ -458,14 +474,20 @@ class RedisKVIndex:
                 # In a task of its own: the writer must stay cancellable (redis_loop.py).
                 await command(action(), max(5.0, self._write_retry_s), self._abandoned)
                 self.stats.batches += 1
+                self._writes_down.back(_writes_skipped)
                 return
             except Exception as exc:  # the writer outlives any one batch, bug or outage
                 self.stats.write_errors += 1
+                # Said once per failing spell (before: a warning at every retry, about one
+                # a second for as long as Redis was down); its end says how many failed.
+                self._writes_down.failing(
+                    exc, f"queued writes wait, each batch retried for {self._write_retry_s:g} s"
+                )
                 if time.monotonic() - started > self._write_retry_s:
                     self.stats.writes_dropped += blocks
                     log.error("kv index: dropped a write batch of %d blocks: %r", blocks, exc)
                     return
-                log.warning("kv index: write failed (%r); retrying in %.2fs", exc, delay)
+                log.debug("kv index: write failed (%r); retrying in %.2fs", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
 
@@ -552,6 +574,14 @@ class RedisKVIndex:
     async def aclose(self) -> None:
         if self._owns_client:
             await close(self._client, "kv index", self._abandoned)
+
+
+def _lookups_skipped(grown: tuple[int, ...]) -> str:
+    return f"{grown[0]} more lookups answered degraded meanwhile"
+
+
+def _writes_skipped(grown: tuple[int, ...]) -> str:
+    return f"{grown[0]} failed write attempts, {grown[1]} blocks dropped meanwhile"
 
 
 def _parse_value(raw: bytes) -> Records:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from extproc.index.base import KVIndex
 from extproc.index.curve import CurveKeys
@@ -106,6 +108,11 @@ class KVEventSubscriber:
         self._ingests: dict[str, EventIngest] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._dialed: dict[str, zmq.Socket[bytes]] = {}
+        # Each dialed socket's connection events (`_watched`), and the publishers whose
+        # connection is lost now, since when (said once each way; before, a publisher that
+        # went away showed only as silence, which an idle engine's is too).
+        self._monitors: dict[str, zmq.Socket[bytes]] = {}
+        self._down: dict[str, float] = {}
         self._bound: zmq.Socket[bytes] | None = None
         self._wake = asyncio.Event()
         self.stats = IngestStats()
@@ -155,6 +162,8 @@ class KVEventSubscriber:
                             pass
                 await asyncio.sleep(0)  # lookups share this loop: never hog it
         finally:
+            for endpoint in list(self._monitors):
+                self._unmonitor(loop, endpoint)
             for sock in [*self._dialed.values(), *([self._bound] if self._bound else [])]:
                 self._close(loop, sock)
             self._dialed.clear()
@@ -178,22 +187,81 @@ class KVEventSubscriber:
         loop.remove_reader(_fd(sock))
         sock.close(linger=0)
 
+    def _unmonitor(self, loop: asyncio.AbstractEventLoop, endpoint: str) -> None:
+        sock = self._dialed.get(endpoint)
+        if sock is not None:
+            sock.disable_monitor()
+        mon = self._monitors.pop(endpoint, None)
+        if mon is not None:
+            self._close(loop, mon)
+        if self._down.pop(endpoint, None) is not None:
+            self.stats.publishers_down = len(self._down)
+
     def _sync_sockets(self, loop: asyncio.AbstractEventLoop) -> None:
         for endpoint in [ep for ep in self._dialed if ep not in self._sources]:
+            self._unmonitor(loop, endpoint)
             self._close(loop, self._dialed.pop(endpoint))
         for endpoint, source in self._sources.items():
             if endpoint not in self._dialed:
                 sock = self._socket(loop)
+                events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                mon = sock.get_monitor_socket(events)
+                loop.add_reader(_fd(mon), self._wake.set)
+                self._monitors[endpoint] = mon
                 sock.connect(source.url)
                 self._dialed[endpoint] = sock
 
     def _readable(self) -> bool:
-        socks = [*self._dialed.values(), *([self._bound] if self._bound else [])]
+        socks = [
+            *self._dialed.values(),
+            *self._monitors.values(),
+            *([self._bound] if self._bound else []),
+        ]
         return any(cast(int, s.getsockopt(zmq.EVENTS)) & zmq.POLLIN for s in socks)
+
+    def _watched(self) -> bool:
+        """Reads the dialed sockets' connection events; True if any were read."""
+        got = False
+        for endpoint, mon in list(self._monitors.items()):
+            while True:
+                try:
+                    event = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                got = True
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._lost(endpoint)
+                elif event["event"] == zmq.EVENT_CONNECTED:
+                    self._back(endpoint)
+        return got
+
+    def _lost(self, endpoint: str) -> None:
+        if endpoint in self._down:
+            return
+        self._down[endpoint] = time.monotonic()
+        self.stats.disconnects += 1
+        self.stats.publishers_down = len(self._down)
+        log.warning(
+            "kv events: publisher of %s disconnected; its cache changes are not seen until "
+            "it reconnects (retried by itself)",
+            endpoint,
+        )
+
+    def _back(self, endpoint: str) -> None:
+        since = self._down.pop(endpoint, None)
+        if since is None:
+            return  # the first connection
+        self.stats.publishers_down = len(self._down)
+        log.info(
+            "kv events: publisher of %s reconnected after %.1f s (batches sent meanwhile are "
+            "replayed or the endpoint resynced at the sequence gap)",
+            endpoint,
+            time.monotonic() - since,
+        )
 
     async def _drain(self) -> bool:
         """Up to `max_messages_per_pass` messages per socket; True if any were read."""
-        got = False
+        got = self._watched()
         for endpoint, sock in list(self._dialed.items()):
             for _ in range(self._max_per_pass):
                 try:
@@ -221,7 +289,15 @@ class KVEventSubscriber:
             await self._dispatch(frames, endpoint, peer)
         except Exception:  # one bad message must never stop ingestion for every endpoint
             self.stats.malformed += 1
-            log.exception("kv events: message from %s skipped", endpoint or "bound socket")
+            # With its traceback (a message that raised is a bug to fix), but once per 10 s:
+            # a publisher repeating it would otherwise write one per message.
+            suppressed = self._throttle.allow("dispatch raised")
+            if suppressed is not None:
+                log.exception(
+                    "kv events: message from %s skipped (%d more like it since the last line)",
+                    endpoint or "bound socket",
+                    suppressed,
+                )
 
     async def _dispatch(
         self, frames: Sequence[bytes], endpoint: str | None, peer: str | None = None

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -45,15 +46,25 @@ def entries(msg: pb.StreamAccessLogsMessage) -> list[Ended]:
 
 
 class AccessLogHandler:
-    """Serves `StreamAccessLogs`; `streams` counts the ones open now.
+    """Serves `StreamAccessLogs`; `streams` counts the ones open now, `lost` the ones the
+    proxy closed (not `end()`).
 
     Envoy keeps one stream open per connection for as long as the connection lives, so a
     draining server would wait its whole grace for it: `end()` has every open stream answer
-    and close (a draining picker calls it once its ext_proc streams are done)."""
+    and close (a draining picker calls it once its ext_proc streams are done).
 
-    def __init__(self, ends: RequestEnds) -> None:
+    Losing the last stream is a degraded state, said once when it happens and once when a
+    stream opens again (with how long there was none): until then no request's end is
+    reported, so the in-flight counts held for their entries (`state.request_end`) stay up
+    until `max_hold_s` and servers look busier than they are. Before, only the
+    `extproc_access_log_streams` gauge going to 0 showed it."""
+
+    def __init__(self, ends: RequestEnds, clock: Callable[[], float] = time.monotonic) -> None:
         self._ends = ends
+        self._clock = clock
         self.streams = 0
+        self.lost = 0
+        self._none_since: float | None = None  # when the last stream was lost
         self._ending = asyncio.Event()
 
     async def stream(
@@ -61,7 +72,14 @@ class AccessLogHandler:
     ) -> pb.StreamAccessLogsResponse:
         self.streams += 1
         if self.streams == 1:
-            log.info("access-log stream open: in-flight counts last until requests end")
+            if self._none_since is None:
+                log.info("access-log stream open: in-flight counts last until requests end")
+            else:
+                log.info(
+                    "access-log stream open again after %.1f s without one",
+                    self._clock() - self._none_since,
+                )
+                self._none_since = None
         it = aiter(requests)
         ending = asyncio.ensure_future(self._ending.wait())
         try:
@@ -82,7 +100,20 @@ class AccessLogHandler:
         finally:
             ending.cancel()
             self.streams -= 1
+            if not self._ending.is_set():
+                self._lost()
         return pb.StreamAccessLogsResponse()
+
+    def _lost(self) -> None:
+        """The proxy closed a stream (or its connection went): counted; the last one said."""
+        self.lost += 1
+        if self.streams == 0 and self._none_since is None:
+            self._none_since = self._clock()
+            log.warning(
+                "access-log stream lost, none open: request ends are not reported until the "
+                "proxy reconnects; in-flight counts held for them last up to "
+                "state.request_end.max_hold_s"
+            )
 
     def end(self) -> None:
         """Answer and close every open stream, and any opened after (a proxy reconnecting to

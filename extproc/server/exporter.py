@@ -322,6 +322,13 @@ class Exporter:
         yield one(
             "extproc_access_log_streams", "Access-log streams open now.", p.access_log.streams
         )
+        lost = counter(
+            "extproc_access_log_streams_lost",
+            "Access-log streams the proxy closed (not the picker's drain); the last one's loss "
+            "is logged, and the next stream's opening with how long there was none.",
+        )
+        lost.add_metric([], p.access_log.lost)
+        yield lost
         tps = gauge(
             "extproc_prefill_tokens_per_second",
             "Prefill speed learned per endpoint (uncached tokens per prefill second from the "

@@ -153,6 +153,21 @@ INDEX = StatsFamilies(
             "index.lookup_budget_s and lookup_budget_max_s (0: a local index).",
             kind="gauge",
         ),
+        "degraded": Stat(
+            "extproc_index_degraded",
+            "1 while the Redis index's lookups (answered degraded: routed on load) or writes "
+            "(queued and retried, dropped after write_retry_s) fail; 0 once one goes through.",
+            kind="gauge",
+            labels=("direction",),
+            keys=("lookups", "writes"),
+        ),
+        "outages": Stat(
+            "extproc_index_outages",
+            "Failing spells of the Redis index's lookups or writes (each logged when it "
+            "starts and when it ends, with how long and what was skipped).",
+            labels=("direction",),
+            keys=("lookups", "writes"),
+        ),
     },
     {
         # The router counts the same degraded answers (every lookup goes through it).
@@ -198,6 +213,17 @@ KV_EVENTS = StatsFamilies(
         "replayed": _kv("replayed", "KV-event batches recovered by replay."),
         "resyncs": _kv("resyncs", "Endpoints rebuilt after an unrecoverable gap."),
         "restarts": _kv("restarts", "Publisher restarts seen (sequence went back)."),
+        "disconnects": _kv(
+            "disconnects",
+            "Connections to dialed KV-event publishers lost (each logged, and its return; "
+            "ZMQ reconnects by itself).",
+        ),
+        "publishers_down": _kv(
+            "publishers_disconnected",
+            "Dialed KV-event publishers disconnected now: their engines' cache changes are "
+            "not seen until they reconnect.",
+            "gauge",
+        ),
         "clears": _kv(
             "clears", "AllBlocksCleared events applied (the endpoint's entries dropped)."
         ),
@@ -681,6 +707,11 @@ CALIBRATION = StatsFamilies(
             "Calibration windows left out: engine / estimated tokens outside the plausible "
             "range (another client, a restart).",
         ),
+        "unmeasured": Stat(
+            "extproc_approx_unmeasured_scrapes",
+            "Scrapes of engines that export no prompt-token counter: characters per token "
+            "are not measured from them (each such endpoint logged once).",
+        ),
         "ratios": Stat(
             "extproc_approx_token_ratio",
             "Engine prompt tokens per estimated token in the endpoint's last window (carried "
@@ -886,7 +917,8 @@ LOOPS = StatsFamilies(
         "crashes": Stat(
             "extproc_background_loop_crashes",
             "Background loops (scrapes, KV events, sharing, discovery, ...) that ended in an "
-            "exception: logged with the traceback, down until the process restarts.",
+            "exception: logged with the traceback, started again after a backoff (1 s "
+            "doubled per crash in a row, at most 60 s).",
             labels=("loop",),
         ),
     },

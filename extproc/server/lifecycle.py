@@ -20,6 +20,7 @@ import grpc
 from aiohttp import web
 
 from extproc import protocol
+from extproc.backoff import backoff_s
 from extproc.config import Settings
 from extproc.core import Endpoint
 from extproc.endpoints.shared_inflight import SharedInFlight
@@ -45,10 +46,15 @@ _SERVER_OPTIONS = (
 )
 
 
+# A crashed background loop runs again after this, doubled per crash in a row, at most the cap.
+LOOP_RESTART_S = 1.0
+LOOP_RESTART_CAP_S = 60.0
+
+
 @dataclass(slots=True)
 class LoopStats:
-    """Background loops that ended in an exception, by name (`crashes`): each is logged with
-    its traceback and stays down until the process restarts, so what it fed goes stale."""
+    """Background loops that ended in an exception, by name (`crashes`): each crash is
+    logged with its traceback and the loop is started again after a backoff."""
 
     crashes: dict[str, int] = field(default_factory=dict)
 
@@ -181,17 +187,36 @@ class Lifecycle(Parts):
         self._endpoints_changed.set()
 
     def spawn(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
-        """Run a background loop until stop; a crash is logged, never silent."""
+        """Run a background loop until stop; a crash is logged, never silent, and the loop
+        runs again after `LOOP_RESTART_S` doubled per crash in a row (capped). Before, a
+        crashed loop stayed down until the process restarted: a bug met once (a scrape
+        body, a peer's entry) left what the loop fed (figures, KV events, shared state)
+        stale for the process's life, with a serving picker routing on it. A loop that
+        returns has finished its work (`readiness`): it is not run again."""
 
         async def guarded() -> None:
-            try:
-                await loop()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                crashes = self.loop_stats.crashes
-                crashes[name] = crashes.get(name, 0) + 1
-                log.exception("background loop %s crashed", name, extra={"loop": name})
+            in_a_row = 0
+            while True:
+                started = asyncio.get_running_loop().time()
+                try:
+                    await loop()
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    crashes = self.loop_stats.crashes
+                    crashes[name] = crashes.get(name, 0) + 1
+                    # A loop that ran a while before crashing starts its backoff afresh.
+                    ran = asyncio.get_running_loop().time() - started
+                    in_a_row = 1 if ran > LOOP_RESTART_CAP_S else in_a_row + 1
+                    delay = backoff_s(in_a_row, LOOP_RESTART_S, LOOP_RESTART_CAP_S)
+                    log.exception(
+                        "background loop %s crashed; restarting in %.0f s",
+                        name,
+                        delay,
+                        extra={"loop": name, "crashes": crashes[name]},
+                    )
+                await asyncio.sleep(delay)
 
         self.loop_stats.crashes.setdefault(name, 0)  # a series from the start, for alerts
         self._tasks.append(asyncio.create_task(guarded(), name=name))

@@ -132,6 +132,28 @@ def test_foreign_traffic_and_restarts_do_not_calibrate() -> None:
     assert cal.settings.bytes_per_token == 4 and cal.stats.ratios["a:1"] == 1.0
 
 
+def test_left_out_windows_and_unmeasurable_engines_are_said(caplog) -> None:
+    # Before, a counter alone showed either: a fleet whose every window was left out (or
+    # whose engines export no prompt counter) kept its default characters per token silently.
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    with caplog.at_level("WARNING", logger="extproc.calibration"):
+        cal.observe("a:1", None, 0)
+        at = 0
+        for _ in range(3):
+            at = window(cal, at, 400_000, requests=8)  # 50x what we placed: foreign traffic
+        for _ in range(3):
+            cal.observe("b:1", None, None)  # no prompt-token counter at all
+    assert cal.stats.windows_skipped == 3 and cal.stats.unmeasured == 3
+    said = [r.getMessage() for r in caplog.records]
+    left_out = [m for m in said if "a window of a:1 left out" in m]
+    assert len(left_out) == 1 and "50.00 engine tokens per estimated token" in left_out[0]
+    assert sum("b:1 exports no prompt-token counter" in m for m in said) == 1
+    cal.forget("b:1")  # gone; if it comes back without the counter, said again
+    with caplog.at_level("WARNING", logger="extproc.calibration"):
+        cal.observe("b:1", None, None)
+    assert sum("b:1 exports no prompt-token counter" in r.getMessage() for r in caplog.records) == 2
+
+
 def test_disabled_calibration_never_changes_the_settings() -> None:
     cal = Calibration(ParseSettings(), enabled=False)
     cal.observe("a:1", 16, 0)

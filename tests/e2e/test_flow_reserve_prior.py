@@ -33,11 +33,12 @@ CONFIG = {
         "plugins": [
             {"type": "queue-scorer"},
             {"type": "max-score-picker"},
-            # A prompt here is ~500 estimated tokens, ~750 with the expected output: one
-            # request in flight plus the room for another exceed 1000, one alone does not.
+            # A prompt here is ~500 estimated tokens (its output is not counted: the
+            # detector has no outputTokens): one request in flight plus the room for
+            # another exceed 900, one alone does not.
             {
                 "type": "concurrency-detector",
-                "parameters": {"concurrencyMode": "tokens", "maxTokenConcurrency": 1000},
+                "parameters": {"concurrencyMode": "tokens", "maxTokenConcurrency": 900},
             },
         ],
         "flowControl": {
@@ -110,7 +111,7 @@ async def test_batch_leaves_a_server_for_interactive_before_any_interactive_came
         # The first ended: the batch request is released, nothing is lost.
         assert (await second).status_code == 200
         assert queued(stack, 0) == 0
-    # The room kept is exported: at least one request of ~750 estimated tokens.
+    # The room kept is exported: at least one request of ~500 estimated tokens.
     text = httpx.get(f"http://127.0.0.1:{stack.picker_admin_port}/metrics", timeout=5).text
     held = re.search(r"^extproc_flow_reserved_tokens (\S+)$", text, re.M)
     assert held is not None and float(held.group(1)) >= 500

@@ -44,10 +44,10 @@ LONG = 2000
 # that fills one server, the one let in or held, and the one beside it on the other server
 # (about to end, or streaming on).
 HI_WORDS, FILL_WORDS, Q_WORDS, X_WORDS = 50, 300, 150, 150
-RESERVE = reserve_estimate(HI_WORDS) + SHORT_OUT  # the interactive band's requests
-# A request asking for room counts its prompt and output; once placed, its prompt (the
-# detector has no `outputTokens` here).
-Q = reserve_estimate(Q_WORDS) + 1
+# A request counts its prompt alone, asking for room as once placed (the detector has no
+# `outputTokens` here; its counted output only times its predicted end).
+RESERVE = reserve_estimate(HI_WORDS)  # the interactive band's requests
+Q = reserve_estimate(Q_WORDS)
 X = reserve_estimate(X_WORDS)
 FILL = reserve_estimate(FILL_WORDS)
 # Beside either, Q fits under the ceiling but leaves that server short of the reserve by
@@ -79,10 +79,10 @@ def unpredicted(stack: Stack) -> float:
 async def test_credits_the_room_of_requests_predicted_to_end_within_the_horizon(stack: Stack):
     model = stack.fleet.model
     # The filler (placed on an idle server, though larger than the ceiling) leaves it too
-    # little for any batch request (X asks for X + output) or the reserve.
+    # little for any batch request or the reserve.
     assert min(Q, X, RESERVE) > CAP - FILL
     # On the other server, the reserve is there beside X alone, and short beside X and Q.
-    assert CAP - X - OUT >= RESERVE and 0 <= CAP - X - Q < RESERVE
+    assert CAP - X >= RESERVE and 0 <= CAP - X - Q < RESERVE
     loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
 

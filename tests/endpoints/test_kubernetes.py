@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -203,7 +204,10 @@ async def test_dropped_connection_resumes_from_last_version(kube: FakeKube) -> N
         assert kube.list_count(PODS) == 1
 
 
-async def test_server_restart_reconnects_with_growing_backoff(kube: FakeKube) -> None:
+async def test_server_restart_reconnects_with_growing_backoff(
+    kube: FakeKube, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="extproc.endpoints.kubernetes")
     async with watching(kube) as (watch, rec, sleeps):
         await rec.until(lambda a: len(a) == 2)
         await kube.stop()
@@ -216,6 +220,8 @@ async def test_server_restart_reconnects_with_growing_backoff(kube: FakeKube) ->
         assert all(d > 0 for d in pods_delays)
         assert max(sleeps.delays) > min(sleeps.delays)  # exponential, not a fixed retry
         assert max(sleeps.delays) <= WatchTiming().max_backoff_s
+    # Each failure was said with its delay; the way back is said too (it was not).
+    assert "list/watch back after" in caplog.text
 
 
 def test_backoff_doubles_with_jitter_up_to_the_cap() -> None:

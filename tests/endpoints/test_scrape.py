@@ -159,6 +159,7 @@ async def test_endpoint_that_starts_failing_goes_stale_and_recovers(
     messages = [r.getMessage() for r in caplog.records]
     assert sum("failing" in m for m in messages) == 1
     assert sum("back after" in m for m in messages) == 1
+    assert any(m.endswith("0.3 s stale") for m in messages), messages  # and how long
 
 
 async def test_unchanged_bodies_are_not_parsed_again_and_changes_are_seen(

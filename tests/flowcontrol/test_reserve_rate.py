@@ -90,7 +90,9 @@ async def test_the_pool_saturation_counts_own_outputs_too():
 
 
 async def interactive_history(ctl: FlowController, clock: Clock, n: int) -> None:
-    """`n` interactive requests of 500 tokens (400 prompt), 0.1 s apart: 5000 tokens/s."""
+    """`n` interactive requests of 400 prompt tokens (and 100 output, which a detector
+    without `outputTokens` does not count: FlowRequest.counted_tokens), 0.1 s apart: 4000
+    tokens/s."""
     for i in range(n):
         if i:
             clock.now += 0.1
@@ -98,22 +100,22 @@ async def interactive_history(ctl: FlowController, clock: Clock, n: int) -> None
 
 
 async def test_the_reserve_grows_with_the_higher_bands_arrival_rate(caplog):
-    # 5000 interactive tokens/s; the largest (400 prompt tokens) prefills in 0.1 s at 4000
-    # tokens/s: 500 more arrive meanwhile, so 1000 are kept free, not 500.
+    # 4000 interactive tokens/s; the largest (400 prompt tokens) prefills in 0.1 s at 4000
+    # tokens/s: 400 more arrive meanwhile, so 800 are kept free, not 400.
     clock = Clock()
     fleet = Fleet(tps=4000.0)
     ctl = make(fleet, cap=2000, output=0, reserve=1, clock=clock)
     await interactive_history(ctl, clock, 10)
-    fleet.tokens.update(A=1200, B=1200)  # 800 free on each
+    fleet.tokens.update(A=1300, B=1300)  # 700 free on each
     low = asyncio.create_task(ctl.admit(FlowRequest("t", 0, 300, 10)))
     await settle()
-    assert not low.done()  # on A 500 would be left, B has 800: neither keeps 1000
-    assert ctl.reserve.last_held == 1000
-    # Without a measured prefill speed: the largest request alone (500), and counted.
+    assert not low.done()  # on A 400 would be left, B has 700: neither keeps 800
+    assert ctl.reserve.last_held == 800
+    # Without a measured prefill speed: the largest request alone (400), and counted.
     fleet.tps = None
     ctl.tick()
     await settle()
-    assert low.done() and ctl.reserve.last_held == 500
+    assert low.done() and ctl.reserve.last_held == 400
     assert ctl.reserve.rate_unsized >= 1
     assert "no prefill speed measured" in caplog.text  # said once, and counted
 
@@ -123,10 +125,10 @@ async def test_a_band_that_went_quiet_needs_less_reserve():
     fleet = Fleet(tps=4000.0)
     ctl = make(fleet, cap=2000, output=0, reserve=1, clock=clock)
     await interactive_history(ctl, clock, 10)
-    clock.now += 89.1  # the same ten requests over 90 s: 50 tokens/s, +5 tokens
+    clock.now += 89.1  # the same ten requests over 90 s: 40 tokens/s, +4 tokens
     fleet.tokens.update(A=1200, B=1200)
     assert (await ctl.admit(FlowRequest("t", 0, 300, 10))).endpoints == {"A", "B"}
-    assert ctl.reserve.last_held == 505
+    assert ctl.reserve.last_held == 404
 
 
 def test_the_prefill_speed_for_the_reserve_is_the_fastest_sample_kept():

@@ -105,8 +105,9 @@ async def test_the_reserve_is_credited_only_what_is_predicted_to_end():
     clock = Clock()
     fleet = Fleet()
     ctl = make(fleet, clock, "predicted")
-    await on_b(ctl, clock, output=3)  # ends within 0.3 s: its 600 credited
-    assert ctl.refill is not None and ctl.refill.credit("B") == 600
+    await on_b(ctl, clock, output=3)  # ends within 0.3 s: its 597 prompt tokens credited
+    # (not its output: the detector, without outputTokens, never counted it)
+    assert ctl.refill is not None and ctl.refill.credit("B") == 597
     assert await lower_released(ctl, fleet)
     # One that ends in 5 s: the rate's credit (1,000 x 8 / 3 s over 0.4 s) would let the
     # lower request in; predicted, nothing frees within the horizon, so it waits.

@@ -501,3 +501,42 @@ async def test_bound_socket_recovers_a_publishers_lost_head_by_replay(
     assert await match(index, keys_of(toks(0, 1))) == 0.0  # the old engine's blocks are gone
     assert await match(index, keys_of(toks(30, 1))) == 1.0
     assert await match(index, keys_of(toks(40, 1))) == 1.0
+
+
+async def test_a_message_that_raises_is_said_with_its_traceback_once_per_interval(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A bug a publisher's messages keep hitting wrote one traceback per message before.
+    sub = KVEventSubscriber(MemoryKVIndex(), model="m")
+
+    async def raises(*_: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(sub, "_dispatch", raises)
+    with caplog.at_level(logging.ERROR, logger="extproc.index.subscriber"):
+        for _ in range(50):
+            await sub._dispatch_safely([b"t", b"\0" * 8, b"x"], "10.0.0.1:8000")
+    assert sub.stats.malformed == 50
+    said = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is not None
+
+
+async def test_a_publisher_that_goes_away_and_comes_back_is_said_each_way(
+    zctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before, a publisher gone showed only as silence, which an idle engine's is too.
+    caplog.set_level(logging.INFO, logger="extproc.index.subscriber")
+    async with dialing(MemoryKVIndex(), zctx) as (sub, pub):
+        url = pub.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        assert sub.stats.publishers_down == 0 and sub.stats.disconnects == 0
+        pub.sock.close(linger=0)  # the engine's publisher goes away
+        await until(lambda: sub.stats.publishers_down == 1)
+        again = Publisher(zctx)
+        again.sock.bind(url)  # ... and comes back on its address
+        await again.subscribed()
+        await until(lambda: sub.stats.publishers_down == 0)
+        again.sock.close(linger=0)
+    assert sub.stats.disconnects >= 1
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"publisher of {EP} disconnected" in m for m in said), said
+    assert any(f"publisher of {EP} reconnected after" in m for m in said), said

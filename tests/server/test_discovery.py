@@ -11,6 +11,7 @@ import orjson
 import yaml
 
 from extproc.config import DiscoverySettings
+from extproc.server import lifecycle
 from extproc.server.app import App
 from extproc.server.health import NOT_SERVING, SERVING
 from extproc.testing import ExtProcClient, body_chunks, destination, post, request_headers
@@ -104,20 +105,34 @@ async def test_endpoints_file_is_followed(settings, tmp_path: Path):
         assert await destinations(app, 3) == {"127.0.2.9:8000"}
 
 
-async def test_a_crashed_background_loop_shows_on_metrics(settings, caplog):
-    """A loop that dies stays dead (what it fed goes stale): counted per loop, every loop's
-    series present from the start, the traceback logged."""
+async def test_a_crashed_background_loop_shows_on_metrics_and_runs_again(
+    settings, caplog, monkeypatch
+):
+    """A loop that dies is counted per loop (every loop's series present from the start),
+    its traceback logged, and it runs again after a backoff (it stayed dead before: what it
+    fed went stale for the process's life)."""
+    monkeypatch.setattr(lifecycle, "LOOP_RESTART_S", 0.01)
+    runs = []
 
     async def boom() -> None:
-        raise RuntimeError("boom")
+        runs.append(1)
+        if len(runs) < 3:
+            raise RuntimeError("boom")
+        await asyncio.Event().wait()  # the third run lives
 
     async with App(settings, []) as app:
         text = app.metrics.exposition().decode()
         assert _sample(text, 'extproc_background_loop_crashes_total{loop="endpoints"}') == 0
         app.spawn("boom", boom)
         series = 'extproc_background_loop_crashes_total{loop="boom"}'
-        await eventually(lambda: _metric(app, series, 1.0))
-    assert any("background loop boom crashed" in r.getMessage() for r in caplog.records)
+        await eventually(lambda: _metric(app, series, 2.0))
+        await eventually(lambda: _true(len(runs) == 3))
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("background loop boom crashed; restarting in" in m for m in said) == 2
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def _metric(app: App, series: str, value: float) -> bool:
