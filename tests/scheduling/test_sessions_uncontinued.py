@@ -206,3 +206,23 @@ def test_horizon_bounds_must_be_positive(param):
 
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({param: 0}, BoundedSessionsFilter.Params)
+
+
+def test_a_repeat_with_a_long_part_of_its_own_stays_too_but_not_on_a_header_record():
+    """Multimodal: a repeat whose images come in another order shares only the system part
+    and has more of its own than it shares; sessions on the prefix grew 0 blocks (none came
+    back), so its own part will not grow either: left to the scorers. A 0 read under a
+    header only (first blocks other prompts share) says nothing of this prompt: bounded."""
+    clock = ManualClock()
+    f = BoundedSessionsFilter(clock=clock)
+    on(f, ask(0, own=40), "a", holding())
+    clock.advance(2.0)
+    assert f.filter(ask(1, own=40), holding("a")) == holding("a")  # 40 own past 29 shared
+    assert f.stats.kept_together == 1
+    header = SHARED[:6]
+    other = dataclasses.replace(
+        req(tokens=64 * 46), block_keys=header + tuple(range(70_000, 70_040))
+    )
+    cands = [cand(a, prefix=len(header) + 24 if a == "a" else 0) for a in SERVERS]
+    assert "a" not in addrs(f.filter(other, cands))
+    assert f.stats.bounded == 1 and f.stats.header_growth == 1, f.stats

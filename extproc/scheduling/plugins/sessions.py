@@ -220,6 +220,11 @@ class LiveSessions:
         carry their sessions' first-turn lengths into this record)."""
         return self._share
 
+    @property
+    def learns_uncontinued(self) -> bool:
+        """Whether first turns nothing continued are recorded as grown 0 blocks."""
+        return self._uncontinued
+
     def uncontinued_horizon(self) -> float | None:
         """Seconds after which a first turn no later turn continued is recorded as grown 0
         blocks: `_GAP_MULTIPLE` x the longest recent first-to-second-turn gap, within the
@@ -653,7 +658,14 @@ class BoundedSessionsFilter:
             learned = self.sessions.learned(req.block_keys, shared)
             growth = None
             if learned is not None:
-                growth = (len(req.block_keys) - shared + learned[0]) / shared
+                grew, at = learned
+                growth = (len(req.block_keys) - shared + grew) / shared
+                if grew == 0 and at > shared - _GROUP_STRIDE and self.sessions.learns_uncontinued:
+                    # Read at its own shared prefix, where no session has come back (first
+                    # turns went uncontinued, none grew): its own part is written once and
+                    # will not grow wherever it goes, however long (multimodal: images in
+                    # another order, 51 own blocks past 39 shared, were bounded at 1.31).
+                    growth = 0.0
                 # Read under the first blocks only: what sessions on a header shared more
                 # widely (every tenant's) showed, not this prompt's own.
                 stats.header_growth += learned[1] <= _HEAD_BLOCKS
