@@ -173,6 +173,9 @@ POLICIES: dict[str, dict] = {
     "extproc approximate, uncontinued not learned": {
         "extproc_args": ("--config", "@NO_UNCONTINUED")
     },
+    # The same, and a prefix nothing is recorded under read as one-shot while no first turn
+    # in the fleet's recent ones came back (`uncontinuedPrior`).
+    "extproc approximate, uncontinued prior": {"extproc_args": ("--config", "@PRIOR")},
     # The option as it was before the sixteenth session (growth learned per exact prefix).
     "extproc approximate, keep together, baseline tree": {
         "tree": True,
@@ -403,6 +406,7 @@ CONFIGS = {
     "@NO_UNCONTINUED": _default_profile_with(
         "bounded-sessions-filter", {"learnUncontinued": False}
     ),
+    "@PRIOR": _default_profile_with("bounded-sessions-filter", {"uncontinuedPrior": True}),
     "@TOGETHER": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0.5}),
     "@KVFIT": _default_profile_with("predicted-ttft-scorer", {"kvFit": "wait"}),
     "@KVIGNORE": _default_profile_with("predicted-ttft-scorer", {"kvFit": "ignore"}),
@@ -469,6 +473,7 @@ _COUNTERS = (
     "extproc_session_bound_header_growth_total",
     "extproc_session_bound_holders_removed_total",
     "extproc_session_bound_uncontinued_learned_total",
+    "extproc_session_bound_uncontinued_prior_total",
     "extproc_shared_growth_applied_total",
 )
 
@@ -577,6 +582,7 @@ def run_policy(
                 f" holders removed {d['extproc_session_bound_holders_removed_total']:.0f}"
                 f" uncontinued learned"
                 f" {d['extproc_session_bound_uncontinued_learned_total']:.0f}"
+                f" prior {d['extproc_session_bound_uncontinued_prior_total']:.0f}"
                 f" kv-fit waited {d['kv_fit waited']:.0f} (untimed {d['kv_fit untimed']:.0f})"
                 f" changed {d['kv_fit changed']:.0f}"
                 f" idle prefix {d['kv_fit idle_prefix']:.0f}"

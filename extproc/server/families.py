@@ -479,6 +479,12 @@ SESSION_BOUND = StatsFamilies(
             "First turns not watched for a continuation for want of room (they teach "
             "nothing; their groups stay bounded).",
         ),
+        "uncontinued_prior": Stat(
+            "extproc_session_bound_uncontinued_prior",
+            "Requests starting a session on a prefix nothing was recorded under, left to the "
+            "scorers because none of the fleet's recent first turns came back "
+            "(uncontinuedPrior).",
+        ),
         "uncontinued_horizon_s": Stat(
             "extproc_session_bound_uncontinued_horizon_seconds",
             "Seconds after which a first turn not continued counts as grown 0 blocks "

@@ -226,3 +226,44 @@ def test_a_repeat_with_a_long_part_of_its_own_stays_too_but_not_on_a_header_reco
     cands = [cand(a, prefix=len(header) + 24 if a == "a" else 0) for a in SERVERS]
     assert "a" not in addrs(f.filter(other, cands))
     assert f.stats.bounded == 1 and f.stats.header_growth == 1, f.stats
+
+
+def test_with_the_prior_a_new_groups_first_repeats_stay_once_the_fleet_is_one_shot():
+    """`uncontinuedPrior`: once `_PRIOR_MIN` first turns went uncontinued and none came
+    back, a new group's repeat, before its own first request's horizon, is kept too; one
+    continuation anywhere ends it."""
+    clock = ManualClock()
+    f = BoundedSessionsFilter(BoundedSessionsFilter.Params(uncontinued_prior=True), clock=clock)
+    assert f.sessions.sessions_come_back() is None
+    other = [
+        dataclasses.replace(req(tokens=64 * 31), block_keys=tuple(range(500 * g, 500 * g + 31)))
+        for g in range(1, 9)
+    ]
+    for r in other:  # 8 other groups' first requests, never continued
+        on(f, r, "d", holding())
+    clock.advance(2.0)
+    f.sessions.settle()
+    assert f.sessions.sessions_come_back() is False
+    on(f, ask(0), "a", holding())
+    clock.advance(0.5)  # within ask(0)'s own horizon: nothing recorded under SHARED
+    assert f.filter(ask(1), holding("a")) == holding("a")
+    assert f.stats.uncontinued_prior == 1 and f.stats.kept_together == 1
+    # One first turn comes back: new prefixes are bounded as before.
+    nxt = (*other[0].block_keys, 99_999)
+    f.sessions.touch(f.sessions.find(nxt), "d", nxt)
+    assert f.sessions.sessions_come_back() is True
+    # Bounded (d, carrying 8 of the 9 live sessions, is removed), growth unknown.
+    assert addrs(f.filter(ask(2), holding("a"))) == ["a", "b", "c"]
+    assert f.stats.growth_unknown == 1 and f.stats.bounded == 1
+
+
+def test_the_prior_is_off_by_default_and_says_nothing_early():
+    assert not BoundedSessionsFilter.Params().uncontinued_prior
+    clock = ManualClock()
+    live = sessions(clock, uncontinued_prior=True)
+    for q in range(7):  # fewer than _PRIOR_MIN fates known
+        live.touch(None, "a", ask(q).block_keys)
+    clock.advance(2.0)
+    live.settle()
+    assert live.uncontinued_learned == 7 and live.sessions_come_back() is None
+    assert sessions(clock).sessions_come_back() is None

@@ -57,6 +57,15 @@ sessions of a fleet whose sessions come back slowly) nor over a cap (within the 
 chain is remembered). A wrong call costs only the new sessions placed before the late turn
 arrives: that turn records its real growth, and the group is bounded again.
 
+That still bounds a group's repeats until its own first request's horizon has passed (the
+first 2 s of each group: 8-19 of 48 repeats at 6 req/s on bench_routing's multimodal). With
+`uncontinuedPrior` as well, the fleet's outcomes stand in for a group's own: while the last
+`_OUTCOMES` first turns whose fate is known (at least `_PRIOR_MIN`) all went uncontinued, no
+session anywhere having come back, a new session on a prefix with nothing recorded is
+expected to grow 0 blocks too. One first turn continued, anywhere in the fleet (a peer's
+placement counts), ends it until `_OUTCOMES` more go uncontinued; and a prefix whose sessions
+were seen to grow is read as before, so it only decides prefixes the record knows nothing of.
+
 Growth is kept in blocks, not as a fraction of the prefix it was recorded under, so it
 carries from a shorter prefix to a longer one: a big tenant's next conversations arrive
 before its first one's second turn (24 req/s: the biggest tenant's first 20-30 of them),
@@ -132,6 +141,11 @@ _GAP_MULTIPLE = 4.0
 # First-to-second-turn gaps remembered (the most recent): the horizon follows the fleet's
 # current clients, not one slow session of an hour ago.
 _GAPS = 32
+# First turns whose fate (continued, or not within the horizon) makes the fleet's prior, the
+# most recent: one continued among them and new prefixes are bounded as before.
+_OUTCOMES = 32
+# Fates known before the prior says anything (a picker's first seconds: bounded as before).
+_PRIOR_MIN = 8
 # Block keys held for first turns waiting for their horizon (each keeps its record keys:
 # one per `_GROUP_STRIDE` blocks and its first `_HEAD_BLOCKS`, 263 for 2,048 blocks): at
 # ~45 bytes a key, 12 MiB at most, whatever the request rate and prompt lengths. Past it a
@@ -170,12 +184,14 @@ class LiveSessions:
         learn_growth: bool = False,
         share_growth: bool = False,
         learn_uncontinued: bool = False,
+        uncontinued_prior: bool = False,
         uncontinued_floor_s: float = 2.0,
         uncontinued_cap_s: float = 60.0,
     ) -> None:
         self._window = window_s
         self._learn = learn_growth
         self._uncontinued = learn_growth and learn_uncontinued
+        self._prior = self._uncontinued and uncontinued_prior
         # A chain is forgotten after `window_s` idle: a horizon past it could never see the
         # first turn again.
         self._cap = min(uncontinued_cap_s, window_s)
@@ -198,6 +214,8 @@ class LiveSessions:
         self._pending_keys = 0
         # The most recent first-to-second-turn gaps (seconds), here or at a peer.
         self._gaps: deque[float] = deque(maxlen=_GAPS)
+        # The most recent first turns' fates: True continued, False not within the horizon.
+        self._outcomes: deque[bool] = deque(maxlen=_OUTCOMES)
         # First turns recorded as not continued, and first turns not tracked for want of room.
         self.uncontinued_learned = 0
         self.uncontinued_untracked = 0
@@ -224,6 +242,16 @@ class LiveSessions:
     def learns_uncontinued(self) -> bool:
         """Whether first turns nothing continued are recorded as grown 0 blocks."""
         return self._uncontinued
+
+    def sessions_come_back(self) -> bool | None:
+        """The fleet's prior for a prefix nothing is recorded under (`uncontinued_prior`):
+        False while the last `_OUTCOMES` first turns with a known fate (at least
+        `_PRIOR_MIN`) all went uncontinued; True once one of them was continued; None: not
+        known yet, or the option off."""
+        outcomes = self._outcomes
+        if not self._prior or (len(outcomes) < _PRIOR_MIN and not any(outcomes)):
+            return None
+        return any(outcomes)
 
     def uncontinued_horizon(self) -> float | None:
         """Seconds after which a first turn no later turn continued is recorded as grown 0
@@ -252,6 +280,7 @@ class LiveSessions:
             # record full, the same prompt placed again): nothing to learn from it here.
             if chains.get(chain_id) is chain:
                 self.uncontinued_learned += 1
+                self._outcomes.append(False)
                 self._record(0, keys)
 
     def find(self, block_keys: Sequence[int], matched: Iterable[float] = ()) -> int | None:
@@ -427,6 +456,7 @@ class LiveSessions:
             turns = old.turns + 1
             if old.turns == 1:
                 self._gaps.append(max(0.0, now - old.seen))
+                self._outcomes.append(True)
         else:
             chain_id = self._next_id
             self._next_id += 1
@@ -504,7 +534,9 @@ class SessionBoundStats:
     fallback). With `learnUncontinued`: `uncontinued_learned` (first turns recorded as grown
     0 blocks, no later turn having come within the horizon), `uncontinued_untracked` (first
     turns not watched for want of room: they teach nothing), and `uncontinued_horizon_s`
-    (the horizon now, seconds)."""
+    (the horizon now, seconds); with `uncontinuedPrior`, `uncontinued_prior` (new sessions
+    on a prefix nothing was recorded under, kept together because no first turn in the
+    fleet's recent ones came back)."""
 
     bounded: int = 0
     kept_together: int = 0
@@ -514,6 +546,7 @@ class SessionBoundStats:
     uncontinued_learned: int = 0
     uncontinued_untracked: int = 0
     uncontinued_horizon_s: float = 0.0
+    uncontinued_prior: int = 0
 
 
 def _capacity(c: Candidate) -> float | None:
@@ -555,7 +588,8 @@ class BoundedSessionsFilter:
     - type: bounded-sessions-filter
       parameters: {epsilon: 0.25, windowSeconds: 120, maxSessions: 50000,
                    keepTogetherGrowth: 0.5, shareGrowth: true, learnUncontinued: true,
-                   uncontinuedFloorSeconds: 2, uncontinuedCapSeconds: 60}
+                   uncontinuedPrior: false, uncontinuedFloorSeconds: 2,
+                   uncontinuedCapSeconds: 60}
     ```
     """
 
@@ -577,6 +611,9 @@ class BoundedSessionsFilter:
         # First turns no later turn continued within the horizon teach growth 0 (needs
         # keepTogetherGrowth above 0).
         learn_uncontinued: bool = True
+        # Also read a prefix nothing is recorded under as one-shot while none of the fleet's
+        # recent first turns came back (module docstring).
+        uncontinued_prior: bool = False
         # The horizon while no first-to-second-turn gap has been seen, and never less: the
         # tests' and a fleet's first sessions come back within it.
         uncontinued_floor_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
@@ -596,6 +633,7 @@ class BoundedSessionsFilter:
             learn_growth=self._together > 0,
             share_growth=p.share_growth,
             learn_uncontinued=p.learn_uncontinued,
+            uncontinued_prior=p.uncontinued_prior,
             uncontinued_floor_s=p.uncontinued_floor_seconds,
             uncontinued_cap_s=p.uncontinued_cap_seconds,
         )
@@ -669,6 +707,11 @@ class BoundedSessionsFilter:
                 # Read under the first blocks only: what sessions on a header shared more
                 # widely (every tenant's) showed, not this prompt's own.
                 stats.header_growth += learned[1] <= _HEAD_BLOCKS
+            elif self.sessions.sessions_come_back() is False:
+                # Nothing known of this prefix, and no session anywhere came back lately:
+                # the fleet's traffic is one-shot, expected to grow as its first turns did.
+                stats.uncontinued_prior += 1
+                growth = 0.0
             if growth is not None and growth <= self._together:
                 # Its group's sessions stay small beside what they share: keeping them
                 # together costs less cache than writing the prefix on another server.
