@@ -21,7 +21,7 @@ from extproc.sim import SERVED_BY_HEADER
 from extproc.stack import Stack, StackOptions
 
 SIM = ("--fast", "4", "--prefill-tps", "5000", "--num-gpu-blocks", "2000")
-TOKEN = "oneshot-token"
+TOKEN = "oneshot-groups-token"
 # Told, as calibration would find: a change of keys mid-test would forget every prefix.
 CONFIG = (
     "parse: {block_tokens: 16, bytes_per_token: 1}\n" + f"server: {{explain_tokens: [{TOKEN}]}}\n"
