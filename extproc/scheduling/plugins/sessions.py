@@ -501,9 +501,12 @@ def _record_keys(block_keys: Sequence[int], first: int) -> tuple[int, ...]:
     per block. Not also at the first turn's own length: growth is in blocks, and the longest
     stride key within a shared prefix is at most 7 blocks short of it."""
     end = min(first, len(block_keys))
-    return tuple(
-        block_keys[j]
-        for j in (*range(min(end, _HEAD_BLOCKS)), *range(_GROUP_STRIDE - 1, end, _GROUP_STRIDE))
+    # Slices, not a loop per key: built for every first turn placed (a 2,048-block one holds
+    # 263 keys). With learnUncontinued a new session's find + touch costs ~1.5 us more than
+    # before at 64 blocks, 10-30 us at 2,048 (bench/RESULTS.md, twenty-third session).
+    return (
+        *block_keys[: min(end, _HEAD_BLOCKS)],
+        *block_keys[_GROUP_STRIDE - 1 : end : _GROUP_STRIDE],
     )
 
 
