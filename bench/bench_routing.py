@@ -167,6 +167,15 @@ POLICIES: dict[str, dict] = {
     # it costs one-shot prefix groups (multimodal, text: no request ever continues, so every
     # repeat of a group is a new session of unknown growth and is bounded).
     "extproc approximate, sessions unbounded": {"extproc_args": ("--config", "@UNBOUNDED")},
+    # Issue 14, twenty-third session: first turns nothing continued within a horizon teach
+    # growth 0 (`learnUncontinued`), so one-shot groups' repeats stop being bounded; without
+    # it, as before, to measure against.
+    "extproc approximate, uncontinued not learned": {
+        "extproc_args": ("--config", "@NO_UNCONTINUED")
+    },
+    # The same, and a prefix nothing is recorded under read as one-shot while no first turn
+    # in the fleet's recent ones came back (`uncontinuedPrior`).
+    "extproc approximate, uncontinued prior": {"extproc_args": ("--config", "@PRIOR")},
     # The option as it was before the sixteenth session (growth learned per exact prefix).
     "extproc approximate, keep together, baseline tree": {
         "tree": True,
@@ -394,6 +403,10 @@ CONFIGS = {
     "@UNTIL_END": _default_profile_with("predicted-ttft-scorer", {"inflightFloor": "untilEnd"}),
     "@BOUNDED": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0}),
     "@UNBOUNDED": _default_profile_with("bounded-sessions-filter", {"epsilon": 1000}),
+    "@NO_UNCONTINUED": _default_profile_with(
+        "bounded-sessions-filter", {"learnUncontinued": False}
+    ),
+    "@PRIOR": _default_profile_with("bounded-sessions-filter", {"uncontinuedPrior": True}),
     "@TOGETHER": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0.5}),
     "@KVFIT": _default_profile_with("predicted-ttft-scorer", {"kvFit": "wait"}),
     "@KVIGNORE": _default_profile_with("predicted-ttft-scorer", {"kvFit": "ignore"}),
@@ -459,6 +472,8 @@ _COUNTERS = (
     "extproc_session_bound_growth_unknown_total",
     "extproc_session_bound_header_growth_total",
     "extproc_session_bound_holders_removed_total",
+    "extproc_session_bound_uncontinued_learned_total",
+    "extproc_session_bound_uncontinued_prior_total",
     "extproc_shared_growth_applied_total",
 )
 
@@ -565,6 +580,9 @@ def run_policy(
                 f" kept {d['extproc_session_bound_kept_together_total']:.0f}"
                 f" header-read {d['extproc_session_bound_header_growth_total']:.0f}"
                 f" holders removed {d['extproc_session_bound_holders_removed_total']:.0f}"
+                f" uncontinued learned"
+                f" {d['extproc_session_bound_uncontinued_learned_total']:.0f}"
+                f" prior {d['extproc_session_bound_uncontinued_prior_total']:.0f}"
                 f" kv-fit waited {d['kv_fit waited']:.0f} (untimed {d['kv_fit untimed']:.0f})"
                 f" changed {d['kv_fit changed']:.0f}"
                 f" idle prefix {d['kv_fit idle_prefix']:.0f}"

@@ -495,6 +495,28 @@ SESSION_BOUND = StatsFamilies(
             "Requests starting a session whose expected growth was read under the prefix's "
             "first 7 blocks only (a header other prompts share: the coarsest fallback).",
         ),
+        "uncontinued_learned": Stat(
+            "extproc_session_bound_uncontinued_learned",
+            "First turns no later turn continued within the horizon, recorded as sessions "
+            "that grew 0 blocks past their first turn (learnUncontinued).",
+        ),
+        "uncontinued_untracked": Stat(
+            "extproc_session_bound_uncontinued_untracked",
+            "First turns not watched for a continuation for want of room (they teach "
+            "nothing; their groups stay bounded).",
+        ),
+        "uncontinued_prior": Stat(
+            "extproc_session_bound_uncontinued_prior",
+            "Requests starting a session on a prefix nothing was recorded under, left to the "
+            "scorers because none of the fleet's recent first turns came back "
+            "(uncontinuedPrior).",
+        ),
+        "uncontinued_horizon_s": Stat(
+            "extproc_session_bound_uncontinued_horizon_seconds",
+            "Seconds after which a first turn not continued counts as grown 0 blocks "
+            "(a multiple of recent first-to-second-turn gaps, within floor and cap).",
+            kind="gauge",
+        ),
     },
 )
 

@@ -9,7 +9,11 @@ run (tenants at the knee) were bounded for want of growth, against 0-18 with one
 that rises on one replica (`LiveSessions.on_grown`: how many blocks a session grew past its
 first turn, and the prefix keys it is now the most seen under) is published on a batched
 Redis pub/sub channel (redis_broadcast.py) and merged by every peer as the larger of the two,
-as if it had seen that session itself.
+as if it had seen that session itself. With `learnUncontinued`, a first turn that no later
+turn continued within the horizon is such a record too (growth 0, published by the replica
+that placed it), so every replica keeps a one-shot group's repeats with its holder once one
+replica has seen the group's first request go uncontinued; the records keep the most seen, so
+a session of the group that does come back, on any replica, outranks it everywhere.
 
 A replica that starts late (a rolling restart, a scale-up, a crash restart) or whose
 subscription was cut learns what its peers learned before: each published record is also

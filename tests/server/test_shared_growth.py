@@ -16,6 +16,7 @@ import redis.asyncio
 from extproc.core import Decision, InferenceRequest
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter
 from extproc.server.shared_growth import _MAX_KEYS, SharedGrowth
+from extproc.testing import ManualClock
 from tests.redis_servers import RedisServer
 from tests.scheduling.helpers import cand, req
 from tests.server.broadcasting import running, until
@@ -148,3 +149,25 @@ async def test_redis_gone_is_said_and_the_replica_learns_on_its_own(
         assert f.stats.kept_together == 1 and f.stats.growth_unknown == 0
         redis_server.start()
         await until(lambda: not shared.is_degraded, "recovered after Redis came back")
+
+
+async def test_a_first_turn_nothing_continued_teaches_the_peers_too(
+    redis_server: RedisServer,
+) -> None:
+    """Issue 14, twenty-third session: replica a places a one-shot group's first request;
+    no later turn comes within the horizon, so a records growth 0 and publishes it, and b,
+    which placed nothing of the group, keeps the group's next repeat with the holder."""
+    clock = ManualClock()
+    fa, fb = BoundedSessionsFilter(SHARING, clock=clock), BoundedSessionsFilter(SHARING)
+    a = SharedGrowth.from_url(redis_server.url, SharedGrowth.records([fa]), process_id="a")
+    b = SharedGrowth.from_url(redis_server.url, SharedGrowth.records([fb]), process_id="b")
+    async with running(a, b):
+        await asyncio.sleep(0.3)  # both subscribed
+        first = chat(0, 0, 0)
+        fa.observe(first, [cand("a"), cand("b")], Decision(endpoints=(cand("a").endpoint,)))
+        clock.advance(fa.sessions.uncontinued_horizon() or 0.0)
+        fa.sessions.settle()
+        assert fa.stats.uncontinued_learned == 1
+        await until(lambda: b.stats.applied >= 1, "b merges a's 0 record")
+        new_session(fb, 0)
+        assert fb.stats.kept_together == 1 and fb.stats.growth_unknown == 0, fb.stats

@@ -46,6 +46,26 @@ against 88-93% with the bound off; bench/RESULTS.md, twenty-second session). No 
 repeat from an agent's second session on a new prompt (tests/e2e/test_session_spread.py
 sends exactly that); only what comes later does.
 
+So, optionally (`learnUncontinued`), what comes later is read: a first turn that no later
+turn continued within a horizon grew 0 blocks past itself, and is recorded as a continued
+session's growth would be (under the same keys, the most seen kept: one agent session on
+the prefix that does continue, before or after, keeps its group bounded). The horizon is
+measured, not set: a multiple of the longest of the recent first-to-second-turn gaps the
+picker saw (a session's next turn comes after its answer and the client's think or tool
+time, which continued sessions show), never under a floor (no gap seen yet: the first
+sessions of a fleet whose sessions come back slowly) nor over a cap (within the window a
+chain is remembered). A wrong call costs only the new sessions placed before the late turn
+arrives: that turn records its real growth, and the group is bounded again.
+
+That still bounds a group's repeats until its own first request's horizon has passed (the
+first 2 s of each group: 8-19 of 48 repeats at 6 req/s on bench_routing's multimodal). With
+`uncontinuedPrior` as well, the fleet's outcomes stand in for a group's own: while the last
+`_OUTCOMES` first turns whose fate is known (at least `_PRIOR_MIN`) all went uncontinued, no
+session anywhere having come back, a new session on a prefix with nothing recorded is
+expected to grow 0 blocks too. One first turn continued, anywhere in the fleet (a peer's
+placement counts), ends it until `_OUTCOMES` more go uncontinued; and a prefix whose sessions
+were seen to grow is read as before, so it only decides prefixes the record knows nothing of.
+
 Growth is kept in blocks, not as a fraction of the prefix it was recorded under, so it
 carries from a shorter prefix to a longer one: a big tenant's next conversations arrive
 before its first one's second turn (24 req/s: the biggest tenant's first 20-30 of them),
@@ -76,17 +96,20 @@ finds a session's tail whichever replica placed its last turn.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, ClassVar
 
 import msgspec
 
 from extproc.core import Candidate, Decision, InferenceRequest
 from extproc.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # Tail keys kept per chain: the last full block of a turn is normally inside the next turn,
 # but a template may rewrite the last block when the assistant's answer follows it.
@@ -110,6 +133,25 @@ _GROWTH_PROBES = 64
 # sixteenth session: 59-68 of 66-69 bounded sessions had no growth to read).
 _HEAD_BLOCKS = _GROUP_STRIDE - 1
 
+# A first turn counts as not continued once it waited this many times the longest recent
+# first-to-second-turn gap: think and tool times vary (a slow tool, a queued prefill), and
+# 4x the longest of the last `_GAPS` leaves a session that is merely slow a wide margin,
+# while a wrong call is undone by the late turn itself (its growth outranks the 0).
+_GAP_MULTIPLE = 4.0
+# First-to-second-turn gaps remembered (the most recent): the horizon follows the fleet's
+# current clients, not one slow session of an hour ago.
+_GAPS = 32
+# First turns whose fate (continued, or not within the horizon) makes the fleet's prior, the
+# most recent: one continued among them and new prefixes are bounded as before.
+_OUTCOMES = 32
+# Fates known before the prior says anything (a picker's first seconds: bounded as before).
+_PRIOR_MIN = 8
+# Block keys held for first turns waiting for their horizon (each keeps its record keys:
+# one per `_GROUP_STRIDE` blocks and its first `_HEAD_BLOCKS`, 263 for 2,048 blocks): at
+# ~45 bytes a key, 12 MiB at most, whatever the request rate and prompt lengths. Past it a
+# first turn is not tracked (counted, and said in a log line).
+_PENDING_KEYS = 1 << 18
+
 # (previous tail keys or (), endpoint, new tail keys, blocks of the session's first turn or
 # 0 if not known): one placement, as replicas share it.
 Touch = tuple[tuple[int, ...], str, tuple[int, ...], int]
@@ -125,6 +167,8 @@ class _Chain:
     keys: tuple[int, ...]
     # Blocks of the session's first turn: 0 when not known (another replica placed it).
     first: int = 0
+    # Turns placed in the chain (1: its first turn only, not continued yet).
+    turns: int = 1
 
 
 class LiveSessions:
@@ -139,9 +183,19 @@ class LiveSessions:
         *,
         learn_growth: bool = False,
         share_growth: bool = False,
+        learn_uncontinued: bool = False,
+        uncontinued_prior: bool = False,
+        uncontinued_floor_s: float = 2.0,
+        uncontinued_cap_s: float = 60.0,
     ) -> None:
         self._window = window_s
         self._learn = learn_growth
+        self._uncontinued = learn_growth and learn_uncontinued
+        self._prior = self._uncontinued and uncontinued_prior
+        # A chain is forgotten after `window_s` idle: a horizon past it could never see the
+        # first turn again.
+        self._cap = min(uncontinued_cap_s, window_s)
+        self._floor = min(uncontinued_floor_s, self._cap)
         self._share = learn_growth and share_growth
         self._max = max_sessions
         self._clock = clock
@@ -153,6 +207,18 @@ class LiveSessions:
         # most `max_sessions` kept.
         self._growth: OrderedDict[int, int] = OrderedDict()
         self._next_id = 0
+        # First turns placed here waiting for their horizon, oldest first: (placed at, chain
+        # id, the chain as placed, the keys its growth is recorded under); `_pending_keys`
+        # keys in all.
+        self._pending: deque[tuple[float, int, _Chain, tuple[int, ...]]] = deque()
+        self._pending_keys = 0
+        # The most recent first-to-second-turn gaps (seconds), here or at a peer.
+        self._gaps: deque[float] = deque(maxlen=_GAPS)
+        # The most recent first turns' fates: True continued, False not within the horizon.
+        self._outcomes: deque[bool] = deque(maxlen=_OUTCOMES)
+        # First turns recorded as not continued, and first turns not tracked for want of room.
+        self.uncontinued_learned = 0
+        self.uncontinued_untracked = 0
         # Called with each placement made here (replicas publish it, see shared_sessions).
         self.on_touch: Callable[[Touch], None] | None = None
         # Called with each growth record that rose here (replicas publish it with
@@ -171,6 +237,51 @@ class LiveSessions:
         """Whether learned growth is shared with the peer replicas (and peers' placements
         carry their sessions' first-turn lengths into this record)."""
         return self._share
+
+    @property
+    def learns_uncontinued(self) -> bool:
+        """Whether first turns nothing continued are recorded as grown 0 blocks."""
+        return self._uncontinued
+
+    def sessions_come_back(self) -> bool | None:
+        """The fleet's prior for a prefix nothing is recorded under (`uncontinued_prior`):
+        False while the last `_OUTCOMES` first turns with a known fate (at least
+        `_PRIOR_MIN`) all went uncontinued; True once one of them was continued; None: not
+        known yet, or the option off."""
+        outcomes = self._outcomes
+        if not self._prior or (len(outcomes) < _PRIOR_MIN and not any(outcomes)):
+            return None
+        return any(outcomes)
+
+    def uncontinued_horizon(self) -> float | None:
+        """Seconds after which a first turn no later turn continued is recorded as grown 0
+        blocks: `_GAP_MULTIPLE` x the longest recent first-to-second-turn gap, within the
+        floor and cap. None: not learned (`learn_uncontinued` off)."""
+        if not self._uncontinued:
+            return None
+        gaps = self._gaps
+        seen = _GAP_MULTIPLE * max(gaps) if gaps else 0.0
+        return min(self._cap, max(self._floor, seen))
+
+    def settle(self, now: float | None = None) -> None:
+        """Records the first turns whose horizon has passed without a later turn (with
+        `learn_uncontinued`): each grew 0 blocks past itself. A dict probe per call while
+        none is due."""
+        pending = self._pending
+        if not pending:
+            return
+        now = self._clock() if now is None else now
+        due = now - (self.uncontinued_horizon() or 0.0)
+        chains = self._chains
+        while pending and pending[0][0] <= due:
+            _, chain_id, chain, keys = pending.popleft()
+            self._pending_keys -= len(keys)
+            # Continued (re-placed as a new _Chain), or forgotten (idle past the window, the
+            # record full, the same prompt placed again): nothing to learn from it here.
+            if chains.get(chain_id) is chain:
+                self.uncontinued_learned += 1
+                self._outcomes.append(False)
+                self._record(0, keys)
 
     def find(self, block_keys: Sequence[int], matched: Iterable[float] = ()) -> int | None:
         """The live chain this request continues, or None (a new session). `matched`: the
@@ -244,11 +355,15 @@ class LiveSessions:
         old = self._chains.get(chain_id) if chain_id is not None else None
         tail = tuple(block_keys[-_TAIL_KEYS:])
         first = len(block_keys)
+        now = self._clock()
         if old is not None:
             first = old.first
             if first and self._learn:
-                self._grew(block_keys, first)
-        self._place(chain_id, endpoint, tail, self._clock(), first)
+                self._record(max(0, len(block_keys) - first), _record_keys(block_keys, first))
+        placed = self._place(chain_id, endpoint, tail, now, first)
+        if old is None and self._uncontinued:
+            self._wait_for_next_turn(now, placed, block_keys)
+        self.settle(now)
         if self.on_touch is not None:
             self.on_touch((old.keys if old is not None else (), endpoint, tail, first))
 
@@ -288,17 +403,31 @@ class LiveSessions:
             by_figure.setdefault(grew, []).append(key)
         return [(grew, tuple(keys)) for grew, keys in by_figure.items()]
 
-    def _grew(self, block_keys: Sequence[int], first: int) -> None:
-        # One record per `_GROUP_STRIDE` blocks of the first turn, and one under each of its
-        # first `_HEAD_BLOCKS`: a turn costs first / _GROUP_STRIDE + 7 dict writes, not one
-        # per block. Not also at the first turn's own length: growth is in blocks, and the
-        # longest stride key within a shared prefix is at most 7 blocks short of it.
-        growth, n = self._growth, len(block_keys)
-        grew = max(0, n - first)
-        end = min(first, n)
+    def _wait_for_next_turn(self, now: float, chain_id: int, block_keys: Sequence[int]) -> None:
+        keys = _record_keys(block_keys, len(block_keys))
+        if len(self._pending) >= self._max or self._pending_keys + len(keys) > _PENDING_KEYS:
+            # First turns arriving faster than their horizon lets them go: this one will
+            # teach nothing if it is not continued (its group stays bounded, as without
+            # the option).
+            self.uncontinued_untracked += 1
+            if self.uncontinued_untracked & (self.uncontinued_untracked - 1) == 0:
+                log.warning(
+                    "bounded-sessions-filter: %d first turns not tracked for continuation "
+                    "(%d waiting, %d keys); one-shot groups among them stay bounded",
+                    self.uncontinued_untracked,
+                    len(self._pending),
+                    self._pending_keys,
+                )
+            return
+        chain = self._chains.get(chain_id)
+        if chain is not None:
+            self._pending.append((now, chain_id, chain, keys))
+            self._pending_keys += len(keys)
+
+    def _record(self, grew: int, keys: Sequence[int]) -> None:
+        growth = self._growth
         rose: list[int] = []
-        for j in (*range(min(end, _HEAD_BLOCKS)), *range(_GROUP_STRIDE - 1, end, _GROUP_STRIDE)):
-            key = block_keys[j]
+        for key in keys:
             was = growth.pop(key, -1)
             growth[key] = max(grew, was)
             if grew > was:
@@ -317,13 +446,21 @@ class LiveSessions:
         tail: tuple[int, ...],
         now: float,
         first: int = 0,
-    ) -> None:
+    ) -> int:
+        """Places the chain's newest turn (a new chain when `chain_id` is None or forgotten);
+        returns its id. A chain continued after its first turn adds a first-to-second-turn
+        gap."""
+        turns = 1
         if chain_id is not None and (old := self._chains.pop(chain_id, None)) is not None:
             self._forget(old)
+            turns = old.turns + 1
+            if old.turns == 1:
+                self._gaps.append(max(0.0, now - old.seen))
+                self._outcomes.append(True)
         else:
             chain_id = self._next_id
             self._next_id += 1
-        chain = _Chain(endpoint, now, tail, first)
+        chain = _Chain(endpoint, now, tail, first, turns)
         self._chains[chain_id] = chain
         for key in chain.keys:
             prev = self._by_key.get(key)
@@ -335,6 +472,7 @@ class LiveSessions:
             self._by_key[key] = chain_id
         self._counts[endpoint] = self._counts.get(endpoint, 0) + 1
         self._expire(now)
+        return chain_id
 
     def _expire(self, now: float) -> None:
         chains = self._chains
@@ -354,6 +492,22 @@ class LiveSessions:
             self._counts[chain.endpoint] = n
         else:
             self._counts.pop(chain.endpoint, None)
+
+
+def _record_keys(block_keys: Sequence[int], first: int) -> tuple[int, ...]:
+    """The keys a session whose first turn was `first` blocks (of `block_keys`, which hold
+    it) records its growth under: one per `_GROUP_STRIDE` blocks of the first turn, and each
+    of its first `_HEAD_BLOCKS`. A turn costs first / _GROUP_STRIDE + 7 dict writes, not one
+    per block. Not also at the first turn's own length: growth is in blocks, and the longest
+    stride key within a shared prefix is at most 7 blocks short of it."""
+    end = min(first, len(block_keys))
+    # Slices, not a loop per key: built for every first turn placed (a 2,048-block one holds
+    # 263 keys). With learnUncontinued a new session's find + touch costs ~1.5 us more than
+    # before at 64 blocks, 10-30 us at 2,048 (bench/RESULTS.md, twenty-third session).
+    return (
+        *block_keys[: min(end, _HEAD_BLOCKS)],
+        *block_keys[_GROUP_STRIDE - 1 : end : _GROUP_STRIDE],
+    )
 
 
 def session_bound(fair: float, epsilon: float) -> int:
@@ -380,13 +534,22 @@ class SessionBoundStats:
     most of the prefix was removed: the session's prompt is written elsewhere),
     `header_growth` (kept together or bounded on growth read under one of the prefix's first
     `_HEAD_BLOCKS` blocks: a header wider than the session's own prompt, the coarsest
-    fallback)."""
+    fallback). With `learnUncontinued`: `uncontinued_learned` (first turns recorded as grown
+    0 blocks, no later turn having come within the horizon), `uncontinued_untracked` (first
+    turns not watched for want of room: they teach nothing), and `uncontinued_horizon_s`
+    (the horizon now, seconds); with `uncontinuedPrior`, `uncontinued_prior` (new sessions
+    on a prefix nothing was recorded under, kept together because no first turn in the
+    fleet's recent ones came back)."""
 
     bounded: int = 0
     kept_together: int = 0
     growth_unknown: int = 0
     holders_removed: int = 0
     header_growth: int = 0
+    uncontinued_learned: int = 0
+    uncontinued_untracked: int = 0
+    uncontinued_horizon_s: float = 0.0
+    uncontinued_prior: int = 0
 
 
 def _capacity(c: Candidate) -> float | None:
@@ -418,10 +581,18 @@ class BoundedSessionsFilter:
     With `shareGrowth` (the default) and a Redis index, replicas share what they learn (see
     the module's docstring); false: each replica learns alone.
 
+    With `learnUncontinued`, a first turn that no later turn continued within a horizon
+    (`_GAP_MULTIPLE` x the longest recent first-to-second-turn gap, within
+    `uncontinuedFloorSeconds` and `uncontinuedCapSeconds`) teaches that sessions on its
+    prefix grew 0 blocks: one-shot prefix groups (a system prompt and images, a document,
+    each repeat a new question) are then left to the scorers (module docstring).
+
     ```yaml
     - type: bounded-sessions-filter
       parameters: {epsilon: 0.25, windowSeconds: 120, maxSessions: 50000,
-                   keepTogetherGrowth: 0.5, shareGrowth: true}
+                   keepTogetherGrowth: 0.5, shareGrowth: true, learnUncontinued: true,
+                   uncontinuedPrior: false, uncontinuedFloorSeconds: 2,
+                   uncontinuedCapSeconds: 60}
     ```
     """
 
@@ -440,6 +611,23 @@ class BoundedSessionsFilter:
         # 2-4, 11 pairs) bounded 1-18 new sessions for want of growth instead of 37-56, hit
         # ratio higher in 9 of 11 pairs, TTFT p90 lower in 8, median -5% (bench/RESULTS.md).
         share_growth: bool = True
+        # First turns no later turn continued within the horizon teach growth 0 (needs
+        # keepTogetherGrowth above 0). On by default since the twenty-third session: at 6
+        # req/s the hit ratio rose in all 6 pairs (multimodal 61-77% of the oracle -> 69-86%,
+        # text 65-71% -> 75-87%), agentic made the same decisions, tenants nearly so
+        # (bench/RESULTS.md).
+        learn_uncontinued: bool = True
+        # Also read a prefix nothing is recorded under as one-shot while none of the fleet's
+        # recent first turns came back (module docstring). Off: measured only on workloads
+        # that are all one-shot or all sessions (multimodal +1 to +12 points of the oracle,
+        # text -2 to +5); a fleet mixing one-shot traffic with new agent prompts is where
+        # it could keep an agent's first sessions together, and no bench runs one.
+        uncontinued_prior: bool = False
+        # The horizon while no first-to-second-turn gap has been seen, and never less: the
+        # tests' and a fleet's first sessions come back within it.
+        uncontinued_floor_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
+        # The longest horizon (and never past windowSeconds, after which a chain is gone).
+        uncontinued_cap_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -453,11 +641,26 @@ class BoundedSessionsFilter:
             clock,
             learn_growth=self._together > 0,
             share_growth=p.share_growth,
+            learn_uncontinued=p.learn_uncontinued,
+            uncontinued_prior=p.uncontinued_prior,
+            uncontinued_floor_s=p.uncontinued_floor_seconds,
+            uncontinued_cap_s=p.uncontinued_cap_seconds,
         )
         # The continuation found while filtering and the blocks some endpoint held, reused
         # by `observe` for the same request.
         self._last: tuple[InferenceRequest, int | None, int] | None = None
-        self.stats = SessionBoundStats()
+        self._stats = SessionBoundStats()
+
+    @property
+    def stats(self) -> SessionBoundStats:
+        """What the filter did, and what the record learned from uncontinued first turns."""
+        sessions = self.sessions
+        return replace(
+            self._stats,
+            uncontinued_learned=sessions.uncontinued_learned,
+            uncontinued_untracked=sessions.uncontinued_untracked,
+            uncontinued_horizon_s=sessions.uncontinued_horizon() or 0.0,
+        )
 
     def _lookup(self, req: InferenceRequest, cands: Sequence[Candidate]) -> tuple[int | None, int]:
         # Looked up once per request, by the first plugin to ask (this filter comes first,
@@ -496,15 +699,28 @@ class BoundedSessionsFilter:
             # bounding it keeps sessions spread while the index is away, as when it answers.
             return cands
         shared = self._lookup(req, cands)[1]
-        stats = self.stats
+        stats = self._stats
         if self._together > 0 and shared > 0 and all(c.prefix_known for c in cands):
+            self.sessions.settle()
             learned = self.sessions.learned(req.block_keys, shared)
             growth = None
             if learned is not None:
-                growth = (len(req.block_keys) - shared + learned[0]) / shared
+                grew, at = learned
+                growth = (len(req.block_keys) - shared + grew) / shared
+                if grew == 0 and at > shared - _GROUP_STRIDE and self.sessions.learns_uncontinued:
+                    # Read at its own shared prefix, where no session has come back (first
+                    # turns went uncontinued, none grew): its own part is written once and
+                    # will not grow wherever it goes, however long (multimodal: images in
+                    # another order, 51 own blocks past 39 shared, were bounded at 1.31).
+                    growth = 0.0
                 # Read under the first blocks only: what sessions on a header shared more
                 # widely (every tenant's) showed, not this prompt's own.
                 stats.header_growth += learned[1] <= _HEAD_BLOCKS
+            elif self.sessions.sessions_come_back() is False:
+                # Nothing known of this prefix, and no session anywhere came back lately:
+                # the fleet's traffic is one-shot, expected to grow as its first turns did.
+                stats.uncontinued_prior += 1
+                growth = 0.0
             if growth is not None and growth <= self._together:
                 # Its group's sessions stay small beside what they share: keeping them
                 # together costs less cache than writing the prefix on another server.
