@@ -88,6 +88,30 @@ def decode_measured(stack: Stack) -> bool:
     return "per-output-token decode time measured" in log
 
 
+async def held_after_scrapes(stack: Stack, q: asyncio.Task, rounds: int = 3) -> bool:
+    """Whether `q` (a queued batch request) is still queued once the picker has scraped
+    every server `rounds` more times (so its latest scrape of each was taken at least
+    `rounds - 1` scrape intervals after now) and then found no room for `q` twice more
+    (two room checks reading those scrapes). Polls every 20 ms, up to 100 times."""
+
+    def count(name: str) -> float:
+        return metric_sum(stack, rf"^{name} (\S+)$")
+
+    scrapes = await asyncio.to_thread(count, "extproc_scrapes_total")
+    until = scrapes + rounds * len(stack.fleet.servers)
+    checks: float | None = None
+    for _ in range(100):
+        if q.done() or not await asyncio.to_thread(queued, stack, 0):
+            return False
+        if checks is None:
+            if await asyncio.to_thread(count, "extproc_scrapes_total") >= until:
+                checks = await asyncio.to_thread(count, "extproc_flow_no_endpoint_room_total")
+        elif await asyncio.to_thread(count, "extproc_flow_no_endpoint_room_total") >= checks + 2:
+            return await asyncio.to_thread(queued, stack, 0) == 1 and not q.done()
+        await asyncio.sleep(0.02)
+    raise AssertionError("the picker did not scrape and check the held request's room")
+
+
 async def test_credits_a_request_from_its_decode_start_not_its_placement(stack: Stack):
     # The stack scrapes often enough that the scrapes around a first token are close enough
     # to time the decode from (several reads within SCRAPE_GAP_S, one past ARRIVAL_S).
@@ -132,8 +156,10 @@ async def test_credits_a_request_from_its_decode_start_not_its_placement(stack: 
         # not end either: it too would wait in that engine. The picker's queue tells.)
         q = asyncio.create_task(post(reserve_body(model, 302, Q_WORDS, 1), LO))
         await held_or_done(stack, q)
-        held = queued(stack, 0) == 1 and not q.done()
-        assert held, "let in beside a request still waiting in its engine"
+        assert queued(stack, 0) == 1, "let in beside a request placed just before it"
+        # Held too once the picker has read a scrape judging X (taken ARRIVAL_S or more
+        # after its placement) and checked Q's room by it: X's engine has it prefilling.
+        assert await held_after_scrapes(stack, q), "let in beside one waiting in its engine"
         # X's server runs again: a scrape shows X decoding, its end within the horizon.
         set_speed(stack.fleet, others, 1.0)
         let_in = await asyncio.wait_for(q, 10)
