@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -99,6 +99,33 @@ LIVE_MAX_S = 600.0
 # engine's counts); and scrapes this far apart place a first token too loosely to time by.
 ARRIVAL_S = 0.05
 SCRAPE_GAP_S = 0.2
+
+
+class _RecentMedian:
+    """The median of the last `SPEED_KEPT` samples, None until `SPEED_TRUSTED` were taken;
+    sorted again only after a new sample (read at every room check, added at ends)."""
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[float] = collections.deque(maxlen=SPEED_KEPT)
+        self._median: float | None = None
+
+    def add(self, sample: float) -> None:
+        self._samples.append(sample)
+        self._median = None
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self._samples)
+
+    def median(self) -> float | None:
+        if len(self._samples) < SPEED_TRUSTED:
+            return None
+        if self._median is None:
+            ordered = sorted(self._samples)
+            self._median = ordered[len(ordered) // 2]
+        return self._median
 
 
 class Refill:
@@ -169,8 +196,7 @@ class PredictedRefill(Refill):
         super().__init__(horizon_s, clock)
         # Per server, its requests on the books: key -> (start, tokens, output tokens).
         self._live: dict[str, dict[Hashable, tuple[float, int, int]]] = {}
-        self._per_token: collections.deque[float] = collections.deque(maxlen=SPEED_KEPT)
-        self._median: float | None = None  # of `_per_token`, None: to be recomputed
+        self._per_token = _RecentMedian()  # start to end, per output token
         self._cache: dict[str, int] = {}  # credits at `_cache_at` (no start or end since)
         self._cache_at = -1.0
         self.unpredicted = 0  # credits from the ends' rate: no per-token time measured yet
@@ -193,8 +219,7 @@ class PredictedRefill(Refill):
             return
         self._cache_at = -1.0
         at, _, output = started
-        self._per_token.append((self._clock() - at) / output)
-        self._median = None
+        self._per_token.add((self._clock() - at) / output)
         if len(self._per_token) == SPEED_TRUSTED and self.unpredicted:
             log.info(
                 "reserve refill credit: per-output-token time measured (%.4f s over %d ends); "
@@ -206,12 +231,7 @@ class PredictedRefill(Refill):
     def per_token_s(self) -> float | None:
         """The median seconds per output token from start to end of the recent ends (None
         until `SPEED_TRUSTED` ended)."""
-        if len(self._per_token) < SPEED_TRUSTED:
-            return None
-        if self._median is None:
-            ordered = sorted(self._per_token)
-            self._median = ordered[len(ordered) // 2]
-        return self._median
+        return self._per_token.median()
 
     def predicted(self, address: str) -> int | None:
         """Tokens of this replica's requests on `address` predicted to end within the
@@ -276,8 +296,7 @@ class StartedRefill(PredictedRefill):
         # and the scrape before, the scrape that saw it): its first token came between.
         self._started: dict[str, dict[Hashable, tuple[float, float]]] = {}
         self._seen: dict[str, float] = {}  # per server, the last scrape read (taken at)
-        self._decode: collections.deque[float] = collections.deque(maxlen=SPEED_KEPT)
-        self._decode_median: float | None = None
+        self._decode = _RecentMedian()  # decode start to end, per output token
         self._blind: set[str] = set()  # servers whose last scrape had no first-token count
         self.unstarted = 0  # credits on such servers (from placement instead)
 
@@ -302,8 +321,7 @@ class StartedRefill(PredictedRefill):
             if entry is not None and seen is not None and seen[1] - seen[0] <= SCRAPE_GAP_S:
                 # Timed only when the scrapes around its first token were close together
                 # (the start is then known to within a scrape interval).
-                self._decode.append((self._clock() - seen[1]) / entry[2])
-                self._decode_median = None
+                self._decode.add((self._clock() - seen[1]) / entry[2])
                 if len(self._decode) == SPEED_TRUSTED:
                     log.info(
                         "reserve refill credit: per-output-token decode time measured "
@@ -317,12 +335,7 @@ class StartedRefill(PredictedRefill):
         """The median seconds per output token from the decode's start (the scrape that
         first saw it past its first token) to the end, over the recent ends (None until
         `SPEED_TRUSTED` were timed)."""
-        if len(self._decode) < SPEED_TRUSTED:
-            return None
-        if self._decode_median is None:
-            ordered = sorted(self._decode)
-            self._decode_median = ordered[len(ordered) // 2]
-        return self._decode_median
+        return self._decode.median()
 
     def observe(self, address: str, state: EndpointState | None) -> None:
         """Reads `address`'s latest scrape: this replica's requests the engine is past the
