@@ -117,8 +117,10 @@ def test_without_first_token_counts_the_server_is_credited_from_placement(caplog
         r.observe("B", EndpointState())  # never scraped: the scraper says why, not this
         r.observe("A", scrape(None))  # scraped, but the engine does not export the counts
         r.observe("A", scrape(None))
-    assert sum("no first-token count" in m for m in caplog.messages) == 1  # logged once
-    assert "from A" in caplog.messages[0]
+    # Only this warning is read: `timed` logs at INFO, captured where an earlier test left
+    # the package's loggers at INFO (test_layers, test_config: it failed in that order).
+    warned = [m for m in caplog.messages if "no first-token count" in m]
+    assert len(warned) == 1 and "from A" in warned[0]  # logged once
     assert r.credit("A") == 700  # predicted from its placement
     assert r.unstarted == 1
     clock.now += 0.1
