@@ -68,8 +68,8 @@ goodput branch). Joint: the quantile is of each recent request's clump, the toke
 `reserve_spike_s` before it plus its own (the room the request needs if none of what came
 before it has freed), and the reserve is that or the largest requests, whichever is more:
 it covers that share of the band's requests, not ~98-100% of them. Opt-in: at 0.95 it won
-goodput in 5 of 5 pairs (+0.025 mean) and cost the tail as every smaller reserve does
-(picker waits over 0.1 s 24 against 13, pooled TTFT p99 2.54x against 2.33x).
+goodput in 6 of 6 pairs (+0.027 mean) and cost the tail as every smaller reserve does
+(picker waits over 0.1 s 30 against 15, pooled TTFT p99 2.42x against 2.33x).
 
 Why the fleet's arrivals (`peer_arrived`, fed by flowcontrol/shared.py): active-active
 replicas each see only their share of the band's arrivals. Sized from its own share, a
