@@ -48,7 +48,8 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
 `-blocks` (`count_engine_blocks`; `-blocksall`: with `engine_blocks_lower_bands:
 blocks`), `-rfp` (`reserve_refill_credit: predicted`; `-rfs`: `started`), `-spike<ms>`
-(`reserve_spike_s`; `-sq<NN>`: `reserve_spike_quantile` 0.NN), `-ends<ms>`
+(`reserve_spike_s`; `-sq<NN>`: `reserve_spike_quantile` 0.NN; `-sj`:
+`reserve_spike_joint`), `-ends<ms>`
 (`dispatch_on_end`, off in every other run, and Envoy's access log flushed every <ms>
 instead of 100 ms), `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
@@ -179,6 +180,7 @@ def picker_config(
     refill_credit: str = "rate",
     spike_s: float = 0.0,
     spike_quantile: float = 0.0,
+    spike_joint: bool = False,
     claim: bool = False,
     output_scale: float = 0.0,
     output_scale_auto: bool = False,
@@ -267,6 +269,9 @@ def picker_config(
             doc["flow_control"]["reserve_spike_s"] = spike_s
             if spike_quantile:
                 doc["flow_control"]["reserve_spike_quantile"] = spike_quantile
+            if spike_joint:
+                # The quantile of each request's clump, its own counted (`-sj` runs).
+                doc["flow_control"]["reserve_spike_joint"] = True
         if output_scale:
             # Outputs counted in the prompt estimate's unit (`-os` runs; `kv_ratio` is then
             # `output_scaled`'s).
@@ -1051,6 +1056,9 @@ def main() -> int:
             sq_m = re.search(r"-sq(\d+)", run_name)
             spike_q = int(sq_m.group(1)) / 100 if sq_m else 0.0
             run_name = re.sub(r"-sq\d+", "", run_name)
+            # `-sj`: reserve_spike_joint (the quantile of each request's clump, own counted).
+            run_name, sj, after = run_name.partition("-sj")
+            run_name += after
             # `-rfp`: reserve_refill_credit: predicted (the credit from predicted ends).
             run_name, rfp, after = run_name.partition("-rfp")
             run_name += after
@@ -1135,6 +1143,7 @@ def main() -> int:
                     refill_credit=credit,
                     spike_s=spike_s,
                     spike_quantile=spike_q,
+                    spike_joint=bool(sj),
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),
@@ -1171,6 +1180,7 @@ def main() -> int:
                     refill_credit=credit,
                     spike_s=spike_s,
                     spike_quantile=spike_q,
+                    spike_joint=bool(sj),
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),

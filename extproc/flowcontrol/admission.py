@@ -95,6 +95,8 @@ class Admission:
                 "no effect without "
                 "admit_per_endpoint and reserve_for_higher_bands"
             )
+        if s.reserve_spike_joint and not s.reserve_spike_s:
+            log.warning("flow_control.reserve_spike_joint has no effect without reserve_spike_s")
         # The prior's prompt (what a server prefills) is its request less the output
         # counted per request. Its size and rate are taken in the unit the band's own
         # history is noted in (FlowRequest.counted_tokens): without the detector counting
@@ -133,6 +135,7 @@ class Admission:
             reserve_refill_credit=s.reserve_refill_credit,
             reserve_spike_s=s.reserve_spike_s,
             reserve_spike_quantile=s.reserve_spike_quantile,
+            reserve_spike_joint=s.reserve_spike_joint,
             gate=config.gate,
             waiting_claims_room=s.waiting_claims_room,
             dispatch_on_end=s.dispatch_on_end,

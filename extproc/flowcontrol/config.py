@@ -182,7 +182,11 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     `reserve_spike_quantile` (0.9 by default) of the tokens a higher band sent within this
     many seconds before each of its recent requests (from 20 requests of history on): room
     for the work that arrives close behind another, not the mean rate's; with shared flow
-    state, over the fleet's arrivals (flowcontrol/reserve.py).
+    state, over the fleet's arrivals (flowcontrol/reserve.py). `reserve_spike_joint` (off by
+    default; with `reserve_spike_s`): the quantile is instead of each recent request's clump,
+    the tokens before it plus its own, and the reserve is that or the largest request,
+    whichever is more, not the two added: it covers that share of the band's requests rather
+    than nearly all, and does not jump by a whole large request with the arrival draw.
     `output_token_scale` (1.0, the default: none): each request's counted output (above)
     times this, so it adds up with the prompt estimate in one unit: the picker's estimated
     prompt tokens per real token where that estimate runs over or under the engine's count
@@ -232,6 +236,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_refill_credit: Literal["rate", "predicted", "started"] = "rate"
     reserve_spike_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
     reserve_spike_quantile: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    reserve_spike_joint: bool = False
     output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] | Literal["auto"] = 1.0
     count_engine_blocks: bool = False
     engine_blocks_lower_bands: Literal["tokens", "blocks"] = "tokens"

@@ -129,6 +129,7 @@ class FlowController:
         reserve_refill_credit: str = "rate",
         reserve_spike_s: float = 0.0,
         reserve_spike_quantile: float = 0.9,
+        reserve_spike_joint: bool = False,
         gate: PrefillGate | None = None,
         waiting_claims_room: bool = False,
         dispatch_on_end: bool = False,
@@ -159,7 +160,9 @@ class FlowController:
         (`rate`: the recent ends' rate; `predicted`: the requests there predicted to end
         within it). `reserve_spike_s`: the rate term
         is instead the `reserve_spike_quantile` of the tokens a higher band sent within that
-        many seconds before each of its recent requests (0: off). `gate`: with per-endpoint
+        many seconds before each of its recent requests (0: off); `reserve_spike_joint`:
+        that quantile of each request's clump, its own tokens counted, or the largest
+        requests, whichever is more. `gate`: with per-endpoint
         admission, a lower band's request starts only where the server's unfinished prefill
         stays short while a higher band is active (flowcontrol/prefill_gate.py).
         `waiting_claims_room`: with per-endpoint admission, in a band above the lowest, a
@@ -236,6 +239,7 @@ class FlowController:
             reserve_rate_quantile,
             reserve_spike_s,
             reserve_spike_quantile,
+            reserve_spike_joint,
         )
         self._prefill_speed = prefill_speed
         credit = CREDITS[reserve_refill_credit]  # how the room about to free is counted
