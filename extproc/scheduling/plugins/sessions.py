@@ -55,12 +55,7 @@ picker saw (a session's next turn comes after its answer and the client's think 
 time, which continued sessions show), never under a floor (no gap seen yet: the first
 sessions of a fleet whose sessions come back slowly) nor over a cap (within the window a
 chain is remembered). A wrong call costs only the new sessions placed before the late turn
-arrives: that turn records its real growth, and the group is bounded again. A first turn so
-judged also stops counting among its server's live sessions (it stays findable: a late turn
-continues it and is counted again); else each one-shot repeat weighed on its server for the
-whole window, and the repeats bounded within their group's first horizon, or on a prefix
-nothing is recorded under, were dealt away from the holders that one-shot traffic made look
-loaded.
+arrives: that turn records its real growth, and the group is bounded again.
 
 That still bounds a group's repeats until its own first request's horizon has passed (the
 first 2 s of each group: 8-19 of 48 repeats at 6 req/s on bench_routing's multimodal). With
@@ -174,9 +169,6 @@ class _Chain:
     first: int = 0
     # Turns placed in the chain (1: its first turn only, not continued yet).
     turns: int = 1
-    # Counted among its endpoint's live sessions: a first turn judged uncontinued is not
-    # (it stays findable, and a late turn continuing it is counted again).
-    counted: bool = True
 
 
 class LiveSessions:
@@ -290,11 +282,6 @@ class LiveSessions:
                 self.uncontinued_learned += 1
                 self._outcomes.append(False)
                 self._record(0, keys)
-                # Nor does it weigh on its server's bound any longer: counted for the whole
-                # window, each one-shot repeat placed on a holder made it look loaded, and
-                # the group's next new sessions on a prefix nothing is recorded under were
-                # dealt away from it (issue 14, twenty-third session).
-                self._uncount(chain)
 
     def find(self, block_keys: Sequence[int], matched: Iterable[float] = ()) -> int | None:
         """The live chain this request continues, or None (a new session). `matched`: the
@@ -357,11 +344,8 @@ class LiveSessions:
         return None
 
     def counts(self) -> Mapping[str, int]:
-        """Live sessions per endpoint (endpoints without any are absent), not counting first
-        turns judged uncontinued (`learn_uncontinued`)."""
-        now = self._clock()
-        self.settle(now)
-        self._expire(now)
+        """Live sessions per endpoint (endpoints without any are absent)."""
+        self._expire(self._clock())
         return self._counts
 
     def touch(self, chain_id: int | None, endpoint: str, block_keys: Sequence[int]) -> None:
@@ -503,12 +487,6 @@ class LiveSessions:
     def _forget(self, chain: _Chain) -> None:
         for key in chain.keys:
             self._by_key.pop(key, None)
-        self._uncount(chain)
-
-    def _uncount(self, chain: _Chain) -> None:
-        if not chain.counted:
-            return
-        chain.counted = False
         n = self._counts.get(chain.endpoint, 0) - 1
         if n > 0:
             self._counts[chain.endpoint] = n
