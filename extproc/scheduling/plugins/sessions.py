@@ -282,6 +282,12 @@ class LiveSessions:
                 self.uncontinued_learned += 1
                 self._outcomes.append(False)
                 self._record(0, keys)
+                # It still counts among its server's live sessions for the window: the bound
+                # is relative, and old one-shot turns spread evenly over the fleet loosen it.
+                # Uncounted, only the last horizon's first turns were counted, mostly on the
+                # holders of the groups then arriving, and more holders were removed (text at
+                # 16 req/s: 13 against 4 and 10, hit ratio 51-54% against 59-66%;
+                # bench/RESULTS.md, twenty-third session, oneshot2).
 
     def find(self, block_keys: Sequence[int], matched: Iterable[float] = ()) -> int | None:
         """The live chain this request continues, or None (a new session). `matched`: the
