@@ -454,6 +454,11 @@ def main(argv: list[str] | None = None) -> int:
         "send): the hop as bench_routing.py sees it; rows and summary as sglang's",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--warm", type=float, metavar="RATE",
+        help="open-loop workloads: first run the workload at RATE req/s with seed - 1 on the "
+        "same picker and reset the fleet (bench_routing's step before), untraced",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
     p.add_argument("--out", type=Path, default=Path("trace"))
     p.add_argument("--extra", default="", help="YAML merged into every picker config")
@@ -575,6 +580,16 @@ def main(argv: list[str] | None = None) -> int:
                     _profile_env(args.profile / f"{args.workload}-{named}-{rnd}")
                 with ex, Stack(opts) as stack:
                     time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's socket
+                    if args.warm and args.workload != "agentic":
+                        # bench_routing's ladder: the step before on the same picker (seed
+                        # one lower), so this one is decided calibrated, as there.
+                        asyncio.run(
+                            _tenants(
+                                stack.url, args.warm, args.seed - 1, args.time_scale,
+                                name=args.workload,
+                            )
+                        )  # fmt: skip
+                        fleet.reset()
                     if args.profile:
                         _toggle_profiles()
                     urls = [srv.url for srv in fleet.servers]
