@@ -239,19 +239,29 @@ class PredictedRefill(Refill):
         per_token = self.per_token_s()
         if per_token is None:
             return None
+        return self._cached(address, per_token, self._ending_from_placement)
+
+    def _cached(
+        self, address: str, per_token: float, ending: Callable[[str, float, float, float], int]
+    ) -> int:
+        """`ending(address, now, until, per_token)` once per server and moment: read at every
+        room check of every band, it changes only with a placement, an end or the clock."""
         now = self._clock()
         if now != self._cache_at:
             self._cache, self._cache_at = {}, now
         known = self._cache.get(address)
         if known is None:
-            until = now + self.horizon_s
-            known = sum(
-                tokens
-                for at, tokens, output in self._live.get(address, {}).values()
-                if now < at + output * per_token <= until
-            )
-            self._cache[address] = known
+            known = self._cache[address] = ending(address, now, now + self.horizon_s, per_token)
         return known
+
+    def _ending_from_placement(
+        self, address: str, now: float, until: float, per_token: float
+    ) -> int:
+        return sum(
+            tokens
+            for at, tokens, output in self._live.get(address, {}).values()
+            if now < at + output * per_token <= until
+        )
 
     def rate(self, address: str) -> float:
         """This replica's predicted credit on `address` over the horizon, as a rate (what
@@ -381,20 +391,16 @@ class StartedRefill(PredictedRefill):
         per_token = self.decode_per_token_s()
         if per_token is None or address in self._blind:
             return super().predicted(address)  # from placement
-        now = self._clock()
-        if now != self._cache_at:
-            self._cache, self._cache_at = {}, now
-        known = self._cache.get(address)
-        if known is None:
-            until = now + self.horizon_s
-            started = self._started.get(address, {})
-            known = 0
-            for key, (_, tokens, output) in self._live.get(address, {}).items():
-                seen = started.get(key)
-                # Not yet decoding: at least a prefill and its whole output away.
-                if seen is not None and now < seen[1] + output * per_token <= until:
-                    known += tokens
-            self._cache[address] = known
+        return self._cached(address, per_token, self._ending_from_decode)
+
+    def _ending_from_decode(self, address: str, now: float, until: float, per_token: float) -> int:
+        started = self._started.get(address, {})
+        known = 0
+        for key, (_, tokens, output) in self._live.get(address, {}).items():
+            seen = started.get(key)
+            # Not yet decoding: at least a prefill and its whole output away.
+            if seen is not None and now < seen[1] + output * per_token <= until:
+                known += tokens
         return known
 
 
