@@ -53,6 +53,13 @@ with the few admitted and read 0.54x. The hysteresis is 0.6: a value clearly
 past the rounding edge from the current one (a true 2.5 still keeps 2 or 3, a true 1.3
 leaves a wrongly learned 2).
 
+Only the text part of an estimate measures characters per token: media (images, video,
+audio) are priced from their size by the model's estimator and do not change with
+bytes-per-token, so each placement's media tokens are kept apart and taken off the engine's
+count before the ratio (read as text they pulled it toward the current value: multimodal
+prompts whose images were priced right kept 2 where the text said 1.28, issue 14,
+twenty-third session). `stats.ratios` stays the whole prompt's engine tokens per estimate.
+
 Replicas behind one gateway can pool this (`state.shared_calibration`,
 server/shared_calibration.py): each replica's placements count in every replica's windows
 (`peer_placed`), so each window fills as fast as one replica's would, and a replica's own
@@ -71,6 +78,7 @@ import msgspec
 
 from extproc.core import InferenceRequest
 from extproc.requests import parse_request
+from extproc.requests.parse import estimate_media_tokens
 from extproc.requests.settings import ParseSettings
 from extproc.throttle import Throttle
 
@@ -101,7 +109,11 @@ _CHARS_PER_TOKEN = (1.0, 12.0)
 
 @dataclass(slots=True)
 class _Window:
-    estimated: int = 0  # our token estimates of requests placed since the window opened
+    # Our token estimates of requests placed since the window opened: their text part (in
+    # the current bytes-per-token) and their media part (images, video, audio: priced from
+    # their size by the model's estimator, not by bytes-per-token).
+    estimated: int = 0
+    media: int = 0
     requests: int = 0  # how many requests those were
     engine_start: int | None = None  # the engine's prompt-token counter when it opened
     # The engine's per-request prompt-token histogram (sum, count) when it opened; None when
@@ -109,10 +121,12 @@ class _Window:
     finished_start: tuple[float, float] | None = None
     # Pairing (engines with the histogram): our estimates of the placements the engine has
     # not counted yet, oldest first (None: not paired), the histogram's count at the last
-    # scrape, and the estimates of the requests it counted since the window opened.
-    pending: deque[int] | None = None
+    # scrape, and the estimates of the requests it counted since the window opened (text,
+    # media, as above).
+    pending: deque[tuple[int, int]] | None = None
     counted: float = 0.0
     paired_estimated: int = 0
+    paired_media: int = 0
     debt: int = 0  # requests counted before their placement arrived here
     aligned: bool = True  # every request counted in this window was paired
 
@@ -158,9 +172,9 @@ class Calibration:
         # Told (bytes_per_token, key bytes per token) of each change this replica confirmed
         # from its own windows (not of adopted ones: peers never re-announce a value).
         self.on_change: Callable[[int, int], None] | None = None
-        # Told (endpoint, estimated tokens, bytes_per_token) of each request placed here (the
-        # peers count it in their windows).
-        self.on_placed: Callable[[str, int, int], None] | None = None
+        # Told (endpoint, estimated tokens, bytes_per_token, media tokens of them) of each
+        # request placed here (the peers count it in their windows).
+        self.on_placed: Callable[[str, int, int, int], None] | None = None
         # Told (endpoint, estimated tokens in this replica's unit) of each peer's placement
         # (the KV-capacity model measures from them too).
         self.on_peer_placed: list[Callable[[str, int], None]] = []
@@ -172,26 +186,33 @@ class Calibration:
 
     def placed(self, endpoint: str, request: InferenceRequest) -> None:
         if self.enabled and request.prompt is not None:
+            media = min(estimate_media_tokens(request.prompt), request.prompt_tokens)
+            text = request.prompt_tokens - media
             w = self._windows.setdefault(endpoint, _Window())
-            w.estimated += request.prompt_tokens
+            w.estimated += text
+            w.media += media
             w.requests += 1
-            _enqueue(w, request.prompt_tokens)
+            _enqueue(w, text, media)
             if self.on_placed is not None:
-                self.on_placed(endpoint, request.prompt_tokens, self.settings.bytes_per_token)
+                self.on_placed(
+                    endpoint, request.prompt_tokens, self.settings.bytes_per_token, media
+                )
 
-    def peer_placed(self, endpoint: str, tokens: int, bytes_per_token: int) -> None:
+    def peer_placed(self, endpoint: str, tokens: int, bytes_per_token: int, media: int = 0) -> None:
         """A peer replica placed a request on `endpoint` it estimated at `tokens` with its
-        `bytes_per_token`: counted in this replica's window as if placed here (in this
-        replica's unit; the chat template's few tokens per turn scale with it too, a small
-        error only while replicas disagree)."""
+        `bytes_per_token`, `media` of them for its media: counted in this replica's window as
+        if placed here (the text part in this replica's unit; the chat template's few tokens
+        per turn scale with it too, a small error only while replicas disagree)."""
         if self.enabled:
+            media = min(max(media, 0), tokens)
             w = self._windows.setdefault(endpoint, _Window())
-            mine = round(tokens * bytes_per_token / self.settings.bytes_per_token)
-            w.estimated += mine
+            text = round((tokens - media) * bytes_per_token / self.settings.bytes_per_token)
+            w.estimated += text
+            w.media += media
             w.requests += 1
-            _enqueue(w, mine)
+            _enqueue(w, text, media)
             for listener in self.on_peer_placed:
-                listener(endpoint, mine)
+                listener(endpoint, text + media)
 
     def adopt(self, bytes_per_token: int, key_bytes_per_token: int, *, source: str) -> bool:
         """A peer's confirmed bytes-per-token: adopted when within the bounds and made for
@@ -250,20 +271,20 @@ class Calibration:
         self._unmeasured.discard(endpoint)
         w = self._windows.setdefault(endpoint, _Window())
         if w.engine_start is None or prompt_tokens < w.engine_start:  # first, or a restart
-            w.engine_start, w.estimated, w.requests = prompt_tokens, 0, 0
+            w.engine_start, w.estimated, w.media, w.requests = prompt_tokens, 0, 0, 0
             w.finished_start = finished
             # Placements before this scrape may or may not be counted yet: pairing starts
             # with the next one (a picker normally starts before its traffic).
             w.pending = deque() if finished is not None else None
             w.counted = finished[1] if finished is not None else 0.0
-            w.paired_estimated = w.debt = 0
+            w.paired_estimated = w.paired_media = w.debt = 0
             w.aligned = True
             return
         _pair(w, finished)
         engine = prompt_tokens - w.engine_start
         if engine < _MIN_TOKENS or w.requests < _MIN_REQUESTS:
             return
-        estimated, requests, start = w.estimated, w.requests, w.finished_start
+        estimated, media, requests, start = w.estimated, w.media, w.requests, w.finished_start
         # An engine that counts its requests: the window closes on 8 counted (and, when
         # paired, on every counted request's placement here). Closed on fewer it fell back to
         # the totals, which under load compare everything placed with the little admitted (a
@@ -274,25 +295,32 @@ class Calibration:
             and (finished[1] - start[1] < _MIN_REQUESTS or (w.aligned and w.debt > 0))
         ):
             return
-        paired = w.paired_estimated if w.aligned and w.pending is not None else 0
-        w.engine_start, w.estimated, w.requests = prompt_tokens, 0, 0
+        paired = w.aligned and w.pending is not None and w.paired_estimated + w.paired_media > 0
+        text, media = (w.paired_estimated, w.paired_media) if paired else (estimated, media)
+        w.engine_start, w.estimated, w.media, w.requests = prompt_tokens, 0, 0, 0
         w.finished_start = finished
-        w.paired_estimated = 0
+        w.paired_estimated = w.paired_media = 0
         w.aligned = True
         done = finished[1] - start[1] if finished is not None and start is not None else 0.0
-        if done >= _MIN_REQUESTS and paired > 0 and finished is not None and start is not None:
+        if done >= _MIN_REQUESTS and paired and finished is not None and start is not None:
             # The engine's prompt tokens against our estimates of the same requests.
-            ratio = (finished[0] - start[0]) / paired
+            counted = finished[0] - start[0]
         elif done >= _MIN_REQUESTS and finished is not None and start is not None:
             # Per request: the engine's mean prompt against our mean estimate (see above).
-            engine_mean = (finished[0] - start[0]) / done
-            ratio = engine_mean * requests / estimated if estimated else 0.0
+            counted = (finished[0] - start[0]) / done * requests
         else:
-            ratio = engine / estimated if estimated else 0.0
-        # Our estimate is chars / bytes_per_token; the engine's count says the real
-        # characters per token is bytes_per_token / ratio.
+            counted = float(engine)
+        ratio = counted / (text + media) if text + media else 0.0
+        # Our text estimate is chars / bytes_per_token; the engine's count less our media
+        # estimate says the real characters per token is bytes_per_token / text_ratio. The
+        # media part is left out: it does not scale with bytes-per-token, and read as text
+        # it pulled the measurement toward the current value (bench_routing's multimodal
+        # prompts, 768 of ~2,860 engine tokens in images priced exactly: 1.48 characters per
+        # token read for the text's 1.28, inside the hysteresis of 2, so the estimate stayed
+        # at 0.74 of the engine's count; issue 14, twenty-third session).
+        text_ratio = (counted - media) / text if text > 0 else 0.0
         current = self.settings.bytes_per_token
-        measured = current / ratio if ratio > 0 else float("inf")
+        measured = current / text_ratio if text_ratio > 0 else float("inf")
         if not _CHARS_PER_TOKEN[0] <= measured <= _CHARS_PER_TOKEN[1]:
             self.stats.windows_skipped += 1
             suppressed = self._throttle.allow("window skipped")
@@ -334,7 +362,7 @@ class Calibration:
                 w.estimated = round(w.estimated * factor)
                 w.paired_estimated = round(w.paired_estimated * factor)
                 if w.pending is not None:
-                    w.pending = deque(round(t * factor) for t in w.pending)
+                    w.pending = deque((round(t * factor), m) for t, m in w.pending)
             # The last ratios too (engine tokens per estimate: the estimates grew by the
             # factor): flow control's measured output scale reads them until the next window.
             self.stats.ratios = {a: r / factor for a, r in self.stats.ratios.items()}
@@ -344,19 +372,21 @@ class Calibration:
                 self.on_change(new_bpt, self.settings.key_bpt)
 
 
-def _enqueue(w: _Window, tokens: int) -> None:
+def _enqueue(w: _Window, tokens: int, media: int) -> None:
+    """One placement's estimate (`tokens` of text, `media`) into the pairing queue."""
     if w.pending is None:
         return
     if w.debt > 0:  # the engine counted it already
         w.debt -= 1
         w.paired_estimated += tokens
+        w.paired_media += media
         return
     if len(w.pending) >= _MAX_PENDING:
         # The engine stopped counting what is placed there: pairing would compare requests
         # far apart; it starts again from the next placement.
         w.pending.clear()
         w.aligned = False
-    w.pending.append(tokens)
+    w.pending.append((tokens, media))
 
 
 def _pair(w: _Window, finished: tuple[float, float] | None) -> None:
@@ -375,7 +405,9 @@ def _pair(w: _Window, finished: tuple[float, float] | None) -> None:
         return
     take = min(new, len(w.pending))
     for _ in range(take):
-        w.paired_estimated += w.pending.popleft()
+        text, media = w.pending.popleft()
+        w.paired_estimated += text
+        w.paired_media += media
     w.debt += new - take
     if w.debt > _MAX_DEBT:
         w.pending.clear()

@@ -206,6 +206,12 @@ def estimate_prompt_tokens(prompt: Prompt, settings: ParseSettings) -> int:
     return total
 
 
+def estimate_media_tokens(prompt: Prompt) -> int:
+    """The media part of `estimate_prompt_tokens` (every occurrence): what does not change
+    with bytes-per-token, so calibration leaves it out of the characters it measures."""
+    return sum(p.media.tokens for m in prompt.messages for p in m.parts if p.media is not None)
+
+
 def distinct_media(prompt: Prompt) -> tuple[MediaItem, ...]:
     """Each asset once, in order of first appearance: a repeated image counts once for
     affinity."""

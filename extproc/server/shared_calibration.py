@@ -135,8 +135,8 @@ class SharedCalibration(SharedOverBroadcast[SharedCalibrationStats]):
         await super().aclose()
         await close(self._client, "shared calibration", self._abandoned)
 
-    def _placed(self, endpoint: str, tokens: int, bytes_per_token: int) -> None:
-        self._channel.send((_PLACED, endpoint, tokens, bytes_per_token))
+    def _placed(self, endpoint: str, tokens: int, bytes_per_token: int, media: int) -> None:
+        self._channel.send((_PLACED, endpoint, tokens, bytes_per_token, media))
 
     def _changed(self, bytes_per_token: int, key_bytes_per_token: int) -> None:
         self._channel.send((_CHANGED, bytes_per_token, key_bytes_per_token))
@@ -147,10 +147,12 @@ class SharedCalibration(SharedOverBroadcast[SharedCalibrationStats]):
         # A ValueError/TypeError here is counted as a bad entry by the channel.
         kind, *rest = item
         if kind == _PLACED:
-            endpoint, tokens, bpt = rest
+            # A replica of the version before media were sent apart sends 3 fields.
+            endpoint, tokens, bpt, media = rest if len(rest) == 4 else (*rest, 0)
             if not isinstance(endpoint, str) or not self._known(endpoint):
                 raise ValueError(f"not a server of the pool: {endpoint!r}")
-            self._cal.peer_placed(endpoint, _count(tokens, 0, _MAX_TOKENS), _count(bpt, 1, 64))
+            tokens = _count(tokens, 0, _MAX_TOKENS)
+            self._cal.peer_placed(endpoint, tokens, _count(bpt, 1, 64), _count(media, 0, tokens))
             self._counts.applied += 1
         elif kind == _CHANGED:
             bpt, key = rest

@@ -250,10 +250,10 @@ def test_a_peers_placements_fill_this_replicas_windows() -> None:
 
 def test_this_replicas_placements_are_told_to_the_peers() -> None:
     cal = Calibration(ParseSettings(bytes_per_token=4))
-    placed: list[tuple[str, int, int]] = []
+    placed: list[tuple[str, int, int, int]] = []
     cal.on_placed = lambda *a: placed.append(a)
     cal.placed("a:1", cal("/v1/completions", {}, BODY))
-    assert placed == [("a:1", 1000, 4)]
+    assert placed == [("a:1", 1000, 4, 0)]  # no media in it
     off = Calibration(ParseSettings(), enabled=False)
     off.on_placed = lambda *a: placed.append(a)
     off.placed("a:1", off("/v1/completions", {}, BODY))
@@ -383,3 +383,79 @@ def test_a_peers_placement_counted_before_it_arrived_is_paired_when_it_does() ->
     cal.peer_placed("a:1", 1000, 4)
     cal.observe("a:1", None, 18_000, (18_000.0, 9.0))
     assert cal.stats.ratios["a:1"] == 2.0
+
+
+# bench_routing's multimodal prompt, reduced: 3 images of 448 px (256 tokens each by the
+# default estimator, which is also what the simulator counts) and 2,560 characters of text
+# the engine tokenizes at 1.28 characters a token (2,000 tokens).
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}
+
+
+def multimodal_body(chars: int = 2560) -> bytes:
+    from extproc.sim.workload import png_data_uri
+
+    images = [{"type": "image_url", "image_url": {"url": png_data_uri(i, 448)}} for i in range(3)]
+    content = [*images, {"type": "text", "text": "y" * chars}]
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": content}]})
+
+
+def test_media_are_left_out_of_the_characters_a_token_measures() -> None:
+    # Read as text, the 768 image tokens (priced right) diluted the ratio: from 4, the
+    # whole prompt read 2.0 characters a token and 2 was learned; from 2 it read ~1.47, within
+    # the hysteresis of 2, so the estimate stayed at ~0.75 of the engine's count (issue 14,
+    # twenty-third session). Text alone reads 1.28: 1 is learned.
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    req = cal("/v1/chat/completions", {}, multimodal_body())
+    assert sum(m.tokens for m in req.media) == 768
+    engine = 768 + 2000  # the engine counts the images as we do, the text at 1.28
+    at, done = 0, (0.0, 0.0)
+    cal.observe("a:1", None, at, done)
+    for _ in range(4):  # two to learn, two more that keep it
+        req = cal("/v1/chat/completions", {}, multimodal_body())  # in the current unit
+        for _ in range(16):
+            cal.placed("a:1", req)
+        at, done = at + 16 * engine, (done[0] + 16 * engine, done[1] + 16)
+        cal.observe("a:1", None, at, done)
+    assert cal.stats.windows_skipped == 0 and cal.settings.bytes_per_token == 1
+    assert cal.stats.changes == 1
+    after = cal("/v1/chat/completions", {}, multimodal_body())
+    # Text at 1 character a token: 2,560 + 4 template tokens + 768, 1.2x the engine's count
+    # where 2 left 0.75x (integer characters a token: 1.28 rounds to 1).
+    assert after.prompt_tokens == 2560 + 4 + 768
+    # The ratio kept for flow control is still the whole prompt's (engine per estimate).
+    assert abs(cal.stats.ratios["a:1"] - engine / after.prompt_tokens) < 0.01
+
+
+def test_a_peers_media_are_left_out_too_and_kept_in_their_unit() -> None:
+    # A peer at 2 characters a token places the multimodal prompt: 1,280 + 4 text tokens and
+    # 768 media. In this replica's unit (4) the text is half that; the media stay 768.
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    capacity: list[tuple[str, int]] = []
+    cal.on_peer_placed.append(lambda ep, tokens: capacity.append((ep, tokens)))
+    engine = 768 + 2000
+    at, done = 0, (0.0, 0.0)
+    cal.observe("a:1", None, at, done)
+    for _ in range(2):
+        for _ in range(16):
+            cal.peer_placed("a:1", 1284 + 768, 2, 768)
+        at, done = at + 16 * engine, (done[0] + 16 * engine, done[1] + 16)
+        cal.observe("a:1", None, at, done)
+    assert capacity[0] == ("a:1", 642 + 768)
+    assert cal.settings.bytes_per_token == 1  # (2,768 - 768) / 642 engine tokens per text one
+    # Media beyond the tokens (a malformed peer) count as all media, never negative text.
+    cal.peer_placed("a:1", 100, 4, 500)
+    assert capacity[-1] == ("a:1", 100)
+
+
+def test_media_only_windows_measure_no_characters() -> None:
+    # Images and no text: nothing to measure characters from; the window is left out (and
+    # said), never divided by zero.
+    cal = Calibration(ParseSettings(bytes_per_token=4))
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [IMAGE] * 40}]})
+    req = cal("/v1/chat/completions", {}, body)
+    assert req.prompt_tokens > 0
+    cal.observe("a:1", None, 0, (0.0, 0.0))
+    for _ in range(16):
+        cal.placed("a:1", req)
+    cal.observe("a:1", None, 16 * req.prompt_tokens, (16.0 * req.prompt_tokens, 16.0))
+    assert cal.settings.bytes_per_token == 4

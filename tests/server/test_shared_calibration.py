@@ -118,17 +118,19 @@ async def test_forged_values_are_counted_and_ignored(redis_server):
                 ["e", "s1", -5, 4],  # a negative estimate
                 ["e", "s1", 10**9, 4],  # no prompt is that long
                 ["e", "s1", 1000, 0],  # no tokenizer has 0 bytes a token
+                ["e", "s1", 1000, 4, 1001],  # more media than tokens
                 ["x", 1, 2],  # an unknown kind
-                ["e", "s1", 1000, 4],  # the one good item
+                ["e", "s1", 1000, 4],  # a good item (a replica of before media were sent)
+                ["e", "s1", 1000, 4, 768],  # and one with its media
             ]
             await client.publish("extproc:calibration", b"\xc1 not msgpack")  # first: in order
             await client.publish("extproc:calibration", msgspec.msgpack.encode(["b", items]))
-            await until(lambda: shared.stats.applied == 1, "the good placement applied")
+            await until(lambda: shared.stats.applied == 2, "the good placements applied")
     finally:
         await client.aclose()
     assert cal.stats.refused == 3 and cal.stats.changes == 0 and cal.stats.adopted == 0
     assert cal.settings.bytes_per_token == 4
-    assert shared.stats.bad_entries == 7 and shared.stats.adopted == 0
+    assert shared.stats.bad_entries == 8 and shared.stats.adopted == 0
 
 
 async def test_redis_gone_is_said_and_calibration_goes_on_locally(redis_server, caplog):
