@@ -627,8 +627,9 @@ class BoundedSessionsFilter:
         # recent first turns came back (module docstring). Off: it wins on fleets that are
         # all one-shot (multimodal +1 to +12 points of the oracle, text -2 to +5), but on
         # bench_routing's mixed workload (one-shot groups, agents joining on a new prompt)
-        # it cost the one-shot part 2.6-6.6 points at 6 req/s in 3 of 3 pairs and was
-        # within noise at 16 (bench/RESULTS.md, twenty-third session, mixed).
+        # at 6 req/s it cost the agents 0.17-0.29 s of TTFT p90 (4 of 4 pairs) and seed 1's
+        # one-shot part 2.6-6.6 points; at 16 within noise (bench/RESULTS.md, twenty-third
+        # session, mixed).
         uncontinued_prior: bool = False
         # The horizon while no first-to-second-turn gap has been seen, and never less: the
         # tests' and a fleet's first sessions come back within it.
