@@ -19,6 +19,11 @@ compressed (`--fast`) so a ladder fits on a shared 2-core machine:
 - tenants: open-loop chat with a header every tenant shares (same first blocks), Zipf-skewed
   tenant sizes, two turns per conversation; the load knob is the request rate.
 
+- mixed (issue 14, twenty-third session): text's one-shot groups (twice as many; open loop,
+  the load knob is their rate) on text's fleet, and agent sessions on one new shared agent
+  prompt joining 4 s in (closed loop, as agentic); each step also reports the two parts
+  apart and the servers the agent sessions started on.
+
 Policies: random, round-robin and least-request (Envoy alone over a STATIC cluster), extproc
 approximate, extproc precise (KV events), and sglang-router's cache_aware policy when it can be
 installed into a temporary venv (never into this project). The ideal is computed, not routed:
@@ -55,7 +60,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -72,6 +77,7 @@ from sglang_peer import install_sglang  # bench/sglang_peer.py
 from extproc.scheduling.config import default_config
 from extproc.sim.sessions import AgenticSpec, build_sessions, run_closed_loop
 from extproc.sim.workload import (
+    Result,
     Summary,
     WorkItem,
     WorkloadSpec,
@@ -92,8 +98,10 @@ SIM_ARGS = ("--fast", "1", "--prefill-tps", "5000", "--num-gpu-blocks", "1500")
 SCALE = (
     "text: {groups} groups x 5 questions, ~3,000-token system prompts (1,000 words), 32 output "
     "tokens; multimodal: {groups} groups x 5 prompts, 3 images (448 px, 256 tokens each) + ~1.3K "
-    "text tokens, 32 output tokens. 8 servers, prefill 5,000 tok/s, 1,500 KV blocks each, "
-    "simulated time not compressed."
+    "text tokens, 32 output tokens; mixed: 2 x {groups} text groups' one-shot requests, and 6 "
+    "agent sessions x 4 turns on one ~3,000-token agent prompt (+~1,650 tokens a turn, 0.2 s "
+    "think time, 0.3 s apart) joining 4 s in. 8 servers, prefill 5,000 tok/s, 1,500 KV "
+    "blocks each, simulated time not compressed."
 )
 
 POLICIES: dict[str, dict] = {
@@ -221,6 +229,43 @@ def workload(name: str, groups: int, seed: int) -> WorkloadSpec:
                         seed=seed)  # fmt: skip
 
 
+# Mixed: agents that join the one-shot traffic. Sized so a step stays short at fast 1 (4
+# turns to ~8k tokens, ~4 s a session) while more agent sessions start than the first
+# continued turn takes to come back (~1 s): those first ones are what `uncontinuedPrior`
+# decides.
+MIXED_AGENTS = AgenticSpec(sessions=6, turns=4, agent_words=600, result_words=300,
+                           max_tokens=32, think_s=0.2, stagger_s=0.3)  # fmt: skip
+# When the agents join (seconds into the step, the shape's time): after the 2 s floor of
+# `learnUncontinued`'s horizon and the 8 fates the fleet's prior needs at 6 req/s, so the
+# prior is settled, one-shot, when the first agent prompt arrives.
+MIXED_JOIN_S = 4.0
+# One-shot groups per `--groups`: twice text's, so the one-shot traffic runs on well past
+# the agents' join at 16 req/s (120 requests: 7.5 s; text's 60 end at 2.4-4.4 s).
+MIXED_GROUPS = 2
+# A guess at an agent turn's time in the oracle's order (one-shot arrivals are scheduled;
+# agent turns follow their answers).
+_MIXED_TURN_S = 0.5
+
+
+def mixed_parts(
+    load: float, groups: int, seed: int
+) -> tuple[list[WorkItem], list[list[WorkItem]], list[float]]:
+    """The mixed workload's one-shot requests (`MIXED_GROUPS` x `groups` text groups), agent
+    sessions (indexes after the one-shot ones, each session a group of its own after
+    theirs) and the one-shot arrival offsets at `load` req/s."""
+    oneshot = build_workload(workload("text", MIXED_GROUPS * groups, seed))
+    sessions = [
+        [
+            replace(
+                it, index=len(oneshot) + it.index, group=MIXED_GROUPS * groups + it.conversation
+            )
+            for it in s
+        ]
+        for s in build_sessions(replace(MIXED_AGENTS, seed=seed))
+    ]
+    return oneshot, sessions, arrival_offsets(len(oneshot), load, seed)
+
+
 def workload_oracles(wl: str, items: list[WorkItem]) -> Oracles:
     """The unbounded oracle and the best bounded placement for the workload's fleet (its
     servers and KV blocks), in the sim's exact block keys (`bench/placement_oracle.py`)."""
@@ -286,6 +331,8 @@ class Row:
     rate: float
     summary: Summary  # in the shape's time (see `in_shape_time`)
     lanes: float = float("nan")  # the simulators' lanes: wall / scheduled seconds
+    # Mixed: its parts apart (the one-shot requests, the agents', the agents' first turns).
+    parts: dict[str, Summary] = field(default_factory=dict)
 
 
 def stretched(sim_args: Sequence[str], time_scale: float) -> tuple[str, ...]:
@@ -428,14 +475,28 @@ def ideal_items(wl: str, load: float, groups: int, seed: int) -> list[WorkItem]:
         return [s[t] for t in range(AGENTIC.turns) for s in sessions if t < len(s)]
     if wl == "tenants":
         return build_workload(tenants_spec(seed))
+    if wl == "mixed":
+        oneshot, sessions, offsets = mixed_parts(load, groups, seed)
+        join = MIXED_JOIN_S
+        step = MIXED_AGENTS.think_s + _MIXED_TURN_S
+        timed = [(at, it) for at, it in zip(offsets, oneshot, strict=True)]
+        timed += [
+            (join + k * MIXED_AGENTS.stagger_s + it.turn * step, it)
+            for k, s in enumerate(sessions)
+            for it in s
+        ]
+        return [it for _, it in sorted(timed, key=lambda x: (x[0], x[1].index))]
     return build_workload(workload(wl, groups, seed))
 
 
 def run_step(
     wl: str, load: float, groups: int, seed: int, url: str, time_scale: float = 1.0
-) -> Summary:
-    """One load step, its summary in wall time (`time_scale` stretches the arrivals)."""
+) -> tuple[Summary, dict[str, Summary]]:
+    """One load step, its summary in wall time (`time_scale` stretches the arrivals), and
+    its parts' (mixed: the one-shot requests, the agents' and their first turns')."""
     timeout_s = 120.0 / time_scale
+    if wl == "mixed":
+        return _run_mixed(load, groups, seed, url, time_scale, timeout_s)
     if wl == "agentic":
         sessions = build_sessions(replace(AGENTIC, sessions=int(load), seed=seed))
         results, duration = asyncio.run(
@@ -446,12 +507,45 @@ def run_step(
         )  # fmt: skip
         s = summarize(results, duration)
         # Turns an agent never sent (an earlier one failed) count as not ok.
-        return replace(s, requests=sum(len(x) for x in sessions))
+        return replace(s, requests=sum(len(x) for x in sessions)), {}
     items = ideal_items(wl, load, groups, seed)
     # The same seeded arrivals, every gap divided by the rate: stretched by 1 / time_scale.
     offsets = arrival_offsets(len(items), load * time_scale, seed)
     results, duration = asyncio.run(run_open_loop(items, offsets, url, timeout_s=timeout_s))
-    return summarize(results, duration)
+    return summarize(results, duration), {}
+
+
+def _run_mixed(
+    load: float, groups: int, seed: int, url: str, time_scale: float, timeout_s: float
+) -> tuple[Summary, dict[str, Summary]]:
+    oneshot, sessions, offsets = mixed_parts(load * time_scale, groups, seed)
+    join = MIXED_JOIN_S / time_scale
+
+    async def agents() -> tuple[list[Result], float]:
+        await asyncio.sleep(join)
+        results, duration = await run_closed_loop(
+            sessions, url, think_s=MIXED_AGENTS.think_s / time_scale,
+            stagger_s=MIXED_AGENTS.stagger_s / time_scale, timeout_s=timeout_s,
+        )  # fmt: skip
+        return results, join + duration
+
+    async def both() -> tuple[tuple[list[Result], float], tuple[list[Result], float]]:
+        return await asyncio.gather(
+            run_open_loop(oneshot, offsets, url, timeout_s=timeout_s), agents()
+        )
+
+    (one, d1), (agent, d2) = asyncio.run(both())
+    duration = max(d1, d2)
+    n_agent = sum(len(s) for s in sessions)
+    first = {s[0].index for s in sessions}
+    total = summarize(one + agent, duration)
+    parts = {
+        "one-shot": summarize(one, d1),
+        # Turns an agent never sent (an earlier one failed) count as not ok.
+        "agents": replace(summarize(agent, d2), requests=n_agent),
+        "agent first turns": summarize([r for r in agent if r.index in first], d2),
+    }
+    return replace(total, requests=len(oneshot) + n_agent), parts
 
 
 # Counters summed over the picker replicas (and labels) for each step's line: index lookups
@@ -568,7 +662,7 @@ def run_policy(
             before = picker_counters(stack)
             urls = [srv.url for srv in fleet.servers]
             lanes0 = lane_clock(urls)
-            wall = run_step(wl, rate, groups, seed + step, url, time_scale)
+            wall, parts = run_step(wl, rate, groups, seed + step, url, time_scale)
             lanes = lane_ratio(lane_delta(lanes0, lane_clock(urls)))
             after = picker_counters(stack)
             d = {k: after[k] - before[k] for k in after}
@@ -591,8 +685,11 @@ def run_policy(
                 f" growth merged {d['extproc_shared_growth_applied_total']:.0f}"
             )
             s = in_shape_time(wall, time_scale)
-            rows.append(Row(wl, policy, rate, s, lanes))
+            shaped = {k: in_shape_time(v, time_scale) for k, v in parts.items()}
+            rows.append(Row(wl, policy, rate, s, lanes, shaped))
             spread = "/".join(str(n) for n in sorted(s.per_endpoint.values(), reverse=True))
+            for name, part in shaped.items():
+                print(f"    {name}: {_part_cells(part)}", flush=True)
             print(
                 f"  {wl:<10} {policy:<38} {rate:>5g} hit {s.hit_ratio:6.1%} "
                 f"TTFT p50 {s.ttft_p50_s:7.3f}s p90 {s.ttft_p90_s:7.3f}s "
@@ -602,6 +699,15 @@ def run_policy(
                 flush=True,
             )
     return rows
+
+
+def _part_cells(s: Summary) -> str:
+    """A part of a step (mixed): hit ratio, TTFT, ok, requests per server."""
+    spread = "/".join(str(n) for n in sorted(s.per_endpoint.values(), reverse=True))
+    return (
+        f"hit {s.hit_ratio:.1%} TTFT p50 {s.ttft_p50_s:.3f}s p90 {s.ttft_p90_s:.3f}s "
+        f"ok {s.ok}/{s.requests} spread {spread}"
+    )
 
 
 def _of(hit: float, oracle: float) -> str:
@@ -680,6 +786,14 @@ def markdown(
         )  # fmt: skip
         out.append("")
         out.append(f"Ideal hit ratio (oracle, and the best bounded placement): {ideal_line}.")
+        parted = [r for r in here if r.parts]
+        if parted:
+            out.append("")
+            out += [
+                f"- {r.rate:g} {r.policy}, {name}: {_part_cells(part)}"
+                for r in parted
+                for name, part in r.parts.items()
+            ]
     return "\n".join(out) + "\n"
 
 

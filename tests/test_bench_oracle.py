@@ -61,3 +61,25 @@ def test_bench_routing_reports_hit_ratio_against_both_oracles(bench) -> None:
                        1.0, 0, pressure=True, sessions=[8])  # fmt: skip
     assert "vs bounded" in text
     assert "24 80.0% (bounded 60.0%, partition)" in text
+
+
+def test_mixed_sends_one_shot_groups_and_agent_sessions_joining_later(bench) -> None:
+    _, br = bench
+    oneshot, sessions, offsets = br.mixed_parts(16.0, 2, seed=1)
+    items = br.ideal_items("mixed", 16.0, 2, 1)
+    agent = [it for s in sessions for it in s]
+    # Every request once, indexes unique; an agent session is a group of its own, after the
+    # one-shot groups (the oracle's partition pins it alone).
+    assert sorted(it.index for it in items) == list(range(len(oneshot) + len(agent)))
+    assert {it.group for it in oneshot} == set(range(br.MIXED_GROUPS * 2))
+    assert sorted({it.group for it in agent}) == [
+        br.MIXED_GROUPS * 2 + k for k in range(br.MIXED_AGENTS.sessions)
+    ]
+    assert all(it.turn == 0 for it in oneshot)  # one-shot: never continued
+    # In the oracle's order each session's turns keep theirs, and the first agent turn comes
+    # after the one-shot requests sent before the agents join.
+    pos = {it.index: n for n, it in enumerate(items)}
+    for s in sessions:
+        assert [pos[it.index] for it in s] == sorted(pos[it.index] for it in s)
+    before = sum(at < br.MIXED_JOIN_S for at in offsets)
+    assert min(pos[it.index] for it in agent) == before

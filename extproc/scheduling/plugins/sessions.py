@@ -624,10 +624,12 @@ class BoundedSessionsFilter:
         # (bench/RESULTS.md).
         learn_uncontinued: bool = True
         # Also read a prefix nothing is recorded under as one-shot while none of the fleet's
-        # recent first turns came back (module docstring). Off: measured only on workloads
-        # that are all one-shot or all sessions (multimodal +1 to +12 points of the oracle,
-        # text -2 to +5); a fleet mixing one-shot traffic with new agent prompts is where
-        # it could keep an agent's first sessions together, and no bench runs one.
+        # recent first turns came back (module docstring). Off: it wins on fleets that are
+        # all one-shot (multimodal +1 to +12 points of the oracle, text -2 to +5), but on
+        # bench_routing's mixed workload (one-shot groups, agents joining on a new prompt)
+        # at 6 req/s it cost the agents 0.17-0.29 s of TTFT p90 (4 of 4 pairs) and seed 1's
+        # one-shot part 2.6-6.6 points; at 16 within noise (bench/RESULTS.md, twenty-third
+        # session, mixed).
         uncontinued_prior: bool = False
         # The horizon while no first-to-second-turn gap has been seen, and never less: the
         # tests' and a fleet's first sessions come back within it.
