@@ -218,7 +218,11 @@ class PredictedTTFTScorer:
     sglang-router, keeping every repeat on its holder, had the lower TTFT p50 (0.66 s
     against 0.99 s) and the oracle's hit ratio against 63% (bench/RESULTS.md, issue 14,
     twenty-third session). On an idle fleet the charge is ~0 and a request still leaves a
-    holder whose queue exceeds the recompute. `ignore` (default) charges nothing.
+    holder whose queue exceeds the recompute. `ignore` (default) charges nothing. Opt-in:
+    at that step (seed 1) the charge was better in 3 of 3 pairs (hit 45-52% against 36-38%,
+    TTFT p90 1.18-1.27 s against 1.52-1.56 s), the lighter seed-2 step gained nothing (p90
+    higher in 2 of 3), text was unchanged (bench/RESULTS.md, issue 14, twenty-third session,
+    spillcost).
 
     ```yaml
     - type: predicted-ttft-scorer
