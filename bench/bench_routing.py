@@ -193,6 +193,9 @@ POLICIES: dict[str, dict] = {
     # not fit beside the running ones (`kvFit`), against the scorer without that wait.
     "extproc approximate, kv fit": {"extproc_args": ("--config", "@KVFIT")},
     "extproc approximate, kv fit ignored": {"extproc_args": ("--config", "@KVIGNORE")},
+    # Issue 14, twenty-third session: predicted TTFT charges a spill's extra prefill,
+    # weighted by how busy the fleet is (`spillCost: fleetBusy`), against the default.
+    "extproc approximate, spill cost": {"extproc_args": ("--config", "@SPILLCOST")},
     # Issue 14, nineteenth session: replicas share learned session growth
     # (bounded-sessions-filter `shareGrowth`, server/shared_growth.py), and learned per
     # replica as before, to measure against.
@@ -457,6 +460,7 @@ CONFIGS = {
     "@TOGETHER": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0.5}),
     "@KVFIT": _default_profile_with("predicted-ttft-scorer", {"kvFit": "wait"}),
     "@KVIGNORE": _default_profile_with("predicted-ttft-scorer", {"kvFit": "ignore"}),
+    "@SPILLCOST": _default_profile_with("predicted-ttft-scorer", {"spillCost": "fleetBusy"}),
     "@GROWTH_SHARED": _default_profile_with("bounded-sessions-filter", {"shareGrowth": True}),
     "@GROWTH_UNSHARED": _default_profile_with("bounded-sessions-filter", {"shareGrowth": False}),
 }
@@ -559,6 +563,8 @@ _COUNTERS = (
     "kv_fit idle_prefix",
     "kv_fit prefix_unknown",
     "kv_fit peers",
+    "spill charged",
+    "spill changed",
     "extproc_index_lookups_degraded_total",
     "extproc_index_lookups_total",
     "extproc_session_bound_bounded_total",
@@ -585,6 +591,8 @@ def picker_counters(stack: Stack | None) -> dict[str, float]:
             name, _, labels = name.partition("{")
             if name == "extproc_predicted_ttft_kv_fit_total":
                 name = "kv_fit " + labels.partition('outcome="')[2].partition('"')[0]
+            elif name == "extproc_predicted_ttft_spill_cost_total":
+                name = "spill " + labels.partition('outcome="')[2].partition('"')[0]
             if name in sums:
                 sums[name] += float(value)
     return sums
@@ -682,6 +690,7 @@ def run_policy(
                 f" idle prefix {d['kv_fit idle_prefix']:.0f}"
                 f" prefix unknown {d['kv_fit prefix_unknown']:.0f}"
                 f" peers {d['kv_fit peers']:.0f}"
+                f" spill charged {d['spill charged']:.0f} changed {d['spill changed']:.0f}"
                 f" growth merged {d['extproc_shared_growth_applied_total']:.0f}"
             )
             s = in_shape_time(wall, time_scale)

@@ -259,6 +259,14 @@ class Exporter:
             "flight there).",
             ["scorer", "outcome"],
         )
+        spill = counter(
+            "extproc_predicted_ttft_spill_cost",
+            "predicted-ttft-scorer's spillCost: fleetBusy, by outcome: charged (decisions "
+            "where some candidate was charged the prefill it adds beyond the prompt's best "
+            "holder, weighted by the share of candidates busy), changed (of those, the ones "
+            "where the charge moved the scorer's fastest endpoint).",
+            ["scorer", "outcome"],
+        )
         mean = gauge(
             "extproc_predicted_mean_prefill_tokens",
             "The mean placed prefill (estimated uncached tokens) predicted-ttft-scorer counts "
@@ -280,6 +288,8 @@ class Exporter:
             kv_fit.add_metric([name, "peers"], scorer.kv_fit_peers)
             kv_fit.add_metric([name, "idle_prefix"], scorer.kv_fit_idle_prefix)
             kv_fit.add_metric([name, "prefix_unknown"], scorer.kv_fit_prefix_unknown)
+            spill.add_metric([name, "charged"], scorer.spill_charged)
+            spill.add_metric([name, "changed"], scorer.spill_changed)
             for address, (q, w) in scorer.view().items():
                 queue.add_metric([name, address], q)
                 written.add_metric([name, address], w)
@@ -290,6 +300,7 @@ class Exporter:
         yield fallbacks
         yield drained
         yield kv_fit
+        yield spill
         yield mean
         yield pooled
 

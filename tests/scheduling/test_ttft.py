@@ -947,3 +947,51 @@ def test_fleet_mean_placements_skip_the_peers_while_folded_and_odd_counts():
     peers.add(1, -10_000)  # tokens going back: not a placement
     sc.score(r, z)
     assert sc.mean_pooled == 1
+
+
+def _spill_fleet(params: PredictedTTFTScorer.Params, busy: tuple[str, ...]):
+    """A scorer whose virtual queues hold 0.3 s of prefill on the holder `h` and 0.5 s on each
+    endpoint in `busy`, everything at 10,000 tok/s."""
+    sc = PredictedTTFTScorer(params, clock=Clock())
+    place(sc, req(blocks=30, tokens=3000), [cand("h", prefill_tps=1e4)], "h")
+    for addr in busy:
+        place(sc, req(blocks=50, tokens=5000), [cand(addr, prefill_tps=1e4)], addr)
+    return sc
+
+
+SPILL = PredictedTTFTScorer.Params(spill_cost="fleetBusy")
+
+
+def test_spill_cost_keeps_a_repeat_on_its_holder_while_the_fleet_is_busy():
+    # The repeat: 2,000 tokens, all held by h (0.3 s queued there); x is idle and cold (a
+    # 0.2 s recompute); c and d are busy. Predicted alone, x is sooner (0.205 s vs 0.305 s).
+    r = req(blocks=20, tokens=2000)
+    cands = [cand(a, prefix=20 if a == "h" else 0, prefill_tps=1e4) for a in "hxcd"]
+    plain = _spill_fleet(PredictedTTFTScorer.Params(), ("c", "d"))
+    assert plain.score(r, cands)[1] == 1.0
+    # Three of four lanes busy: x is charged 0.75 x its extra 0.2 s of prefill and the repeat
+    # stays where its prefix is.
+    sc = _spill_fleet(SPILL, ("c", "d"))
+    s = sc.score(r, cands)
+    assert s[0] == 1.0 and s[1] == pytest.approx(0.305 / 0.355)
+    assert (sc.spill_charged, sc.spill_changed) == (1, 1)
+    terms = sc.explain(r, cands)
+    assert [t["fleet_busy"] for t in terms] == [0.75] * 4
+    assert [t["spill_cost_s"] for t in terms] == pytest.approx([0.0, 0.15, 0.15, 0.15])
+    assert terms[1]["predicted_s"] == pytest.approx(0.205)  # the prediction itself unchanged
+    assert (sc.spill_charged, sc.spill_changed) == (1, 1)  # explaining counts nothing
+
+
+def test_spill_cost_lets_a_repeat_leave_a_long_holder_queue_on_an_idle_fleet():
+    # Only the holder is busy: x is charged 0.25 x 0.2 s, 0.255 s against the holder's 0.305 s.
+    r = req(blocks=20, tokens=2000)
+    cands = [cand(a, prefix=20 if a == "h" else 0, prefill_tps=1e4) for a in "hxyz"]
+    sc = _spill_fleet(SPILL, ())
+    s = sc.score(r, cands)
+    assert s[1] == 1.0 and s[0] == pytest.approx(0.255 / 0.305)
+    assert (sc.spill_charged, sc.spill_changed) == (1, 0)
+    # A new prefix (no candidate holds more than another) is charged nothing anywhere, so
+    # spreading new groups is left as it was.
+    fresh = [cand(a, prefill_tps=1e4) for a in "hxyz"]
+    assert sc.score(r, fresh) == pytest.approx([0.205 / 0.505, 1.0, 1.0, 1.0])
+    assert sc.spill_charged == 1

@@ -79,6 +79,9 @@ _MAX_QUEUE_S = 600.0
 # ones still expected to run): a server takes a few per scrape interval and runs a few
 # dozen at most, so this bounds memory and the per-candidate scan, not what is counted.
 _MAX_LIVE = 128
+# `spillCost`: a candidate counts as busy with more predicted queue ahead than this (a queue
+# recovered from the prediction by subtraction is off by rounding where it is 0).
+_BUSY_S = 1e-3
 # The mean placed prefill's moving average: what of it each placement keeps.
 _KEEP = 0.95
 
@@ -204,13 +207,30 @@ class PredictedTTFTScorer:
     (`holder_margin`), so a request leaves its prefix holder for a KV wait only when the
     wait exceeds the recompute elsewhere by the margin; 0 counts the wait whole.
 
+    `spillCost`: whether a candidate pays for the prefill it adds to the fleet. `fleetBusy`:
+    each candidate is charged the recompute it causes beyond the candidate holding most of
+    the prompt (its extra uncached tokens over its speed), times the share of the
+    candidates busy with prefill now (a predicted queue ahead: virtual queue, peers'
+    pending tokens, scraped waiting floor; `spill_charge`). The prediction is one
+    request's; a spill's second prefill is lane time every later request queues behind
+    once the lanes are busy: at multimodal 16 req/s, 17 of 48 repeats left their holder,
+    each no slower itself, each adding ~0.55 s of prefill to lanes ~70% busy, and
+    sglang-router, keeping every repeat on its holder, had the lower TTFT p50 (0.66 s
+    against 0.99 s) and the oracle's hit ratio against 63% (bench/RESULTS.md, issue 14,
+    twenty-third session). On an idle fleet the charge is ~0 and a request still leaves a
+    holder whose queue exceeds the recompute. `ignore` (default) charges nothing. Opt-in:
+    at that step (seed 1) the charge was better in 3 of 3 pairs (hit 45-52% against 36-38%,
+    TTFT p90 1.18-1.27 s against 1.52-1.56 s), the lighter seed-2 step gained nothing (p90
+    higher in 2 of 3), text was unchanged (bench/RESULTS.md, issue 14, twenty-third session,
+    spillcost).
+
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
                    peerInflight: drained, waitingFloor: fleetMean, meanPlacements: fleet,
                    speedUnits: engine,
                    kvFit: ignore, kvFitPeers: folded, kvFitPrefix: running,
-                   kvFitMargin: 0.1}
+                   kvFitMargin: 0.1, spillCost: ignore}
     ```
     """
 
@@ -228,6 +248,7 @@ class PredictedTTFTScorer:
         kv_fit_peers: Literal["arrivals", "folded"] = "folded"
         kv_fit_prefix: Literal["running", "held"] = "running"
         kv_fit_margin: Annotated[float, msgspec.Meta(ge=0.0, le=_MAX_QUEUE_S)] = 0.1
+        spill_cost: Literal["ignore", "fleetBusy"] = "ignore"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -245,6 +266,7 @@ class PredictedTTFTScorer:
         self._kv_fit_peers = p.kv_fit_peers == "arrivals"
         self._prefix_held = p.kv_fit_prefix == "held"
         self._kv_margin = p.kv_fit_margin
+        self._spill_cost = p.spill_cost == "fleetBusy"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -312,6 +334,11 @@ class PredictedTTFTScorer:
         self.kv_fit_idle_prefix = 0
         self.kv_fit_prefix_unknown = 0
         self._unknown_said = False
+        # `spillCost: fleetBusy`: decisions that charged some candidate a spill (the fleet
+        # busy and the prefix held more on one candidate than another), and scored requests
+        # whose fastest endpoint the charge changed.
+        self.spill_charged = 0
+        self.spill_changed = 0
 
     def units_changed(self, factor: float) -> None:
         """Estimates grew `factor`-fold: the mean placed prefill follows (the prior speed is a
@@ -650,6 +677,22 @@ class PredictedTTFTScorer:
         evicted = min(work, max(0.0, work - room))
         return self._reuse * evicted / self._tps(c)
 
+    def spill_charge(
+        self, req: InferenceRequest, cands: Sequence[Candidate], queues: Sequence[float]
+    ) -> tuple[list[float], float]:
+        """`spillCost: fleetBusy`: seconds charged to each candidate for the prefill it adds
+        beyond the candidate holding most of the prompt, and the busy share that weighed it.
+        `queues`: each candidate's predicted queue ahead (seconds). The share of candidates
+        with work queued is the chance a lane is busy when the added prefill runs, so it is
+        the share of that prefill later requests wait behind: ~0 on an idle fleet, the whole
+        of it when every lane is busy. Measured on the candidates the filters left, from
+        the predictions just made (no state, O(candidates)); the extra prefill is counted
+        at each candidate's own speed, as its queue is."""
+        work = [uncached_tokens(req, c) for c in cands]
+        least = min(work)
+        busy = sum(q > _BUSY_S for q in queues) / len(cands)
+        return [busy * (w - least) / self._tps(c) for c, w in zip(cands, work, strict=True)], busy
+
     def holder_margin(
         self, req: InferenceRequest, cands: Sequence[Candidate], added: Sequence[float]
     ) -> list[float]:
@@ -705,14 +748,25 @@ class PredictedTTFTScorer:
         now = self._clock()
         cost = []
         added = []
+        queues = []
         for c in cands:
             t, kv = self._predict(req, c, now)
             cost.append(t + self.eviction_cost(req, c))
             added.append(kv)
+            if self._spill_cost:
+                queues.append(t - uncached_tokens(req, c) / self._tps(c) - _FLOOR_S)
         margin = self.holder_margin(req, cands, added)
         if any(margin):
             cost = [t - m for t, m in zip(cost, margin, strict=True)]
             added = [kv - m for kv, m in zip(added, margin, strict=True)]
+        if self._spill_cost:
+            charge, _ = self.spill_charge(req, cands, queues)
+            if any(charge):
+                self.spill_charged += 1
+                before = cost.index(min(cost))
+                cost = [t + ch for t, ch in zip(cost, charge, strict=True)]
+                if cost.index(min(cost)) != before:
+                    self.spill_changed += 1
         best = min(cost)
         if any(added):
             without = [t - kv for t, kv in zip(cost, added, strict=True)]
@@ -734,10 +788,18 @@ class PredictedTTFTScorer:
             predicted, kv = self._predict(req, c, now, terms)
             predictions.append((terms, predicted, kv))
         margin = self.holder_margin(req, cands, [kv for _, _, kv in predictions])
-        for c, (terms, predicted, _), m in zip(cands, predictions, margin, strict=True):
+        if self._spill_cost:
+            queues = [terms["queue_s"] for terms, _, _ in predictions]
+            charge, busy = self.spill_charge(req, cands, queues)
+        else:
+            charge, busy = [0.0] * len(cands), 0.0
+        for c, (terms, predicted, _), m, ch in zip(cands, predictions, margin, charge, strict=True):
             st = c.state
             if self._kv_fit:
                 terms["kv_fit_margin_s"] = m
+            if self._spill_cost:
+                terms["spill_cost_s"] = ch
+                terms["fleet_busy"] = busy
             terms |= {
                 "eviction_s": self.eviction_cost(req, c),
                 "predicted_s": predicted,
