@@ -130,27 +130,33 @@ def test_the_setting_is_read_and_checked():
         decode_settings({"flow_control": {"reserve_refill_credit": "guess"}})
 
 
-def test_configured_it_is_the_controllers_credit_and_its_fallback_is_counted():
+def configured(credit: str) -> Admission:
+    """Flow control as configured with `reserve_refill_credit: <credit>` (a 0.3 s horizon,
+    a reserve for one higher-band request), as the server assembles it."""
     s = decode_settings(
         {
             "flow_control": {
                 "admit_per_endpoint": True,
                 "reserve_for_higher_bands": 1,
                 "reserve_refill_s": 0.3,
-                "reserve_refill_credit": "predicted",
+                "reserve_refill_credit": credit,
             }
         }
     ).flow_control
     assert s is not None
-    flow = Admission(
+    return Admission(
         build_flow_config(None, None, [], s), lambda: (), registry=None, endpoints=list
     )
+
+
+def collected(flow: Admission, name: str) -> float:
+    """The value of `flow`'s metric `name` (one sample)."""
+    return {f.name: f for f in flow.collect()}[name].samples[0].value
+
+
+def test_configured_it_is_the_controllers_credit_and_its_fallback_is_counted():
+    flow = configured("predicted")
     refill = flow.controller.refill
     assert isinstance(refill, PredictedRefill) and refill.horizon_s == 0.3
     refill.credit("A")  # no per-token time yet: from the ends' rate, counted
-
-    def unpredicted() -> float:
-        names = {f.name: f for f in flow.collect()}
-        return names["extproc_flow_reserve_refill_unpredicted"].samples[0].value
-
-    assert unpredicted() == 1
+    assert collected(flow, "extproc_flow_reserve_refill_unpredicted") == 1

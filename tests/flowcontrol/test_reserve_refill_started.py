@@ -10,10 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from extproc.config import decode_settings
 from extproc.core import EndpointState
-from extproc.flowcontrol.admission import Admission
-from extproc.flowcontrol.config import build_flow_config
 from extproc.flowcontrol.controller import FlowController, FlowRequest
 from extproc.flowcontrol.refill import (
     ARRIVAL_S,
@@ -25,6 +22,7 @@ from extproc.flowcontrol.refill import (
 from tests.flowcontrol.controllers import controller, tokens_detector
 from tests.flowcontrol.test_reserve_rate import Clock, Fleet
 from tests.flowcontrol.test_reserve_refill import lower_released
+from tests.flowcontrol.test_reserve_refill_predicted import collected, configured
 
 
 def scrape(prefilling: int | None, age_s: float = 0.0) -> EndpointState:
@@ -190,30 +188,14 @@ async def test_the_controller_reads_the_scrapes_at_its_room_checks():
 
 
 def test_configured_it_is_the_controllers_credit_and_its_fallback_is_counted():
-    s = decode_settings(
-        {
-            "flow_control": {
-                "admit_per_endpoint": True,
-                "reserve_for_higher_bands": 1,
-                "reserve_refill_s": 0.3,
-                "reserve_refill_credit": "started",
-            }
-        }
-    ).flow_control
-    assert s is not None
-    flow = Admission(
-        build_flow_config(None, None, [], s), lambda: (), registry=None, endpoints=list
-    )
+    flow = configured("started")
     refill = flow.controller.refill
     assert isinstance(refill, StartedRefill) and refill.horizon_s == 0.3
     refill.observe("A", EndpointState())
     refill.credit("A")
-
-    def collected(name: str) -> float:
-        return {f.name: f for f in flow.collect()}[name].samples[0].value
-
-    assert collected("extproc_flow_reserve_refill_unstarted") == 1
-    assert collected("extproc_flow_reserve_refill_unpredicted") == 1  # nothing ended yet
+    assert collected(flow, "extproc_flow_reserve_refill_unstarted") == 1
+    # Nothing ended yet.
+    assert collected(flow, "extproc_flow_reserve_refill_unpredicted") == 1
 
 
 def test_a_first_token_placed_loosely_is_not_timed():
