@@ -52,6 +52,7 @@ class _Endpoint:
     delays: deque[float] = field(default_factory=lambda: deque(maxlen=DELAY_SAMPLES))
     silent_since: float | None = None
     periods: int = 0  # silent periods since it joined
+    ever_heard: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,8 @@ class SilenceWatch:
     KV-event message (subscriber) are O(1); `check()` (from `run`, every `every_s`) declares
     silence, with one WARNING line per endpoint (throttled to one per `log_every_s`), and
     `heard` ends it with an INFO line. `clock` is monotonic seconds (injected for tests).
+    `judge_unheard` False: an endpoint this process never heard is not judged (replicas
+    sharing a Redis index behind one bound address: its publisher may feed a peer).
     """
 
     def __init__(
@@ -78,10 +81,12 @@ class SilenceWatch:
         *,
         every_s: float = 1.0,
         log_every_s: float = 60.0,
+        judge_unheard: bool = True,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.every_s = every_s
+        self._judge_unheard = judge_unheard
         self._clock = clock
         self._sleep = sleep
         self._throttle = Throttle(every_s=log_every_s)
@@ -100,6 +105,7 @@ class SilenceWatch:
         if e is None:
             e = self._endpoints[endpoint] = _Endpoint()
         e.messages += 1.0
+        e.ever_heard = True
         if not e.pending:
             return
         now = self._clock()
@@ -143,6 +149,8 @@ class SilenceWatch:
         fleet = self._fleet_rate()
         for address, e in self._endpoints.items():
             if not e.pending or e.silent_since is not None:
+                continue
+            if not e.ever_heard and not self._judge_unheard:
                 continue
             n, rate = self._window(e, fleet)
             waited = now - e.first_pending

@@ -142,8 +142,13 @@ class Parts:
         )
         # Precise mode: publishers silent while requests are placed on their endpoints.
         ev = settings.index.kv_events
+        # Replicas sharing a Redis index may share one bound address too, each publisher
+        # feeding whichever replica it reached: one never heard here is not judged.
+        shared_bind = ev is not None and ev.bind is not None and settings.index.backend == "redis"
         self.silence = (
-            SilenceWatch() if ev is not None and self.index is not None and self.precise else None
+            SilenceWatch(judge_unheard=not shared_bind)
+            if ev is not None and self.index is not None and self.precise
+            else None
         )
         self.router = Router(
             pool=self.pool,

@@ -139,6 +139,18 @@ def test_placements_without_a_message_under_the_time_floor_are_not_silence():
     assert not w.view(A).silent
 
 
+def test_without_judging_unheard_endpoints_only_a_publisher_once_heard_is_flagged():
+    clock = ManualClock()
+    w = SilenceWatch(every_s=1.0, clock=clock, judge_unheard=False)
+    answered(w, clock, B, 20)
+    for _ in range(50):
+        w.placed(A)  # never heard here: its publisher may feed another replica
+        w.placed(B)
+    clock.advance(2.0)
+    w.check()
+    assert list(w.silent()) == [B]
+
+
 def test_forget_drops_an_endpoint_and_unknown_ones_show_quiet():
     clock = ManualClock()
     w = watch(clock)
