@@ -82,9 +82,10 @@ def test_with_the_class_agents_are_bounded_against_agents():
     f = BoundedSessionsFilter(CLASS, clock=clock)
     ballast(f, 20)
     first_agent_grew(f, clock)
-    # Agent 0 (continued) is the only growing session: a is over its share of 2 and
-    # removed; each agent placed counts in the class from its first turn, so the next goes
-    # to a server without one.
+    # Agent 0 (continued) is the only growing session (the ballast's first turns were
+    # placed on a prefix nobody held, never bounded): a is over its share of 2 and removed;
+    # each agent placed counts in the class from its first turn, so the next goes to a
+    # server without one.
     assert start_agents(f, 3) == ["b", "c", "d"]
     s = f.stats
     assert s.bounded == 3 and s.class_bounded == 3 and s.holders_removed >= 1, s
@@ -113,6 +114,30 @@ def test_the_class_leaves_unknown_growth_and_header_records_to_the_whole_count()
     cands = [cand(a, prefix=len(header) if a == "a" else 0) for a in SERVERS]
     assert f.filter(other, cands) == cands
     assert f.stats.header_growth == 1 and f.stats.class_bounded == 0, f.stats
+
+
+def test_sessions_of_unknown_growth_join_the_class_until_judged_one_shot():
+    """Agent sessions placed before the first came back count when later ones are bounded;
+    a one-shot group's early repeat leaves the class once its horizon passed uncontinued."""
+    clock = ManualClock()
+    f = BoundedSessionsFilter(CLASS, clock=clock)
+    ballast(f, 20)
+    on(f, agent(0, 0), "a", [cand(a) for a in SERVERS])
+    cands = [cand(a, prefix=len(AGENT) if a == "a" else 0) for a in SERVERS]
+    early = agent(1, 0)
+    assert f.filter(early, cands) == cands  # unknown growth: bounded against all, a passes
+    on(f, early, "a", cands)
+    assert f.sessions.counts(growing=True) == {"a": 1}
+    clock.advance(0.5)
+    nxt = agent(0, 1)
+    cands = [cand(a, prefix=len(agent(0, 0).block_keys) if a == "a" else 0) for a in SERVERS]
+    on(f, nxt, "a", cands)
+    assert f.sessions.counts(growing=True) == {"a": 2}
+    # Agent 1 never comes back: past the 2 s floor it was one-shot after all.
+    clock.advance(2.0)
+    f.sessions.settle()
+    assert f.sessions.counts(growing=True) == {"a": 1}
+    assert sum(f.sessions.counts().values()) == 80 + 2
 
 
 def test_continued_sessions_and_peers_later_turns_join_the_class():

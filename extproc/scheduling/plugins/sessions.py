@@ -169,8 +169,9 @@ class _Chain:
     first: int = 0
     # Turns placed in the chain (1: its first turn only, not continued yet).
     turns: int = 1
-    # In the growing class (`growthClass`): continued, or started on a prefix whose sessions
-    # were seen to grow past `keepTogetherGrowth`.
+    # In the growing class (`growthClass`): continued, or started bounded on a prefix whose
+    # sessions were seen to grow past `keepTogetherGrowth` or not seen at all (until judged
+    # not continued).
     grows: bool = False
 
 
@@ -287,6 +288,11 @@ class LiveSessions:
                 self.uncontinued_learned += 1
                 self._outcomes.append(False)
                 self._record(0, keys)
+                if chain.grows:
+                    # Started as a session that may grow, it did not: one-shot, out of the
+                    # growing class (it still counts among all live sessions, below).
+                    chain.grows = False
+                    _decrement(self._grow_counts, chain.endpoint)
                 # It still counts among its server's live sessions for the window: the bound
                 # is relative, and old one-shot turns spread evenly over the fleet loosen it.
                 # Uncounted, only the last horizon's first turns were counted, mostly on the
@@ -746,6 +752,7 @@ class BoundedSessionsFilter:
         shared = self._lookup(req, cands)[1]
         stats = self._stats
         growing = False
+        self._grower = None
         if self._together > 0 and shared > 0 and all(c.prefix_known for c in cands):
             self.sessions.settle()
             learned = self.sessions.learned(req.block_keys, shared)
@@ -782,9 +789,13 @@ class BoundedSessionsFilter:
                 and learned is not None
                 and learned[1] > _HEAD_BLOCKS
             )
+            # A session of unknown growth is bounded against all (the one-shot ballast kept:
+            # bench/RESULTS.md, twenty-third session, oneshot2), but joins the growing class
+            # until its horizon says it was one-shot: an agent's early sessions, placed
+            # before the first came back, count when the later ones are bounded.
+            self._grower = req if growing or (self._class and growth is None) else None
         stats.bounded += 1
         stats.class_bounded += growing
-        self._grower = req if growing else None
         counts = self.sessions.counts(growing)
         live = [counts.get(c.endpoint.address, 0) for c in cands]
         caps = [_capacity(c) for c in cands]
