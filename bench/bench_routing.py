@@ -186,9 +186,6 @@ POLICIES: dict[str, dict] = {
     # The same, and a prefix nothing is recorded under read as one-shot while no first turn
     # in the fleet's recent ones came back (`uncontinuedPrior`).
     "extproc approximate, uncontinued prior": {"extproc_args": ("--config", "@PRIOR")},
-    # Issue 14, twenty-fourth session: a new session on a prefix seen to grow is bounded
-    # against the sessions that grow only (`growthClass`), not one-shot first turns too.
-    "extproc approximate, growth class": {"extproc_args": ("--config", "@GROWTH_CLASS")},
     # The option as it was before the sixteenth session (growth learned per exact prefix).
     "extproc approximate, keep together, baseline tree": {
         "tree": True,
@@ -469,7 +466,6 @@ CONFIGS = {
         "bounded-sessions-filter", {"learnUncontinued": False}
     ),
     "@PRIOR": _default_profile_with("bounded-sessions-filter", {"uncontinuedPrior": True}),
-    "@GROWTH_CLASS": _default_profile_with("bounded-sessions-filter", {"growthClass": True}),
     "@TOGETHER": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0.5}),
     "@KVFIT": _default_profile_with("predicted-ttft-scorer", {"kvFit": "wait"}),
     "@KVIGNORE": _default_profile_with("predicted-ttft-scorer", {"kvFit": "ignore"}),
@@ -594,7 +590,6 @@ _COUNTERS = (
     "extproc_session_bound_holders_removed_total",
     "extproc_session_bound_uncontinued_learned_total",
     "extproc_session_bound_uncontinued_prior_total",
-    "extproc_session_bound_class_bounded_total",
     "extproc_shared_growth_applied_total",
 )
 
@@ -706,7 +701,6 @@ def run_policy(
                 f" uncontinued learned"
                 f" {d['extproc_session_bound_uncontinued_learned_total']:.0f}"
                 f" prior {d['extproc_session_bound_uncontinued_prior_total']:.0f}"
-                f" class-bounded {d['extproc_session_bound_class_bounded_total']:.0f}"
                 f" kv-fit waited {d['kv_fit waited']:.0f} (untimed {d['kv_fit untimed']:.0f})"
                 f" changed {d['kv_fit changed']:.0f}"
                 f" idle prefix {d['kv_fit idle_prefix']:.0f}"

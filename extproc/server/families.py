@@ -511,11 +511,6 @@ SESSION_BOUND = StatsFamilies(
             "scorers because none of the fleet's recent first turns came back "
             "(uncontinuedPrior).",
         ),
-        "class_bounded": Stat(
-            "extproc_session_bound_class_bounded",
-            "Bounded requests starting a session on a prefix whose sessions were seen to "
-            "grow, bounded against the growing class of live sessions only (growthClass).",
-        ),
         "uncontinued_horizon_s": Stat(
             "extproc_session_bound_uncontinued_horizon_seconds",
             "Seconds after which a first turn not continued counts as grown 0 blocks "

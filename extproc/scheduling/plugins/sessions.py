@@ -169,10 +169,6 @@ class _Chain:
     first: int = 0
     # Turns placed in the chain (1: its first turn only, not continued yet).
     turns: int = 1
-    # In the growing class (`growthClass`): continued, or started bounded on a prefix whose
-    # sessions were seen to grow past `keepTogetherGrowth` or not seen at all (until judged
-    # not continued).
-    grows: bool = False
 
 
 class LiveSessions:
@@ -206,8 +202,6 @@ class LiveSessions:
         self._chains: OrderedDict[int, _Chain] = OrderedDict()  # least recently active first
         self._by_key: dict[int, int] = {}  # tail key -> chain id
         self._counts: dict[str, int] = {}
-        # Live sessions per endpoint in the growing class (chains with `grows`).
-        self._grow_counts: dict[str, int] = {}
         # prefix's last block key -> the most blocks a session that started on it (its first
         # turn held the prefix) grew past that first turn; least recently grown first, at
         # most `max_sessions` kept.
@@ -288,11 +282,6 @@ class LiveSessions:
                 self.uncontinued_learned += 1
                 self._outcomes.append(False)
                 self._record(0, keys)
-                if chain.grows:
-                    # Started as a session that may grow, it did not: one-shot, out of the
-                    # growing class (it still counts among all live sessions, below).
-                    chain.grows = False
-                    _decrement(self._grow_counts, chain.endpoint)
                 # It still counts among its server's live sessions for the window: the bound
                 # is relative, and old one-shot turns spread evenly over the fleet loosen it.
                 # Uncounted, only the last horizon's first turns were counted, mostly on the
@@ -360,22 +349,13 @@ class LiveSessions:
                 return grew, j + 1
         return None
 
-    def counts(self, growing: bool = False) -> Mapping[str, int]:
-        """Live sessions per endpoint (endpoints without any are absent); `growing`: only
-        those in the growing class (continued, or started as expected to grow)."""
+    def counts(self) -> Mapping[str, int]:
+        """Live sessions per endpoint (endpoints without any are absent)."""
         self._expire(self._clock())
-        return self._grow_counts if growing else self._counts
+        return self._counts
 
-    def touch(
-        self,
-        chain_id: int | None,
-        endpoint: str,
-        block_keys: Sequence[int],
-        *,
-        grows: bool = False,
-    ) -> None:
-        """`block_keys` were placed on `endpoint`, continuing `chain_id` (None: a new one;
-        `grows`: expected to grow, counted in the growing class from its first turn)."""
+    def touch(self, chain_id: int | None, endpoint: str, block_keys: Sequence[int]) -> None:
+        """`block_keys` were placed on `endpoint`, continuing `chain_id` (None: a new one)."""
         if not block_keys:
             return
         old = self._chains.get(chain_id) if chain_id is not None else None
@@ -386,7 +366,7 @@ class LiveSessions:
             first = old.first
             if first and self._learn:
                 self._record(max(0, len(block_keys) - first), _record_keys(block_keys, first))
-        placed = self._place(chain_id, endpoint, tail, now, first, grows)
+        placed = self._place(chain_id, endpoint, tail, now, first)
         if old is None and self._uncontinued:
             self._wait_for_next_turn(now, placed, block_keys)
         self.settle(now)
@@ -407,10 +387,7 @@ class LiveSessions:
         first = old.first if old is not None else 0
         if not first and self._share:
             first = peer_first
-        # A later turn (it names a previous tail) grows, even when its chain is not live
-        # here; a peer's new session joins the growing class once continued (whether its
-        # prefix was seen to grow is not in the placement).
-        self._place(chain_id, endpoint, tail, self._clock() - max(0.0, age_s), first, bool(prev))
+        self._place(chain_id, endpoint, tail, self._clock() - max(0.0, age_s), first)
 
     def merge_growth(self, grown: Grown) -> None:
         """A growth record a peer replica learned: each key's record becomes the larger of
@@ -475,23 +452,21 @@ class LiveSessions:
         tail: tuple[int, ...],
         now: float,
         first: int = 0,
-        grows: bool = False,
     ) -> int:
         """Places the chain's newest turn (a new chain when `chain_id` is None or forgotten);
         returns its id. A chain continued after its first turn adds a first-to-second-turn
-        gap, and is in the growing class from then on."""
+        gap."""
         turns = 1
         if chain_id is not None and (old := self._chains.pop(chain_id, None)) is not None:
             self._forget(old)
             turns = old.turns + 1
-            grows = True
             if old.turns == 1:
                 self._gaps.append(max(0.0, now - old.seen))
                 self._outcomes.append(True)
         else:
             chain_id = self._next_id
             self._next_id += 1
-        chain = _Chain(endpoint, now, tail, first, turns, grows)
+        chain = _Chain(endpoint, now, tail, first, turns)
         self._chains[chain_id] = chain
         for key in chain.keys:
             prev = self._by_key.get(key)
@@ -502,8 +477,6 @@ class LiveSessions:
                 self._forget(other)
             self._by_key[key] = chain_id
         self._counts[endpoint] = self._counts.get(endpoint, 0) + 1
-        if grows:
-            self._grow_counts[endpoint] = self._grow_counts.get(endpoint, 0) + 1
         self._expire(now)
         return chain_id
 
@@ -520,17 +493,11 @@ class LiveSessions:
     def _forget(self, chain: _Chain) -> None:
         for key in chain.keys:
             self._by_key.pop(key, None)
-        _decrement(self._counts, chain.endpoint)
-        if chain.grows:
-            _decrement(self._grow_counts, chain.endpoint)
-
-
-def _decrement(counts: dict[str, int], endpoint: str) -> None:
-    n = counts.get(endpoint, 0) - 1
-    if n > 0:
-        counts[endpoint] = n
-    else:
-        counts.pop(endpoint, None)
+        n = self._counts.get(chain.endpoint, 0) - 1
+        if n > 0:
+            self._counts[chain.endpoint] = n
+        else:
+            self._counts.pop(chain.endpoint, None)
 
 
 def _record_keys(block_keys: Sequence[int], first: int) -> tuple[int, ...]:
@@ -589,7 +556,6 @@ class SessionBoundStats:
     uncontinued_untracked: int = 0
     uncontinued_horizon_s: float = 0.0
     uncontinued_prior: int = 0
-    class_bounded: int = 0
 
 
 def _capacity(c: Candidate) -> float | None:
@@ -670,11 +636,6 @@ class BoundedSessionsFilter:
         uncontinued_floor_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
         # The longest horizon (and never past windowSeconds, after which a chain is gone).
         uncontinued_cap_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
-        # A new session on a prefix whose sessions were seen to grow past keepTogetherGrowth
-        # is bounded against the growing class only (sessions continued, or started so),
-        # not against one-shot first turns too (module docstring; needs keepTogetherGrowth
-        # above 0).
-        growth_class: bool = False
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -682,7 +643,6 @@ class BoundedSessionsFilter:
         p = params or self.Params()
         self._eps = p.epsilon
         self._together = p.keep_together_growth
-        self._class = p.growth_class and self._together > 0
         self.sessions = LiveSessions(
             p.window_seconds,
             p.max_sessions,
@@ -697,9 +657,6 @@ class BoundedSessionsFilter:
         # The continuation found while filtering and the blocks some endpoint held, reused
         # by `observe` for the same request.
         self._last: tuple[InferenceRequest, int | None, int] | None = None
-        # The last request filtered as a session expected to grow (`growthClass`): `observe`
-        # places it in the growing class.
-        self._grower: InferenceRequest | None = None
         self._stats = SessionBoundStats()
 
     @property
@@ -751,8 +708,6 @@ class BoundedSessionsFilter:
             return cands
         shared = self._lookup(req, cands)[1]
         stats = self._stats
-        growing = False
-        self._grower = None
         if self._together > 0 and shared > 0 and all(c.prefix_known for c in cands):
             self.sessions.settle()
             learned = self.sessions.learned(req.block_keys, shared)
@@ -780,23 +735,8 @@ class BoundedSessionsFilter:
                 stats.kept_together += 1
                 return cands
             stats.growth_unknown += growth is None
-            # Its own prefix (not only a header other prompts share) showed sessions that
-            # grow: it is bounded against those, agents against agents, and one-shot first
-            # turns on the same servers neither hide nor cause its prompt's pile-up.
-            growing = (
-                self._class
-                and growth is not None
-                and learned is not None
-                and learned[1] > _HEAD_BLOCKS
-            )
-            # A session of unknown growth is bounded against all (the one-shot ballast kept:
-            # bench/RESULTS.md, twenty-third session, oneshot2), but joins the growing class
-            # until its horizon says it was one-shot: an agent's early sessions, placed
-            # before the first came back, count when the later ones are bounded.
-            self._grower = req if growing or (self._class and growth is None) else None
         stats.bounded += 1
-        stats.class_bounded += growing
-        counts = self.sessions.counts(growing)
+        counts = self.sessions.counts()
         live = [counts.get(c.endpoint.address, 0) for c in cands]
         caps = [_capacity(c) for c in cands]
         if all(caps):
@@ -822,9 +762,7 @@ class BoundedSessionsFilter:
             return
         chain = self._chain(req, cands)
         self._last = None
-        grows = self._grower is req
-        self._grower = None
-        self.sessions.touch(chain, decision.primary.address, req.block_keys, grows=grows)
+        self.sessions.touch(chain, decision.primary.address, req.block_keys)
 
 
 class SessionTailScorer:
