@@ -852,6 +852,14 @@ def medians(rows: list[Row], ideals: dict) -> list[str]:
     return out
 
 
+def round_orders(policies: list[str], rounds: int) -> list[list[str]]:
+    """The policies' order in each interleaved round: reversed every other round (A B, B A,
+    A B, ...), so neither runs first every time. Run order is not neutral here: on mixed at
+    6 req/s the policy listed second was slower in every pair, identical logic included
+    (bench/RESULTS.md, twenty-fourth session, growthClass)."""
+    return [policies if r % 2 == 0 else policies[::-1] for r in range(rounds)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 1 rate, few requests")
@@ -867,7 +875,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     p.add_argument(
         "--rounds", type=int, default=1,
-        help="run the policies interleaved (A, B, A, B, ...) this many times; medians shown",
+        help="run the policies interleaved this many times, the order reversed every other "
+        "round (A, B, B, A, ...); medians shown",
     )  # fmt: skip
     p.add_argument("--baseline-tree", type=Path, help="source tree of the baseline-tree policy")
     p.add_argument(
@@ -916,8 +925,8 @@ def main(argv: list[str] | None = None) -> int:
             for step, load in enumerate(loads):
                 items = ideal_items(wl, load, groups, args.seed + step)
                 ideals[(wl, load)] = workload_oracles(wl, items)
-            for _ in range(args.rounds):
-                for pol in policies:
+            for order in round_orders(policies, args.rounds):
+                for pol in order:
                     rows += run_policy(
                         pol, wl, loads, groups, args.seed, venv, Path(tmp), args.baseline_tree,
                         args.time_scale,

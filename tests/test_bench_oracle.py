@@ -97,3 +97,13 @@ def test_mixed_spaced_sends_the_same_agents_further_apart(bench) -> None:
     assert sorted(it.index for it in items) == sorted(
         it.index for it in br.ideal_items("mixed", 16.0, 2, 1)
     )
+
+
+def test_interleaved_rounds_alternate_which_policy_runs_first(bench) -> None:
+    _, br = bench
+    assert br.round_orders(["a", "b", "c"], 3) == [
+        ["a", "b", "c"],
+        ["c", "b", "a"],
+        ["a", "b", "c"],
+    ]
+    assert br.round_orders(["a"], 2) == [["a"], ["a"]]
