@@ -1059,6 +1059,7 @@ def test_fleet_written_placements_skip_the_peers_while_folded_and_after_a_reset(
     peers.arrive("a", 1000, at=clock.t)
     sc.score(r, a)
     assert sc.view()["a"][1] == 1000.0
+    peers.arrive("a", 300, at=clock.t)  # placed before the restart, not yet scored here
     sc.endpoint_reset("a")  # restarted: what the peers wrote before is gone with the cache
     sc.score(r, a)
     assert sc.view().get("a", (0.0, 0.0))[1] == 0.0

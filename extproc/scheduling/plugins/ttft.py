@@ -377,6 +377,9 @@ class PredictedTTFTScorer:
         """`address` restarted or left: its cache is empty (nothing written, so no eviction
         charged until it fills again) and the prefill queued there is gone."""
         self._written.pop(address, None)
+        if self.peer_arrivals is not None:
+            # What the peers wrote there so far went with the old cache.
+            self._written_upto[address] = self.peer_arrivals.placed(address)
         self._busy_until.pop(address, None)
         self._live.pop(address, None)
         self._running_keys.pop(address, None)
@@ -882,7 +885,13 @@ class PredictedTTFTScorer:
             self._busy_until = {a: t for a, t in self._busy_until.items() if t > now}
             live = self._busy_until.keys() | {c.endpoint.address for c in cands}
             self._written = {a: n for a, n in self._written.items() if a in live}
-            self._written_upto = {a: n for a, n in self._written_upto.items() if a in live}
+            # Kept while the exchange still counts the peers' placements there: dropped, an
+            # endpoint coming back would be credited everything they ever placed on it.
+            arrivals = self.peer_arrivals
+            self._written_upto = {
+                a: n for a, n in self._written_upto.items()
+                if a in live or (arrivals is not None and arrivals.placed(a) > 0)
+            }  # fmt: skip
             self._live = {a: q for a, q in self._live.items() if a in live}
             self._running_keys = {a: q for a, q in self._running_keys.items() if a in live}
 
