@@ -349,6 +349,9 @@ class Peers:
     def pending_shared(self, address: str, now: float, tps: float) -> float:
         raise AssertionError("only peerInflight: sharedLane asks for the shared lane")
 
+    def placed(self, address: str) -> float:
+        return 0.0  # nothing written past the caches' room here (`writtenPlacements`)
+
 
 def peer_scorer(mode: str, clock: Clock) -> PredictedTTFTScorer:
     # `peerInflight` shapes the in-flight floor, which `inflightFloor: drained` (the default)
@@ -995,6 +998,10 @@ def test_spill_cost_lets_a_repeat_leave_a_long_holder_queue_on_an_idle_fleet():
     fresh = [cand(a, prefill_tps=1e4) for a in "hxyz"]
     assert sc.score(r, fresh) == pytest.approx([0.205 / 0.505, 1.0, 1.0, 1.0])
     assert sc.spill_charged == 1
+
+
+def test_written_placements_default_to_the_fleets():
+    assert PredictedTTFTScorer.Params().written_placements == "fleet"
 
 
 def test_fleet_written_placements_fill_a_cache_as_one_replica_would():
