@@ -211,6 +211,18 @@ POLICIES: dict[str, dict] = {
         "redis": True,
         "extproc_args": ("--config", "@GROWTH_UNSHARED"),
     },
+    # Issue 14, twenty-fourth session: every replica counts the peers' placements as written
+    # into the caches (predicted TTFT's eviction cost), as one replica counts its own.
+    "extproc approximate, 3 replicas (Redis), written fleet": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@WRITTEN_FLEET"),
+    },
+    "extproc approximate, 3 replicas (Redis), written own": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@WRITTEN_OWN"),
+    },
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
@@ -470,6 +482,10 @@ CONFIGS = {
     "@KVFIT": _default_profile_with("predicted-ttft-scorer", {"kvFit": "wait"}),
     "@KVIGNORE": _default_profile_with("predicted-ttft-scorer", {"kvFit": "ignore"}),
     "@SPILLCOST": _default_profile_with("predicted-ttft-scorer", {"spillCost": "fleetBusy"}),
+    "@WRITTEN_FLEET": _default_profile_with(
+        "predicted-ttft-scorer", {"writtenPlacements": "fleet"}
+    ),
+    "@WRITTEN_OWN": _default_profile_with("predicted-ttft-scorer", {"writtenPlacements": "own"}),
     "@GROWTH_SHARED": _default_profile_with("bounded-sessions-filter", {"shareGrowth": True}),
     "@GROWTH_UNSHARED": _default_profile_with("bounded-sessions-filter", {"shareGrowth": False}),
 }

@@ -280,9 +280,16 @@ class Exporter:
             "prefill (meanPlacements: fleet).",
             ["scorer"],
         )
+        written_pooled = counter(
+            "extproc_predicted_ttft_written_pooled_tokens",
+            "Tokens other replicas placed that predicted-ttft-scorer counted as written into "
+            "the endpoints' caches (writtenPlacements: fleet).",
+            ["scorer"],
+        )
         for name, scorer in scorers.items():
             mean.add_metric([name], scorer.mean_prefill or 0.0)
             pooled.add_metric([name], scorer.mean_pooled)
+            written_pooled.add_metric([name], scorer.written_pooled)
             kv_fit.add_metric([name, "waited"], scorer.kv_fit_waits)
             kv_fit.add_metric([name, "untimed"], scorer.kv_fit_untimed)
             kv_fit.add_metric([name, "changed"], scorer.kv_fit_changed)
@@ -304,6 +311,7 @@ class Exporter:
         yield spill
         yield mean
         yield pooled
+        yield written_pooled
 
     def _kv_events(self) -> Iterator[Metric]:
         assert self._p.subscriber is not None
