@@ -410,7 +410,9 @@ def _quiet_picker(opts: StackOptions):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workload", choices=("agentic", "tenants", "multimodal"), default="agentic")
+    p.add_argument(
+        "--workload", choices=("agentic", "tenants", "multimodal", "text"), default="agentic"
+    )
     p.add_argument("--load", type=float, help="sessions (agentic) or req/s (tenants)")
     p.add_argument(
         "--modes", nargs="+", default=["approximate", "precise"],
@@ -440,7 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         "its meanPlacements: fleet (the waiting floor's mean over every replica's "
         "placements; the default now); + '-ownmean': meanPlacements: own (the default "
         "before the twenty-first session); + '-coldscored': no-hit-lru-scorer's recordCold: "
-        "scored (picks new on the scored candidates move the LRU too); any mode + "
+        "scored (picks new on the scored candidates move the LRU too); + '-spill': "
+        "predicted-ttft-scorer's spillCost: fleetBusy; + '-evcal': its evictionRoom: "
+        "calibrated; any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -534,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
                     "-fleetmean": {ttft: {"meanPlacements": "fleet"}},
                     "-ownmean": {ttft: {"meanPlacements": "own"}},
                     "-coldscored": {"no-hit-lru-scorer": {"recordCold": "scored"}},
+                    "-spill": {ttft: {"spillCost": "fleetBusy"}},
+                    "-evcal": {ttft: {"evictionRoom": "calibrated"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:
