@@ -683,7 +683,7 @@ class PredictedTTFTScorer:
         if not (self._reuse and st.kv_blocks and st.kv_block_size):
             return 0.0
         work = uncached_tokens(req, c)
-        cap = float(st.kv_blocks * st.kv_block_size)
+        cap = st.kv_blocks * st.kv_block_size
         if self._room_calibrated:
             # The engine's capacity in the unit of `_written` (estimates; engine tokens per
             # estimate from the capacity model, 1.0 in precise mode).
