@@ -245,25 +245,6 @@ def test_no_eviction_cost_while_caches_have_room_or_nothing_is_reused():
         assert s[1] == 1.0 and s[0] < 1.0, state  # predicted TTFT alone: b is faster
 
 
-def test_calibrated_eviction_room_holds_estimates_against_the_capacity_in_estimates():
-    # Estimates 1.25x the engine's tokens (ratio 0.8): 5,120 estimated tokens written into a
-    # 6,400-token cache are 4,096 engine tokens, room left. `raw` holds the estimates
-    # against the engine's count (full at 80% of the real fill); `calibrated` converts.
-    cap = {"kv_blocks": 400, "kv_block_size": 16}
-    r = req(blocks=100, tokens=6400)
-    costs = {}
-    for room in ("raw", "calibrated"):
-        clock = Clock()
-        sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(eviction_room=room), clock=clock)
-        sc.token_ratio = lambda: 0.8
-        place(sc, req(blocks=100, tokens=5120), [cand("b", prefill_tps=6400.0, **cap)], "b")
-        sc._reuse = 0.5  # half of every placed prompt was cached
-        costs[room] = sc.eviction_cost(r, cand("b", prefill_tps=6400.0, **cap))
-    # raw: room 1,280 -> 5,120 of the 6,400 evicted; calibrated: room 2,880 -> 3,520.
-    assert costs["raw"] == pytest.approx(0.5 * 5120 / 6400)
-    assert costs["calibrated"] == pytest.approx(0.5 * 3520 / 6400)
-
-
 def test_a_restarted_endpoint_is_charged_no_evictions_until_it_fills_again():
     # A restarted server starts with an empty cache: what was written to the old process
     # must not make the new one look full (nor its old queue look busy).

@@ -224,21 +224,13 @@ class PredictedTTFTScorer:
     higher in 2 of 3), text was unchanged (bench/RESULTS.md, issue 14, twenty-third session,
     spillcost).
 
-    `evictionRoom`: the cache room the eviction charge (`eviction_cost`) counts down.
-    `raw` (default): the engine's KV capacity in its tokens minus the tokens this picker
-    wrote there in its own unit: in approximate mode those are estimates (text workload:
-    6,437 estimated for 5,091 engine tokens, ratio 0.79), so the charge starts at ~79% of
-    the real fill; in precise mode the units agree. `calibrated`: the capacity converted to
-    estimate units by the capacity model's measured ratio, so both modes start charging at
-    the same real fill (bench/RESULTS.md, issue 14, twenty-fourth session, precise16).
-
     ```yaml
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
                    peerInflight: drained, waitingFloor: fleetMean, meanPlacements: fleet,
                    speedUnits: engine,
                    kvFit: ignore, kvFitPeers: folded, kvFitPrefix: running,
-                   kvFitMargin: 0.1, spillCost: ignore, evictionRoom: raw}
+                   kvFitMargin: 0.1, spillCost: ignore}
     ```
     """
 
@@ -257,7 +249,6 @@ class PredictedTTFTScorer:
         kv_fit_prefix: Literal["running", "held"] = "running"
         kv_fit_margin: Annotated[float, msgspec.Meta(ge=0.0, le=_MAX_QUEUE_S)] = 0.1
         spill_cost: Literal["ignore", "fleetBusy"] = "ignore"
-        eviction_room: Literal["raw", "calibrated"] = "raw"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
@@ -276,7 +267,6 @@ class PredictedTTFTScorer:
         self._prefix_held = p.kv_fit_prefix == "held"
         self._kv_margin = p.kv_fit_margin
         self._spill_cost = p.spill_cost == "fleetBusy"
-        self._room_calibrated = p.eviction_room == "calibrated"
         self._clock = clock
         self._busy_until: dict[str, float] = {}
         # Tokens, moving average of placed uncached prompts; None until the first placement
@@ -683,12 +673,7 @@ class PredictedTTFTScorer:
         if not (self._reuse and st.kv_blocks and st.kv_block_size):
             return 0.0
         work = uncached_tokens(req, c)
-        cap = st.kv_blocks * st.kv_block_size
-        if self._room_calibrated:
-            # The engine's capacity in the unit of `_written` (estimates; engine tokens per
-            # estimate from the capacity model, 1.0 in precise mode).
-            cap /= self._ratio()
-        room = cap - self._written.get(c.endpoint.address, 0.0)
+        room = st.kv_blocks * st.kv_block_size - self._written.get(c.endpoint.address, 0.0)
         evicted = min(work, max(0.0, work - room))
         return self._reuse * evicted / self._tps(c)
 
