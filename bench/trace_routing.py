@@ -443,8 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         "placements; the default now); + '-ownmean': meanPlacements: own (the default "
         "before the twenty-first session); + '-coldscored': no-hit-lru-scorer's recordCold: "
         "scored (picks new on the scored candidates move the LRU too); + '-spill': "
-        "predicted-ttft-scorer's spillCost: fleetBusy; + '-evcal': its evictionRoom: "
-        "calibrated; any mode + "
+        "predicted-ttft-scorer's spillCost: fleetBusy; any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -539,7 +538,6 @@ def main(argv: list[str] | None = None) -> int:
                     "-ownmean": {ttft: {"meanPlacements": "own"}},
                     "-coldscored": {"no-hit-lru-scorer": {"recordCold": "scored"}},
                     "-spill": {ttft: {"spillCost": "fleetBusy"}},
-                    "-evcal": {ttft: {"evictionRoom": "calibrated"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:
