@@ -410,7 +410,9 @@ def _quiet_picker(opts: StackOptions):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workload", choices=("agentic", "tenants", "multimodal"), default="agentic")
+    p.add_argument(
+        "--workload", choices=("agentic", "tenants", "multimodal", "text"), default="agentic"
+    )
     p.add_argument("--load", type=float, help="sessions (agentic) or req/s (tenants)")
     p.add_argument(
         "--modes", nargs="+", default=["approximate", "precise"],
@@ -442,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         "before the twenty-first session); + '-coldscored': no-hit-lru-scorer's recordCold: "
         "scored (picks new on the scored candidates move the LRU too); + '-writtenfleet': "
         "its writtenPlacements: fleet (the peers' placements count as written into the "
-        "caches, for the eviction cost); any mode + "
+        "caches, for the eviction cost); + '-spill': predicted-ttft-scorer's spillCost: "
+        "fleetBusy; any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -537,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                     "-ownmean": {ttft: {"meanPlacements": "own"}},
                     "-coldscored": {"no-hit-lru-scorer": {"recordCold": "scored"}},
                     "-writtenfleet": {ttft: {"writtenPlacements": "fleet"}},
+                    "-spill": {ttft: {"spillCost": "fleetBusy"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:

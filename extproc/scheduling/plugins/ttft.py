@@ -702,6 +702,12 @@ class PredictedTTFTScorer:
         if not (self._reuse and st.kv_blocks and st.kv_block_size):
             return 0.0
         work = uncached_tokens(req, c)
+        # In approximate mode `_written` and `work` are estimates and the capacity engine
+        # tokens, so the charge starts at the capacity ratio of the real fill (~0.78 on the
+        # routing bench's text); in precise mode the units agree and it starts later. That
+        # early charge is most of what keeps approximate ahead of precise on text at 16
+        # req/s; converting the capacity to estimates lost approximate the same (hit 61-62%
+        # against 65.5%, TTFT p90 2.2 s against 1.74 s; bench/RESULTS.md, precise16).
         room = st.kv_blocks * st.kv_block_size - self._written.get(c.endpoint.address, 0.0)
         evicted = min(work, max(0.0, work - room))
         return self._reuse * evicted / self._tps(c)
