@@ -444,8 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         "before the twenty-first session); + '-coldscored': no-hit-lru-scorer's recordCold: "
         "scored (picks new on the scored candidates move the LRU too); + '-writtenfleet': "
         "its writtenPlacements: fleet (the peers' placements count as written into the "
-        "caches, for the eviction cost); + '-spill': predicted-ttft-scorer's spillCost: "
-        "fleetBusy; any mode + "
+        "caches, for the eviction cost; the default now); + '-writtenown': "
+        "writtenPlacements: own (the default before the twenty-fourth session); + '-spill': "
+        "predicted-ttft-scorer's spillCost: fleetBusy; any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -540,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                     "-ownmean": {ttft: {"meanPlacements": "own"}},
                     "-coldscored": {"no-hit-lru-scorer": {"recordCold": "scored"}},
                     "-writtenfleet": {ttft: {"writtenPlacements": "fleet"}},
+                    "-writtenown": {ttft: {"writtenPlacements": "own"}},
                     "-spill": {ttft: {"spillCost": "fleetBusy"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
