@@ -433,6 +433,16 @@ class Admission:
             for p in fc.reserve.bands():
                 hist.add_metric([str(p)], fc.reserve.history(p))
             yield hist
+            if fc.reserve.spike_s:
+                spike = gauge(
+                    "extproc_flow_reserve_spike_arrivals",
+                    "With reserve_spike_s: arrivals of each band (the peers' included) its "
+                    "spike term is sized from; under 20 the band's mean arrival rate stands in.",
+                    ["priority"],
+                )
+                for p in fc.reserve.bands():
+                    spike.add_metric([str(p)], fc.reserve.spike_history(p))
+                yield spike
         gate = fc.gate
         if gate is not None:
             gh = counter(

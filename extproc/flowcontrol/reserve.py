@@ -200,6 +200,10 @@ class Reserve:
         # Per band with a prior: whether its last sizing used it (None: not sized yet).
         self.on_prior: dict[int, bool] = {}
         self._warned_short: set[int] = set()
+        # With a spike window: the bands whose reserve counts their spike term (their
+        # arrivals reached `QUANTILE_TRUSTED`); before, the mean-rate term stands in, said
+        # once per band when the spike term takes over.
+        self.spike_on: set[int] = set()
         self._seen: dict[int, collections.deque[_Seen]] = {}
         # With a quantile (either): each band's history in order (quantiles by index).
         self._sorted: dict[int, _Sorted] = {}
@@ -402,6 +406,15 @@ class Reserve:
             if self._rate_quantile and self.history(p) >= QUANTILE_TRUSTED:
                 prompt = self._rate_prompt[p]
             if self._spike_s and self.spike_history(p) >= QUANTILE_TRUSTED:
+                if p not in self.spike_on:
+                    self.spike_on.add(p)
+                    log.info(
+                        "reserve for band %d now sized by its spike term (%d arrivals within "
+                        "%.2f s, the fleet's); before, by its mean arrival rate",
+                        p,
+                        self.spike_history(p),
+                        self._spike_s,
+                    )
                 # The band's own clumps (`reserve_spike_s`) instead of its mean rate; joint:
                 # the clump a request ends is the room it needs, the largest at the least.
                 if self._spike_joint:

@@ -82,6 +82,8 @@ async def test_batch_work_keeps_the_joint_clump_quantiles_room(stack: Stack):
         assert reserved == JOINT, f"reserved {reserved:.0f}: joint {JOINT}, added {ADDED}"
         hist = r'^extproc_flow_reserve_history_requests{priority="10"} (\S+)$'
         assert metric_sum(stack, hist) == QUANTILE_TRUSTED
+        spike = r'^extproc_flow_reserve_spike_arrivals{priority="10"} (\S+)$'
+        assert metric_sum(stack, spike) == QUANTILE_TRUSTED  # the spike term counts
         second = asyncio.create_task(long_one(c, batch, 2, LO, second_at))
         # Sized as added (the large request twice) it would have gone beside the first.
         assert await asyncio.wait_for(second_at, 30) != busy, "kept room for the added term"

@@ -5,6 +5,8 @@ another, not the band's mean rate."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from extproc.config import decode_settings
@@ -39,16 +41,23 @@ def test_the_spike_is_a_quantile_of_what_came_close_before_each_request():
     assert wide.spike(10) == 0
 
 
-def test_the_spike_replaces_the_rate_term_once_the_history_is_trusted():
+def test_the_spike_replaces_the_rate_term_once_the_history_is_trusted(caplog):
     clock = Clock()
     r = Reserve(1, clock, spike_s=0.5)
     pairs(r, clock, QUANTILE_TRUSTED // 2 - 1)
+    caplog.set_level(logging.INFO, logger="extproc.flowcontrol")
     # Short of 20 requests: the mean rate's term, at 5,000 tokens/s over the largest's
     # 1,000-token prefill (0.2 s).
     assert r.held(0, (10, 0), 5000.0)[0] == 1000 + int(r.rate(10) * 1000 / 5000.0)
+    assert not r.spike_on and "spike term" not in caplog.text
     pairs(r, clock, 1)
     assert r.held(0, (10, 0), 5000.0) == (2000, 10)  # the largest + the spike
     assert r.held(0, (10, 0), None) == (2000, 10)  # no speed needed
+    # The switch is said once (the sizing runs at every dispatch opportunity).
+    assert r.spike_on == {10}
+    said = [m for m in caplog.messages if "now sized by its spike term" in m]
+    assert said == ["reserve for band 10 now sized by its spike term (20 arrivals within "
+                    "0.50 s, the fleet's); before, by its mean arrival rate"]  # fmt: skip
 
 
 def test_the_spike_figures_leave_with_their_requests():
