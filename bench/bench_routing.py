@@ -196,6 +196,13 @@ POLICIES: dict[str, dict] = {
     # Issue 14, twenty-third session: predicted TTFT charges a spill's extra prefill,
     # weighted by how busy the fleet is (`spillCost: fleetBusy`), against the default.
     "extproc approximate, spill cost": {"extproc_args": ("--config", "@SPILLCOST")},
+    # Issue 14, twenty-fourth session: the same on three replicas, each charging from its own
+    # (and its peers' drained) view of the busy lanes.
+    "extproc approximate, 3 replicas (Redis), spill cost": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@SPILLCOST"),
+    },
     # Issue 14, nineteenth session: replicas share learned session growth
     # (bounded-sessions-filter `shareGrowth`, server/shared_growth.py), and learned per
     # replica as before, to measure against.
