@@ -218,12 +218,11 @@ class PredictedTTFTScorer:
     sglang-router, keeping every repeat on its holder, had the lower TTFT p50 (0.66 s
     against 0.99 s) and the oracle's hit ratio against 63% (bench/RESULTS.md, issue 14,
     twenty-third session). On an idle fleet the charge is ~0 and a request still leaves a
-    holder whose queue exceeds the recompute. The default since the twenty-fourth session:
-    multimodal's 16 req/s step was better on four arrival seeds of six and even on the
-    others (seed 2 in 3 of 3 pairs, hit 45-52% against 36-38%; seed 4 hit 49% against 43%,
-    p90 0.72 s against 0.81-0.82 s), text and the tenants knee even, agentic and three
-    replicas measured too (bench/RESULTS.md, issue 14, twenty-third and twenty-fourth
-    sessions). `ignore` charges nothing (the default before).
+    holder whose queue exceeds the recompute. `ignore` (default) charges nothing. Opt-in:
+    at that step (seed 1) the charge was better in 3 of 3 pairs (hit 45-52% against 36-38%,
+    TTFT p90 1.18-1.27 s against 1.52-1.56 s), the lighter seed-2 step gained nothing (p90
+    higher in 2 of 3), text was unchanged (bench/RESULTS.md, issue 14, twenty-third session,
+    spillcost).
 
     ```yaml
     - type: predicted-ttft-scorer
@@ -231,7 +230,7 @@ class PredictedTTFTScorer:
                    peerInflight: drained, waitingFloor: fleetMean, meanPlacements: fleet,
                    speedUnits: engine,
                    kvFit: ignore, kvFitPeers: folded, kvFitPrefix: running,
-                   kvFitMargin: 0.1, spillCost: fleetBusy}
+                   kvFitMargin: 0.1, spillCost: ignore}
     ```
     """
 
@@ -249,8 +248,7 @@ class PredictedTTFTScorer:
         kv_fit_peers: Literal["arrivals", "folded"] = "folded"
         kv_fit_prefix: Literal["running", "held"] = "running"
         kv_fit_margin: Annotated[float, msgspec.Meta(ge=0.0, le=_MAX_QUEUE_S)] = 0.1
-        # The default since the twenty-fourth session (bench/RESULTS.md, issue 14).
-        spill_cost: Literal["ignore", "fleetBusy"] = "fleetBusy"
+        spill_cost: Literal["ignore", "fleetBusy"] = "ignore"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
