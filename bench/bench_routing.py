@@ -22,7 +22,9 @@ compressed (`--fast`) so a ladder fits on a shared 2-core machine:
 - mixed (issue 14, twenty-third session): text's one-shot groups (twice as many; open loop,
   the load knob is their rate) on text's fleet, and agent sessions on one new shared agent
   prompt joining 4 s in (closed loop, as agentic); each step also reports the two parts
-  apart and the servers the agent sessions started on.
+  apart and the servers the agent sessions started on. mixed-spaced (twenty-fourth
+  session): the same with the agents starting 1 s apart instead of 0.3 s, so the later ones
+  start after the first has come back (its growth known).
 
 Policies: random, round-robin and least-request (Envoy alone over a STATIC cluster), extproc
 approximate, extproc precise (KV events), and sglang-router's cache_aware policy when it can be
@@ -100,8 +102,8 @@ SCALE = (
     "tokens; multimodal: {groups} groups x 5 prompts, 3 images (448 px, 256 tokens each) + ~1.3K "
     "text tokens, 32 output tokens; mixed: 2 x {groups} text groups' one-shot requests, and 6 "
     "agent sessions x 4 turns on one ~3,000-token agent prompt (+~1,650 tokens a turn, 0.2 s "
-    "think time, 0.3 s apart) joining 4 s in. 8 servers, prefill 5,000 tok/s, 1,500 KV "
-    "blocks each, simulated time not compressed."
+    "think time, 0.3 s apart; mixed-spaced: 1 s apart) joining 4 s in. 8 servers, prefill "
+    "5,000 tok/s, 1,500 KV blocks each, simulated time not compressed."
 )
 
 POLICIES: dict[str, dict] = {
@@ -223,6 +225,18 @@ POLICIES: dict[str, dict] = {
         "redis": True,
         "extproc_args": ("--config", "@GROWTH_UNSHARED"),
     },
+    # Issue 14, twenty-fourth session: every replica counts the peers' placements as written
+    # into the caches (predicted TTFT's eviction cost), as one replica counts its own.
+    "extproc approximate, 3 replicas (Redis), written fleet": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@WRITTEN_FLEET"),
+    },
+    "extproc approximate, 3 replicas (Redis), written own": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@WRITTEN_OWN"),
+    },
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
@@ -252,6 +266,13 @@ def workload(name: str, groups: int, seed: int) -> WorkloadSpec:
 # decides.
 MIXED_AGENTS = AgenticSpec(sessions=6, turns=4, agent_words=600, result_words=300,
                            max_tokens=32, think_s=0.2, stagger_s=0.3)  # fmt: skip
+# mixed-spaced (issue 14, twenty-fourth session): the same agents 1 s apart, as a fleet's
+# agents keep starting: in mixed all six start before the first one's second turn (its
+# first answer, 32 tokens at 60 tok/s, and think time: ~1.5 s and more), so none is placed
+# knowing that sessions on the agent prompt grow; here the third on do.
+MIXED_SPACED_AGENTS = replace(MIXED_AGENTS, stagger_s=1.0)
+# The agents each mixed workload sends.
+MIXED_WORKLOADS = {"mixed": MIXED_AGENTS, "mixed-spaced": MIXED_SPACED_AGENTS}
 # When the agents join (seconds into the step, the shape's time): after the 2 s floor of
 # `learnUncontinued`'s horizon and the 8 fates the fleet's prior needs at 6 req/s, so the
 # prior is settled, one-shot, when the first agent prompt arrives.
@@ -265,7 +286,7 @@ _MIXED_TURN_S = 0.5
 
 
 def mixed_parts(
-    load: float, groups: int, seed: int
+    load: float, groups: int, seed: int, agents: AgenticSpec = MIXED_AGENTS
 ) -> tuple[list[WorkItem], list[list[WorkItem]], list[float]]:
     """The mixed workload's one-shot requests (`MIXED_GROUPS` x `groups` text groups), agent
     sessions (indexes after the one-shot ones, each session a group of its own after
@@ -278,7 +299,7 @@ def mixed_parts(
             )
             for it in s
         ]
-        for s in build_sessions(replace(MIXED_AGENTS, seed=seed))
+        for s in build_sessions(replace(agents, seed=seed))
     ]
     return oneshot, sessions, arrival_offsets(len(oneshot), load, seed)
 
@@ -476,6 +497,10 @@ CONFIGS = {
     "@KVIGNORE": _default_profile_with("predicted-ttft-scorer", {"kvFit": "ignore"}),
     "@SPILLCOST": _default_profile_with("predicted-ttft-scorer", {"spillCost": "fleetBusy"}),
     "@SPILLIGNORE": _default_profile_with("predicted-ttft-scorer", {"spillCost": "ignore"}),
+    "@WRITTEN_FLEET": _default_profile_with(
+        "predicted-ttft-scorer", {"writtenPlacements": "fleet"}
+    ),
+    "@WRITTEN_OWN": _default_profile_with("predicted-ttft-scorer", {"writtenPlacements": "own"}),
     "@GROWTH_SHARED": _default_profile_with("bounded-sessions-filter", {"shareGrowth": True}),
     "@GROWTH_UNSHARED": _default_profile_with("bounded-sessions-filter", {"shareGrowth": False}),
 }
@@ -494,13 +519,14 @@ def ideal_items(wl: str, load: float, groups: int, seed: int) -> list[WorkItem]:
         return [s[t] for t in range(AGENTIC.turns) for s in sessions if t < len(s)]
     if wl == "tenants":
         return build_workload(tenants_spec(seed))
-    if wl == "mixed":
-        oneshot, sessions, offsets = mixed_parts(load, groups, seed)
+    if wl in MIXED_WORKLOADS:
+        agents = MIXED_WORKLOADS[wl]
+        oneshot, sessions, offsets = mixed_parts(load, groups, seed, agents)
         join = MIXED_JOIN_S
-        step = MIXED_AGENTS.think_s + _MIXED_TURN_S
+        step = agents.think_s + _MIXED_TURN_S
         timed = [(at, it) for at, it in zip(offsets, oneshot, strict=True)]
         timed += [
-            (join + k * MIXED_AGENTS.stagger_s + it.turn * step, it)
+            (join + k * agents.stagger_s + it.turn * step, it)
             for k, s in enumerate(sessions)
             for it in s
         ]
@@ -514,8 +540,8 @@ def run_step(
     """One load step, its summary in wall time (`time_scale` stretches the arrivals), and
     its parts' (mixed: the one-shot requests, the agents' and their first turns')."""
     timeout_s = 120.0 / time_scale
-    if wl == "mixed":
-        return _run_mixed(load, groups, seed, url, time_scale, timeout_s)
+    if wl in MIXED_WORKLOADS:
+        return _run_mixed(MIXED_WORKLOADS[wl], load, groups, seed, url, time_scale, timeout_s)
     if wl == "agentic":
         sessions = build_sessions(replace(AGENTIC, sessions=int(load), seed=seed))
         results, duration = asyncio.run(
@@ -535,16 +561,22 @@ def run_step(
 
 
 def _run_mixed(
-    load: float, groups: int, seed: int, url: str, time_scale: float, timeout_s: float
+    spec: AgenticSpec,
+    load: float,
+    groups: int,
+    seed: int,
+    url: str,
+    time_scale: float,
+    timeout_s: float,
 ) -> tuple[Summary, dict[str, Summary]]:
-    oneshot, sessions, offsets = mixed_parts(load * time_scale, groups, seed)
+    oneshot, sessions, offsets = mixed_parts(load * time_scale, groups, seed, spec)
     join = MIXED_JOIN_S / time_scale
 
     async def agents() -> tuple[list[Result], float]:
         await asyncio.sleep(join)
         results, duration = await run_closed_loop(
-            sessions, url, think_s=MIXED_AGENTS.think_s / time_scale,
-            stagger_s=MIXED_AGENTS.stagger_s / time_scale, timeout_s=timeout_s,
+            sessions, url, think_s=spec.think_s / time_scale,
+            stagger_s=spec.stagger_s / time_scale, timeout_s=timeout_s,
         )  # fmt: skip
         return results, join + duration
 
@@ -851,6 +883,14 @@ def medians(rows: list[Row], ideals: dict) -> list[str]:
     return out
 
 
+def round_orders(policies: list[str], rounds: int) -> list[list[str]]:
+    """The policies' order in each interleaved round: reversed every other round (A B, B A,
+    A B, ...), so neither runs first every time. Run order is not neutral here: on mixed at
+    6 req/s the policy listed second was slower in every pair, identical logic included
+    (bench/RESULTS.md, twenty-fourth session, growthClass)."""
+    return [policies if r % 2 == 0 else policies[::-1] for r in range(rounds)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 1 rate, few requests")
@@ -866,7 +906,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     p.add_argument(
         "--rounds", type=int, default=1,
-        help="run the policies interleaved (A, B, A, B, ...) this many times; medians shown",
+        help="run the policies interleaved this many times, the order reversed every other "
+        "round (A, B, B, A, ...); medians shown",
     )  # fmt: skip
     p.add_argument("--baseline-tree", type=Path, help="source tree of the baseline-tree policy")
     p.add_argument(
@@ -915,8 +956,8 @@ def main(argv: list[str] | None = None) -> int:
             for step, load in enumerate(loads):
                 items = ideal_items(wl, load, groups, args.seed + step)
                 ideals[(wl, load)] = workload_oracles(wl, items)
-            for _ in range(args.rounds):
-                for pol in policies:
+            for order in round_orders(policies, args.rounds):
+                for pol in order:
                     rows += run_policy(
                         pol, wl, loads, groups, args.seed, venv, Path(tmp), args.baseline_tree,
                         args.time_scale,

@@ -440,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         "its meanPlacements: fleet (the waiting floor's mean over every replica's "
         "placements; the default now); + '-ownmean': meanPlacements: own (the default "
         "before the twenty-first session); + '-coldscored': no-hit-lru-scorer's recordCold: "
-        "scored (picks new on the scored candidates move the LRU too); any mode + "
+        "scored (picks new on the scored candidates move the LRU too); + '-writtenfleet': "
+        "its writtenPlacements: fleet (the peers' placements count as written into the "
+        "caches, for the eviction cost); any mode + "
         "'-request': state.prefill_speed: request (the per-request prefill "
         "speed, the default before); + '-units': its speedUnits: estimates; + '-capfirst' "
         "(after the others, before '-request'): "
@@ -534,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                     "-fleetmean": {ttft: {"meanPlacements": "fleet"}},
                     "-ownmean": {ttft: {"meanPlacements": "own"}},
                     "-coldscored": {"no-hit-lru-scorer": {"recordCold": "scored"}},
+                    "-writtenfleet": {ttft: {"writtenPlacements": "fleet"}},
                 }
                 suffix = next((x for x in suffixes if mode.endswith(x)), "")
                 if suffix:

@@ -1,5 +1,6 @@
 """Rate-limited logging for things hostile peers can repeat at will (malformed messages,
-refused peers, spoofed events): one line per reason per interval, never one per attempt."""
+refused peers, spoofed events) and for our own bugs met once per request under a fault:
+one line per reason per interval, never one per attempt."""
 
 from __future__ import annotations
 
@@ -45,3 +46,18 @@ class Throttle:
         if suppressed is not None:
             log_extra = {**(extra or {}), "suppressed_since_last": suppressed}
             logger.warning(msg, *args, extra=log_extra)
+
+    def exception(
+        self,
+        logger: logging.Logger,
+        key: str,
+        msg: str,
+        *args: object,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """`logger.exception(msg, *args)` (ERROR, with the traceback being handled) unless
+        `key` was said within `every_s`; `suppressed_since_last` as in `warn`."""
+        suppressed = self.allow(key)
+        if suppressed is not None:
+            log_extra = {**(extra or {}), "suppressed_since_last": suppressed}
+            logger.exception(msg, *args, extra=log_extra)

@@ -4,6 +4,8 @@ oracle and the best placement the servers' real cache sizes allow, on hand-made 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from extproc.sim.workload import Summary, WorkItem
@@ -83,3 +85,25 @@ def test_mixed_sends_one_shot_groups_and_agent_sessions_joining_later(bench) -> 
         assert [pos[it.index] for it in s] == sorted(pos[it.index] for it in s)
     before = sum(at < br.MIXED_JOIN_S for at in offsets)
     assert min(pos[it.index] for it in agent) == before
+
+
+def test_mixed_spaced_sends_the_same_agents_further_apart(bench) -> None:
+    _, br = bench
+    spaced = br.MIXED_WORKLOADS["mixed-spaced"]
+    assert spaced == dataclasses.replace(br.MIXED_AGENTS, stagger_s=1.0)
+    items = br.ideal_items("mixed-spaced", 16.0, 2, 1)
+    assert [it.index for it in items] != [it.index for it in br.ideal_items("mixed", 16.0, 2, 1)]
+    # The same requests, only the agents' start times differ.
+    assert sorted(it.index for it in items) == sorted(
+        it.index for it in br.ideal_items("mixed", 16.0, 2, 1)
+    )
+
+
+def test_interleaved_rounds_alternate_which_policy_runs_first(bench) -> None:
+    _, br = bench
+    assert br.round_orders(["a", "b", "c"], 3) == [
+        ["a", "b", "c"],
+        ["c", "b", "a"],
+        ["a", "b", "c"],
+    ]
+    assert br.round_orders(["a"], 2) == [["a"], ["a"]]

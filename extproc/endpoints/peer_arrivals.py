@@ -31,6 +31,10 @@ one first-come-first-served lane over both: what is left is the youngest work, a
 peers' part of it is what still counts. At one exchange this replica's growth is put ahead
 of the peers' (their order inside the interval is unknown; ahead, it delays theirs).
 
+Apart from what is still ahead, `placed` keeps every token the peers placed on an endpoint as
+this process saw it arrive, cumulative: what they had the engine compute there, which fills its
+cache as this replica's own placements do (predicted TTFT's `writtenPlacements: fleet`).
+
 No Redis here: the exchange loop feeds `update` with the peers' totals. Event-loop use only.
 """
 
@@ -42,6 +46,8 @@ from collections.abc import Mapping
 # Arrivals kept per endpoint; past this the two oldest are merged (their tokens kept, dated
 # by the younger, which errs towards counting them as still ahead).
 _MAX_ARRIVALS = 256
+# Endpoints `placed` keeps a count for before it forgets the idle ones (far above any pool).
+_MAX_PLACED_ENDPOINTS = 4096
 
 
 class PeerArrivals:
@@ -55,6 +61,8 @@ class PeerArrivals:
         # This replica's own in-flight tokens, the same way (`pending_shared` only).
         self._own_arrivals: dict[str, deque[list[float]]] = {}
         self._own_totals: dict[str, int] = {}
+        # The peers' arrived tokens per endpoint, cumulative (`placed`).
+        self._placed: dict[str, float] = {}
 
     def update(
         self,
@@ -73,7 +81,13 @@ class PeerArrivals:
             self._own_totals = _advance(
                 self._own_arrivals, self._own_totals, own, now, self._max, own_arrived
             )
-        self._totals = _advance(self._arrivals, self._totals, totals, now, self._max, arrived)
+        self._totals = _advance(
+            self._arrivals, self._totals, totals, now, self._max, arrived, self._placed
+        )
+        if len(self._placed) > _MAX_PLACED_ENDPOINTS:
+            # Endpoints come and go (pods): forget those with nothing in flight now; a reader
+            # taking `placed` as cumulative sees it start again from 0 there.
+            self._placed = {a: n for a, n in self._placed.items() if a in self._totals}
 
     def arrive(self, address: str, tokens: int, at: float) -> None:
         """A peer's placement of `tokens` on `address` seen at `at` between exchanges (pushed
@@ -90,12 +104,19 @@ class PeerArrivals:
             first = q.popleft()
             q[0][1] += first[1]
         self._totals[address] = self._totals.get(address, 0) + int(tokens)
+        self._placed[address] = self._placed.get(address, 0.0) + float(tokens)
 
     def clear(self) -> None:
         """The peers' counts were dropped (Redis gone past their TTL)."""
         self._arrivals.clear()
         self._totals.clear()
-        # This replica's own counts are exact and local: kept.
+        # This replica's own counts are exact and local: kept. So is `placed`: what the
+        # peers had computed before is in the caches still.
+
+    def placed(self, address: str) -> float:
+        """Every token the peers placed on `address` as far as this process has seen them
+        arrive (pushed, or in an exchange), cumulative: what they had its engine compute."""
+        return self._placed.get(address, 0.0)
 
     def total(self, address: str) -> int:
         """The peers' in-flight tokens on `address` at the last update."""
@@ -166,10 +187,11 @@ def _advance(
     now: float,
     cap: int,
     arrived: Mapping[str, int] | None = None,
+    placed: dict[str, float] | None = None,
 ) -> dict[str, int]:
     """Brings `arrivals` from the `known` totals to `totals` at `now`: what `arrived` (or,
     without it, the growth) arrives, then what ended releases the oldest first. Returns the
-    new totals (positive only)."""
+    new totals (positive only). What arrives is added to `placed`, when given."""
     kept = {a: max(0, int(t)) for a, t in totals.items() if t > 0}
     addresses = set(kept) | set(known) | (set(arrived) if arrived is not None else set())
     for address in addresses:
@@ -179,6 +201,8 @@ def _advance(
         # still shows as much as the totals say.
         came = max(came, total - before)
         if came > 0:
+            if placed is not None:
+                placed[address] = placed.get(address, 0.0) + came
             q = arrivals.setdefault(address, deque())
             q.append([now, float(came)])
             if len(q) > cap:

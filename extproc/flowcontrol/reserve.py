@@ -69,7 +69,10 @@ goodput branch). Joint: the quantile is of each recent request's clump, the toke
 before it has freed), and the reserve is that or the largest requests, whichever is more:
 it covers that share of the band's requests, not ~98-100% of them. Opt-in: at 0.95 it won
 goodput in 6 of 6 pairs (+0.027 mean) and cost the tail as every smaller reserve does
-(picker waits over 0.1 s 30 against 15, pooled TTFT p99 2.42x against 2.33x).
+(picker waits over 0.1 s 30 against 15, pooled TTFT p99 2.42x against 2.33x); measured
+again at 0.97, with `reserve_refill_credit: started` and on two replicas, goodput was higher
+in 8 of 8 pairs and the two replicas' tail worse in both (pooled p99 2.5-2.7x against 1.6x;
+bench/RESULTS.md, twenty-fourth session, jointe2e branch).
 
 Why the fleet's arrivals (`peer_arrived`, fed by flowcontrol/shared.py): active-active
 replicas each see only their share of the band's arrivals. Sized from its own share, a

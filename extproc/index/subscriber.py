@@ -75,6 +75,7 @@ class KVEventSubscriber:
     from that endpoint's own IP (the TCP peer address); `curve` additionally requires CURVE
     encryption with a publisher key on its allow-list. Refused messages count in
     `stats.rejected`. Dialed sockets need none of this: they connect to pool addresses only.
+    `on_message(endpoint)` is called for each message attributed to an endpoint (O(1)).
     """
 
     def __init__(
@@ -90,8 +91,12 @@ class KVEventSubscriber:
         max_messages_per_pass: int = 256,
         is_member: Callable[[str], bool] | None = None,
         curve: CurveKeys | None = None,
+        on_message: Callable[[str], None] | None = None,
     ) -> None:
         self._index = index
+        # Each message attributed to an endpoint, before it is applied (silence.py: a
+        # publisher that is heard at all is alive, whatever its message holds).
+        self._on_message = on_message
         self._model = model
         self._bind = bind
         self._topic_endpoint = topic_endpoint
@@ -315,6 +320,8 @@ class KVEventSubscriber:
             endpoint, model = found
             if not self._admits(endpoint, peer):
                 return
+        if self._on_message is not None:
+            self._on_message(endpoint)
         ingest = self._ingests.get(endpoint)
         if ingest is None:
             source = self._sources.get(endpoint)

@@ -8,7 +8,7 @@ here are the ones only building can tell."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from extproc.calibration import Calibration
 from extproc.config import (
@@ -17,7 +17,7 @@ from extproc.config import (
     build_configured_scheduler,
     flow_control_configured,
 )
-from extproc.core import Endpoint
+from extproc.core import Endpoint, InferenceRequest
 from extproc.endpoints import EndpointPool, InFlight
 from extproc.endpoints.dcgm import DCGMScraper
 from extproc.endpoints.decode_time import DecodeTimes
@@ -30,6 +30,7 @@ from extproc.errors import ConfigError
 from extproc.hashing.tokenizer import PreciseKeys
 from extproc.index.base import IndexOptions, KVIndex
 from extproc.index.placed import PlacedBlocks
+from extproc.index.silence import SilenceWatch
 from extproc.router import Router
 from extproc.scheduling.plugins.ttft import PredictedTTFTScorer
 from extproc.scheduling.timing import instrument
@@ -139,6 +140,16 @@ class Parts:
             enabled=settings.parse.calibrate and self.precise is None,
             approximate_keys=self.precise is None,
         )
+        # Precise mode: publishers silent while requests are placed on their endpoints.
+        ev = settings.index.kv_events
+        # Replicas sharing a Redis index may share one bound address too, each publisher
+        # feeding whichever replica it reached: one never heard here is not judged.
+        shared_bind = ev is not None and ev.bind is not None and settings.index.backend == "redis"
+        self.silence = (
+            SilenceWatch(judge_unheard=not shared_bind)
+            if ev is not None and self.index is not None and self.precise
+            else None
+        )
         self.router = Router(
             pool=self.pool,
             scheduler=instrument(build_configured_scheduler(settings), self.metrics.llmd),
@@ -150,7 +161,7 @@ class Parts:
             is_failing=self.scraper.is_failing if self.scraper and state.exclude_failing else None,
             record_decisions=record,
             on_lookup=self.metrics.lookup_seconds.observe,
-            on_placed=self.calibration.placed if self.calibration.enabled else None,
+            on_placed=self._on_placed(),
             ends=self.ends,
             speeds=self.speeds,
             lookup_budget_follows_prefill=settings.index.lookup_budget == "prefill",
@@ -535,6 +546,22 @@ class Parts:
             admission.output_scale.unmeasurable("endpoints are not scraped (state.scrape)")
         return admission
 
+    def _on_placed(self) -> Callable[[str, InferenceRequest], None] | None:
+        """What each placement tells besides the router's own figures: calibration
+        (approximate keys), the KV-event silence watch (precise mode)."""
+        calibrate = self.calibration.placed if self.calibration.enabled else None
+        silence = self.silence
+        if silence is None:
+            return calibrate
+        if calibrate is None:
+            return lambda address, _request: silence.placed(address)
+
+        def both(address: str, request: InferenceRequest) -> None:
+            calibrate(address, request)
+            silence.placed(address)
+
+        return both
+
     def _placed_blocks(self, record: bool) -> PlacedBlocks | None:
         """Precise mode: the picker's placements correct the events' picture (config
         `index.kv_events.credit_placements`)."""
@@ -558,6 +585,7 @@ class Parts:
             replay_port=ev.replay_port if ev.bind is not None else None,
             is_member=lambda address: self.pool.get(address) is not None,
             curve=CurveKeys.from_settings(ev),
+            on_message=self.silence.heard if self.silence is not None else None,
         )
         if ev.bind is None:
             for e in self.pool.snapshot():

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from prometheus_client.core import Metric
 
 from extproc.endpoints.shared_inflight import SharedInFlight
+from extproc.index.silence import SilenceWatch
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter
 from extproc.server import families as fam
 from extproc.server import latency as latency_wiring
@@ -279,9 +280,16 @@ class Exporter:
             "prefill (meanPlacements: fleet).",
             ["scorer"],
         )
+        written_pooled = counter(
+            "extproc_predicted_ttft_written_pooled_tokens",
+            "Tokens other replicas placed that predicted-ttft-scorer counted as written into "
+            "the endpoints' caches (writtenPlacements: fleet).",
+            ["scorer"],
+        )
         for name, scorer in scorers.items():
             mean.add_metric([name], scorer.mean_prefill or 0.0)
             pooled.add_metric([name], scorer.mean_pooled)
+            written_pooled.add_metric([name], scorer.written_pooled)
             kv_fit.add_metric([name, "waited"], scorer.kv_fit_waits)
             kv_fit.add_metric([name, "untimed"], scorer.kv_fit_untimed)
             kv_fit.add_metric([name, "changed"], scorer.kv_fit_changed)
@@ -303,6 +311,7 @@ class Exporter:
         yield spill
         yield mean
         yield pooled
+        yield written_pooled
 
     def _kv_events(self) -> Iterator[Metric]:
         assert self._p.subscriber is not None
@@ -318,6 +327,36 @@ class Exporter:
             "(at scrape resolution).",
             now - self._kv_seen[1],
         )
+        if self._p.silence is not None:
+            yield from self._kv_silence(self._p.silence)
+
+    def _kv_silence(self, watch: SilenceWatch) -> Iterator[Metric]:
+        """Per endpoint: KV-event silence while the picker places requests there."""
+        silent = gauge(
+            "extproc_kv_events_silent",
+            "1 while the endpoint's KV-event publisher has sent nothing for more placements "
+            "than its usual rate makes likely (its cache is not being learned; logged).",
+            ["endpoint"],
+        )
+        periods = counter(
+            "extproc_kv_events_silent_periods",
+            "Times the endpoint's KV-event publisher went silent while requests were "
+            "placed on it (since the endpoint joined the pool).",
+            ["endpoint"],
+        )
+        unanswered = gauge(
+            "extproc_kv_events_unanswered_placements",
+            "Placements on the endpoint since its last KV-event message.",
+            ["endpoint"],
+        )
+        for e in self._p.pool.snapshot():
+            v = watch.view(e.address)
+            silent.add_metric([e.address], 1.0 if v.silent else 0.0)
+            periods.add_metric([e.address], v.periods)
+            unanswered.add_metric([e.address], v.unanswered)
+        yield silent
+        yield periods
+        yield unanswered
 
     def _request_ends(self) -> Iterator[Metric]:
         p = self._p

@@ -129,6 +129,8 @@ class Lifecycle(Parts):
                 self.subscriber.unwatch(gone)
         for gone in before - after:
             self.calibration.forget(gone)
+            if self.silence is not None:
+                self.silence.forget(gone)
         if self.index is not None:
             for gone in before - after:
                 await self.index.remove_endpoint(gone)
@@ -260,6 +262,8 @@ class Lifecycle(Parts):
             self._exits.push_async_callback(self.inflight_push.aclose)
         if self.subscriber is not None:
             self.spawn("kv-events", self.subscriber.run)
+        if self.silence is not None:
+            self.spawn("kv-events-silence", self.silence.run)
         for i, learner in enumerate(self.latency):
             self.spawn(f"latency-learner-{i}", learner.run)
         if self.admission is not None:

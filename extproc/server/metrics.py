@@ -51,6 +51,13 @@ class PickerMetrics:
             ["mode"],
             registry=self.registry,
         )
+        self.internal_errors = Counter(
+            "extproc_internal_errors",
+            "Requests answered 500 because the picker raised something unexpected (a bug): "
+            "each is logged with its traceback, at most one line per exception type per "
+            "10 s, the next line counting those left out (suppressed_since_last).",
+            registry=self.registry,
+        )
         # Children resolved once: labels() costs microseconds per call on the hot path.
         self.routed = self.requests.labels("routed", "200")
         # llm-d's and GIE's families (server/llmd_metrics.py), fed by the same stream events.

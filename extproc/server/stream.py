@@ -177,6 +177,7 @@ class StreamHandler:
             self.budget,
             self._explain_tokens,
             self._replies,
+            self._throttle,
         )
         deadline = BodyDeadline(
             self._body_timeout_s, task=asyncio.current_task(), sweeper=self._sweeper
@@ -279,6 +280,7 @@ class _Stream:
         "router",
         "seen_request",
         "subset",
+        "throttle",
         "warned",
     )
 
@@ -291,8 +293,11 @@ class _Stream:
         budget: BodyBudget,
         explain_tokens: tuple[bytes, ...] = (),
         replies: wire.DecisionReplies | None = None,
+        throttle: Throttle | None = None,
     ) -> None:
         self.router = router
+        # The handler's, shared by every stream (one per stream would throttle nothing).
+        self.throttle = throttle if throttle is not None else Throttle()
         self.replies = replies if replies is not None else wire.DecisionReplies()
         self.budget = budget
         self.explain_tokens = explain_tokens
@@ -319,9 +324,15 @@ class _Stream:
             return await self._dispatch(msg)
         except ExtprocError as err:
             return self.fail(err)
-        except Exception:
-            log.exception(
-                "internal error", extra={"request_id": self.headers.get(protocol.REQUEST_ID_HEADER)}
+        except Exception as exc:
+            self.metrics.internal_errors.inc()
+            # With its traceback, but once per 10 s per exception type: a fault met by every
+            # request (a broken plugin, a bad state) wrote one traceback per request.
+            self.throttle.exception(
+                log,
+                f"internal error {type(exc).__name__}",
+                "internal error",
+                extra={"request_id": self.headers.get(protocol.REQUEST_ID_HEADER)},
             )
             return self.fail(ExtprocError())
 

@@ -168,3 +168,18 @@ def test_since_sums_the_arrivals_after_a_time_until_they_are_released():
     # Ends release the oldest first: what the exchange brought at 10.0 goes, the recent stay.
     p.update({A: 550}, now=10.4)
     assert p.since(A, 9.0) == 550.0 and p.since(A, 10.25) == 250.0
+
+
+def test_placed_counts_every_arrival_once_whatever_ended():
+    # What the peers had computed on an endpoint (predicted TTFT's `writtenPlacements:
+    # fleet`): exchanged, pushed, or dated by growth, each token once; ends take nothing off.
+    p = PeerArrivals()
+    p.update({A: 1000}, now=0.0, arrived={A: 1000})
+    p.arrive(A, 300, at=0.2)  # pushed: the next exchange does not bring it again
+    p.update({A: 300}, now=1.0, arrived={})  # the first 1,000 ended
+    assert p.placed(A) == 1300.0 and p.total(A) == 300
+    p.update({A: 800, B: 100}, now=2.0)  # an older peer: its growth arrives
+    assert p.placed(A) == 1800.0 and p.placed(B) == 100.0
+    p.clear()  # Redis gone: the in-flight counts go, what was computed stays
+    assert p.placed(A) == 1800.0
+    assert p.placed("10.0.0.3:8000") == 0.0

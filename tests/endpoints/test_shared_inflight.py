@@ -22,6 +22,11 @@ from tests.redis_servers import RedisServer, free_port
 
 X, Y = "10.0.0.1:8000", "10.0.0.2:8000"
 FAST = SharedInFlightSettings(interval_s=0.02, ttl_s=0.3, timeout_s=0.2, max_backoff_s=0.1)
+# Stepped exchanges run on the test's clock, one per `Steps.step`: nothing there is timed by
+# the Redis timeout, so it is generous. With FAST's 0.2 s, the unit pass (SCHED_IDLE, beside
+# the e2e pass) once starved an exchange past it: a failed exchange is not counted, its loop
+# then slept for the next step, and the step waiting for the count timed out.
+STEPPED = SharedInFlightSettings(interval_s=0.02, ttl_s=0.3, timeout_s=5.0, max_backoff_s=0.1)
 
 
 @contextlib.asynccontextmanager
@@ -243,7 +248,7 @@ async def stepped(
     url: str,
     steps: Steps,
     process_id: str | None = None,
-    settings: SharedInFlightSettings = FAST,
+    settings: SharedInFlightSettings = STEPPED,
 ) -> AsyncIterator[SharedInFlight]:
     pid = process_id or default_process_id()
     shared = SharedInFlight.from_url(
@@ -413,7 +418,7 @@ async def test_counters_of_a_process_an_older_one_purged_are_dropped(
     set only; the next new exchange drops its counters too."""
     placed = "{extproc:inflight}:placed"
     steps = Steps()
-    long_ttl = SharedInFlightSettings(interval_s=0.02, ttl_s=30.0)  # keeps the keys alive
+    long_ttl = SharedInFlightSettings(interval_s=0.02, ttl_s=30.0, timeout_s=5.0)  # keys live
     async with (
         Redis.from_url(redis_server.url) as raw,
         stepped(redis_server.url, steps, settings=long_ttl) as a,
@@ -452,7 +457,7 @@ async def test_counters_of_a_server_idle_for_long_are_pruned_and_restart_from_ze
         b.release(b.acquire(X, 500))
         held = b.acquire(Y, 700)
         await steps.step(b, a)  # X seen idle from here
-        steps.now += FAST.counters_idle_s - 1
+        steps.now += STEPPED.counters_idle_s - 1
         await steps.step(b, a)
         assert b.stats.counters_pruned == 0
         steps.now += 2

@@ -435,6 +435,34 @@ async def test_bound_socket_attributes_messages_by_topic(zctx: zmq.Context[Any])
     assert (await index.lookup(keys_of(toks(0, 1)))).matches == {"127.0.0.1:8000": 1.0}
 
 
+async def test_each_message_attributed_to_a_member_is_heard(zctx: zmq.Context[Any]) -> None:
+    """`on_message` (the silence watch's `heard`) sees every message the subscriber
+    attributes to a pool endpoint, malformed payload or not, and none it refuses."""
+    heard: list[str] = []
+    sub = KVEventSubscriber(
+        MemoryKVIndex(),
+        model=MODEL,
+        bind="tcp://127.0.0.1:*",
+        block_size=BS,
+        is_member=lambda endpoint: endpoint == EP,
+        on_message=heard.append,
+    )
+    async with running(sub):
+        await until(lambda: sub.bound_url is not None)
+        ours = Publisher(zctx, topic=f"kv@{EP}@{MODEL}".encode())
+        other = Publisher(zctx, topic=f"kv@127.0.0.1:9999@{MODEL}".encode())
+        for pub in (ours, other):
+            pub.sock.connect(sub.bound_url)  # type: ignore[arg-type]
+            await pub.subscribed()
+        ours.send(batch(stored([1], toks(0, 1))), seq=0)
+        other.send(batch(stored([2], toks(4, 1))), seq=0)
+        ours.send(b"not msgpack", seq=1)
+        await until(lambda: sub.stats.messages == 2 and sub.stats.rejected == 1)
+        ours.sock.close(linger=0)
+        other.sock.close(linger=0)
+    assert heard == [EP, EP]
+
+
 def test_topic_parsing() -> None:
     assert endpoint_from_topic(b"kv@10.1.2.3@llama") == ("10.1.2.3:8000", "llama")
     assert endpoint_from_topic(b"kv@10.1.2.3:9000@m@x") == ("10.1.2.3:9000", "m@x")

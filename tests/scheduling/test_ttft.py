@@ -349,6 +349,9 @@ class Peers:
     def pending_shared(self, address: str, now: float, tps: float) -> float:
         raise AssertionError("only peerInflight: sharedLane asks for the shared lane")
 
+    def placed(self, address: str) -> float:
+        return 0.0  # nothing written past the caches' room here (`writtenPlacements`)
+
 
 def peer_scorer(mode: str, clock: Clock) -> PredictedTTFTScorer:
     # `peerInflight` shapes the in-flight floor, which `inflightFloor: drained` (the default)
@@ -995,3 +998,78 @@ def test_spill_cost_lets_a_repeat_leave_a_long_holder_queue_on_an_idle_fleet():
     fresh = [cand(a, prefill_tps=1e4) for a in "hxyz"]
     assert sc.score(r, fresh) == pytest.approx([0.205 / 0.505, 1.0, 1.0, 1.0])
     assert sc.spill_charged == 1
+
+
+def test_written_placements_default_to_the_fleets():
+    assert PredictedTTFTScorer.Params().written_placements == "fleet"
+
+
+def test_fleet_written_placements_fill_a_cache_as_one_replica_would():
+    # Three replicas share two servers of 6,400 tokens each; six prompts of 3,200 uncached
+    # tokens (half of each cached) go three to a server: one replica placing them all counts
+    # 9,600 written on each, its cache full. A replica that placed two of them (one a
+    # server) counts 3,200 written with `own`: the next cold prompt (6,400) evicts only what
+    # passes the room left. With `fleet` the four its peers placed come from the shared
+    # in-flight exchange: it counts what one replica counts, and the cold prompt evicts all
+    # it writes (the chance an evicted token is needed again, the reuse share, is each
+    # replica's own measurement: `own` and `fleet` placed alike here).
+    full = {"kv_blocks": 400, "kv_block_size": 16}
+    clock = Clock()
+    params = (
+        PredictedTTFTScorer.Params(),
+        PredictedTTFTScorer.Params(written_placements="own"),
+        PredictedTTFTScorer.Params(written_placements="fleet"),
+    )
+    one, own, fleet = (PredictedTTFTScorer(p, clock=clock) for p in params)
+    peers = PeerArrivals()
+    own.peer_arrivals = fleet.peer_arrivals = peers
+    for i in range(6):
+        addr = "ab"[i % 2]
+        c = cand(addr, prefix=50, prefill_tps=6400.0, **full)
+        r = req(blocks=100, tokens=6400)
+        place(one, r, [c], addr)
+        if i < 2:
+            place(own, r, [c], addr)
+            place(fleet, r, [c], addr)
+        else:
+            peers.arrive(addr, 3200, at=clock.t)
+    clock.t += 10.0  # the queues drained
+    r = req(blocks=100, tokens=6400)
+    a = cand("a", prefix=50, prefill_tps=6400.0, **full)
+    b = cand("b", prefill_tps=6400.0, **full)
+    for sc in (one, own, fleet):
+        sc.score(r, [a, b])
+    assert own.view()["b"][1] == 3200.0 and own.written_pooled == 0.0
+    assert fleet.view()["b"][1] == one.view()["b"][1] == 9600.0
+    assert fleet.written_pooled == 4 * 3200.0
+    assert own.eviction_cost(r, b) > 0.0
+    assert fleet.eviction_cost(r, b) == pytest.approx(2 * own.eviction_cost(r, b))
+    # Scored again: nothing new arrived, nothing counted twice.
+    fleet.score(r, [a, b])
+    assert fleet.view()["b"][1] == 9600.0 and fleet.written_pooled == 4 * 3200.0
+
+
+def test_fleet_written_placements_skip_the_peers_while_folded_and_after_a_reset():
+    clock = Clock()
+    sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(written_placements="fleet"), clock=clock)
+    r = req(blocks=100, tokens=6400)
+    a = [cand("a", prefill_tps=6400.0)]
+    sc.score(r, a)  # nothing wired: a lone replica, nothing to pool
+    peers = PeerArrivals()
+    sc.peer_arrivals = peers
+    folded = [True]
+    sc.fleet_folded = lambda: folded[0]
+    peers.arrive("a", 5000, at=clock.t)  # folded: `fold` wrote these already
+    sc.score(r, a)
+    assert sc.view().get("a", (0.0, 0.0))[1] == 0.0 and sc.written_pooled == 0.0
+    folded[0] = False  # unfolded (Redis failing, say): only what comes after pools
+    peers.arrive("a", 1000, at=clock.t)
+    sc.score(r, a)
+    assert sc.view()["a"][1] == 1000.0
+    peers.arrive("a", 300, at=clock.t)  # placed before the restart, not yet scored here
+    sc.endpoint_reset("a")  # restarted: what the peers wrote before is gone with the cache
+    sc.score(r, a)
+    assert sc.view().get("a", (0.0, 0.0))[1] == 0.0
+    peers.arrive("a", 700, at=clock.t)
+    sc.score(r, a)
+    assert sc.view()["a"][1] == 700.0 and sc.written_pooled == 1700.0

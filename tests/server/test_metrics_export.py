@@ -109,7 +109,11 @@ async def test_redis_and_kv_event_metrics_appear_with_those_components(full_app:
         "extproc_inflight_push_degraded",
         "extproc_kv_events_gaps_total",
         "extproc_kv_events_last_message_age_seconds",
+        "extproc_kv_events_silent",
+        "extproc_kv_events_silent_periods_total",
+        "extproc_kv_events_unanswered_placements",
         "extproc_precise_placement_corrections_total",
+        "extproc_internal_errors_total",
     ):
         assert name in names, name
 

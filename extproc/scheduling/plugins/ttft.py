@@ -94,6 +94,7 @@ class PeerTokens(Protocol):
     def pending(self, address: str, now: float, tps: float) -> float: ...
     def pending_shared(self, address: str, now: float, tps: float) -> float: ...
     def since(self, address: str, t: float) -> float: ...
+    def placed(self, address: str) -> float: ...
 
 
 def uncached_tokens(req: InferenceRequest, c: Candidate) -> float:
@@ -154,6 +155,25 @@ class PredictedTTFTScorer:
     four by the lead on a quiet machine) three replicas' p90 over one's had a median of 1.17x
     against `own`'s 1.45x, and fewer runs cascaded; seed 4 within noise (0.91x / 1.03x against
     0.88x / 1.03x). One replica decides the same with both: it has no peers.
+
+    `writtenPlacements`: whose placements count as written into an endpoint's cache (what
+    the eviction cost, above, charges once it is full). `fleet` (default since the
+    twenty-fourth session): this replica's own and folded placements and the uncached tokens
+    the other replicas placed there, as the shared in-flight exchange brings them (pushed or
+    exchanged, endpoints/peer_arrivals.py `placed`), so every replica counts a cache full when
+    one replica would. `own`: this replica's own and folded placements (the behaviour
+    before). With `own` each of three replicas counts a third of what the fleet wrote: at
+    multimodal 16 req/s one replica charged the eviction cost in 60 of 60 decisions and
+    each of three replicas in 20 of 60, and three replicas left a prefix holder on score 19
+    times in 60 against one replica's 10, 12 of them by less than the 0.3 s that cost adds
+    to a cold server (bench/RESULTS.md, issue 14, twenty-fourth session). Not while the
+    peers' placements are folded in (they are written already). Without shared in-flight
+    counts, or while the exchange fails (logged and counted there), as `own`. One replica
+    decides the same with both. The default: at 16 req/s (multimodal and text, two seeds
+    each, plus two traced pairs) three replicas' TTFT p90 was lower than with `own` in 9 of 10
+    interleaved pairs (by up to 24%) and higher in one (+5%), hit ratio higher or level in
+    all 10, and within 10% of one replica's in 7 of 8 pairs against 3 of 8; 6 and 12 req/s
+    level; the tenants knee +2% / +5% (one seed, within its spread).
 
     `speedUnits`: `engine` (default) takes each measured prefill speed as the engine gives
     it, in its tokens; `estimates` divides it by the engine tokens per estimated token that
@@ -233,7 +253,7 @@ class PredictedTTFTScorer:
     - type: predicted-ttft-scorer
       parameters: {priorPrefillTokensPerSecond: 10000, inflightFloor: drained,
                    peerInflight: drained, waitingFloor: fleetMean, meanPlacements: fleet,
-                   speedUnits: engine,
+                   writtenPlacements: fleet, speedUnits: engine,
                    kvFit: ignore, kvFitPeers: folded, kvFitPrefix: running,
                    kvFitMargin: 0.1, spillCost: ignore}
     ```
@@ -248,6 +268,7 @@ class PredictedTTFTScorer:
         peer_inflight: Literal["whole", "drained", "sharedLane"] = "drained"
         waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
         mean_placements: Literal["own", "fleet"] = "fleet"
+        written_placements: Literal["own", "fleet"] = "fleet"
         speed_units: Literal["engine", "estimates"] = "engine"
         kv_fit: Literal["ignore", "wait"] = "ignore"
         kv_fit_peers: Literal["arrivals", "folded"] = "folded"
@@ -266,6 +287,7 @@ class PredictedTTFTScorer:
         self._shared_lane = p.peer_inflight == "sharedLane"
         self._endpoint_mean = p.waiting_floor == "endpointMean"
         self._pool_mean = p.mean_placements == "fleet"
+        self._pool_written = p.written_placements == "fleet"
         self._speed_in_estimates = p.speed_units == "estimates"
         self._kv_fit = p.kv_fit == "wait"
         self._kv_fit_peers = p.kv_fit_peers == "arrivals"
@@ -287,6 +309,10 @@ class PredictedTTFTScorer:
         # Per endpoint, (estimated) tokens this picker has had it compute: once over its KV
         # capacity, its cache is full and each new token evicts one.
         self._written: dict[str, float] = {}
+        # `writtenPlacements: fleet`: per endpoint, the peers' placed tokens
+        # (`PeerTokens.placed`) already in `_written`; and their sum, pooled so far.
+        self._written_upto: dict[str, float] = {}
+        self.written_pooled = 0.0
         # Moving average of the share of each placed prompt that was already cached: how
         # likely a resident token is to be asked for again.
         self._reuse = 0.0
@@ -361,6 +387,9 @@ class PredictedTTFTScorer:
         """`address` restarted or left: its cache is empty (nothing written, so no eviction
         charged until it fills again) and the prefill queued there is gone."""
         self._written.pop(address, None)
+        if self.peer_arrivals is not None:
+            # What the peers wrote there so far went with the old cache.
+            self._written_upto[address] = self.peer_arrivals.placed(address)
         self._busy_until.pop(address, None)
         self._live.pop(address, None)
         self._running_keys.pop(address, None)
@@ -747,9 +776,30 @@ class PredictedTTFTScorer:
         self._mean_prefill = size if mean is None else size + (mean - size) * _KEEP**k
         self.mean_pooled += k
 
+    def _pool_written_tokens(self, cands: Sequence[Candidate]) -> None:
+        """`writtenPlacements: fleet`: what the peers placed on each candidate since it was
+        last scored here, into the tokens written there (endpoints not scored keep theirs
+        until they are: only a candidate's count is ever read)."""
+        arrivals = self.peer_arrivals
+        if arrivals is None:
+            return
+        folded = self.fleet_folded is not None and self.fleet_folded()
+        for c in cands:
+            address = c.endpoint.address
+            placed = arrivals.placed(address)
+            before = self._written_upto.get(address, 0.0)
+            self._written_upto[address] = placed
+            # Less than before: the count was forgotten (an idle endpoint in a churning
+            # pool) and starts again; folded: `fold` wrote the peers' placements already.
+            if placed > before and not folded:
+                self._written[address] = self._written.get(address, 0.0) + placed - before
+                self.written_pooled += placed - before
+
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
         if self._pool_mean:
             self._pool_peers()
+        if self._pool_written:
+            self._pool_written_tokens(cands)
         now = self._clock()
         cost = []
         added = []
@@ -845,6 +895,13 @@ class PredictedTTFTScorer:
             self._busy_until = {a: t for a, t in self._busy_until.items() if t > now}
             live = self._busy_until.keys() | {c.endpoint.address for c in cands}
             self._written = {a: n for a, n in self._written.items() if a in live}
+            # Kept while the exchange still counts the peers' placements there: dropped, an
+            # endpoint coming back would be credited everything they ever placed on it.
+            arrivals = self.peer_arrivals
+            self._written_upto = {
+                a: n for a, n in self._written_upto.items()
+                if a in live or (arrivals is not None and arrivals.placed(a) > 0)
+            }  # fmt: skip
             self._live = {a: q for a, q in self._live.items() if a in live}
             self._running_keys = {a: q for a, q in self._running_keys.items() if a in live}
 
