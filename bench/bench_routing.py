@@ -198,6 +198,20 @@ POLICIES: dict[str, dict] = {
     # Issue 14, twenty-third session: predicted TTFT charges a spill's extra prefill,
     # weighted by how busy the fleet is (`spillCost: fleetBusy`), against the default.
     "extproc approximate, spill cost": {"extproc_args": ("--config", "@SPILLCOST")},
+    # Issue 14, twenty-fourth session: the same on three replicas, each charging from its own
+    # (and its peers' drained) view of the busy lanes; and both sides named explicitly, so a
+    # pair measures the same two settings whichever is the default.
+    "extproc approximate, 3 replicas (Redis), spill cost": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@SPILLCOST"),
+    },
+    "extproc approximate, spill cost ignored": {"extproc_args": ("--config", "@SPILLIGNORE")},
+    "extproc approximate, 3 replicas (Redis), spill cost ignored": {
+        "replicas": 3,
+        "redis": True,
+        "extproc_args": ("--config", "@SPILLIGNORE"),
+    },
     # Issue 14, nineteenth session: replicas share learned session growth
     # (bounded-sessions-filter `shareGrowth`, server/shared_growth.py), and learned per
     # replica as before, to measure against.
@@ -482,6 +496,7 @@ CONFIGS = {
     "@KVFIT": _default_profile_with("predicted-ttft-scorer", {"kvFit": "wait"}),
     "@KVIGNORE": _default_profile_with("predicted-ttft-scorer", {"kvFit": "ignore"}),
     "@SPILLCOST": _default_profile_with("predicted-ttft-scorer", {"spillCost": "fleetBusy"}),
+    "@SPILLIGNORE": _default_profile_with("predicted-ttft-scorer", {"spillCost": "ignore"}),
     "@WRITTEN_FLEET": _default_profile_with(
         "predicted-ttft-scorer", {"writtenPlacements": "fleet"}
     ),

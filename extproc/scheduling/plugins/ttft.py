@@ -242,7 +242,12 @@ class PredictedTTFTScorer:
     at that step (seed 1) the charge was better in 3 of 3 pairs (hit 45-52% against 36-38%,
     TTFT p90 1.18-1.27 s against 1.52-1.56 s), the lighter seed-2 step gained nothing (p90
     higher in 2 of 3), text was unchanged (bench/RESULTS.md, issue 14, twenty-third session,
-    spillcost).
+    spillcost). Still opt-in after the twenty-fourth: one replica was better or even on
+    every step measured (multimodal 16 req/s arrival seed 4 hit 49% against 43%, p90 0.72 s
+    against 0.81 s; seed 5 even; the tenants knee even to better; agentic the same), but
+    three replicas at the tenants knee were worse on two seeds of three (TTFT p50 and p99
+    higher in 4 of 4 pairs; p90 0.34-0.42 s against 0.29-0.30 s on seed 4; seed 2 better),
+    not traced (bench/RESULTS.md, issue 14, twenty-fourth session).
 
     ```yaml
     - type: predicted-ttft-scorer
