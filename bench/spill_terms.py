@@ -5,6 +5,7 @@ against what it really had, and how the logged decisions re-score under other op
     uv run python bench/spill_terms.py --phases 4.6 trace/tenants-redis3-0.jsonl [...]
     uv run python bench/spill_terms.py --sides trace/tenants-redis3-0.jsonl [...]
     uv run python bench/spill_terms.py --rescore trace/tenants-redis3-0.jsonl [...]
+    uv run python bench/spill_terms.py --charged trace/tenants-redis3-spill-0.jsonl [...]
     uv run python bench/spill_terms.py --replayed rows/ trace/tenants-redis3-0.jsonl [...]
 
 `--phases S`: hit ratio, spills and false credit before and after S seconds (the
@@ -18,6 +19,12 @@ those, the deciding replica's own and the peers', when the terms give the peers'
 decisions left on a quiet replay (`replay_decisions.py --rows DIR`), uncalibrated decisions
 apart. `--exchange S`: how much of the peers' arrived tokens the net change of their in-flight
 totals, exchanged every S s, shows as arrivals (the rest is dated as the tokens it replaced).
+`--charged`: with `spillCost: fleetBusy`, the decisions whose final pick the charge moved
+(every scorer's total re-summed with the predicted-ttft score recomputed without
+`spill_cost_s`): per picker process, how many, how often the charge kept the prefix holder,
+the busy share the deciding replica saw against the share of candidates really backlogged,
+the holder's predicted queue (rescaled to engine seconds) against its real backlog, and the
+moved requests' TTFT against the run's.
 `--rescore`: every decision with a strong holder (10+ blocks beyond the shared header)
 re-scored from its logged terms and scores with the default profile's weights (no
 feedback on later requests): how many keep the holder as run, with
@@ -239,6 +246,87 @@ def rescore(rows: list[dict]) -> str:
     )
 
 
+def _ttft_costs(t: dict[str, dict], charged: bool) -> dict[str, float]:
+    """The cost predicted TTFT scored each candidate by (as `score` adds it up)."""
+    return {
+        a: x["predicted_s"] + x["eviction_s"] - x.get("kv_fit_margin_s", 0.0)
+        + (x.get("spill_cost_s", 0.0) if charged else 0.0)
+        for a, x in t.items()
+    }  # fmt: skip
+
+
+def _pick_without_charge(d: dict) -> str | None:
+    """The endpoint the totals pick with predicted TTFT's score recomputed without the spill
+    charge (the other scorers' scores as logged); None when the terms, with the charge, do
+    not re-derive the logged pick (explain runs just after score: queues drained between)."""
+    terms, scores = d["terms"][TTFT], d["scores"]
+    total = scores.get("default/total", {})
+    ttft = scores.get(TTFT, {})
+    if not total or set(ttft) != set(terms):
+        return None
+    w = WEIGHTS["predicted-ttft-scorer"]
+    with_c, without = _ttft_costs(terms, True), _ttft_costs(terms, False)
+    b1, b0 = min(with_c.values()), min(without.values())
+    rest = {a: total[a] - w * ttft[a] for a in terms}
+    again = {a: rest[a] + w * b1 / with_c[a] for a in terms}
+    if max(again, key=lambda a: again[a]) != d["endpoints"][0]:
+        return None
+    moved = {a: rest[a] + w * b0 / without[a] for a in terms}
+    return max(moved, key=lambda a: moved[a])
+
+
+def charged(rows: list[dict]) -> list[str]:
+    ok = [r for r in _ok(rows) if TTFT in r["decision"].get("terms", {})]
+    ok = [r for r in ok if any("spill_cost_s" in t for t in r["decision"]["terms"][TTFT].values())]
+    if not ok:
+        return ["no decisions with spill_cost_s terms"]
+    ttfts = [r["ttft_s"] for r in ok]
+    per: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    seen, real_busy, h_pred, h_real, moved_ttft, alt_real = [], [], [], [], [], []
+    for r in ok:
+        d = r["decision"]
+        per[d.get("picker", 0)]["decisions"] += 1
+        alt = _pick_without_charge(d)
+        if alt is None:
+            per[d.get("picker", 0)]["not re-derived"] += 1
+            continue
+        pick = d["endpoints"][0]
+        if alt == pick:
+            continue
+        holder = _holder(d)
+        c = per[d.get("picker", 0)]
+        c["moved"] += 1
+        c["kept holder" if pick == holder else "left holder"] += 1
+        terms = d["terms"][TTFT]
+        seen.append(next(iter(terms.values()))["fleet_busy"])
+        backlog = {a: real_backlog(rows, a, r["sent_s"]) for a in terms}
+        real_busy.append(sum(b > 1e-3 for b in backlog.values()) / len(terms))
+        t = terms[pick]
+        real_prefill = r["prompt_tokens"] * (
+            1 - d["prefix_blocks"].get(pick, 0) / d["request_blocks"]
+        )
+        scale = real_prefill / ENGINE_TPS / t["uncached_s"] if t["uncached_s"] > 0 else 1.0
+        h_pred.append(t["queue_s"] * scale)
+        h_real.append(backlog[pick])
+        alt_real.append(backlog[alt])
+        moved_ttft.append(r["ttft_s"])
+    out = [
+        f"picker {p}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+        for p, c in sorted(per.items())
+    ]
+    if seen:
+        m, q = statistics.mean, lambda xs, k: sorted(xs)[min(len(xs) - 1, int(k * len(xs)))]
+        out.append(
+            f"{len(seen)} moved: busy share seen {m(seen):.2f}, "
+            f"really backlogged {m(real_busy):.2f}; "
+            f"the pick's queue predicted {m(h_pred):.3f} s, real {m(h_real):.3f} s; the "
+            f"uncharged pick's real backlog {m(alt_real):.3f} s; moved TTFT p50 / p90 "
+            f"{q(moved_ttft, 0.5):.3f} / {q(moved_ttft, 0.9):.3f} s against the run's "
+            f"{q(ttfts, 0.5):.3f} / {q(ttfts, 0.9):.3f} s"
+        )
+    return out
+
+
 def main(argv: list[str]) -> int:
     cut = float(argv[argv.index("--phases") + 1]) if "--phases" in argv else None
     rep = Path(argv[argv.index("--replayed") + 1]) if "--replayed" in argv else None
@@ -256,6 +344,9 @@ def main(argv: list[str]) -> int:
             print(f"  {sides(rows)}")
         if "--rescore" in argv:
             print(f"  {rescore(rows)}")
+        if "--charged" in argv:
+            for line in charged(rows):
+                print(f"  {line}")
         if every is not None:
             print(f"  {exchange_shows(rows, every)}")
         if rep is not None:

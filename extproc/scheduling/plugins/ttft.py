@@ -247,7 +247,10 @@ class PredictedTTFTScorer:
     against 0.81 s; seed 5 even; the tenants knee even to better; agentic the same), but
     three replicas at the tenants knee were worse on two seeds of three (TTFT p50 and p99
     higher in 4 of 4 pairs; p90 0.34-0.42 s against 0.29-0.30 s on seed 4; seed 2 better),
-    not traced (bench/RESULTS.md, issue 14, twenty-fourth session).
+    not traced (bench/RESULTS.md, issue 14, twenty-fourth session). Re-measured with
+    `writtenPlacements: fleet` the default, seeds 2-4 were even to better (2 of 2 pairs
+    each): the charge moved 1-7 picks of ~240 a run there, so the pairs mostly measure which
+    trajectory a run took (same section, spill3r).
 
     ```yaml
     - type: predicted-ttft-scorer
