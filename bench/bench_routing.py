@@ -196,7 +196,8 @@ POLICIES: dict[str, dict] = {
     "extproc approximate, kv fit": {"extproc_args": ("--config", "@KVFIT")},
     "extproc approximate, kv fit ignored": {"extproc_args": ("--config", "@KVIGNORE")},
     # Issue 14, twenty-third session: predicted TTFT charges a spill's extra prefill,
-    # weighted by how busy the fleet is (`spillCost: fleetBusy`), against the default.
+    # weighted by how busy the fleet is (`spillCost: fleetBusy`, the default since the
+    # twenty-fourth session), named explicitly.
     "extproc approximate, spill cost": {"extproc_args": ("--config", "@SPILLCOST")},
     # Issue 14, twenty-fourth session: the same on three replicas, each charging from its own
     # (and its peers' drained) view of the busy lanes; and both sides named explicitly, so a

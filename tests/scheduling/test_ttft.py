@@ -24,7 +24,12 @@ class Clock:
 # The in-flight floor the default had before the fifteenth session: each in-flight request's
 # uncached prompt counted until it ends. The tests of that floor (and of the peers' share of
 # it, `peerInflight`) ask for it by name.
-UNTIL_END = PredictedTTFTScorer.Params(inflight_floor="untilEnd")
+UNTIL_END = PredictedTTFTScorer.Params(inflight_floor="untilEnd", spill_cost="ignore")
+# The tests of the prediction's terms compare the candidates' predictions as they are:
+# `spillCost: fleetBusy` (the default since the twenty-fourth session) would add to each
+# candidate holding less of the prompt than another a charge whenever some candidate has a
+# queue, which most of these set up. They ask for none; the spill tests ask for it.
+NO_SPILL = PredictedTTFTScorer.Params(spill_cost="ignore")
 
 
 def place(scorer: PredictedTTFTScorer, r, cands, addr: str) -> None:
@@ -34,7 +39,7 @@ def place(scorer: PredictedTTFTScorer, r, cands, addr: str) -> None:
 
 def test_sticks_while_the_wait_is_shorter_than_recomputing_then_breaks():
     clock = Clock()
-    sc = PredictedTTFTScorer(clock=clock)
+    sc = PredictedTTFTScorer(NO_SPILL, clock=clock)
     r = req(blocks=100, tokens=6400)  # 6,400 prompt tokens
     # a holds 90% of the prompt; b and c nothing. Speeds measured at 6,400 tok/s.
     cands = [
@@ -67,7 +72,7 @@ def test_measured_speed_decides_between_unequal_servers():
 
 
 def test_scraped_waiting_requests_count_for_other_replicas_placements():
-    sc = PredictedTTFTScorer(clock=Clock())
+    sc = PredictedTTFTScorer(NO_SPILL, clock=Clock())
     for _ in range(40):  # learn a mean placed prefill of ~6,400 tokens
         place(sc, req(blocks=100, tokens=6400), [cand("z", prefill_tps=1e9)], "z")
     r = req(blocks=100, tokens=6400)
@@ -81,7 +86,9 @@ def test_endpoint_mean_waiting_floor_counts_a_holders_queued_hits_as_hits():
     # The fleet's placements average ~6,400 uncached tokens (cold prompts); the holder's
     # in-flight requests are hits: 3 of them, 600 uncached tokens in all.
     def scorer(floor: str) -> PredictedTTFTScorer:
-        sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(waiting_floor=floor), clock=Clock())
+        sc = PredictedTTFTScorer(
+            PredictedTTFTScorer.Params(waiting_floor=floor, spill_cost="ignore"), clock=Clock()
+        )
         for _ in range(40):
             place(sc, req(blocks=100, tokens=6400), [cand("z", prefill_tps=1e9)], "z")
         return sc
@@ -235,7 +242,7 @@ def test_no_eviction_cost_while_caches_have_room_or_nothing_is_reused():
         ({"kv_blocks": 400, "kv_block_size": 16}, 0),  # full, but no prompt was ever reused
     ):
         clock = Clock()
-        sc = PredictedTTFTScorer(clock=clock)
+        sc = PredictedTTFTScorer(NO_SPILL, clock=clock)
         _fill(sc, clock, reused_blocks=reused, **state)
         place(sc, req(blocks=100, tokens=3840), [cand("a", prefill_tps=6400.0, **state)], "a")
         a = cand("a", prefix=50, prefill_tps=6400.0, **state)
@@ -288,7 +295,7 @@ async def test_the_router_resets_the_scorer_when_an_endpoint_is_forgotten():
     assert sc.eviction_cost(r, cand("a", **full)) > 0
 
 
-FIRST_TOKEN = PredictedTTFTScorer.Params(inflight_floor="untilFirstToken")
+FIRST_TOKEN = PredictedTTFTScorer.Params(inflight_floor="untilFirstToken", spill_cost="ignore")
 
 
 def test_inflight_requests_past_their_first_token_are_not_counted_as_queued_prefill():
@@ -356,7 +363,9 @@ class Peers:
 def peer_scorer(mode: str, clock: Clock) -> PredictedTTFTScorer:
     # `peerInflight` shapes the in-flight floor, which `inflightFloor: drained` (the default)
     # does not take: asked for with the floor counted until the requests end.
-    params = PredictedTTFTScorer.Params(peer_inflight=mode, inflight_floor="untilEnd")
+    params = PredictedTTFTScorer.Params(
+        peer_inflight=mode, inflight_floor="untilEnd", spill_cost="ignore"
+    )
     return PredictedTTFTScorer(params, clock=clock)
 
 
@@ -436,7 +445,9 @@ def test_drained_floor_is_the_virtual_queue_plus_the_peers_undrained_tokens():
     r = req(blocks=10, tokens=6400)
     a = cand("a", prefix=10, prefill_tps=6400.0, inflight_tokens=12_800)
     b = cand("b", prefill_tps=6400.0)
-    sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(inflight_floor="drained"), clock=clock)
+    sc = PredictedTTFTScorer(
+        PredictedTTFTScorer.Params(inflight_floor="drained", spill_cost="ignore"), clock=clock
+    )
     s = sc.score(r, [a, b])
     assert s[0] == 1.0 and s[1] < 0.2  # alone: nothing queued in its own books
     place(sc, req(blocks=10, tokens=3200), [cand("a", prefill_tps=6400.0)], "a")  # 0.5 s
@@ -462,7 +473,7 @@ def test_by_default_requests_in_flight_are_no_floor_beyond_the_virtual_queue():
     r = req(blocks=10, tokens=6400)
     a = cand("a", prefix=10, prefill_tps=6400.0, inflight_requests=4, inflight_tokens=12_800)
     b = cand("b", prefill_tps=6400.0)
-    default = PredictedTTFTScorer(clock=clock)
+    default = PredictedTTFTScorer(NO_SPILL, clock=clock)  # the floor's default alone
     s = default.score(r, [a, b])
     assert s[0] == 1.0 and s[1] < 0.2
     s = PredictedTTFTScorer(UNTIL_END, clock=clock).score(r, [a, b])
@@ -621,10 +632,10 @@ def test_speed_units_estimates_drains_estimated_queues_at_their_real_speed():
 # `kvFit: wait`: a 6,400-token cache (400 blocks x 16), 2,560-token prompts (40% of it), the
 # tenants knee's shape (bench/RESULTS.md, issue 14, eighteenth session).
 KV = {"kv_blocks": 400, "kv_block_size": 16, "prefill_tps": 10_000.0}
-KV_FIT = PredictedTTFTScorer.Params(kv_fit="wait")
-ARRIVALS = PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_peers="arrivals")
+KV_FIT = PredictedTTFTScorer.Params(kv_fit="wait", spill_cost="ignore")
+ARRIVALS = PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_peers="arrivals", spill_cost="ignore")
 # The nineteenth session's count: the cached prefix costs no block anywhere.
-KV_HELD = PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_prefix="held")
+KV_HELD = PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_prefix="held", spill_cost="ignore")
 
 
 def test_kv_fit_waits_for_the_earliest_running_end_where_the_prompt_does_not_fit():
@@ -856,7 +867,8 @@ def test_kv_fit_margin_keeps_a_request_on_its_holder_unless_the_wait_exceeds_it(
     picks = {}
     for margin in (0.0, 0.1, 0.2):
         sc = PredictedTTFTScorer(
-            PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_margin=margin), clock=clock
+            PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_margin=margin, spill_cost="ignore"),
+            clock=clock,
         )
         sc.decode_s = lambda address: 0.6
         s = sc.score(r, cands)
@@ -870,7 +882,8 @@ def test_kv_fit_margin_keeps_a_request_on_its_holder_unless_the_wait_exceeds_it(
     assert picks == {0.0: "b", 0.1: "b", 0.2: "a"}
     # Where both hold the same part (a header), neither gets a margin.
     sc = PredictedTTFTScorer(
-        PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_margin=0.2), clock=clock
+        PredictedTTFTScorer.Params(kv_fit="wait", kv_fit_margin=0.2, spill_cost="ignore"),
+        clock=clock,
     )
     sc.decode_s = lambda address: 0.6
     even = [
@@ -970,10 +983,11 @@ def test_spill_cost_keeps_a_repeat_on_its_holder_while_the_fleet_is_busy():
     # 0.2 s recompute); c and d are busy. Predicted alone, x is sooner (0.205 s vs 0.305 s).
     r = req(blocks=20, tokens=2000)
     cands = [cand(a, prefix=20 if a == "h" else 0, prefill_tps=1e4) for a in "hxcd"]
-    plain = _spill_fleet(PredictedTTFTScorer.Params(), ("c", "d"))
+    plain = _spill_fleet(NO_SPILL, ("c", "d"))
     assert plain.score(r, cands)[1] == 1.0
     # Three of four lanes busy: x is charged 0.75 x its extra 0.2 s of prefill and the repeat
     # stays where its prefix is.
+    assert PredictedTTFTScorer.Params().spill_cost == "fleetBusy"  # the default
     sc = _spill_fleet(SPILL, ("c", "d"))
     s = sc.score(r, cands)
     assert s[0] == 1.0 and s[1] == pytest.approx(0.305 / 0.355)

@@ -238,19 +238,16 @@ class PredictedTTFTScorer:
     sglang-router, keeping every repeat on its holder, had the lower TTFT p50 (0.66 s
     against 0.99 s) and the oracle's hit ratio against 63% (bench/RESULTS.md, issue 14,
     twenty-third session). On an idle fleet the charge is ~0 and a request still leaves a
-    holder whose queue exceeds the recompute. `ignore` (default) charges nothing. Opt-in:
-    at that step (seed 1) the charge was better in 3 of 3 pairs (hit 45-52% against 36-38%,
-    TTFT p90 1.18-1.27 s against 1.52-1.56 s), the lighter seed-2 step gained nothing (p90
-    higher in 2 of 3), text was unchanged (bench/RESULTS.md, issue 14, twenty-third session,
-    spillcost). Still opt-in after the twenty-fourth: one replica was better or even on
-    every step measured (multimodal 16 req/s arrival seed 4 hit 49% against 43%, p90 0.72 s
-    against 0.81 s; seed 5 even; the tenants knee even to better; agentic the same), but
-    three replicas at the tenants knee were worse on two seeds of three (TTFT p50 and p99
-    higher in 4 of 4 pairs; p90 0.34-0.42 s against 0.29-0.30 s on seed 4; seed 2 better),
-    not traced (bench/RESULTS.md, issue 14, twenty-fourth session). Re-measured with
-    `writtenPlacements: fleet` the default, seeds 2-4 were even to better (2 of 2 pairs
-    each): the charge moved 1-7 picks of ~240 a run there, so the pairs mostly measure which
-    trajectory a run took (same section, spill3r).
+    holder whose queue exceeds the recompute. The default since the twenty-fourth session
+    (`ignore`, charging nothing, before): at that step (seed 1) the charge was better in 3 of
+    3 pairs (hit 45-52% against 36-38%, TTFT p90 1.18-1.27 s against 1.52-1.56 s); on arrival
+    seed 4 better 2 of 2 (hit 49% against 43%, p90 0.72 s against 0.81 s); seed 3 no
+    gain (p90 higher in 2 of 3 pairs, up to 0.15 s), seed 5 even; text, agentic unchanged; the tenants knee even to better on one replica. Three
+    replicas at the tenants knee were worse on two seeds of three before `writtenPlacements:
+    fleet` became the default, even to better on all three (6 of 6 pairs) after it; there the
+    charge moves 1-7 picks of ~240 a run, so those pairs mostly measure which trajectory a
+    run took (bench/RESULTS.md, issue 14, twenty-third and twenty-fourth sessions: spillcost,
+    spilldefault, spill3r).
 
     ```yaml
     - type: predicted-ttft-scorer
@@ -258,7 +255,7 @@ class PredictedTTFTScorer:
                    peerInflight: drained, waitingFloor: fleetMean, meanPlacements: fleet,
                    writtenPlacements: fleet, speedUnits: engine,
                    kvFit: ignore, kvFitPeers: folded, kvFitPrefix: running,
-                   kvFitMargin: 0.1, spillCost: ignore}
+                   kvFitMargin: 0.1, spillCost: fleetBusy}
     ```
     """
 
@@ -277,7 +274,8 @@ class PredictedTTFTScorer:
         kv_fit_peers: Literal["arrivals", "folded"] = "folded"
         kv_fit_prefix: Literal["running", "held"] = "running"
         kv_fit_margin: Annotated[float, msgspec.Meta(ge=0.0, le=_MAX_QUEUE_S)] = 0.1
-        spill_cost: Literal["ignore", "fleetBusy"] = "ignore"
+        # The default since the twenty-fourth session (bench/RESULTS.md, issue 14).
+        spill_cost: Literal["ignore", "fleetBusy"] = "fleetBusy"
 
     def __init__(
         self, params: Params | None = None, *, clock: Callable[[], float] = time.monotonic
