@@ -239,15 +239,15 @@ class PredictedTTFTScorer:
     against 0.99 s) and the oracle's hit ratio against 63% (bench/RESULTS.md, issue 14,
     twenty-third session). On an idle fleet the charge is ~0 and a request still leaves a
     holder whose queue exceeds the recompute. The default since the twenty-fourth session
-    (`ignore`, charging nothing, before): at that step (seed 1) the charge was better in 3 of
-    3 pairs (hit 45-52% against 36-38%, TTFT p90 1.18-1.27 s against 1.52-1.56 s); on arrival
-    seed 4 better 2 of 2 (hit 49% against 43%, p90 0.72 s against 0.81 s); seed 3 no
-    gain (p90 higher in 2 of 3 pairs, up to 0.15 s), seed 5 even; text, agentic unchanged; the tenants knee even to better on one replica. Three
-    replicas at the tenants knee were worse on two seeds of three before `writtenPlacements:
-    fleet` became the default, even to better on all three (6 of 6 pairs) after it; there the
-    charge moves 1-7 picks of ~240 a run, so those pairs mostly measure which trajectory a
-    run took (bench/RESULTS.md, issue 14, twenty-third and twenty-fourth sessions: spillcost,
-    spilldefault, spill3r).
+    (`ignore`, charging nothing, before): at that step (seed 1) the charge was better in 3 of 3
+    pairs (hit 45-52% against 36-38%, TTFT p90 1.18-1.27 s against 1.52-1.56 s); on arrival seed
+    4 better 2 of 2 (hit 49% against 43%, p90 0.72 s against 0.81 s); seed 3 no gain (p90 higher
+    in 2 of 3 pairs, up to 0.15 s), seed 5 even; text, agentic unchanged; the tenants knee even
+    to better on one replica. Three replicas at the tenants knee were worse on two seeds of
+    three before `writtenPlacements: fleet` became the default, even to better on all three (6
+    of 6 pairs) after it; there the charge moves 1-7 picks of ~240 a run, so those pairs mostly
+    measure which trajectory a run took (bench/RESULTS.md, issue 14, twenty-third and
+    twenty-fourth sessions: spillcost, spilldefault, spill3r).
 
     ```yaml
     - type: predicted-ttft-scorer
