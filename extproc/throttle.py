@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +43,7 @@ class Throttle:
     ) -> None:
         """`logger.warning(msg, *args)` unless `key` was said within `every_s`; the line's
         `suppressed_since_last` says how many were left out before it."""
-        suppressed = self.allow(key)
-        if suppressed is not None:
-            log_extra = {**(extra or {}), "suppressed_since_last": suppressed}
-            logger.warning(msg, *args, extra=log_extra)
+        self._say(logger.warning, key, msg, args, extra)
 
     def exception(
         self,
@@ -57,7 +55,16 @@ class Throttle:
     ) -> None:
         """`logger.exception(msg, *args)` (ERROR, with the traceback being handled) unless
         `key` was said within `every_s`; `suppressed_since_last` as in `warn`."""
+        self._say(logger.exception, key, msg, args, extra)
+
+    def _say(
+        self,
+        emit: Callable[..., None],
+        key: str,
+        msg: str,
+        args: tuple[object, ...],
+        extra: dict[str, Any] | None,
+    ) -> None:
         suppressed = self.allow(key)
         if suppressed is not None:
-            log_extra = {**(extra or {}), "suppressed_since_last": suppressed}
-            logger.exception(msg, *args, extra=log_extra)
+            emit(msg, *args, extra={**(extra or {}), "suppressed_since_last": suppressed})

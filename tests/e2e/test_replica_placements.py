@@ -22,7 +22,7 @@ import httpx
 
 from extproc.sim import SERVED_BY_HEADER
 from tests.e2e.profiles import profile_of
-from tests.e2e.replicas import replicas
+from tests.e2e.replicas import Replicas, replicas
 from tests.redis_servers import RedisServer
 
 # 64 blocks x 16 tokens: 1,024 tokens of cache per server. Prefill at the scorer's prior.
@@ -78,6 +78,32 @@ def settled(http: httpx.Client, admin: list[int]) -> None:
     raise AssertionError("requests still in flight")
 
 
+def place_turns(fleet: Replicas, rng: random.Random) -> list[str]:
+    """`TURNS` requests on one ~300-byte shared prompt, each with ~200 new bytes, each let
+    end in every replica's books before the next: the servers they were placed on."""
+    system = "shared agent prompt. " + text(rng, 38)
+    served = []
+    for _ in range(TURNS):
+        r = fleet.http.post(
+            f"{fleet.stack.url}/v1/chat/completions", json=chat(system, text(rng, 28))
+        )
+        assert r.status_code == 200, r.text
+        served.append(r.headers[SERVED_BY_HEADER])
+        settled(fleet.http, fleet.admin)
+    return served
+
+
+def explain_everywhere(fleet: Replicas, probe: dict) -> list[dict]:
+    """Every replica's explanation of `probe` (each scores it, as a request would)."""
+    path = {"x-extproc-path": "/v1/chat/completions"}
+    explained = []
+    for p in fleet.admin:
+        r = fleet.http.post(f"http://127.0.0.1:{p}/debug/explain", json=probe, headers=path)
+        assert r.status_code == 200, r.text
+        explained.append(r.json())
+    return explained
+
+
 def sample(metrics: str, name: str) -> float:
     line = next(x for x in metrics.splitlines() if x.startswith(name + " "))
     return float(line.split()[1])
@@ -88,14 +114,7 @@ def run(tmp_path, redis: RedisServer, share: bool):
     view and its explanation of a new ~200-byte prompt."""
     rng = random.Random(3)
     with replicas(tmp_path, redis, PICKER % ("true" if share else "false"), sim_args=SIM) as fleet:
-        stack, http, admin = fleet.stack, fleet.http, fleet.admin
-        system = "shared agent prompt. " + text(rng, 38)
-        served = []
-        for _ in range(TURNS):
-            r = http.post(f"{stack.url}/v1/chat/completions", json=chat(system, text(rng, 28)))
-            assert r.status_code == 200, r.text
-            served.append(r.headers[SERVED_BY_HEADER])
-            settled(http, admin)
+        served = place_turns(fleet, rng)
         deadline = time.monotonic() + 15
         while True:
             texts = fleet.metrics_text()
@@ -105,12 +124,7 @@ def run(tmp_path, redis: RedisServer, share: bool):
             time.sleep(0.2)
         time.sleep(0.5)  # every virtual queue drained (one turn's ~0.25 s of prefill at most)
         probe = chat("a new tenant. " + text(rng, 12), text(rng, 16))
-        path = {"x-extproc-path": "/v1/chat/completions"}
-        explained = []
-        for p in admin:
-            r = http.post(f"http://127.0.0.1:{p}/debug/explain", json=probe, headers=path)
-            assert r.status_code == 200, r.text
-            explained.append(r.json())
+        explained = explain_everywhere(fleet, probe)
     return served, texts, views, explained
 
 

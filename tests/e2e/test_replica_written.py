@@ -18,7 +18,6 @@ from __future__ import annotations
 import random
 import time
 
-from extproc.sim import SERVED_BY_HEADER
 from tests.e2e.profiles import profile_of
 from tests.e2e.replicas import replicas
 from tests.e2e.test_replica_placements import (
@@ -27,8 +26,9 @@ from tests.e2e.test_replica_placements import (
     SIM,
     TURNS,
     chat,
+    explain_everywhere,
+    place_turns,
     sample,
-    settled,
     text,
     written,
 )
@@ -48,27 +48,15 @@ def near(a: dict[str, float], b: dict[str, float]) -> bool:
 
 def test_every_replica_counts_the_peers_placements_as_written(tmp_path, redis_server):
     rng = random.Random(3)
-    path = {"x-extproc-path": "/v1/chat/completions"}
     with replicas(tmp_path, redis_server, PICKER, sim_args=SIM) as fleet:
-        stack, http, admin = fleet.stack, fleet.http, fleet.admin
-        system = "shared agent prompt. " + text(rng, 38)
-        served = []
-        for _ in range(TURNS):
-            r = http.post(f"{stack.url}/v1/chat/completions", json=chat(system, text(rng, 28)))
-            assert r.status_code == 200, r.text
-            served.append(r.headers[SERVED_BY_HEADER])
-            settled(http, admin)
+        served = place_turns(fleet, rng)
         time.sleep(0.5)  # every virtual queue drained (one turn's ~0.25 s of prefill at most)
         probe = chat("a new tenant. " + text(rng, 12), text(rng, 16))
         deadline = time.monotonic() + 10
         while True:
             # A replica pools what its peers placed on a server when it scores that server:
             # each explanation scores the probe, as a request would.
-            explained = []
-            for p in admin:
-                r = http.post(f"http://127.0.0.1:{p}/debug/explain", json=probe, headers=path)
-                assert r.status_code == 200, r.text
-                explained.append(r.json())
+            explained = explain_everywhere(fleet, probe)
             texts = fleet.metrics_text()
             views = [written(t) for t in texts]
             if all(near(v, views[0]) for v in views) or time.monotonic() > deadline:
