@@ -90,6 +90,11 @@ def rival(row: dict, unloaded_p99: float, over: float, before: float) -> dict | 
                 "batch": {p: {servers.index(e): v for e, v in c.items()} for p, c in per.items()},
                 "clump": clump, "reserved": s.get("reserved_each"),
                 "refill": s.get("refill_each"),
+                # Free interactive capacity left to the other replica around it (the
+                # samples covering its wait; fleet-wide fairness deferring).
+                "defer_hi": sum(
+                    r.get("defer_hi", 0) for r in tl if h["at"] <= r["t"] <= end + 0.5
+                ),
                 "kv": [s.get(f"kv{i}") for i in range(len(servers))],
             }
         )  # fmt: skip
@@ -107,6 +112,7 @@ def rival(row: dict, unloaded_p99: float, over: float, before: float) -> dict | 
             key = "own" if last["picker"] == r["picker"] else "other"
             lags[key].append(round(r["out"] - last["done"], 3))
     out["end_lags"] = lags
+    out["defer"] = [sum(r.get(f"defer_{b}", 0) for r in tl) for b in ("hi", "lo")]
     out["own_other_slow"] = tally["slow"]
     out["own_other_all"] = tally["all"]
     return out
@@ -136,7 +142,8 @@ def main() -> None:
                 print(
                     f"  {s['at']:6.2f} s {s['tenant']} via {s['picker']} on s{s['server']}: "
                     f"{s['ttft']:.2f} s (picker {s['wait']:.2f}, KV {s['engine_kv']:.2f}); "
-                    f"reserve {s['reserved']} credit {s['refill']} kv {s['kv']}"
+                    f"reserve {s['reserved']} credit {s['refill']} kv {s['kv']}; "
+                    f"interactive deferrals to the peer {s['defer_hi']}"
                 )
                 print(f"      batch admitted [-{args.before}, wait]: {s['batch']}")
                 print(f"      interactive placed before it: {s['clump']}")
@@ -146,6 +153,7 @@ def main() -> None:
                 f"  batch tokens in the windows, own picker / other: slow {own} / {other}; "
                 f"every interactive request {all_own} / {all_other}"
             )
+            print(f"  deferrals to the peer over the run (interactive, batch): {found['defer']}")
             for key, lag in found["end_lags"].items():
                 lag = sorted(lag)
                 mid = lag[len(lag) // 2] if lag else float("nan")
