@@ -112,6 +112,19 @@ def rival(row: dict, unloaded_p99: float, over: float, before: float) -> dict | 
             key = "own" if last["picker"] == r["picker"] else "other"
             lags[key].append(round(r["out"] - last["done"], 3))
     out["end_lags"] = lags
+    # Per interactive request that waited over 0.1 s: the band's later requests released
+    # while it waited (smaller ones that fit first), by its own picker and by the other,
+    # and how many of their tokens went to the server it then went to.
+    ahead = {"own": [0, 0], "other": [0, 0]}
+    for r in reqs:
+        if r["band"] != 1 or r["out"] - r["at"] < 0.1:
+            continue
+        for o in reqs:
+            if o["band"] == 1 and r["at"] < o["at"] and r["at"] < o["out"] < r["out"]:
+                key = "own" if o["picker"] == r["picker"] else "other"
+                ahead[key][0] += 1
+                ahead[key][1] += o["tok"] if o["ep"] == r["ep"] else 0
+    out["jumped"] = ahead
     out["defer"] = [sum(r.get(f"defer_{b}", 0) for r in tl) for b in ("hi", "lo")]
     out["own_other_slow"] = tally["slow"]
     out["own_other_all"] = tally["all"]
@@ -154,6 +167,11 @@ def main() -> None:
                 f"every interactive request {all_own} / {all_other}"
             )
             print(f"  deferrals to the peer over the run (interactive, batch): {found['defer']}")
+            (own_n, own_t), (oth_n, oth_t) = found["jumped"]["own"], found["jumped"]["other"]
+            print(
+                f"  later interactive requests released while one waited > 0.1 s: own picker "
+                f"{own_n} ({own_t} tokens on its server), other {oth_n} ({oth_t})"
+            )
             for key, lag in found["end_lags"].items():
                 lag = sorted(lag)
                 mid = lag[len(lag) // 2] if lag else float("nan")
