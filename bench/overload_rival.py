@@ -23,7 +23,7 @@ from pathlib import Path
 
 def _timeline(path: str) -> list[dict]:
     p = Path(path)
-    if not p.exists():
+    if not path or not p.is_file():  # not kept (the run's temporary directory is gone)
         return []
     rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
     return [r for r in rows if "error" not in r]
