@@ -1090,3 +1090,67 @@ def test_fleet_written_placements_skip_the_peers_while_folded_and_after_a_reset(
     peers.arrive("a", 700, at=clock.t)
     sc.score(r, a)
     assert sc.view()["a"][1] == 700.0 and sc.written_pooled == 1700.0
+
+
+def test_fleet_reuse_share_converges_as_one_replica_placing_everything_would():
+    # Thirty placements, each half cached (reuse share 0.5), behind three replicas: one
+    # replica placing them all has moved its average from 0 thirty steps; a replica that
+    # placed ten (`own`) has moved ten and reads lower. With `fleet` the twenty its peers
+    # placed (their count, from the shared in-flight exchange) move it twenty steps more
+    # towards its own estimate of the share: it reads what one replica reads. A lone replica
+    # (no exchange wired) decides the same with either.
+    clock = Clock()
+    one, own, fleet, lone = (
+        PredictedTTFTScorer(PredictedTTFTScorer.Params(reuse_placements=p), clock=clock)
+        for p in ("own", "own", "fleet", "fleet")
+    )
+    peers = [0, 0]
+    own.peer_placements = fleet.peer_placements = lambda: (peers[0], peers[1])
+    r = req(blocks=100, tokens=6400)
+    c = [cand("a", prefix=50, prefill_tps=6400.0)]
+    for i in range(30):
+        for sc in (one, lone):
+            sc.score(r, c)
+            place(sc, r, c, "a")
+        if i % 3 == 0:
+            for sc in (own, fleet):
+                sc.score(r, c)
+                place(sc, r, c, "a")
+        else:
+            peers[0] += 1
+            peers[1] += 3200
+    for sc in (own, fleet):
+        sc.score(r, c)
+    share = lambda sc: sc.explain(r, c)[0]["reuse_share"]  # noqa: E731
+    assert share(one) == pytest.approx(0.5 * (1 - 0.95**30))
+    assert share(own) == pytest.approx(0.5 * (1 - 0.95**10))
+    assert share(fleet) == pytest.approx(share(one))
+    assert fleet.reuse_pooled == 20 and own.reuse_pooled == 0
+    assert share(lone) == share(one) and lone.reuse_pooled == 0
+    # Scored again: nothing new placed, nothing counted twice.
+    fleet.score(r, c)
+    assert share(fleet) == pytest.approx(share(one)) and fleet.reuse_pooled == 20
+
+
+def test_fleet_reuse_share_waits_for_an_own_sample_and_skips_folded_peers():
+    clock = Clock()
+    sc = PredictedTTFTScorer(PredictedTTFTScorer.Params(reuse_placements="fleet"), clock=clock)
+    peers = [4, 4000]
+    sc.peer_placements = lambda: (peers[0], peers[1])
+    folded = [False]
+    sc.fleet_folded = lambda: folded[0]
+    r = req(blocks=100, tokens=6400)
+    c = [cand("a", prefix=25, prefill_tps=6400.0)]
+    sc.score(r, c)  # the peers placed four, this replica none: no share to stand in with
+    assert sc.explain(r, c)[0]["reuse_share"] == 0.0 and sc.reuse_pooled == 0
+    place(sc, r, c, "a")  # a quarter cached
+    sc.score(r, c)  # the four count now, at this replica's share
+    assert sc.explain(r, c)[0]["reuse_share"] == pytest.approx(0.25 * (1 - 0.95**5))
+    assert sc.reuse_pooled == 4
+    folded[0] = True  # folded: `fold` moved the average with each of theirs already
+    peers[0] += 3
+    sc.score(r, c)
+    assert sc.reuse_pooled == 4
+    folded[0] = False
+    sc.score(r, c)  # those three stay uncounted; only what comes after pools
+    assert sc.reuse_pooled == 4
