@@ -238,12 +238,6 @@ POLICIES: dict[str, dict] = {
         "redis": True,
         "extproc_args": ("--config", "@WRITTEN_OWN"),
     },
-    "extproc approximate, 3 replicas (Redis), reuse fleet": {
-        "replicas": 3,
-        "redis": True,
-        "extproc_args": ("--config", "@REUSE_FLEET"),
-    },
-    "extproc approximate, reuse fleet": {"extproc_args": ("--config", "@REUSE_FLEET")},
     "sglang-router cache_aware": {"sglang": True},
     # The picker from another source tree (`--baseline-tree`, e.g. main from `git archive`):
     # old and new code measured in the same run.
@@ -508,7 +502,6 @@ CONFIGS = {
         "predicted-ttft-scorer", {"writtenPlacements": "fleet"}
     ),
     "@WRITTEN_OWN": _default_profile_with("predicted-ttft-scorer", {"writtenPlacements": "own"}),
-    "@REUSE_FLEET": _default_profile_with("predicted-ttft-scorer", {"reusePlacements": "fleet"}),
     "@GROWTH_SHARED": _default_profile_with("bounded-sessions-filter", {"shareGrowth": True}),
     "@GROWTH_UNSHARED": _default_profile_with("bounded-sessions-filter", {"shareGrowth": False}),
 }

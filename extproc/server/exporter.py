@@ -286,15 +286,8 @@ class Exporter:
             "the endpoints' caches (writtenPlacements: fleet).",
             ["scorer"],
         )
-        reuse_pooled = counter(
-            "extproc_predicted_ttft_reuse_pooled",
-            "Other replicas' placements predicted-ttft-scorer counted into its reuse share's "
-            "moving average (reusePlacements: fleet).",
-            ["scorer"],
-        )
         for name, scorer in scorers.items():
             mean.add_metric([name], scorer.mean_prefill or 0.0)
-            reuse_pooled.add_metric([name], scorer.reuse_pooled)
             pooled.add_metric([name], scorer.mean_pooled)
             written_pooled.add_metric([name], scorer.written_pooled)
             kv_fit.add_metric([name, "waited"], scorer.kv_fit_waits)
@@ -319,7 +312,6 @@ class Exporter:
         yield mean
         yield pooled
         yield written_pooled
-        yield reuse_pooled
 
     def _kv_events(self) -> Iterator[Metric]:
         assert self._p.subscriber is not None

@@ -84,8 +84,6 @@ _MAX_LIVE = 128
 _BUSY_S = 1e-3
 # The mean placed prefill's moving average: what of it each placement keeps.
 _KEEP = 0.95
-# The reuse share's moving average: how far each placement moves it.
-_REUSE_STEP = 0.05
 
 
 class PeerTokens(Protocol):
@@ -271,7 +269,6 @@ class PredictedTTFTScorer:
         waiting_floor: Literal["fleetMean", "endpointMean"] = "fleetMean"
         mean_placements: Literal["own", "fleet"] = "fleet"
         written_placements: Literal["own", "fleet"] = "fleet"
-        reuse_placements: Literal["own", "fleet"] = "own"
         speed_units: Literal["engine", "estimates"] = "engine"
         kv_fit: Literal["ignore", "wait"] = "ignore"
         kv_fit_peers: Literal["arrivals", "folded"] = "folded"
@@ -292,7 +289,6 @@ class PredictedTTFTScorer:
         self._endpoint_mean = p.waiting_floor == "endpointMean"
         self._pool_mean = p.mean_placements == "fleet"
         self._pool_written = p.written_placements == "fleet"
-        self._pool_reuse = p.reuse_placements == "fleet"
         self._speed_in_estimates = p.speed_units == "estimates"
         self._kv_fit = p.kv_fit == "wait"
         self._kv_fit_peers = p.kv_fit_peers == "arrivals"
@@ -321,11 +317,6 @@ class PredictedTTFTScorer:
         # Moving average of the share of each placed prompt that was already cached: how
         # likely a resident token is to be asked for again.
         self._reuse = 0.0
-        # Placements that moved `_reuse` (own, folded and, with `reusePlacements: fleet`, the
-        # peers' counted in); the peers' placement count already counted; how many pooled.
-        self._reuse_n = 0
-        self._reuse_upto = 0
-        self.reuse_pooled = 0
         # Each placement (address, uncached tokens, prompt tokens, prefill seconds) for the
         # peers (server/shared_placements.py); None: not shared.
         self.on_placed: Callable[[str, float, int, float], None] | None = None
@@ -811,36 +802,9 @@ class PredictedTTFTScorer:
                 self._written[address] = self._written.get(address, 0.0) + placed - before
                 self.written_pooled += placed - before
 
-    def _pool_reuse_share(self) -> None:
-        """`reusePlacements: fleet`: the peers' placements since the last decision into the
-        reuse share's moving average, as that many steps towards this replica's own estimate
-        of the share (the exchange carries no prompt sizes, so not their shares; the
-        replicas behind one gateway see the same mix). The average starts from 0, and each of
-        three replicas takes a third of the steps one replica would: without the peers' count
-        it reads low for three times as long."""
-        source = self.peer_placements
-        if source is None:
-            return
-        n = source()[0]
-        k = n - self._reuse_upto
-        if self._reuse_n == 0 and k > 0:
-            return  # no own sample to stand in for theirs yet: counted with the first
-        self._reuse_upto = n
-        if k <= 0 or (self.fleet_folded is not None and self.fleet_folded()):
-            return  # folded: `fold` moved the average with each of theirs already
-        # The share the average estimates (bias-corrected for its start at 0), then where
-        # the average stands after k more placements of that share.
-        keep = 1.0 - _REUSE_STEP
-        share = self._reuse / (1.0 - keep**self._reuse_n)
-        self._reuse_n += k
-        self._reuse = share * (1.0 - keep**self._reuse_n)
-        self.reuse_pooled += k
-
     def score(self, req: InferenceRequest, cands: Sequence[Candidate]) -> list[float]:
         if self._pool_mean:
             self._pool_peers()
-        if self._pool_reuse:
-            self._pool_reuse_share()
         if self._pool_written:
             self._pool_written_tokens(cands)
         now = self._clock()
@@ -878,8 +842,7 @@ class PredictedTTFTScorer:
         the eviction cost, the total; with `kvFit: wait`, the KV wait and the part of it a
         holder's margin left out of the score) and the inputs they came from (scraped waiting and
         running, KV usage, in-flight requests and tokens, speed, the mean placed prefill, the
-        reuse share and the placements it averaged, the tokens counted written there, the
-        eviction cost's inputs)."""
+        reuse share and the tokens counted written there, the eviction cost's inputs)."""
         now = self._clock()
         out = []
         predictions = []
@@ -912,7 +875,6 @@ class PredictedTTFTScorer:
                 "stale": float(st.is_stale),
                 "mean_prefill": self._mean_prefill or 0.0,
                 "reuse_share": self._reuse,
-                "reuse_placements": float(self._reuse_n),
                 "written": self._written.get(c.endpoint.address, 0.0),
             }
             out.append(terms)
@@ -970,8 +932,7 @@ class PredictedTTFTScorer:
         self._written[addr] = self._written.get(addr, 0.0) + work
         if prompt_tokens > 0:
             reused = max(0.0, 1.0 - work / prompt_tokens)
-            self._reuse += _REUSE_STEP * (reused - self._reuse)
-            self._reuse_n += 1
+            self._reuse += 0.05 * (reused - self._reuse)
 
     def fold(
         self, address: str, work: float, prompt_tokens: int, seconds: float, age_s: float
