@@ -819,6 +819,12 @@ def brief(r: Req) -> list:
             round(r.engine[0], 4) if r.engine else -1, round(r.done_at, 3)]  # fmt: skip
 
 
+def picker_of(r: Req) -> int | None:
+    """The pid of the picker that decided `r` (from its decision, --trace), else None."""
+    d = json.loads(r.decision) if r.decision else {}
+    return d.get("picker")
+
+
 def lost_detail(r: Req) -> dict:
     """What one lost request saw, to be matched with Envoy's access log by `id`."""
     d = {"id": r.bench_id, "tenant": r.tenant, "objective": r.objective, "at": round(r.at, 3),
@@ -1190,6 +1196,9 @@ def main() -> int:
                 )
                 dep.start(cfg, src=src, flush_s=flush_s)
             sims_before = sims_now(dep)
+            # The pickers' pids in the timeline's order (its `reserved_each`), the last
+            # process being Envoy.
+            picker_pids = [p.pid for p in dep.procs[:-1]]
             tl_path = tmp / f"timeline-{i_run}-{run}.jsonl"  # one per run, same names too
             tl = Timeline(dep.admin_ports, fleet.addresses, tl_path).start()
             stall = None
@@ -1222,6 +1231,7 @@ def main() -> int:
             row["lost_envoy"] = envoy_lines(dep.access_path, {d["id"] for d in row["lost_detail"]})
             row.update(summary(rows_tl, args.warm_s, args.burst_s, args.servers))
             row["timeline"] = str(tl.path)
+            row["picker_pids"] = picker_pids
             row["offered_tok_s"] = offered
             row["offered_req_s"] = len(reqs) / args.burst_s
             row["duration_s"] = duration
@@ -1242,7 +1252,12 @@ def main() -> int:
                 # time (bench/trace_kvwait.py): [at, band, endpoint, picker estimate,
                 # max_tokens, engine prompt tokens, picker wait, send to engine arrival,
                 # KV wait, done] (seconds from the run's start; -1: not known).
-                row["all_trace"] = [brief(r) for r in reqs if r.status == 200 and not r.error]
+                served = [r for r in reqs if r.status == 200 and not r.error]
+                row["all_trace"] = [brief(r) for r in served]
+                # The picker that admitted each (its pid; None when it was not said), in
+                # all_trace's order: on two replicas, whose lower-band work took the room a
+                # slow interactive request waited for (bench/overload_rival.py).
+                row["all_picker"] = [picker_of(r) for r in served]
             print(json.dumps(row), flush=True)
             rows.append(row)
             settle(dep)

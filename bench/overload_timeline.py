@@ -115,6 +115,17 @@ class Timeline:
             last[key] = total
         row["reserved"] = int(max((summed(p, "extproc_flow_reserved_tokens") for p in pages),
                                   default=0.0))  # fmt: skip
+        # Each picker's own (two replicas size theirs apart: bench/overload_rival.py).
+        # Free capacity left to the other replica (fleet-wide fairness), per band.
+        for band, label in (("10", "hi"), ("0", "lo")):
+            name = f"defer_{label}"
+            total = sum(
+                summed(p, "extproc_flow_peer_deferrals_total", f'priority="{band}"') for p in pages
+            )
+            row[name] = int(total - last.get(name, 0.0))
+            last[name] = total
+        row["reserved_each"] = [int(summed(p, "extproc_flow_reserved_tokens")) for p in pages]
+        row["refill_each"] = [int(summed(p, "extproc_flow_reserve_refill_tokens")) for p in pages]
         # ... of which an endpoint was let keep less: room it frees soon (reserve_refill_s).
         row["refill"] = int(max((summed(p, "extproc_flow_reserve_refill_tokens") for p in pages),
                                 default=0.0))  # fmt: skip

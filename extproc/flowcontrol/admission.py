@@ -349,6 +349,16 @@ class Admission:
         )
         nr.add_metric([], fc.no_room)
         yield nr
+        pd = counter(
+            "extproc_flow_peer_deferrals",
+            "Times a band's free capacity was left to another replica (shared flow state: the "
+            "flow next by fleet-wide usage was queued only there), by band; each lasts until "
+            "a dispatch here or two share_interval_s.",
+            ["priority"],
+        )
+        for band, n in sorted(fc.deferrals_by_band.items()):
+            pd.add_metric([str(band)], n)
+        yield pd
         ed = counter(
             "extproc_flow_end_dispatches",
             "Requests' ends (access-log entries) taken as a dispatch opportunity at once while "

@@ -203,6 +203,9 @@ class FlowController:
         self.defer_limit_s = 0.0
         self._deferring_since: float | None = None
         self.deferrals = 0
+        # ... per band: on replicas, a band above the lowest deferring to a peer whose head
+        # may not fit anywhere leaves this replica's higher-band work waiting for nothing.
+        self.deferrals_by_band: dict[int, int] = {}
         self._decayed_at = clock()
         self.stats = FlowStats()
         self._usage_limit: UsageLimitPolicy = usage_limit or StaticUsageLimit()
@@ -750,6 +753,7 @@ class FlowController:
         if self._deferring_since is None:
             self._deferring_since = now
             self.deferrals += 1
+            self.deferrals_by_band[priority] = self.deferrals_by_band.get(priority, 0) + 1
         return now - self._deferring_since < self.defer_limit_s
 
     def top_flows(self) -> dict[int, list[str]]:

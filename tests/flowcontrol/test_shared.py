@@ -159,6 +159,11 @@ async def test_shares_hold_fleet_wide_when_each_tenant_reaches_one_replica(
         assert len(order) == 8  # one request per free slot, never two
         assert order.count("A") == 6 and order.count("B") == 2, order
         assert a.deferrals + b.deferrals > 0
+        # ... counted per band (extproc_flow_peer_deferrals_total{priority}): all in band 0.
+        assert a.deferrals_by_band.keys() <= {0} and b.deferrals_by_band.keys() <= {0}
+        assert sum(a.deferrals_by_band.values()) + sum(b.deferrals_by_band.values()) == (
+            a.deferrals + b.deferrals
+        )
     finally:
         await sa.aclose()
         await sb.aclose()

@@ -553,6 +553,9 @@ def test_explain_gives_each_term_of_the_prediction_scored():
     assert a["virtual_queue_s"] == pytest.approx(2.0) and a["queue_s"] == pytest.approx(2.0)
     assert a["waiting_floor_s"] == pytest.approx(1.05) and a["mean_prefill"] == 1050
     assert a["uncached_s"] == pytest.approx(0.2) and a["kv_usage"] == 0.5
+    # The eviction cost's inputs: nothing placed was cached (reuse share 0); a was written
+    # the 2,000-token prompt, b nothing.
+    assert a["reuse_share"] == 0.0 and a["written"] == 2000.0 and b["written"] == 0.0
     # b: 3 waiting at 1,050 tokens (3.15 s) beat 500 in-flight tokens (0.5 s).
     assert b["inflight_floor_s"] == pytest.approx(0.5)
     assert b["queue_s"] == pytest.approx(b["waiting_floor_s"]) and b["waiting"] == 3

@@ -848,7 +848,8 @@ class PredictedTTFTScorer:
         and scraped-waiting floors that applied, the queue they made, the uncached prefill,
         the eviction cost, the total; with `kvFit: wait`, the KV wait and the part of it a
         holder's margin left out of the score) and the inputs they came from (scraped waiting and
-        running, KV usage, in-flight requests and tokens, speed, the mean placed prefill)."""
+        running, KV usage, in-flight requests and tokens, speed, the mean placed prefill, the
+        reuse share and the tokens counted written there, the eviction cost's inputs)."""
         now = self._clock()
         out = []
         predictions = []
@@ -880,6 +881,8 @@ class PredictedTTFTScorer:
                 "inflight_tokens": st.inflight_tokens,
                 "stale": float(st.is_stale),
                 "mean_prefill": self._mean_prefill or 0.0,
+                "reuse_share": self._reuse,
+                "written": self._written.get(c.endpoint.address, 0.0),
             }
             out.append(terms)
         return out
