@@ -37,8 +37,18 @@ picker's code and its blind spots. Beside it, *vs bounded* divides by the best o
 placement with the servers' real cache sizes (`bench/placement_oracle.py`, no timing or
 load): where caches are smaller than the working set, what a router could reach.
 
-Each (workload, policy) gets a fresh fleet; every rate step starts with empty prefix caches and
-its own seed (fresh system prompts and images, so encoder caches carry nothing over).
+Each (workload, policy) gets a fresh fleet and one router (picker stack, or sglang-router)
+kept across its rate steps; every step has its own seed (fresh system prompts and images: no
+block of one step's prompts is in another's, in the sim's exact keys, so nothing a step
+leaves in the caches is reused). The caches are not emptied between steps, as no deployment
+empties them when its load changes: a step after the first starts on full caches whose old
+content the servers' LRU evicts first, and the routers' figures of what they wrote there
+(predicted TTFT's eviction cost, an approximate index, sglang's tree) stay true. The oracles
+start from empty caches, which is the same for a step's own prompts: the old blocks are
+never hit and are all older than any of the step's. `--step-caches reset` empties every
+server's prefix cache before each step (POST /reset_prefix_cache; the bench before the
+twenty-fifth session), behind the routers' backs except precise mode's (AllBlocksCleared
+events); `both` runs each policy both ways, the reset runs labelled `, caches reset`.
 
 `--time-scale T` stretches wall time for every policy alike: the simulators run T times as
 fast as the shape says (`--fast` x T), requests arrive at T x the rate, think times and
@@ -64,6 +74,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import msgspec
@@ -91,6 +102,7 @@ from extproc.sim.workload import (
 from extproc.stack import SimFleet, Stack, StackOptions, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
+_T = TypeVar("_T")
 SERVERS = 8
 # Simulated time is not compressed (--fast 1); prefill is 5,000 tok/s per server (half the
 # sim's default) and the KV cache 1,500 blocks x 16 tokens, so that 8 servers saturate at
@@ -272,6 +284,9 @@ MIXED_AGENTS = AgenticSpec(sessions=6, turns=4, agent_words=600, result_words=30
 # first answer, 32 tokens at 60 tok/s, and think time: ~1.5 s and more), so none is placed
 # knowing that sessions on the agent prompt grow; here the third on do.
 MIXED_SPACED_AGENTS = replace(MIXED_AGENTS, stagger_s=1.0)
+# `--step-caches both`: the suffix of the policy label of runs whose caches were emptied
+# before each step.
+RESET_LABEL = ", caches reset"
 # The agents each mixed workload sends.
 MIXED_WORKLOADS = {"mixed": MIXED_AGENTS, "mixed-spaced": MIXED_SPACED_AGENTS}
 # When the agents join (seconds into the step, the shape's time): after the 2 s floor of
@@ -676,8 +691,12 @@ def run_policy(
     log_dir,
     tree: Path | None = None,
     time_scale: float = 1.0,
+    reset_caches: bool = False,
 ) -> list[Row]:
+    """`policy` on a fresh fleet, one step per rate; `reset_caches` empties the servers'
+    prefix caches before each step (labelled `RESET_LABEL`), as the bench did before."""
     opts = dict(POLICIES[policy])
+    label = policy + RESET_LABEL if reset_caches else policy
     if opts.pop("tree", False):
         if tree is None:
             raise SystemExit(f"{policy!r} needs --baseline-tree")
@@ -714,7 +733,8 @@ def run_policy(
         if events:
             time.sleep(0.5)  # the sims' PUB sockets reconnect to the picker's new socket
         for step, rate in enumerate(rates):
-            fleet.reset()
+            if reset_caches:
+                fleet.reset()
             before = picker_counters(stack)
             urls = [srv.url for srv in fleet.servers]
             lanes0 = lane_clock(urls)
@@ -743,12 +763,12 @@ def run_policy(
             )
             s = in_shape_time(wall, time_scale)
             shaped = {k: in_shape_time(v, time_scale) for k, v in parts.items()}
-            rows.append(Row(wl, policy, rate, s, lanes, shaped))
+            rows.append(Row(wl, label, rate, s, lanes, shaped))
             spread = "/".join(str(n) for n in sorted(s.per_endpoint.values(), reverse=True))
             for name, part in shaped.items():
                 print(f"    {name}: {_part_cells(part)}", flush=True)
             print(
-                f"  {wl:<10} {policy:<38} {rate:>5g} hit {s.hit_ratio:6.1%} "
+                f"  {wl:<10} {label:<38} {rate:>5g} hit {s.hit_ratio:6.1%} "
                 f"TTFT p50 {s.ttft_p50_s:7.3f}s p90 {s.ttft_p90_s:7.3f}s "
                 f"p99 {s.ttft_p99_s:7.3f}s {s.output_tok_per_s:6.0f} tok/s "
                 f"ok {s.ok}/{s.requests} spread {spread} lanes {lanes:.2f} "
@@ -884,7 +904,7 @@ def medians(rows: list[Row], ideals: dict) -> list[str]:
     return out
 
 
-def round_orders(policies: list[str], rounds: int) -> list[list[str]]:
+def round_orders(policies: list[_T], rounds: int) -> list[list[_T]]:
     """The policies' order in each interleaved round: reversed every other round (A B, B A,
     A B, ...), so neither runs first every time. Run order is not neutral here: on mixed at
     6 req/s the policy listed second was slower in every pair, identical logic included
@@ -912,6 +932,13 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--baseline-tree", type=Path, help="source tree of the baseline-tree policy")
     p.add_argument(
+        "--step-caches", choices=("keep", "reset", "both"), default="keep",
+        help="keep: the servers' caches carry from one rate step to the next (as in a "
+        "deployment); reset: emptied before each step (the bench before the twenty-fifth "
+        f"session); both: each policy both ways, interleaved, reset runs labelled "
+        f"'{RESET_LABEL}'",
+    )  # fmt: skip
+    p.add_argument(
         "--time-scale", type=float, default=1.0, metavar="T",
         help="stretch wall time for every policy: simulators x T as fast, arrivals at x T "
         "the rate, think times / T (0.5: half the work per wall second); figures in the "
@@ -930,6 +957,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     load0 = os.getloadavg()
     notes: list[str] = []
+    if args.step_caches != "keep":
+        notes.append(
+            "servers' prefix caches emptied before each rate step"
+            + (f" in the runs labelled '{RESET_LABEL}'" if args.step_caches == "both" else "")
+            + " (`--step-caches`); otherwise they carry from one step to the next"
+        )
     if args.time_scale != 1:
         notes.append(
             f"time stretched: --time-scale {args.time_scale:g} (simulators x "
@@ -957,11 +990,13 @@ def main(argv: list[str] | None = None) -> int:
             for step, load in enumerate(loads):
                 items = ideal_items(wl, load, groups, args.seed + step)
                 ideals[(wl, load)] = workload_oracles(wl, items)
-            for order in round_orders(policies, args.rounds):
-                for pol in order:
+            resets = {"keep": (False,), "reset": (True,), "both": (False, True)}
+            runs = [(pol, r) for pol in policies for r in resets[args.step_caches]]
+            for order in round_orders(runs, args.rounds):
+                for pol, reset in order:
                     rows += run_policy(
                         pol, wl, loads, groups, args.seed, venv, Path(tmp), args.baseline_tree,
-                        args.time_scale,
+                        args.time_scale, reset,
                     )  # fmt: skip
     wall = time.monotonic() - t0
     load1 = os.getloadavg()

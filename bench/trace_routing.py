@@ -463,7 +463,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--warm", type=float, metavar="RATE",
         help="open-loop workloads: first run the workload at RATE req/s with seed - 1 on the "
-        "same picker and reset the fleet (bench_routing's step before), untraced",
+        "same picker and fleet (bench_routing's step before), untraced; the caches keep "
+        "what it wrote unless --warm-reset",
+    )  # fmt: skip
+    p.add_argument(
+        "--warm-reset", action="store_true",
+        help="empty the servers' prefix caches after --warm (bench_routing --step-caches "
+        "reset, its steps before the twenty-fifth session)",
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="modes interleaved, this many times")
     p.add_argument("--out", type=Path, default=Path("trace"))
@@ -598,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
                                 name=args.workload,
                             )
                         )  # fmt: skip
-                        fleet.reset()
+                        if args.warm_reset:
+                            fleet.reset()
                     if args.profile:
                         _toggle_profiles()
                     urls = [srv.url for srv in fleet.servers]

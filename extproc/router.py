@@ -30,7 +30,7 @@ from extproc.index.base import EMPTY, KVIndex, Lookup
 from extproc.index.capacity import CapacityModel, CapacityStats
 from extproc.index.placed import PlacedBlocks
 from extproc.scheduling import Scheduler
-from extproc.scheduling.framework import EndpointReset, EstimateUnits
+from extproc.scheduling.framework import CacheCleared, EndpointReset, EstimateUnits
 from extproc.throttle import Throttle
 
 log = logging.getLogger("extproc.router")
@@ -454,6 +454,17 @@ class Router:
         for plugin in self.scheduler.plugins:
             if isinstance(plugin, EndpointReset):
                 plugin.endpoint_reset(address)
+
+    def cache_cleared(self, address: str) -> None:
+        """`address`'s engine emptied its prefix cache and kept running (precise mode hears
+        it as AllBlocksCleared; the index has dropped its entries): no plugin counts what was
+        written there before. The placements' residency model (index/placed.py) is left as
+        it is: it trims the least recently placed first, so what was placed before the
+        clear goes before anything placed after, and it cuts a match only once the
+        placements since have trimmed it."""
+        for plugin in self.scheduler.plugins:
+            if isinstance(plugin, CacheCleared):
+                plugin.cache_cleared(address)
 
     def _unseen(self, routed: Routed, then: Late | None) -> Late:
         """What a request whose response headers the picker never saw needs from its

@@ -169,8 +169,12 @@ class EventIngest:
         block_size: int = 16,
         replay: Replay | None = None,
         throttle: Throttle | None = None,
+        on_cleared: Callable[[str], None] | None = None,
     ) -> None:
         self._index = index
+        # Told the endpoint's engine emptied its prefix cache (AllBlocksCleared), after the
+        # index forgot it: the router's figures of what was written there go too.
+        self._on_cleared = on_cleared
         # Malformed input is said at most once per reason per 10 s; the subscriber passes its
         # own, so every endpoint's ingest shares one budget of lines.
         self._throttle = throttle if throttle is not None else Throttle()
@@ -319,7 +323,10 @@ class EventIngest:
                     self._removed(ev)
                 else:
                     self.stats.clears += 1
+                    log.info("kv events: %s cleared its prefix cache", self.endpoint)
                     await self.reset()
+                    if self._on_cleared is not None:
+                        self._on_cleared(self.endpoint)
             except (TypeError, ValueError, OverflowError, struct.error) as exc:
                 # Well-typed but nonsensical (e.g. token ids out of range, which packing
                 # refuses with struct.error): skip the event. Raised past here it aborted the

@@ -92,8 +92,11 @@ class KVEventSubscriber:
         is_member: Callable[[str], bool] | None = None,
         curve: CurveKeys | None = None,
         on_message: Callable[[str], None] | None = None,
+        on_cleared: Callable[[str], None] | None = None,
     ) -> None:
         self._index = index
+        # An endpoint's engine emptied its prefix cache (AllBlocksCleared): `EventIngest`.
+        self._on_cleared = on_cleared
         # Each message attributed to an endpoint, before it is applied (silence.py: a
         # publisher that is heard at all is alive, whatever its message holds).
         self._on_message = on_message
@@ -343,6 +346,7 @@ class KVEventSubscriber:
                 block_size=self._block_size,
                 replay=replay,
                 throttle=self._throttle,
+                on_cleared=self._on_cleared,
             )
         await ingest.handle(int.from_bytes(seq, "big"), payload)
 

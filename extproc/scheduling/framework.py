@@ -126,6 +126,16 @@ class EndpointReset(Protocol):
     def endpoint_reset(self, address: str) -> None: ...
 
 
+@runtime_checkable
+class CacheCleared(Protocol):
+    """A plugin that keeps figures per endpoint about what its cache holds: told when the
+    engine emptied its prefix cache (a KV-event AllBlocksCleared, after POST
+    /reset_prefix_cache) while it kept running, so what was written there before no longer
+    counts. Its queue and running requests are still there: not an `EndpointReset`."""
+
+    def cache_cleared(self, address: str) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ProfileResult:
     """What one profile chose: candidates in preference order (may be empty)."""

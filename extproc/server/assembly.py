@@ -586,6 +586,7 @@ class Parts:
             is_member=lambda address: self.pool.get(address) is not None,
             curve=CurveKeys.from_settings(ev),
             on_message=self.silence.heard if self.silence is not None else None,
+            on_cleared=self.router.cache_cleared,
         )
         if ev.bind is None:
             for e in self.pool.snapshot():

@@ -291,6 +291,31 @@ async def test_all_blocks_cleared_drops_the_endpoint(zctx: zmq.Context[Any]) -> 
     assert await match(index, keys_of(toks(50, 1))) == 1.0
 
 
+async def test_all_blocks_cleared_is_told_after_the_index_dropped_the_endpoint(
+    zctx: zmq.Context[Any],
+) -> None:
+    # The router's figures of what was written there (predicted TTFT's eviction model) go
+    # with the cache: told once per clear, the index already empty for the endpoint.
+    index = MemoryKVIndex()
+    told: list[tuple[str, float]] = []
+
+    def cleared_at(endpoint: str) -> None:
+        told.append((endpoint, index.held_blocks(endpoint)))
+
+    pub = Publisher(zctx)
+    url = pub.bind()
+    sub = KVEventSubscriber(index, model=MODEL, block_size=BS, on_cleared=cleared_at)
+    sub.watch(EventSource(EP, url))
+    async with running(sub):
+        await pub.subscribed()
+        pub.send(batch(stored([1, 2], toks(0, 2)), removed([2])))
+        pub.send(batch(cleared(), stored([3], toks(50, 1))))
+        await until(lambda: sub.stats.messages == 2)
+    pub.sock.close(linger=0)
+    assert told == [(EP, 0)]
+    assert await match(index, keys_of(toks(50, 1))) == 1.0
+
+
 async def test_lora_and_extra_keys_change_the_keys(zctx: zmq.Context[Any]) -> None:
     index = MemoryKVIndex()
     tokens = toks(0, 2)

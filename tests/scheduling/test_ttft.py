@@ -295,6 +295,51 @@ async def test_the_router_resets_the_scorer_when_an_endpoint_is_forgotten():
     assert sc.eviction_cost(r, cand("a", **full)) > 0
 
 
+def test_a_cleared_cache_is_charged_no_evictions_and_keeps_its_queue():
+    # An engine that emptied its prefix cache (precise mode: AllBlocksCleared) and kept
+    # running: nothing written there counts any more, but the prefill queued there is real.
+    full = {"kv_blocks": 400, "kv_block_size": 16}
+    clock = Clock()
+    sc = PredictedTTFTScorer(clock=clock)
+    _fill(sc, clock, reused_blocks=50, **full)
+    r = req(blocks=100, tokens=6400)
+    b = cand("b", prefill_tps=6400.0, **full)
+    place(sc, req(blocks=100, tokens=6400), [b], "b")  # one prompt queued on b
+    queued = sc.predict(r, b, clock.t)
+    assert sc.eviction_cost(r, b) > 0
+    sc.cache_cleared("b")
+    assert sc.eviction_cost(r, b) == 0.0
+    assert (
+        sc.predict(r, b, clock.t) == queued > sc.predict(r, cand("c", prefill_tps=6400.0), clock.t)
+    )
+    assert sc.eviction_cost(r, cand("a", prefill_tps=6400.0, **full)) > 0  # a is untouched
+
+
+async def test_the_router_tells_the_scorer_of_a_cleared_cache():
+    # The assembled server hands `cache_cleared` to the KV-event subscriber
+    # (server/assembly.py), which calls it on AllBlocksCleared.
+    from extproc.core import Endpoint
+    from extproc.endpoints.pool import EndpointPool
+    from extproc.router import Router
+    from extproc.scheduling.config import build_scheduler, default_config
+    from extproc.testing import plugin_registry
+
+    router = Router(
+        pool=EndpointPool([Endpoint("a"), Endpoint("b")]),
+        scheduler=build_scheduler(default_config(), plugin_registry()),
+        parser=lambda *_: None,  # type: ignore[arg-type,return-value]
+    )
+    (sc,) = [p for p in router.scheduler.plugins if isinstance(p, PredictedTTFTScorer)]
+    full = {"kv_blocks": 400, "kv_block_size": 16}
+    for i in range(40):
+        addr = "ab"[i % 2]
+        place(sc, req(blocks=100, tokens=6400), [cand(addr, prefix=50, **full)], addr)
+    r = req(blocks=100, tokens=6400)
+    router.cache_cleared("b")
+    assert sc.eviction_cost(r, cand("b", **full)) == 0.0
+    assert sc.eviction_cost(r, cand("a", **full)) > 0
+
+
 FIRST_TOKEN = PredictedTTFTScorer.Params(inflight_floor="untilFirstToken", spill_cost="ignore")
 
 

@@ -385,15 +385,22 @@ class PredictedTTFTScorer:
                 live.extend(scaled)
 
     def endpoint_reset(self, address: str) -> None:
-        """`address` restarted or left: its cache is empty (nothing written, so no eviction
-        charged until it fills again) and the prefill queued there is gone."""
+        """`address` restarted or left: its cache is empty (see `cache_cleared`) and the
+        prefill queued there is gone."""
+        self.cache_cleared(address)
+        self._busy_until.pop(address, None)
+        self._live.pop(address, None)
+        self._running_keys.pop(address, None)
+
+    def cache_cleared(self, address: str) -> None:
+        """`address`'s cache is empty: nothing written there, so no eviction charged until it
+        fills again. Without this, a cleared cache (precise mode's AllBlocksCleared) kept the
+        count of the tokens written before it and was charged as full from its first
+        request on."""
         self._written.pop(address, None)
         if self.peer_arrivals is not None:
             # What the peers wrote there so far went with the old cache.
             self._written_upto[address] = self.peer_arrivals.placed(address)
-        self._busy_until.pop(address, None)
-        self._live.pop(address, None)
-        self._running_keys.pop(address, None)
 
     def _tps(self, c: Candidate) -> float:
         tps = c.state.prefill_tps
