@@ -24,7 +24,9 @@ compressed (`--fast`) so a ladder fits on a shared 2-core machine:
   prompt joining 4 s in (closed loop, as agentic); each step also reports the two parts
   apart and the servers the agent sessions started on. mixed-spaced (twenty-fourth
   session): the same with the agents starting 1 s apart instead of 0.3 s, so the later ones
-  start after the first has come back (its growth known).
+  start after the first has come back (its growth known). The agents declare tools and
+  call them (twenty-fifth session); mixed-toolless sends the same words as plain turns,
+  tools undeclared (the agents of the sessions before).
 
 Policies: random, round-robin and least-request (Envoy alone over a STATIC cluster), extproc
 approximate, extproc precise (KV events), and sglang-router's cache_aware policy when it can be
@@ -102,7 +104,8 @@ SCALE = (
     "tokens; multimodal: {groups} groups x 5 prompts, 3 images (448 px, 256 tokens each) + ~1.3K "
     "text tokens, 32 output tokens; mixed: 2 x {groups} text groups' one-shot requests, and 6 "
     "agent sessions x 4 turns on one ~3,000-token agent prompt (+~1,650 tokens a turn, 0.2 s "
-    "think time, 0.3 s apart; mixed-spaced: 1 s apart) joining 4 s in. 8 servers, prefill "
+    "think time, 0.3 s apart, tools declared and called; mixed-spaced: 1 s apart; "
+    "mixed-toolless: no tools, plain turns) joining 4 s in. 8 servers, prefill "
     "5,000 tok/s, 1,500 KV blocks each, simulated time not compressed."
 )
 
@@ -272,8 +275,16 @@ MIXED_AGENTS = AgenticSpec(sessions=6, turns=4, agent_words=600, result_words=30
 # first answer, 32 tokens at 60 tok/s, and think time: ~1.5 s and more), so none is placed
 # knowing that sessions on the agent prompt grow; here the third on do.
 MIXED_SPACED_AGENTS = replace(MIXED_AGENTS, stagger_s=1.0)
+# mixed-toolless (twenty-fifth session): agents that declare no tools and send their calls
+# and results as plain turns, as every agent did before; not every agent declares tools,
+# and `uncontinuedPrior` reads the tools as a class of its own.
+MIXED_TOOLLESS_AGENTS = replace(MIXED_AGENTS, tools=False)
 # The agents each mixed workload sends.
-MIXED_WORKLOADS = {"mixed": MIXED_AGENTS, "mixed-spaced": MIXED_SPACED_AGENTS}
+MIXED_WORKLOADS = {
+    "mixed": MIXED_AGENTS,
+    "mixed-spaced": MIXED_SPACED_AGENTS,
+    "mixed-toolless": MIXED_TOOLLESS_AGENTS,
+}
 # When the agents join (seconds into the step, the shape's time): after the 2 s floor of
 # `learnUncontinued`'s horizon and the 8 fates the fleet's prior needs at 6 req/s, so the
 # prior is settled, one-shot, when the first agent prompt arrives.
