@@ -97,8 +97,11 @@ SERVERS = 8
 # Simulated time is not compressed (--fast 1); prefill is 5,000 tok/s per server (half the
 # sim's default) and the KV cache 1,500 blocks x 16 tokens, so that 8 servers saturate at
 # request rates one Python client, Envoy and the picker can drive on 2 cores, and the cache
-# holds a server's share of the groups but not all of them.
-SIM_ARGS = ("--fast", "1", "--prefill-tps", "5000", "--num-gpu-blocks", "1500")
+# holds a server's share of the groups but not all of them. The model length is raised from
+# the sim's 8,192 for mixed's agents: declaring tools and calling them takes their fourth turn
+# to ~8,650 tokens (1,500 blocks hold 24,000; text and multimodal prompts stay under 8,192).
+SIM_ARGS = ("--fast", "1", "--prefill-tps", "5000", "--num-gpu-blocks", "1500",
+            "--max-model-len", "16384")  # fmt: skip
 SCALE = (
     "text: {groups} groups x 5 questions, ~3,000-token system prompts (1,000 words), 32 output "
     "tokens; multimodal: {groups} groups x 5 prompts, 3 images (448 px, 256 tokens each) + ~1.3K "
