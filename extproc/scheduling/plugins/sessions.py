@@ -630,13 +630,16 @@ class BoundedSessionsFilter:
     (`_GAP_MULTIPLE` x the longest recent first-to-second-turn gap, within
     `uncontinuedFloorSeconds` and `uncontinuedCapSeconds`) teaches that sessions on its
     prefix grew 0 blocks: one-shot prefix groups (a system prompt and images, a document,
-    each repeat a new question) are then left to the scorers (module docstring).
+    each repeat a new question) are then left to the scorers (module docstring). With
+    `uncontinuedPrior` (the default), before a prefix's own first turn has passed its horizon
+    the recent first turns of the request's class decide (API, tools declared, media:
+    session_classes.py): all uncontinued, it is left to the scorers too.
 
     ```yaml
     - type: bounded-sessions-filter
       parameters: {epsilon: 0.25, windowSeconds: 120, maxSessions: 50000,
                    keepTogetherGrowth: 0.5, shareGrowth: true, learnUncontinued: true,
-                   uncontinuedPrior: false, uncontinuedFloorSeconds: 2,
+                   uncontinuedPrior: true, uncontinuedFloorSeconds: 2,
                    uncontinuedCapSeconds: 60}
     ```
     """
@@ -662,14 +665,16 @@ class BoundedSessionsFilter:
         # text 65-71% -> 75-87%), agentic made the same decisions, tenants nearly so
         # (bench/RESULTS.md).
         learn_uncontinued: bool = True
-        # Also read a prefix nothing is recorded under as one-shot while none of the fleet's
-        # recent first turns came back (module docstring). Off: it wins on fleets that are
-        # all one-shot (multimodal +1 to +12 points of the oracle, text -2 to +5), but on
-        # bench_routing's mixed workload (one-shot groups, agents joining on a new prompt)
-        # at 6 req/s it cost the agents 0.17-0.29 s of TTFT p90 (4 of 4 pairs) and seed 1's
-        # one-shot part 2.6-6.6 points; at 16 within noise (bench/RESULTS.md, twenty-third
-        # session, mixed).
-        uncontinued_prior: bool = False
+        # Also read a prefix nothing is recorded under as one-shot while none of the recent
+        # first turns of the request's class came back (module docstring). On by default
+        # since the twenty-fifth session, when the fates became per class: on bench_routing's
+        # mixed workload at 6 req/s with agents declaring tools the agents' TTFT p90 was
+        # within 3% or better in 8 of 8 order-alternated pairs (the fleet-wide prior lost
+        # 8 of 8) and the one-shot part's hit ratio -0.5 to +7.7 points; multimodal at 16
+        # +1.4/+2.4 points, text even. Agents that declare no tools share one-shot chat's
+        # class and still pay (mixed-toolless: agents' p90 +45%/+106%, 2 pairs); false
+        # for such a fleet (bench/RESULTS.md).
+        uncontinued_prior: bool = True
         # The horizon while no first-to-second-turn gap has been seen, and never less: the
         # tests' and a fleet's first sessions come back within it.
         uncontinued_floor_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
