@@ -106,8 +106,8 @@ SCALE = (
     "text: {groups} groups x 5 questions, ~3,000-token system prompts (1,000 words), 32 output "
     "tokens; multimodal: {groups} groups x 5 prompts, 3 images (448 px, 256 tokens each) + ~1.3K "
     "text tokens, 32 output tokens; mixed: 2 x {groups} text groups' one-shot requests, and 6 "
-    "agent sessions x 4 turns on one ~3,000-token agent prompt (+~1,650 tokens a turn, 0.2 s "
-    "think time, 0.3 s apart, tools declared and called; mixed-spaced: 1 s apart; "
+    "agent sessions x 4 turns on one ~3,400-token agent prompt and tools (+~1,730 tokens a "
+    "turn, 0.2 s think time, 0.3 s apart, tools declared and called; mixed-spaced: 1 s apart; "
     "mixed-toolless: no tools, plain turns) joining 4 s in. 8 servers, prefill "
     "5,000 tok/s, 1,500 KV blocks each, simulated time not compressed."
 )
@@ -418,8 +418,9 @@ def in_shape_time(s: Summary, time_scale: float) -> Summary:
 # Pressure workloads: caches smaller than the working set, simulated time compressed 4x
 # (TTFT and throughput below are wall figures of the compressed run).
 PRESSURE_SHAPE = {
-    # 4 servers x 2,000 blocks x 16 tokens = 128k tokens of KV; 8 sessions grow to ~21k
-    # tokens each (168k), 12 sessions to ~250k (the sim's tokenizer: ~5 tokens per word).
+    # 4 servers x 2,000 blocks x 16 tokens = 128k tokens of KV; 8 sessions grow to ~22.5k
+    # tokens each (180k), 12 sessions to ~270k (the sim's tokenizer: ~5 tokens per word;
+    # ~21k and ~250k before the agents declared tools, twenty-fifth session).
     "agentic": (
         4,
         (
@@ -438,8 +439,8 @@ PRESSURE_SHAPE = {
     "tenants": (6, ("--fast", "2", "--prefill-tps", "5000", "--num-gpu-blocks", "400")),
 }
 PRESSURE_SCALE = (
-    "agentic: {sessions} closed-loop sessions x 12 turns on one ~3,000-token agent prompt, "
-    "+~1,650 tokens per turn (to ~21k), 32 output tokens, 0.2 s think time; 4 servers x "
+    "agentic: {sessions} closed-loop sessions x 12 turns on one ~3,400-token agent prompt and "
+    "tools, +~1,730 tokens per turn (to ~22.5k), 32 output tokens, 0.2 s think time; 4 servers x "
     "2,000 KV blocks (32k tokens each). tenants: 24 tenants, Zipf(1) sizes, 120 "
     "conversations x 2 turns, ~300-token header shared by all, ~2,000-token tenant prompts; "
     "6 servers x 400 KV blocks (6.4k tokens each). Prefill 5,000 tok/s; time compressed 4x "
