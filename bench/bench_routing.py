@@ -24,7 +24,9 @@ compressed (`--fast`) so a ladder fits on a shared 2-core machine:
   prompt joining 4 s in (closed loop, as agentic); each step also reports the two parts
   apart and the servers the agent sessions started on. mixed-spaced (twenty-fourth
   session): the same with the agents starting 1 s apart instead of 0.3 s, so the later ones
-  start after the first has come back (its growth known).
+  start after the first has come back (its growth known). The agents declare tools and
+  call them (twenty-fifth session); mixed-toolless sends the same words as plain turns,
+  tools undeclared (the agents of the sessions before).
 
 Policies: random, round-robin and least-request (Envoy alone over a STATIC cluster), extproc
 approximate, extproc precise (KV events), and sglang-router's cache_aware policy when it can be
@@ -107,14 +109,18 @@ SERVERS = 8
 # Simulated time is not compressed (--fast 1); prefill is 5,000 tok/s per server (half the
 # sim's default) and the KV cache 1,500 blocks x 16 tokens, so that 8 servers saturate at
 # request rates one Python client, Envoy and the picker can drive on 2 cores, and the cache
-# holds a server's share of the groups but not all of them.
-SIM_ARGS = ("--fast", "1", "--prefill-tps", "5000", "--num-gpu-blocks", "1500")
+# holds a server's share of the groups but not all of them. The model length is raised from
+# the sim's 8,192 for mixed's agents: declaring tools and calling them takes their fourth turn
+# to ~8,650 tokens (1,500 blocks hold 24,000; text and multimodal prompts stay under 8,192).
+SIM_ARGS = ("--fast", "1", "--prefill-tps", "5000", "--num-gpu-blocks", "1500",
+            "--max-model-len", "16384")  # fmt: skip
 SCALE = (
     "text: {groups} groups x 5 questions, ~3,000-token system prompts (1,000 words), 32 output "
     "tokens; multimodal: {groups} groups x 5 prompts, 3 images (448 px, 256 tokens each) + ~1.3K "
     "text tokens, 32 output tokens; mixed: 2 x {groups} text groups' one-shot requests, and 6 "
-    "agent sessions x 4 turns on one ~3,000-token agent prompt (+~1,650 tokens a turn, 0.2 s "
-    "think time, 0.3 s apart; mixed-spaced: 1 s apart) joining 4 s in. 8 servers, prefill "
+    "agent sessions x 4 turns on one ~3,400-token agent prompt and tools (+~1,730 tokens a "
+    "turn, 0.2 s think time, 0.3 s apart, tools declared and called; mixed-spaced: 1 s apart; "
+    "mixed-toolless: no tools, plain turns) joining 4 s in. 8 servers, prefill "
     "5,000 tok/s, 1,500 KV blocks each, simulated time not compressed."
 )
 
@@ -198,6 +204,8 @@ POLICIES: dict[str, dict] = {
     # The same, and a prefix nothing is recorded under read as one-shot while no first turn
     # in the fleet's recent ones came back (`uncontinuedPrior`).
     "extproc approximate, uncontinued prior": {"extproc_args": ("--config", "@PRIOR")},
+    # The default since the twenty-fifth session (the prior per request class); without it:
+    "extproc approximate, no uncontinued prior": {"extproc_args": ("--config", "@NO_PRIOR")},
     # The option as it was before the sixteenth session (growth learned per exact prefix).
     "extproc approximate, keep together, baseline tree": {
         "tree": True,
@@ -287,8 +295,16 @@ MIXED_SPACED_AGENTS = replace(MIXED_AGENTS, stagger_s=1.0)
 # `--step-caches both`: the suffix of the policy label of runs whose caches were emptied
 # before each step.
 RESET_LABEL = ", caches reset"
+# mixed-toolless (twenty-fifth session): agents that declare no tools and send their calls
+# and results as plain turns, as every agent did before; not every agent declares tools,
+# and `uncontinuedPrior` reads the tools as a class of its own.
+MIXED_TOOLLESS_AGENTS = replace(MIXED_AGENTS, tools=False)
 # The agents each mixed workload sends.
-MIXED_WORKLOADS = {"mixed": MIXED_AGENTS, "mixed-spaced": MIXED_SPACED_AGENTS}
+MIXED_WORKLOADS = {
+    "mixed": MIXED_AGENTS,
+    "mixed-spaced": MIXED_SPACED_AGENTS,
+    "mixed-toolless": MIXED_TOOLLESS_AGENTS,
+}
 # When the agents join (seconds into the step, the shape's time): after the 2 s floor of
 # `learnUncontinued`'s horizon and the 8 fates the fleet's prior needs at 6 req/s, so the
 # prior is settled, one-shot, when the first agent prompt arrives.
@@ -417,8 +433,9 @@ def in_shape_time(s: Summary, time_scale: float) -> Summary:
 # Pressure workloads: caches smaller than the working set, simulated time compressed 4x
 # (TTFT and throughput below are wall figures of the compressed run).
 PRESSURE_SHAPE = {
-    # 4 servers x 2,000 blocks x 16 tokens = 128k tokens of KV; 8 sessions grow to ~21k
-    # tokens each (168k), 12 sessions to ~250k (the sim's tokenizer: ~5 tokens per word).
+    # 4 servers x 2,000 blocks x 16 tokens = 128k tokens of KV; 8 sessions grow to ~22.5k
+    # tokens each (180k), 12 sessions to ~270k (the sim's tokenizer: ~5 tokens per word;
+    # ~21k and ~250k before the agents declared tools, twenty-fifth session).
     "agentic": (
         4,
         (
@@ -437,8 +454,8 @@ PRESSURE_SHAPE = {
     "tenants": (6, ("--fast", "2", "--prefill-tps", "5000", "--num-gpu-blocks", "400")),
 }
 PRESSURE_SCALE = (
-    "agentic: {sessions} closed-loop sessions x 12 turns on one ~3,000-token agent prompt, "
-    "+~1,650 tokens per turn (to ~21k), 32 output tokens, 0.2 s think time; 4 servers x "
+    "agentic: {sessions} closed-loop sessions x 12 turns on one ~3,400-token agent prompt and "
+    "tools, +~1,730 tokens per turn (to ~22.5k), 32 output tokens, 0.2 s think time; 4 servers x "
     "2,000 KV blocks (32k tokens each). tenants: 24 tenants, Zipf(1) sizes, 120 "
     "conversations x 2 turns, ~300-token header shared by all, ~2,000-token tenant prompts; "
     "6 servers x 400 KV blocks (6.4k tokens each). Prefill 5,000 tok/s; time compressed 4x "
@@ -508,6 +525,7 @@ CONFIGS = {
         "bounded-sessions-filter", {"learnUncontinued": False}
     ),
     "@PRIOR": _default_profile_with("bounded-sessions-filter", {"uncontinuedPrior": True}),
+    "@NO_PRIOR": _default_profile_with("bounded-sessions-filter", {"uncontinuedPrior": False}),
     "@TOGETHER": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0.5}),
     "@KVFIT": _default_profile_with("predicted-ttft-scorer", {"kvFit": "wait"}),
     "@KVIGNORE": _default_profile_with("predicted-ttft-scorer", {"kvFit": "ignore"}),

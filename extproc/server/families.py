@@ -511,6 +511,11 @@ SESSION_BOUND = StatsFamilies(
             "scorers because none of the fleet's recent first turns came back "
             "(uncontinuedPrior).",
         ),
+        "uncontinued_unclassed": Stat(
+            "extproc_session_bound_uncontinued_unclassed",
+            "First turns continued whose request class a peer replica did not send (an "
+            "older version): each ends uncontinuedPrior for every class.",
+        ),
         "uncontinued_horizon_s": Stat(
             "extproc_session_bound_uncontinued_horizon_seconds",
             "Seconds after which a first turn not continued counts as grown 0 blocks "

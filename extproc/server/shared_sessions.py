@@ -13,7 +13,10 @@ they were made (a session's next turn comes after its answer, plus a tool or a p
 a shared index its lookup must find both the blocks and the session of the last turn, so a
 periodic exchange of tens of ms would not do). Layout: one stream `<ns>`, an entry per
 batch (`d`: msgpack `[process id, [[plugin, previous tail, endpoint, tail, first-turn
-blocks], ...]]`; the last is 0 when not known, and absent from older replicas),
+blocks, first-turn class], ...]]`; the length is 0 and the class "" when not known, and
+both are absent from older replicas; the class, a few bytes, is what lets
+`uncontinuedPrior` count a continuation for its class wherever it was placed,
+scheduling/plugins/session_classes.py),
 trimmed to about `max_entries` entries, so Redis memory is bounded whatever the load; a
 replica that starts (or comes back) reads the entries of the last session window.
 
@@ -39,6 +42,7 @@ from redis.exceptions import RedisError
 from extproc.redis_broadcast import by_order
 from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
+from extproc.scheduling.plugins.session_classes import UNKNOWN_CLASS
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter, LiveSessions, Touch
 from extproc.throttle import Throttle
 
@@ -47,6 +51,8 @@ log = logging.getLogger(__name__)
 # The longest first turn a placement may claim, in blocks (2**20 blocks of 16 tokens: 16M
 # tokens, past any context window); a forged length beyond is refused.
 _MAX_FIRST_BLOCKS = 1 << 20
+# The longest class name a placement may carry (session_class's are at most 24 bytes).
+_MAX_CLASS_CHARS = 64
 
 
 @dataclass(slots=True)
@@ -150,7 +156,7 @@ class SharedSessions:
                 continue
             batch, self._pending = self._pending, []
             blob = msgpack.encode(
-                [self._id, [(n, list(p), e, list(t), f) for n, (p, e, t, f) in batch]]
+                [self._id, [(n, list(p), e, list(t), f, c) for n, (p, e, t, f, c) in batch]]
             )
             add = self._client.xadd(
                 self._key, {"d": blob}, maxlen=self._max_entries, approximate=True
@@ -209,7 +215,8 @@ class SharedSessions:
                 for name, prev, endpoint, tail, *rest in touches:
                     record = self._sessions.get(name)
                     if record is not None:
-                        record.apply((tuple(prev), str(endpoint), tuple(tail), _first(rest)), age_s)
+                        first, cls = _first(rest), _class(rest)
+                        record.apply((tuple(prev), str(endpoint), tuple(tail), first, cls), age_s)
                         self.stats.applied += 1
             except (ValueError, TypeError, msgspec.DecodeError) as exc:
                 # Another version or a stray writer on our key: skip, never fail; say so.
@@ -232,6 +239,17 @@ def _first(rest: list[Any]) -> int:
     if type(first) is not int or not 0 <= first <= _MAX_FIRST_BLOCKS:
         raise ValueError("first-turn length")
     return first
+
+
+def _class(rest: list[Any]) -> str:
+    """A placement's first-turn class: "" (not known) from a replica that does not send it;
+    a forged one (not a short string) is refused (the entry is skipped, counted)."""
+    if len(rest) < 2:
+        return UNKNOWN_CLASS
+    cls = rest[1]
+    if type(cls) is not str or len(cls) > _MAX_CLASS_CHARS:
+        raise ValueError("first-turn class")
+    return cls
 
 
 def _ms(entry_id: Any) -> int:

@@ -8,6 +8,12 @@ thousand tokens and its tail only exists where it was computed:
     agent prompt ─┬─ session 0: task ─ call ─ result ─ call ─ result ...   (turn k = k rounds)
                   └─ session 1: task ─ call ─ result ...
 
+Agents declare their tools on every request (`tools`, as OpenAI and Anthropic agents do) and
+the assistant turns are tool calls answered by `role: tool` results; with `tools=False` the
+same words go as plain assistant and user turns (an agent that declares nothing, the
+workload before issue 14's twenty-fifth session). The simulator's chat template renders
+both the tool definitions and the calls, so token counts cover them.
+
 Closed loop: a session sends its next turn only when the previous answer has arrived plus
 `think_s` (the tool running), like an agent does; sessions start `stagger_s` apart. The
 bodies are fixed by the seed (the assistant turns are workload text, not the server's
@@ -17,6 +23,7 @@ output), so every policy sees the same trace.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +52,37 @@ class AgenticSpec:
     header_words: int = 0
     model: str = "tiny"
     seed: int = 0
+    tools: bool = True
+
+
+# The tools every agent declares: two small definitions (~390 sim tokens), the same for every
+# session and seed (the agent prompt after them carries the seed).
+AGENT_TOOLS: tuple[dict[str, Any], ...] = (
+    {
+        "type": "function",
+        "function": {
+            "name": "run_shell",
+            "description": "Run a shell command in the task's workspace; returns its output.",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file of the task's workspace.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    },
+)
 
 
 def build_sessions(spec: AgenticSpec) -> list[list[WorkItem]]:
@@ -62,23 +100,42 @@ def build_sessions(spec: AgenticSpec) -> list[list[WorkItem]]:
         ]
         turns = []
         for t in range(spec.turns):
-            body = {
+            body: dict[str, Any] = {
                 "model": spec.model,
                 "messages": [dict(m) for m in messages],
                 "max_tokens": spec.max_tokens,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            if spec.tools:
+                body["tools"] = [dict(tool) for tool in AGENT_TOOLS]
             turns.append(WorkItem(index, 0, s, t, 0, body))
             index += 1
-            messages.append(
-                {"role": "assistant", "content": "call " + _text(rng, vocab, spec.call_words)}
-            )
-            messages.append(
-                {"role": "user", "content": "result " + _text(rng, vocab, spec.result_words)}
-            )
+            call = "call " + _text(rng, vocab, spec.call_words)
+            result = "result " + _text(rng, vocab, spec.result_words)
+            rounds = _tool_round(s, t, call, result) if spec.tools else _plain_round(call, result)
+            messages += rounds
         out.append(turns)
     return out
+
+
+def _tool_round(session: int, turn: int, call: str, result: str) -> list[dict[str, Any]]:
+    """An assistant turn calling a tool (the words as its argument) and the tool's result."""
+    call_id = f"call_{session}_{turn}"
+    function = {"name": "run_shell", "arguments": json.dumps({"command": call})}
+    return [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
+
+
+def _plain_round(call: str, result: str) -> list[dict[str, Any]]:
+    """The same words as plain turns: the assistant's text and the user's."""
+    return [{"role": "assistant", "content": call}, {"role": "user", "content": result}]
 
 
 async def run_closed_loop(

@@ -234,7 +234,7 @@ def test_with_the_prior_a_new_groups_first_repeats_stay_once_the_fleet_is_one_sh
     continuation anywhere ends it."""
     clock = ManualClock()
     f = BoundedSessionsFilter(BoundedSessionsFilter.Params(uncontinued_prior=True), clock=clock)
-    assert f.sessions.sessions_come_back() is None
+    assert f.sessions.sessions_come_back("chat") is None
     other = [
         dataclasses.replace(req(tokens=64 * 31), block_keys=tuple(range(500 * g, 500 * g + 31)))
         for g in range(1, 9)
@@ -243,7 +243,7 @@ def test_with_the_prior_a_new_groups_first_repeats_stay_once_the_fleet_is_one_sh
         on(f, r, "d", holding())
     clock.advance(2.0)
     f.sessions.settle()
-    assert f.sessions.sessions_come_back() is False
+    assert f.sessions.sessions_come_back("chat") is False
     on(f, ask(0), "a", holding())
     clock.advance(0.5)  # within ask(0)'s own horizon: nothing recorded under SHARED
     assert f.filter(ask(1), holding("a")) == holding("a")
@@ -251,14 +251,14 @@ def test_with_the_prior_a_new_groups_first_repeats_stay_once_the_fleet_is_one_sh
     # One first turn comes back: new prefixes are bounded as before.
     nxt = (*other[0].block_keys, 99_999)
     f.sessions.touch(f.sessions.find(nxt), "d", nxt)
-    assert f.sessions.sessions_come_back() is True
+    assert f.sessions.sessions_come_back("chat") is True
     # Bounded (d, carrying 8 of the 9 live sessions, is removed), growth unknown.
     assert addrs(f.filter(ask(2), holding("a"))) == ["a", "b", "c"]
     assert f.stats.growth_unknown == 1 and f.stats.bounded == 1
 
 
-def test_the_prior_is_off_by_default_and_says_nothing_early():
-    assert not BoundedSessionsFilter.Params().uncontinued_prior
+def test_the_prior_is_on_by_default_and_says_nothing_early():
+    assert BoundedSessionsFilter.Params().uncontinued_prior
     clock = ManualClock()
     live = sessions(clock, uncontinued_prior=True)
     for q in range(7):  # fewer than _PRIOR_MIN fates known

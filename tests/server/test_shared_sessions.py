@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -14,7 +15,7 @@ import pytest
 from msgspec import msgpack
 from redis.asyncio import Redis
 
-from extproc.core import Decision
+from extproc.core import Decision, Prompt
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter
 from extproc.server.shared_sessions import SharedSessions
 from tests.redis_servers import RedisServer
@@ -24,9 +25,9 @@ from tests.scheduling.test_sessions import SHARED, held, turn
 
 @contextlib.asynccontextmanager
 async def replica(
-    url: str, name: str
+    url: str, name: str, params: BoundedSessionsFilter.Params | None = None
 ) -> AsyncIterator[tuple[BoundedSessionsFilter, SharedSessions]]:
-    f = BoundedSessionsFilter(BoundedSessionsFilter.Params(epsilon=0.0))
+    f = BoundedSessionsFilter(params or BoundedSessionsFilter.Params(epsilon=0.0))
     shared = SharedSessions.from_url(
         url, SharedSessions.records([f]), process_id=name, window_s=120.0,
         block_s=0.2, timeout_s=0.3,
@@ -144,17 +145,43 @@ async def test_stray_stream_entries_are_counted_on_metrics_and_said_once(
         Redis.from_url(redis_server.url) as raw,
     ):
         await asyncio.sleep(0.3)  # reading from the stream's end
-        # Garbage, wrong shapes, and placements whose first-turn length no turn has.
+        # Garbage, wrong shapes, and placements whose first-turn length no turn has or
+        # whose class is no class's name.
         forged = [
             msgpack.encode(["b", [["0", [], "s", [1], first]]]) for first in (-1, 1 << 40, "3")
-        ]
+        ] + [msgpack.encode(["b", [["0", [], "s", [1], 3, cls]]]) for cls in (7, "x" * 65)]
         for blob in (b"\xc1 not msgpack", b"\x92\xa1b\x01", b"\x92\xa1b\x91\x01", *forged):
             await raw.xadd("extproc:sessions", {"d": blob})
-        await until(lambda: shared.stats.bad_entries == 6)
+        await until(lambda: shared.stats.bad_entries == 8)
         assert len(_f.sessions) == 0
         fam = next(
             f for f in SHARED_SESSIONS.families(shared.stats) if f.name.endswith("bad_entries")
         )
-        assert fam.samples[0].value == 6
+        assert fam.samples[0].value == 8
     lines = [r.getMessage() for r in caplog.records if "stream entry skipped" in r.getMessage()]
     assert len(lines) == 1, lines
+
+
+async def test_a_first_turns_class_travels_so_a_peers_continuation_counts_for_it(
+    redis_server: RedisServer,
+) -> None:
+    """`uncontinuedPrior` per class: a session started at one replica with tools declared and
+    continued at the other counts as come back for `chat+tools` at both (scheduling/plugins/
+    session_classes.py), and for no other class."""
+    params = BoundedSessionsFilter.Params(epsilon=0.0, uncontinued_prior=True)
+    async with (
+        replica(redis_server.url, "r0", params) as (f0, _),
+        replica(redis_server.url, "r1", params) as (f1, _),
+    ):
+        tools = Prompt(tools=(b'{"type": "function", "function": {"name": "run"}}',))
+        first, nxt = (dataclasses.replace(turn(0, n), prompt=tools) for n in (0, 1))
+        cands = [cand(a, prefix=0) for a in "abc"]
+        f0.observe(first, cands, Decision(endpoints=(cand("a").endpoint,)))
+        await until(lambda: len(f1.sessions) == 1)
+        cands = [cand(a, prefix=held(0, 0) if a == "a" else 0) for a in "abc"]
+        assert f1.home(nxt, cands) == "a"
+        f1.observe(nxt, cands, Decision(endpoints=(cand("a").endpoint,)))
+        assert f1.sessions.sessions_come_back("chat+tools") is True
+        await until(lambda: f0.sessions.sessions_come_back("chat+tools") is True)
+        assert f0.sessions.sessions_come_back("chat") is None
+        assert f0.sessions.unclassed_continued == f1.sessions.unclassed_continued == 0

@@ -59,12 +59,16 @@ arrives: that turn records its real growth, and the group is bounded again.
 
 That still bounds a group's repeats until its own first request's horizon has passed (the
 first 2 s of each group: 8-19 of 48 repeats at 6 req/s on bench_routing's multimodal). With
-`uncontinuedPrior` as well, the fleet's outcomes stand in for a group's own: while the last
-`_OUTCOMES` first turns whose fate is known (at least `_PRIOR_MIN`) all went uncontinued, no
-session anywhere having come back, a new session on a prefix with nothing recorded is
-expected to grow 0 blocks too. One first turn continued, anywhere in the fleet (a peer's
-placement counts), ends it until `_OUTCOMES` more go uncontinued; and a prefix whose sessions
-were seen to grow is read as before, so it only decides prefixes the record knows nothing of.
+`uncontinuedPrior` as well, the fleet's outcomes for the request's class stand in for a
+group's own: while the last `_OUTCOMES` first turns of its class (API, tools declared, media:
+session_classes.py) whose fate is known (at least `_PRIOR_MIN`) all went uncontinued, no
+session of the class anywhere having come back, a new session on a prefix with nothing
+recorded is expected to grow 0 blocks too. One first turn of the class continued, anywhere in
+the fleet (a peer's placement counts, its class travelling with it), ends it until
+`_OUTCOMES` more go uncontinued; and a prefix whose sessions were seen to grow is read as
+before, so it only decides prefixes the record knows nothing of. Kept for the whole fleet,
+one-shot outcomes spoke for agents starting on a new prompt (twenty-fourth session: their
+TTFT p90 worse in 8 of 8 pairs); agents that declare tools are a class of their own.
 
 Growth is kept in blocks, not as a fraction of the prefix it was recorded under, so it
 carries from a shorter prefix to a longer one: a big tenant's next conversations arrive
@@ -108,6 +112,11 @@ import msgspec
 
 from extproc.core import Candidate, Decision, InferenceRequest
 from extproc.errors import ConfigError
+from extproc.scheduling.plugins.session_classes import (
+    UNKNOWN_CLASS,
+    ClassOutcomes,
+    session_class,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +150,10 @@ _GAP_MULTIPLE = 4.0
 # First-to-second-turn gaps remembered (the most recent): the horizon follows the fleet's
 # current clients, not one slow session of an hour ago.
 _GAPS = 32
-# First turns whose fate (continued, or not within the horizon) makes the fleet's prior, the
-# most recent: one continued among them and new prefixes are bounded as before.
+# First turns of a class whose fate (continued, or not within the horizon) makes the class's
+# prior, the most recent: one continued among them and new prefixes are bounded as before.
 _OUTCOMES = 32
-# Fates known before the prior says anything (a picker's first seconds: bounded as before).
+# Fates of a class known before the prior says anything for it (bounded as before).
 _PRIOR_MIN = 8
 # Block keys held for first turns waiting for their horizon (each keeps its record keys:
 # one per `_GROUP_STRIDE` blocks and its first `_HEAD_BLOCKS`, 263 for 2,048 blocks): at
@@ -153,8 +162,9 @@ _PRIOR_MIN = 8
 _PENDING_KEYS = 1 << 18
 
 # (previous tail keys or (), endpoint, new tail keys, blocks of the session's first turn or
-# 0 if not known): one placement, as replicas share it.
-Touch = tuple[tuple[int, ...], str, tuple[int, ...], int]
+# 0 if not known, the first turn's class or UNKNOWN_CLASS): one placement, as replicas
+# share it.
+Touch = tuple[tuple[int, ...], str, tuple[int, ...], int, str]
 # (blocks grown past a first turn, the block keys it is now the most seen under): what one
 # continued session taught, as replicas share it (server/shared_growth.py).
 Grown = tuple[int, tuple[int, ...]]
@@ -169,6 +179,8 @@ class _Chain:
     first: int = 0
     # Turns placed in the chain (1: its first turn only, not continued yet).
     turns: int = 1
+    # The first turn's class (session_classes.py): whose prior its fate counts in.
+    cls: str = UNKNOWN_CLASS
 
 
 class LiveSessions:
@@ -214,11 +226,14 @@ class LiveSessions:
         self._pending_keys = 0
         # The most recent first-to-second-turn gaps (seconds), here or at a peer.
         self._gaps: deque[float] = deque(maxlen=_GAPS)
-        # The most recent first turns' fates: True continued, False not within the horizon.
-        self._outcomes: deque[bool] = deque(maxlen=_OUTCOMES)
+        # The most recent first turns' fates per class: continued, or not within the horizon.
+        self._outcomes = ClassOutcomes(_OUTCOMES, _PRIOR_MIN)
         # First turns recorded as not continued, and first turns not tracked for want of room.
         self.uncontinued_learned = 0
         self.uncontinued_untracked = 0
+        # First turns continued whose class was not known (a peer that does not send it):
+        # each counted as come back for every class.
+        self.unclassed_continued = 0
         # Called with each placement made here (replicas publish it, see shared_sessions).
         self.on_touch: Callable[[Touch], None] | None = None
         # Called with each growth record that rose here (replicas publish it with
@@ -243,15 +258,14 @@ class LiveSessions:
         """Whether first turns nothing continued are recorded as grown 0 blocks."""
         return self._uncontinued
 
-    def sessions_come_back(self) -> bool | None:
-        """The fleet's prior for a prefix nothing is recorded under (`uncontinued_prior`):
-        False while the last `_OUTCOMES` first turns with a known fate (at least
-        `_PRIOR_MIN`) all went uncontinued; True once one of them was continued; None: not
-        known yet, or the option off."""
-        outcomes = self._outcomes
-        if not self._prior or (len(outcomes) < _PRIOR_MIN and not any(outcomes)):
+    def sessions_come_back(self, cls: str = UNKNOWN_CLASS) -> bool | None:
+        """The fleet's prior for a prefix nothing is recorded under (`uncontinued_prior`),
+        for first turns of class `cls`: False while the class's last `_OUTCOMES` first turns
+        with a known fate (at least `_PRIOR_MIN`) all went uncontinued; True once one of
+        them was continued; None: not known yet, or the option off."""
+        if not self._prior:
             return None
-        return any(outcomes)
+        return self._outcomes.come_back(cls)
 
     def uncontinued_horizon(self) -> float | None:
         """Seconds after which a first turn no later turn continued is recorded as grown 0
@@ -280,7 +294,7 @@ class LiveSessions:
             # record full, the same prompt placed again): nothing to learn from it here.
             if chains.get(chain_id) is chain:
                 self.uncontinued_learned += 1
-                self._outcomes.append(False)
+                self._outcomes.add(chain.cls, False)
                 self._record(0, keys)
                 # It still counts among its server's live sessions for the window: the bound
                 # is relative, and old one-shot turns spread evenly over the fleet loosen it.
@@ -354,8 +368,15 @@ class LiveSessions:
         self._expire(self._clock())
         return self._counts
 
-    def touch(self, chain_id: int | None, endpoint: str, block_keys: Sequence[int]) -> None:
-        """`block_keys` were placed on `endpoint`, continuing `chain_id` (None: a new one)."""
+    def touch(
+        self,
+        chain_id: int | None,
+        endpoint: str,
+        block_keys: Sequence[int],
+        cls: str = UNKNOWN_CLASS,
+    ) -> None:
+        """`block_keys` were placed on `endpoint`, continuing `chain_id` (None: a new one
+        of class `cls`, session_classes.py; a continuation keeps its first turn's)."""
         if not block_keys:
             return
         old = self._chains.get(chain_id) if chain_id is not None else None
@@ -364,14 +385,15 @@ class LiveSessions:
         now = self._clock()
         if old is not None:
             first = old.first
+            cls = old.cls
             if first and self._learn:
                 self._record(max(0, len(block_keys) - first), _record_keys(block_keys, first))
-        placed = self._place(chain_id, endpoint, tail, now, first)
+        placed = self._place(chain_id, endpoint, tail, now, first, cls)
         if old is None and self._uncontinued:
             self._wait_for_next_turn(now, placed, block_keys)
         self.settle(now)
         if self.on_touch is not None:
-            self.on_touch((old.keys if old is not None else (), endpoint, tail, first))
+            self.on_touch((old.keys if old is not None else (), endpoint, tail, first, cls))
 
     def apply(self, touch: Touch, age_s: float = 0.0) -> None:
         """A placement another replica made `age_s` ago: continues the chain ending on its
@@ -379,7 +401,7 @@ class LiveSessions:
         session's first-turn length comes along when this record does not know it, so a
         later turn placed here learns growth (else only the replica that placed the first
         turn learns, from the third of the later turns it places with three replicas)."""
-        prev, endpoint, tail, peer_first = touch
+        prev, endpoint, tail, peer_first, peer_cls = touch
         if not tail:
             return
         chain_id = next((c for k in prev if (c := self._by_key.get(k)) is not None), None)
@@ -387,7 +409,9 @@ class LiveSessions:
         first = old.first if old is not None else 0
         if not first and self._share:
             first = peer_first
-        self._place(chain_id, endpoint, tail, self._clock() - max(0.0, age_s), first)
+        # The chain's class as this record knows it, else as the peer sent it.
+        cls = old.cls if old is not None and old.cls != UNKNOWN_CLASS else peer_cls
+        self._place(chain_id, endpoint, tail, self._clock() - max(0.0, age_s), first, cls)
 
     def merge_growth(self, grown: Grown) -> None:
         """A growth record a peer replica learned: each key's record becomes the larger of
@@ -430,6 +454,16 @@ class LiveSessions:
             self._pending.append((now, chain_id, chain, keys))
             self._pending_keys += len(keys)
 
+    def _unclassed(self) -> None:
+        self.unclassed_continued += 1
+        n = self.unclassed_continued
+        if self._prior and n & (n - 1) == 0:
+            log.warning(
+                "bounded-sessions-filter: %d continued sessions of no known class (a peer "
+                "replica that does not send it); each ends uncontinuedPrior for every class",
+                n,
+            )
+
     def _record(self, grew: int, keys: Sequence[int]) -> None:
         growth = self._growth
         rose: list[int] = []
@@ -452,21 +486,24 @@ class LiveSessions:
         tail: tuple[int, ...],
         now: float,
         first: int = 0,
+        cls: str = UNKNOWN_CLASS,
     ) -> int:
         """Places the chain's newest turn (a new chain when `chain_id` is None or forgotten);
         returns its id. A chain continued after its first turn adds a first-to-second-turn
-        gap."""
+        gap, and a continued first turn to its class's fates."""
         turns = 1
         if chain_id is not None and (old := self._chains.pop(chain_id, None)) is not None:
             self._forget(old)
             turns = old.turns + 1
             if old.turns == 1:
                 self._gaps.append(max(0.0, now - old.seen))
-                self._outcomes.append(True)
+                self._outcomes.add(cls, True)
+                if cls == UNKNOWN_CLASS:
+                    self._unclassed()
         else:
             chain_id = self._next_id
             self._next_id += 1
-        chain = _Chain(endpoint, now, tail, first, turns)
+        chain = _Chain(endpoint, now, tail, first, turns, cls)
         self._chains[chain_id] = chain
         for key in chain.keys:
             prev = self._by_key.get(key)
@@ -545,7 +582,8 @@ class SessionBoundStats:
     turns not watched for want of room: they teach nothing), and `uncontinued_horizon_s`
     (the horizon now, seconds); with `uncontinuedPrior`, `uncontinued_prior` (new sessions
     on a prefix nothing was recorded under, kept together because no first turn in the
-    fleet's recent ones came back)."""
+    fleet's recent ones came back) and `uncontinued_unclassed` (first turns continued whose
+    class a peer replica did not send: each ends the prior for every class)."""
 
     bounded: int = 0
     kept_together: int = 0
@@ -556,6 +594,7 @@ class SessionBoundStats:
     uncontinued_untracked: int = 0
     uncontinued_horizon_s: float = 0.0
     uncontinued_prior: int = 0
+    uncontinued_unclassed: int = 0
 
 
 def _capacity(c: Candidate) -> float | None:
@@ -591,13 +630,16 @@ class BoundedSessionsFilter:
     (`_GAP_MULTIPLE` x the longest recent first-to-second-turn gap, within
     `uncontinuedFloorSeconds` and `uncontinuedCapSeconds`) teaches that sessions on its
     prefix grew 0 blocks: one-shot prefix groups (a system prompt and images, a document,
-    each repeat a new question) are then left to the scorers (module docstring).
+    each repeat a new question) are then left to the scorers (module docstring). With
+    `uncontinuedPrior` (the default), before a prefix's own first turn has passed its horizon
+    the recent first turns of the request's class decide (API, tools declared, media:
+    session_classes.py): all uncontinued, it is left to the scorers too.
 
     ```yaml
     - type: bounded-sessions-filter
       parameters: {epsilon: 0.25, windowSeconds: 120, maxSessions: 50000,
                    keepTogetherGrowth: 0.5, shareGrowth: true, learnUncontinued: true,
-                   uncontinuedPrior: false, uncontinuedFloorSeconds: 2,
+                   uncontinuedPrior: true, uncontinuedFloorSeconds: 2,
                    uncontinuedCapSeconds: 60}
     ```
     """
@@ -623,14 +665,16 @@ class BoundedSessionsFilter:
         # text 65-71% -> 75-87%), agentic made the same decisions, tenants nearly so
         # (bench/RESULTS.md).
         learn_uncontinued: bool = True
-        # Also read a prefix nothing is recorded under as one-shot while none of the fleet's
-        # recent first turns came back (module docstring). Off: it wins on fleets that are
-        # all one-shot (multimodal +1 to +12 points of the oracle, text -2 to +5), but on
-        # bench_routing's mixed workload (one-shot groups, agents joining on a new prompt)
-        # at 6 req/s it cost the agents 0.17-0.29 s of TTFT p90 (4 of 4 pairs) and seed 1's
-        # one-shot part 2.6-6.6 points; at 16 within noise (bench/RESULTS.md, twenty-third
-        # session, mixed).
-        uncontinued_prior: bool = False
+        # Also read a prefix nothing is recorded under as one-shot while none of the recent
+        # first turns of the request's class came back (module docstring). On by default
+        # since the twenty-fifth session, when the fates became per class: on bench_routing's
+        # mixed workload at 6 req/s with agents declaring tools the agents' TTFT p90 was
+        # within 3% or better in 8 of 8 order-alternated pairs (the fleet-wide prior lost
+        # 8 of 8) and the one-shot part's hit ratio -0.5 to +7.7 points; multimodal at 16
+        # +1.4/+2.4 points, text even. Agents that declare no tools share one-shot chat's
+        # class and still pay (mixed-toolless: agents' p90 +45%/+106%, 2 pairs); false
+        # for such a fleet (bench/RESULTS.md).
+        uncontinued_prior: bool = True
         # The horizon while no first-to-second-turn gap has been seen, and never less: the
         # tests' and a fleet's first sessions come back within it.
         uncontinued_floor_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
@@ -668,6 +712,7 @@ class BoundedSessionsFilter:
             uncontinued_learned=sessions.uncontinued_learned,
             uncontinued_untracked=sessions.uncontinued_untracked,
             uncontinued_horizon_s=sessions.uncontinued_horizon() or 0.0,
+            uncontinued_unclassed=sessions.unclassed_continued,
         )
 
     def _lookup(self, req: InferenceRequest, cands: Sequence[Candidate]) -> tuple[int | None, int]:
@@ -724,9 +769,10 @@ class BoundedSessionsFilter:
                 # Read under the first blocks only: what sessions on a header shared more
                 # widely (every tenant's) showed, not this prompt's own.
                 stats.header_growth += learned[1] <= _HEAD_BLOCKS
-            elif self.sessions.sessions_come_back() is False:
-                # Nothing known of this prefix, and no session anywhere came back lately:
-                # the fleet's traffic is one-shot, expected to grow as its first turns did.
+            elif self.sessions.sessions_come_back(session_class(req)) is False:
+                # Nothing known of this prefix, and no session of its class anywhere came
+                # back lately: the class's traffic is one-shot, expected to grow as its
+                # first turns did.
                 stats.uncontinued_prior += 1
                 growth = 0.0
             if growth is not None and growth <= self._together:
@@ -762,7 +808,7 @@ class BoundedSessionsFilter:
             return
         chain = self._chain(req, cands)
         self._last = None
-        self.sessions.touch(chain, decision.primary.address, req.block_keys)
+        self.sessions.touch(chain, decision.primary.address, req.block_keys, session_class(req))
 
 
 class SessionTailScorer:
