@@ -204,8 +204,6 @@ POLICIES: dict[str, dict] = {
     # The same, and a prefix nothing is recorded under read as one-shot while no first turn
     # in the fleet's recent ones came back (`uncontinuedPrior`).
     "extproc approximate, uncontinued prior": {"extproc_args": ("--config", "@PRIOR")},
-    # The default since the twenty-fifth session (the prior per request class); without it:
-    "extproc approximate, no uncontinued prior": {"extproc_args": ("--config", "@NO_PRIOR")},
     # The option as it was before the sixteenth session (growth learned per exact prefix).
     "extproc approximate, keep together, baseline tree": {
         "tree": True,
@@ -525,7 +523,6 @@ CONFIGS = {
         "bounded-sessions-filter", {"learnUncontinued": False}
     ),
     "@PRIOR": _default_profile_with("bounded-sessions-filter", {"uncontinuedPrior": True}),
-    "@NO_PRIOR": _default_profile_with("bounded-sessions-filter", {"uncontinuedPrior": False}),
     "@TOGETHER": _default_profile_with("bounded-sessions-filter", {"keepTogetherGrowth": 0.5}),
     "@KVFIT": _default_profile_with("predicted-ttft-scorer", {"kvFit": "wait"}),
     "@KVIGNORE": _default_profile_with("predicted-ttft-scorer", {"kvFit": "ignore"}),

@@ -257,8 +257,8 @@ def test_with_the_prior_a_new_groups_first_repeats_stay_once_the_fleet_is_one_sh
     assert f.stats.growth_unknown == 1 and f.stats.bounded == 1
 
 
-def test_the_prior_is_on_by_default_and_says_nothing_early():
-    assert BoundedSessionsFilter.Params().uncontinued_prior
+def test_the_prior_is_off_by_default_and_says_nothing_early():
+    assert not BoundedSessionsFilter.Params().uncontinued_prior
     clock = ManualClock()
     live = sessions(clock, uncontinued_prior=True)
     for q in range(7):  # fewer than _PRIOR_MIN fates known

@@ -631,7 +631,7 @@ class BoundedSessionsFilter:
     `uncontinuedFloorSeconds` and `uncontinuedCapSeconds`) teaches that sessions on its
     prefix grew 0 blocks: one-shot prefix groups (a system prompt and images, a document,
     each repeat a new question) are then left to the scorers (module docstring). With
-    `uncontinuedPrior` (the default), before a prefix's own first turn has passed its horizon
+    `uncontinuedPrior` (opt-in), before a prefix's own first turn has passed its horizon
     the recent first turns of the request's class decide (API, tools declared, media:
     session_classes.py): all uncontinued, it is left to the scorers too.
 
@@ -639,7 +639,7 @@ class BoundedSessionsFilter:
     - type: bounded-sessions-filter
       parameters: {epsilon: 0.25, windowSeconds: 120, maxSessions: 50000,
                    keepTogetherGrowth: 0.5, shareGrowth: true, learnUncontinued: true,
-                   uncontinuedPrior: true, uncontinuedFloorSeconds: 2,
+                   uncontinuedPrior: false, uncontinuedFloorSeconds: 2,
                    uncontinuedCapSeconds: 60}
     ```
     """
@@ -666,15 +666,16 @@ class BoundedSessionsFilter:
         # (bench/RESULTS.md).
         learn_uncontinued: bool = True
         # Also read a prefix nothing is recorded under as one-shot while none of the recent
-        # first turns of the request's class came back (module docstring). On by default
-        # since the twenty-fifth session, when the fates became per class: on bench_routing's
-        # mixed workload at 6 req/s with agents declaring tools the agents' TTFT p90 was
-        # within 3% or better in 8 of 8 order-alternated pairs (the fleet-wide prior lost
-        # 8 of 8) and the one-shot part's hit ratio -0.5 to +7.7 points; multimodal at 16
-        # +1.4/+2.4 points, text even. Agents that declare no tools share one-shot chat's
-        # class and still pay (mixed-toolless: agents' p90 +45%/+106%, 2 pairs); false
-        # for such a fleet (bench/RESULTS.md).
-        uncontinued_prior: bool = True
+        # first turns of the request's class came back (module docstring). Off by default:
+        # per class (the twenty-fifth session) it no longer costs agents that declare tools
+        # (bench_routing's mixed at 6 req/s: agents' TTFT p90 within 3% or better in 8 of 8
+        # order-alternated pairs, one-shot part -0.5 to +7.7 points; multimodal at 16 +1.4/
+        # +2.4 points, text even), but agents that declare no tools share one-shot chat's
+        # class and pay as before (mixed-toolless: agents' p90 +45%/+106%, 2 pairs; the
+        # fleet-wide prior lost 8 of 8). A default must not double a plausible fleet's tail
+        # for a few points of one-shot hit ratio; a fleet whose agents declare tools (or
+        # that has none) can turn it on (bench/RESULTS.md).
+        uncontinued_prior: bool = False
         # The horizon while no first-to-second-turn gap has been seen, and never less: the
         # tests' and a fleet's first sessions come back within it.
         uncontinued_floor_seconds: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
