@@ -677,6 +677,34 @@ SHARED_GROWTH = StatsFamilies(
     },
 )
 
+SHARED_SILENCE = StatsFamilies(
+    "extproc.server.shared_silence.SharedSilenceStats",
+    {
+        "published": Stat(
+            "extproc_kv_events_silence_fleet_published",
+            "Heard-count batches (one per silence check with anything heard) published to "
+            "the other replicas.",
+        ),
+        "applied": Stat(
+            "extproc_kv_events_silence_fleet_heard",
+            "KV-event messages the other replicas heard, counted in the fleet's silence judging.",
+        ),
+        "dropped": Stat(
+            "extproc_kv_events_silence_fleet_dropped",
+            "Heard-count batches never published (Redis failing or backlog full).",
+        ),
+        "errors": Stat(
+            "extproc_kv_events_silence_fleet_errors",
+            "Failed publishes or subscriptions of the shared heard counts.",
+        ),
+        "bad_entries": Stat(
+            "extproc_kv_events_silence_fleet_bad_entries",
+            "Peers' heard counts refused (undecodable, not an endpoint of the pool, out of "
+            "bounds).",
+        ),
+    },
+)
+
 SHARED_PLACEMENTS = StatsFamilies(
     "extproc.server.shared_placements.SharedPlacementsStats",
     {
