@@ -134,10 +134,11 @@ class SilenceWatch:
         return e
 
     def placed(self, endpoint: str) -> None:
-        e = self._entry(endpoint)
-        if not e.own.pending:
-            e.own.first_pending = self._clock()
-        e.own.pending += 1
+        e = self._endpoints.get(endpoint) or self._entry(endpoint)
+        own = e.own
+        if not own.pending:
+            own.first_pending = self._clock()
+        own.pending += 1
         if self._fleet_ok is not None:
             self._add_pending(e.fleet, 1)
 
@@ -153,14 +154,24 @@ class SilenceWatch:
         t.pending += n
 
     def heard(self, endpoint: str) -> None:
-        e = self._entry(endpoint)
+        e = self._endpoints.get(endpoint) or self._entry(endpoint)
+        own, fleet = e.own, (e.fleet if self._fleet_ok is not None else None)
+        if e.silent_since is None and not own.pending and (fleet is None or not fleet.pending):
+            # Nothing unanswered (most messages: an engine sends several per placement).
+            own.messages += 1.0
+            own.ever_heard = True
+            if fleet is not None:
+                e.heard_here += 1
+                fleet.messages += 1.0
+                fleet.ever_heard = True
+            return
         silent = e.silent_since is not None
         now = self._clock() if silent or e.own.pending or e.fleet.pending else 0.0
         unanswered = (e.fleet if self.judging_fleet else e.own).pending
-        self._answer(e.own, 1, now, silent, self._pool_rate("own"))
+        self._answer(e.own, 1, now, silent, "own")
         if self._fleet_ok is not None:
             e.heard_here += 1
-            self._answer(e.fleet, 1, now, silent, self._pool_rate("fleet"))
+            self._answer(e.fleet, 1, now, silent, "fleet")
         if silent:
             self._recovered(endpoint, e, now, unanswered)
 
@@ -173,7 +184,7 @@ class SilenceWatch:
         now = self._clock()
         silent = e.silent_since is not None
         unanswered = e.fleet.pending
-        self._answer(e.fleet, n, now, silent, self._pool_rate("fleet"))
+        self._answer(e.fleet, n, now, silent, "fleet")
         if silent:
             self._recovered(endpoint, e, now, unanswered)
 
@@ -186,7 +197,7 @@ class SilenceWatch:
                 e.heard_here = 0
         return out
 
-    def _answer(self, t: _Tally, n: int, now: float, silent: bool, pool: float | None) -> None:
+    def _answer(self, t: _Tally, n: int, now: float, silent: bool, kind: str) -> None:
         t.messages += n
         t.ever_heard = True
         if not t.pending:
@@ -199,7 +210,8 @@ class SilenceWatch:
             # rate: learn only the window's worth, so a real outage does not slow the next
             # detection (a workload that really sends less still lowers the rate, a window
             # at a time).
-            t.placements += min(t.pending, self._window(t, pool)[0])
+            # (The pool rate sums over endpoints: here only, never per message.)
+            t.placements += min(t.pending, self._window(t, self._pool_rate(kind))[0])
         if t.placements > RATE_HORIZON:
             t.placements /= 2.0
             t.messages /= 2.0
