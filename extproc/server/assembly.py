@@ -397,21 +397,16 @@ class Parts:
             return None
         from extproc.server.shared_silence import SharedSilence
 
-        def known(address: str) -> bool:
-            return self.pool.get(address) is not None
-
-        def peers_placed(address: str, n: int) -> None:
-            if known(address):
-                watch.peers_placed(address, n)
-
-        inflight.on_peer_placed = peers_placed
-        return SharedSilence.from_url(
+        shared = SharedSilence.from_url(
             idx.redis_url,
             watch,
             process_id=self._process_id(),
             peers_ok=lambda: not inflight.is_degraded,
-            known=known,
+            peers=inflight.peers,
+            known=lambda address: self.pool.get(address) is not None,
         )
+        inflight.on_peer_placed = shared.peer_placed
+        return shared
 
     def _share_placements(self):
         """Replicas sharing a Redis index fold each other's placements into predicted TTFT's

@@ -208,8 +208,8 @@ class Exporter:
                 p.shared_silence,
                 "extproc_kv_events_silence_fleet_degraded",
                 "1 while the replicas' heard counts or placements do not arrive (Redis "
-                "failing): KV-event silence is judged from this replica's own placements and "
-                "publishers.",
+                "failing, or a live peer that shares none): KV-event silence is judged from "
+                "this replica's own placements and publishers.",
             )
         yield from self._ttft_views()
         # Named by their order among the scheduler's plugins, as predicted-TTFT's views are.

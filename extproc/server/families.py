@@ -682,12 +682,16 @@ SHARED_SILENCE = StatsFamilies(
     {
         "published": Stat(
             "extproc_kv_events_silence_fleet_published",
-            "Heard-count batches (one per silence check with anything heard) published to "
-            "the other replicas.",
+            "Heard-count batches (one per silence check) published to the other replicas.",
         ),
         "applied": Stat(
             "extproc_kv_events_silence_fleet_heard",
             "KV-event messages the other replicas heard, counted in the fleet's silence judging.",
+        ),
+        "unshared": Stat(
+            "extproc_kv_events_silence_fleet_unshared_placements",
+            "Peers' placements left out of the fleet's silence judging: that peer's heard "
+            "counts do not arrive (an older version, or its channel failing).",
         ),
         "dropped": Stat(
             "extproc_kv_events_silence_fleet_dropped",
