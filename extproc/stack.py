@@ -224,6 +224,9 @@ class StackOptions:
     # in-flight counts and request ends through it).
     replicas: int = 1
     redis_url: str | None = None
+    # Arguments for one replica only, after `extproc_args` (index 0: the first picker), e.g.
+    # a config of its own (each replica its own KV-event bind port).
+    replica_args: Sequence[Sequence[str]] = ()
     # The picker's ext_proc port speaks TLS (its default, self-signed) unless this is set.
     plaintext: bool = False
     # Builds Envoy's bootstrap from the stack's BootstrapOptions instead of
@@ -480,11 +483,11 @@ class Stack:
                 # Every replica is spawned before any is awaited: each spends seconds in
                 # imports and start-up, and started one after another three replicas took
                 # 15-20 s of every multi-replica test.
-                starting = [self._spawn_extproc()]
+                starting = [self._spawn_extproc(replica=0)]
                 for i in range(1, self.options.replicas):
                     ports = (free_port(), free_port(), free_port())
                     self.replica_ports.append(ports)
-                    starting.append(self._spawn_extproc(ports, name=f"extproc-{i}"))
+                    starting.append(self._spawn_extproc(ports, name=f"extproc-{i}", replica=i))
                 for ready in starting:
                     ready()
             self.start_envoy()
@@ -532,8 +535,16 @@ class Stack:
         """Start a picker (the first one's ports unless `ports`) and wait until it is ready."""
         self._spawn_extproc(ports, name=name)()
 
+    def _replica_args(self, replica: int | None) -> Sequence[str]:
+        per = self.options.replica_args
+        return per[replica] if replica is not None and replica < len(per) else ()
+
     def _spawn_extproc(
-        self, ports: tuple[int, int, int] | None = None, *, name: str = "extproc"
+        self,
+        ports: tuple[int, int, int] | None = None,
+        *,
+        name: str = "extproc",
+        replica: int | None = None,
     ) -> Callable[[], None]:
         """Spawn a picker; the returned call waits until it reports ready."""
         port, health, admin = ports or (
@@ -567,6 +578,7 @@ class Stack:
             *(["--plaintext"] if self.options.plaintext else []),
             *self._workers_args(),
             *self.options.extproc_args,
+            *self._replica_args(replica),
         ]
         proc = self._spawn(name, argv)
         return lambda: wait_until(

@@ -260,6 +260,9 @@ class SharedInFlight:
         # Called after each placement with its server and this process's counters there
         # (endpoints/inflight_push.py sends them); None: not pushed.
         self.on_placed: Callable[[str, int, int], None] | None = None
+        # Called with a peer, a server and how many placements the peer made there, as each
+        # push or exchange shows them (server/shared_silence.py counts the fleet's).
+        self.on_peer_placed: Callable[[str, str, int], None] | None = None
         self._last_ok = -float("inf")
         # The peers' tokens dated by when each exchange brought them (peer_arrivals.py): how
         # much of them can still be prefill ahead of a new request.
@@ -374,7 +377,7 @@ class SharedInFlight:
         # Its wait in the sender's queue, within one interval (a peer's word, bounded).
         at = now - min(max(0.0, age_s), self._s.interval_s)
         self.arrivals.arrive(address, d_t, at)
-        self._placed_by_peers(d_n, d_t)
+        self._placed_by_peers(peer, address, d_n, d_t)
         self.stats.peer_arrivals += d_n
         self.stats.peer_arrived_tokens += d_t
         self.stats.pushed_arrivals += d_n
@@ -533,7 +536,7 @@ class SharedInFlight:
             # First seen (or again after it expired): what it has in flight arrives now.
             for address, (n, t) in load.items():
                 arrived[address] += t
-                self._placed_by_peers(n, t)
+                self._placed_by_peers(peer, address, n, t)
                 self.stats.peer_arrivals += n
             return
         counted = self._peer_counters.get(peer)
@@ -567,13 +570,15 @@ class SharedInFlight:
             came[address] = (max(0, d_n), max(0, d_t))
         for address, (n, t) in came.items():
             arrived[address] += t
-            self._placed_by_peers(n, t)
+            self._placed_by_peers(peer, address, n, t)
             self.stats.peer_arrivals += n
 
-    def _placed_by_peers(self, requests: int, tokens: int) -> None:
+    def _placed_by_peers(self, peer: str, address: str, requests: int, tokens: int) -> None:
         if requests > 0:
             n, t = self._peer_placed
             self._peer_placed = (n + requests, t + max(0, tokens))
+            if self.on_peer_placed is not None:
+                self.on_peer_placed(peer, address, requests)
 
     def peer_placements(self) -> tuple[int, int]:
         """The peers' placements this process has seen (pushed or exchanged), cumulative:

@@ -143,13 +143,15 @@ class Parts:
         # Precise mode: publishers silent while requests are placed on their endpoints.
         ev = settings.index.kv_events
         # Replicas sharing a Redis index may share one bound address too, each publisher
-        # feeding whichever replica it reached: one never heard here is not judged.
+        # feeding whichever replica it reached: they judge silence fleet-wide (alone, one
+        # never heard here is not judged).
         shared_bind = ev is not None and ev.bind is not None and settings.index.backend == "redis"
         self.silence = (
             SilenceWatch(judge_unheard=not shared_bind)
             if ev is not None and self.index is not None and self.precise
             else None
         )
+        self.shared_silence = self._share_silence() if shared_bind else None
         self.router = Router(
             pool=self.pool,
             scheduler=instrument(build_configured_scheduler(settings), self.metrics.llmd),
@@ -373,6 +375,38 @@ class Parts:
             process_id=self._process_id(),
             takeover_s=scrape.stale_after_s,
         )
+
+    def _share_silence(self):
+        """Replicas sharing a Redis index behind one bound KV-event address judge their
+        publishers' silence fleet-wide: each tells the others which endpoints it heard (Redis
+        pub/sub), the in-flight exchange brings the others' placements."""
+        watch, inflight, idx = self.silence, self.inflight, self.settings.index
+        if watch is None:
+            return None
+        if not isinstance(inflight, SharedInFlight):
+            log.warning(
+                "kv events: silence is judged per replica (state.shared_inflight is off: "
+                "the peers' placements are unknown); an endpoint never heard here is not judged"
+            )
+            return None
+        if idx.cluster or not idx.redis_url:
+            log.warning(
+                "kv events: silence is judged per replica on Redis Cluster (pub/sub is per "
+                "node); an endpoint never heard here is not judged"
+            )
+            return None
+        from extproc.server.shared_silence import SharedSilence
+
+        shared = SharedSilence.from_url(
+            idx.redis_url,
+            watch,
+            process_id=self._process_id(),
+            peers_ok=lambda: not inflight.is_degraded,
+            peers=inflight.peers,
+            known=lambda address: self.pool.get(address) is not None,
+        )
+        inflight.on_peer_placed = shared.peer_placed
+        return shared
 
     def _share_placements(self):
         """Replicas sharing a Redis index fold each other's placements into predicted TTFT's

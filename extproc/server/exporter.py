@@ -202,6 +202,15 @@ class Exporter:
                 "1 while placements are not shared (Redis failing): predicted TTFT's prefill "
                 "queues and written tokens count this replica's placements only.",
             )
+        if p.shared_silence is not None:
+            yield from _shared(
+                fam.SHARED_SILENCE,
+                p.shared_silence,
+                "extproc_kv_events_silence_fleet_degraded",
+                "1 while the replicas' heard counts or placements do not arrive (Redis "
+                "failing, or a live peer that shares none): KV-event silence is judged from "
+                "this replica's own placements and publishers.",
+            )
         yield from self._ttft_views()
         # Named by their order among the scheduler's plugins, as predicted-TTFT's views are.
         bounds = [x for x in p.router.scheduler.plugins if isinstance(x, BoundedSessionsFilter)]

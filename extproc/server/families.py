@@ -677,6 +677,38 @@ SHARED_GROWTH = StatsFamilies(
     },
 )
 
+SHARED_SILENCE = StatsFamilies(
+    "extproc.server.shared_silence.SharedSilenceStats",
+    {
+        "published": Stat(
+            "extproc_kv_events_silence_fleet_published",
+            "Heard-count batches (one per silence check) published to the other replicas.",
+        ),
+        "applied": Stat(
+            "extproc_kv_events_silence_fleet_heard",
+            "KV-event messages the other replicas heard, counted in the fleet's silence judging.",
+        ),
+        "unshared": Stat(
+            "extproc_kv_events_silence_fleet_unshared_placements",
+            "Peers' placements left out of the fleet's silence judging: that peer's heard "
+            "counts do not arrive (an older version, or its channel failing).",
+        ),
+        "dropped": Stat(
+            "extproc_kv_events_silence_fleet_dropped",
+            "Heard-count batches never published (Redis failing or backlog full).",
+        ),
+        "errors": Stat(
+            "extproc_kv_events_silence_fleet_errors",
+            "Failed publishes or subscriptions of the shared heard counts.",
+        ),
+        "bad_entries": Stat(
+            "extproc_kv_events_silence_fleet_bad_entries",
+            "Peers' heard counts refused (undecodable, not an endpoint of the pool, out of "
+            "bounds).",
+        ),
+    },
+)
+
 SHARED_PLACEMENTS = StatsFamilies(
     "extproc.server.shared_placements.SharedPlacementsStats",
     {

@@ -287,6 +287,9 @@ class Lifecycle(Parts):
         if self.shared_placements is not None:
             self.spawn("shared-placements", self.shared_placements.run)
             self._exits.push_async_callback(self.shared_placements.aclose)
+        if self.shared_silence is not None:
+            self.spawn("shared-silence", self.shared_silence.run)
+            self._exits.push_async_callback(self.shared_silence.aclose)
         if self.shared_scrapes is not None:
             self.spawn("shared-scrapes", self.shared_scrapes.run)
             self._exits.push_async_callback(self.shared_scrapes.aclose)

@@ -180,3 +180,111 @@ async def test_run_checks_every_interval(rounds):
     with pytest.raises(StopAsyncIteration):
         await w.run()
     assert slept == [1.0] * (rounds + 1) and w.view(A).silent
+
+
+# -- fleet-wide judging (replicas sharing one bound address; server/shared_silence.py) ------
+
+
+class Fleet:
+    """What the fleet's news looks like to a watch: arriving or not."""
+
+    ok = True
+
+    def __call__(self) -> bool:
+        return self.ok
+
+
+def fleet_watch(clock: ManualClock, fleet: Fleet) -> SilenceWatch:
+    w = SilenceWatch(every_s=1.0, clock=clock, judge_unheard=False)
+    w.use_fleet(fleet, lag_s=1.0)
+    return w
+
+
+def test_a_publisher_heard_by_a_peer_only_is_not_silent_here():
+    # The replica's publisher of A moved to a peer: heard here once, then only there. Judged
+    # alone, A is flagged (a false alarm); judged by the fleet it is not.
+    clock, fleet = ManualClock(), Fleet()
+    w = fleet_watch(clock, fleet)
+    answered(w, clock, A, 20)
+    for _ in range(50):
+        w.placed(A)
+        w.peers_placed(A, 2)
+        clock.advance(0.05)
+        w.peers_heard(A, 3)  # the peer hears A's answers to the fleet's placements
+    clock.advance(3.0)
+    w.check()
+    assert list(w.silent()) == [] and w.judging_fleet
+    # The fleet's news stops (Redis down): judged from its own tally, as without sharing.
+    fleet.ok = False
+    w.check()
+    assert list(w.silent()) == [A] and not w.judging_fleet
+
+
+def test_a_publisher_silent_from_its_start_is_judged_by_the_fleet():
+    # Nobody ever heard B; a peer hears A. Alone, B is never judged (it may feed a peer).
+    clock, fleet = ManualClock(), Fleet()
+    w = fleet_watch(clock, fleet)
+    for _ in range(40):
+        w.peers_placed(A, 1)
+        w.peers_heard(A, 1)
+        w.placed(B)
+        w.peers_placed(B, 1)
+        clock.advance(0.05)
+    # The fleet's rate (one message per placement) sizes B's window: 8 placements, and the
+    # time floor is the check interval plus the peers' news lag.
+    clock.advance(0.1)
+    w.check()
+    assert list(w.silent()) == [B]
+    v = w.view(B)
+    assert v.silent and v.periods == 1 and v.unanswered == 80
+    # A peer hearing B ends it.
+    w.peers_heard(B, 1)
+    assert list(w.silent()) == [] and w.view(B).unanswered == 0
+
+
+def test_the_time_floor_waits_for_a_peers_answer_in_transit():
+    clock, fleet = ManualClock(), Fleet()
+    w = fleet_watch(clock, fleet)
+    for _ in range(40):
+        w.peers_placed(A, 1)
+    clock.advance(1.5)  # past the check interval, not past its batch's lag on top
+    w.check()
+    assert list(w.silent()) == []
+    clock.advance(0.6)
+    w.check()
+    assert list(w.silent()) == [A]
+
+
+def test_the_fleet_tally_restarts_after_an_outage_instead_of_counting_it():
+    clock, fleet = ManualClock(), Fleet()
+    w = fleet_watch(clock, fleet)
+    answered(w, clock, A, 20)
+    fleet.ok = False
+    for _ in range(100):
+        w.placed(A)
+        w.peers_placed(A, 1)  # e.g. pushed before the exchange failed
+    clock.advance(2.0)
+    w.check()  # judged alone: its own tally flags A (it was heard here)
+    assert list(w.silent()) == [A]
+    w.heard(A)
+    fleet.ok = True
+    for _ in range(3):
+        w.placed(A)
+    clock.advance(5.0)
+    w.check()
+    assert list(w.silent()) == [] and w.view(A).unanswered == 3
+
+
+def test_heard_counts_are_taken_once_and_only_with_fleet_judging():
+    clock = ManualClock()
+    alone = watch(clock)
+    alone.heard(A)
+    alone.peers_heard(A, 5)
+    alone.peers_placed(A, 5)
+    assert alone.take_heard() == {} and alone.view(A).unanswered == 0
+    w = fleet_watch(clock, Fleet())
+    for _ in range(3):
+        w.heard(A)
+    w.heard(B)
+    assert w.take_heard() == {A: 3, B: 1}
+    assert w.take_heard() == {}

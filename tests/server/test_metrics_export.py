@@ -112,6 +112,9 @@ async def test_redis_and_kv_event_metrics_appear_with_those_components(full_app:
         "extproc_kv_events_silent",
         "extproc_kv_events_silent_periods_total",
         "extproc_kv_events_unanswered_placements",
+        # A bound socket on a Redis index: silence is judged fleet-wide.
+        "extproc_kv_events_silence_fleet_heard_total",
+        "extproc_kv_events_silence_fleet_degraded",
         "extproc_precise_placement_corrections_total",
         "extproc_internal_errors_total",
     ):
