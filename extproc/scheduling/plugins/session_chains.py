@@ -86,12 +86,13 @@ class LiveSessions:
         self._by_key: dict[int, int] = {}  # tail key -> chain id
         self._counts: dict[str, int] = {}
         self._next_id = 0
+        self._uncontinued = learn_growth and learn_uncontinued
         self._growth = GrowthRecord(max_sessions)
         # A chain is forgotten after `window_s` idle: a horizon past it could never see the
         # first turn again.
         self._fates = FirstTurnFates(
             max_sessions,
-            enabled=learn_growth and learn_uncontinued,
+            enabled=self._uncontinued,
             prior=uncontinued_prior,
             floor_s=uncontinued_floor_s,
             cap_s=min(uncontinued_cap_s, window_s),
@@ -240,7 +241,7 @@ class LiveSessions:
             if first and self._learn:
                 self._record(max(0, len(block_keys) - first), record_keys(block_keys, first))
         placed = self._place(chain_id, endpoint, tail, now, first, cls)
-        if old is None and self._fates.enabled:
+        if old is None and self._uncontinued:
             keys = record_keys(block_keys, len(block_keys))
             self._fates.wait(Waiting(now, placed, self._chains.get(placed), keys))
         self.settle(now)

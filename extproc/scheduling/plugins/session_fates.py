@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from extproc.scheduling.plugins.session_classes import UNKNOWN_CLASS, ClassOutcomes
 
@@ -67,11 +67,12 @@ _PRIOR_MIN = 8
 _PENDING_KEYS = 1 << 18
 
 
-@dataclass(frozen=True, slots=True)
-class Waiting:
+class Waiting(NamedTuple):
     """A first turn waiting for its horizon: placed at `at` as chain `chain_id`; `placed` is
     the chain record's entry as placed (compared by identity: a continuation or a forgotten
-    chain replaces it); `keys` are those its growth is recorded under."""
+    chain replaces it; None: already gone); `keys` are those its growth is recorded under.
+    A NamedTuple, not a frozen dataclass: one is built for every new session, and a frozen
+    dataclass's __init__ sets each field through object.__setattr__."""
 
     at: float
     chain_id: int
