@@ -2,7 +2,7 @@
 
 `bounded-sessions-filter` with `keepTogetherGrowth` leaves a new session to the scorers when
 sessions on its prefix were seen to grow little past it, and bounds it while none was seen
-continued (sessions.py). Each replica learns that from the later turns it places; behind one
+continued (session_growth.py). Each replica learns that from the later turns it places; behind one
 gateway with three replicas each sees a third of them, and 45-69 of ~120 new sessions a bench
 run (tenants at the knee) were bounded for want of growth, against 0-18 with one replica
 (bench/RESULTS.md, eighteenth session). With `shareGrowth: true` on the filter, each record

@@ -2,7 +2,7 @@
 
 Behind one gateway, each replica places about a third of the turns; with a record of its own
 each would see a third of the sessions and bound new ones by that, and a session whose turns
-alternate between replicas would look new at each (sessions.py). Replicas therefore publish
+alternate between replicas would look new at each (session_chains.py). Replicas therefore publish
 their placements and apply each other's: every replica's record converges on the same
 sessions per server, and any replica finds a session's tail.
 

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from extproc.core import Decision, InferenceRequest
-from extproc.scheduling.plugins import sessions as sessions_module
+from extproc.scheduling.plugins import session_fates
 from extproc.scheduling.plugins.sessions import BoundedSessionsFilter, LiveSessions
 from extproc.testing import ManualClock
 from tests.scheduling.helpers import addrs, cand, req
@@ -128,7 +128,7 @@ def test_the_horizon_follows_the_gaps_sessions_come_back_after():
     assert live.uncontinued_horizon() == 60.0
     capped = LiveSessions(30.0, 10, clock, learn_growth=True, learn_uncontinued=True)
     assert capped.uncontinued_horizon() == 2.0
-    capped._gaps.append(100.0)
+    capped._fates.continued("chat", 100.0)  # a first turn came back 100 s on
     assert capped.uncontinued_horizon() == 30.0
 
 
@@ -175,17 +175,17 @@ def test_first_turns_waiting_for_their_horizon_are_bounded(monkeypatch):
     for q in range(25):
         live.touch(None, "a", ask(q).block_keys)
     # At most `max_sessions` waiting; the rest counted, teaching nothing.
-    assert len(live._pending) == 10 and live.uncontinued_untracked == 15
+    assert live._fates.waiting == 10 and live.uncontinued_untracked == 15
     # And at most `_PENDING_KEYS` keys among them (a long first turn holds 263).
-    monkeypatch.setattr(sessions_module, "_PENDING_KEYS", 30)
+    monkeypatch.setattr(session_fates, "_PENDING_KEYS", 30)
     keys = LiveSessions(120.0, 1000, clock, learn_growth=True, learn_uncontinued=True)
     for q in range(5):
         keys.touch(None, "a", ask(q, own=40).block_keys)  # 69 blocks: 7 + 8 keys each
-    assert len(keys._pending) == 2 and keys._pending_keys == 30
+    assert keys._fates.waiting == 2 and keys._fates.waiting_keys == 30
     assert keys.uncontinued_untracked == 3
     clock.advance(2.0)
     keys.settle()
-    assert keys._pending_keys == 0 and keys.uncontinued_learned == 2
+    assert keys._fates.waiting_keys == 0 and keys.uncontinued_learned == 2
     keys.touch(None, "a", ask(9, own=40).block_keys)  # room again
     assert keys.uncontinued_untracked == 3
 

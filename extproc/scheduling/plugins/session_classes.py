@@ -2,7 +2,7 @@
 
 `bounded-sessions-filter` with `uncontinuedPrior` reads a new session on a prefix nothing is
 recorded under as one-shot while none of the fleet's recent first turns came back
-(sessions.py). One record for the whole fleet let one-shot traffic speak for agents: on
+(session_fates.py). One record for the whole fleet let one-shot traffic speak for agents: on
 bench_routing's mixed workload (one-shot prompt groups, agents starting on a new prompt) the
 one-shot outcomes said "nothing comes back" as the agents arrived, their first turns went
 unbounded onto the prompt's holder, and their TTFT p90 was worse in 8 of 8 pairs
