@@ -261,17 +261,16 @@ def picker_config(
             # The room a server frees within this horizon counts toward the reserve
             # (`-refill<ms>` runs).
             doc["flow_control"]["reserve_refill_s"] = reserve_refill_s
-            if refill_credit != "rate":
-                # The credit from predicted ends (`-rfp`, `-rfs` runs).
-                doc["flow_control"]["reserve_refill_credit"] = refill_credit
+            # Always written: `auto` (the default) would make a one-picker run's `rate` into
+            # `started` (flowcontrol/spike_auto.py). `-rfp`, `-rfs`: predicted ends.
+            doc["flow_control"]["reserve_refill_credit"] = refill_credit
         if spike_s:
             # The rate term from interactive's clumps (`-spike<ms>[-sq<NN>]` runs).
             doc["flow_control"]["reserve_spike_s"] = spike_s
-            if spike_quantile:
-                doc["flow_control"]["reserve_spike_quantile"] = spike_quantile
-            if spike_joint:
-                # The quantile of each request's clump, its own counted (`-sj` runs).
-                doc["flow_control"]["reserve_spike_joint"] = True
+            # Both always written, as the credit above: the run's name says them, not `auto`.
+            doc["flow_control"]["reserve_spike_quantile"] = spike_quantile or 0.9
+            # `-sj`: the quantile of each request's clump, its own counted.
+            doc["flow_control"]["reserve_spike_joint"] = bool(spike_joint)
         if output_scale:
             # Outputs counted in the prompt estimate's unit (`-os` runs; `kv_ratio` is then
             # `output_scaled`'s).

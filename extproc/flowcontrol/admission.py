@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from extproc.core import EndpointState, InferenceRequest
 from extproc.errors import BadRequest, Overloaded
+from extproc.flowcontrol import spike_auto
 from extproc.flowcontrol.config import FlowConfig
 from extproc.flowcontrol.controller import (
     REJECTED_SATURATED,
@@ -69,11 +70,25 @@ class Admission:
         rand: Callable[[], float] = random.random,
         endpoints: Callable[[], Sequence[tuple[str, EndpointState]]] | None = None,
         prefill_speed: Callable[[], float | None] | None = None,
+        shared_state: bool = False,
     ) -> None:
         """`states`: the pool's endpoint states now; `endpoints`: the same with addresses,
         for per-endpoint admission (`admit_per_endpoint`; None: by the pool alone);
-        `prefill_speed`: tokens/s of a prefill alone, measured (sizes the reserve)."""
+        `prefill_speed`: tokens/s of a prefill alone, measured (sizes the reserve);
+        `shared_state`: flow state will be exchanged with peers (what `auto` of the spike
+        reserve's settings depends on: flowcontrol/spike_auto.py)."""
         s = config.settings
+        spike = spike_auto.resolve(
+            s.reserve_spike_joint,
+            s.reserve_spike_quantile,
+            s.reserve_refill_credit,
+            spike_s=s.reserve_spike_s,
+            shared_state=shared_state,
+        )
+        spike_auto.say(
+            spike, s.reserve_spike_joint, s.reserve_spike_quantile, s.reserve_refill_credit
+        )
+        self.spike_settings = spike
         self._states = states
         self._rand = rand
         self.config = config
@@ -95,7 +110,7 @@ class Admission:
                 "no effect without "
                 "admit_per_endpoint and reserve_for_higher_bands"
             )
-        if s.reserve_spike_joint and not s.reserve_spike_s:
+        if s.reserve_spike_joint is True and not s.reserve_spike_s:
             log.warning("flow_control.reserve_spike_joint has no effect without reserve_spike_s")
         # The prior's prompt (what a server prefills) is its request less the output
         # counted per request. Its size and rate are taken in the unit the band's own
@@ -132,10 +147,10 @@ class Admission:
             reserve_quantile=s.reserve_quantile,
             reserve_rate_quantile=s.reserve_rate_quantile,
             reserve_refill_s=s.reserve_refill_s,
-            reserve_refill_credit=s.reserve_refill_credit,
+            reserve_refill_credit=spike.credit,
             reserve_spike_s=s.reserve_spike_s,
-            reserve_spike_quantile=s.reserve_spike_quantile,
-            reserve_spike_joint=s.reserve_spike_joint,
+            reserve_spike_quantile=spike.quantile,
+            reserve_spike_joint=spike.joint,
             gate=config.gate,
             waiting_claims_room=s.waiting_claims_room,
             dispatch_on_end=s.dispatch_on_end,

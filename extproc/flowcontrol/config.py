@@ -169,24 +169,27 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve as it is expected to free within this many seconds (the tokens of the requests
     that ended there over the last 3 s, per second, times this), so a higher-band request
     as large as the reserve waits at most about this long for room, and the room is not
-    kept idle meanwhile (flowcontrol/refill.py). `reserve_refill_credit` (`rate`, the
-    default, as above): `predicted` counts instead the tokens of the requests on the
-    endpoint predicted to end within the horizon (start plus counted output times the
-    measured per-output-token time of the recent ends; the rate until 8 ends measured it):
-    the ends' rate is right on average but lumpy, and the room it credited came back later
-    about half the time (flowcontrol/refill.py); `started` predicts each request's end from
-    its decode's start instead, as the scraped count of the engine's requests before their
-    first token shows it (not credited before; from placement on an engine without that
-    count): a request that queued in the engine ended later than predicted from placement.
-    `reserve_spike_s` (0, the default: off): the reserve's arrival-rate term is instead the
-    `reserve_spike_quantile` (0.9 by default) of the tokens a higher band sent within this
-    many seconds before each of its recent requests (from 20 requests of history on): room
-    for the work that arrives close behind another, not the mean rate's; with shared flow
-    state, over the fleet's arrivals (flowcontrol/reserve.py). `reserve_spike_joint` (off by
-    default; with `reserve_spike_s`): the quantile is instead of each recent request's clump,
-    the tokens before it plus its own, and the reserve is that or the largest request,
-    whichever is more, not the two added: it covers that share of the band's requests rather
-    than nearly all, and does not jump by a whole large request with the arrival draw.
+    kept idle meanwhile (flowcontrol/refill.py). `reserve_refill_credit` (`rate`, as above;
+    `auto`, the default: `started` with the joint reserve below, else `rate`): `predicted`
+    counts instead the tokens of the requests on the endpoint predicted to end within the
+    horizon (start plus counted output times the measured per-output-token time of the
+    recent ends; the rate until 8 ends measured it): the ends' rate is right on average but
+    lumpy, and the room it credited came back later about half the time
+    (flowcontrol/refill.py); `started` predicts each request's end from its decode's start
+    instead, as the scraped count of the engine's requests before their first token shows it
+    (not credited before; from placement on an engine without that count): a request that
+    queued in the engine ended later than predicted from placement. `reserve_spike_s` (0,
+    the default: off): the reserve's arrival-rate term is instead the
+    `reserve_spike_quantile` (`auto`, the default: 0.95 with the joint reserve below, else
+    0.9) of the tokens a higher band sent within this many seconds before each of its recent
+    requests (from 20 requests of history on): room for the work that arrives close behind
+    another, not the mean rate's; with shared flow state, over the fleet's arrivals
+    (flowcontrol/reserve.py). `reserve_spike_joint` (with `reserve_spike_s`; `auto`, the
+    default: on for a picker without shared flow state, off with it,
+    flowcontrol/spike_auto.py): the quantile is instead of each recent request's clump, the
+    tokens before it plus its own, and the reserve is that or the largest request, whichever
+    is more, not the two added: it covers that share of the band's requests rather than
+    nearly all, and does not jump by a whole large request with the arrival draw.
     `output_token_scale` (1.0, the default: none): each request's counted output (above)
     times this, so it adds up with the prompt estimate in one unit: the picker's estimated
     prompt tokens per real token where that estimate runs over or under the engine's count
@@ -233,10 +236,10 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     reserve_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_rate_quantile: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     reserve_refill_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
-    reserve_refill_credit: Literal["rate", "predicted", "started"] = "rate"
+    reserve_refill_credit: Literal["rate", "predicted", "started", "auto"] = "auto"
     reserve_spike_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.0
-    reserve_spike_quantile: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
-    reserve_spike_joint: bool = False
+    reserve_spike_quantile: Annotated[float, msgspec.Meta(gt=0, le=1)] | Literal["auto"] = "auto"
+    reserve_spike_joint: bool | Literal["auto"] = "auto"
     output_token_scale: Annotated[float, msgspec.Meta(gt=0, le=4)] | Literal["auto"] = 1.0
     count_engine_blocks: bool = False
     engine_blocks_lower_bands: Literal["tokens", "blocks"] = "tokens"

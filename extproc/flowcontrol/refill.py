@@ -49,7 +49,8 @@ Opt-in: against the rate over six pairs (one picker and two replicas, seeds 1-3)
 goodput +0.016 on the mean and met both targets in 2 runs against 0, but the reserve it
 keeps is smaller, so the engines' KV ran fuller and engine KV waits rose (32 against 22).
 
-Why a credit from the decode's start (`reserve_refill_credit: started`, opt-in): predicted
+Why a credit from the decode's start (`reserve_refill_credit: started`; what `auto` is beside
+the joint reserve on one picker, flowcontrol/spike_auto.py): predicted
 from placement, a request that queued in the engine (for KV, behind others) ends later than
 predicted by its queueing, and is credited while it has not even started: 1p seed 2's C at
 59.34 s (twenty-second session) had 2,626 tokens on its server predicted to end within 0.3 s

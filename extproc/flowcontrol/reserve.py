@@ -56,7 +56,8 @@ kept idle (0.5 s at 0.9: 1,000-1,900 more tokens on one picker, goodput -0.013..
 at 0.9: 130-950 more, goodput -0.047..+0.009 on one picker or two replicas, bench/RESULTS.md,
 twentieth session).
 
-Why a joint spike (`flow_control.reserve_spike_joint`, opt-in): the spike term added to the
+Why a joint spike (`flow_control.reserve_spike_joint`; `auto`, the default: on for one picker,
+flowcontrol/spike_auto.py): the spike term added to the
 largest request covers a clump ending in the largest request preceded by the quantile's
 clump, which rarely happens together, and the quantile of a sparse count (about half an
 arrival per window on the overload bench) sits on a step between request sizes: on one
@@ -72,7 +73,9 @@ goodput in 6 of 6 pairs (+0.027 mean) and cost the tail as every smaller reserve
 (picker waits over 0.1 s 30 against 15, pooled TTFT p99 2.42x against 2.33x); measured
 again at 0.97, with `reserve_refill_credit: started` and on two replicas, goodput was higher
 in 8 of 8 pairs and the two replicas' tail worse in both (pooled p99 2.5-2.7x against 1.6x;
-bench/RESULTS.md, twenty-fourth session, jointe2e branch).
+bench/RESULTS.md, twenty-fourth session, jointe2e branch). With `started` at 0.95 on one
+picker, over seven pairs (twenty-fourth and twenty-fifth sessions): goodput higher in 7 of 7,
+the pooled tail not worse (2.27x against 2.36x, 13 above 2x each): the default there.
 
 Why the fleet's arrivals (`peer_arrived`, fed by flowcontrol/shared.py): active-active
 replicas each see only their share of the band's arrivals. Sized from its own share, a

@@ -548,6 +548,9 @@ class Parts:
         def pool_states():
             return [s for _, s in endpoint_states(self.pool.snapshot())]
 
+        idx = self.settings.index
+        url = idx.redis_url if flow.settings.shared and idx.backend == "redis" else None
+        shared = bool(url)
         try:
             admission = Admission(
                 flow,
@@ -556,15 +559,15 @@ class Parts:
                 endpoints=pool_endpoints,
                 # The reserve for higher bands is sized by a prefill's time alone.
                 prefill_speed=self.speeds.fastest,
+                shared_state=shared,
             )
         except ValueError as exc:
             raise ConfigError(str(exc), path=("flow_control", "objectives_file")) from None
-        idx = self.settings.index
-        if flow.settings.shared and idx.backend == "redis" and idx.redis_url:
+        if url:
             from extproc.flowcontrol.shared import SharedFlowState
 
             admission.shared = SharedFlowState.from_url(
-                idx.redis_url,
+                url,
                 admission.controller,
                 cluster=idx.cluster,
                 interval_s=flow.settings.share_interval_s,

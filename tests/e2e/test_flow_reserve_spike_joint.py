@@ -61,6 +61,12 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
 
 
 async def test_batch_work_keeps_the_joint_clump_quantiles_room(stack: Stack):
+    await joint_room_kept(stack)
+
+
+async def joint_room_kept(stack: Stack) -> None:
+    """The history above, then two batch requests: the reserved gauge reads the joint value
+    and the second batch request goes to the idle server (also test_flow_spike_auto.py)."""
     model = stack.fleet.model
     loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:

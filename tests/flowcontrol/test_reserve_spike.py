@@ -73,7 +73,8 @@ def test_the_spike_figures_leave_with_their_requests():
 def test_the_settings_are_read_and_bounded():
     s = decode_settings({"flow_control": {"reserve_spike_s": 0.5}})
     assert s.flow_control is not None
-    assert (s.flow_control.reserve_spike_s, s.flow_control.reserve_spike_quantile) == (0.5, 0.9)
+    # The quantile's default is `auto` (0.9 beside the added term: flowcontrol/spike_auto.py).
+    assert (s.flow_control.reserve_spike_s, s.flow_control.reserve_spike_quantile) == (0.5, "auto")
     for bad in ({"reserve_spike_s": -1}, {"reserve_spike_quantile": 0}):
         with pytest.raises(ConfigError):
             decode_settings({"flow_control": bad})

@@ -41,7 +41,7 @@ def test_the_joint_reserve_is_never_below_the_largest_request():
 def test_the_setting_is_read_and_reaches_the_reserve(caplog):
     s = decode_settings({"flow_control": {"reserve_spike_s": 0.3, "reserve_spike_joint": True}})
     assert s.flow_control is not None and s.flow_control.reserve_spike_joint
-    assert not decode_settings({"flow_control": {}}).flow_control.reserve_spike_joint
+    assert decode_settings({"flow_control": {}}).flow_control.reserve_spike_joint == "auto"
     doc = {
         "flow_control": {
             "admit_per_endpoint": True,
