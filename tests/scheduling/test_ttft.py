@@ -269,9 +269,12 @@ def test_a_restarted_endpoint_is_charged_no_evictions_until_it_fills_again():
     assert sc.eviction_cost(r, cand("a", prefill_tps=6400.0, **full)) > 0  # a is untouched
 
 
-async def test_the_router_resets_the_scorer_when_an_endpoint_is_forgotten():
-    # The assembled server calls `forget_endpoint` when the scraper sees a restart or an
-    # outage that empties the cache (server/assembly.py): the scorer must hear of it.
+_FULL = {"kv_blocks": 400, "kv_block_size": 16}
+
+
+def _router_with_full_caches():
+    """A router on the default scheduler whose predicted-TTFT scorer has written 20 prompts
+    each on "a" and "b" (both past their KV capacity), and a request to score."""
     from extproc.core import Endpoint
     from extproc.endpoints.pool import EndpointPool
     from extproc.router import Router
@@ -284,11 +287,18 @@ async def test_the_router_resets_the_scorer_when_an_endpoint_is_forgotten():
         parser=lambda *_: None,  # type: ignore[arg-type,return-value]
     )
     (sc,) = [p for p in router.scheduler.plugins if isinstance(p, PredictedTTFTScorer)]
-    full = {"kv_blocks": 400, "kv_block_size": 16}
     for i in range(40):
         addr = "ab"[i % 2]
-        place(sc, req(blocks=100, tokens=6400), [cand(addr, prefix=50, **full)], addr)
+        place(sc, req(blocks=100, tokens=6400), [cand(addr, prefix=50, **_FULL)], addr)
     r = req(blocks=100, tokens=6400)
+    return router, sc, r
+
+
+async def test_the_router_resets_the_scorer_when_an_endpoint_is_forgotten():
+    # The assembled server calls `forget_endpoint` when the scraper sees a restart or an
+    # outage that empties the cache (server/assembly.py): the scorer must hear of it.
+    router, sc, r = _router_with_full_caches()
+    full = _FULL
     assert sc.eviction_cost(r, cand("b", **full)) > 0
     await router.forget_endpoint("b")
     assert sc.eviction_cost(r, cand("b", **full)) == 0.0
@@ -318,23 +328,9 @@ def test_a_cleared_cache_is_charged_no_evictions_and_keeps_its_queue():
 async def test_the_router_tells_the_scorer_of_a_cleared_cache():
     # The assembled server hands `cache_cleared` to the KV-event subscriber
     # (server/assembly.py), which calls it on AllBlocksCleared.
-    from extproc.core import Endpoint
-    from extproc.endpoints.pool import EndpointPool
-    from extproc.router import Router
-    from extproc.scheduling.config import build_scheduler, default_config
-    from extproc.testing import plugin_registry
-
-    router = Router(
-        pool=EndpointPool([Endpoint("a"), Endpoint("b")]),
-        scheduler=build_scheduler(default_config(), plugin_registry()),
-        parser=lambda *_: None,  # type: ignore[arg-type,return-value]
-    )
-    (sc,) = [p for p in router.scheduler.plugins if isinstance(p, PredictedTTFTScorer)]
-    full = {"kv_blocks": 400, "kv_block_size": 16}
-    for i in range(40):
-        addr = "ab"[i % 2]
-        place(sc, req(blocks=100, tokens=6400), [cand(addr, prefix=50, **full)], addr)
-    r = req(blocks=100, tokens=6400)
+    router, sc, r = _router_with_full_caches()
+    full = _FULL
+    assert sc.eviction_cost(r, cand("b", **full)) > 0
     router.cache_cleared("b")
     assert sc.eviction_cost(r, cand("b", **full)) == 0.0
     assert sc.eviction_cost(r, cand("a", **full)) > 0
