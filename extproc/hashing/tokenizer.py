@@ -24,6 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from extproc.core import InferenceRequest, MediaItem, Message, Modality, Prompt
+from extproc.errors import BadRequest
 from extproc.hashing.precise import block_extra_keys, chain_seed, token_block_keys
 from extproc.hashing.token_prefixes import TokenPrefixes
 
@@ -104,12 +105,22 @@ class PromptTokenizer:
         if prompt.add_generation_prompt is not None:
             add_generation_prompt = prompt.add_generation_prompt
         cont = prompt.continue_final_message and bool(prompt.messages)
-        text = self._template.render(
-            messages=[_template_message(m) for m in prompt.messages],
-            tools=tools,
-            add_generation_prompt=add_generation_prompt and not cont,
-            **self._specials,
-        )
+        try:
+            text = self._template.render(
+                messages=[_template_message(m) for m in prompt.messages],
+                tools=tools,
+                add_generation_prompt=add_generation_prompt and not cont,
+                **self._specials,
+            )
+        except (TemplateError, TypeError, ValueError) as exc:
+            # The template refused the request (its `raise_exception`, or a field it needs
+            # missing, e.g. a tool call without `function`): the engine answers such a
+            # request 400 too, so the client hears it here, not as the picker's failure.
+            # The reason is the template's or Python's words, never the body's text.
+            raise BadRequest(
+                f"the model's chat template cannot render this request: "
+                f"{type(exc).__name__}: {str(exc)[:120]}"
+            ) from None
         if cont:
             text = _cut_after_final(text, prompt.messages[-1])
         return text

@@ -12,6 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from extproc.core import InferenceRequest, MediaItem, Message, Modality, Part, Prompt
+from extproc.errors import BadRequest
 from extproc.hashing.precise import block_extra_keys, chain_seed, token_block_keys
 from extproc.hashing.tokenizer import PreciseKeys, PreciseSettings, PromptTokenizer
 from extproc.requests import ParseSettings, parse_request
@@ -148,3 +149,20 @@ def test_media_placeholders_expand_to_the_items_token_cost() -> None:
 
 def test_unknown_api_has_no_precise_keys(keys: PreciseKeys) -> None:
     assert keys.block_keys(InferenceRequest("r", "/x")) == ()
+
+
+def test_a_template_that_cannot_render_the_request_is_a_400_not_an_internal_error() -> None:
+    # A field the template needs is missing (an Anthropic tool_use has no `function`), and a
+    # template's own `raise_exception`: vLLM answers both 400, and so does the picker.
+    needs_function = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ c['function'] | tojson }}{% endfor %}{% endfor %}"
+    )
+    refuses = "{{ raise_exception('roles must alternate') }}"
+    call = Message("assistant", tool_calls=(b'{"type": "tool_use", "id": "", "name": ""}',))
+    prompt = Prompt(messages=(call,))
+    for template in (needs_function, refuses):
+        tok = PromptTokenizer(Tokenizer.from_file(str(TOKENIZER / "tokenizer.json")), template, {})
+        with pytest.raises(BadRequest) as err:
+            tok.render(prompt)
+        assert err.value.status == 400 and "chat template" in err.value.message
