@@ -252,24 +252,30 @@ def test_no_eviction_cost_while_caches_have_room_or_nothing_is_reused():
         assert s[1] == 1.0 and s[0] < 1.0, state  # predicted TTFT alone: b is faster
 
 
+_FULL = {"kv_blocks": 400, "kv_block_size": 16}
+
+
+def _full_caches_and_a_prompt_queued_on_b():
+    """A scorer whose caches are full (eviction charged on "b"), then one prompt queued on
+    "b": the scorer, its clock, a request to score and "b"."""
+    clock = Clock()
+    sc = PredictedTTFTScorer(clock=clock)
+    _fill(sc, clock, reused_blocks=50, **_FULL)
+    r = req(blocks=100, tokens=6400)
+    b = cand("b", prefill_tps=6400.0, **_FULL)
+    assert sc.eviction_cost(r, b) > 0
+    place(sc, req(blocks=100, tokens=6400), [b], "b")
+    return sc, clock, r, b
+
+
 def test_a_restarted_endpoint_is_charged_no_evictions_until_it_fills_again():
     # A restarted server starts with an empty cache: what was written to the old process
     # must not make the new one look full (nor its old queue look busy).
-    full = {"kv_blocks": 400, "kv_block_size": 16}
-    clock = Clock()
-    sc = PredictedTTFTScorer(clock=clock)
-    _fill(sc, clock, reused_blocks=50, **full)
-    r = req(blocks=100, tokens=6400)
-    b = cand("b", prefill_tps=6400.0, **full)
-    assert sc.eviction_cost(r, b) > 0
-    place(sc, req(blocks=100, tokens=6400), [b], "b")  # one prompt queued on b
+    sc, clock, r, b = _full_caches_and_a_prompt_queued_on_b()
     sc.endpoint_reset("b")
     assert sc.eviction_cost(r, b) == 0.0
     assert sc.predict(r, b, clock.t) == sc.predict(r, cand("c", prefill_tps=6400.0), clock.t)
-    assert sc.eviction_cost(r, cand("a", prefill_tps=6400.0, **full)) > 0  # a is untouched
-
-
-_FULL = {"kv_blocks": 400, "kv_block_size": 16}
+    assert sc.eviction_cost(r, cand("a", prefill_tps=6400.0, **_FULL)) > 0  # a is untouched
 
 
 def _router_with_full_caches():
@@ -298,23 +304,16 @@ async def test_the_router_resets_the_scorer_when_an_endpoint_is_forgotten():
     # The assembled server calls `forget_endpoint` when the scraper sees a restart or an
     # outage that empties the cache (server/assembly.py): the scorer must hear of it.
     router, sc, r = _router_with_full_caches()
-    full = _FULL
-    assert sc.eviction_cost(r, cand("b", **full)) > 0
+    assert sc.eviction_cost(r, cand("b", **_FULL)) > 0
     await router.forget_endpoint("b")
-    assert sc.eviction_cost(r, cand("b", **full)) == 0.0
-    assert sc.eviction_cost(r, cand("a", **full)) > 0
+    assert sc.eviction_cost(r, cand("b", **_FULL)) == 0.0
+    assert sc.eviction_cost(r, cand("a", **_FULL)) > 0
 
 
 def test_a_cleared_cache_is_charged_no_evictions_and_keeps_its_queue():
     # An engine that emptied its prefix cache (precise mode: AllBlocksCleared) and kept
     # running: nothing written there counts any more, but the prefill queued there is real.
-    full = {"kv_blocks": 400, "kv_block_size": 16}
-    clock = Clock()
-    sc = PredictedTTFTScorer(clock=clock)
-    _fill(sc, clock, reused_blocks=50, **full)
-    r = req(blocks=100, tokens=6400)
-    b = cand("b", prefill_tps=6400.0, **full)
-    place(sc, req(blocks=100, tokens=6400), [b], "b")  # one prompt queued on b
+    sc, clock, r, b = _full_caches_and_a_prompt_queued_on_b()
     queued = sc.predict(r, b, clock.t)
     assert sc.eviction_cost(r, b) > 0
     sc.cache_cleared("b")
@@ -322,18 +321,17 @@ def test_a_cleared_cache_is_charged_no_evictions_and_keeps_its_queue():
     assert (
         sc.predict(r, b, clock.t) == queued > sc.predict(r, cand("c", prefill_tps=6400.0), clock.t)
     )
-    assert sc.eviction_cost(r, cand("a", prefill_tps=6400.0, **full)) > 0  # a is untouched
+    assert sc.eviction_cost(r, cand("a", prefill_tps=6400.0, **_FULL)) > 0  # a is untouched
 
 
 async def test_the_router_tells_the_scorer_of_a_cleared_cache():
     # The assembled server hands `cache_cleared` to the KV-event subscriber
     # (server/assembly.py), which calls it on AllBlocksCleared.
     router, sc, r = _router_with_full_caches()
-    full = _FULL
-    assert sc.eviction_cost(r, cand("b", **full)) > 0
+    assert sc.eviction_cost(r, cand("b", **_FULL)) > 0
     router.cache_cleared("b")
-    assert sc.eviction_cost(r, cand("b", **full)) == 0.0
-    assert sc.eviction_cost(r, cand("a", **full)) > 0
+    assert sc.eviction_cost(r, cand("b", **_FULL)) == 0.0
+    assert sc.eviction_cost(r, cand("a", **_FULL)) > 0
 
 
 FIRST_TOKEN = PredictedTTFTScorer.Params(inflight_floor="untilFirstToken", spill_cost="ignore")
