@@ -86,7 +86,10 @@ def exported() -> dict[str, str]:
     for path in sorted((ROOT / "extproc").rglob("*.py")):
         if "_proto" in path.parts or "sim" in path.parts:  # the simulator's are vLLM's names
             continue
-        tree = ast.parse(path.read_text())
+        source = path.read_text()
+        if not re.search(PREFIX + "_", source):
+            continue  # parse only the modules that can name a family
+        tree = ast.parse(source)
         fstrings = [f for f in ast.walk(tree) if isinstance(f, ast.JoinedStr)]
         in_fstrings = {id(n) for f in fstrings for n in ast.walk(f)}
         found: dict[str, str | None] = {}
