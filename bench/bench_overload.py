@@ -232,6 +232,7 @@ def picker_config(
         plugins += [
             detector(kind, kv_ratio, round(OUTPUT_TOKENS * (output_scale or 1.0))),
             {"type": "weighted-token-fairness-policy"},
+            *([{"type": top_fairness}] if top_global_strict else []),
             # Batch stops at 85% of the detector's ceiling; interactive may use the rest.
             {"type": "priority-holdback-policy", "parameters": {"minCeiling": min_ceiling}},
         ]
