@@ -49,7 +49,9 @@ calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets t
 `-blocks` (`count_engine_blocks`; `-blocksall`: with `engine_blocks_lower_bands:
 blocks`), `-rfp` (`reserve_refill_credit: predicted`; `-rfs`: `started`), `-spike<ms>`
 (`reserve_spike_s`; `-sq<NN>`: `reserve_spike_quantile` 0.NN; `-sj`:
-`reserve_spike_joint`), `-ends<ms>`
+`reserve_spike_joint`), `-gs` (the interactive band's `fairnessPolicyRef`
+`global-strict-fairness-policy`: its requests in arrival order across tenants, FCFS; batch
+keeps `weighted-token-fairness-policy`), `-ends<ms>`
 (`dispatch_on_end`, off in every other run, and Envoy's access log flushed every <ms>
 instead of 100 ms), `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
@@ -187,6 +189,7 @@ def picker_config(
     dispatch_on_end: bool = False,
     engine_blocks: bool = False,
     engine_blocks_all: bool = False,
+    top_global_strict: bool = False,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -219,16 +222,24 @@ def picker_config(
     # The decision comes back on each response (its flow-control queue wait per request).
     doc["server"] = {"explain_tokens": [EXPLAIN_TOKEN]}
     if flow:
+        # `-gs`: interactive in arrival order across tenants (llm-d's default fairness),
+        # so its large C requests are not passed over by smaller A/B heads while they
+        # wait for room; batch keeps the token fairness that makes the shares.
+        top_fairness = (
+            "global-strict-fairness-policy" if top_global_strict
+            else "weighted-token-fairness-policy"
+        )  # fmt: skip
         plugins += [
             detector(kind, kv_ratio, round(OUTPUT_TOKENS * (output_scale or 1.0))),
             {"type": "weighted-token-fairness-policy"},
+            *([{"type": top_fairness}] if top_global_strict else []),
             # Batch stops at 85% of the detector's ceiling; interactive may use the rest.
             {"type": "priority-holdback-policy", "parameters": {"minCeiling": min_ceiling}},
         ]
         sched["flowControl"] = {
             "defaultRequestTTL": f"{ttl_s:g}s",
             "priorityBands": [
-                {"priority": 10, "fairnessPolicyRef": "weighted-token-fairness-policy"},
+                {"priority": 10, "fairnessPolicyRef": top_fairness},
                 {
                     "priority": 0,
                     "maxRequests": 24,
@@ -1079,6 +1090,9 @@ def main() -> int:
             run_name += after
             run_name, claim, after = run_name.partition("-claim")  # waiting_claims_room
             run_name += after
+            # `-gs`: the interactive band's fairness global-strict (FCFS across tenants).
+            run_name, gs, after = run_name.partition("-gs")
+            run_name += after
             run_name, osm, after = run_name.partition("-osm")  # output_token_scale: auto
             run_name += after
             run_name, os_, after = run_name.partition("-os")  # output_token_scale
@@ -1155,6 +1169,7 @@ def main() -> int:
                     dispatch_on_end=bool(ends_m),
                     engine_blocks=bool(blocks_m),
                     engine_blocks_all=blocks_all,
+                    top_global_strict=bool(gs),
                 )
                 dep.start(
                     cfg,
@@ -1192,6 +1207,7 @@ def main() -> int:
                     dispatch_on_end=bool(ends_m),
                     engine_blocks=bool(blocks_m),
                     engine_blocks_all=blocks_all,
+                    top_global_strict=bool(gs),
                 )
                 dep.start(cfg, src=src, flush_s=flush_s)
             sims_before = sims_now(dep)
