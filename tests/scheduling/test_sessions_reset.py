@@ -82,7 +82,7 @@ def test_sessions_of_an_endpoint_that_left_expire_without_counting_anywhere():
 
 def test_a_peer_placement_made_before_the_reset_is_applied_homeless():
     # Each replica hears of a restart from its own (or a shared) scrape; a peer's placement
-    # there that arrives after it (late, or read again after a Redis outage) was made on the
+    # there read after it (a batch on its way, or behind a slow read) was made on the
     # old process, and its tail is gone too.
     clock = ManualClock()
     sessions = LiveSessions(window_s=60.0, max_sessions=100, clock=clock)

@@ -303,8 +303,9 @@ class LiveSessions:
         # The chain's class as this record knows it, else as the peer sent it.
         cls = old.cls if old is not None and old.cls != UNKNOWN_CLASS else peer_cls
         at = self._clock() - max(0.0, age_s)
-        # Made before this record heard its endpoint reset (a peer's batch late, or read
-        # again after an outage): that tail went with the old cache.
+        # Made before this record heard its endpoint reset, read after (a peer's batch on its
+        # way, or behind a slow read): that tail went with the old cache. A placement queued
+        # through a Redis outage is timed by its late publication and cannot be told apart.
         home = None if at < self._reset_at.get(endpoint, -math.inf) else endpoint
         self._place(chain_id, home, tail, at, first, cls)
 
