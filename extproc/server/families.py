@@ -524,7 +524,7 @@ SESSION_BOUND = StatsFamilies(
         "reset_turns": Stat(
             "extproc_session_bound_reset_turns",
             "Later turns of sessions whose endpoint restarted or left, placed as a new "
-            "session is (also counted as bounded or kept together).",
+            "session is (on a held prefix, also counted as bounded or kept together).",
         ),
         "uncontinued_horizon_s": Stat(
             "extproc_session_bound_uncontinued_horizon_seconds",

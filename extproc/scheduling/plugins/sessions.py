@@ -94,7 +94,8 @@ class SessionBoundStats:
     class a peer replica did not send: each ends the prior for every class). On endpoint
     resets (a restart or a departure): `reset_sessions` (live sessions homed on the endpoint,
     no longer counted there) and `reset_turns` (later turns of such sessions, placed as a
-    new session is: bounded, or kept together, and counted as such too)."""
+    new session is: on a prefix some endpoint holds, also counted as bounded or kept
+    together)."""
 
     bounded: int = 0
     kept_together: int = 0
