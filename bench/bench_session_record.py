@@ -10,7 +10,9 @@ first turns pass their horizon and are settled on the way.
     git archive main | tar -x -C /tmp/base
     uv run python bench/bench_session_record.py --baseline /tmp/base [--blocks 64,2048]
 
-CPU time per request (`time.process_time` over a round), medians over rounds.
+CPU time per request (`time.process_time` over a round), medians over rounds. Then, this
+tree only, what `reset` (an endpoint restarted or left) costs on a full record: a scan of
+every chain, once per reset.
 """
 
 from __future__ import annotations
@@ -73,12 +75,27 @@ def _round(live_sessions: Any, reqs: list[tuple[int, ...]], blocks: int) -> floa
     return (time.process_time() - t0) / len(reqs)
 
 
+def _reset_ms(live_sessions: Any, chains: int, endpoints: int = 4) -> list[float]:
+    """Milliseconds for each `reset` of `endpoints` endpoints in turn, on a record holding
+    `chains` live sessions spread over them."""
+    live = live_sessions(1e9, chains, _Clock())
+    for i in range(chains):
+        live.touch(None, f"10.0.0.{i % endpoints}:8000", (3 * i, 3 * i + 1, 3 * i + 2))
+    out = []
+    for e in range(endpoints):
+        t0 = time.perf_counter()
+        live.reset(f"10.0.0.{e}:8000")
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", required=True, help="root of another extproc checkout")
     ap.add_argument("--blocks", default="64,2048", help="shared prompt lengths, blocks")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--reset-chains", type=int, default=50_000, help="0: no reset figure")
     args = ap.parse_args()
     copies = {
         "baseline": load(args.baseline)[_SESSIONS_MODULE].LiveSessions,
@@ -97,6 +114,13 @@ def main() -> None:
         cells = [f"{name} {statistics.median(ts):.2f} us" for name, ts in times.items()]
         ratio = statistics.median(times["this"]) / statistics.median(times["baseline"])
         print(f"| {blocks} blocks | {' | '.join(cells)} | {ratio:.3f}x |", flush=True)
+    if args.reset_chains:
+        ms = [m for _ in range(args.rounds) for m in _reset_ms(copies["this"], args.reset_chains)]
+        print(
+            f"reset, {args.reset_chains} live sessions: median {statistics.median(ms):.2f} ms, "
+            f"max {max(ms):.2f} ms ({len(ms)} resets)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -516,6 +516,16 @@ SESSION_BOUND = StatsFamilies(
             "First turns continued whose request class a peer replica did not send (an "
             "older version): each ends uncontinuedPrior for every class.",
         ),
+        "reset_sessions": Stat(
+            "extproc_session_bound_reset_sessions",
+            "Live sessions whose endpoint restarted or left the pool: no longer counted "
+            "there, their next turn placed as a new session's.",
+        ),
+        "reset_turns": Stat(
+            "extproc_session_bound_reset_turns",
+            "Later turns of sessions whose endpoint restarted or left, placed as a new "
+            "session is (on a held prefix, also counted as bounded or kept together).",
+        ),
         "uncontinued_horizon_s": Stat(
             "extproc_session_bound_uncontinued_horizon_seconds",
             "Seconds after which a first turn not continued counts as grown 0 blocks "

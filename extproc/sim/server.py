@@ -162,6 +162,7 @@ class SimServer:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/reset_prefix_cache", self._reset)
+        app.router.add_post("/sim/restart", self._restart)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/sim/cache", self._cache)
         app.router.add_get("/sim/speed", self._speed)
@@ -354,6 +355,13 @@ class SimServer:
 
     async def _reset(self, request: web.Request) -> web.Response:
         self.engine.reset_prefix_cache()
+        return web.Response(headers=self._headers())
+
+    async def _restart(self, request: web.Request) -> web.Response:
+        """A restart as a picker sees one, without the fleet's other servers going too (one
+        process serves them all): the cache emptied and a new process start time."""
+        self.engine.reset_prefix_cache()
+        self.engine.stats.created = time.time()
         return web.Response(headers=self._headers())
 
     async def _tokenize(self, request: web.Request) -> web.Response:

@@ -4,15 +4,22 @@ replica bounds new sessions by every server's sessions, not by the third it plac
 and a later turn reaching another replica still finds its session's home.
 
 The same seeded trace runs through one replica (memory index) and three (Redis), against
-fresh simulated servers each. Sessions start 0.6 s apart, many exchange intervals (50 ms),
-so which replica Envoy picks for a session's first turn does not change what the others
-know; the comparison is on where sessions live at the end (sessions per server), with one
-session of margin over one replica's run (which itself gives 3-4 on the busiest server)."""
+fresh simulated servers each, the two stacks side by side (they share nothing but the
+machine, and the trace is mostly waiting: ~7 s in all, where one after the other took
+~16 s). Sessions start 0.3 s apart, a hundred times what a placement takes to reach the
+peers (a blocking read, a few ms; 0.6 s dated from a 50 ms periodic exchange, and 0.2 s
+still placed every session alike in 3 of 3 runs), so which replica Envoy picks for a
+session's first turn does not change what the others know; the comparison is on where
+sessions live at the end (sessions per server), with one session of margin over one
+replica's run (which itself gives 3-4 on the busiest server)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
 
 import httpx
@@ -48,30 +55,55 @@ scheduling:
         - {pluginRef: max-score-picker}
 """
 SPEC = AgenticSpec(sessions=9, turns=3, agent_words=300, result_words=80, max_tokens=8,
-                   think_s=0.05, stagger_s=0.6, seed=11)  # fmt: skip
+                   think_s=0.05, stagger_s=0.3, seed=11)  # fmt: skip
 
 
-def run(tmp_path, replicas: int, redis_url: str | None):
-    sessions = build_sessions(SPEC)
+def options(tmp_path, replicas: int, redis_url: str | None) -> StackOptions:
     cfg = tmp_path / f"picker{replicas}.yaml"
     cfg.write_text(CONFIG)
-    opts = StackOptions(
+    return StackOptions(
         upstreams=3,
         sim_args=SIM,
         replicas=replicas,
         redis_url=redis_url,
         extproc_args=("--config", str(cfg)),
     )
-    with Stack(opts) as stack:
-        results, _ = asyncio.run(
-            run_closed_loop(sessions, stack.url, think_s=SPEC.think_s, stagger_s=SPEC.stagger_s)
-        )
-        admin = [stack.picker_admin_port] + [a for _, _, a in stack.replica_ports]
+
+
+def run_side_by_side(
+    tmp_path, redis_url: str
+) -> tuple[list[list[str]], list[list[str]], list[str]]:
+    """The trace through one replica and through three at once; where each session's turns
+    were served in each run, and the three replicas' metrics."""
+    runs = [options(tmp_path, 1, None), options(tmp_path, 3, redis_url)]
+    with contextlib.ExitStack() as stacks, ThreadPoolExecutor(len(runs)) as pool:
+        # Started in parallel too (a stack's start is mostly child processes importing).
+        starting = [pool.submit(Stack(opts).__enter__) for opts in runs]
+        futures.wait(starting)
+        for f in starting:
+            if f.exception() is None:
+                stacks.callback(f.result().close)
+        started = [f.result() for f in starting]  # the first failure, the others closed
+        traces = [build_sessions(SPEC) for _ in started]
+
+        async def both():
+            return await asyncio.gather(
+                *(
+                    run_closed_loop(t, s.url, think_s=SPEC.think_s, stagger_s=SPEC.stagger_s)
+                    for t, s in zip(traces, started, strict=True)
+                )
+            )
+
+        done = asyncio.run(both())
+        three = started[1]
+        admin = [three.picker_admin_port] + [a for _, _, a in three.replica_ports]
         metrics = [httpx.get(f"http://127.0.0.1:{p}/metrics").text for p in admin]
-    assert all(r.status == 200 for r in results), [r.error for r in results if r.error]
-    by_index = {r.index: r for r in results}
-    placed = [[by_index[t.index].served_by for t in turns] for turns in sessions]
-    return placed, metrics
+    placed = []
+    for (results, _), sessions in zip(done, traces, strict=True):
+        assert all(r.status == 200 for r in results), [r.error for r in results if r.error]
+        by_index = {r.index: r for r in results}
+        placed.append([[by_index[t.index].served_by for t in turns] for turns in sessions])
+    return placed[0], placed[1], metrics
 
 
 def stayed_moved(placed: list[list[str]]) -> tuple[int, int]:
@@ -85,8 +117,7 @@ def sample(metrics: str, name: str) -> float:
 
 
 def test_three_replicas_place_sessions_as_one_does(tmp_path, redis_server: RedisServer):
-    one, _ = run(tmp_path, 1, None)
-    three, metrics = run(tmp_path, 3, redis_server.url)
+    one, three, metrics = run_side_by_side(tmp_path, redis_server.url)
     # Sessions per server: where each session lives (its last turn) at the end.
     live_one = Counter(servers[-1] for servers in one)
     live_three = Counter(servers[-1] for servers in three)

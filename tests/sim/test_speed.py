@@ -167,3 +167,20 @@ async def test_the_lane_clock_shows_a_starved_engine_slower_than_its_histograms(
     # The histogram charges the schedule (~150 ms), the lane took the blocked 400 ms and more.
     assert abs(scheduled - (after.prefill_sum - hist.prefill_sum)) < 0.01
     assert 0.1 < scheduled < 0.3 and wall > 0.4 and wall > 1.5 * scheduled
+
+
+async def test_a_restart_empties_the_cache_and_moves_the_process_start_time(
+    start_sim: StartSim,
+):
+    """`POST /sim/restart`: what a scraper reads as a restart of this one server."""
+    async with start_sim(events=False, timing=TIMING) as srv, aiohttp.ClientSession() as http:
+        await ttft(http, srv.url, TEXT)
+        before = await scrape(http, srv.url)
+        async with http.post(f"{srv.url}/sim/restart") as resp:
+            assert resp.status == 200
+        after = await scrape(http, srv.url)
+        async with http.get(f"{srv.url}/sim/cache") as resp:
+            blocks = (await resp.json())["blocks"]
+    assert before.process_start_s is not None and after.process_start_s is not None
+    assert after.process_start_s > before.process_start_s
+    assert blocks == []

@@ -15,6 +15,12 @@ The record also feeds what sessions teach: a continued session's growth past its
 (session_fates.py). With a Redis index, replicas share the record (server/shared_sessions.py):
 each publishes its placements and applies the others', so every replica counts every
 server's sessions and finds a session's tail whichever replica placed its last turn.
+
+When an endpoint restarts or leaves the pool, the sessions homed there lose their tails: they
+stay in the record, homeless, until their next turn is placed (`LiveSessions.reset`). A reset
+is not shared between replicas: each hears of it itself (its own scrape or a peer's shared
+one shows the new process start time; its own discovery shows a departure), and a peer's
+placement made before the reset is applied homeless.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ Touch = tuple[tuple[int, ...], str, tuple[int, ...], int, str]
 
 @dataclass(slots=True)
 class _Chain:
-    endpoint: str
+    # None: homeless, its endpoint restarted or left (`LiveSessions.reset`).
+    endpoint: str | None
     seen: float
     keys: tuple[int, ...]
     # Blocks of the session's first turn: 0 when not known (another replica placed it).
@@ -85,6 +92,9 @@ class LiveSessions:
         self._chains: OrderedDict[int, _Chain] = OrderedDict()  # least recently active first
         self._by_key: dict[int, int] = {}  # tail key -> chain id
         self._counts: dict[str, int] = {}
+        # Endpoint -> when it was last reset (this clock): a peer's placement there made
+        # before it is applied homeless.
+        self._reset_at: dict[str, float] = {}
         self._next_id = 0
         self._uncontinued = learn_growth and learn_uncontinued
         self._growth = GrowthRecord(max_sessions)
@@ -197,7 +207,8 @@ class LiveSessions:
         return None
 
     def endpoint(self, chain_id: int) -> str | None:
-        """Where the chain's last turn was placed (its tail grew there)."""
+        """Where the chain's last turn was placed (its tail grew there); None for a chain
+        forgotten, or homeless since its endpoint was reset (`reset`)."""
         chain = self._chains.get(chain_id)
         return chain.endpoint if chain is not None else None
 
@@ -216,9 +227,36 @@ class LiveSessions:
         return self._growth.learned(block_keys, shared)
 
     def counts(self) -> Mapping[str, int]:
-        """Live sessions per endpoint (endpoints without any are absent)."""
+        """Live sessions per endpoint (endpoints without any are absent; homeless sessions
+        count on none)."""
         self._expire(self._clock())
         return self._counts
+
+    def reset(self, endpoint: str) -> int:
+        """`endpoint` restarted or left the pool: its cache went, and with it the tail of
+        every session homed there. Those sessions stay in the record but homeless: counted
+        on no endpoint (a restarted server carries none of them, and a new session must not
+        be kept off it for them), `endpoint()` None (nothing to keep a later turn home
+        for). Their chains stay findable, so a later turn still continues its session: its
+        first-turn length, class and turn count are the client's, not the server's, and
+        what it grows past its first turn is learned as before (growth records are kept
+        per prefix, not per endpoint, and stay valid too). The turn's placement re-homes
+        the chain. Returns how many sessions were homed there.
+
+        A scan of the whole record (50,000 chains at most, a few ms): resets are rare
+        (a restart, a scale-down), a per-endpoint index would cost every placement."""
+        now = self._clock()
+        self._reset_at[endpoint] = now
+        # Past the window every placement before a reset has expired anyway.
+        horizon = now - self._window
+        for address in [a for a, at in self._reset_at.items() if at < horizon]:
+            del self._reset_at[address]
+        n = self._counts.pop(endpoint, 0)
+        if n:
+            for chain in self._chains.values():
+                if chain.endpoint == endpoint:
+                    chain.endpoint = None
+        return n
 
     def touch(
         self,
@@ -264,7 +302,12 @@ class LiveSessions:
             first = peer_first
         # The chain's class as this record knows it, else as the peer sent it.
         cls = old.cls if old is not None and old.cls != UNKNOWN_CLASS else peer_cls
-        self._place(chain_id, endpoint, tail, self._clock() - max(0.0, age_s), first, cls)
+        at = self._clock() - max(0.0, age_s)
+        # Made before this record heard its endpoint reset, read after (a peer's batch on its
+        # way, or behind a slow read): that tail went with the old cache. A placement queued
+        # through a Redis outage is timed by its late publication and cannot be told apart.
+        home = None if at < self._reset_at.get(endpoint, -math.inf) else endpoint
+        self._place(chain_id, home, tail, at, first, cls)
 
     def merge_growth(self, grown: Grown) -> None:
         """A growth record a peer replica learned: each key's record becomes the larger of
@@ -288,15 +331,16 @@ class LiveSessions:
     def _place(
         self,
         chain_id: int | None,
-        endpoint: str,
+        endpoint: str | None,
         tail: tuple[int, ...],
         now: float,
         first: int = 0,
         cls: str = UNKNOWN_CLASS,
     ) -> int:
         """Places the chain's newest turn (a new chain when `chain_id` is None or forgotten);
-        returns its id. A chain continued after its first turn adds a first-to-second-turn
-        gap, and a continued first turn to its class's fates."""
+        returns its id (`endpoint` None: homeless, counted nowhere). A chain continued after
+        its first turn adds a first-to-second-turn gap, and a continued first turn to its
+        class's fates."""
         turns = 1
         if chain_id is not None and (old := self._chains.pop(chain_id, None)) is not None:
             self._forget(old)
@@ -316,7 +360,8 @@ class LiveSessions:
                 self._chains.pop(prev)
                 self._forget(other)
             self._by_key[key] = chain_id
-        self._counts[endpoint] = self._counts.get(endpoint, 0) + 1
+        if endpoint is not None:
+            self._counts[endpoint] = self._counts.get(endpoint, 0) + 1
         self._expire(now)
         return chain_id
 
@@ -333,6 +378,8 @@ class LiveSessions:
     def _forget(self, chain: _Chain) -> None:
         for key in chain.keys:
             self._by_key.pop(key, None)
+        if chain.endpoint is None:
+            return
         n = self._counts.get(chain.endpoint, 0) - 1
         if n > 0:
             self._counts[chain.endpoint] = n

@@ -31,6 +31,7 @@ teach growth 0, so one-shot prefix groups are left to the scorers too (session_f
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +45,8 @@ from extproc.errors import ConfigError
 from extproc.scheduling.plugins.session_chains import LiveSessions, Touch
 from extproc.scheduling.plugins.session_classes import session_class
 from extproc.scheduling.plugins.session_growth import GROUP_STRIDE, HEAD_BLOCKS, Grown
+
+log = logging.getLogger(__name__)
 
 # LiveSessions, Touch and Grown are imported from here by the replicas' sharing
 # (server/shared_sessions.py, shared_growth.py), the tests and the benches.
@@ -88,7 +91,11 @@ class SessionBoundStats:
     (the horizon now, seconds); with `uncontinuedPrior`, `uncontinued_prior` (new sessions
     on a prefix nothing was recorded under, kept together because no first turn in the
     fleet's recent ones came back) and `uncontinued_unclassed` (first turns continued whose
-    class a peer replica did not send: each ends the prior for every class)."""
+    class a peer replica did not send: each ends the prior for every class). On endpoint
+    resets (a restart or a departure): `reset_sessions` (live sessions homed on the endpoint,
+    no longer counted there) and `reset_turns` (later turns of such sessions, placed as a
+    new session is: on a prefix some endpoint holds, also counted as bounded or kept
+    together)."""
 
     bounded: int = 0
     kept_together: int = 0
@@ -100,6 +107,8 @@ class SessionBoundStats:
     uncontinued_horizon_s: float = 0.0
     uncontinued_prior: int = 0
     uncontinued_unclassed: int = 0
+    reset_sessions: int = 0
+    reset_turns: int = 0
 
 
 def _capacity(c: Candidate) -> float | None:
@@ -139,6 +148,10 @@ class BoundedSessionsFilter:
     `uncontinuedPrior` (opt-in), before a prefix's own first turn has passed its horizon
     the recent first turns of the request's class decide (API, tools declared, media:
     session_classes.py): all uncontinued, it is left to the scorers too.
+
+    When an endpoint restarts or leaves the pool, the sessions homed there stop counting
+    against it, and each one's next turn, its tail gone with the cache, is placed as a new
+    session on its prefix is (what its growth teaches is still learned).
 
     ```yaml
     - type: bounded-sessions-filter
@@ -237,19 +250,48 @@ class BoundedSessionsFilter:
         return self._lookup(req, cands)[0]
 
     def continues(self, req: InferenceRequest, cands: Sequence[Candidate]) -> bool:
-        """Whether `req` is a later turn of a live session."""
-        return bool(req.block_keys) and self._chain(req, cands) is not None
+        """Whether `req` is a later turn of a live session whose home still holds its tail
+        as far as the record knows (not one whose endpoint was reset since: moving that one
+        costs no tail)."""
+        return self.home(req, cands) is not None
 
     def home(self, req: InferenceRequest, cands: Sequence[Candidate]) -> str | None:
-        """The endpoint holding the tail of the session `req` continues (None: a new one)."""
+        """The endpoint holding the tail of the session `req` continues (None: a new one,
+        or one whose endpoint was reset since its last turn)."""
         if not req.block_keys:
             return None
         chain = self._chain(req, cands)
         return None if chain is None else self.sessions.endpoint(chain)
 
+    def endpoint_reset(self, address: str) -> None:
+        """`address` restarted or left the pool (`EndpointReset`): the sessions homed there
+        lost their tails with its cache. They stop counting against it, so new sessions are
+        not kept off a server that carries none of them, and each one's next turn is placed
+        as a new session is (bounded, or kept together on its expected growth), its tail
+        being nowhere: left as a continuation, it went unbounded to whichever server held
+        the shared prompt, the pile-up this filter exists to prevent. Its chain stays, so
+        the turn still teaches the session's growth past its first turn
+        (`LiveSessions.reset`)."""
+        n = self.sessions.reset(address)
+        self._stats.reset_sessions += n
+        if n:
+            log.info(
+                "bounded-sessions-filter: %s restarted or left: its %d live sessions no longer "
+                "count there, their next turns are placed as new sessions",
+                address,
+                n,
+            )
+
     def filter(self, req: InferenceRequest, cands: Sequence[Candidate]) -> Sequence[Candidate]:
-        if len(cands) < 2 or not req.block_keys or self._chain(req, cands) is not None:
+        if len(cands) < 2 or not req.block_keys:
             return cands
+        chain = self._chain(req, cands)
+        if chain is not None:
+            if self.sessions.endpoint(chain) is not None:
+                return cands
+            # A later turn of a session whose endpoint was reset: its tail is gone, so it is
+            # placed where a new session on its prefix would be.
+            self._stats.reset_turns += 1
         if all(c.prefix_known for c in cands) and not any(c.prefix_blocks for c in cands):
             # A prefix nobody holds joins no group: spreading it is load's business (and
             # no-hit-lru's), and one-shot requests must not be dealt out in turn regardless
