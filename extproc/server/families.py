@@ -518,13 +518,13 @@ SESSION_BOUND = StatsFamilies(
         ),
         "reset_sessions": Stat(
             "extproc_session_bound_reset_sessions",
-            "Live sessions whose endpoint restarted or left the pool: no longer counted "
-            "there, their next turn placed as a new session's.",
+            "Live sessions whose endpoint restarted, left the pool or cleared its prefix "
+            "cache: no longer counted there, their next turn placed as a new session's.",
         ),
         "reset_turns": Stat(
             "extproc_session_bound_reset_turns",
-            "Later turns of sessions whose endpoint restarted or left, placed as a new "
-            "session is (on a held prefix, also counted as bounded or kept together).",
+            "Later turns of sessions whose endpoint restarted, left or cleared its cache, "
+            "placed as a new session is (on a held prefix, also bounded or kept together).",
         ),
         "uncontinued_horizon_s": Stat(
             "extproc_session_bound_uncontinued_horizon_seconds",

@@ -117,3 +117,54 @@ async def test_the_router_tells_the_session_record_when_an_endpoint_is_forgotten
         f.sessions.touch(None, a, turn(s, 0).block_keys)
     await router.forget_endpoint("b")
     assert f.sessions.counts() == {"a": 2} and f.stats.reset_sessions == 2
+
+
+def test_a_cleared_cache_makes_its_sessions_homeless_as_a_restart_does():
+    # The engine emptied its prefix cache and kept running (precise mode's AllBlocksCleared):
+    # the tails are gone as on a restart, so the tail affinity goes and the sessions stop
+    # counting there; the bound still applies to each one's next turn.
+    clock = ManualClock()
+    f, home = _two_sessions_on_each_of_a_and_b(clock)
+    on_b = sorted(s for s, a in home.items() if a == "b")
+    f.cache_cleared("b")
+    assert f.sessions.counts() == {"a": 2} and f.stats.reset_sessions == 2
+    # A new session goes to the emptied "b" ("a" carries 2 of 3): counted with its old
+    # sessions, "b" was within the bound like "a" and the holder "a" took it.
+    assert place(f, turn(4, 0), [cand("a", prefix=len(SHARED)), cand("b")]) == "b"
+    r = turn(on_b[0], 1)
+    cands = [cand("a", prefix=len(SHARED)), cand("b", prefix=len(SHARED))]
+    assert f.home(r, cands) is None
+    scorer = SessionTailScorer()
+    scorer.bind({"f": f})
+    assert scorer.score(r, cands) == [1.0, 1.0]
+    # Placed as a new session is, bounded: "a" carries 2 of 4 with it, over its share.
+    assert f.filter(r, cands) == [cands[1]] and f.stats.reset_turns == 1
+    f.observe(r, cands, Decision(endpoints=(cands[1].endpoint,)))
+    assert f.sessions.counts() == {"a": 2, "b": 2}
+    # Homed again on "b"; the other session's turn is still homeless, bounded (2 and 2 of
+    # 5: both within it).
+    assert f.home(turn(on_b[0], 2), cands) == "b"
+    r2 = turn(on_b[1], 1)
+    assert f.home(r2, cands) is None and f.filter(r2, cands) == cands
+    assert f.stats.reset_turns == 2 and f.stats.bounded == 6
+
+
+async def test_the_router_tells_the_session_record_when_a_cache_is_cleared():
+    # The KV-event subscriber calls `cache_cleared` on an AllBlocksCleared
+    # (server/assembly.py `on_cleared`).
+    from extproc.core import Endpoint
+    from extproc.endpoints.pool import EndpointPool
+    from extproc.router import Router
+    from extproc.scheduling.config import build_scheduler, default_config
+    from extproc.testing import plugin_registry
+
+    router = Router(
+        pool=EndpointPool([Endpoint("a"), Endpoint("b")]),
+        scheduler=build_scheduler(default_config(), plugin_registry()),
+        parser=lambda *_: None,  # type: ignore[arg-type,return-value]
+    )
+    (f,) = [p for p in router.scheduler.plugins if isinstance(p, BoundedSessionsFilter)]
+    for s, a in enumerate("abab"):
+        f.sessions.touch(None, a, turn(s, 0).block_keys)
+    router.cache_cleared("b")
+    assert f.sessions.counts() == {"a": 2} and f.stats.reset_sessions == 2

@@ -16,10 +16,11 @@ The record also feeds what sessions teach: a continued session's growth past its
 each publishes its placements and applies the others', so every replica counts every
 server's sessions and finds a session's tail whichever replica placed its last turn.
 
-When an endpoint restarts or leaves the pool, the sessions homed there lose their tails: they
-stay in the record, homeless, until their next turn is placed (`LiveSessions.reset`). A reset
-is not shared between replicas: each hears of it itself (its own scrape or a peer's shared
-one shows the new process start time; its own discovery shows a departure), and a peer's
+When an endpoint restarts or leaves the pool, or its engine clears its prefix cache, the
+sessions homed there lose their tails: they stay in the record, homeless, until their next
+turn is placed (`LiveSessions.reset`). A reset is not shared between replicas: each hears of
+it itself (its own scrape or a peer's shared one shows the new process start time; its own
+discovery shows a departure; its own KV-event subscription the clear), and a peer's
 placement made before the reset is applied homeless.
 """
 
@@ -233,18 +234,20 @@ class LiveSessions:
         return self._counts
 
     def reset(self, endpoint: str) -> int:
-        """`endpoint` restarted or left the pool: its cache went, and with it the tail of
-        every session homed there. Those sessions stay in the record but homeless: counted
-        on no endpoint (a restarted server carries none of them, and a new session must not
-        be kept off it for them), `endpoint()` None (nothing to keep a later turn home
-        for). Their chains stay findable, so a later turn still continues its session: its
-        first-turn length, class and turn count are the client's, not the server's, and
-        what it grows past its first turn is learned as before (growth records are kept
-        per prefix, not per endpoint, and stay valid too). The turn's placement re-homes
-        the chain. Returns how many sessions were homed there.
+        """`endpoint` restarted or left the pool, or its engine cleared its prefix cache:
+        its cache went, and with it the tail of every session homed there. Those sessions
+        stay in the record but homeless: counted on no endpoint (an emptied server carries
+        none of them, and a new session must not be kept off it for them), `endpoint()`
+        None (nothing to keep a later turn home for). Their chains stay findable, so a
+        later turn still continues its session: its first-turn length, class and turn count
+        are the client's, not the server's, and what it grows past its first turn is learned
+        as before (growth records are kept per prefix, not per endpoint, and stay valid
+        too). The turn's placement re-homes the chain. Returns how many sessions were homed
+        there.
 
-        A scan of the whole record (50,000 chains at most, a few ms): resets are rare
-        (a restart, a scale-down), a per-endpoint index would cost every placement."""
+        A scan of the whole record (50,000 chains at most, a few ms): resets are rare (a
+        restart, a scale-down, a cache cleared), a per-endpoint index would cost every
+        placement."""
         now = self._clock()
         self._reset_at[endpoint] = now
         # Past the window every placement before a reset has expired anyway.

@@ -92,10 +92,10 @@ class SessionBoundStats:
     on a prefix nothing was recorded under, kept together because no first turn in the
     fleet's recent ones came back) and `uncontinued_unclassed` (first turns continued whose
     class a peer replica did not send: each ends the prior for every class). On endpoint
-    resets (a restart or a departure): `reset_sessions` (live sessions homed on the endpoint,
-    no longer counted there) and `reset_turns` (later turns of such sessions, placed as a
-    new session is: on a prefix some endpoint holds, also counted as bounded or kept
-    together)."""
+    resets (a restart or a departure) and cleared caches (the engine kept running):
+    `reset_sessions` (live sessions homed on the endpoint, no longer counted there) and
+    `reset_turns` (later turns of such sessions, placed as a new session is: on a prefix some
+    endpoint holds, also counted as bounded or kept together)."""
 
     bounded: int = 0
     kept_together: int = 0
@@ -149,9 +149,10 @@ class BoundedSessionsFilter:
     the recent first turns of the request's class decide (API, tools declared, media:
     session_classes.py): all uncontinued, it is left to the scorers too.
 
-    When an endpoint restarts or leaves the pool, the sessions homed there stop counting
-    against it, and each one's next turn, its tail gone with the cache, is placed as a new
-    session on its prefix is (what its growth teaches is still learned).
+    When an endpoint restarts or leaves the pool, or its engine clears its prefix cache
+    (precise mode), the sessions homed there stop counting against it, and each one's next
+    turn, its tail gone with the cache, is placed as a new session on its prefix is (what its
+    growth teaches is still learned).
 
     ```yaml
     - type: bounded-sessions-filter
@@ -272,13 +273,37 @@ class BoundedSessionsFilter:
         the shared prompt, the pile-up this filter exists to prevent. Its chain stays, so
         the turn still teaches the session's growth past its first turn
         (`LiveSessions.reset`)."""
+        self._lost_tails(address, "restarted or left")
+
+    def cache_cleared(self, address: str) -> None:
+        """`address`'s engine emptied its prefix cache and kept running (`CacheCleared`,
+        precise mode's AllBlocksCleared): the sessions homed there lost their tails as on a
+        restart, and are made homeless the same way (`endpoint_reset`).
+
+        They also stop counting for the bound there, though the server keeps its queue and
+        running requests. The count is a forecast of what will come back and grow in a
+        server's cache: a session whose tail is gone comes back to this server no more than
+        to any other, and its next turn is itself bounded when it is placed, so the
+        homeless sessions spread again within the bound instead of piling up anywhere.
+        Counted on, they kept new sessions off the one server that now holds none of them
+        and sent them to the prompt's holders. The load still running there is the load
+        plugins' to see (in-flight and scraped queues; `predicted-ttft-scorer` keeps its
+        queue on a clear too). A turn still queued at the clear (vLLM clears only with no
+        request holding blocks, or with `reset_running_requests`, which requeues them)
+        writes its tail again afterwards: its session's next turn, bounded, finds that
+        server holding the most of it in the index, and with room under the bound, the
+        server's count having just dropped."""
+        self._lost_tails(address, "cleared its prefix cache")
+
+    def _lost_tails(self, address: str, why: str) -> None:
         n = self.sessions.reset(address)
         self._stats.reset_sessions += n
         if n:
             log.info(
-                "bounded-sessions-filter: %s restarted or left: its %d live sessions no longer "
-                "count there, their next turns are placed as new sessions",
+                "bounded-sessions-filter: %s %s: its %d live sessions no longer count "
+                "there, their next turns are placed as new sessions",
                 address,
+                why,
                 n,
             )
 
