@@ -992,7 +992,8 @@ class BoundedLoadFilter:
     With a `bounded-sessions-filter` in the same config, a later turn of a live session is
     not bounded here: moving it recomputes its whole tail, which `predicted-ttft-scorer`
     weighs against the wait; a count of in-flight requests cannot. (Unless its endpoint
-    restarted or left since its last turn: the tail is gone, moving costs nothing.)
+    restarted, left or cleared its cache since its last turn: the tail is gone, moving
+    costs nothing.)
 
     ```yaml
     - type: bounded-load-filter
