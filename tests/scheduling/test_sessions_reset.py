@@ -98,9 +98,8 @@ def test_a_peer_placement_made_before_the_reset_is_applied_homeless():
     assert sessions.counts() == {"b": 1}
 
 
-async def test_the_router_tells_the_session_record_when_an_endpoint_is_forgotten():
-    # The assembled server calls `forget_endpoint` when the scraper sees a restart, or an
-    # endpoint leaves the pool (server/assembly.py, lifecycle.py).
+def _router_with_two_sessions_on_each_of_a_and_b():
+    """A router on the default profile and its session filter, sessions 0-3 on a, b, a, b."""
     from extproc.core import Endpoint
     from extproc.endpoints.pool import EndpointPool
     from extproc.router import Router
@@ -115,6 +114,13 @@ async def test_the_router_tells_the_session_record_when_an_endpoint_is_forgotten
     (f,) = [p for p in router.scheduler.plugins if isinstance(p, BoundedSessionsFilter)]
     for s, a in enumerate("abab"):
         f.sessions.touch(None, a, turn(s, 0).block_keys)
+    return router, f
+
+
+async def test_the_router_tells_the_session_record_when_an_endpoint_is_forgotten():
+    # The assembled server calls `forget_endpoint` when the scraper sees a restart, or an
+    # endpoint leaves the pool (server/assembly.py, lifecycle.py).
+    router, f = _router_with_two_sessions_on_each_of_a_and_b()
     await router.forget_endpoint("b")
     assert f.sessions.counts() == {"a": 2} and f.stats.reset_sessions == 2
 
@@ -152,19 +158,6 @@ def test_a_cleared_cache_makes_its_sessions_homeless_as_a_restart_does():
 async def test_the_router_tells_the_session_record_when_a_cache_is_cleared():
     # The KV-event subscriber calls `cache_cleared` on an AllBlocksCleared
     # (server/assembly.py `on_cleared`).
-    from extproc.core import Endpoint
-    from extproc.endpoints.pool import EndpointPool
-    from extproc.router import Router
-    from extproc.scheduling.config import build_scheduler, default_config
-    from extproc.testing import plugin_registry
-
-    router = Router(
-        pool=EndpointPool([Endpoint("a"), Endpoint("b")]),
-        scheduler=build_scheduler(default_config(), plugin_registry()),
-        parser=lambda *_: None,  # type: ignore[arg-type,return-value]
-    )
-    (f,) = [p for p in router.scheduler.plugins if isinstance(p, BoundedSessionsFilter)]
-    for s, a in enumerate("abab"):
-        f.sessions.touch(None, a, turn(s, 0).block_keys)
+    router, f = _router_with_two_sessions_on_each_of_a_and_b()
     router.cache_cleared("b")
     assert f.sessions.counts() == {"a": 2} and f.stats.reset_sessions == 2
