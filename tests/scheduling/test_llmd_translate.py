@@ -281,6 +281,15 @@ def test_mapped_plugins_turn_on_extprocs_machinery(tmp_path):
     )
 
 
+def test_speculative_ttl_alone_is_said_to_have_no_effect():
+    from extproc.scheduling.llmd.mapped import MAPPED, PreciseProducerParams
+
+    effect = MAPPED["precise-prefix-cache-producer"].effect
+    assert effect is not None
+    _, notes = effect(PreciseProducerParams(speculativeTTL="2s"))
+    assert any(n.startswith("speculativeIndexing / speculativeTTL:") for n in notes)
+
+
 @pytest.mark.parametrize(
     ("parameters", "verify", "ca_file"),
     [
