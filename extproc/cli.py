@@ -364,7 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--endpoints", help="model-server ip:port list (needed for override-host)")
     e.add_argument("--admin-port", type=int, help="expose Envoy's admin on 127.0.0.1:PORT")
     e.add_argument("--fail-open", action="store_true", help="failure_mode_allow: true")
-    e.add_argument("--retries", type=int, default=2, help="override-host retries")
+    e.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="retries of a request that failed before any response byte (connect failure, "
+        "reset, refused stream), in both --lb modes: override-host tries the next endpoint "
+        "of the picker's list, original-dst the same address again; 0: no retry policy, "
+        "and so no per-try idle timeout either",
+    )
     e.add_argument(
         "--extproc-tls",
         action="store_true",
