@@ -239,11 +239,29 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    import msgspec
+
     from extproc.scheduling.registry import PluginRegistry
 
-    for name, doc in PluginRegistry.default().describe():
-        print(f"{name}\n" + "\n".join(f"    {line}" for line in doc.splitlines()) + "\n")
+    registry = PluginRegistry.default()
+    for name, doc in registry.describe():
+        print(f"{name}\n" + "\n".join(f"    {line}" for line in doc.splitlines()))
+        # Read from the plugin's Params, so the list cannot drift from what is accepted.
+        params = [
+            f"{key} {'required' if d is msgspec.NODEFAULT else _yaml_value(d)}"
+            for key, d in registry.parameters(name)
+        ]
+        print("    parameters (default): " + (", ".join(params) if params else "none") + "\n")
     return 0
+
+
+def _yaml_value(value: object) -> str:
+    import json
+
+    import msgspec
+
+    # JSON is YAML's flow style: `null`, `true`, `"5m"`, `{"decode": "decode"}`.
+    return json.dumps(msgspec.to_builtins(value))
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
