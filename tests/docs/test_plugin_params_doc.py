@@ -372,3 +372,49 @@ def test_no_doc_calls_a_registered_plugin_missing():
                 if NOT_THERE.search(sentence) and _types_named(sentence):
                     wrong.append(f"{doc}: {sentence.strip()[:160]}")
     assert wrong == []
+
+
+def _typed_entries(node: Any) -> Iterator[dict[str, Any]]:
+    """Every mapping with a string `type` in a YAML document (plugin entries)."""
+    if isinstance(node, dict):
+        if isinstance(node.get("type"), str):
+            yield node
+        for value in node.values():
+            yield from _typed_entries(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _typed_entries(item)
+
+
+def test_every_yaml_example_decodes_into_its_plugins_params():
+    """The YAML examples of the docs and of the plugins' own docstrings (which `extproc
+    plugins` prints) configure each plugin as its Params accept: a renamed or misspelt
+    parameter in an example is a failure here, not a user's config error."""
+    params = {name: p for (_, name), p in _params_classes().items()}
+    texts = dict(doc_texts())
+    registry = PluginRegistry(BUILTINS)
+    texts |= {f"{name} (docstring)": doc for name, doc in registry.describe()}
+    wrong, seen = [], 0
+    for where, text in texts.items():
+        for block in re.findall(r"```ya?ml\n(.*?)^ *```", text, re.MULTILINE | re.DOTALL):
+            try:
+                loaded = yaml.safe_load(block)
+            except yaml.YAMLError:
+                continue  # a fragment with placeholders
+            for entry in _typed_entries(loaded):
+                if entry["type"] not in params:
+                    continue  # a type of another registry or none (`type: threshold`)
+                seen += 1
+                try:
+                    msgspec.convert(entry.get("parameters") or {}, params[entry["type"]])
+                except (msgspec.ValidationError, ValueError) as exc:
+                    wrong.append(f"{where}: {entry['type']}: {exc}")
+    assert wrong == []
+    assert seen > 50
+
+
+@cache
+def _params_classes() -> dict[tuple[str, str], type[msgspec.Struct]]:
+    return {
+        (fam, name): p for fam, family in FAMILIES.items() for name, p in family.params().items()
+    }
