@@ -239,11 +239,29 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    import msgspec
+
     from extproc.scheduling.registry import PluginRegistry
 
-    for name, doc in PluginRegistry.default().describe():
-        print(f"{name}\n" + "\n".join(f"    {line}" for line in doc.splitlines()) + "\n")
+    registry = PluginRegistry.default()
+    for name, doc in registry.describe():
+        print(f"{name}\n" + "\n".join(f"    {line}" for line in doc.splitlines()))
+        # Read from the plugin's Params, so the list cannot drift from what is accepted.
+        params = [
+            f"{key} {'required' if d is msgspec.NODEFAULT else _yaml_value(d)}"
+            for key, d in registry.parameters(name)
+        ]
+        print("    parameters (default): " + (", ".join(params) if params else "none") + "\n")
     return 0
+
+
+def _yaml_value(value: object) -> str:
+    import json
+
+    import msgspec
+
+    # JSON is YAML's flow style: `null`, `true`, `"5m"`, `{"decode": "decode"}`.
+    return json.dumps(msgspec.to_builtins(value))
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -364,7 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--endpoints", help="model-server ip:port list (needed for override-host)")
     e.add_argument("--admin-port", type=int, help="expose Envoy's admin on 127.0.0.1:PORT")
     e.add_argument("--fail-open", action="store_true", help="failure_mode_allow: true")
-    e.add_argument("--retries", type=int, default=2, help="override-host retries")
+    e.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="retries of a request that failed before any response byte (connect failure, "
+        "reset, refused stream), in both --lb modes: override-host tries the next endpoint "
+        "of the picker's list, original-dst the same address again; 0: no retry policy, "
+        "and so no per-try idle timeout either",
+    )
     e.add_argument(
         "--extproc-tls",
         action="store_true",

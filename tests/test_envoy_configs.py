@@ -71,3 +71,20 @@ def test_access_log_flush_interval_is_a_flag(capsys):
     waits that long for the room it freed); 20 ms unless told."""
     assert "buffer_flush_interval: 0.02s" in emitted("", capsys)
     assert "buffer_flush_interval: 0.1s" in emitted("--access-log-flush-s 0.1", capsys)
+
+
+@pytest.mark.parametrize("lb", ["", f"--lb override-host --endpoints {ENDPOINTS}"])
+def test_retries_apply_in_both_lb_modes(lb: str, capsys):
+    """`--retries` (its help says so): the route's retry policy, whichever --lb; 0 leaves
+    the policy out, and with it the per-try idle timeout."""
+    import yaml
+
+    def route(args: str) -> dict:
+        cfg = yaml.safe_load(emitted(f"{lb} {args}", capsys))
+        (listener,) = cfg["static_resources"]["listeners"]
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        return hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+
+    assert route("")["retry_policy"]["num_retries"] == 2
+    assert route("--retries 5")["retry_policy"]["num_retries"] == 5
+    assert "retry_policy" not in route("--retries 0")

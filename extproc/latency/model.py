@@ -74,14 +74,15 @@ _MAX_UNCOUNTED = 1024
 
 
 class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename="camel"):
-    """Learning knobs (not throughputs: nothing here says how fast a server is).
+    """Learning knobs (not throughputs: nothing here says how fast a server is), named as
+    the producer's `model:` parameter spells them.
 
     `forgetting` (0.9): weight each fit keeps per new sample (about the last 10 intervals
-    matter). `min_samples` (3): prefill intervals before an endpoint's own fit is used.
+    matter). `minSamples` (3): prefill intervals before an endpoint's own fit is used.
     `smoothing` (0.3): weight of a new interval in the smoothed means (overhead, mean
-    uncached tokens per request). `late_heads` (true): price an endpoint whose oldest
+    uncached tokens per request). `lateHeads` (true): price an endpoint whose oldest
     unfinished placement has run longer than its price at the speed that placement shows.
-    `decode_slowdown` (false, with `late_heads`): also price an endpoint at the slowdown its
+    `decodeSlowdown` (false, with `lateHeads`): also price an endpoint at the slowdown its
     decode steps show, when a head is late and it is larger than the head's bound, or
     when it is 1.5 times or more on its own: a tenant's slowdown shows there within a
     scrape or two, long before a slowed prefill ends. Off by default: on vLLM, decode

@@ -72,6 +72,18 @@ class PluginRegistry:
         """(type name, docstring) of every plugin, for `extproc plugins`."""
         return [(n, inspect.getdoc(self._classes[n]) or "") for n in self.type_names]
 
+    def parameters(self, type_name: str) -> tuple[tuple[str, Any], ...]:
+        """(name as YAML spells it, default) of each parameter `type_name` accepts, read
+        from its Params; `msgspec.NODEFAULT` where it has none (required)."""
+        out = []
+        for f in msgspec.structs.fields(self.get(type_name).Params):
+            if f.default_factory is not msgspec.NODEFAULT:
+                default = f.default_factory()
+            else:
+                default = f.default
+            out.append((f.encode_name, default))
+        return tuple(out)
+
 
 def validation_error(exc: msgspec.ValidationError, prefix: tuple[str | int, ...]) -> ConfigError:
     """A msgspec error (`Object contains unknown field `x` - at `$.a[0]``) as a ConfigError

@@ -23,6 +23,7 @@ from extproc.scheduling.plugins.latency import (
     slo_ms,
 )
 from extproc.scheduling.plugins.prefix import PrefixCacheAffinityFilter
+from extproc.scheduling.registry import PluginRegistry
 from tests.latency.synthetic import Engine, teach
 from tests.scheduling.helpers import addrs, cand
 from tests.scheduling.helpers import req as _req
@@ -103,6 +104,18 @@ def test_llm_d_latency_chart_config_loads_and_binds(tmp_path):
     decision = scheduler.schedule(req(tokens=100), cands)
     assert decision.endpoints
     assert any(isinstance(p, LatencySloAdmitter) for p in scheduler.plugins)
+
+
+def test_llm_d_spellings_of_acronym_parameters_are_accepted():
+    """llm-d writes `contextTTL` and `compositeKVWeight`: camel renaming alone would have
+    made them `contextTtl` / `compositeKvWeight`, and an llm-d config a config error."""
+    registry = PluginRegistry.default()
+    prod = registry.build("predicted-latency-producer", {"contextTTL": "2m"}, ())
+    assert prod.params.context_ttl == "2m"
+    scorer = registry.build("latency-scorer", {"compositeKVWeight": 2.5}, ())
+    assert scorer.params.composite_kv_weight == 2.5
+    with pytest.raises(ConfigError, match="unknown field"):
+        registry.build("latency-scorer", {"compositeKvWeight": 2.5}, ())
 
 
 def test_latency_consumer_without_a_producer_is_a_config_error(tmp_path):

@@ -127,6 +127,17 @@ def test_extprocs_older_parameter_names_are_translated_and_said_so():
     assert any("older name for llm-d's affinityThreshold" in n for n in r.notes)
 
 
+def test_ignored_parameters_are_said_so():
+    registry = PluginRegistry.default()
+    d = doc()
+    d["plugins"][0] = {"type": "prefix-cache-scorer", "parameters": {"mode": "precise"}}
+    d["schedulingProfiles"][0]["plugins"][0] = {"pluginRef": "prefix-cache-scorer"}
+    t = translate(d, registry)
+    assert t.problems == []
+    (r,) = [r for r in t.realised if r.type == "prefix-cache-scorer"]
+    assert any(n.startswith("parameter mode ignored: the keys are precise") for n in r.notes)
+
+
 def test_llm_d_deprecated_disagg_parameters_are_translated():
     d = doc()
     d["plugins"] += [
@@ -268,6 +279,15 @@ def test_mapped_plugins_turn_on_extprocs_machinery(tmp_path):
         "/m",
         0.25,
     )
+
+
+def test_speculative_ttl_alone_is_said_to_have_no_effect():
+    from extproc.scheduling.llmd.mapped import MAPPED, PreciseProducerParams
+
+    effect = MAPPED["precise-prefix-cache-producer"].effect
+    assert effect is not None
+    _, notes = effect(PreciseProducerParams(speculativeTTL="2s"))
+    assert any(n.startswith("speculativeIndexing / speculativeTTL:") for n in notes)
 
 
 @pytest.mark.parametrize(

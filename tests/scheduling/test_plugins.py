@@ -256,3 +256,21 @@ def test_weighted_random_picker_follows_weights():
 def test_scores_stay_in_unit_range(plugin):
     cands = [cand(str(i), waiting=i * 3, kv_usage=i / 10, inflight_requests=i) for i in range(8)]
     assert all(0.0 <= s <= 1.0 for s in plugin.score(req(), cands))
+
+
+def test_extproc_plugins_prints_each_plugins_parameters_from_its_params(capsys):
+    """`extproc plugins` says it lists the parameters: they are read from each Params, so a
+    new parameter is printed without anyone remembering to."""
+    from extproc.cli import main
+    from extproc.scheduling.registry import PluginRegistry
+
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    registry = PluginRegistry.default()
+    blocks = {b.split("\n", 1)[0]: b for b in out.split("\n\n") if b}
+    for name in registry.type_names:
+        line = next(ln for ln in blocks[name].splitlines() if "parameters (default):" in ln)
+        assert all(f" {key} " in line + " " for key, _ in registry.parameters(name)), name
+    assert "epsilon 0.25" in blocks["bounded-load-filter"]
+    assert "label required" in blocks["by-label"]
+    assert "parameters (default): none" in blocks["queue-scorer"]

@@ -278,10 +278,11 @@ def _precise(p: PreciseProducerParams) -> tuple[Plumbing, list[str]]:
             "parameter indexerConfig ignored: the index is configured in extproc's `index` "
             "settings (memory or Redis)"
         )
-    if p.speculativeIndexing:
+    if p.speculativeIndexing or p.speculativeTTL is not None:
+        # speculativeTTL only tunes speculative indexing: said the same way, never silently.
         notes.append(
-            "speculativeIndexing: extproc records each decision in the index only in "
-            "approximate mode; in precise mode the KV events are the truth"
+            "speculativeIndexing / speculativeTTL: extproc records each decision in the "
+            "index only in approximate mode; in precise mode the KV events are the truth"
         )
     events = p.kvEventsConfig or {}
     bind = events.get("zmqEndpoint")

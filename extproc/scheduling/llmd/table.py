@@ -119,6 +119,8 @@ IGNORED_PARAMS: dict[tuple[str, str], str] = {
     ("no-hit-lru-scorer", "prefixPluginType"): "the prefix match comes from the shared index",
     ("no-hit-lru-scorer", "prefixPluginName"): "the prefix match comes from the shared index",
     ("prefix-cache-scorer", "autoTune"): "block size comes from blockSizeTokens or the engine",
+    ("prefix-cache-scorer", "mode"): "the keys are precise when the config sets up precise "
+    "prefix matching (parse.precise, or llm-d's precise producer), else approximate",
     ("active-request-scorer", "requestTimeout"): "in-flight requests end when the stream ends",
 }
 

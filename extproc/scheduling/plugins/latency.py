@@ -108,7 +108,8 @@ class PredictedLatencyProducer:
         sampling_mean: float = 1000.0
         max_decode_token_samples_for_prediction: int = 0
         slo_buffer_factor: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
-        context_ttl: str = "5m"
+        # llm-d spells it with TTL in capitals, which camel renaming would not produce.
+        context_ttl: str = msgspec.field(default="5m", name="contextTTL")
         streaming_mode: bool = False
         endpoint_role_label: str = ""
         predict_in_produce: bool = True
@@ -274,7 +275,8 @@ class LatencyScorer(_Consumer):
         ttft_weight: _NonNeg = 0.8
         tpot_weight: _NonNeg = 0.2
         headroom_selection_strategy: Literal["least", "most"] = "least"
-        composite_kv_weight: _NonNeg = 1.0
+        # llm-d's spelling (KV in capitals), which camel renaming would not produce.
+        composite_kv_weight: _NonNeg = msgspec.field(default=1.0, name="compositeKVWeight")
         composite_queue_weight: _NonNeg = 1.0
         composite_prefix_weight: _NonNeg = 1.0
         latency_prediction_info_producer_name: str = ""
