@@ -118,6 +118,15 @@ def test_llm_d_spellings_of_acronym_parameters_are_accepted():
         registry.build("latency-scorer", {"compositeKvWeight": 2.5}, ())
 
 
+def test_newer_llm_d_producer_naming_its_prefix_producer_is_accepted():
+    """llm-d's newer predicted-latency-producer names the prefix producer it reads; here the
+    match comes from the shared index, so the parameter is accepted, not a config error."""
+    registry = PluginRegistry.default()
+    params = {"prefixMatchInfoProducerName": "precise-prefix-cache-producer"}
+    prod = registry.build("predicted-latency-producer", params, ())
+    assert prod.params.prefix_match_info_producer_name == "precise-prefix-cache-producer"
+
+
 def test_latency_consumer_without_a_producer_is_a_config_error(tmp_path):
     path = tmp_path / "epp.yaml"
     path.write_text(

@@ -115,6 +115,9 @@ class PredictedLatencyProducer:
         predict_in_produce: bool = True
         use_encoder_cache_features: bool = False
         encoder_cache_match_info_producer_name: str = ""
+        # llm-d (newer) names the prefix producer to read; here the match comes from the
+        # shared index, so it is accepted and names nothing (as on the prefix scorers).
+        prefix_match_info_producer_name: str | None = None
         model: ModelSettings = ModelSettings()
         learn_interval_ms: Annotated[float, msgspec.Meta(gt=0.0)] = 50.0
         response_header: bool = False
