@@ -47,7 +47,8 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 `-osm` (the same, but `output_token_scale: auto`: the picker measures the scale from
 calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
 `-blocks` (`count_engine_blocks`; `-blocksall`: with `engine_blocks_lower_bands:
-blocks`), `-rfp` (`reserve_refill_credit: predicted`; `-rfs`: `started`), `-spike<ms>`
+blocks`), `-rfp` (`reserve_refill_credit: predicted`; `-rfs`: `started`), `-fl<NN>`
+(`reserve_refill_floor` 0.NN), `-spike<ms>`
 (`reserve_spike_s`; `-sq<NN>`: `reserve_spike_quantile` 0.NN; `-sj`:
 `reserve_spike_joint`), `-gs` (the interactive band's `fairnessPolicyRef`
 `global-strict-fairness-policy`: its requests in arrival order across tenants, FCFS; batch
@@ -180,6 +181,7 @@ def picker_config(
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
     refill_credit: str = "rate",
+    refill_floor: float = 0.0,
     spike_s: float = 0.0,
     spike_quantile: float = 0.0,
     spike_joint: bool = False,
@@ -275,6 +277,8 @@ def picker_config(
             # Always written: `auto` (the default) would make a one-picker run's `rate` into
             # `started` (flowcontrol/spike_auto.py). `-rfp`, `-rfs`: predicted ends.
             doc["flow_control"]["reserve_refill_credit"] = refill_credit
+            if refill_floor:  # `-fl<NN>`: the share of the reserve kept whatever the credit
+                doc["flow_control"]["reserve_refill_floor"] = refill_floor
         if spike_s:
             # The rate term from interactive's clumps (`-spike<ms>[-sq<NN>]` runs).
             doc["flow_control"]["reserve_spike_s"] = spike_s
@@ -1064,6 +1068,9 @@ def main() -> int:
             rf_m = re.search(r"-refill(\d+)", run_name)  # `-refill<ms>`: reserve_refill_s
             refill_s = int(rf_m.group(1)) / 1000 if rf_m else 0.0
             run_name = re.sub(r"-refill\d+", "", run_name)
+            fl_m = re.search(r"-fl(\d+)", run_name)  # `-fl<NN>`: reserve_refill_floor 0.NN
+            refill_floor = int(fl_m.group(1)) / 100 if fl_m else 0.0
+            run_name = re.sub(r"-fl\d+", "", run_name)
             # `-spike<ms>`: reserve_spike_s (the rate term from the band's clumps), at
             # `-sq<NN>`: reserve_spike_quantile 0.NN (default 0.9).
             sp_m = re.search(r"-spike(\d+)", run_name)
@@ -1160,6 +1167,7 @@ def main() -> int:
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
                     refill_credit=credit,
+                    refill_floor=refill_floor,
                     spike_s=spike_s,
                     spike_quantile=spike_q,
                     spike_joint=bool(sj),
@@ -1198,6 +1206,7 @@ def main() -> int:
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
                     refill_credit=credit,
+                    refill_floor=refill_floor,
                     spike_s=spike_s,
                     spike_quantile=spike_q,
                     spike_joint=bool(sj),

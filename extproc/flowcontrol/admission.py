@@ -148,6 +148,7 @@ class Admission:
             reserve_rate_quantile=s.reserve_rate_quantile,
             reserve_refill_s=s.reserve_refill_s,
             reserve_refill_credit=spike.credit,
+            reserve_refill_floor=s.reserve_refill_floor,
             reserve_spike_s=s.reserve_spike_s,
             reserve_spike_quantile=spike.quantile,
             reserve_spike_joint=spike.joint,
