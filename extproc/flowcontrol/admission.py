@@ -110,6 +110,8 @@ class Admission:
                 "no effect without "
                 "admit_per_endpoint and reserve_for_higher_bands"
             )
+        if s.reserve_refill_floor and not s.reserve_refill_s:
+            log.warning("flow_control.reserve_refill_floor has no effect without reserve_refill_s")
         if s.reserve_spike_joint is True and not s.reserve_spike_s:
             log.warning("flow_control.reserve_spike_joint has no effect without reserve_spike_s")
         # The prior's prompt (what a server prefills) is its request less the output

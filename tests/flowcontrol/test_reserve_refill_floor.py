@@ -1,16 +1,20 @@
-"""A floor under the refill credit (`flow_control.reserve_refill_floor`, an experiment): a
+"""A floor under the refill credit (`flow_control.reserve_refill_floor`, opt-in): a
 server keeps at least that share of the reserve for higher bands however much room it is
 expected to free, so the credit cannot lend out nearly all of it (bench/RESULTS.md,
 twenty-sixth session: `started` credits reached 3,234 of a 3,257 reserve)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
-from extproc.config import decode_settings
+from extproc.config import build_configured_flow_control, decode_settings
 from extproc.errors import ConfigError
+from extproc.flowcontrol.admission import Admission
 from extproc.flowcontrol.config import FlowControlSettings
 from extproc.flowcontrol.controller import FlowController
+from extproc.flowcontrol.objectives import Objectives
 from tests.flowcontrol.controllers import controller, tokens_detector
 from tests.flowcontrol.test_reserve_rate import Clock, Fleet
 from tests.flowcontrol.test_reserve_refill import ended_on, lower_released
@@ -51,3 +55,13 @@ def test_the_setting_is_read_and_bounded():
             decode_settings({"flow_control": {"reserve_refill_floor": bad}})
     with pytest.raises(ValueError):
         make(Fleet(), Clock(), 1.5)
+
+
+def test_without_the_horizon_it_says_it_does_nothing(caplog):
+    doc = {"flow_control": {"admit_per_endpoint": True, "reserve_for_higher_bands": 1,
+                            "reserve_refill_floor": 0.8}}  # fmt: skip
+    cfg = build_configured_flow_control(decode_settings(doc))
+    assert cfg is not None
+    with caplog.at_level(logging.WARNING, logger="extproc.flowcontrol"):
+        Admission(cfg, lambda: [], objectives=Objectives(table={}))
+    assert "reserve_refill_floor has no effect without reserve_refill_s" in caplog.text
