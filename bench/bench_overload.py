@@ -47,7 +47,8 @@ offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.N
 `-osm` (the same, but `output_token_scale: auto`: the picker measures the scale from
 calibration; the detector's `outputTokens` and `kvCacheFraction` as `-os` sets them),
 `-blocks` (`count_engine_blocks`; `-blocksall`: with `engine_blocks_lower_bands:
-blocks`), `-rfp` (`reserve_refill_credit: predicted`; `-rfs`: `started`), `-spike<ms>`
+blocks`), `-rfp` (`reserve_refill_credit: predicted`; `-rfs`: `started`), `-fl<NN>`
+(`reserve_refill_floor` 0.NN), `-spike<ms>`
 (`reserve_spike_s`; `-sq<NN>`: `reserve_spike_quantile` 0.NN; `-sj`:
 `reserve_spike_joint`), `-gs` (the interactive band's `fairnessPolicyRef`
 `global-strict-fairness-policy`: its requests in arrival order across tenants, FCFS; batch
@@ -160,6 +161,16 @@ def output_scaled(done: list[Req]) -> tuple[float, float]:
     return scale, est / kv
 
 
+def take_number(run: str, name: str, tag: str) -> tuple[int | None, str]:
+    """A run name's numeric suffix `-<tag><N>`: N (None without it) and the name less it. A
+    suffix given twice is an error: `re.search` took the first and `re.sub` dropped both,
+    so `J-sq98` (J's name ends `-sq95-sj-rfs`) silently ran at 0.95."""
+    found = re.findall(rf"-{tag}(\d+)", name)
+    if len(found) > 1:
+        raise SystemExit(f"{run}: -{tag}<N> given {len(found)} times ({', '.join(found)})")
+    return (int(found[0]) if found else None), re.sub(rf"-{tag}\d+", "", name)
+
+
 def picker_config(
     objectives: Path,
     *,
@@ -180,6 +191,7 @@ def picker_config(
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
     refill_credit: str = "rate",
+    refill_floor: float = 0.0,
     spike_s: float = 0.0,
     spike_quantile: float = 0.0,
     spike_joint: bool = False,
@@ -275,6 +287,8 @@ def picker_config(
             # Always written: `auto` (the default) would make a one-picker run's `rate` into
             # `started` (flowcontrol/spike_auto.py). `-rfp`, `-rfs`: predicted ends.
             doc["flow_control"]["reserve_refill_credit"] = refill_credit
+            if refill_floor:  # `-fl<NN>`: the share of the reserve kept whatever the credit
+                doc["flow_control"]["reserve_refill_floor"] = refill_floor
         if spike_s:
             # The rate term from interactive's clumps (`-spike<ms>[-sq<NN>]` runs).
             doc["flow_control"]["reserve_spike_s"] = spike_s
@@ -1049,29 +1063,25 @@ def main() -> int:
             run_name += after
             # `-out<N>`: expected_output_tokens N (e.g. `-out96`, the 2-replica path's
             # config before the twelfth session, with `-noprior`).
-            out_m = re.search(r"-out(\d+)", run_name)
-            out_n = int(out_m.group(1)) if out_m else 0
-            run_name = re.sub(r"-out\d+", "", run_name)
+            out_v, run_name = take_number(run, run_name, "out")
+            out_n = out_v or 0
             # `-q<NN>`: reserve_quantile 0.NN (the reserve from that quantile of
             # interactive's recent sizes instead of the largest).
-            rq_m = re.search(r"-rq(\d+)", run_name)  # `-rq<NN>`: reserve_rate_quantile
-            rate_quantile = int(rq_m.group(1)) / 100 if rq_m else 0.0
-            run_name = re.sub(r"-rq\d+", "", run_name)
+            rq_v, run_name = take_number(run, run_name, "rq")  # reserve_rate_quantile
+            rate_quantile = rq_v / 100 if rq_v is not None else 0.0
             # `-ends<ms>`: dispatch_on_end, and Envoy's access log flushed every <ms>.
-            ends_m = re.search(r"-ends(\d+)", run_name)
-            flush_s = int(ends_m.group(1)) / 1000 if ends_m else 0.1
-            run_name = re.sub(r"-ends\d+", "", run_name)
-            rf_m = re.search(r"-refill(\d+)", run_name)  # `-refill<ms>`: reserve_refill_s
-            refill_s = int(rf_m.group(1)) / 1000 if rf_m else 0.0
-            run_name = re.sub(r"-refill\d+", "", run_name)
+            ends_v, run_name = take_number(run, run_name, "ends")
+            flush_s = ends_v / 1000 if ends_v is not None else 0.1
+            rf_v, run_name = take_number(run, run_name, "refill")  # reserve_refill_s (ms)
+            refill_s = rf_v / 1000 if rf_v is not None else 0.0
+            fl_v, run_name = take_number(run, run_name, "fl")  # reserve_refill_floor 0.NN
+            refill_floor = fl_v / 100 if fl_v is not None else 0.0
             # `-spike<ms>`: reserve_spike_s (the rate term from the band's clumps), at
             # `-sq<NN>`: reserve_spike_quantile 0.NN (default 0.9).
-            sp_m = re.search(r"-spike(\d+)", run_name)
-            spike_s = int(sp_m.group(1)) / 1000 if sp_m else 0.0
-            run_name = re.sub(r"-spike\d+", "", run_name)
-            sq_m = re.search(r"-sq(\d+)", run_name)
-            spike_q = int(sq_m.group(1)) / 100 if sq_m else 0.0
-            run_name = re.sub(r"-sq\d+", "", run_name)
+            sp_v, run_name = take_number(run, run_name, "spike")
+            spike_s = sp_v / 1000 if sp_v is not None else 0.0
+            sq_v, run_name = take_number(run, run_name, "sq")
+            spike_q = sq_v / 100 if sq_v is not None else 0.0
             # `-sj`: reserve_spike_joint (the quantile of each request's clump, own counted).
             run_name, sj, after = run_name.partition("-sj")
             run_name += after
@@ -1098,9 +1108,8 @@ def main() -> int:
             run_name, os_, after = run_name.partition("-os")  # output_token_scale
             run_name += after
             os_ = os_ or osm
-            q_m = re.search(r"-q(\d+)", run_name)
-            quantile = int(q_m.group(1)) / 100 if q_m else 0.0
-            run_name = re.sub(r"-q\d+", "", run_name)
+            q_v, run_name = take_number(run, run_name, "q")
+            quantile = q_v / 100 if q_v is not None else 0.0
             run_name, fleet_view, after = run_name.partition("-fleet")  # gate's fleetView
             run_name += after
             run_name, gate, gate_n = run_name.partition("-gate")  # prefill-gate (`-gate[N]`)
@@ -1160,13 +1169,14 @@ def main() -> int:
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
                     refill_credit=credit,
+                    refill_floor=refill_floor,
                     spike_s=spike_s,
                     spike_quantile=spike_q,
                     spike_joint=bool(sj),
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),
-                    dispatch_on_end=bool(ends_m),
+                    dispatch_on_end=ends_v is not None,
                     engine_blocks=bool(blocks_m),
                     engine_blocks_all=blocks_all,
                     top_global_strict=bool(gs),
@@ -1198,13 +1208,14 @@ def main() -> int:
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
                     refill_credit=credit,
+                    refill_floor=refill_floor,
                     spike_s=spike_s,
                     spike_quantile=spike_q,
                     spike_joint=bool(sj),
                     claim=bool(claim),
                     output_scale=out_scale if os_ else 0.0,
                     output_scale_auto=bool(osm),
-                    dispatch_on_end=bool(ends_m),
+                    dispatch_on_end=ends_v is not None,
                     engine_blocks=bool(blocks_m),
                     engine_blocks_all=blocks_all,
                     top_global_strict=bool(gs),

@@ -110,6 +110,8 @@ class Admission:
                 "no effect without "
                 "admit_per_endpoint and reserve_for_higher_bands"
             )
+        if s.reserve_refill_floor and not s.reserve_refill_s:
+            log.warning("flow_control.reserve_refill_floor has no effect without reserve_refill_s")
         if s.reserve_spike_joint is True and not s.reserve_spike_s:
             log.warning("flow_control.reserve_spike_joint has no effect without reserve_spike_s")
         # The prior's prompt (what a server prefills) is its request less the output
@@ -148,6 +150,7 @@ class Admission:
             reserve_rate_quantile=s.reserve_rate_quantile,
             reserve_refill_s=s.reserve_refill_s,
             reserve_refill_credit=spike.credit,
+            reserve_refill_floor=s.reserve_refill_floor,
             reserve_spike_s=s.reserve_spike_s,
             reserve_spike_quantile=spike.quantile,
             reserve_spike_joint=spike.joint,

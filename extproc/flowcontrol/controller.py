@@ -127,6 +127,7 @@ class FlowController:
         reserve_rate_quantile: float = 0.0,
         reserve_refill_s: float = 0.0,
         reserve_refill_credit: str = "rate",
+        reserve_refill_floor: float = 0.0,
         reserve_spike_s: float = 0.0,
         reserve_spike_quantile: float = 0.9,
         reserve_spike_joint: bool = False,
@@ -158,7 +159,8 @@ class FlowController:
         as it is expected to free within this many seconds, from the requests that ended
         there recently (0: none; flowcontrol/refill.py); `reserve_refill_credit`: how
         (`rate`: the recent ends' rate; `predicted`: the requests there predicted to end
-        within it). `reserve_spike_s`: the rate term
+        within it); `reserve_refill_floor`: the share of the reserve an endpoint keeps
+        whatever the credit (0: none). `reserve_spike_s`: the rate term
         is instead the `reserve_spike_quantile` of the tokens a higher band sent within that
         many seconds before each of its recent requests (0: off); `reserve_spike_joint`:
         that quantile of each request's clump, its own tokens counted, or the largest
@@ -247,6 +249,9 @@ class FlowController:
         self._prefill_speed = prefill_speed
         credit = CREDITS[reserve_refill_credit]  # how the room about to free is counted
         self.refill = credit(reserve_refill_s, clock) if reserve_refill_s else None
+        if not 0.0 <= reserve_refill_floor <= 1.0:
+            raise ValueError(f"reserve_refill_floor {reserve_refill_floor} is not in 0..1")
+        self.refill_floor = reserve_refill_floor
         # A detector that counts a constant output per in-flight request (the concurrency
         # detector's `outputTokens`) is told, per endpoint, how far the requests placed
         # there from this process differ from it: each counts its own expected output
@@ -424,7 +429,10 @@ class FlowController:
                 # Room about to free there counts toward the reserve (reserve_refill_s).
                 credit = self.refill.credit(addr) if self.refill is not None else 0
                 credits = max(credits, credit)
-                kept = max(0, held - credit)
+                # The floor: the `started` credit can reach nearly the whole reserve, and
+                # the room it lends is not back when the band's next large request comes
+                # (bench/RESULTS.md, twenty-sixth session, q99).
+                kept = max(0, held - credit, int(held * self.refill_floor))
                 has[addr] = idle or (
                     det.endpoint_saturation(state, reqs + 1, toks + kept) <= top_ceiling
                 )
