@@ -168,6 +168,9 @@ def prompt_inputs(raw: msgspec.Raw, field: str) -> list[PromptInput]:
         return [texts] if isinstance(texts, str) else list(texts)
     except msgspec.ValidationError:
         pass
+    except msgspec.DecodeError:
+        # The body's decoder checks a Raw field's JSON shape, not its strings' UTF-8.
+        raise BadRequest(f"{field}: must be valid UTF-8 JSON") from None
     try:
         return [tuple(_PROMPT_IDS.decode(raw))]
     except msgspec.ValidationError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -140,6 +141,17 @@ def test_truncated_or_corrupted_bodies_give_a_request_or_a_400(path: str, body: 
     elif i < len(raw):
         raw[i] = data.draw(st.integers(0, 255))
     _answer(path, {}, bytes(raw))
+
+
+@pytest.mark.parametrize(
+    ("path", "field"), [("/v1/completions", b"prompt"), ("/v1/embeddings", b"input")]
+)
+def test_invalid_utf8_inside_a_prompt_is_a_400(path: str, field: bytes) -> None:
+    """The prompt is kept raw by the body's decoder (its shape is decided later), which
+    checks its JSON but not its strings' UTF-8: found by the property above (a 500)."""
+    raw = b'{"model": "m", "' + field + b'": "\\ud800\\udc00\x80"}'
+    with pytest.raises(BadRequest, match="valid UTF-8"):
+        parse_request(path, {}, raw, SETTINGS)
 
 
 @settings(max_examples=50, deadline=None)
