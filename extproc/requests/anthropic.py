@@ -9,6 +9,7 @@ import msgspec
 
 from extproc.core import MediaItem, Message, Part, Prompt
 from extproc.requests.media import MediaResolver, decode_base64
+from extproc.requests.raw import raw_json, raw_jsons
 
 
 class _Base64Source(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="base64"):
@@ -90,6 +91,7 @@ def messages_prompt(req: MessagesRequest, media: MediaResolver) -> Prompt:
             elif isinstance(block, _RedactedThinking):
                 parts.append(Part(block.data))
             elif isinstance(block, _ToolUse):
+                raw_json(block.input, f"{field}.input")  # refused unless UTF-8
                 calls.append(
                     msgspec.json.encode({"id": block.id, "name": block.name, "input": block.input})
                 )
@@ -99,8 +101,7 @@ def messages_prompt(req: MessagesRequest, media: MediaResolver) -> Prompt:
         turns.extend(results)
         if parts or calls or not results:
             turns.append(Message(m.role, tuple(parts), tool_calls=tuple(calls)))
-    tools = tuple(bytes(t) for t in req.tools) if req.tools else ()
-    return Prompt(tools=tools, messages=tuple(turns))
+    return Prompt(tools=raw_jsons(req.tools, "tools"), messages=tuple(turns))
 
 
 def _image(block: _Image, media: MediaResolver, field: str) -> MediaItem:

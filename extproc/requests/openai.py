@@ -15,6 +15,7 @@ import msgspec
 from extproc.core import Message, Part, Prompt
 from extproc.errors import BadRequest
 from extproc.requests.media import MediaResolver, decode_base64
+from extproc.requests.raw import raw_jsons
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 
@@ -199,10 +200,10 @@ def chat_prompt(req: ChatRequest, media: MediaResolver) -> Prompt:
             parts = tuple(
                 _chat_part(p, media, f"messages[{i}].content[{j}]") for j, p in enumerate(m.content)
             )
-        calls = tuple(bytes(c) for c in m.tool_calls) if m.tool_calls else ()
+        calls = raw_jsons(m.tool_calls, f"messages[{i}].tool_calls")
         messages.append(Message(m.role, parts, m.name, calls, m.tool_call_id))
     return Prompt(
-        tools=_tools(req.tools),
+        tools=raw_jsons(req.tools, "tools"),
         messages=tuple(messages),
         add_special_tokens=req.add_special_tokens,
         add_generation_prompt=req.add_generation_prompt,
@@ -225,10 +226,6 @@ def _chat_part(p: _ChatPart, media: MediaResolver, field: str) -> Part:
     return Part(p.refusal)
 
 
-def _tools(tools: list[msgspec.Raw] | None) -> tuple[bytes, ...]:
-    return tuple(bytes(t) for t in tools) if tools else ()
-
-
 def responses_prompt(req: ResponsesRequest, media: MediaResolver) -> Prompt:
     messages: list[Message] = []
     if req.instructions is not None:
@@ -238,7 +235,7 @@ def responses_prompt(req: ResponsesRequest, media: MediaResolver) -> Prompt:
     elif req.input is not None:
         for i, item in enumerate(req.input):
             messages.append(_responses_item(item, media, f"input[{i}]"))
-    return Prompt(tools=_tools(req.tools), messages=tuple(messages))
+    return Prompt(tools=raw_jsons(req.tools, "tools"), messages=tuple(messages))
 
 
 def _responses_item(item: _ResponsesItem, media: MediaResolver, field: str) -> Message:

@@ -20,6 +20,7 @@ from extproc.hashing.prefix import approx_seed, block_keys, canonical_stream
 from extproc.protocol import MODEL_REWRITE_HEADER, PATH_FALLBACK_HEADERS, REQUEST_ID_HEADER
 from extproc.requests import anthropic, openai
 from extproc.requests.media import MediaResolver
+from extproc.requests.raw import raw_json
 from extproc.requests.settings import ParseSettings
 
 # When a route rewrote :path before us, the client's path survives in one of these.
@@ -134,6 +135,10 @@ def parse_request(
         raise BadRequest("body: nested too deeply") from None
 
     model = headers.get(MODEL_REWRITE_HEADER) or decoded.model
+    priority = getattr(decoded, "priority", msgspec.UNSET)
+    client_priority = priority is not msgspec.UNSET
+    if isinstance(priority, msgspec.Raw):
+        raw_json(priority, "priority")  # engine priority's body edit decodes the whole body
     if not model:
         raise BadRequest("model: must be a non-empty string")
     cache_salt = getattr(decoded, "cache_salt", None) or None
@@ -168,7 +173,7 @@ def parse_request(
         lora_adapter=lora_adapter,
         cache_salt=cache_salt,
         max_output_tokens=output_cap(decoded),
-        client_priority=getattr(decoded, "priority", msgspec.UNSET) is not msgspec.UNSET,
+        client_priority=client_priority,
         prompt=prompt,
     )
 

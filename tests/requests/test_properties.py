@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -151,6 +152,41 @@ def test_invalid_utf8_inside_a_prompt_is_a_400(path: str, field: bytes) -> None:
     checks its JSON but not its strings' UTF-8: found by the property above (a 500)."""
     raw = b'{"model": "m", "' + field + b'": "\\ud800\\udc00\x80"}'
     with pytest.raises(BadRequest, match="valid UTF-8"):
+        parse_request(path, {}, raw, SETTINGS)
+
+
+_CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}%s]%s}'
+_BAD = b'"\x80"'  # a JSON string holding a byte no UTF-8 text has
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "field"),
+    [
+        ("/v1/chat/completions", _CHAT % (b"", b', "tools": [{"a": %s}]' % _BAD), "tools[0]"),
+        ("/v1/chat/completions", _CHAT % (b"", b', "priority": %s' % _BAD), "priority"),
+        (
+            "/v1/chat/completions",
+            _CHAT % (b', {"role": "assistant", "tool_calls": [{"f": %s}]}' % _BAD, b""),
+            "messages[1].tool_calls[0]",
+        ),
+        (
+            "/v1/messages",
+            _CHAT % (b"", b', "tools": [{"a": %s}], "max_tokens": 5' % _BAD),
+            "tools[0]",
+        ),
+        (
+            "/v1/messages",
+            b'{"model": "m", "max_tokens": 5, "messages": [{"role": "assistant", "content": '
+            b'[{"type": "tool_use", "id": "t", "name": "f", "input": {"a": %s}}]}]}' % _BAD,
+            "messages[0].content[0].input",
+        ),
+    ],
+)
+def test_invalid_utf8_in_json_kept_raw_is_a_400(path: str, raw: bytes, field: str) -> None:
+    """Tools, tool calls, a tool use's input and the client's priority are kept raw (hashed
+    or forwarded as they came): their strings' UTF-8 is checked at parse time, or engine
+    priority's body edit met it as an exception after the decision."""
+    with pytest.raises(BadRequest, match=re.escape(field) + ": must be valid UTF-8"):
         parse_request(path, {}, raw, SETTINGS)
 
 
