@@ -38,7 +38,7 @@ writes the band into each body as the engine's `priority`, `flow_control.engine_
 with any `-ep` run the sims run `--scheduling-policy priority`, which orders requests of
 equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (the
 `prefill-gate` plugin, maxPrefillTokens N or `--gate-tokens`; `-fleet`: with its
-`fleetView`), `-noprior` (no
+`fleetView`; `-gh`: with `activeAtStart`), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.NN),
 `-rq<NN>` (`reserve_rate_quantile` 0.NN), `-refill<ms>` (`reserve_refill_s`), `-pf`
@@ -171,6 +171,20 @@ def take_number(run: str, name: str, tag: str) -> tuple[int | None, str]:
     return (int(found[0]) if found else None), re.sub(rf"-{tag}\d+", "", name)
 
 
+def take_gate(run: str, name: str, default_tokens: int) -> tuple[int, bool, str]:
+    """`-gate[N]` (the prefill-gate, maxPrefillTokens N, else `default_tokens`) and `-gh`
+    (its activeAtStart): (N, 0 without the gate; activeAtStart; the name less both). `-gh`
+    comes off first: the `-gate` parse reads the name's rest up to `@` as N."""
+    name, head, after = name.partition("-gh")
+    name += after
+    name, gate, gate_n = name.partition("-gate")
+    gate_n, _, rest = gate_n.partition("@")
+    name += "@" + rest if rest else ""
+    if head and not gate:
+        raise SystemExit(f"{run}: -gh (the gate's activeAtStart) without -gate")
+    return ((int(gate_n) if gate_n else default_tokens) if gate else 0), bool(head), name
+
+
 def picker_config(
     objectives: Path,
     *,
@@ -187,6 +201,7 @@ def picker_config(
     gate_tokens: int = 0,
     gate_steers: bool = True,
     gate_fleet_view: bool = False,
+    gate_at_start: bool = False,
     reserve_quantile: float = 0.0,
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
@@ -329,6 +344,7 @@ def picker_config(
                         "maxPrefillTokens": gate_tokens,
                         "steerHigherBands": gate_steers,
                         "fleetView": gate_fleet_view,
+                        "activeAtStart": gate_at_start,
                     },
                 }
             )
@@ -1112,10 +1128,7 @@ def main() -> int:
             quantile = q_v / 100 if q_v is not None else 0.0
             run_name, fleet_view, after = run_name.partition("-fleet")  # gate's fleetView
             run_name += after
-            run_name, gate, gate_n = run_name.partition("-gate")  # prefill-gate (`-gate[N]`)
-            gate_n, _, rest = gate_n.partition("@")
-            run_name += "@" + rest if rest else ""
-            gate_tokens = (int(gate_n) if gate_n else args.gate_tokens) if gate else 0
+            gate_tokens, gate_head, run_name = take_gate(run, run_name, args.gate_tokens)
             src = args.baseline_src if tilde else ""
             if tilde and not src:
                 raise SystemExit(f"{run}: ~base needs --baseline-src")
@@ -1165,6 +1178,7 @@ def main() -> int:
                     gate_tokens=gate_tokens,
                     gate_steers=not args.gate_no_steer,
                     gate_fleet_view=bool(fleet_view),
+                    gate_at_start=gate_head,
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
@@ -1204,6 +1218,7 @@ def main() -> int:
                     gate_tokens=gate_tokens,
                     gate_steers=not args.gate_no_steer,
                     gate_fleet_view=bool(fleet_view),
+                    gate_at_start=gate_head,
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,

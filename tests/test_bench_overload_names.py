@@ -23,3 +23,20 @@ def test_numeric_suffixes_come_off_one_by_one():
 def test_a_repeated_suffix_is_refused():
     with bench_modules("bench_overload") as (bench,), pytest.raises(SystemExit, match="-sq"):
         bench.take_number(J + "-sq98", J + "-sq98", "sq")
+
+
+def test_gate_head_comes_off_before_the_gate_tokens():
+    with bench_modules("bench_overload") as (bench,):
+        # (J's other suffixes already taken off, as the bench does before the gate)
+        assert bench.take_gate(J, "on@0.99-gate-gh", 4096) == (4096, True, "on@0.99")
+        assert bench.take_gate(J, "on@0.99-gate1500-gh", 4096) == (1500, True, "on@0.99")
+        assert bench.take_gate(J, "on-gate-gh@0.99", 0) == (0, True, "on@0.99")
+        assert bench.take_gate(J, "on@0.99-gate", 2048) == (2048, False, "on@0.99")
+        assert bench.take_gate(J, "on@0.99", 2048) == (0, False, "on@0.99")
+        with pytest.raises(SystemExit, match="-gh"):
+            bench.take_gate(J, "on@0.99-gh", 2048)
+        cfg = bench.picker_config(
+            bench.Path("o.yaml"), flow=True, gate_tokens=2048, gate_at_start=True
+        )
+    gate = [p for p in cfg["scheduling"]["plugins"] if p["type"] == "prefill-gate"]
+    assert gate[0]["parameters"]["activeAtStart"] is True

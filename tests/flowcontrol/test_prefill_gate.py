@@ -15,6 +15,7 @@ from extproc.core import EndpointState
 from extproc.errors import ConfigError
 from extproc.flowcontrol.config import build_flow_config
 from extproc.flowcontrol.controller import FlowController, FlowRequest, Ticket
+from extproc.flowcontrol.reserve import BandPrior
 from tests.flowcontrol.controllers import controller, settle, tokens_detector
 
 CAP = 100_000  # KV room is never what holds a request here
@@ -137,6 +138,52 @@ async def test_no_hold_without_a_higher_band_within_the_window():
     await settle()
     assert not held.done() and ctl.gate.held >= 1
     held.cancel()
+
+
+PRIOR = {10: BandPrior(tokens=1000, prompt=900, rate=500.0)}
+
+
+async def test_active_at_start_holds_batch_before_the_first_interactive_arrival():
+    # The burst's first second (/work/notes/firstsec.md): batch placed before interactive
+    # has arrived once was never gated; with a prior for the band and activeAtStart it is.
+    clock = Clock()
+    fleet = Fleet(clock)
+    params = {"maxPrefillTokens": 1000, "activeWindow": "5s", "activeAtStart": True}
+    ctl = make_with(fleet, clock, params, reserve_priors=PRIOR)
+    a = place(ctl, fleet, await ctl.admit(req(800)))
+    b = place(ctl, fleet, await ctl.admit(req(800)))  # one on each server
+    assert {a, b} == {"A", "B"}
+    held = asyncio.create_task(ctl.admit(req(800)))
+    await settle()
+    assert not held.done() and ctl.gate is not None and ctl.gate.held >= 1
+    # One window after the start with no interactive arrival: batch runs at full speed.
+    clock.now += 5.5
+    ctl.tick()
+    await settle()
+    assert held.done()
+
+
+async def test_active_at_start_needs_its_param_and_a_prior_above_the_lowest(caplog):
+    for params, priors in (
+        ({"maxPrefillTokens": 1000}, PRIOR),  # off by default
+        ({"maxPrefillTokens": 1000, "activeAtStart": True}, {}),  # no prior: said, no hold
+        ({"maxPrefillTokens": 1000, "activeAtStart": True}, {0: PRIOR[10]}),  # lowest only
+    ):
+        clock = Clock()
+        fleet = Fleet(clock)
+        with caplog.at_level(logging.WARNING, "extproc.flowcontrol"):
+            caplog.clear()
+            ctl = make_with(fleet, clock, params, reserve_priors=priors)
+        for _ in range(3):
+            place(ctl, fleet, await ctl.admit(req(800)))
+        assert ctl.gate is not None and ctl.gate.held == 0
+        said = "activeAtStart has no effect" in caplog.text
+        assert said == ("activeAtStart" in params)
+
+
+def make_with(fleet: Fleet, clock: Clock, params: dict, **overrides: object) -> FlowController:
+    plugins = [tokens_detector(CAP), {"type": "prefill-gate", "parameters": params}]
+    return controller(fleet, plugins, clock=clock, **overrides)
 
 
 async def test_without_the_gate_the_same_request_is_released_at_once():
