@@ -48,7 +48,7 @@ picker's start for one window. Why: before the first interactive arrival nothing
 batch, and 6-12 batch requests (6-8k prompt tokens) went to each server in the burst's
 first 0.8 s; the run's first or second interactive request, arriving 0.27-0.95 s in, then
 waited 0.33-0.84 s in the engine's prefill queue behind them alone (2.0-3.0x the unloaded
-p99: 6 of 23 slow interactive requests over seeds 15-27, /work/notes/firstsec.md).
+p99: 6 of 23 slow interactive requests over seeds 15-27; bench/RESULTS.md, issue 15).
 
 Held requests wait in the picker's queue (their band's TTL applies); `held` counts the
 dispatch opportunities where some server had KV room for the request but the gate kept it.

@@ -5,7 +5,7 @@ sends work. Before any interactive request has arrived, a short batch request se
 long one prefills is held in the picker until that prefill ends; without `activeAtStart` the
 same pair is released at once (test_flow_prefill_gate.py's first half). Why: at a burst's
 start batch filled each engine's prefill queue before the first interactive request came
-(/work/notes/firstsec.md; bench/RESULTS.md, issue 15)."""
+(bench/RESULTS.md, issue 15, activeAtStart)."""
 
 from __future__ import annotations
 

@@ -144,8 +144,8 @@ PRIOR = {10: BandPrior(tokens=1000, prompt=900, rate=500.0)}
 
 
 async def test_active_at_start_holds_batch_before_the_first_interactive_arrival():
-    # The burst's first second (/work/notes/firstsec.md): batch placed before interactive
-    # has arrived once was never gated; with a prior for the band and activeAtStart it is.
+    # The burst's first second (bench/RESULTS.md, issue 15, activeAtStart): batch placed
+    # before interactive had arrived once was never gated; with a band's prior it is now.
     clock = Clock()
     fleet = Fleet(clock)
     params = {"maxPrefillTokens": 1000, "activeWindow": "5s", "activeAtStart": True}
