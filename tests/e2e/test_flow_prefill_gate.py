@@ -12,17 +12,19 @@ prefill ended; without the gate it was released at once, as in the first half.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from extproc.stack import Stack, StackOptions
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
-from tests.e2e.flow_configs import metric_sum, queued, two_band_reserve_config
+from tests.e2e.flow_configs import metric_sum, prefill_gate_config, queued
 
 # Words of 7 letters: ~200 and ~1,000 tokens by the picker's estimate (4 bytes each), what
 # the gate's budget counts; the simulator's tokenizer makes ~4,000 of the long prompt.
@@ -42,24 +44,22 @@ def estimate(words: int) -> int:
     return estimated_prompt_tokens(body("m", 0, words))
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("flowgate")
-    path = two_band_reserve_config(
-        tmp,
-        "queue-scorer",
-        1_000_000,  # KV room never holds anything here
-        reserve_for_higher_bands=0,
-        expected_output_tokens=0,
-    )
-    cfg = yaml.safe_load(path.read_text())
-    # The short prompt alone fits the budget; beside the long one's unfinished prefill not.
-    budget = (estimate(SHORT) + estimate(LONG + SHORT)) // 2
-    gate = {"type": "prefill-gate", "parameters": {"maxPrefillTokens": budget}}
-    cfg["scheduling"]["plugins"].append(gate)
-    path.write_text(yaml.safe_dump(cfg))
+# The short prompt alone fits the gate's budget; beside the long one's unfinished prefill not.
+BUDGET = (estimate(SHORT) + estimate(LONG + SHORT)) // 2
+
+
+@contextlib.contextmanager
+def gate_stack(tmp: Path, gate: dict[str, Any], **flow_control: Any) -> Iterator[Stack]:
+    """Envoy and `extproc serve` on `prefill_gate_config`, one slow-prefill server."""
+    path = prefill_gate_config(tmp, gate, **flow_control)
     sim = ("--prefill-tps", str(PREFILL_TPS), "--decode-tps", "100")
     with Stack(StackOptions(upstreams=1, sim_args=sim, extproc_args=("--config", str(path)))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    with gate_stack(tmp_path_factory.mktemp("flowgate"), {"maxPrefillTokens": BUDGET}) as s:
         yield s
 
 
@@ -106,6 +106,22 @@ async def long_and_short(stack: Stack, c: httpx.AsyncClient, seed: int) -> tuple
     return await second, await first
 
 
+async def held_behind_long(stack: Stack, c: httpx.AsyncClient, seed: int) -> None:
+    """`long_and_short`, asserting the gate held the short one: seen in the picker's queue,
+    counted as held, and released only after the long prefill's first token (the engine's
+    count says that prefill ended), so its headers come after that first token."""
+    watch = asyncio.create_task(long_and_short(stack, c, seed))
+    seen_queued = False
+    while not watch.done():
+        seen_queued |= await asyncio.to_thread(queued, stack, 0) == 1
+        await asyncio.sleep(0.05)
+    short_s, long_ttft = await watch
+    assert long_ttft > 1.0, "the long prefill was too short to tell"
+    assert short_s > long_ttft, "released while the long prefill ran"
+    assert seen_queued, "never seen in the picker's queue"
+    assert metric_sum(stack, r"^extproc_flow_prefill_gate_held_total (\S+)$") >= 1
+
+
 async def test_batch_held_behind_a_long_prefill_only_while_interactive_is_active(stack: Stack):
     model = stack.fleet.model
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
@@ -118,16 +134,5 @@ async def test_batch_held_behind_a_long_prefill_only_while_interactive_is_active
         hi = await c.post("/v1/chat/completions", json=body(model, 50, SHORT), headers=HI)
         assert hi.status_code == 200  # interactive is active from now (10 s window)
 
-        watch = asyncio.create_task(long_and_short(stack, c, 20))
-        seen_queued = False
-        while not watch.done():
-            seen_queued |= await asyncio.to_thread(queued, stack, 0) == 1
-            await asyncio.sleep(0.05)
-        short_s, long_ttft = await watch
-        # Held in the picker until the long prefill's first token (the engine's count),
-        # then released: its headers come after that first token.
-        assert long_ttft > 1.0, "the long prefill was too short to tell"
-        assert short_s > long_ttft, "released while the long prefill ran"
-        assert seen_queued, "never seen in the picker's queue"
-        assert metric_sum(stack, r"^extproc_flow_prefill_gate_held_total (\S+)$") >= 1
+        await held_behind_long(stack, c, 20)
         assert queued(stack, priority=0) == 0

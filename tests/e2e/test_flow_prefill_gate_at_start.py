@@ -9,49 +9,24 @@ start batch filled each engine's prefill queue before the first interactive requ
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import yaml
 
-from extproc.stack import Stack, StackOptions
-from tests.e2e.flow_configs import metric_sum, queued, two_band_reserve_config
-from tests.e2e.test_flow_prefill_gate import LONG, PREFILL_TPS, SHORT, estimate, long_and_short
+from extproc.stack import Stack
+from tests.e2e.test_flow_prefill_gate import BUDGET, SHORT, estimate, gate_stack, held_behind_long
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("flowgatestart")
-    path = two_band_reserve_config(
-        tmp,
-        "queue-scorer",
-        1_000_000,  # KV room never holds anything here
-        reserve_for_higher_bands=0,
-        expected_output_tokens=0,
-        reserve_prior={10: {"request_tokens": estimate(SHORT)}},
-    )
-    cfg = yaml.safe_load(path.read_text())
-    budget = (estimate(SHORT) + estimate(LONG + SHORT)) // 2
     # A window longer than the stack's start and the test: "from the start" is what is tested.
-    params = {"maxPrefillTokens": budget, "activeAtStart": True, "activeWindow": "120s"}
-    cfg["scheduling"]["plugins"].append({"type": "prefill-gate", "parameters": params})
-    path.write_text(yaml.safe_dump(cfg))
-    sim = ("--prefill-tps", str(PREFILL_TPS), "--decode-tps", "100")
-    with Stack(StackOptions(upstreams=1, sim_args=sim, extproc_args=("--config", str(path)))) as s:
+    gate = {"maxPrefillTokens": BUDGET, "activeAtStart": True, "activeWindow": "120s"}
+    prior = {10: {"request_tokens": estimate(SHORT)}}
+    with gate_stack(tmp_path_factory.mktemp("flowgatestart"), gate, reserve_prior=prior) as s:
         yield s
 
 
 async def test_batch_held_behind_a_long_prefill_before_any_interactive_request(stack: Stack):
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
-        watch = asyncio.create_task(long_and_short(stack, c, 10))
-        seen_queued = False
-        while not watch.done():
-            seen_queued |= await asyncio.to_thread(queued, stack, 0) == 1
-            await asyncio.sleep(0.05)
-        short_s, long_ttft = await watch
-    assert long_ttft > 1.0, "the long prefill was too short to tell"
-    assert short_s > long_ttft, "released while the long prefill ran: the gate was off"
-    assert seen_queued, "never seen in the picker's queue"
-    assert metric_sum(stack, r"^extproc_flow_prefill_gate_held_total (\S+)$") >= 1
+        await held_behind_long(stack, c, 10)

@@ -20,10 +20,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import yaml
 
 from extproc.stack import SimFleet, Stack, StackOptions, wait_until
-from tests.e2e.flow_configs import two_band_reserve_config
+from tests.e2e.flow_configs import prefill_gate_config
 from tests.e2e.test_flow_prefill_gate import (
     HI,
     LO,
@@ -48,20 +47,9 @@ def fleet(tmp_path_factory) -> Iterator[SimFleet]:
 
 
 def config(tmp, fleet_view: bool):
-    path = two_band_reserve_config(
-        tmp,
-        "queue-scorer",
-        1_000_000,  # KV room never holds anything here
-        reserve_for_higher_bands=0,
-        expected_output_tokens=0,
-    )
-    cfg = yaml.safe_load(path.read_text())
     # The short prompt fits beside another short one's unfinished prefill, not the long one's.
     budget = (2 * estimate(SHORT) + estimate(LONG + SHORT)) // 2
-    params = {"maxPrefillTokens": budget, "fleetView": fleet_view}
-    cfg["scheduling"]["plugins"].append({"type": "prefill-gate", "parameters": params})
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return prefill_gate_config(tmp, {"maxPrefillTokens": budget, "fleetView": fleet_view})
 
 
 def metric(port: int, pattern: str) -> float:
