@@ -1,10 +1,14 @@
-"""The user docs as the doc-sync tests read them: docs/*.md and README.md, by file name."""
+"""The user docs as the doc-sync tests read them: docs/*.md and README.md, by file name; and
+a code default as the docs' tables write it."""
 
 from __future__ import annotations
 
 import re
 from functools import cache
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,3 +59,15 @@ def cells_of(line: str) -> list[str]:
 
 def code_spans(text: str) -> list[str]:
     return re.findall(r"`([^`]+)`", text)
+
+
+REQUIRED = "required"  # a field without a default, as the tables say it
+
+
+def field_default(f: msgspec.inspect.Field | msgspec.structs.FieldInfo) -> Any:
+    """A struct field's default (its factory's value), or REQUIRED where it has none."""
+    if f.default is not msgspec.NODEFAULT:
+        return f.default
+    if f.default_factory is not msgspec.NODEFAULT:
+        return f.default_factory()
+    return REQUIRED

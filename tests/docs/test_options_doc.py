@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from extproc.config import Settings
-from tests.docs.doc_texts import code_spans, doc_texts, table_rows
+from tests.docs.doc_texts import REQUIRED, code_spans, doc_texts, field_default, table_rows
 
 Path = tuple[str, ...]
 
@@ -150,16 +150,7 @@ def test_documented_means_named_with_its_parent():
     assert not is_documented(("server", "backend"))  # index.backend is documented, not this
 
 
-REQUIRED = "required"  # a field without a default, as the tables say it
 ON = object()  # a section present by default
-
-
-def _default(f: msgspec.inspect.Field) -> Any:
-    if f.default is not msgspec.NODEFAULT:
-        return f.default
-    if f.default_factory is not msgspec.NODEFAULT:
-        return f.default_factory()
-    return REQUIRED
 
 
 UNCHECKED = object()  # a default the table says in words (a list of built-in structs)
@@ -208,8 +199,8 @@ def test_option_tables_give_the_code_defaults(doc: str, header: tuple[str, ...])
         for key, default in zip(keys, defaults, strict=True):
             if key not in options():
                 wrong.append(f"{'.'.join(key)}: no such option")
-            elif not _matches(default, _default(options()[key])):
-                wrong.append(f"{'.'.join(key)}: {default!r}, is {_default(options()[key])!r}")
+            elif not _matches(default, field_default(options()[key])):
+                wrong.append(f"{'.'.join(key)}: {default!r}, is {field_default(options()[key])!r}")
             seen.add(key)
     assert wrong == []
     if (doc, header) in COMPLETE:

@@ -39,7 +39,7 @@ from extproc.flowcontrol.config import FLOW_PLUGINS
 from extproc.scheduling.llmd.mapped import MAPPED
 from extproc.scheduling.plugins import BUILTINS
 from extproc.scheduling.registry import PluginRegistry
-from tests.docs.doc_texts import code_spans, doc_texts, table_rows
+from tests.docs.doc_texts import REQUIRED, code_spans, doc_texts, field_default, table_rows
 
 PARAM_HEADER = ("type", "parameter", "default")
 
@@ -81,7 +81,6 @@ FAMILIES = {
     ),
 }
 
-REQUIRED = "required"  # a parameter without a default, as the tables say it
 UNCHECKED = object()  # a default the docs give in words
 
 
@@ -97,21 +96,13 @@ def _walk(
 ) -> Iterator[tuple[str, Any, bool]]:
     """(dotted path, default, holds a struct) of every parameter of `cls`."""
     hints = typing.get_type_hints(cls, include_extras=True)
-    defaults = {f.name: _default(f) for f in msgspec.structs.fields(cls)}
+    defaults = {f.name: field_default(f) for f in msgspec.structs.fields(cls)}
     for f in msgspec.structs.fields(cls):
         here = (*path, f.encode_name)
         inner = [s for s in _structs(hints[f.name]) if s not in seen]
         yield ".".join(here), defaults[f.name], bool(_structs(hints[f.name]))
         for struct in inner:
             yield from _walk(struct, here, seen | {struct})
-
-
-def _default(f: msgspec.structs.FieldInfo) -> Any:
-    if f.default is not msgspec.NODEFAULT:
-        return f.default
-    if f.default_factory is not msgspec.NODEFAULT:
-        return f.default_factory()
-    return REQUIRED
 
 
 @cache
