@@ -138,6 +138,25 @@ def test_ignored_parameters_are_said_so():
     assert any(n.startswith("parameter mode ignored: the keys are precise") for n in r.notes)
 
 
+def test_every_ignored_parameter_is_one_its_plugin_accepts():
+    """IGNORED_PARAMS names only (type, parameter) pairs the type's plugin really accepts
+    (its Params, scheduling or flow control's): a note for a parameter the plugin would
+    refuse as an unknown field could never be printed, and means the table drifted from
+    llm-d's parameter structs."""
+    from extproc.flowcontrol.config import FLOW_PLUGINS
+    from extproc.scheduling.llmd.table import IGNORED_PARAMS
+
+    registry = PluginRegistry(BUILTINS)
+    params = {t: registry.get(t).Params for t in registry.type_names}
+    params.update({c.type_name: c.Params for c in FLOW_PLUGINS})
+    drifted = [
+        (t, p)
+        for t, p in IGNORED_PARAMS
+        if t not in params or p not in {f.encode_name for f in msgspec.structs.fields(params[t])}
+    ]
+    assert drifted == []
+
+
 def test_llm_d_deprecated_disagg_parameters_are_translated():
     d = doc()
     d["plugins"] += [

@@ -184,10 +184,12 @@ def _disagg_params(name: str, params: dict[str, Any], notes: list[str]) -> tuple
 
 
 def _ignored_notes(type_name: str, params: Mapping[str, Any]) -> list[str]:
+    """'parameter X ignored: why' for each IGNORED_PARAMS parameter the config sets (null and
+    false turn nothing on, in llm-d either: not noted)."""
     return [
         f"parameter {p} ignored: {IGNORED_PARAMS[(type_name, p)]}"
-        for p in params
-        if (type_name, p) in IGNORED_PARAMS
+        for p, value in params.items()
+        if (type_name, p) in IGNORED_PARAMS and value is not None and value is not False
     ]
 
 
