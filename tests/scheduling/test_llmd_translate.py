@@ -411,6 +411,81 @@ def test_check_config_prints_how_each_plugin_is_realised(tmp_path, capsys):
     assert "profile default:" in out
 
 
+def test_check_config_notes_parameters_accepted_without_effect(tmp_path, capsys):
+    """Parameters check-config used to accept silently though they do nothing: flow
+    control's (through its own path), mapped plugins' and sections' each get a note."""
+    import yaml
+
+    d = doc()
+    d["plugins"] += [
+        {
+            "type": "concurrency-detector",
+            "parameters": {"inFlightLoadProducerName": "inflight-load-producer", "headroom": 0.2},
+        },
+        {"type": "utilization-detector", "parameters": {"headroom": 0.1}},
+        {
+            "type": "k8s-notification-source",
+            "parameters": {"group": "", "version": "v1", "kind": "Pod"},
+        },
+        {"type": "session-id-producer", "parameters": {"headerName": "x-sid", "cookieName": "sid"}},
+        {"type": "inflight-load-producer", "parameters": {"prefixMatchInfoProducerName": "p"}},
+        {
+            "type": "predicted-latency-producer",
+            "parameters": {
+                "inFlightLoadProducerName": "i",
+                "samplingMean": 200,
+                "contextTTL": "1m",
+            },
+        },
+        {"type": "prefix-cache-scorer", "name": "old-prefix", "parameters": {"autoTune": True}},
+    ]
+    d["flowControl"] = {
+        "saturationDetector": {"pluginRef": "concurrency-detector"},
+        "noEndpointRequestTTL": "5s",
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    expected = {
+        "concurrency-detector": [
+            "parameter inFlightLoadProducerName ignored: in-flight counts are the picker's own",
+            "parameter headroom ignored: it sets llm-d's per-endpoint routing limit",
+        ],
+        "utilization-detector": ["parameter headroom ignored:"],
+        "k8s-notification-source": [
+            f"parameter {p} ignored: extproc's discovery watches the InferencePool's endpoints"
+            for p in ("group", "version", "kind")
+        ],
+        "session-id-producer": [
+            f"parameter {p} ignored: nothing reads the session ID"
+            for p in ("headerName", "cookieName")
+        ],
+        "inflight-load-producer": [
+            "parameter prefixMatchInfoProducerName ignored: the uncached prompt tokens come"
+        ],
+        "predicted-latency-producer": [
+            "parameter inFlightLoadProducerName ignored:",
+            "parameter samplingMean ignored: deprecated and unused in llm-d too",
+            "parameter contextTTL ignored: extproc keeps no per-request context",
+        ],
+        "old-prefix (prefix-cache-scorer)": ["parameter autoTune ignored: the block size comes"],
+    }
+    # Each plugin's notes are the "    - " lines under its "  label: how" line.
+    blocks: dict[str, list[str]] = {}
+    label = ""
+    for line in out.splitlines():
+        if line.startswith("  ") and not line.startswith("    ") and ": " in line:
+            label = line.strip().split(": ", 1)[0]
+            blocks[label] = []
+        elif line.startswith("    - "):
+            blocks[label].append(line[6:])
+    for label, wanted in expected.items():
+        for w in wanted:
+            assert any(n.startswith(w) for n in blocks[label]), (label, w, blocks.get(label))
+    assert "note: flowControl.noEndpointRequestTTL ignored: not implemented" in out
+
+
 def test_docs_compatibility_table_lists_every_llm_d_type():
     from extproc.scheduling.llmd.mapped import MAPPED
     from extproc.scheduling.llmd.table import LLMD_TYPES

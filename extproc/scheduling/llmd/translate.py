@@ -21,7 +21,7 @@ import msgspec
 from extproc.errors import ConfigError
 from extproc.scheduling.config import EndpointPickerConfig, PluginRef, PluginSpec, ProfileSpec
 from extproc.scheduling.llmd import shape
-from extproc.scheduling.llmd.mapped import MAPPED, Plumbing, approx_plumbing
+from extproc.scheduling.llmd.mapped import MAPPED, ApproxProducerParams, Plumbing, approx
 from extproc.scheduling.llmd.table import (
     IGNORED_PARAMS,
     KNOWN_FEATURE_GATES,
@@ -285,10 +285,12 @@ def _plugins(
                     )
             if spec.type == "prefix-cache-scorer" and _PREFIX_LEGACY & set(params):
                 legacy = {k: params.pop(k) for k in list(params) if k in _PREFIX_LEGACY}
-                producer = MAPPED["approx-prefix-cache-producer"]
-                decoded = _decode(legacy, producer.params, (*where, "parameters"), problems)
+                decoded = _decode(legacy, ApproxProducerParams, (*where, "parameters"), problems)
                 if decoded is not None:
-                    t.plumbing = t.plumbing.merge(approx_plumbing(decoded))
+                    # The producer's notes (autoTune) hold for the older spelling too.
+                    plumbing, extra = approx(decoded)
+                    t.plumbing = t.plumbing.merge(plumbing)
+                    notes.extend(extra)
                     how = "implemented; its producer parameters configure the approximate index"
             pending = [
                 (pname, value, issue)
@@ -318,6 +320,9 @@ def _plugins(
             out.append((name, PluginSpec(type=spec.type, name=name, parameters=params)))
         elif spec.type in foreign:
             kind, how = "implemented", "implemented by flow control (docs/flow-control.md)"
+            # Flow control decodes the parameters itself (strictly); the ones it accepts
+            # without acting on are said here, with the scheduling plugins' ones.
+            notes.extend(_ignored_notes(spec.type, params))
             out.append((name, PluginSpec(type=spec.type, name=name, parameters=params or None)))
         elif spec.type in MAPPED:
             mapped = MAPPED[spec.type]
@@ -491,6 +496,12 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
             _check_refs(
                 [(("flowControl", *p), r) for p, r in shape.flow_control_refs(fc)], names, problems
             )
+            if fc.noEndpointRequestTTL is not None:
+                # Flow control also logs it at start; check-config says it before that.
+                t.notes.append(
+                    "flowControl.noEndpointRequestTTL ignored: not implemented "
+                    "(defaultRequestTTL bounds every queued request)"
+                )
     if "saturationDetector" in doc:
         sd = _decode(
             doc["saturationDetector"],
