@@ -201,6 +201,12 @@ def test_sections_are_decoded_and_their_plugin_refs_checked():
     assert any(
         "dataLayer.sorces: unknown field (did you mean 'sources'?)" in p for p in problems(d)
     )
+    del d["dataLayer"]["sorces"]
+    d["dataLayer"]["crossReplicaSyncerPluginRef"] = "local-syncr"
+    assert any(
+        "dataLayer.crossReplicaSyncerPluginRef: no plugin named 'local-syncr'" in p
+        for p in problems(d)
+    )
 
 
 def test_flow_control_types_and_sections_go_to_flow_control():
@@ -443,6 +449,7 @@ def test_check_config_notes_parameters_accepted_without_effect(tmp_path, capsys)
         "saturationDetector": {"pluginRef": "concurrency-detector"},
         "noEndpointRequestTTL": "5s",
     }
+    d["dataLayer"] = {"injectDefaults": False, "crossReplicaSyncInterval": "1s"}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     assert main(["check-config", str(path)]) == 0
@@ -484,6 +491,8 @@ def test_check_config_notes_parameters_accepted_without_effect(tmp_path, capsys)
         for w in wanted:
             assert any(n.startswith(w) for n in blocks[label]), (label, w, blocks.get(label))
     assert "note: flowControl.noEndpointRequestTTL ignored: not implemented" in out
+    assert "note: dataLayer.injectDefaults: false ignored: extproc scrapes" in out
+    assert "note: dataLayer.crossReplicaSyncInterval ignored: shared in-flight counts" in out
 
 
 def test_docs_compatibility_table_lists_every_llm_d_type():

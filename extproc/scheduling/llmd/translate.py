@@ -473,7 +473,21 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
                 ref = getattr(dl, key)
                 if ref is not None and ref.pluginRef:
                     refs.append((("dataLayer", key, "pluginRef"), ref.pluginRef))
+            if dl.crossReplicaSyncerPluginRef:
+                refs.append(
+                    (("dataLayer", "crossReplicaSyncerPluginRef"), dl.crossReplicaSyncerPluginRef)
+                )
             _check_refs(refs, names, problems)
+            if dl.injectDefaults is False:
+                t.notes.append(
+                    "dataLayer.injectDefaults: false ignored: extproc scrapes each endpoint's "
+                    "metrics unless state.scrape is null"
+                )
+            if dl.crossReplicaSyncInterval is not None:
+                t.notes.append(
+                    "dataLayer.crossReplicaSyncInterval ignored: shared in-flight counts are "
+                    "exchanged every state.shared_inflight.interval_s, placements pushed at once"
+                )
     parser_refs: list[tuple[Path, str]] = []
     if "requestHandler" in doc:
         rh = _decode(
