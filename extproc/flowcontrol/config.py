@@ -12,9 +12,10 @@ takes GIE v1.2-v1.4's inline `queueDepthThreshold` / `kvCacheUtilThreshold` /
 `metricsStalenessThreshold`), `usageLimitPolicyPluginRef`
 (default `static-usage-limit-policy`, ceiling 1.0). Policy and detector refs name entries of
 the top-level `plugins` list (by name, else by type), or a type directly. Accepted but not
-acted on (a warning at start): `noEndpointRequestTTL`. `enableEviction` turns on in-flight
-eviction (flowcontrol/eviction.py) with the eviction filter and order listed in `plugins`
-(llm-d's sheddable filter and priority-then-time order by default). Admitters
+acted on (a warning at start, a check-config note): `noEndpointRequestTTL`.
+`enableEviction` turns on in-flight eviction (flowcontrol/eviction.py) with the eviction
+filter and order listed in `plugins` (llm-d's sheddable filter and priority-then-time order
+by default). Admitters
 (`probabilistic-admitter`) listed in `plugins` are active, and so is extproc's
 `prefill-gate` (flowcontrol/prefill_gate.py).
 """

@@ -404,6 +404,22 @@ def test_every_yaml_example_decodes_into_its_plugins_params():
     assert seen > 50
 
 
+def test_the_tables_call_ignored_exactly_what_check_config_notes():
+    """A parameter-table row that calls a parameter ignored (or accepted, not acted on) names
+    a pair check-config notes (llm-d's IGNORED_PARAMS), and every noted pair is said so in
+    its table: the docs and the notes cannot tell a user different things."""
+    from extproc.scheduling.llmd.table import IGNORED_PARAMS
+
+    texts = doc_texts()
+    said: set[tuple[str, str]] = set()
+    for doc in ("plugins.md", "flow-control.md"):
+        for row in table_rows(texts[doc], PARAM_HEADER):
+            if "ignored" in row[3] or "not acted on" in row[3]:
+                said |= {(t, p) for t in code_spans(row[0]) for p in code_spans(row[1])}
+    assert sorted(said - set(IGNORED_PARAMS)) == []
+    assert sorted(set(IGNORED_PARAMS) - said) == []
+
+
 @cache
 def _params_classes() -> dict[tuple[str, str], type[msgspec.Struct]]:
     return {

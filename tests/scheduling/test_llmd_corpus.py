@@ -134,3 +134,38 @@ def test_mangled_corpus_files_give_problems_never_crashes():
             mutate(d)
         ex = examine(d)
         assert ex.problems or ex.settings is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "plugin", "note"),
+    [
+        (
+            "router--deploy_config_sim-epp-no-hit-lru.yaml",
+            "prefix-cache-scorer",
+            "parameter prefixMatchInfoProducerName ignored: the prefix match comes from the one "
+            "shared prefix index",
+        ),
+        (
+            "router--deploy_config_epp-burst-prefix-cache-config.yaml",
+            "prefix-cache-scorer",
+            "parameter prefixMatchInfoProducerName ignored:",
+        ),
+        (
+            "router--deploy_config_sim-epp-gpu-config.yaml",
+            "endpoint-attribute-filter",
+            "parameter producer ignored: attributes are read by name",
+        ),
+    ],
+)
+def test_real_configs_setting_a_producer_name_get_its_note(name, plugin, note):
+    """The producer-name parameters real llm-d configs set are noted as ignored (the table
+    of ignored parameters lists llm-d's real pairs, not a cross product)."""
+    from extproc.flowcontrol.config import FLOW_PLUGIN_TYPES
+    from extproc.scheduling.llmd.translate import translate
+    from extproc.scheduling.registry import PluginRegistry
+
+    doc = yaml.safe_load((CORPUS / name).read_text())
+    t = translate(doc, PluginRegistry.default(), foreign=FLOW_PLUGIN_TYPES)
+    assert t.problems == []
+    (r,) = [r for r in t.realised if r.type == plugin]
+    assert any(n.startswith(note) for n in r.notes), r.notes

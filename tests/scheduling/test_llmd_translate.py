@@ -138,6 +138,25 @@ def test_ignored_parameters_are_said_so():
     assert any(n.startswith("parameter mode ignored: the keys are precise") for n in r.notes)
 
 
+def test_every_ignored_parameter_is_one_its_plugin_accepts():
+    """IGNORED_PARAMS names only (type, parameter) pairs the type's plugin really accepts
+    (its Params, scheduling or flow control's): a note for a parameter the plugin would
+    refuse as an unknown field could never be printed, and means the table drifted from
+    llm-d's parameter structs."""
+    from extproc.flowcontrol.config import FLOW_PLUGINS
+    from extproc.scheduling.llmd.table import IGNORED_PARAMS
+
+    registry = PluginRegistry(BUILTINS)
+    params = {t: registry.get(t).Params for t in registry.type_names}
+    params.update({c.type_name: c.Params for c in FLOW_PLUGINS})
+    drifted = [
+        (t, p)
+        for t, p in IGNORED_PARAMS
+        if t not in params or p not in {f.encode_name for f in msgspec.structs.fields(params[t])}
+    ]
+    assert drifted == []
+
+
 def test_llm_d_deprecated_disagg_parameters_are_translated():
     d = doc()
     d["plugins"] += [
@@ -181,6 +200,12 @@ def test_sections_are_decoded_and_their_plugin_refs_checked():
     d["dataLayer"]["sorces"] = []
     assert any(
         "dataLayer.sorces: unknown field (did you mean 'sources'?)" in p for p in problems(d)
+    )
+    del d["dataLayer"]["sorces"]
+    d["dataLayer"]["crossReplicaSyncerPluginRef"] = "local-syncr"
+    assert any(
+        "dataLayer.crossReplicaSyncerPluginRef: no plugin named 'local-syncr'" in p
+        for p in problems(d)
     )
 
 
@@ -390,6 +415,84 @@ def test_check_config_prints_how_each_plugin_is_realised(tmp_path, capsys):
     assert "token-producer: mapped to the precise tokenizer" in out
     assert "parameter vllm ignored: extproc tokenizes in-process" in out
     assert "profile default:" in out
+
+
+def test_check_config_notes_parameters_accepted_without_effect(tmp_path, capsys):
+    """Parameters check-config used to accept silently though they do nothing: flow
+    control's (through its own path), mapped plugins' and sections' each get a note."""
+    import yaml
+
+    d = doc()
+    d["plugins"] += [
+        {
+            "type": "concurrency-detector",
+            "parameters": {"inFlightLoadProducerName": "inflight-load-producer", "headroom": 0.2},
+        },
+        {"type": "utilization-detector", "parameters": {"headroom": 0.1}},
+        {
+            "type": "k8s-notification-source",
+            "parameters": {"group": "", "version": "v1", "kind": "Pod"},
+        },
+        {"type": "session-id-producer", "parameters": {"headerName": "x-sid", "cookieName": "sid"}},
+        {"type": "inflight-load-producer", "parameters": {"prefixMatchInfoProducerName": "p"}},
+        {
+            "type": "predicted-latency-producer",
+            "parameters": {
+                "inFlightLoadProducerName": "i",
+                "samplingMean": 200,
+                "contextTTL": "1m",
+            },
+        },
+        {"type": "prefix-cache-scorer", "name": "old-prefix", "parameters": {"autoTune": True}},
+    ]
+    d["flowControl"] = {
+        "saturationDetector": {"pluginRef": "concurrency-detector"},
+        "noEndpointRequestTTL": "5s",
+    }
+    d["dataLayer"] = {"injectDefaults": False, "crossReplicaSyncInterval": "1s"}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    expected = {
+        "concurrency-detector": [
+            "parameter inFlightLoadProducerName ignored: in-flight counts are the picker's own",
+            "parameter headroom ignored: it sets llm-d's per-endpoint routing limit",
+        ],
+        "utilization-detector": ["parameter headroom ignored:"],
+        "k8s-notification-source": [
+            f"parameter {p} ignored: extproc's discovery watches the InferencePool's endpoints"
+            for p in ("group", "version", "kind")
+        ],
+        "session-id-producer": [
+            f"parameter {p} ignored: nothing reads the session ID"
+            for p in ("headerName", "cookieName")
+        ],
+        "inflight-load-producer": [
+            "parameter prefixMatchInfoProducerName ignored: the uncached prompt tokens come"
+        ],
+        "predicted-latency-producer": [
+            "parameter inFlightLoadProducerName ignored:",
+            "parameter samplingMean ignored: deprecated and unused in llm-d too",
+            "parameter contextTTL ignored: extproc keeps no per-request context",
+        ],
+        "old-prefix (prefix-cache-scorer)": ["parameter autoTune ignored: the block size comes"],
+    }
+    # Each plugin's notes are the "    - " lines under its "  label: how" line.
+    blocks: dict[str, list[str]] = {}
+    label = ""
+    for line in out.splitlines():
+        if line.startswith("  ") and not line.startswith("    ") and ": " in line:
+            label = line.strip().split(": ", 1)[0]
+            blocks[label] = []
+        elif line.startswith("    - "):
+            blocks[label].append(line[6:])
+    for label, wanted in expected.items():
+        for w in wanted:
+            assert any(n.startswith(w) for n in blocks[label]), (label, w, blocks.get(label))
+    assert "note: flowControl.noEndpointRequestTTL ignored: not implemented" in out
+    assert "note: dataLayer.injectDefaults: false ignored: extproc scrapes" in out
+    assert "note: dataLayer.crossReplicaSyncInterval ignored: shared in-flight counts" in out
 
 
 def test_docs_compatibility_table_lists_every_llm_d_type():

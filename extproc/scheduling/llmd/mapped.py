@@ -81,11 +81,13 @@ class MappedType:
 
 
 def _ignored(params: msgspec.Struct, reasons: dict[str, str]) -> list[str]:
-    """'parameter X ignored: why' for each of `reasons` the config actually set."""
+    """'parameter X ignored: why' for each of `reasons` the config actually set (to anything
+    but null, false or an empty list or mapping; an empty string is set: the core API
+    group is spelt "")."""
     notes = []
     for field in msgspec.structs.fields(params):
         value = getattr(params, field.name)
-        if field.encode_name in reasons and value not in (None, False, {}, [], ""):
+        if field.encode_name in reasons and value is not None and value not in (False, {}, []):
             notes.append(f"parameter {field.encode_name} ignored: {reasons[field.encode_name]}")
     return notes
 
@@ -177,6 +179,15 @@ class K8sSourceParams(_P, frozen=True):
     kind: str | None = None
 
 
+def _k8s_source(p: K8sSourceParams) -> tuple[Plumbing, list[str]]:
+    # llm-d watches any resource kind named here; extproc's discovery watches one thing.
+    why = (
+        "extproc's discovery watches the InferencePool's endpoints (--inference-pool), "
+        "no other kind"
+    )
+    return Plumbing(), _ignored(p, {"group": why, "version": why, "kind": why})
+
+
 class FileDiscoveryParams(_P, frozen=True):
     path: str | None = None
     watchFile: bool | None = None
@@ -201,10 +212,11 @@ class ApproxProducerParams(_P, frozen=True):
     hashBlockSize: int | None = None
 
 
-def approx_plumbing(p: Any) -> Plumbing:
-    """Approximate-index settings from llm-d's approximate producer parameters (also the
-    older prefix-cache-scorer, which took them itself)."""
-    return Plumbing(
+def approx(p: ApproxProducerParams) -> tuple[Plumbing, list[str]]:
+    """Approximate-index settings from llm-d's approximate producer parameters, and notes
+    (also for the older prefix-cache-scorer, which took them itself)."""
+    why = "the block size comes from blockSizeTokens (extproc does not read it from the engine)"
+    plumbing = Plumbing(
         index_mode="approximate",
         block_tokens=p.blockSizeTokens or p.blockSize,
         block_chars=p.hashBlockSize,
@@ -212,11 +224,7 @@ def approx_plumbing(p: Any) -> Plumbing:
         max_prefix_tokens=p.maxPrefixTokensToMatch,
         capacity_blocks=p.lruCapacityPerServer,
     )
-
-
-def _approx(p: ApproxProducerParams) -> tuple[Plumbing, list[str]]:
-    why = "the block size comes from blockSizeTokens (extproc does not read it from the engine)"
-    return approx_plumbing(p), _ignored(p, {"autoTune": why})
+    return plumbing, _ignored(p, {"autoTune": why})
 
 
 class BurstProducerParams(_P, frozen=True):
@@ -335,6 +343,8 @@ def _inflight(p: InflightProducerParams) -> tuple[Plumbing, list[str]]:
             "maxEstimatedOutputTokens": why,
             "syncCrossReplicaState": "in-flight counts are shared through Redis when the "
             "index is in Redis (state.shared_inflight)",
+            "prefixMatchInfoProducerName": "the uncached prompt tokens come from the one "
+            "shared prefix index, not a named producer",
         },
     )
     return Plumbing(), notes
@@ -395,6 +405,16 @@ class SessionIDParams(_P, frozen=True):
     cookieName: str | None = None
 
 
+def _session_id(p: SessionIDParams) -> tuple[Plumbing, list[str]]:
+    # llm-d's producer feeds the session-affinity plugins' session_id strategy, which
+    # extproc refuses; its encoded_endpoint_header strategy reads its own token header.
+    why = (
+        "nothing reads the session ID: session affinity uses the encoded endpoint token "
+        "(encodedEndpointHeaderConfig.header), not llm-d's session_id strategy"
+    )
+    return Plumbing(), _ignored(p, {"headerName": why, "cookieName": why})
+
+
 MAPPED: dict[str, MappedType] = {
     "openai-parser": MappedType(_PARSER),
     "anthropic-parser": MappedType(_PARSER),
@@ -412,7 +432,7 @@ MAPPED: dict[str, MappedType] = {
         "endpoint discovery (--inference-pool watch, --endpoints, --endpoints-file)"
     ),
     "k8s-notification-source": MappedType(
-        "endpoint discovery (--inference-pool watch)", K8sSourceParams
+        "endpoint discovery (--inference-pool watch)", K8sSourceParams, _k8s_source
     ),
     "file-discovery": MappedType(
         "endpoint discovery from a file (discovery.endpoints_file)",
@@ -428,7 +448,7 @@ MAPPED: dict[str, MappedType] = {
     "approx-prefix-cache-producer": MappedType(
         "the KV-block index in approximate mode (decisions recorded)",
         ApproxProducerParams,
-        _approx,
+        approx,
     ),
     "burst-prefix-cache-producer": MappedType(
         "the KV-block index in approximate mode (decisions recorded)",
@@ -463,8 +483,9 @@ MAPPED: dict[str, MappedType] = {
         _inflight,
     ),
     "session-id-producer": MappedType(
-        "no effect: session-affinity plugins read the session header themselves",
+        "no effect: session-affinity plugins read their token header themselves",
         SessionIDParams,
+        _session_id,
     ),
     "mm-embeddings-cache-producer": MappedType(
         "the mm-embeddings-cache-scorer's LRU of media sent to each endpoint",

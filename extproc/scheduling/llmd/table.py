@@ -67,61 +67,87 @@ REFUSED: dict[str, str] = {
     "multicluster-session-affinity-filter": "multi-cluster routing is not implemented",
 }
 
-# Parameters of implemented plugins that are accepted with llm-d's name but have no effect,
-# and why. `check-config` prints these when a config sets them.
+# Parameters of implemented plugins (scheduling plugins and flow control's) that are accepted
+# with llm-d's name but have no effect, and why. `check-config` prints these when a config
+# sets them. Each pair is one llm-d's plugin really has (its parameter struct in
+# llm-d/llm-d-router, pkg/epp/framework/plugins, at ebab687 of 2026-08-22; prefix-cache-scorer's
+# `mode` is older llm-d's; GIE's plugins have no producer-name parameters) and extproc's plugin
+# accepts: tests/scheduling/test_llmd_translate.py checks that against each Params, and
+# tests/docs that the parameter tables call exactly these ignored.
+_PREFIX_INDEX = "the prefix match comes from the one shared prefix index, not a named producer"
+_INFLIGHT = "in-flight counts are the picker's own, not a named producer's"
+_PRODUCERS: dict[str, tuple[str, ...]] = {
+    # llm-d's producer-name parameters: which producer's data the plugin reads.
+    "prefix-cache-scorer": ("prefixMatchInfoProducerName",),
+    "prefix-cache-affinity-filter": ("prefixMatchInfoProducerName", "inFlightLoadProducerName"),
+    "no-hit-lru-scorer": ("prefixMatchInfoProducerName", "prefixPluginType", "prefixPluginName"),
+    "pd-profile-handler": ("prefixMatchInfoProducerName", "prefixPluginType", "prefixPluginName"),
+    "predicted-latency-producer": ("prefixMatchInfoProducerName", "inFlightLoadProducerName"),
+    "active-request-scorer": ("inFlightLoadProducerName",),
+    "token-load-scorer": ("inFlightLoadProducerName",),
+    "utilization-filter": ("inFlightLoadProducerName",),
+    "concurrency-detector": ("inFlightLoadProducerName",),
+}
 IGNORED_PARAMS: dict[tuple[str, str], str] = {
     **{
-        (t, p): "extproc plugins read the shared prefix index / in-flight counts directly, "
-        "there is one producer of each"
-        for t in (
-            "prefix-cache-scorer",
-            "prefix-cache-affinity-filter",
-            "no-hit-lru-scorer",
-            "active-request-scorer",
-            "token-load-scorer",
-            "utilization-filter",
-            "mm-embeddings-cache-scorer",
-            "topology-affinity-filter",
-            "topology-affinity-scorer",
-        )
-        for p in (
-            "prefixMatchInfoProducerName",
-            "inFlightLoadProducerName",
-            "latencyPredictionInfoProducerName",
-            "producerName",
-            "topologyProducerName",
-        )
+        (t, p): _PREFIX_INDEX if p.startswith("prefix") else _INFLIGHT
+        for t, params in _PRODUCERS.items()
+        for p in params
     },
+    # (The latency plugins' latencyPredictionInfoProducerName does name the producer read.)
+    ("mm-embeddings-cache-scorer", "producerName"): "the scorer keeps its own LRU of the "
+    "media sent to each endpoint; there is no separate producer",
     **{
-        ("pd-profile-handler", p): "the prefix match comes from the shared index"
-        for p in ("prefixPluginType", "prefixPluginName", "prefixMatchInfoProducerName")
-    },
-    ("pd-profile-handler", "primaryPort"): "deprecated in llm-d (not needed with Istio >= "
-    "1.28.1); the request goes to the decode endpoint's own port",
-    ("session-affinity-scorer", "profileName"): "the token always names the primary pick",
-    ("session-affinity-filter", "profileName"): "the token always names the primary pick",
-    **{
-        ("active-request-scorer", p): "extproc scores in-flight counts min-max over the "
-        "candidates; requests leave the count when their stream ends"
-        for p in ("idleThreshold", "maxBusyScore")
-    },
-    ("token-load-scorer", "queueThresholdTokens"): "extproc scores in-flight tokens min-max "
-    "over the candidates",
-    **{
-        (t, "maxNumOfEndpoints"): "a decision carries the pick plus server.fallbacks endpoints"
-        for t in ("max-score-picker", "random-picker", "weighted-random-picker")
+        (t, "topologyProducerName"): "topology is read from endpoint labels (the label keys "
+        "of the config's topology-extractor)"
+        for t in ("topology-affinity-filter", "topology-affinity-scorer")
     },
     **{
         (t, "producer"): "attributes are read by name; each has one producer in extproc "
         "(GPUUtilization: the DCGM poller)"
         for t in ("endpoint-attribute-filter", "endpoint-attribute-scorer")
     },
-    ("no-hit-lru-scorer", "prefixPluginType"): "the prefix match comes from the shared index",
-    ("no-hit-lru-scorer", "prefixPluginName"): "the prefix match comes from the shared index",
-    ("prefix-cache-scorer", "autoTune"): "block size comes from blockSizeTokens or the engine",
+    ("pd-profile-handler", "primaryPort"): "deprecated in llm-d (not needed with Istio >= "
+    "1.28.1); the request goes to the decode endpoint's own port",
+    **{
+        (t, "profileName"): "the token always names the primary pick"
+        for t in ("session-affinity-scorer", "session-affinity-filter")
+    },
+    **{
+        (t, "sessionIdConfig"): "only the session_id strategy reads it, and extproc "
+        "implements encoded_endpoint_header only"
+        for t in ("session-affinity-scorer", "session-affinity-filter")
+    },
+    **{
+        ("active-request-scorer", p): "extproc scores in-flight counts min-max over the "
+        "candidates; requests leave the count when their stream ends"
+        for p in ("idleThreshold", "maxBusyScore")
+    },
+    ("active-request-scorer", "requestTimeout"): "in-flight requests end when the stream ends",
+    ("token-load-scorer", "queueThresholdTokens"): "extproc scores in-flight tokens min-max "
+    "over the candidates",
+    **{
+        (t, "maxNumOfEndpoints"): "a decision carries the pick plus server.fallbacks endpoints"
+        for t in ("max-score-picker", "random-picker", "weighted-random-picker")
+    },
     ("prefix-cache-scorer", "mode"): "the keys are precise when the config sets up precise "
     "prefix matching (parse.precise, or llm-d's precise producer), else approximate",
-    ("active-request-scorer", "requestTimeout"): "in-flight requests end when the stream ends",
+    **{
+        ("predicted-latency-producer", p): "deprecated and unused in llm-d too (its "
+        "mid-stream TPOT sampling was removed)"
+        for p in ("samplingMean", "maxDecodeTokenSamplesForPrediction")
+    },
+    ("predicted-latency-producer", "contextTTL"): "extproc keeps no per-request context to "
+    "expire: predictions last while the request is scheduled, learning reads the servers' "
+    "histograms",
+    **{
+        ("predicted-latency-producer", p): "extproc's latency model has no encoder-cache features"
+        for p in ("useEncoderCacheFeatures", "encoderCacheMatchInfoProducerName")
+    },
+    **{
+        (t, "headroom"): "it sets llm-d's per-endpoint routing limit, a filter extproc lacks"
+        for t in ("utilization-detector", "concurrency-detector")
+    },
 }
 
 # Every plugin type llm-d's router registers (llm-d/llm-d-router, pkg/epp and pkg/plugins),

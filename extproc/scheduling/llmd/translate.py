@@ -21,7 +21,7 @@ import msgspec
 from extproc.errors import ConfigError
 from extproc.scheduling.config import EndpointPickerConfig, PluginRef, PluginSpec, ProfileSpec
 from extproc.scheduling.llmd import shape
-from extproc.scheduling.llmd.mapped import MAPPED, Plumbing, approx_plumbing
+from extproc.scheduling.llmd.mapped import MAPPED, ApproxProducerParams, Plumbing, approx
 from extproc.scheduling.llmd.table import (
     IGNORED_PARAMS,
     KNOWN_FEATURE_GATES,
@@ -184,10 +184,12 @@ def _disagg_params(name: str, params: dict[str, Any], notes: list[str]) -> tuple
 
 
 def _ignored_notes(type_name: str, params: Mapping[str, Any]) -> list[str]:
+    """'parameter X ignored: why' for each IGNORED_PARAMS parameter the config sets (null and
+    false turn nothing on, in llm-d either: not noted)."""
     return [
         f"parameter {p} ignored: {IGNORED_PARAMS[(type_name, p)]}"
-        for p in params
-        if (type_name, p) in IGNORED_PARAMS
+        for p, value in params.items()
+        if (type_name, p) in IGNORED_PARAMS and value is not None and value is not False
     ]
 
 
@@ -283,10 +285,12 @@ def _plugins(
                     )
             if spec.type == "prefix-cache-scorer" and _PREFIX_LEGACY & set(params):
                 legacy = {k: params.pop(k) for k in list(params) if k in _PREFIX_LEGACY}
-                producer = MAPPED["approx-prefix-cache-producer"]
-                decoded = _decode(legacy, producer.params, (*where, "parameters"), problems)
+                decoded = _decode(legacy, ApproxProducerParams, (*where, "parameters"), problems)
                 if decoded is not None:
-                    t.plumbing = t.plumbing.merge(approx_plumbing(decoded))
+                    # The producer's notes (autoTune) hold for the older spelling too.
+                    plumbing, extra = approx(decoded)
+                    t.plumbing = t.plumbing.merge(plumbing)
+                    notes.extend(extra)
                     how = "implemented; its producer parameters configure the approximate index"
             pending = [
                 (pname, value, issue)
@@ -316,6 +320,9 @@ def _plugins(
             out.append((name, PluginSpec(type=spec.type, name=name, parameters=params)))
         elif spec.type in foreign:
             kind, how = "implemented", "implemented by flow control (docs/flow-control.md)"
+            # Flow control decodes the parameters itself (strictly); the ones it accepts
+            # without acting on are said here, with the scheduling plugins' ones.
+            notes.extend(_ignored_notes(spec.type, params))
             out.append((name, PluginSpec(type=spec.type, name=name, parameters=params or None)))
         elif spec.type in MAPPED:
             mapped = MAPPED[spec.type]
@@ -466,7 +473,21 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
                 ref = getattr(dl, key)
                 if ref is not None and ref.pluginRef:
                     refs.append((("dataLayer", key, "pluginRef"), ref.pluginRef))
+            if dl.crossReplicaSyncerPluginRef:
+                refs.append(
+                    (("dataLayer", "crossReplicaSyncerPluginRef"), dl.crossReplicaSyncerPluginRef)
+                )
             _check_refs(refs, names, problems)
+            if dl.injectDefaults is False:
+                t.notes.append(
+                    "dataLayer.injectDefaults: false ignored: extproc scrapes each endpoint's "
+                    "metrics unless state.scrape is null"
+                )
+            if dl.crossReplicaSyncInterval is not None:
+                t.notes.append(
+                    "dataLayer.crossReplicaSyncInterval ignored: shared in-flight counts are "
+                    "exchanged every state.shared_inflight.interval_s, placements pushed at once"
+                )
     parser_refs: list[tuple[Path, str]] = []
     if "requestHandler" in doc:
         rh = _decode(
@@ -489,6 +510,12 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
             _check_refs(
                 [(("flowControl", *p), r) for p, r in shape.flow_control_refs(fc)], names, problems
             )
+            if fc.noEndpointRequestTTL is not None:
+                # Flow control also logs it at start; check-config says it before that.
+                t.notes.append(
+                    "flowControl.noEndpointRequestTTL ignored: not implemented "
+                    "(defaultRequestTTL bounds every queued request)"
+                )
     if "saturationDetector" in doc:
         sd = _decode(
             doc["saturationDetector"],

@@ -91,7 +91,8 @@ class PredictedLatencyProducer:
 
     llm-d's parameters are accepted so configs carry over; `sloBufferFactor` scales the TPOT SLO,
     `streamingMode: false` (llm-d's default) makes TPOT neutral, `endpointRoleLabel` makes
-    TPOT neutral on prefill endpoints; the XGBoost-sidecar ones are informational.
+    TPOT neutral on prefill endpoints; the XGBoost-sidecar ones have no effect (check-config
+    notes them).
     `model` tunes learning (forgetting, minSamples, smoothing), `learnIntervalMs` how often
     scrapes are read, `responseHeader: true` returns the pick's predicted TTFT to the client
     in `x-extproc-predicted-ttft-ms`.
@@ -115,9 +116,12 @@ class PredictedLatencyProducer:
         predict_in_produce: bool = True
         use_encoder_cache_features: bool = False
         encoder_cache_match_info_producer_name: str = ""
-        # llm-d (newer) names the prefix producer to read; here the match comes from the
-        # shared index, so it is accepted and names nothing (as on the prefix scorers).
+        # llm-d (newer) names the prefix and in-flight producers to read; here the match
+        # comes from the shared index and the counts are the picker's own, so they are
+        # accepted and name nothing (as on the prefix and load scorers; check-config notes
+        # them, scheduling/llmd/table.py).
         prefix_match_info_producer_name: str | None = None
+        in_flight_load_producer_name: str | None = None
         model: ModelSettings = ModelSettings()
         learn_interval_ms: Annotated[float, msgspec.Meta(gt=0.0)] = 50.0
         response_header: bool = False

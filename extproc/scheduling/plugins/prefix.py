@@ -32,9 +32,10 @@ class PrefixCacheScorer:
 
     The index itself (approximate from routing decisions, or precise from vLLM KV events)
     is configured in the `index` settings, or by llm-d's producer plugins in the same config
-    (see docs/llm-d.md); `mode` is informational. With `matchLengthWeight` w (0..1) the score
-    blends in the matched length: w * min(1, matched tokens / `matchLengthScaleTokens`)^2 +
-    (1 - w) * the fraction (llm-d's formula).
+    (see docs/llm-d.md); `mode` has no effect (check-config notes it). With
+    `matchLengthWeight` w (0..1) the score blends in the matched length:
+    w * min(1, matched tokens / `matchLengthScaleTokens`)^2 + (1 - w) * the fraction
+    (llm-d's formula).
 
     ```yaml
     - type: prefix-cache-scorer
