@@ -38,7 +38,7 @@ writes the band into each body as the engine's `priority`, `flow_control.engine_
 with any `-ep` run the sims run `--scheduling-policy priority`, which orders requests of
 equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (the
 `prefill-gate` plugin, maxPrefillTokens N or `--gate-tokens`; `-fleet`: with its
-`fleetView`; `-gh`: with `activeAtStart`; `-sm<NN>`: with `steerKvMargin` 0.NN), `-noprior` (no
+`fleetView`; `-gh`: with `activeAtStart`), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.NN),
 `-rq<NN>` (`reserve_rate_quantile` 0.NN), `-refill<ms>` (`reserve_refill_s`), `-pf`
@@ -202,7 +202,6 @@ def picker_config(
     gate_steers: bool = True,
     gate_fleet_view: bool = False,
     gate_at_start: bool = False,
-    gate_steer_margin: float = 0.0,
     reserve_quantile: float = 0.0,
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
@@ -349,9 +348,6 @@ def picker_config(
                     },
                 }
             )
-            if gate_steer_margin:
-                # Steering leaves out a server within this of its KV ceiling (`-sm<NN>`).
-                plugins[-1]["parameters"]["steerKvMargin"] = gate_steer_margin
         if prior and per_endpoint:
             # What interactive is expected to send, so a fresh picker keeps room for it
             # from the burst's first request (`interactive_prior`).
@@ -1132,11 +1128,6 @@ def main() -> int:
             quantile = q_v / 100 if q_v is not None else 0.0
             run_name, fleet_view, after = run_name.partition("-fleet")  # gate's fleetView
             run_name += after
-            # `-sm<NN>`: the gate's steerKvMargin 0.NN (steering off servers at their KV edge).
-            sm_v, run_name = take_number(run, run_name, "sm")
-            steer_margin = sm_v / 100 if sm_v is not None else 0.0
-            if steer_margin and "-gate" not in run_name:
-                raise SystemExit(f"{run}: -sm<NN> (the gate's steerKvMargin) without -gate")
             gate_tokens, gate_head, run_name = take_gate(run, run_name, args.gate_tokens)
             src = args.baseline_src if tilde else ""
             if tilde and not src:
@@ -1188,7 +1179,6 @@ def main() -> int:
                     gate_steers=not args.gate_no_steer,
                     gate_fleet_view=bool(fleet_view),
                     gate_at_start=gate_head,
-                    gate_steer_margin=steer_margin,
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
@@ -1229,7 +1219,6 @@ def main() -> int:
                     gate_steers=not args.gate_no_steer,
                     gate_fleet_view=bool(fleet_view),
                     gate_at_start=gate_head,
-                    gate_steer_margin=steer_margin,
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,

@@ -107,13 +107,9 @@ class Timeline:
         # ... of which the reserve kept (an endpoint had room but not with the reserve) or
         # the prefill gate held; the rest: no endpoint under the ceiling with the request.
         # `claims`: a waiting interactive request kept its server (waiting_claims_room).
-        # `steered_off_edge`: interactive requests the gate's steerKvMargin kept off a
-        # server at its KV edge.
         for key, name in (("reserve_held", "extproc_flow_reserve_held_total"),
                           ("gate_held", "extproc_flow_prefill_gate_held_total"),
-                          ("claims", "extproc_flow_room_claims_total"),
-                          ("steered_off_edge",
-                           "extproc_flow_prefill_gate_steered_off_edge_total")):  # fmt: skip
+                          ("claims", "extproc_flow_room_claims_total")):  # fmt: skip
             total = sum(summed(p, name) for p in pages)
             row[key] = int(total - last.get(key, 0.0))
             last[key] = total

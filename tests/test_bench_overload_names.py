@@ -40,16 +40,3 @@ def test_gate_head_comes_off_before_the_gate_tokens():
         )
     gate = [p for p in cfg["scheduling"]["plugins"] if p["type"] == "prefill-gate"]
     assert gate[0]["parameters"]["activeAtStart"] is True
-
-
-def test_steer_margin_suffix():
-    with bench_modules("bench_overload") as (bench,):
-        got, name = bench.take_number(J, J + "-gh-sm3", "sm")
-        assert (got, name) == (3, J + "-gh")
-        cfg = bench.picker_config(bench.Path("o.yaml"), flow=True, gate_tokens=2048,
-                                  gate_steer_margin=0.03)  # fmt: skip
-        plain = bench.picker_config(bench.Path("o.yaml"), flow=True, gate_tokens=2048)
-    gate = [p for p in cfg["scheduling"]["plugins"] if p["type"] == "prefill-gate"]
-    assert gate[0]["parameters"]["steerKvMargin"] == 0.03
-    gate = [p for p in plain["scheduling"]["plugins"] if p["type"] == "prefill-gate"]
-    assert "steerKvMargin" not in gate[0]["parameters"]

@@ -488,13 +488,6 @@ class Admission:
             )
             gb.add_metric([], gate.blind)
             yield gb
-            ge = counter(
-                "extproc_flow_prefill_gate_steered_off_edge",
-                "Higher-band requests whose steering left out a server that would be within "
-                "steerKvMargin of its KV ceiling with the request on it (another had room).",
-            )
-            ge.add_metric([], gate.steered_off_edge)
-            yield ge
             gu = gauge(
                 "extproc_flow_prefill_gate_unfinished_tokens",
                 "Unfinished prefill tokens per server at the prefill-gate's last judgement.",

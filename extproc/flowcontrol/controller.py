@@ -450,7 +450,7 @@ class FlowController:
             fits = [(x, a) for x, a in fits if keeps[a] or spare - has[a] > 0]
             self.reserve_held += not fits
         if fits and self.gate is not None:
-            fits = self._gated(request, fits, dict(eps), ceiling)
+            fits = self._gated(request, fits, dict(eps))
         if not fits:
             return None
         return min(fits)[1], frozenset(a for _, a in fits)
@@ -460,13 +460,10 @@ class FlowController:
         request: FlowRequest,
         fits: list[tuple[float, str]],
         states: Mapping[str, EndpointState],
-        ceiling: float,
     ) -> list[tuple[float, str]]:
-        """The prefill gate on the endpoints with room (each with its saturation after the
-        request, under `ceiling`, the band's): a lower band's request only where the
-        server's unfinished prefill stays short while a higher band is active; a higher
-        band's request where the least is unfinished, among those at least `steerKvMargin`
-        under the ceiling when any is (flowcontrol/prefill_gate.py)."""
+        """The prefill gate on the endpoints with room: a lower band's request only where
+        the server's unfinished prefill stays short while a higher band is active; a
+        higher band's request where the least is unfinished (flowcontrol/prefill_gate.py)."""
         gate = self.gate
         assert gate is not None
         p = request.priority
@@ -477,12 +474,6 @@ class FlowController:
                 gate.note_held(p)
             return kept
         if gate.steers and self._priorities and p > min(self._priorities):
-            if gate.steer_margin:
-                # Off the KV edge: the books run 1-4% under what the engines hold there.
-                roomy = [(x, a) for x, a in fits if x <= ceiling - gate.steer_margin]
-                if roomy and len(roomy) < len(fits):
-                    fits = roomy
-                    gate.steered_off_edge += 1
             left = {a: gate.unfinished(a, states[a]) for _, a in fits}
             least = min(left.values())
             return [(x, a) for x, a in fits if left[a] <= least]

@@ -50,17 +50,6 @@ first 0.8 s; the run's first or second interactive request, arriving 0.27-0.95 s
 waited 0.33-0.84 s in the engine's prefill queue behind them alone (2.0-3.0x the unloaded
 p99: 6 of 23 slow interactive requests over seeds 15-27; bench/RESULTS.md, issue 15).
 
-Steering at the KV edge (`steerKvMargin`): the server with the least unfinished prefill is
-often the fullest, the one the reserve keeps lower bands off, and a higher-band request sent
-there lands at its ceiling. The books count a request's KV from the picker's estimate at
-one fleet-wide ratio, and the mix on a full server runs 1-4% over it (bench/RESULTS.md,
-twenty-first session): in the overload bench, 25-55% of interactive requests placed within
-2% of the ceiling then waited 0.1-1.1 s for the engine's KV, most of them while the other
-server had room (twenty-eighth session). With a margin, steering chooses only among the
-servers that stay at least that far under the ceiling with the request on them, when any
-does; otherwise among all with room, as without it. `steered_off_edge` counts the requests
-for which it left a server out.
-
 Held requests wait in the picker's queue (their band's TTL applies); `held` counts the
 dispatch opportunities where some server had KV room for the request but the gate kept it.
 """
@@ -129,10 +118,6 @@ class PrefillGate:
         # Bands above the lowest with a reserve_prior count as arrived at the controller's
         # start: the gate holds from the start for one activeWindow (module docstring).
         activeAtStart: bool = False
-        # Steering (steerHigherBands) leaves out the servers that would be within this much
-        # of the band's ceiling (saturation, the detector's unit) with the request on them,
-        # while another server with room stays under that; 0: off (module docstring).
-        steerKvMargin: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
 
     def __init__(
         self, params: Params | None = None, clock: Callable[[], float] = time.monotonic
@@ -143,7 +128,6 @@ class PrefillGate:
         self.window_s = parse_duration(self.params.activeWindow)
         self.max_tokens = self.params.maxPrefillTokens
         self.steers = self.params.steerHigherBands
-        self.steer_margin = self.params.steerKvMargin
         self.fleet_view = self.params.fleetView
         self._clock = clock
         self._last: dict[int, float] = {}  # band -> its last arrival
@@ -151,8 +135,6 @@ class PrefillGate:
         self._unplaced: dict[object, _Placed] = {}  # ticket -> its entry, until placed
         self.held = 0
         self.blind = 0
-        # Higher-band requests whose steering left out a server at its KV edge (steerKvMargin).
-        self.steered_off_edge = 0
         self.last_unfinished: dict[str, float] = {}  # address -> tokens, last evaluation
         self._warned_blind = False
         self._told_held = False

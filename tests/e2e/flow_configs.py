@@ -89,17 +89,14 @@ def two_band_reserve_config(
     return path
 
 
-def prefill_gate_config(
-    tmp: Path, gate: dict[str, Any], cap: int = 1_000_000, **flow_control: Any
-) -> Path:
-    """The prefill-gate tests' config: `two_band_reserve_config` with the queue scorer, `cap`
-    tokens per server (by default KV room that never holds anything), no reserve and no
-    output counted, plus `prefill-gate` with `gate` as its parameters. `flow_control` adds
-    to extproc's own section."""
+def prefill_gate_config(tmp: Path, gate: dict[str, Any], **flow_control: Any) -> Path:
+    """The prefill-gate tests' config: `two_band_reserve_config` with the queue scorer, KV
+    room that never holds anything, no reserve and no output counted, plus `prefill-gate`
+    with `gate` as its parameters. `flow_control` adds to extproc's own section."""
     path = two_band_reserve_config(
         tmp,
         "queue-scorer",
-        cap,
+        1_000_000,  # KV room never holds anything here
         reserve_for_higher_bands=0,
         expected_output_tokens=0,
         **flow_control,

@@ -208,42 +208,6 @@ async def test_interactive_goes_where_the_least_prefill_is_unfinished():
     assert (await off.admit(req(400, priority=10))).endpoints == {"A", "B"}
 
 
-def edge_fleet(margin: float | None) -> tuple[FlowController, Fleet]:
-    """Server B has nothing unfinished and 880 of its 1000 tokens taken (another picker's,
-    decoding); A is empty until the test places a batch request there (300 unfinished). An
-    interactive request (100 prompt tokens; outputs are not counted here) then fits both, B
-    at 0.98 of its ceiling."""
-    clock = Clock()
-    fleet = Fleet(clock)
-    fleet.tokens["B"], fleet.requests["B"] = 880, 1
-    params: dict = {"maxPrefillTokens": 1000}
-    if margin is not None:
-        params["steerKvMargin"] = margin
-    ctl = controller(fleet, [tokens_detector(1000), {"type": "prefill-gate", "parameters": params}],
-                     clock=clock)  # fmt: skip
-    return ctl, fleet
-
-
-async def test_steering_keeps_off_a_server_at_its_kv_edge():
-    # Traced in the overload bench (bench/RESULTS.md, issue 15, twenty-eighth session): the
-    # server with the least unfinished prefill was the fullest, and interactive requests
-    # steered there within 2% of its ceiling waited for the engine's KV while the other
-    # server had room.
-    ctl, fleet = edge_fleet(None)
-    assert place(ctl, fleet, await ctl.admit(req(300))) == "A"  # B has no room for it
-    assert (await ctl.admit(req(100, priority=10))).endpoints == {"B"}  # least unfinished
-    ctl, fleet = edge_fleet(0.03)
-    assert place(ctl, fleet, await ctl.admit(req(300))) == "A"
-    hi = await ctl.admit(req(100, priority=10))
-    assert hi.endpoints == {"A"}  # B would be at 0.98, over 1 - 0.03
-    assert ctl.gate is not None and ctl.gate.steered_off_edge == 1
-    ctl.release(hi)  # (never placed)
-    # Both at the edge: steered by unfinished prefill alone, as without the margin.
-    fleet.tokens["A"] += 580  # A at (310 + 580 + 100) / 1000 = 0.99 with it
-    assert (await ctl.admit(req(100, priority=10))).endpoints == {"B"}
-    assert ctl.gate.steered_off_edge == 1
-
-
 async def test_placement_elsewhere_than_the_target_moves_the_count():
     clock = Clock()
     fleet = Fleet(clock)
