@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import random
 import struct
 import time
@@ -315,12 +316,17 @@ async def run_open_loop(
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); NaN for no values."""
+    """Nearest-rank percentile (q in 0..100): the smallest value with at least q% of the
+    values at or below it, the ceil(q/100 * n)-th; NaN for no values. (It once took
+    `round(q/100 * n + 0.5)`, which Python's round-half-to-even made one rank too high
+    whenever q/100 * n was an odd whole number: the p99 of 100 TTFTs was their maximum.)"""
     if not values:
         return float("nan")
     ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[k]
+    # The epsilon keeps a product that float arithmetic lands just above a whole number
+    # (e.g. 99.9 * 1000 / 100) on that rank.
+    rank = math.ceil(q * len(ordered) / 100 - 1e-9)
+    return ordered[max(0, min(len(ordered) - 1, rank - 1))]
 
 
 def summarize(results: Sequence[Result], duration_s: float) -> Summary:

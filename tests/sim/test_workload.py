@@ -5,12 +5,14 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import math
 
 from extproc.sim.workload import (
     Result,
     WorkloadSpec,
     arrival_offsets,
     build_workload,
+    percentile,
     png_data_uri,
     summarize,
 )
@@ -88,3 +90,20 @@ def test_poisson_rate_and_summary():
     assert (s.ok, s.requests, s.hit_ratio) == (2, 3, 0.25)
     assert s.per_endpoint == {"a": 1, "b": 1}
     assert s.output_tok_per_s == 4.0
+
+
+def test_percentile_is_nearest_rank():
+    # The ceil(q/100 * n)-th smallest: the p99 of 100 values is the 99th, not the largest
+    # (round-half-to-even once took the 100th: the overload bench's p99 of 100 interactive
+    # TTFTs was their maximum, bench/RESULTS.md, issue 15).
+    hundred = [float(i) for i in range(1, 101)]
+    assert percentile(hundred, 99) == 99.0
+    assert percentile(hundred, 50) == 50.0
+    assert percentile([float(i) for i in range(1, 301)], 99) == 297.0
+    assert percentile([float(i) for i in range(1, 123)], 50) == 61.0
+    assert percentile([float(i) for i in range(1, 61)], 99) == 60.0  # 59.4 -> the 60th
+    assert percentile([float(i) for i in range(1, 1001)], 99.9) == 999.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0], 0) == 1.0
+    assert math.isnan(percentile([], 99))
