@@ -44,11 +44,12 @@ dropped (per-replica view, as without the fleet view), logged once per outage, a
 Outside that window the gate does not hold (a batch-only pool runs at full speed).
 `activeAtStart` (by default on wherever it applies): every band above the lowest that has a
 `reserve_prior` (the operator said it sends work) counts as arrived when the controller
-starts, so the gate holds from the picker's start for one window. Why: before the first interactive arrival nothing gated
-batch, and 6-12 batch requests (6-8k prompt tokens) went to each server in the burst's
-first 0.8 s; the run's first or second interactive request, arriving 0.27-0.95 s in, then
-waited 0.33-0.84 s in the engine's prefill queue behind them alone (2.0-3.0x the unloaded
-p99: 6 of 23 slow interactive requests over seeds 15-27; bench/RESULTS.md, issue 15).
+starts, so the gate holds from the picker's start for one window. Why: before the first
+interactive arrival nothing gated batch, and 6-12 batch requests (6-8k prompt tokens) went
+to each server in the burst's first 0.8 s; the run's first or second interactive request,
+arriving 0.27-0.95 s in, then waited 0.33-0.84 s in the engine's prefill queue behind them
+alone (2.0-3.0x the unloaded p99: 6 of 23 slow interactive requests over seeds 15-27;
+bench/RESULTS.md, issue 15).
 
 Held requests wait in the picker's queue (their band's TTL applies); `held` counts the
 dispatch opportunities where some server had KV room for the request but the gate kept it.
