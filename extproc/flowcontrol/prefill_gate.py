@@ -42,13 +42,14 @@ dropped (per-replica view, as without the fleet view), logged once per outage, a
 
 "Sending work": a higher band is active for `activeWindow` after its last arrival here.
 Outside that window the gate does not hold (a batch-only pool runs at full speed).
-`activeAtStart`: every band above the lowest that has a `reserve_prior` (the operator said
-it sends work) counts as arrived when the controller starts, so the gate holds from the
-picker's start for one window. Why: before the first interactive arrival nothing gated
-batch, and 6-12 batch requests (6-8k prompt tokens) went to each server in the burst's
-first 0.8 s; the run's first or second interactive request, arriving 0.27-0.95 s in, then
-waited 0.33-0.84 s in the engine's prefill queue behind them alone (2.0-3.0x the unloaded
-p99: 6 of 23 slow interactive requests over seeds 15-27; bench/RESULTS.md, issue 15).
+`activeAtStart` (by default on wherever it applies): every band above the lowest that has a
+`reserve_prior` (the operator said it sends work) counts as arrived when the controller
+starts, so the gate holds from the picker's start for one window. Why: before the first
+interactive arrival nothing gated batch, and 6-12 batch requests (6-8k prompt tokens) went
+to each server in the burst's first 0.8 s; the run's first or second interactive request,
+arriving 0.27-0.95 s in, then waited 0.33-0.84 s in the engine's prefill queue behind them
+alone (2.0-3.0x the unloaded p99: 6 of 23 slow interactive requests over seeds 15-27;
+bench/RESULTS.md, issue 15).
 
 Held requests wait in the picker's queue (their band's TTL applies); `held` counts the
 dispatch opportunities where some server had KV room for the request but the gate kept it.
@@ -117,7 +118,8 @@ class PrefillGate:
         fleetView: bool = False
         # Bands above the lowest with a reserve_prior count as arrived at the controller's
         # start: the gate holds from the start for one activeWindow (module docstring).
-        activeAtStart: bool = False
+        # Unset: on where such a band exists; true: the same, said at start where none does.
+        activeAtStart: bool | None = None
 
     def __init__(
         self, params: Params | None = None, clock: Callable[[], float] = time.monotonic
@@ -150,12 +152,14 @@ class PrefillGate:
     # -- what flows through the controller -------------------------------------------------
 
     def started(self, bands: Iterable[int], lowest: int | None) -> None:
-        """The controller starts: with `activeAtStart`, `bands` above `lowest` (those the
-        operator gave a prior) count as arrived now."""
-        if not self.params.activeAtStart:
+        """The controller starts: with `activeAtStart` (unless false), `bands` above `lowest`
+        (those the operator gave a prior) count as arrived now."""
+        if self.params.activeAtStart is False:
             return
         above = sorted(p for p in bands if lowest is not None and p > lowest)
         if not above:
+            if self.params.activeAtStart is None:
+                return  # the default, where it does not apply: nothing to say
             log.warning(
                 "prefill-gate: activeAtStart has no effect: no band above the lowest has a "
                 "flow_control.reserve_prior"

@@ -2,8 +2,9 @@
 of test_flow_prefill_gate.py (one slow-prefill server, two bands, the gate's budget between a
 short and a long prompt) with a `reserve_prior` for the interactive band, which says the band
 sends work. Before any interactive request has arrived, a short batch request sent while a
-long one prefills is held in the picker until that prefill ends; without `activeAtStart` the
-same pair is released at once (test_flow_prefill_gate.py's first half). Why: at a burst's
+long one prefills is held in the picker until that prefill ends, with `activeAtStart` left
+at its default; with `activeAtStart: false` the same pair is released at once
+(test_flow_prefill_gate.py's first half). Why: at a burst's
 start batch filled each engine's prefill queue before the first interactive request came
 (bench/RESULTS.md, issue 15, activeAtStart)."""
 
@@ -21,7 +22,8 @@ from tests.e2e.test_flow_prefill_gate import BUDGET, SHORT, estimate, gate_stack
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     # A window longer than the stack's start and the test: "from the start" is what is tested.
-    gate = {"maxPrefillTokens": BUDGET, "activeAtStart": True, "activeWindow": "120s"}
+    # activeAtStart unset: its default (on, with the interactive band's prior) is tested.
+    gate = {"maxPrefillTokens": BUDGET, "activeWindow": "120s"}
     prior = {10: {"request_tokens": estimate(SHORT)}}
     with gate_stack(tmp_path_factory.mktemp("flowgatestart"), gate, reserve_prior=prior) as s:
         yield s
