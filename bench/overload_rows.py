@@ -18,10 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-
-def percentile(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+# The bench's own (nearest rank), so a row's engine p99 is computed as its TTFT p99 is.
+from extproc.sim.workload import percentile
 
 
 def slowest(rows: list[dict], n: int) -> None:
