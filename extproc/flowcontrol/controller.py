@@ -281,8 +281,7 @@ class FlowController:
         self.end_dispatches = 0
         if gate is not None:
             gate.use_clock(clock)
-            # (activeAtStart, stayActive) the bands the operator gave a prior count as
-            # sending work.
+            # (activeAtStart) the bands the operator gave a prior count as sending work.
             gate.started(reserve_priors or (), min(self._priorities, default=None))
         if gate is not None and self._endpoints is None:
             log.warning(
