@@ -50,11 +50,6 @@ to each server in the burst's first 0.8 s; the run's first or second interactive
 arriving 0.27-0.95 s in, then waited 0.33-0.84 s in the engine's prefill queue behind them
 alone (2.0-3.0x the unloaded p99: 6 of 23 slow interactive requests over seeds 15-27;
 bench/RESULTS.md, issue 15).
-The same gap reopens after any silence of the higher band longer than `activeWindow`: the
-first higher-band request after it lands behind whatever batch filled the lanes meanwhile.
-`stayActive` (opt-in) counts those bands as active at all times, so batch is always kept to
-`maxPrefillTokens` of unfinished prefill per server; its price is batch's speed while no
-higher-band work comes (bench/RESULTS.md, issue 15, stayActive).
 
 Held requests wait in the picker's queue (their band's TTL applies); `held` counts the
 dispatch opportunities where some server had KV room for the request but the gate kept it.
@@ -125,9 +120,6 @@ class PrefillGate:
         # start: the gate holds from the start for one activeWindow (module docstring).
         # Unset: on where such a band exists; true: the same, said at start where none does.
         activeAtStart: bool | None = None
-        # Bands above the lowest with a reserve_prior count as active at all times: the
-        # gate holds after any silence too, whatever activeWindow (module docstring).
-        stayActive: bool = False
 
     def __init__(
         self, params: Params | None = None, clock: Callable[[], float] = time.monotonic
@@ -141,7 +133,6 @@ class PrefillGate:
         self.fleet_view = self.params.fleetView
         self._clock = clock
         self._last: dict[int, float] = {}  # band -> its last arrival
-        self._always: frozenset[int] = frozenset()  # bands active at all times (stayActive)
         self._own: dict[str, collections.deque[_Placed]] = {}
         self._unplaced: dict[object, _Placed] = {}  # ticket -> its entry, until placed
         self.held = 0
@@ -162,24 +153,10 @@ class PrefillGate:
 
     def started(self, bands: Iterable[int], lowest: int | None) -> None:
         """The controller starts: with `activeAtStart` (unless false), `bands` above `lowest`
-        (those the operator gave a prior) count as arrived now; with `stayActive`, as
-        active at all times."""
-        above = sorted(p for p in bands if lowest is not None and p > lowest)
-        if self.params.stayActive:
-            if not above:
-                log.warning(
-                    "prefill-gate: stayActive has no effect: no band above the lowest has a "
-                    "flow_control.reserve_prior"
-                )
-            else:
-                self._always = frozenset(above)
-                log.info(
-                    "prefill-gate: bands %s count as active at all times (stayActive)",
-                    ", ".join(map(str, above)),
-                )
-                return  # (activeAtStart adds nothing to it)
+        (those the operator gave a prior) count as arrived now."""
         if self.params.activeAtStart is False:
             return
+        above = sorted(p for p in bands if lowest is not None and p > lowest)
         if not above:
             if self.params.activeAtStart is None:
                 return  # the default, where it does not apply: nothing to say
@@ -201,10 +178,7 @@ class PrefillGate:
         self._last[priority] = self._clock()
 
     def active_above(self, priority: int) -> bool:
-        """Whether a band above `priority` sent work within the window (or is active at
-        all times, stayActive)."""
-        if any(p > priority for p in self._always):
-            return True
+        """Whether a band above `priority` sent work within the window."""
         now = self._clock()
         return any(p > priority and now - t <= self.window_s for p, t in self._last.items())
 

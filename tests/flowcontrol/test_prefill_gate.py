@@ -188,50 +188,6 @@ async def test_active_at_start_needs_a_prior_above_the_lowest_and_not_false(capl
         assert said == (params.get("activeAtStart") is True)
 
 
-async def test_stay_active_holds_batch_after_a_silence_longer_than_the_window():
-    # After an interactive silence past activeWindow the gate let batch fill the lanes, and
-    # the first interactive request after it waited behind them (bench/RESULTS.md, issue 15,
-    # stayActive); with stayActive the prior'd band counts as active at all times.
-    for stay in (False, True):
-        clock = Clock()
-        fleet = Fleet(clock)
-        params = {"maxPrefillTokens": 1000, "activeWindow": "5s", "stayActive": stay}
-        ctl = make_with(fleet, clock, params, reserve_priors=PRIOR)
-        ctl.release(await ctl.admit(req(100, priority=10)))
-        clock.now += 30.0  # silence: six windows
-        fleet.scrape(A=0, B=0)
-        place(ctl, fleet, await ctl.admit(req(800)))
-        place(ctl, fleet, await ctl.admit(req(800)))
-        third = asyncio.create_task(ctl.admit(req(800)))
-        await settle()
-        assert ctl.gate is not None
-        assert third.done() == (not stay) and (ctl.gate.held >= 1) == stay
-        if not third.done():
-            # Released once a server's prefill is seen done.
-            clock.now += 1.0
-            fleet.scrape(A=0, B=0)
-            ctl.tick()
-            await settle()
-            assert third.done()
-        else:
-            place(ctl, fleet, third.result())
-
-
-async def test_stay_active_without_a_prior_above_the_lowest_is_said_and_holds_nothing(caplog):
-    for priors in ({}, {0: PRIOR[10]}):
-        clock = Clock()
-        fleet = Fleet(clock)
-        with caplog.at_level(logging.WARNING, "extproc.flowcontrol"):
-            caplog.clear()
-            ctl = make_with(
-                fleet, clock, {"maxPrefillTokens": 1000, "stayActive": True}, reserve_priors=priors
-            )
-        for _ in range(3):
-            place(ctl, fleet, await ctl.admit(req(800)))
-        assert ctl.gate is not None and ctl.gate.held == 0
-        assert "stayActive has no effect" in caplog.text
-
-
 def make_with(fleet: Fleet, clock: Clock, params: dict, **overrides: object) -> FlowController:
     plugins = [tokens_detector(CAP), {"type": "prefill-gate", "parameters": params}]
     return controller(fleet, plugins, clock=clock, **overrides)
