@@ -38,7 +38,7 @@ writes the band into each body as the engine's `priority`, `flow_control.engine_
 with any `-ep` run the sims run `--scheduling-policy priority`, which orders requests of
 equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (the
 `prefill-gate` plugin, maxPrefillTokens N or `--gate-tokens`; `-fleet`: with its
-`fleetView`; `-gh`: with `activeAtStart`; `-stay`: with `stayActive`), `-noprior` (no
+`fleetView`; `-gh`: with `activeAtStart`), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.NN),
 `-rq<NN>` (`reserve_rate_quantile` 0.NN), `-refill<ms>` (`reserve_refill_s`), `-pf`
@@ -202,7 +202,6 @@ def picker_config(
     gate_steers: bool = True,
     gate_fleet_view: bool = False,
     gate_at_start: bool = False,
-    gate_stay: bool = False,
     reserve_quantile: float = 0.0,
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
@@ -346,7 +345,6 @@ def picker_config(
                         "steerHigherBands": gate_steers,
                         "fleetView": gate_fleet_view,
                         "activeAtStart": gate_at_start,
-                        **({"stayActive": True} if gate_stay else {}),
                     },
                 }
             )
@@ -1195,12 +1193,7 @@ def main() -> int:
             quantile = q_v / 100 if q_v is not None else 0.0
             run_name, fleet_view, after = run_name.partition("-fleet")  # gate's fleetView
             run_name += after
-            # `-stay`: the gate's stayActive (off before the gate's own parse: see take_gate).
-            run_name, stay, after = run_name.partition("-stay")
-            run_name += after
             gate_tokens, gate_head, run_name = take_gate(run, run_name, args.gate_tokens)
-            if stay and not gate_tokens:
-                raise SystemExit(f"{run}: -stay (the gate's stayActive) without -gate")
             src = args.baseline_src if tilde else ""
             if tilde and not src:
                 raise SystemExit(f"{run}: ~base needs --baseline-src")
@@ -1251,7 +1244,6 @@ def main() -> int:
                     gate_steers=not args.gate_no_steer,
                     gate_fleet_view=bool(fleet_view),
                     gate_at_start=gate_head,
-                    gate_stay=bool(stay),
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
@@ -1292,7 +1284,6 @@ def main() -> int:
                     gate_steers=not args.gate_no_steer,
                     gate_fleet_view=bool(fleet_view),
                     gate_at_start=gate_head,
-                    gate_stay=bool(stay),
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
