@@ -66,7 +66,11 @@ baseline; each run's interactive TTFTs are printed (`hi_ttfts`) so
 `bench/overload_pool.py` can pool runs of one configuration. `--servers` sizes the fleet
 (2 by default; the reserve is held on one server, so its cost in goodput is its share of
 the fleet's KV). `proc_cpu_s`: CPU seconds of each picker and of Envoy over the run, to
-tell a picker that spends more per decision from a stalled machine.
+tell a picker that spends more per decision from a stalled machine. `--hi-pause START:END`:
+no interactive arrivals in that interval (the same draw otherwise); the row's `after_pause`
+lists the interactive arrivals in the 1.5 s after it, `pause_goodput_vs_capacity` the
+goodput completed during it (whether the gate's gap reopens after a silence longer than
+its `activeWindow`: bench/RESULTS.md, issue 15, twenty-eighth session).
 """
 
 from __future__ import annotations
