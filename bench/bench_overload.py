@@ -66,7 +66,11 @@ baseline; each run's interactive TTFTs are printed (`hi_ttfts`) so
 `bench/overload_pool.py` can pool runs of one configuration. `--servers` sizes the fleet
 (2 by default; the reserve is held on one server, so its cost in goodput is its share of
 the fleet's KV). `proc_cpu_s`: CPU seconds of each picker and of Envoy over the run, to
-tell a picker that spends more per decision from a stalled machine.
+tell a picker that spends more per decision from a stalled machine. `--hi-pause START:END`:
+no interactive arrivals in that interval (the same draw otherwise); the row's `after_pause`
+lists the interactive arrivals in the 1.5 s after it, `pause_goodput_vs_capacity` the
+goodput completed during it (whether the gate's gap reopens after a silence longer than
+its `activeWindow`: bench/RESULTS.md, issue 15, twenty-eighth session).
 """
 
 from __future__ import annotations
@@ -739,7 +743,7 @@ def output_tokens(rng: random.Random, spread: int) -> int:
 
 def burst(
     tok_s: float, interactive_tok_s: float, per_req: dict[str, float], seconds: float, seed: int,
-    stratified: bool = True, spread: int = 0,
+    stratified: bool = True, spread: int = 0, hi_pause: tuple[float, float] | None = None,
 ) -> list[Req]:  # fmt: skip
     """Poisson arrivals offering `tok_s` tokens/s in all, `interactive_tok_s` of them
     interactive; each tenant offers a third of either (request rates from each tenant's mean
@@ -751,7 +755,10 @@ def burst(
     tokens a handful of 2k-token requests (2 to 9 in a 20 s burst by seed): interactive is
     never shed and counts in the tenant's share, so with 9 of them C alone was over its
     weight before any batch work, and the share target measured the arrival draw, not the
-    fairness policy."""
+    fairness policy.
+
+    `hi_pause` (start, end): no interactive arrivals in [start, end); every other arrival,
+    and every request's size, as without it (the draw is the same, those are dropped after)."""
     rng = random.Random(seed)
     out: list[Req] = []
     batch = (tok_s - interactive_tok_s) / 3
@@ -775,7 +782,65 @@ def burst(
     out.sort(key=lambda r: r.at)
     for r in out:
         r.max_tokens = output_tokens(rng, spread)
+    if hi_pause is not None:
+        lo, hi = hi_pause
+        out = [r for r in out if not (r.objective == "interactive" and lo <= r.at < hi)]
     return out
+
+
+def parse_pause(text: str) -> tuple[float, float] | None:
+    """`--hi-pause START:END` (seconds into the burst); "" = none."""
+    if not text:
+        return None
+    start, sep, end = text.partition(":")
+    try:
+        lo, hi = float(start), float(end)
+    except ValueError:
+        lo = hi = -1.0
+    if not sep or lo < 0 or hi <= lo:
+        raise SystemExit(f"--hi-pause {text!r}: expected START:END seconds, 0 <= START < END")
+    return lo, hi
+
+
+# After an interactive pause: its arrivals this long after the pause ends are reported one
+# by one (the first ones land on servers that batch alone filled during the pause).
+AFTER_PAUSE_S = 1.5
+
+
+def after_pause(
+    reqs: list[Req], pause: tuple[float, float], unloaded_p99: float, capacity_tps: float,
+    slo_s: float,
+) -> dict:  # fmt: skip
+    """The interactive arrivals in the first AFTER_PAUSE_S after the pause (each: arrival,
+    tenant, TTFT / unloaded p99, prefill-lane wait, picker wait) and the goodput of
+    requests completed during the pause (batch alone: what holding it costs)."""
+    lo, hi = pause
+    first = sorted(
+        (r for r in reqs if r.objective == "interactive" and hi <= r.at < hi + AFTER_PAUSE_S),
+        key=lambda r: r.at,
+    )
+    rows = []
+    for r in first:
+        ok = r.status == 200 and not r.error and r.ttft_s is not None
+        rows.append({
+            "at": round(r.at, 3), "tenant": r.tenant, "status": r.status,
+            "x_unloaded": round(r.ttft_s / unloaded_p99, 2) if ok and r.ttft_s else None,
+            "lane": round(r.engine[1], 3) if r.engine else None,
+            "wait": r.picker_wait, "endpoint": r.served_by,
+        })  # fmt: skip
+    xs = [x["x_unloaded"] for x in rows if x["x_unloaded"] is not None]
+    good = sum(
+        r.prompt_tokens + r.completion_tokens
+        for r in reqs
+        if r.status == 200 and not r.error and r.ttft_s is not None and r.ttft_s <= slo_s
+        and lo <= r.done_at < hi
+    )  # fmt: skip
+    return {
+        "after_pause": rows,
+        "after_pause_max_x": max(xs) if xs else None,
+        "after_pause_over_2x": f"{sum(x > 2 for x in xs)}/{len(xs)}",
+        "pause_goodput_vs_capacity": round(good / (hi - lo) / capacity_tps, 3),
+    }
 
 
 def breakdown(rs: list[Req]) -> dict:
@@ -1013,9 +1078,13 @@ def main() -> int:
     )
     ap.add_argument("--gate-no-steer", action="store_true",
                     help="`-gate` runs with steerHigherBands: false")  # fmt: skip
+    ap.add_argument("--hi-pause", default="",
+                    help="START:END seconds into the burst: no interactive arrivals then "
+                    "(the row's after_pause: interactive arrivals just after it)")  # fmt: skip
     ap.add_argument("--sim-args", default="",
                     help="more sim flags, e.g. '--long-prefill-token-threshold 256'")  # fmt: skip
     args = ap.parse_args()
+    hi_pause = parse_pause(args.hi_pause)
     tmp = Path(tempfile.mkdtemp(prefix="bench-overload-"))
     objectives = tmp / "objectives.yaml"
     objectives.write_text(yaml.safe_dump_all(OBJECTIVES))
@@ -1138,7 +1207,7 @@ def main() -> int:
             reserve = int(rsv) if rsv else args.reserve
             reqs = burst(offered, 0.25 * cap_tps, per_req, args.burst_s, args.seed,
                          stratified=not args.poisson_interactive,
-                         spread=args.output_spread)  # fmt: skip
+                         spread=args.output_spread, hi_pause=hi_pause)  # fmt: skip
             # Every run's pickers, one or two, count each request's max_tokens and get the
             # interactive prior, unless `~base` (the old behaviour) or told otherwise. The
             # two-replica path used to count 96 and no prior while the sims held up to 160
@@ -1267,6 +1336,8 @@ def main() -> int:
                 f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99, window
             )
             row.update(diag)
+            if hi_pause is not None:
+                row.update(after_pause(reqs, hi_pause, unloaded_p99, cap_tps, args.slo_s))
             row["lanes"] = round(lanes, 3)
             row["load_avg"] = [round(x, 2) for x in os.getloadavg()]
             row["lost_envoy"] = envoy_lines(dep.access_path, {d["id"] for d in row["lost_detail"]})

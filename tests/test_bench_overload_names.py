@@ -40,3 +40,22 @@ def test_gate_head_comes_off_before_the_gate_tokens():
         )
     gate = [p for p in cfg["scheduling"]["plugins"] if p["type"] == "prefill-gate"]
     assert gate[0]["parameters"]["activeAtStart"] is True
+
+
+def test_hi_pause_drops_only_interactive_arrivals_in_it():
+    with bench_modules("bench_overload") as (bench,):
+        per = {"A": 400.0, "B": 1000.0, "C": 2000.0}
+        full = bench.burst(20000, 1500, per, 30.0, 3, spread=64)
+        paused = bench.burst(20000, 1500, per, 30.0, 3, spread=64, hi_pause=(10.0, 20.0))
+        assert bench.parse_pause("20:35") == (20.0, 35.0)
+        assert bench.parse_pause("") is None
+        for bad in ("20", "35:20", "a:b"):
+            with pytest.raises(SystemExit, match="--hi-pause"):
+                bench.parse_pause(bad)
+
+    def key(r):
+        return (r.at, r.tenant, r.objective, r.max_tokens)
+
+    kept = [r for r in full if not (r.objective == "interactive" and 10.0 <= r.at < 20.0)]
+    assert [key(r) for r in paused] == [key(r) for r in kept]
+    assert len(kept) < len(full)  # some interactive arrivals were in the pause
