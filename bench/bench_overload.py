@@ -802,6 +802,18 @@ def parse_pause(text: str) -> tuple[float, float] | None:
     return lo, hi
 
 
+def served(r: Req) -> bool:
+    """Answered 200 with a first token and no client-side error."""
+    return r.status == 200 and not r.error and r.ttft_s is not None
+
+
+def goodput_in(good: list[Req], window: tuple[float, float], capacity_tps: float) -> float:
+    """The tokens of `good` requests completed inside `window`, per second, over capacity."""
+    lo, hi = window
+    tokens = sum(r.prompt_tokens + r.completion_tokens for r in good if lo <= r.done_at <= hi)
+    return tokens / (hi - lo) / capacity_tps
+
+
 # After an interactive pause: its arrivals this long after the pause ends are reported one
 # by one (the first ones land on servers that batch alone filled during the pause).
 AFTER_PAUSE_S = 1.5
@@ -814,32 +826,26 @@ def after_pause(
     """The interactive arrivals in the first AFTER_PAUSE_S after the pause (each: arrival,
     tenant, TTFT / unloaded p99, prefill-lane wait, picker wait) and the goodput of
     requests completed during the pause (batch alone: what holding it costs)."""
-    lo, hi = pause
+    hi = pause[1]
     first = sorted(
         (r for r in reqs if r.objective == "interactive" and hi <= r.at < hi + AFTER_PAUSE_S),
         key=lambda r: r.at,
     )
     rows = []
     for r in first:
-        ok = r.status == 200 and not r.error and r.ttft_s is not None
         rows.append({
             "at": round(r.at, 3), "tenant": r.tenant, "status": r.status,
-            "x_unloaded": round(r.ttft_s / unloaded_p99, 2) if ok and r.ttft_s else None,
+            "x_unloaded": round(r.ttft_s / unloaded_p99, 2) if served(r) and r.ttft_s else None,
             "lane": round(r.engine[1], 3) if r.engine else None,
             "wait": r.picker_wait, "endpoint": r.served_by,
         })  # fmt: skip
     xs = [x["x_unloaded"] for x in rows if x["x_unloaded"] is not None]
-    good = sum(
-        r.prompt_tokens + r.completion_tokens
-        for r in reqs
-        if r.status == 200 and not r.error and r.ttft_s is not None and r.ttft_s <= slo_s
-        and lo <= r.done_at < hi
-    )  # fmt: skip
+    good = [r for r in reqs if served(r) and r.ttft_s is not None and r.ttft_s <= slo_s]
     return {
         "after_pause": rows,
         "after_pause_max_x": max(xs) if xs else None,
         "after_pause_over_2x": f"{sum(x > 2 for x in xs)}/{len(xs)}",
-        "pause_goodput_vs_capacity": round(good / (hi - lo) / capacity_tps, 3),
+        "pause_goodput_vs_capacity": round(goodput_in(good, pause, capacity_tps), 3),
     }
 
 
@@ -960,7 +966,7 @@ def envoy_lines(path: Path | None, ids: set[str]) -> list[str]:
 
 def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo_s: float,
            unloaded_p99: float, window: tuple[float, float]) -> dict:  # fmt: skip
-    ok = [r for r in reqs if r.status == 200 and r.ttft_s is not None and not r.error]
+    ok = [r for r in reqs if served(r)]
     good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_s]
     tok = sum(r.prompt_tokens + r.completion_tokens for r in ok)
     good_tok = sum(r.prompt_tokens + r.completion_tokens for r in good)
@@ -972,9 +978,7 @@ def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo
     # Counted as capacity is (requests completed inside a window after a warm-up), over
     # the burst's steady part: neither the empty fleet at the start nor the drain after
     # the arrivals stop, which the whole-run figure above includes.
-    lo, hi_t = window
-    steady = sum(r.prompt_tokens + r.completion_tokens for r in good if lo <= r.done_at <= hi_t)
-    row["steady_goodput_vs_capacity"] = steady / (hi_t - lo) / capacity_tps
+    row["steady_goodput_vs_capacity"] = goodput_in(good, window, capacity_tps)
     row["hi_ttft_p50"] = percentile(hi, 50)
     row["hi_ttft_p99"] = percentile(hi, 99)
     row["hi_ttft_p99_vs_unloaded"] = percentile(hi, 99) / unloaded_p99
