@@ -57,6 +57,11 @@ keeps `weighted-token-fairness-policy`), `-ends<ms>`
 instead of 100 ms), `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
 session: `-noprior-out96`), and
+`-ev` (`enableEviction` with `lower-band-eviction-filter` and
+`flow_control.evict_per_endpoint`: a waiting interactive request gets the newest batch
+requests cut on the server where it comes closest to fitting; `-evm<NN>`: with
+`evict_margin` 0.NN; the row's `evicted` counts the batch requests cut, answered 429
+`evicted` or their stream cut), and
 `~base` to run its pickers from `--baseline-src` (old code against new in one run; `~base`
 runs also keep the old `expected_output_tokens` of 96 unless `--base-expected-output` says
 otherwise, and get no prior; the others, one picker or two, count each request's
@@ -221,6 +226,8 @@ def picker_config(
     engine_blocks: bool = False,
     engine_blocks_all: bool = False,
     top_global_strict: bool = False,
+    evict: bool = False,
+    evict_margin: float = 0.0,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -352,6 +359,13 @@ def picker_config(
                     },
                 }
             )
+        if evict:
+            # `-ev`: batch (priority 0) cut per server for a waiting interactive request.
+            plugins.append({"type": "lower-band-eviction-filter"})
+            sched["flowControl"]["enableEviction"] = True
+            doc["flow_control"]["evict_per_endpoint"] = True
+            if evict_margin:  # `-evm<NN>`
+                doc["flow_control"]["evict_margin"] = evict_margin
         if prior and per_endpoint:
             # What interactive is expected to send, so a fresh picker keeps room for it
             # from the burst's first request (`interactive_prior`).
@@ -802,6 +816,12 @@ def parse_pause(text: str) -> tuple[float, float] | None:
     return lo, hi
 
 
+def is_cut(r: Req) -> bool:
+    """A streamed response cut under way (per-server eviction behind the cut path): it
+    ended before its usage chunk (the sim always sends one) with a client-side error."""
+    return r.status == 200 and bool(r.error) and not r.completion_tokens
+
+
 def served(r: Req) -> bool:
     """Answered 200 with a first token and no client-side error."""
     return r.status == 200 and not r.error and r.ttft_s is not None
@@ -997,6 +1017,11 @@ def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo
         r.status in (429, 503) and r.reason)]  # fmt: skip
     row["lost"] = len(lost)
     row["lost_detail"] = [lost_detail(r) for r in lost]
+    # Goodput by band (`-ev` cuts batch for interactive: what batch gave up).
+    for obj in ("interactive", "batch"):
+        btok = sum(r.prompt_tokens + r.completion_tokens for r in good if r.objective == obj)
+        row[f"{obj}_goodput_vs_capacity"] = round(btok / duration / capacity_tps, 4)
+    row["evicted"] = sum(1 for r in reqs if r.reason == "evicted" or is_cut(r))
     wsum = sum(TENANTS.values())
     for label, objs in (("", ("batch", "interactive")), ("batch_", ("batch",))):
         tok = {t: 0 for t in TENANTS}
@@ -1201,6 +1226,12 @@ def main() -> int:
             quantile = q_v / 100 if q_v is not None else 0.0
             run_name, fleet_view, after = run_name.partition("-fleet")  # gate's fleetView
             run_name += after
+            # `-evm<NN>` (evict_margin 0.NN, implies `-ev`), `-ev`: per-server eviction.
+            evm_v, run_name = take_number(run, run_name, "evm")
+            run_name, ev, after = run_name.partition("-ev")
+            run_name += after
+            evict = bool(ev) or evm_v is not None
+            evict_margin = evm_v / 100 if evm_v is not None else 0.0
             gate_tokens, gate_head, run_name = take_gate(run, run_name, args.gate_tokens)
             src = args.baseline_src if tilde else ""
             if tilde and not src:
@@ -1267,6 +1298,8 @@ def main() -> int:
                     engine_blocks=bool(blocks_m),
                     engine_blocks_all=blocks_all,
                     top_global_strict=bool(gs),
+                    evict=evict,
+                    evict_margin=evict_margin,
                 )
                 dep.start(
                     cfg,
@@ -1307,6 +1340,8 @@ def main() -> int:
                     engine_blocks=bool(blocks_m),
                     engine_blocks_all=blocks_all,
                     top_global_strict=bool(gs),
+                    evict=evict,
+                    evict_margin=evict_margin,
                 )
                 dep.start(cfg, src=src, flush_s=flush_s)
             sims_before = sims_now(dep)
