@@ -453,9 +453,12 @@ class Deployment:
         redis_url: str | None = None,
         src: str = "",
         flush_s: float = 0.1,
+        cut: bool = False,
     ) -> None:
         """`src`: run the pickers from that source tree (a baseline checkout) instead;
-        `flush_s`: Envoy's access-log flush interval (the picker hears of ends that late)."""
+        `flush_s`: Envoy's access-log flush interval (the picker hears of ends that late);
+        `cut`: Envoy sends the response trailers, so the ext_proc stream lasts to each
+        response's end and eviction can cut a response under way (`-ev` runs)."""
         path = self.log_dir / f"picker-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         ports = []
@@ -492,6 +495,7 @@ class Deployment:
                 listen_port=listen, listen_address="127.0.0.1",
                 extproc=f"127.0.0.1:{ports[0]}", admin_port=admin, allow_explain=self.trace,
                 access_log_flush_s=flush_s,
+                **({"response_trailers": "send"} if cut else {}),
             )
         )  # fmt: skip
         # Two replicas behind one Envoy: both in the picker cluster, round robin per stream.
@@ -580,6 +584,15 @@ def diagnostics(dep: Deployment, sims_before: list[dict[str, float]]) -> dict:
                 merged[k] = merged.get(k, 0.0) + v
         row[f"{label}_picker_wait_p99_le_s"] = hist_quantile(
             merged, "extproc_flow_queue_wait_seconds", 0.99, sel
+        )
+    # Eviction as the pickers count it (`-ev`): requests cut, and per-endpoint decisions.
+    row["evicted_picker"] = sum(
+        summed(pg, "extproc_flow_requests_total", 'outcome="evicted_inflight"') for pg in pages
+    )
+    for outcome in ("cut", "short"):
+        row[f"evict_decisions_{outcome}"] = sum(
+            summed(pg, "extproc_flow_endpoint_evictions_total", f'outcome="{outcome}"')
+            for pg in pages
         )
     after = sims_now(dep)
     q_sum = sum(summed(a, "vllm:request_queue_time_seconds_sum") for a in after) - sum(
@@ -985,7 +998,10 @@ def envoy_lines(path: Path | None, ids: set[str]) -> list[str]:
 
 
 def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo_s: float,
-           unloaded_p99: float, window: tuple[float, float]) -> dict:  # fmt: skip
+           unloaded_p99: float, window: tuple[float, float],
+           evicting: bool = False) -> dict:  # fmt: skip
+    """`evicting`: a run that cuts responses under way (`-ev`): a cut stream is counted in
+    `evicted` (and checked against the pickers' own count, `evicted_picker`), not lost."""
     ok = [r for r in reqs if served(r)]
     good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_s]
     tok = sum(r.prompt_tokens + r.completion_tokens for r in ok)
@@ -1014,7 +1030,7 @@ def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo
             reasons[key] = reasons.get(key, 0) + 1
     row["not_served"] = reasons
     lost = [r for r in reqs if not (r.status == 200 and not r.error) and not (
-        r.status in (429, 503) and r.reason)]  # fmt: skip
+        r.status in (429, 503) and r.reason) and not (evicting and is_cut(r))]  # fmt: skip
     row["lost"] = len(lost)
     row["lost_detail"] = [lost_detail(r) for r in lost]
     # Goodput by band (`-ev` cuts batch for interactive: what batch gave up).
@@ -1307,6 +1323,7 @@ def main() -> int:
                     redis_url=f"redis://127.0.0.1:{port}/0",
                     src=src,
                     flush_s=flush_s,
+                    cut=evict,
                 )
             else:
                 cfg = picker_config(
@@ -1343,7 +1360,7 @@ def main() -> int:
                     evict=evict,
                     evict_margin=evict_margin,
                 )
-                dep.start(cfg, src=src, flush_s=flush_s)
+                dep.start(cfg, src=src, flush_s=flush_s, cut=evict)
             sims_before = sims_now(dep)
             # The pickers' pids in the timeline's order (its `reserved_each`), the last
             # process being Envoy.
@@ -1372,7 +1389,14 @@ def main() -> int:
             dep.stop()
             window = (args.warm_s, args.burst_s)
             row = report(
-                f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99, window
+                f"flow control {run}",
+                reqs,
+                duration,
+                cap_tps,
+                args.slo_s,
+                unloaded_p99,
+                window,
+                evict,
             )
             row.update(diag)
             if hi_pause is not None:
