@@ -391,7 +391,8 @@ class Admission:
                 "extproc_flow_endpoint_evictions",
                 "Per-endpoint eviction decisions (evict_per_endpoint) by outcome: cut (lower-band "
                 "requests cut on the endpoint where a waiting higher-band request comes closest "
-                "to fitting), short (those requests could not make its room: none cut).",
+                "to fitting, or the next closest where they make its room), short (dispatch "
+                "opportunities where no endpoint's lower-band requests could: none cut).",
                 ["outcome"],
             )
             for outcome, n in fc.evict_decisions.items():

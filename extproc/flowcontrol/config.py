@@ -228,7 +228,8 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     request of a band above the lowest that finds no endpoint with room gets room made on
     the endpoint where it comes closest to fitting: the fewest lower-band requests there
     the eviction order ranks first (the most recently dispatched) whose tokens make it fit
-    are cut, instead of llm-d's pool-wide count (flowcontrol/eviction.py).
+    are cut (where all of them would not, on the next closest endpoint), instead of
+    llm-d's pool-wide count (flowcontrol/eviction.py).
     `evict_margin` (0, the default; with `evict_per_endpoint`): room is made with this much
     of the endpoint's saturation to spare, and such a request released where it leaves
     less than that gets the difference cut there (the books run short of what the engine

@@ -718,19 +718,23 @@ class FlowController:
         (a newer request keeps off everyone's claims), so the server it claims may be one a
         peer claims too: from now on the two take room as it frees, as without claims
         (flowcontrol/claims.py)."""
+        return self._closest_first(request)[0]
+
+    def _closest_first(self, request: FlowRequest) -> list[str]:
+        """The endpoints by how close the request comes to fitting on each, closest first
+        (as `_closest` counts)."""
         assert self._endpoints is not None
         det = cast(EndpointDetector, self._detector)
         claimed = self.claims.against(request.priority, peers=False) if self.claims else {}
-        best: tuple[float, str] = (math.inf, "")
+        afters: list[tuple[float, str]] = []
         peer_extra = self._peer_extra()
         by_blocks = self._by_blocks(request.priority)
         size = request.room_tokens if by_blocks else request.counted_tokens
         for addr, state in self._endpoints():
             reqs = self._pending_at.get(addr, _NONE)[0]
             toks = self._counted_at(addr, claimed.get(addr, 0), state, peer_extra, by_blocks)
-            after = det.endpoint_saturation(state, reqs + 1, toks + size)
-            best = min(best, (after, addr))
-        return best[1]
+            afters.append((det.endpoint_saturation(state, reqs + 1, toks + size), addr))
+        return [a for _, a in sorted(afters)] or [""]
 
     def _counted_at(
         self,
@@ -827,9 +831,10 @@ class FlowController:
         lowest: on the endpoint where it comes closest to fitting (`placed_on`: the one it
         was released to, counted there already), cut the lower bands' requests the order
         policy ranks first (the most recently dispatched: least work sunk), the fewest whose
-        counted tokens bring it under its band's ceiling less `evict_margin`; none when even
-        all of them would not (counted `short`). Paced as the pool-wide rule: nothing while
-        a decision is outstanding. The room is made for this request, not kept for it: when
+        counted tokens bring it under its band's ceiling less `evict_margin`. When even all
+        of them would not, the next closest endpoint where they would; none anywhere:
+        nothing is cut (counted `short`). Paced as the pool-wide rule: nothing while a
+        decision is outstanding. The room is made for this request, not kept for it: when
         the cut ones end, the next dispatch offers it to the queue's head, which is this
         request or one of its band before it."""
         ev = self.evictor
@@ -838,57 +843,60 @@ class FlowController:
         if p <= min(self._priorities, default=p) or not ev.gate_open():
             return
         eps = dict(self._endpoints())
-        address = placed_on or self._closest(request)
-        state = eps.get(address)
-        if state is None:
-            return
-        victims = ev.candidates_on(address, p)
-        if not victims:
-            return
+        order = [placed_on] if placed_on else self._closest_first(request)
         det = cast(EndpointDetector, self._detector)
         by_blocks = self._by_blocks(p)
         sat = self.saturation(by_blocks)
         ceiling = self.ceiling(p, sat)
         limit = ceiling - self._evict_margin
-        reqs = self._pending_at.get(address, _NONE)[0]
-        toks = self._counted_at(address, 0, state, self._peer_extra(), by_blocks)
-        if not placed_on:  # not counted there yet
-            reqs += 1
-            toks += request.room_tokens if by_blocks else request.counted_tokens
+        peer_extra = self._peer_extra()
 
-        def fits(k: int, freed: int) -> bool:
-            # On the endpoint, and (held) the pool's dispatch check: the pool under the
-            # band's ceiling without the request, as `_open` counts it.
+        def fits(state: EndpointState, reqs: int, toks: int, k: int, freed: int) -> bool:
+            # On the endpoint with `k` requests of `freed` tokens cut, and (held) the pool's
+            # dispatch check: the pool under the band's ceiling without the request, as
+            # `_open` counts it.
             if det.endpoint_saturation(state, reqs - k, toks - freed) > limit:
                 return False
             return bool(placed_on) or self.saturation(by_blocks, (k, freed)) < ceiling
 
-        if fits(0, 0):
-            return  # room there already (it waits on the reserve or the gate)
-        cut: list[Ticket] = []
-        freed = 0
-        for t in victims:
-            cut.append(t)
-            freed += t.request.room_tokens if by_blocks else t.request.counted_tokens
-            if fits(len(cut), freed):
-                break
-        else:
-            self.evict_decisions["short"] += 1
+        for i, address in enumerate(order):
+            state = eps.get(address)
+            if state is None:
+                continue
+            reqs = self._pending_at.get(address, _NONE)[0]
+            toks = self._counted_at(address, 0, state, peer_extra, by_blocks)
+            if not placed_on:  # not counted there yet
+                reqs += 1
+                toks += request.room_tokens if by_blocks else request.counted_tokens
+
+            if fits(state, reqs, toks, 0, 0):
+                return  # room there already (it waits on the reserve or the gate)
+            cut: list[Ticket] = []
+            freed = 0
+            for t in ev.candidates_on(address, p):
+                cut.append(t)
+                freed += t.request.room_tokens if by_blocks else t.request.counted_tokens
+                if fits(state, reqs, toks, len(cut), freed):
+                    break
+            else:
+                continue  # its lower bands cannot make the room: the next closest
+            ev.cut(cut)
+            self.evict_decisions["cut"] += 1
+            for t in cut:
+                self.stats.count(t.request, "evicted_inflight")
+            log.info(
+                "evicted in flight for room on an endpoint",
+                extra={
+                    "endpoint": address,
+                    "closest": i == 0,
+                    "evicted": len(cut),
+                    "priorities": sorted({t.request.priority for t in cut}),
+                    "for_priority": p,
+                    "for_tokens": request.counted_tokens,
+                },
+            )
             return
-        ev.cut(cut)
-        self.evict_decisions["cut"] += 1
-        for t in cut:
-            self.stats.count(t.request, "evicted_inflight")
-        log.info(
-            "evicted in flight for room on an endpoint",
-            extra={
-                "endpoint": address,
-                "evicted": len(cut),
-                "priorities": sorted({t.request.priority for t in cut}),
-                "for_priority": p,
-                "for_tokens": request.counted_tokens,
-            },
-        )
+        self.evict_decisions["short"] += 1
 
     def _fleet_served(self) -> dict[str, float]:
         if not self.peer_served:

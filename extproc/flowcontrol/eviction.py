@@ -28,7 +28,8 @@ above, a higher band's request that finds no endpoint with room gets room made o
 endpoint where it comes closest to fitting: the controller asks `candidates_on` for the
 requests of lower bands placed (or released) there, in the order policy's order, and cuts
 (`cut`) the fewest of them whose counted tokens make the request fit under its band's
-ceiling (none when all of them would not: counted). The same stop-and-wait paces it. With
+ceiling (where all of them would not, on the next closest endpoint; none anywhere: nothing
+is cut, counted). The same stop-and-wait paces it. With
 `lower-band-eviction-filter` every band below the highest configured one may be cut (never
 one at or above the waiting request's band), where llm-d's filter allows sheddable
 (priority < 0) requests only.

@@ -149,6 +149,25 @@ async def test_never_its_own_band_and_nothing_when_the_lower_band_there_cannot_m
     lo.cancel()
 
 
+async def test_where_the_closest_server_cannot_make_room_the_next_closest_does():
+    ctl, fleet, clock = make()
+    held = await fill(
+        ctl, fleet, clock,
+        req("hiA", 750, priority=10), req("hiB", 300, priority=10),
+        req("bB1", 300), req("bB2", 300), req("bA", 100),
+    )  # fmt: skip
+    assert [t.endpoint for t in held] == ["A", "B", "B", "B", "A"]  # A 850, B 900
+    cut = watch(held)
+    hi = asyncio.create_task(ctl.admit(req("hi", 300, priority=10)))
+    await settle()
+    # Closest on A (1150 against 1200), where batch holds 100: not enough; on B the newest
+    # batch request's 300 is.
+    assert cut == ["bB2"] and ctl.evict_decisions == {"cut": 1, "short": 0}
+    finish(ctl, fleet, held[3])
+    await settle()
+    assert hi.result().target == "B"
+
+
 async def test_the_pool_at_the_ceiling_also_makes_room_on_one_endpoint():
     ctl, fleet, clock = make()
     batch = await fill(ctl, fleet, clock, *(req(f"b{i}", 500) for i in range(4)))
@@ -184,7 +203,8 @@ async def test_llm_d_filter_never_cuts_priority_zero_and_the_switch_is_off_by_de
     assert not any(t.evictable for t in batch)
     hi = asyncio.create_task(ctl.admit(req("hi", 400, priority=10)))
     await settle()
-    assert not hi.done() and ctl.evict_decisions == {"cut": 0, "short": 0}
+    assert not hi.done() and ctl.evict_decisions["cut"] == 0
+    assert ctl.evict_decisions["short"] >= 1  # nothing there to cut: counted
     hi.cancel()
     # enableEviction without evict_per_endpoint: llm-d's pool-wide rule, which sizes by
     # saturation units (one request here, the newest anywhere: B's).
