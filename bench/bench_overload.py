@@ -1037,7 +1037,13 @@ def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo
     for obj in ("interactive", "batch"):
         btok = sum(r.prompt_tokens + r.completion_tokens for r in good if r.objective == obj)
         row[f"{obj}_goodput_vs_capacity"] = round(btok / duration / capacity_tps, 4)
-    row["evicted"] = sum(1 for r in reqs if r.reason == "evicted" or is_cut(r))
+    cut = [r for r in reqs if r.reason == "evicted" or is_cut(r)]
+    row["evicted"] = len(cut)
+    # Each one's [arrival s, tenant, band, SSE lines read before the cut (~ tokens decoded,
+    # the work lost besides its prefill), seconds it ran]: what batch gave up.
+    row["evicted_detail"] = [
+        [round(r.at, 2), r.tenant, r.objective, r.lines, round(r.total_s, 2)] for r in cut
+    ]
     wsum = sum(TENANTS.values())
     for label, objs in (("", ("batch", "interactive")), ("batch_", ("batch",))):
         tok = {t: 0 for t in TENANTS}
