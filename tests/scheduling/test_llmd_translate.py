@@ -157,6 +157,20 @@ def test_every_ignored_parameter_is_one_its_plugin_accepts():
     assert drifted == []
 
 
+def test_every_mapped_ignored_parameter_is_one_its_type_accepts():
+    """A mapped type's `ignored` reasons name only parameters its Params decodes: a reason
+    for a parameter the type refuses as an unknown field could never be printed, and means
+    the table drifted from llm-d's parameter structs."""
+    from extproc.scheduling.llmd.mapped import MAPPED
+
+    pairs = [(t, p) for t, m in MAPPED.items() for p in m.ignored]
+    accepted = {
+        t: {f.encode_name for f in msgspec.structs.fields(m.params)} for t, m in MAPPED.items()
+    }
+    assert len(pairs) > 20  # the table is really read
+    assert [(t, p) for t, p in pairs if p not in accepted[t]] == []
+
+
 def test_llm_d_deprecated_disagg_parameters_are_translated():
     d = doc()
     d["plugins"] += [

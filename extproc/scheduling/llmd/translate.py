@@ -21,7 +21,14 @@ import msgspec
 from extproc.errors import ConfigError
 from extproc.scheduling.config import EndpointPickerConfig, PluginRef, PluginSpec, ProfileSpec
 from extproc.scheduling.llmd import shape
-from extproc.scheduling.llmd.mapped import MAPPED, ApproxProducerParams, Plumbing, approx
+from extproc.scheduling.llmd.ignored import ignored_notes
+from extproc.scheduling.llmd.mapped import (
+    APPROX_IGNORED,
+    MAPPED,
+    ApproxProducerParams,
+    Plumbing,
+    approx,
+)
 from extproc.scheduling.llmd.table import (
     IGNORED_PARAMS,
     KNOWN_FEATURE_GATES,
@@ -291,6 +298,7 @@ def _plugins(
                     plumbing, extra = approx(decoded)
                     t.plumbing = t.plumbing.merge(plumbing)
                     notes.extend(extra)
+                    notes.extend(ignored_notes(APPROX_IGNORED, legacy))
                     how = "implemented; its producer parameters configure the approximate index"
             pending = [
                 (pname, value, issue)
@@ -328,6 +336,8 @@ def _plugins(
             mapped = MAPPED[spec.type]
             kind, how = "mapped", f"mapped to {mapped.how}"
             decoded = _decode(params, mapped.params, (*where, "parameters"), problems)
+            if decoded is not None:
+                notes.extend(ignored_notes(mapped.ignored, params))
             if decoded is not None and mapped.effect is not None:
                 try:
                     plumbing, extra = mapped.effect(decoded)
