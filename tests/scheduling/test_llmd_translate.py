@@ -171,6 +171,47 @@ def test_every_mapped_ignored_parameter_is_one_its_type_accepts():
     assert [(t, p) for t, p in pairs if p not in accepted[t]] == []
 
 
+@pytest.mark.parametrize(
+    ("value", "noted"),
+    [(None, False), (False, False), ({}, False), ([], False), ("", True), (0, True), ([{}], True)],
+)
+def test_null_false_and_empty_collections_are_not_set(value, noted):
+    from extproc.scheduling.llmd.ignored import is_set
+
+    assert is_set(value) is noted
+
+
+@pytest.mark.parametrize(
+    ("type_name", "param", "value", "noted"),
+    [
+        # scheduling types (IGNORED_PARAMS)
+        ("session-affinity-scorer", "sessionIdConfig", {}, False),
+        ("session-affinity-scorer", "sessionIdConfig", None, False),
+        ("session-affinity-scorer", "sessionIdConfig", {"headerName": "x-sid"}, True),
+        ("predicted-latency-producer", "useEncoderCacheFeatures", False, False),
+        ("predicted-latency-producer", "useEncoderCacheFeatures", True, True),
+        ("random-picker", "maxNumOfEndpoints", 0, True),
+        # mapped plumbing types (MappedType.ignored)
+        ("core-metrics-extractor", "engineConfigs", [], False),
+        ("core-metrics-extractor", "engineConfigs", [{"name": "vllm"}], True),
+        ("inflight-load-producer", "syncCrossReplicaState", False, False),
+        ("inflight-load-producer", "syncCrossReplicaState", True, True),
+        ("k8s-notification-source", "group", "", True),
+        ("k8s-notification-source", "group", None, False),
+    ],
+)
+def test_scheduling_and_mapped_types_note_by_the_same_rule(type_name, param, value, noted):
+    """Both paths that say "parameter X ignored" (IGNORED_PARAMS for scheduling and
+    flow-control types, MappedType.ignored for plumbing) decide "set" by `is_set`."""
+    d = doc()
+    d["plugins"].append({"type": type_name, "parameters": {param: value}})
+    t = translate(d, PluginRegistry.default())
+    assert t.problems == []
+    (r,) = [r for r in t.realised if r.type == type_name]
+    said = any(n.startswith(f"parameter {param} ignored: ") for n in r.notes)
+    assert said is noted
+
+
 def test_llm_d_deprecated_disagg_parameters_are_translated():
     d = doc()
     d["plugins"] += [

@@ -12,7 +12,7 @@ and the problems. Nothing is built when there are problems.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -190,14 +190,9 @@ def _disagg_params(name: str, params: dict[str, Any], notes: list[str]) -> tuple
     return out, implicit
 
 
-def _ignored_notes(type_name: str, params: Mapping[str, Any]) -> list[str]:
-    """'parameter X ignored: why' for each IGNORED_PARAMS parameter the config sets (null and
-    false turn nothing on, in llm-d either: not noted)."""
-    return [
-        f"parameter {p} ignored: {IGNORED_PARAMS[(type_name, p)]}"
-        for p, value in params.items()
-        if (type_name, p) in IGNORED_PARAMS and value is not None and value is not False
-    ]
+def _ignored_reasons(type_name: str) -> dict[str, str]:
+    """IGNORED_PARAMS' rows for one type: parameter -> why."""
+    return {p: why for (t, p), why in IGNORED_PARAMS.items() if t == type_name}
 
 
 def translate(doc: Any, registry: PluginRegistry, *, foreign: Collection[str] = ()) -> Translation:
@@ -312,7 +307,7 @@ def _plugins(
                         f"{pname}: {value} is pending: built in issue {issue}",
                     )
                 )
-            notes.extend(_ignored_notes(spec.type, params))
+            notes.extend(ignored_notes(_ignored_reasons(spec.type), params))
             try:
                 if not pending:
                     registry.build(spec.type, params, where)
@@ -330,7 +325,7 @@ def _plugins(
             kind, how = "implemented", "implemented by flow control (docs/flow-control.md)"
             # Flow control decodes the parameters itself (strictly); the ones it accepts
             # without acting on are said here, with the scheduling plugins' ones.
-            notes.extend(_ignored_notes(spec.type, params))
+            notes.extend(ignored_notes(_ignored_reasons(spec.type), params))
             out.append((name, PluginSpec(type=spec.type, name=name, parameters=params or None)))
         elif spec.type in MAPPED:
             mapped = MAPPED[spec.type]
