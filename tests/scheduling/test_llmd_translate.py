@@ -547,7 +547,44 @@ def test_check_config_notes_parameters_accepted_without_effect(tmp_path, capsys)
             assert any(n.startswith(w) for n in blocks[label]), (label, w, blocks.get(label))
     assert "note: flowControl.noEndpointRequestTTL ignored: not implemented" in out
     assert "note: dataLayer.injectDefaults: false ignored: extproc scrapes" in out
-    assert "note: dataLayer.crossReplicaSyncInterval ignored: shared in-flight counts" in out
+    assert "note: dataLayer.crossReplicaSyncInterval: state.shared_inflight.interval_s = 1 s" in out
+
+
+def test_cross_replica_sync_interval_becomes_the_in_flight_exchange_interval():
+    """llm-d's dataLayer.crossReplicaSyncInterval (a Go duration) sets
+    state.shared_inflight.interval_s unless our own section sets it or turns sharing off."""
+    d = doc()
+    d["dataLayer"] = {"crossReplicaSyncInterval": "250ms"}
+    ex = examine(d)
+    assert ex.problems == [] and ex.settings is not None
+    assert ex.settings.state.shared_inflight is not None
+    assert ex.settings.state.shared_inflight.interval_s == 0.25
+    assert ex.settings.state.shared_inflight.effective_ttl_s == 3 * 0.25 + 0.5
+    assert any(
+        n.startswith(
+            "dataLayer.crossReplicaSyncInterval: state.shared_inflight.interval_s = 0.25 s"
+        )
+        for n in ex.notes
+    )
+
+    ours = examine({"state": {"shared_inflight": {"interval_s": 0.1}}, "scheduling": d})
+    assert ours.settings is not None and ours.settings.state.shared_inflight is not None
+    assert ours.settings.state.shared_inflight.interval_s == 0.1
+    assert (
+        "dataLayer.crossReplicaSyncInterval ignored: state.shared_inflight.interval_s is set "
+        "(0.1 s)" in ours.notes
+    )
+
+    off = examine({"state": {"shared_inflight": None}, "scheduling": d})
+    assert off.settings is not None and off.settings.state.shared_inflight is None
+    assert any("state.shared_inflight is null" in n for n in off.notes)
+
+    d["dataLayer"] = {"crossReplicaSyncInterval": "250"}
+    assert problems(d) == [
+        "scheduling.dataLayer.crossReplicaSyncInterval: not a duration: '250' (e.g. '50ms', '1s')"
+    ]
+    d["dataLayer"] = {"crossReplicaSyncInterval": "0s"}
+    assert problems(d) == ["scheduling.dataLayer.crossReplicaSyncInterval: must be positive"]
 
 
 def test_docs_compatibility_table_lists_every_llm_d_type():

@@ -43,6 +43,8 @@ class Plumbing:
     scrape_tls_verify: bool | None = None
     scrape_tls_ca_file: str | None = None
     dcgm_tls_verify: bool | None = None
+    # dataLayer.crossReplicaSyncInterval: how often replicas exchange in-flight counts.
+    shared_inflight_interval_s: float | None = None
 
     def merge(self, other: Plumbing) -> Plumbing:
         """`other`'s set fields over ours; precise beats approximate (a precise producer and

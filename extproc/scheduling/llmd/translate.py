@@ -28,6 +28,7 @@ from extproc.scheduling.llmd.mapped import (
     ApproxProducerParams,
     Plumbing,
     approx,
+    parse_duration_s,
 )
 from extproc.scheduling.llmd.table import (
     IGNORED_PARAMS,
@@ -121,9 +122,6 @@ class Translation:
     realised: list[Realised] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    # The decoded sections by top-level key (shape.* Structs), for whoever implements what
-    # they configure (flow control, issue 15, reads `flowControl` / `saturationDetector`).
-    sections: dict[str, object] = field(default_factory=dict)
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -465,7 +463,6 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
                 t.notes.append(f"feature gate {gate}: nothing to turn on (always on in extproc)")
     if "dataLayer" in doc:
         dl = _decode(doc["dataLayer"], shape.DataLayerConfig, ("dataLayer",), problems)
-        t.sections["dataLayer"] = dl
         if dl is not None:
             refs: list[tuple[Path, str]] = []
             for i, src in enumerate(dl.sources):
@@ -489,10 +486,21 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
                     "metrics unless state.scrape is null"
                 )
             if dl.crossReplicaSyncInterval is not None:
-                t.notes.append(
-                    "dataLayer.crossReplicaSyncInterval ignored: shared in-flight counts are "
-                    "exchanged every state.shared_inflight.interval_s, placements pushed at once"
-                )
+                # llm-d's period for syncing in-flight state across replicas is our in-flight
+                # exchange's; extproc.config applies it unless state.shared_inflight says.
+                try:
+                    interval_s = parse_duration_s(dl.crossReplicaSyncInterval)
+                except ValueError as exc:
+                    problems.append(Problem(("dataLayer", "crossReplicaSyncInterval"), str(exc)))
+                else:
+                    if interval_s <= 0:
+                        problems.append(
+                            Problem(("dataLayer", "crossReplicaSyncInterval"), "must be positive")
+                        )
+                    else:
+                        t.plumbing = t.plumbing.merge(
+                            Plumbing(shared_inflight_interval_s=interval_s)
+                        )
     parser_refs: list[tuple[Path, str]] = []
     if "requestHandler" in doc:
         rh = _decode(
@@ -510,7 +518,6 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
     _check_refs(parser_refs, names, problems)
     if "flowControl" in doc:
         fc = _decode(doc["flowControl"], shape.FlowControlConfig, ("flowControl",), problems)
-        t.sections["flowControl"] = fc
         if fc is not None:
             _check_refs(
                 [(("flowControl", *p), r) for p, r in shape.flow_control_refs(fc)], names, problems
@@ -528,7 +535,6 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
             ("saturationDetector",),
             problems,
         )
-        t.sections["saturationDetector"] = sd
         if sd is not None and sd.pluginRef:
             _check_refs([(("saturationDetector", "pluginRef"), sd.pluginRef)], names, problems)
     for section, issue in PENDING_SECTIONS.items():
