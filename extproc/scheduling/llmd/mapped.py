@@ -199,8 +199,8 @@ class ApproxProducerParams(_P, frozen=True):
 
 
 def approx(p: ApproxProducerParams) -> tuple[Plumbing, list[str]]:
-    """Approximate-index settings from llm-d's approximate producer parameters, and notes
-    (also for the older prefix-cache-scorer, which took them itself)."""
+    """Approximate-index settings from llm-d's approximate producer parameters (also for the
+    older prefix-cache-scorer, which took them itself; APPROX_IGNORED serves both)."""
     plumbing = Plumbing(
         index_mode="approximate",
         block_tokens=p.blockSizeTokens or p.blockSize,
