@@ -258,9 +258,14 @@ class Admission:
     def placed(self, ticket: Ticket, address: str = "") -> None:
         self.controller.placed(ticket, address)
 
-    def release(self, ticket: Ticket, *, output_held: bool = False) -> None:
-        """`output_held`: its in-flight count is held past the ticket; `ended` follows."""
-        self.controller.release(ticket, output_held=output_held)
+    def release(self, ticket: Ticket, *, output_held: bool = False, cuttable: bool = False) -> None:
+        """`output_held`: its in-flight count is held past the ticket; `ended` follows.
+        `cuttable`: it stays an eviction candidate; `stream_ended` follows."""
+        self.controller.release(ticket, output_held=output_held, cuttable=cuttable)
+
+    def stream_ended(self, ticket: Ticket) -> None:
+        """The stream of a ticket released `cuttable` ended."""
+        self.controller.stream_ended(ticket)
 
     def ended(self, ticket: Ticket) -> None:
         """The request is over on its server (its in-flight count released)."""

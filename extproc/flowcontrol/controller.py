@@ -828,11 +828,13 @@ class FlowController:
         else:
             self._settling.append((self._clock(), ticket))
 
-    def release(self, ticket: Ticket, *, output_held: bool = False) -> None:
+    def release(self, ticket: Ticket, *, output_held: bool = False, cuttable: bool = False) -> None:
         """The request ended (or never got placed): its capacity is free again.
         `output_held`: its in-flight count outlasts the ticket (held until the gateway's
         access log says the request ended, endpoints/request_end.py), so its own output
-        keeps counting on its endpoint until `ended(ticket)`."""
+        keeps counting on its endpoint until `ended(ticket)`. `cuttable`: its response is
+        still streaming through a stream that can cut it, so it stays an eviction candidate
+        until `stream_ended(ticket)`."""
         if ticket.released:
             return
         ticket.released = True
@@ -841,9 +843,16 @@ class FlowController:
             self.gate.forget(ticket)
         if not output_held:
             self._ended(ticket)
-        if self.evictor is not None:
+        if self.evictor is not None and not cuttable:
             self.evictor.untrack(ticket)
         self.dispatch()
+
+    def stream_ended(self, ticket: Ticket) -> None:
+        """The ext_proc stream of a ticket released `cuttable` ended (its response is over,
+        cut, or its client gone): it is no longer an eviction candidate, and an eviction of
+        it is confirmed."""
+        if self.evictor is not None:
+            self.evictor.untrack(ticket)
 
     def ended(self, ticket: Ticket) -> None:
         """The request is over on its endpoint (its in-flight count was just released):
