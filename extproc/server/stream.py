@@ -62,6 +62,7 @@ from extproc.server.metrics import PickerMetrics
 
 if TYPE_CHECKING:
     from extproc.config import ServerSettings
+    from extproc.flowcontrol.tickets import Ticket
     from extproc.server.llmd_metrics import RequestMetrics
 
 log = logging.getLogger("extproc.stream")
@@ -70,6 +71,9 @@ _FULL_DUPLEX = wire.BodySendMode.FULL_DUPLEX_STREAMED
 _BUFFERED = (wire.BodySendMode.BUFFERED, wire.BodySendMode.BUFFERED_PARTIAL)
 _PARTIAL = wire.BodySendMode.BUFFERED_PARTIAL
 _NO_BODY = wire.BodySendMode.NONE
+# An evictable request's stream that ends this soon after its response headers without the
+# response's end was closed by the proxy on our reply (measured: ~1 ms behind Envoy 1.40).
+_CLOSED_AT_HEADERS_S = 0.25
 
 
 def explanation(routed: Routed) -> dict:
@@ -253,6 +257,10 @@ async def _next_or_evicted(
     finally:
         if not reader.done():
             reader.cancel()
+        elif not reader.cancelled():
+            # Envoy half-closes then resets: the read may end (StopAsyncIteration) just as
+            # this call is cancelled. Retrieved here, or asyncio logged an ERROR per stream.
+            reader.exception()
     if reader.done() and not reader.cancelled():
         return reader.result()  # a message (or StopAsyncIteration) wins a tie
     return None
@@ -263,6 +271,8 @@ class _Stream:
         "body_len",
         "budget",
         "chunks",
+        "cut_since",
+        "cut_ticket",
         "deadline",
         "done",
         "eviction",
@@ -275,6 +285,7 @@ class _Stream:
         "obs",
         "replies",
         "responded",
+        "response_ended",
         "response_mode",
         "routed",
         "router",
@@ -315,6 +326,10 @@ class _Stream:
         self.routed: Routed | None = None
         self.responded = False  # the response headers came (the proxy may skip them)
         self.eviction: asyncio.Future[None] | None = None
+        # Released at its response headers but still cuttable until the stream ends.
+        self.cut_ticket: Ticket | None = None
+        self.response_ended = False  # the response's end came through the stream
+        self.cut_since = 0.0  # when the response headers were answered (monotonic)
         self.explain = False
         self.done = False
         self.obs = metrics.llmd.request()  # llm-d's request families (server/llmd_metrics.py)
@@ -373,16 +388,20 @@ class _Stream:
         if kind == "request_trailers":
             return await self._on_request_trailers()
         if kind == "response_headers":
+            self.response_ended = msg.response_headers.end_of_stream
             headers = msg.response_headers.headers
             self.obs.response(wire.header_value(headers, ":status"),
                               wire.header_value(headers, "content-length"))  # fmt: skip
             return [self._on_response_headers(msg)]
         if kind == "response_body":
+            if msg.response_body.end_of_stream:
+                self.response_ended = True
             if self.response_mode == _FULL_DUPLEX:
                 # Envoy forwards only what we send back: each chunk returns as it came.
                 return [wire.echo_response_body(msg.response_body)]
             return [wire.CONTINUE_RESPONSE_BODY]
         if kind == "response_trailers":
+            self.response_ended = True
             return [wire.CONTINUE_RESPONSE_TRAILERS]
         return []
 
@@ -587,10 +606,20 @@ class _Stream:
 
     def evicted(self) -> list[wire.ProcessingResponse]:
         """Flow control cut this running request for higher-priority work: 429 `evicted`
-        (Envoy resets the response instead if it has already started)."""
+        before the response headers. After them the same answer makes Envoy reset the
+        client's stream and the model server's (the client sees a truncated response, the
+        engine aborts the request); no 429 reaches anyone, so none is counted."""
         admission = self.router.admission
         assert admission is not None  # only flow control sets `eviction`
-        return self.fail(admission.evicted_error())
+        err = admission.evicted_error()
+        if not self.responded:
+            return self.fail(err)
+        self.done = True
+        log.info(
+            "evicted mid-response: the proxy resets it",
+            extra={"request_id": self.headers.get(protocol.REQUEST_ID_HEADER)},
+        )
+        return [wire.error_response(err, {protocol.DROPPED_REASON_HEADER: err.code})]
 
     def _on_response_headers(self, msg: wire.ProcessingRequest) -> wire.ProcessingResponse:
         routed = self.routed
@@ -604,13 +633,46 @@ class _Stream:
         extra = dict(routed.decision.response_headers)
         if self.explain:
             extra[protocol.DECISION_HEADER] = orjson.dumps(explanation(routed)).decode()
-        return wire.response_headers_with(extra) if extra else wire.CONTINUE_RESPONSE_HEADERS
+        resp = wire.response_headers_with(extra) if extra else wire.CONTINUE_RESPONSE_HEADERS
+        if self.response_mode != _NO_BODY:
+            return resp  # the stream lasts to the response's end: accounting ends there
+        # Without response bodies the stream used to end here, and so did the request's
+        # accounting (in-flight hold, flow-control release): it still does, whatever the
+        # trailer mode. An evictable request stays cuttable while the stream lasts.
+        cuttable = self.eviction is not None and not self.response_ended
+        self.routed = None
+        self.router.finish(routed, cuttable=cuttable)
+        if not cuttable:
+            return resp
+        self.cut_ticket = routed.ticket
+        self.cut_since = time.monotonic()
+        if self.mode == _FULL_DUPLEX:
+            return resp  # Envoy ignores overrides here: only `response_trailer_mode: SEND` helps
+        # Where the proxy allows overrides, ask for the response trailers: the stream then
+        # lasts to the response's end for evictable requests only (a real Envoy honours this
+        # on the response-header reply of a BUFFERED request; bench/RESULTS.md, session 29).
+        out = wire.ProcessingResponse()
+        out.CopyFrom(resp)  # the shared CONTINUE constant stays untouched
+        out.mode_override.CopyFrom(wire.trailers_to_the_end(self.mode))
+        return out
 
     def close(self) -> None:
         """The stream ended, however it ended: release what the decision placed. Without
         the response headers (the proxy skips that phase), llm-d's request families wait
         for the access-log entry: its status and size stand in for the headers'."""
         self._release_body()
+        ticket, self.cut_ticket = self.cut_ticket, None
+        if ticket is not None:
+            admission = self.router.admission
+            assert admission is not None  # only flow control sets `eviction`
+            admission.stream_ended(ticket)
+            # Ended early, neither by the response's end nor by a cut: the proxy closing the
+            # stream on our response-header reply (no response body or trailers asked for),
+            # or a client gone at that very moment (both reach us as a half-close and a
+            # reset; only the timing tells them apart).
+            early = time.monotonic() - self.cut_since < _CLOSED_AT_HEADERS_S
+            if early and not self.response_ended and not self.done:
+                self._uncuttable()
         routed, self.routed = self.routed, None
         if routed is None or self.responded:
             self.obs.close()
@@ -619,6 +681,19 @@ class _Stream:
             return
         # The obs alone, not this stream: the hold lasts the whole request.
         self.router.finish(routed, responded=False, then=functools.partial(_ended, self.obs))
+
+    def _uncuttable(self) -> None:
+        """The proxy ended the stream of an evictable request at its response headers (no
+        response body or trailers sent to the picker): nothing can cut it any more."""
+        self.metrics.eviction_uncuttable.inc()
+        self.throttle.warn(
+            log,
+            "uncuttable",
+            "flow control eviction: the proxy closed an evictable request's ext_proc stream at "
+            "its response headers, so a running response cannot be cut (counted in "
+            "extproc_flow_eviction_uncuttable_total); generate the Envoy config with "
+            "`extproc envoy-config --response-trailers send` (docs/flow-control.md#eviction)",
+        )
 
 
 def _edited(resp: wire.ProcessingResponse, edit: EngineEdit | None) -> wire.ProcessingResponse:
