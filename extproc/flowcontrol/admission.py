@@ -389,6 +389,16 @@ class Admission:
         )
         ed.add_metric([], fc.end_dispatches)
         yield ed
+        if fc.evictor is not None:
+            uc = counter(
+                "extproc_flow_eviction_uncuttable",
+                "Evictable requests that ran on more than 1.5 s after their ext_proc stream "
+                "ended (so nothing could cut them meanwhile): the proxy ends the stream at the "
+                "response headers (response body NONE, trailers SKIP; `extproc envoy-config "
+                "--response-trailers send` keeps it). Needs the access log (request ends).",
+            )
+            uc.add_metric([], fc.uncuttable)
+            yield uc
         if fc.claims is not None:
             cl = counter(
                 "extproc_flow_room_claims",

@@ -168,3 +168,21 @@ async def test_a_request_released_uncuttable_is_no_candidate_any_more():
     ctl.release(ticket, output_held=True)  # the stream ended at the response headers
     (high,) = await start(ctl, req("high", 1))
     assert not ticket.evicted and not high.done()  # waits for the request's end
+
+
+async def test_an_evictable_request_running_on_past_its_stream_is_counted_uncuttable():
+    ctl, slots, clock, _ = make(2)
+    a, b = await start(ctl, req("a", -1), req("b", -1))
+    ta, tb = place(ctl, slots, a), place(ctl, slots, b)
+    # `a`'s stream ends at its response headers, its request 10 s later (the access log).
+    ctl.release(ta, output_held=True, cuttable=True)
+    ctl.stream_ended(ta)
+    clock.t += 10
+    ctl.ended(ta)
+    # `b`'s stream lasts to its response's end (`--response-trailers send`).
+    ctl.release(tb, output_held=True, cuttable=True)
+    clock.t += 10
+    ctl.stream_ended(tb)
+    clock.t += 0.02  # the access log's flush
+    ctl.ended(tb)
+    assert ctl.uncuttable == 1
