@@ -51,14 +51,6 @@ class PickerMetrics:
             ["mode"],
             registry=self.registry,
         )
-        self.eviction_uncuttable = Counter(
-            "extproc_flow_eviction_uncuttable",
-            "Evictable requests (flowControl.enableEviction) whose ext_proc stream the proxy "
-            "closed at the response headers: nothing could cut them for the rest of their "
-            "response (response body NONE with response trailers SKIP; `extproc envoy-config "
-            "--response-trailers send` keeps the stream to the response's end).",
-            registry=self.registry,
-        )
         self.internal_errors = Counter(
             "extproc_internal_errors",
             "Requests answered 500 because the picker raised something unexpected (a bug): "

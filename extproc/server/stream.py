@@ -71,9 +71,6 @@ _FULL_DUPLEX = wire.BodySendMode.FULL_DUPLEX_STREAMED
 _BUFFERED = (wire.BodySendMode.BUFFERED, wire.BodySendMode.BUFFERED_PARTIAL)
 _PARTIAL = wire.BodySendMode.BUFFERED_PARTIAL
 _NO_BODY = wire.BodySendMode.NONE
-# An evictable request's stream that ends this soon after its response headers without the
-# response's end was closed by the proxy on our reply (measured: ~1 ms behind Envoy 1.40).
-_CLOSED_AT_HEADERS_S = 0.25
 
 
 def explanation(routed: Routed) -> dict:
@@ -271,7 +268,6 @@ class _Stream:
         "body_len",
         "budget",
         "chunks",
-        "cut_since",
         "cut_ticket",
         "deadline",
         "done",
@@ -285,7 +281,6 @@ class _Stream:
         "obs",
         "replies",
         "responded",
-        "response_ended",
         "response_mode",
         "routed",
         "router",
@@ -328,8 +323,6 @@ class _Stream:
         self.eviction: asyncio.Future[None] | None = None
         # Released at its response headers but still cuttable until the stream ends.
         self.cut_ticket: Ticket | None = None
-        self.response_ended = False  # the response's end came through the stream
-        self.cut_since = 0.0  # when the response headers were answered (monotonic)
         self.explain = False
         self.done = False
         self.obs = metrics.llmd.request()  # llm-d's request families (server/llmd_metrics.py)
@@ -388,20 +381,16 @@ class _Stream:
         if kind == "request_trailers":
             return await self._on_request_trailers()
         if kind == "response_headers":
-            self.response_ended = msg.response_headers.end_of_stream
             headers = msg.response_headers.headers
             self.obs.response(wire.header_value(headers, ":status"),
                               wire.header_value(headers, "content-length"))  # fmt: skip
             return [self._on_response_headers(msg)]
         if kind == "response_body":
-            if msg.response_body.end_of_stream:
-                self.response_ended = True
             if self.response_mode == _FULL_DUPLEX:
                 # Envoy forwards only what we send back: each chunk returns as it came.
                 return [wire.echo_response_body(msg.response_body)]
             return [wire.CONTINUE_RESPONSE_BODY]
         if kind == "response_trailers":
-            self.response_ended = True
             return [wire.CONTINUE_RESPONSE_TRAILERS]
         return []
 
@@ -639,13 +628,12 @@ class _Stream:
         # Without response bodies the stream used to end here, and so did the request's
         # accounting (in-flight hold, flow-control release): it still does, whatever the
         # trailer mode. An evictable request stays cuttable while the stream lasts.
-        cuttable = self.eviction is not None and not self.response_ended
+        cuttable = self.eviction is not None and not msg.response_headers.end_of_stream
         self.routed = None
         self.router.finish(routed, cuttable=cuttable)
         if not cuttable:
             return resp
         self.cut_ticket = routed.ticket
-        self.cut_since = time.monotonic()
         if self.mode == _FULL_DUPLEX:
             return resp  # Envoy ignores overrides here: only `response_trailer_mode: SEND` helps
         # Where the proxy allows overrides, ask for the response trailers: the stream then
@@ -666,13 +654,6 @@ class _Stream:
             admission = self.router.admission
             assert admission is not None  # only flow control sets `eviction`
             admission.stream_ended(ticket)
-            # Ended early, neither by the response's end nor by a cut: the proxy closing the
-            # stream on our response-header reply (no response body or trailers asked for),
-            # or a client gone at that very moment (both reach us as a half-close and a
-            # reset; only the timing tells them apart).
-            early = time.monotonic() - self.cut_since < _CLOSED_AT_HEADERS_S
-            if early and not self.response_ended and not self.done:
-                self._uncuttable()
         routed, self.routed = self.routed, None
         if routed is None or self.responded:
             self.obs.close()
@@ -681,19 +662,6 @@ class _Stream:
             return
         # The obs alone, not this stream: the hold lasts the whole request.
         self.router.finish(routed, responded=False, then=functools.partial(_ended, self.obs))
-
-    def _uncuttable(self) -> None:
-        """The proxy ended the stream of an evictable request at its response headers (no
-        response body or trailers sent to the picker): nothing can cut it any more."""
-        self.metrics.eviction_uncuttable.inc()
-        self.throttle.warn(
-            log,
-            "uncuttable",
-            "flow control eviction: the proxy closed an evictable request's ext_proc stream at "
-            "its response headers, so a running response cannot be cut (counted in "
-            "extproc_flow_eviction_uncuttable_total); generate the Envoy config with "
-            "`extproc envoy-config --response-trailers send` (docs/flow-control.md#eviction)",
-        )
 
 
 def _edited(resp: wire.ProcessingResponse, edit: EngineEdit | None) -> wire.ProcessingResponse:

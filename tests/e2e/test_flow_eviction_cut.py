@@ -65,9 +65,11 @@ def aborted(stack: Stack) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-async def sheddable(c: httpx.AsyncClient, model: str, seed: int, decoding: asyncio.Future) -> str:
+async def sheddable(
+    c: httpx.AsyncClient, model: str, seed: int, decoding: asyncio.Future, output: int = OUTPUT
+) -> str:
     """Streams one sheddable reply; `decoding` is set once tokens arrive. How it ended."""
-    body = distinct_chat(model, seed, OUTPUT)
+    body = distinct_chat(model, seed, output)
     tokens = 0
     headers = {"x-llm-d-inference-objective": "sheddable"}
     try:
@@ -94,7 +96,11 @@ async def warm_up(c: httpx.AsyncClient, model: str) -> None:
 
 
 async def test_a_critical_request_cuts_a_sheddable_response_under_way(cut_stack: Stack):
-    stack = cut_stack
+    await cuts_the_newest_sheddable_response(cut_stack)
+
+
+async def cuts_the_newest_sheddable_response(stack: Stack) -> None:
+    """The scenario (also under the gateways' settings, tests/gateways)."""
     model = stack.fleet.model
     loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
@@ -129,11 +135,14 @@ async def test_a_critical_request_cuts_a_sheddable_response_under_way(cut_stack:
 
 async def test_the_default_config_cannot_cut_and_says_so(tmp_path: Path):
     args = picker_config(tmp_path)
-    opts = StackOptions(upstreams=1, sim_args=("--decode-tps", "1000"), extproc_args=args)
-    with Stack(opts) as stack:
+    with Stack(StackOptions(upstreams=1, sim_args=SIM, extproc_args=args)) as stack:
         model = stack.fleet.model
         async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
+            await warm_up(c, model)
             decoding = asyncio.get_running_loop().create_future()
-            assert await sheddable(c, model, 1, decoding) == "complete"
-        wait_until(lambda: metric(stack, UNCUTTABLE) == 1, timeout_s=5, what="uncuttable")
-        assert "cannot be cut" in stack.logs("extproc")
+            # 40 tokens at 20 a second: it runs ~2 s past its stream's end (the headers).
+            assert await sheddable(c, model, 1, decoding, output=40) == "complete"
+        await asyncio.to_thread(
+            wait_until, lambda: metric(stack, UNCUTTABLE) == 1, timeout_s=5, what="uncuttable"
+        )
+        assert "nothing could cut it" in stack.logs("extproc")
