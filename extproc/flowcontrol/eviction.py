@@ -25,14 +25,14 @@ What can be cut: a request whose ext_proc stream is still open (Envoy 1.40, obse
 - `--response-trailers send`: until the response's end. Envoy sends no trailers message
   (none came from the server) but keeps the stream open and resets it at the end.
 - gateways with response body FULL_DUPLEX_STREAMED and trailers SEND: the response's end.
-- a BUFFERED request body with `allow_mode_override`: the response's end for evictable
-  requests only (their response-header reply asks for trailers; Envoy ignores overrides
-  on a FULL_DUPLEX_STREAMED request).
+- a BUFFERED request body (response body NONE, trailers SKIP): the response's end (Envoy
+  does not close the stream at the response headers then).
 After the response headers the cut is a reset of the client's and the server's streams,
-not a 429. The request's accounting ends where it did (without response bodies: at the
-response headers); the controller keeps such a ticket a candidate (`release(cuttable=True)`)
-until `stream_ended`, and counts an evictable request still running 1.5 s after its stream
-ended as uncuttable (`extproc_flow_eviction_uncuttable_total`, one warning).
+not a 429. The request's accounting ends where it did (FULL_DUPLEX_STREAMED request body
+without response bodies: at the response headers); the controller keeps such a ticket a
+candidate (`release(cuttable=True)`) until `stream_ended`, and counts an evictable request
+still running 1.5 s after its stream ended as uncuttable
+(`extproc_flow_eviction_uncuttable_total`, one warning).
 """
 
 from __future__ import annotations

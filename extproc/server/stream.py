@@ -623,26 +623,20 @@ class _Stream:
         if self.explain:
             extra[protocol.DECISION_HEADER] = orjson.dumps(explanation(routed)).decode()
         resp = wire.response_headers_with(extra) if extra else wire.CONTINUE_RESPONSE_HEADERS
-        if self.response_mode != _NO_BODY:
-            return resp  # the stream lasts to the response's end: accounting ends there
-        # Without response bodies the stream used to end here, and so did the request's
-        # accounting (in-flight hold, flow-control release): it still does, whatever the
-        # trailer mode. An evictable request stays cuttable while the stream lasts.
+        if self.mode != _FULL_DUPLEX or self.response_mode != _NO_BODY:
+            # The stream lasts to the response's end (response bodies sent, or a buffered
+            # request body: Envoy 1.40 keeps it open then): accounting ends there, as ever.
+            return resp
+        # `extproc envoy-config` (FULL_DUPLEX_STREAMED request body, no response body): Envoy
+        # closed the stream here with trailers SKIP, and the request's accounting (in-flight
+        # hold, flow-control release) still ends here with trailers SEND, where the stream
+        # lasts to the response's end; an evictable request stays cuttable until then.
         cuttable = self.eviction is not None and not msg.response_headers.end_of_stream
         self.routed = None
         self.router.finish(routed, cuttable=cuttable)
-        if not cuttable:
-            return resp
-        self.cut_ticket = routed.ticket
-        if self.mode == _FULL_DUPLEX:
-            return resp  # Envoy ignores overrides here: only `response_trailer_mode: SEND` helps
-        # Where the proxy allows overrides, ask for the response trailers: the stream then
-        # lasts to the response's end for evictable requests only (a real Envoy honours this
-        # on the response-header reply of a BUFFERED request; bench/RESULTS.md, session 29).
-        out = wire.ProcessingResponse()
-        out.CopyFrom(resp)  # the shared CONTINUE constant stays untouched
-        out.mode_override.CopyFrom(wire.trailers_to_the_end(self.mode))
-        return out
+        if cuttable:
+            self.cut_ticket = routed.ticket
+        return resp
 
     def close(self) -> None:
         """The stream ended, however it ended: release what the decision placed. Without

@@ -179,18 +179,6 @@ def cheapest_response_mode(request_body_mode: int) -> pb.ProcessingMode:
     return mode
 
 
-def trailers_to_the_end(request_body_mode: int) -> pb.ProcessingMode:
-    """A `mode_override` asking for the response trailers (none come from the model server:
-    Envoy then sends empty ones at the response's end), so the ext_proc stream of a request
-    lasts until its response ends and the picker can still cut it. Response bodies stay
-    unsent; the request body mode is repeated (an override always sets both)."""
-    mode = pb.ProcessingMode()
-    mode.request_body_mode = request_body_mode  # type: ignore[assignment]
-    mode.response_body_mode = BodySendMode.NONE
-    mode.response_trailer_mode = pb.ProcessingMode.SEND
-    return mode
-
-
 def response_headers_with(headers: Mapping[str, str]) -> pb.ProcessingResponse:
     """Response headers pass through with `headers` added (overwriting same-named ones)."""
     resp = pb.ProcessingResponse()
