@@ -115,6 +115,8 @@ class Ticket:
     evictable: bool = False
     dispatched_at: float = 0.0
     evicted: bool = False
+    # When an evictable one stopped being cuttable (its stream ended), until its end.
+    uncut_since: float = 0.0
     _on_evict: Callable[[], None] | None = None
 
     def evict(self) -> None:
