@@ -239,8 +239,10 @@ def picker_doc(
     tls: bool,
     response_headers: str = "auto",
     access_log_flush_s: float = BootstrapOptions().access_log_flush_s,
+    response_trailers: str = "skip",
 ) -> dict:
     return bootstrap(
+        response_trailers=response_trailers,
         extproc=f"127.0.0.1:{port}",
         request_body_mode=mode,
         extproc_tls=tls,
@@ -278,6 +280,9 @@ _FLUSH = re.compile(r"(extproc) (FD|BUF)-flush(\d+)")
 # `-skip` / `-send` variants, when named, set `--response-headers` explicitly.
 _RESPONSE_HEADERS = {"floor": "send", "extproc": "send"}
 _VARIANTS = {"skip": "skip", "send": "send"}
+# `<who> <FD|BUF>-trailers`: `--response-trailers send` (the stream lasts to the response's
+# end so flow control can cut it: one more message per request).
+_TRAILERS = "trailers"
 
 
 def main() -> None:
@@ -291,7 +296,8 @@ def main() -> None:
         default="",
         help="comma list of configurations to run (envoy, floor FD, extproc FD, floor BUF, "
         "extproc BUF, sglang-router; floor BUF-noresp, floor llm-d, extproc llm-d and the "
-        "response-header variants '<who> <FD|BUF>-skip|-send' only when named)",
+        "response-header variants '<who> <FD|BUF>-skip|-send', the response-trailer one "
+        "'<who> <FD|BUF>-trailers' only when named)",
     )
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument(
@@ -365,6 +371,14 @@ def main() -> None:
                         p, url = start_envoy(doc, work, variant)
                         procs.append(p)
                         targets.append(Target(variant, url, pid, p.pid))
+                if f"{name}-{_TRAILERS}" in only:
+                    doc = picker_doc(
+                        port, mode, tls=True, response_headers=_RESPONSE_HEADERS[who],
+                        response_trailers="send",
+                    )  # fmt: skip
+                    p, url = start_envoy(doc, work, f"{name}-{_TRAILERS}")
+                    procs.append(p)
+                    targets.append(Target(f"{name}-{_TRAILERS}", url, pid, p.pid))
                 for suffix, rh in _VARIANTS.items():
                     variant = f"{name}-{suffix}"
                     if variant in only:

@@ -23,6 +23,7 @@ from extproc import protocol
 LbMode = Literal["original-dst", "override-host"]
 BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
 ResponseHeaders = Literal["auto", "send", "skip"]
+ResponseTrailers = Literal["skip", "send"]
 
 _T = "type.googleapis.com/envoy.extensions"
 
@@ -85,6 +86,15 @@ class BootstrapOptions:
     # (`skips_response_headers`); `skip`: always. Opt-in: the config cannot see the
     # picker's profile.
     response_headers: ResponseHeaders = "send"
+    # Whether Envoy sends the response trailers to the picker (docs/flow-control.md,
+    # "Eviction"). `skip` (default): the ext_proc stream ends at the response headers, and
+    # with it the window in which flow control's eviction can cut a request; a streamed
+    # reply's headers come before the engine even schedules it, so nothing running can be
+    # cut. `send`: Envoy keeps the stream to the response's end (empty trailers when the
+    # model server sends none), so eviction cuts a response under way (Envoy resets it,
+    # the engine aborts it); one more message per request (bench/RESULTS.md, session 29).
+    # Needs the response-header phase (`auto` then keeps it).
+    response_trailers: ResponseTrailers = "skip"
 
 
 def _split_host_port(hostport: str) -> tuple[str, int]:
@@ -125,7 +135,7 @@ def _ext_proc_filter(opts: BootstrapOptions) -> dict[str, Any]:
                 "request_trailer_mode": (
                     "SEND" if opts.request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP"
                 ),
-                "response_trailer_mode": "SKIP",
+                "response_trailer_mode": opts.response_trailers.upper(),
             },
             # Without receiving, the envoy.lb metadata the picker returns is dropped;
             # forwarding hands the picker the served endpoint on the response path
@@ -147,6 +157,13 @@ def skips_response_headers(opts: BootstrapOptions) -> bool:
     pick (original-dst, or no retries), so in-flight counts need no correction mid-request.
     Forced `skip` with fallbacks: the index follows the served endpoint when the entry
     comes; the in-flight count stays on the pick until then."""
+    if opts.response_trailers == "send":
+        if opts.response_headers == "skip":
+            raise ValueError(
+                "--response-trailers send needs the response-header phase: the picker ends "
+                "each request's accounting there (not with --response-headers skip)"
+            )
+        return False
     if opts.response_headers == "auto":
         one_address = opts.lb == "original-dst" or opts.retries == 0
         return opts.access_log and not opts.allow_explain and one_address

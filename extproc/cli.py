@@ -186,6 +186,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
         allow_explain=args.allow_explain,
         extproc_workers=args.extproc_workers,
         response_headers=args.response_headers,
+        response_trailers=args.response_trailers,
         access_log_flush_s=args.access_log_flush_s,
     )
     try:
@@ -424,6 +425,15 @@ def build_parser() -> argparse.ArgumentParser:
         "access log reports request ends, explanations are off and a request has one "
         "address (-14 to -18%% picker CPU; not with flow control or profiles that add "
         "response headers: docs/gateways.md)",
+    )
+    e.add_argument(
+        "--response-trailers",
+        choices=("skip", "send"),
+        default="skip",
+        help="send the response trailers to the picker: the ext_proc stream then lasts to "
+        "each response's end, so flow control's eviction (enableEviction) can cut a "
+        "response under way; skip (default): only until the response headers, before a "
+        "streamed request is even scheduled (docs/flow-control.md#eviction)",
     )
     e.add_argument(
         "--access-log-flush-s",

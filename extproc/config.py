@@ -10,6 +10,7 @@ unknown plugin type 'x'`.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -343,9 +344,13 @@ def find_tokenizer(model: str, dirs: list[str]) -> Path | None:
     return None
 
 
-def apply_plumbing(settings: Settings, plumbing: Plumbing, ex: Examined) -> Settings:
-    """The settings changes llm-d's data-plumbing plugins imply. Settings the user wrote in
-    our own sections win over what a plugin implies only for `parse.precise`."""
+def apply_plumbing(
+    settings: Settings, plumbing: Plumbing, ex: Examined, written: Mapping[str, Any]
+) -> Settings:
+    """The settings changes llm-d's data-plumbing plugins and sections imply. Settings the
+    user wrote in our own sections (`written`: the document as parsed, outside `scheduling`)
+    win over what llm-d's config implies only for `parse.precise` and
+    `state.shared_inflight.interval_s`."""
     parse, index, state, discovery = (
         settings.parse,
         settings.index,
@@ -429,9 +434,35 @@ def apply_plumbing(settings: Settings, plumbing: Plumbing, ex: Examined) -> Sett
         state = msgspec.structs.replace(state, dcgm=msgspec.convert(dcgm, DCGMSettings))
     if plumbing.endpoints_file and discovery.endpoints_file is None:
         discovery = msgspec.structs.replace(discovery, endpoints_file=plumbing.endpoints_file)
+    if plumbing.shared_inflight_interval_s is not None:
+        state = _shared_inflight_interval(state, plumbing.shared_inflight_interval_s, ex, written)
     return msgspec.structs.replace(
         settings, parse=parse, index=index, state=state, discovery=discovery
     )
+
+
+def _shared_inflight_interval(
+    state: StateSettings, interval_s: float, ex: Examined, written: Mapping[str, Any]
+) -> StateSettings:
+    """llm-d's dataLayer.crossReplicaSyncInterval as state.shared_inflight.interval_s, unless
+    the user set ours or turned sharing off; check-config says which."""
+    name = "dataLayer.crossReplicaSyncInterval"
+    ours = (written.get("state") or {}).get("shared_inflight") or {}
+    if state.shared_inflight is None:
+        ex.notes.append(f"{name} ignored: state.shared_inflight is null (counts per process)")
+        return state
+    if "interval_s" in ours:
+        ex.notes.append(
+            f"{name} ignored: state.shared_inflight.interval_s is set "
+            f"({state.shared_inflight.interval_s:g} s)"
+        )
+        return state
+    shared = msgspec.structs.replace(state.shared_inflight, interval_s=interval_s)
+    ex.notes.append(
+        f"{name}: state.shared_inflight.interval_s = {interval_s:g} s (in-flight counts "
+        "exchanged through a Redis index; placements are still pushed to peers at once)"
+    )
+    return msgspec.structs.replace(state, shared_inflight=shared)
 
 
 def examine(doc: Any) -> Examined:
@@ -470,7 +501,7 @@ def examine(doc: Any) -> Examined:
     if ex.problems or settings is None or t.config is None:
         return ex
     settings = msgspec.structs.replace(settings, scheduling=t.config)
-    settings = apply_plumbing(settings, t.plumbing, ex)
+    settings = apply_plumbing(settings, t.plumbing, ex, rest)
     for build in (build_configured_scheduler, build_configured_flow_control):
         try:
             build(settings)

@@ -61,7 +61,10 @@ class Admission(Protocol):
 
     async def admit(self, request: InferenceRequest, uncached_tokens: int) -> Ticket: ...
     def placed(self, ticket: Ticket, address: str = "") -> None: ...
-    def release(self, ticket: Ticket, *, output_held: bool = False) -> None: ...
+    def release(
+        self, ticket: Ticket, *, output_held: bool = False, cuttable: bool = False
+    ) -> None: ...
+    def stream_ended(self, ticket: Ticket) -> None: ...
     def ended(self, ticket: Ticket) -> None: ...
     def evicted_error(self) -> ExtprocError: ...
 
@@ -523,13 +526,21 @@ class Router:
                 extra={"unsent_total": self.stats.response_headers_unsent},
             )
 
-    def finish(self, routed: Routed, *, responded: bool = True, then: Late | None = None) -> None:
+    def finish(
+        self,
+        routed: Routed,
+        *,
+        responded: bool = True,
+        then: Late | None = None,
+        cuttable: bool = False,
+    ) -> None:
         """The request's ext_proc stream ended (response headers seen, response done, client
         gone, or error): release its placement, or hold it until the access log says the
         request itself ended (see `endpoints/request_end.py`). `responded=False`: the stream
         never saw the response headers (the proxy skips that phase), so the access-log entry
         reports what they would have (see `_ended_unseen`; `then` sees the entry, or None,
-        once the request is over)."""
+        once the request is over). `cuttable`: the stream outlives this call, and flow
+        control may still evict the request until `admission.stream_ended(ticket)`."""
         if self.ends is not None:
             # Placed blocks are credited until the request ends (the response headers of a
             # stream come before its engine admits it and publishes its blocks); while it
@@ -553,7 +564,9 @@ class Router:
         if routed.ticket is not None and self.admission is not None:
             if not responded:
                 self._admission_unseen()
-            self.admission.release(routed.ticket, output_held=self.ends is not None)
+            self.admission.release(
+                routed.ticket, output_held=self.ends is not None, cuttable=cuttable
+            )
 
 
 def _ticket_ended(

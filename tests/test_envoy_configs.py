@@ -88,3 +88,14 @@ def test_retries_apply_in_both_lb_modes(lb: str, capsys):
     assert route("")["retry_policy"]["num_retries"] == 2
     assert route("--retries 5")["retry_policy"]["num_retries"] == 5
     assert "retry_policy" not in route("--retries 0")
+
+
+def test_response_trailers_send_keeps_the_stream_to_the_responses_end(capsys):
+    """`--response-trailers send` (flow control's eviction of a response under way): the
+    trailer mode, and the response-header phase it needs (auto keeps it, skip is refused)."""
+    assert "response_trailer_mode: SKIP" in emitted("", capsys)
+    out = emitted("--response-trailers send --response-headers auto", capsys)
+    assert "response_trailer_mode: SEND" in out
+    assert "response_header_mode: SEND" in out
+    assert main(["envoy-config", "--response-trailers", "send", "--response-headers", "skip"]) == 2
+    assert "response-header phase" in capsys.readouterr().err

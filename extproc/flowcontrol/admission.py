@@ -260,9 +260,14 @@ class Admission:
     def placed(self, ticket: Ticket, address: str = "") -> None:
         self.controller.placed(ticket, address)
 
-    def release(self, ticket: Ticket, *, output_held: bool = False) -> None:
-        """`output_held`: its in-flight count is held past the ticket; `ended` follows."""
-        self.controller.release(ticket, output_held=output_held)
+    def release(self, ticket: Ticket, *, output_held: bool = False, cuttable: bool = False) -> None:
+        """`output_held`: its in-flight count is held past the ticket; `ended` follows.
+        `cuttable`: it stays an eviction candidate; `stream_ended` follows."""
+        self.controller.release(ticket, output_held=output_held, cuttable=cuttable)
+
+    def stream_ended(self, ticket: Ticket) -> None:
+        """The stream of a ticket released `cuttable` ended."""
+        self.controller.stream_ended(ticket)
 
     def ended(self, ticket: Ticket) -> None:
         """The request is over on its server (its in-flight count released)."""
@@ -398,6 +403,15 @@ class Admission:
             for outcome, n in fc.evict_decisions.items():
                 ev.add_metric([outcome], n)
             yield ev
+            uc = counter(
+                "extproc_flow_eviction_uncuttable",
+                "Evictable requests that ran on more than 1.5 s after their ext_proc stream "
+                "ended (so nothing could cut them meanwhile): the proxy ends the stream at the "
+                "response headers (response body NONE, trailers SKIP; `extproc envoy-config "
+                "--response-trailers send` keeps it). Needs the access log (request ends).",
+            )
+            uc.add_metric([], fc.uncuttable)
+            yield uc
         if fc.claims is not None:
             cl = counter(
                 "extproc_flow_room_claims",

@@ -61,6 +61,10 @@ from extproc.flowcontrol.tickets import (
 )
 
 log = logging.getLogger("extproc.flowcontrol")
+# An evictable request still running this long after its ext_proc stream ended (its end as
+# the access log reports it, which lags the stream's close by the log's flush interval at
+# most: 20 ms in the generated config, Envoy's default 1 s) could not be cut meanwhile.
+UNCUT_AFTER_S = 1.5
 
 __all__ = [
     "EVICTED_PRESSURE",
@@ -300,6 +304,9 @@ class FlowController:
         self._dispatch_on_end = dispatch_on_end
         # Dispatch opportunities taken at a request's end (dispatch_on_end).
         self.end_dispatches = 0
+        # Evictable requests that ran on past their stream's end (`_uncut_check`).
+        self.uncuttable = 0
+        self._warned_uncuttable = False
         if gate is not None:
             gate.use_clock(clock)
             # (activeAtStart) the bands the operator gave a prior count as sending work.
@@ -941,11 +948,13 @@ class FlowController:
         else:
             self._settling.append((self._clock(), ticket))
 
-    def release(self, ticket: Ticket, *, output_held: bool = False) -> None:
+    def release(self, ticket: Ticket, *, output_held: bool = False, cuttable: bool = False) -> None:
         """The request ended (or never got placed): its capacity is free again.
         `output_held`: its in-flight count outlasts the ticket (held until the gateway's
         access log says the request ended, endpoints/request_end.py), so its own output
-        keeps counting on its endpoint until `ended(ticket)`."""
+        keeps counting on its endpoint until `ended(ticket)`. `cuttable`: its response is
+        still streaming through a stream that can cut it, so it stays an eviction candidate
+        until `stream_ended(ticket)`."""
         if ticket.released:
             return
         ticket.released = True
@@ -954,9 +963,41 @@ class FlowController:
             self.gate.forget(ticket)
         if not output_held:
             self._ended(ticket)
-        if self.evictor is not None:
-            self.evictor.untrack(ticket)
+        if self.evictor is not None and not cuttable:
+            self._untrack(ticket)
         self.dispatch()
+
+    def stream_ended(self, ticket: Ticket) -> None:
+        """The ext_proc stream of a ticket released `cuttable` ended (its response is over,
+        cut, or its client gone): it is no longer an eviction candidate, and an eviction of
+        it is confirmed."""
+        if self.evictor is not None:
+            self._untrack(ticket)
+
+    def _untrack(self, ticket: Ticket) -> None:
+        assert self.evictor is not None
+        self.evictor.untrack(ticket)
+        if ticket.evictable and not ticket.evicted:
+            ticket.uncut_since = self._clock()
+
+    def _uncut_check(self, ticket: Ticket) -> None:
+        """At an evictable request's end (its access-log entry): did it run on long after
+        its stream ended, so that nothing could have cut it meanwhile? (The proxy closed the
+        stream at the response headers: response body NONE with trailers SKIP.)"""
+        since, ticket.uncut_since = ticket.uncut_since, 0.0
+        if not since or self._clock() - since < UNCUT_AFTER_S:
+            return
+        self.uncuttable += 1
+        if not self._warned_uncuttable:
+            self._warned_uncuttable = True
+            log.warning(
+                "flow control eviction: an evictable request ran on %.1f s after its ext_proc "
+                "stream ended, so nothing could cut it (the proxy ends the stream at the "
+                "response headers; counted in extproc_flow_eviction_uncuttable_total): "
+                "generate the Envoy config with `extproc envoy-config --response-trailers "
+                "send` (docs/flow-control.md#eviction)",
+                self._clock() - since,
+            )
 
     def ended(self, ticket: Ticket) -> None:
         """The request is over on its endpoint (its in-flight count was just released):
@@ -965,6 +1006,7 @@ class FlowController:
         first: traced in the overload bench, a waiting interactive request was released
         a median 70-90 ms after the engine had freed its room, of which the gateway's
         access-log flush is most (bench/RESULTS.md, seventeenth session)."""
+        self._uncut_check(ticket)
         self._ended(ticket)
         if self._dispatch_on_end and self.count:
             self.end_dispatches += 1

@@ -18,10 +18,21 @@ waits until every evicted request's stream has ended (or `confirm_timeout_s` pas
 counts; a scrape plus the staleness bound plus the engine's abort for scraped figures), so
 one blocked request does not cut the whole lower band before the detector can react.
 
-What can be cut: a request whose ext_proc stream is still open. With the generated Envoy
-config (`response_body_mode: NONE`) that is until the model server's response headers; with
-a streamed response body mode, until the response ends (Envoy then resets a response
-already under way).
+What can be cut: a request whose ext_proc stream is still open (Envoy 1.40, observed):
+- `extproc envoy-config` as generated (response body NONE, trailers SKIP): until the model
+  server's response headers, which for a streamed reply come before the engine schedules
+  it: nothing running can be cut.
+- `--response-trailers send`: until the response's end. Envoy sends no trailers message
+  (none came from the server) but keeps the stream open and resets it at the end.
+- gateways with response body FULL_DUPLEX_STREAMED and trailers SEND: the response's end.
+- a BUFFERED request body (response body NONE, trailers SKIP): the response's end (Envoy
+  does not close the stream at the response headers then).
+After the response headers the cut is a reset of the client's and the server's streams,
+not a 429. The request's accounting ends where it did (FULL_DUPLEX_STREAMED request body
+without response bodies: at the response headers); the controller keeps such a ticket a
+candidate (`release(cuttable=True)`) until `stream_ended`, and counts an evictable request
+still running 1.5 s after its stream ended as uncuttable
+(`extproc_flow_eviction_uncuttable_total`, one warning).
 
 Per endpoint (`flow_control.evict_per_endpoint`, opt-in): instead of the pool-wide sizing
 above, a higher band's request that finds no endpoint with room gets room made on the one

@@ -117,6 +117,8 @@ class Ticket:
     # Where the router placed it (per-endpoint eviction cuts the requests of one endpoint).
     endpoint: str = ""
     evicted: bool = False
+    # When an evictable one stopped being cuttable (its stream ended), until its end.
+    uncut_since: float = 0.0
     _on_evict: Callable[[], None] | None = None
 
     def evict(self) -> None:

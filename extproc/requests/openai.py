@@ -15,7 +15,7 @@ import msgspec
 from extproc.core import Message, Part, Prompt
 from extproc.errors import BadRequest
 from extproc.requests.media import MediaResolver, decode_base64
-from extproc.requests.raw import raw_jsons
+from extproc.requests.raw import not_utf8, raw_jsons
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 
@@ -171,7 +171,7 @@ def prompt_inputs(raw: msgspec.Raw, field: str) -> list[PromptInput]:
         pass
     except msgspec.DecodeError:
         # The body's decoder checks a Raw field's JSON shape, not its strings' UTF-8.
-        raise BadRequest(f"{field}: must be valid UTF-8 JSON") from None
+        raise not_utf8(field) from None
     try:
         return [tuple(_PROMPT_IDS.decode(raw))]
     except msgspec.ValidationError:

@@ -130,7 +130,7 @@ def parse_request(
     except msgspec.ValidationError as exc:
         raise _bad_field(str(exc)) from None
     except msgspec.DecodeError:
-        raise BadRequest("body: must be a JSON object of valid UTF-8 JSON") from None
+        raise BadRequest("body: must be a JSON object in valid UTF-8") from None
     except RecursionError:
         raise BadRequest("body: nested too deeply") from None
 

@@ -13,6 +13,12 @@ import msgspec
 from extproc.errors import BadRequest
 
 
+def not_utf8(field: str) -> BadRequest:
+    """The 400 for a kept-raw JSON field whose strings are not UTF-8 (here and wherever else
+    such a field is decoded, e.g. a completions `prompt`)."""
+    return BadRequest(f"{field}: must be valid UTF-8 JSON")
+
+
 def raw_json(raw: msgspec.Raw, field: str) -> bytes:
     """The bytes of `raw`, refused unless they are UTF-8 (ASCII, the usual case, costs one
     scan without decoding)."""
@@ -21,7 +27,7 @@ def raw_json(raw: msgspec.Raw, field: str) -> bytes:
         try:
             data.decode()
         except UnicodeDecodeError:
-            raise BadRequest(f"{field}: must be valid UTF-8 JSON") from None
+            raise not_utf8(field) from None
     return data
 
 

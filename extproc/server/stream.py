@@ -62,6 +62,7 @@ from extproc.server.metrics import PickerMetrics
 
 if TYPE_CHECKING:
     from extproc.config import ServerSettings
+    from extproc.flowcontrol.tickets import Ticket
     from extproc.server.llmd_metrics import RequestMetrics
 
 log = logging.getLogger("extproc.stream")
@@ -253,6 +254,10 @@ async def _next_or_evicted(
     finally:
         if not reader.done():
             reader.cancel()
+        elif not reader.cancelled():
+            # Envoy half-closes then resets: the read may end (StopAsyncIteration) just as
+            # this call is cancelled. Retrieved here, or asyncio logged an ERROR per stream.
+            reader.exception()
     if reader.done() and not reader.cancelled():
         return reader.result()  # a message (or StopAsyncIteration) wins a tie
     return None
@@ -263,6 +268,7 @@ class _Stream:
         "body_len",
         "budget",
         "chunks",
+        "cut_ticket",
         "deadline",
         "done",
         "eviction",
@@ -315,6 +321,8 @@ class _Stream:
         self.routed: Routed | None = None
         self.responded = False  # the response headers came (the proxy may skip them)
         self.eviction: asyncio.Future[None] | None = None
+        # Released at its response headers but still cuttable until the stream ends.
+        self.cut_ticket: Ticket | None = None
         self.explain = False
         self.done = False
         self.obs = metrics.llmd.request()  # llm-d's request families (server/llmd_metrics.py)
@@ -587,10 +595,20 @@ class _Stream:
 
     def evicted(self) -> list[wire.ProcessingResponse]:
         """Flow control cut this running request for higher-priority work: 429 `evicted`
-        (Envoy resets the response instead if it has already started)."""
+        before the response headers. After them the same answer makes Envoy reset the
+        client's stream and the model server's (the client sees a truncated response, the
+        engine aborts the request); no 429 reaches anyone, so none is counted."""
         admission = self.router.admission
         assert admission is not None  # only flow control sets `eviction`
-        return self.fail(admission.evicted_error())
+        err = admission.evicted_error()
+        if not self.responded:
+            return self.fail(err)
+        self.done = True
+        log.info(
+            "evicted mid-response: the proxy resets it",
+            extra={"request_id": self.headers.get(protocol.REQUEST_ID_HEADER)},
+        )
+        return [wire.error_response(err, {protocol.DROPPED_REASON_HEADER: err.code})]
 
     def _on_response_headers(self, msg: wire.ProcessingRequest) -> wire.ProcessingResponse:
         routed = self.routed
@@ -604,13 +622,32 @@ class _Stream:
         extra = dict(routed.decision.response_headers)
         if self.explain:
             extra[protocol.DECISION_HEADER] = orjson.dumps(explanation(routed)).decode()
-        return wire.response_headers_with(extra) if extra else wire.CONTINUE_RESPONSE_HEADERS
+        resp = wire.response_headers_with(extra) if extra else wire.CONTINUE_RESPONSE_HEADERS
+        if self.mode != _FULL_DUPLEX or self.response_mode != _NO_BODY:
+            # The stream lasts to the response's end (response bodies sent, or a buffered
+            # request body: Envoy 1.40 keeps it open then): accounting ends there, as ever.
+            return resp
+        # `extproc envoy-config` (FULL_DUPLEX_STREAMED request body, no response body): Envoy
+        # closed the stream here with trailers SKIP, and the request's accounting (in-flight
+        # hold, flow-control release) still ends here with trailers SEND, where the stream
+        # lasts to the response's end; an evictable request stays cuttable until then.
+        cuttable = self.eviction is not None and not msg.response_headers.end_of_stream
+        self.routed = None
+        self.router.finish(routed, cuttable=cuttable)
+        if cuttable:
+            self.cut_ticket = routed.ticket
+        return resp
 
     def close(self) -> None:
         """The stream ended, however it ended: release what the decision placed. Without
         the response headers (the proxy skips that phase), llm-d's request families wait
         for the access-log entry: its status and size stand in for the headers'."""
         self._release_body()
+        ticket, self.cut_ticket = self.cut_ticket, None
+        if ticket is not None:
+            admission = self.router.admission
+            assert admission is not None  # only flow control sets `eviction`
+            admission.stream_ended(ticket)
         routed, self.routed = self.routed, None
         if routed is None or self.responded:
             self.obs.close()

@@ -138,6 +138,42 @@ async def long_one(
         return r.status_code
 
 
+async def start_streaming(
+    c: httpx.AsyncClient, model: str, seed: int, words: int, max_tokens: int, headers: dict
+) -> tuple[asyncio.Task[int], str]:
+    """A streamed `reserve_body` sent in the background (`long_one`): the task that streams
+    it to its end (its status), and the server that took it, once its headers arrive (up
+    to 30 s)."""
+    at: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    def body(s: int) -> dict:
+        return reserve_body(model, s, words, max_tokens)
+
+    task = asyncio.create_task(long_one(c, body, seed, headers, at))
+    return task, await asyncio.wait_for(at, 30)
+
+
+@contextlib.contextmanager
+def refill_credit_stack(
+    tmp: Path, cap: int, credit: str, horizon_s: float, expected_output_tokens: int
+) -> Iterator[Stack]:
+    """`reserve_stack` for the refill-credit tests: `reserve_refill_credit: credit` over
+    `horizon_s`, the reserve from the interactive band's own sizes once it has
+    QUANTILE_TRUSTED of them (before, it keeps room for the largest request of any band),
+    servers decoding 50 tokens/s and prefilling at 20x the sim's default speed, so the
+    reserve's arrival-rate term (the band's rate times its largest prefill) stays small
+    next to the half reserve these tests' ceilings leave for it."""
+    flow = {
+        "reserve_refill_s": horizon_s,
+        "reserve_refill_credit": credit,
+        "reserve_quantile": 0.9,
+        "expected_output_tokens": expected_output_tokens,
+    }
+    sim = ("--decode-tps", "50", "--prefill-tps", "200000")
+    with reserve_stack(tmp, cap, sim, **flow) as s:
+        yield s
+
+
 async def burst_then_large(
     stack: Stack, c: httpx.AsyncClient, burst: Sequence[dict], large: dict
 ) -> None:

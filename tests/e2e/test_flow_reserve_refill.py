@@ -29,11 +29,11 @@ from tests.e2e.flow_configs import (
     HI,
     LO,
     held_or_done,
-    long_one,
     metric_sum,
     reserve_body,
     reserve_estimate,
     reserve_stack,
+    start_streaming,
 )
 from tests.e2e.sim_speed import finish_fast
 
@@ -74,16 +74,9 @@ async def lending(
     interactive request streaming there. Returns the two long ones and the batch one's
     server."""
     model = stack.fleet.model
-    loop = asyncio.get_running_loop()
     big = await c.post("/v1/chat/completions", json=reserve_body(model, 100, BIG, 1), headers=HI)
     assert big.status_code == 200
-
-    def medium(seed: int) -> dict:
-        return reserve_body(model, seed, MEDIUM, LONG)
-
-    lo_at: asyncio.Future[str] = loop.create_future()
-    batch = asyncio.create_task(long_one(c, medium, 200, LO, lo_at))
-    lo_server = await asyncio.wait_for(lo_at, 30)
+    batch, lo_server = await start_streaming(c, model, 200, MEDIUM, LONG, LO)
     # Short batch requests, one at a time, on the other (less loaded) server; each once the
     # last has ended there (its in-flight count ends with its access-log entry: until then
     # the reserve keeps the next one off that server).
@@ -100,9 +93,8 @@ async def lending(
             if not left:
                 break
             await asyncio.sleep(0.02)
-    hi_at: asyncio.Future[str] = loop.create_future()
-    interactive = asyncio.create_task(long_one(c, medium, 201, HI, hi_at))
-    assert await asyncio.wait_for(hi_at, 30) != lo_server
+    interactive, hi_server = await start_streaming(c, model, 201, MEDIUM, LONG, HI)
+    assert hi_server != lo_server
     return batch, interactive, lo_server
 
 

@@ -26,11 +26,11 @@ from tests.e2e.flow_configs import (
     LO,
     held_or_done,
     inflight_ended,
-    long_one,
     metric_sum,
+    refill_credit_stack,
     reserve_body,
     reserve_estimate,
-    reserve_stack,
+    start_streaming,
 )
 from tests.e2e.sim_speed import finish_fast
 
@@ -58,17 +58,7 @@ CAP = X + Q + RESERVE // 2
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("flowrefillpredicted")
-    # The reserve from the interactive band's own sizes once it has QUANTILE_TRUSTED of
-    # them (before, it keeps room for the largest request of any band: the filler).
-    flow = {
-        "reserve_refill_s": HORIZON_S,
-        "reserve_refill_credit": "predicted",
-        "reserve_quantile": 0.9,
-    }
-    # Prefills 20x the sim's default speed: the reserve's arrival-rate term (the band's rate
-    # times its largest prefill) stays well under the half reserve CAP leaves for it.
-    sim = ("--decode-tps", "50", "--prefill-tps", "200000")
-    with reserve_stack(tmp, CAP, sim, expected_output_tokens=OUT, **flow) as s:
+    with refill_credit_stack(tmp, CAP, "predicted", HORIZON_S, OUT) as s:
         yield s
 
 
@@ -83,7 +73,6 @@ async def test_credits_the_room_of_requests_predicted_to_end_within_the_horizon(
     assert min(Q, X, RESERVE) > CAP - FILL
     # On the other server, the reserve is there beside X alone, and short beside X and Q.
     assert CAP - X >= RESERVE and 0 <= CAP - X - Q < RESERVE
-    loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
 
         async def post(body: dict, headers: dict) -> httpx.Response:
@@ -103,18 +92,10 @@ async def test_credits_the_room_of_requests_predicted_to_end_within_the_horizon(
         await inflight_ended(stack)
         measured = unpredicted(stack)
 
-        filler_at: asyncio.Future[str] = loop.create_future()
-        filler = asyncio.create_task(
-            long_one(c, lambda s: reserve_body(model, s, FILL_WORDS, LONG), 300, LO, filler_at)
-        )
-        full = await asyncio.wait_for(filler_at, 30)
+        filler, full = await start_streaming(c, model, 300, FILL_WORDS, LONG, LO)
 
         # Beside a request predicted to end within the horizon: let in.
-        ending_at: asyncio.Future[str] = loop.create_future()
-        ending = asyncio.create_task(
-            long_one(c, lambda s: reserve_body(model, s, X_WORDS, SHORT_OUT), 301, LO, ending_at)
-        )
-        other = await asyncio.wait_for(ending_at, 30)
+        ending, other = await start_streaming(c, model, 301, X_WORDS, SHORT_OUT, LO)
         assert other != full
         let_in = await post(reserve_body(model, 302, Q_WORDS, 1), LO)
         assert let_in.status_code == 200 and let_in.headers[SERVED_BY_HEADER] == other
@@ -124,11 +105,8 @@ async def test_credits_the_room_of_requests_predicted_to_end_within_the_horizon(
         await asyncio.sleep(0.3)  # its access-log entry
 
         # Beside one as large that streams on: held (nothing there is predicted to end).
-        streaming_at: asyncio.Future[str] = loop.create_future()
-        streaming = asyncio.create_task(
-            long_one(c, lambda s: reserve_body(model, s, X_WORDS, LONG), 303, LO, streaming_at)
-        )
-        assert await asyncio.wait_for(streaming_at, 30) == other
+        streaming, there = await start_streaming(c, model, 303, X_WORDS, LONG, LO)
+        assert there == other
         held = asyncio.create_task(post(reserve_body(model, 304, Q_WORDS, 1), LO))
         await held_or_done(stack, held)
         assert not held.done(), "let in with nothing there predicted to end"

@@ -30,12 +30,12 @@ from tests.e2e.flow_configs import (
     HI,
     LO,
     held_or_done,
-    long_one,
     metric_sum,
     queued,
+    refill_credit_stack,
     reserve_body,
     reserve_estimate,
-    reserve_stack,
+    start_streaming,
 )
 from tests.e2e.sim_speed import finish_fast
 
@@ -63,15 +63,7 @@ STOPPED = 1e-4  # a server's speed while X waits there: its 304-token prefill ta
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("flowrefillstarted")
-    flow = {
-        "reserve_refill_s": HORIZON_S,
-        "reserve_refill_credit": "started",
-        "reserve_quantile": 0.9,
-    }
-    # Prefills fast: the reserve's arrival-rate term stays well under the half reserve CAP
-    # leaves for it (as in test_flow_reserve_refill_predicted.py).
-    sim = ("--decode-tps", "50", "--prefill-tps", "200000")
-    with reserve_stack(tmp, CAP, sim, expected_output_tokens=OUT, **flow) as s:
+    with refill_credit_stack(tmp, CAP, "started", HORIZON_S, OUT) as s:
         yield s
 
 
@@ -119,7 +111,6 @@ async def test_credits_a_request_from_its_decode_start_not_its_placement(stack: 
     assert min(Q, X, RESERVE) > CAP - FILL  # the filler's server takes no more
     assert CAP - X - OUT >= RESERVE and 0 <= CAP - X - Q < RESERVE
     model = stack.fleet.model
-    loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
 
         async def post(body: dict, headers: dict) -> httpx.Response:
@@ -136,20 +127,12 @@ async def test_credits_a_request_from_its_decode_start_not_its_placement(stack: 
             await asyncio.sleep(PACE_S)
         assert all(r.status_code == 200 for r in await asyncio.gather(*sent))
 
-        filler_at: asyncio.Future[str] = loop.create_future()
-        filler = asyncio.create_task(
-            long_one(c, lambda s: reserve_body(model, s, FILL_WORDS, LONG), 300, LO, filler_at)
-        )
-        full = await asyncio.wait_for(filler_at, 30)
+        filler, full = await start_streaming(c, model, 300, FILL_WORDS, LONG, LO)
         others = {s.name for s in stack.fleet.servers} - {full}
         # X will wait in its engine: its server all but stopped before X gets there (a
         # streamed reply's headers leave before the prefill, so it is placed and answering).
         set_speed(stack.fleet, others, STOPPED)
-        x_at: asyncio.Future[str] = loop.create_future()
-        x = asyncio.create_task(
-            long_one(c, lambda s: reserve_body(model, s, X_WORDS, X_OUT), 301, LO, x_at)
-        )
-        other = await asyncio.wait_for(x_at, 30)
+        x, other = await start_streaming(c, model, 301, X_WORDS, X_OUT, LO)
         assert other in others
         # Placement predicts X's end within the horizon (`predicted` would let Q in now);
         # its engine shows it before its first token: no credit, Q is held. (Let in, Q would

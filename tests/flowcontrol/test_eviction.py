@@ -134,3 +134,55 @@ async def test_nothing_at_or_above_the_waiting_band_is_cut():
     ta = place(ctl, slots, a)
     (b,) = await start(ctl, req("b", -1))  # same band: waits, cuts nothing
     assert not ta.evicted and not b.done()
+
+
+async def test_a_request_released_cuttable_stays_a_candidate_until_its_stream_ends():
+    """The generated Envoy config with response trailers sent: the request's accounting ends
+    at its response headers (`release`), its stream (and the chance to cut it) at the
+    response's end (`stream_ended`)."""
+    ctl, slots, clock, cfg = make(1)
+    assert cfg.eviction is not None
+    (low,) = await start(ctl, req("low", -1))
+    ticket = place(ctl, slots, low)
+    ctl.release(ticket, output_held=True, cuttable=True)  # response headers; in flight still
+    assert ctl.evictor is not None and ctl.evictor.running == 1
+    (high,) = await start(ctl, req("high", 1))
+    assert ticket.evicted and not high.done()  # cut mid-response
+    ctl.tick()
+    assert not ctl.evictor.gate_open()  # not confirmed until its stream ends
+    ctl.stream_ended(ticket)
+    assert ctl.evictor.running == 0
+    clock.t += cfg.eviction.grace_s
+    assert ctl.evictor.gate_open()
+    slots.used -= 1  # the proxy's access log: the request is over on its server
+    ctl.ended(ticket)
+    ctl.tick()
+    await settle()
+    assert high.done()
+
+
+async def test_a_request_released_uncuttable_is_no_candidate_any_more():
+    ctl, slots, _clock, _ = make(1)
+    (low,) = await start(ctl, req("low", -1))
+    ticket = place(ctl, slots, low)
+    ctl.release(ticket, output_held=True)  # the stream ended at the response headers
+    (high,) = await start(ctl, req("high", 1))
+    assert not ticket.evicted and not high.done()  # waits for the request's end
+
+
+async def test_an_evictable_request_running_on_past_its_stream_is_counted_uncuttable():
+    ctl, slots, clock, _ = make(2)
+    a, b = await start(ctl, req("a", -1), req("b", -1))
+    ta, tb = place(ctl, slots, a), place(ctl, slots, b)
+    # `a`'s stream ends at its response headers, its request 10 s later (the access log).
+    ctl.release(ta, output_held=True, cuttable=True)
+    ctl.stream_ended(ta)
+    clock.t += 10
+    ctl.ended(ta)
+    # `b`'s stream lasts to its response's end (`--response-trailers send`).
+    ctl.release(tb, output_held=True, cuttable=True)
+    clock.t += 10
+    ctl.stream_ended(tb)
+    clock.t += 0.02  # the access log's flush
+    ctl.ended(tb)
+    assert ctl.uncuttable == 1

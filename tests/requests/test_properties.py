@@ -151,7 +151,8 @@ def test_invalid_utf8_inside_a_prompt_is_a_400(path: str, field: bytes) -> None:
     """The prompt is kept raw by the body's decoder (its shape is decided later), which
     checks its JSON but not its strings' UTF-8: found by the property above (a 500)."""
     raw = b'{"model": "m", "' + field + b'": "\\ud800\\udc00\x80"}'
-    with pytest.raises(BadRequest, match="valid UTF-8"):
+    # The same message as a kept-raw field's (requests/raw.not_utf8).
+    with pytest.raises(BadRequest, match=f"^{field.decode()}: must be valid UTF-8 JSON$"):
         parse_request(path, {}, raw, SETTINGS)
 
 
@@ -186,7 +187,7 @@ def test_invalid_utf8_in_json_kept_raw_is_a_400(path: str, raw: bytes, field: st
     """Tools, tool calls, a tool use's input and the client's priority are kept raw (hashed
     or forwarded as they came): their strings' UTF-8 is checked at parse time, or engine
     priority's body edit met it as an exception after the decision."""
-    with pytest.raises(BadRequest, match=re.escape(field) + ": must be valid UTF-8"):
+    with pytest.raises(BadRequest, match=f"^{re.escape(field)}: must be valid UTF-8 JSON$"):
         parse_request(path, {}, raw, SETTINGS)
 
 

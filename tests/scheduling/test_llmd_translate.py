@@ -157,6 +157,61 @@ def test_every_ignored_parameter_is_one_its_plugin_accepts():
     assert drifted == []
 
 
+def test_every_mapped_ignored_parameter_is_one_its_type_accepts():
+    """A mapped type's `ignored` reasons name only parameters its Params decodes: a reason
+    for a parameter the type refuses as an unknown field could never be printed, and means
+    the table drifted from llm-d's parameter structs."""
+    from extproc.scheduling.llmd.mapped import MAPPED
+
+    pairs = [(t, p) for t, m in MAPPED.items() for p in m.ignored]
+    accepted = {
+        t: {f.encode_name for f in msgspec.structs.fields(m.params)} for t, m in MAPPED.items()
+    }
+    assert len(pairs) > 20  # the table is really read
+    assert [(t, p) for t, p in pairs if p not in accepted[t]] == []
+
+
+@pytest.mark.parametrize(
+    ("value", "noted"),
+    [(None, False), (False, False), ({}, False), ([], False), ("", True), (0, True), ([{}], True)],
+)
+def test_null_false_and_empty_collections_are_not_set(value, noted):
+    from extproc.scheduling.llmd.ignored import is_set
+
+    assert is_set(value) is noted
+
+
+@pytest.mark.parametrize(
+    ("type_name", "param", "value", "noted"),
+    [
+        # scheduling types (IGNORED_PARAMS)
+        ("session-affinity-scorer", "sessionIdConfig", {}, False),
+        ("session-affinity-scorer", "sessionIdConfig", None, False),
+        ("session-affinity-scorer", "sessionIdConfig", {"headerName": "x-sid"}, True),
+        ("predicted-latency-producer", "useEncoderCacheFeatures", False, False),
+        ("predicted-latency-producer", "useEncoderCacheFeatures", True, True),
+        ("random-picker", "maxNumOfEndpoints", 0, True),
+        # mapped plumbing types (MappedType.ignored)
+        ("core-metrics-extractor", "engineConfigs", [], False),
+        ("core-metrics-extractor", "engineConfigs", [{"name": "vllm"}], True),
+        ("inflight-load-producer", "syncCrossReplicaState", False, False),
+        ("inflight-load-producer", "syncCrossReplicaState", True, True),
+        ("k8s-notification-source", "group", "", True),
+        ("k8s-notification-source", "group", None, False),
+    ],
+)
+def test_scheduling_and_mapped_types_note_by_the_same_rule(type_name, param, value, noted):
+    """Both paths that say "parameter X ignored" (IGNORED_PARAMS for scheduling and
+    flow-control types, MappedType.ignored for plumbing) decide "set" by `is_set`."""
+    d = doc()
+    d["plugins"].append({"type": type_name, "parameters": {param: value}})
+    t = translate(d, PluginRegistry.default())
+    assert t.problems == []
+    (r,) = [r for r in t.realised if r.type == type_name]
+    said = any(n.startswith(f"parameter {param} ignored: ") for n in r.notes)
+    assert said is noted
+
+
 def test_llm_d_deprecated_disagg_parameters_are_translated():
     d = doc()
     d["plugins"] += [
@@ -492,7 +547,44 @@ def test_check_config_notes_parameters_accepted_without_effect(tmp_path, capsys)
             assert any(n.startswith(w) for n in blocks[label]), (label, w, blocks.get(label))
     assert "note: flowControl.noEndpointRequestTTL ignored: not implemented" in out
     assert "note: dataLayer.injectDefaults: false ignored: extproc scrapes" in out
-    assert "note: dataLayer.crossReplicaSyncInterval ignored: shared in-flight counts" in out
+    assert "note: dataLayer.crossReplicaSyncInterval: state.shared_inflight.interval_s = 1 s" in out
+
+
+def test_cross_replica_sync_interval_becomes_the_in_flight_exchange_interval():
+    """llm-d's dataLayer.crossReplicaSyncInterval (a Go duration) sets
+    state.shared_inflight.interval_s unless our own section sets it or turns sharing off."""
+    d = doc()
+    d["dataLayer"] = {"crossReplicaSyncInterval": "250ms"}
+    ex = examine(d)
+    assert ex.problems == [] and ex.settings is not None
+    assert ex.settings.state.shared_inflight is not None
+    assert ex.settings.state.shared_inflight.interval_s == 0.25
+    assert ex.settings.state.shared_inflight.effective_ttl_s == 3 * 0.25 + 0.5
+    assert any(
+        n.startswith(
+            "dataLayer.crossReplicaSyncInterval: state.shared_inflight.interval_s = 0.25 s"
+        )
+        for n in ex.notes
+    )
+
+    ours = examine({"state": {"shared_inflight": {"interval_s": 0.1}}, "scheduling": d})
+    assert ours.settings is not None and ours.settings.state.shared_inflight is not None
+    assert ours.settings.state.shared_inflight.interval_s == 0.1
+    assert (
+        "dataLayer.crossReplicaSyncInterval ignored: state.shared_inflight.interval_s is set "
+        "(0.1 s)" in ours.notes
+    )
+
+    off = examine({"state": {"shared_inflight": None}, "scheduling": d})
+    assert off.settings is not None and off.settings.state.shared_inflight is None
+    assert any("state.shared_inflight is null" in n for n in off.notes)
+
+    d["dataLayer"] = {"crossReplicaSyncInterval": "250"}
+    assert problems(d) == [
+        "scheduling.dataLayer.crossReplicaSyncInterval: not a duration: '250' (e.g. '50ms', '1s')"
+    ]
+    d["dataLayer"] = {"crossReplicaSyncInterval": "0s"}
+    assert problems(d) == ["scheduling.dataLayer.crossReplicaSyncInterval: must be positive"]
 
 
 def test_docs_compatibility_table_lists_every_llm_d_type():

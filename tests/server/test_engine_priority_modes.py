@@ -56,7 +56,10 @@ class Admission:
     def placed(self, ticket: Ticket, address: str = "") -> None:
         pass
 
-    def release(self, ticket: Ticket, *, output_held: bool = False) -> None:
+    def release(self, ticket: Ticket, *, output_held: bool = False, cuttable: bool = False) -> None:
+        pass
+
+    def stream_ended(self, ticket: Ticket) -> None:
         pass
 
     def ended(self, ticket: Ticket) -> None:

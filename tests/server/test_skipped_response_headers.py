@@ -110,8 +110,11 @@ async def test_flow_control_without_response_headers_is_logged_and_counted(app: 
         def __init__(self) -> None:
             self.released: list[object] = []
 
-        def release(self, ticket, *, output_held: bool = False) -> None:
+        def release(self, ticket, *, output_held: bool = False, cuttable: bool = False) -> None:
             self.released.append(ticket)
+
+        def stream_ended(self, ticket) -> None:
+            pass
 
         def ended(self, ticket) -> None:
             pass

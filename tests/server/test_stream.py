@@ -14,6 +14,7 @@ from extproc.endpoints import parse_endpoints
 from extproc.server.app import App
 from extproc.testing import (
     BUFFERED,
+    FULL_DUPLEX,
     NONE,
     ExtProcClient,
     body_chunks,
@@ -24,6 +25,7 @@ from extproc.testing import (
     request_headers,
     request_trailers,
     response_headers,
+    response_trailers,
 )
 from tests.conftest import ENDPOINTS, with_server
 
@@ -233,7 +235,7 @@ async def test_no_endpoints_gets_503(settings):
 async def test_inflight_counts_from_decision_until_stream_end(app: App, client: ExtProcClient):
     inflight = app.router.inflight
     call = client.open()
-    await call.write(request_headers(post("/v1/chat/completions")))
+    await call.write(request_headers(post("/v1/chat/completions"), response_mode=FULL_DUPLEX))
     await call.write(request_body(CHAT, end_of_stream=True))
     first = await call.read()
     dest = destination(first)
@@ -245,6 +247,28 @@ async def test_inflight_counts_from_decision_until_stream_end(app: App, client: 
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF
     assert inflight.total() == 0
+
+
+async def test_without_response_bodies_the_response_headers_end_the_accounting(
+    app: App, client: ExtProcClient
+):
+    """The generated config sends no response bodies: its stream used to end at the
+    response headers, and so does the request's accounting when the stream now lasts to the
+    response's end (`--response-trailers send`, kept open for eviction)."""
+    inflight = app.router.inflight
+    call = client.open()
+    await call.write(request_headers(post("/v1/chat/completions")))  # response body NONE
+    await call.write(request_body(CHAT, end_of_stream=True))
+    dest = destination(await call.read())
+    await call.read()  # the echoed body
+    await call.write(response_headers())
+    assert (await call.read()).HasField("response_headers")
+    assert inflight.requests(dest) == 0  # released here, not at the stream's end
+    await call.write(response_trailers())
+    assert (await call.read()).HasField("response_trailers")
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    assert inflight.total() == 0  # released once
 
 
 async def test_concurrent_requests_spread_over_endpoints(app: App):

@@ -129,7 +129,8 @@ async def test_served_endpoint_takes_over_inflight(app: App, client: ExtProcClie
 
 async def test_served_endpoint_equal_to_the_pick_changes_nothing(app: App, client: ExtProcClient):
     call = client.open()
-    await call.write(request_headers(post("/v1/chat/completions")))
+    # Response bodies streamed: the count lasts past the response headers, to the stream's end.
+    await call.write(request_headers(post("/v1/chat/completions"), response_mode=FULL_DUPLEX))
     await call.write(request_body(CHAT, end_of_stream=True))
     picked = destination(await call.read())
     await call.read()

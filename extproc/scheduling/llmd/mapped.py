@@ -9,8 +9,8 @@ Settings tree (this package does not import the settings modules).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -43,6 +43,8 @@ class Plumbing:
     scrape_tls_verify: bool | None = None
     scrape_tls_ca_file: str | None = None
     dcgm_tls_verify: bool | None = None
+    # dataLayer.crossReplicaSyncInterval: how often replicas exchange in-flight counts.
+    shared_inflight_interval_s: float | None = None
 
     def merge(self, other: Plumbing) -> Plumbing:
         """`other`'s set fields over ours; precise beats approximate (a precise producer and
@@ -70,26 +72,17 @@ Effect = Callable[[Any], tuple[Plumbing, list[str]]]
 
 @dataclass(frozen=True, slots=True)
 class MappedType:
-    """`how`: the machinery it turns on, for check-config. `scheduling_type`: when the llm-d
-    type is also a scheduling plugin (precise-prefix-cache-scorer), the extproc type that
-    stands in for it in profiles."""
+    """`how`: the machinery it turns on, for check-config. `ignored`: parameter (as llm-d
+    spells it, a field of `params`) -> why it has no effect in extproc; noted when set
+    (`llmd.ignored`). `effect`: the settings the decoded params imply, and notes the
+    `ignored` table cannot say. `scheduling_type`: when the llm-d type is also a scheduling
+    plugin (precise-prefix-cache-scorer), the extproc type that stands in for it in profiles."""
 
     how: str
     params: type[msgspec.Struct] = NoParams
     effect: Effect | None = None
     scheduling_type: str | None = None
-
-
-def _ignored(params: msgspec.Struct, reasons: dict[str, str]) -> list[str]:
-    """'parameter X ignored: why' for each of `reasons` the config actually set (to anything
-    but null, false or an empty list or mapping; an empty string is set: the core API
-    group is spelt "")."""
-    notes = []
-    for field in msgspec.structs.fields(params):
-        value = getattr(params, field.name)
-        if field.encode_name in reasons and value is not None and value not in (False, {}, []):
-            notes.append(f"parameter {field.encode_name} ignored: {reasons[field.encode_name]}")
-    return notes
+    ignored: Mapping[str, str] = field(default_factory=dict)
 
 
 # -- request parsers --------------------------------------------------------------------
@@ -134,14 +127,6 @@ def parse_duration_s(text: str) -> float:
 
 def _metrics_source(p: MetricsSourceParams) -> tuple[Plumbing, list[str]]:
     interval = parse_duration_s(p.interval) if p.interval else None
-    notes = _ignored(
-        p,
-        {
-            "port": "metrics are scraped on each endpoint's serving port",
-            "clientCertPath": "scrapes present no client certificate",
-            "clientKeyPath": "scrapes present no client certificate",
-        },
-    )
     return (
         Plumbing(
             scrape_scheme=p.scheme,
@@ -150,8 +135,15 @@ def _metrics_source(p: MetricsSourceParams) -> tuple[Plumbing, list[str]]:
             scrape_tls_verify=_verify(p.insecureSkipVerify),
             scrape_tls_ca_file=p.caCertPath,
         ),
-        notes,
+        [],
     )
+
+
+_METRICS_SOURCE_IGNORED = {
+    "port": "metrics are scraped on each endpoint's serving port",
+    "clientCertPath": "scrapes present no client certificate",
+    "clientKeyPath": "scrapes present no client certificate",
+}
 
 
 def _verify(insecure_skip_verify: bool | None) -> bool | None:
@@ -164,10 +156,7 @@ class MetricsExtractorParams(_P, frozen=True):
     customMetrics: list[dict[str, Any]] | None = None
 
 
-def _metrics_extractor(p: MetricsExtractorParams) -> tuple[Plumbing, list[str]]:
-    why = "extproc reads vLLM's metric names (queue, running, KV usage, LoRA, cache config)"
-    notes = _ignored(p, {"engineLabelKey": why, "engineConfigs": why, "customMetrics": why})
-    return Plumbing(), notes
+_VLLM_NAMES = "extproc reads vLLM's metric names (queue, running, KV usage, LoRA, cache config)"
 
 
 # -- discovery --------------------------------------------------------------------------
@@ -179,13 +168,10 @@ class K8sSourceParams(_P, frozen=True):
     kind: str | None = None
 
 
-def _k8s_source(p: K8sSourceParams) -> tuple[Plumbing, list[str]]:
-    # llm-d watches any resource kind named here; extproc's discovery watches one thing.
-    why = (
-        "extproc's discovery watches the InferencePool's endpoints (--inference-pool), "
-        "no other kind"
-    )
-    return Plumbing(), _ignored(p, {"group": why, "version": why, "kind": why})
+# llm-d watches any resource kind named here; extproc's discovery watches one thing.
+_ONE_KIND = (
+    "extproc's discovery watches the InferencePool's endpoints (--inference-pool), no other kind"
+)
 
 
 class FileDiscoveryParams(_P, frozen=True):
@@ -213,9 +199,8 @@ class ApproxProducerParams(_P, frozen=True):
 
 
 def approx(p: ApproxProducerParams) -> tuple[Plumbing, list[str]]:
-    """Approximate-index settings from llm-d's approximate producer parameters, and notes
-    (also for the older prefix-cache-scorer, which took them itself)."""
-    why = "the block size comes from blockSizeTokens (extproc does not read it from the engine)"
+    """Approximate-index settings from llm-d's approximate producer parameters (also for the
+    older prefix-cache-scorer, which took them itself; APPROX_IGNORED serves both)."""
     plumbing = Plumbing(
         index_mode="approximate",
         block_tokens=p.blockSizeTokens or p.blockSize,
@@ -224,7 +209,13 @@ def approx(p: ApproxProducerParams) -> tuple[Plumbing, list[str]]:
         max_prefix_tokens=p.maxPrefixTokensToMatch,
         capacity_blocks=p.lruCapacityPerServer,
     )
-    return plumbing, _ignored(p, {"autoTune": why})
+    return plumbing, []
+
+
+APPROX_IGNORED = {
+    "autoTune": "the block size comes from blockSizeTokens (extproc does not read it from "
+    "the engine)"
+}
 
 
 class BurstProducerParams(_P, frozen=True):
@@ -238,23 +229,15 @@ class BurstProducerParams(_P, frozen=True):
 
 
 def _burst(p: BurstProducerParams) -> tuple[Plumbing, list[str]]:
-    why = "burst batching is not implemented: each request is scored on its own"
-    notes = _ignored(
-        p,
-        {
-            "windowDurationMs": why,
-            "maxPerReplica": why,
-            "minColocateBlocks": why,
-            "maxBatchSize": why,
-            "balanceBy": why,
-        },
-    )
     plumbing = Plumbing(
         index_mode="approximate",
         block_tokens=p.blockSizeTokens,
         max_prefix_tokens=p.maxPrefixTokensToMatch,
     )
-    return plumbing, notes
+    return plumbing, []
+
+
+_NO_BURST = "burst batching is not implemented: each request is scored on its own"
 
 
 class TokenProcessorParams(_P, frozen=True):
@@ -281,11 +264,6 @@ def _precise(p: PreciseProducerParams) -> tuple[Plumbing, list[str]]:
             "parameter hashSeed ignored: extproc recomputes block keys from the token ids in "
             "each KV event, so the engine's hash seed does not matter"
         )
-    if p.indexerConfig:
-        notes.append(
-            "parameter indexerConfig ignored: the index is configured in extproc's `index` "
-            "settings (memory or Redis)"
-        )
     if p.speculativeIndexing or p.speculativeTTL is not None:
         # speculativeTTL only tunes speculative indexing: said the same way, never silently.
         notes.append(
@@ -305,6 +283,11 @@ def _precise(p: PreciseProducerParams) -> tuple[Plumbing, list[str]]:
     return plumbing, notes
 
 
+_PRECISE_IGNORED = {
+    "indexerConfig": "the index is configured in extproc's `index` settings (memory or Redis)"
+}
+
+
 class TokenProducerParams(_P, frozen=True):
     modelName: str | None = None
     vllm: dict[str, Any] | None = None
@@ -313,16 +296,15 @@ class TokenProducerParams(_P, frozen=True):
 
 
 def _tokenizer(p: TokenProducerParams) -> tuple[Plumbing, list[str]]:
-    why = "extproc tokenizes in-process with a local tokenizer.json, never calls a service"
-    notes = _ignored(
-        p,
-        {
-            "vllm": why,
-            "udsTokenizerConfig": why,
-            "estimate": "extproc's own token estimates (parse settings) are used",
-        },
-    )
-    return Plumbing(precise_model=p.modelName), notes
+    return Plumbing(precise_model=p.modelName), []
+
+
+_IN_PROCESS = "extproc tokenizes in-process with a local tokenizer.json, never calls a service"
+_TOKENIZER_IGNORED = {
+    "vllm": _IN_PROCESS,
+    "udsTokenizerConfig": _IN_PROCESS,
+    "estimate": "extproc's own token estimates (parse settings) are used",
+}
 
 
 class InflightProducerParams(_P, frozen=True):
@@ -333,21 +315,9 @@ class InflightProducerParams(_P, frozen=True):
     syncCrossReplicaState: bool | None = None
 
 
-def _inflight(p: InflightProducerParams) -> tuple[Plumbing, list[str]]:
-    why = "in-flight tokens count the uncached prompt tokens placed, not estimated output"
-    notes = _ignored(
-        p,
-        {
-            "addEstimatedOutputTokens": why,
-            "outputRatio": why,
-            "maxEstimatedOutputTokens": why,
-            "syncCrossReplicaState": "in-flight counts are shared through Redis when the "
-            "index is in Redis (state.shared_inflight)",
-            "prefixMatchInfoProducerName": "the uncached prompt tokens come from the one "
-            "shared prefix index, not a named producer",
-        },
-    )
-    return Plumbing(), notes
+_NO_OUTPUT_ESTIMATE = (
+    "in-flight tokens count the uncached prompt tokens placed, not estimated output"
+)
 
 
 class MMProducerParams(_P, frozen=True):
@@ -355,9 +325,7 @@ class MMProducerParams(_P, frozen=True):
     cacheSizeInMB: int | None = None
 
 
-def _mm_producer(p: MMProducerParams) -> tuple[Plumbing, list[str]]:
-    why = "the encoder-cache LRU counts media items (mm-embeddings-cache-scorer `capacity`)"
-    return Plumbing(), _ignored(p, {"cacheSizeInMBPerServer": why, "cacheSizeInMB": why})
+_MEDIA_ITEMS = "the encoder-cache LRU counts media items (mm-embeddings-cache-scorer `capacity`)"
 
 
 class TopologyExtractorParams(_P, frozen=True):
@@ -382,12 +350,6 @@ class DCGMSourceParams(_P, frozen=True):
 
 
 def _dcgm(p: DCGMSourceParams) -> tuple[Plumbing, list[str]]:
-    notes = _ignored(
-        p,
-        {
-            "useNodeAddress": "the exporter is polled at each endpoint's own host address",
-        },
-    )
     interval = parse_duration_s(p.interval) if p.interval else None
     plumbing = Plumbing(
         dcgm=True,
@@ -397,7 +359,7 @@ def _dcgm(p: DCGMSourceParams) -> tuple[Plumbing, list[str]]:
         dcgm_interval_s=interval,
         dcgm_tls_verify=_verify(p.insecureSkipVerify),
     )
-    return plumbing, notes
+    return plumbing, []
 
 
 class SessionIDParams(_P, frozen=True):
@@ -405,14 +367,12 @@ class SessionIDParams(_P, frozen=True):
     cookieName: str | None = None
 
 
-def _session_id(p: SessionIDParams) -> tuple[Plumbing, list[str]]:
-    # llm-d's producer feeds the session-affinity plugins' session_id strategy, which
-    # extproc refuses; its encoded_endpoint_header strategy reads its own token header.
-    why = (
-        "nothing reads the session ID: session affinity uses the encoded endpoint token "
-        "(encodedEndpointHeaderConfig.header), not llm-d's session_id strategy"
-    )
-    return Plumbing(), _ignored(p, {"headerName": why, "cookieName": why})
+# llm-d's producer feeds the session-affinity plugins' session_id strategy, which extproc
+# refuses; its encoded_endpoint_header strategy reads its own token header.
+_NO_SESSION_ID = (
+    "nothing reads the session ID: session affinity uses the encoded endpoint token "
+    "(encodedEndpointHeaderConfig.header), not llm-d's session_id strategy"
+)
 
 
 MAPPED: dict[str, MappedType] = {
@@ -423,16 +383,23 @@ MAPPED: dict[str, MappedType] = {
     "vertexai-parser": MappedType(_PARSER, effect=_other_api),
     "sglanghttp-parser": MappedType(_PARSER, effect=_other_api),
     "metrics-data-source": MappedType(
-        "the endpoint metrics scraper (state.scrape)", MetricsSourceParams, _metrics_source
+        "the endpoint metrics scraper (state.scrape)",
+        MetricsSourceParams,
+        _metrics_source,
+        ignored=_METRICS_SOURCE_IGNORED,
     ),
     "core-metrics-extractor": MappedType(
-        "the scraper's metric parsing (vLLM names)", MetricsExtractorParams, _metrics_extractor
+        "the scraper's metric parsing (vLLM names)",
+        MetricsExtractorParams,
+        ignored=dict.fromkeys(("engineLabelKey", "engineConfigs", "customMetrics"), _VLLM_NAMES),
     ),
     "endpoint-notification-source": MappedType(
         "endpoint discovery (--inference-pool watch, --endpoints, --endpoints-file)"
     ),
     "k8s-notification-source": MappedType(
-        "endpoint discovery (--inference-pool watch)", K8sSourceParams, _k8s_source
+        "endpoint discovery (--inference-pool watch)",
+        K8sSourceParams,
+        ignored=dict.fromkeys(("group", "version", "kind"), _ONE_KIND),
     ),
     "file-discovery": MappedType(
         "endpoint discovery from a file (discovery.endpoints_file)",
@@ -449,16 +416,22 @@ MAPPED: dict[str, MappedType] = {
         "the KV-block index in approximate mode (decisions recorded)",
         ApproxProducerParams,
         approx,
+        ignored=APPROX_IGNORED,
     ),
     "burst-prefix-cache-producer": MappedType(
         "the KV-block index in approximate mode (decisions recorded)",
         BurstProducerParams,
         _burst,
+        ignored=dict.fromkeys(
+            ("windowDurationMs", "maxPerReplica", "minColocateBlocks", "maxBatchSize", "balanceBy"),
+            _NO_BURST,
+        ),
     ),
     "precise-prefix-cache-producer": MappedType(
         "the KV-block index in precise mode (vLLM KV events + local tokenizer)",
         PreciseProducerParams,
         _precise,
+        ignored=_PRECISE_IGNORED,
     ),
     "precise-prefix-cache-scorer": MappedType(
         "prefix-cache-scorer over the KV-block index in precise mode (vLLM KV events + "
@@ -466,31 +439,43 @@ MAPPED: dict[str, MappedType] = {
         PreciseProducerParams,
         _precise,
         scheduling_type="prefix-cache-scorer",
+        ignored=_PRECISE_IGNORED,
     ),
     "token-producer": MappedType(
         "the precise tokenizer, found by model name in a local directory or cache",
         TokenProducerParams,
         _tokenizer,
+        ignored=_TOKENIZER_IGNORED,
     ),
     "tokenizer": MappedType(
         "the precise tokenizer, found by model name in a local directory or cache",
         TokenProducerParams,
         _tokenizer,
+        ignored=_TOKENIZER_IGNORED,
     ),
     "inflight-load-producer": MappedType(
         "the picker's own in-flight counts (requests and uncached prompt tokens placed)",
         InflightProducerParams,
-        _inflight,
+        ignored={
+            **dict.fromkeys(
+                ("addEstimatedOutputTokens", "outputRatio", "maxEstimatedOutputTokens"),
+                _NO_OUTPUT_ESTIMATE,
+            ),
+            "syncCrossReplicaState": "in-flight counts are shared through Redis when the "
+            "index is in Redis (state.shared_inflight)",
+            "prefixMatchInfoProducerName": "the uncached prompt tokens come from the one "
+            "shared prefix index, not a named producer",
+        },
     ),
     "session-id-producer": MappedType(
         "no effect: session-affinity plugins read their token header themselves",
         SessionIDParams,
-        _session_id,
+        ignored=dict.fromkeys(("headerName", "cookieName"), _NO_SESSION_ID),
     ),
     "mm-embeddings-cache-producer": MappedType(
         "the mm-embeddings-cache-scorer's LRU of media sent to each endpoint",
         MMProducerParams,
-        _mm_producer,
+        ignored=dict.fromkeys(("cacheSizeInMBPerServer", "cacheSizeInMB"), _MEDIA_ITEMS),
     ),
     "topology-extractor": MappedType(
         "topology read from endpoint labels (hostname, rack, zone, region)",
@@ -501,6 +486,7 @@ MAPPED: dict[str, MappedType] = {
         "the DCGM exporter poller (state.dcgm): each endpoint's host at `port`",
         DCGMSourceParams,
         _dcgm,
+        ignored={"useNodeAddress": "the exporter is polled at each endpoint's own host address"},
     ),
     "dcgm-extractor": MappedType(
         "the GPUUtilization attribute: the endpoint pod's highest DCGM_FI_DEV_GPU_UTIL / 100",

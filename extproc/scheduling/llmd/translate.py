@@ -12,7 +12,7 @@ and the problems. Nothing is built when there are problems.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,7 +21,15 @@ import msgspec
 from extproc.errors import ConfigError
 from extproc.scheduling.config import EndpointPickerConfig, PluginRef, PluginSpec, ProfileSpec
 from extproc.scheduling.llmd import shape
-from extproc.scheduling.llmd.mapped import MAPPED, ApproxProducerParams, Plumbing, approx
+from extproc.scheduling.llmd.ignored import ignored_notes
+from extproc.scheduling.llmd.mapped import (
+    APPROX_IGNORED,
+    MAPPED,
+    ApproxProducerParams,
+    Plumbing,
+    approx,
+    parse_duration_s,
+)
 from extproc.scheduling.llmd.table import (
     IGNORED_PARAMS,
     KNOWN_FEATURE_GATES,
@@ -114,9 +122,6 @@ class Translation:
     realised: list[Realised] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    # The decoded sections by top-level key (shape.* Structs), for whoever implements what
-    # they configure (flow control, issue 15, reads `flowControl` / `saturationDetector`).
-    sections: dict[str, object] = field(default_factory=dict)
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -183,14 +188,9 @@ def _disagg_params(name: str, params: dict[str, Any], notes: list[str]) -> tuple
     return out, implicit
 
 
-def _ignored_notes(type_name: str, params: Mapping[str, Any]) -> list[str]:
-    """'parameter X ignored: why' for each IGNORED_PARAMS parameter the config sets (null and
-    false turn nothing on, in llm-d either: not noted)."""
-    return [
-        f"parameter {p} ignored: {IGNORED_PARAMS[(type_name, p)]}"
-        for p, value in params.items()
-        if (type_name, p) in IGNORED_PARAMS and value is not None and value is not False
-    ]
+def _ignored_reasons(type_name: str) -> dict[str, str]:
+    """IGNORED_PARAMS' rows for one type: parameter -> why."""
+    return {p: why for (t, p), why in IGNORED_PARAMS.items() if t == type_name}
 
 
 def translate(doc: Any, registry: PluginRegistry, *, foreign: Collection[str] = ()) -> Translation:
@@ -291,6 +291,7 @@ def _plugins(
                     plumbing, extra = approx(decoded)
                     t.plumbing = t.plumbing.merge(plumbing)
                     notes.extend(extra)
+                    notes.extend(ignored_notes(APPROX_IGNORED, legacy))
                     how = "implemented; its producer parameters configure the approximate index"
             pending = [
                 (pname, value, issue)
@@ -304,7 +305,7 @@ def _plugins(
                         f"{pname}: {value} is pending: built in issue {issue}",
                     )
                 )
-            notes.extend(_ignored_notes(spec.type, params))
+            notes.extend(ignored_notes(_ignored_reasons(spec.type), params))
             try:
                 if not pending:
                     registry.build(spec.type, params, where)
@@ -322,12 +323,14 @@ def _plugins(
             kind, how = "implemented", "implemented by flow control (docs/flow-control.md)"
             # Flow control decodes the parameters itself (strictly); the ones it accepts
             # without acting on are said here, with the scheduling plugins' ones.
-            notes.extend(_ignored_notes(spec.type, params))
+            notes.extend(ignored_notes(_ignored_reasons(spec.type), params))
             out.append((name, PluginSpec(type=spec.type, name=name, parameters=params or None)))
         elif spec.type in MAPPED:
             mapped = MAPPED[spec.type]
             kind, how = "mapped", f"mapped to {mapped.how}"
             decoded = _decode(params, mapped.params, (*where, "parameters"), problems)
+            if decoded is not None:
+                notes.extend(ignored_notes(mapped.ignored, params))
             if decoded is not None and mapped.effect is not None:
                 try:
                     plumbing, extra = mapped.effect(decoded)
@@ -460,7 +463,6 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
                 t.notes.append(f"feature gate {gate}: nothing to turn on (always on in extproc)")
     if "dataLayer" in doc:
         dl = _decode(doc["dataLayer"], shape.DataLayerConfig, ("dataLayer",), problems)
-        t.sections["dataLayer"] = dl
         if dl is not None:
             refs: list[tuple[Path, str]] = []
             for i, src in enumerate(dl.sources):
@@ -484,10 +486,21 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
                     "metrics unless state.scrape is null"
                 )
             if dl.crossReplicaSyncInterval is not None:
-                t.notes.append(
-                    "dataLayer.crossReplicaSyncInterval ignored: shared in-flight counts are "
-                    "exchanged every state.shared_inflight.interval_s, placements pushed at once"
-                )
+                # llm-d's period for syncing in-flight state across replicas is our in-flight
+                # exchange's; extproc.config applies it unless state.shared_inflight says.
+                try:
+                    interval_s = parse_duration_s(dl.crossReplicaSyncInterval)
+                except ValueError as exc:
+                    problems.append(Problem(("dataLayer", "crossReplicaSyncInterval"), str(exc)))
+                else:
+                    if interval_s <= 0:
+                        problems.append(
+                            Problem(("dataLayer", "crossReplicaSyncInterval"), "must be positive")
+                        )
+                    else:
+                        t.plumbing = t.plumbing.merge(
+                            Plumbing(shared_inflight_interval_s=interval_s)
+                        )
     parser_refs: list[tuple[Path, str]] = []
     if "requestHandler" in doc:
         rh = _decode(
@@ -505,7 +518,6 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
     _check_refs(parser_refs, names, problems)
     if "flowControl" in doc:
         fc = _decode(doc["flowControl"], shape.FlowControlConfig, ("flowControl",), problems)
-        t.sections["flowControl"] = fc
         if fc is not None:
             _check_refs(
                 [(("flowControl", *p), r) for p, r in shape.flow_control_refs(fc)], names, problems
@@ -523,7 +535,6 @@ def _sections(doc: dict, specs: list[tuple[str, PluginSpec | None]], t: Translat
             ("saturationDetector",),
             problems,
         )
-        t.sections["saturationDetector"] = sd
         if sd is not None and sd.pluginRef:
             _check_refs([(("saturationDetector", "pluginRef"), sd.pluginRef)], names, problems)
     for section, issue in PENDING_SECTIONS.items():

@@ -1,0 +1,148 @@
+"""Eviction of a response already under way, behind a real Envoy: `extproc serve` with
+`enableEviction` and a concurrency detector of two slots, one simulated vLLM server that
+sends a streamed reply's headers at once and then decodes slowly.
+
+With `extproc envoy-config --response-trailers send` the ext_proc stream lasts to the
+response's end, so a critical request that finds both slots taken by sheddable requests
+cuts the newest one mid-response: Envoy resets it (the client's SSE ends truncated), the
+engine aborts it and frees its slot, the critical request is served, the older sheddable
+request streams on. With the default config (`skip`) the stream ends at the response
+headers, before the engine schedules the request: the request cannot be cut any more, and
+the picker says so (`extproc_flow_eviction_uncuttable_total`, a warning)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from extproc.bootstrap import BootstrapOptions, build_bootstrap
+from extproc.stack import Stack, StackOptions, wait_until
+from tests.e2e.chat_bodies import distinct_chat
+from tests.e2e.sim_speed import finish_fast
+from tests.e2e.test_flow_control import metric
+from tests.e2e.test_flow_eviction import CONFIG, OBJECTIVES
+
+SIM = ("--decode-tps", "20")  # 200 tokens: ~10 s of decoding, far beyond the cut
+OUTPUT = 200
+UNCUTTABLE = "extproc_flow_eviction_uncuttable_total"
+
+
+def picker_config(tmp: Path) -> tuple[str, ...]:
+    (tmp / "objectives.yaml").write_text(OBJECTIVES)
+    flow = {**CONFIG["flow_control"], "objectives_file": str(tmp / "objectives.yaml")}
+    (tmp / "picker.yaml").write_text(yaml.safe_dump({**CONFIG, "flow_control": flow}))
+    return ("--config", str(tmp / "picker.yaml"))
+
+
+def with_trailers(opts: BootstrapOptions) -> dict:
+    return build_bootstrap(replace(opts, response_trailers="send"))
+
+
+@pytest.fixture(scope="module")
+def cut_stack(tmp_path_factory) -> Iterator[Stack]:
+    args = picker_config(tmp_path_factory.mktemp("cut"))
+    opts = StackOptions(upstreams=1, sim_args=SIM, extproc_args=args, bootstrap=with_trailers)
+    with Stack(opts) as s:
+        yield s
+
+
+def sim_figure(stack: Stack, name: str) -> float:
+    text = httpx.get(f"{stack.fleet.servers[0].url}/metrics", timeout=5).text
+    return sum(float(v) for v in re.findall(rf"^vllm:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def aborted(stack: Stack) -> float:
+    text = httpx.get(f"{stack.fleet.servers[0].url}/metrics", timeout=5).text
+    m = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$',
+                  text, re.M)  # fmt: skip
+    return float(m.group(1)) if m else 0.0
+
+
+async def sheddable(
+    c: httpx.AsyncClient, model: str, seed: int, decoding: asyncio.Future, output: int = OUTPUT
+) -> str:
+    """Streams one sheddable reply; `decoding` is set once tokens arrive. How it ended."""
+    body = distinct_chat(model, seed, output)
+    tokens = 0
+    headers = {"x-llm-d-inference-objective": "sheddable"}
+    try:
+        async with c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    tokens += 1
+                    if tokens == 2 and not decoding.done():
+                        decoding.set_result(None)
+                    if line == "data: [DONE]":
+                        return "complete"
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        return "truncated"
+    return "ended without [DONE]"
+
+
+async def warm_up(c: httpx.AsyncClient, model: str) -> None:
+    """One request first: its access-log entry opens the log stream, from when in-flight
+    counts last to each request's end (the detector sees the sheddable ones running)."""
+    r = await c.post("/v1/chat/completions", json=distinct_chat(model, 99, 1, stream=False))
+    assert r.status_code == 200
+    await asyncio.sleep(0.2)
+
+
+async def test_a_critical_request_cuts_a_sheddable_response_under_way(cut_stack: Stack):
+    await cuts_the_newest_sheddable_response(cut_stack)
+
+
+async def cuts_the_newest_sheddable_response(stack: Stack) -> None:
+    """The scenario (also under the gateways' settings, tests/gateways)."""
+    model = stack.fleet.model
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
+        await warm_up(c, model)
+        aborts = aborted(stack)
+        d1, d2 = loop.create_future(), loop.create_future()
+        first = asyncio.create_task(sheddable(c, model, 1, d1))
+        await asyncio.wait_for(d1, 10)
+        second = asyncio.create_task(sheddable(c, model, 2, d2))
+        await asyncio.wait_for(d2, 10)
+        assert sim_figure(stack, "num_requests_running") == 2  # both decoding
+        crit = distinct_chat(model, 3, 5, stream=False)
+        critical = asyncio.create_task(
+            c.post("/v1/chat/completions", json=crit,
+                   headers={"x-llm-d-inference-objective": "critical"})
+        )  # fmt: skip
+        # The critical request is served at once, not after a sheddable one ends.
+        assert (await asyncio.wait_for(critical, 8)).status_code == 200
+        # The newest sheddable response was cut mid-stream: the client sees it truncated.
+        assert await asyncio.wait_for(second, 5) == "truncated"
+        # The engine aborted the cut request and freed its slot; the older one runs on.
+        await asyncio.to_thread(
+            wait_until, lambda: aborted(stack) == aborts + 1, timeout_s=5, what="abort"
+        )
+        assert not first.done()
+        assert sim_figure(stack, "num_requests_running") == 1
+        finish_fast(stack.fleet)
+        assert await first == "complete"
+    assert metric(stack, "extproc_flow_requests_total", outcome="evicted_inflight") == 1
+    assert metric(stack, UNCUTTABLE) == 0
+
+
+async def test_the_default_config_cannot_cut_and_says_so(tmp_path: Path):
+    args = picker_config(tmp_path)
+    with Stack(StackOptions(upstreams=1, sim_args=SIM, extproc_args=args)) as stack:
+        model = stack.fleet.model
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
+            await warm_up(c, model)
+            decoding = asyncio.get_running_loop().create_future()
+            # 40 tokens at 20 a second: it runs ~2 s past its stream's end (the headers).
+            assert await sheddable(c, model, 1, decoding, output=40) == "complete"
+        await asyncio.to_thread(
+            wait_until, lambda: metric(stack, UNCUTTABLE) == 1, timeout_s=5, what="uncuttable"
+        )
+        assert "nothing could cut it" in stack.logs("extproc")
