@@ -57,6 +57,11 @@ keeps `weighted-token-fairness-policy`), `-ends<ms>`
 instead of 100 ms), `-out<N>`
 (expected_output_tokens N; the two-replica path had 96 and no prior before the twelfth
 session: `-noprior-out96`), and
+`-ev` (`enableEviction` with `lower-band-eviction-filter` and
+`flow_control.evict_per_endpoint`: a waiting interactive request gets the newest batch
+requests cut on the server where it comes closest to fitting; `-evm<NN>`: with
+`evict_margin` 0.NN; the row's `evicted` counts the batch requests cut, answered 429
+`evicted` or their stream cut), and
 `~base` to run its pickers from `--baseline-src` (old code against new in one run; `~base`
 runs also keep the old `expected_output_tokens` of 96 unless `--base-expected-output` says
 otherwise, and get no prior; the others, one picker or two, count each request's
@@ -221,6 +226,8 @@ def picker_config(
     engine_blocks: bool = False,
     engine_blocks_all: bool = False,
     top_global_strict: bool = False,
+    evict: bool = False,
+    evict_margin: float = 0.0,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -352,6 +359,13 @@ def picker_config(
                     },
                 }
             )
+        if evict:
+            # `-ev`: batch (priority 0) cut per server for a waiting interactive request.
+            plugins.append({"type": "lower-band-eviction-filter"})
+            sched["flowControl"]["enableEviction"] = True
+            doc["flow_control"]["evict_per_endpoint"] = True
+            if evict_margin:  # `-evm<NN>`
+                doc["flow_control"]["evict_margin"] = evict_margin
         if prior and per_endpoint:
             # What interactive is expected to send, so a fresh picker keeps room for it
             # from the burst's first request (`interactive_prior`).
@@ -439,9 +453,12 @@ class Deployment:
         redis_url: str | None = None,
         src: str = "",
         flush_s: float = 0.1,
+        cut: bool = False,
     ) -> None:
         """`src`: run the pickers from that source tree (a baseline checkout) instead;
-        `flush_s`: Envoy's access-log flush interval (the picker hears of ends that late)."""
+        `flush_s`: Envoy's access-log flush interval (the picker hears of ends that late);
+        `cut`: Envoy sends the response trailers, so the ext_proc stream lasts to each
+        response's end and eviction can cut a response under way (`-ev` runs)."""
         path = self.log_dir / f"picker-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         ports = []
@@ -478,6 +495,7 @@ class Deployment:
                 listen_port=listen, listen_address="127.0.0.1",
                 extproc=f"127.0.0.1:{ports[0]}", admin_port=admin, allow_explain=self.trace,
                 access_log_flush_s=flush_s,
+                **({"response_trailers": "send"} if cut else {}),
             )
         )  # fmt: skip
         # Two replicas behind one Envoy: both in the picker cluster, round robin per stream.
@@ -566,6 +584,15 @@ def diagnostics(dep: Deployment, sims_before: list[dict[str, float]]) -> dict:
                 merged[k] = merged.get(k, 0.0) + v
         row[f"{label}_picker_wait_p99_le_s"] = hist_quantile(
             merged, "extproc_flow_queue_wait_seconds", 0.99, sel
+        )
+    # Eviction as the pickers count it (`-ev`): requests cut, and per-endpoint decisions.
+    row["evicted_picker"] = sum(
+        summed(pg, "extproc_flow_requests_total", 'outcome="evicted_inflight"') for pg in pages
+    )
+    for outcome in ("cut", "short"):
+        row[f"evict_decisions_{outcome}"] = sum(
+            summed(pg, "extproc_flow_endpoint_evictions_total", f'outcome="{outcome}"')
+            for pg in pages
         )
     after = sims_now(dep)
     q_sum = sum(summed(a, "vllm:request_queue_time_seconds_sum") for a in after) - sum(
@@ -802,6 +829,12 @@ def parse_pause(text: str) -> tuple[float, float] | None:
     return lo, hi
 
 
+def is_cut(r: Req) -> bool:
+    """A streamed response cut under way (per-server eviction behind the cut path): it
+    ended before its usage chunk (the sim always sends one) with a client-side error."""
+    return r.status == 200 and bool(r.error) and not r.completion_tokens
+
+
 def served(r: Req) -> bool:
     """Answered 200 with a first token and no client-side error."""
     return r.status == 200 and not r.error and r.ttft_s is not None
@@ -965,7 +998,10 @@ def envoy_lines(path: Path | None, ids: set[str]) -> list[str]:
 
 
 def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo_s: float,
-           unloaded_p99: float, window: tuple[float, float]) -> dict:  # fmt: skip
+           unloaded_p99: float, window: tuple[float, float],
+           evicting: bool = False) -> dict:  # fmt: skip
+    """`evicting`: a run that cuts responses under way (`-ev`): a cut stream is counted in
+    `evicted` (and checked against the pickers' own count, `evicted_picker`), not lost."""
     ok = [r for r in reqs if served(r)]
     good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_s]
     tok = sum(r.prompt_tokens + r.completion_tokens for r in ok)
@@ -994,9 +1030,20 @@ def report(name: str, reqs: list[Req], duration: float, capacity_tps: float, slo
             reasons[key] = reasons.get(key, 0) + 1
     row["not_served"] = reasons
     lost = [r for r in reqs if not (r.status == 200 and not r.error) and not (
-        r.status in (429, 503) and r.reason)]  # fmt: skip
+        r.status in (429, 503) and r.reason) and not (evicting and is_cut(r))]  # fmt: skip
     row["lost"] = len(lost)
     row["lost_detail"] = [lost_detail(r) for r in lost]
+    # Goodput by band (`-ev` cuts batch for interactive: what batch gave up).
+    for obj in ("interactive", "batch"):
+        btok = sum(r.prompt_tokens + r.completion_tokens for r in good if r.objective == obj)
+        row[f"{obj}_goodput_vs_capacity"] = round(btok / duration / capacity_tps, 4)
+    cut = [r for r in reqs if r.reason == "evicted" or is_cut(r)]
+    row["evicted"] = len(cut)
+    # Each one's [arrival s, tenant, band, SSE lines read before the cut (~ tokens decoded,
+    # the work lost besides its prefill), seconds it ran]: what batch gave up.
+    row["evicted_detail"] = [
+        [round(r.at, 2), r.tenant, r.objective, r.lines, round(r.total_s, 2)] for r in cut
+    ]
     wsum = sum(TENANTS.values())
     for label, objs in (("", ("batch", "interactive")), ("batch_", ("batch",))):
         tok = {t: 0 for t in TENANTS}
@@ -1201,6 +1248,12 @@ def main() -> int:
             quantile = q_v / 100 if q_v is not None else 0.0
             run_name, fleet_view, after = run_name.partition("-fleet")  # gate's fleetView
             run_name += after
+            # `-evm<NN>` (evict_margin 0.NN, implies `-ev`), `-ev`: per-server eviction.
+            evm_v, run_name = take_number(run, run_name, "evm")
+            run_name, ev, after = run_name.partition("-ev")
+            run_name += after
+            evict = bool(ev) or evm_v is not None
+            evict_margin = evm_v / 100 if evm_v is not None else 0.0
             gate_tokens, gate_head, run_name = take_gate(run, run_name, args.gate_tokens)
             src = args.baseline_src if tilde else ""
             if tilde and not src:
@@ -1267,6 +1320,8 @@ def main() -> int:
                     engine_blocks=bool(blocks_m),
                     engine_blocks_all=blocks_all,
                     top_global_strict=bool(gs),
+                    evict=evict,
+                    evict_margin=evict_margin,
                 )
                 dep.start(
                     cfg,
@@ -1274,6 +1329,7 @@ def main() -> int:
                     redis_url=f"redis://127.0.0.1:{port}/0",
                     src=src,
                     flush_s=flush_s,
+                    cut=evict,
                 )
             else:
                 cfg = picker_config(
@@ -1307,8 +1363,10 @@ def main() -> int:
                     engine_blocks=bool(blocks_m),
                     engine_blocks_all=blocks_all,
                     top_global_strict=bool(gs),
+                    evict=evict,
+                    evict_margin=evict_margin,
                 )
-                dep.start(cfg, src=src, flush_s=flush_s)
+                dep.start(cfg, src=src, flush_s=flush_s, cut=evict)
             sims_before = sims_now(dep)
             # The pickers' pids in the timeline's order (its `reserved_each`), the last
             # process being Envoy.
@@ -1337,7 +1395,14 @@ def main() -> int:
             dep.stop()
             window = (args.warm_s, args.burst_s)
             row = report(
-                f"flow control {run}", reqs, duration, cap_tps, args.slo_s, unloaded_p99, window
+                f"flow control {run}",
+                reqs,
+                duration,
+                cap_tps,
+                args.slo_s,
+                unloaded_p99,
+                window,
+                evict,
             )
             row.update(diag)
             if hi_pause is not None:

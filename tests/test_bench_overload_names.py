@@ -59,3 +59,22 @@ def test_hi_pause_drops_only_interactive_arrivals_in_it():
     kept = [r for r in full if not (r.objective == "interactive" and 10.0 <= r.at < 20.0)]
     assert [key(r) for r in paused] == [key(r) for r in kept]
     assert len(kept) < len(full)  # some interactive arrivals were in the pause
+
+
+def test_ev_runs_cut_batch_per_server():
+    from extproc.flowcontrol.config import FlowControlSettings, build_flow_config
+    from extproc.flowcontrol.eviction import LowerBandEvictionFilter
+
+    with bench_modules("bench_overload") as (bench,):
+        cfg = bench.picker_config(bench.Path("o.yaml"), flow=True, evict=True, evict_margin=0.03)
+        plain = bench.picker_config(bench.Path("o.yaml"), flow=True)
+    sched = cfg["scheduling"]
+    flow = build_flow_config(sched["flowControl"], None, sched["plugins"])
+    assert flow.eviction is not None
+    assert isinstance(flow.eviction.filter, LowerBandEvictionFilter)
+    import msgspec
+
+    settings = msgspec.convert(cfg["flow_control"], FlowControlSettings)
+    assert settings.evict_per_endpoint and settings.evict_margin == 0.03
+    assert "enableEviction" not in plain["scheduling"]["flowControl"]
+    assert "evict_per_endpoint" not in plain["flow_control"]

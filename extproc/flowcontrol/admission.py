@@ -159,6 +159,8 @@ class Admission:
             dispatch_on_end=s.dispatch_on_end,
             engine_blocks=s.count_engine_blocks,
             engine_blocks_lower_bands=s.engine_blocks_lower_bands == "blocks",
+            evict_per_endpoint=s.evict_per_endpoint,
+            evict_margin=s.evict_margin,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         # The unit outputs are counted in: configured, or measured by calibration (the app
@@ -390,6 +392,17 @@ class Admission:
         ed.add_metric([], fc.end_dispatches)
         yield ed
         if fc.evictor is not None:
+            ev = counter(
+                "extproc_flow_endpoint_evictions",
+                "Per-endpoint eviction decisions (evict_per_endpoint) by outcome: cut (lower-band "
+                "requests cut on the endpoint where a waiting higher-band request comes closest "
+                "to fitting, or the next closest where they make its room), short (dispatch "
+                "opportunities where no endpoint's lower-band requests could: none cut).",
+                ["outcome"],
+            )
+            for outcome, n in fc.evict_decisions.items():
+                ev.add_metric([outcome], n)
+            yield ev
             uc = counter(
                 "extproc_flow_eviction_uncuttable",
                 "Evictable requests that ran on more than 1.5 s after their ext_proc stream "

@@ -15,7 +15,8 @@ the top-level `plugins` list (by name, else by type), or a type directly. Accept
 acted on (a warning at start, a check-config note): `noEndpointRequestTTL`.
 `enableEviction` turns on in-flight eviction (flowcontrol/eviction.py) with the eviction
 filter and order listed in `plugins` (llm-d's sheddable filter and priority-then-time order
-by default). Admitters
+by default; extproc's `lower-band-eviction-filter` lets every band below the highest be
+cut). Admitters
 (`probabilistic-admitter`) listed in `plugins` are active, and so is extproc's
 `prefill-gate` (flowcontrol/prefill_gate.py).
 """
@@ -222,7 +223,17 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     priority (`-band`: vLLM's priority scheduling serves lower values first), replacing any
     the client sent (`flowcontrol/engine_priority.py`): `body` (or `true`) writes it into
     the forwarded body as `priority`, `header` sends it as the `x-vllm-priority` header and
-    leaves the body alone."""
+    leaves the body alone.
+    `evict_per_endpoint` (off by default; with `enableEviction` and `admit_per_endpoint`): a
+    request of a band above the lowest that finds no endpoint with room gets room made on
+    the endpoint where it comes closest to fitting: the fewest lower-band requests there
+    the eviction order ranks first (the most recently dispatched) whose tokens make it fit
+    are cut (where all of them would not, on the next closest endpoint), instead of
+    llm-d's pool-wide count (flowcontrol/eviction.py).
+    `evict_margin` (0, the default; with `evict_per_endpoint`): room is made with this much
+    of the endpoint's saturation to spare, and such a request released where it leaves
+    less than that gets the difference cut there (the books run short of what the engine
+    holds near its ceiling)."""
 
     fairness_weights: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
         default_factory=dict
@@ -252,6 +263,8 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     waiting_claims_room: bool = False
     dispatch_on_end: bool = True
     engine_priority: bool | Literal["body", "header"] = False
+    evict_per_endpoint: bool = False
+    evict_margin: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
 
 
 _DUR = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")

@@ -140,6 +140,8 @@ class FlowController:
         dispatch_on_end: bool = False,
         engine_blocks: bool = False,
         engine_blocks_lower_bands: bool = False,
+        evict_per_endpoint: bool = False,
+        evict_margin: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -180,7 +182,13 @@ class FlowController:
         the room checks count those: for the top band's requests, and for every band's the
         room the reserve keeps; a lower band's request itself fits by its tokens, as without
         (it may over-commit a server the reserve is not kept on: the engine queues it), unless
-        `engine_blocks_lower_bands`."""
+        `engine_blocks_lower_bands`. `evict_per_endpoint` (with `eviction` and per-endpoint
+        admission): a band above the lowest whose request finds no endpoint with room gets
+        lower-band requests cut on the endpoint where it comes closest to fitting, just
+        enough to make its room, instead of llm-d's pool-wide sizing; `evict_margin`: room
+        is made for it with this much saturation to spare, and a request of such a band
+        released where it leaves less than that gets the difference made there
+        (`_reclaim_on`)."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -224,6 +232,13 @@ class FlowController:
         self._arrivals: collections.deque[tuple[_Band, _Item]] = collections.deque()
         self.evictor = Evictor(eviction, clock) if eviction is not None else None
         self._endpoints = endpoints
+        self._evict_per_endpoint = evict_per_endpoint and eviction is not None
+        if evict_margin < 0 or evict_margin >= 1:
+            raise ValueError(f"evict_margin {evict_margin} is not in [0, 1)")
+        self._evict_margin = evict_margin
+        # Per-endpoint eviction decisions by outcome: `cut` (requests cut there), `short`
+        # (its lower-band requests could not make the room: none cut).
+        self.evict_decisions: dict[str, int] = {"cut": 0, "short": 0}
         if endpoints is not None and not hasattr(detector, "endpoint_saturation"):
             log.warning(
                 "per-endpoint admission off: detector %s has no per-endpoint figures; "
@@ -231,6 +246,12 @@ class FlowController:
                 type(detector).__name__,
             )
             self._endpoints = None
+        if evict_per_endpoint and (eviction is None or self._endpoints is None):
+            log.warning(
+                "flow_control.evict_per_endpoint has no effect without enableEviction and "
+                "per-endpoint admission"
+            )
+            self._evict_per_endpoint = False
         # Released, not yet placed, per target endpoint: [requests, tokens].
         self._pending_at: dict[str, list[int]] = {}
         # Dispatch opportunities where the pool was under the ceiling but no endpoint had
@@ -351,17 +372,18 @@ class FlowController:
     def detector(self) -> SaturationDetector:
         return self._detector
 
-    def saturation(self, blocks: bool = True) -> float:
+    def saturation(self, blocks: bool = True, less: tuple[int, int] = (0, 0)) -> float:
         """The pool's saturation; `blocks`: counting what the engines hold beyond the
-        requests' tokens (count_engine_blocks), else by their tokens."""
+        requests' tokens (count_engine_blocks), else by their tokens; `less`: (requests,
+        tokens) taken off, as if they had ended (per-endpoint eviction's sizing)."""
         peer_reqs, peer_toks = self.peer_pending
         # Own placed requests' own outputs in place of the detector's constant, spread as
         # pending work is (exact for the average over endpoints of one size).
         out = sum(d + (e if blocks else 0) for _, d, e in self._out_at.values())
         return self._detector.saturation(
             self._states(),
-            self.pending_requests + peer_reqs,
-            self.pending_tokens + peer_toks + out,
+            self.pending_requests + peer_reqs - less[0],
+            self.pending_tokens + peer_toks + out - less[1],
         )
 
     def ceiling(self, priority: int, saturation: float = 0.0) -> float:
@@ -603,7 +625,10 @@ class FlowController:
         if self.gate is not None:
             self.gate.released(ticket, target, request.prompt_tokens)
         if self.evictor is not None:
-            self.evictor.track(ticket)
+            self.evictor.track(ticket, max(self._priorities, default=None))
+            if self._evict_margin and target and self._evict_per_endpoint:
+                # Released where it leaves less than the margin: make the difference there.
+                self._reclaim_on(request, target)
         return ticket
 
     def dispatch(self) -> int:
@@ -629,7 +654,9 @@ class FlowController:
                 break  # a replica holds higher-priority work: that capacity is its to use
             if not self._open(top):
                 self._deferring_since = None
-                if self.evictor is not None:
+                if self._evict_per_endpoint:
+                    self._reclaim_for(self._bands[top])
+                elif self.evictor is not None:
                     self._reclaim(top)
                 break
             band = self._bands[top]
@@ -659,7 +686,10 @@ class FlowController:
                     # The pool has room on average, but no server for this request: it
                     # waits here, not at the head of a full server's queue.
                     self.no_room += 1
-                    if self.evictor is not None and not stuck:
+                    if self._evict_per_endpoint:
+                        if not stuck:
+                            self._reclaim_on(item.request)
+                    elif self.evictor is not None and not stuck:
                         self._reclaim(top)
                     if not claiming:
                         break
@@ -695,19 +725,23 @@ class FlowController:
         (a newer request keeps off everyone's claims), so the server it claims may be one a
         peer claims too: from now on the two take room as it frees, as without claims
         (flowcontrol/claims.py)."""
-        assert self._endpoints is not None and self.claims is not None
+        return self._closest_first(request)[0]
+
+    def _closest_first(self, request: FlowRequest) -> list[str]:
+        """The endpoints by how close the request comes to fitting on each, closest first
+        (as `_closest` counts)."""
+        assert self._endpoints is not None
         det = cast(EndpointDetector, self._detector)
-        claimed = self.claims.against(request.priority, peers=False)
-        best: tuple[float, str] = (math.inf, "")
+        claimed = self.claims.against(request.priority, peers=False) if self.claims else {}
+        afters: list[tuple[float, str]] = []
         peer_extra = self._peer_extra()
         by_blocks = self._by_blocks(request.priority)
         size = request.room_tokens if by_blocks else request.counted_tokens
         for addr, state in self._endpoints():
             reqs = self._pending_at.get(addr, _NONE)[0]
             toks = self._counted_at(addr, claimed.get(addr, 0), state, peer_extra, by_blocks)
-            after = det.endpoint_saturation(state, reqs + 1, toks + size)
-            best = min(best, (after, addr))
-        return best[1]
+            afters.append((det.endpoint_saturation(state, reqs + 1, toks + size), addr))
+        return [a for _, a in sorted(afters)] or [""]
 
     def _counted_at(
         self,
@@ -793,6 +827,84 @@ class FlowController:
                 },
             )
 
+    def _reclaim_for(self, band: _Band) -> None:
+        """The pool is at the band's ceiling: per-endpoint eviction for its oldest head."""
+        heads = [q[0] for q in band.flows.values() if q]
+        if heads:
+            self._reclaim_on(min(heads, key=lambda i: i.arrival.seq).request)
+
+    def _reclaim_on(self, request: FlowRequest, placed_on: str = "") -> None:
+        """Per-endpoint eviction (`evict_per_endpoint`) for a request of a band above the
+        lowest: on the endpoint where it comes closest to fitting (`placed_on`: the one it
+        was released to, counted there already), cut the lower bands' requests the order
+        policy ranks first (the most recently dispatched: least work sunk), the fewest whose
+        counted tokens bring it under its band's ceiling less `evict_margin`. When even all
+        of them would not, the next closest endpoint where they would; none anywhere:
+        nothing is cut (counted `short`). Paced as the pool-wide rule: nothing while a
+        decision is outstanding. The room is made for this request, not kept for it: when
+        the cut ones end, the next dispatch offers it to the queue's head, which is this
+        request or one of its band before it."""
+        ev = self.evictor
+        assert ev is not None and self._endpoints is not None
+        p = request.priority
+        if p <= min(self._priorities, default=p) or not ev.gate_open():
+            return
+        eps = dict(self._endpoints())
+        order = [placed_on] if placed_on else self._closest_first(request)
+        det = cast(EndpointDetector, self._detector)
+        by_blocks = self._by_blocks(p)
+        sat = self.saturation(by_blocks)
+        ceiling = self.ceiling(p, sat)
+        limit = ceiling - self._evict_margin
+        peer_extra = self._peer_extra()
+
+        def fits(state: EndpointState, reqs: int, toks: int, k: int, freed: int) -> bool:
+            # On the endpoint with `k` requests of `freed` tokens cut, and (held) the pool's
+            # dispatch check: the pool under the band's ceiling without the request, as
+            # `_open` counts it.
+            if det.endpoint_saturation(state, reqs - k, toks - freed) > limit:
+                return False
+            return bool(placed_on) or self.saturation(by_blocks, (k, freed)) < ceiling
+
+        for i, address in enumerate(order):
+            state = eps.get(address)
+            if state is None:
+                continue
+            reqs = self._pending_at.get(address, _NONE)[0]
+            toks = self._counted_at(address, 0, state, peer_extra, by_blocks)
+            if not placed_on:  # not counted there yet
+                reqs += 1
+                toks += request.room_tokens if by_blocks else request.counted_tokens
+
+            if fits(state, reqs, toks, 0, 0):
+                return  # room there already (it waits on the reserve or the gate)
+            cut: list[Ticket] = []
+            freed = 0
+            for t in ev.candidates_on(address, p):
+                cut.append(t)
+                freed += t.request.room_tokens if by_blocks else t.request.counted_tokens
+                if fits(state, reqs, toks, len(cut), freed):
+                    break
+            else:
+                continue  # its lower bands cannot make the room: the next closest
+            ev.cut(cut)
+            self.evict_decisions["cut"] += 1
+            for t in cut:
+                self.stats.count(t.request, "evicted_inflight")
+            log.info(
+                "evicted in flight for room on an endpoint",
+                extra={
+                    "endpoint": address,
+                    "closest": i == 0,
+                    "evicted": len(cut),
+                    "priorities": sorted({t.request.priority for t in cut}),
+                    "for_priority": p,
+                    "for_tokens": request.counted_tokens,
+                },
+            )
+            return
+        self.evict_decisions["short"] += 1
+
     def _fleet_served(self) -> dict[str, float]:
         if not self.peer_served:
             return self.served
@@ -808,6 +920,7 @@ class FlowController:
         if ticket.placed or ticket.released:
             return
         ticket.placed = True
+        ticket.endpoint = address
         if self.gate is not None:
             self.gate.placed(ticket, address)
         if self.refill is not None:

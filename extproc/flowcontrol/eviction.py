@@ -33,6 +33,17 @@ without response bodies: at the response headers); the controller keeps such a t
 candidate (`release(cuttable=True)`) until `stream_ended`, and counts an evictable request
 still running 1.5 s after its stream ended as uncuttable
 (`extproc_flow_eviction_uncuttable_total`, one warning).
+
+Per endpoint (`flow_control.evict_per_endpoint`, opt-in): instead of the pool-wide sizing
+above, a higher band's request that finds no endpoint with room gets room made on the one
+endpoint where it comes closest to fitting: the controller asks `candidates_on` for the
+requests of lower bands placed (or released) there, in the order policy's order, and cuts
+(`cut`) the fewest of them whose counted tokens make the request fit under its band's
+ceiling (where all of them would not, on the next closest endpoint; none anywhere: nothing
+is cut, counted). The same stop-and-wait paces it. With
+`lower-band-eviction-filter` every band below the highest configured one may be cut (never
+one at or above the waiting request's band), where llm-d's filter allows sheddable
+(priority < 0) requests only.
 """
 
 from __future__ import annotations
@@ -60,12 +71,29 @@ class SheddableEvictionFilter:
     def __init__(self, params: Any = None) -> None:
         pass
 
-    def accept(self, priority: int) -> bool:
+    def accept(self, priority: int, top: int | None = None) -> bool:
+        """`top`: the highest configured band (unused here)."""
         return priority < 0
 
 
 class GieSheddableEvictionFilter(SheddableEvictionFilter):
     type_name = "eviction-sheddable-filter"
+
+
+class LowerBandEvictionFilter:
+    """Any request below the highest configured band may be evicted (extproc's; the
+    waiting request's band, or above, is never cut whatever the filter says). For a
+    fleet whose lowest band is batch at priority 0, which llm-d's filter never cuts."""
+
+    type_name = "lower-band-eviction-filter"
+    Params = _NoParams
+
+    def __init__(self, params: Any = None) -> None:
+        pass
+
+    def accept(self, priority: int, top: int | None = None) -> bool:
+        # No band configured: nothing is known to rank above anything, nothing is cut.
+        return top is not None and priority < top
 
 
 class PriorityThenTimeEvictionOrder:
@@ -86,7 +114,11 @@ class GiePriorityThenTimeEvictionOrder(PriorityThenTimeEvictionOrder):
     type_name = "eviction-priority-then-time-ordering"
 
 
-EVICTION_FILTERS: tuple[type[Any], ...] = (SheddableEvictionFilter, GieSheddableEvictionFilter)
+EVICTION_FILTERS: tuple[type[Any], ...] = (
+    SheddableEvictionFilter,
+    GieSheddableEvictionFilter,
+    LowerBandEvictionFilter,
+)
 EVICTION_ORDERS: tuple[type[Any], ...] = (
     PriorityThenTimeEvictionOrder,
     GiePriorityThenTimeEvictionOrder,
@@ -99,7 +131,9 @@ class EvictionSettings:
     """Resolved `enableEviction`: the policies, llm-d's decision cap and confirmation
     timeout, and the grace derived from the detector (see the module docstring)."""
 
-    filter: SheddableEvictionFilter = field(default_factory=SheddableEvictionFilter)
+    filter: SheddableEvictionFilter | LowerBandEvictionFilter = field(
+        default_factory=SheddableEvictionFilter
+    )
     order: PriorityThenTimeEvictionOrder = field(default_factory=PriorityThenTimeEvictionOrder)
     max_per_decision: int = 2
     grace_s: float = 0.01
@@ -117,10 +151,11 @@ class Evictor:
     _outstanding: dict[Any, float] = field(default_factory=dict)  # evicted -> when
     _cooling_until: float = 0.0
 
-    def track(self, ticket: Any) -> None:
-        """A request started: count it; keep it as a candidate when the filter accepts it."""
+    def track(self, ticket: Any, top: int | None = None) -> None:
+        """A request started: count it; keep it as a candidate when the filter accepts it
+        (`top`: the highest configured band, for `lower-band-eviction-filter`)."""
         self.running += 1
-        if self.settings.filter.accept(ticket.request.priority):
+        if self.settings.filter.accept(ticket.request.priority, top):
             ticket.evictable = True
             self._candidates[ticket] = None
 
@@ -168,3 +203,28 @@ class Evictor:
             self._outstanding[t] = now
             t.evict()
         return victims
+
+    def candidates_on(self, address: str, demand_priority: int) -> list[Any]:
+        """The candidates on one endpoint (placed there, or released to it and not placed
+        yet) below `demand_priority`, in the order they are to be cut; empty while the
+        gate is closed (a decision outstanding)."""
+        if not self._candidates or not self.gate_open():
+            return []
+        order = self.settings.order
+        ranked = sorted(
+            (
+                (order.key(t.request.priority, t.dispatched_at), -i, t)
+                for i, t in enumerate(self._candidates)
+                if t.request.priority < demand_priority and (t.endpoint or t.target) == address
+            ),
+            key=lambda e: (e[0], e[1]),
+        )
+        return [t for _, _, t in ranked]
+
+    def cut(self, victims: list[Any]) -> None:
+        """Evict these candidates (from `candidates_on`): one decision, paced as `reclaim`'s."""
+        now = self.clock()
+        for t in victims:
+            del self._candidates[t]
+            self._outstanding[t] = now
+            t.evict()

@@ -114,6 +114,8 @@ class Ticket:
     # started, whether it was cut, and who cuts it (the ext_proc stream, once routed).
     evictable: bool = False
     dispatched_at: float = 0.0
+    # Where the router placed it (per-endpoint eviction cuts the requests of one endpoint).
+    endpoint: str = ""
     evicted: bool = False
     # When an evictable one stopped being cuttable (its stream ended), until its end.
     uncut_since: float = 0.0

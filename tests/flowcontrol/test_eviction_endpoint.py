@@ -1,0 +1,236 @@
+"""Per-endpoint eviction (`flow_control.evict_per_endpoint`) in the controller, against a
+hand-made two-endpoint fleet and a manual clock: a waiting interactive request gets the
+newest batch requests cut on the endpoint where it comes closest to fitting, just enough of
+them, paced by the stop-and-wait; never a request of its own band, nothing when the lower
+band there cannot make the room (counted), and llm-d's sheddable filter still cuts no
+priority-0 request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from extproc.core import EndpointState
+from extproc.errors import ConfigError
+from extproc.flowcontrol.config import FlowControlSettings, build_flow_config
+from extproc.flowcontrol.controller import FlowController, FlowRequest, Ticket
+from extproc.flowcontrol.eviction import (
+    EvictionSettings,
+    LowerBandEvictionFilter,
+    SheddableEvictionFilter,
+)
+from tests.flowcontrol.controllers import controller, settle, tokens_detector
+from tests.flowcontrol.test_controller import Clock
+
+CAP = 1000  # tokens per endpoint
+
+
+class Fleet:
+    def __init__(self) -> None:
+        self.tokens = {"A": 0, "B": 0}
+        self.reqs = {"A": 0, "B": 0}
+
+    def endpoints(self) -> Sequence[tuple[str, EndpointState]]:
+        return [
+            (k, EndpointState(inflight_requests=self.reqs[k], inflight_tokens=v))
+            for k, v in self.tokens.items()
+        ]
+
+    def states(self) -> Sequence[EndpointState]:
+        return [s for _, s in self.endpoints()]
+
+
+def make(
+    *,
+    filt: SheddableEvictionFilter | LowerBandEvictionFilter | None = None,
+    per_endpoint: bool = True,
+    margin: float = 0.0,
+) -> tuple[FlowController, Fleet, Clock]:
+    fleet, clock = Fleet(), Clock()
+    settings = EvictionSettings(filter=filt or LowerBandEvictionFilter())
+    ctl = controller(
+        fleet,
+        [tokens_detector(CAP)],
+        eviction=settings,
+        evict_per_endpoint=per_endpoint,
+        evict_margin=margin,
+        clock=clock,
+    )
+    return ctl, fleet, clock
+
+
+def place(ctl: FlowController, fleet: Fleet, ticket: Ticket) -> Ticket:
+    """What the router does: count it in flight where it was released to."""
+    fleet.tokens[ticket.target] += ticket.request.tokens
+    fleet.reqs[ticket.target] += 1
+    ctl.placed(ticket, ticket.target)
+    return ticket
+
+
+def finish(ctl: FlowController, fleet: Fleet, ticket: Ticket) -> None:
+    fleet.tokens[ticket.endpoint] -= ticket.request.tokens
+    fleet.reqs[ticket.endpoint] -= 1
+    ctl.release(ticket)
+
+
+def req(name: str, tokens: int, priority: int = 0) -> FlowRequest:
+    return FlowRequest(name, priority, tokens, 10)
+
+
+async def fill(ctl: FlowController, fleet: Fleet, clock: Clock, *reqs: FlowRequest) -> list[Ticket]:
+    """Admit and place each in turn (a second apart: dispatch order is age order)."""
+    out = []
+    for r in reqs:
+        clock.t += 1
+        out.append(place(ctl, fleet, await ctl.admit(r)))
+    return out
+
+
+def watch(tickets: list[Ticket]) -> list[str]:
+    cut: list[str] = []
+    for t in tickets:
+        t.on_evict(lambda t=t: cut.append(t.request.fairness_id))
+    return cut
+
+
+async def test_a_waiting_interactive_request_cuts_the_newest_batch_there_just_enough():
+    ctl, fleet, clock = make()
+    batch = await fill(ctl, fleet, clock, *(req(f"b{i}", 300) for i in range(6)))
+    assert [t.endpoint for t in batch] == ["A", "B"] * 3  # 900 on each, 100 free
+    assert all(t.evictable for t in batch)
+    cut = watch(batch)
+    hi = asyncio.create_task(ctl.admit(req("hi", 400, priority=10)))
+    await settle()
+    assert not hi.done()
+    # A and B are alike; on A (the closer by name), the newest batch request there: one
+    # cut of 300 leaves 100 + 300 >= 400, so only one.
+    assert cut == ["b4"]
+    assert ctl.evict_decisions == {"cut": 1, "short": 0}
+    assert ctl.stats.outcomes[(0, "b4", "evicted_inflight")] == 1
+    # Stop-and-wait: nothing more is cut while the cut one's stream is open, even for more.
+    more = asyncio.create_task(ctl.admit(req("hi2", 400, priority=10)))
+    clock.t += 5
+    ctl.tick()
+    await settle()
+    assert cut == ["b4"] and not more.done()
+    finish(ctl, fleet, batch[4])  # its stream ended with the cut
+    await settle()
+    assert hi.done() and hi.result().target == "A"  # served where the room was made
+    place(ctl, fleet, hi.result())
+    # The next decision, after the grace, for the second waiting request: on B now (A has
+    # 0 free, B 100), its newest batch request.
+    clock.t += 1
+    ctl.tick()
+    await settle()
+    assert cut == ["b4", "b5"]
+    more.cancel()
+
+
+async def test_never_its_own_band_and_nothing_when_the_lower_band_there_cannot_make_room():
+    ctl, fleet, clock = make()
+    (hi_a,) = await fill(ctl, fleet, clock, req("hiA", 800, priority=10))
+    (hi_b,) = await fill(ctl, fleet, clock, req("hiB", 800, priority=10))
+    batch = await fill(ctl, fleet, clock, req("bA", 100), req("bB", 100))
+    assert [t.endpoint for t in batch] == ["A", "B"]
+    assert not hi_a.evictable and not hi_b.evictable
+    cut = watch([hi_a, hi_b, *batch])
+    hi = asyncio.create_task(ctl.admit(req("hi", 400, priority=10)))
+    await settle()
+    # 100 free on A; its one batch request frees 100 more: short of 400, so none is cut.
+    assert cut == [] and not hi.done()
+    assert ctl.evict_decisions["short"] >= 1 and ctl.evict_decisions["cut"] == 0
+    hi.cancel()
+    # The lowest band waiting for room never cuts anything (nothing ranks below it).
+    lo = asyncio.create_task(ctl.admit(req("lo", 400)))
+    await settle()
+    assert cut == [] and not lo.done()
+    lo.cancel()
+
+
+async def test_where_the_closest_server_cannot_make_room_the_next_closest_does():
+    ctl, fleet, clock = make()
+    held = await fill(
+        ctl, fleet, clock,
+        req("hiA", 750, priority=10), req("hiB", 300, priority=10),
+        req("bB1", 300), req("bB2", 300), req("bA", 100),
+    )  # fmt: skip
+    assert [t.endpoint for t in held] == ["A", "B", "B", "B", "A"]  # A 850, B 900
+    cut = watch(held)
+    hi = asyncio.create_task(ctl.admit(req("hi", 300, priority=10)))
+    await settle()
+    # Closest on A (1150 against 1200), where batch holds 100: not enough; on B the newest
+    # batch request's 300 is.
+    assert cut == ["bB2"] and ctl.evict_decisions == {"cut": 1, "short": 0}
+    finish(ctl, fleet, held[3])
+    await settle()
+    assert hi.result().target == "B"
+
+
+async def test_the_pool_at_the_ceiling_also_makes_room_on_one_endpoint():
+    ctl, fleet, clock = make()
+    batch = await fill(ctl, fleet, clock, *(req(f"b{i}", 500) for i in range(4)))
+    cut = watch(batch)  # both endpoints at 1000: the pool at its ceiling
+    assert ctl.saturation() >= 1.0
+    hi = asyncio.create_task(ctl.admit(req("hi", 200, priority=10)))
+    await settle()
+    assert cut == ["b2"]  # A's newest: 500 - 200 fits A and the pool drops under 1.0
+    finish(ctl, fleet, batch[2])
+    await settle()
+    assert hi.result().target == "A"
+
+
+async def test_released_within_the_margin_cuts_the_difference_there():
+    ctl, fleet, clock = make(margin=0.1)
+    batch = await fill(ctl, fleet, clock, *(req(f"b{i}", 425) for i in range(4)))
+    cut = watch(batch)  # 850 on each
+    hi = await ctl.admit(req("hi", 100, priority=10))  # fits (950), 50 short of the margin
+    assert hi.target == "A"
+    assert cut == ["b2"]
+    assert ctl.evict_decisions["cut"] == 1
+    # Without the margin, nothing is cut for a request that fits.
+    ctl2, fleet2, clock2 = make()
+    batch2 = await fill(ctl2, fleet2, clock2, *(req(f"b{i}", 425) for i in range(4)))
+    cut2 = watch(batch2)
+    await ctl2.admit(req("hi", 100, priority=10))
+    assert cut2 == []
+
+
+async def test_llm_d_filter_never_cuts_priority_zero_and_the_switch_is_off_by_default():
+    ctl, fleet, clock = make(filt=SheddableEvictionFilter())
+    batch = await fill(ctl, fleet, clock, *(req(f"b{i}", 450) for i in range(4)))
+    assert not any(t.evictable for t in batch)
+    hi = asyncio.create_task(ctl.admit(req("hi", 400, priority=10)))
+    await settle()
+    assert not hi.done() and ctl.evict_decisions["cut"] == 0
+    assert ctl.evict_decisions["short"] >= 1  # nothing there to cut: counted
+    hi.cancel()
+    # enableEviction without evict_per_endpoint: llm-d's pool-wide rule, which sizes by
+    # saturation units (one request here, the newest anywhere: B's).
+    ctl, fleet, clock = make(per_endpoint=False)
+    batch = await fill(ctl, fleet, clock, *(req(f"b{i}", 450) for i in range(4)))
+    cut = watch(batch)
+    hi = asyncio.create_task(ctl.admit(req("hi", 400, priority=10)))
+    await settle()
+    assert cut == ["b3"] and ctl.evict_decisions["cut"] == 0
+    hi.cancel()
+
+
+def test_config_names_the_filter_and_the_settings_validate():
+    det = tokens_detector(CAP)
+    fc = {"saturationDetector": {"pluginRef": "concurrency-detector"}, "enableEviction": True}
+    cfg = build_flow_config(fc, None, [det, {"type": "lower-band-eviction-filter"}])
+    assert cfg.eviction is not None and isinstance(cfg.eviction.filter, LowerBandEvictionFilter)
+    assert LowerBandEvictionFilter().accept(0, 10) and not LowerBandEvictionFilter().accept(10, 10)
+    assert not LowerBandEvictionFilter().accept(0, None)
+    with pytest.raises(ConfigError):
+        bad = {"type": "lower-band-eviction-filter", "parameters": {"x": 1}}
+        build_flow_config(fc, None, [det, bad])
+    import msgspec
+
+    s = msgspec.convert({"evict_per_endpoint": True, "evict_margin": 0.05}, FlowControlSettings)
+    assert s.evict_per_endpoint and s.evict_margin == 0.05
+    assert FlowControlSettings().evict_per_endpoint is False
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"evict_margin": 1.0}, FlowControlSettings)
