@@ -186,22 +186,8 @@ class Evictor:
             return []
         n = max(1, math.ceil((saturation - ceiling) / credit))
         n = min(n, self.settings.max_per_decision)
-        order = self.settings.order
-        # Candidates are kept in dispatch order: a later one wins a tie on the clock.
-        ranked = sorted(
-            (
-                (order.key(t.request.priority, t.dispatched_at), -i, t)
-                for i, t in enumerate(self._candidates)
-                if t.request.priority < demand_priority
-            ),
-            key=lambda e: (e[0], e[1]),
-        )
-        victims = [t for _, _, t in ranked[:n]]
-        now = self.clock()
-        for t in victims:
-            del self._candidates[t]
-            self._outstanding[t] = now
-            t.evict()
+        victims = self._ranked(demand_priority)[:n]
+        self.cut(victims)
         return victims
 
     def candidates_on(self, address: str, demand_priority: int) -> list[Any]:
@@ -210,19 +196,27 @@ class Evictor:
         gate is closed (a decision outstanding)."""
         if not self._candidates or not self.gate_open():
             return []
+        return self._ranked(demand_priority, address)
+
+    def _ranked(self, demand_priority: int, address: str | None = None) -> list[Any]:
+        """The candidates below `demand_priority` (on `address` only, when given: placed
+        there, or released to it and not placed yet), in the order policy's order."""
         order = self.settings.order
+        # Candidates are kept in dispatch order: a later one wins a tie on the clock.
         ranked = sorted(
             (
                 (order.key(t.request.priority, t.dispatched_at), -i, t)
                 for i, t in enumerate(self._candidates)
-                if t.request.priority < demand_priority and (t.endpoint or t.target) == address
+                if t.request.priority < demand_priority
+                and (address is None or (t.endpoint or t.target) == address)
             ),
             key=lambda e: (e[0], e[1]),
         )
         return [t for _, _, t in ranked]
 
     def cut(self, victims: list[Any]) -> None:
-        """Evict these candidates (from `candidates_on`): one decision, paced as `reclaim`'s."""
+        """Evict these candidates: one decision (the gate closes until every one of them
+        has ended, then `grace_s`)."""
         now = self.clock()
         for t in victims:
             del self._candidates[t]
