@@ -61,7 +61,9 @@ session: `-noprior-out96`), and
 `flow_control.evict_per_endpoint`: a waiting interactive request gets the newest batch
 requests cut on the server where it comes closest to fitting; `-evm<NN>`: with
 `evict_margin` 0.NN; the row's `evicted` counts the batch requests cut, answered 429
-`evicted` or their stream cut), and
+`evicted` or their stream cut; `-tr`: the `-ev` runs' Envoy, sending the response trailers,
+without eviction: the control for the trailers' own effect; the row's
+`response_trailers` says which), and
 `~base` to run its pickers from `--baseline-src` (old code against new in one run; `~base`
 runs also keep the old `expected_output_tokens` of 96 unless `--base-expected-output` says
 otherwise, and get no prior; the others, one picker or two, count each request's
@@ -192,6 +194,22 @@ def take_gate(run: str, name: str, default_tokens: int) -> tuple[int, bool, str]
     if head and not gate:
         raise SystemExit(f"{run}: -gh (the gate's activeAtStart) without -gate")
     return ((int(gate_n) if gate_n else default_tokens) if gate else 0), bool(head), name
+
+
+def take_cut(run: str, name: str) -> tuple[bool, float, bool, str]:
+    """`-evm<NN>` (evict_margin 0.NN, implies `-ev`), `-ev` (per-server eviction) and `-tr`
+    (Envoy sends the response trailers, as `-ev` runs need for the cut, with no eviction:
+    the control that separates the trailers' own effect from the cut's): (evict, margin,
+    trailers sent, the name less all three)."""
+    evm_v, name = take_number(run, name, "evm")
+    name, ev, after = name.partition("-ev")
+    name += after
+    name, tr, after = name.partition("-tr")
+    name += after
+    evict = bool(ev) or evm_v is not None
+    if evict and tr:
+        raise SystemExit(f"{run}: -tr with -ev (eviction runs send the trailers already)")
+    return evict, (evm_v / 100 if evm_v is not None else 0.0), evict or bool(tr), name
 
 
 def picker_config(
@@ -458,7 +476,7 @@ class Deployment:
         """`src`: run the pickers from that source tree (a baseline checkout) instead;
         `flush_s`: Envoy's access-log flush interval (the picker hears of ends that late);
         `cut`: Envoy sends the response trailers, so the ext_proc stream lasts to each
-        response's end and eviction can cut a response under way (`-ev` runs)."""
+        response's end and eviction can cut a response under way (`-ev` and `-tr` runs)."""
         path = self.log_dir / f"picker-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         ports = []
@@ -1248,12 +1266,8 @@ def main() -> int:
             quantile = q_v / 100 if q_v is not None else 0.0
             run_name, fleet_view, after = run_name.partition("-fleet")  # gate's fleetView
             run_name += after
-            # `-evm<NN>` (evict_margin 0.NN, implies `-ev`), `-ev`: per-server eviction.
-            evm_v, run_name = take_number(run, run_name, "evm")
-            run_name, ev, after = run_name.partition("-ev")
-            run_name += after
-            evict = bool(ev) or evm_v is not None
-            evict_margin = evm_v / 100 if evm_v is not None else 0.0
+            # `-ev`/`-evm<NN>`: per-server eviction; `-tr`: its trailers without it.
+            evict, evict_margin, trailers, run_name = take_cut(run, run_name)
             gate_tokens, gate_head, run_name = take_gate(run, run_name, args.gate_tokens)
             src = args.baseline_src if tilde else ""
             if tilde and not src:
@@ -1329,7 +1343,7 @@ def main() -> int:
                     redis_url=f"redis://127.0.0.1:{port}/0",
                     src=src,
                     flush_s=flush_s,
-                    cut=evict,
+                    cut=trailers,
                 )
             else:
                 cfg = picker_config(
@@ -1366,7 +1380,7 @@ def main() -> int:
                     evict=evict,
                     evict_margin=evict_margin,
                 )
-                dep.start(cfg, src=src, flush_s=flush_s, cut=evict)
+                dep.start(cfg, src=src, flush_s=flush_s, cut=trailers)
             sims_before = sims_now(dep)
             # The pickers' pids in the timeline's order (its `reserved_each`), the last
             # process being Envoy.
@@ -1408,6 +1422,7 @@ def main() -> int:
             if hi_pause is not None:
                 row.update(after_pause(reqs, hi_pause, unloaded_p99, cap_tps, args.slo_s))
             row["lanes"] = round(lanes, 3)
+            row["response_trailers"] = trailers  # `-ev`, `-evm<NN>`, `-tr`
             row["load_avg"] = [round(x, 2) for x in os.getloadavg()]
             row["lost_envoy"] = envoy_lines(dep.access_path, {d["id"] for d in row["lost_detail"]})
             row.update(summary(rows_tl, args.warm_s, args.burst_s, args.servers))

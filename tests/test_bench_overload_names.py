@@ -78,3 +78,14 @@ def test_ev_runs_cut_batch_per_server():
     assert settings.evict_per_endpoint and settings.evict_margin == 0.03
     assert "enableEviction" not in plain["scheduling"]["flowControl"]
     assert "evict_per_endpoint" not in plain["flow_control"]
+
+
+def test_tr_runs_send_the_trailers_without_eviction():
+    # `-tr`: the control for `-ev`, whose Envoy sends the response trailers for the cut.
+    with bench_modules("bench_overload") as (bench,):
+        assert bench.take_cut(J, J + "-gh-tr") == (False, 0.0, True, J + "-gh")
+        assert bench.take_cut(J, J + "-gh-ev") == (True, 0.0, True, J + "-gh")
+        assert bench.take_cut(J, J + "-gh-evm03") == (True, 0.03, True, J + "-gh")
+        assert bench.take_cut(J, J + "-gh") == (False, 0.0, False, J + "-gh")
+        with pytest.raises(SystemExit, match="-tr with -ev"):
+            bench.take_cut(J, J + "-ev-tr")
