@@ -405,6 +405,11 @@ class Lifecycle(Parts):
             await self._stopped.wait()
             return
         self._stopping = True
+        if self.stream_handler is not None:
+            # Streams held open past their response headers only so eviction could cut them
+            # end with OK now: Envoy resets a response whose stream is still open when the
+            # grace ends (fail-closed); ended here, it runs on to its end.
+            self.stream_handler.cuts.release_all()
         await self.health.set_ready(False)
         if self.settings.server.drain_delay_s and self._server is not None:
             # Still serving while NOT_SERVING propagates: refusing at once would fail the
