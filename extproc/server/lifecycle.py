@@ -2,9 +2,10 @@
 
 Start order: index (warms Redis up), discovery, background loops, then every port is bound
 before any listens, and readiness turns SERVING once endpoints are known. `stop()` (what
-SIGTERM calls) marks health NOT_SERVING, lets open streams finish within `grace_s` (Envoy's
-access-log streams, which never finish by themselves, are closed once the ext_proc ones
-have), then tears down in reverse order: servers -> loops -> queued index writes -> clients.
+SIGTERM calls) ends the streams held open only for eviction (server/cut_streams.py), marks
+health NOT_SERVING, lets open streams finish within `grace_s` (Envoy's access-log streams,
+which never finish by themselves, are closed once the ext_proc ones have), then tears down
+in reverse order: servers -> loops -> queued index writes -> clients.
 """
 
 from __future__ import annotations
