@@ -59,10 +59,10 @@ instead of 100 ms), `-out<N>`
 session: `-noprior-out96`), and
 `-ev` (`enableEviction` with `lower-band-eviction-filter` and
 `flow_control.evict_per_endpoint`: a waiting interactive request gets the newest batch
-requests cut on the server where it comes closest to fitting; `-evm<NN>`: with
-`evict_margin` 0.NN; the row's `evicted` counts the batch requests cut, answered 429
-`evicted` or their stream cut; `-tr`: the `-ev` runs' Envoy, sending the response trailers,
-without eviction: the control for the trailers' own effect; the row's
+requests cut on the server where it comes closest to fitting; the row's `evicted` counts
+the batch requests cut, answered 429 `evicted` or their stream cut; `-tr`: the `-ev` runs'
+Envoy, sending the response trailers, without eviction: the control for the trailers' own
+effect; the row's
 `response_trailers` says which), and
 `~base` to run its pickers from `--baseline-src` (old code against new in one run; `~base`
 runs also keep the old `expected_output_tokens` of 96 unless `--base-expected-output` says
@@ -196,20 +196,18 @@ def take_gate(run: str, name: str, default_tokens: int) -> tuple[int, bool, str]
     return ((int(gate_n) if gate_n else default_tokens) if gate else 0), bool(head), name
 
 
-def take_cut(run: str, name: str) -> tuple[bool, float, bool, str]:
-    """`-evm<NN>` (evict_margin 0.NN, implies `-ev`), `-ev` (per-server eviction) and `-tr`
-    (Envoy sends the response trailers, as `-ev` runs need for the cut, with no eviction:
-    the control that separates the trailers' own effect from the cut's): (evict, margin,
-    trailers sent, the name less all three)."""
-    evm_v, name = take_number(run, name, "evm")
+def take_cut(run: str, name: str) -> tuple[bool, bool, str]:
+    """`-ev` (per-server eviction) and `-tr` (Envoy sends the response trailers, as `-ev`
+    runs need for the cut, with no eviction: the control that separates the trailers' own
+    effect from the cut's): (evict, trailers sent, the name less both)."""
     name, ev, after = name.partition("-ev")
     name += after
     name, tr, after = name.partition("-tr")
     name += after
-    evict = bool(ev) or evm_v is not None
+    evict = bool(ev)
     if evict and tr:
         raise SystemExit(f"{run}: -tr with -ev (eviction runs send the trailers already)")
-    return evict, (evm_v / 100 if evm_v is not None else 0.0), evict or bool(tr), name
+    return evict, evict or bool(tr), name
 
 
 def picker_config(
@@ -245,7 +243,6 @@ def picker_config(
     engine_blocks_all: bool = False,
     top_global_strict: bool = False,
     evict: bool = False,
-    evict_margin: float = 0.0,
 ) -> dict:
     # Placement by in-flight prompt tokens (current: held to the request's end), not by the
     # scraped queue and KV figures alone (a scrape behind): otherwise a burst of releases
@@ -382,8 +379,6 @@ def picker_config(
             plugins.append({"type": "lower-band-eviction-filter"})
             sched["flowControl"]["enableEviction"] = True
             doc["flow_control"]["evict_per_endpoint"] = True
-            if evict_margin:  # `-evm<NN>`
-                doc["flow_control"]["evict_margin"] = evict_margin
         if prior and per_endpoint:
             # What interactive is expected to send, so a fresh picker keeps room for it
             # from the burst's first request (`interactive_prior`).
@@ -1266,8 +1261,8 @@ def main() -> int:
             quantile = q_v / 100 if q_v is not None else 0.0
             run_name, fleet_view, after = run_name.partition("-fleet")  # gate's fleetView
             run_name += after
-            # `-ev`/`-evm<NN>`: per-server eviction; `-tr`: its trailers without it.
-            evict, evict_margin, trailers, run_name = take_cut(run, run_name)
+            # `-ev`: per-server eviction; `-tr`: its trailers without it.
+            evict, trailers, run_name = take_cut(run, run_name)
             gate_tokens, gate_head, run_name = take_gate(run, run_name, args.gate_tokens)
             src = args.baseline_src if tilde else ""
             if tilde and not src:
@@ -1335,7 +1330,6 @@ def main() -> int:
                     engine_blocks_all=blocks_all,
                     top_global_strict=bool(gs),
                     evict=evict,
-                    evict_margin=evict_margin,
                 )
                 dep.start(
                     cfg,
@@ -1378,7 +1372,6 @@ def main() -> int:
                     engine_blocks_all=blocks_all,
                     top_global_strict=bool(gs),
                     evict=evict,
-                    evict_margin=evict_margin,
                 )
                 dep.start(cfg, src=src, flush_s=flush_s, cut=trailers)
             sims_before = sims_now(dep)
@@ -1422,7 +1415,7 @@ def main() -> int:
             if hi_pause is not None:
                 row.update(after_pause(reqs, hi_pause, unloaded_p99, cap_tps, args.slo_s))
             row["lanes"] = round(lanes, 3)
-            row["response_trailers"] = trailers  # `-ev`, `-evm<NN>`, `-tr`
+            row["response_trailers"] = trailers  # `-ev`, `-tr`
             row["load_avg"] = [round(x, 2) for x in os.getloadavg()]
             row["lost_envoy"] = envoy_lines(dep.access_path, {d["id"] for d in row["lost_detail"]})
             row.update(summary(rows_tl, args.warm_s, args.burst_s, args.servers))

@@ -66,7 +66,7 @@ def test_ev_runs_cut_batch_per_server():
     from extproc.flowcontrol.eviction import LowerBandEvictionFilter
 
     with bench_modules("bench_overload") as (bench,):
-        cfg = bench.picker_config(bench.Path("o.yaml"), flow=True, evict=True, evict_margin=0.03)
+        cfg = bench.picker_config(bench.Path("o.yaml"), flow=True, evict=True)
         plain = bench.picker_config(bench.Path("o.yaml"), flow=True)
     sched = cfg["scheduling"]
     flow = build_flow_config(sched["flowControl"], None, sched["plugins"])
@@ -75,7 +75,7 @@ def test_ev_runs_cut_batch_per_server():
     import msgspec
 
     settings = msgspec.convert(cfg["flow_control"], FlowControlSettings)
-    assert settings.evict_per_endpoint and settings.evict_margin == 0.03
+    assert settings.evict_per_endpoint
     assert "enableEviction" not in plain["scheduling"]["flowControl"]
     assert "evict_per_endpoint" not in plain["flow_control"]
 
@@ -83,9 +83,8 @@ def test_ev_runs_cut_batch_per_server():
 def test_tr_runs_send_the_trailers_without_eviction():
     # `-tr`: the control for `-ev`, whose Envoy sends the response trailers for the cut.
     with bench_modules("bench_overload") as (bench,):
-        assert bench.take_cut(J, J + "-gh-tr") == (False, 0.0, True, J + "-gh")
-        assert bench.take_cut(J, J + "-gh-ev") == (True, 0.0, True, J + "-gh")
-        assert bench.take_cut(J, J + "-gh-evm03") == (True, 0.03, True, J + "-gh")
-        assert bench.take_cut(J, J + "-gh") == (False, 0.0, False, J + "-gh")
+        assert bench.take_cut(J, J + "-gh-tr") == (False, True, J + "-gh")
+        assert bench.take_cut(J, J + "-gh-ev") == (True, True, J + "-gh")
+        assert bench.take_cut(J, J + "-gh") == (False, False, J + "-gh")
         with pytest.raises(SystemExit, match="-tr with -ev"):
             bench.take_cut(J, J + "-ev-tr")

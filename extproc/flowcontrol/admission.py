@@ -160,7 +160,6 @@ class Admission:
             engine_blocks=s.count_engine_blocks,
             engine_blocks_lower_bands=s.engine_blocks_lower_bands == "blocks",
             evict_per_endpoint=s.evict_per_endpoint,
-            evict_margin=s.evict_margin,
         )
         self.shared = None  # a SharedFlowState, set by the app when Redis is configured
         # The unit outputs are counted in: configured, or measured by calibration (the app

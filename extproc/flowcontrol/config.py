@@ -229,11 +229,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     the endpoint where it comes closest to fitting: the fewest lower-band requests there
     the eviction order ranks first (the most recently dispatched) whose tokens make it fit
     are cut (where all of them would not, on the next closest endpoint), instead of
-    llm-d's pool-wide count (flowcontrol/eviction.py).
-    `evict_margin` (0, the default; with `evict_per_endpoint`): room is made with this much
-    of the endpoint's saturation to spare, and such a request released where it leaves
-    less than that gets the difference cut there (the books run short of what the engine
-    holds near its ceiling)."""
+    llm-d's pool-wide count (flowcontrol/eviction.py)."""
 
     fairness_weights: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
         default_factory=dict
@@ -264,7 +260,6 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     dispatch_on_end: bool = True
     engine_priority: bool | Literal["body", "header"] = False
     evict_per_endpoint: bool = False
-    evict_margin: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
 
 
 _DUR = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")

@@ -141,7 +141,6 @@ class FlowController:
         engine_blocks: bool = False,
         engine_blocks_lower_bands: bool = False,
         evict_per_endpoint: bool = False,
-        evict_margin: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`states` gives the pool's endpoint states now; `band(priority)` the limits and
@@ -185,10 +184,7 @@ class FlowController:
         `engine_blocks_lower_bands`. `evict_per_endpoint` (with `eviction` and per-endpoint
         admission): a band above the lowest whose request finds no endpoint with room gets
         lower-band requests cut on the endpoint where it comes closest to fitting, just
-        enough to make its room, instead of llm-d's pool-wide sizing; `evict_margin`: room
-        is made for it with this much saturation to spare, and a request of such a band
-        released where it leaves less than that gets the difference made there
-        (`_reclaim_on`)."""
+        enough to make its room, instead of llm-d's pool-wide sizing (`_reclaim_on`)."""
         self._detector = detector
         self._states = states
         self._band_of = band
@@ -233,9 +229,6 @@ class FlowController:
         self.evictor = Evictor(eviction, clock) if eviction is not None else None
         self._endpoints = endpoints
         self._evict_per_endpoint = evict_per_endpoint and eviction is not None
-        if evict_margin < 0 or evict_margin >= 1:
-            raise ValueError(f"evict_margin {evict_margin} is not in [0, 1)")
-        self._evict_margin = evict_margin
         # Per-endpoint eviction decisions by outcome: `cut` (requests cut there), `short`
         # (its lower-band requests could not make the room: none cut).
         self.evict_decisions: dict[str, int] = {"cut": 0, "short": 0}
@@ -626,9 +619,6 @@ class FlowController:
             self.gate.released(ticket, target, request.prompt_tokens)
         if self.evictor is not None:
             self.evictor.track(ticket, max(self._priorities, default=None))
-            if self._evict_margin and target and self._evict_per_endpoint:
-                # Released where it leaves less than the margin: make the difference there.
-                self._reclaim_on(request, target)
         return ticket
 
     def dispatch(self) -> int:
@@ -833,12 +823,11 @@ class FlowController:
         if heads:
             self._reclaim_on(min(heads, key=lambda i: i.arrival.seq).request)
 
-    def _reclaim_on(self, request: FlowRequest, placed_on: str = "") -> None:
+    def _reclaim_on(self, request: FlowRequest) -> None:
         """Per-endpoint eviction (`evict_per_endpoint`) for a request of a band above the
-        lowest: on the endpoint where it comes closest to fitting (`placed_on`: the one it
-        was released to, counted there already), cut the lower bands' requests the order
-        policy ranks first (the most recently dispatched: least work sunk), the fewest whose
-        counted tokens bring it under its band's ceiling less `evict_margin`. When even all
+        lowest: on the endpoint where it comes closest to fitting, cut the lower bands'
+        requests the order policy ranks first (the most recently dispatched: least work
+        sunk), the fewest whose counted tokens bring it under its band's ceiling. When even all
         of them would not, the next closest endpoint where they would; none anywhere:
         nothing is cut (counted `short`). Paced as the pool-wide rule: nothing while a
         decision is outstanding. The room is made for this request, not kept for it: when
@@ -850,31 +839,29 @@ class FlowController:
         if p <= min(self._priorities, default=p) or not ev.gate_open():
             return
         eps = dict(self._endpoints())
-        order = [placed_on] if placed_on else self._closest_first(request)
+        order = self._closest_first(request)
         det = cast(EndpointDetector, self._detector)
         by_blocks = self._by_blocks(p)
         sat = self.saturation(by_blocks)
         ceiling = self.ceiling(p, sat)
-        limit = ceiling - self._evict_margin
         peer_extra = self._peer_extra()
 
         def fits(state: EndpointState, reqs: int, toks: int, k: int, freed: int) -> bool:
-            # On the endpoint with `k` requests of `freed` tokens cut, and (held) the pool's
+            # On the endpoint with `k` requests of `freed` tokens cut, and the pool's
             # dispatch check: the pool under the band's ceiling without the request, as
             # `_open` counts it.
-            if det.endpoint_saturation(state, reqs - k, toks - freed) > limit:
+            if det.endpoint_saturation(state, reqs - k, toks - freed) > ceiling:
                 return False
-            return bool(placed_on) or self.saturation(by_blocks, (k, freed)) < ceiling
+            return self.saturation(by_blocks, (k, freed)) < ceiling
 
         for i, address in enumerate(order):
             state = eps.get(address)
             if state is None:
                 continue
-            reqs = self._pending_at.get(address, _NONE)[0]
+            # Counted there as if placed.
+            reqs = self._pending_at.get(address, _NONE)[0] + 1
             toks = self._counted_at(address, 0, state, peer_extra, by_blocks)
-            if not placed_on:  # not counted there yet
-                reqs += 1
-                toks += request.room_tokens if by_blocks else request.counted_tokens
+            toks += request.room_tokens if by_blocks else request.counted_tokens
 
             if fits(state, reqs, toks, 0, 0):
                 return  # room there already (it waits on the reserve or the gate)
