@@ -2,9 +2,10 @@
 
 Start order: index (warms Redis up), discovery, background loops, then every port is bound
 before any listens, and readiness turns SERVING once endpoints are known. `stop()` (what
-SIGTERM calls) marks health NOT_SERVING, lets open streams finish within `grace_s` (Envoy's
-access-log streams, which never finish by themselves, are closed once the ext_proc ones
-have), then tears down in reverse order: servers -> loops -> queued index writes -> clients.
+SIGTERM calls) ends the streams held open only for eviction (server/cut_streams.py), marks
+health NOT_SERVING, lets open streams finish within `grace_s` (Envoy's access-log streams,
+which never finish by themselves, are closed once the ext_proc ones have), then tears down
+in reverse order: servers -> loops -> queued index writes -> clients.
 """
 
 from __future__ import annotations
@@ -405,6 +406,11 @@ class Lifecycle(Parts):
             await self._stopped.wait()
             return
         self._stopping = True
+        if self.stream_handler is not None:
+            # Streams held open past their response headers only so eviction could cut them
+            # end with OK now: Envoy resets a response whose stream is still open when the
+            # grace ends (fail-closed); ended here, it runs on to its end.
+            self.stream_handler.cuts.release_all()
         await self.health.set_ready(False)
         if self.settings.server.drain_delay_s and self._server is not None:
             # Still serving while NOT_SERVING propagates: refusing at once would fail the

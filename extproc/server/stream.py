@@ -56,6 +56,7 @@ from extproc.flowcontrol.engine_priority import ENGINE_PRIORITY_HEADER, BodyEdit
 from extproc.requests.parse import api_for_path
 from extproc.router import Routed, Router
 from extproc.server import wire
+from extproc.server.cut_streams import CutStreams
 from extproc.server.guard import PeerAllowList, Throttle
 from extproc.server.limits import BodyBudget, BodyDeadline, DeadlineSweeper
 from extproc.server.metrics import PickerMetrics
@@ -145,6 +146,8 @@ class StreamHandler:
         self._replies = wire.DecisionReplies()
         self._sweeper = DeadlineSweeper(min(1.0, body_timeout_s / 4))
         self.open_streams = 0  # a draining picker waits for these (server/lifecycle.py)
+        # Streams held past their response headers for eviction; a drain ends them with OK.
+        self.cuts = CutStreams()
 
     @classmethod
     def from_settings(
@@ -179,6 +182,7 @@ class StreamHandler:
             self._explain_tokens,
             self._replies,
             self._throttle,
+            self.cuts,
         )
         deadline = BodyDeadline(
             self._body_timeout_s, task=asyncio.current_task(), sweeper=self._sweeper
@@ -195,6 +199,8 @@ class StreamHandler:
                         # An evictable request (flow control): its eviction may come first.
                         got = await _next_or_evicted(it, state.eviction)
                         if got is None:
+                            if state.released:
+                                return  # a drain ended it: OK, the response runs on
                             for resp in state.evicted():
                                 yield resp
                             return
@@ -269,6 +275,7 @@ class _Stream:
         "budget",
         "chunks",
         "cut_ticket",
+        "cuts",
         "deadline",
         "done",
         "eviction",
@@ -279,6 +286,7 @@ class _Stream:
         "metrics",
         "mode",
         "obs",
+        "released",
         "replies",
         "responded",
         "response_mode",
@@ -300,8 +308,11 @@ class _Stream:
         explain_tokens: tuple[bytes, ...] = (),
         replies: wire.DecisionReplies | None = None,
         throttle: Throttle | None = None,
+        cuts: CutStreams | None = None,
     ) -> None:
         self.router = router
+        self.cuts = cuts if cuts is not None else CutStreams()
+        self.released = False  # a drain ended the stream (server/cut_streams.py)
         # The handler's, shared by every stream (one per stream would throttle nothing).
         self.throttle = throttle if throttle is not None else Throttle()
         self.replies = replies if replies is not None else wire.DecisionReplies()
@@ -631,12 +642,28 @@ class _Stream:
         # closed the stream here with trailers SKIP, and the request's accounting (in-flight
         # hold, flow-control release) still ends here with trailers SEND, where the stream
         # lasts to the response's end; an evictable request stays cuttable until then.
-        cuttable = self.eviction is not None and not msg.response_headers.end_of_stream
+        cuttable = (
+            self.eviction is not None
+            and not msg.response_headers.end_of_stream
+            and self.cuts.hold(self._let_go)
+        )
         self.routed = None
         self.router.finish(routed, cuttable=cuttable)
         if cuttable:
             self.cut_ticket = routed.ticket
+        else:
+            # Nothing can cut this response: end the stream with OK now. Envoy runs the
+            # response on untouched, where an open stream would be reset if this picker died
+            # (with trailers SKIP Envoy has closed its side already).
+            self.done = True
         return resp
+
+    def _let_go(self) -> None:
+        """A drain: end this cuttable stream with OK (it stops being an eviction candidate
+        in `close`), so the picker's exit does not reset its response."""
+        self.released = True
+        if self.eviction is not None and not self.eviction.done():
+            self.eviction.set_result(None)
 
     def close(self) -> None:
         """The stream ended, however it ended: release what the decision placed. Without
@@ -645,6 +672,7 @@ class _Stream:
         self._release_body()
         ticket, self.cut_ticket = self.cut_ticket, None
         if ticket is not None:
+            self.cuts.drop(self._let_go)
             admission = self.router.admission
             assert admission is not None  # only flow control sets `eviction`
             admission.stream_ended(ticket)

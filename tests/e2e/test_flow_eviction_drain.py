@@ -1,0 +1,82 @@
+"""`--response-trailers send` keeps an ext_proc stream open to its response's end so flow
+control can cut the response; Envoy resets a response whose stream fails (ext_proc is
+fail-closed), so a picker that exits with streams open cuts their responses. Two things
+narrow that (server/cut_streams.py): a request nothing can cut (here a critical one) ends
+its stream with OK at its response headers, and a draining picker (SIGTERM) ends the
+evictable requests' streams with OK at once. Both responses then run on to their end;
+only a SIGKILLed picker still cuts the evictable response under way."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import httpx
+import yaml
+
+from extproc.stack import Stack, StackOptions
+from tests.e2e.chat_bodies import distinct_chat
+from tests.e2e.sim_speed import finish_fast
+from tests.e2e.test_flow_eviction_cut import SIM, aborted, picker_config, sim_figure, warm_up
+from tests.e2e.test_flow_eviction_cut import with_trailers as send
+
+
+async def streamed(
+    c: httpx.AsyncClient, model: str, objective: str, decoding: asyncio.Future
+) -> str:
+    """One streamed reply under `objective`; `decoding` is set once tokens arrive. How it
+    ended."""
+    body = distinct_chat(model, {"critical": 1, "sheddable": 2}[objective], 200)
+    tokens = 0
+    headers = {"x-llm-d-inference-objective": objective}
+    try:
+        async with c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    tokens += 1
+                    if tokens == 2 and not decoding.done():
+                        decoding.set_result(None)
+                    if line == "data: [DONE]":
+                        return "complete"
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        return "truncated"
+    return "ended without [DONE]"
+
+
+async def stop_while_streaming(tmp: Path, sig: int) -> tuple[str, str, float]:
+    """A critical and a sheddable response decoding, then the picker stopped with `sig`:
+    how each ended, and the engine's aborts since."""
+    args = picker_config(tmp)
+    cfg = yaml.safe_load((tmp / "picker.yaml").read_text())
+    # Short, so that a stream still open when the grace ends shows quickly.
+    cfg["server"] = {"grace_s": 1.0}
+    (tmp / "picker.yaml").write_text(yaml.safe_dump(cfg))
+    with Stack(StackOptions(upstreams=1, sim_args=SIM, extproc_args=args, bootstrap=send)) as s:
+        model = s.fleet.model
+        loop = asyncio.get_running_loop()
+        async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+            await warm_up(c, model)
+            aborts = aborted(s)
+            d1, d2 = loop.create_future(), loop.create_future()
+            critical = asyncio.create_task(streamed(c, model, "critical", d1))
+            sheddable = asyncio.create_task(streamed(c, model, "sheddable", d2))
+            await asyncio.wait_for(asyncio.gather(d1, d2), 10)
+            assert sim_figure(s, "num_requests_running") == 2
+            code = await asyncio.to_thread(s.stop_extproc, sig)
+            assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+            await asyncio.sleep(1.5)  # past the grace: a stream left open is reset by now
+            finish_fast(s.fleet)
+            ends = await asyncio.wait_for(asyncio.gather(critical, sheddable), 10)
+            return ends[0], ends[1], aborted(s) - aborts
+
+
+async def test_a_draining_picker_lets_every_response_under_way_finish(tmp_path: Path):
+    assert await stop_while_streaming(tmp_path, signal.SIGTERM) == ("complete", "complete", 0)
+
+
+async def test_a_killed_picker_cuts_only_the_evictable_response(tmp_path: Path):
+    # The critical request's stream ended at its response headers: nothing of it is left
+    # for a dead picker to cut. The sheddable one's was open, so Envoy reset it.
+    assert await stop_while_streaming(tmp_path, signal.SIGKILL) == ("complete", "truncated", 1)
