@@ -90,10 +90,11 @@ class BootstrapOptions:
     # "Eviction"). `skip` (default): the ext_proc stream ends at the response headers, and
     # with it the window in which flow control's eviction can cut a request; a streamed
     # reply's headers come before the engine even schedules it, so nothing running can be
-    # cut. `send`: Envoy keeps the stream to the response's end (empty trailers when the
-    # model server sends none), so eviction cuts a response under way (Envoy resets it,
-    # the engine aborts it); one more message per request (bench/RESULTS.md, session 29).
-    # Needs the response-header phase (`auto` then keeps it).
+    # cut. `send`: Envoy keeps the stream to the response's end (sending no trailers
+    # message when the model server sends none: no message more per request), so eviction
+    # cuts a response under way (Envoy resets it, the engine aborts it); the picker ends the
+    # stream of a request it cannot cut at its headers (bench/RESULTS.md, issue 15,
+    # twenty-ninth session). Needs the response-header phase (`auto` then keeps it).
     response_trailers: ResponseTrailers = "skip"
 
 
