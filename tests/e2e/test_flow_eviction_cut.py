@@ -65,13 +65,19 @@ def aborted(stack: Stack) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-async def sheddable(
-    c: httpx.AsyncClient, model: str, seed: int, decoding: asyncio.Future, output: int = OUTPUT
+async def stream_reply(
+    c: httpx.AsyncClient,
+    model: str,
+    seed: int,
+    decoding: asyncio.Future,
+    output: int = OUTPUT,
+    objective: str = "sheddable",
 ) -> str:
-    """Streams one sheddable reply; `decoding` is set once tokens arrive. How it ended."""
+    """Streams one reply under `objective`; `decoding` is set once tokens arrive. How it
+    ended."""
     body = distinct_chat(model, seed, output)
     tokens = 0
-    headers = {"x-llm-d-inference-objective": "sheddable"}
+    headers = {"x-llm-d-inference-objective": objective}
     try:
         async with c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
             assert r.status_code == 200
@@ -107,9 +113,9 @@ async def cuts_the_newest_sheddable_response(stack: Stack) -> None:
         await warm_up(c, model)
         aborts = aborted(stack)
         d1, d2 = loop.create_future(), loop.create_future()
-        first = asyncio.create_task(sheddable(c, model, 1, d1))
+        first = asyncio.create_task(stream_reply(c, model, 1, d1))
         await asyncio.wait_for(d1, 10)
-        second = asyncio.create_task(sheddable(c, model, 2, d2))
+        second = asyncio.create_task(stream_reply(c, model, 2, d2))
         await asyncio.wait_for(d2, 10)
         assert sim_figure(stack, "num_requests_running") == 2  # both decoding
         crit = distinct_chat(model, 3, 5, stream=False)
@@ -141,7 +147,7 @@ async def test_the_default_config_cannot_cut_and_says_so(tmp_path: Path):
             await warm_up(c, model)
             decoding = asyncio.get_running_loop().create_future()
             # 40 tokens at 20 a second: it runs ~2 s past its stream's end (the headers).
-            assert await sheddable(c, model, 1, decoding, output=40) == "complete"
+            assert await stream_reply(c, model, 1, decoding, output=40) == "complete"
         await asyncio.to_thread(
             wait_until, lambda: metric(stack, UNCUTTABLE) == 1, timeout_s=5, what="uncuttable"
         )

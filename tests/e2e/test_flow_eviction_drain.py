@@ -16,33 +16,16 @@ import httpx
 import yaml
 
 from extproc.stack import Stack, StackOptions
-from tests.e2e.chat_bodies import distinct_chat
 from tests.e2e.sim_speed import finish_fast
-from tests.e2e.test_flow_eviction_cut import SIM, aborted, picker_config, sim_figure, warm_up
+from tests.e2e.test_flow_eviction_cut import (
+    SIM,
+    aborted,
+    picker_config,
+    sim_figure,
+    stream_reply,
+    warm_up,
+)
 from tests.e2e.test_flow_eviction_cut import with_trailers as send
-
-
-async def streamed(
-    c: httpx.AsyncClient, model: str, objective: str, decoding: asyncio.Future
-) -> str:
-    """One streamed reply under `objective`; `decoding` is set once tokens arrive. How it
-    ended."""
-    body = distinct_chat(model, {"critical": 1, "sheddable": 2}[objective], 200)
-    tokens = 0
-    headers = {"x-llm-d-inference-objective": objective}
-    try:
-        async with c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data:"):
-                    tokens += 1
-                    if tokens == 2 and not decoding.done():
-                        decoding.set_result(None)
-                    if line == "data: [DONE]":
-                        return "complete"
-    except (httpx.RemoteProtocolError, httpx.ReadError):
-        return "truncated"
-    return "ended without [DONE]"
 
 
 async def stop_while_streaming(tmp: Path, sig: int) -> tuple[str, str, float]:
@@ -60,15 +43,15 @@ async def stop_while_streaming(tmp: Path, sig: int) -> tuple[str, str, float]:
             await warm_up(c, model)
             aborts = aborted(s)
             d1, d2 = loop.create_future(), loop.create_future()
-            critical = asyncio.create_task(streamed(c, model, "critical", d1))
-            sheddable = asyncio.create_task(streamed(c, model, "sheddable", d2))
+            critical = asyncio.create_task(stream_reply(c, model, 1, d1, objective="critical"))
+            shed = asyncio.create_task(stream_reply(c, model, 2, d2))
             await asyncio.wait_for(asyncio.gather(d1, d2), 10)
             assert sim_figure(s, "num_requests_running") == 2
             code = await asyncio.to_thread(s.stop_extproc, sig)
             assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
             await asyncio.sleep(1.5)  # past the grace: a stream left open is reset by now
             finish_fast(s.fleet)
-            ends = await asyncio.wait_for(asyncio.gather(critical, sheddable), 10)
+            ends = await asyncio.wait_for(asyncio.gather(critical, shed), 10)
             return ends[0], ends[1], aborted(s) - aborts
 
 
