@@ -24,7 +24,7 @@ class CutStreams:
     def __init__(self) -> None:
         self._held: set[Callable[[], None]] = set()
         self.draining = False
-        self.released = 0  # streams ended by a drain (tests and the drain's log line)
+        self.released = 0  # streams ended by drains, in total
 
     def hold(self, let_go: Callable[[], None]) -> bool:
         """Keep a stream open past its response headers; False while draining (the stream
