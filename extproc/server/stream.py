@@ -30,6 +30,7 @@ operator-issued token in `x-extproc-explain` (`server.explain_tokens`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import logging
@@ -637,6 +638,9 @@ class _Stream:
         if self.mode != _FULL_DUPLEX or self.response_mode != _NO_BODY:
             # The stream lasts to the response's end (response bodies sent, or a buffered
             # request body: Envoy 1.40 keeps it open then): accounting ends there, as ever.
+            # What ends it needs the placement and block keys, not the parsed prompt (about
+            # the body's size: 37 KiB a stream for 40 KB prompts, bench_held_streams.py).
+            self.routed = _without_prompt(routed)
             return resp
         # `extproc envoy-config` (FULL_DUPLEX_STREAMED request body, no response body): Envoy
         # closed the stream here with trailers SKIP, and the request's accounting (in-flight
@@ -684,6 +688,14 @@ class _Stream:
             return
         # The obs alone, not this stream: the hold lasts the whole request.
         self.router.finish(routed, responded=False, then=functools.partial(_ended, self.obs))
+
+
+def _without_prompt(routed: Routed) -> Routed:
+    """`routed` without its request's parsed prompt, for a stream held to the response's end
+    (the decision and the plugins that learn from the response headers have had it)."""
+    if routed.request.prompt is None:
+        return routed
+    return dataclasses.replace(routed, request=dataclasses.replace(routed.request, prompt=None))
 
 
 def _edited(resp: wire.ProcessingResponse, edit: EngineEdit | None) -> wire.ProcessingResponse:
