@@ -52,12 +52,14 @@ from extproc.errors import (
     ExtprocError,
     PayloadTooLarge,
     RequestTimeout,
+    StreamsFull,
 )
 from extproc.flowcontrol.engine_priority import ENGINE_PRIORITY_HEADER, BodyEdit, EngineEdit
 from extproc.requests.parse import api_for_path
 from extproc.router import Routed, Router
 from extproc.server import wire
 from extproc.server.cut_streams import CutStreams
+from extproc.server.families import one
 from extproc.server.guard import PeerAllowList, Throttle
 from extproc.server.limits import BodyBudget, BodyDeadline, DeadlineSweeper
 from extproc.server.metrics import PickerMetrics
@@ -122,7 +124,8 @@ class StreamHandler:
     `budget`: the process-wide body budget (default: unbounded beyond `max_body_bytes` per
     stream). `body_timeout_s`: request headers to end of body. `explain_tokens`: values of
     `x-extproc-explain` that get the decision back (empty: nobody). `allow`: peers that may
-    open streams."""
+    open streams. `max_streams`: streams open at once; past it a new one answers its first
+    message with 503 `picker_streams_full` (None: unbounded)."""
 
     def __init__(
         self,
@@ -134,8 +137,11 @@ class StreamHandler:
         body_timeout_s: float = 30.0,
         explain_tokens: frozenset[str] = frozenset(),
         allow: PeerAllowList | None = None,
+        max_streams: int | None = None,
     ) -> None:
         self._router = router
+        self._max_streams = max_streams if max_streams is not None else 1 << 62
+        self.streams_refused = 0
         self._max_body = max_body_bytes
         self._metrics = metrics if metrics is not None else PickerMetrics()
         self.budget = budget or BodyBudget(limit=1 << 62)
@@ -158,7 +164,7 @@ class StreamHandler:
         gauges registered in `metrics`)."""
         budget = BodyBudget(limit=cfg.body_budget_bytes)
         metrics.add_collector(budget.collect)
-        return cls(
+        handler = cls(
             router,
             max_body_bytes=cfg.max_body_bytes,
             metrics=metrics,
@@ -166,6 +172,27 @@ class StreamHandler:
             body_timeout_s=cfg.body_timeout_s,
             explain_tokens=frozenset(cfg.explain_tokens),
             allow=PeerAllowList.parse(cfg.allowed_clients),
+            max_streams=cfg.max_streams,
+        )
+        metrics.add_collector(handler.collect)
+        return handler
+
+    def collect(self):
+        """Metric families for the picker's registry: the streams open and refused."""
+        yield one("extproc_streams_open", "ext_proc streams open now (bounded by "
+                  "server.max_streams).", self.open_streams)  # fmt: skip
+        yield one(
+            "extproc_streams_held",
+            "ext_proc streams open past their response headers only so flow control can cut "
+            "them (envoy-config --response-trailers send).",
+            len(self.cuts),
+        )
+        yield one(
+            "extproc_streams_refused",
+            "Requests refused with 503 picker_streams_full: server.max_streams streams were "
+            "open (logged).",
+            self.streams_refused,
+            "counter",
         )
 
     async def process(
@@ -190,8 +217,13 @@ class StreamHandler:
         )
         state.deadline = deadline
         it = aiter(requests)
+        full = self.open_streams >= self._max_streams
         self.open_streams += 1
         try:
+            if full:
+                for resp in await self._refuse(state, it):
+                    yield resp
+                return
             while True:
                 left = deadline.remaining()
                 msg: wire.ProcessingRequest | None
@@ -243,6 +275,27 @@ class StreamHandler:
         finally:
             self.open_streams -= 1
             state.close()
+
+    async def _refuse(
+        self, state: _Stream, it: AsyncIterator[wire.ProcessingRequest | None]
+    ) -> list[wire.ProcessingResponse]:
+        """Past `max_streams`: the first message (Envoy sends the request headers at once)
+        gets the 503 and the stream ends, so the client hears why, whatever the gateway's
+        failure mode; a peer that sends nothing is let go at the body deadline."""
+        self.streams_refused += 1
+        self._warn(
+            "streams_full",
+            f"requests refused: {self._max_streams} ext_proc streams open (server.max_streams; "
+            f"{self.streams_refused} refused in total, extproc_streams_refused)",
+        )
+        try:
+            async with asyncio.timeout(self._body_timeout_s):
+                msg = await anext(it)
+        except (StopAsyncIteration, TimeoutError):
+            return []
+        if msg is not None and msg.WhichOneof("request") == "request_headers":
+            state.headers = wire.header_map(msg.request_headers.headers)
+        return state.fail(StreamsFull("the endpoint picker has too many requests open"))
 
     def _warn(self, key: str, message: str) -> None:
         self._throttle.warn(log, key, message)
