@@ -144,6 +144,15 @@ class Step:
             return None
         return (self.heap_held - self.heap_before) / self.n
 
+    @property
+    def heap_held_only(self) -> float | None:
+        """Heap per stream that went when the streams did: what holding one costs, without
+        what each request leaves behind by design (its index entries, bounded by the
+        index's capacity). Meaningful for the heap only: freed RSS stays in the allocator."""
+        if not self.n or self.heap_held is None or self.heap_after is None:
+            return None
+        return (self.heap_held - self.heap_after) / self.n
+
 
 class Picker:
     """The picker process of a stack: RSS, and the traced heap when it runs traced."""
@@ -301,6 +310,8 @@ def mib(b: int | None) -> str:
 def row(s: Step) -> str:
     per = "-" if s.per_stream is None else f"{s.per_stream / 1024:7.1f}"
     hper = "-" if s.heap_per_stream is None else f"{s.heap_per_stream / 1024:7.1f}"
+    if s.heap_held_only is not None:
+        hper += f" (held only {s.heap_held_only / 1024:.1f})"
     return (
         f"{s.setting:14s} {s.n:5d} {s.complete:5d} {s.open_s:6.2f} | RSS MiB {mib(s.rss_before)}"
         f" {mib(s.rss_held)} {mib(s.rss_after)} | KiB/stream {per} | heap MiB "
@@ -382,6 +393,7 @@ def main() -> None:
             for s in steps:
                 rec = {**asdict(s), "per_stream": s.per_stream,
                        "heap_per_stream": s.heap_per_stream,
+                       "heap_held_only": s.heap_held_only,
                        "after_minus_first_before": s.rss_after - base.rss_before}  # fmt: skip
                 out.append(rec)
                 print(json.dumps(rec))
