@@ -332,3 +332,29 @@ async def test_a_stream_held_to_the_response_end_keeps_no_parsed_prompt(
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF
     assert app.router.inflight.total() == 0
+
+
+async def test_past_max_streams_the_first_message_gets_503_and_the_stream_ends(settings):
+    """A stream over `server.max_streams` is refused with a reason the client sees; the
+    open one is untouched, and a stream is accepted again once it ends."""
+    async with (
+        App(with_server(settings, max_streams=1), []) as app,
+        ExtProcClient(f"127.0.0.1:{app.port}") as client,
+    ):
+        held = client.open()
+        await held.write(request_headers(post("/v1/chat/completions")))
+        await asyncio.sleep(0.05)  # the first stream is open before the second
+        out = await client.exchange([request_headers(post("/v1/chat/completions"))])
+        status, body, headers = error_of(out[0])
+        assert (status, body["error"]["code"]) == (503, "picker_streams_full")
+        assert headers["retry-after"] == "1"
+        assert app.stream_handler is not None
+        assert app.stream_handler.streams_refused == 1
+        held.cancel()
+        await asyncio.sleep(0.05)
+        assert app.stream_handler.open_streams == 0
+        out = await client.exchange(
+            [request_headers(post("/v1/chat/completions")), *body_chunks(CHAT)]
+        )
+        # Accepted and routed: this app has no endpoint to route to.
+        assert error_of(out[0])[1]["error"]["code"] == "no_eligible_endpoints"
