@@ -598,7 +598,9 @@ def diagnostics(dep: Deployment, sims_before: list[dict[str, float]]) -> dict:
         row[f"{label}_picker_wait_p99_le_s"] = hist_quantile(
             merged, "extproc_flow_queue_wait_seconds", 0.99, sel
         )
-    # Eviction as the pickers count it (`-ev`): requests cut, and per-endpoint decisions.
+    # Eviction as the pickers count it (`-ev`): requests cut, and per-endpoint outcomes in
+    # waiting requests (rows before the evshort branch counted `short` per dispatch
+    # opportunity; the key kept its name).
     row["evicted_picker"] = sum(
         summed(pg, "extproc_flow_requests_total", 'outcome="evicted_inflight"') for pg in pages
     )
