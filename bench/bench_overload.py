@@ -1449,6 +1449,10 @@ def main() -> int:
                 # all_trace's order: on two replicas, whose lower-band work took the room a
                 # slow interactive request waited for (bench/overload_rival.py).
                 row["all_picker"] = [picker_of(r) for r in served]
+                # The requests cut (`-ev`) in the same form, `done` the cut: they held room
+                # on the books and KV until then (bench/trace_cut.py fills what they lack).
+                cut = [r for r in reqs if r.reason == "evicted" or is_cut(r)]
+                row["cut_trace"] = [brief(r) for r in cut]
             print(json.dumps(row), flush=True)
             rows.append(row)
             settle(dep)
