@@ -19,8 +19,10 @@ arrival and their end. What it does not give:
   served batch requests released in it, is how many cut ones were released then (the sums
   are checked to agree; the running count's dips of one or two, a release on the other
   side of a sample by the two clocks, are smoothed out); each cut request, oldest first,
-  takes the earliest such release after its arrival, at the middle of its interval: within
-  about 0.25 s, and not the right one where two cut requests' releases cross;
+  takes the earliest such release after its arrival, at the middle of its interval. Tried
+  on served batch requests of 20 saved `-ev` runs as if cut (12 a run, their true release
+  known): within 0.25 s for 70% of them, 0.5 s for 84%, at most 1.6 s (where two of them
+  were released in the other order);
 - its max_tokens (the bench draws it per request): the served batch requests' median;
 - its engine prompt tokens: as above.
 """
