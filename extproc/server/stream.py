@@ -154,10 +154,10 @@ class StreamHandler:
         cls, router: Router, cfg: ServerSettings, metrics: PickerMetrics
     ) -> StreamHandler:
         """The servicer with the hostile-client limits of `server:` applied (the budget's
-        gauges registered in `metrics`)."""
+        gauges and the held cuttable streams' registered in `metrics`)."""
         budget = BodyBudget(limit=cfg.body_budget_bytes)
         metrics.add_collector(budget.collect)
-        return cls(
+        handler = cls(
             router,
             max_body_bytes=cfg.max_body_bytes,
             metrics=metrics,
@@ -166,6 +166,8 @@ class StreamHandler:
             explain_tokens=frozenset(cfg.explain_tokens),
             allow=PeerAllowList.parse(cfg.allowed_clients),
         )
+        metrics.add_collector(handler.cuts.collect)
+        return handler
 
     async def process(
         self, requests: AsyncIterator[wire.ProcessingRequest | None], context
