@@ -17,6 +17,7 @@ from extproc.config import Settings
 from extproc.endpoints import parse_endpoints
 from extproc.server.app import App
 from extproc.server.drain import DrainBounds
+from extproc.server.families import DRAIN
 from extproc.testing import (
     FULL_DUPLEX,
     ExtProcClient,
@@ -93,6 +94,12 @@ async def test_a_response_still_streaming_at_the_bound_is_cut_counted_and_logged
             "before_response_body": 0,
             "no_response_body": 0,
         }
+        exported = {
+            (m.name, tuple(sorted(smp.labels.items()))): smp.value
+            for m in DRAIN.families(app.drain_stats)
+            for smp in m.samples
+        }
+        assert exported[("extproc_drain_cut_streams", (("phase", "response_body"),))] == 1
     cut = [r for r in caplog.records if r.name == "extproc.server.drain" and r.levelno >= 30]
     assert len(cut) == 1
     assert "1 ext_proc streams still open after 0.5 s were cut (1 mid-response" in cut[0].message
