@@ -57,6 +57,7 @@ from extproc.requests.parse import api_for_path
 from extproc.router import Routed, Router
 from extproc.server import wire
 from extproc.server.cut_streams import CutStreams
+from extproc.server.drain import StreamPhase
 from extproc.server.guard import PeerAllowList, Throttle
 from extproc.server.limits import BodyBudget, BodyDeadline, DeadlineSweeper
 from extproc.server.metrics import PickerMetrics
@@ -146,6 +147,8 @@ class StreamHandler:
         self._replies = wire.DecisionReplies()
         self._sweeper = DeadlineSweeper(min(1.0, body_timeout_s / 4))
         self.open_streams = 0  # a draining picker waits for these (server/lifecycle.py)
+        # The open streams' states: a drain reads what phase each is in (server/drain.py).
+        self.live: set[_Stream] = set()
         # Streams held past their response headers for eviction; a drain ends them with OK.
         self.cuts = CutStreams()
 
@@ -192,6 +195,7 @@ class StreamHandler:
         state.deadline = deadline
         it = aiter(requests)
         self.open_streams += 1
+        self.live.add(state)
         try:
             while True:
                 left = deadline.remaining()
@@ -243,6 +247,7 @@ class StreamHandler:
                     return
         finally:
             self.open_streams -= 1
+            self.live.discard(state)
             state.close()
 
     def _warn(self, key: str, message: str) -> None:
@@ -659,6 +664,16 @@ class _Stream:
             # (with trailers SKIP Envoy has closed its side already).
             self.done = True
         return resp
+
+    @property
+    def phase(self) -> StreamPhase:
+        """Where this open stream is, for a drain (server/drain.py): a response whose body
+        passes through the picker (the gateways' FULL_DUPLEX_STREAMED response bodies: the
+        stream lasts to the response's end), before it, or one whose response body does not
+        (`extproc envoy-config`: the stream ends at the response headers)."""
+        if not self.seen_request or self.response_mode != _FULL_DUPLEX:
+            return "no_response_body"
+        return "response_body" if self.responded else "before_response_body"
 
     def _let_go(self) -> None:
         """A drain: end this cuttable stream with OK (it stops being an eviction candidate
