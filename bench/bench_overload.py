@@ -598,7 +598,9 @@ def diagnostics(dep: Deployment, sims_before: list[dict[str, float]]) -> dict:
         row[f"{label}_picker_wait_p99_le_s"] = hist_quantile(
             merged, "extproc_flow_queue_wait_seconds", 0.99, sel
         )
-    # Eviction as the pickers count it (`-ev`): requests cut, and per-endpoint decisions.
+    # Eviction as the pickers count it (`-ev`): requests cut, and per-endpoint outcomes in
+    # waiting requests (rows before the evshort branch counted `short` per dispatch
+    # opportunity; the key kept its name).
     row["evicted_picker"] = sum(
         summed(pg, "extproc_flow_requests_total", 'outcome="evicted_inflight"') for pg in pages
     )
@@ -1447,6 +1449,10 @@ def main() -> int:
                 # all_trace's order: on two replicas, whose lower-band work took the room a
                 # slow interactive request waited for (bench/overload_rival.py).
                 row["all_picker"] = [picker_of(r) for r in served]
+                # The requests cut (`-ev`) in the same form, `done` the cut: they held room
+                # on the books and KV until then (bench/trace_cut.py fills what they lack).
+                cut = [r for r in reqs if r.reason == "evicted" or is_cut(r)]
+                row["cut_trace"] = [brief(r) for r in cut]
             print(json.dumps(row), flush=True)
             rows.append(row)
             settle(dep)

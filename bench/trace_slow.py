@@ -29,6 +29,11 @@ Classes, for each slow request:
 A `+kv` suffix: after its picker wait it also waited for KV (released on the books' room
 before the engine had it). Without a timeline (the bench writes it under /tmp) the room
 waits are `room` (said once per run).
+
+The books and the engine's KV count the requests an `-ev` run cut (bench/trace_cut.py: the
+row's `cut_trace`, or for older rows rebuilt from the run's Envoy access log and timeline),
+each from its release to the cut; `--without-cut` leaves them out (the tool's figures
+before the evshort branch).
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trace_kvwait import ACCESS_LAG_S, BLOCK, USABLE, blocks, runs  # bench/ is on the path
+from trace_cut import cut_trace  # bench/ is on the path
+from trace_kvwait import ACCESS_LAG_S, BLOCK, USABLE, blocks, runs
 
 EARLY_S = 1.5
 WAIT_S = 0.1
@@ -156,6 +162,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", type=Path)
     ap.add_argument("--runs", default="", help="only runs whose name ends with one of these")
+    ap.add_argument("--without-cut", action="store_true", help="books of served requests only")
     args = ap.parse_args()
     wanted = [r for r in args.runs.split(",") if r]
     totals: dict[str, collections.Counter[str]] = {}
@@ -175,7 +182,12 @@ def main() -> int:
             timeline = Timeline(tl_path) if tl_path.is_file() else None
             if timeline is None:
                 print(f"{path} {name}: timeline {tl_path} gone: room waits not split")
-            reqs = rebuild(row["all_trace"])
+            cut: list[list] = []
+            if not args.without_cut:
+                cut, how = cut_trace(row)
+                if len(cut) != row.get("evicted", 0):
+                    print(f"{path} {name}: {row.get('evicted')} cut, not counted: {how}")
+            reqs = rebuild(row["all_trace"] + cut)
             cap = frac * KV_BLOCKS * BLOCK
             counts = totals.setdefault(name, collections.Counter())
             counts["runs"] += 1

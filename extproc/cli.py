@@ -159,7 +159,9 @@ def _supervise(args: argparse.Namespace, settings: Settings) -> int:
         )
     elif settings.state.shared_inflight is None:
         log.warning("workers share the Redis index but not in-flight counts (shared_inflight off)")
-    sup = Supervisor(lambda i: worker_argv(args.argv, i), args.workers, grace_s=server.grace_s)
+    sup = Supervisor(
+        lambda i: worker_argv(args.argv, i), args.workers, grace_s=server.drain_bound_s
+    )
     # SIGTERM (Kubernetes) and SIGINT both drain every worker; the supervisor forwards.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sup.stop())

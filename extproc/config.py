@@ -77,12 +77,15 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     for ORIGINAL_DST, which takes exactly one address). `drain_delay_s`: after SIGTERM, how
     long the picker keeps serving new streams while reporting NOT_SERVING, so Envoy's health
     checks (every 1 s, two misses) and Kubernetes stop sending before it refuses anything
-    (keep the pod's terminationGracePeriodSeconds above drain_delay_s + grace_s).
-    `grace_s`: how long SIGTERM then waits for
-    open streams. `admin_port`: Prometheus `/metrics` and the explain API (0 = any free port,
-    None = off). `tls`: see `TLSSettings`; when unset the ext_proc port still speaks TLS, with
-    a self-signed certificate made at start. `plaintext: true` is the explicit choice of no TLS
-    (a sidecar mesh that encrypts for us, or a test).
+    (keep the pod's terminationGracePeriodSeconds above `drain_bound_s`).
+    `grace_s`: how long SIGTERM then waits for open streams; `response_grace_s`: how long
+    instead while a stream carries a response body through the picker (the gateways'
+    FULL_DUPLEX_STREAMED response bodies: such a stream lasts to the response's end, and one
+    still open at the bound has its response reset; server/drain.py). `admin_port`:
+    Prometheus `/metrics` and the explain API (0 = any free port, None = off). `tls`: see
+    `TLSSettings`; when unset the ext_proc port still speaks TLS, with a self-signed
+    certificate made at start. `plaintext: true` is the explicit choice of no TLS (a sidecar
+    mesh that encrypts for us, or a test).
 
     Hostile clients (docs/security.md): `body_budget_bytes` bounds the request-body bytes all
     open streams buffer together (past it: 503 `body_budget_exhausted`); `body_timeout_s` is
@@ -108,6 +111,7 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_body_bytes: Annotated[int, msgspec.Meta(gt=0)] = 64 * MiB
     fallbacks: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     grace_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    response_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
     drain_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0
     tls: TLSSettings | None = None
     plaintext: bool = False
@@ -132,6 +136,12 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"allowed_clients: not an IP address or CIDR: {c!r}") from None
         if any(len(t) < 16 for t in self.explain_tokens):
             raise ValueError("explain_tokens: each token needs at least 16 characters")
+
+    @property
+    def drain_bound_s(self) -> float:
+        """The longest a SIGTERM drain can take: serving on for `drain_delay_s`, then the
+        longer of the two waits for open streams."""
+        return self.drain_delay_s + max(self.grace_s, self.response_grace_s)
 
     @property
     def effective_tls(self) -> TLSSettings | None:

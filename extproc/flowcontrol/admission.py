@@ -393,13 +393,14 @@ class Admission:
         if fc.evictor is not None:
             ev = counter(
                 "extproc_flow_endpoint_evictions",
-                "Per-endpoint eviction decisions (evict_per_endpoint) by outcome: cut (lower-band "
-                "requests cut on the endpoint where a waiting higher-band request comes closest "
-                "to fitting, or the next closest where they make its room), short (dispatch "
-                "opportunities where no endpoint's lower-band requests could: none cut).",
+                "Waiting higher-band requests by per-endpoint eviction outcome "
+                "(evict_per_endpoint), each outcome once per request: cut (lower-band requests "
+                "were cut for it on the endpoint where it comes closest to fitting, or the next "
+                "closest where they make its room), short (it found no endpoint whose lower-band "
+                "requests could: none cut; one that later gets a cut counts cut too).",
                 ["outcome"],
             )
-            for outcome, n in fc.evict_decisions.items():
+            for outcome, n in fc.evict_outcomes.items():
                 ev.add_metric([outcome], n)
             yield ev
             uc = counter(

@@ -90,6 +90,9 @@ class _Item:
     queued: bool = True
     # Found no endpoint with room at a dispatch opportunity (waiting_claims_room).
     waiting: bool = False
+    # Per-endpoint eviction outcomes counted for this request (`evict_outcomes`): each at
+    # most once, however many dispatch opportunities it waits through.
+    evict_counted: tuple[str, ...] = ()
 
     def __lt__(self, other: _Item) -> bool:
         return self.key < other.key
@@ -229,9 +232,10 @@ class FlowController:
         self.evictor = Evictor(eviction, clock) if eviction is not None else None
         self._endpoints = endpoints
         self._evict_per_endpoint = evict_per_endpoint and eviction is not None
-        # Per-endpoint eviction decisions by outcome: `cut` (requests cut there), `short`
-        # (its lower-band requests could not make the room: none cut).
-        self.evict_decisions: dict[str, int] = {"cut": 0, "short": 0}
+        # Per-endpoint eviction by outcome, in waiting requests (each outcome once per
+        # request, `_count_eviction`): `cut` (lower-band requests were cut for it), `short`
+        # (no endpoint's lower-band requests could make its room: none cut).
+        self.evict_outcomes: dict[str, int] = {"cut": 0, "short": 0}
         if endpoints is not None and not hasattr(detector, "endpoint_saturation"):
             log.warning(
                 "per-endpoint admission off: detector %s has no per-endpoint figures; "
@@ -678,7 +682,7 @@ class FlowController:
                     self.no_room += 1
                     if self._evict_per_endpoint:
                         if not stuck:
-                            self._reclaim_on(item.request)
+                            self._reclaim_on(item)
                     elif self.evictor is not None and not stuck:
                         self._reclaim(top)
                     if not claiming:
@@ -821,9 +825,9 @@ class FlowController:
         """The pool is at the band's ceiling: per-endpoint eviction for its oldest head."""
         heads = [q[0] for q in band.flows.values() if q]
         if heads:
-            self._reclaim_on(min(heads, key=lambda i: i.arrival.seq).request)
+            self._reclaim_on(min(heads, key=lambda i: i.arrival.seq))
 
-    def _reclaim_on(self, request: FlowRequest) -> None:
+    def _reclaim_on(self, item: _Item) -> None:
         """Per-endpoint eviction (`evict_per_endpoint`) for a request of a band above the
         lowest: on the endpoint where it comes closest to fitting, cut the lower bands'
         requests the order policy ranks first (the most recently dispatched: least work
@@ -833,6 +837,7 @@ class FlowController:
         decision is outstanding. The room is made for this request, not kept for it: when
         the cut ones end, the next dispatch offers it to the queue's head, which is this
         request or one of its band before it."""
+        request = item.request
         ev = self.evictor
         assert ev is not None and self._endpoints is not None
         p = request.priority
@@ -875,7 +880,7 @@ class FlowController:
             else:
                 continue  # its lower bands cannot make the room: the next closest
             ev.cut(cut)
-            self.evict_decisions["cut"] += 1
+            self._count_eviction(item, "cut")
             for t in cut:
                 self.stats.count(t.request, "evicted_inflight")
             log.info(
@@ -890,7 +895,17 @@ class FlowController:
                 },
             )
             return
-        self.evict_decisions["short"] += 1
+        self._count_eviction(item, "short")
+
+    def _count_eviction(self, item: _Item, outcome: str) -> None:
+        """Count a per-endpoint eviction outcome once per waiting request: a request that
+        finds nothing to cut is retried at every dispatch opportunity (each tick), so a count
+        per attempt would grow with the tick rate and the wait, not with the requests eviction
+        failed. One that found nothing and later got a cut counts both (the first says when
+        it was stuck; a counter cannot take it back)."""
+        if outcome not in item.evict_counted:
+            item.evict_counted = (*item.evict_counted, outcome)
+            self.evict_outcomes[outcome] += 1
 
     def _fleet_served(self) -> dict[str, float]:
         if not self.peer_served:

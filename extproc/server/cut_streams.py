@@ -6,12 +6,21 @@ Envoy runs a response on untouched when the picker ends its stream with OK, but 
 when the stream fails (the picker dies, or a drain's grace ends with the stream still open:
 ext_proc is fail-closed). So only evictable requests keep a stream past their headers, and
 a draining picker ends those streams at once (`release_all`): a rolling restart then cuts
-no response; the requests merely stop being eviction candidates."""
+no response; the requests merely stop being eviction candidates.
+
+Exported: how many are held now (`extproc_flow_cuttable_streams`), the responses a picker
+that died at this moment would cut and the ones a drain would end. What a drain ended is
+its log line's count; a counter of it would be read only in the process's last seconds
+(`server.drain_delay_s` and the grace), which a scrape interval mostly misses."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import GaugeMetricFamily
+
+from extproc.server.metrics import gauge
 
 log = logging.getLogger(__name__)
 
@@ -19,12 +28,11 @@ log = logging.getLogger(__name__)
 class CutStreams:
     """The open cuttable streams, each by the callback that ends it with OK."""
 
-    __slots__ = ("_held", "draining", "released")
+    __slots__ = ("_held", "draining")
 
     def __init__(self) -> None:
         self._held: set[Callable[[], None]] = set()
         self.draining = False
-        self.released = 0  # streams ended by drains, in total
 
     def hold(self, let_go: Callable[[], None]) -> bool:
         """Keep a stream open past its response headers; False while draining (the stream
@@ -46,9 +54,19 @@ class CutStreams:
         held, self._held = self._held, set()
         for let_go in held:
             let_go()
-        self.released += len(held)
         if held:
             log.info(
                 "drain: ended %d cuttable ext_proc streams so their responses run on", len(held)
             )
         return len(held)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """Metric families for the picker's registry."""
+        g = gauge(
+            "extproc_flow_cuttable_streams",
+            "ext_proc streams held open past their response headers so eviction can cut "
+            "them (--response-trailers send): the responses a picker that died now would cut "
+            "(Envoy resets them), which a drain ends with OK instead.",
+        )
+        g.add_metric([], len(self._held))
+        yield g

@@ -980,6 +980,25 @@ FILE_WATCH = StatsFamilies(
     },
 )
 
+DRAIN = StatsFamilies(
+    "extproc.server.drain.DrainStats",
+    {
+        "cut": Stat(
+            "extproc_drain_cut_streams",
+            "Ext_proc streams still open when a SIGTERM drain's bound ended (server.grace_s, "
+            "or server.response_grace_s while a response body streams through the picker), "
+            "by phase: the proxy resets their responses. Logged in one line.",
+            labels=("phase",),
+            keys=("response_body", "before_response_body", "no_response_body"),
+        ),
+        "extended": Stat(
+            "extproc_drain_extended",
+            "SIGTERM drains that waited past server.grace_s (up to server.response_grace_s) "
+            "because a response body was streaming through the picker.",
+        ),
+    },
+)
+
 LOOPS = StatsFamilies(
     "extproc.server.lifecycle.LoopStats",
     {
@@ -999,7 +1018,7 @@ TABLES: tuple[StatsFamilies, ...] = (
     ROUTER, INDEX, KV_EVENTS, SCRAPE, DCGM, REQUEST_ENDS, SHARED_REQUEST_ENDS, SHARED_INFLIGHT,
     INFLIGHT_PUSH, SHARED_SESSIONS, SESSION_BOUND, SHARED_GROWTH, SHARED_OBSERVATIONS,
     SHARED_PLACEMENTS, SHARED_SCRAPES, SHARED_CALIBRATION, SHARED_SILENCE, CALIBRATION,
-    CAPACITY, PLACED, WATCH, API_SERVER, FLOW, SHARED_FLOW, LATENCY_MODEL, FILE_WATCH, LOOPS,
+    CAPACITY, PLACED, WATCH, API_SERVER, FLOW, SHARED_FLOW, LATENCY_MODEL, FILE_WATCH, LOOPS, DRAIN,
 )  # fmt: skip
 
 

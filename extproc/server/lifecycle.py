@@ -3,7 +3,8 @@
 Start order: index (warms Redis up), discovery, background loops, then every port is bound
 before any listens, and readiness turns SERVING once endpoints are known. `stop()` (what
 SIGTERM calls) ends the streams held open only for eviction (server/cut_streams.py), marks
-health NOT_SERVING, lets open streams finish within `grace_s` (Envoy's access-log streams,
+health NOT_SERVING, lets open streams finish within `grace_s`, or `response_grace_s` while a
+response body streams through the picker (server/drain.py; Envoy's access-log streams,
 which never finish by themselves, are closed once the ext_proc ones have), then tears down
 in reverse order: servers -> loops -> queued index writes -> clients.
 """
@@ -31,6 +32,7 @@ from extproc.server import exporter, wire
 from extproc.server import families as fam
 from extproc.server.admin import make_admin_app
 from extproc.server.assembly import Parts
+from extproc.server.drain import DrainBounds, DrainStats, drain
 from extproc.server.guard import lenient_deserializer
 from extproc.server.ports import PortInUse, bind_grpc, bind_worker_port, check_ports
 from extproc.server.stream import StreamHandler
@@ -91,7 +93,11 @@ class Lifecycle(Parts):
         self.loop_stats = LoopStats()
         # Stats of what starts with the process, by export table (server/exporter.py reads
         # this list at each scrape, so parts added at start show from then on).
-        self.running_stats: list[tuple[fam.StatsFamilies, Any]] = [(fam.LOOPS, self.loop_stats)]
+        self.drain_stats = DrainStats()
+        self.running_stats: list[tuple[fam.StatsFamilies, Any]] = [
+            (fam.LOOPS, self.loop_stats),
+            (fam.DRAIN, self.drain_stats),
+        ]
         self._endpoints_changed = asyncio.Event()
         self._stopped = asyncio.Event()
         self._stopping = False
@@ -401,7 +407,8 @@ class Lifecycle(Parts):
 
     async def stop(self) -> None:
         """Drain: NOT_SERVING first (so the proxy and Kubernetes stop sending), then let open
-        streams finish for up to `grace_s`, then close."""
+        streams finish for up to `grace_s` (`response_grace_s` while a response body streams
+        through the picker: server/drain.py), then close."""
         if self._stopping:
             await self._stopped.wait()
             return
@@ -417,7 +424,16 @@ class Lifecycle(Parts):
             # streams Envoy keeps sending until its health check notices.
             await asyncio.sleep(self.settings.server.drain_delay_s)
         if self._server is not None:
-            stopping = asyncio.ensure_future(self._server.stop(self.settings.server.grace_s))
+            cfg = self.settings.server
+            handler = self.stream_handler
+            stopping = asyncio.ensure_future(
+                drain(
+                    self._server,
+                    lambda: [s.phase for s in handler.live] if handler is not None else [],
+                    DrainBounds(cfg.grace_s, cfg.response_grace_s),
+                    self.drain_stats,
+                )
+            )
             await self._end_access_logs_when_idle(stopping)
             await stopping
         if self._health_server is not None:

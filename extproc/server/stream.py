@@ -59,6 +59,7 @@ from extproc.requests.parse import api_for_path
 from extproc.router import Routed, Router
 from extproc.server import wire
 from extproc.server.cut_streams import CutStreams
+from extproc.server.drain import StreamPhase
 from extproc.server.families import one
 from extproc.server.guard import PeerAllowList, Throttle
 from extproc.server.limits import BodyBudget, BodyDeadline, DeadlineSweeper
@@ -153,6 +154,8 @@ class StreamHandler:
         self._replies = wire.DecisionReplies()
         self._sweeper = DeadlineSweeper(min(1.0, body_timeout_s / 4))
         self.open_streams = 0  # a draining picker waits for these (server/lifecycle.py)
+        # The open streams' states: a drain reads what phase each is in (server/drain.py).
+        self.live: set[_Stream] = set()
         # Streams held past their response headers for eviction; a drain ends them with OK.
         self.cuts = CutStreams()
 
@@ -161,7 +164,8 @@ class StreamHandler:
         cls, router: Router, cfg: ServerSettings, metrics: PickerMetrics
     ) -> StreamHandler:
         """The servicer with the hostile-client limits of `server:` applied (the budget's
-        gauges registered in `metrics`)."""
+        gauges, the held cuttable streams' and the open and refused streams' registered in
+        `metrics`)."""
         budget = BodyBudget(limit=cfg.body_budget_bytes)
         metrics.add_collector(budget.collect)
         handler = cls(
@@ -174,6 +178,7 @@ class StreamHandler:
             allow=PeerAllowList.parse(cfg.allowed_clients),
             max_streams=cfg.max_streams,
         )
+        metrics.add_collector(handler.cuts.collect)
         metrics.add_collector(handler.collect)
         return handler
 
@@ -181,12 +186,6 @@ class StreamHandler:
         """Metric families for the picker's registry: the streams open and refused."""
         yield one("extproc_streams_open", "ext_proc streams open now (bounded by "
                   "server.max_streams).", self.open_streams)  # fmt: skip
-        yield one(
-            "extproc_streams_held",
-            "ext_proc streams open past their response headers only so flow control can cut "
-            "them (envoy-config --response-trailers send).",
-            len(self.cuts),
-        )
         yield one(
             "extproc_streams_refused",
             "Requests refused with 503 picker_streams_full: server.max_streams streams were "
@@ -219,6 +218,7 @@ class StreamHandler:
         it = aiter(requests)
         full = self.open_streams >= self._max_streams
         self.open_streams += 1
+        self.live.add(state)
         try:
             if full:
                 for resp in await self._refuse(state, it):
@@ -274,6 +274,7 @@ class StreamHandler:
                     return
         finally:
             self.open_streams -= 1
+            self.live.discard(state)
             state.close()
 
     async def _refuse(
@@ -714,6 +715,16 @@ class _Stream:
             # (with trailers SKIP Envoy has closed its side already).
             self.done = True
         return resp
+
+    @property
+    def phase(self) -> StreamPhase:
+        """Where this open stream is, for a drain (server/drain.py): a response whose body
+        passes through the picker (the gateways' FULL_DUPLEX_STREAMED response bodies: the
+        stream lasts to the response's end), before it, or one whose response body does not
+        (`extproc envoy-config`: the stream ends at the response headers)."""
+        if not self.seen_request or self.response_mode != _FULL_DUPLEX:
+            return "no_response_body"
+        return "response_body" if self.responded else "before_response_body"
 
     def _let_go(self) -> None:
         """A drain: end this cuttable stream with OK (it stops being an eviction candidate

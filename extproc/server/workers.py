@@ -102,7 +102,8 @@ class Supervisor:
             raise ValueError("workers must be >= 1")
         self._command = command
         self._slots = [_Slot(i) for i in range(workers)]
-        # Workers drain for grace_s; a little on top for their own teardown.
+        # Workers drain for up to grace_s (ServerSettings.drain_bound_s: drain delay and
+        # the longer stream wait); a little on top for their own teardown.
         self._stop_wait_s = grace_s + 5.0
         self._clock = clock
         self._sleep = sleep

@@ -17,6 +17,7 @@ import yaml
 
 from extproc.stack import Stack, StackOptions
 from tests.e2e.sim_speed import finish_fast
+from tests.e2e.test_flow_control import metric
 from tests.e2e.test_flow_eviction_cut import (
     SIM,
     aborted,
@@ -47,6 +48,9 @@ async def stop_while_streaming(tmp: Path, sig: int) -> tuple[str, str, float]:
             shed = asyncio.create_task(stream_reply(c, model, 2, d2))
             await asyncio.wait_for(asyncio.gather(d1, d2), 10)
             assert sim_figure(s, "num_requests_running") == 2
+            # Only the sheddable one's stream is held (the critical one's ended at its
+            # response headers), and the picker says so.
+            assert metric(s, "extproc_flow_cuttable_streams") == 1
             code = await asyncio.to_thread(s.stop_extproc, sig)
             assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
             await asyncio.sleep(1.5)  # past the grace: a stream left open is reset by now

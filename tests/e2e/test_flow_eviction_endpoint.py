@@ -9,7 +9,10 @@ an interactive request (700 tokens) on one server X; batch requests (priority 0)
 (300) fits neither (X 1250, Y 1200 with it): it comes closest on Y, so Y's newest batch
 request (the 400) is cut, 429 `evicted`, and the interactive request is served on Y at
 once, while every other holder runs to its end. llm-d's pool-wide rule would have cut the
-newest batch request anywhere (X's 250), and its filter no priority-0 request at all."""
+newest batch request anywhere (X's 250), and its filter no priority-0 request at all.
+
+Then an interactive request that nothing can make room for (interactive holders on both
+servers, no batch running) waits them out: counted `short` once, not once per tick."""
 
 from __future__ import annotations
 
@@ -133,3 +136,23 @@ async def test_a_waiting_interactive_request_cuts_the_newest_batch_on_its_closes
     assert after == before + 1
     assert metric(stack, "extproc_flow_requests_total", priority="0",
                   outcome="evicted_inflight") == 1  # fmt: skip
+
+
+async def test_a_request_nothing_can_make_room_for_counts_short_once(stack: Stack):
+    short = metric(stack, "extproc_flow_endpoint_evictions_total", outcome="short")
+    cuts = metric(stack, "extproc_flow_endpoint_evictions_total", outcome="cut")
+    base = dispatched(stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
+        holders = []
+        for n, tag in enumerate(("hi-h1", "hi-h2")):  # 700 on each server
+            holders.append(asyncio.create_task(post(c, "interactive", tag, 700, 1500)))
+            await asyncio.to_thread(
+                wait_until, lambda n=n: dispatched(stack) >= base + n + 1, timeout_s=5, what=tag
+            )
+        # 400 fits neither, and only its own band runs there: it waits the holders out
+        # (about 1.4 s, some 70 dispatch opportunities at the 20 ms tick).
+        waited = await post(c, "interactive", "hi-w", 400)
+        assert waited.status_code == 200
+        assert all(r.status_code == 200 for r in await asyncio.gather(*holders))
+    assert metric(stack, "extproc_flow_endpoint_evictions_total", outcome="short") == short + 1
+    assert metric(stack, "extproc_flow_endpoint_evictions_total", outcome="cut") == cuts

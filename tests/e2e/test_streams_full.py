@@ -54,7 +54,7 @@ async def test_past_max_streams_a_request_is_refused_with_a_reason(tmp_path: Pat
             assert r.headers[protocol.DROPPED_REASON_HEADER] == "picker_streams_full"
             assert r.headers["retry-after"] == "1"
             assert metric(stack, "extproc_streams_refused_total") == 1
-            assert metric(stack, "extproc_streams_held") == 2  # the two sheddable ones
+            assert metric(stack, "extproc_flow_cuttable_streams") == 2  # the two sheddable ones
             finish_fast(stack.fleet)
             assert await first == "complete"
             assert await second == "complete"

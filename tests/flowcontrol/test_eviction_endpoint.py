@@ -105,7 +105,7 @@ async def test_a_waiting_interactive_request_cuts_the_newest_batch_there_just_en
     # A and B are alike; on A (the closer by name), the newest batch request there: one
     # cut of 300 leaves 100 + 300 >= 400, so only one.
     assert cut == ["b4"]
-    assert ctl.evict_decisions == {"cut": 1, "short": 0}
+    assert ctl.evict_outcomes == {"cut": 1, "short": 0}
     assert ctl.stats.outcomes[(0, "b4", "evicted_inflight")] == 1
     # Stop-and-wait: nothing more is cut while the cut one's stream is open, even for more.
     more = asyncio.create_task(ctl.admit(req("hi2", 400, priority=10)))
@@ -138,7 +138,7 @@ async def test_never_its_own_band_and_nothing_when_the_lower_band_there_cannot_m
     await settle()
     # 100 free on A; its one batch request frees 100 more: short of 400, so none is cut.
     assert cut == [] and not hi.done()
-    assert ctl.evict_decisions["short"] >= 1 and ctl.evict_decisions["cut"] == 0
+    assert ctl.evict_outcomes == {"cut": 0, "short": 1}
     hi.cancel()
     # The lowest band waiting for room never cuts anything (nothing ranks below it).
     lo = asyncio.create_task(ctl.admit(req("lo", 400)))
@@ -160,7 +160,7 @@ async def test_where_the_closest_server_cannot_make_room_the_next_closest_does()
     await settle()
     # Closest on A (1150 against 1200), where batch holds 100: not enough; on B the newest
     # batch request's 300 is.
-    assert cut == ["bB2"] and ctl.evict_decisions == {"cut": 1, "short": 0}
+    assert cut == ["bB2"] and ctl.evict_outcomes == {"cut": 1, "short": 0}
     finish(ctl, fleet, held[3])
     await settle()
     assert hi.result().target == "B"
@@ -185,8 +185,7 @@ async def test_llm_d_filter_never_cuts_priority_zero_and_the_switch_is_off_by_de
     assert not any(t.evictable for t in batch)
     hi = asyncio.create_task(ctl.admit(req("hi", 400, priority=10)))
     await settle()
-    assert not hi.done() and ctl.evict_decisions["cut"] == 0
-    assert ctl.evict_decisions["short"] >= 1  # nothing there to cut: counted
+    assert not hi.done() and ctl.evict_outcomes == {"cut": 0, "short": 1}  # nothing to cut
     hi.cancel()
     # enableEviction without evict_per_endpoint: llm-d's pool-wide rule, which sizes by
     # saturation units (one request here, the newest anywhere: B's).
@@ -195,8 +194,48 @@ async def test_llm_d_filter_never_cuts_priority_zero_and_the_switch_is_off_by_de
     cut = watch(batch)
     hi = asyncio.create_task(ctl.admit(req("hi", 400, priority=10)))
     await settle()
-    assert cut == ["b3"] and ctl.evict_decisions["cut"] == 0
+    assert cut == ["b3"] and ctl.evict_outcomes["cut"] == 0
     hi.cancel()
+
+
+async def test_outcomes_count_waiting_requests_not_dispatch_opportunities():
+    ctl, fleet, clock = make()
+    fleet.tokens["B"], fleet.reqs["B"] = CAP, 1  # full with work this picker did not place
+    held = await fill(
+        ctl, fleet, clock, req("hi1", 200, priority=10), req("hi2", 400, priority=10), req("b", 300)
+    )
+    assert [t.endpoint for t in held] == ["A"] * 3  # A 900
+    cut = watch(held)
+    hi = asyncio.create_task(ctl.admit(req("hi", 450, priority=10)))
+    await settle()
+    # On A, cutting the batch request leaves 1050: nothing to cut anywhere, counted once
+    # however many opportunities it waits through (one a tick).
+    for _ in range(20):
+        clock.t += 0.02
+        ctl.tick()
+        await settle()
+    assert cut == [] and not hi.done()
+    assert ctl.evict_outcomes == {"cut": 0, "short": 1}
+    # hi1 ends: A 700; cutting the batch request now makes its room (850). The same
+    # request, stuck before, counts a cut too.
+    finish(ctl, fleet, held[0])
+    await settle()
+    assert cut == ["b"] and ctl.evict_outcomes == {"cut": 1, "short": 1}
+    clock.t += 1
+    ctl.tick()
+    await settle()
+    assert ctl.evict_outcomes == {"cut": 1, "short": 1}  # the gate closed: nothing more
+    finish(ctl, fleet, held[2])
+    await settle()
+    assert place(ctl, fleet, hi.result()).endpoint == "A"
+    # A second request stuck the same way is a second one.
+    hi2 = asyncio.create_task(ctl.admit(req("hi3", 450, priority=10)))
+    for _ in range(5):
+        clock.t += 0.02
+        ctl.tick()
+        await settle()
+    assert not hi2.done() and ctl.evict_outcomes == {"cut": 1, "short": 2}
+    hi2.cancel()
 
 
 def test_config_names_the_filter_and_the_settings_validate():

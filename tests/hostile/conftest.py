@@ -23,6 +23,7 @@ def hostile_settings() -> Settings:
             health_port=0,
             admin_port=None,
             grace_s=0.5,
+            response_grace_s=0.5,  # hostile streams left open must not hold the teardown
             drain_delay_s=0,
             max_body_bytes=200_000,
             plaintext=True,
