@@ -96,7 +96,10 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     match). `admin_host`: where the admin port binds (loopback by default: it serves the
     explain API and state without authentication). `admin_explain_max_bytes`: the largest
     body `POST /debug/explain` accepts. `allowed_clients`: IPs/CIDRs that may open ext_proc
-    streams (the Envoy pods); empty = anyone who can connect. `worker_port`: a second
+    streams (the Envoy pods); empty = anyone who can connect. `max_streams`: ext_proc
+    streams open at once in this process; past it a new request gets 503
+    `picker_streams_full` (a stream held to its response's end costs 20-30 KiB: 40,000 about
+    1 GiB, docs/reliability.md). `worker_port`: a second
     ext_proc port this process alone serves (`--worker-ports BASE`: worker i of `--workers N`
     at BASE + i), so a proxy can balance streams over workers (docs/operations.md, Workers).
     """
@@ -118,6 +121,7 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     admin_host: str = "127.0.0.1"
     admin_explain_max_bytes: Annotated[int, msgspec.Meta(gt=0)] = 4 * MiB
     allowed_clients: list[str] = msgspec.field(default_factory=list)
+    max_streams: Annotated[int, msgspec.Meta(gt=0)] = 40_000
     worker_port: _Port | None = None
 
     def __post_init__(self) -> None:

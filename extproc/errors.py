@@ -89,6 +89,16 @@ class RequestTimeout(ExtprocError):
     type = "invalid_request_error"
 
 
+class StreamsFull(ExtprocError):
+    """The picker already holds `server.max_streams` ext_proc streams open (each held to its
+    response's end under a gateway's settings): a new request is refused, not queued."""
+
+    status = 503
+    code = "picker_streams_full"
+    type = "server_error"
+    extra_headers = MappingProxyType({"retry-after": "1"})
+
+
 class BodyBudgetExhausted(ExtprocError):
     """Every stream together already buffers the configured total of body bytes."""
 

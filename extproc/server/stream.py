@@ -30,6 +30,7 @@ operator-issued token in `x-extproc-explain` (`server.explain_tokens`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import logging
@@ -51,6 +52,7 @@ from extproc.errors import (
     ExtprocError,
     PayloadTooLarge,
     RequestTimeout,
+    StreamsFull,
 )
 from extproc.flowcontrol.engine_priority import ENGINE_PRIORITY_HEADER, BodyEdit, EngineEdit
 from extproc.requests.parse import api_for_path
@@ -58,6 +60,7 @@ from extproc.router import Routed, Router
 from extproc.server import wire
 from extproc.server.cut_streams import CutStreams
 from extproc.server.drain import StreamPhase
+from extproc.server.families import one
 from extproc.server.guard import PeerAllowList, Throttle
 from extproc.server.limits import BodyBudget, BodyDeadline, DeadlineSweeper
 from extproc.server.metrics import PickerMetrics
@@ -122,7 +125,8 @@ class StreamHandler:
     `budget`: the process-wide body budget (default: unbounded beyond `max_body_bytes` per
     stream). `body_timeout_s`: request headers to end of body. `explain_tokens`: values of
     `x-extproc-explain` that get the decision back (empty: nobody). `allow`: peers that may
-    open streams."""
+    open streams. `max_streams`: streams open at once; past it a new one answers its first
+    message with 503 `picker_streams_full` (None: unbounded)."""
 
     def __init__(
         self,
@@ -134,8 +138,11 @@ class StreamHandler:
         body_timeout_s: float = 30.0,
         explain_tokens: frozenset[str] = frozenset(),
         allow: PeerAllowList | None = None,
+        max_streams: int | None = None,
     ) -> None:
         self._router = router
+        self._max_streams = max_streams if max_streams is not None else 1 << 62
+        self.streams_refused = 0
         self._max_body = max_body_bytes
         self._metrics = metrics if metrics is not None else PickerMetrics()
         self.budget = budget or BodyBudget(limit=1 << 62)
@@ -157,7 +164,8 @@ class StreamHandler:
         cls, router: Router, cfg: ServerSettings, metrics: PickerMetrics
     ) -> StreamHandler:
         """The servicer with the hostile-client limits of `server:` applied (the budget's
-        gauges and the held cuttable streams' registered in `metrics`)."""
+        gauges, the held cuttable streams' and the open and refused streams' registered in
+        `metrics`)."""
         budget = BodyBudget(limit=cfg.body_budget_bytes)
         metrics.add_collector(budget.collect)
         handler = cls(
@@ -168,9 +176,23 @@ class StreamHandler:
             body_timeout_s=cfg.body_timeout_s,
             explain_tokens=frozenset(cfg.explain_tokens),
             allow=PeerAllowList.parse(cfg.allowed_clients),
+            max_streams=cfg.max_streams,
         )
         metrics.add_collector(handler.cuts.collect)
+        metrics.add_collector(handler.collect)
         return handler
+
+    def collect(self):
+        """Metric families for the picker's registry: the streams open and refused."""
+        yield one("extproc_streams_open", "ext_proc streams open now (bounded by "
+                  "server.max_streams).", self.open_streams)  # fmt: skip
+        yield one(
+            "extproc_streams_refused",
+            "Requests refused with 503 picker_streams_full: server.max_streams streams were "
+            "open (logged).",
+            self.streams_refused,
+            "counter",
+        )
 
     async def process(
         self, requests: AsyncIterator[wire.ProcessingRequest | None], context
@@ -194,9 +216,14 @@ class StreamHandler:
         )
         state.deadline = deadline
         it = aiter(requests)
+        full = self.open_streams >= self._max_streams
         self.open_streams += 1
         self.live.add(state)
         try:
+            if full:
+                for resp in await self._refuse(state, it):
+                    yield resp
+                return
             while True:
                 left = deadline.remaining()
                 msg: wire.ProcessingRequest | None
@@ -249,6 +276,27 @@ class StreamHandler:
             self.open_streams -= 1
             self.live.discard(state)
             state.close()
+
+    async def _refuse(
+        self, state: _Stream, it: AsyncIterator[wire.ProcessingRequest | None]
+    ) -> list[wire.ProcessingResponse]:
+        """Past `max_streams`: the first message (Envoy sends the request headers at once)
+        gets the 503 and the stream ends, so the client hears why, whatever the gateway's
+        failure mode; a peer that sends nothing is let go at the body deadline."""
+        self.streams_refused += 1
+        self._warn(
+            "streams_full",
+            f"requests refused: {self._max_streams} ext_proc streams open (server.max_streams; "
+            f"{self.streams_refused} refused in total, extproc_streams_refused)",
+        )
+        try:
+            async with asyncio.timeout(self._body_timeout_s):
+                msg = await anext(it)
+        except (StopAsyncIteration, TimeoutError):
+            return []
+        if msg is not None and msg.WhichOneof("request") == "request_headers":
+            state.headers = wire.header_map(msg.request_headers.headers)
+        return state.fail(StreamsFull("the endpoint picker has too many requests open"))
 
     def _warn(self, key: str, message: str) -> None:
         self._throttle.warn(log, key, message)
@@ -644,6 +692,9 @@ class _Stream:
         if self.mode != _FULL_DUPLEX or self.response_mode != _NO_BODY:
             # The stream lasts to the response's end (response bodies sent, or a buffered
             # request body: Envoy 1.40 keeps it open then): accounting ends there, as ever.
+            # What ends it needs the placement and block keys, not the parsed prompt (about
+            # the body's size: 37 KiB a stream for 40 KB prompts, bench_held_streams.py).
+            self.routed = _without_prompt(routed)
             return resp
         # `extproc envoy-config` (FULL_DUPLEX_STREAMED request body, no response body): Envoy
         # closed the stream here with trailers SKIP, and the request's accounting (in-flight
@@ -701,6 +752,14 @@ class _Stream:
             return
         # The obs alone, not this stream: the hold lasts the whole request.
         self.router.finish(routed, responded=False, then=functools.partial(_ended, self.obs))
+
+
+def _without_prompt(routed: Routed) -> Routed:
+    """`routed` without its request's parsed prompt, for a stream held to the response's end
+    (the decision and the plugins that learn from the response headers have had it)."""
+    if routed.request.prompt is None:
+        return routed
+    return dataclasses.replace(routed, request=dataclasses.replace(routed.request, prompt=None))
 
 
 def _edited(resp: wire.ProcessingResponse, edit: EngineEdit | None) -> wire.ProcessingResponse:

@@ -13,7 +13,6 @@ is answered on the server kept free while both batch requests still stream."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import httpx
@@ -24,11 +23,11 @@ from extproc.stack import Stack
 from tests.e2e.flow_configs import (
     HI,
     LO,
-    long_one,
     metric_sum,
     reserve_body,
     reserve_estimate,
     reserve_stack,
+    start_streaming,
 )
 from tests.e2e.sim_speed import finish_fast
 
@@ -50,19 +49,11 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
 
 async def test_a_fresh_picker_keeps_a_server_for_the_configured_interactive_size(stack: Stack):
     model = stack.fleet.model
-    loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
-
-        def small(seed: int) -> dict:
-            return reserve_body(model, seed, SMALL, LONG)
-
-        first_at: asyncio.Future[str] = loop.create_future()
-        second_at: asyncio.Future[str] = loop.create_future()
-        first = asyncio.create_task(long_one(c, small, 1, LO, first_at))
-        busy = await asyncio.wait_for(first_at, 30)
-        second = asyncio.create_task(long_one(c, small, 2, LO, second_at))
+        first, busy = await start_streaming(c, model, 1, SMALL, LONG, LO)
+        second, there = await start_streaming(c, model, 2, SMALL, LONG, LO)
         # Before: on the idle server (the reserve was one small batch request's room).
-        assert await asyncio.wait_for(second_at, 30) == busy, "batch took the server kept free"
+        assert there == busy, "batch took the server kept free"
         assert metric_sum(stack, r'^extproc_flow_reserve_on_prior{priority="10"} (\S+)$') == 1
         assert metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$") >= reserve_estimate(BIG)
         hi = await c.post("/v1/chat/completions", json=reserve_body(model, 3, BIG, 4), headers=HI)

@@ -12,7 +12,6 @@ interactive request is still answered at once while both batch requests stream."
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import httpx
@@ -23,11 +22,11 @@ from extproc.stack import Stack
 from tests.e2e.flow_configs import (
     HI,
     LO,
-    long_one,
     metric_sum,
     reserve_body,
     reserve_estimate,
     reserve_stack,
+    start_streaming,
 )
 from tests.e2e.sim_speed import finish_fast
 
@@ -53,7 +52,6 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
 
 async def test_batch_work_keeps_only_the_interactive_p90s_room(stack: Stack):
     model = stack.fleet.model
-    loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
         # Interactive's history: 2 large requests among 18 small ones (one at a time).
         for i in range(QUANTILE_TRUSTED):
@@ -61,17 +59,10 @@ async def test_batch_work_keeps_only_the_interactive_p90s_room(stack: Stack):
             req = reserve_body(model, 100 + i, words, 1)
             r = await c.post("/v1/chat/completions", json=req, headers=HI)
             assert r.status_code == 200
-
-        def small(seed: int) -> dict:
-            return reserve_body(model, seed, SMALL, LONG)
-
-        first_at: asyncio.Future[str] = loop.create_future()
-        second_at: asyncio.Future[str] = loop.create_future()
-        first = asyncio.create_task(long_one(c, small, 1, LO, first_at))
-        busy = await asyncio.wait_for(first_at, 30)
-        second = asyncio.create_task(long_one(c, small, 2, LO, second_at))
+        first, busy = await start_streaming(c, model, 1, SMALL, LONG, LO)
+        second, there = await start_streaming(c, model, 2, SMALL, LONG, LO)
         # Sized by the largest (1,000 tokens) it would have gone beside the first.
-        assert await asyncio.wait_for(second_at, 30) != busy, "kept room for the largest"
+        assert there != busy, "kept room for the largest"
         reserved = metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$")
         assert reserve_estimate(TINY) <= reserved < reserve_estimate(BIG)
         hist = r'^extproc_flow_reserve_history_requests{priority="10"} (\S+)$'

@@ -24,12 +24,12 @@ from tests.e2e.flow_configs import (
     LO,
     burst_then_large,
     held_or_done,
-    long_one,
     metric_sum,
     queued,
     reserve_body,
     reserve_estimate,
     reserve_stack,
+    start_streaming,
 )
 from tests.e2e.sim_speed import finish_fast
 
@@ -52,7 +52,6 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
 
 async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(stack: Stack):
     model = stack.fleet.model
-    loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
         # Interactive history: a burst of small requests, then the large one. Streamed, as
         # interactive traffic is: the sim (as vLLM) sends its headers before the prefill, so
@@ -60,16 +59,9 @@ async def test_batch_leaves_room_for_the_interactive_work_expected_meanwhile(sta
         # (from their histograms). Sized by time to first byte, the rate term was ~0 here.
         smalls = [reserve_body(model, i, SMALL, 1) for i in range(8)]
         await burst_then_large(stack, c, smalls, reserve_body(model, 100, BIG, 1))
-
-        def medium(seed: int) -> dict:
-            return reserve_body(model, seed, MEDIUM, LONG)
-
-        lo_at: asyncio.Future[str] = loop.create_future()
-        hi_at: asyncio.Future[str] = loop.create_future()
-        batch = asyncio.create_task(long_one(c, medium, 200, LO, lo_at))
-        lo_server = await asyncio.wait_for(lo_at, 30)
-        interactive = asyncio.create_task(long_one(c, medium, 201, HI, hi_at))
-        assert await asyncio.wait_for(hi_at, 30) != lo_server  # the less loaded one
+        batch, lo_server = await start_streaming(c, model, 200, MEDIUM, LONG, LO)
+        interactive, hi_server = await start_streaming(c, model, 201, MEDIUM, LONG, HI)
+        assert hi_server != lo_server  # the less loaded one
 
         short = asyncio.create_task(
             c.post("/v1/chat/completions", json=reserve_body(model, 300, SMALL, 4), headers=LO)

@@ -14,7 +14,6 @@ long ones still stream. The largest request's own room is still kept."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import httpx
@@ -26,11 +25,11 @@ from tests.e2e.flow_configs import (
     HI,
     LO,
     burst_then_large,
-    long_one,
     metric_sum,
     reserve_body,
     reserve_estimate,
     reserve_stack,
+    start_streaming,
 )
 from tests.e2e.sim_speed import finish_fast
 
@@ -50,7 +49,6 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
 
 async def test_the_rate_term_counts_a_median_prefill_not_the_largest(stack: Stack):
     model = stack.fleet.model
-    loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
         # Interactive history: 11 tiny and 8 medium requests at once, then the large one:
         # the median prompt is a tiny one (with the long interactive request below too),
@@ -61,16 +59,9 @@ async def test_the_rate_term_counts_a_median_prefill_not_the_largest(stack: Stac
             for i in range(QUANTILE_TRUSTED - 1)
         ]
         await burst_then_large(stack, c, burst, reserve_body(model, 100, BIG, 1))
-
-        def medium(seed: int) -> dict:
-            return reserve_body(model, seed, MEDIUM, LONG)
-
-        lo_at: asyncio.Future[str] = loop.create_future()
-        hi_at: asyncio.Future[str] = loop.create_future()
-        batch = asyncio.create_task(long_one(c, medium, 200, LO, lo_at))
-        lo_server = await asyncio.wait_for(lo_at, 30)
-        interactive = asyncio.create_task(long_one(c, medium, 201, HI, hi_at))
-        assert await asyncio.wait_for(hi_at, 30) != lo_server
+        batch, lo_server = await start_streaming(c, model, 200, MEDIUM, LONG, LO)
+        interactive, hi_server = await start_streaming(c, model, 201, MEDIUM, LONG, HI)
+        assert hi_server != lo_server
 
         short = await c.post(
             "/v1/chat/completions", json=reserve_body(model, 300, SMALL, 4), headers=LO

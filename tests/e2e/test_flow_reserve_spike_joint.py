@@ -15,7 +15,6 @@ less loaded server) where, added, it had to go beside the first."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import httpx
@@ -26,11 +25,11 @@ from extproc.stack import Stack
 from tests.e2e.flow_configs import (
     HI,
     LO,
-    long_one,
     metric_sum,
     reserve_body,
     reserve_estimate,
     reserve_stack,
+    start_streaming,
 )
 from tests.e2e.sim_speed import finish_fast
 
@@ -68,7 +67,6 @@ async def joint_room_kept(stack: Stack) -> None:
     """The history above, then two batch requests: the reserved gauge reads the joint value
     and the second batch request goes to the idle server (also test_flow_spike_auto.py)."""
     model = stack.fleet.model
-    loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
         # Interactive's history: the large request first, then tiny ones (one at a time, so
         # the picker notes them in this order).
@@ -76,23 +74,16 @@ async def joint_room_kept(stack: Stack) -> None:
             req = reserve_body(model, 100 + i, BIG if i == 0 else TINY, 1)
             r = await c.post("/v1/chat/completions", json=req, headers=HI)
             assert r.status_code == 200
-
-        def batch(seed: int) -> dict:
-            return reserve_body(model, seed, BATCH, LONG)
-
-        first_at: asyncio.Future[str] = loop.create_future()
-        second_at: asyncio.Future[str] = loop.create_future()
-        first = asyncio.create_task(long_one(c, batch, 1, LO, first_at))
-        busy = await asyncio.wait_for(first_at, 30)
+        first, busy = await start_streaming(c, model, 1, BATCH, LONG, LO)
         reserved = metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$")
         assert reserved == JOINT, f"reserved {reserved:.0f}: joint {JOINT}, added {ADDED}"
         hist = r'^extproc_flow_reserve_history_requests{priority="10"} (\S+)$'
         assert metric_sum(stack, hist) == QUANTILE_TRUSTED
         spike = r'^extproc_flow_reserve_spike_arrivals{priority="10"} (\S+)$'
         assert metric_sum(stack, spike) == QUANTILE_TRUSTED  # the spike term counts
-        second = asyncio.create_task(long_one(c, batch, 2, LO, second_at))
+        second, there = await start_streaming(c, model, 2, BATCH, LONG, LO)
         # Sized as added (the large request twice) it would have gone beside the first.
-        assert await asyncio.wait_for(second_at, 30) != busy, "kept room for the added term"
+        assert there != busy, "kept room for the added term"
         assert metric_sum(stack, r"^extproc_flow_reserved_tokens (\S+)$") == JOINT
         finish_fast(stack.fleet)
         assert await first == 200 and await second == 200

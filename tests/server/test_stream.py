@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 
 import grpc
@@ -10,6 +11,7 @@ import orjson
 import pytest
 
 from extproc import protocol
+from extproc.core import Prompt
 from extproc.endpoints import parse_endpoints
 from extproc.server.app import App
 from extproc.testing import (
@@ -303,3 +305,56 @@ async def test_body_digest_survives_the_echo(client: ExtProcClient):
     out = await client.exchange([request_headers(post("/v1/completions")), *body_chunks(body)])
     echoed = b"".join(c for c, _ in streamed(out))
     assert hashlib.sha256(echoed).digest() == hashlib.sha256(body).digest()
+
+
+def live_prompts() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is Prompt)
+
+
+async def test_a_stream_held_to_the_response_end_keeps_no_parsed_prompt(
+    app: App, client: ExtProcClient
+):
+    """Gateways send response bodies (FULL_DUPLEX_STREAMED): the stream lasts as long as the
+    response, and what it keeps for then must not grow with the prompt (the parsed prompt is
+    about the body's size; bench/bench_held_streams.py)."""
+    before = live_prompts()
+    call = client.open()
+    await call.write(request_headers(post("/v1/chat/completions"), response_mode=FULL_DUPLEX))
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 50_000}]})
+    await call.write(request_body(body, end_of_stream=True))
+    dest = destination(await call.read())
+    await call.read()  # the echoed body
+    await call.write(response_headers())
+    await call.read()
+    assert live_prompts() == before  # held, without the prompt
+    assert app.router.inflight.requests(dest) == 1  # and still accounted
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    assert app.router.inflight.total() == 0
+
+
+async def test_past_max_streams_the_first_message_gets_503_and_the_stream_ends(settings):
+    """A stream over `server.max_streams` is refused with a reason the client sees; the
+    open one is untouched, and a stream is accepted again once it ends."""
+    async with (
+        App(with_server(settings, max_streams=1), []) as app,
+        ExtProcClient(f"127.0.0.1:{app.port}") as client,
+    ):
+        held = client.open()
+        await held.write(request_headers(post("/v1/chat/completions")))
+        await asyncio.sleep(0.05)  # the first stream is open before the second
+        out = await client.exchange([request_headers(post("/v1/chat/completions"))])
+        status, body, headers = error_of(out[0])
+        assert (status, body["error"]["code"]) == (503, "picker_streams_full")
+        assert headers["retry-after"] == "1"
+        assert app.stream_handler is not None
+        assert app.stream_handler.streams_refused == 1
+        held.cancel()
+        await asyncio.sleep(0.05)
+        assert app.stream_handler.open_streams == 0
+        out = await client.exchange(
+            [request_headers(post("/v1/chat/completions")), *body_chunks(CHAT)]
+        )
+        # Accepted and routed: this app has no endpoint to route to.
+        assert error_of(out[0])[1]["error"]["code"] == "no_eligible_endpoints"
