@@ -5,9 +5,14 @@ its KV from its release until the cut.
     .venv/bin/python bench/trace_cut.py <bench_overload output> [...]   # what was rebuilt
 
 A row with `cut_trace` (bench_overload.py --trace since the evshort branch) lists them as
-`all_trace` does, the cut's time as `done`; their engine prompt tokens are unknown (no usage
-chunk came) and are taken from the served requests of the same estimate (one tenant), and a
-cut before the engine's timing line came gets the served batch requests' median send time.
+`all_trace` does, `done` the client's end of the cut stream; their engine prompt tokens are
+unknown (no usage chunk came) and are taken from the served requests of the same estimate
+(one tenant), and a cut before the engine's timing line came gets the served batch
+requests' median send time. The client sees a cut 1.00 s after it happened (0.995-1.008 s
+after Envoy's access-log end in 651 cuts of the thirtieth session's K runs; served requests
+2 ms: likely Envoy's delayed close of the downstream connection, 1 s by default), so when the
+run's Envoy access log is still there each cut's `done` is its end there; without it the
+client's end stays, and the word on how says so.
 
 Older rows keep only `evicted_detail` (arrival, tenant, band, lines, seconds it ran). Their
 run's Envoy access log (in the bench's temporary directory, next to the timeline) names
@@ -84,17 +89,58 @@ class _Fill:
         return self.prompt[near]
 
 
-def from_saved(row: dict) -> list[list]:
-    """A row's own `cut_trace`, its unknowns filled."""
+def from_saved(row: dict) -> tuple[list[list], str]:
+    """A row's own `cut_trace`, its unknowns filled, each cut at its end in the run's Envoy
+    access log when that is still there; and a word on how."""
     fill = _Fill(row["all_trace"])
+    found = _aligned(row)
+    ends: list[tuple[float, float, str]] = []
+    if isinstance(found, str):
+        how = f"saved; cut at the client's end, ~1 s late ({found})"
+    else:
+        name, offset, lines = found
+        ends = [(x[1] - offset, x[1] - offset + x[5], x[4]) for x in lines if x[3] == "evicted"]
+        how = f"saved; cut at its end in {name}"
     out = []
+    late = 0
     for at, band, ep, est, mx, prompt, wait, to_srv, kv, done in row["cut_trace"]:
         if not ep:
             continue  # no server named (a 429 without the decision): not counted
         prompt = prompt or fill.prompt_of(est)
         to_srv = to_srv if to_srv >= 0 else wait + fill.send
+        if ends:
+            start, end, upstream = min(ends, key=lambda e: abs(e[0] - at))
+            if abs(start - at) <= _ALIGN_S and upstream == ep:
+                done = round(end, 3)
+            else:
+                late += 1
         out.append([at, band, ep, est, mx, prompt, wait, to_srv, max(kv, 0.0), done])
-    return out
+    if late:
+        how += f"; {late} not in it, cut at the client's end"
+    return out, how
+
+
+def _aligned(row: dict) -> tuple[str, float, list[tuple[int, float, int, str, str, float]]] | str:
+    """The run's Envoy access log whose served requests are `all_trace`'s one for one (every
+    endpoint agrees, the start times within `_ALIGN_S` of a single offset): its name, that
+    offset (Envoy's clock less the run's) and its lines; a string says why not."""
+    timeline = Path(row.get("timeline") or "")
+    if not timeline.is_file():
+        return f"timeline {timeline} gone"
+    trace = row["all_trace"]
+    for log in sorted(timeline.parent.glob("envoy-access-*.log")):
+        lines = _access(log)
+        served = [x for x in lines if x[2] == 200 and x[3] == "via_upstream"]
+        if len(served) != len(trace):
+            continue
+        if any(s[4] != e[2] for s, e in zip(served, trace, strict=True)):
+            continue
+        gaps = [s[1] - e[0] for s, e in zip(served, trace, strict=True)]
+        offset = statistics.median(gaps)
+        if max(abs(g - offset) for g in gaps) > _ALIGN_S:
+            continue
+        return log.name, offset, lines
+    return "no access log in the run's directory matches its served requests"
 
 
 def _releases(row: dict, cut: list[tuple[float, float]], timeline: Path) -> list[float] | str:
@@ -134,50 +180,40 @@ def rebuilt(row: dict) -> tuple[list[list], str]:
     word on how (or why not)."""
     if not row.get("evicted"):
         return [], "none cut"
-    timeline = Path(row.get("timeline") or "")
-    if not timeline.is_file():
-        return [], f"timeline {timeline} gone"
+    found = _aligned(row)
+    if isinstance(found, str):
+        return [], found
+    name, offset, lines = found
+    timeline = Path(row["timeline"])
     trace = row["all_trace"]
-    for log in sorted(timeline.parent.glob("envoy-access-*.log")):
-        lines = _access(log)
-        served = [x for x in lines if x[2] == 200 and x[3] == "via_upstream"]
-        if len(served) != len(trace):
-            continue
-        if any(s[4] != e[2] for s, e in zip(served, trace, strict=True)):
-            continue
-        gaps = [s[1] - e[0] for s, e in zip(served, trace, strict=True)]
-        offset = statistics.median(gaps)
-        if max(abs(g - offset) for g in gaps) > _ALIGN_S:
-            continue
-        cut = [x for x in lines if x[3] == "evicted"]
-        if len(cut) != row["evicted"]:
-            return [], f"{log.name}: {len(cut)} evicted, the row says {row['evicted']}"
-        details = list(row["evicted_detail"])
-        est_of = {h["tenant"]: h["est"] for h in row["hi_trace"]}
-        spans = sorted((x[1] - offset, x[1] - offset + x[5], x) for x in cut)
-        releases = _releases(row, [(a, b) for a, b, _ in spans], timeline)
-        if isinstance(releases, str):
-            return [], releases
-        fill = _Fill(trace)
-        out = []
-        for (at, end, x), rel in zip(spans, releases, strict=True):
-            detail = min(details, key=lambda d: abs(d[0] - at), default=None)
-            if detail is None or abs(detail[0] - at) > _ALIGN_S or detail[1] not in est_of:
-                return [], f"{log.name}: the cut at {at:.2f} s is not in evicted_detail"
-            details.remove(detail)
-            band = 1 if detail[2] == "interactive" else 0
-            est = est_of[detail[1]]
-            w = round(rel - at, 4)
-            out.append([round(at, 3), band, x[4], est, fill.max_tokens, fill.prompt_of(est),
-                        w, round(w + fill.send, 4), 0.0, round(end, 3)])  # fmt: skip
-        return out, f"rebuilt from {log.name} and the timeline"
-    return [], "no access log in the run's directory matches its served requests"
+    cut = [x for x in lines if x[3] == "evicted"]
+    if len(cut) != row["evicted"]:
+        return [], f"{name}: {len(cut)} evicted, the row says {row['evicted']}"
+    details = list(row["evicted_detail"])
+    est_of = {h["tenant"]: h["est"] for h in row["hi_trace"]}
+    spans = sorted((x[1] - offset, x[1] - offset + x[5], x) for x in cut)
+    releases = _releases(row, [(a, b) for a, b, _ in spans], timeline)
+    if isinstance(releases, str):
+        return [], releases
+    fill = _Fill(trace)
+    out = []
+    for (at, end, x), rel in zip(spans, releases, strict=True):
+        detail = min(details, key=lambda d: abs(d[0] - at), default=None)
+        if detail is None or abs(detail[0] - at) > _ALIGN_S or detail[1] not in est_of:
+            return [], f"{name}: the cut at {at:.2f} s is not in evicted_detail"
+        details.remove(detail)
+        band = 1 if detail[2] == "interactive" else 0
+        est = est_of[detail[1]]
+        w = round(rel - at, 4)
+        out.append([round(at, 3), band, x[4], est, fill.max_tokens, fill.prompt_of(est),
+                    w, round(w + fill.send, 4), 0.0, round(end, 3)])  # fmt: skip
+    return out, f"rebuilt from {name} and the timeline"
 
 
 def cut_trace(row: dict) -> tuple[list[list], str]:
     """The cut requests of one run in `all_trace`'s form, and how they were got."""
     if "cut_trace" in row:
-        return from_saved(row), "saved"
+        return from_saved(row)
     return rebuilt(row)
 
 

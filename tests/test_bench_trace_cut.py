@@ -87,8 +87,24 @@ def test_a_saved_cut_trace_gets_its_unknowns_filled():
             [2.5, 0, "", 500, 90, 0, 0.0, -1, -1, 3.0],  # no server named: left out
         ]
         cut, how = tc.cut_trace({"all_trace": served, "cut_trace": saved})
-        assert how == "saved"
+        assert how == "saved; cut at the client's end, ~1 s late (timeline . gone)"
         assert cut == [[2.0, 0, "Y", 500, 90, 480, 1.0, pytest.approx(1.005), 0.0, 4.0]]
+
+
+def test_a_saved_cut_ends_where_envoy_logged_it_not_where_the_client_saw_it(tmp_path: Path):
+    # The client sees a cut stream end ~1 s after Envoy logged it (its delayed close): the
+    # books and the engine's KV are rebuilt with the cut at Envoy's end when the log is there.
+    with bench_modules("trace_cut") as (tc,):
+        row = old_row(tmp_path)  # its access log: the cut request on Y, 6.0 to 10.5
+        row["cut_trace"] = [[6.0, 0, "Y", 10_000, 100, 0, 2.25, -1, -1, 11.5]]
+        cut, how = tc.cut_trace(row)
+        assert how == "saved; cut at its end in envoy-access-1.log"
+        assert [e[9] for e in cut] == [10.5]
+        # A cut the log does not have keeps the client's end, and is said.
+        row["cut_trace"].append([7.0, 0, "X", 10_000, 100, 0, 1.0, -1, -1, 12.0])
+        cut, how = tc.cut_trace(row)
+        assert [e[9] for e in cut] == [10.5, 12.0]
+        assert how.endswith("; 1 not in it, cut at the client's end")
 
 
 def test_the_cut_request_makes_the_other_server_full(tmp_path: Path):

@@ -131,7 +131,12 @@ class SimServer:
         s = self.settings
         # Closed after the HTTP runner (the stack unwinds backwards): its requests end first.
         self._stack.push_async_callback(self.engine.aclose)
-        runner = web.AppRunner(self._app(), access_log=None)
+        # A client that hangs up cancels its handler at once, as vLLM's API server does
+        # (Starlette listens for the disconnect; AsyncLLM.generate aborts on the cancel):
+        # without it aiohttp noticed only at the handler's next write, so a request cut
+        # before its first token kept its KV and ran its whole prefill, delaying the ones
+        # behind it (notes: ktail, issue 15).
+        runner = web.AppRunner(self._app(), access_log=None, handler_cancellation=True)
         await runner.setup()
         self._stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, s.host, s.port)

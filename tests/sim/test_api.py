@@ -12,6 +12,7 @@ import aiohttp
 
 from extproc.sim import TIMING_HEADER
 from extproc.sim.server import SERVED_BY_HEADER
+from extproc.sim.timing import TimingSettings
 from tests.requests.images import png
 from tests.sim.conftest import StartSim
 
@@ -182,3 +183,35 @@ async def test_client_hanging_up_mid_stream_frees_its_blocks(start_sim: StartSim
         assert srv.engine.gauges().running == 0
         assert srv.engine.cache.usage == 0.0
         assert srv.engine.stats.finished["abort"] == 1
+
+
+async def test_client_hanging_up_before_its_first_token_frees_its_blocks_at_once(
+    start_sim: StartSim,
+):
+    # B waits for the prefill lane behind A's step (0.3 s) and its client hangs up: vLLM
+    # aborts it at once (it never prefills); the sim used to notice only at B's first
+    # token's write, after running B's whole prefill with its KV held.
+    slow = TimingSettings(prefill_tps=2000.0)
+    body = {"model": "tiny", "prompt": PROMPT * 40, "max_tokens": 5, "stream": True}
+    async with (
+        start_sim(events=False, timing=slow) as srv,
+        aiohttp.ClientSession() as http,
+        http.post(f"{srv.url}/v1/completions", json=body) as a,
+    ):
+        other = {**body, "prompt": "Another tenant asks. " + body["prompt"]}  # no prefix hit
+        async with http.post(f"{srv.url}/v1/completions", json=other):
+            for _ in range(100):
+                if len(srv.engine.prefill_order()) == 2:
+                    break
+                await asyncio.sleep(0.002)
+            assert len(srv.engine.prefill_order()) == 2
+            held_both = srv.engine.cache.usage
+        start = time.monotonic()
+        while srv.engine.stats.finished["abort"] == 0 and time.monotonic() - start < 1.0:
+            await asyncio.sleep(0.005)
+        waited = time.monotonic() - start
+        assert srv.engine.stats.finished["abort"] == 1
+        assert waited < 0.1  # A's step (0.3 s) still under way: B never reached its prefill
+        assert len(srv.engine.prefill_order()) == 1
+        assert srv.engine.cache.usage < held_both
+        await a.content.readline()  # A is served as before
