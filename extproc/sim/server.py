@@ -135,7 +135,7 @@ class SimServer:
         # (Starlette listens for the disconnect; AsyncLLM.generate aborts on the cancel):
         # without it aiohttp noticed only at the handler's next write, so a request cut
         # before its first token kept its KV and ran its whole prefill, delaying the ones
-        # behind it (notes: ktail, issue 15).
+        # behind it (bench/RESULTS.md, issue 15, thirtieth session).
         runner = web.AppRunner(self._app(), access_log=None, handler_cancellation=True)
         await runner.setup()
         self._stack.push_async_callback(runner.cleanup)
