@@ -37,7 +37,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -66,6 +66,8 @@ from extproc.server.limits import BodyBudget, BodyDeadline, DeadlineSweeper
 from extproc.server.metrics import PickerMetrics
 
 if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
     from extproc.config import ServerSettings
     from extproc.flowcontrol.tickets import Ticket
     from extproc.server.llmd_metrics import RequestMetrics
@@ -182,7 +184,7 @@ class StreamHandler:
         metrics.add_collector(handler.collect)
         return handler
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         """Metric families for the picker's registry: the streams open and refused."""
         yield one("extproc_streams_open", "ext_proc streams open now (bounded by "
                   "server.max_streams).", self.open_streams)  # fmt: skip
