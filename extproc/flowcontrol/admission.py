@@ -307,6 +307,20 @@ class Admission:
             b.add_metric([str(p)], nbytes)
         yield q
         yield b
+        u = gauge(
+            "extproc_flow_fairness_served_tokens",
+            "Tokens this replica dispatched per fairness ID, decayed with usage_half_life_s: "
+            "the usage weighted-token fairness compares (with the peers' published figures); "
+            "a request cut by eviction is taken back out.",
+            ["fairness_id"],
+        )
+        by_label: dict[str, float] = {}
+        for f, v in fc.served.items():
+            label = fc.stats.label(f)
+            by_label[label] = by_label.get(label, 0.0) + v
+        for label, v in by_label.items():
+            u.add_metric([label], v)
+        yield u
         o = gauge(
             "extproc_flow_oldest_wait_seconds",
             "How long the oldest queued request of each band has waited.",

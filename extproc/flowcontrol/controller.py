@@ -811,7 +811,7 @@ class FlowController:
         assert self.evictor is not None
         sat = self.saturation()
         for ticket in self.evictor.reclaim(sat, self.ceiling(priority, sat), priority):
-            self.stats.count(ticket.request, "evicted_inflight")
+            self._evicted(ticket)
             log.info(
                 "evicted in flight",
                 extra={
@@ -882,7 +882,7 @@ class FlowController:
             ev.cut(cut)
             self._count_eviction(item, "cut")
             for t in cut:
-                self.stats.count(t.request, "evicted_inflight")
+                self._evicted(t)
             log.info(
                 "evicted in flight for room on an endpoint",
                 extra={
@@ -896,6 +896,28 @@ class FlowController:
             )
             return
         self._count_eviction(item, "short")
+
+    def _evicted(self, ticket: Ticket) -> None:
+        """A running request was cut: counted, and its dispatch charge taken back from its
+        flow's served tokens (what it still weighs after the decay since). Its client got no
+        answer (a 429, or a response cut short), so the fairness that counts tokens must not
+        count them as served: newest-first eviction falls most on the flows with the largest
+        requests, and without the refund each cut left such a flow further behind its weight
+        (a 0.19 shortfall in one overload run, bench/RESULTS.md, issue 15, thirtieth
+        session)."""
+        request = ticket.request
+        self.stats.count(request, "evicted_inflight")
+        f = request.fairness_id
+        if f not in self.served:
+            return
+        # `served` was decayed up to `_decayed_at`: the charge has lost as much since then.
+        since = max(self._decayed_at - ticket.dispatched_at, 0.0)
+        factor = math.pow(0.5, since / self._half_life) if self._half_life else 1.0
+        left = self.served[f] - request.tokens * factor
+        if left >= 1.0:
+            self.served[f] = left
+        else:
+            del self.served[f]
 
     def _count_eviction(self, item: _Item, outcome: str) -> None:
         """Count a per-endpoint eviction outcome once per waiting request: a request that

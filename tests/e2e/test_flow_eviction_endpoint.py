@@ -88,7 +88,12 @@ def prompt(tag: str, tokens: int) -> str:
 async def post(
     c: httpx.AsyncClient, objective: str, tag: str, tokens: int, hold_ms: int = 0
 ) -> httpx.Response:
-    headers = {"x-llm-d-inference-objective": objective, "x-request-id": tag}
+    """Each request its own fairness ID (its tag): its flow's served tokens can be read."""
+    headers = {
+        "x-llm-d-inference-objective": objective,
+        "x-request-id": tag,
+        "x-gateway-inference-fairness-id": tag,
+    }
     if hold_ms:
         headers["x-echo-headers-delay-ms"] = str(hold_ms)
     body = {"model": "m", "prompt": prompt(tag, tokens)}
@@ -113,6 +118,8 @@ async def test_a_waiting_interactive_request_cuts_the_newest_batch_on_its_closes
             await asyncio.to_thread(
                 wait_until, lambda n=n: dispatched(stack) >= base + n + 1, timeout_s=5, what=tag
             )
+        # Fairness counts b-y2's tokens as served from its dispatch...
+        assert metric(stack, "extproc_flow_fairness_served_tokens", fairness_id="b-y2") > 300
         hi = asyncio.create_task(post(c, "interactive", "hi-2", 300))
         done, _ = await asyncio.wait((hi, *holders.values()), return_when=asyncio.FIRST_COMPLETED)
         # Y's newest batch request is cut, with llm-d's reason, the interactive one served.
@@ -121,6 +128,9 @@ async def test_a_waiting_interactive_request_cuts_the_newest_batch_on_its_closes
         assert cut.status_code == 429, cut.text
         assert cut.headers["x-llm-d-request-dropped-reason"] == "evicted"
         assert cut.headers["retry-after"] == "2"
+        # ... and no longer once it is cut (its client got no answer); the others keep theirs.
+        assert metric(stack, "extproc_flow_fairness_served_tokens", fairness_id="b-y2") == 0
+        assert metric(stack, "extproc_flow_fairness_served_tokens", fairness_id="b-y1") > 300
         served = await hi
         assert served.status_code == 200
         left = [t for t, task in holders.items() if t != "b-y2" and task.done()]

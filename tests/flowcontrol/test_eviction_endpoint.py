@@ -255,3 +255,23 @@ def test_config_names_the_filter_and_the_settings_validate():
     assert FlowControlSettings().evict_per_endpoint is False
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"evict_margin": 0.05}, FlowControlSettings)  # measured, removed
+
+
+async def test_a_cut_request_is_taken_back_out_of_its_flows_served_tokens():
+    """Fairness counts served tokens: a cut request's client got no answer, so its charge at
+    dispatch goes (what is left of it after the decay), and its flow is not pushed behind
+    its weight by the cut. The other flows keep theirs."""
+    ctl, fleet, clock = make()
+    batch = await fill(ctl, fleet, clock, *(req(f"b{i}", 300) for i in range(6)))
+    assert ctl.served == {f"b{i}": 300 for i in range(6)}  # each request's tokens, charged
+    clock.t += 30  # a usage half-life and more: the charges weigh less than half now
+    ctl.tick()
+    decayed = ctl.served["b0"]
+    assert 100 < decayed < 150
+    cut = watch(batch)
+    hi = asyncio.create_task(ctl.admit(req("hi", 400, priority=10)))
+    await settle()
+    assert cut == ["b4"]
+    assert "b4" not in ctl.served  # its charge, decayed as it was, taken back entirely
+    assert ctl.served == {f"b{i}": decayed for i in (0, 1, 2, 3, 5)}
+    hi.cancel()
