@@ -911,8 +911,7 @@ class FlowController:
         if f not in self.served:
             return
         # `served` was decayed up to `_decayed_at`: the charge has lost as much since then.
-        since = max(self._decayed_at - ticket.dispatched_at, 0.0)
-        factor = math.pow(0.5, since / self._half_life) if self._half_life else 1.0
+        factor = self._decay_factor(self._decayed_at - ticket.dispatched_at)
         left = self.served[f] - request.tokens * factor
         if left >= 1.0:
             self.served[f] = left
@@ -1098,8 +1097,15 @@ class FlowController:
         if dt <= 0 or not self._half_life:
             return
         self._decayed_at = now
-        factor = math.pow(0.5, dt / self._half_life)
+        factor = self._decay_factor(dt)
         self.served = {f: v * factor for f, v in self.served.items() if v * factor >= 1.0}
+
+    def _decay_factor(self, dt: float) -> float:
+        """What a served token still weighs `dt` seconds on (`usage_half_life_s`; 0: no
+        decay)."""
+        if dt <= 0 or not self._half_life:
+            return 1.0
+        return math.pow(0.5, dt / self._half_life)
 
     # -- introspection ---------------------------------------------------------------------
 

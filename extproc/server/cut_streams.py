@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import Metric
 
-from extproc.server.metrics import gauge
+from extproc.server.families import one
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,12 @@ class CutStreams:
             )
         return len(held)
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         """Metric families for the picker's registry."""
-        g = gauge(
+        yield one(
             "extproc_flow_cuttable_streams",
             "ext_proc streams held open past their response headers so eviction can cut "
             "them (--response-trailers send): the responses a picker that died now would cut "
             "(Envoy resets them), which a drain ends with OK instead.",
+            len(self._held),
         )
-        g.add_metric([], len(self._held))
-        yield g

@@ -155,8 +155,8 @@ class StreamHandler:
         self._warned: set[int] = set()  # body modes already logged as "routing on headers"
         self._replies = wire.DecisionReplies()
         self._sweeper = DeadlineSweeper(min(1.0, body_timeout_s / 4))
-        self.open_streams = 0  # a draining picker waits for these (server/lifecycle.py)
-        # The open streams' states: a drain reads what phase each is in (server/drain.py).
+        # The open streams' states: a draining picker waits for them (server/lifecycle.py)
+        # and reads what phase each is in (server/drain.py).
         self.live: set[_Stream] = set()
         # Streams held past their response headers for eviction; a drain ends them with OK.
         self.cuts = CutStreams()
@@ -183,6 +183,10 @@ class StreamHandler:
         metrics.add_collector(handler.cuts.collect)
         metrics.add_collector(handler.collect)
         return handler
+
+    @property
+    def open_streams(self) -> int:
+        return len(self.live)
 
     def collect(self) -> Iterator[Metric]:
         """Metric families for the picker's registry: the streams open and refused."""
@@ -219,7 +223,6 @@ class StreamHandler:
         state.deadline = deadline
         it = aiter(requests)
         full = self.open_streams >= self._max_streams
-        self.open_streams += 1
         self.live.add(state)
         try:
             if full:
@@ -275,7 +278,6 @@ class StreamHandler:
                 if state.done:
                     return
         finally:
-            self.open_streams -= 1
             self.live.discard(state)
             state.close()
 
