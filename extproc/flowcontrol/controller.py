@@ -499,11 +499,44 @@ class FlowController:
             if not kept:
                 gate.note_held(p)
             return kept
+        crowded = self._crowded(request, states)
+        if crowded:
+            kept = [(x, a) for x, a in fits if a not in crowded]
+            if not kept and not self._cuttable_beside(p, states, crowded):
+                kept = fits  # nowhere else it could go: the step is shared
+            gate.spread += len(kept) < len(fits)
+            fits = kept
+            if not fits:
+                return fits  # it waits for its cut elsewhere (`_reclaim_on`)
         if gate.steers and self._priorities and p > min(self._priorities):
             left = {a: gate.unfinished(a, states[a]) for _, a in fits}
             least = min(left.values())
             return [(x, a) for x, a in fits if left[a] <= least]
         return fits
+
+    def _crowded(self, request: FlowRequest, states: Mapping[str, EndpointState]) -> set[str]:
+        """The servers where a top-band request would share its prefill's engine step past
+        the prefill-gate's `spreadTopBandTokens` with the band's unfinished prefill there,
+        when some server is not so (else none: there is nowhere better to spread to)."""
+        gate = self.gate
+        p = request.priority
+        if gate is None or not gate.spread_tokens or len(self._priorities) < 2:
+            return set()
+        if p < max(self._priorities):
+            return set()
+        prompt = request.prompt_tokens
+        crowded = {a for a, st in states.items() if gate.crowded(a, st, p, prompt)}
+        return crowded if len(crowded) < len(states) else set()
+
+    def _cuttable_beside(
+        self, priority: int, states: Mapping[str, EndpointState], crowded: set[str]
+    ) -> bool:
+        """Whether per-endpoint eviction could make room for a band's request on a server
+        outside `crowded`: it runs lower-band work there."""
+        ev = self.evictor
+        if not self._evict_per_endpoint or ev is None:
+            return False
+        return any(ev.has_candidates_on(a, priority) for a in states if a not in crowded)
 
     def _band(self, priority: int) -> _Band:
         band = self._bands.get(priority)
@@ -620,7 +653,7 @@ class FlowController:
             request, waited, dispatched_at=self._clock(), endpoints=where, target=target
         )
         if self.gate is not None:
-            self.gate.released(ticket, target, request.prompt_tokens)
+            self.gate.released(ticket, target, request.prompt_tokens, request.priority)
         if self.evictor is not None:
             self.evictor.track(ticket, max(self._priorities, default=None))
         return ticket
@@ -845,6 +878,11 @@ class FlowController:
             return
         eps = dict(self._endpoints())
         order = self._closest_first(request)
+        crowded = self._crowded(request, eps)
+        if crowded:
+            # The spread (prefill-gate's spreadTopBandTokens): its cut goes to a server
+            # where its prefill would not share a step with the band's; a crowded one last.
+            order = [a for a in order if a not in crowded] + [a for a in order if a in crowded]
         det = cast(EndpointDetector, self._detector)
         by_blocks = self._by_blocks(p)
         sat = self.saturation(by_blocks)
