@@ -236,6 +236,9 @@ class FlowController:
         # request, `_count_eviction`): `cut` (lower-band requests were cut for it), `short`
         # (no endpoint's lower-band requests could make its room: none cut).
         self.evict_outcomes: dict[str, int] = {"cut": 0, "short": 0}
+        # Requests cut per endpoint whose in-flight count has not ended yet: the room they
+        # free is on its way there (the spread waits for it, `_cuttable_beside`).
+        self._cut_unended: dict[Ticket, None] = {}
         if endpoints is not None and not hasattr(detector, "endpoint_saturation"):
             log.warning(
                 "per-endpoint admission off: detector %s has no per-endpoint figures; "
@@ -532,11 +535,17 @@ class FlowController:
         self, priority: int, states: Mapping[str, EndpointState], crowded: set[str]
     ) -> bool:
         """Whether per-endpoint eviction could make room for a band's request on a server
-        outside `crowded`: it runs lower-band work there."""
+        outside `crowded`: it runs lower-band work there, or a cut there has not freed its
+        room yet (the cut request's in-flight count lasts until the gateway's access log
+        says it ended; giving up meanwhile sent the request to the crowded server after
+        all, the cut wasted)."""
         ev = self.evictor
         if not self._evict_per_endpoint or ev is None:
             return False
-        return any(ev.has_candidates_on(a, priority) for a in states if a not in crowded)
+        coming = {t.endpoint or t.target for t in self._cut_unended}
+        return any(
+            a in coming or ev.has_candidates_on(a, priority) for a in states if a not in crowded
+        )
 
     def _band(self, priority: int) -> _Band:
         band = self._bands.get(priority)
@@ -921,6 +930,7 @@ class FlowController:
             self._count_eviction(item, "cut")
             for t in cut:
                 self._evicted(t)
+                self._cut_unended[t] = None
             log.info(
                 "evicted in flight for room on an endpoint",
                 extra={
@@ -1081,6 +1091,7 @@ class FlowController:
         rest of the request its output counted as the detector's constant while the engine
         held its own max_tokens (eleventh session, bench/RESULTS.md). Its tokens count as
         room its endpoint freed (`reserve_refill_s`). Idempotent."""
+        self._cut_unended.pop(ticket, None)
         if ticket.freed_at and self.refill is not None:
             self.refill.freed(ticket.freed_at, ticket.request.room_tokens, ticket)
         ticket.freed_at = ""

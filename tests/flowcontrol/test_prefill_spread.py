@@ -69,6 +69,31 @@ async def test_a_close_second_prompt_waits_for_its_cut_on_the_other_server():
     assert second.done() and second.result().endpoints == {"B"}
 
 
+async def test_it_waits_for_the_cut_room_until_the_cut_request_has_ended_there():
+    # The cut request's stream ends first; its in-flight count only when the gateway's
+    # access log says so. Meanwhile nothing is left to cut on B, but the room is coming.
+    clock = Clock()
+    fleet = Fleet(clock)
+    ctl = make(fleet, clock)
+    batch = await batch_on(ctl, fleet, 500, 3000)
+    place(ctl, fleet, await ctl.admit(req(1500, priority=10)))
+    clock.now += 0.05
+    second = asyncio.create_task(ctl.admit(req(1500, priority=10)))
+    await settle()
+    ctl.release(batch["B"], output_held=True)  # the stream ended, the count not yet
+    for _ in range(3):
+        clock.now += 0.02
+        ctl.tick()
+        await settle()
+    assert not second.done()
+    fleet.tokens["B"] -= batch["B"].request.tokens
+    fleet.requests["B"] -= 1
+    ctl.ended(batch["B"])
+    ctl.tick()
+    await settle()
+    assert second.done() and second.result().endpoints == {"B"}
+
+
 async def test_without_it_the_second_prompt_shares_the_server():
     clock = Clock()
     fleet = Fleet(clock)
