@@ -275,3 +275,46 @@ async def test_a_cut_request_is_taken_back_out_of_its_flows_served_tokens():
     assert "b4" not in ctl.served  # its charge, decayed as it was, taken back entirely
     assert ctl.served == {f"b{i}": decayed for i in (0, 1, 2, 3, 5)}
     hi.cancel()
+
+
+async def test_a_cut_request_is_taken_back_out_of_its_programs_attained_service():
+    """`program-aware-fairness` charges a request's cost at dispatch: a cut one's comes back
+    out, decayed with the policy's own half-life (not `usage_half_life_s`), so a program
+    whose requests are cut is not served last for service it never got."""
+    fleet, clock = Fleet(), Clock()
+    policy = {"type": "program-aware-fairness", "parameters": {"lasHalfLifeSeconds": 10}}
+    cfg = build_flow_config(
+        {"saturationDetector": {"pluginRef": "concurrency-detector"},
+         "defaultPriorityBand": {"fairnessPolicyRef": "program-aware-fairness"}},
+        None,
+        [tokens_detector(CAP), policy],
+    )  # fmt: skip
+    ctl = controller(
+        fleet,
+        [tokens_detector(CAP)],
+        band=cfg.band,
+        eviction=EvictionSettings(filter=LowerBandEvictionFilter()),
+        evict_per_endpoint=True,
+        clock=clock,
+    )
+    # Each 300 tokens, 10 of them output: a service of 290 + 2 x 10, dispatched a second
+    # apart.
+    batch = await fill(
+        ctl, fleet, clock, *(FlowRequest(f"b{i}", 0, 300, 10, output_tokens=10) for i in range(6))
+    )
+    assert ctl.program_service() == pytest.approx(
+        {f"b{i}": 310 * 2 ** ((i - 5) / 10) for i in range(6)}
+    )
+    clock.t += 20  # two of the policy's half-lives (under one of usage_half_life_s)
+    before = ctl.program_service()
+    assert before["b5"] == pytest.approx(310 / 4)
+    cut = watch(batch)
+    hi = asyncio.create_task(ctl.admit(req("hi", 350, priority=10)))  # one cut on A
+    await settle()
+    assert cut == ["b4"]
+    after = ctl.program_service()
+    assert after.pop("b4") == 0.0  # its charge, decayed as the policy decays it, taken back
+    kept = {f: v for f, v in before.items() if f != "b4"}
+    assert after == pytest.approx({**kept, "hi": 0.0})  # (hi: seen by the pick, not served)
+    hi.cancel()
+
