@@ -687,6 +687,11 @@ class FlowController:
                     elif self.evictor is not None and not stuck:
                         self._reclaim(top)
                     if not claiming:
+                        # Only this request, the band's pick, is offered a cut: the band
+                        # leaves in pick order, so room made for one behind it would sit
+                        # unused while this one fits nowhere (lower bands are kept off it),
+                        # and a cut made for this one closes the eviction gate on that
+                        # decision anyway: the next gets its offer once it is the pick.
                         break
                     assert claims is not None
                     item.waiting = True

@@ -318,3 +318,72 @@ async def test_a_cut_request_is_taken_back_out_of_its_programs_attained_service(
     assert after == pytest.approx({**kept, "hi": 0.0})  # (hi: seen by the pick, not served)
     hi.cancel()
 
+
+async def test_only_the_head_is_offered_a_cut_the_band_leaves_in_order():
+    """Without `waiting_claims_room` a band's requests leave in the order its policies pick
+    them, and only the request picked (the head) is offered eviction. By design: room made
+    for a request behind a head that fits nowhere would sit unused (the head blocks the band,
+    and strict priority keeps the lower bands off it), the cut request's work lost for
+    nothing; and when the head gets a cut, the stop-and-wait gate closes on the one decision,
+    so the next request gets its own offer only once it is the head."""
+    ctl, fleet, clock = make()
+    held = await fill(
+        ctl, fleet, clock,
+        req("hiA", 800, priority=10), req("hiB", 600, priority=10), req("bB", 300), req("bA", 100),
+    )  # fmt: skip
+    assert [t.endpoint for t in held] == ["A", "B", "B", "A"]  # 900 on each
+    cut = watch(held)
+    h1 = asyncio.create_task(ctl.admit(req("h1", 500, priority=10)))
+    await settle()
+    h2 = asyncio.create_task(ctl.admit(req("h2", 300, priority=10)))
+    await settle()
+    # h1 fits nowhere even with every batch request cut (A 1300, B 1100): short. h2 would
+    # fit B with bB cut (900), but is not offered a cut: nothing cut, nothing counted for it.
+    for _ in range(5):
+        clock.t += 0.02
+        ctl.tick()
+        await settle()
+    assert cut == [] and not h1.done() and not h2.done()
+    assert ctl.evict_outcomes == {"cut": 0, "short": 1}
+    # The room a cut of bB would have made, made by its end instead: h2 still waits behind
+    # h1, which still fits nowhere (B 1100), so that cut would have bought nothing.
+    finish(ctl, fleet, held[2])
+    clock.t += 0.02
+    ctl.tick()
+    await settle()
+    assert not h1.done() and not h2.done()
+    finish(ctl, fleet, held[0])  # hiA ends: h1 goes (on A), then h2, in order
+    await settle()
+    assert place(ctl, fleet, h1.result()).endpoint == "A"
+    place(ctl, fleet, h2.result())
+    assert cut == [] and ctl.evict_outcomes == {"cut": 0, "short": 1}
+
+
+async def test_a_second_waiting_request_gets_its_cut_as_the_head_after_the_first_decision():
+    """Two waiting interactive requests, each needing a cut, on different servers: the
+    head's decision closes the gate, the second is neither cut for nor counted `short`
+    meanwhile; once the head is served it is the head, and gets its own cut. Each request
+    counts one outcome."""
+    ctl, fleet, clock = make()
+    batch = await fill(ctl, fleet, clock, *(req(f"b{i}", 300) for i in range(6)))
+    cut = watch(batch)  # A: b0 b2 b4, B: b1 b3 b5; 900 on each
+    h1 = asyncio.create_task(ctl.admit(req("h1", 400, priority=10)))
+    await settle()
+    h2 = asyncio.create_task(ctl.admit(req("h2", 400, priority=10)))
+    await settle()
+    for _ in range(5):
+        clock.t += 0.02
+        ctl.tick()
+        await settle()
+    assert cut == ["b4"] and not h2.done()
+    assert ctl.evict_outcomes == {"cut": 1, "short": 0}
+    finish(ctl, fleet, batch[4])  # the cut one's stream ends
+    await settle()
+    assert place(ctl, fleet, h1.result()).endpoint == "A"
+    clock.t += 1  # past the grace: h2, the head now, closest on B
+    ctl.tick()
+    await settle()
+    assert cut == ["b4", "b5"] and ctl.evict_outcomes == {"cut": 2, "short": 0}
+    finish(ctl, fleet, batch[5])
+    await settle()
+    assert place(ctl, fleet, h2.result()).endpoint == "B"
