@@ -319,6 +319,26 @@ async def test_a_cut_request_is_taken_back_out_of_its_programs_attained_service(
     hi.cancel()
 
 
+async def ticks(ctl: FlowController, clock: Clock, n: int = 1) -> None:
+    """`n` dispatch opportunities, 20 ms apart (the default tick)."""
+    for _ in range(n):
+        clock.t += 0.02
+        ctl.tick()
+        await settle()
+
+
+async def queue_two(
+    ctl: FlowController, clock: Clock, first: FlowRequest, second: FlowRequest
+) -> tuple[asyncio.Task[Ticket], asyncio.Task[Ticket]]:
+    """Two requests queued in this order, then five dispatch opportunities."""
+    one = asyncio.create_task(ctl.admit(first))
+    await settle()
+    two = asyncio.create_task(ctl.admit(second))
+    await settle()
+    await ticks(ctl, clock, 5)
+    return one, two
+
+
 async def test_only_the_head_is_offered_a_cut_the_band_leaves_in_order():
     """Without `waiting_claims_room` a band's requests leave in the order its policies pick
     them, and only the request picked (the head) is offered eviction. By design: room made
@@ -333,24 +353,15 @@ async def test_only_the_head_is_offered_a_cut_the_band_leaves_in_order():
     )  # fmt: skip
     assert [t.endpoint for t in held] == ["A", "B", "B", "A"]  # 900 on each
     cut = watch(held)
-    h1 = asyncio.create_task(ctl.admit(req("h1", 500, priority=10)))
-    await settle()
-    h2 = asyncio.create_task(ctl.admit(req("h2", 300, priority=10)))
-    await settle()
+    h1, h2 = await queue_two(ctl, clock, req("h1", 500, priority=10), req("h2", 300, priority=10))
     # h1 fits nowhere even with every batch request cut (A 1300, B 1100): short. h2 would
     # fit B with bB cut (900), but is not offered a cut: nothing cut, nothing counted for it.
-    for _ in range(5):
-        clock.t += 0.02
-        ctl.tick()
-        await settle()
     assert cut == [] and not h1.done() and not h2.done()
     assert ctl.evict_outcomes == {"cut": 0, "short": 1}
     # The room a cut of bB would have made, made by its end instead: h2 still waits behind
     # h1, which still fits nowhere (B 1100), so that cut would have bought nothing.
     finish(ctl, fleet, held[2])
-    clock.t += 0.02
-    ctl.tick()
-    await settle()
+    await ticks(ctl, clock)
     assert not h1.done() and not h2.done()
     finish(ctl, fleet, held[0])  # hiA ends: h1 goes (on A), then h2, in order
     await settle()
@@ -367,14 +378,7 @@ async def test_a_second_waiting_request_gets_its_cut_as_the_head_after_the_first
     ctl, fleet, clock = make()
     batch = await fill(ctl, fleet, clock, *(req(f"b{i}", 300) for i in range(6)))
     cut = watch(batch)  # A: b0 b2 b4, B: b1 b3 b5; 900 on each
-    h1 = asyncio.create_task(ctl.admit(req("h1", 400, priority=10)))
-    await settle()
-    h2 = asyncio.create_task(ctl.admit(req("h2", 400, priority=10)))
-    await settle()
-    for _ in range(5):
-        clock.t += 0.02
-        ctl.tick()
-        await settle()
+    h1, h2 = await queue_two(ctl, clock, req("h1", 400, priority=10), req("h2", 400, priority=10))
     assert cut == ["b4"] and not h2.done()
     assert ctl.evict_outcomes == {"cut": 1, "short": 0}
     finish(ctl, fleet, batch[4])  # the cut one's stream ends
