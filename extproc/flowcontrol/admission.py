@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -27,6 +27,7 @@ from extproc.flowcontrol.controller import (
     FlowController,
     FlowRejected,
     FlowRequest,
+    FlowStats,
     Ticket,
 )
 from extproc.flowcontrol.engine_blocks import EngineBlocks
@@ -314,13 +315,19 @@ class Admission:
             "a request cut by eviction is taken back out.",
             ["fairness_id"],
         )
-        by_label: dict[str, float] = {}
-        for f, v in fc.served.items():
-            label = fc.stats.label(f)
-            by_label[label] = by_label.get(label, 0.0) + v
-        for label, v in by_label.items():
+        for label, v in _by_label(fc.stats, fc.served).items():
             u.add_metric([label], v)
         yield u
+        ps = gauge(
+            "extproc_flow_program_service_tokens",
+            "Attained service per program (fairness ID) that program-aware-fairness compares: "
+            "input tokens + 2 x output tokens dispatched, decayed with lasHalfLifeSeconds; a "
+            "request cut by eviction is taken back out.",
+            ["fairness_id"],
+        )
+        for label, v in _by_label(fc.stats, fc.program_service()).items():
+            ps.add_metric([label], v)
+        yield ps
         o = gauge(
             "extproc_flow_oldest_wait_seconds",
             "How long the oldest queued request of each band has waited.",
@@ -585,3 +592,13 @@ def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
 
 def counter(name: str, doc: str, labels: Sequence[str] = ()) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, labels=list(labels))
+
+
+def _by_label(stats: FlowStats, values: Mapping[str, float]) -> dict[str, float]:
+    """Per-fairness-ID figures under their metric labels: the IDs past the label bound
+    share one ("other"), so their figures are summed."""
+    out: dict[str, float] = {}
+    for f, v in values.items():
+        label = stats.label(f)
+        out[label] = out.get(label, 0.0) + v
+    return out

@@ -650,17 +650,18 @@ class FlowController:
             at[1] += request.room_tokens
         f = request.fairness_id
         self.served[f] = self.served.get(f, 0.0) + request.tokens
+        # One instant for the charge and the ticket: an eviction refund decays the charge
+        # from `dispatched_at`.
+        now = self._clock()
         fairness = self._band(request.priority).fairness
         if getattr(fairness, "timed", False):
             out = request.output_tokens
-            cast(TimedFairness, fairness).charge(f, request.tokens - out, out, self._clock())
+            cast(TimedFairness, fairness).charge(f, request.tokens - out, out, now)
         self.stats.count(request, "dispatched")
         k = (request.priority, self.stats.label(request.fairness_id))
         self.stats.wait_sum[k] = self.stats.wait_sum.get(k, 0.0) + waited
         self.stats.wait_count[k] = self.stats.wait_count.get(k, 0) + 1
-        ticket = Ticket(
-            request, waited, dispatched_at=self._clock(), endpoints=where, target=target
-        )
+        ticket = Ticket(request, waited, dispatched_at=now, endpoints=where, target=target)
         if self.gate is not None:
             self.gate.released(ticket, target, request.prompt_tokens, request.priority)
         if self.evictor is not None:
@@ -728,6 +729,11 @@ class FlowController:
                     elif self.evictor is not None and not stuck:
                         self._reclaim(top)
                     if not claiming:
+                        # Only this request, the band's pick, is offered a cut: the band
+                        # leaves in pick order, so room made for one behind it would sit
+                        # unused while this one fits nowhere (lower bands are kept off it),
+                        # and a cut made for this one closes the eviction gate on that
+                        # decision anyway: the next gets its offer once it is the pick.
                         break
                     assert claims is not None
                     item.waiting = True
@@ -947,7 +953,9 @@ class FlowController:
 
     def _evicted(self, ticket: Ticket) -> None:
         """A running request was cut: counted, and its dispatch charge taken back from its
-        flow's served tokens (what it still weighs after the decay since). Its client got no
+        flow's served tokens (what it still weighs after the decay since), and from its
+        program's attained service when its band uses a timed fairness
+        (`program-aware-fairness`, which decays it with its own half-life). Its client got no
         answer (a 429, or a response cut short), so the fairness that counts tokens must not
         count them as served: newest-first eviction falls most on the flows with the largest
         requests, and without the refund each cut left such a flow further behind its weight
@@ -956,6 +964,12 @@ class FlowController:
         request = ticket.request
         self.stats.count(request, "evicted_inflight")
         f = request.fairness_id
+        fairness = self._band(request.priority).fairness
+        if getattr(fairness, "timed", False):
+            out = request.output_tokens
+            cast(TimedFairness, fairness).refund(
+                f, request.tokens - out, out, ticket.dispatched_at, self._clock()
+            )
         if f not in self.served:
             return
         # `served` was decayed up to `_decayed_at`: the charge has lost as much since then.
@@ -1164,6 +1178,22 @@ class FlowController:
         for p, band in self._bands.items():
             for f, q in band.flows.items():
                 out[(p, f)] = (len(q), sum(i.request.body_bytes for i in q))
+        return out
+
+    def program_service(self) -> dict[str, float]:
+        """Per fairness ID, the attained service its timed fairness holds now
+        (`program-aware-fairness`; summed over the plugin instances the bands name, each
+        counted once however many bands share it)."""
+        now = self._clock()
+        out: dict[str, float] = {}
+        seen: set[int] = set()
+        for band in self._bands.values():
+            policy = band.fairness
+            if not getattr(policy, "timed", False) or id(policy) in seen:
+                continue
+            seen.add(id(policy))
+            for f, v in cast(TimedFairness, policy).services(now).items():
+                out[f] = out.get(f, 0.0) + v
         return out
 
     def oldest_wait(self) -> dict[int, float]:

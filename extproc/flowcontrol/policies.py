@@ -46,11 +46,19 @@ class FairnessPolicy(Protocol):
 
 class TimedFairness(FairnessPolicy, Protocol):
     """A fairness policy whose class says `timed = True`: the controller picks among the
-    flows' oldest arrivals at a time and charges each dispatch to its flow."""
+    flows' oldest arrivals at a time, charges each dispatch to its flow, takes the charge
+    of a request cut by eviction back (`refund`, given when it was charged) and reports
+    each flow's decayed service (`services`, for a gauge)."""
 
     def pick_at(self, heads: Mapping[str, Arrival], now: float) -> str: ...
 
     def charge(self, flow: str, input_tokens: int, output_tokens: int, now: float) -> None: ...
+
+    def refund(
+        self, flow: str, input_tokens: int, output_tokens: int, charged_at: float, now: float
+    ) -> None: ...
+
+    def services(self, now: float) -> dict[str, float]: ...
 
 
 class _NoParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -13,7 +13,8 @@ being visited. Programs inactive for `evictionTtlSeconds` are forgotten, checked
 Unlike llm-d, which adds a request's service at completion from the response's `usage`,
 extproc charges it at dispatch from the request's estimate (uncached prompt tokens +
 expected output tokens, the figures flow control already counts): the picker does not read
-response bodies. Time comes from the controller's clock.
+response bodies. A request cut by eviction gets its charge back (`refund`): its client got
+no answer. Time comes from the controller's clock.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class _Program:
     active: float = 0.0  # last dispatch (or first sight), for the idle sweep
 
 
+def _cost(input_tokens: int, output_tokens: int) -> float:
+    return WEIGHT_INPUT_TOKEN * input_tokens + WEIGHT_OUTPUT_TOKEN * output_tokens
+
+
 def _norm(v: float, lo: float, hi: float) -> float:
     return 0.5 if hi == lo else (v - lo) / (hi - lo)
 
@@ -51,7 +56,7 @@ class ProgramAwareFairness:
 
     type_name = "program-aware-fairness"
     # The controller hands this policy the heads' arrivals and its clock (`pick_at`) and
-    # tells it what each dispatch costs (`charge`).
+    # tells it what each dispatch costs (`charge`) and what each cut gives back (`refund`).
     timed = True
     spans_bands = True
 
@@ -75,12 +80,19 @@ class ProgramAwareFairness:
             return 0.0
         return self._decay(prog, now)
 
+    def services(self, now: float) -> dict[str, float]:
+        """Every tracked program's attained service at `now`, for the gauge: read only (the
+        decay is computed, not folded in)."""
+        return {f: p.service * self._weight(now - p.anchor) for f, p in self._programs.items()}
+
+    def _weight(self, dt: float) -> float:
+        """What a unit of service still weighs `dt` seconds on."""
+        hl = self.params.lasHalfLifeSeconds
+        return math.pow(2.0, -dt / hl) if dt > 0 and hl > 0 else 1.0
+
     def _decay(self, prog: _Program, now: float) -> float:
-        dt = now - prog.anchor
-        if dt > 0:
-            hl = self.params.lasHalfLifeSeconds
-            if hl > 0:
-                prog.service *= math.pow(2.0, -dt / hl)
+        if now > prog.anchor:
+            prog.service *= self._weight(now - prog.anchor)
             prog.anchor = now
         return prog.service
 
@@ -114,8 +126,26 @@ class ProgramAwareFairness:
         """A request of `program` was dispatched: add its weighted token cost."""
         prog = self._program(program, now)
         self._decay(prog, now)
-        prog.service += WEIGHT_INPUT_TOKEN * input_tokens + WEIGHT_OUTPUT_TOKEN * output_tokens
+        prog.service += _cost(input_tokens, output_tokens)
         prog.active = now
+
+    def refund(
+        self, program: str, input_tokens: int, output_tokens: int, charged_at: float, now: float
+    ) -> None:
+        """A request of `program` charged at `charged_at` was cut by eviction: its client got
+        no answer, so its cost comes back out of the program's service, as much of it as
+        the decay since `charged_at` has left (else each cut would leave the program further
+        behind, served nothing and charged as if it had been). Less than one token left is
+        taken as none: decayed in one step here and in several in the service, a charge that
+        was all the program had leaves a float residue. Not a dispatch: the program's last
+        activity stays where it was."""
+        prog = self._programs.get(program)
+        if prog is None:
+            return  # forgotten by the idle sweep: nothing of the charge is left
+        left = self._decay(prog, now) - _cost(input_tokens, output_tokens) * self._weight(
+            now - charged_at
+        )
+        prog.service = left if left >= 1.0 else 0.0
 
     def _sweep(self, now: float) -> None:
         p = self.params

@@ -9,7 +9,9 @@ an interactive request (700 tokens) on one server X; batch requests (priority 0)
 (300) fits neither (X 1250, Y 1200 with it): it comes closest on Y, so Y's newest batch
 request (the 400) is cut, 429 `evicted`, and the interactive request is served on Y at
 once, while every other holder runs to its end. llm-d's pool-wide rule would have cut the
-newest batch request anywhere (X's 250), and its filter no priority-0 request at all.
+newest batch request anywhere (X's 250), and its filter no priority-0 request at all. The
+cut request's flow gets its dispatch charge back: its served tokens, and (the batch band
+using `program-aware-fairness`) its program's attained service.
 
 Then an interactive request that nothing can make room for (interactive holders on both
 servers, no batch running) waits them out: counted `short` once, not once per tick."""
@@ -39,11 +41,15 @@ CONFIG = {
                 "parameters": {"concurrencyMode": "tokens", "maxTokenConcurrency": 1000},
             },
             {"type": "lower-band-eviction-filter"},
+            {"type": "program-aware-fairness"},
         ],
         "flowControl": {
             "defaultRequestTTL": "30s",
             "saturationDetector": {"pluginRef": "concurrency-detector"},
-            "priorityBands": [{"priority": 10}, {"priority": 0}],
+            "priorityBands": [
+                {"priority": 10},
+                {"priority": 0, "fairnessPolicyRef": "program-aware-fairness"},
+            ],
             "enableEviction": True,
         },
         "schedulingProfiles": [
@@ -118,8 +124,10 @@ async def test_a_waiting_interactive_request_cuts_the_newest_batch_on_its_closes
             await asyncio.to_thread(
                 wait_until, lambda n=n: dispatched(stack) >= base + n + 1, timeout_s=5, what=tag
             )
-        # Fairness counts b-y2's tokens as served from its dispatch...
+        # Fairness counts b-y2's tokens as served from its dispatch (the batch band's
+        # program-aware fairness its attained service)...
         assert metric(stack, "extproc_flow_fairness_served_tokens", fairness_id="b-y2") > 300
+        assert metric(stack, "extproc_flow_program_service_tokens", fairness_id="b-y2") > 300
         hi = asyncio.create_task(post(c, "interactive", "hi-2", 300))
         done, _ = await asyncio.wait((hi, *holders.values()), return_when=asyncio.FIRST_COMPLETED)
         # Y's newest batch request is cut, with llm-d's reason, the interactive one served.
@@ -131,6 +139,8 @@ async def test_a_waiting_interactive_request_cuts_the_newest_batch_on_its_closes
         # ... and no longer once it is cut (its client got no answer); the others keep theirs.
         assert metric(stack, "extproc_flow_fairness_served_tokens", fairness_id="b-y2") == 0
         assert metric(stack, "extproc_flow_fairness_served_tokens", fairness_id="b-y1") > 300
+        assert metric(stack, "extproc_flow_program_service_tokens", fairness_id="b-y2") == 0
+        assert metric(stack, "extproc_flow_program_service_tokens", fairness_id="b-y1") > 300
         served = await hi
         assert served.status_code == 200
         left = [t for t, task in holders.items() if t != "b-y2" and task.done()]

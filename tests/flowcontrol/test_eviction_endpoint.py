@@ -275,3 +275,119 @@ async def test_a_cut_request_is_taken_back_out_of_its_flows_served_tokens():
     assert "b4" not in ctl.served  # its charge, decayed as it was, taken back entirely
     assert ctl.served == {f"b{i}": decayed for i in (0, 1, 2, 3, 5)}
     hi.cancel()
+
+
+async def test_a_cut_request_is_taken_back_out_of_its_programs_attained_service():
+    """`program-aware-fairness` charges a request's cost at dispatch: a cut one's comes back
+    out, decayed with the policy's own half-life (not `usage_half_life_s`), so a program
+    whose requests are cut is not served last for service it never got."""
+    fleet, clock = Fleet(), Clock()
+    policy = {"type": "program-aware-fairness", "parameters": {"lasHalfLifeSeconds": 10}}
+    cfg = build_flow_config(
+        {"saturationDetector": {"pluginRef": "concurrency-detector"},
+         "defaultPriorityBand": {"fairnessPolicyRef": "program-aware-fairness"}},
+        None,
+        [tokens_detector(CAP), policy],
+    )  # fmt: skip
+    ctl = controller(
+        fleet,
+        [tokens_detector(CAP)],
+        band=cfg.band,
+        eviction=EvictionSettings(filter=LowerBandEvictionFilter()),
+        evict_per_endpoint=True,
+        clock=clock,
+    )
+    # Each 300 tokens, 10 of them output: a service of 290 + 2 x 10, dispatched a second
+    # apart.
+    batch = await fill(
+        ctl, fleet, clock, *(FlowRequest(f"b{i}", 0, 300, 10, output_tokens=10) for i in range(6))
+    )
+    assert ctl.program_service() == pytest.approx(
+        {f"b{i}": 310 * 2 ** ((i - 5) / 10) for i in range(6)}
+    )
+    clock.t += 20  # two of the policy's half-lives (under one of usage_half_life_s)
+    before = ctl.program_service()
+    assert before["b5"] == pytest.approx(310 / 4)
+    cut = watch(batch)
+    hi = asyncio.create_task(ctl.admit(req("hi", 350, priority=10)))  # one cut on A
+    await settle()
+    assert cut == ["b4"]
+    after = ctl.program_service()
+    assert after.pop("b4") == 0.0  # its charge, decayed as the policy decays it, taken back
+    kept = {f: v for f, v in before.items() if f != "b4"}
+    assert after == pytest.approx({**kept, "hi": 0.0})  # (hi: seen by the pick, not served)
+    hi.cancel()
+
+
+async def ticks(ctl: FlowController, clock: Clock, n: int = 1) -> None:
+    """`n` dispatch opportunities, 20 ms apart (the default tick)."""
+    for _ in range(n):
+        clock.t += 0.02
+        ctl.tick()
+        await settle()
+
+
+async def queue_two(
+    ctl: FlowController, clock: Clock, first: FlowRequest, second: FlowRequest
+) -> tuple[asyncio.Task[Ticket], asyncio.Task[Ticket]]:
+    """Two requests queued in this order, then five dispatch opportunities."""
+    one = asyncio.create_task(ctl.admit(first))
+    await settle()
+    two = asyncio.create_task(ctl.admit(second))
+    await settle()
+    await ticks(ctl, clock, 5)
+    return one, two
+
+
+async def test_only_the_head_is_offered_a_cut_the_band_leaves_in_order():
+    """Without `waiting_claims_room` a band's requests leave in the order its policies pick
+    them, and only the request picked (the head) is offered eviction. By design: room made
+    for a request behind a head that fits nowhere would sit unused (the head blocks the band,
+    and strict priority keeps the lower bands off it), the cut request's work lost for
+    nothing; and when the head gets a cut, the stop-and-wait gate closes on the one decision,
+    so the next request gets its own offer only once it is the head."""
+    ctl, fleet, clock = make()
+    held = await fill(
+        ctl, fleet, clock,
+        req("hiA", 800, priority=10), req("hiB", 600, priority=10), req("bB", 300), req("bA", 100),
+    )  # fmt: skip
+    assert [t.endpoint for t in held] == ["A", "B", "B", "A"]  # 900 on each
+    cut = watch(held)
+    h1, h2 = await queue_two(ctl, clock, req("h1", 500, priority=10), req("h2", 300, priority=10))
+    # h1 fits nowhere even with every batch request cut (A 1300, B 1100): short. h2 would
+    # fit B with bB cut (900), but is not offered a cut: nothing cut, nothing counted for it.
+    assert cut == [] and not h1.done() and not h2.done()
+    assert ctl.evict_outcomes == {"cut": 0, "short": 1}
+    # The room a cut of bB would have made, made by its end instead: h2 still waits behind
+    # h1, which still fits nowhere (B 1100), so that cut would have bought nothing.
+    finish(ctl, fleet, held[2])
+    await ticks(ctl, clock)
+    assert not h1.done() and not h2.done()
+    finish(ctl, fleet, held[0])  # hiA ends: h1 goes (on A), then h2, in order
+    await settle()
+    assert place(ctl, fleet, h1.result()).endpoint == "A"
+    place(ctl, fleet, h2.result())
+    assert cut == [] and ctl.evict_outcomes == {"cut": 0, "short": 1}
+
+
+async def test_a_second_waiting_request_gets_its_cut_as_the_head_after_the_first_decision():
+    """Two waiting interactive requests, each needing a cut, on different servers: the
+    head's decision closes the gate, the second is neither cut for nor counted `short`
+    meanwhile; once the head is served it is the head, and gets its own cut. Each request
+    counts one outcome."""
+    ctl, fleet, clock = make()
+    batch = await fill(ctl, fleet, clock, *(req(f"b{i}", 300) for i in range(6)))
+    cut = watch(batch)  # A: b0 b2 b4, B: b1 b3 b5; 900 on each
+    h1, h2 = await queue_two(ctl, clock, req("h1", 400, priority=10), req("h2", 400, priority=10))
+    assert cut == ["b4"] and not h2.done()
+    assert ctl.evict_outcomes == {"cut": 1, "short": 0}
+    finish(ctl, fleet, batch[4])  # the cut one's stream ends
+    await settle()
+    assert place(ctl, fleet, h1.result()).endpoint == "A"
+    clock.t += 1  # past the grace: h2, the head now, closest on B
+    ctl.tick()
+    await settle()
+    assert cut == ["b4", "b5"] and ctl.evict_outcomes == {"cut": 2, "short": 0}
+    finish(ctl, fleet, batch[5])
+    await settle()
+    assert place(ctl, fleet, h2.result()).endpoint == "B"

@@ -173,6 +173,38 @@ def test_las_service_decays_with_its_half_life_even_while_idle():
     assert kept.service("p", 1e6) == pytest.approx(1000.0)
 
 
+def test_las_refund_takes_a_cut_requests_charge_back_as_decayed_since_its_dispatch():
+    pol = ProgramAwareFairness(ProgramAwareFairness.Params(lasHalfLifeSeconds=60))
+    pol.charge("p", 1000, 0, now=0.0)  # the request to be cut
+    pol.charge("p", 200, 100, now=60.0)  # 400, kept
+    assert pol.service("p", 60.0) == pytest.approx(900.0)
+    # Cut at 120 s: its 1000 weigh 250 by now, the kept 400 weigh 200.
+    pol.refund("p", 1000, 0, charged_at=0.0, now=120.0)
+    assert pol.service("p", 120.0) == pytest.approx(200.0)
+    # The program's whole service refunded: none left (not a float residue), nothing below.
+    pol.refund("p", 200, 100, charged_at=60.0, now=180.0)
+    assert pol.service("p", 180.0) == 0.0
+    pol.refund("p", 5000, 0, charged_at=170.0, now=180.0)
+    assert pol.service("p", 180.0) == 0.0
+    # A program never charged, or forgotten since, has nothing to give back.
+    pol.refund("q", 10, 0, charged_at=0.0, now=180.0)
+    assert pol.programs() == 1
+    kept = ProgramAwareFairness(ProgramAwareFairness.Params(lasHalfLifeSeconds=0))
+    kept.charge("p", 1000, 0, now=0.0)
+    kept.charge("p", 300, 0, now=10.0)
+    kept.refund("p", 1000, 0, charged_at=0.0, now=1e6)  # no decay: all of it
+    assert kept.service("p", 1e6) == pytest.approx(300.0)
+
+
+def test_las_services_reads_the_decayed_service_without_folding_it_in():
+    pol = ProgramAwareFairness(ProgramAwareFairness.Params(lasHalfLifeSeconds=60))
+    pol.charge("a", 1000, 0, now=0.0)
+    pol.charge("b", 0, 100, now=60.0)
+    assert pol.services(60.0) == pytest.approx({"a": 500.0, "b": 200.0})
+    assert pol.services(120.0) == pytest.approx({"a": 250.0, "b": 100.0})
+    assert pol.services(60.0) == pytest.approx({"a": 500.0, "b": 200.0})  # unchanged by reads
+
+
 def test_las_forgets_idle_programs_on_the_sweep():
     pol = ProgramAwareFairness(
         ProgramAwareFairness.Params(evictionTtlSeconds=10, evictionSweepSeconds=5)
