@@ -771,7 +771,9 @@ class FlowController:
 
     def _closest_first(self, request: FlowRequest) -> list[str]:
         """The endpoints by how close the request comes to fitting on each, closest first
-        (as `_closest` counts)."""
+        (as `_closest` counts), those where the spread keeps it off last (the prefill
+        gate's `spreadTopBandTokens`: its cut, or its claim, goes where its prefill would
+        not share a step with its band's)."""
         assert self._endpoints is not None
         det = cast(EndpointDetector, self._detector)
         claimed = self.claims.against(request.priority, peers=False) if self.claims else {}
@@ -779,11 +781,13 @@ class FlowController:
         peer_extra = self._peer_extra()
         by_blocks = self._by_blocks(request.priority)
         size = request.room_tokens if by_blocks else request.counted_tokens
-        for addr, state in self._endpoints():
+        eps = dict(self._endpoints())
+        for addr, state in eps.items():
             reqs = self._pending_at.get(addr, _NONE)[0]
             toks = self._counted_at(addr, claimed.get(addr, 0), state, peer_extra, by_blocks)
             afters.append((det.endpoint_saturation(state, reqs + 1, toks + size), addr))
-        return [a for _, a in sorted(afters)] or [""]
+        crowded = self._crowded(request, eps)
+        return [a for _, _, a in sorted((a in crowded, x, a) for x, a in afters)] or [""]
 
     def _counted_at(
         self,
@@ -893,11 +897,6 @@ class FlowController:
             return
         eps = dict(self._endpoints())
         order = self._closest_first(request)
-        crowded = self._crowded(request, eps)
-        if crowded:
-            # The spread (prefill-gate's spreadTopBandTokens): its cut goes to a server
-            # where its prefill would not share a step with the band's; a crowded one last.
-            order = [a for a in order if a not in crowded] + [a for a in order if a in crowded]
         det = cast(EndpointDetector, self._detector)
         by_blocks = self._by_blocks(p)
         sat = self.saturation(by_blocks)

@@ -42,7 +42,9 @@ class Setup:
         await settle()
 
 
-async def setup(a: int, b: int, spread: int = STEP, *, evict: bool = True) -> Setup:
+async def setup(
+    a: int, b: int, spread: int = STEP, *, evict: bool = True, claims: bool = False
+) -> Setup:
     """A controller whose gate spreads by `spread`, with batch requests of these prompts
     placed on A and B (before any interactive arrival: the gate holds nothing yet)."""
     clock = Clock()
@@ -57,7 +59,7 @@ async def setup(a: int, b: int, spread: int = STEP, *, evict: bool = True) -> Se
             "eviction": EvictionSettings(filter=LowerBandEvictionFilter()),
             "evict_per_endpoint": True,
         }
-    ctl = controller(fleet, plugins, clock=clock, **extra)
+    ctl = controller(fleet, plugins, clock=clock, waiting_claims_room=claims, **extra)
     batch = {}
     for where, size in (("A", a), ("B", b)):
         if size:
@@ -93,6 +95,18 @@ async def test_a_close_second_prompt_waits_for_its_cut_on_the_other_server():
     gone(s, s.batch["B"])
     await s.tick()
     assert second.done() and second.result().endpoints == {"B"}
+
+
+async def test_a_waiting_request_claims_the_server_it_waits_for_its_cut_on():
+    # waiting_claims_room: the room it waits for is kept from its band's newer requests;
+    # that is B's, where its cut is, not A's, where it comes closest to fitting.
+    s = await setup(500, 3000, claims=True)
+    await s.hi(1500, "A")
+    second = asyncio.create_task(s.ctl.admit(req(1500, 10)))
+    await settle()
+    assert not second.done()
+    assert s.ctl.claims is not None and s.ctl.claims.published() == {"B": 1500}
+    second.cancel()
 
 
 @pytest.mark.parametrize(
