@@ -58,6 +58,34 @@ def test_past_the_exit_bound_the_process_is_ended(caplog):
     assert any("exiting with code 70" in r.getMessage() for r in caplog.records)
 
 
+def test_a_paused_process_is_not_taken_for_a_stuck_loop():
+    """SIGSTOP/SIGCONT stops the watchdog's thread with the loop: on resumption the clock
+    has jumped for both, and the loop gets its bound from then on."""
+    stats = WatchdogStats()
+    codes: list[int] = []
+    jump = [0.0]
+    watchdog = LoopWatchdog(
+        WatchdogBounds(0.2, 1.0),
+        stats,
+        exit=codes.append,
+        clock=lambda: time.monotonic() + jump[0],
+    )
+
+    async def paused() -> None:
+        watchdog.start()
+        try:
+            await asyncio.sleep(0.2)
+            jump[0] = 30.0  # the process was stopped for 30 s
+            blocking_call(0.1)  # the loop's first turn after it, shorter than the bound
+            await asyncio.sleep(0.3)
+        finally:
+            watchdog.stop()
+
+    asyncio.run(paused())
+    assert codes == []
+    assert stats.stalls == 0
+
+
 def test_without_an_exit_function_a_long_stall_is_only_counted():
     stats = WatchdogStats()
     asyncio.run(run(LoopWatchdog(WatchdogBounds(0.1, 0.3), stats), 0.8))

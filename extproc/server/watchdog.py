@@ -107,9 +107,18 @@ class LoopWatchdog:
         self._handle = asyncio.get_running_loop().call_later(self._bounds.tick_s, self._tick)
 
     def _watch(self) -> None:
+        tick = self._bounds.tick_s
         worst = 0.0  # the current stall's age so far; 0 while the loop turns
-        while not self._done.wait(self._bounds.tick_s):
-            age = self._clock() - self._beat
+        woke = resumed = self._clock()
+        while not self._done.wait(tick):
+            now = self._clock()
+            if now - woke > tick + self._bounds.stall_s:
+                # This thread did not run either, for as long as a stall: the whole process
+                # was paused (SIGSTOP, a frozen cgroup, no CPU). The loop is judged from the
+                # resumption on, not blamed for the pause.
+                resumed = now
+            woke = now
+            age = now - max(self._beat, resumed)
             if age >= self._bounds.stall_s:
                 if not worst:
                     self._stalled(age)
