@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import pytest
@@ -56,6 +57,29 @@ def test_past_the_exit_bound_the_process_is_ended(caplog):
     assert codes == [STUCK_EXIT_CODE]
     assert stats.stalls == 1
     assert any("exiting with code 70" in r.getMessage() for r in caplog.records)
+
+
+def test_a_log_handler_on_a_closed_stream_does_not_stop_the_exit(tmp_path):
+    """The exit path flushes the root handlers; one whose stream is closed (a broken pipe,
+    a test harness's stream left behind) raised in the watchdog's thread, which then died
+    before calling the exit (seen under pytest-xdist; the backstop timer alone ended it)."""
+    stream = (tmp_path / "log").open("w")
+    handler = logging.StreamHandler(stream)
+    stream.close()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    codes: list[int] = []
+    watchdog = LoopWatchdog(WatchdogBounds(0.1, 0.4), WatchdogStats(), exit=codes.append)
+    raised: list[BaseException] = []
+    before = threading.excepthook
+    threading.excepthook = lambda a: raised.append(a.exc_value)  # type: ignore[assignment]
+    try:
+        asyncio.run(run(watchdog, 0.8))
+    finally:
+        threading.excepthook = before
+        root.removeHandler(handler)
+    assert not raised
+    assert codes == [STUCK_EXIT_CODE]
 
 
 def test_a_paused_process_is_not_taken_for_a_stuck_loop():

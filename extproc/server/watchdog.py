@@ -26,6 +26,7 @@ kubelet's liveness probe sees that (deploy/base/deployment.yaml bounds its kill)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import threading
@@ -161,6 +162,8 @@ class LoopWatchdog:
             extra={"stall_s": round(age, 3)},
         )
         for handler in logging.getLogger().handlers:
-            handler.flush()
+            # A handler whose stream is gone (closed, broken pipe) must not stop the exit.
+            with contextlib.suppress(Exception):
+                handler.flush()
         exit(STUCK_EXIT_CODE)
         backstop.cancel()  # reached only when `exit` returns (a test's stand-in)
