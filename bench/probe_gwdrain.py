@@ -24,18 +24,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
 import orjson
 import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc import protocol
 from extproc._proto.extproc.wire.v1 import ext_proc_pb2 as pb
@@ -126,13 +131,18 @@ class Probe:
         seen.ended = seen.ended or "envoy-closed"
 
     def _route(self) -> pb.ProcessingResponse:
-        resp = pb.ProcessingResponse()
-        mutation = resp.request_headers.response.header_mutation
-        opt = mutation.set_headers.add()
-        opt.header.key = protocol.DESTINATION_HEADER
-        opt.header.raw_value = self.upstream.encode()
-        resp.request_headers.response.clear_route_cache = True
-        return resp
+        return route_to(self.upstream)
+
+
+def route_to(upstream: str) -> pb.ProcessingResponse:
+    """The request-headers reply that routes to `upstream` (the destination header)."""
+    resp = pb.ProcessingResponse()
+    mutation = resp.request_headers.response.header_mutation
+    opt = mutation.set_headers.add()
+    opt.header.key = protocol.DESTINATION_HEADER
+    opt.header.raw_value = upstream.encode()
+    resp.request_headers.response.clear_route_cache = True
+    return resp
 
 
 def check(got: bytes, chunks: int, size: int) -> str:
@@ -173,7 +183,7 @@ async def one(
             status = r.status_code
             async for part in r.aiter_raw():
                 got += part
-        verdict = check(got, chunks, size)
+        verdict = check(got, chunks, size) if status == 200 else repr(got[:80])
     except httpx.HTTPError as exc:
         verdict = f"cut ({type(exc).__name__}); then " + check(got, chunks, size)
     return status, verdict, time.monotonic() - t0
@@ -196,7 +206,26 @@ SCENARIOS: list[tuple[str, int, int, int, int]] = [
 ]
 
 
-async def run_gateway(name: str, gw: Gateway, tmp: Path, log: Path) -> list[str]:
+@dataclass(frozen=True)
+class Bench:
+    """What `envoy_in_front` runs: Envoy's listen and admin ports, the upstream's address."""
+
+    listen: int
+    admin: int
+    upstream: str
+
+
+@contextlib.asynccontextmanager
+async def envoy_in_front(
+    name: str,
+    process_for: Callable[[str], Any],
+    bootstrap: Callable[[BootstrapOptions], dict[str, Any]],
+    tmp: Path,
+    log: Path,
+) -> AsyncIterator[Bench]:
+    """An echo upstream, a scripted ext_proc server (`process_for(upstream)` serves each
+    stream; it also answers gRPC health `readiness`, which our bootstrap checks) and Envoy
+    configured by `bootstrap`, all ready; stopped on leaving."""
     upstream = f"127.0.0.1:{free_port()}"
     probe_port, listen, admin = free_port(), free_port(), free_port()
     ups = subprocess.Popen(
@@ -204,16 +233,18 @@ async def run_gateway(name: str, gw: Gateway, tmp: Path, log: Path) -> list[str]
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    probe = Probe(upstream)
     server = grpc.aio.server()
     method = grpc.stream_stream_rpc_method_handler(
-        probe.process,
+        process_for(upstream),
         request_deserializer=pb.ProcessingRequest.FromString,
         response_serializer=pb.ProcessingResponse.SerializeToString,
     )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(protocol.EXT_PROC_SERVICE, {"Process": method}),)
     )
+    checks = health.aio.HealthServicer()
+    await checks.set("readiness", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     server.add_insecure_port(f"127.0.0.1:{probe_port}")
     await server.start()
     opts = BootstrapOptions(
@@ -226,13 +257,12 @@ async def run_gateway(name: str, gw: Gateway, tmp: Path, log: Path) -> list[str]
         access_log=False,
     )
     cfg = tmp / f"envoy-{name}.yaml"
-    cfg.write_text(yaml.safe_dump(gateway_bootstrap(gw, opts), sort_keys=False))
+    cfg.write_text(yaml.safe_dump(bootstrap(opts), sort_keys=False))
     envoy = subprocess.Popen(
         [envoy_binary(), "-c", str(cfg), "--disable-hot-restart", *ENVOY_FLAGS],
         stdout=log.open("ab"),
         stderr=subprocess.STDOUT,
     )
-    out: list[str] = []
     try:
         await asyncio.to_thread(
             wait_until,
@@ -246,10 +276,33 @@ async def run_gateway(name: str, gw: Gateway, tmp: Path, log: Path) -> list[str]
             timeout_s=30,
             what="envoy",
         )
+        yield Bench(listen, admin, upstream)
+    finally:
+        envoy.terminate()
+        ups.terminate()
+        envoy.wait(10)
+        ups.wait(10)
+        await server.stop(0)
+
+
+async def run_gateway(name: str, gw: Gateway, tmp: Path, log: Path) -> list[str]:
+    probes: list[Probe] = []
+
+    def process_for(upstream: str):
+        probes.append(Probe(upstream))
+        return probes[-1].process
+
+    out: list[str] = []
+    bootstrap = partial(gateway_bootstrap, gw)
+    async with envoy_in_front(name, process_for, bootstrap, tmp, log) as bench:
+        probe = probes[0]
         scenarios = [s for s in SCENARIOS if "pause" in s[0] or name != "aigw-mt1s"]
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{listen}", timeout=60) as c:
+        base = f"http://127.0.0.1:{bench.listen}"
+        async with httpx.AsyncClient(base_url=base, timeout=60) as c:
             results = await asyncio.gather(*(one(c, *s) for s in scenarios))
-        stats = httpx.get(f"http://127.0.0.1:{admin}/stats", params={"filter": "ext_proc"}).text
+        stats = httpx.get(
+            f"http://127.0.0.1:{bench.admin}/stats", params={"filter": "ext_proc"}
+        ).text
         for (action, *_), (status, verdict, took) in zip(scenarios, results, strict=True):
             seen = probe.seen.get(action, Seen())
             dl = "none" if seen.deadline_s is None else f"{seen.deadline_s:.1f} s"
@@ -263,13 +316,22 @@ async def run_gateway(name: str, gw: Gateway, tmp: Path, log: Path) -> list[str]
             if v.strip() not in ("", "0") and "ext_proc" in k
         )
         out.append(f"{name:10} envoy: {counters}")
-    finally:
-        envoy.terminate()
-        ups.terminate()
-        envoy.wait(10)
-        ups.wait(10)
-        await server.stop(0)
     return out
+
+
+async def print_runs(
+    prefix: str, names: list[str], run: Callable[[str, Path, Path], Awaitable[list[str]]]
+) -> None:
+    """`run(name, tmp, envoy_log)` for each name in turn, printing its lines, then the tail
+    of Envoy's log."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        tmp = Path(d)
+        for name in names:
+            for line in await run(name, tmp, tmp / "envoy.log"):
+                print(line, flush=True)
+        tail = (tmp / "envoy.log").read_text(errors="replace")[-1500:]
+        if tail:
+            print("envoy log tail:\n" + tail)
 
 
 async def main() -> int:
@@ -277,14 +339,11 @@ async def main() -> int:
     p.add_argument("--gateways", default=",".join(_probe_gateways()))
     args = p.parse_args()
     gws = _probe_gateways()
-    with tempfile.TemporaryDirectory(prefix="probe-gwdrain-") as d:
-        tmp = Path(d)
-        for name in args.gateways.split(","):
-            for line in await run_gateway(name, gws[name], tmp, tmp / "envoy.log"):
-                print(line, flush=True)
-        tail = (tmp / "envoy.log").read_text(errors="replace")[-1500:]
-        if tail:
-            print("envoy log tail:\n" + tail)
+
+    async def run(name: str, tmp: Path, log: Path) -> list[str]:
+        return await run_gateway(name, gws[name], tmp, log)
+
+    await print_runs("probe-gwdrain-", args.gateways.split(","), run)
     return 0
 
 

@@ -93,7 +93,9 @@ async def _serve(settings: Settings, *, shared_ports: bool = False) -> None:
     from extproc.server.app import App
 
     endpoints = parse_endpoints(",".join(settings.endpoints))
-    async with App(settings, endpoints, environ=os.environ, shared_ports=shared_ports) as app:
+    async with App(
+        settings, endpoints, environ=os.environ, shared_ports=shared_ports, exit_when_stuck=os._exit
+    ) as app:
         loop = asyncio.get_running_loop()
         stopping: set[asyncio.Task[None]] = set()  # held so the drain task is not collected
 

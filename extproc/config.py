@@ -102,6 +102,12 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     1 GiB, docs/reliability.md). `worker_port`: a second
     ext_proc port this process alone serves (`--worker-ports BASE`: worker i of `--workers N`
     at BASE + i), so a proxy can balance streams over workers (docs/operations.md, Workers).
+
+    A stuck serving loop (server/watchdog.py): `loop_stall_s` is how long the event loop may
+    go without turning before the stall is logged (with the loop's stack) and counted;
+    `loop_stall_exit_s` how long before `extproc serve` exits (code 70) so the streams it
+    holds fail at once and a fresh process takes over (None: never). Keep the exit bound
+    above the longest legitimate pause of the loop.
     """
 
     host: str = "0.0.0.0"
@@ -123,9 +129,14 @@ class ServerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     allowed_clients: list[str] = msgspec.field(default_factory=list)
     max_streams: Annotated[int, msgspec.Meta(gt=0)] = 40_000
     worker_port: _Port | None = None
+    loop_stall_s: _PositiveS = 2.0
+    loop_stall_exit_s: _PositiveS | None = 30.0
 
     def __post_init__(self) -> None:
         import ipaddress
+
+        if self.loop_stall_exit_s is not None and self.loop_stall_exit_s <= self.loop_stall_s:
+            raise ValueError("loop_stall_exit_s must be longer than loop_stall_s")
 
         if self.plaintext and self.tls is not None:
             raise ValueError("set either tls or plaintext: true, not both")

@@ -45,9 +45,14 @@ class Scraped(msgspec.Struct, frozen=True):
     # Prompt tokens the engine processed since it started (cached ones included).
     prompt_tokens: int | None = None
     latency: LatencyTotals | None = None
-    # Requests the engine finished since it started, every finish reason summed (vLLM's
-    # `request_success_total`; aborts and errors included); None when not exported. With
-    # the first-token count (`latency.ttft_count`) it says how many are decoding.
+    # Requests the engine finished since it started (vLLM's `request_success_total`), every
+    # finish reason summed but `abort`; None when not exported. With the first-token count
+    # (`latency.ttft_count`) it says how many are decoding. Aborts are left out because
+    # engines differ: vLLM 0.32 never counts a request the client cut, an engine that does
+    # counts it under `abort` whether it had a first token or not, and only the ones after
+    # it are in the first-token count. Without them, both engines read alike: a cut before
+    # a first token leaves no trace, one after it is a first token never finished (which
+    # endpoints/state.py learns).
     finished: int | None = None
 
 
@@ -229,6 +234,22 @@ def _counter(found: dict[bytes, list[bytes]], names: tuple[bytes, ...]) -> int |
     return None
 
 
+def _finished(found: dict[bytes, list[bytes]]) -> int | None:
+    """`request_success_total` summed over every finish reason but `abort` (see Scraped)."""
+    for name in _V_FINISHED:
+        samples = found.get(name)
+        if not samples:
+            continue
+        total = 0.0
+        for rest in samples:
+            raw, value = _split(rest)
+            if math.isnan(value) or _label(raw, b"finished_reason") == "abort":
+                continue
+            total += value
+        return int(total)
+    return None
+
+
 def _latency(found: dict[bytes, list[bytes]]) -> LatencyTotals | None:
     """The latency histograms' totals, None when the server exports none of them."""
     totals: dict[str, float] = {}
@@ -313,5 +334,5 @@ def parse_metrics(data: bytes) -> Scraped:
         prompt_tokens=_counter(found, _V_PROMPT_TOKENS),
         prefix_cache_hits=_counter(found, _V_HITS),
         latency=_latency(found),
-        finished=_counter(found, _V_FINISHED),
+        finished=_finished(found),
     )

@@ -6,27 +6,71 @@ the hot path and adds in-flight counts, which it owns.
 Besides the engine's gauges, each scrape says how many of its requests are still before
 their first token (`EndpointState.prefilling`): waiting + running less those decoding, and
 decoding = first tokens produced (`time_to_first_token_seconds` count, observed at the first
-token) less requests finished (`request_success_total`, every reason), both counted since
-the engine started. A request aborted before its first token is finished without a first
-token, so that difference undercounts decoding by every such abort since the start; the
-largest deficit ever seen (finished - first tokens, which is exactly the aborts' count
-whenever nothing is decoding) is added back. Until it is seen the count errs towards more
-requests in prefill, i.e. towards the older floor that counted every request.
+token) less requests finished (`request_success_total`, every reason but `abort`: see
+`Scraped.finished`), both counted since the engine started. A request the client cut
+(aborted) is where engines differ:
+
+- not counted as finished (vLLM 0.32: `OutputProcessor.abort_requests` drops the request
+  without stats; or counted under `abort`, left out): a cut before its first token leaves no
+  trace, but one after it stays among the first tokens for good, so the difference
+  overcounts decoding by every such cut. Every request with a first token that is neither
+  finished nor cut is running or (preempted) waiting, so first - finished never exceeds
+  running + waiting + those cuts: the largest excess ever seen (exact whenever nothing
+  waits and every running request decodes) is taken off. Under overload something always
+  decodes; this bound still learns at every scrape that finds no prefill or queue.
+- counted as finished under another reason (an engine without `abort`): one cut before its
+  first token is finished without a first token, so the difference undercounts decoding by
+  every such cut. first - finished never falls below -(those cuts): the largest deficit
+  ever seen (exact only whenever nothing decodes, so under overload it may stay short) is
+  added back.
+
+Both bounds only grow (reset with a new engine start) and hold for either engine. Until
+an uncounted cut is seen the count errs towards fewer requests in prefill (the prefill gate
+releases too much), until a counted one is seen towards more. Each correction is per
+endpoint in `abort_corrections` (exported as `extproc_endpoint_prefill_abort_correction`)
+and said in a warning at most once a minute per endpoint while it grows.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from extproc.core import EndpointState
 
 # Figures older than this are stale: scoring treats them as missing (a few scrape intervals).
 DEFAULT_STALE_AFTER_S = 0.2
+# A growing abort correction is said at most this often per endpoint (a cut per second under
+# overload would otherwise log a line per scrape).
+CORRECTION_LOG_EVERY_S = 60.0
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from extproc.endpoints.exposition import Scraped
+
+
+@dataclass(frozen=True, slots=True)
+class AbortCorrections:
+    """What the `prefilling` count corrects for on one endpoint, since its engine started
+    (lower bounds, see the module docstring): `counted_before_first` cuts the engine counted
+    as finished without a first token (added back to decoding), `uncounted_after_first`
+    cuts after a first token it never counted as finished (taken off)."""
+
+    counted_before_first: float = 0.0
+    uncounted_after_first: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefillCount:
+    start: float | None  # the engine's process start: its counters begin there
+    first: float  # first tokens
+    done: int  # finished, every reason
+    corrections: AbortCorrections
+    pending: int  # requests before their first token
 
 
 class EndpointStates:
@@ -50,9 +94,11 @@ class EndpointStates:
         self._latest: dict[str, tuple[Scraped, float]] = {}
         # address -> attribute -> value, from sources besides the engine (DCGM).
         self._attributes: dict[str, dict[str, float]] = {}
-        # address -> (engine start, first tokens, finished, aborts before a first token as
-        # a lower bound, requests before their first token); see the module docstring.
-        self._prefill: dict[str, tuple[float | None, float, int, float, int]] = {}
+        # address -> the latest count of requests before their first token and what it
+        # rests on; see the module docstring.
+        self._prefill: dict[str, _PrefillCount] = {}
+        # (address, which correction) -> when a growing correction was last logged.
+        self._logged_at: dict[tuple[str, str], float] = {}
 
     def put_attribute(self, address: str, key: str, value: float) -> None:
         self._attributes.setdefault(address, {})[key] = value
@@ -74,17 +120,52 @@ class EndpointStates:
             self._prefill.pop(address, None)
             return
         first, done = lat.ttft_count, scraped.finished
-        gap = first - done  # decoding - aborts before a first token
-        aborts = max(0.0, -gap)
+        gap = first - done  # decoding + uncounted cuts after a first token - counted ones
+        counted = max(0.0, -gap)
         prev = self._prefill.get(address)
+        before = AbortCorrections()
         if prev is not None and (
-            prev[0] == scraped.process_start_s and first >= prev[1] and done >= prev[2]
+            prev.start == scraped.process_start_s and first >= prev.first and done >= prev.done
         ):
-            # Same engine (counters only grow): the aborts' count never shrinks.
-            aborts = max(aborts, prev[3])
-        decoding = min(scraped.running, max(0, round(gap + aborts)))
+            # Same engine (counters only grow): the cuts' counts never shrink.
+            before = prev.corrections
+            counted = max(counted, before.counted_before_first)
+        # Requests past their first token, unfinished, are running or (preempted) waiting:
+        # any excess over those is cuts the engine never counted.
+        excess = gap + counted - (scraped.running + scraped.waiting)
+        uncounted = max(0.0, excess, before.uncounted_after_first)
+        now = AbortCorrections(counted, uncounted)
+        decoding = min(scraped.running, max(0, round(gap + counted - uncounted)))
         pending = scraped.waiting + scraped.running - decoding
-        self._prefill[address] = (scraped.process_start_s, first, done, aborts, pending)
+        self._prefill[address] = _PrefillCount(scraped.process_start_s, first, done, now, pending)
+        if counted > before.counted_before_first:
+            self._say(address, "counted_before_first", counted)
+        if uncounted > before.uncounted_after_first:
+            self._say(address, "uncounted_after_first", uncounted)
+
+    def _say(self, address: str, which: str, value: float) -> None:
+        """A growing correction, at most once per CORRECTION_LOG_EVERY_S per endpoint."""
+        now = self._clock()
+        last = self._logged_at.get((address, which))
+        if last is not None and now - last < CORRECTION_LOG_EVERY_S:
+            return
+        self._logged_at[(address, which)] = now
+        if which == "counted_before_first":
+            what = "cut before their first token were counted as finished (added back)"
+        else:
+            what = "cut after their first token were never counted as finished (taken off)"
+        log.warning(
+            "endpoint %s: at least %d requests %s: its count of requests decoding is "
+            "corrected for them (extproc_endpoint_prefill_abort_correction)",
+            address,
+            round(value),
+            what,
+        )
+
+    def abort_corrections(self, address: str) -> AbortCorrections | None:
+        """What `prefilling` corrects for on `address` (None: no count kept)."""
+        count = self._prefill.get(address)
+        return None if count is None else count.corrections
 
     def retain(self, addresses: Collection[str]) -> None:
         """Forget every endpoint not in `addresses` (it left the pool)."""
@@ -94,6 +175,8 @@ class EndpointStates:
             del self._attributes[gone]
         for gone in [a for a in self._prefill if a not in addresses]:
             del self._prefill[gone]
+        for key in [k for k in self._logged_at if k[0] not in addresses]:
+            del self._logged_at[key]
 
     def scraped(self, address: str) -> Scraped | None:
         entry = self._latest.get(address)
@@ -123,7 +206,7 @@ class EndpointStates:
         age = max(0.0, self._clock() - at)
         prefill = self._prefill.get(address)
         if prefill is not None:
-            extra["prefilling"] = prefill[4]
+            extra["prefilling"] = prefill.pending
         return EndpointState(
             waiting=s.waiting,
             running=s.running,

@@ -446,13 +446,28 @@ class Exporter:
             "Failed metrics scrapes of the endpoint since it joined the pool.",
             ["endpoint"],
         )
+        corrections = gauge(
+            "extproc_endpoint_prefill_abort_correction",
+            "Cut (aborted) requests the count of the endpoint's requests before their first "
+            "token corrects for, since its engine started (a lower bound): "
+            "counted_before_first, counted as finished without a first token; "
+            "uncounted_after_first, never counted as finished after a first token.",
+            ["endpoint", "kind"],
+        )
         for e in p.pool.snapshot():
             a = p.states.age_s(e.address)
             if a is not None:
                 age.add_metric([e.address], a)
             stale.add_metric([e.address], 1.0 if p.states.is_stale(e.address) else 0.0)
             failures.add_metric([e.address], p.scraper.failures(e.address))
+            c = p.states.abort_corrections(e.address)
+            if c is not None:
+                corrections.add_metric([e.address, "counted_before_first"], c.counted_before_first)
+                corrections.add_metric(
+                    [e.address, "uncounted_after_first"], c.uncounted_after_first
+                )
         yield age
         yield stale
         yield failures
+        yield corrections
         yield from fam.SCRAPE.families(p.scraper.stats)

@@ -1012,6 +1012,23 @@ LOOPS = StatsFamilies(
     },
 )
 
+LOOP_WATCH = StatsFamilies(
+    "extproc.server.watchdog.WatchdogStats",
+    {
+        "stalls": Stat(
+            "extproc_loop_stalls",
+            "Times the serving event loop went server.loop_stall_s or longer without turning "
+            "(every open stream waited meanwhile): logged with the loop's stack. A stall "
+            "reaching server.loop_stall_exit_s ends the process (exit code 70) instead.",
+        ),
+        "longest_s": Stat(
+            "extproc_loop_stall_longest_seconds",
+            "The longest such stall of this process so far.",
+            kind="gauge",
+        ),
+    },
+)
+
 # Every stats class of the package and its table; tests/server/test_families.py checks
 # that no stats dataclass is missing here.
 TABLES: tuple[StatsFamilies, ...] = (
@@ -1019,6 +1036,7 @@ TABLES: tuple[StatsFamilies, ...] = (
     INFLIGHT_PUSH, SHARED_SESSIONS, SESSION_BOUND, SHARED_GROWTH, SHARED_OBSERVATIONS,
     SHARED_PLACEMENTS, SHARED_SCRAPES, SHARED_CALIBRATION, SHARED_SILENCE, CALIBRATION,
     CAPACITY, PLACED, WATCH, API_SERVER, FLOW, SHARED_FLOW, LATENCY_MODEL, FILE_WATCH, LOOPS, DRAIN,
+    LOOP_WATCH,
 )  # fmt: skip
 
 

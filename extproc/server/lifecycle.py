@@ -36,6 +36,7 @@ from extproc.server.drain import DrainBounds, DrainStats, drain
 from extproc.server.guard import lenient_deserializer
 from extproc.server.ports import PortInUse, bind_grpc, bind_worker_port, check_ports
 from extproc.server.stream import StreamHandler
+from extproc.server.watchdog import LoopWatchdog, WatchdogBounds, WatchdogStats
 
 log = logging.getLogger("extproc.server")
 
@@ -71,13 +72,17 @@ class Lifecycle(Parts):
         environ: Mapping[str, str] | None = None,
         shared_ports: bool = False,
         grpc_ports: frozenset[str] = frozenset({"ext_proc", "health"}),
+        exit_when_stuck: Callable[[int], object] | None = None,
     ) -> None:
         """`shared_ports`: a `--workers` worker, whose ext_proc and health ports are shared
         with its siblings (SO_REUSEPORT); otherwise a second process on the same port is a
         conflict. `grpc_ports`: which of the ext_proc and health ports this process serves on
         grpc.aio; another transport serves the rest and calls the same
         handlers (`stream_handler`, `access_log`, `health`; bench/picker_pyvoy.py measures
-        pyvoy that way)."""
+        pyvoy that way). `exit_when_stuck`: how the process ends itself when its loop
+        stays stuck for `server.loop_stall_exit_s` (server/watchdog.py; the CLI passes
+        `os._exit`); None only logs and counts stalls (a picker embedded in another
+        process, such as a test's)."""
         super().__init__(settings, endpoints, environ=environ)
         self._shared_ports = shared_ports
         self._grpc_ports = grpc_ports
@@ -94,10 +99,18 @@ class Lifecycle(Parts):
         # Stats of what starts with the process, by export table (server/exporter.py reads
         # this list at each scrape, so parts added at start show from then on).
         self.drain_stats = DrainStats()
+        self.watchdog_stats = WatchdogStats()
         self.running_stats: list[tuple[fam.StatsFamilies, Any]] = [
             (fam.LOOPS, self.loop_stats),
             (fam.DRAIN, self.drain_stats),
+            (fam.LOOP_WATCH, self.watchdog_stats),
         ]
+        cfg = settings.server
+        self._watchdog = LoopWatchdog(
+            WatchdogBounds(cfg.loop_stall_s, cfg.loop_stall_exit_s),
+            self.watchdog_stats,
+            exit=exit_when_stuck,
+        )
         self._endpoints_changed = asyncio.Event()
         self._stopped = asyncio.Event()
         self._stopping = False
@@ -360,6 +373,8 @@ class Lifecycle(Parts):
             if server is not None:
                 await server.start()
         self._bound = True
+        # Serving from here on: a stuck loop now holds streams (server/watchdog.py).
+        self._watchdog.start()
         await self.health.set_ready(self.ready())
         self.signals.announce()
         if self.calibration_pooling is not None:
@@ -444,6 +459,7 @@ class Lifecycle(Parts):
         # on forever (extproc/redis_loop.py says how redis-py can swallow one).
         await stop(self._tasks)
         await self._exits.aclose()
+        self._watchdog.stop()
         self._stopped.set()
 
     async def _end_access_logs_when_idle(self, stopping: asyncio.Future[None]) -> None:

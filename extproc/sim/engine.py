@@ -321,6 +321,11 @@ class Engine:
             self.stats.finished["length"] += 1
             # vLLM observes a request's phases when it finishes (update_from_finished_request),
             # not at its first token: a scraper sees a prefill's time only after its decode.
+            # A request cut before its end (the client hung up) is observed nowhere: vLLM
+            # 0.32 drops an aborted request's state without stats, so neither the finished
+            # count nor these histograms move (tests/vllm/test_abort_counts.py).
+            self.stats.prompt_hist.observe(len(ids))
+            self.stats.generation_hist.observe(job.max_tokens)
             self.stats.queue_time.observe(seq.prefill_start - t0)
             self.stats.prefill_time.observe(seq.prefill_end - seq.prefill_start)
             self.stats.prefill_computed.observe(len(ids) - cached)
@@ -406,8 +411,6 @@ class Engine:
             st.cached_prompt_tokens += hit_tokens
             st.prefix_queries += prompt_len
             st.prefix_hits += hit.gpu * bs
-            st.prompt_hist.observe(prompt_len)
-            st.generation_hist.observe(seq.job.max_tokens)
             seq.admitted.set_result(None)
         self._flush()
         self._kick()
@@ -553,8 +556,6 @@ class Engine:
                 self._queue.remove(seq)
             seq.admitted.cancel()
         elif seq.state is not _State.DONE:
-            if len(seq.generated) < seq.job.max_tokens:
-                self.stats.finished["abort"] += 1
             if seq in self._waiting:
                 self._waiting.remove(seq)
             if seq in self._prefilling:

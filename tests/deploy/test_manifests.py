@@ -334,6 +334,12 @@ def test_picker_ports_and_probes_match_the_defaults(base: list[Obj]) -> None:
     assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     grace = spec["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > defaults.drain_bound_s  # a response under way outlives the drain's bound
+    # A liveness failure means a stuck loop, which cannot drain: its kill must not wait the
+    # drain's grace, and the picker's own exit on a stuck loop comes within the probe's window.
+    live = c["livenessProbe"]
+    assert live["terminationGracePeriodSeconds"] <= 15
+    assert defaults.loop_stall_exit_s is not None
+    assert defaults.loop_stall_exit_s <= live["periodSeconds"] * live["failureThreshold"]
 
 
 def test_picker_config_loads_and_builds(base: list[Obj], tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from tests.e2e.sim_speed import finish_fast
 from tests.e2e.test_flow_control import metric
 from tests.e2e.test_flow_eviction_cut import (
     SIM,
-    aborted,
+    finished,
     picker_config,
     sim_figure,
     stream_reply,
@@ -31,7 +31,7 @@ from tests.e2e.test_flow_eviction_cut import with_trailers as send
 
 async def stop_while_streaming(tmp: Path, sig: int) -> tuple[str, str, float]:
     """A critical and a sheddable response decoding, then the picker stopped with `sig`:
-    how each ended, and the engine's aborts since."""
+    how each ended, and the requests the engine finished since (a cut one is not)."""
     args = picker_config(tmp)
     cfg = yaml.safe_load((tmp / "picker.yaml").read_text())
     # Short, so that a stream still open when the grace ends shows quickly.
@@ -42,7 +42,7 @@ async def stop_while_streaming(tmp: Path, sig: int) -> tuple[str, str, float]:
         loop = asyncio.get_running_loop()
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
             await warm_up(c, model)
-            aborts = aborted(s)
+            done = finished(s)
             d1, d2 = loop.create_future(), loop.create_future()
             critical = asyncio.create_task(stream_reply(c, model, 1, d1, objective="critical"))
             shed = asyncio.create_task(stream_reply(c, model, 2, d2))
@@ -56,11 +56,11 @@ async def stop_while_streaming(tmp: Path, sig: int) -> tuple[str, str, float]:
             await asyncio.sleep(1.5)  # past the grace: a stream left open is reset by now
             finish_fast(s.fleet)
             ends = await asyncio.wait_for(asyncio.gather(critical, shed), 10)
-            return ends[0], ends[1], aborted(s) - aborts
+            return ends[0], ends[1], finished(s) - done
 
 
 async def test_a_draining_picker_lets_every_response_under_way_finish(tmp_path: Path):
-    assert await stop_while_streaming(tmp_path, signal.SIGTERM) == ("complete", "complete", 0)
+    assert await stop_while_streaming(tmp_path, signal.SIGTERM) == ("complete", "complete", 2)
 
 
 async def test_a_killed_picker_cuts_only_the_evictable_response(tmp_path: Path):

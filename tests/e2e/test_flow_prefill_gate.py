@@ -136,3 +136,31 @@ async def test_batch_held_behind_a_long_prefill_only_while_interactive_is_active
 
         await held_behind_long(stack, c, 20)
         assert queued(stack, priority=0) == 0
+
+
+CORRECTION = (
+    r"^extproc_endpoint_prefill_abort_correction"
+    r'\{[^}]*kind="uncounted_after_first"[^}]*\} (\S+)$'
+)
+
+
+async def test_a_response_cut_after_its_first_token_does_not_read_as_decoding(stack: Stack):
+    # vLLM (and the simulator) never count a request cut after its first token as
+    # finished, so first tokens less finished requests stays one too high for good. Read as
+    # a request decoding, it hid the next long prefill (0 before a first token): the gate
+    # released batch beside it. The picker learns the cut (metric, warning) and still holds.
+    model = stack.fleet.model
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as c:
+        req = distinct_chat(model, 70, 300, words=SHORT)  # ~3 s of decoding: cut early
+        async with c.stream("POST", "/v1/chat/completions", json=req, headers=LO) as r:
+            async for line in r.aiter_lines():
+                if first_token(line):
+                    break  # the client hangs up: Envoy resets the stream, the engine aborts
+        deadline = time.monotonic() + 5
+        while metric_sum(stack, CORRECTION, present=False) < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert metric_sum(stack, CORRECTION) == 1
+        assert "requests cut after their first token" in stack.logs("extproc")
+        hi = await c.post("/v1/chat/completions", json=body(model, 71, SHORT), headers=HI)
+        assert hi.status_code == 200  # interactive is active
+        await held_behind_long(stack, c, 80)

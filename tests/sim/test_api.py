@@ -182,7 +182,8 @@ async def test_client_hanging_up_mid_stream_frees_its_blocks(start_sim: StartSim
             await asyncio.sleep(0.01)
         assert srv.engine.gauges().running == 0
         assert srv.engine.cache.usage == 0.0
-        assert srv.engine.stats.finished["abort"] == 1
+        # As vLLM 0.32: a cut request is not counted as finished, for any reason.
+        assert sum(srv.engine.stats.finished.values()) == 0
 
 
 async def test_client_hanging_up_before_its_first_token_frees_its_blocks_at_once(
@@ -207,10 +208,9 @@ async def test_client_hanging_up_before_its_first_token_frees_its_blocks_at_once
             assert len(srv.engine.prefill_order()) == 2
             held_both = srv.engine.cache.usage
         start = time.monotonic()
-        while srv.engine.stats.finished["abort"] == 0 and time.monotonic() - start < 1.0:
+        while len(srv.engine.prefill_order()) == 2 and time.monotonic() - start < 1.0:
             await asyncio.sleep(0.005)
         waited = time.monotonic() - start
-        assert srv.engine.stats.finished["abort"] == 1
         assert waited < 0.1  # A's step (0.3 s) still under way: B never reached its prefill
         assert len(srv.engine.prefill_order()) == 1
         assert srv.engine.cache.usage < held_both
