@@ -144,9 +144,9 @@ class Timeline:
             row[f"run{i}"] = int(summed(s, "vllm:num_requests_running"))
             row[f"wait{i}"] = int(summed(s, "vllm:num_requests_waiting"))
             row[f"kv{i}"] = round(summed(s, "vllm:kv_cache_usage_perc"), 3)
-            # The prefill gate's unfinished tokens there (its last judgement), and the
-            # engine's aborts: a request cut before its first token finishes without one,
-            # which the picker's count of requests in prefill cannot tell from one decoding.
+            # The prefill gate's unfinished tokens there (its last judgement): a count of
+            # requests in prefill that overstates holds batch back (bench/RESULTS.md, issue
+            # 15, thirty-first session: cuts before a first token).
             address = url.removeprefix("http://").partition("/")[0]
             row[f"unf{i}"] = int(
                 max(
@@ -157,7 +157,6 @@ class Timeline:
                     default=0.0,
                 )
             )
-            row[f"abort{i}"] = int(summed(s, "vllm:request_success_total", '"abort"'))
         return row
 
 
