@@ -144,6 +144,19 @@ class Timeline:
             row[f"run{i}"] = int(summed(s, "vllm:num_requests_running"))
             row[f"wait{i}"] = int(summed(s, "vllm:num_requests_waiting"))
             row[f"kv{i}"] = round(summed(s, "vllm:kv_cache_usage_perc"), 3)
+            # The prefill gate's unfinished tokens there (its last judgement): a count of
+            # requests in prefill that overstates holds batch back (bench/RESULTS.md, issue
+            # 15, thirty-first session: cuts before a first token).
+            address = url.removeprefix("http://").partition("/")[0]
+            row[f"unf{i}"] = int(
+                max(
+                    (
+                        summed(p, "extproc_flow_prefill_gate_unfinished_tokens", address)
+                        for p in pages
+                    ),
+                    default=0.0,
+                )
+            )
         return row
 
 
@@ -162,6 +175,10 @@ def summary(rows: list[dict], start_s: float, end_s: float, servers: int) -> dic
             sum(r[f"wait{i}"] for r in win for i in range(servers)) / n, 2
         ),
         "tl_saturation_mean": round(sum(r["saturation"] for r in win) / n, 3),
+        # The prefill gate's unfinished tokens per server (0 without the gate).
+        "tl_gate_unfinished_mean": round(
+            sum(r.get(f"unf{i}", 0) for r in win for i in range(servers)) / n / servers
+        ),
         "tl_queued_lo_mean": round(sum(r["queued_lo"] for r in win) / n, 1),
         "tl_queued_hi_mean": round(sum(r["queued_hi"] for r in win) / n, 2),
         # The room kept for higher bands, and how much less a server soon to free it kept.
