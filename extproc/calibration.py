@@ -34,7 +34,8 @@ hold many requests and tokens, a new value must be clearly away from the current
 in a row must propose it. Every change is logged and counted. Event-loop use only.
 
 A window compares the same requests on both sides where it can: the engine counts a
-request when it admits it (the simulator) or finishes it (vLLM), and under load that is
+request when it finishes it (vLLM, and the simulator, which counted at admission before the
+thirty-first session), and under load that is
 seconds after we placed it, so "placed since the last scrape" and "counted since the last
 scrape" are different requests. While prompts grow (conversations getting longer), the
 counted ones are the older, shorter ones, and the ratio of the two sets' means reads too
