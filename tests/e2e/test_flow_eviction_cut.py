@@ -107,6 +107,21 @@ async def warm_up(c: httpx.AsyncClient, model: str) -> None:
     await asyncio.sleep(0.2)
 
 
+async def both_decoding(
+    c: httpx.AsyncClient, first: dict, second: dict
+) -> tuple[asyncio.Task[str], asyncio.Task[str]]:
+    """After a warm-up, streams `first` as a sheddable request and, once it decodes,
+    `second`: both decoding when this returns (the streams' tasks say how each ended)."""
+    await warm_up(c, first["model"])
+    loop = asyncio.get_running_loop()
+    d1, d2 = loop.create_future(), loop.create_future()
+    one = asyncio.create_task(stream_body(c, first, d1))
+    await asyncio.wait_for(d1, 10)
+    two = asyncio.create_task(stream_body(c, second, d2))
+    await asyncio.wait_for(d2, 10)
+    return one, two
+
+
 async def test_a_critical_request_cuts_a_sheddable_response_under_way(cut_stack: Stack):
     await cuts_the_newest_sheddable_response(cut_stack)
 
@@ -114,14 +129,10 @@ async def test_a_critical_request_cuts_a_sheddable_response_under_way(cut_stack:
 async def cuts_the_newest_sheddable_response(stack: Stack) -> None:
     """The scenario (also under the gateways' settings, tests/gateways)."""
     model = stack.fleet.model
-    loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
-        await warm_up(c, model)
-        d1, d2 = loop.create_future(), loop.create_future()
-        first = asyncio.create_task(stream_reply(c, model, 1, d1))
-        await asyncio.wait_for(d1, 10)
-        second = asyncio.create_task(stream_reply(c, model, 2, d2))
-        await asyncio.wait_for(d2, 10)
+        first, second = await both_decoding(
+            c, distinct_chat(model, 1, OUTPUT), distinct_chat(model, 2, OUTPUT)
+        )
         assert sim_figure(stack, "num_requests_running") == 2  # both decoding
         crit = distinct_chat(model, 3, 5, stream=False)
         critical = asyncio.create_task(
@@ -176,15 +187,9 @@ async def test_calibration_leaves_the_cut_request_out_of_its_pairing(tmp_path: P
 
 async def cut_then_calibrate(stack: Stack) -> None:
     model = stack.fleet.model
-    loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
-        await warm_up(c, model)
-        d1, d2 = loop.create_future(), loop.create_future()
-        first = asyncio.create_task(stream_reply(c, model, 11, d1))
-        await asyncio.wait_for(d1, 10)
         long = distinct_chat(model, 12, OUTPUT, words=1000)
-        second = asyncio.create_task(stream_body(c, long, d2))
-        await asyncio.wait_for(d2, 10)
+        first, second = await both_decoding(c, distinct_chat(model, 11, OUTPUT), long)
         crit = distinct_chat(model, 13, 5, stream=False)
         r = await c.post("/v1/chat/completions", json=crit,
                          headers={"x-llm-d-inference-objective": "critical"})  # fmt: skip
