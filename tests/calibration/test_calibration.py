@@ -566,3 +566,27 @@ def test_a_request_whose_end_never_comes_is_forgotten() -> None:
     cal.ended("lost", True)
     cal.ended("new", False)
     assert cal.stats.cut == 1
+
+
+def test_a_request_completed_only_with_an_entry_a_2xx_status_and_no_eviction() -> None:
+    from types import SimpleNamespace
+    from typing import Any
+
+    from extproc.endpoints.request_end import Ended
+    from extproc.router import _request_ended
+
+    told: list[tuple[str, bool]] = []
+    then: list[Ended | None] = []
+
+    def end(entry: Ended | None, evicted: bool = False) -> bool:
+        ticket = SimpleNamespace(evicted=evicted)
+        routed: Any = SimpleNamespace(request=SimpleNamespace(request_id="r"), ticket=ticket)
+        _request_ended(lambda rid, done: told.append((rid, done)), routed, then.append, entry)
+        return told[-1][1]
+
+    assert end(Ended("r", status=200))
+    assert end(Ended("r"))  # no status logged: nothing says it failed
+    assert not end(Ended("r", status=200), evicted=True)  # cut after its headers: logs 200
+    assert not end(Ended("r", status=429))
+    assert not end(None)  # no entry in time
+    assert len(then) == 5  # what else waited for the entry is told each time
