@@ -34,7 +34,8 @@ hold many requests and tokens, a new value must be clearly away from the current
 in a row must propose it. Every change is logged and counted. Event-loop use only.
 
 A window compares the same requests on both sides where it can: the engine counts a
-request when it admits it (the simulator) or finishes it (vLLM), and under load that is
+request when it finishes it (vLLM, and the simulator, which counted at admission before the
+thirty-first session), and under load that is
 seconds after we placed it, so "placed since the last scrape" and "counted since the last
 scrape" are different requests. While prompts grow (conversations getting longer), the
 counted ones are the older, shorter ones, and the ratio of the two sets' means reads too
@@ -60,17 +61,40 @@ count before the ratio (read as text they pulled it toward the current value: mu
 prompts whose images were priced right kept 2 where the text said 1.28, issue 14,
 twenty-third session). `stats.ratios` stays the whole prompt's engine tokens per estimate.
 
+The engine's per-request histogram counts a request at its finish (vLLM, and the simulator
+since it counts as vLLM 0.32 does), and never one that was cut (the client hung up, or this
+picker's eviction reset it). Pairing in placement order then went wrong two ways: short
+requests finishing before long ones placed earlier paired with the wrong placements, and
+every cut left its placement at the head of the queue, shifting every later pair by one
+(20-66 such placements per server by a run's end; characters per token read 1.32 +- 0.22
+against a true 1.28, and bytes-per-token flipped 1 -> 2 mid-burst on one run, issue 15,
+thirty-first session). So where the picker learns each request's end (`state.request_end`
+holding for the access log, the shared ends included), a placement joins the queue at its
+end, and only when it completed: its access-log entry came, with a 2xx status, and flow
+control did not evict it. Replayed on those runs, 1.275 +- 0.005. A placement waits for its
+end in a bounded map (`_MAX_OPEN`, aged out after `_OPEN_S`: a request whose end never
+comes is forgotten, counted in `unended`). Where no end is known (`state.request_end`
+`stream`, or `auto` before any access-log entry) placements join at placement, as before.
+A placement ended (or a count made) but unpaired for `_STALE_S` is dropped and counted in
+`stale`: a leftover (a client's hang-up that still logged 200, an access-log entry lost)
+shifts the pairs for that long only, not for good. Client hang-ups that the gateway logs
+as 200 are not told apart here (that needs Envoy's response flags).
+
 Replicas behind one gateway can pool this (`state.shared_calibration`,
 server/shared_calibration.py): each replica's placements count in every replica's windows
 (`peer_placed`), so each window fills as fast as one replica's would, and a replica's own
 confirmed change (`on_change`) is adopted by the others (`adopt`) through the same logged,
-counted path, never re-announced.
+counted path, never re-announced. A peer's placement joins this replica's queue when it is
+placed, not at its end: the peer channel carries placements only (the KV-capacity model
+wants them at placement), so pooled replicas keep placement-order pairing for the peers'
+share, and a peer's cut shifts the pairs until `_STALE_S` drops it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -105,6 +129,15 @@ _MAX_DEBT = 8
 # characters per token from the default 4 (ratio ~3.1) in about half the runs, and from a
 # wrong value a ratio bound can refuse the way back.
 _CHARS_PER_TOKEN = (1.0, 12.0)
+# Placements waiting for their request's end, at most, and for at most this long (above
+# `state.request_end.max_hold_s`' default 330 s: an end released later than that is none).
+_MAX_OPEN = 65_536
+_OPEN_S = 600.0
+# An ended placement the engine has not counted (or a count no ended placement came for)
+# within this long is a leftover: dropped, or it would shift every later pair. Several
+# scrape intervals and the access log's batching; an engine counts a finished request in
+# the very next scrape.
+_STALE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -123,12 +156,18 @@ class _Window:
     # not counted yet, oldest first (None: not paired), the histogram's count at the last
     # scrape, and the estimates of the requests it counted since the window opened (text,
     # media, as above).
-    pending: deque[tuple[int, int]] | None = None
+    # Each placement: (text, media, when it joined: None for placement order, which waits
+    # as long as its request runs).
+    pending: deque[tuple[int, int, float | None]] | None = None
     counted: float = 0.0
     paired_estimated: int = 0
     paired_media: int = 0
-    debt: int = 0  # requests counted before their placement arrived here
+    # When each request counted before its placement arrived here was counted, oldest first.
+    debt: deque[float] = field(default_factory=deque)
     aligned: bool = True  # every request counted in this window was paired
+    # When pairing (re)started: a placement made before may have been counted before, so
+    # its end does not join the queue.
+    opened: float = 0.0
 
 
 @dataclass(slots=True)
@@ -143,6 +182,12 @@ class CalibrationStats:
     adopted: int = 0  # of `changes`: bytes-per-token values adopted from peer replicas
     refused: int = 0  # peers' values refused (out of bounds, or another key geometry)
     ratios: dict[str, float] = field(default_factory=dict)  # endpoint -> last engine/estimate
+    # Pairing at the request's end: placements left out because their request did not
+    # complete (evicted, non-2xx, no access-log entry), forgotten waiting for an end that
+    # never came, and dropped as stale (see `_STALE_S`; counts unmatched, too).
+    cut: int = 0
+    unended: int = 0
+    stale: int = 0
 
 
 class Calibration:
@@ -152,7 +197,12 @@ class Calibration:
     router replaces them with the tokenizer's, so computing them would be wasted work."""
 
     def __init__(
-        self, settings: ParseSettings, *, enabled: bool = True, approximate_keys: bool = True
+        self,
+        settings: ParseSettings,
+        *,
+        enabled: bool = True,
+        approximate_keys: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.enabled = enabled
@@ -165,6 +215,7 @@ class Calibration:
         # between); before, only a counter showed them, and a fleet whose every window was
         # left out (another client on its engines) kept the default silently.
         self._throttle = Throttle(every_s=60.0)
+        self._stale_log = Throttle(every_s=60.0)
         self._unmeasured: set[str] = set()  # endpoints said to export no prompt counter
         # Told the factor every token estimate grows by when bytes-per-token changes (the
         # capacity model measures in those estimates: see extproc/index/capacity.py).
@@ -178,6 +229,12 @@ class Calibration:
         # Told (endpoint, estimated tokens in this replica's unit) of each peer's placement
         # (the KV-capacity model measures from them too).
         self.on_peer_placed: list[Callable[[str, int], None]] = []
+        # Whether request ends are known now (`RequestEnds.holding`): placements then wait
+        # in `_open` for `ended`. None: never known, placement order.
+        self.ends_known: Callable[[], bool] | None = None
+        self._clock = clock
+        # request id -> (endpoint, text, media, placed at), oldest first.
+        self._open: OrderedDict[str, tuple[str, int, int, float]] = OrderedDict()
 
     def __call__(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
         return parse_request(
@@ -192,7 +249,18 @@ class Calibration:
             w.estimated += text
             w.media += media
             w.requests += 1
-            _enqueue(w, text, media)
+            known = self.ends_known
+            rid = request.request_id
+            if rid and known is not None and known():
+                now = self._clock()
+                self._age_open(now)
+                self._open.pop(rid, None)  # a reused id: the later placement counts
+                self._open[rid] = (endpoint, text, media, now)
+                if len(self._open) > _MAX_OPEN:
+                    self._open.popitem(last=False)
+                    self.stats.unended += 1
+            else:
+                _enqueue(w, text, media, None)
             if self.on_placed is not None:
                 self.on_placed(
                     endpoint, request.prompt_tokens, self.settings.bytes_per_token, media
@@ -210,9 +278,36 @@ class Calibration:
             w.estimated += text
             w.media += media
             w.requests += 1
-            _enqueue(w, text, media)
+            _enqueue(w, text, media, None)
             for listener in self.on_peer_placed:
                 listener(endpoint, text + media)
+
+    def ended(self, request_id: str, completed: bool) -> None:
+        """The request `request_id` ended: its placement joins the pairing queue when it
+        `completed` (the engine counts it now), and is left out otherwise (the engine never
+        counts a cut request). A request placed while no end was known is not waiting."""
+        now = self._clock()
+        self._age_open(now)
+        held = self._open.pop(request_id, None)
+        if held is None:
+            return
+        endpoint, text, media, placed_at = held
+        if not completed:
+            self.stats.cut += 1
+            return
+        w = self._windows.get(endpoint)
+        if w is not None and placed_at >= w.opened:
+            _enqueue(w, text, media, now)
+
+    def _age_open(self, now: float) -> None:
+        """Forget placements whose end is overdue (counted in `unended`)."""
+        open_ = self._open
+        while open_:
+            placed_at = next(iter(open_.values()))[3]
+            if now - placed_at < _OPEN_S:
+                break
+            open_.popitem(last=False)
+            self.stats.unended += 1
 
     def adopt(self, bytes_per_token: int, key_bytes_per_token: int, *, source: str) -> bool:
         """A peer's confirmed bytes-per-token: adopted when within the bounds and made for
@@ -242,6 +337,8 @@ class Calibration:
         is gone reads as a live one)."""
         self._windows.pop(endpoint, None)
         self.stats.ratios.pop(endpoint, None)
+        for rid in [r for r, held in self._open.items() if held[0] == endpoint]:
+            del self._open[rid]
         self._unmeasured.discard(endpoint)
 
     def observe(
@@ -277,10 +374,21 @@ class Calibration:
             # with the next one (a picker normally starts before its traffic).
             w.pending = deque() if finished is not None else None
             w.counted = finished[1] if finished is not None else 0.0
-            w.paired_estimated = w.paired_media = w.debt = 0
+            w.paired_estimated = w.paired_media = 0
+            w.debt.clear()
             w.aligned = True
+            w.opened = self._clock()
             return
-        _pair(w, finished)
+        stale = _pair(w, finished, self._clock())
+        if stale:
+            self.stats.stale += stale
+            if self._stale_log.allow("stale") is not None:
+                log.warning(
+                    "calibration: %d placements or counts of %s left unpaired for %g s were "
+                    "dropped (a client hang-up logged as complete, a lost access-log entry); "
+                    "%d in all",
+                    stale, endpoint, _STALE_S, self.stats.stale,
+                )  # fmt: skip
         engine = prompt_tokens - w.engine_start
         if engine < _MIN_TOKENS or w.requests < _MIN_REQUESTS:
             return
@@ -292,7 +400,7 @@ class Calibration:
         if (
             finished is not None
             and start is not None
-            and (finished[1] - start[1] < _MIN_REQUESTS or (w.aligned and w.debt > 0))
+            and (finished[1] - start[1] < _MIN_REQUESTS or (w.aligned and len(w.debt) > 0))
         ):
             return
         paired = w.aligned and w.pending is not None and w.paired_estimated + w.paired_media > 0
@@ -362,7 +470,10 @@ class Calibration:
                 w.estimated = round(w.estimated * factor)
                 w.paired_estimated = round(w.paired_estimated * factor)
                 if w.pending is not None:
-                    w.pending = deque((round(t * factor), m) for t, m in w.pending)
+                    w.pending = deque((round(t * factor), m, at) for t, m, at in w.pending)
+            self._open = OrderedDict(
+                (rid, (a, round(t * factor), m, at)) for rid, (a, t, m, at) in self._open.items()
+            )
             # The last ratios too (engine tokens per estimate: the estimates grew by the
             # factor): flow control's measured output scale reads them until the next window.
             self.stats.ratios = {a: r / factor for a, r in self.stats.ratios.items()}
@@ -372,12 +483,13 @@ class Calibration:
                 self.on_change(new_bpt, self.settings.key_bpt)
 
 
-def _enqueue(w: _Window, tokens: int, media: int) -> None:
-    """One placement's estimate (`tokens` of text, `media`) into the pairing queue."""
+def _enqueue(w: _Window, tokens: int, media: int, joined: float | None) -> None:
+    """One placement's estimate (`tokens` of text, `media`) into the pairing queue; `joined`:
+    when it joined at its request's end (None: at its placement)."""
     if w.pending is None:
         return
-    if w.debt > 0:  # the engine counted it already
-        w.debt -= 1
+    if w.debt:  # the engine counted it already
+        w.debt.popleft()
         w.paired_estimated += tokens
         w.paired_media += media
         return
@@ -386,30 +498,41 @@ def _enqueue(w: _Window, tokens: int, media: int) -> None:
         # far apart; it starts again from the next placement.
         w.pending.clear()
         w.aligned = False
-    w.pending.append((tokens, media))
+    w.pending.append((tokens, media, joined))
 
 
-def _pair(w: _Window, finished: tuple[float, float] | None) -> None:
+def _pair(w: _Window, finished: tuple[float, float] | None, now: float) -> int:
     """Pairs each request the engine counted since the last scrape with the oldest placement
     not yet paired; the ones counted before their placement arrived are paired when it
     does. Many more counted than placed (requests nobody here placed) unpairs the window;
-    pairing resumes from an empty queue."""
+    pairing resumes from an empty queue. Returns how many stale leftovers it dropped: ended
+    placements and counts unpaired for `_STALE_S` (placements in placement order wait as
+    long as their request runs, so they never go stale)."""
     if finished is None:
-        return
+        return 0
     if w.pending is None:  # the histogram appeared mid-window: pairing from the next window
-        w.pending, w.counted, w.aligned = deque(), finished[1], False
-        return
+        w.pending, w.counted, w.aligned, w.opened = deque(), finished[1], False, now
+        return 0
+    stale = 0
+    pending, debt = w.pending, w.debt
+    while pending and (joined := pending[0][2]) is not None and now - joined > _STALE_S:
+        pending.popleft()
+        stale += 1
+    while debt and now - debt[0] > _STALE_S:
+        debt.popleft()
+        stale += 1
     new = int(finished[1] - w.counted)
     w.counted = finished[1]
     if new <= 0:
-        return
-    take = min(new, len(w.pending))
+        return stale
+    take = min(new, len(pending))
     for _ in range(take):
-        text, media = w.pending.popleft()
+        text, media, _joined = pending.popleft()
         w.paired_estimated += text
         w.paired_media += media
-    w.debt += new - take
-    if w.debt > _MAX_DEBT:
-        w.pending.clear()
-        w.debt = 0
+    debt.extend([now] * (new - take))
+    if len(debt) > _MAX_DEBT:
+        pending.clear()
+        debt.clear()
         w.aligned = False
+    return stale

@@ -178,6 +178,10 @@ class Router:
         )
         # Flow control (None = off): holds a request after its lookup until capacity frees.
         self.admission = admission
+        # Told (request id, completed) at each held request's end: calibration pairs the
+        # engine's per-request count, made at a request's finish and never for a cut one,
+        # with completed requests only (extproc/calibration.py).
+        self.on_request_end: Callable[[str, bool], None] | None = None
 
     async def route(
         self,
@@ -553,6 +557,8 @@ class Router:
                 # Flow control counts the request's own output as long as its in-flight
                 # count lasts: to the request's end, not the stream's.
                 late = functools.partial(_ticket_ended, self.admission, routed.ticket, late)
+            if self.on_request_end is not None:
+                late = functools.partial(_request_ended, self.on_request_end, routed, late)
             self.ends.finish(routed.request.request_id, routed.placement, late)
             if responded and then is not None:
                 then(None)
@@ -567,6 +573,22 @@ class Router:
             self.admission.release(
                 routed.ticket, output_held=self.ends is not None, cuttable=cuttable
             )
+
+
+def _request_ended(
+    tell: Callable[[str, bool], None], routed: Routed, then: Late | None, entry: Ended | None
+) -> None:
+    """A held request's end: completed when its access-log entry came with a 2xx status (or
+    none logged) and flow control did not cut it; no entry in time is no completion known."""
+    ticket = routed.ticket
+    completed = (
+        entry is not None
+        and (entry.status is None or 200 <= entry.status < 300)
+        and not (ticket is not None and ticket.evicted)
+    )
+    tell(routed.request.request_id, completed)
+    if then is not None:
+        then(entry)
 
 
 def _ticket_ended(

@@ -171,6 +171,11 @@ class Parts:
             placed=self._placed_blocks(record),
         )
         self.calibration.on_units.append(self.router.estimate_units_changed)
+        if self.calibration.enabled:
+            # Pairing at the request's end wherever the end is known (extproc/calibration.py).
+            ends = self.ends
+            self.calibration.ends_known = lambda: ends.holding
+            self.router.on_request_end = self.calibration.ended
         capacity = self.router.capacity_stats
         if capacity is not None:
             # Predicted TTFT's `speedUnits: estimates` converts the engines' speeds into the

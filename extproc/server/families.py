@@ -781,6 +781,22 @@ CALIBRATION = StatsFamilies(
             "Scrapes of engines that export no prompt-token counter: characters per token "
             "are not measured from them (each such endpoint logged once).",
         ),
+        "cut": Stat(
+            "extproc_approx_pairing_cut",
+            "Placements left out of calibration's pairing because their request did not "
+            "complete (evicted, a non-2xx status, no access-log entry): the engine never "
+            "counts a cut request.",
+        ),
+        "unended": Stat(
+            "extproc_approx_pairing_unended",
+            "Placements calibration forgot while waiting for their request's end (none came "
+            "within 600 s, or 65,536 were waiting).",
+        ),
+        "stale": Stat(
+            "extproc_approx_pairing_stale",
+            "Ended placements the engine did not count, and engine counts no ended placement "
+            "came for, within 5 s: dropped from calibration's pairing (logged once a minute).",
+        ),
         "ratios": Stat(
             "extproc_approx_token_ratio",
             "Engine prompt tokens per estimated token in the endpoint's last window (carried "

@@ -24,7 +24,7 @@ import yaml
 
 from extproc.bootstrap import BootstrapOptions, build_bootstrap
 from extproc.stack import Stack, StackOptions, wait_until
-from tests.e2e.chat_bodies import distinct_chat
+from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
 from tests.e2e.sim_speed import finish_fast
 from tests.e2e.test_flow_control import metric
 from tests.e2e.test_flow_eviction import CONFIG, OBJECTIVES
@@ -74,7 +74,14 @@ async def stream_reply(
 ) -> str:
     """Streams one reply under `objective`; `decoding` is set once tokens arrive. How it
     ended."""
-    body = distinct_chat(model, seed, output)
+    return await stream_body(c, distinct_chat(model, seed, output), decoding, objective)
+
+
+async def stream_body(
+    c: httpx.AsyncClient, body: dict, decoding: asyncio.Future, objective: str = "sheddable"
+) -> str:
+    """Streams `body` under `objective`; `decoding` is set once tokens arrive. How it
+    ended."""
     tokens = 0
     headers = {"x-llm-d-inference-objective": objective}
     try:
@@ -100,6 +107,21 @@ async def warm_up(c: httpx.AsyncClient, model: str) -> None:
     await asyncio.sleep(0.2)
 
 
+async def both_decoding(
+    c: httpx.AsyncClient, first: dict, second: dict
+) -> tuple[asyncio.Task[str], asyncio.Task[str]]:
+    """After a warm-up, streams `first` as a sheddable request and, once it decodes,
+    `second`: both decoding when this returns (the streams' tasks say how each ended)."""
+    await warm_up(c, first["model"])
+    loop = asyncio.get_running_loop()
+    d1, d2 = loop.create_future(), loop.create_future()
+    one = asyncio.create_task(stream_body(c, first, d1))
+    await asyncio.wait_for(d1, 10)
+    two = asyncio.create_task(stream_body(c, second, d2))
+    await asyncio.wait_for(d2, 10)
+    return one, two
+
+
 async def test_a_critical_request_cuts_a_sheddable_response_under_way(cut_stack: Stack):
     await cuts_the_newest_sheddable_response(cut_stack)
 
@@ -107,14 +129,10 @@ async def test_a_critical_request_cuts_a_sheddable_response_under_way(cut_stack:
 async def cuts_the_newest_sheddable_response(stack: Stack) -> None:
     """The scenario (also under the gateways' settings, tests/gateways)."""
     model = stack.fleet.model
-    loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
-        await warm_up(c, model)
-        d1, d2 = loop.create_future(), loop.create_future()
-        first = asyncio.create_task(stream_reply(c, model, 1, d1))
-        await asyncio.wait_for(d1, 10)
-        second = asyncio.create_task(stream_reply(c, model, 2, d2))
-        await asyncio.wait_for(d2, 10)
+        first, second = await both_decoding(
+            c, distinct_chat(model, 1, OUTPUT), distinct_chat(model, 2, OUTPUT)
+        )
         assert sim_figure(stack, "num_requests_running") == 2  # both decoding
         crit = distinct_chat(model, 3, 5, stream=False)
         critical = asyncio.create_task(
@@ -152,3 +170,50 @@ async def test_the_default_config_cannot_cut_and_says_so(tmp_path: Path):
             wait_until, lambda: metric(stack, UNCUTTABLE) == 1, timeout_s=5, what="uncuttable"
         )
         assert "nothing could cut it" in stack.logs("extproc")
+
+
+async def test_calibration_leaves_the_cut_request_out_of_its_pairing(tmp_path: Path):
+    """The engine counts a request's prompt at its finish and never a cut one's (vLLM
+    0.32, the simulator). Paired in placement order, the cut request's placement (a long
+    prompt here) stayed at the head of calibration's queue and every later count paired with
+    the placement before its own: the window read the long estimate for a short request.
+    Paired at each request's end, completed ones only, it reads the engine's own ratio."""
+    opts = StackOptions(
+        upstreams=1, sim_args=SIM, extproc_args=picker_config(tmp_path), bootstrap=with_trailers
+    )
+    with Stack(opts) as stack:
+        await cut_then_calibrate(stack)
+
+
+async def cut_then_calibrate(stack: Stack) -> None:
+    model = stack.fleet.model
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
+        long = distinct_chat(model, 12, OUTPUT, words=1000)
+        first, second = await both_decoding(c, distinct_chat(model, 11, OUTPUT), long)
+        crit = distinct_chat(model, 13, 5, stream=False)
+        r = await c.post("/v1/chat/completions", json=crit,
+                         headers={"x-llm-d-inference-objective": "critical"})  # fmt: skip
+        assert r.status_code == 200
+        assert await asyncio.wait_for(second, 5) == "truncated"
+        finish_fast(stack.fleet)
+        assert await first == "complete"
+        # Short requests, one at a time: the engine's tokens per estimate of the same ones.
+        before = sim_figure(stack, "request_prompt_tokens_sum")
+        estimates = 0
+        for seed in range(20, 30):
+            body = distinct_chat(model, seed, 1, words=400, stream=False)
+            estimates += estimated_prompt_tokens(body)
+            r = await c.post("/v1/chat/completions", json=body,
+                             headers={"x-llm-d-inference-objective": "critical"})  # fmt: skip
+            assert r.status_code == 200
+        truth = (sim_figure(stack, "request_prompt_tokens_sum") - before) / estimates
+    await asyncio.to_thread(
+        wait_until,
+        lambda: metric(stack, "extproc_approx_token_ratio") > 0,
+        timeout_s=5,
+        what="a calibration window",
+    )
+    ratio = metric(stack, "extproc_approx_token_ratio")
+    assert abs(ratio / truth - 1) < 0.05, (ratio, truth)  # 0.18 off when paired in order
+    assert metric(stack, "extproc_approx_windows_skipped_total") == 0
+    assert metric(stack, "extproc_approx_pairing_cut_total") >= 1
