@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from extproc.core import EndpointState
+from extproc.throttle import Throttle
 
 # Figures older than this are stale: scoring treats them as missing (a few scrape intervals).
 DEFAULT_STALE_AFTER_S = 0.2
@@ -97,8 +98,9 @@ class EndpointStates:
         # address -> the latest count of requests before their first token and what it
         # rests on; see the module docstring.
         self._prefill: dict[str, _PrefillCount] = {}
-        # (address, which correction) -> when a growing correction was last logged.
-        self._logged_at: dict[tuple[str, str], float] = {}
+        # A growing correction is said at most once per CORRECTION_LOG_EVERY_S per endpoint
+        # and kind.
+        self._correction_log = Throttle(every_s=CORRECTION_LOG_EVERY_S)
 
     def put_attribute(self, address: str, key: str, value: float) -> None:
         self._attributes.setdefault(address, {})[key] = value
@@ -145,16 +147,13 @@ class EndpointStates:
 
     def _say(self, address: str, which: str, value: float) -> None:
         """A growing correction, at most once per CORRECTION_LOG_EVERY_S per endpoint."""
-        now = self._clock()
-        last = self._logged_at.get((address, which))
-        if last is not None and now - last < CORRECTION_LOG_EVERY_S:
-            return
-        self._logged_at[(address, which)] = now
         if which == "counted_before_first":
             what = "cut before their first token were counted as finished (added back)"
         else:
             what = "cut after their first token were never counted as finished (taken off)"
-        log.warning(
+        self._correction_log.warn(
+            log,
+            f"{address} {which}",
             "endpoint %s: at least %d requests %s: its count of requests decoding is "
             "corrected for them (extproc_endpoint_prefill_abort_correction)",
             address,
@@ -175,8 +174,6 @@ class EndpointStates:
             del self._attributes[gone]
         for gone in [a for a in self._prefill if a not in addresses]:
             del self._prefill[gone]
-        for key in [k for k in self._logged_at if k[0] not in addresses]:
-            del self._logged_at[key]
 
     def scraped(self, address: str) -> Scraped | None:
         entry = self._latest.get(address)
