@@ -38,9 +38,7 @@ writes the band into each body as the engine's `priority`, `flow_control.engine_
 with any `-ep` run the sims run `--scheduling-policy priority`, which orders requests of
 equal priority, i.e. every other run's, by arrival as FCFS does), `-gate[N]` (the
 `prefill-gate` plugin, maxPrefillTokens N or `--gate-tokens`; `-fleet`: with its
-`fleetView`; `-gh`: with `activeAtStart`; `-spread[N]`: with `spreadTopBandTokens`, one
-engine step of N tokens, else the sims' 2048, in the picker's tokens by the measured prompt
-estimate per engine prompt token), `-noprior` (no
+`fleetView`; `-gh`: with `activeAtStart`), `-noprior` (no
 `reserve_prior`, which the other new-code runs with per-endpoint admission get from the
 offered interactive load: `interactive_prior`), `-q<NN>` (`reserve_quantile` 0.NN),
 `-rq<NN>` (`reserve_rate_quantile` 0.NN), `-refill<ms>` (`reserve_refill_s`), `-pf`
@@ -198,23 +196,6 @@ def take_gate(run: str, name: str, default_tokens: int) -> tuple[int, bool, str]
     return ((int(gate_n) if gate_n else default_tokens) if gate else 0), bool(head), name
 
 
-# The sims' max_num_batched_tokens (vLLM's default; SIM_ARGS leaves it): one step's budget.
-STEP_TOKENS = 2048
-
-
-def take_spread(run: str, name: str) -> tuple[int, str]:
-    """`-spread[N]` (the prefill-gate's spreadTopBandTokens: one engine step of N tokens,
-    else STEP_TOKENS): (N, 0 without it; the name less it). Taken off before `-gate`, whose
-    parse reads the name's rest as its N."""
-    found = re.findall(r"-spread(\d*)", name)
-    if len(found) > 1:
-        raise SystemExit(f"{run}: -spread given {len(found)} times")
-    if found and "-gate" not in name:
-        raise SystemExit(f"{run}: -spread (the gate's spreadTopBandTokens) without -gate")
-    n = (int(found[0]) if found[0] else STEP_TOKENS) if found else 0
-    return n, re.sub(r"-spread\d*", "", name)
-
-
 def take_cut(run: str, name: str) -> tuple[bool, bool, str]:
     """`-ev` (per-server eviction) and `-tr` (Envoy sends the response trailers, as `-ev`
     runs need for the cut, with no eviction: the control that separates the trailers' own
@@ -246,7 +227,6 @@ def picker_config(
     gate_steers: bool = True,
     gate_fleet_view: bool = False,
     gate_at_start: bool = False,
-    gate_spread: int = 0,
     reserve_quantile: float = 0.0,
     reserve_rate_quantile: float = 0.0,
     reserve_refill_s: float = 0.0,
@@ -391,8 +371,6 @@ def picker_config(
                         "steerHigherBands": gate_steers,
                         "fleetView": gate_fleet_view,
                         "activeAtStart": gate_at_start,
-                        # `-spread`: the top band kept apart by the step (0: left unset).
-                        **({"spreadTopBandTokens": gate_spread} if gate_spread else {}),
                     },
                 }
             )
@@ -631,8 +609,6 @@ def diagnostics(dep: Deployment, sims_before: list[dict[str, float]]) -> dict:
             summed(pg, "extproc_flow_endpoint_evictions_total", f'outcome="{outcome}"')
             for pg in pages
         )
-    # The gate's spread of the top band (`-spread`): opportunities it kept a request off.
-    row["gate_spread"] = sum(summed(pg, "extproc_flow_prefill_gate_spread_total") for pg in pages)
     after = sims_now(dep)
     q_sum = sum(summed(a, "vllm:request_queue_time_seconds_sum") for a in after) - sum(
         summed(b, "vllm:request_queue_time_seconds_sum") for b in sims_before
@@ -1289,9 +1265,6 @@ def main() -> int:
             run_name += after
             # `-ev`: per-server eviction; `-tr`: its trailers without it.
             evict, trailers, run_name = take_cut(run, run_name)
-            # `-spread[N]`: one engine step of N tokens, counted in the picker's tokens.
-            step_n, run_name = take_spread(run, run_name)
-            gate_spread = round(step_n * out_scale)
             gate_tokens, gate_head, run_name = take_gate(run, run_name, args.gate_tokens)
             src = args.baseline_src if tilde else ""
             if tilde and not src:
@@ -1343,7 +1316,6 @@ def main() -> int:
                     gate_steers=not args.gate_no_steer,
                     gate_fleet_view=bool(fleet_view),
                     gate_at_start=gate_head,
-                    gate_spread=gate_spread,
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
@@ -1386,7 +1358,6 @@ def main() -> int:
                     gate_steers=not args.gate_no_steer,
                     gate_fleet_view=bool(fleet_view),
                     gate_at_start=gate_head,
-                    gate_spread=gate_spread,
                     reserve_quantile=quantile,
                     reserve_rate_quantile=rate_quantile,
                     reserve_refill_s=refill_s,
@@ -1447,7 +1418,6 @@ def main() -> int:
                 row.update(after_pause(reqs, hi_pause, unloaded_p99, cap_tps, args.slo_s))
             row["lanes"] = round(lanes, 3)
             row["response_trailers"] = trailers  # `-ev`, `-tr`
-            row["gate_spread_tokens"] = gate_spread  # `-spread`: spreadTopBandTokens, 0 off
             row["load_avg"] = [round(x, 2) for x in os.getloadavg()]
             row["lost_envoy"] = envoy_lines(dep.access_path, {d["id"] for d in row["lost_detail"]})
             row.update(summary(rows_tl, args.warm_s, args.burst_s, args.servers))

@@ -42,32 +42,6 @@ def test_gate_head_comes_off_before_the_gate_tokens():
     assert gate[0]["parameters"]["activeAtStart"] is True
 
 
-K = "on@0.99r0-gate-pf-ends20-gh-ev-blocks"
-
-
-def test_spread_comes_off_before_the_gate_and_needs_it():
-    with bench_modules("bench_overload") as (bench,):
-        assert bench.take_spread(K, K) == (0, K)
-        assert bench.take_spread(K, K + "-spread") == (bench.STEP_TOKENS, K)
-        assert bench.take_spread(K, K + "-spread4096") == (4096, K)
-        # What is left parses as K's gate (the gate's parse reads the rest as its N).
-        assert bench.take_gate(K, "on@0.99r0-gate-gh", 2048) == (2048, True, "on@0.99r0")
-        with pytest.raises(SystemExit, match="without -gate"):
-            bench.take_spread(K, "on@0.99r0-ev-spread")
-        with pytest.raises(SystemExit, match="2 times"):
-            bench.take_spread(K, K + "-spread-spread2000")
-        cfg = bench.picker_config(
-            bench.Path("o.yaml"), flow=True, gate_tokens=2048, gate_spread=2600
-        )
-        plain = bench.picker_config(bench.Path("o.yaml"), flow=True, gate_tokens=2048)
-
-    def gate(c):
-        return next(p for p in c["scheduling"]["plugins"] if p["type"] == "prefill-gate")
-
-    assert gate(cfg)["parameters"]["spreadTopBandTokens"] == 2600
-    assert "spreadTopBandTokens" not in gate(plain)["parameters"]  # K's config unchanged
-
-
 def test_hi_pause_drops_only_interactive_arrivals_in_it():
     with bench_modules("bench_overload") as (bench,):
         per = {"A": 400.0, "B": 1000.0, "C": 2000.0}

@@ -530,15 +530,6 @@ class Admission:
             )
             gh.add_metric([], gate.held)
             yield gh
-            if gate.spread_tokens:
-                gs = counter(
-                    "extproc_flow_prefill_gate_spread",
-                    "With spreadTopBandTokens: dispatch opportunities where a top-band "
-                    "request was kept off a server with room for it, whose unfinished top-band "
-                    "prefill with its prompt would exceed one step's budget.",
-                )
-                gs.add_metric([], gate.spread)
-                yield gs
             gb = counter(
                 "extproc_flow_prefill_gate_blind",
                 "prefill-gate judgements of a server without fresh first-token and finished "

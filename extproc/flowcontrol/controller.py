@@ -236,9 +236,6 @@ class FlowController:
         # request, `_count_eviction`): `cut` (lower-band requests were cut for it), `short`
         # (no endpoint's lower-band requests could make its room: none cut).
         self.evict_outcomes: dict[str, int] = {"cut": 0, "short": 0}
-        # Requests cut per endpoint whose in-flight count has not ended yet: the room they
-        # free is on its way there (the spread waits for it, `_cuttable_beside`).
-        self._cut_unended: dict[Ticket, None] = {}
         if endpoints is not None and not hasattr(detector, "endpoint_saturation"):
             log.warning(
                 "per-endpoint admission off: detector %s has no per-endpoint figures; "
@@ -502,50 +499,11 @@ class FlowController:
             if not kept:
                 gate.note_held(p)
             return kept
-        crowded = self._crowded(request, states)
-        if crowded:
-            kept = [(x, a) for x, a in fits if a not in crowded]
-            if not kept and not self._cuttable_beside(p, states, crowded):
-                kept = fits  # nowhere else it could go: the step is shared
-            gate.spread += len(kept) < len(fits)
-            fits = kept
-            if not fits:
-                return fits  # it waits for its cut elsewhere (`_reclaim_on`)
         if gate.steers and self._priorities and p > min(self._priorities):
             left = {a: gate.unfinished(a, states[a]) for _, a in fits}
             least = min(left.values())
             return [(x, a) for x, a in fits if left[a] <= least]
         return fits
-
-    def _crowded(self, request: FlowRequest, states: Mapping[str, EndpointState]) -> set[str]:
-        """The servers where a top-band request would share its prefill's engine step past
-        the prefill-gate's `spreadTopBandTokens` with the band's unfinished prefill there,
-        when some server is not so (else none: there is nowhere better to spread to)."""
-        gate = self.gate
-        p = request.priority
-        if gate is None or not gate.spread_tokens or len(self._priorities) < 2:
-            return set()
-        if p < max(self._priorities):
-            return set()
-        prompt = request.prompt_tokens
-        crowded = {a for a, st in states.items() if gate.crowded(a, st, p, prompt)}
-        return crowded if len(crowded) < len(states) else set()
-
-    def _cuttable_beside(
-        self, priority: int, states: Mapping[str, EndpointState], crowded: set[str]
-    ) -> bool:
-        """Whether per-endpoint eviction could make room for a band's request on a server
-        outside `crowded`: it runs lower-band work there, or a cut there has not freed its
-        room yet (the cut request's in-flight count lasts until the gateway's access log
-        says it ended; giving up meanwhile sent the request to the crowded server after
-        all, the cut wasted)."""
-        ev = self.evictor
-        if not self._evict_per_endpoint or ev is None:
-            return False
-        coming = {t.endpoint or t.target for t in self._cut_unended}
-        return any(
-            a in coming or ev.has_candidates_on(a, priority) for a in states if a not in crowded
-        )
 
     def _band(self, priority: int) -> _Band:
         band = self._bands.get(priority)
@@ -663,7 +621,7 @@ class FlowController:
         self.stats.wait_count[k] = self.stats.wait_count.get(k, 0) + 1
         ticket = Ticket(request, waited, dispatched_at=now, endpoints=where, target=target)
         if self.gate is not None:
-            self.gate.released(ticket, target, request.prompt_tokens, request.priority)
+            self.gate.released(ticket, target, request.prompt_tokens)
         if self.evictor is not None:
             self.evictor.track(ticket, max(self._priorities, default=None))
         return ticket
@@ -771,9 +729,7 @@ class FlowController:
 
     def _closest_first(self, request: FlowRequest) -> list[str]:
         """The endpoints by how close the request comes to fitting on each, closest first
-        (as `_closest` counts), those where the spread keeps it off last (the prefill
-        gate's `spreadTopBandTokens`: its cut, or its claim, goes where its prefill would
-        not share a step with its band's)."""
+        (as `_closest` counts)."""
         assert self._endpoints is not None
         det = cast(EndpointDetector, self._detector)
         claimed = self.claims.against(request.priority, peers=False) if self.claims else {}
@@ -781,13 +737,11 @@ class FlowController:
         peer_extra = self._peer_extra()
         by_blocks = self._by_blocks(request.priority)
         size = request.room_tokens if by_blocks else request.counted_tokens
-        eps = dict(self._endpoints())
-        for addr, state in eps.items():
+        for addr, state in self._endpoints():
             reqs = self._pending_at.get(addr, _NONE)[0]
             toks = self._counted_at(addr, claimed.get(addr, 0), state, peer_extra, by_blocks)
             afters.append((det.endpoint_saturation(state, reqs + 1, toks + size), addr))
-        crowded = self._crowded(request, eps)
-        return [a for _, _, a in sorted((a in crowded, x, a) for x, a in afters)] or [""]
+        return [a for _, a in sorted(afters)] or [""]
 
     def _counted_at(
         self,
@@ -935,7 +889,6 @@ class FlowController:
             self._count_eviction(item, "cut")
             for t in cut:
                 self._evicted(t)
-                self._cut_unended[t] = None
             log.info(
                 "evicted in flight for room on an endpoint",
                 extra={
@@ -1104,7 +1057,6 @@ class FlowController:
         rest of the request its output counted as the detector's constant while the engine
         held its own max_tokens (eleventh session, bench/RESULTS.md). Its tokens count as
         room its endpoint freed (`reserve_refill_s`). Idempotent."""
-        self._cut_unended.pop(ticket, None)
         if ticket.freed_at and self.refill is not None:
             self.refill.freed(ticket.freed_at, ticket.request.room_tokens, ticket)
         ticket.freed_at = ""

@@ -198,14 +198,6 @@ class Evictor:
             return []
         return self._ranked(demand_priority, address)
 
-    def has_candidates_on(self, address: str, demand_priority: int) -> bool:
-        """Whether any candidate below `demand_priority` is on `address`, the gate open or
-        not (a decision outstanding is one more chance of room there, not less)."""
-        return any(
-            t.request.priority < demand_priority and (t.endpoint or t.target) == address
-            for t in self._candidates
-        )
-
     def _ranked(self, demand_priority: int, address: str | None = None) -> list[Any]:
         """The candidates below `demand_priority` (on `address` only, when given: placed
         there, or released to it and not placed yet), in the order policy's order."""

@@ -51,24 +51,6 @@ arriving 0.27-0.95 s in, then waited 0.33-0.84 s in the engine's prefill queue b
 alone (2.0-3.0x the unloaded p99: 6 of 23 slow interactive requests over seeds 15-27;
 bench/RESULTS.md, issue 15).
 
-Spread (`spreadTopBandTokens`, opt-in): the top band's requests are kept apart by the
-lane. Without a reserve (per-endpoint eviction making the top band's room instead), only
-the server where a cut made room has room, so interactive prompts arriving close together
-all went there; the second's prefill then did not fit in the step the first started in and
-spilled into a second step (bench/RESULTS.md, issue 15, thirtieth session: under one
-configuration 140 of 196 interactive pairs under 0.1 s apart went to one server, and each
-of its slowest interactive requests spilled so). With it, a server where the top band's
-unfinished prefill plus the request's prompt exceeds one step's budget counts as having no
-room for that request while some other server does not: it goes to another server with
-room, or, with per-endpoint eviction (`flow_control.evict_per_endpoint`) and lower-band
-work to cut elsewhere, waits for its cut on the next closest such server (one more cut per
-close pair). The band's unfinished prefill is this picker's own placements of it, counted
-as above: whole until a scrape can show them, then as the engine's count retires the oldest
-(the engine cannot say whether a prompt is waiting or in its step: both count). Other
-replicas' placements carry no band and are left out. `spread` counts the dispatch
-opportunities where it kept a request off a server with room
-(`extproc_flow_prefill_gate_spread`).
-
 Held requests wait in the picker's queue (their band's TTL applies); `held` counts the
 dispatch opportunities where some server had KV room for the request but the gate kept it.
 """
@@ -114,7 +96,6 @@ class _Placed:
     at: float  # when it was released (monotonic seconds)
     tokens: int  # its uncached prompt, as the picker estimates it
     address: str  # where it was released to, then where the router placed it
-    priority: int = 0  # its band (`spreadTopBandTokens` counts the top band's own)
 
 
 class PrefillGate:
@@ -139,12 +120,6 @@ class PrefillGate:
         # start: the gate holds from the start for one activeWindow (module docstring).
         # Unset: on where such a band exists; true: the same, said at start where none does.
         activeAtStart: bool | None = None
-        # The top band spread by the lane: a top-band request counts a server as having no
-        # room for it where the top band's unfinished prefill there plus its own prompt
-        # would exceed this many tokens (picker tokens: one engine step's prefill budget,
-        # vLLM's max_num_batched_tokens, in the prompt estimate's unit), while another
-        # server is not so (module docstring, "Spread"). 0: off.
-        spreadTopBandTokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __init__(
         self, params: Params | None = None, clock: Callable[[], float] = time.monotonic
@@ -156,16 +131,12 @@ class PrefillGate:
         self.max_tokens = self.params.maxPrefillTokens
         self.steers = self.params.steerHigherBands
         self.fleet_view = self.params.fleetView
-        self.spread_tokens = self.params.spreadTopBandTokens
         self._clock = clock
         self._last: dict[int, float] = {}  # band -> its last arrival
         self._own: dict[str, collections.deque[_Placed]] = {}
         self._unplaced: dict[object, _Placed] = {}  # ticket -> its entry, until placed
         self.held = 0
         self.blind = 0
-        # Dispatch opportunities where `spreadTopBandTokens` kept a top-band request off a
-        # server with room for it (to another, or to wait for a cut on another).
-        self.spread = 0
         self.last_unfinished: dict[str, float] = {}  # address -> tokens, last evaluation
         self._warned_blind = False
         self._told_held = False
@@ -211,10 +182,10 @@ class PrefillGate:
         now = self._clock()
         return any(p > priority and now - t <= self.window_s for p, t in self._last.items())
 
-    def released(self, ticket: object, address: str, prompt_tokens: int, priority: int = 0) -> None:
-        """A request of band `priority` released towards `address` (the controller's target;
-        "" = anywhere: not counted until placed)."""
-        entry = _Placed(self._clock(), max(0, prompt_tokens), address, priority)
+    def released(self, ticket: object, address: str, prompt_tokens: int) -> None:
+        """A request released towards `address` (the controller's target; "" = anywhere:
+        not counted until placed)."""
+        entry = _Placed(self._clock(), max(0, prompt_tokens), address)
         self._unplaced[ticket] = entry
         if address:
             q = self._own.setdefault(address, collections.deque())
@@ -290,27 +261,7 @@ class PrefillGate:
 
     def unfinished(self, address: str, state: EndpointState) -> float:
         """Prefill tokens `address` has not finished, as the picker can tell now."""
-        return self._judge(address, state, None)[0]
-
-    def crowded(
-        self, address: str, state: EndpointState, priority: int, prompt_tokens: int
-    ) -> bool:
-        """Whether a top-band request (band `priority`) of `prompt_tokens` would share its
-        prefill's step on `address` past `spreadTopBandTokens` with the band's unfinished
-        prefill there (never where none of the band's is unfinished: a lone prompt)."""
-        if not self.spread_tokens:
-            return False
-        band = self._judge(address, state, priority)[1]
-        return band > 0 and band + prompt_tokens > self.spread_tokens
-
-    def _judge(self, address: str, state: EndpointState, band: int | None) -> tuple[float, float]:
-        """(prefill tokens `address` has not finished, as the picker can tell now; of them,
-        this picker's placements of band `band` or above, 0 when None)."""
         now = self._clock()
-
-        def of_band(e: _Placed | None) -> bool:
-            return band is not None and e is not None and e.priority >= band
-
         q = self._own.get(address)
         peers = self._peers.get(address, ())
         n = state.prefilling
@@ -328,14 +279,11 @@ class PrefillGate:
                     "in-flight prompt tokens count as unfinished prefill",
                     address,
                 )
-            recent = [e for e in q or () if e.at > now - _TRANSIT_S]
-            unplaced = sum(e.tokens for e in recent)
+            unplaced = sum(e.tokens for e in q or () if e.at > now - _TRANSIT_S)
             unplaced += sum(t for at, t in peers if at > now - _TRANSIT_S)
             total = float(state.inflight_tokens + unplaced)
             self.last_unfinished[address] = total
-            # Blind, the band's placements count while they may be on their way only: no
-            # count says which of the older ones are done.
-            return total, float(sum(e.tokens for e in recent if of_band(e)))
+            return total
         scraped_at = now - state.age_s
         # The placements known there, ours (with their entries, to retire) and the peers',
         # in one arrival order: the engine starts prefills in arrival order, whoever placed
@@ -344,13 +292,11 @@ class PrefillGate:
         if peers:
             known = heapq.merge(known, ((at, t, None) for at, t in peers), key=lambda k: k[0])
         total = 0.0
-        ours = 0.0  # of `band`, by this picker
         older: list[tuple[float, int, _Placed | None]] = []  # surely in the engine's count
         for k in known:
             if k[0] > scraped_at - _SEEN_AFTER_S:
                 # Maybe not in the engine's count yet: unfinished, counted whole.
                 total += k[1]
-                ours += k[1] if of_band(k[2]) else 0
             else:
                 older.append(k)
         # Of the older ones the engine's `n` unfinished are the youngest (`n` may include
@@ -359,7 +305,6 @@ class PrefillGate:
         # surely arrived, so a late arrival is not retired in place of an earlier one.
         done = max(0, len(older) - n)
         total += sum(t for _, t, _ in older[done:])
-        ours += sum(t for _, t, e in older[done:] if of_band(e))
         for at, _, e in older[:done]:
             if e is None:
                 continue  # a peer's: it retires its own
@@ -378,7 +323,7 @@ class PrefillGate:
                 mean = float(self.max_tokens)
             total += (n - len(older)) * mean
         self.last_unfinished[address] = total
-        return total, ours
+        return total
 
     def admits(self, unfinished: float, prompt_tokens: int) -> bool:
         """Whether a lower-band request of `prompt_tokens` may start where `unfinished`
