@@ -19,28 +19,15 @@ import yaml
 from extproc.sim.workload import send_one
 from extproc.stack import Stack, StackOptions
 from tests.e2e.calibration_workload import SIM, chat_item, gauge, syllable_text
+from tests.e2e.flow_configs import in_flight_scheduling
 
 FRACTION = 0.5
+SCHEDULING = in_flight_scheduling()
+SCHEDULING["plugins"][2]["parameters"] = {"concurrencyMode": "tokens", "kvCacheFraction": FRACTION}
 CONFIG = {
     "parse": {"bytes_per_token": 3},
     "flow_control": {"admit_per_endpoint": True},
-    "scheduling": {
-        "plugins": [
-            {"type": "queue-scorer"},
-            {"type": "max-score-picker"},
-            {
-                "type": "concurrency-detector",
-                "parameters": {"concurrencyMode": "tokens", "kvCacheFraction": FRACTION},
-            },
-        ],
-        "flowControl": {"saturationDetector": {"pluginRef": "concurrency-detector"}},
-        "schedulingProfiles": [
-            {
-                "name": "default",
-                "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}],
-            }
-        ],
-    },
+    "scheduling": SCHEDULING,
 }
 
 

@@ -18,6 +18,7 @@ from extproc.flowcontrol.detectors import ConcurrencyDetector
 from extproc.flowcontrol.engine_blocks import EngineBlocks
 from extproc.flowcontrol.output_scale import OutputScale
 from extproc.server.assembly import Parts
+from tests.e2e.flow_configs import in_flight_scheduling
 
 BLOCKS, BLOCK = 64, 16  # 1,024 engine KV tokens
 
@@ -106,30 +107,14 @@ def test_in_flight_prompts_are_counted_in_the_new_unit_and_given_back_in_it():
 
 
 def parts(fraction: float = 1.25, **flow: object) -> Parts:
+    scheduling = in_flight_scheduling()
+    detector = {"concurrencyMode": "tokens", "kvCacheFraction": fraction}
+    scheduling["plugins"][2]["parameters"] = detector
     settings = decode_settings(
         {
             "parse": {"bytes_per_token": 4},
             "flow_control": {"admit_per_endpoint": True, **flow},
-            "scheduling": {
-                "plugins": [
-                    {"type": "queue-scorer"},
-                    {"type": "max-score-picker"},
-                    {
-                        "type": "concurrency-detector",
-                        "parameters": {"concurrencyMode": "tokens", "kvCacheFraction": fraction},
-                    },
-                ],
-                "flowControl": {"saturationDetector": {"pluginRef": "concurrency-detector"}},
-                "schedulingProfiles": [
-                    {
-                        "name": "default",
-                        "plugins": [
-                            {"pluginRef": "queue-scorer"},
-                            {"pluginRef": "max-score-picker"},
-                        ],
-                    }
-                ],
-            },
+            "scheduling": scheduling,
         }
     )
     return Parts(settings, [Endpoint("10.0.0.1:8000")])
