@@ -10,15 +10,18 @@ from __future__ import annotations
 import logging
 
 import pytest
+from redis.asyncio import Redis
 
 from extproc.config import decode_settings
 from extproc.core import Endpoint, EndpointState
 from extproc.endpoints.inflight import InFlight
+from extproc.endpoints.shared_inflight import SharedInFlight, SharedInFlightSettings
 from extproc.flowcontrol.detectors import ConcurrencyDetector
 from extproc.flowcontrol.engine_blocks import EngineBlocks
 from extproc.flowcontrol.output_scale import OutputScale
 from extproc.server.assembly import Parts
 from tests.e2e.flow_configs import in_flight_scheduling
+from tests.redis_servers import free_port
 
 BLOCKS, BLOCK = 64, 16  # 1,024 engine KV tokens
 
@@ -90,9 +93,15 @@ def test_the_output_scale_follows_when_it_states_a_unit():
     assert auto.value == pytest.approx(2 / 0.78)
 
 
-def test_in_flight_prompts_are_counted_in_the_new_unit_and_given_back_in_it():
+def shared_without_redis() -> SharedInFlight:
+    # The hot path never touches Redis: no exchange loop runs here.
+    return SharedInFlight(Redis(port=free_port()), SharedInFlightSettings())
+
+
+@pytest.mark.parametrize("counter", [InFlight, shared_without_redis])
+def test_in_flight_prompts_are_counted_in_the_new_unit_and_given_back_in_it(counter):
     a = "10.0.0.1:8000"
-    inflight = InFlight()
+    inflight = counter()
     before = [inflight.acquire(a, 101), inflight.acquire(a, 7)]
     inflight.units_changed(2.0)
     assert inflight.tokens(a) == 216
