@@ -3,11 +3,12 @@ the engines ran, side by side, to find where capacity went unused.
 
 Sampled from a background thread while the burst runs (the pickers' and sims' /metrics):
 per sample the detector's saturation, requests queued in the picker per band, requests
-dispatched since the last sample per band, and per engine its running and waiting requests
-and KV use. `summary()` condenses the burst window into the figures that tell the causes
-apart: the engines' mean KV use (a fleet kept full sits near 1.0), how often batch work
-waited in the picker while KV use was below 90% (a conservative detector or a slow release),
-and the engines' own waiting queues (work released into engines that are already full).
+dispatched since the last sample per band, per picker its bytes per token and engine-blocks
+ratio, and per engine its running and waiting requests and KV use. `summary()` condenses
+the burst window into the figures that tell the causes apart: the engines' mean KV use (a
+fleet kept full sits near 1.0), how often batch work waited in the picker while KV use was
+below 90% (a conservative detector or a slow release), and the engines' own waiting queues
+(work released into engines that are already full).
 """
 
 from __future__ import annotations
@@ -139,6 +140,13 @@ class Timeline:
             for p in pages
             if not summed(p, "extproc_flow_output_token_scale", 'source="measured"')
         )
+        # Per picker, the estimate's unit and what count_engine_blocks converts it with: a
+        # bytes-per-token change of calibration (flow control's ratios follow it) or a swing
+        # of the measured ratio shows at the sample it happened (0: not exported there).
+        row["bpt_each"] = [summed(p, "extproc_approx_bytes_per_token") for p in pages]
+        row["eb_ratio_each"] = [
+            round(summed(p, "extproc_flow_engine_blocks_ratio"), 4) for p in pages
+        ]
         for i, url in enumerate(self.sim_urls):
             s = scrape(url, client, 2.0)
             row[f"run{i}"] = int(summed(s, "vllm:num_requests_running"))

@@ -218,6 +218,7 @@ class Router:
 
     def estimate_units_changed(self, factor: float) -> None:
         """Token estimates are now `factor` times larger (approximate keys recalibrated)."""
+        self.inflight.units_changed(factor)
         if self._capacity is not None:
             self._capacity.units_changed(factor)
         if self.speeds is not None:
