@@ -299,6 +299,14 @@ REQUEST_ENDS = StatsFamilies(
             "extproc_access_log_unmatched",
             "Access-log entries for requests this process did not hold.",
         ),
+        "cut": Stat(
+            "extproc_request_end_cut",
+            "Access-log entries with a 2xx status (or none) whose response flags say the "
+            "response stopped short, by reason (client: the client hung up; upstream: the "
+            "server reset or closed it; timeout; proxy: Envoy reset it): not completed.",
+            labels=("reason",),
+            keys=("client", "upstream", "timeout", "proxy"),  # request_end.CUT_REASONS
+        ),
     },
 )
 
