@@ -792,8 +792,9 @@ CALIBRATION = StatsFamilies(
         "cut": Stat(
             "extproc_approx_pairing_cut",
             "Placements left out of calibration's pairing because their request did not "
-            "complete (evicted, a non-2xx status, no access-log entry): the engine never "
-            "counts a cut request.",
+            "complete (evicted, a non-2xx status, a response flag saying it stopped short "
+            "such as a client's hang-up, no access-log entry): the engine never counts a "
+            "cut request.",
         ),
         "unended": Stat(
             "extproc_approx_pairing_unended",
