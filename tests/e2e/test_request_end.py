@@ -29,22 +29,33 @@ def slow_stack():
         yield s
 
 
-def test_inflight_count_lasts_until_a_streamed_reply_ends(slow_stack: Stack):
-    stack = slow_stack
-    body = {
+def story(stack: Stack, prompt: str) -> dict:
+    """A streamed chat request for 60 tokens: ~6 s of reply from the slow simulator."""
+    return {
         "model": stack.fleet.model,
-        "messages": [{"role": "user", "content": "tell me a long story"}],
+        "messages": [{"role": "user", "content": prompt}],
         "max_tokens": 60,
         "stream": True,
     }
+
+
+def log_flowing(stack: Stack, http: httpx.Client) -> None:
+    """A first request opens Envoy's access-log stream: auto mode holds placements (and
+    calibration waits for each request's end) once entries arrive."""
+    body = {**story(stack, "hello"), "stream": False, "max_tokens": 1}
+    http.post("/v1/chat/completions", json=body)
+    wait_until(
+        lambda: picker_metric(stack, "extproc_access_log_entries_total") >= 1,
+        timeout_s=10,
+        what="the first access-log entry",
+    )
+
+
+def test_inflight_count_lasts_until_a_streamed_reply_ends(slow_stack: Stack):
+    stack = slow_stack
+    body = story(stack, "tell me a long story")
     with httpx.Client(base_url=stack.url, timeout=30) as http:
-        # A first request opens Envoy's access-log stream (auto mode holds once it exists).
-        http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1})
-        wait_until(
-            lambda: picker_metric(stack, "extproc_access_log_entries_total") >= 1,
-            timeout_s=10,
-            what="the first access-log entry",
-        )
+        log_flowing(stack, http)
         assert picker_metric(stack, "extproc_inflight_requests") == 0
         samples: list[tuple[float, float]] = []
         done = threading.Event()
@@ -90,20 +101,9 @@ def test_a_client_that_hangs_up_mid_stream_is_a_cut_not_a_completion(slow_stack:
     pairing: counted cut at its end, not paired as a completion whose engine count never
     comes until the stale bound drops it."""
     stack = slow_stack
-    body = {
-        "model": stack.fleet.model,
-        "messages": [{"role": "user", "content": "tell me a story I will not finish"}],
-        "max_tokens": 60,
-        "stream": True,
-    }
+    body = story(stack, "tell me a story I will not finish")
     with httpx.Client(base_url=stack.url, timeout=30) as http:
-        # Holds (and calibration's waiting for each end) start once the log is flowing.
-        http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1})
-        wait_until(
-            lambda: picker_metric(stack, "extproc_access_log_entries_total") >= 1,
-            timeout_s=10,
-            what="the first access-log entry",
-        )
+        log_flowing(stack, http)
         cut = picker_metric(stack, "extproc_approx_pairing_cut_total")
         finished = sim_figure(stack, "request_success_total")
         start = time.monotonic()
