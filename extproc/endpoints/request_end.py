@@ -66,11 +66,16 @@ class Ended:
     cut: str = ""
 
     @property
+    def status_ok(self) -> bool:
+        """A 2xx status, or none logged: nothing in the status says the request failed."""
+        return self.status is None or 200 <= self.status < 300
+
+    @property
     def completed(self) -> bool:
         """The response ran to its end with a 2xx status (or none logged). The status alone
         does not say it: Envoy logs the status it had already sent, so a client that hangs
         up mid-stream is logged with a 200, and only the flags tell it from a completion."""
-        return not self.cut and (self.status is None or 200 <= self.status < 300)
+        return self.status_ok and not self.cut
 
 
 # Called once per hold: with its entry, or None when released without one (not held,
@@ -174,7 +179,7 @@ class RequestEnds:
         held = self._held.pop(entry.request_id, None)
         if not forwarded:
             self.stats.entries += 1
-            if entry.cut and (entry.status is None or 200 <= entry.status < 300):
+            if entry.cut and entry.status_ok:  # what the status alone called complete
                 self.stats.cut[entry.cut] = self.stats.cut.get(entry.cut, 0) + 1
             miss = 1.0 if held is None else 0.0
             self._unmatched_share += _SHARE_STEP * (miss - self._unmatched_share)
