@@ -70,15 +70,17 @@ every cut left its placement at the head of the queue, shifting every later pair
 against a true 1.28, and bytes-per-token flipped 1 -> 2 mid-burst on one run, issue 15,
 thirty-first session). So where the picker learns each request's end (`state.request_end`
 holding for the access log, the shared ends included), a placement joins the queue at its
-end, and only when it completed: its access-log entry came, with a 2xx status, and flow
-control did not evict it. Replayed on those runs, 1.275 +- 0.005. A placement waits for its
+end, and only when it completed: its access-log entry came, with a 2xx status and no
+response flag saying the response stopped short (`Ended.completed`: a client that hangs up
+mid-stream is logged with the 200 already sent, the flag tells it), and flow control did not
+evict it. Replayed on those runs, 1.275 +- 0.005. A placement waits for its
 end in a bounded map (`_MAX_OPEN`, aged out after `_OPEN_S`: a request whose end never
 comes is forgotten, counted in `unended`). Where no end is known (`state.request_end`
 `stream`, or `auto` before any access-log entry) placements join at placement, as before.
 A placement ended (or a count made) but unpaired for `_STALE_S` is dropped and counted in
-`stale`: a leftover (a client's hang-up that still logged 200, an access-log entry lost)
-shifts the pairs for that long only, not for good. Client hang-ups that the gateway logs
-as 200 are not told apart here (that needs Envoy's response flags).
+`stale`: a leftover (a cut the entry did not tell: an end another replica forwarded
+carries no status nor flags; an access-log entry lost) shifts the pairs for that long only,
+not for good.
 
 Replicas behind one gateway can pool this (`state.shared_calibration`,
 server/shared_calibration.py): each replica's placements count in every replica's windows
@@ -385,7 +387,7 @@ class Calibration:
             if self._stale_log.allow("stale") is not None:
                 log.warning(
                     "calibration: %d placements or counts of %s left unpaired for %g s were "
-                    "dropped (a client hang-up logged as complete, a lost access-log entry); "
+                    "dropped (a cut the access log did not tell, a lost access-log entry); "
                     "%d in all",
                     stale, endpoint, _STALE_S, self.stats.stale,
                 )  # fmt: skip

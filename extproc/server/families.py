@@ -299,6 +299,14 @@ REQUEST_ENDS = StatsFamilies(
             "extproc_access_log_unmatched",
             "Access-log entries for requests this process did not hold.",
         ),
+        "cut": Stat(
+            "extproc_request_end_cut",
+            "Access-log entries with a 2xx status (or none) whose response flags say the "
+            "response stopped short, by reason (client: the client hung up; upstream: the "
+            "server reset or closed it; timeout; proxy: Envoy reset it): not completed.",
+            labels=("reason",),
+            keys=("client", "upstream", "timeout", "proxy"),  # request_end.CUT_REASONS
+        ),
     },
 )
 
@@ -784,8 +792,9 @@ CALIBRATION = StatsFamilies(
         "cut": Stat(
             "extproc_approx_pairing_cut",
             "Placements left out of calibration's pairing because their request did not "
-            "complete (evicted, a non-2xx status, no access-log entry): the engine never "
-            "counts a cut request.",
+            "complete (evicted, a non-2xx status, a response flag saying it stopped short "
+            "such as a client's hang-up, no access-log entry): the engine never counts a "
+            "cut request.",
         ),
         "unended": Stat(
             "extproc_approx_pairing_unended",

@@ -589,4 +589,6 @@ def test_a_request_completed_only_with_an_entry_a_2xx_status_and_no_eviction() -
     assert not end(Ended("r", status=200), evicted=True)  # cut after its headers: logs 200
     assert not end(Ended("r", status=429))
     assert not end(None)  # no entry in time
-    assert len(then) == 5  # what else waited for the entry is told each time
+    assert not end(Ended("r", status=200, cut="client"))  # the client hung up mid-stream
+    assert not end(Ended("r", cut="upstream"))
+    assert len(then) == 7  # what else waited for the entry is told each time
