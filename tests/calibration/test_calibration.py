@@ -3,6 +3,8 @@ from their prompt-token counters."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import orjson
 
 from extproc.calibration import Calibration
@@ -250,10 +252,10 @@ def test_a_peers_placements_fill_this_replicas_windows() -> None:
 
 def test_this_replicas_placements_are_told_to_the_peers() -> None:
     cal = Calibration(ParseSettings(bytes_per_token=4))
-    placed: list[tuple[str, int, int, int]] = []
+    placed: list[tuple[str, int, int, int, bool]] = []
     cal.on_placed = lambda *a: placed.append(a)
     cal.placed("a:1", cal("/v1/completions", {}, BODY))
-    assert placed == [("a:1", 1000, 4, 0)]  # no media in it
+    assert placed == [("a:1", 1000, 4, 0, False)]  # no media in it, no end known
     off = Calibration(ParseSettings(), enabled=False)
     off.on_placed = lambda *a: placed.append(a)
     off.placed("a:1", off("/v1/completions", {}, BODY))
@@ -592,3 +594,90 @@ def test_a_request_completed_only_with_an_entry_a_2xx_status_and_no_eviction() -
     assert not end(Ended("r", status=200, cut="client"))  # the client hung up mid-stream
     assert not end(Ended("r", cut="upstream"))
     assert len(then) == 7  # what else waited for the entry is told each time
+
+
+def two_replicas(peers_at_end: bool, *, seed: int = 12) -> tuple[list[Calibration], list[float]]:
+    """`cut_and_reordered` with two pooled replicas placing on one engine: each request goes
+    to either, each learns its own requests' ends, and what one tells the other (a
+    placement, a completed request) arrives 50 ms later (the batched channel).
+    `peers_at_end=False`: a peer's placement joins the pairing queue on arrival, as it did
+    before completed requests were told. Returns both calibrations and every window's
+    engine tokens per estimate, both replicas' (the truth: 1 / 1.28)."""
+    import heapq
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    now = 0.0
+    cals = [Calibration(ParseSettings(bytes_per_token=1), clock=lambda: now) for _ in range(2)]
+    # (time, order, what to do then): the engine's counts, request ends, channel deliveries.
+    events: list[tuple[float, int, Callable[[], None]]] = []
+    order = itertools.count()
+
+    def at(t: float, do: Callable[[], None]) -> None:
+        heapq.heappush(events, (t, next(order), do))
+
+    for cal, peer in ((cals[0], cals[1]), (cals[1], cals[0])):
+        cal.ends_known = lambda: True
+
+        def placed(ep: str, t: int, b: int, m: int, end: bool, peer: Calibration = peer) -> None:
+            at(now + 0.05, lambda: peer.peer_placed(ep, t, b, m, at_end=end and peers_at_end))
+
+        def completed(ep: str, t: int, b: int, m: int, age: float, peer=peer) -> None:
+            if peers_at_end:
+                at(now + 0.05, lambda: peer.peer_completed(ep, t, b, m, age + 0.05))
+
+        cal.on_placed, cal.on_completed = placed, completed
+    sums = [(0.0, 0.0)]
+    admitted = [0]
+
+    def count(tokens: int) -> None:
+        sums[0] = (sums[0][0] + tokens, sums[0][1] + 1)
+
+    for cal in cals:
+        cal.observe("a:1", None, 0, sums[0])
+    ratios: list[float] = []
+    for step in range(2400):
+        now = step * 0.05
+        while events and events[0][0] <= now:
+            heapq.heappop(events)[2]()
+        chars = rng.choice((400, 1200, 4000, 12_000))
+        rid = f"r{step}"
+        cal = rng.choice(cals)
+        req = cal("/v1/completions", {"x-request-id": rid}, orjson.dumps(
+            {"model": "m", "prompt": "x" * chars}
+        ))  # fmt: skip
+        cal.placed("a:1", req)
+        tokens = round(chars / 1.28)
+        admitted[0] += tokens
+        finish = now + 0.3 + chars / 12_000 * 2.7 * rng.uniform(0.5, 1.0)
+        if rng.random() < 0.2:  # cut halfway: never counted, ended as not completed
+            at(now + (finish - now) / 2, lambda c=cal, r=rid: c.ended(r, False))
+        else:
+            at(finish, lambda t=tokens: count(t))
+            end = finish + rng.uniform(0.0, 0.1)
+            at(end, lambda c=cal, r=rid: c.ended(r, True))
+        for c in cals:
+            before = c.stats.ratios.get("a:1")
+            c.observe("a:1", None, admitted[0], sums[0])
+            after = c.stats.ratios.get("a:1")
+            if after is not None and after is not before:
+                ratios.append(after)
+    return cals, ratios
+
+
+def test_pooled_replicas_pair_their_peers_completed_requests_at_the_end_too() -> None:
+    # Each replica's own placements join the pairing at their end; a peer's joined at its
+    # placement: half of each queue in placement order, cuts included, and the windows of
+    # both replicas swung as one replica's did before pairing at the end.
+    truth = 1 / 1.28
+    cals, ratios = two_replicas(peers_at_end=False)
+    assert len(ratios) > 40
+    assert max(abs(r / truth - 1) for r in ratios) > 0.2
+    # A peer's completed request told, a cut one never: every window of both reads the truth.
+    cals, ratios = two_replicas(peers_at_end=True)
+    assert len(ratios) > 40
+    assert max(abs(r / truth - 1) for r in ratios) < 0.002, max(abs(r / truth - 1) for r in ratios)
+    for cal in cals:
+        assert cal.settings.bytes_per_token == 1 and cal.stats.changes == 0
+        assert cal.stats.cut > 150 and cal.stats.stale == 0 and cal.stats.unended == 0
