@@ -147,6 +147,14 @@ class Timeline:
         row["eb_ratio_each"] = [
             round(summed(p, "extproc_flow_engine_blocks_ratio"), 4) for p in pages
         ]
+        # Each picker's calibration windows: engine prompt tokens per estimate in each
+        # endpoint's last one (the sim's tokenizer reads ~0.78 at 1 byte a token); a pairing
+        # that drifts shows as a swing of these.
+        row["ratio_each"] = [
+            [round(v, 3) for k, v in sorted(p.items())
+             if k.partition("{")[0] == "extproc_approx_token_ratio"]
+            for p in pages
+        ]  # fmt: skip
         for i, url in enumerate(self.sim_urls):
             s = scrape(url, client, 2.0)
             row[f"run{i}"] = int(summed(s, "vllm:num_requests_running"))
@@ -175,6 +183,7 @@ def summary(rows: list[dict], start_s: float, end_s: float, servers: int) -> dic
         return {}
     n = len(win)
     kv = [sum(r[f"kv{i}"] for i in range(servers)) / servers for r in win]
+    ratios = [x for r in win for each in r.get("ratio_each", ()) for x in each]
     return {
         "tl_samples": n,
         "tl_kv_mean": round(sum(kv) / n, 3),
@@ -209,4 +218,8 @@ def summary(rows: list[dict], start_s: float, end_s: float, servers: int) -> dic
         "tl_idle_while_queued": round(
             sum(1 for r, k in zip(win, kv, strict=True) if r["queued_lo"] and k < 0.9) / n, 3
         ),
+        # Calibration's windows over the burst, every picker and endpoint: the lowest and
+        # highest engine tokens per estimate read, and every bytes-per-token held.
+        "tl_token_ratio_range": [min(ratios), max(ratios)] if ratios else None,
+        "tl_bytes_per_token": sorted({b for r in win for b in r.get("bpt_each", ())}),
     }

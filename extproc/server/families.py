@@ -621,11 +621,17 @@ SHARED_CALIBRATION = StatsFamilies(
     {
         "published": Stat(
             "extproc_shared_calibration_published",
-            "Placements and confirmed calibration changes published to the other replicas.",
+            "Placements, completed requests and confirmed calibration changes published to "
+            "the other replicas.",
         ),
         "applied": Stat(
             "extproc_shared_calibration_applied",
             "Peers' placements counted in this replica's calibration windows.",
+        ),
+        "completed": Stat(
+            "extproc_shared_calibration_completed",
+            "Peers' completed requests handed to this replica's calibration pairing (a "
+            "placement whose replica learns its end joins the pairing once it completed).",
         ),
         "adopted": Stat(
             "extproc_shared_calibration_adopted",
@@ -634,7 +640,8 @@ SHARED_CALIBRATION = StatsFamilies(
         ),
         "dropped": Stat(
             "extproc_shared_calibration_dropped",
-            "Placements and changes never published (Redis failing or backlog full).",
+            "Placements, completed requests and changes never published (Redis failing or "
+            "backlog full).",
         ),
         "errors": Stat(
             "extproc_shared_calibration_errors",
