@@ -3,11 +3,12 @@ the engines ran, side by side, to find where capacity went unused.
 
 Sampled from a background thread while the burst runs (the pickers' and sims' /metrics):
 per sample the detector's saturation, requests queued in the picker per band, requests
-dispatched since the last sample per band, and per engine its running and waiting requests
-and KV use. `summary()` condenses the burst window into the figures that tell the causes
-apart: the engines' mean KV use (a fleet kept full sits near 1.0), how often batch work
-waited in the picker while KV use was below 90% (a conservative detector or a slow release),
-and the engines' own waiting queues (work released into engines that are already full).
+dispatched since the last sample per band, per picker its bytes per token and engine-blocks
+ratio, and per engine its running and waiting requests and KV use. `summary()` condenses
+the burst window into the figures that tell the causes apart: the engines' mean KV use (a
+fleet kept full sits near 1.0), how often batch work waited in the picker while KV use was
+below 90% (a conservative detector or a slow release), and the engines' own waiting queues
+(work released into engines that are already full).
 """
 
 from __future__ import annotations
@@ -139,6 +140,21 @@ class Timeline:
             for p in pages
             if not summed(p, "extproc_flow_output_token_scale", 'source="measured"')
         )
+        # Per picker, the estimate's unit and what count_engine_blocks converts it with: a
+        # bytes-per-token change of calibration (flow control's ratios follow it) or a swing
+        # of the measured ratio shows at the sample it happened (0: not exported there).
+        row["bpt_each"] = [summed(p, "extproc_approx_bytes_per_token") for p in pages]
+        row["eb_ratio_each"] = [
+            round(summed(p, "extproc_flow_engine_blocks_ratio"), 4) for p in pages
+        ]
+        # Each picker's calibration windows: engine prompt tokens per estimate in each
+        # endpoint's last one (the sim's tokenizer reads ~0.78 at 1 byte a token); a pairing
+        # that drifts shows as a swing of these.
+        row["ratio_each"] = [
+            [round(v, 3) for k, v in sorted(p.items())
+             if k.partition("{")[0] == "extproc_approx_token_ratio"]
+            for p in pages
+        ]  # fmt: skip
         for i, url in enumerate(self.sim_urls):
             s = scrape(url, client, 2.0)
             row[f"run{i}"] = int(summed(s, "vllm:num_requests_running"))
@@ -167,6 +183,7 @@ def summary(rows: list[dict], start_s: float, end_s: float, servers: int) -> dic
         return {}
     n = len(win)
     kv = [sum(r[f"kv{i}"] for i in range(servers)) / servers for r in win]
+    ratios = [x for r in win for each in r.get("ratio_each", ()) for x in each]
     return {
         "tl_samples": n,
         "tl_kv_mean": round(sum(kv) / n, 3),
@@ -201,4 +218,8 @@ def summary(rows: list[dict], start_s: float, end_s: float, servers: int) -> dic
         "tl_idle_while_queued": round(
             sum(1 for r, k in zip(win, kv, strict=True) if r["queued_lo"] and k < 0.9) / n, 3
         ),
+        # Calibration's windows over the burst, every picker and endpoint: the lowest and
+        # highest engine tokens per estimate read, and every bytes-per-token held.
+        "tl_token_ratio_range": [min(ratios), max(ratios)] if ratios else None,
+        "tl_bytes_per_token": sorted({b for r in win for b in r.get("bpt_each", ())}),
     }

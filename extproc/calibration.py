@@ -70,24 +70,32 @@ every cut left its placement at the head of the queue, shifting every later pair
 against a true 1.28, and bytes-per-token flipped 1 -> 2 mid-burst on one run, issue 15,
 thirty-first session). So where the picker learns each request's end (`state.request_end`
 holding for the access log, the shared ends included), a placement joins the queue at its
-end, and only when it completed: its access-log entry came, with a 2xx status, and flow
-control did not evict it. Replayed on those runs, 1.275 +- 0.005. A placement waits for its
+end, and only when it completed: its access-log entry came, with a 2xx status and no
+response flag saying the response stopped short (`Ended.completed`: a client that hangs up
+mid-stream is logged with the 200 already sent, the flag tells it), and flow control did not
+evict it. Replayed on those runs, 1.275 +- 0.005. A placement waits for its
 end in a bounded map (`_MAX_OPEN`, aged out after `_OPEN_S`: a request whose end never
 comes is forgotten, counted in `unended`). Where no end is known (`state.request_end`
 `stream`, or `auto` before any access-log entry) placements join at placement, as before.
 A placement ended (or a count made) but unpaired for `_STALE_S` is dropped and counted in
-`stale`: a leftover (a client's hang-up that still logged 200, an access-log entry lost)
-shifts the pairs for that long only, not for good. Client hang-ups that the gateway logs
-as 200 are not told apart here (that needs Envoy's response flags).
+`stale`: a leftover (a cut the entry did not tell: an end another replica forwarded
+carries no status nor flags; an access-log entry lost) shifts the pairs for that long only,
+not for good.
 
 Replicas behind one gateway can pool this (`state.shared_calibration`,
 server/shared_calibration.py): each replica's placements count in every replica's windows
 (`peer_placed`), so each window fills as fast as one replica's would, and a replica's own
 confirmed change (`on_change`) is adopted by the others (`adopt`) through the same logged,
-counted path, never re-announced. A peer's placement joins this replica's queue when it is
-placed, not at its end: the peer channel carries placements only (the KV-capacity model
-wants them at placement), so pooled replicas keep placement-order pairing for the peers'
-share, and a peer's cut shifts the pairs until `_STALE_S` drops it.
+counted path, never re-announced. A peer's placement counts in the window's estimates and
+requests (and the KV-capacity model's, `on_peer_placed`) when it is placed, but joins the
+pairing queue as the peer's own would: where the peer waits for the request's end (it says
+so with the placement), only once it completed, when the peer tells it (`on_completed` ->
+`peer_completed`, with its estimate and its age: placed before pairing started here, it is
+left out as this replica's own are). A cut one is never told. Until the thirty-second
+session the channel carried placements only and every peer's placement joined at placement:
+with two replicas half of each queue was in placement order, cuts included, and the drift
+pairing at the end had removed came back for the fleet (issue 15). A peer without request
+ends (or of a version before) still has its placements join at placement.
 """
 
 from __future__ import annotations
@@ -223,9 +231,14 @@ class Calibration:
         # Told (bytes_per_token, key bytes per token) of each change this replica confirmed
         # from its own windows (not of adopted ones: peers never re-announce a value).
         self.on_change: Callable[[int, int], None] | None = None
-        # Told (endpoint, estimated tokens, bytes_per_token, media tokens of them) of each
-        # request placed here (the peers count it in their windows).
-        self.on_placed: Callable[[str, int, int, int], None] | None = None
+        # Told (endpoint, estimated tokens, bytes_per_token, media tokens of them, whether it
+        # waits for its end to join the pairing queue) of each request placed here (the peers
+        # count it in their windows).
+        self.on_placed: Callable[[str, int, int, int, bool], None] | None = None
+        # Told (endpoint, estimated tokens, bytes_per_token, media tokens of them, seconds
+        # since its placement) of each request placed here that completed, once its end is
+        # known: where it was told as waiting for its end, the peers pair it then.
+        self.on_completed: Callable[[str, int, int, int, float], None] | None = None
         # Told (endpoint, estimated tokens in this replica's unit) of each peer's placement
         # (the KV-capacity model measures from them too).
         self.on_peer_placed: list[Callable[[str, int], None]] = []
@@ -251,7 +264,8 @@ class Calibration:
             w.requests += 1
             known = self.ends_known
             rid = request.request_id
-            if rid and known is not None and known():
+            at_end = bool(rid) and known is not None and known()
+            if at_end:
                 now = self._clock()
                 self._age_open(now)
                 self._open.pop(rid, None)  # a reused id: the later placement counts
@@ -263,24 +277,53 @@ class Calibration:
                 _enqueue(w, text, media, None)
             if self.on_placed is not None:
                 self.on_placed(
-                    endpoint, request.prompt_tokens, self.settings.bytes_per_token, media
+                    endpoint, request.prompt_tokens, self.settings.bytes_per_token, media, at_end
                 )
 
-    def peer_placed(self, endpoint: str, tokens: int, bytes_per_token: int, media: int = 0) -> None:
+    def peer_placed(
+        self,
+        endpoint: str,
+        tokens: int,
+        bytes_per_token: int,
+        media: int = 0,
+        *,
+        at_end: bool = False,
+    ) -> None:
         """A peer replica placed a request on `endpoint` it estimated at `tokens` with its
         `bytes_per_token`, `media` of them for its media: counted in this replica's window as
         if placed here (the text part in this replica's unit; the chat template's few tokens
-        per turn scale with it too, a small error only while replicas disagree)."""
+        per turn scale with it too, a small error only while replicas disagree). `at_end`:
+        the peer learns the request's end and tells it if it completed (`peer_completed`):
+        it joins the pairing queue then, not now."""
         if self.enabled:
-            media = min(max(media, 0), tokens)
+            text, media = self._in_units(tokens, bytes_per_token, media)
             w = self._windows.setdefault(endpoint, _Window())
-            text = round((tokens - media) * bytes_per_token / self.settings.bytes_per_token)
             w.estimated += text
             w.media += media
             w.requests += 1
-            _enqueue(w, text, media, None)
+            if not at_end:
+                _enqueue(w, text, media, None)
             for listener in self.on_peer_placed:
                 listener(endpoint, text + media)
+
+    def peer_completed(
+        self, endpoint: str, tokens: int, bytes_per_token: int, media: int, age_s: float
+    ) -> None:
+        """A request a peer placed on `endpoint` `age_s` ago (told `at_end`) completed: it
+        joins the pairing queue as this replica's own completed requests do (a cut one is
+        never told, as the engine never counts it)."""
+        if not self.enabled:
+            return
+        now = self._clock()
+        w = self._windows.get(endpoint)
+        if w is not None and now - max(age_s, 0.0) >= w.opened:
+            _enqueue(w, *self._in_units(tokens, bytes_per_token, media), now)
+
+    def _in_units(self, tokens: int, bytes_per_token: int, media: int) -> tuple[int, int]:
+        """A peer's estimate of `tokens` at its `bytes_per_token`, `media` of them for media:
+        (text in this replica's unit, media)."""
+        media = min(max(media, 0), tokens)
+        return round((tokens - media) * bytes_per_token / self.settings.bytes_per_token), media
 
     def ended(self, request_id: str, completed: bool) -> None:
         """The request `request_id` ended: its placement joins the pairing queue when it
@@ -298,6 +341,9 @@ class Calibration:
         w = self._windows.get(endpoint)
         if w is not None and placed_at >= w.opened:
             _enqueue(w, text, media, now)
+        if self.on_completed is not None:
+            bpt = self.settings.bytes_per_token
+            self.on_completed(endpoint, text + media, bpt, media, now - placed_at)
 
     def _age_open(self, now: float) -> None:
         """Forget placements whose end is overdue (counted in `unended`)."""
@@ -385,7 +431,7 @@ class Calibration:
             if self._stale_log.allow("stale") is not None:
                 log.warning(
                     "calibration: %d placements or counts of %s left unpaired for %g s were "
-                    "dropped (a client hang-up logged as complete, a lost access-log entry); "
+                    "dropped (a cut the access log did not tell, a lost access-log entry); "
                     "%d in all",
                     stale, endpoint, _STALE_S, self.stats.stale,
                 )  # fmt: skip

@@ -258,7 +258,9 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (`server/shared_placements.py`); off by default: in the seventh session's interleaved
     runs it made the replicas agree but TTFT p90 was not better (bench/RESULTS.md, issue 14).
     `shared_calibration`: with a Redis index, replicas pool approximate mode's calibration
-    (every replica's placements in every replica's windows, confirmed bytes-per-token adopted
+    (every replica's placements in every replica's windows, paired with the engines' counts
+    once their replica says they completed where it learns request ends, confirmed
+    bytes-per-token adopted
     by the peers, a starting replica reads the fleet's value: `server/shared_calibration.py`;
     the KV-capacity model then measures its first ratio early, as `index.capacity_first_tokens`
     4,000 would). `auto` (default): on whenever the index is a non-Cluster Redis index and

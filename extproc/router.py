@@ -218,6 +218,7 @@ class Router:
 
     def estimate_units_changed(self, factor: float) -> None:
         """Token estimates are now `factor` times larger (approximate keys recalibrated)."""
+        self.inflight.units_changed(factor)
         if self._capacity is not None:
             self._capacity.units_changed(factor)
         if self.speeds is not None:
@@ -578,13 +579,13 @@ class Router:
 def _request_ended(
     tell: Callable[[str, bool], None], routed: Routed, then: Late | None, entry: Ended | None
 ) -> None:
-    """A held request's end: completed when its access-log entry came with a 2xx status (or
-    none logged) and flow control did not cut it; no entry in time is no completion known."""
+    """A held request's end: completed when its access-log entry says it ran to its end (a
+    2xx status, or none logged, and no response flag that says it stopped short: a client's
+    hang-up is logged with the 200 already sent) and flow control did not cut it; no entry
+    in time is no completion known."""
     ticket = routed.ticket
     completed = (
-        entry is not None
-        and (entry.status is None or 200 <= entry.status < 300)
-        and not (ticket is not None and ticket.evicted)
+        entry is not None and entry.completed and not (ticket is not None and ticket.evicted)
     )
     tell(routed.request.request_id, completed)
     if then is not None:

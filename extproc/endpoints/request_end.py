@@ -23,7 +23,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import msgspec
@@ -45,16 +45,37 @@ class RequestEndSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     max_held: Annotated[int, msgspec.Meta(gt=0)] = 200_000
 
 
+# Why a response stopped short, from Envoy's response flags (server/access_log.py): the
+# client hung up, the upstream reset or closed it, a timeout ended it, or the proxy itself
+# reset it. The label values of `extproc_request_end_cut_total`.
+CUT_REASONS = ("client", "upstream", "timeout", "proxy")
+
+
 @dataclass(frozen=True, slots=True)
 class Ended:
     """One finished request as the access log reports it. `ttfb_s` is the time from the
-    request's start to the first upstream response byte (None when there was none)."""
+    request's start to the first upstream response byte (None when there was none). `cut`:
+    why the response stopped short (one of `CUT_REASONS`), "" when it ran to its end or
+    nothing says otherwise (an end another replica forwarded carries no status nor flags)."""
 
     request_id: str
     ttfb_s: float | None = None
     upstream: str = ""
     status: int | None = None  # the response status sent downstream
     response_bytes: int | None = None  # response body bytes sent downstream
+    cut: str = ""
+
+    @property
+    def status_ok(self) -> bool:
+        """A 2xx status, or none logged: nothing in the status says the request failed."""
+        return self.status is None or 200 <= self.status < 300
+
+    @property
+    def completed(self) -> bool:
+        """The response ran to its end with a 2xx status (or none logged). The status alone
+        does not say it: Envoy logs the status it had already sent, so a client that hangs
+        up mid-stream is logged with a 200, and only the flags tell it from a completion."""
+        return self.status_ok and not self.cut
 
 
 # Called once per hold: with its entry, or None when released without one (not held,
@@ -69,6 +90,9 @@ class RequestEndStats:
     expired: int = 0  # holds released by max_hold_s (or overflow): a lost entry
     entries: int = 0  # access-log entries received
     unmatched: int = 0  # entries for requests not held here
+    # Entries whose status says complete (2xx, or none) but whose flags say the response
+    # stopped short, by reason (`CUT_REASONS`): a client's hang-up, mostly.
+    cut: dict[str, int] = field(default_factory=dict)
 
 
 # Auto mode stops holding when more than this share of recent entries matched nothing here.
@@ -155,6 +179,8 @@ class RequestEnds:
         held = self._held.pop(entry.request_id, None)
         if not forwarded:
             self.stats.entries += 1
+            if entry.cut and entry.status_ok:  # what the status alone called complete
+                self.stats.cut[entry.cut] = self.stats.cut.get(entry.cut, 0) + 1
             miss = 1.0 if held is None else 0.0
             self._unmatched_share += _SHARE_STEP * (miss - self._unmatched_share)
         if held is None:

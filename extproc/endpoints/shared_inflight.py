@@ -68,7 +68,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
-from extproc.endpoints.inflight import Placement
+from extproc.endpoints.inflight import Placement, given_back, rescaled
 from extproc.endpoints.peer_arrivals import PeerArrivals
 from extproc.redis_client import redis_from_url
 from extproc.redis_loop import Outage, close, command
@@ -238,6 +238,7 @@ class SharedInFlight:
         self._keys = (f"{{{ns}}}:load", f"{{{ns}}}:live", f"{{{ns}}}:placed")
         self._requests: Counter[str] = Counter()
         self._tokens: Counter[str] = Counter()
+        self._scale = 1.0  # every units change's factor, multiplied (`units_changed`)
         self._local_total = 0
         self._others_requests: dict[str, int] = {}
         self._others_tokens: dict[str, int] = {}
@@ -308,12 +309,12 @@ class SharedInFlight:
         self.stats.placed_tokens += tokens
         if self.on_placed is not None:
             self.on_placed(address, placed[0], placed[1])
-        return Placement(address, tokens)
+        return Placement(address, tokens, self._scale)
 
     def release(self, placement: Placement) -> None:
         a = placement.address
         self._requests[a] -= 1
-        self._tokens[a] -= placement.tokens
+        self._tokens[a] -= given_back(placement, self._scale)
         self._local_total -= 1
         if self._requests[a] <= 0:
             del self._requests[a]
@@ -328,6 +329,17 @@ class SharedInFlight:
     def total(self) -> int:
         """In-flight requests of all processes."""
         return self._local_total + self._others_total
+
+    def units_changed(self, factor: float) -> None:
+        """This process's in-flight prompts into a unit `factor` times the old one, as
+        `InFlight.units_changed` (published so at the next exchange). The peers' counts are
+        theirs to rescale: with pooled calibration they change unit too, and their next
+        exchange (one `interval_s`) brings them; the placement counters are cumulative
+        and stay as counted."""
+        if factor <= 0:
+            return
+        self._scale *= factor
+        self._tokens = rescaled(self._tokens, factor)
 
     def local_total(self) -> int:
         """In-flight requests placed by this process (exact)."""

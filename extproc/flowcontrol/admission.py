@@ -249,6 +249,33 @@ class Admission:
         self.wait_seconds.labels(str(flow.priority)).observe(ticket.waited_s)
         return ticket
 
+    def units_changed(self, factor: float) -> None:
+        """Token estimates are now `factor` times what they were for the same prompt
+        (approximate mode's calibration changed its bytes per token; the router rescales
+        the in-flight prompts). What is a ratio of the estimate follows: the detector's
+        `kvCacheFraction` (each server's ceiling), count_engine_blocks' fraction, prior and
+        ratio, and the output token scale. What the operator sets as a count of tokens
+        stays as given (`expected_output_tokens`, `maxTokenConcurrency`, `outputTokens`,
+        `maxPrefillTokens`, reserve priors), as do the figures that age out on their own
+        (fairness usage, the reserve's request history, each ticket's counts: what it took
+        is what it gives back)."""
+        if factor <= 0:
+            return
+        detector = self.controller.detector
+        follow = getattr(detector, "units_changed", None)
+        if follow is not None:
+            follow(factor)
+        self.engine_blocks.units_changed(factor)
+        self.output_scale.units_changed(factor)
+        fraction = float(getattr(detector, "kv_fraction", 0.0))
+        log.info(
+            "flow control: token estimates now %.3gx what they were for the same prompt; "
+            "kvCacheFraction %s, output token scale %.3f",
+            factor,
+            f"{fraction:.3f} in the new unit" if fraction else "not used",
+            self.output_scale.value,
+        )
+
     def evicted_error(self) -> Shed:
         """What an evicted request's stream answers (flowcontrol/eviction.py)."""
         return Shed(
@@ -348,6 +375,17 @@ class Admission:
             )
             u.add_metric([], unknown)
             yield u
+        fraction = float(getattr(fc.detector, "kv_fraction", 0.0))
+        if fraction:
+            kf = gauge(
+                "extproc_flow_detector_kv_fraction",
+                "The concurrency detector's kvCacheFraction in the estimates' present unit "
+                "(estimated tokens per engine KV token; each server's token ceiling is this "
+                "times its KV size): the configured one times every bytes-per-token change's "
+                "factor since start.",
+            )
+            kf.add_metric([], fraction)
+            yield kf
         eb = self.engine_blocks
         if eb.enabled:
             ebu = counter(

@@ -133,7 +133,15 @@ class ConcurrencyDetector:
     token ceiling from its own KV size (`vllm:cache_config_info`: blocks x block size)
     times the fraction instead of the hand-set `maxTokenConcurrency`. An endpoint whose KV
     size is not known yet counts as saturated (never as empty): logged once, and counted in
-    `unknown_capacity` (exported as `extproc_flow_detector_unknown_capacity_endpoints`)."""
+    `unknown_capacity` (exported as `extproc_flow_detector_unknown_capacity_endpoints`).
+
+    `kvCacheFraction` is a ratio of the picker's estimate (estimated tokens per engine KV
+    token) in the unit of the configured `parse.bytes_per_token`: when approximate mode's
+    calibration changes it, every estimate becomes `factor` times what it was and so does
+    the fraction (`units_changed`; `kv_fraction` is the effective one), or the ceiling
+    would admit `factor` times less (or more) than the operator's fraction meant. The
+    counts the operator sets in tokens (`maxTokenConcurrency`, `outputTokens`) stay as
+    given."""
 
     type_name = "concurrency-detector"
     sees_placement = True  # in-flight counts move at placement
@@ -152,13 +160,22 @@ class ConcurrencyDetector:
         # Endpoints whose KV size was unknown at the last evaluation (kvCacheFraction).
         self.unknown_capacity = 0
         self._warned = False
+        # Estimates per estimate of the configured unit: every units change's factor
+        # multiplied (runtime state beside the frozen params).
+        self.units = 1.0
 
     @property
     def kv_fraction(self) -> float:
         """Estimated tokens per engine KV token when the ceiling is each server's KV size
-        (tokens or hybrid mode with `kvCacheFraction`), else 0."""
+        (tokens or hybrid mode with `kvCacheFraction`), else 0: the configured fraction in
+        the estimates' present unit."""
         p = self.params
-        return p.kvCacheFraction if p.concurrencyMode != "requests" else 0.0
+        return p.kvCacheFraction * self.units if p.concurrencyMode != "requests" else 0.0
+
+    def units_changed(self, factor: float) -> None:
+        """Token estimates are now `factor` times what they were for the same prompt."""
+        if factor > 0:
+            self.units *= factor
 
     @property
     def output_per_request(self) -> int:
@@ -176,7 +193,7 @@ class ConcurrencyDetector:
         if not p.kvCacheFraction:
             return float(p.maxTokenConcurrency)
         if s.kv_blocks and s.kv_block_size:
-            return p.kvCacheFraction * s.kv_blocks * s.kv_block_size
+            return p.kvCacheFraction * self.units * s.kv_blocks * s.kv_block_size
         return None
 
     def saturation(

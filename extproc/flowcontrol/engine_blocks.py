@@ -31,6 +31,11 @@ twenty-first session's runs came then. Counting at the prior is a degraded state
 once in a log line and counted in `extproc_flow_engine_blocks_prior_total`. While no block
 size is known requests are counted by their tokens: said once and counted in
 `extproc_flow_engine_blocks_unmeasured_total` (never silently).
+
+The fraction and the prior are ratios of the estimate: when approximate mode's calibration
+changes its bytes per token, every estimate becomes `factor` times what it was, the fraction
+(estimated tokens per engine KV token) with it and the prior (its inverse) by the inverse,
+and so does the measured ratio until calibration's next window (`units_changed`).
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ class EngineBlocks:
 
     def __init__(self, enabled: bool, fraction: float) -> None:
         """`fraction`: the detector's estimated tokens per engine KV token (its
-        `kvCacheFraction`; 0 when its ceiling is not the KV size: nothing to convert to)."""
+        `kvCacheFraction`; 0 when its ceiling is not the KV size: nothing to convert to),
+        in the estimates' present unit (`units_changed` keeps it so)."""
         self.enabled = enabled and fraction > 0
         self.fraction = fraction
         self.per_estimate: float | None = None  # engine prompt tokens per estimated token
@@ -87,6 +93,18 @@ class EngineBlocks:
             self.per_estimate = statistics.median(seen)
         if block_size:
             self.block_size = block_size
+
+    def units_changed(self, factor: float) -> None:
+        """Token estimates are now `factor` times what they were for the same prompt: the
+        fraction follows (the detector's `kv_fraction` does too), the prior and a measured
+        ratio (engine tokens per estimated token) go by the inverse. Calibration carries its
+        own ratios over alike, so the next scrape's `measured` agrees."""
+        if factor <= 0 or not self.fraction:
+            return
+        self.fraction *= factor
+        self.prior = 1.0 / self.fraction
+        if self.per_estimate is not None:
+            self.per_estimate /= factor
 
     def exact(self, block_size: int | None = None) -> None:
         """Precise mode: estimates are the engine's token counts."""

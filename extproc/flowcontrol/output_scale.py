@@ -20,6 +20,11 @@ and in the metric's `source` (`unmeasured`), never silently.
 
 Only the requests admitted from then on are counted in the new unit; each ticket keeps the
 counts it was admitted with, so what it took is what it gives back.
+
+A configured scale is a ratio of the estimate at the configured bytes per token: when
+calibration changes it, the scale follows by the same factor as every estimate
+(`units_changed`), and so does a measured one at once rather than at the next scrape.
+`unmeasured` stays 1.0: it states nothing about the estimate's unit.
 """
 
 from __future__ import annotations
@@ -61,6 +66,13 @@ class OutputScale:
         """Said once at start when `auto` has no measurement to wait for."""
         if self.auto and self.source == "unmeasured":
             log.warning("flow_control.output_token_scale auto: %s; outputs count 1:1", why)
+
+    def units_changed(self, factor: float) -> None:
+        """Token estimates are now `factor` times what they were for the same prompt."""
+        if factor <= 0 or self.source not in ("configured", "measured"):
+            return
+        lo, hi = SCALE_BOUNDS
+        self.value = min(hi, max(lo, self.value * factor))
 
     def measured(self, ratios: Mapping[str, float]) -> None:
         """Calibration's last engine-tokens-per-estimate ratio per endpoint (its stats)."""

@@ -2,9 +2,10 @@
 entries tell the picker that a request has ended (see `endpoints/request_end.py`).
 
 Envoy keeps one client stream open per worker and sends batches of HTTP entries on it; we
-read the request id, the time to the first upstream byte, the upstream address, the status
-and the response body size of each,
-and answer (the protocol's response is empty) only when the stream ends or the picker drains.
+read the request id, the time to the first upstream byte, the upstream address, the status,
+the response body size and the response flags that say the response stopped short (a client
+that hung up mid-stream is logged with the 200 already sent: `Ended.completed`) of each, and
+answer (the protocol's response is empty) only when the stream ends or the picker drains.
 """
 
 from __future__ import annotations
@@ -41,8 +42,41 @@ def entries(msg: pb.StreamAccessLogsMessage) -> list[Ended]:
         if e.response.HasField("response_code"):
             status = e.response.response_code.value
             size = e.response.response_body_bytes
-        out.append(Ended(e.request.request_id, ttfb, upstream, status, size))
+        cut = cut_reason(common.response_flags)
+        out.append(Ended(e.request.request_id, ttfb, upstream, status, size, cut))
     return out
+
+
+# Envoy's response flags that say a response stopped short, by the reason they tell
+# (`request_end.CUT_REASONS`), the client's hang-up checked first. Envoy logs the status it
+# had already sent: a stream cut after its headers is logged with a 200.
+_CUT_FLAGS = (
+    ("client", ("downstream_connection_termination",)),
+    (
+        "upstream",
+        ("upstream_remote_reset", "upstream_connection_termination", "upstream_protocol_error"),
+    ),
+    (
+        "timeout",
+        (
+            "upstream_request_timeout",
+            "stream_idle_timeout",
+            "upstream_max_stream_duration_reached",
+            "duration_timeout",
+        ),
+    ),
+    ("proxy", ("local_reset", "overload_manager")),
+)
+
+
+def cut_reason(flags: pb.ResponseFlags) -> str:
+    """Why the response stopped short by `flags`, "" when none of them says it did."""
+    if flags.ByteSize() == 0:  # no flag set: the common case, one call
+        return ""
+    for reason, names in _CUT_FLAGS:
+        if any(getattr(flags, n) for n in names):
+            return reason
+    return ""
 
 
 class AccessLogHandler:

@@ -578,6 +578,9 @@ class Parts:
                 interval_s=flow.settings.share_interval_s,
             )
         router.admission = admission
+        # After the router's listener (which rescales the in-flight prompts): the detector's
+        # ceiling and the engine-blocks counts follow a bytes-per-token change too.
+        self.calibration.on_units.append(admission.units_changed)
         # `output_token_scale: auto` follows calibration (`_scraped`); without it, said once.
         if self.precise is not None:
             admission.output_scale.exact()

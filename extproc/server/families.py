@@ -299,6 +299,14 @@ REQUEST_ENDS = StatsFamilies(
             "extproc_access_log_unmatched",
             "Access-log entries for requests this process did not hold.",
         ),
+        "cut": Stat(
+            "extproc_request_end_cut",
+            "Access-log entries with a 2xx status (or none) whose response flags say the "
+            "response stopped short, by reason (client: the client hung up; upstream: the "
+            "server reset or closed it; timeout; proxy: Envoy reset it): not completed.",
+            labels=("reason",),
+            keys=("client", "upstream", "timeout", "proxy"),  # request_end.CUT_REASONS
+        ),
     },
 )
 
@@ -613,11 +621,17 @@ SHARED_CALIBRATION = StatsFamilies(
     {
         "published": Stat(
             "extproc_shared_calibration_published",
-            "Placements and confirmed calibration changes published to the other replicas.",
+            "Placements, completed requests and confirmed calibration changes published to "
+            "the other replicas.",
         ),
         "applied": Stat(
             "extproc_shared_calibration_applied",
             "Peers' placements counted in this replica's calibration windows.",
+        ),
+        "completed": Stat(
+            "extproc_shared_calibration_completed",
+            "Peers' completed requests handed to this replica's calibration pairing (a "
+            "placement whose replica learns its end joins the pairing once it completed).",
         ),
         "adopted": Stat(
             "extproc_shared_calibration_adopted",
@@ -626,7 +640,8 @@ SHARED_CALIBRATION = StatsFamilies(
         ),
         "dropped": Stat(
             "extproc_shared_calibration_dropped",
-            "Placements and changes never published (Redis failing or backlog full).",
+            "Placements, completed requests and changes never published (Redis failing or "
+            "backlog full).",
         ),
         "errors": Stat(
             "extproc_shared_calibration_errors",
@@ -784,8 +799,9 @@ CALIBRATION = StatsFamilies(
         "cut": Stat(
             "extproc_approx_pairing_cut",
             "Placements left out of calibration's pairing because their request did not "
-            "complete (evicted, a non-2xx status, no access-log entry): the engine never "
-            "counts a cut request.",
+            "complete (evicted, a non-2xx status, a response flag saying it stopped short "
+            "such as a client's hang-up, no access-log entry): the engine never counts a "
+            "cut request.",
         ),
         "unended": Stat(
             "extproc_approx_pairing_unended",

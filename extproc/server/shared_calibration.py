@@ -22,8 +22,12 @@ touches Redis: a placement is counted locally and queued on a batched pub/sub ch
 and written to the key `extproc:calibration` (msgpack `[bytes_per_token,
 key_bytes_per_token]`, a day's expiry refreshed by each change); peers adopt it through
 `Calibration.adopt`, which refuses (logs, counts) values out of bounds or made for another
-key geometry, and never announce what they adopted. Peers' placements naming a server
-outside the pool or carrying implausible numbers are counted as bad entries and skipped.
+key geometry, and never announce what they adopted. Calibration pairs a request with the
+engine's count at its end, completed ones only, where the replica holding it learns its end
+(extproc/calibration.py): such a placement is said as waiting for its end, and said again
+once it completed (its estimate and age, never for a cut one), when the peers pair it too.
+Peers' items naming a server outside the pool or carrying implausible numbers are counted
+as bad entries and skipped.
 Redis down: each replica calibrates from its own placements, says so in a log line, counts
 failures and shows `extproc_shared_calibration_degraded` 1 until Redis answers again.
 """
@@ -46,11 +50,16 @@ from extproc.redis_loop import Outage, close, command
 
 log = logging.getLogger(__name__)
 
-# Item kinds on the channel: a placement (server, estimated tokens, bytes per token) and a
-# confirmed change (bytes per token, key bytes per token).
-_PLACED, _CHANGED = "e", "c"
+# Item kinds on the channel: a placement (server, estimated tokens, bytes per token, media
+# tokens of them, whether it joins calibration's pairing at its end), a completed request of
+# those (server, estimated tokens, bytes per token, media tokens, milliseconds since its
+# placement) and a confirmed change (bytes per token, key bytes per token).
+_PLACED, _COMPLETED, _CHANGED = "e", "d", "c"
 # A peer's placement estimate above this many tokens is not a prompt (a forged message).
 _MAX_TOKENS = 10_000_000
+# A completed request older than this was forgotten by its replica long before (calibration
+# waits 600 s for an end): a forged message.
+_MAX_AGE_MS = 3_600_000
 _KEY_TTL_S = 86_400
 _TIMEOUT_S = 2.0
 _MAX_BACKOFF_S = 2.0
@@ -58,13 +67,15 @@ _MAX_BACKOFF_S = 2.0
 
 @dataclass(slots=True)
 class SharedCalibrationStats(ChannelCounts):
-    """Counters since start: the channel's (items are placements and changes; `errors`
-    include the fleet's value key's, `bad_entries` undecodable or implausible items), peers'
-    placements `applied` to the windows here, peers' changes `adopted` here (current value
-    read at start included; equal values count too). Refused values are in the
-    calibration's own `refused`."""
+    """Counters since start: the channel's (items are placements, completed requests and
+    changes; `errors` include the fleet's value key's, `bad_entries` undecodable or
+    implausible items), peers' placements `applied` to the windows here, peers' completed
+    requests (`completed`) handed to the pairing here, peers' changes `adopted` here
+    (current value read at start included; equal values count too). Refused values are in
+    the calibration's own `refused`."""
 
     applied: int = 0
+    completed: int = 0
     adopted: int = 0
 
 
@@ -122,6 +133,7 @@ class SharedCalibration(SharedOverBroadcast[SharedCalibrationStats]):
             cap_s=_MAX_BACKOFF_S,
         )
         calibration.on_placed = self._placed
+        calibration.on_completed = self._completed
         calibration.on_change = self._changed
 
     @property
@@ -135,8 +147,16 @@ class SharedCalibration(SharedOverBroadcast[SharedCalibrationStats]):
         await super().aclose()
         await close(self._client, "shared calibration", self._abandoned)
 
-    def _placed(self, endpoint: str, tokens: int, bytes_per_token: int, media: int) -> None:
-        self._channel.send((_PLACED, endpoint, tokens, bytes_per_token, media))
+    def _placed(
+        self, endpoint: str, tokens: int, bytes_per_token: int, media: int, at_end: bool
+    ) -> None:
+        self._channel.send((_PLACED, endpoint, tokens, bytes_per_token, media, at_end))
+
+    def _completed(
+        self, endpoint: str, tokens: int, bytes_per_token: int, media: int, age_s: float
+    ) -> None:
+        age_ms = min(max(round(age_s * 1000), 0), _MAX_AGE_MS)
+        self._channel.send((_COMPLETED, endpoint, tokens, bytes_per_token, media, age_ms))
 
     def _changed(self, bytes_per_token: int, key_bytes_per_token: int) -> None:
         self._channel.send((_CHANGED, bytes_per_token, key_bytes_per_token))
@@ -147,18 +167,34 @@ class SharedCalibration(SharedOverBroadcast[SharedCalibrationStats]):
         # A ValueError/TypeError here is counted as a bad entry by the channel.
         kind, *rest = item
         if kind == _PLACED:
-            # A replica of the version before media were sent apart sends 3 fields.
-            endpoint, tokens, bpt, media = rest if len(rest) == 4 else (*rest, 0)
-            if not isinstance(endpoint, str) or not self._known(endpoint):
-                raise ValueError(f"not a server of the pool: {endpoint!r}")
-            tokens = _count(tokens, 0, _MAX_TOKENS)
-            self._cal.peer_placed(endpoint, tokens, _count(bpt, 1, 64), _count(media, 0, tokens))
+            # Replicas of the versions before media were sent apart (3 fields) and before
+            # completed requests were told (4): their placements join the pairing now.
+            if len(rest) == 3:
+                rest = [*rest, 0]
+            endpoint, tokens, bpt, media, at_end = rest if len(rest) == 5 else (*rest, False)
+            if type(at_end) is not bool:
+                raise ValueError(f"not a boolean: {at_end!r}")
+            tokens, bpt, media = self._estimate(endpoint, tokens, bpt, media)
+            self._cal.peer_placed(endpoint, tokens, bpt, media, at_end=at_end)
             self._counts.applied += 1
+        elif kind == _COMPLETED:
+            endpoint, tokens, bpt, media, age_ms = rest
+            tokens, bpt, media = self._estimate(endpoint, tokens, bpt, media)
+            age_s = _count(age_ms, 0, _MAX_AGE_MS) / 1000
+            self._cal.peer_completed(endpoint, tokens, bpt, media, age_s)
+            self._counts.completed += 1
         elif kind == _CHANGED:
             bpt, key = rest
             self._adopt(_count(bpt, 0, 2**31), _count(key, 0, 2**31), "a peer replica")
         else:
             raise ValueError(f"unknown item kind {kind!r}")
+
+    def _estimate(self, endpoint: Any, tokens: Any, bpt: Any, media: Any) -> tuple[int, int, int]:
+        """A peer's estimate checked: a server of the pool, plausible numbers."""
+        if not isinstance(endpoint, str) or not self._known(endpoint):
+            raise ValueError(f"not a server of the pool: {endpoint!r}")
+        tokens = _count(tokens, 0, _MAX_TOKENS)
+        return tokens, _count(bpt, 1, 64), _count(media, 0, tokens)
 
     def _adopt(self, bpt: int, key: int, source: str) -> None:
         if self._cal.adopt(bpt, key, source=source):

@@ -3,6 +3,8 @@ from their prompt-token counters."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import orjson
 
 from extproc.calibration import Calibration
@@ -250,10 +252,10 @@ def test_a_peers_placements_fill_this_replicas_windows() -> None:
 
 def test_this_replicas_placements_are_told_to_the_peers() -> None:
     cal = Calibration(ParseSettings(bytes_per_token=4))
-    placed: list[tuple[str, int, int, int]] = []
+    placed: list[tuple[str, int, int, int, bool]] = []
     cal.on_placed = lambda *a: placed.append(a)
     cal.placed("a:1", cal("/v1/completions", {}, BODY))
-    assert placed == [("a:1", 1000, 4, 0)]  # no media in it
+    assert placed == [("a:1", 1000, 4, 0, False)]  # no media in it, no end known
     off = Calibration(ParseSettings(), enabled=False)
     off.on_placed = lambda *a: placed.append(a)
     off.placed("a:1", off("/v1/completions", {}, BODY))
@@ -468,23 +470,65 @@ def cut_and_reordered(pair_at_end: bool, *, seed: int = 11) -> tuple[Calibration
     cut before its finish; the picker learns each end up to 0.1 s after the engine's count
     and scrapes every 50 ms. Returns the calibration and every window's engine tokens per
     estimate (the truth at 1 byte a token: 1 / 1.28)."""
+    cals, ratios = engine_counting_at_finish(1, pair_at_end=pair_at_end, seed=seed)
+    return cals[0], ratios
+
+
+def engine_counting_at_finish(
+    replicas: int, *, pair_at_end: bool, peers_at_end: bool = False, seed: int
+) -> tuple[list[Calibration], list[float]]:
+    """`cut_and_reordered` with `replicas` pooled replicas placing on the one engine: each
+    request goes to any of them, each learns its own requests' ends, and what one tells the
+    others (a placement, a completed request) arrives 50 ms later (the batched channel).
+    `peers_at_end=False`: a peer's placement joins the pairing queue on arrival, as it did
+    before completed requests were told. Every replica's windows' ratios, in order."""
+    import heapq
+    import itertools
     import random
 
     rng = random.Random(seed)
     now = 0.0
-    cal = Calibration(ParseSettings(bytes_per_token=1), clock=lambda: now)
-    if pair_at_end:
-        cal.ends_known = lambda: True
-    # (time, kind, request id, engine tokens): kind "count" (the engine's) or "end" (ours).
-    events: list[tuple[float, str, str, int, bool]] = []
+    cals = [
+        Calibration(ParseSettings(bytes_per_token=1), clock=lambda: now) for _ in range(replicas)
+    ]
+    # (time, order, what to do then): the engine's counts, request ends, channel deliveries.
+    events: list[tuple[float, int, Callable[[], None]]] = []
+    order = itertools.count()
+
+    def at(t: float, do: Callable[[], None]) -> None:
+        heapq.heappush(events, (t, next(order), do))
+
+    def pool(cal: Calibration, peers: list[Calibration]) -> None:
+        def placed(ep: str, t: int, b: int, m: int, end: bool) -> None:
+            for p in peers:
+                at(now + 0.05, lambda p=p: p.peer_placed(ep, t, b, m, at_end=end and peers_at_end))
+
+        def completed(ep: str, t: int, b: int, m: int, age: float) -> None:
+            for p in peers:
+                if peers_at_end:
+                    at(now + 0.05, lambda p=p: p.peer_completed(ep, t, b, m, age + 0.05))
+
+        cal.on_placed, cal.on_completed = placed, completed
+
+    for cal in cals:
+        if pair_at_end:
+            cal.ends_known = lambda: True
+        if replicas > 1:
+            pool(cal, [p for p in cals if p is not cal])
+    sums = [(0.0, 0.0)]
+
+    def count(tokens: int) -> None:
+        sums[0] = (sums[0][0] + tokens, sums[0][1] + 1)
+
+    for cal in cals:
+        cal.observe("a:1", None, 0, sums[0])
     admitted = 0
-    sums = (0.0, 0.0)
-    cal.observe("a:1", None, 0, sums)
     ratios: list[float] = []
     for step in range(2400):
         now = step * 0.05
         chars = rng.choice((400, 1200, 4000, 12_000))
         rid = f"r{step}"
+        cal = cals[0] if replicas == 1 else rng.choice(cals)
         req = cal("/v1/completions", {"x-request-id": rid}, orjson.dumps(
             {"model": "m", "prompt": "x" * chars}
         ))  # fmt: skip
@@ -493,23 +537,19 @@ def cut_and_reordered(pair_at_end: bool, *, seed: int = 11) -> tuple[Calibration
         admitted += tokens
         finish = now + 0.3 + chars / 12_000 * 2.7 * rng.uniform(0.5, 1.0)
         if rng.random() < 0.2:  # cut halfway: never counted, ended as not completed
-            events.append((now + (finish - now) / 2, "end", rid, 0, False))
+            at(now + (finish - now) / 2, lambda c=cal, r=rid: c.ended(r, False))
         else:
-            events.append((finish, "count", rid, tokens, True))
-            events.append((finish + rng.uniform(0.0, 0.1), "end", rid, 0, True))
-        events.sort()
+            at(finish, lambda t=tokens: count(t))
+            at(finish + rng.uniform(0.0, 0.1), lambda c=cal, r=rid: c.ended(r, True))
         while events and events[0][0] <= now:
-            _, kind, erid, etokens, completed = events.pop(0)
-            if kind == "count":
-                sums = (sums[0] + etokens, sums[1] + 1)
-            else:
-                cal.ended(erid, completed)
-        before = cal.stats.ratios.get("a:1")
-        cal.observe("a:1", None, admitted, sums)
-        after = cal.stats.ratios.get("a:1")
-        if after is not None and after is not before:
-            ratios.append(after)
-    return cal, ratios
+            heapq.heappop(events)[2]()
+        for c in cals:
+            before = c.stats.ratios.get("a:1")
+            c.observe("a:1", None, admitted, sums[0])
+            after = c.stats.ratios.get("a:1")
+            if after is not None and after is not before:
+                ratios.append(after)
+    return cals, ratios
 
 
 def test_pairing_at_the_end_holds_with_cut_requests_and_finishes_out_of_order() -> None:
@@ -589,4 +629,25 @@ def test_a_request_completed_only_with_an_entry_a_2xx_status_and_no_eviction() -
     assert not end(Ended("r", status=200), evicted=True)  # cut after its headers: logs 200
     assert not end(Ended("r", status=429))
     assert not end(None)  # no entry in time
-    assert len(then) == 5  # what else waited for the entry is told each time
+    assert not end(Ended("r", status=200, cut="client"))  # the client hung up mid-stream
+    assert not end(Ended("r", cut="upstream"))
+    assert len(then) == 7  # what else waited for the entry is told each time
+
+
+def test_pooled_replicas_pair_their_peers_completed_requests_at_the_end_too() -> None:
+    # Each replica's own placements join the pairing at their end; a peer's joined at its
+    # placement: half of each queue in placement order, cuts included, and both replicas'
+    # windows swung as one replica's did before pairing at the end (0.15x-3.7x the truth,
+    # 11 and 14 bytes-per-token changes).
+    truth = 1 / 1.28
+    cals, ratios = engine_counting_at_finish(2, pair_at_end=True, peers_at_end=False, seed=12)
+    assert len(ratios) > 40
+    assert max(abs(r / truth - 1) for r in ratios) > 0.2
+    assert all(cal.stats.changes > 0 for cal in cals)
+    # A peer's completed request told, a cut one never: every window of both reads the truth.
+    cals, ratios = engine_counting_at_finish(2, pair_at_end=True, peers_at_end=True, seed=12)
+    assert len(ratios) > 40
+    assert max(abs(r / truth - 1) for r in ratios) < 0.001
+    for cal in cals:
+        assert cal.settings.bytes_per_token == 1 and cal.stats.changes == 0
+        assert cal.stats.cut > 150 and cal.stats.stale == 0 and cal.stats.unended == 0

@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from extproc.bootstrap import BootstrapOptions, build_bootstrap
-from extproc.stack import Stack, StackOptions, wait_until
+from extproc.stack import Stack, StackOptions, free_port, wait_until
+from tests.e2e.calibration_workload import gauge
 from tests.e2e.chat_bodies import distinct_chat, estimated_prompt_tokens
 from tests.e2e.sim_speed import finish_fast
 from tests.e2e.test_flow_control import metric
@@ -185,7 +186,9 @@ async def test_calibration_leaves_the_cut_request_out_of_its_pairing(tmp_path: P
         await cut_then_calibrate(stack)
 
 
-async def cut_then_calibrate(stack: Stack) -> None:
+async def cut_then_calibrate(stack: Stack) -> float:
+    """One request cut, then short ones: returns the engine's tokens per estimate of the
+    short ones (what a window of them should read), once the picker's window read it."""
     model = stack.fleet.model
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as c:
         long = distinct_chat(model, 12, OUTPUT, words=1000)
@@ -217,3 +220,39 @@ async def cut_then_calibrate(stack: Stack) -> None:
     assert abs(ratio / truth - 1) < 0.05, (ratio, truth)  # 0.18 off when paired in order
     assert metric(stack, "extproc_approx_windows_skipped_total") == 0
     assert metric(stack, "extproc_approx_pairing_cut_total") >= 1
+    return truth
+
+
+async def test_a_peer_replica_leaves_the_cut_request_out_too(tmp_path: Path, redis_server):
+    """Two replicas pooling calibration through Redis (`state.shared_calibration`, on by
+    default with a Redis index): the second runs beside the first, not behind Envoy, so its
+    windows hold the first's placements only. A peer's placement joined its pairing queue
+    when placed, the cut one included, and its window read the long estimate for a short
+    request as the first replica's had before pairing at the end; the first now tells it
+    which of its requests completed, and it pairs those only."""
+    opts = StackOptions(
+        upstreams=1,
+        sim_args=SIM,
+        extproc_args=picker_config(tmp_path),
+        bootstrap=with_trailers,
+        redis_url=redis_server.url,
+    )
+    with Stack(opts) as stack:
+        peer = (free_port(), free_port(), free_port())
+        stack.start_extproc(peer, name="extproc-peer")
+        truth = await cut_then_calibrate(stack)
+
+        def peer_metric(name: str) -> float:
+            text = httpx.get(f"http://127.0.0.1:{peer[2]}/metrics", timeout=5).text
+            return gauge(text, name) or 0.0
+
+        await asyncio.to_thread(
+            wait_until,
+            lambda: peer_metric("extproc_approx_token_ratio") > 0,
+            timeout_s=5,
+            what="the peer's calibration window",
+        )
+        ratio = peer_metric("extproc_approx_token_ratio")
+        assert abs(ratio / truth - 1) < 0.05, (ratio, truth)
+        assert peer_metric("extproc_shared_calibration_completed_total") >= 10
+        assert peer_metric("extproc_decisions_total") == 0  # placed nothing itself

@@ -13,6 +13,7 @@ import pytest
 
 from extproc.stack import Stack, StackOptions, wait_until
 from tests.e2e.flow_configs import metric_sum
+from tests.e2e.test_flow_eviction_cut import sim_figure
 
 
 def picker_metric(stack: Stack, name: str) -> float:
@@ -28,22 +29,33 @@ def slow_stack():
         yield s
 
 
-def test_inflight_count_lasts_until_a_streamed_reply_ends(slow_stack: Stack):
-    stack = slow_stack
-    body = {
+def story(stack: Stack, prompt: str) -> dict:
+    """A streamed chat request for 60 tokens: ~6 s of reply from the slow simulator."""
+    return {
         "model": stack.fleet.model,
-        "messages": [{"role": "user", "content": "tell me a long story"}],
+        "messages": [{"role": "user", "content": prompt}],
         "max_tokens": 60,
         "stream": True,
     }
+
+
+def log_flowing(stack: Stack, http: httpx.Client) -> None:
+    """A first request opens Envoy's access-log stream: auto mode holds placements (and
+    calibration waits for each request's end) once entries arrive."""
+    body = {**story(stack, "hello"), "stream": False, "max_tokens": 1}
+    http.post("/v1/chat/completions", json=body)
+    wait_until(
+        lambda: picker_metric(stack, "extproc_access_log_entries_total") >= 1,
+        timeout_s=10,
+        what="the first access-log entry",
+    )
+
+
+def test_inflight_count_lasts_until_a_streamed_reply_ends(slow_stack: Stack):
+    stack = slow_stack
+    body = story(stack, "tell me a long story")
     with httpx.Client(base_url=stack.url, timeout=30) as http:
-        # A first request opens Envoy's access-log stream (auto mode holds once it exists).
-        http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1})
-        wait_until(
-            lambda: picker_metric(stack, "extproc_access_log_entries_total") >= 1,
-            timeout_s=10,
-            what="the first access-log entry",
-        )
+        log_flowing(stack, http)
         assert picker_metric(stack, "extproc_inflight_requests") == 0
         samples: list[tuple[float, float]] = []
         done = threading.Event()
@@ -80,3 +92,41 @@ def test_inflight_count_lasts_until_a_streamed_reply_ends(slow_stack: Stack):
         # reaches /metrics through server/families.py).
         assert picker_metric(stack, "extproc_request_end_ended_total") >= 1
         assert time.monotonic() - start < 20
+
+
+def test_a_client_that_hangs_up_mid_stream_is_a_cut_not_a_completion(slow_stack: Stack):
+    """Envoy logs a client that hangs up mid-stream with the 200 it had already sent; only
+    its response flags (downstream connection termination) say the client left. The engine
+    never counts a cut request (vLLM, the simulator), so calibration must leave it out of its
+    pairing: counted cut at its end, not paired as a completion whose engine count never
+    comes until the stale bound drops it."""
+    stack = slow_stack
+    body = story(stack, "tell me a story I will not finish")
+    with httpx.Client(base_url=stack.url, timeout=30) as http:
+        log_flowing(stack, http)
+        cut = picker_metric(stack, "extproc_approx_pairing_cut_total")
+        finished = sim_figure(stack, "request_success_total")
+        start = time.monotonic()
+        with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            first = next(line for line in resp.iter_lines() if line.startswith("data:"))
+            assert "chat.completion.chunk" in first
+        # Leaving the block closed the connection with ~5 s of the reply still to come.
+        wait_until(
+            lambda: client_cuts(stack) == 1, timeout_s=5, what="the hang-up counted as a cut"
+        )
+        assert picker_metric(stack, "extproc_approx_pairing_cut_total") == cut + 1
+        assert time.monotonic() - start < 4  # ended by the hang-up, not by the reply's end
+        wait_until(
+            lambda: picker_metric(stack, "extproc_inflight_requests") == 0,
+            timeout_s=5,
+            what="in-flight count back to 0 after the hang-up",
+        )
+        # The premise: the engine aborted it, and counts it as no finished request.
+        assert sim_figure(stack, "request_success_total") == finished
+
+
+def client_cuts(stack: Stack) -> float:
+    return metric_sum(
+        stack, r'^extproc_request_end_cut_total{reason="client"} (\S+)$', present=False
+    )

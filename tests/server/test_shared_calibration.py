@@ -71,6 +71,33 @@ async def test_a_replica_that_placed_nothing_calibrates_from_its_peers_placement
         assert sb.stats.adopted == 0 and b.stats.changes == 1
 
 
+async def test_a_peers_request_joins_the_pairing_here_once_it_completed(redis_server):
+    # a learns its requests' ends: its placements reach b as waiting for their end, and b
+    # pairs one only once a tells it completed; a cut one never joins b's queue.
+    a, b = _cal(), _cal()
+    a.ends_known = lambda: True
+    sa, sb = _shared(redis_server.url, a, "a"), _shared(redis_server.url, b, "b")
+    long = orjson.dumps({"model": "m", "prompt": "x" * 8000})  # 2,000 tokens at 4 per token
+    async with running(sa, sb):
+        await asyncio.sleep(0.3)  # both subscribed
+        for cal in (a, b):
+            cal.observe("s1", None, 0, (0.0, 0.0))
+        for i in range(8):
+            a.placed("s1", a("/v1/completions", {"x-request-id": f"cut{i}"}, BODY))
+            a.placed("s1", a("/v1/completions", {"x-request-id": f"done{i}"}, long))
+        await until(lambda: sb.stats.applied == 16, "a's placements on b")
+        for i in range(8):
+            a.ended(f"cut{i}", False)
+            a.ended(f"done{i}", True)
+        await until(lambda: sb.stats.completed == 8, "the completed ones on b")
+        # The engine counted the 8 completed ones, 4,000 tokens each: b pairs them with
+        # their own placements (paired in placement order: half of them cut ones, 2.67).
+        for cal in (a, b):
+            cal.observe("s1", None, 32_000, (32_000.0, 8.0))
+        assert a.stats.ratios["s1"] == b.stats.ratios["s1"] == 2.0
+        assert sa.stats.completed == 0 and a.stats.cut == 8 and b.stats.cut == 0
+
+
 async def test_a_replica_starting_later_reads_the_fleets_value(redis_server):
     a = _cal()
     sa = _shared(redis_server.url, a, "a")
@@ -120,17 +147,25 @@ async def test_forged_values_are_counted_and_ignored(redis_server):
                 ["e", "s1", 1000, 0],  # no tokenizer has 0 bytes a token
                 ["e", "s1", 1000, 4, 1001],  # more media than tokens
                 ["x", 1, 2],  # an unknown kind
+                ["e", "s1", 1000, 4, 0, 1],  # waiting for its end: not a boolean
+                ["d", "s9", 1000, 4, 0, 100],  # completed: a server outside the pool
+                ["d", "s1", 1000, 4, 0, -1],  # placed in the future
+                ["d", "s1", 1000, 4, 0, 10**8],  # forgotten long before
+                ["d", "s1", 1000, 4],  # fields missing
                 ["e", "s1", 1000, 4],  # a good item (a replica of before media were sent)
-                ["e", "s1", 1000, 4, 768],  # and one with its media
+                ["e", "s1", 1000, 4, 768],  # and one with its media (before ends were told)
+                ["e", "s1", 1000, 4, 768, True],  # and one waiting for its end
+                ["d", "s1", 1000, 4, 768, 2500],  # which completed 2.5 s after placement
             ]
             await client.publish("extproc:calibration", b"\xc1 not msgpack")  # first: in order
             await client.publish("extproc:calibration", msgspec.msgpack.encode(["b", items]))
-            await until(lambda: shared.stats.applied == 2, "the good placements applied")
+            await until(lambda: shared.stats.completed == 1, "the good items applied")
     finally:
         await client.aclose()
     assert cal.stats.refused == 3 and cal.stats.changes == 0 and cal.stats.adopted == 0
     assert cal.settings.bytes_per_token == 4
-    assert shared.stats.bad_entries == 8 and shared.stats.adopted == 0
+    assert shared.stats.applied == 3
+    assert shared.stats.bad_entries == 13 and shared.stats.adopted == 0
 
 
 async def test_redis_gone_is_said_and_calibration_goes_on_locally(redis_server, caplog):

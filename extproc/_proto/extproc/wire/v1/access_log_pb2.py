@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import wrappers_pb2 as google_dot_protobuf_dot_wrappers__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n extproc/wire/v1/access_log.proto\x12\x0f\x65xtproc.wire.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1egoogle/protobuf/wrappers.proto\"=\n\x16\x41\x63\x63\x65ssLogSocketAddress\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nport_value\x18\x03 \x01(\r\"S\n\x10\x41\x63\x63\x65ssLogAddress\x12?\n\x0esocket_address\x18\x01 \x01(\x0b\x32\'.extproc.wire.v1.AccessLogSocketAddress\"\xdc\x01\n\x0f\x41\x63\x63\x65ssLogCommon\x12\x41\n\x1etime_to_first_upstream_rx_byte\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x42\n\x1ftime_to_last_downstream_tx_byte\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x42\n\x17upstream_remote_address\x18\r \x01(\x0b\x32!.extproc.wire.v1.AccessLogAddress\"+\n\x15HTTPRequestProperties\x12\x12\n\nrequest_id\x18\t \x01(\t\"j\n\x16HTTPResponseProperties\x12\x33\n\rresponse_code\x18\x01 \x01(\x0b\x32\x1c.google.protobuf.UInt32Value\x12\x1b\n\x13response_body_bytes\x18\x03 \x01(\x04\"\xc5\x01\n\x12HTTPAccessLogEntry\x12;\n\x11\x63ommon_properties\x18\x01 \x01(\x0b\x32 .extproc.wire.v1.AccessLogCommon\x12\x37\n\x07request\x18\x03 \x01(\x0b\x32&.extproc.wire.v1.HTTPRequestProperties\x12\x39\n\x08response\x18\x04 \x01(\x0b\x32\'.extproc.wire.v1.HTTPResponseProperties\"\xcc\x01\n\x17StreamAccessLogsMessage\x12R\n\thttp_logs\x18\x02 \x01(\x0b\x32=.extproc.wire.v1.StreamAccessLogsMessage.HTTPAccessLogEntriesH\x00\x1aN\n\x14HTTPAccessLogEntries\x12\x36\n\tlog_entry\x18\x01 \x03(\x0b\x32#.extproc.wire.v1.HTTPAccessLogEntryB\r\n\x0blog_entries\"\x1a\n\x18StreamAccessLogsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n extproc/wire/v1/access_log.proto\x12\x0f\x65xtproc.wire.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1egoogle/protobuf/wrappers.proto\"=\n\x16\x41\x63\x63\x65ssLogSocketAddress\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nport_value\x18\x03 \x01(\r\"S\n\x10\x41\x63\x63\x65ssLogAddress\x12?\n\x0esocket_address\x18\x01 \x01(\x0b\x32\'.extproc.wire.v1.AccessLogSocketAddress\"\x94\x02\n\x0f\x41\x63\x63\x65ssLogCommon\x12\x41\n\x1etime_to_first_upstream_rx_byte\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x42\n\x1ftime_to_last_downstream_tx_byte\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x42\n\x17upstream_remote_address\x18\r \x01(\x0b\x32!.extproc.wire.v1.AccessLogAddress\x12\x36\n\x0eresponse_flags\x18\x10 \x01(\x0b\x32\x1e.extproc.wire.v1.ResponseFlags\"\xd9\x02\n\rResponseFlags\x12 \n\x18upstream_request_timeout\x18\x03 \x01(\x08\x12\x13\n\x0blocal_reset\x18\x04 \x01(\x08\x12\x1d\n\x15upstream_remote_reset\x18\x05 \x01(\x08\x12\'\n\x1fupstream_connection_termination\x18\x07 \x01(\x08\x12)\n!downstream_connection_termination\x18\x0f \x01(\x08\x12\x1b\n\x13stream_idle_timeout\x18\x11 \x01(\x08\x12,\n$upstream_max_stream_duration_reached\x18\x14 \x01(\x08\x12\x18\n\x10\x64uration_timeout\x18\x17 \x01(\x08\x12\x1f\n\x17upstream_protocol_error\x18\x18 \x01(\x08\x12\x18\n\x10overload_manager\x18\x1a \x01(\x08\"+\n\x15HTTPRequestProperties\x12\x12\n\nrequest_id\x18\t \x01(\t\"j\n\x16HTTPResponseProperties\x12\x33\n\rresponse_code\x18\x01 \x01(\x0b\x32\x1c.google.protobuf.UInt32Value\x12\x1b\n\x13response_body_bytes\x18\x03 \x01(\x04\"\xc5\x01\n\x12HTTPAccessLogEntry\x12;\n\x11\x63ommon_properties\x18\x01 \x01(\x0b\x32 .extproc.wire.v1.AccessLogCommon\x12\x37\n\x07request\x18\x03 \x01(\x0b\x32&.extproc.wire.v1.HTTPRequestProperties\x12\x39\n\x08response\x18\x04 \x01(\x0b\x32\'.extproc.wire.v1.HTTPResponseProperties\"\xcc\x01\n\x17StreamAccessLogsMessage\x12R\n\thttp_logs\x18\x02 \x01(\x0b\x32=.extproc.wire.v1.StreamAccessLogsMessage.HTTPAccessLogEntriesH\x00\x1aN\n\x14HTTPAccessLogEntries\x12\x36\n\tlog_entry\x18\x01 \x03(\x0b\x32#.extproc.wire.v1.HTTPAccessLogEntryB\r\n\x0blog_entries\"\x1a\n\x18StreamAccessLogsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACCESSLOGADDRESS']._serialized_start=180
   _globals['_ACCESSLOGADDRESS']._serialized_end=263
   _globals['_ACCESSLOGCOMMON']._serialized_start=266
-  _globals['_ACCESSLOGCOMMON']._serialized_end=486
-  _globals['_HTTPREQUESTPROPERTIES']._serialized_start=488
-  _globals['_HTTPREQUESTPROPERTIES']._serialized_end=531
-  _globals['_HTTPRESPONSEPROPERTIES']._serialized_start=533
-  _globals['_HTTPRESPONSEPROPERTIES']._serialized_end=639
-  _globals['_HTTPACCESSLOGENTRY']._serialized_start=642
-  _globals['_HTTPACCESSLOGENTRY']._serialized_end=839
-  _globals['_STREAMACCESSLOGSMESSAGE']._serialized_start=842
-  _globals['_STREAMACCESSLOGSMESSAGE']._serialized_end=1046
-  _globals['_STREAMACCESSLOGSMESSAGE_HTTPACCESSLOGENTRIES']._serialized_start=953
-  _globals['_STREAMACCESSLOGSMESSAGE_HTTPACCESSLOGENTRIES']._serialized_end=1031
-  _globals['_STREAMACCESSLOGSRESPONSE']._serialized_start=1048
-  _globals['_STREAMACCESSLOGSRESPONSE']._serialized_end=1074
+  _globals['_ACCESSLOGCOMMON']._serialized_end=542
+  _globals['_RESPONSEFLAGS']._serialized_start=545
+  _globals['_RESPONSEFLAGS']._serialized_end=890
+  _globals['_HTTPREQUESTPROPERTIES']._serialized_start=892
+  _globals['_HTTPREQUESTPROPERTIES']._serialized_end=935
+  _globals['_HTTPRESPONSEPROPERTIES']._serialized_start=937
+  _globals['_HTTPRESPONSEPROPERTIES']._serialized_end=1043
+  _globals['_HTTPACCESSLOGENTRY']._serialized_start=1046
+  _globals['_HTTPACCESSLOGENTRY']._serialized_end=1243
+  _globals['_STREAMACCESSLOGSMESSAGE']._serialized_start=1246
+  _globals['_STREAMACCESSLOGSMESSAGE']._serialized_end=1450
+  _globals['_STREAMACCESSLOGSMESSAGE_HTTPACCESSLOGENTRIES']._serialized_start=1357
+  _globals['_STREAMACCESSLOGSMESSAGE_HTTPACCESSLOGENTRIES']._serialized_end=1435
+  _globals['_STREAMACCESSLOGSRESPONSE']._serialized_start=1452
+  _globals['_STREAMACCESSLOGSRESPONSE']._serialized_end=1478
 # @@protoc_insertion_point(module_scope)

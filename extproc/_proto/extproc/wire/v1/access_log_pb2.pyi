@@ -25,14 +25,40 @@ class AccessLogAddress(_message.Message):
     def __init__(self, socket_address: _Optional[_Union[AccessLogSocketAddress, _Mapping]] = ...) -> None: ...
 
 class AccessLogCommon(_message.Message):
-    __slots__ = ("time_to_first_upstream_rx_byte", "time_to_last_downstream_tx_byte", "upstream_remote_address")
+    __slots__ = ("time_to_first_upstream_rx_byte", "time_to_last_downstream_tx_byte", "upstream_remote_address", "response_flags")
     TIME_TO_FIRST_UPSTREAM_RX_BYTE_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_LAST_DOWNSTREAM_TX_BYTE_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FLAGS_FIELD_NUMBER: _ClassVar[int]
     time_to_first_upstream_rx_byte: _duration_pb2.Duration
     time_to_last_downstream_tx_byte: _duration_pb2.Duration
     upstream_remote_address: AccessLogAddress
-    def __init__(self, time_to_first_upstream_rx_byte: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_last_downstream_tx_byte: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., upstream_remote_address: _Optional[_Union[AccessLogAddress, _Mapping]] = ...) -> None: ...
+    response_flags: ResponseFlags
+    def __init__(self, time_to_first_upstream_rx_byte: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_last_downstream_tx_byte: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., upstream_remote_address: _Optional[_Union[AccessLogAddress, _Mapping]] = ..., response_flags: _Optional[_Union[ResponseFlags, _Mapping]] = ...) -> None: ...
+
+class ResponseFlags(_message.Message):
+    __slots__ = ("upstream_request_timeout", "local_reset", "upstream_remote_reset", "upstream_connection_termination", "downstream_connection_termination", "stream_idle_timeout", "upstream_max_stream_duration_reached", "duration_timeout", "upstream_protocol_error", "overload_manager")
+    UPSTREAM_REQUEST_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RESET_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_REMOTE_RESET_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_CONNECTION_TERMINATION_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_CONNECTION_TERMINATION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_IDLE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_MAX_STREAM_DURATION_REACHED_FIELD_NUMBER: _ClassVar[int]
+    DURATION_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_PROTOCOL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    OVERLOAD_MANAGER_FIELD_NUMBER: _ClassVar[int]
+    upstream_request_timeout: bool
+    local_reset: bool
+    upstream_remote_reset: bool
+    upstream_connection_termination: bool
+    downstream_connection_termination: bool
+    stream_idle_timeout: bool
+    upstream_max_stream_duration_reached: bool
+    duration_timeout: bool
+    upstream_protocol_error: bool
+    overload_manager: bool
+    def __init__(self, upstream_request_timeout: _Optional[bool] = ..., local_reset: _Optional[bool] = ..., upstream_remote_reset: _Optional[bool] = ..., upstream_connection_termination: _Optional[bool] = ..., downstream_connection_termination: _Optional[bool] = ..., stream_idle_timeout: _Optional[bool] = ..., upstream_max_stream_duration_reached: _Optional[bool] = ..., duration_timeout: _Optional[bool] = ..., upstream_protocol_error: _Optional[bool] = ..., overload_manager: _Optional[bool] = ...) -> None: ...
 
 class HTTPRequestProperties(_message.Message):
     __slots__ = ("request_id",)
