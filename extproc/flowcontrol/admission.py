@@ -71,20 +71,16 @@ class Admission:
         rand: Callable[[], float] = random.random,
         endpoints: Callable[[], Sequence[tuple[str, EndpointState]]] | None = None,
         prefill_speed: Callable[[], float | None] | None = None,
-        shared_state: bool = False,
     ) -> None:
         """`states`: the pool's endpoint states now; `endpoints`: the same with addresses,
         for per-endpoint admission (`admit_per_endpoint`; None: by the pool alone);
-        `prefill_speed`: tokens/s of a prefill alone, measured (sizes the reserve);
-        `shared_state`: flow state will be exchanged with peers (what `auto` of the spike
-        reserve's settings depends on: flowcontrol/spike_auto.py)."""
+        `prefill_speed`: tokens/s of a prefill alone, measured (sizes the reserve)."""
         s = config.settings
         spike = spike_auto.resolve(
             s.reserve_spike_joint,
             s.reserve_spike_quantile,
             s.reserve_refill_credit,
             spike_s=s.reserve_spike_s,
-            shared_state=shared_state,
         )
         spike_auto.say(
             spike, s.reserve_spike_joint, s.reserve_spike_quantile, s.reserve_refill_credit

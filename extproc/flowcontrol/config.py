@@ -191,7 +191,7 @@ class FlowControlSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     requests (from 20 requests of history on): room for the work that arrives close behind
     another, not the mean rate's; with shared flow state, over the fleet's arrivals
     (flowcontrol/reserve.py). `reserve_spike_joint` (with `reserve_spike_s`; `auto`, the
-    default: on for a picker without shared flow state, off with it,
+    default: on, for one picker and replicas sharing flow state alike,
     flowcontrol/spike_auto.py): the quantile is instead of each recent request's clump, the
     tokens before it plus its own, and the reserve is that or the largest request, whichever
     is more, not the two added: it covers that share of the band's requests rather than

@@ -555,7 +555,6 @@ class Parts:
 
         idx = self.settings.index
         url = idx.redis_url if flow.settings.shared and idx.backend == "redis" else None
-        shared = bool(url)
         try:
             admission = Admission(
                 flow,
@@ -564,7 +563,6 @@ class Parts:
                 endpoints=pool_endpoints,
                 # The reserve for higher bands is sized by a prefill's time alone.
                 prefill_speed=self.speeds.fastest,
-                shared_state=shared,
             )
         except ValueError as exc:
             raise ConfigError(str(exc), path=("flow_control", "objectives_file")) from None

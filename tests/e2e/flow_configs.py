@@ -113,14 +113,21 @@ def reserve_stack(
     cap: int,
     sim_args: Sequence[str] = ("--decode-tps", "100"),
     fairness: str | None = None,
+    redis_url: str | None = None,
     **flow_control: Any,
 ) -> Iterator[Stack]:
     """Envoy, `extproc serve` on `two_band_reserve_config` (the token-load scorer, `cap`
     tokens per server, sizes counted as prompts alone: exact thresholds, the interactive
-    band's `fairness` policy, plus `flow_control`) and two simulated servers (`sim_args`)."""
+    band's `fairness` policy, plus `flow_control`) and two simulated servers (`sim_args`);
+    with `redis_url`, its index and flow state in that Redis (shared with any peers)."""
     flow_control = {"expected_output_tokens": 0, **flow_control}
     path = two_band_reserve_config(tmp, "token-load-scorer", cap, fairness, **flow_control)
-    opts = StackOptions(upstreams=2, sim_args=tuple(sim_args), extproc_args=("--config", str(path)))
+    opts = StackOptions(
+        upstreams=2,
+        sim_args=tuple(sim_args),
+        extproc_args=("--config", str(path)),
+        redis_url=redis_url,
+    )
     with Stack(opts) as s:
         yield s
 
