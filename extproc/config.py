@@ -260,8 +260,8 @@ class StateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `shared_calibration`: with a Redis index, replicas pool approximate mode's calibration
     (every replica's placements in every replica's windows, paired with the engines' counts
     once their replica says they completed where it learns request ends, confirmed
-    bytes-per-token adopted
-    by the peers, a starting replica reads the fleet's value: `server/shared_calibration.py`;
+    bytes-per-token adopted by the peers, a starting replica reads the fleet's value:
+    `server/shared_calibration.py`;
     the KV-capacity model then measures its first ratio early, as `index.capacity_first_tokens`
     4,000 would). `auto` (default): on whenever the index is a non-Cluster Redis index and
     calibration is on, off otherwise, said in a log line at start; `true` / `false` force it
