@@ -59,6 +59,12 @@ class Shed(Overloaded):
         self.extra_headers = MappingProxyType(headers)
 
 
+def _kv_fraction(detector: object) -> float:
+    """The detector's estimated tokens per engine KV token in the estimates' present unit
+    (the concurrency detector with `kvCacheFraction`), 0 for a detector without one."""
+    return float(getattr(detector, "kv_fraction", 0.0))
+
+
 class Admission:
     def __init__(
         self,
@@ -164,7 +170,7 @@ class Admission:
         self.output_scale = OutputScale(s.output_token_scale)
         # Each request as its engine holds it, for the room checks (count_engine_blocks; fed
         # at every scrape like the output scale: `engine_blocks.measured(ratios, block)`).
-        fraction = float(getattr(config.detector, "kv_fraction", 0.0))
+        fraction = _kv_fraction(config.detector)
         self.engine_blocks = EngineBlocks(s.count_engine_blocks, fraction)
         if s.count_engine_blocks and not s.admit_per_endpoint:
             log.warning("flow_control.count_engine_blocks has no effect without admit_per_endpoint")
@@ -263,7 +269,7 @@ class Admission:
             follow(factor)
         self.engine_blocks.units_changed(factor)
         self.output_scale.units_changed(factor)
-        fraction = float(getattr(detector, "kv_fraction", 0.0))
+        fraction = _kv_fraction(detector)
         log.info(
             "flow control: token estimates now %.3gx what they were for the same prompt; "
             "kvCacheFraction %s, output token scale %.3f",
@@ -371,7 +377,7 @@ class Admission:
             )
             u.add_metric([], unknown)
             yield u
-        fraction = float(getattr(fc.detector, "kv_fraction", 0.0))
+        fraction = _kv_fraction(fc.detector)
         if fraction:
             kf = gauge(
                 "extproc_flow_detector_kv_fraction",

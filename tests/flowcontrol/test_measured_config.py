@@ -37,10 +37,10 @@ def documented() -> dict[str, Any]:
     return yaml.safe_load(block.group(1))
 
 
-def measured() -> dict[str, Any]:
+def measured(doc: dict[str, Any]) -> dict[str, Any]:
     """`J` = `on@0.99-gate-refill300-pf-ends20-spike300-sq95-sj-rfs-gh-ev` as the bench
-    builds it, with the documented block's measured figures (kvCacheFraction, the prior)."""
-    doc = documented()
+    builds it, with the documented block `doc`'s measured figures (kvCacheFraction, the
+    prior)."""
     with bench_modules("bench_overload") as (bench,):
         return bench.picker_config(
             Path("objectives.yaml"),
@@ -82,7 +82,8 @@ def test_the_documented_configuration_loads_with_the_joint_reserve():
 
 
 def test_the_documented_configuration_is_what_the_bench_measured():
-    doc, bench = documented(), measured()
+    doc = documented()
+    bench = measured(doc)
     ours = {e["type"]: params(e) for e in doc["scheduling"]["plugins"]}
     theirs = {e["type"]: params(e) for e in bench["scheduling"]["plugins"] if e["type"] in ours}
     assert theirs == ours
